@@ -1,0 +1,26 @@
+"""nnrand kernels: every op family as CUDA C (``<op>.cu``) beside its launchers and CPU order models
+(``<op>.py``), all listed in one registry.
+
+    >>> import kernels
+    >>> kernels.get("sum", "tree")(torch.randn(1000))      # CPU tensor -> CPU order model
+    >>> [v.key for v in kernels.variants("bias_grad")]
+"""
+from __future__ import annotations
+
+import importlib
+import pathlib
+
+from .registry import Variant, get, ops, register, table, variants
+from .runtime import KernelArgumentError, KernelUnavailableError, cuda_available, cupy_available
+
+__all__ = [
+    "Variant", "get", "ops", "register", "table", "variants",
+    "KernelArgumentError", "KernelUnavailableError", "cuda_available", "cupy_available",
+    "OP_MODULES",
+]
+
+# Every op family is a pair kernels/<op>.cu + kernels/<op>.py; importing the .py registers its variants.
+_HERE = pathlib.Path(__file__).resolve().parent
+OP_MODULES = sorted(p.stem for p in _HERE.glob("*.cu") if (_HERE / f"{p.stem}.py").exists())
+for _name in OP_MODULES:
+    importlib.import_module(f"{__name__}.{_name}")

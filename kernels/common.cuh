@@ -1,0 +1,47 @@
+// common.cuh: reduction building blocks shared by the kernels in this folder.
+//
+// Every function adds in a fixed order that depends only on the launch shape, never on timing, and
+// has an exact CPU model in kernels/order.py (warp_reduce <-> warp_tree, block_reduce <-> block_tree).
+// Only additions: no multiply-add contraction can change the bits.
+#pragma once
+
+#define FULL_MASK 0xffffffffu
+
+// Lane 0 ends with a halving tree of the 32 lanes: v[i] += v[i + off], off = 16, 8, 4, 2, 1.
+__device__ __forceinline__ float warp_reduce(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(FULL_MASK, v, off);
+    return v;
+}
+
+// Sum over a 1-D block (blockDim.x a multiple of 32); the result is valid in thread 0. Each warp
+// reduces its lanes, warp 0 reduces the per-warp sums (zero past the last warp). `scratch` holds 32
+// floats of shared memory. Every thread of the block must call it.
+__device__ __forceinline__ float block_reduce(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_reduce(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float r = 0.0f;
+    if (warp == 0) r = warp_reduce(lane < nwarps ? scratch[lane] : 0.0f);
+    __syncthreads();  // scratch may be reused by the caller
+    return r;
+}
+
+// Fixed-order reduction of `count` partials by one 1-D block: thread t adds partials t, t + blockDim.x,
+// ... in index order, then block_reduce. Reads bypass L1 (__ldcg): the partials were written by other
+// blocks of the same launch. Result valid in thread 0.
+__device__ __forceinline__ float reduce_partials(const float* partials, long long count, float* scratch) {
+    float acc = 0.0f;
+    for (long long i = threadIdx.x; i < count; i += blockDim.x) acc += __ldcg(partials + i);
+    return block_reduce(acc, scratch);
+}
+
+// "Last block" protocol for single-pass deterministic reductions: each block publishes its partial,
+// fences, and takes a ticket; the block that draws the last ticket sees every partial and reduces them
+// in index order. Which block is last varies run to run; the order of the final sum does not.
+// Call from thread 0 after writing the partial(s); returns true in the last block's thread 0.
+__device__ __forceinline__ bool arrive_last(unsigned int* counter, unsigned int expected) {
+    __threadfence();
+    return atomicAdd(counter, 1u) == expected - 1u;
+}

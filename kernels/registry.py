@@ -1,0 +1,86 @@
+"""The one table of kernel variants. Tests, benchmarks, the harness's ``--kernel`` and reports iterate it.
+
+A :class:`Variant` is callable: CUDA tensors go to its CUDA launcher, CPU tensors to its CPU order model
+(the NumPy/Numba reproduction of the kernel's accumulation order). Atomic variants' CPU models take
+``rng`` (``None``, a seed, or a ``numpy.random.Generator``) to draw the arrival order of their partials;
+other models ignore it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Variant:
+    op: str
+    name: str
+    deterministic: bool
+    order_independent: bool
+    cuda: Callable[..., torch.Tensor]
+    cpu: Callable[..., torch.Tensor]
+    note: str
+    # Whether the CUDA kernel's output equals the CPU model's bit for bit. False only where the hardware
+    # arithmetic cannot be reproduced on the CPU (say why in ``note``); such variants are tested bitwise
+    # against themselves and within a derived bound against float64.
+    cpu_bitexact: bool = True
+    tags: tuple[str, ...] = field(default=())
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}/{self.name}"
+
+    def __call__(self, *args, rng=None, **kwargs) -> torch.Tensor:
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is not None and first.device.type == "cuda":
+            return self.cuda(*args, **kwargs)
+        return self.cpu(*args, rng=rng, **kwargs)
+
+
+_REGISTRY: dict[tuple[str, str], Variant] = {}
+
+
+def register(variant: Variant) -> Variant:
+    key = (variant.op, variant.name)
+    if key in _REGISTRY:
+        raise ValueError(f"variant {variant.key} is registered twice")
+    _REGISTRY[key] = variant
+    return variant
+
+
+def ops() -> list[str]:
+    return sorted({op for op, _ in _REGISTRY})
+
+
+def variants(op: str | None = None) -> list[Variant]:
+    """All variants (of one op), in registration order."""
+    if op is not None and op not in ops():
+        raise KeyError(f"unknown op {op!r}; known ops: {', '.join(ops())}")
+    return [v for (o, _), v in _REGISTRY.items() if op is None or o == op]
+
+
+def get(op: str, name: str) -> Variant:
+    try:
+        return _REGISTRY[(op, name)]
+    except KeyError:
+        if op not in ops():
+            raise KeyError(f"unknown op {op!r}; known ops: {', '.join(ops())}") from None
+        names = ", ".join(v.name for v in variants(op))
+        raise KeyError(f"unknown variant {name!r} of op {op!r}; known variants: {names}") from None
+
+
+def table() -> list[dict]:
+    """The registry as rows (for printing and for reports)."""
+    return [
+        {
+            "op": v.op,
+            "variant": v.name,
+            "deterministic": v.deterministic,
+            "order_independent": v.order_independent,
+            "cpu_bitexact": v.cpu_bitexact,
+            "note": v.note,
+        }
+        for v in variants()
+    ]

@@ -1,0 +1,174 @@
+"""Kernel runtime: input checks, CuPy/NVRTC compilation cached per device, launches on torch's stream.
+
+Every launcher in ``kernels/`` goes through three steps:
+
+1. ``check_*``: validate device, dtype, layout, emptiness and size *before* anything launches, raising
+   :class:`KernelArgumentError`, whose message names the op, the argument and what was expected.
+2. ``function(source, name)``: the compiled kernel for the tensor's device (NVRTC through
+   ``cupy.RawModule``; compiled once per (source, device) and cached).
+3. ``launch(fn, grid, block, args)``: launch on ``torch.cuda.current_stream()``. Tensors travel as raw
+   device pointers (zero-copy); outputs are allocated by torch.
+
+CuPy is optional: nothing here imports it until a CUDA launch is asked for.
+"""
+from __future__ import annotations
+
+import functools
+import pathlib
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+KERNEL_DIR = pathlib.Path(__file__).resolve().parent
+INT32_MAX = 2**31 - 1
+NVRTC_OPTIONS = ("--std=c++17",)
+
+
+class KernelArgumentError(ValueError):
+    """A bad argument to a kernel op; the message names the op, the argument and the expectation."""
+
+    def __init__(self, op: str, arg: str, message: str):
+        self.op, self.arg = op, arg
+        super().__init__(f"{op}: argument '{arg}': {message}")
+
+
+class KernelUnavailableError(RuntimeError):
+    """A CUDA launch was asked for on a machine that cannot run it (no CUDA device or no CuPy)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Availability
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_available() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except Exception:  # ImportError, or a CuPy that cannot find its CUDA libraries
+        return False
+    return True
+
+
+def cuda_available() -> bool:
+    """True when CUDA kernels can run here: a torch CUDA device and an importable CuPy."""
+    return torch.cuda.is_available() and cupy_available()
+
+
+# --------------------------------------------------------------------------------------------------
+# Input checks
+
+
+def check_tensor(
+    op: str,
+    arg: str,
+    t: object,
+    *,
+    ndim: int | Sequence[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Type, dtype, rank and device of one tensor argument; returns it for chaining."""
+    if not isinstance(t, torch.Tensor):
+        raise KernelArgumentError(op, arg, f"expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            want = " or ".join(f"{d}-D" for d in allowed)
+            raise KernelArgumentError(op, arg, f"expected a {want} tensor, got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise KernelArgumentError(
+            op, arg, f"expected dtype {dtype}, got {t.dtype} (only float32 is implemented)"
+        )
+    if device is not None and t.device != device:
+        raise KernelArgumentError(op, arg, f"expected a tensor on {device}, got one on {t.device}")
+    return t
+
+
+def check_cuda(op: str, arg: str, t: torch.Tensor) -> None:
+    if t.device.type != "cuda":
+        raise KernelArgumentError(op, arg, f"the CUDA launcher needs a CUDA tensor, got one on {t.device}")
+    if not cupy_available():
+        raise KernelUnavailableError(
+            f"{op}: CuPy is not installed; install the extra matching your CUDA (pip install "
+            "'nnrand[cuda12]' or 'nnrand[cuda13]') or call the CPU model with a CPU tensor"
+        )
+
+
+def check_size(op: str, arg: str, t: torch.Tensor, *, limit: int = 2**40) -> None:
+    """Kernels index with 64-bit offsets; refuse only sizes past what the launch grid can cover."""
+    if t.numel() > limit:
+        raise KernelArgumentError(op, arg, f"{t.numel()} elements exceeds the supported {limit}")
+
+
+def layout_of(op: str, arg: str, t: torch.Tensor, *, allow: Iterable[str] = ("nchw", "channels_last")) -> str:
+    """Memory layout of a 4-D tensor: 'nchw' (contiguous) or 'channels_last'; anything else is an error.
+
+    A tensor with size-1 dims can be both; NCHW wins then (torch treats it the same way)."""
+    allow = tuple(allow)
+    if t.dim() != 4:
+        raise KernelArgumentError(op, arg, f"expected a 4-D N,C,H,W tensor, got shape {tuple(t.shape)}")
+    if t.is_contiguous():
+        layout = "nchw"
+    elif t.is_contiguous(memory_format=torch.channels_last):
+        layout = "channels_last"
+    else:
+        raise KernelArgumentError(
+            op, arg, f"expected a contiguous NCHW or channels_last tensor, got strides {t.stride()}"
+        )
+    if layout not in allow:
+        raise KernelArgumentError(op, arg, f"layout {layout} is not supported here; supported: {', '.join(allow)}")
+    return layout
+
+
+# --------------------------------------------------------------------------------------------------
+# Compilation and launch
+
+
+@functools.lru_cache(maxsize=None)
+def _module(source: str, device_index: int):
+    import cupy
+
+    code = (KERNEL_DIR / source).read_text()
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=code, options=NVRTC_OPTIONS)
+        module.compile()
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _function(source: str, name: str, device_index: int):
+    return _module(source, device_index).get_function(name)
+
+
+def function(source: str, name: str, device: torch.device):
+    """The kernel ``name`` from ``kernels/<source>``, compiled for ``device`` (cached)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _function(source, name, index)
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(ptr: int, device_index: int):
+    import cupy
+
+    return cupy.cuda.ExternalStream(ptr, device_index)
+
+
+def ptr(t: torch.Tensor) -> np.uint64:
+    """A tensor's device address as a kernel argument (zero-copy)."""
+    return np.uint64(t.data_ptr())
+
+
+def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, device: torch.device,
+           shared_mem: int = 0) -> None:
+    """Launch ``fn`` on torch's current stream of ``device``."""
+    import cupy
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    with cupy.cuda.Device(index), _external_stream(stream.cuda_stream, index):
+        fn(grid, block, args, shared_mem=shared_mem)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

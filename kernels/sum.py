@@ -1,0 +1,256 @@
+"""sum: 1-D float32 -> scalar. CUDA launchers for ``sum.cu`` and their CPU order models.
+
+Partition (shared by every variant, a function of n only): ``G = min(ceil(n / 4 / 256), 2048)``
+blocks of 256 threads; thread g of the grid adds float4 slots g, g + 256G, ... into four lane
+accumulators, combines them as (a0 + a1) + (a2 + a3), and the block reduces its threads with the warp
+halving tree of ``common.cuh``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .order import F32, arrival_sum, block_tree, pad_to, seq_sum
+from .registry import Variant, register
+from .runtime import (
+    KernelArgumentError,
+    cdiv,
+    check_cuda,
+    check_size,
+    check_tensor,
+    function,
+    launch,
+    ptr,
+)
+
+OP = "sum"
+SOURCE = "sum.cu"
+THREADS = 256
+MAX_BLOCKS = 2048
+
+# exact: fixed point with unit 2^-EXACT_FRAC; elements must satisfy |x| < 2^EXACT_MAX_EXP.
+EXACT_FRAC = 56
+EXACT_MAX_EXP = 40
+EXACT_MAX_N = 2**31  # 2^31 elements of magnitude < 2^96 units cannot overflow the signed 128-bit total
+FLAG_NAN, FLAG_POS_INF, FLAG_NEG_INF, FLAG_RANGE = 1, 2, 4, 8
+
+
+class SumRangeError(KernelArgumentError):
+    """An element is outside the exact variant's range (|x| >= 2^40)."""
+
+
+def blocks_for(n: int) -> int:
+    return max(1, min(cdiv(cdiv(n, 4), THREADS), MAX_BLOCKS))
+
+
+def _check(x: object) -> torch.Tensor:
+    x = check_tensor(OP, "x", x, ndim=1)
+    if x.numel() > 1 and x.stride(0) != 1:
+        raise KernelArgumentError(OP, "x", f"expected a contiguous 1-D tensor, got stride {x.stride(0)}")
+    check_size(OP, "x", x)
+    return x
+
+
+def _check_exact_size(x: torch.Tensor) -> None:
+    if x.numel() > EXACT_MAX_N:
+        raise KernelArgumentError(OP, "x", f"the exact variant sums at most 2^31 elements, got {x.numel()}")
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA launchers
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    # float4 loads need 16-byte alignment. A view that starts mid-allocation is copied once so that the
+    # kernel's order (and so its bits) depends only on n, never on where the data starts.
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def _cuda_prologue(x) -> torch.Tensor:
+    x = _check(x)
+    check_cuda(OP, "x", x)
+    return _aligned(x)
+
+
+def sum_atomic_cuda(x: torch.Tensor) -> torch.Tensor:
+    x = _cuda_prologue(x)
+    out = torch.zeros((), device=x.device, dtype=torch.float32)
+    if x.numel() == 0:
+        return out
+    fn = function(SOURCE, "sum_atomic", x.device)
+    launch(fn, (blocks_for(x.numel()),), (THREADS,), (ptr(x), np.int64(x.numel()), ptr(out)), device=x.device)
+    return out
+
+
+def sum_tree_cuda(x: torch.Tensor) -> torch.Tensor:
+    x = _cuda_prologue(x)
+    out = torch.zeros((), device=x.device, dtype=torch.float32)
+    if x.numel() == 0:
+        return out
+    g = blocks_for(x.numel())
+    partials = torch.empty(g, device=x.device, dtype=torch.float32)
+    launch(function(SOURCE, "sum_partials", x.device), (g,), (THREADS,),
+           (ptr(x), np.int64(x.numel()), ptr(partials)), device=x.device)
+    launch(function(SOURCE, "sum_final", x.device), (1,), (THREADS,),
+           (ptr(partials), np.int64(g), ptr(out)), device=x.device)
+    return out
+
+
+def sum_lastblock_cuda(x: torch.Tensor) -> torch.Tensor:
+    x = _cuda_prologue(x)
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device, dtype=torch.float32)
+    g = blocks_for(x.numel())
+    partials = torch.empty(g, device=x.device, dtype=torch.float32)
+    counter = torch.zeros(1, device=x.device, dtype=torch.int32)
+    out = torch.empty((), device=x.device, dtype=torch.float32)
+    launch(function(SOURCE, "sum_lastblock", x.device), (g,), (THREADS,),
+           (ptr(x), np.int64(x.numel()), ptr(partials), ptr(counter), ptr(out)), device=x.device)
+    return out
+
+
+def sum_exact_cuda(x: torch.Tensor, *, check_range: bool = True) -> torch.Tensor:
+    """Order-independent sum. With ``check_range`` (default) the host waits for the kernel and raises
+    :class:`SumRangeError` if an element had |x| >= 2^40; without it such a result is NaN."""
+    x = _cuda_prologue(x)
+    _check_exact_size(x)
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device, dtype=torch.float32)
+    g = blocks_for(x.numel())
+    partials = torch.empty((g, 2), device=x.device, dtype=torch.int64)
+    state = torch.zeros(2, device=x.device, dtype=torch.int32)  # [ticket counter, flags]
+    out = torch.empty((), device=x.device, dtype=torch.float32)
+    launch(function(SOURCE, "sum_exact", x.device), (g,), (THREADS,),
+           (ptr(x), np.int64(x.numel()), ptr(partials), ptr(state), ptr(state[1:]), ptr(out)),
+           device=x.device)
+    if check_range and int(state[1].item()) & FLAG_RANGE:
+        raise SumRangeError(OP, "x", f"the exact variant needs |x| < 2^{EXACT_MAX_EXP} for every element")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU order models
+
+
+def block_partials(x: np.ndarray) -> np.ndarray:
+    """Per-block partials of the shared first pass, bit for bit."""
+    g = blocks_for(x.size)
+    slots = g * THREADS
+    xs = pad_to(np.asarray(x, dtype=F32), 0, 4 * slots).reshape(-1, slots, 4)  # [k, thread, lane]
+    acc = seq_sum(xs, 0)
+    per_thread = (acc[:, 0] + acc[:, 1]) + (acc[:, 2] + acc[:, 3])
+    return block_tree(per_thread.reshape(g, THREADS))
+
+
+def reduce_partials(partials: np.ndarray) -> np.float32:
+    """``reduce_partials`` of common.cuh: one block, thread t adds partials t, t + 256, ... in order."""
+    cols = pad_to(np.asarray(partials, dtype=F32), 0, THREADS).reshape(-1, THREADS)
+    return block_tree(seq_sum(cols, 0))
+
+
+def _cpu_input(x) -> np.ndarray:
+    x = _check(x)
+    if x.device.type != "cpu":
+        raise KernelArgumentError(OP, "x", f"the CPU model needs a CPU tensor, got one on {x.device}")
+    return x.detach().numpy()
+
+
+def sum_atomic_cpu(x: torch.Tensor, *, rng=None) -> torch.Tensor:
+    a = _cpu_input(x)
+    if a.size == 0:
+        return torch.zeros(())
+    return torch.from_numpy(np.asarray(arrival_sum(block_partials(a), rng), dtype=F32).reshape(()))
+
+
+def sum_tree_cpu(x: torch.Tensor, *, rng=None) -> torch.Tensor:
+    a = _cpu_input(x)
+    if a.size == 0:
+        return torch.zeros(())
+    return torch.from_numpy(np.asarray(reduce_partials(block_partials(a)), dtype=F32).reshape(()))
+
+
+def exact_integer(a: np.ndarray) -> tuple[int, int]:
+    """The exact variant's 128-bit total as a Python int (units of 2^-56), and its flags."""
+    u = np.ascontiguousarray(a, dtype=F32).view(np.uint32)
+    e = ((u >> 23) & 0xFF).astype(np.int64)
+    m = (u & 0x7FFFFF).astype(np.int64)
+    negative = (u >> 31).astype(bool)
+    special = e == 0xFF
+    flags = 0
+    if np.any(special & (m != 0)):
+        flags |= FLAG_NAN
+    if np.any(special & (m == 0) & ~negative):
+        flags |= FLAG_POS_INF
+    if np.any(special & (m == 0) & negative):
+        flags |= FLAG_NEG_INF
+    out_of_range = ~special & (e >= 127 + EXACT_MAX_EXP)
+    if np.any(out_of_range):
+        flags |= FLAG_RANGE
+    keep = ~special & ~out_of_range
+    mant = np.where(e == 0, m, m | 0x800000)[keep]
+    shift = (np.where(e == 0, 1, e) - 150 + EXACT_FRAC)[keep]
+    sign = np.where(negative[keep], -1, 1).astype(np.int64)
+    total = 0
+    small = shift < 0  # truncated toward zero, element by element
+    if np.any(small):
+        total += int(np.sum(sign[small] * (mant[small] >> np.minimum(-shift[small], 63))))
+    for s in np.unique(shift[~small]):  # group by shift so each group sums exactly in int64
+        sel = ~small & (shift == s)
+        total += int(np.sum(sign[sel] * mant[sel])) << int(s)
+    return total, flags
+
+
+def round_integer_to_f32(total: int) -> np.float32:
+    """Round an integer number of 2^-56 units to the nearest float32, ties to even (as fixed_to_float)."""
+    magnitude = abs(total)
+    length = magnitude.bit_length()
+    if length > 24:
+        drop = length - 24
+        q, rem = magnitude >> drop, magnitude & ((1 << drop) - 1)
+        half = 1 << (drop - 1)
+        if rem > half or (rem == half and q & 1):
+            q += 1
+        mantissa, exponent = q, drop - EXACT_FRAC
+    else:
+        mantissa, exponent = magnitude, -EXACT_FRAC
+    value = np.ldexp(F32(mantissa), exponent).astype(F32)
+    return F32(-value if total < 0 else value)
+
+
+def sum_exact_cpu(x: torch.Tensor, *, rng=None, check_range: bool = True) -> torch.Tensor:
+    a = _cpu_input(x)
+    _check_exact_size(x)
+    if a.size == 0:
+        return torch.zeros(())
+    total, flags = exact_integer(a)
+    if flags & FLAG_RANGE and check_range:
+        raise SumRangeError(OP, "x", f"the exact variant needs |x| < 2^{EXACT_MAX_EXP} for every element")
+    if flags & (FLAG_NAN | FLAG_RANGE) or (flags & FLAG_POS_INF and flags & FLAG_NEG_INF):
+        value = F32(np.nan)
+    elif flags & FLAG_POS_INF:
+        value = F32(np.inf)
+    elif flags & FLAG_NEG_INF:
+        value = F32(-np.inf)
+    else:
+        value = round_integer_to_f32(total)
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def exact_error_bound(n: int, result: float) -> float:
+    """|exact(x) - sum(x)| bound: each element loses < 2^-56 to truncation, then one float32 rounding
+    of the (truncated) total: <= n * 2^-56 + 2^-24 * (|result| + n * 2^-56)."""
+    trunc = n * 2.0**-EXACT_FRAC
+    return trunc + 2.0**-24 * (abs(result) + trunc)
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry
+
+register(Variant(OP, "atomic", False, False, sum_atomic_cuda, sum_atomic_cpu,
+                 "single pass; block partials atomicAdd-ed into the output in arrival order"))
+register(Variant(OP, "tree", True, False, sum_tree_cuda, sum_tree_cpu,
+                 "two passes; block partials reduced in index order by one block"))
+register(Variant(OP, "lastblock", True, False, sum_lastblock_cuda, sum_tree_cpu,
+                 "single pass; the last block to finish reduces the partials in index order (bits = tree)"))
+register(Variant(OP, "exact", True, True, sum_exact_cuda, sum_exact_cpu,
+                 "128-bit fixed point (unit 2^-56, |x| < 2^40): same bits for any permutation"))
