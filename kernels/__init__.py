@@ -10,11 +10,11 @@ from __future__ import annotations
 import importlib
 import pathlib
 
-from .registry import Variant, get, ops, register, table, variants
+from .registry import Case, OpSpec, Variant, get, ops, register, register_op, spec, table, variants
 from .runtime import KernelArgumentError, KernelUnavailableError, cuda_available, cupy_available
 
 __all__ = [
-    "Variant", "get", "ops", "register", "table", "variants",
+    "Case", "OpSpec", "Variant", "get", "ops", "register", "register_op", "spec", "table", "variants",
     "KernelArgumentError", "KernelUnavailableError", "cuda_available", "cupy_available",
     "OP_MODULES",
 ]

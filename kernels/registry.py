@@ -84,3 +84,61 @@ def table() -> list[dict]:
         }
         for v in variants()
     ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Op specs: how to make inputs for an op, its float64 reference, its case tables and its peers.
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input configuration of an op. ``params`` is op-specific (shapes, strides, layout, ...);
+    ``seed`` makes the inputs reproducible; ``contention`` is a knob for atomics (higher = more
+    partials colliding on one output element), ``None`` where it does not apply."""
+
+    op: str
+    name: str
+    params: dict
+    seed: int = 0
+    contention: float | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}:{self.name}"
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    op: str
+    # (case, device) -> (args, kwargs) to call any variant of the op with; random data drawn from
+    # case.seed (never zeros), identical on every device.
+    make_inputs: Callable[[Case, torch.device], tuple[tuple, dict]]
+    # (args, kwargs) -> the exact result in float64 on the CPU.
+    reference: Callable[[tuple, dict], torch.Tensor]
+    # Small hostile cases that the CPU models run in seconds.
+    test_cases: Callable[[], list[Case]]
+    # Benchmark cases: ``scale`` is "gpu" (full sizes), "quick" (a few GPU sizes) or "cpu" (CPU-model sizes).
+    bench_cases: Callable[[str], list[Case]]
+    # Peer implementations measured beside the variants: name -> fn(*args, **kwargs) -> tensor.
+    # Called inside the right torch mode by the caller where the name says so ("torch_deterministic").
+    peers: Callable[[], dict[str, Callable[..., torch.Tensor]]]
+    # Fewest bytes the op must move (inputs read once, outputs written once), and FLOPs, per case.
+    bytes_moved: Callable[[Case], int]
+    flops: Callable[[Case], int] | None = None
+
+
+_SPECS: dict[str, OpSpec] = {}
+
+
+def register_op(spec: OpSpec) -> OpSpec:
+    if spec.op in _SPECS:
+        raise ValueError(f"op {spec.op} is registered twice")
+    _SPECS[spec.op] = spec
+    return spec
+
+
+def spec(op: str) -> OpSpec:
+    try:
+        return _SPECS[op]
+    except KeyError:
+        raise KeyError(f"no op spec for {op!r}; known: {', '.join(sorted(_SPECS))}") from None

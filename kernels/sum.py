@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .order import F32, arrival_sum, block_tree, pad_to, seq_sum
-from .registry import Variant, register
+from .registry import Case, OpSpec, Variant, register, register_op
 from .runtime import (
     KernelArgumentError,
     cdiv,
@@ -254,3 +254,70 @@ register(Variant(OP, "lastblock", True, False, sum_lastblock_cuda, sum_tree_cpu,
                  "single pass; the last block to finish reduces the partials in index order (bits = tree)"))
 register(Variant(OP, "exact", True, True, sum_exact_cuda, sum_exact_cpu,
                  "128-bit fixed point (unit 2^-56, |x| < 2^40): same bits for any permutation"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Op spec: inputs, float64 reference, cases, peers
+
+
+def _make_inputs(case: Case, device: torch.device) -> tuple[tuple, dict]:
+    p = case.params
+    g = torch.Generator().manual_seed(case.seed)
+    kind = p.get("kind", "normal")
+    n = p["n"]
+    if kind == "normal":
+        x = torch.randn(n, generator=g)
+    elif kind == "cancel":  # large-magnitude cancellation: where the order of additions shows
+        x = torch.randn(n, generator=g) * 1e7
+    else:
+        raise ValueError(f"{OP}: unknown input kind {kind!r}")
+    return (x.to(device),), {}
+
+
+def _reference(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0].detach().to("cpu", torch.float64).sum()
+
+
+HOSTILE_N = (1, 2, 3, 5, 31, 127, 255, 257, 1023, 1024, 1025, 4093, 65535, 65536, 65537, 1_000_003,
+             2**21 + 1)
+
+
+def _test_cases() -> list[Case]:
+    return [Case(OP, f"n{n}", {"n": n}, seed=1000 + i) for i, n in enumerate(HOSTILE_N)]
+
+
+def _bench_cases(scale: str) -> list[Case]:
+    exps = {"gpu": range(16, 29, 2), "quick": (16, 20, 24, 28), "cpu": (12, 16, 20)}[scale]
+    cases = [Case(OP, f"2^{e}", {"n": 2**e, "e": e}, seed=e) for e in exps]
+    # contention: all blocks add into one scalar, so the number of colliding partials is the block count
+    for e in exps:
+        n = 2**e
+        cases.append(Case(OP, f"2^{e}_cancel", {"n": n, "e": e, "kind": "cancel"}, seed=100 + e,
+                          contention=float(blocks_for(n))))
+    return cases
+
+
+def _peers() -> dict:
+    peers = {"torch": lambda x: torch.sum(x)}
+    try:
+        import cupy
+
+        def cupy_sum(x):
+            with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream, x.device.index or 0):
+                return torch.as_tensor(cupy.sum(cupy.from_dlpack(x)), device=x.device)
+
+        peers["cupy"] = cupy_sum
+    except Exception:
+        pass
+    return peers
+
+
+register_op(OpSpec(
+    op=OP,
+    make_inputs=_make_inputs,
+    reference=_reference,
+    test_cases=_test_cases,
+    bench_cases=_bench_cases,
+    peers=_peers,
+    bytes_moved=lambda case: 4 * case.params["n"] + 4,
+))
