@@ -89,3 +89,11 @@ def arrival_sum(partials: np.ndarray, rng, init: np.ndarray | float = 0.0) -> np
     for k in range(shuffled.shape[-1]):
         acc = acc + shuffled[..., k]
     return acc
+
+
+def strided_reduce(partials: np.ndarray, threads: int) -> np.ndarray:
+    """``reduce_partials`` of common.cuh over the last axis: one block of ``threads`` threads, thread t
+    adds items t, t + threads, ... in order, then ``block_tree``."""
+    cols = pad_to(np.asarray(partials, dtype=F32), -1, threads)
+    cols = cols.reshape(*cols.shape[:-1], -1, threads)
+    return block_tree(seq_sum(cols, -2))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .order import F32, arrival_sum, block_tree, pad_to, seq_sum
+from .order import F32, arrival_sum, block_tree, pad_to, seq_sum, strided_reduce
 from .registry import Case, OpSpec, Variant, register, register_op
 from .runtime import (
     KernelArgumentError,
@@ -144,8 +144,7 @@ def block_partials(x: np.ndarray) -> np.ndarray:
 
 def reduce_partials(partials: np.ndarray) -> np.float32:
     """``reduce_partials`` of common.cuh: one block, thread t adds partials t, t + 256, ... in order."""
-    cols = pad_to(np.asarray(partials, dtype=F32), 0, THREADS).reshape(-1, THREADS)
-    return block_tree(seq_sum(cols, 0))
+    return strided_reduce(partials, THREADS)
 
 
 def _cpu_input(x) -> np.ndarray:
