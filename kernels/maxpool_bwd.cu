@@ -1,0 +1,132 @@
+// maxpool_bwd.cu: 2-D max-pool backward, dx = dy scattered to the forward's argmax positions.
+// Launchers and CPU order models: kernels/maxpool_bwd.py.
+//
+// Variants (dx laid out like dy: NCHW, or channels_last = NHWC in memory; indices are flat h * W + w
+// inside the (n, c) plane, as max_pool2d(return_indices=True) gives them):
+//   atomic  one thread per window: atomicAdd of its gradient at its argmax (dx zeroed first).
+//           NONDETERMINISTIC where windows overlap: an input that is the argmax of >= 3 windows
+//           receives their gradients in arrival order, and that order decides the rounding.
+//   tree    one thread per input position: gathers the gradients of the windows whose argmax it is,
+//           visiting every window that can contain it in (oh, ow) row-major order from +0.0. Each dx
+//           element is written once, by one thread, in a fixed order: deterministic. No zero-fill.
+//
+// Only additions, no contraction possible: the CPU models reproduce both bit for bit (atomic: for the
+// order the atomics happened to arrive in).
+// No #include: the file compiles alone under NVRTC.
+
+#define MPB_THREADS 256
+#define MPB_INT32_MAX 2147483647LL
+
+// ------------------------------------------------------------------------------------------------
+// atomic
+
+// I: the index type (int when every index of the launch fits, else long long).
+template <typename I, bool CHANNELS_LAST>
+__device__ __forceinline__ void atomic_body(const float* __restrict__ dy, const long long* __restrict__ idx,
+                                            float* __restrict__ dx, I total, int C, int HW, int OHW) {
+    const I step = (I)gridDim.x * blockDim.x;
+    for (I o = (I)blockIdx.x * blockDim.x + threadIdx.x; o < total; o += step) {
+        const long long i = idx[o];
+        if (i < 0 || i >= HW) continue;  // not a position of the plane: the caller's bug, dropped
+        I at;
+        if (CHANNELS_LAST) {  // o = ((n * OH + oh) * OW + ow) * C + c
+            const I c = o % C;
+            const I n = o / ((I)OHW * C);
+            at = (n * HW + (I)i) * C + c;
+        } else {              // o = (n * C + c) * OHW + (oh * OW + ow)
+            at = (o / OHW) * HW + (I)i;
+        }
+        atomicAdd(dx + at, dy[o]);  // arrival order decides the rounding where argmaxes collide
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MPB_THREADS)
+maxpool_bwd_atomic(const float* __restrict__ dy, const long long* __restrict__ idx, float* __restrict__ dx,
+                   long long total, int C, int HW, int OHW, int channels_last) {
+    // Both the dy index and the dx offsets must fit in 32 bits (dx has HW / OHW times dy's size).
+    const long long dx_total = total / OHW * HW;
+    const bool narrow = total + (long long)gridDim.x * blockDim.x <= MPB_INT32_MAX &&
+                        dx_total <= MPB_INT32_MAX;
+    if (channels_last) {
+        if (narrow) atomic_body<int, true>(dy, idx, dx, (int)total, C, HW, OHW);
+        else atomic_body<long long, true>(dy, idx, dx, total, C, HW, OHW);
+    } else {
+        if (narrow) atomic_body<int, false>(dy, idx, dx, (int)total, C, HW, OHW);
+        else atomic_body<long long, false>(dy, idx, dx, total, C, HW, OHW);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// tree
+
+struct Pool {
+    int C, H, W, OH, OW, KH, KW, SH, SW, PH, PW, DH, DW;
+};
+
+// First and one-past-last window index along one axis whose (dilated) span [o*s - p, o*s - p + span)
+// can contain position x. Windows in that range that skip x because of dilation never have x as their
+// argmax, so testing indices == x over the range is exact.
+__device__ __forceinline__ int window_lo(int x, int k, int s, int p, int d) {
+    const int span = (k - 1) * d + 1;
+    return x + p < span ? 0 : (x + p - span) / s + 1;
+}
+__device__ __forceinline__ int window_hi(int x, int s, int p, int out) {
+    return min((x + p) / s + 1, out);
+}
+
+template <typename I, bool CHANNELS_LAST>
+__device__ __forceinline__ void tree_body(const float* __restrict__ dy, const long long* __restrict__ idx,
+                                          float* __restrict__ dx, I total, const Pool P) {
+    const I step = (I)gridDim.x * blockDim.x;
+    for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
+        int h, w;
+        I base, stride;  // dy/indices offset of window (0, 0) of this element's plane, and of the next window
+        if (CHANNELS_LAST) {  // e = ((n * H + h) * W + w) * C + c
+            const I c = e % P.C;
+            I t = e / P.C;
+            w = (int)(t % P.W);
+            t /= P.W;
+            h = (int)(t % P.H);
+            const I n = t / P.H;
+            base = n * P.OH * P.OW * P.C + c;
+            stride = P.C;
+        } else {              // e = plane * H * W + h * W + w
+            w = (int)(e % P.W);
+            const I t = e / P.W;
+            h = (int)(t % P.H);
+            base = (t / P.H) * P.OH * P.OW;
+            stride = 1;
+        }
+        const long long target = (long long)h * P.W + w;
+        const int oh0 = window_lo(h, P.KH, P.SH, P.PH, P.DH), oh1 = window_hi(h, P.SH, P.PH, P.OH);
+        const int ow0 = window_lo(w, P.KW, P.SW, P.PW, P.DW), ow1 = window_hi(w, P.SW, P.PW, P.OW);
+        float acc = 0.0f;
+        for (int oh = oh0; oh < oh1; ++oh) {      // row-major over the windows: the fixed order
+            for (int ow = ow0; ow < ow1; ++ow) {
+                const I o = base + ((I)oh * P.OW + ow) * stride;
+                if (idx[o] == target) acc += dy[o];
+            }
+        }
+        dx[e] = acc;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MPB_THREADS)
+maxpool_bwd_tree(const float* __restrict__ dy, const long long* __restrict__ idx, float* __restrict__ dx,
+                 long long total, int C, int H, int W, int OH, int OW, int KH, int KW, int SH, int SW,
+                 int PH, int PW, int DH, int DW, int channels_last) {
+    const Pool P = {C, H, W, OH, OW, KH, KW, SH, SW, PH, PW, DH, DW};
+    // 32-bit indexing when dx (e) and dy (o) offsets all fit. With ceil_mode, dy can hold more cells
+    // per plane than dx (OH * OW > H * W), so bound both.
+    const long long planes = total / ((long long)H * W);
+    const long long dy_total = planes * OH * OW;
+    const bool narrow = total + (long long)gridDim.x * blockDim.x <= MPB_INT32_MAX &&
+                        dy_total <= MPB_INT32_MAX;
+    if (channels_last) {
+        if (narrow) tree_body<int, true>(dy, idx, dx, (int)total, P);
+        else tree_body<long long, true>(dy, idx, dx, total, P);
+    } else {
+        if (narrow) tree_body<int, false>(dy, idx, dx, (int)total, P);
+        else tree_body<long long, false>(dy, idx, dx, total, P);
+    }
+}
