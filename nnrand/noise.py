@@ -1,0 +1,183 @@
+"""Noise control: which sources of run-to-run variation are on, each with its own seed.
+
+Sources (Zhuang et al. 2021, "Randomness in neural network training"):
+    init     weight initialisation (torch's global RNG, seeded just before the model is built)
+    order    the batch order of each epoch (``data.epoch_order(n, epoch, seed)``)
+    aug      augmentation (a torch.Generator on the data's device, reseeded per epoch)
+    kernel   the backward reductions: ``atomic`` variants add in the order partials arrive. On a GPU that
+             order is the hardware's and no seed reaches it; the CPU order models draw it from the
+             kernel seed ("fresh": new entropy every call, as a GPU behaves)
+    perturb  optionally one weight moved by one ULP (nextafter) before step 0
+
+A seed spec is ``"fixed"`` (the run's base seed), ``"member"`` (a different seed per member, derived from
+the base seed, the source and the member index, so a study is reproducible), ``"fresh"`` (kernel only)
+or an integer. Presets:
+
+    control    all seeds fixed, deterministic kernels (tree)
+    algo       init, order and aug per member, deterministic kernels
+    impl       all seeds fixed, atomic kernels
+    algo+impl  both
+
+Everything else is pinned by ``pinned_flags`` and recorded: TF32 off unless asked, cuDNN benchmark off,
+cuDNN deterministic when the routing is deterministic (so ops left native add in a fixed order too).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+SOURCES = ("init", "order", "aug", "kernel")
+
+PRESETS: dict[str, dict] = {
+    "control": {"family": "tree", "init": "fixed", "order": "fixed", "aug": "fixed"},
+    "algo": {"family": "tree", "init": "member", "order": "member", "aug": "member"},
+    "impl": {"family": "atomic", "init": "fixed", "order": "fixed", "aug": "fixed"},
+    "algo+impl": {"family": "atomic", "init": "member", "order": "member", "aug": "member"},
+}
+DEFAULT_PRESET = "control"
+DEFAULT_KERNEL_SEED = "fresh"
+
+_ROLE_KEYS = {"init": 1, "order": 2, "aug": 3, "kernel": 4, "perturb": 5}
+
+
+def derive(base: int, *keys: int) -> int:
+    """A 62-bit seed from a base seed and integer keys (NumPy SeedSequence: well mixed, stable)."""
+    words = np.random.SeedSequence([int(base), *keys]).generate_state(2, np.uint32)
+    return (int(words[0]) << 30) ^ int(words[1])
+
+
+def check_spec(source: str, spec: object) -> str | int:
+    """Normalise a seed spec; raise ValueError naming the valid forms."""
+    allowed = ("fixed", "member", "fresh") if source == "kernel" else ("fixed", "member")
+    if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
+        if spec < 0:
+            raise ValueError(f"--{source}-seed must be >= 0, got {spec}")
+        return int(spec)
+    if isinstance(spec, str):
+        if spec in allowed:
+            return spec
+        try:
+            return check_spec(source, int(spec))
+        except ValueError:
+            pass
+    raise ValueError(f"--{source}-seed must be a non-negative integer or one of {', '.join(allowed)}; "
+                     f"got {spec!r}")
+
+
+def seed_for(source: str, spec: str | int, base: int, member: int) -> int | None:
+    """The concrete seed of one source for one member (None: fresh entropy, kernel only)."""
+    spec = check_spec(source, spec)
+    if isinstance(spec, int):
+        return spec
+    if spec == "fresh":
+        return None
+    if spec == "fixed":
+        return derive(base, _ROLE_KEYS[source])
+    return derive(base, _ROLE_KEYS[source], member + 1)
+
+
+@dataclass(frozen=True)
+class MemberSeeds:
+    init: int
+    order: int
+    aug: int
+    kernel: int | None  # None: CPU atomic models draw fresh entropy every call
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def member_seeds(specs: dict, base: int, member: int) -> MemberSeeds:
+    return MemberSeeds(*(seed_for(s, specs[s], base, member) for s in SOURCES))
+
+
+def kernel_rng(seed: int | None) -> np.random.Generator | None:
+    """The random source handed to CPU order models of atomic variants (None: fresh per call)."""
+    return None if seed is None else np.random.default_rng(seed)
+
+
+def epoch_generator(aug_seed: int, epoch: int, device: torch.device) -> torch.Generator:
+    """Augmentation draws of one epoch: a function of (aug seed, epoch) only, so a run resumed at an
+    epoch boundary draws what an uninterrupted one would."""
+    g = torch.Generator(device=device)
+    g.manual_seed(derive(aug_seed, epoch))
+    return g
+
+
+def seed_torch(seed: int) -> None:
+    """Seed torch's global RNGs (CPU and every CUDA device); used right before building the model."""
+    torch.manual_seed(seed)
+
+
+# --------------------------------------------------------------------------------------------------
+# One-ULP perturbation
+
+
+def perturb_one_ulp(model: torch.nn.Module, index: int, direction: float = np.inf) -> dict:
+    """Move element ``index`` of the flat parameter vector (parameters in ``model.parameters()`` order,
+    each flattened) to the next float32 toward ``direction``. Returns what changed, for the config."""
+    offset = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if index < offset + n:
+            with torch.no_grad():
+                flat = p.view(-1)
+                i = index - offset
+                old = flat[i].detach().clone()
+                new = torch.nextafter(old, torch.tensor(direction, dtype=old.dtype, device=old.device))
+                flat[i] = new
+            return {"param": name, "element": i, "flat_index": index,
+                    "old": float(old), "new": float(new),
+                    "old_bits": f"{int(old.cpu().view(torch.int32)) & 0xFFFFFFFF:08x}",
+                    "new_bits": f"{int(new.cpu().view(torch.int32)) & 0xFFFFFFFF:08x}"}
+        offset += n
+    raise ValueError(f"--perturb-index {index} is past the model's {offset} parameters")
+
+
+# --------------------------------------------------------------------------------------------------
+# Pinned global flags
+
+
+def _tf32_flags() -> dict[str, object]:
+    b = torch.backends
+    if hasattr(b.cuda.matmul, "fp32_precision"):
+        return {"matmul": b.cuda.matmul.fp32_precision, "conv": b.cudnn.conv.fp32_precision,
+                "rnn": b.cudnn.rnn.fp32_precision}
+    return {"matmul": b.cuda.matmul.allow_tf32, "cudnn": b.cudnn.allow_tf32}
+
+
+def _set_tf32(flags: dict[str, object]) -> None:
+    b = torch.backends
+    if "conv" in flags:  # the fp32_precision API; mixing it with allow_tf32 is an error in torch
+        b.cuda.matmul.fp32_precision = flags["matmul"]
+        b.cudnn.conv.fp32_precision = flags["conv"]
+        b.cudnn.rnn.fp32_precision = flags["rnn"]
+    else:
+        b.cuda.matmul.allow_tf32 = flags["matmul"]
+        b.cudnn.allow_tf32 = flags["cudnn"]
+
+
+@contextlib.contextmanager
+def pinned_flags(*, tf32: bool, cudnn_deterministic: bool) -> Iterator[dict]:
+    """Set TF32, cuDNN benchmark (off) and cuDNN deterministic for the duration; yield the flags set,
+    for the config; put the previous values back on exit."""
+    b = torch.backends
+    before = (_tf32_flags(), b.cudnn.benchmark, b.cudnn.deterministic)
+    want = "tf32" if tf32 else "ieee"
+    if "conv" in before[0]:
+        _set_tf32({"matmul": want, "conv": want, "rnn": want})
+    else:
+        _set_tf32({"matmul": tf32, "cudnn": tf32})
+    b.cudnn.benchmark = False
+    b.cudnn.deterministic = cudnn_deterministic
+    try:
+        yield {"tf32": tf32, "tf32_flags": {k: str(v) for k, v in _tf32_flags().items()},
+               "cudnn_benchmark": False, "cudnn_deterministic": cudnn_deterministic,
+               "cudnn_enabled": bool(b.cudnn.enabled)}
+    finally:
+        _set_tf32(before[0])
+        b.cudnn.benchmark, b.cudnn.deterministic = before[1], before[2]
