@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 
@@ -36,7 +37,9 @@ class Variant:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if first is not None and first.device.type == "cuda":
             return self.cuda(*args, **kwargs)
-        return self.cpu(*args, rng=rng, **kwargs)
+        # Overflow to Inf and Inf - Inf = NaN are results here, as on the GPU, not numerical accidents.
+        with np.errstate(over="ignore", invalid="ignore"):
+            return self.cpu(*args, rng=rng, **kwargs)
 
 
 _REGISTRY: dict[tuple[str, str], Variant] = {}

@@ -22,7 +22,7 @@ import torch
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
 INT32_MAX = 2**31 - 1
-NVRTC_OPTIONS = ("--std=c++17",)
+NVRTC_OPTIONS = ("--std=c++17", f"-I{KERNEL_DIR}")
 
 
 class KernelArgumentError(ValueError):
