@@ -1,0 +1,276 @@
+// conv_dgrad.cu: 2-D convolution data gradient dx[n,ci,h,w] = sum_{co,kh,kw} w[co,ci,kh,kw] *
+// dy[n,co,oh,ow] over the taps with h = oh*s - p + kh*d (groups = 1, float32, NCHW or channels_last).
+// Launchers and CPU order models: kernels/conv_dgrad.py.
+//
+// Variants:
+//   atomic  scatter, as cuDNN's BwdData ALGO_0: a tiled SGEMM C = dy^T . w over the dy positions
+//           (M = N*OH*OW rows, KH*KW*Cin columns, reduction over Cout), whose epilogue atomicAdds every C
+//           element into the dx position its tap hits (col2im). NONDETERMINISTIC wherever windows overlap
+//           (kernel extent > stride): the arrival order of a dx element's taps decides its rounding.
+//   tree    gather: a tiled implicit GEMM over the dx positions (M = N*H*W rows, Cin columns, reduction
+//           over Cout*KH*KW), one launch-grid slice per stride phase (h mod sh, w mod sw) so a block
+//           visits only the taps that can hit its pixels (1 of 4 for a 3x3 stride-2 pixel on an even
+//           row and column). Each dx element is one thread's FMA chain in a fixed order (taps with kh
+//           then kw ascending, co ascending inside a tap) and is written once: DETERMINISTIC.
+//           Cin <= 4 (network stems) uses tree_direct, one thread per pixel, same order.
+//
+// Both use FFMA, so neither matches its CPU model bit for bit (the models round each product apart).
+#include "common.cuh"
+
+#define DG_BM 128            // block tile rows (pixels)
+#define DG_BN 64             // block tile columns (Cin for tree, KH*KW*Cin for atomic)
+#define DG_BK 8              // reduction slice per stage (output channels)
+#define DG_THREADS 256       // 16 x 16 threads, each an 8 x 4 register tile
+#define DG_LDA (DG_BM + 4)   // shared row pitch: conflict-free transposed stores, float4 aligned
+#define DG_MAXK 32           // largest kernel extent per axis (taps are listed in shared memory)
+#define DG_DIRECT_THREADS 256
+
+// One template, two operand loaders and two epilogues:
+//   SCATTER = false (tree): rows are the dx pixels of one stride phase; A[m, (tap, co)] gathers dy at
+//     the tap's position (zero outside dy); B[(tap, co), ci] = wt[kh][kw][co][ci]; C is stored to dx.
+//   SCATTER = true (atomic): rows are dy pixels; A[m, co] = dy; B[co, (tap, ci)] = w_cl[co][kh][kw][ci];
+//     C[m, (tap, ci)] is atomicAdd-ed into dx[n, ci, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw].
+//   CL picks coalesced thread mappings for channels_last tensors (channel fastest in memory).
+template <bool SCATTER, bool CL>
+__device__ __forceinline__ void dgrad_gemm(
+    const float* __restrict__ dy, const float* __restrict__ wmat, float* __restrict__ dx,
+    int N, int Cin, int H, int W, int Cout, int OH, int OW, int KH, int KW,
+    int sh, int sw, int ph, int pw, int dh, int dw,
+    long long dy_sn, long long dy_sc, long long dy_sh, long long dy_sw,
+    long long dx_sn, long long dx_sc, long long dx_sh, long long dx_sw) {
+    __shared__ __align__(16) float smem[DG_BN * DG_LDA];  // operands while looping, C tile after
+    __shared__ int s_kh[DG_MAXK], s_oh[DG_MAXK], s_kw[DG_MAXK], s_ow[DG_MAXK];
+    __shared__ int s_nkh, s_nkw;
+    float* As = smem;                        // [2][BK][LDA], A transposed (k-major)
+    float* Bs = smem + 2 * DG_BK * DG_LDA;   // [2][BK][BN]
+
+    const int t = threadIdx.x;
+    int rh = 0, rw = 0, Hq, Wq;  // stride phase and the pixel grid of that phase
+    if (SCATTER) {
+        Hq = OH; Wq = OW;
+    } else {
+        rh = blockIdx.z / sw; rw = blockIdx.z % sw;
+        Hq = rh < H ? (H - rh + sh - 1) / sh : 0;
+        Wq = rw < W ? (W - rw + sw - 1) / sw : 0;
+    }
+    const int HWq = Hq * Wq;
+    const int M = N * HWq;
+    const int m0 = blockIdx.x * DG_BM;
+    if (m0 >= M) return;  // uniform over the block (phases differ in size)
+    const int c0 = blockIdx.y * DG_BN;
+    const int ncols = SCATTER ? KH * KW * Cin : Cin;
+
+    int ntaps = 1;
+    if (!SCATTER) {
+        // Taps that hit this phase: (rh + ph - kh*dh) divisible by sh; then oh = i + (rh + ph - kh*dh)/sh
+        // for the phase row i (exact division, also for negative numerators).
+        if (t == 0) {
+            int a = 0;
+            for (int kh = 0; kh < KH; ++kh) {
+                const int num = rh + ph - kh * dh;
+                if (((num % sh) + sh) % sh == 0) { s_kh[a] = kh; s_oh[a] = num / sh; ++a; }
+            }
+            s_nkh = a;
+            a = 0;
+            for (int kw = 0; kw < KW; ++kw) {
+                const int num = rw + pw - kw * dw;
+                if (((num % sw) + sw) % sw == 0) { s_kw[a] = kw; s_ow[a] = num / sw; ++a; }
+            }
+            s_nkw = a;
+        }
+        __syncthreads();
+        ntaps = s_nkh * s_nkw;
+    }
+    const int cochunks = (Cout + DG_BK - 1) / DG_BK;
+    const int KT = ntaps * cochunks;
+
+    // A loads: NCHW -> each thread one pixel, 4 consecutive k (lanes run along pixels);
+    //          CL   -> each thread 4 pixels, one k (lanes run along channels).
+    constexpr int NP = CL ? 4 : 1;
+    const int a_k = CL ? (t & 7) : (t >> 7) * 4;
+    int a_n[NP], a_i[NP], a_j[NP];
+    bool a_in[NP], a_ok[NP];
+    long long a_off[NP];
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+        const int ml = CL ? (t >> 3) + 32 * p : (t & 127);
+        const int m = m0 + ml;
+        a_in[p] = m < M;
+        const int mm = a_in[p] ? m : 0;
+        a_n[p] = mm / HWq;
+        const int r = mm - a_n[p] * HWq;
+        a_i[p] = r / Wq;
+        a_j[p] = r - a_i[p] * Wq;
+        a_ok[p] = a_in[p];
+        a_off[p] = (long long)a_n[p] * dy_sn + (long long)a_i[p] * dy_sh + (long long)a_j[p] * dy_sw;
+    }
+    int tap = 0, co0 = 0, wrow = 0;  // wrow: first B row of the current tap
+    auto set_tap = [&](int tp) {
+        if (SCATTER) return;
+        const int a = tp / s_nkw, b = tp - a * s_nkw;
+        const int doh = s_oh[a], dow = s_ow[b];
+        wrow = (s_kh[a] * KW + s_kw[b]) * Cout;
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+            const int oh = a_i[p] + doh, ow = a_j[p] + dow;
+            a_ok[p] = a_in[p] && oh >= 0 && oh < OH && ow >= 0 && ow < OW;
+            a_off[p] = (long long)a_n[p] * dy_sn + (long long)oh * dy_sh + (long long)ow * dy_sw;
+        }
+    };
+
+    float ra[4], rb[2];
+    auto load_tile = [&]() {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int p = CL ? e : 0;
+            const int co = co0 + (CL ? a_k : a_k + e);
+            ra[e] = (a_ok[p] && co < Cout) ? __ldg(dy + a_off[p] + (long long)co * dy_sc) : 0.0f;
+        }
+        const int co = co0 + (t >> 5);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int gc = c0 + (t & 31) + 32 * e;
+            rb[e] = (co < Cout && gc < ncols) ? __ldg(wmat + (long long)(wrow + co) * ncols + gc) : 0.0f;
+        }
+    };
+    auto store_tile = [&](int buf) {
+        float* A = As + buf * DG_BK * DG_LDA;
+        float* B = Bs + buf * DG_BK * DG_BN;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if (CL) A[a_k * DG_LDA + (t >> 3) + 32 * e] = ra[e];
+            else A[(a_k + e) * DG_LDA + (t & 127)] = ra[e];
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) B[(t >> 5) * DG_BN + (t & 31) + 32 * e] = rb[e];
+    };
+
+    // Thread (tm, tn) owns rows tm*4 + {0..3} and 64 + tm*4 + {0..3}, columns tn*4 + {0..3}.
+    const int tm = t & 15, tn = t >> 4;
+    float acc[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+
+    if (KT > 0) {
+        set_tap(0);
+        load_tile();
+        store_tile(0);
+        __syncthreads();
+        for (int kt = 0; kt < KT; ++kt) {
+            const int buf = kt & 1;
+            const bool more = kt + 1 < KT;
+            if (more) {  // fetch the next slice into registers while this one is multiplied
+                co0 += DG_BK;
+                if (co0 >= Cout) { co0 = 0; set_tap(++tap); }
+                load_tile();
+            }
+            const float* A = As + buf * DG_BK * DG_LDA;
+            const float* B = Bs + buf * DG_BK * DG_BN;
+#pragma unroll
+            for (int kk = 0; kk < DG_BK; ++kk) {
+                const float4 a0 = *reinterpret_cast<const float4*>(A + kk * DG_LDA + tm * 4);
+                const float4 a1 = *reinterpret_cast<const float4*>(A + kk * DG_LDA + 64 + tm * 4);
+                const float4 b = *reinterpret_cast<const float4*>(B + kk * DG_BN + tn * 4);
+                const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                const float bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+            }
+            if (more) store_tile(buf ^ 1);
+            __syncthreads();
+        }
+    }
+
+    // Epilogue through shared memory, Cs[col][row], so that lanes write along the fastest dx axis.
+    float* Cs = smem;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int col = tn * 4 + j;
+        *reinterpret_cast<float4*>(Cs + col * DG_LDA + tm * 4) = make_float4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]);
+        *reinterpret_cast<float4*>(Cs + col * DG_LDA + 64 + tm * 4) = make_float4(acc[4][j], acc[5][j], acc[6][j], acc[7][j]);
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int e = 0; e < (DG_BM * DG_BN) / DG_THREADS; ++e) {
+        const int idx = e * DG_THREADS + t;
+        const int ml = CL ? idx / DG_BN : idx % DG_BM;
+        const int col = CL ? idx % DG_BN : idx / DG_BM;
+        const int m = m0 + ml, gc = c0 + col;
+        if (m >= M || gc >= ncols) continue;
+        const float v = Cs[col * DG_LDA + ml];
+        const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - (r / Wq) * Wq;
+        if (SCATTER) {
+            const int tp = gc / Cin, ci = gc - tp * Cin, kh = tp / KW, kw = tp - kh * KW;
+            const int h = i * sh - ph + kh * dh, w = j * sw - pw + kw * dw;
+            if (h < 0 || h >= H || w < 0 || w >= W) continue;
+            atomicAdd(dx + (long long)n * dx_sn + (long long)ci * dx_sc + (long long)h * dx_sh + (long long)w * dx_sw, v);
+        } else {
+            const int h = rh + sh * i, w = rw + sw * j;
+            dx[(long long)n * dx_sn + (long long)gc * dx_sc + (long long)h * dx_sh + (long long)w * dx_sw] = v;
+        }
+    }
+}
+
+#define DG_ARGS                                                                                    \
+    const float* __restrict__ dy, const float* __restrict__ wmat, float* __restrict__ dx, int N,     \
+        int Cin, int H, int W, int Cout, int OH, int OW, int KH, int KW, int sh, int sw, int ph,     \
+        int pw, int dh, int dw, long long dy_sn, long long dy_sc, long long dy_sh, long long dy_sw,  \
+        long long dx_sn, long long dx_sc, long long dx_sh, long long dx_sw
+#define DG_PASS                                                                                   \
+    dy, wmat, dx, N, Cin, H, W, Cout, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, dy_sn, dy_sc, dy_sh, \
+        dy_sw, dx_sn, dx_sc, dx_sh, dx_sw
+
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_nchw(DG_ARGS) {
+    dgrad_gemm<false, false>(DG_PASS);
+}
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_cl(DG_ARGS) {
+    dgrad_gemm<false, true>(DG_PASS);
+}
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_atomic_nchw(DG_ARGS) {
+    dgrad_gemm<true, false>(DG_PASS);
+}
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_atomic_cl(DG_ARGS) {
+    dgrad_gemm<true, true>(DG_PASS);
+}
+
+// tree_direct: Cin <= 4. A 64-column GEMM tile would waste 15/16 of its work on 3 input channels, so
+// each thread owns one dx pixel (all its channels) and walks the same order as the GEMM: valid taps
+// with kh then kw ascending, co ascending; wmat is w packed as float4 [kh][kw][co][ci padded to 4].
+// One launch-grid z slice per stride phase keeps the tap loop uniform across a warp.
+extern "C" __global__ void __launch_bounds__(DG_DIRECT_THREADS) conv_dgrad_tree_direct(DG_ARGS) {
+    const int rh = blockIdx.z / sw, rw = blockIdx.z % sw;
+    const int Hq = rh < H ? (H - rh + sh - 1) / sh : 0;
+    const int Wq = rw < W ? (W - rw + sw - 1) / sw : 0;
+    const int HWq = Hq * Wq;
+    const int m = blockIdx.x * DG_DIRECT_THREADS + threadIdx.x;
+    if (m >= N * HWq) return;
+    const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - (r / Wq) * Wq;
+    const int h = rh + sh * i, w = rw + sw * j;
+    const float4* __restrict__ w4 = reinterpret_cast<const float4*>(wmat);
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    for (int kh = 0; kh < KH; ++kh) {
+        const int nh = h + ph - kh * dh;
+        if (nh < 0 || nh % sh != 0 || nh / sh >= OH) continue;
+        for (int kw = 0; kw < KW; ++kw) {
+            const int nw = w + pw - kw * dw;
+            if (nw < 0 || nw % sw != 0 || nw / sw >= OW) continue;
+            const float* d = dy + (long long)n * dy_sn + (long long)(nh / sh) * dy_sh + (long long)(nw / sw) * dy_sw;
+            const float4* wt = w4 + (long long)(kh * KW + kw) * Cout;
+#pragma unroll 4
+            for (int co = 0; co < Cout; ++co) {
+                const float v = __ldg(d + (long long)co * dy_sc);
+                const float4 q = __ldg(wt + co);
+                a0 = fmaf(v, q.x, a0); a1 = fmaf(v, q.y, a1); a2 = fmaf(v, q.z, a2); a3 = fmaf(v, q.w, a3);
+            }
+        }
+    }
+    float* o = dx + (long long)n * dx_sn + (long long)h * dx_sh + (long long)w * dx_sw;
+    o[0] = a0;
+    if (Cin > 1) o[dx_sc] = a1;
+    if (Cin > 2) o[2 * dx_sc] = a2;
+    if (Cin > 3) o[3 * dx_sc] = a3;
+}

@@ -1,0 +1,350 @@
+"""conv_dgrad: 2-D convolution data gradient (groups = 1, float32). CUDA launchers for ``conv_dgrad.cu``
+and their CPU order models.
+
+    dx = conv_dgrad(w, dy, input_size=(H, W), stride=1, padding=0, dilation=1)
+
+w: (Cout, Cin, KH, KW); dy: (N, Cout, OH, OW), NCHW or channels_last; dx: (N, Cin, H, W) in dy's layout.
+OH and OW must be the conv output sizes of (H, W). Each dx element sums the products of the taps
+(co, kh, kw) whose window covers it; where windows overlap (kernel extent > stride) several dy
+positions feed one dx element, and the order in which their contributions meet is what the variants
+differ in:
+
+- ``atomic``: every dy position's contributions are atomicAdd-ed into dx (the scatter of cuDNN's
+  ALGO_0): the arrival order is the scheduler's.
+- ``tree``: every dx element gathers its contributions in one thread, in a fixed order.
+
+Both kernels multiply-add with FFMA (one rounding per product and sum), which NumPy/torch on the CPU do
+not reproduce; so ``cpu_bitexact`` is False, and the CPU models follow each variant's reduction
+structure in float32 instead: products summed over Cout by a float32 matmul, then the KH*KW taps of a
+dx element added in a fixed order (``tree``: torch's col2im ``fold``) or in a random order (``atomic``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .order import rng_of
+from .registry import Case, OpSpec, Variant, register, register_op
+from .runtime import (
+    INT32_MAX,
+    KernelArgumentError,
+    cdiv,
+    check_cuda,
+    check_tensor,
+    function,
+    launch,
+    layout_of,
+    ptr,
+)
+from .shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape, conv_out
+
+OP = "conv_dgrad"
+SOURCE = "conv_dgrad.cu"
+BM, BN, THREADS = 128, 64, 256      # GEMM block tile (rows x columns) and threads; see conv_dgrad.cu
+DIRECT_THREADS = 256
+DIRECT_MAX_CIN = 4                  # tree uses the one-thread-per-pixel kernel up to this many channels
+MAX_KERNEL = 32                     # taps per axis the CUDA kernels list in shared memory
+ATOMIC_CHUNK = 32                   # CPU atomic model: elements that share one random tap order
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument checks (shared by the CUDA launchers and the CPU models)
+
+
+class Geometry:
+    """Validated sizes of one call: n, cin, cout, kh, kw, h, w, oh, ow and per-axis stride s*,
+    padding p*, dilation d*; ``layout`` is dy's."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    @property
+    def dx_shape(self) -> tuple[int, int, int, int]:
+        return (self.n, self.cin, self.h, self.w)
+
+
+def _pair(arg: str, v, minimum: int) -> tuple[int, int]:
+    vals = tuple(v) if isinstance(v, (tuple, list, torch.Size)) else (v,) * 2
+    if len(vals) != 2 or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in vals):
+        raise KernelArgumentError(OP, arg, f"expected an int or a pair of ints, got {v!r}")
+    if any(x < minimum for x in vals):
+        raise KernelArgumentError(OP, arg, f"expected values >= {minimum}, got {v!r}")
+    return int(vals[0]), int(vals[1])
+
+
+def _check(w, dy, input_size, stride, padding, dilation) -> Geometry:
+    w = check_tensor(OP, "w", w, ndim=4)
+    dy = check_tensor(OP, "dy", dy, ndim=4, device=w.device)
+    layout_of(OP, "w", w)  # w may be NCHW or channels_last; the launchers repack it
+    layout = layout_of(OP, "dy", dy)
+    h, wd = _pair("input_size", input_size, 1)
+    sh, sw = _pair("stride", stride, 1)
+    ph, pw = _pair("padding", padding, 0)
+    dh, dw = _pair("dilation", dilation, 1)
+    cout, cin, kh, kw = w.shape
+    if kh < 1 or kw < 1:
+        raise KernelArgumentError(OP, "w", f"expected a kernel of at least 1x1, got shape {tuple(w.shape)}")
+    n, dcout, oh, ow = dy.shape
+    if dcout != cout:
+        raise KernelArgumentError(OP, "dy", f"expected {cout} channels (w.shape[0]), got shape {tuple(dy.shape)}")
+    eh, ew = conv_out(h, kh, sh, ph, dh), conv_out(wd, kw, sw, pw, dw)
+    if eh < 1 or ew < 1:
+        raise KernelArgumentError(OP, "input_size", f"{(h, wd)} with padding {(ph, pw)} is smaller than the "
+                                  f"dilated kernel {(dh * (kh - 1) + 1, dw * (kw - 1) + 1)}")
+    if (oh, ow) != (eh, ew):
+        raise KernelArgumentError(OP, "dy", f"expected spatial size {(eh, ew)} (the conv output of input_size "
+                                  f"{(h, wd)}, kernel {(kh, kw)}, stride {(sh, sw)}, padding {(ph, pw)}, "
+                                  f"dilation {(dh, dw)}), got {(oh, ow)}")
+    if n * h * wd > INT32_MAX or n * oh * ow > INT32_MAX or cin * kh * kw > INT32_MAX:
+        raise KernelArgumentError(OP, "dy", f"pixel counts must fit in int32, got batch {n} of {h}x{wd}")
+    return Geometry(n=n, cin=cin, cout=cout, kh=kh, kw=kw, h=h, w=wd, oh=oh, ow=ow, sh=sh, sw=sw,
+                    ph=ph, pw=pw, dh=dh, dw=dw, layout=layout)
+
+
+def _empty_dx(g: Geometry, device, zero: bool) -> torch.Tensor:
+    fmt = torch.channels_last if g.layout == "channels_last" else torch.contiguous_format
+    make = torch.zeros if zero else torch.empty
+    return make(g.dx_shape, dtype=torch.float32, device=device, memory_format=fmt)
+
+
+def _trivial(g: Geometry) -> bool:
+    """Nothing to compute: dx is empty, or there are no output channels (dx = 0, as in torch)."""
+    return g.n * g.cin * g.h * g.w == 0 or g.cout == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA launchers
+
+
+def _cuda_prologue(w, dy, input_size, stride, padding, dilation) -> Geometry:
+    g = _check(w, dy, input_size, stride, padding, dilation)
+    check_cuda(OP, "dy", dy)
+    if g.kh > MAX_KERNEL or g.kw > MAX_KERNEL:
+        raise KernelArgumentError(OP, "w", f"the CUDA kernels take kernels up to {MAX_KERNEL}x{MAX_KERNEL}, "
+                                  f"got {g.kh}x{g.kw}")
+    if g.sh * g.sw > 65535:
+        raise KernelArgumentError(OP, "stride", f"the CUDA kernels take stride_h * stride_w <= 65535, got {(g.sh, g.sw)}")
+    return g
+
+
+def _geometry_args(g: Geometry, dy: torch.Tensor, dx: torch.Tensor) -> tuple:
+    i32 = np.int32
+    return (i32(g.n), i32(g.cin), i32(g.h), i32(g.w), i32(g.cout), i32(g.oh), i32(g.ow), i32(g.kh),
+            i32(g.kw), i32(g.sh), i32(g.sw), i32(g.ph), i32(g.pw), i32(g.dh), i32(g.dw),
+            *(np.int64(s) for s in dy.stride()), *(np.int64(s) for s in dx.stride()))
+
+
+def conv_dgrad_tree_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    g = _cuda_prologue(w, dy, input_size, stride, padding, dilation)
+    dx = _empty_dx(g, dy.device, zero=_trivial(g))
+    if _trivial(g):
+        return dx
+    phases = g.sh * g.sw
+    rows = g.n * cdiv(g.h, g.sh) * cdiv(g.w, g.sw)  # pixels of the largest phase (0, 0)
+    if g.cin <= DIRECT_MAX_CIN:
+        # [kh][kw][co][ci padded to 4]: one float4 load per (tap, co) gives every channel's weight
+        wmat = F.pad(w.permute(2, 3, 0, 1), (0, 4 - g.cin)).contiguous()
+        fn, grid, block = "conv_dgrad_tree_direct", (cdiv(rows, DIRECT_THREADS), 1, phases), (DIRECT_THREADS,)
+    else:
+        wmat = w.permute(2, 3, 0, 1).contiguous()  # [kh][kw][co][ci]: B rows of one tap are contiguous
+        name = "conv_dgrad_tree_cl" if g.layout == "channels_last" else "conv_dgrad_tree_nchw"
+        fn, grid, block = name, (cdiv(rows, BM), cdiv(g.cin, BN), phases), (THREADS,)
+    launch(function(SOURCE, fn, dy.device), grid, block,
+           (ptr(dy), ptr(wmat), ptr(dx), *_geometry_args(g, dy, dx)), device=dy.device)
+    return dx
+
+
+def conv_dgrad_atomic_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    g = _cuda_prologue(w, dy, input_size, stride, padding, dilation)
+    dx = _empty_dx(g, dy.device, zero=True)  # the scatter accumulates into zeros
+    if _trivial(g):
+        return dx
+    ncols = g.kh * g.kw * g.cin
+    if cdiv(ncols, BN) > 65535:
+        raise KernelArgumentError(OP, "w", f"the atomic kernel takes KH*KW*Cin <= {65535 * BN}, got {ncols}")
+    wmat = w.permute(0, 2, 3, 1).contiguous()  # [co][kh][kw][ci]: GEMM B = (Cout, KH*KW*Cin), row-major
+    name = "conv_dgrad_atomic_cl" if g.layout == "channels_last" else "conv_dgrad_atomic_nchw"
+    grid = (cdiv(g.n * g.oh * g.ow, BM), cdiv(ncols, BN), 1)
+    launch(function(SOURCE, name, dy.device), grid, (THREADS,),
+           (ptr(dy), ptr(wmat), ptr(dx), *_geometry_args(g, dy, dx)), device=dy.device)
+    return dx
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU order models
+
+
+def _cpu_prologue(w, dy, input_size, stride, padding, dilation) -> Geometry:
+    g = _check(w, dy, input_size, stride, padding, dilation)
+    if dy.device.type != "cpu":
+        raise KernelArgumentError(OP, "dy", f"the CPU model needs CPU tensors, got one on {dy.device}")
+    return g
+
+
+def tap_columns(w: torch.Tensor, dy: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """Every tap's contribution, (N, Cin*KH*KW, OH*OW) in float32: column (ci, kh, kw) at dy position
+    (oh, ow) is sum_co w[co, ci, kh, kw] * dy[n, co, oh, ow], one float32 matmul (sums over Cout)."""
+    wm = w.detach().reshape(g.cout, g.cin * g.kh * g.kw).t()
+    return torch.matmul(wm, dy.detach().contiguous().reshape(g.n, g.cout, g.oh * g.ow))
+
+
+def _in_layout(dx: torch.Tensor, g: Geometry) -> torch.Tensor:
+    return dx.contiguous(memory_format=torch.channels_last) if g.layout == "channels_last" else dx.contiguous()
+
+
+def conv_dgrad_tree_cpu(w, dy, *, input_size, stride=1, padding=0, dilation=1, rng=None) -> torch.Tensor:
+    """Fixed order: per dx element the taps' column sums are added in (kh, kw) order by col2im."""
+    g = _cpu_prologue(w, dy, input_size, stride, padding, dilation)
+    if _trivial(g):
+        return _empty_dx(g, "cpu", zero=True)
+    dx = F.fold(tap_columns(w, dy, g), (g.h, g.w), (g.kh, g.kw), dilation=(g.dh, g.dw),
+                padding=(g.ph, g.pw), stride=(g.sh, g.sw))
+    return _in_layout(dx, g)
+
+
+def _tap_planes(cols: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """(KH*KW, N, Cin, H, W): plane t holds tap t's contribution to each dx element, +0.0 where the tap
+    does not reach it (adding +0.0 to the +0.0-initialised accumulator or to any sum changes nothing)."""
+    c = cols.reshape(g.n, g.cin, g.kh, g.kw, g.oh, g.ow)
+    planes = torch.zeros((g.kh * g.kw, g.n, g.cin, g.h, g.w), dtype=torch.float32)
+
+    def span(k, size, out, s, p, d):
+        # dy rows o with 0 <= o*s - p + k*d < size: o in [lo, hi)
+        lo = max(0, cdiv(p - k * d, s))
+        hi = min(out, (size - 1 + p - k * d) // s + 1)
+        return lo, hi, lo * s - p + k * d
+
+    for kh in range(g.kh):
+        olo, ohi, h0 = span(kh, g.h, g.oh, g.sh, g.ph, g.dh)
+        if ohi <= olo:
+            continue
+        for kw in range(g.kw):
+            wlo, whi, w0 = span(kw, g.w, g.ow, g.sw, g.pw, g.dw)
+            if whi <= wlo:
+                continue
+            planes[kh * g.kw + kw, :, :, h0:h0 + (ohi - olo - 1) * g.sh + 1:g.sh,
+                   w0:w0 + (whi - wlo - 1) * g.sw + 1:g.sw] = c[:, :, kh, kw, olo:ohi, wlo:whi]
+    return planes
+
+
+def conv_dgrad_atomic_cpu(w, dy, *, input_size, stride=1, padding=0, dilation=1, rng=None) -> torch.Tensor:
+    """Arrival order: each chunk of ATOMIC_CHUNK consecutive dx elements (NCHW order) adds its taps'
+    contributions into +0.0 in its own random permutation of the KH*KW taps, drawn from ``rng``."""
+    g = _cpu_prologue(w, dy, input_size, stride, padding, dilation)
+    if _trivial(g):
+        return _empty_dx(g, "cpu", zero=True)
+    taps = g.kh * g.kw
+    planes = _tap_planes(tap_columns(w, dy, g), g).reshape(taps, -1)
+    numel = planes.shape[1]
+    chunks = cdiv(numel, ATOMIC_CHUNK)
+    planes = F.pad(planes, (0, chunks * ATOMIC_CHUNK - numel)).reshape(taps, chunks, ATOMIC_CHUNK)
+    order = torch.from_numpy(np.argsort(rng_of(rng).random((chunks, taps)), axis=1))
+    rows = torch.arange(chunks)
+    acc = torch.zeros((chunks, ATOMIC_CHUNK), dtype=torch.float32)
+    for k in range(taps):
+        acc += planes[order[:, k], rows]
+    dx = acc.reshape(-1)[:numel].reshape(g.dx_shape)
+    return _in_layout(dx, g)
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry
+
+register(Variant(OP, "atomic", False, False, conv_dgrad_atomic_cuda, conv_dgrad_atomic_cpu,
+                 "scatter (cuDNN ALGO_0 style): tiled SGEMM dy^T.w per dy position, taps atomicAdd-ed "
+                 "into dx; overlapping windows arrive in any order; FFMA, so not CPU bit-exact",
+                 cpu_bitexact=False))
+register(Variant(OP, "tree", True, False, conv_dgrad_tree_cuda, conv_dgrad_tree_cpu,
+                 "gather: implicit GEMM per stride phase, each dx element one FMA chain in (kh, kw, co) "
+                 "order, written once; FFMA, so not CPU bit-exact", cpu_bitexact=False))
+
+
+# --------------------------------------------------------------------------------------------------
+# Op spec: inputs, float64 reference, cases, peers
+
+
+def conv_kwargs(case: Case) -> dict:
+    p = case.params
+    return {"input_size": (p["h"], p["w"]), "stride": p["stride"], "padding": p["pad"], "dilation": p["dilation"]}
+
+
+def _make_inputs(case: Case, device: torch.device) -> tuple[tuple, dict]:
+    p = case.params
+    s = ConvShape(case.name, p["n"], p["cin"], p["cout"], p["k"], p["stride"], p["pad"], p["h"], p["w"],
+                  p["dilation"])
+    gen = torch.Generator().manual_seed(case.seed)
+    w = torch.randn(s.w_shape, generator=gen) / float(np.sqrt(s.cin * s.k * s.k))
+    dy = torch.randn(s.y_shape, generator=gen)
+    if p.get("layout", "nchw") == "channels_last":
+        dy = dy.contiguous(memory_format=torch.channels_last)
+    return (w.to(device), dy.to(device)), conv_kwargs(case)
+
+
+def _reference(args: tuple, kwargs: dict) -> torch.Tensor:
+    w, dy = (a.detach().to("cpu", torch.float64) for a in args)
+    h, wd = kwargs["input_size"]
+    return torch.nn.grad.conv2d_input((dy.shape[0], w.shape[1], h, wd), w, dy, kwargs.get("stride", 1),
+                                      kwargs.get("padding", 0), kwargs.get("dilation", 1))
+
+
+def taps_per_element(k: int, stride: int, dilation: int) -> int:
+    """Most taps along one axis that can land on one dx element: ceil(k / (s / gcd(s, d)))."""
+    step = stride // np.gcd(stride, dilation)
+    return cdiv(k, step)
+
+
+def _case(s: ConvShape, layout: str, seed: int) -> Case:
+    params = {"n": s.n, "cin": s.cin, "cout": s.cout, "k": s.k, "stride": s.stride, "pad": s.pad,
+              "h": s.h, "w": s.w, "dilation": s.dilation, "layout": layout}
+    name = s.name if layout == "nchw" else f"{s.name}_cl"
+    return Case(OP, f"{name}_b{s.n}", params, seed=seed,
+                contention=float(taps_per_element(s.k, s.stride, s.dilation) ** 2))
+
+
+def _test_cases() -> list[Case]:
+    cases = [_case(s, "nchw", 100 + i) for i, s in enumerate(HOSTILE_CONV)]
+    cases += [_case(s, "channels_last", 200 + i) for i, s in enumerate(HOSTILE_CONV)]
+    cases += [_case(s.with_batch(1), "nchw", 300 + i) for i, s in enumerate(RESNET18_CONV)]
+    return cases
+
+
+def _bench_cases(scale: str) -> list[Case]:
+    if scale == "cpu":
+        return [_case(s.with_batch(4), "nchw", 400 + i) for i, s in enumerate(RESNET18_CONV)]
+    layouts = ("nchw", "channels_last") if scale == "gpu" else ("nchw",)
+    return [_case(s, lay, 500 + i) for lay in layouts for i, s in enumerate(RESNET18_CONV)]
+
+
+def torch_dgrad(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    """aten convolution_backward with only the input gradient asked for (the caller sets cudnn flags)."""
+    size = (dy.shape[0], w.shape[1], *input_size)
+    return torch.nn.grad.conv2d_input(size, w, dy, stride, padding, dilation)
+
+
+def _peers() -> dict:
+    return {"torch": torch_dgrad}
+
+
+def _shape_of(case: Case) -> ConvShape:
+    p = case.params
+    return ConvShape(case.name, p["n"], p["cin"], p["cout"], p["k"], p["stride"], p["pad"], p["h"], p["w"],
+                     p["dilation"])
+
+
+def _bytes_moved(case: Case) -> int:
+    s = _shape_of(case)
+    numel = lambda shape: int(np.prod(shape))  # noqa: E731
+    return 4 * (numel(s.w_shape) + numel(s.y_shape) + numel(s.x_shape))
+
+
+register_op(OpSpec(
+    op=OP,
+    make_inputs=_make_inputs,
+    reference=_reference,
+    test_cases=_test_cases,
+    bench_cases=_bench_cases,
+    peers=_peers,
+    bytes_moved=_bytes_moved,
+    flops=lambda case: _shape_of(case).flops,
+))
