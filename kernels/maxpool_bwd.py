@@ -198,29 +198,60 @@ def maxpool_bwd_tree_cuda(dy, indices, *, input_size, kernel_size, stride=None, 
 def _jit():
     import numba
 
+    # Arrays are (A, Q, B): planes A, window cells Q = OH * OW (dx: H * W positions), B channels that
+    # lie innermost in memory. NCHW is (N * C, Q, 1), channels_last (N, Q, C): no layout copies.
+
     @numba.njit(cache=False)
     def scatter_rowmajor(dy, idx, hw, dx):
-        # Windows of each plane in (oh, ow) row-major order: per dx element, tree's order.
-        for p in range(dy.shape[0]):
+        # The windows of each plane in (oh, ow) row-major order: per dx element, tree's order.
+        for a in range(dy.shape[0]):
             for q in range(dy.shape[1]):
-                i = idx[p, q]
-                if i >= 0 and i < hw:
-                    dx[p, i] += dy[p, q]
+                for b in range(dy.shape[2]):
+                    i = idx[a, q, b]
+                    if i >= 0 and i < hw:
+                        dx[a, i, b] += dy[a, q, b]
 
     @numba.njit(cache=False)
-    def scatter_in_order(dy, idx, hw, order, dx):
-        # Windows in the order of ``order`` (flat positions into dy): a uniform random permutation makes
-        # the arrival order at every dx element uniform, independently across elements.
-        q_len = dy.shape[1]
-        for t in range(order.shape[0]):
-            o = order[t]
-            p = o // q_len
-            q = o - p * q_len
-            i = idx[p, q]
-            if i >= 0 and i < hw:
-                dx[p, i] += dy[p, q]
+    def scatter_shuffled(dy, idx, hw, u, dx):
+        # Arrival order: each dx element's contributions in a uniformly random order (a Fisher-Yates
+        # shuffle driven by the uniforms u, one per window), independent across elements. Plane by
+        # plane: counting-sort the windows by target, shuffle each group, add it from +0.0.
+        n_el = hw * dy.shape[2]
+        nb = dy.shape[2]
+        start = np.zeros(n_el + 1, np.int64)
+        cursor = np.zeros(n_el, np.int64)
+        vals = np.empty(dy.shape[1] * nb, np.float32)
+        keys = np.empty(dy.shape[1] * nb, np.float64)
+        for a in range(dy.shape[0]):
+            start[:] = 0
+            for q in range(dy.shape[1]):
+                for b in range(nb):
+                    i = idx[a, q, b]
+                    if i >= 0 and i < hw:
+                        start[i * nb + b + 1] += 1
+            for e in range(n_el):
+                start[e + 1] += start[e]
+                cursor[e] = start[e]
+            for q in range(dy.shape[1]):
+                for b in range(nb):
+                    i = idx[a, q, b]
+                    if i >= 0 and i < hw:
+                        e = i * nb + b
+                        vals[cursor[e]] = dy[a, q, b]
+                        keys[cursor[e]] = u[a, q, b]
+                        cursor[e] += 1
+            for e in range(n_el):
+                s = start[e]
+                k = start[e + 1] - s
+                for j in range(k - 1, 0, -1):
+                    r = min(int(keys[s + j] * (j + 1)), j)
+                    vals[s + j], vals[s + r] = vals[s + r], vals[s + j]
+                acc = np.float32(0.0)
+                for j in range(k):
+                    acc += vals[s + j]
+                dx[a, e] = acc
 
-    return scatter_rowmajor, scatter_in_order
+    return scatter_rowmajor, scatter_shuffled
 
 
 def _cpu_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode):
@@ -228,32 +259,38 @@ def _cpu_prologue(dy, indices, input_size, kernel_size, stride, padding, dilatio
     if dy.device.type != "cpu":
         raise KernelArgumentError(OP, "dy", f"the CPU model needs CPU tensors, got one on {dy.device}")
     n, c, oh, ow = dy.shape
-    g = dy.detach().contiguous().numpy().reshape(n * c, oh * ow)
-    i = indices.contiguous().numpy().reshape(n * c, oh * ow)
-    dx = np.zeros((n * c, p["h"] * p["w"]), dtype=F32)
-    return g, i, dx, p, layout, (n, c)
+    if layout == "channels_last":  # memory is N, OH, OW, C
+        shape, dx_shape = (n, oh * ow, c), (n, p["h"] * p["w"], c)
+        g, i = dy.detach().permute(0, 2, 3, 1), indices.permute(0, 2, 3, 1)
+    else:
+        shape, dx_shape = (n * c, oh * ow, 1), (n * c, p["h"] * p["w"], 1)
+        g, i = dy.detach(), indices
+    g = g.numpy().reshape(shape)  # views: both are contiguous in this order
+    i = i.numpy().reshape(shape)
+    return g, i, np.zeros(dx_shape, dtype=F32), p, layout
 
 
-def _to_torch(dx: np.ndarray, p: dict, layout: str, nc: tuple[int, int]) -> torch.Tensor:
-    out = torch.from_numpy(dx).view(nc[0], nc[1], p["h"], p["w"])
-    return out.contiguous(memory_format=_memory_format(layout))
+def _to_torch(dx: np.ndarray, dy: torch.Tensor, p: dict, layout: str) -> torch.Tensor:
+    n, c = dy.shape[:2]
+    out = torch.from_numpy(dx)
+    if layout == "channels_last":
+        return out.view(n, p["h"], p["w"], c).permute(0, 3, 1, 2)
+    return out.view(n, c, p["h"], p["w"])
 
 
 def maxpool_bwd_tree_cpu(dy, indices, *, input_size, kernel_size, stride=None, padding=0, dilation=1,
                          ceil_mode=False, rng=None) -> torch.Tensor:
-    g, i, dx, p, layout, nc = _cpu_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation,
-                                            ceil_mode)
+    g, i, dx, p, layout = _cpu_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode)
     _jit()[0](g, i, p["h"] * p["w"], dx)
-    return _to_torch(dx, p, layout, nc)
+    return _to_torch(dx, dy, p, layout)
 
 
 def maxpool_bwd_atomic_cpu(dy, indices, *, input_size, kernel_size, stride=None, padding=0, dilation=1,
                            ceil_mode=False, rng=None) -> torch.Tensor:
-    g, i, dx, p, layout, nc = _cpu_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation,
-                                            ceil_mode)
-    order = rng_of(rng).permutation(g.size)
-    _jit()[1](g, i, p["h"] * p["w"], order, dx)
-    return _to_torch(dx, p, layout, nc)
+    g, i, dx, p, layout = _cpu_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode)
+    u = rng_of(rng).random(g.shape)
+    _jit()[1](g, i, p["h"] * p["w"], u, dx.reshape(dx.shape[0], -1))
+    return _to_torch(dx, dy, p, layout)
 
 
 # --------------------------------------------------------------------------------------------------
