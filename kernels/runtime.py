@@ -149,9 +149,13 @@ def function(source: str, name: str, device: torch.device):
 
 @functools.lru_cache(maxsize=64)
 def _external_stream(ptr: int, device_index: int):
+    import warnings
+
     import cupy
 
-    return cupy.cuda.ExternalStream(ptr, device_index)
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream in favour of Stream.from_external
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(ptr, device_index)
 
 
 def ptr(t: torch.Tensor) -> np.uint64:
