@@ -1,0 +1,190 @@
+// conv_wgrad.cu: 2-D convolution weight gradient dw = sum over (n, oh, ow) of dy (x) im2col(x).
+// Launchers, split planning and CPU order models: kernels/conv_wgrad.py.
+//
+// Implicit GEMM: dw[m, r] = sum_k dy[m, k] * col[r, k] with m = co (M = Cout), r = (ci, kh, kw)
+// (R = Cin*KH*KW, dw's own flat order), k = (n, oh, ow) (K = N*OH*OW). col is never materialised: each
+// thread computes the input pixel of its (r, k) while loading a tile. The reduction axis K is cut into
+// S contiguous chunks of Kc (a multiple of 16) by a plan that depends only on the shapes; block (r-tile,
+// m-tile, s) computes the chunk-s partial of one BMxBN output tile with FFMA in registers.
+// Variants (all share that partition; they differ only in how the S chunk partials are combined):
+//   atomic   every block atomicAdd-s its partial tile into dw (zeroed first). NONDETERMINISTIC: the
+//            arrival order of the S partials of an element decides its rounding (cuDNN's fast
+//            BwdFilter algorithms do the same).
+//   tree     every block stores its partial tile to a workspace [S][M][R]; conv_wgrad_reduce then sums
+//            the S partials of each element in a fixed order (8 strided groups, each sequential, then the
+//            8 group sums in index order). Deterministic: no value depends on timing.
+//   nosplit  S = 1: one block owns the whole reduction of its tile and stores it. Deterministic, but
+//            small-M*R shapes leave most SMs idle (the reason split-K exists).
+// All variants use FFMA, so the CPU models reproduce the chunking and the combine order but not the
+// rounding inside a chunk (cpu_bitexact = False).
+//
+// Tile configurations (template): 128x128 with 8x8 per thread and 64x64 with 4x4 per thread, 256
+// threads, K-step 16, two shared-memory buffers with register prefetch of the next K-step. Strides are
+// passed explicitly, so NCHW and channels_last (or any mix) read correctly; indices are 32-bit (the
+// launcher refuses tensors of 2^31 elements or more).
+
+#define WG_THREADS 256
+#define WG_BK 16
+
+struct ConvArgs {
+    int cin, h, w, cout, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw;
+    int sxn, sxc, sxh, sxw;  // element strides of x
+    int sdn, sdc, sdh, sdw;  // element strides of dy
+    int K, Kc;               // reduction length N*OH*OW, chunk length (multiple of WG_BK)
+};
+
+template <int BM, int BN, int TM, int TN, int MODE>
+__device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const float* __restrict__ dy,
+                                           float* __restrict__ out, const ConvArgs& a) {
+    // MODE 0: atomicAdd into out (= dw). MODE 1: store into out + s*M*R (a workspace, or dw when S = 1).
+    constexpr int AR = BM / 16, BR = BN / 16;  // rows of the A and B tiles each thread loads per K-step
+    constexpr int GM = BM * 4 / TM, GN = BN * 4 / TN;  // stride between a thread's float4 groups (= 64)
+    __shared__ __align__(16) float As[2][WG_BK][BM + 4];
+    __shared__ __align__(16) float Bs[2][WG_BK][BN + 4];
+
+    const int t = threadIdx.x;
+    const int tx = t % (BN / TN), ty = t / (BN / TN);
+    const int kk = t % WG_BK, rg = t / WG_BK;
+    const int R = a.cin * a.kh * a.kw, M = a.cout, khw = a.kh * a.kw;
+    const int r0 = blockIdx.x * BN, m0 = blockIdx.y * BM;
+    const int kbeg = blockIdx.z * a.Kc;
+    const int kend = min(a.K, kbeg + a.Kc);
+    const int ohw = a.oh * a.ow;
+
+    // Per-row constants of this thread's loads, fixed for the whole reduction.
+    int doff[AR];
+    int xoff[BR], ihoff[BR], iwoff[BR];
+#pragma unroll
+    for (int i = 0; i < AR; ++i) {
+        const int m = m0 + rg + 16 * i;
+        doff[i] = m < M ? m * a.sdc : -1;
+    }
+#pragma unroll
+    for (int i = 0; i < BR; ++i) {
+        const int r = r0 + rg + 16 * i;
+        const int ci = r / khw, rem = r - ci * khw;
+        const int kh = rem / a.kw, kw = rem - kh * a.kw;
+        xoff[i] = ci * a.sxc;
+        ihoff[i] = r < R ? kh * a.dh - a.ph : -(1 << 30);  // an out-of-range row never passes the bounds test
+        iwoff[i] = kw * a.dw - a.pw;
+    }
+
+    float ra[AR], rb[BR];
+    auto load = [&](int k0) {
+        const int k = k0 + kk;
+        const bool kin = k < kend;
+        const int n = k / ohw, l = k - n * ohw;
+        const int oh = l / a.ow, ow = l - oh * a.ow;
+        const int dbase = n * a.sdn + oh * a.sdh + ow * a.sdw;
+        const int xbase = n * a.sxn;
+        const int ih0 = oh * a.sh, iw0 = ow * a.sw;
+#pragma unroll
+        for (int i = 0; i < AR; ++i) ra[i] = (kin && doff[i] >= 0) ? __ldg(dy + dbase + doff[i]) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < BR; ++i) {
+            const int ih = ih0 + ihoff[i], iw = iw0 + iwoff[i];
+            const bool ok = kin && (unsigned)ih < (unsigned)a.h && (unsigned)iw < (unsigned)a.w;
+            rb[i] = ok ? __ldg(x + xbase + xoff[i] + ih * a.sxh + iw * a.sxw) : 0.0f;
+        }
+    };
+    auto store = [&](int buf) {
+#pragma unroll
+        for (int i = 0; i < AR; ++i) As[buf][kk][rg + 16 * i] = ra[i];
+#pragma unroll
+        for (int i = 0; i < BR; ++i) Bs[buf][kk][rg + 16 * i] = rb[i];
+    };
+
+    float acc[TM][TN];
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
+
+    const int steps = (kend - kbeg + WG_BK - 1) / WG_BK;
+    load(kbeg);
+    store(0);
+    __syncthreads();
+    for (int st = 0; st < steps; ++st) {
+        const int buf = st & 1;
+        const bool more = st + 1 < steps;
+        if (more) load(kbeg + (st + 1) * WG_BK);  // global loads in flight during the FFMAs below
+#pragma unroll
+        for (int q = 0; q < WG_BK; ++q) {
+            float av[TM], bv[TN];
+#pragma unroll
+            for (int g = 0; g < TM / 4; ++g) {
+                const float4 v = *reinterpret_cast<const float4*>(&As[buf][q][g * GM + ty * 4]);
+                av[4 * g] = v.x; av[4 * g + 1] = v.y; av[4 * g + 2] = v.z; av[4 * g + 3] = v.w;
+            }
+#pragma unroll
+            for (int g = 0; g < TN / 4; ++g) {
+                const float4 v = *reinterpret_cast<const float4*>(&Bs[buf][q][g * GN + tx * 4]);
+                bv[4 * g] = v.x; bv[4 * g + 1] = v.y; bv[4 * g + 2] = v.z; bv[4 * g + 3] = v.w;
+            }
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+                for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+        }
+        if (more) store(buf ^ 1);  // buf ^ 1 was last read before the previous barrier
+        __syncthreads();
+    }
+
+    float* dst = MODE == 0 ? out : out + (long long)blockIdx.z * M * R;
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int m = m0 + (i / 4) * GM + ty * 4 + (i % 4);
+        if (m >= M) continue;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            const int r = r0 + (j / 4) * GN + tx * 4 + (j % 4);
+            if (r >= R) continue;
+            if (MODE == 0) atomicAdd(dst + m * R + r, acc[i][j]);  // arrival order decides the rounding
+            else dst[m * R + r] = acc[i][j];
+        }
+    }
+}
+
+// Plain int arguments (not a struct) so that any launcher can pass them as scalars.
+#define WG_PARAMS                                                                                      \
+    int cin, int h, int w, int cout, int oh, int ow, int kh, int kw, int sh, int sw, int ph, int pw,  \
+        int dh, int dw, int sxn, int sxc, int sxh, int sxw, int sdn, int sdc, int sdh, int sdw, int K, \
+        int Kc
+#define WG_ARGS {cin, h, w, cout, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, sxn, sxc, sxh, sxw, sdn, sdc, sdh, sdw, K, Kc}
+#define WG_KERNEL(name, BM, BN, TM, TN, MODE, MINB)                                                     \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, MINB)                                     \
+    name(const float* x, const float* dy, float* out, WG_PARAMS) {                                    \
+        const ConvArgs a = WG_ARGS;                                                                    \
+        wgrad_tile<BM, BN, TM, TN, MODE>(x, dy, out, a);                                               \
+    }
+
+// 128x128: at most 128 registers so that two blocks share an SM (ptxas spills ~50 bytes of row
+// constants, read once per K-step); 64x64 fits three blocks an SM without a cap.
+WG_KERNEL(conv_wgrad_atomic_t128, 128, 128, 8, 8, 0, 2)
+WG_KERNEL(conv_wgrad_split_t128, 128, 128, 8, 8, 1, 2)
+WG_KERNEL(conv_wgrad_atomic_t64, 64, 64, 4, 4, 0, 3)
+WG_KERNEL(conv_wgrad_split_t64, 64, 64, 4, 4, 1, 3)
+
+// Fixed-order combine of the S chunk partials of each element: a block covers 32 elements (lanes) with
+// 8 warps; warp g adds partials s = g, g + 8, g + 16, ... in that order, then lane e of warp 0 adds the
+// 8 group sums in index order. Nothing depends on timing, so the result is bitwise reproducible.
+#define WG_GROUPS 8
+extern "C" __global__ void __launch_bounds__(32 * WG_GROUPS)
+conv_wgrad_reduce(const float* partials, int S, int MR, float* dw) {
+    __shared__ float part[WG_GROUPS][32];
+    const int lane = threadIdx.x & 31, g = threadIdx.x >> 5;
+    const int e = blockIdx.x * 32 + lane;
+    float acc = 0.0f;
+    if (e < MR) {
+#pragma unroll 8
+        for (int s = g; s < S; s += WG_GROUPS) acc += __ldcg(partials + (long long)s * MR + e);
+    }
+    part[g][lane] = acc;
+    __syncthreads();
+    if (g == 0 && e < MR) {
+        float r = 0.0f;
+#pragma unroll
+        for (int i = 0; i < WG_GROUPS; ++i) r += part[i][lane];
+        dw[e] = r;
+    }
+}

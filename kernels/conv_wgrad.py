@@ -1,0 +1,373 @@
+"""conv_wgrad: 2-D convolution weight gradient. CUDA launchers for ``conv_wgrad.cu`` and CPU order models.
+
+    conv_wgrad(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> dw
+    x (N, Cin, H, W), dy (N, Cout, OH, OW) float32, NCHW or channels_last; dw (Cout, Cin, KH, KW) contiguous.
+
+Implicit GEMM dw[m, r] = sum_k dy[m, k] * col[r, k], m = co, r = (ci, kh, kw), k = (n, oh, ow). The
+reduction axis K = N*OH*OW is cut into S contiguous chunks of Kc by :func:`plan`, a function of the
+shapes only (never of the device), so every variant, the CPU models and every GPU split the reduction
+the same way. Each chunk's partial tile is computed in float32 (FFMA on the GPU, a float32 BLAS matmul
+on the CPU); the variants differ in how the S partials of an element are combined:
+
+    atomic   atomicAdd in arrival order                      (model: random order per element)
+    tree     workspace + fixed order: 8 strided groups, each sequential, then the 8 group sums in order
+    nosplit  S = 1, no combine at all
+
+The GPU's FFMA rounding inside a chunk cannot be reproduced by a CPU BLAS, so no variant is CPU/GPU
+bit-exact; the models keep the reduction structure (chunking and combine order) and the GPU kernels are
+tested bitwise against themselves and within a derived bound against float64.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .order import F32, arrival_sum, pad_to, seq_sum
+from .registry import Case, OpSpec, Variant, register, register_op
+from .runtime import (
+    INT32_MAX,
+    KernelArgumentError,
+    cdiv,
+    check_cuda,
+    check_tensor,
+    function,
+    launch,
+    layout_of,
+    ptr,
+)
+from .shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape, conv_out
+
+OP = "conv_wgrad"
+SOURCE = "conv_wgrad.cu"
+THREADS = 256
+BK = 16            # K-step of the GEMM kernels; chunk lengths are multiples of it
+GROUPS = 8         # strided groups of the tree combine (conv_wgrad_reduce)
+TARGET_BLOCKS = 1024  # split-K aims at about this many blocks: a constant, never the device's SM count
+MIN_CHUNK = 256    # no chunk shorter than this (shorter ones spend more on prologue/epilogue than FFMAs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Arguments and the split plan
+
+
+@dataclass(frozen=True)
+class Geometry:
+    n: int
+    cin: int
+    h: int
+    w: int
+    cout: int
+    oh: int
+    ow: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+    dh: int
+    dw: int
+
+    @property
+    def m(self) -> int:
+        return self.cout
+
+    @property
+    def r(self) -> int:
+        return self.cin * self.kh * self.kw
+
+    @property
+    def k(self) -> int:
+        return self.n * self.oh * self.ow
+
+    @property
+    def w_shape(self) -> tuple[int, int, int, int]:
+        return (self.cout, self.cin, self.kh, self.kw)
+
+
+@dataclass(frozen=True)
+class Plan:
+    tile: int   # 128 (128x128 tiles, 8x8 per thread) or 64 (64x64, 4x4 per thread)
+    splits: int  # S: chunks of the reduction, = partials combined per output element
+    chunk: int  # Kc: reduction length per chunk (a multiple of BK); the last chunk may be shorter
+
+
+def plan(m: int, r: int, k: int, *, split: bool = True) -> Plan:
+    """Tile size and split of the reduction for an (M x R, reduction K) weight gradient. Depends only on
+    the shapes: the same inputs are cut the same way on every GPU and on the CPU."""
+    tile = 128 if m >= 128 and r >= 128 else 64
+    if not split:
+        return Plan(tile, 1, max(BK, cdiv(k, BK) * BK))
+    tiles = cdiv(m, tile) * cdiv(r, tile)
+    s = max(1, min(cdiv(TARGET_BLOCKS, tiles), k // MIN_CHUNK))
+    chunk = cdiv(cdiv(k, s), BK) * BK
+    return Plan(tile, cdiv(k, chunk), chunk)
+
+
+def _pair(arg: str, v, minimum: int) -> tuple[int, int]:
+    vals = (v, v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v
+    if not isinstance(vals, (tuple, list)) or len(vals) != 2 or \
+            not all(isinstance(e, (int, np.integer)) and not isinstance(e, bool) for e in vals):
+        raise KernelArgumentError(OP, arg, f"expected an int or a pair of ints, got {v!r}")
+    if any(int(e) < minimum for e in vals):
+        raise KernelArgumentError(OP, arg, f"expected values >= {minimum}, got {v!r}")
+    return int(vals[0]), int(vals[1])
+
+
+def _check(x, dy, kernel_size, stride, padding, dilation) -> Geometry:
+    x = check_tensor(OP, "x", x, ndim=4)
+    dy = check_tensor(OP, "dy", dy, ndim=4)
+    if dy.device != x.device:
+        raise KernelArgumentError(OP, "dy", f"expected a tensor on {x.device} (like x), got one on {dy.device}")
+    kh, kw = _pair("kernel_size", kernel_size, 1)
+    sh, sw = _pair("stride", stride, 1)
+    ph, pw = _pair("padding", padding, 0)
+    dh, dw = _pair("dilation", dilation, 1)
+    layout_of(OP, "x", x)
+    layout_of(OP, "dy", dy)
+    n, cin, h, w = x.shape
+    oh, ow = conv_out(h, kh, sh, ph, dh), conv_out(w, kw, sw, pw, dw)
+    if oh < 1 or ow < 1:
+        raise KernelArgumentError(
+            OP, "kernel_size", f"a {kh}x{kw} kernel (dilation {dh}x{dw}, padding {ph}x{pw}) does not fit "
+            f"the {h}x{w} input: the output would be {oh}x{ow}")
+    if dy.shape[0] != n or dy.shape[2] != oh or dy.shape[3] != ow:
+        raise KernelArgumentError(
+            OP, "dy", f"expected shape ({n}, Cout, {oh}, {ow}) for x of shape {tuple(x.shape)} and these conv "
+            f"parameters, got {tuple(dy.shape)}")
+    cout = dy.shape[1]
+    for arg, count in (("x", x.numel()), ("dy", dy.numel()), ("kernel_size", cout * cin * kh * kw)):
+        if count > INT32_MAX:  # the kernels index with 32-bit offsets
+            raise KernelArgumentError(OP, arg, f"{count} elements exceeds the supported 2^31 - 1")
+    return Geometry(n, cin, h, w, cout, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw)
+
+
+def _empty(g: Geometry) -> bool:
+    return g.n == 0 or g.cin == 0 or g.cout == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA launchers
+
+
+def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, g: Geometry, p: Plan) -> None:
+    sx, sd = x.stride(), dy.stride()
+    ints = (g.cin, g.h, g.w, g.cout, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
+            *sx, *sd, g.k, p.chunk)
+    grid = (cdiv(g.r, p.tile), cdiv(g.m, p.tile), p.splits)
+    fn = function(SOURCE, f"conv_wgrad_{name}_t{p.tile}", x.device)
+    launch(fn, grid, (THREADS,), (ptr(x), ptr(dy), ptr(out), *(np.int32(v) for v in ints)), device=x.device)
+
+
+def _cuda_prologue(x, dy, kernel_size, stride, padding, dilation) -> Geometry:
+    g = _check(x, dy, kernel_size, stride, padding, dilation)
+    check_cuda(OP, "x", x)
+    return g
+
+
+def conv_wgrad_atomic_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation)
+    dw = torch.zeros(g.w_shape, device=x.device, dtype=torch.float32)
+    if not _empty(g):
+        _gemm("atomic", x, dy, dw, g, plan(g.m, g.r, g.k))
+    return dw
+
+
+def _split_and_combine(x, dy, g: Geometry, p: Plan) -> torch.Tensor:
+    dw = torch.empty(g.w_shape, device=x.device, dtype=torch.float32)
+    if p.splits == 1:  # one chunk: the GEMM stores the final values itself
+        _gemm("split", x, dy, dw, g, p)
+        return dw
+    mr = g.m * g.r
+    partials = torch.empty((p.splits, mr), device=x.device, dtype=torch.float32)
+    _gemm("split", x, dy, partials, g, p)
+    launch(function(SOURCE, "conv_wgrad_reduce", x.device), (cdiv(mr, 32),), (32 * GROUPS,),
+           (ptr(partials), np.int32(p.splits), np.int32(mr), ptr(dw)), device=x.device)
+    return dw
+
+
+def conv_wgrad_tree_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation)
+    if _empty(g):
+        return torch.zeros(g.w_shape, device=x.device, dtype=torch.float32)
+    return _split_and_combine(x, dy, g, plan(g.m, g.r, g.k))
+
+
+def conv_wgrad_nosplit_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation)
+    if _empty(g):
+        return torch.zeros(g.w_shape, device=x.device, dtype=torch.float32)
+    return _split_and_combine(x, dy, g, plan(g.m, g.r, g.k, split=False))
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU order models
+
+
+def im2col(x: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """col[k, r'] as a (K, R) float32 tensor, k = (n, oh, ow), r' = (kh, kw, ci): a strided window view
+    of the padded channels-last x, copied once (F.unfold is several times slower on the CPU). r' is a
+    permutation of dw's r = (ci, kh, kw); :func:`chunk_partials` puts r back in order."""
+    xp = F.pad(x.detach().to(torch.float32), (g.pw, g.pw, g.ph, g.ph)).permute(0, 2, 3, 1).contiguous()
+    sn, sh, sw, _ = xp.stride()
+    win = xp.as_strided((g.n, g.oh, g.ow, g.kh, g.kw, g.cin),
+                        (sn, sh * g.sh, sw * g.sw, sh * g.dh, sw * g.dw, 1))
+    return win.reshape(g.k, g.r)
+
+
+def chunk_partials(x: torch.Tensor, dy: torch.Tensor, g: Geometry, p: Plan) -> np.ndarray:
+    """The S chunk partials, shape (S, M*R), each a float32 matmul over its (at most Kc) reduction terms:
+    one batched float32 BLAS call for the full chunks, one matmul for a shorter last chunk (the kernel
+    reads its missing terms as +0.0, which adds nothing)."""
+    a = dy.detach().permute(0, 2, 3, 1).reshape(g.k, g.m)   # [k, m]
+    b = im2col(x, g)                                        # [k, r']
+    full = g.k // p.chunk
+    out = torch.empty((p.splits, g.m, g.r), dtype=torch.float32)
+    if full:
+        n = full * p.chunk
+        torch.bmm(a[:n].reshape(full, p.chunk, g.m).transpose(1, 2), b[:n].reshape(full, p.chunk, g.r),
+                  out=out[:full])
+    if full < p.splits:
+        torch.mm(a[full * p.chunk:].T, b[full * p.chunk:], out=out[full])
+    out = out.reshape(p.splits, g.m, g.kh, g.kw, g.cin).permute(0, 1, 4, 2, 3)
+    return out.reshape(p.splits, g.m * g.r).numpy()
+
+
+def tree_combine(partials: np.ndarray) -> np.ndarray:
+    """``conv_wgrad_reduce``: group j adds partials j, j + 8, ... in order; then the 8 group sums in order."""
+    s = partials.shape[0]
+    if s == 1:  # the GEMM stored its single partial directly
+        return np.asarray(partials[0], dtype=F32)
+    grouped = pad_to(np.asarray(partials, dtype=F32), 0, GROUPS).reshape(-1, GROUPS, partials.shape[1])
+    return seq_sum(seq_sum(grouped, 0), 0)
+
+
+def _cpu_prologue(x, dy, kernel_size, stride, padding, dilation) -> Geometry:
+    g = _check(x, dy, kernel_size, stride, padding, dilation)
+    if x.device.type != "cpu":
+        raise KernelArgumentError(OP, "x", f"the CPU model needs CPU tensors, got one on {x.device}")
+    return g
+
+
+def conv_wgrad_atomic_cpu(x, dy, *, kernel_size, stride=1, padding=0, dilation=1, rng=None) -> torch.Tensor:
+    g = _cpu_prologue(x, dy, kernel_size, stride, padding, dilation)
+    if _empty(g):
+        return torch.zeros(g.w_shape)
+    partials = chunk_partials(x, dy, g, plan(g.m, g.r, g.k))
+    return torch.from_numpy(arrival_sum(partials.T, rng).reshape(g.w_shape))
+
+
+def conv_wgrad_tree_cpu(x, dy, *, kernel_size, stride=1, padding=0, dilation=1, rng=None) -> torch.Tensor:
+    g = _cpu_prologue(x, dy, kernel_size, stride, padding, dilation)
+    if _empty(g):
+        return torch.zeros(g.w_shape)
+    partials = chunk_partials(x, dy, g, plan(g.m, g.r, g.k))
+    return torch.from_numpy(tree_combine(partials).reshape(g.w_shape))
+
+
+def conv_wgrad_nosplit_cpu(x, dy, *, kernel_size, stride=1, padding=0, dilation=1, rng=None) -> torch.Tensor:
+    g = _cpu_prologue(x, dy, kernel_size, stride, padding, dilation)
+    if _empty(g):
+        return torch.zeros(g.w_shape)
+    partials = chunk_partials(x, dy, g, plan(g.m, g.r, g.k, split=False))
+    return torch.from_numpy(tree_combine(partials).reshape(g.w_shape))
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry
+
+_FMA = "; FFMA inside a chunk, so not CPU bit-exact (the model keeps chunking and combine order)"
+register(Variant(OP, "atomic", False, False, conv_wgrad_atomic_cuda, conv_wgrad_atomic_cpu,
+                 "implicit GEMM, split-K; chunk partial tiles atomicAdd-ed into dw in arrival order" + _FMA,
+                 cpu_bitexact=False))
+register(Variant(OP, "tree", True, False, conv_wgrad_tree_cuda, conv_wgrad_tree_cpu,
+                 "implicit GEMM, same split-K; chunk partials to a workspace, summed in a fixed order" + _FMA,
+                 cpu_bitexact=False))
+register(Variant(OP, "nosplit", True, False, conv_wgrad_nosplit_cuda, conv_wgrad_nosplit_cpu,
+                 "implicit GEMM without split-K: one block per output tile owns the whole reduction" + _FMA,
+                 cpu_bitexact=False))
+
+
+# --------------------------------------------------------------------------------------------------
+# Op spec: inputs, float64 reference, cases, peers
+
+
+def _shape_of(case: Case) -> ConvShape:
+    p = case.params
+    return ConvShape(case.name, p["n"], p["cin"], p["cout"], p["k"], p["stride"], p["pad"], p["h"], p["w"],
+                     p.get("dilation", 1))
+
+
+def _kwargs(s: ConvShape) -> dict:
+    return {"kernel_size": s.k, "stride": s.stride, "padding": s.pad, "dilation": s.dilation}
+
+
+def _make_inputs(case: Case, device: torch.device) -> tuple[tuple, dict]:
+    s = _shape_of(case)
+    gen = torch.Generator().manual_seed(case.seed)
+    x = torch.randn(s.x_shape, generator=gen)
+    dy = torch.randn(s.y_shape, generator=gen)
+    if case.params.get("layout", "nchw") == "channels_last":
+        x, dy = x.to(memory_format=torch.channels_last), dy.to(memory_format=torch.channels_last)
+    return (x.to(device), dy.to(device)), _kwargs(s)
+
+
+def _reference(args: tuple, kwargs: dict) -> torch.Tensor:
+    x, dy = (a.detach().to("cpu", torch.float64) for a in args)
+    kh, kw = _pair("kernel_size", kwargs["kernel_size"], 1)
+    return torch.nn.grad.conv2d_weight(x, (dy.shape[1], x.shape[1], kh, kw), dy, stride=kwargs.get("stride", 1),
+                                       padding=kwargs.get("padding", 0), dilation=kwargs.get("dilation", 1))
+
+
+def _case(s: ConvShape, seed: int, layout: str = "nchw", **extra) -> Case:
+    params = {"n": s.n, "cin": s.cin, "cout": s.cout, "k": s.k, "stride": s.stride, "pad": s.pad,
+              "h": s.h, "w": s.w, "dilation": s.dilation, "layout": layout, **extra}
+    _, _, oh, ow = s.y_shape
+    contention = float(plan(s.cout, s.cin * s.k * s.k, s.n * oh * ow).splits)  # partials per dw element
+    suffix = "" if layout == "nchw" else "_cl"
+    return Case(OP, f"{s.name}_n{s.n}{suffix}", params, seed=seed, contention=contention)
+
+
+def _test_cases() -> list[Case]:
+    """Hostile shapes (both layouts), every ResNet-18 shape at batch 1, and at batch 128 (``slow``)."""
+    cases = [_case(s, 2000 + i) for i, s in enumerate(HOSTILE_CONV)]
+    cases += [_case(s, 2100 + i, "channels_last") for i, s in enumerate(HOSTILE_CONV)]
+    cases += [_case(s.with_batch(1), 2200 + i) for i, s in enumerate(RESNET18_CONV)]
+    cases += [_case(s, 2300 + i, slow=True) for i, s in enumerate(RESNET18_CONV)]
+    return cases
+
+
+def _bench_cases(scale: str) -> list[Case]:
+    if scale == "cpu":
+        return [_case(s.with_batch(8), 3000 + i) for i, s in enumerate(RESNET18_CONV)]
+    layouts = ("nchw", "channels_last") if scale == "gpu" else ("nchw",)
+    return [_case(s, 3100 + 100 * j + i, layout) for j, layout in enumerate(layouts)
+            for i, s in enumerate(RESNET18_CONV)]
+
+
+def _torch_wgrad(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    """aten convolution_backward with only the weight gradient requested (cuDNN on CUDA; the caller
+    sets the cuDNN flags)."""
+    kh, kw = _pair("kernel_size", kernel_size, 1)
+    return torch.nn.grad.conv2d_weight(x, (dy.shape[1], x.shape[1], kh, kw), dy, stride=stride,
+                                       padding=padding, dilation=dilation)
+
+
+def _bytes_moved(case: Case) -> int:
+    s = _shape_of(case)
+    return 4 * (int(np.prod(s.x_shape)) + int(np.prod(s.y_shape)) + int(np.prod(s.w_shape)))
+
+
+register_op(OpSpec(
+    op=OP,
+    make_inputs=_make_inputs,
+    reference=_reference,
+    test_cases=_test_cases,
+    bench_cases=_bench_cases,
+    peers=lambda: {"torch": _torch_wgrad},
+    bytes_moved=_bytes_moved,
+    flops=lambda case: _shape_of(case).flops,
+))
