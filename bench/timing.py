@@ -1,0 +1,179 @@
+"""Torch mode flags (restored on exit), device-side timing, and the session's measured ceilings.
+
+On CUDA a timed call is measured with CUDA events around it, L2 flushed before each call (so a small
+input is read from HBM, as in a training step, not from a warm 50 MB L2), and the stream held by a
+short spin kernel while the host queues the calls, so host launch overhead does not leak into the
+device time. On the CPU the clock is ``time.perf_counter``.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+MODES = ("fast", "deterministic")
+
+
+# --------------------------------------------------------------------------------------------------
+# Global torch flags
+
+
+def _tf32_new_api() -> bool:
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(torch.backends.cudnn, "conv") \
+        and hasattr(torch.backends.cudnn.conv, "fp32_precision")
+
+
+@contextlib.contextmanager
+def torch_mode(mode: str):
+    """``fast``: cuDNN autotuning on (``cudnn.benchmark=True``), deterministic algorithms off.
+    ``deterministic``: ``torch.use_deterministic_algorithms(True)`` and ``cudnn.deterministic=True``
+    (autotuning stays on: it picks among deterministic algorithms only). TF32 is off in both, so every
+    float32 op really computes in float32. Every flag is put back on exit, errors included."""
+    if mode not in MODES:
+        raise ValueError(f"unknown torch mode {mode!r}; known: {', '.join(MODES)}")
+    cudnn = torch.backends.cudnn
+    saved = {
+        "benchmark": cudnn.benchmark,
+        "cudnn_deterministic": cudnn.deterministic,
+        "algorithms": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+    }
+    new_api = _tf32_new_api()
+    if new_api:
+        saved["matmul_prec"] = torch.backends.cuda.matmul.fp32_precision
+        saved["conv_prec"] = cudnn.conv.fp32_precision
+    else:
+        saved["matmul_tf32"] = torch.backends.cuda.matmul.allow_tf32
+        saved["cudnn_tf32"] = cudnn.allow_tf32
+    try:
+        if new_api:
+            torch.backends.cuda.matmul.fp32_precision = "ieee"
+            cudnn.conv.fp32_precision = "ieee"
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            cudnn.allow_tf32 = False
+        det = mode == "deterministic"
+        cudnn.benchmark = True
+        cudnn.deterministic = det
+        torch.use_deterministic_algorithms(det)
+        yield
+    finally:
+        cudnn.benchmark = saved["benchmark"]
+        cudnn.deterministic = saved["cudnn_deterministic"]
+        torch.use_deterministic_algorithms(saved["algorithms"], warn_only=saved["warn_only"])
+        if new_api:
+            torch.backends.cuda.matmul.fp32_precision = saved["matmul_prec"]
+            cudnn.conv.fp32_precision = saved["conv_prec"]
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = saved["matmul_tf32"]
+            cudnn.allow_tf32 = saved["cudnn_tf32"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def synced(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """``fn`` followed by a device synchronize: what a host clock (pytest-benchmark) may time."""
+    if device.type != "cuda":
+        return fn
+
+    def call():
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+
+    return call
+
+
+class L2Flush:
+    """Overwrites a buffer larger than the L2 cache (H200: 50 MB) so the next kernel starts cold."""
+
+    def __init__(self, device: torch.device, nbytes: int = 256 << 20):
+        self.buf = torch.empty(nbytes // 4, dtype=torch.int32, device=device)
+
+    def __call__(self) -> None:
+        self.buf.zero_()
+
+
+def cuda_event_times(fn: Callable[[], object], n: int, device: torch.device, flush: L2Flush | None = None,
+                     host_ahead_s: float = 100e-6) -> list[float]:
+    """Seconds per call of ``fn`` from CUDA events, ``n`` calls queued behind a spin kernel."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    torch.cuda.synchronize(device)
+    spin = getattr(torch.cuda, "_sleep", None)
+    if spin is not None:  # ~2 GHz SM clock: hold the stream while the host queues every call
+        spin(int(2e9 * host_ahead_s * n))
+    for s, e in zip(starts, ends):
+        if flush is not None:
+            flush()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
+
+
+def host_times(fn: Callable[[], object], n: int, device: torch.device) -> list[float]:
+    """Seconds per call of ``fn`` on the host clock, each call synchronized."""
+    out = []
+    for _ in range(n):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+# --------------------------------------------------------------------------------------------------
+# Ceilings measured in the session
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    bandwidth: float      # bytes/s, read + written, of a large device-to-device copy
+    flop_rate: float      # FLOP/s of a large float32 matmul, TF32 off
+    copy_bytes: int
+    matmul_n: int
+
+
+def measure_ceilings(device: torch.device, *, copy_bytes: int | None = None, matmul_n: int | None = None,
+                     repeats: int = 10) -> Ceilings:
+    """Copy bandwidth and float32 matmul rate on ``device``: what the op tables are measured against."""
+    cuda = device.type == "cuda"
+    copy_bytes = copy_bytes or ((1 << 30) if cuda else (64 << 20))
+    matmul_n = matmul_n or (8192 if cuda else 1024)
+    src = torch.randn(copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    a = torch.randn(matmul_n, matmul_n, device=device)
+    b = torch.randn(matmul_n, matmul_n, device=device)
+    c = torch.empty_like(a)
+    with torch_mode("fast"):
+        copy = lambda: dst.copy_(src)  # noqa: E731
+        mm = lambda: torch.mm(a, b, out=c)  # noqa: E731
+        for f in (copy, mm):
+            f()
+        if cuda:
+            t_copy = min(cuda_event_times(copy, repeats, device))
+            t_mm = min(cuda_event_times(mm, repeats, device))
+        else:
+            t_copy = min(host_times(copy, repeats, device))
+            t_mm = min(host_times(mm, max(3, repeats // 3), device))
+    del src, dst, a, b, c
+    return Ceilings(bandwidth=2 * copy_bytes / t_copy, flop_rate=2 * matmul_n**3 / t_mm,
+                    copy_bytes=copy_bytes, matmul_n=matmul_n)
