@@ -79,7 +79,7 @@ def pool_out(size: int, k: int, stride: int, pad: int, dilation: int, ceil_mode:
     return out
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256, typed=True)
 def _params(input_size, kernel_size, stride, padding, dilation, ceil_mode) -> dict:
     h, w = _pair("input_size", input_size, minimum=1)
     kh, kw = _pair("kernel_size", kernel_size, minimum=1)

@@ -1,0 +1,402 @@
+"""maxpool_bwd: CPU order models against float64 and torch, bad inputs, and (on a GPU) the CUDA kernels
+against their models, bitwise.
+
+Error bound (from the op's arithmetic, ``maxpool_bwd.error_bound``): a dx element that receives k
+gradients is k float32 additions from +0.0, the first exact, so |dx - exact| <= gamma(k - 1) * sum |dy|.
+k <= 1 means dx is exact; a non-overlapping pool is exact everywhere.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import kernels
+from kernels import KernelArgumentError
+from kernels import maxpool_bwd as mp
+from kernels.runtime import KERNEL_DIR
+
+OP = "maxpool_bwd"
+SPEC = kernels.spec(OP)
+TREE = kernels.get(OP, "tree")
+ATOMIC = kernels.get(OP, "atomic")
+CPU = torch.device("cpu")
+TEST_CASES = SPEC.test_cases()
+CASE_IDS = [c.name for c in TEST_CASES]
+
+# Pool parameters beyond the case tables: rectangular kernels, per-axis stride/padding/dilation,
+# stride defaulting to the kernel, ceil_mode. (x shape, kwargs of max_pool2d)
+ODD_POOLS = [
+    ((2, 3, 11, 9), dict(kernel_size=(2, 3), stride=(1, 2), padding=(1, 1), dilation=(2, 1))),
+    ((1, 2, 7, 7), dict(kernel_size=3, stride=None)),
+    ((2, 2, 9, 8), dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), ceil_mode=True)),
+    ((1, 3, 5, 5), dict(kernel_size=5, stride=1, padding=2)),
+    ((2, 4, 6, 17), dict(kernel_size=(1, 4), stride=(1, 3), padding=(0, 2), ceil_mode=True)),
+]
+ODD_IDS = [f"{s}-{k}" for s, k in ODD_POOLS]
+
+
+def odd_inputs(shape, kw, layout="nchw", seed=0, device=CPU):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    y, idx = torch.nn.functional.max_pool2d(x, kw["kernel_size"], kw.get("stride"), kw.get("padding", 0),
+                                            kw.get("dilation", 1), ceil_mode=kw.get("ceil_mode", False),
+                                            return_indices=True)
+    dy = torch.randn(y.shape, generator=g)
+    if layout == "channels_last":
+        dy, idx = (t.contiguous(memory_format=torch.channels_last) for t in (dy, idx))
+    call = dict(kw, input_size=shape[2:])
+    return (dy.to(device), idx.to(device)), call
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    """float32 values as uint32 in NCHW order (so +0.0 and -0.0 differ)."""
+    return t.detach().to("cpu").contiguous().reshape(-1).numpy().view(np.uint32)
+
+
+def check_bound(result, args, kw):
+    """|result - float64 reference| within the recursive-summation bound, per element; prints offenders."""
+    ref = SPEC.reference(args, kw).reshape(-1).numpy()
+    count, abs_sum, _, _ = mp.contributions(*args, **kw)
+    err = np.abs(result.detach().to("cpu").contiguous().reshape(-1).numpy().astype(np.float64) - ref)
+    bound = mp.error_bound(count, abs_sum)
+    bad = np.nonzero(err > bound)[0]
+    assert bad.size == 0, f"{bad.size} elements outside the bound, first at {bad[:10]}: err {err[bad[:5]]}, bound {bound[bad[:5]]}"
+    return count
+
+
+def check_some_order(result, tree_result, args, kw):
+    """``result`` is what atomics produce for *some* arrival order: elements with <= 2 contributions
+    equal tree's bits (0 + a + b = 0 + b + a); those with 3..5 equal the sum in one of the k! orders;
+    all lie within the bound."""
+    count = check_bound(result, args, kw)
+    r, t = bits(result), bits(tree_result)
+    few = count <= 2
+    bad = np.nonzero(r[few] != t[few])[0]
+    assert bad.size == 0, f"elements with <= 2 contributions differ from tree at {np.nonzero(few)[0][bad[:10]]}"
+    _, _, vals, start = mp.contributions(*args, **kw)
+    checked = 0
+    for k in (3, 4, 5):
+        els = np.nonzero(count == k)[0]
+        if els.size == 0:
+            continue
+        cands = mp.possible_sums(vals, start, count, els).view(np.uint32)
+        ok = np.any(cands == r[els][:, None], axis=1)
+        assert ok.all(), f"{np.sum(~ok)} elements with {k} contributions match no order, first {els[~ok][:10]}"
+        checked += els.size
+    return checked
+
+
+def layout_ok(result: torch.Tensor, dy: torch.Tensor) -> bool:
+    if dy.is_contiguous():
+        return result.is_contiguous()
+    return result.is_contiguous(memory_format=torch.channels_last)
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: models against float64, torch and each other
+
+
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_tree_model_within_bound_and_equals_torch_cpu(case):
+    args, kw = SPEC.make_inputs(case, CPU)
+    dx = TREE(*args, **kw)
+    assert dx.shape == (args[0].shape[0], args[0].shape[1], *kw["input_size"]) and dx.dtype == torch.float32
+    assert layout_ok(dx, args[0])
+    count = check_bound(dx, args, kw)
+    if count.max() <= 1:  # no window shares an argmax: every dx element is a single dy value
+        assert torch.equal(dx, SPEC.reference(args, kw).float())
+    # torch's CPU backward adds a plane's windows in (oh, ow) row-major order, as tree does: same bits.
+    torch_dx = mp.torch_backward(*args, **kw)
+    diff = np.nonzero(bits(dx) != bits(torch_dx))[0]
+    assert diff.size == 0, f"tree differs from torch's CPU backward at {diff[:10]}"
+
+
+def test_non_overlapping_pool_is_exact():
+    case = next(c for c in TEST_CASES if c.name.startswith("k2s2"))
+    args, kw = SPEC.make_inputs(case, CPU)
+    ref = SPEC.reference(args, kw)
+    for v in (TREE, ATOMIC):
+        assert torch.equal(v(*args, **kw, rng=3), ref.float()), v.key
+
+
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_atomic_model_is_some_order(case):
+    args, kw = SPEC.make_inputs(case, CPU)
+    tree = TREE(*args, **kw)
+    dx = ATOMIC(*args, **kw, rng=case.seed)
+    assert layout_ok(dx, args[0])
+    check_some_order(dx, tree, args, kw)
+
+
+@pytest.mark.parametrize("case", [c for c in TEST_CASES if "b128" not in c.name], ids=lambda c: c.name)
+def test_models_bitwise_stable(case):
+    args, kw = SPEC.make_inputs(case, CPU)
+    first = bits(TREE(*args, **kw))
+    for _ in range(5):
+        assert np.array_equal(bits(TREE(*args, **kw)), first)
+    seeded = bits(ATOMIC(*args, **kw, rng=11))
+    assert np.array_equal(bits(ATOMIC(*args, **kw, rng=11)), seeded)  # same draw, same order
+
+
+def test_atomic_model_varies_with_order_negative_control():
+    """Where many windows share an argmax, the arrival order changes the bits; tree's order is fixed."""
+    case = next(c for c in SPEC.bench_cases("cpu") if c.name.startswith("contention_k7"))
+    args, kw = SPEC.make_inputs(case, CPU)
+    count, _, _, _ = mp.contributions(*args, **kw)
+    assert count.max() >= 10
+    results = {bits(ATOMIC(*args, **kw, rng=seed)).tobytes() for seed in range(20)}
+    assert len(results) >= 10, f"only {len(results)} distinct results over 20 arrival orders"
+    assert len({bits(ATOMIC(*args, **kw)).tobytes() for _ in range(3)}) > 1  # rng=None: fresh entropy
+    assert len({bits(TREE(*args, **kw)).tobytes() for _ in range(5)}) == 1
+
+
+def test_checks_reject_wrong_results_negative_control():
+    """The checks above must fail on deliberately wrong results: the reversed window order (a valid sum,
+    but not tree's), and a result that drops one gradient."""
+    case = next(c for c in SPEC.bench_cases("cpu") if c.name.startswith("contention_k5"))
+    args, kw = SPEC.make_inputs(case, CPU)
+    dy, idx = args
+    tree = TREE(*args, **kw)
+    rev = TREE(dy.flip(2, 3).contiguous(), idx.flip(2, 3).contiguous(), **kw)  # windows in reverse order
+    assert not np.array_equal(bits(rev), bits(tree))
+    check_bound(rev, args, kw)  # the reversed order is still a correct sum
+    dropped = dy.clone()
+    n, c, oh, ow = dy.shape
+    dropped[0, 0, oh // 2, ow // 2] = 0.0  # one window's gradient lost
+    wrong = TREE(dropped, idx, **kw)
+    with pytest.raises(AssertionError, match="outside the bound"):
+        check_bound(wrong, args, kw)
+
+
+def test_ties_indices_hold_the_window_maximum():
+    """Tied inputs: every index still points at its window's maximum, and many windows share an argmax."""
+    case = next(c for c in TEST_CASES if c.params.get("ties"))
+    (dy, idx), kw = SPEC.make_inputs(case, CPU)
+    count, _, _, _ = mp.contributions(dy, idx, **kw)
+    assert count.max() >= 3
+    # every index is a position of the plane that holds its window's maximum value
+    g = torch.Generator().manual_seed(case.seed)
+    p = case.params
+    x = torch.randint(-1, 3, (p["n"], p["c"], p["h"], p["w"]), generator=g).float()
+    y = torch.nn.functional.max_pool2d(x, p["k"], p["stride"], p["pad"], p["dilation"])
+    assert torch.equal(x.reshape(x.shape[0], x.shape[1], -1).gather(2, idx.reshape(idx.shape[0], idx.shape[1], -1)),
+                       y.reshape(y.shape[0], y.shape[1], -1))
+
+
+@pytest.mark.parametrize("shape,kw", ODD_POOLS, ids=ODD_IDS)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_odd_pool_parameters_cpu(shape, kw, layout):
+    args, call = odd_inputs(shape, kw, layout)
+    dx = TREE(*args, **call)
+    assert layout_ok(dx, args[0])
+    assert np.array_equal(bits(dx), bits(mp.torch_backward(*args, **call)))
+    check_bound(dx, args, call)
+    check_some_order(ATOMIC(*args, **call, rng=5), dx, args, call)
+
+
+def test_layouts_agree():
+    """tree gives the same bits in both layouts; atomic's draw is per window in memory order, so one
+    seed gives different orders per layout, each of them some order."""
+    case = next(c for c in TEST_CASES if c.name == "overlap_odd_nchw")
+    (dy, idx), kw = SPEC.make_inputs(case, CPU)
+    cl = [t.contiguous(memory_format=torch.channels_last) for t in (dy, idx)]
+    a, b = TREE(dy, idx, **kw), TREE(*cl, **kw)
+    assert a.is_contiguous() and b.is_contiguous(memory_format=torch.channels_last)
+    assert np.array_equal(bits(a), bits(b))
+    c = ATOMIC(*cl, **kw, rng=7)
+    assert c.is_contiguous(memory_format=torch.channels_last)
+    check_some_order(c, a, (dy, idx), kw)
+
+
+def test_stride_defaults_to_kernel():
+    args, kw = odd_inputs((1, 2, 8, 8), dict(kernel_size=2))
+    a = TREE(*args, input_size=(8, 8), kernel_size=2)
+    b = TREE(*args, input_size=(8, 8), kernel_size=2, stride=2)
+    c = TREE(*args, input_size=(8, 8), kernel_size=(2, 2), stride=[])
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad inputs: KernelArgumentError naming the argument, before anything runs
+
+_G = torch.Generator().manual_seed(0)
+_DY = torch.randn(2, 3, 4, 4, generator=_G)
+_IDX = torch.zeros(2, 3, 4, 4, dtype=torch.int64)
+_KW = dict(input_size=(8, 8), kernel_size=3, stride=2, padding=1)
+
+BAD = [
+    ("dy", (_DY.double(), _IDX), _KW),
+    ("dy", ([[1.0]], _IDX), _KW),
+    ("dy", (_DY[0], _IDX[0]), _KW),
+    ("indices", (_DY, _IDX.int()), _KW),
+    ("indices", (_DY, _IDX[:, :2]), _KW),
+    ("indices", (_DY, _IDX.to("meta")), _KW),
+    ("indices", (_DY, _IDX.contiguous(memory_format=torch.channels_last)), _KW),
+    ("dy", (_DY.transpose(2, 3), _IDX.transpose(2, 3)), _KW),
+    ("dy", (_DY[:0], _IDX[:0]), _KW),
+    ("dy", (_DY, _IDX), dict(_KW, input_size=(9, 8), padding=0)),
+    ("input_size", (_DY, _IDX), dict(_KW, input_size=(0, 8))),
+    ("input_size", (_DY, _IDX), dict(_KW, input_size=(2, 2), padding=0, kernel_size=3)),
+    ("input_size", (_DY, _IDX), dict(_KW, input_size=(8, 8, 8))),
+    ("kernel_size", (_DY, _IDX), dict(_KW, kernel_size=0)),
+    ("kernel_size", (_DY, _IDX), dict(_KW, kernel_size=2.5)),
+    ("stride", (_DY, _IDX), dict(_KW, stride=0)),
+    ("padding", (_DY, _IDX), dict(_KW, padding=-1)),
+    ("padding", (_DY, _IDX), dict(_KW, padding=2)),
+    ("dilation", (_DY, _IDX), dict(_KW, dilation=0)),
+    ("ceil_mode", (_DY, _IDX), dict(_KW, ceil_mode=1)),
+]
+
+
+@pytest.mark.parametrize("arg,args,kw", BAD, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(BAD)])
+@pytest.mark.parametrize("variant", ["tree", "atomic"])
+def test_bad_inputs_raise(variant, arg, args, kw):
+    v = kernels.get(OP, variant)
+    for fn in (v.cpu, v.cuda):
+        with pytest.raises(KernelArgumentError) as e:
+            fn(*args, **kw)
+        assert e.value.op == OP and e.value.arg == arg, str(e.value)
+
+
+def test_good_input_passes_the_checks():
+    dy, idx = _DY, torch.randint(0, 64, _DY.shape, generator=_G)
+    assert TREE(dy, idx, **_KW).shape == (2, 3, 8, 8)
+
+
+def test_cuda_launcher_refuses_cpu_tensors():
+    with pytest.raises(KernelArgumentError, match="CUDA tensor"):
+        TREE.cuda(_DY, _IDX, **_KW)
+
+
+def test_cu_compiles_with_nvcc(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    res = subprocess.run([nvcc, "-arch=sm_90", f"-I{KERNEL_DIR}", "-c", "-o", str(tmp_path / "m.o"),
+                          str(KERNEL_DIR / "maxpool_bwd.cu")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+def test_spec_tables():
+    assert {c.name for c in TEST_CASES} >= {"k2s2_nchw", "stem_pool3x3s2p1_16_b128_channels_last"}
+    for scale in ("gpu", "quick", "cpu"):
+        cases = SPEC.bench_cases(scale)
+        cont = [c.contention for c in cases if c.name.startswith("contention")]
+        assert cont == sorted(cont) and cont[-1] > 40  # k = 3, 5, 7 stride 1: ~k^2 windows per position
+        assert all(SPEC.bytes_moved(c) > 0 for c in cases)
+    stem = next(c for c in SPEC.bench_cases("gpu") if c.name.startswith("stem"))
+    assert stem.params["n"] == 128
+    # stem at batch 128: dy 128*64*8*8 floats + int64 indices, dx 128*64*16*16 floats
+    assert SPEC.bytes_moved(stem) == 128 * 64 * 64 * 12 + 128 * 64 * 256 * 4
+    assert set(SPEC.peers()) == {"torch"}
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: the CUDA kernels against their CPU models, bitwise
+
+CUDA = torch.device("cuda")
+REPEATS = 50
+
+
+@pytest.fixture
+def cuda_sync():
+    yield
+    torch.cuda.synchronize()  # surfaces any asynchronous launch error in the test that caused it
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_gpu_tree_bitwise_repeatable_and_equals_model(case, cuda_sync):
+    args, kw = SPEC.make_inputs(case, CUDA)
+    cpu_args, _ = SPEC.make_inputs(case, CPU)
+    first = TREE(*args, **kw)
+    assert layout_ok(first, args[0])
+    for _ in range(REPEATS):
+        assert torch.equal(TREE(*args, **kw), first)
+    model = TREE(*cpu_args, **kw)
+    diff = np.nonzero(bits(first) != bits(model))[0]
+    assert diff.size == 0, f"CUDA tree differs from its CPU model at {diff[:10]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_gpu_atomic_is_some_order(case, cuda_sync):
+    args, kw = SPEC.make_inputs(case, CUDA)
+    cpu_args, _ = SPEC.make_inputs(case, CPU)
+    tree = TREE(*cpu_args, **kw)
+    outs = [ATOMIC(*args, **kw) for _ in range(5)]
+    for dx in outs:
+        assert layout_ok(dx, args[0])
+        check_some_order(dx.cpu(), tree, cpu_args, kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,kw", ODD_POOLS, ids=ODD_IDS)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_gpu_odd_pool_parameters(shape, kw, layout, cuda_sync):
+    args, call = odd_inputs(shape, kw, layout, device=CUDA)
+    cpu_args, _ = odd_inputs(shape, kw, layout)
+    tree = TREE(*cpu_args, **call)
+    assert np.array_equal(bits(TREE(*args, **call)), bits(tree))
+    check_some_order(ATOMIC(*args, **call).cpu(), tree, cpu_args, call)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_gpu_atomic_varies_on_contended_case(layout, cuda_sync):
+    """Negative control: k7 stride-1 windows, up to 49 sharing an argmax. The atomic kernel gives
+    several results over the repeats; tree gives one."""
+    base = next(c for c in SPEC.bench_cases("quick") if c.name.startswith("contention_k7"))
+    case = kernels.Case(OP, base.name, dict(base.params, layout=layout), seed=base.seed)
+    args, kw = SPEC.make_inputs(case, CUDA)
+    atomic = {bits(ATOMIC(*args, **kw)).tobytes() for _ in range(REPEATS)}
+    tree = {bits(TREE(*args, **kw)).tobytes() for _ in range(REPEATS)}
+    print(f"{case.name} {layout}: atomic {len(atomic)} distinct / {REPEATS}, tree {len(tree)}")
+    assert len(tree) == 1
+    assert len(atomic) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["tree", "atomic"])
+def test_gpu_runs_on_torch_current_stream(variant, cuda_sync):
+    """dy is rewritten on a side stream behind a long sleep; a kernel launched on any other stream would
+    read the old dy."""
+    case = next(c for c in TEST_CASES if c.name == "stem_pool3x3s2p1_16_b128_nchw")
+    (dy, idx), kw = SPEC.make_inputs(case, CUDA)
+    new_dy = torch.randn(dy.shape, generator=torch.Generator().manual_seed(99)).to(CUDA)
+    expected = TREE(new_dy.cpu(), idx.cpu(), **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        buf = dy.clone()
+        torch.cuda._sleep(50_000_000)
+        buf.copy_(new_dy)
+        out = kernels.get(OP, variant)(buf, idx, **kw)
+    side.synchronize()
+    if variant == "tree":
+        assert np.array_equal(bits(out), bits(expected))
+    else:
+        check_some_order(out.cpu(), expected, (new_dy.cpu(), idx.cpu()), kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_gpu_matches_torch_backward(case, cuda_sync):
+    args, kw = SPEC.make_inputs(case, CUDA)
+    theirs = mp.torch_backward(*args, **kw)
+    check_bound(theirs.cpu(), [a.cpu() for a in args], kw)  # torch itself within the bound
+    for v in (TREE, ATOMIC):
+        check_bound(v(*args, **kw).cpu(), [a.cpu() for a in args], kw)
+
+
+@pytest.mark.gpu
+def test_gpu_bad_inputs_raise():
+    dy, idx = _DY.to(CUDA), _IDX.to(CUDA)
+    with pytest.raises(KernelArgumentError, match="indices"):
+        TREE(dy, _IDX, **_KW)
+    with pytest.raises(KernelArgumentError, match="dy"):
+        ATOMIC(dy.double(), idx, **_KW)
