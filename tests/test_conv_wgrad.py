@@ -1,0 +1,397 @@
+"""conv_wgrad: CPU order models and GPU kernels against float64, determinism, argument checks.
+
+Error bound (written here once, used by every accuracy test). A dw element is a float32 evaluation of
+s = sum_k t_k, t_k = dy_k * col_k over K = N*OH*OW terms, cut into S chunks of at most Kc terms
+(``plan``). Inside a chunk the terms are accumulated in float32 in some order (sequential FFMA on the
+GPU, a BLAS kernel's order on the CPU): a term passes through at most Kc roundings (its product, then
+at most Kc - 1 additions; an FMA fuses the two and only removes roundings). The chunk sums are then
+combined: atomic adds them one after another (at most S - 1 additions), tree adds S/8 per group and
+then 8 group sums (at most ceil(S/8) + 8). So no term passes through more than
+depth = Kc + S + 9 roundings, and Higham's bound gives |fl(s) - s| <= gamma_depth * sum_k |t_k|, with
+sum |t_k| = conv2d_weight(|x|, |dy|) computed in float64. The float64 reference adds its own error, at
+most gamma_K(2^-53) * sum |t_k|, which is added to the bound. The inputs are float32 in both, so they
+carry no representation error.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import kernels
+from kernels import KernelArgumentError
+from kernels.conv_wgrad import BK, GROUPS, MIN_CHUNK, Geometry, Plan, chunk_partials, plan, tree_combine
+from kernels.runtime import KERNEL_DIR
+from kernels.shapes import HOSTILE_CONV, RESNET18_CONV
+from tests.helpers import assert_bitwise_equal, byte_hash, distinct, gamma
+
+OP = "conv_wgrad"
+SPEC = kernels.spec(OP)
+VARIANTS = kernels.variants(OP)
+DETERMINISTIC = [v for v in VARIANTS if v.deterministic]
+ATOMIC = kernels.get(OP, "atomic")
+TREE = kernels.get(OP, "tree")
+CASES = SPEC.test_cases()
+
+
+def case_params(cases):
+    return [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.params.get("slow") else [])
+            for c in cases]
+
+
+def plan_of(variant, args, kwargs) -> Plan:
+    x, dy = args
+    m, r, k = dy.shape[1], x.shape[1] * kwargs["kernel_size"] ** 2, dy.shape[0] * dy.shape[2] * dy.shape[3]
+    return plan(m, r, k, split=variant.name != "nosplit")
+
+
+def error_bound(variant, args, kwargs) -> torch.Tensor:
+    """Per-element bound on |dw - dw_float64| (module docstring)."""
+    x, dy = args
+    p = plan_of(variant, args, kwargs)
+    mag = SPEC.reference((x.abs(), dy.abs()), kwargs).to(x.device)  # sum_k |dy_k * col_k|, float64
+    k = dy.shape[0] * dy.shape[2] * dy.shape[3]
+    return (gamma(p.chunk + p.splits + GROUPS + 1) + k * 2.0**-53 / (1 - k * 2.0**-53)) * mag
+
+
+def assert_within_bound(got, ref, bound, what):
+    err = (got.double().cpu() - ref.cpu()).abs()
+    bad = err > bound.cpu()
+    assert not bad.any(), (f"{what}: {int(bad.sum())} elements outside the bound, first at "
+                           f"{bad.nonzero()[:5].tolist()}; max err/bound {(err / bound.cpu()).max().item():.3g}")
+
+
+def small_integer_inputs(case, device="cpu"):
+    """Integers in [-3, 3]: every product and partial sum is an integer below 2^24 in magnitude, so any
+    float32 evaluation is exact and a lost, repeated or misplaced term shows as an exact mismatch."""
+    (x, dy), kw = SPEC.make_inputs(case, torch.device("cpu"))
+    g = torch.Generator().manual_seed(case.seed + 1)
+    fmt = torch.contiguous_format if case.params["layout"] == "nchw" else torch.channels_last
+    xi = torch.randint(-3, 4, x.shape, generator=g).float().to(device, memory_format=fmt)
+    dyi = torch.randint(-3, 4, dy.shape, generator=g).float().to(device, memory_format=fmt)
+    return (xi, dyi), kw
+
+
+# --------------------------------------------------------------------------------------------------
+# The split plan
+
+
+@pytest.mark.parametrize("shape", RESNET18_CONV + HOSTILE_CONV, ids=lambda s: s.name)
+@pytest.mark.parametrize("batch", [1, 2, 64, 128])
+def test_plan_covers_the_reduction(shape, batch):
+    s = shape.with_batch(batch)
+    _, _, oh, ow = s.y_shape
+    m, r, k = s.cout, s.cin * s.k * s.k, batch * oh * ow
+    for split in (True, False):
+        p = plan(m, r, k, split=split)
+        assert p.chunk % BK == 0 and p.splits >= 1
+        assert (p.splits - 1) * p.chunk < k <= p.splits * p.chunk, p  # no empty chunk, nothing left over
+        assert p.splits < 65536  # gridDim.z
+        if split and p.splits > 1:
+            assert p.chunk >= MIN_CHUNK - BK
+        if not split:
+            assert p.splits == 1
+
+
+def test_tree_combine_is_the_documented_order():
+    """8 strided groups (group j adds partials j, j + 8, ... one after another), then the group sums in
+    index order, every addition rounded to float32; written out with scalars."""
+    rng = np.random.default_rng(7)
+    for s in (2, 7, 8, 13, 64, 115):
+        partials = (rng.standard_normal((s, 5)) * 10.0 ** rng.integers(-3, 4, (s, 5))).astype(np.float32)
+        got = tree_combine(partials)
+        for e in range(partials.shape[1]):
+            groups = []
+            for j in range(GROUPS):
+                acc = np.float32(0.0)
+                for i in range(j, s, GROUPS):
+                    acc = np.float32(acc + partials[i, e])
+                groups.append(acc)
+            total = np.float32(0.0)
+            for v in groups:
+                total = np.float32(total + v)
+            assert got[e].tobytes() == total.tobytes(), (s, e)
+
+
+def test_chunk_partials_are_the_chunk_sums():
+    """Chunk 0's partial is the product restricted to the first Kc output pixels, and the partials add
+    up to the whole; each is a float32 sum of at most Kc terms, so within gamma_Kc * sum |t| of float64."""
+    case = next(c for c in CASES if c.name == "stem3x3_3-64_32_n1")
+    (x, dy), kw = SPEC.make_inputs(case, torch.device("cpu"))
+    g = Geometry(1, 3, 32, 32, 64, 32, 32, 3, 3, 1, 1, 1, 1, 1, 1)
+    p = plan(g.m, g.r, g.k)
+    assert p.splits > 1
+    parts = torch.from_numpy(chunk_partials(x, dy, g, p)).double()
+    mag = SPEC.reference((x.abs(), dy.abs()), kw).reshape(-1)
+    total = SPEC.reference((x, dy), kw).reshape(-1)
+    assert ((parts.sum(0) - total).abs() <= gamma(p.chunk) * mag + gamma(p.splits) * mag).all()
+    dy0 = dy.clone()
+    dy0.view(1, 64, -1)[:, :, p.chunk:] = 0  # k = oh * 32 + ow at batch 1
+    mag0 = SPEC.reference((x.abs(), dy0.abs()), kw).reshape(-1)
+    chunk0 = SPEC.reference((x, dy0), kw).reshape(-1)
+    assert ((parts[0] - chunk0).abs() <= gamma(p.chunk) * mag0).all()
+    assert not torch.equal(parts[0], total)
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU order models
+
+
+@pytest.mark.parametrize("case", case_params(CASES))
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_model_against_float64(variant, case):
+    args, kw = SPEC.make_inputs(case, torch.device("cpu"))
+    got = variant(*args, rng=case.seed, **kw)
+    ref = SPEC.reference(args, kw)
+    assert got.shape == ref.shape and got.dtype == torch.float32 and got.is_contiguous()
+    assert_within_bound(got, ref, error_bound(variant, args, kw), f"{variant.key} {case.name}")
+
+
+@pytest.mark.parametrize("case", case_params([c for c in CASES if not c.params.get("slow")]))
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_model_exact_on_small_integers(variant, case):
+    args, kw = small_integer_inputs(case)
+    got = variant(*args, rng=1, **kw)
+    assert torch.equal(got.double(), SPEC.reference(args, kw)), f"{variant.key} {case.name}"
+
+
+def test_bound_rejects_a_wrong_model():
+    """Negative control for the bound: dropping the last chunk partial must fail it."""
+    case = next(c for c in CASES if c.name == "conv3x3_64-64_32_n1")
+    args, kw = SPEC.make_inputs(case, torch.device("cpu"))
+    x, dy = args
+    g = Geometry(1, 64, 32, 32, 64, 32, 32, 3, 3, 1, 1, 1, 1, 1, 1)
+    p = plan(g.m, g.r, g.k)
+    assert p.splits > 1
+    wrong = torch.from_numpy(tree_combine(chunk_partials(x, dy, g, p)[:-1]).reshape(64, 64, 3, 3))
+    with pytest.raises(AssertionError):
+        assert_within_bound(wrong, SPEC.reference(args, kw), error_bound(TREE, args, kw), "dropped chunk")
+
+
+@pytest.mark.parametrize("variant", DETERMINISTIC, ids=lambda v: v.name)
+def test_deterministic_models_are_bitwise_stable(variant):
+    case = next(c for c in CASES if c.name == "conv3x3_64-64_32_n1")
+    args, kw = SPEC.make_inputs(case, torch.device("cpu"))
+    assert len({byte_hash(variant(*args, rng=seed, **kw)) for seed in range(5)}) == 1
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_models_do_not_depend_on_layout(variant):
+    """The models reduce in the same k order whatever the memory layout: NCHW and channels_last inputs
+    give the same bits (atomic with the same arrival-order seed)."""
+    for shape in HOSTILE_CONV[:3] + (RESNET18_CONV[1].with_batch(2),):
+        gen = torch.Generator().manual_seed(11)
+        x, dy = torch.randn(shape.x_shape, generator=gen), torch.randn(shape.y_shape, generator=gen)
+        kw = {"kernel_size": shape.k, "stride": shape.stride, "padding": shape.pad, "dilation": shape.dilation}
+        a = variant(x, dy, rng=3, **kw)
+        b = variant(x.to(memory_format=torch.channels_last), dy.to(memory_format=torch.channels_last), rng=3, **kw)
+        assert_bitwise_equal(a, b, f"{variant.key} {shape.name}")
+
+
+def test_atomic_model_varies_across_arrival_orders():
+    """Negative control: the 3->64 stem at batch 8 splits K = 8192 into 32 chunks, so each element
+    adds 32 partials, and their arrival order shows in the bits."""
+    shape = RESNET18_CONV[0].with_batch(8)
+    gen = torch.Generator().manual_seed(5)
+    x, dy = torch.randn(shape.x_shape, generator=gen), torch.randn(shape.y_shape, generator=gen)
+    kw = {"kernel_size": 3, "padding": 1}
+    assert plan(64, 27, 8 * 32 * 32).splits == 32
+    outs = [ATOMIC(x, dy, rng=seed, **kw) for seed in range(5)]
+    assert distinct(outs) > 1
+    assert_bitwise_equal(ATOMIC(x, dy, rng=3, **kw), outs[3], "a seeded arrival order is reproducible")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_empty_batch_gives_zeros(variant):
+    x, dy = torch.randn(0, 4, 6, 6), torch.randn(0, 5, 6, 6)
+    got = variant(x, dy, kernel_size=3, padding=1)
+    ref = torch.nn.grad.conv2d_weight(x, (5, 4, 3, 3), dy, padding=1)
+    assert got.shape == (5, 4, 3, 3) and torch.equal(got, ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument checks (before any launch)
+
+
+def _good():
+    return torch.randn(2, 3, 8, 8), torch.randn(2, 4, 8, 8), {"kernel_size": 3, "padding": 1}
+
+
+BAD = {
+    "x float64": (lambda x, dy, kw: ((x.double(), dy), kw), "x"),
+    "dy float16": (lambda x, dy, kw: ((x, dy.half()), kw), "dy"),
+    "x 3-D": (lambda x, dy, kw: ((x[0], dy), kw), "x"),
+    "x not a tensor": (lambda x, dy, kw: ((x.numpy(), dy), kw), "x"),
+    "dy batch": (lambda x, dy, kw: ((x, dy[:1]), kw), "dy"),
+    "dy spatial": (lambda x, dy, kw: ((x, dy[:, :, :7].contiguous()), kw), "dy"),
+    "dy for stride 2": (lambda x, dy, kw: ((x, dy), {**kw, "stride": 2}), "dy"),
+    "x strided": (lambda x, dy, kw: ((torch.randn(2, 3, 8, 16)[..., ::2], dy), kw), "x"),
+    "dy transposed": (lambda x, dy, kw: ((x, dy.transpose(2, 3)), kw), "dy"),
+    "kernel_size 0": (lambda x, dy, kw: ((x, dy), {**kw, "kernel_size": 0}), "kernel_size"),
+    "kernel_size 3-tuple": (lambda x, dy, kw: ((x, dy), {**kw, "kernel_size": (3, 3, 3)}), "kernel_size"),
+    "kernel_size float": (lambda x, dy, kw: ((x, dy), {**kw, "kernel_size": 3.0}), "kernel_size"),
+    "kernel larger than input": (lambda x, dy, kw: ((x, dy), {"kernel_size": 11}), "kernel_size"),
+    "stride 0": (lambda x, dy, kw: ((x, dy), {**kw, "stride": 0}), "stride"),
+    "stride bool": (lambda x, dy, kw: ((x, dy), {**kw, "stride": True}), "stride"),
+    "padding -1": (lambda x, dy, kw: ((x, dy), {**kw, "padding": -1}), "padding"),
+    "dilation 0": (lambda x, dy, kw: ((x, dy), {**kw, "dilation": (1, 0)}), "dilation"),
+    "dy on another device": (lambda x, dy, kw: ((x, dy.to("meta")), kw), "dy"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_bad_arguments_raise(variant, name):
+    make, arg = BAD[name]
+    args, kw = make(*_good())
+    with pytest.raises(KernelArgumentError) as info:
+        variant.cpu(*args, **kw)
+    assert info.value.op == OP and info.value.arg == arg, str(info.value)
+
+
+def test_good_arguments_pass():
+    """The base of the table above is valid (so each row fails for its own reason)."""
+    x, dy, kw = _good()
+    for v in VARIANTS:
+        assert v(x, dy, **kw).shape == (4, 3, 3, 3)
+        assert v(x, dy, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), dilation=1).shape == (4, 3, 3, 3)
+
+
+def test_registry_rows():
+    rows = {v.name: v for v in VARIANTS}
+    assert set(rows) == {"atomic", "tree", "nosplit"}
+    assert not rows["atomic"].deterministic and rows["tree"].deterministic and rows["nosplit"].deterministic
+    assert not any(v.cpu_bitexact or v.order_independent for v in VARIANTS)  # FFMA inside a chunk
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cu_compiles_with_nvcc():
+    src = KERNEL_DIR / "conv_wgrad.cu"
+    res = subprocess.run(["nvcc", "-arch=sm_90", f"-I{KERNEL_DIR}", "-c", "-o", "/dev/null", str(src)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU kernels
+
+GPU_SHAPES = [RESNET18_CONV[i] for i in (0, 1, 3, 5, 10, 11)]  # both stems, 32x32, 1x1 s2, s2, 4x4
+
+
+def gpu_case(shape, layout="nchw"):
+    return next(c for c in SPEC.bench_cases("gpu") if c.params["cin"] == shape.cin and
+                c.params["cout"] == shape.cout and c.params["k"] == shape.k and
+                c.params["stride"] == shape.stride and c.params["h"] == shape.h and c.params["layout"] == layout)
+
+
+def gpu_reference(args, kw):
+    """float64 on the GPU (same exact sum as the CPU reference up to float64 rounding, far faster)."""
+    x, dy = args
+    with torch.backends.cudnn.flags(enabled=True, deterministic=True, allow_tf32=False):
+        ref = torch.nn.grad.conv2d_weight(x.double(), (dy.shape[1], x.shape[1], kw["kernel_size"], kw["kernel_size"]),
+                                          dy.double(), stride=kw["stride"], padding=kw["padding"],
+                                          dilation=kw["dilation"])
+        mag = torch.nn.grad.conv2d_weight(x.double().abs(), ref.shape, dy.double().abs(), stride=kw["stride"],
+                                          padding=kw["padding"], dilation=kw["dilation"])
+    return ref, mag
+
+
+def gpu_bound(variant, args, kw, mag):
+    p = plan_of(variant, args, kw)
+    k = args[1].shape[0] * args[1].shape[2] * args[1].shape[3]
+    return (gamma(p.chunk + p.splits + GROUPS + 1) + k * 2.0**-53 / (1 - k * 2.0**-53)) * mag
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("shape", RESNET18_CONV, ids=lambda s: s.name)
+def test_gpu_within_bound_of_float64(shape, layout):
+    args, kw = SPEC.make_inputs(gpu_case(shape, layout), torch.device("cuda"))
+    ref, mag = gpu_reference(args, kw)
+    for v in VARIANTS:
+        got = v(*args, **kw)
+        torch.cuda.synchronize()
+        assert got.is_cuda and got.shape == ref.shape and got.is_contiguous()
+        assert_within_bound(got, ref, gpu_bound(v, args, kw, mag), f"{v.key} {shape.name} {layout}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", case_params([c for c in CASES if not c.params.get("slow")]))
+def test_gpu_exact_on_small_integers(case):
+    args, kw = small_integer_inputs(case, "cuda")
+    ref = SPEC.reference(args, kw)
+    for v in VARIANTS:
+        got = v(*args, **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(got.double().cpu(), ref), f"{v.key} {case.name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("variant", DETERMINISTIC, ids=lambda v: v.name)
+def test_gpu_deterministic_over_repeats(variant, shape):
+    args, kw = SPEC.make_inputs(gpu_case(shape), torch.device("cuda"))
+    first = variant(*args, **kw)
+    outs = [variant(*args, **kw) for _ in range(50)]
+    torch.cuda.synchronize()
+    for i, o in enumerate(outs):
+        assert torch.equal(o, first), f"{variant.key} {shape.name}: repeat {i} differs"
+
+
+@pytest.mark.gpu
+def test_gpu_atomic_varies_on_the_contended_stem():
+    """Measured negative control: the 3->64 stem at batch 128 combines 512 chunk partials per element
+    with atomicAdd; over 20 repeats the bits must change at least once."""
+    shape = RESNET18_CONV[0]
+    args, kw = SPEC.make_inputs(gpu_case(shape), torch.device("cuda"))
+    assert plan(64, 27, 128 * 32 * 32).splits >= 256
+    outs = [ATOMIC(*args, **kw) for _ in range(20)]
+    torch.cuda.synchronize()
+    assert distinct(outs) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_gpu_side_stream(variant):
+    """Launches go to torch's current stream: on a side stream the deterministic variants give the bits
+    of the default stream, and every variant's result is complete once that stream is synchronized."""
+    args, kw = SPEC.make_inputs(gpu_case(RESNET18_CONV[1]), torch.device("cuda"))
+    base = variant(*args, **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = variant(*args, **kw)
+        other_copy = other.clone()  # ordered after the kernels on the side stream
+    side.synchronize()
+    ref, mag = gpu_reference(args, kw)
+    assert_within_bound(other_copy, ref, gpu_bound(variant, args, kw, mag), f"{variant.key} side stream")
+    if variant.deterministic:
+        assert torch.equal(base, other_copy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", DETERMINISTIC, ids=lambda v: v.name)
+def test_gpu_layouts_give_the_same_bits(variant):
+    """Strides change the addresses, never the order of the arithmetic."""
+    cases = [gpu_case(RESNET18_CONV[2]), gpu_case(RESNET18_CONV[11])]
+    cases += [c for c in CASES if c.name in ("odd_s2_n2", "dilation2_n2", "c3_k7_s2_p3_n2")]
+    for case in cases:
+        args, kw = SPEC.make_inputs(case, torch.device("cuda"))
+        cl = tuple(a.to(memory_format=torch.channels_last) for a in args)
+        assert_bitwise_equal(variant(*args, **kw), variant(*cl, **kw), f"{variant.key} {case.name}")
+
+
+@pytest.mark.gpu
+def test_gpu_bad_arguments_and_empty_batch():
+    x, dy = torch.randn(2, 3, 8, 8, device="cuda"), torch.randn(2, 4, 8, 8)
+    for v in VARIANTS:
+        with pytest.raises(KernelArgumentError) as info:
+            v(x, dy, kernel_size=3, padding=1)
+        assert info.value.arg == "dy"
+        z = v(torch.randn(0, 3, 8, 8, device="cuda"), torch.randn(0, 4, 8, 8, device="cuda"), kernel_size=3,
+              padding=1)
+        torch.cuda.synchronize()
+        assert z.is_cuda and z.shape == (4, 3, 3, 3) and not z.any()
