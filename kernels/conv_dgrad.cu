@@ -15,7 +15,7 @@
 //           Cin <= 4 (network stems) uses tree_direct, one thread per pixel, same order.
 //
 // Both use FFMA, so neither matches its CPU model bit for bit (the models round each product apart).
-#include "common.cuh"
+// Self-contained: no shared header (the reductions here are GEMM accumulators, not common.cuh trees).
 
 #define DG_BM 128            // block tile rows (pixels)
 #define DG_BN 64             // block tile columns (Cin for tree, KH*KW*Cin for atomic)

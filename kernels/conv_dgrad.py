@@ -45,7 +45,7 @@ BM, BN, THREADS = 128, 64, 256      # GEMM block tile (rows x columns) and threa
 DIRECT_THREADS = 256
 DIRECT_MAX_CIN = 4                  # tree uses the one-thread-per-pixel kernel up to this many channels
 MAX_KERNEL = 32                     # taps per axis the CUDA kernels list in shared memory
-ATOMIC_CHUNK = 32                   # CPU atomic model: elements that share one random tap order
+ATOMIC_ORDERS = 16                  # CPU atomic model: random tap orders drawn per call
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,8 +104,8 @@ def _check(w, dy, input_size, stride, padding, dilation) -> Geometry:
 
 def _empty_dx(g: Geometry, device, zero: bool) -> torch.Tensor:
     fmt = torch.channels_last if g.layout == "channels_last" else torch.contiguous_format
-    make = torch.zeros if zero else torch.empty
-    return make(g.dx_shape, dtype=torch.float32, device=device, memory_format=fmt)
+    dx = torch.empty(g.dx_shape, dtype=torch.float32, device=device, memory_format=fmt)
+    return dx.zero_() if zero else dx
 
 
 def _trivial(g: Geometry) -> bool:
@@ -203,49 +203,42 @@ def conv_dgrad_tree_cpu(w, dy, *, input_size, stride=1, padding=0, dilation=1, r
     return _in_layout(dx, g)
 
 
-def _tap_planes(cols: torch.Tensor, g: Geometry) -> torch.Tensor:
-    """(KH*KW, N, Cin, H, W): plane t holds tap t's contribution to each dx element, +0.0 where the tap
-    does not reach it (adding +0.0 to the +0.0-initialised accumulator or to any sum changes nothing)."""
-    c = cols.reshape(g.n, g.cin, g.kh, g.kw, g.oh, g.ow)
-    planes = torch.zeros((g.kh * g.kw, g.n, g.cin, g.h, g.w), dtype=torch.float32)
-
-    def span(k, size, out, s, p, d):
-        # dy rows o with 0 <= o*s - p + k*d < size: o in [lo, hi)
-        lo = max(0, cdiv(p - k * d, s))
-        hi = min(out, (size - 1 + p - k * d) // s + 1)
-        return lo, hi, lo * s - p + k * d
-
-    for kh in range(g.kh):
-        olo, ohi, h0 = span(kh, g.h, g.oh, g.sh, g.ph, g.dh)
-        if ohi <= olo:
-            continue
-        for kw in range(g.kw):
-            wlo, whi, w0 = span(kw, g.w, g.ow, g.sw, g.pw, g.dw)
-            if whi <= wlo:
-                continue
-            planes[kh * g.kw + kw, :, :, h0:h0 + (ohi - olo - 1) * g.sh + 1:g.sh,
-                   w0:w0 + (whi - wlo - 1) * g.sw + 1:g.sw] = c[:, :, kh, kw, olo:ohi, wlo:whi]
-    return planes
+def _span(k: int, size: int, out: int, s: int, p: int, d: int) -> tuple[int, int, int]:
+    """dy rows o whose tap k lands inside dx (0 <= o*s - p + k*d < size): o in [lo, hi), first row h0."""
+    lo = max(0, cdiv(p - k * d, s))
+    hi = min(out, (size - 1 + p - k * d) // s + 1)
+    return lo, hi, lo * s - p + k * d
 
 
 def conv_dgrad_atomic_cpu(w, dy, *, input_size, stride=1, padding=0, dilation=1, rng=None) -> torch.Tensor:
-    """Arrival order: each chunk of ATOMIC_CHUNK consecutive dx elements (NCHW order) adds its taps'
-    contributions into +0.0 in its own random permutation of the KH*KW taps, drawn from ``rng``."""
+    """Arrival order: each (n, ci) plane of dx adds its taps' contributions into +0.0 in one of
+    ATOMIC_ORDERS random permutations of the KH*KW taps (plane -> permutation drawn from ``rng`` too).
+    Taps that do not reach an element leave it alone, so only overlapping windows see the order."""
     g = _cpu_prologue(w, dy, input_size, stride, padding, dilation)
     if _trivial(g):
         return _empty_dx(g, "cpu", zero=True)
-    taps = g.kh * g.kw
-    planes = _tap_planes(tap_columns(w, dy, g), g).reshape(taps, -1)
-    numel = planes.shape[1]
-    chunks = cdiv(numel, ATOMIC_CHUNK)
-    planes = F.pad(planes, (0, chunks * ATOMIC_CHUNK - numel)).reshape(taps, chunks, ATOMIC_CHUNK)
-    order = torch.from_numpy(np.argsort(rng_of(rng).random((chunks, taps)), axis=1))
-    rows = torch.arange(chunks)
-    acc = torch.zeros((chunks, ATOMIC_CHUNK), dtype=torch.float32)
-    for k in range(taps):
-        acc += planes[order[:, k], rows]
-    dx = acc.reshape(-1)[:numel].reshape(g.dx_shape)
-    return _in_layout(dx, g)
+    gen = rng_of(rng)
+    taps, planes = g.kh * g.kw, g.n * g.cin
+    c = tap_columns(w, dy, g).reshape(planes, g.kh, g.kw, g.oh, g.ow)
+    orders = np.argsort(gen.random((min(ATOMIC_ORDERS, planes), taps)), axis=1)
+    which = gen.integers(0, len(orders), planes)
+    dx = torch.empty((planes, g.h, g.w), dtype=torch.float32)
+    for o, order in enumerate(orders):
+        idx = torch.from_numpy(np.flatnonzero(which == o))
+        if idx.numel() == 0:
+            continue
+        part = c.index_select(0, idx)
+        acc = torch.zeros((idx.numel(), g.h, g.w), dtype=torch.float32)
+        for t in order:
+            kh, kw = divmod(int(t), g.kw)
+            hlo, hhi, h0 = _span(kh, g.h, g.oh, g.sh, g.ph, g.dh)
+            wlo, whi, w0 = _span(kw, g.w, g.ow, g.sw, g.pw, g.dw)
+            if hhi <= hlo or whi <= wlo:
+                continue
+            acc[:, h0:h0 + (hhi - hlo - 1) * g.sh + 1:g.sh, w0:w0 + (whi - wlo - 1) * g.sw + 1:g.sw] += \
+                part[:, kh, kw, hlo:hhi, wlo:whi]
+        dx.index_copy_(0, idx, acc)
+    return _in_layout(dx.reshape(g.dx_shape), g)
 
 
 # --------------------------------------------------------------------------------------------------

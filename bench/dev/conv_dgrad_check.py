@@ -1,0 +1,131 @@
+"""conv_dgrad on a CUDA machine: every variant against float64, distinct results over repeats, and
+timings beside cuDNN, on every ResNet-18 conv shape at batch 128.
+
+    python3 bench/dev/conv_dgrad_check.py [--quick] [--repeats 20] [--csv out.csv]
+
+--quick: NCHW only (the full run adds channels_last). cuDNN runs with cudnn.benchmark on and TF32 off
+("cudnn"), and in deterministic mode ("cudnn_det"); the flags are restored on exit. Times are medians of
+CUDA-event timings of single calls after warm-up; "err/bound" is the largest |dx - dx_float64| divided by
+the element's own worst-case bound gamma_depth * sum |w| |dy| (<= 1 passes; the cuDNN rows are shown
+against the atomic variant's bound for comparison only: their algorithms are not tied to it).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import pathlib
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+import kernels  # noqa: E402
+from kernels.conv_dgrad import OP  # noqa: E402
+
+U32 = 2.0**-24
+
+
+@contextlib.contextmanager
+def torch_flags(benchmark: bool, deterministic: bool):
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = benchmark, deterministic
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = saved
+
+
+def depth(name: str, case) -> int:
+    """Longest chain of roundings a dx element passes through (see tests/test_conv_dgrad.py)."""
+    p = case.params
+    if name == "tree":
+        return p["cout"] * p["k"] * p["k"] + 1
+    return p["cout"] + p["k"] * p["k"] + 1  # atomic, and a bound cuDNN's fp32 algorithms meet too
+
+
+def time_us(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="NCHW only")
+    ap.add_argument("--repeats", type=int, default=20, help="repeats for distinct results and timing")
+    ap.add_argument("--csv", type=pathlib.Path, help="also write the rows to this CSV file")
+    args = ap.parse_args()
+    if not kernels.cuda_available():
+        print("conv_dgrad_check: needs a CUDA device and CuPy", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    spec = kernels.spec(OP)
+    variants = kernels.variants(OP)
+    peer = spec.peers()["torch"]
+    print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
+          f"cuDNN {torch.backends.cudnn.version()}")
+    rows, failures = [], 0
+    for case in spec.bench_cases("quick" if args.quick else "gpu"):
+        (w, dy), kw = spec.make_inputs(case, dev)
+        with torch_flags(benchmark=False, deterministic=True):
+            ref = peer(w.double(), dy.double(), **kw)  # float64 on the GPU: the reference
+            absref = peer(w.double().abs(), dy.double().abs(), **kw)
+        flops = spec.flops(case)
+        impls = [(v.name, (lambda v=v: v(w, dy, **kw)), (True, False)) for v in variants]
+        impls += [("cudnn", lambda: peer(w, dy, **kw), (True, False)),
+                  ("cudnn_det", lambda: peer(w, dy, **kw), (False, True))]
+        res = {}
+        for name, fn, flags in impls:
+            with torch_flags(*flags):
+                out = fn()
+                torch.cuda.synchronize()
+                bound = depth("tree" if name == "tree" else "atomic", case) * U32 * absref
+                err = ((out.double() - ref).abs() / bound.clamp_min(1e-300)).max().item()
+                seen = [out]  # distinct results, compared bitwise on the device
+                for _ in range(args.repeats - 1):
+                    again = fn()
+                    if not any(torch.equal(again, s) for s in seen):
+                        seen.append(again)
+                torch.cuda.synchronize()  # surfaces any launch error here
+                us = time_us(fn, args.repeats)
+            if name in {v.name for v in variants}:
+                failures += err > 1.0
+            res[name] = dict(us=us, err=err, distinct=len(seen))
+        for name, r in res.items():
+            rows.append(dict(case=case.name, variant=name, us=round(r["us"], 1),
+                             tflops=round(flops / r["us"] / 1e6, 2),
+                             vs_cudnn=round(r["us"] / res["cudnn"]["us"], 2),
+                             tree_vs_atomic=round(res["tree"]["us"] / res["atomic"]["us"], 2) if name == "tree" else "",
+                             distinct=r["distinct"], err_over_bound=f"{r['err']:.3f}"))
+        print(f"  done {case.name}", flush=True)
+    head = ["case", "variant", "us", "tflops", "vs_cudnn", "tree_vs_atomic", "distinct", "err_over_bound"]
+    widths = [max(len(h), *(len(str(r[h])) for r in rows)) for h in head]
+    print("  ".join(h.ljust(n) for h, n in zip(head, widths)))
+    for r in rows:
+        print("  ".join(str(r[h]).ljust(n) for h, n in zip(head, widths)))
+    if args.csv:
+        with args.csv.open("w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=head)
+            wr.writeheader()
+            wr.writerows(rows)
+    print(f"{failures} result(s) outside the float64 bound")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

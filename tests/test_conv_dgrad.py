@@ -1,0 +1,285 @@
+"""conv_dgrad: CPU order models and CUDA kernels against float64, determinism, negative controls, checks.
+
+Error bound (per dx element, from the arithmetic): a dx element is a sum of products w * dy over the
+taps (co, kh, kw) that reach it. With u = 2^-24 and gamma_k = k u / (1 - k u) (Higham), a float32
+result whose every product passes through at most k roundings is within gamma_k * sum |w| |dy| of the
+exact value, whatever the order. The sum |w| |dy| is itself a data gradient: conv_dgrad(|w|, |dy|),
+computed in float64. Roundings per product:
+- CPU models: the float32 matmul rounds the product (1) and adds the Cout products of a tap column
+  (<= Cout - 1 additions, any blocking); the tap columns are then added into +0.0 (<= KH*KW additions)
+  by col2im (tree) or in random order (atomic): k = Cout + KH*KW + 1.
+- CUDA atomic: an FFMA chain over Cout (Cout roundings), then <= KH*KW atomic additions into +0.0:
+  k = Cout + KH*KW (Cout + KH*KW + 1 is used, the same bound as the models).
+- CUDA tree: one FFMA chain over every (tap, co) of the element: k = Cout*KH*KW (+1 kept for symmetry).
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import kernels
+from kernels import KernelArgumentError
+from kernels.conv_dgrad import OP, SOURCE, conv_dgrad_tree_cpu
+from kernels.runtime import KERNEL_DIR
+from kernels.shapes import RESNET18_CONV, ConvShape
+from tests.helpers import assert_bitwise_equal, distinct, gamma
+
+VARIANTS = kernels.variants(OP)
+TREE = kernels.get(OP, "tree")
+ATOMIC = kernels.get(OP, "atomic")
+SPEC = kernels.spec(OP)
+CASES = SPEC.test_cases()
+REPEATS = 50
+
+
+def inputs(case, device="cpu"):
+    (w, dy), kw = SPEC.make_inputs(case, torch.device(device))
+    return w, dy, kw
+
+
+def model_depth(case) -> int:
+    """Roundings per product in the CPU models: Cout + KH*KW + 1 (see the module docstring)."""
+    p = case.params
+    return p["cout"] + p["k"] * p["k"] + 1
+
+
+def assert_within_bound(got: torch.Tensor, w, dy, kw, k: int, what: str) -> None:
+    ref = SPEC.reference((w, dy), kw)
+    mag = SPEC.reference((w.abs(), dy.abs()), kw)
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
+    err = (got.detach().cpu().double() - ref).abs()
+    bound = gamma(k) * mag
+    bad = err > bound
+    if bad.any():
+        idx = bad.nonzero()[:5].tolist()
+        raise AssertionError(f"{what}: {int(bad.sum())} elements outside gamma_{k} bound, first at {idx}: "
+                             f"err {err[bad][:5].tolist()} bound {bound[bad][:5].tolist()}")
+
+
+def case_named(name: str):
+    return next(c for c in CASES if c.name == name)
+
+
+def make_case(shape: ConvShape, layout: str = "nchw", seed: int = 0):
+    params = {"n": shape.n, "cin": shape.cin, "cout": shape.cout, "k": shape.k, "stride": shape.stride,
+              "pad": shape.pad, "h": shape.h, "w": shape.w, "dilation": shape.dilation, "layout": layout}
+    return kernels.Case(OP, shape.name, params, seed=seed)
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU order models
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_model_against_float64(variant, case):
+    w, dy, kw = inputs(case)
+    got = variant(w, dy, rng=case.seed, **kw)
+    assert got.dtype == torch.float32
+    want_cl = case.params["layout"] == "channels_last"
+    assert got.is_contiguous(memory_format=torch.channels_last if want_cl else torch.contiguous_format)
+    assert_within_bound(got, w, dy, kw, model_depth(case), f"{variant.key} {case.name}")
+
+
+def test_model_tuple_parameters():
+    """Per-axis stride, padding and dilation (all different) against float64."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(5, 3, 3, 2, generator=g)
+    kw = {"input_size": (11, 9), "stride": (2, 1), "padding": (1, 0), "dilation": (1, 2)}
+    dy = torch.randn(2, 5, 6, 7, generator=g)
+    for v in VARIANTS:
+        assert_within_bound(v(w, dy, rng=0, **kw), w, dy, kw, 5 + 6 + 1, v.key)
+
+
+def test_tree_model_bitwise_stable():
+    for case in (case_named("conv3x3_64-64_32_b1"), case_named("odd_s2_b2"), case_named("dilation2_cl_b2")):
+        w, dy, kw = inputs(case)
+        first = TREE(w, dy, rng=0, **kw)
+        for seed in range(1, 6):
+            assert_bitwise_equal(TREE(w, dy, rng=seed, **kw), first, f"tree model {case.name}")
+
+
+def test_tree_model_layout_independent():
+    """channels_last changes where dx lives, not the order its sums are taken in."""
+    for name in ("odd_s2_b2", "c3_k7_s2_p3_b2", "dilation2_b2", "conv3x3s2_64-128_32_b1"):
+        w, dy, kw = inputs(case_named(name))
+        cl = TREE(w, dy.contiguous(memory_format=torch.channels_last), **kw)
+        assert cl.is_contiguous(memory_format=torch.channels_last)
+        assert_bitwise_equal(cl.contiguous(), TREE(w, dy, **kw), name)
+
+
+def test_atomic_model_seeded_is_reproducible():
+    w, dy, kw = inputs(case_named("conv3x3_64-64_32_b1"))
+    assert_bitwise_equal(ATOMIC(w, dy, rng=5, **kw), ATOMIC(w, dy, rng=5, **kw), "atomic model, same seed")
+
+
+def test_atomic_model_varies_where_windows_overlap():
+    """Negative control: with 3x3 windows at stride 1 each dx element takes 9 taps, and their arrival
+    order changes the rounding; the same model agrees with itself on a non-overlapping 1x1 stride-2
+    conv, where every element receives one contribution."""
+    w, dy, kw = inputs(case_named("conv3x3_64-64_32_b1"))
+    outs = [ATOMIC(w, dy, rng=s, **kw) for s in range(8)]
+    assert distinct(outs) >= 4
+    assert distinct(outs + [TREE(w, dy, **kw)]) >= 5
+    w, dy, kw = inputs(case_named("conv1x1s2_64-128_32_b1"))
+    outs = [ATOMIC(w, dy, rng=s, **kw) for s in range(4)] + [TREE(w, dy, **kw)]
+    assert distinct(outs) == 1
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_model_empty(variant):
+    w = torch.randn(4, 3, 3, 3)
+    for n in (0,):
+        dy = torch.randn(n, 4, 5, 5)
+        got = variant(w, dy, input_size=(7, 7), rng=0)
+        want = torch.nn.grad.conv2d_input((n, 3, 7, 7), w, dy)
+        assert got.shape == want.shape == (0, 3, 7, 7)
+    got = variant(torch.randn(0, 3, 3, 3), torch.randn(2, 0, 5, 5), input_size=(7, 7), rng=0)
+    assert got.shape == (2, 3, 7, 7) and not got.any()
+
+
+def _bad_inputs():
+    w, dy = torch.randn(4, 3, 3, 3), torch.randn(2, 4, 5, 5)
+    ok = {"input_size": (7, 7), "stride": 1, "padding": 0, "dilation": 1}
+    strided = torch.randn(2, 4, 5, 10)[..., ::2]
+    return [
+        ("w float64", (w.double(), dy), ok, "w"),
+        ("dy int", (w, dy.int()), ok, "dy"),
+        ("w not a tensor", (w.numpy(), dy), ok, "w"),
+        ("w 3-D", (w[0], dy), ok, "w"),
+        ("dy 5-D", (w, dy[None]), ok, "dy"),
+        ("dy on another device", (w, dy.to("meta")), ok, "dy"),
+        ("channel mismatch", (w, torch.randn(2, 5, 5, 5)), ok, "dy"),
+        ("output size mismatch", (w, dy), {**ok, "input_size": (8, 7)}, "dy"),
+        ("stride inconsistent", (w, dy), {**ok, "stride": 2}, "dy"),
+        ("input smaller than kernel", (w, torch.randn(2, 4, 1, 1)), {**ok, "input_size": (2, 2)}, "input_size"),
+        ("input_size zero", (w, dy), {**ok, "input_size": (0, 7)}, "input_size"),
+        ("input_size 3 values", (w, dy), {**ok, "input_size": (7, 7, 7)}, "input_size"),
+        ("stride 0", (w, dy), {**ok, "stride": 0}, "stride"),
+        ("stride float", (w, dy), {**ok, "stride": 1.0}, "stride"),
+        ("stride bool", (w, dy), {**ok, "stride": True}, "stride"),
+        ("padding negative", (w, dy), {**ok, "padding": (0, -1)}, "padding"),
+        ("dilation 0", (w, dy), {**ok, "dilation": 0}, "dilation"),
+        ("dy strided", (w, strided), ok, "dy"),
+        ("w transposed", (w.transpose(2, 3).transpose(0, 1), dy), ok, "w"),
+    ]
+
+
+@pytest.mark.parametrize("bad", _bad_inputs(), ids=lambda b: b[0])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_bad_inputs_raise(variant, bad):
+    _, args, kw, arg = bad
+    with pytest.raises(KernelArgumentError) as info:
+        variant.cpu(*args, **kw)
+    assert info.value.op == OP and info.value.arg == arg, str(info.value)
+    with pytest.raises(KernelArgumentError) as info:  # the CUDA launcher checks before anything else
+        variant.cuda(*args, **kw)
+    assert info.value.arg == arg, str(info.value)
+
+
+def test_cuda_launcher_refuses_cpu_tensors():
+    w, dy = torch.randn(4, 3, 3, 3), torch.randn(2, 4, 5, 5)
+    for v in VARIANTS:
+        with pytest.raises(KernelArgumentError) as info:
+            v.cuda(w, dy, input_size=(7, 7))
+        assert info.value.arg == "dy"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_cu_compiles_for_sm90():
+    r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", f"-I{KERNEL_DIR}", "-c", "-o", "/dev/null",
+                        str(KERNEL_DIR / SOURCE), "-Xptxas", "-v"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "spill stores" in r.stderr  # ptxas reported on the kernels
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA kernels
+
+
+GPU_CASES = CASES + [make_case(s.with_batch(8), "nchw", 700 + i) for i, s in enumerate(RESNET18_CONV)]
+
+
+def _cuda_bound_depth(variant, case) -> int:
+    p = case.params
+    taps = p["k"] * p["k"]
+    return p["cout"] * taps + 1 if variant.name == "tree" else p["cout"] + taps + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_cuda_against_float64(variant, case):
+    w, dy, kw = inputs(case, "cuda")
+    got = variant(w, dy, **kw)
+    torch.cuda.synchronize()
+    want_cl = case.params["layout"] == "channels_last"
+    assert got.is_cuda and got.is_contiguous(memory_format=torch.channels_last if want_cl else torch.contiguous_format)
+    assert_within_bound(got.cpu(), w.cpu(), dy.cpu(), kw, _cuda_bound_depth(variant, case), f"{variant.key} {case.name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_cuda_tree_bitwise_deterministic(case):
+    w, dy, kw = inputs(case, "cuda")
+    first = TREE(w, dy, **kw)
+    for _ in range(REPEATS - 1):
+        again = TREE(w, dy, **kw)
+        assert torch.equal(again, first), f"tree {case.name}: results differ between repeats"
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_cuda_tree_layout_independent():
+    """Both layouts run the same per-element FMA order, so channels_last gives the NCHW bits."""
+    for i, s in enumerate(RESNET18_CONV):
+        w, dy, kw = inputs(make_case(s.with_batch(4), "nchw", 800 + i), "cuda")
+        a = TREE(w, dy, **kw)
+        b = TREE(w, dy.contiguous(memory_format=torch.channels_last), **kw)
+        assert_bitwise_equal(b.contiguous(), a, s.name)
+
+
+@pytest.mark.gpu
+def test_cuda_atomic_varies_where_windows_overlap():
+    """Negative control: the atomic scatter gives several distinct results on 3x3 stride-1 windows;
+    on a 1x1 stride-2 conv (one contribution per element) it is as repeatable as the tree."""
+    w, dy, kw = inputs(make_case(RESNET18_CONV[1].with_batch(32), "nchw", 11), "cuda")
+    outs = [ATOMIC(w, dy, **kw) for _ in range(REPEATS)]
+    torch.cuda.synchronize()
+    n = len({o.cpu().numpy().tobytes() for o in outs})
+    print(f"atomic {RESNET18_CONV[1].name} batch 32: {n} distinct results in {REPEATS} repeats")
+    assert n > 1
+    w, dy, kw = inputs(make_case(RESNET18_CONV[3].with_batch(32), "nchw", 12), "cuda")
+    outs = [ATOMIC(w, dy, **kw) for _ in range(10)]
+    assert len({o.cpu().numpy().tobytes() for o in outs}) == 1
+
+
+@pytest.mark.gpu
+def test_cuda_independent_of_stream():
+    w, dy, kw = inputs(make_case(RESNET18_CONV[2].with_batch(16), "nchw", 13), "cuda")
+    base = TREE(w, dy, **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            on_side = TREE(w, dy, **kw)
+            atomic_side = ATOMIC(w, dy, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert_bitwise_equal(on_side, base, "tree on a side stream")
+    assert_within_bound(atomic_side.cpu(), w.cpu(), dy.cpu(), kw, 128 + 9 + 1, "atomic on a side stream")
+
+
+@pytest.mark.gpu
+def test_cuda_matches_model_within_bound():
+    """Not bit-exact (FFMA): the CUDA tree and its CPU model agree to within both their bounds."""
+    case = case_named("conv3x3_64-64_32_b1")
+    w, dy, kw = inputs(case, "cuda")
+    gpu = TREE(w, dy, **kw).cpu()
+    cpu = conv_dgrad_tree_cpu(w.cpu(), dy.cpu(), **kw)
+    mag = SPEC.reference((w.cpu().abs(), dy.cpu().abs()), kw)
+    k = (64 * 9 + 1) + (64 + 9 + 1)
+    assert ((gpu.double() - cpu.double()).abs() <= gamma(k) * mag).all()
