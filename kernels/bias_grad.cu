@@ -21,59 +21,88 @@
 // dy[n*C*S + c*S + s]. Chunk p is [p*E, min((p+1)*E, N*S)); thread t adds slots t, t + T, ...
 // (a slot is VEC consecutive values) into VEC lane accumulators, combined as (a0+a1)+(a2+a3).
 
+// Offset of virtual index (n, s) and a step of `step` values (step_n rows and step_s more values).
+struct Walk {
+    long long n, s;
+};
+
+__device__ __forceinline__ void advance(Walk& w, long long step_n, long long step_s, long long S) {
+    w.n += step_n;
+    w.s += step_s;
+    if (w.s >= S) { w.s -= S; ++w.n; }
+}
+
+// Four loads are issued before they are added so that enough bytes are in flight; the additions happen
+// in slot order, which is what the CPU model reproduces.
+template <int VEC>
 __device__ __forceinline__ float nchw_thread_sum(const float* __restrict__ dy, long long S, long long CS,
-                                                 int c, long long begin, long long end, int vec) {
+                                                 int c, long long begin, long long end) {
     float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
     const float* base = dy + (long long)c * S;
-    if (vec == 4) {
-        // Walk (n, s) incrementally: one division at the start, none in the loop.
-        const long long step = 4LL * blockDim.x;
-        const long long step_n = step / S, step_s = step - step_n * S;
-        long long v = begin + 4LL * threadIdx.x;
-        long long n = v / S, s = v - n * S;
-#pragma unroll 4
-        for (; v < end; v += step) {
-            const float4 q = *reinterpret_cast<const float4*>(base + n * CS + s);
+    const long long step = (long long)VEC * blockDim.x;
+    const long long step_n = step / S, step_s = step - step_n * S;
+    long long v = begin + (long long)VEC * threadIdx.x;
+    Walk w = {v / S, v - (v / S) * S};
+    for (; v + 3 * step < end; v += 4 * step) {
+        Walk w1 = w; advance(w1, step_n, step_s, S);
+        Walk w2 = w1; advance(w2, step_n, step_s, S);
+        Walk w3 = w2; advance(w3, step_n, step_s, S);
+        if (VEC == 4) {
+            const float4 q0 = *reinterpret_cast<const float4*>(base + w.n * CS + w.s);
+            const float4 q1 = *reinterpret_cast<const float4*>(base + w1.n * CS + w1.s);
+            const float4 q2 = *reinterpret_cast<const float4*>(base + w2.n * CS + w2.s);
+            const float4 q3 = *reinterpret_cast<const float4*>(base + w3.n * CS + w3.s);
+            a0 += q0.x; a1 += q0.y; a2 += q0.z; a3 += q0.w;
+            a0 += q1.x; a1 += q1.y; a2 += q1.z; a3 += q1.w;
+            a0 += q2.x; a1 += q2.y; a2 += q2.z; a3 += q2.w;
+            a0 += q3.x; a1 += q3.y; a2 += q3.z; a3 += q3.w;
+        } else {
+            const float q0 = base[w.n * CS + w.s], q1 = base[w1.n * CS + w1.s];
+            const float q2 = base[w2.n * CS + w2.s], q3 = base[w3.n * CS + w3.s];
+            a0 += q0; a0 += q1; a0 += q2; a0 += q3;
+        }
+        w = w3;
+        advance(w, step_n, step_s, S);
+    }
+    for (; v < end; v += step) {
+        if (VEC == 4) {
+            const float4 q = *reinterpret_cast<const float4*>(base + w.n * CS + w.s);
             a0 += q.x; a1 += q.y; a2 += q.z; a3 += q.w;
-            n += step_n; s += step_s;
-            if (s >= S) { s -= S; ++n; }
+        } else {
+            a0 += base[w.n * CS + w.s];
         }
-    } else {
-        const long long step = blockDim.x;
-        const long long step_n = step / S, step_s = step - step_n * S;
-        long long v = begin + threadIdx.x;
-        long long n = v / S, s = v - n * S;
-#pragma unroll 4
-        for (; v < end; v += step) {
-            a0 += base[n * CS + s];
-            n += step_n; s += step_s;
-            if (s >= S) { s -= S; ++n; }
-        }
+        advance(w, step_n, step_s, S);
     }
     return (a0 + a1) + (a2 + a3);
+}
+
+__device__ __forceinline__ float nchw_block_partial(const float* __restrict__ dy, long long N, int C, long long S,
+                                                    long long E, int vec, float* scratch) {
+    const int c = blockIdx.y;
+    const long long L = N * S, begin = (long long)blockIdx.x * E;
+    const long long end = begin + E < L ? begin + E : L;
+    const float t = vec == 4 ? nchw_thread_sum<4>(dy, S, (long long)C * S, c, begin, end)
+                             : nchw_thread_sum<1>(dy, S, (long long)C * S, c, begin, end);
+    return block_reduce(t, scratch);
 }
 
 extern "C" __global__ void __launch_bounds__(BG_THREADS)
 bias_grad_nchw_atomic(const float* __restrict__ dy, long long N, int C, long long S, long long E, int vec,
                       float* out) {
     __shared__ float scratch[32];
-    const int c = blockIdx.y;
-    const long long L = N * S, begin = (long long)blockIdx.x * E;
-    const long long end = begin + E < L ? begin + E : L;
-    const float v = block_reduce(nchw_thread_sum(dy, S, (long long)C * S, c, begin, end, vec), scratch);
-    if (threadIdx.x == 0) atomicAdd(out + c, v);  // arrival order decides the rounding
+    const float v = nchw_block_partial(dy, N, C, S, E, vec, scratch);
+    if (threadIdx.x == 0) atomicAdd(out + blockIdx.y, v);  // arrival order decides the rounding
 }
 
 extern "C" __global__ void __launch_bounds__(BG_THREADS)
 bias_grad_nchw_tree(const float* __restrict__ dy, long long N, int C, long long S, long long E, int vec,
                     float* partials, unsigned int* counters, float* out) {
+    // counters: zero on entry, left at zero by each channel's last block (see arrive_last)
     __shared__ float scratch[32];
     __shared__ bool last;
     const int c = blockIdx.y;
     const unsigned int P = gridDim.x;
-    const long long L = N * S, begin = (long long)blockIdx.x * E;
-    const long long end = begin + E < L ? begin + E : L;
-    const float v = block_reduce(nchw_thread_sum(dy, S, (long long)C * S, c, begin, end, vec), scratch);
+    const float v = nchw_block_partial(dy, N, C, S, E, vec, scratch);
     if (threadIdx.x == 0) {
         partials[(long long)c * P + blockIdx.x] = v;
         last = arrive_last(counters + c, P);
@@ -90,24 +119,47 @@ bias_grad_nchw_tree(const float* __restrict__ dy, long long N, int C, long long 
 // col0 = tile*TX*VEC + tx*VEC and adds rows r0 + ty, r0 + ty + TY, ... in order. The TY partial rows
 // are then combined by a halving tree in shared memory: s[ty] += s[ty + h], h = TY/2 .. 1.
 
-__device__ __forceinline__ void rows_thread_sum(const float* src, long long r0, long long r1, int C,
-                                                int col0, int vec, bool bypass_l1, float a[4]) {
+template <int VEC, bool BYPASS_L1>
+__device__ __forceinline__ void load_cols(const float* p, float q[4]) {
+    if (VEC == 4) {
+        const float4 v = BYPASS_L1 ? __ldcg(reinterpret_cast<const float4*>(p)) : *reinterpret_cast<const float4*>(p);
+        q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;
+    } else {
+        q[0] = BYPASS_L1 ? __ldcg(p) : *p;
+    }
+}
+
+// Rows r0 + ty, r0 + ty + TY, ... < r1 of columns col0 .. col0 + VEC - 1, added in row order; four rows
+// are loaded before they are added.
+template <int VEC, bool BYPASS_L1>
+__device__ __forceinline__ void rows_thread_sum(const float* src, long long r0, long long r1, int C, int col0,
+                                                float a[4]) {
     a[0] = a[1] = a[2] = a[3] = 0.0f;
     if (col0 >= C) return;
-    if (vec == 4) {
-#pragma unroll 4
-        for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
-            const float4* p = reinterpret_cast<const float4*>(src + r * C + col0);
-            const float4 q = bypass_l1 ? __ldcg(p) : *p;
-            a[0] += q.x; a[1] += q.y; a[2] += q.z; a[3] += q.w;
-        }
-    } else {
-#pragma unroll 4
-        for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
-            const float* p = src + r * C + col0;
-            a[0] += bypass_l1 ? __ldcg(p) : *p;
-        }
+    const long long TY = blockDim.y;
+    long long r = r0 + threadIdx.y;
+    for (; r + 3 * TY < r1; r += 4 * TY) {
+        float q0[4], q1[4], q2[4], q3[4];
+        load_cols<VEC, BYPASS_L1>(src + r * C + col0, q0);
+        load_cols<VEC, BYPASS_L1>(src + (r + TY) * C + col0, q1);
+        load_cols<VEC, BYPASS_L1>(src + (r + 2 * TY) * C + col0, q2);
+        load_cols<VEC, BYPASS_L1>(src + (r + 3 * TY) * C + col0, q3);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) { a[j] += q0[j]; a[j] += q1[j]; a[j] += q2[j]; a[j] += q3[j]; }
     }
+    for (; r < r1; r += TY) {
+        float q[4];
+        load_cols<VEC, BYPASS_L1>(src + r * C + col0, q);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) a[j] += q[j];
+    }
+}
+
+template <bool BYPASS_L1>
+__device__ __forceinline__ void rows_sum(const float* src, long long r0, long long r1, int C, int col0, int vec,
+                                         float a[4]) {
+    if (vec == 4) rows_thread_sum<4, BYPASS_L1>(src, r0, r1, C, col0, a);
+    else rows_thread_sum<1, BYPASS_L1>(src, r0, r1, C, col0, a);
 }
 
 // Halving tree over threadIdx.y for every column of the tile; row 0 of `tile` ends with the sums.
@@ -133,7 +185,7 @@ bias_grad_rows_atomic(const float* __restrict__ dy, long long R, int C, long lon
     const int col0 = (blockIdx.y * blockDim.x + threadIdx.x) * vec;
     const long long r0 = (long long)blockIdx.x * RB, r1 = r0 + RB < R ? r0 + RB : R;
     float a[4];
-    rows_thread_sum(dy, r0, r1, C, col0, vec, false, a);
+    rows_sum<false>(dy, r0, r1, C, col0, vec, a);
     rows_block_tree(tile, a, vec);
     if (threadIdx.y == 0)
         for (int j = 0; j < vec; ++j)
@@ -143,13 +195,14 @@ bias_grad_rows_atomic(const float* __restrict__ dy, long long R, int C, long lon
 extern "C" __global__ void __launch_bounds__(BG_THREADS)
 bias_grad_rows_tree(const float* __restrict__ dy, long long R, int C, long long RB, int vec,
                     float* partials, unsigned int* counters, float* out) {
+    // counters: zero on entry, left at zero by each column tile's last block (see arrive_last)
     extern __shared__ float tile[];
     __shared__ bool last;
     const int col0 = (blockIdx.y * blockDim.x + threadIdx.x) * vec;
     const long long r0 = (long long)blockIdx.x * RB, r1 = r0 + RB < R ? r0 + RB : R;
     const unsigned int P = gridDim.x;
     float a[4];
-    rows_thread_sum(dy, r0, r1, C, col0, vec, false, a);
+    rows_sum<false>(dy, r0, r1, C, col0, vec, a);
     rows_block_tree(tile, a, vec);
     if (threadIdx.y == 0) {
         for (int j = 0; j < vec; ++j)
@@ -162,7 +215,7 @@ bias_grad_rows_tree(const float* __restrict__ dy, long long R, int C, long long 
     if (!last) return;
     __threadfence();
     // Second level: the same thread layout over the [P, C] partials, rows p = ty, ty + TY, ...
-    rows_thread_sum(partials, 0, P, C, col0, vec, true, a);
+    rows_sum<true>(partials, 0, P, C, col0, vec, a);
     __syncthreads();
     rows_block_tree(tile, a, vec);
     if (threadIdx.y == 0)

@@ -21,13 +21,15 @@ from .runtime import (
     launch,
     layout_of,
     ptr,
+    ticket_counters,
 )
 
 OP = "bias_grad"
 SOURCE = "bias_grad.cu"
 THREADS = 256
-TARGET_BLOCKS = 1024   # enough blocks to cover an H200 (132 SMs) several times over; a constant, not read off the GPU
-MAX_ROW_ITEMS = 64
+# Split constants. They are constants, never read off the GPU, so the bits depend on the shape alone.
+TARGET_BLOCKS = 1024      # NCHW: enough blocks to cover an H200 (132 SMs) several times over
+TARGET_ROW_BLOCKS = 256   # rows: fewer, longer blocks keep the last block's pass over the partials short
 MAX_GRID_Y = 65535
 
 
@@ -47,8 +49,8 @@ def rows_plan(r: int, c: int) -> tuple[int, int, int, int, int, int]:
     tx = min(32, 1 << (cdiv(c, vec) - 1).bit_length())
     ty = THREADS // tx
     tiles = cdiv(c, tx * vec)
-    items = max(1, min(cdiv(r, ty * cdiv(TARGET_BLOCKS, tiles)), MAX_ROW_ITEMS))
-    rb = ty * items
+    p = max(1, min(cdiv(TARGET_ROW_BLOCKS, tiles), cdiv(r, ty)))
+    rb = cdiv(cdiv(r, p), ty) * ty
     return vec, tx, ty, tiles, rb, cdiv(r, rb)
 
 
@@ -95,7 +97,7 @@ def _launch(dy: torch.Tensor, variant: str) -> torch.Tensor:
             launch(function(SOURCE, "bias_grad_nchw_atomic", dev), (p, c), (THREADS,), args + (ptr(out),), device=dev)
         else:
             partials = torch.empty(c * p, device=dev, dtype=torch.float32)
-            counters = torch.zeros(c, device=dev, dtype=torch.int32)
+            counters = ticket_counters(dev, c)
             launch(function(SOURCE, "bias_grad_nchw_tree", dev), (p, c), (THREADS,),
                    args + (ptr(partials), ptr(counters), ptr(out)), device=dev)
         return out
@@ -109,7 +111,7 @@ def _launch(dy: torch.Tensor, variant: str) -> torch.Tensor:
                device=dev, shared_mem=smem)
     else:
         partials = torch.empty(p * c, device=dev, dtype=torch.float32)
-        counters = torch.zeros(tiles, device=dev, dtype=torch.int32)
+        counters = ticket_counters(dev, tiles)
         launch(function(SOURCE, "bias_grad_rows_tree", dev), (p, tiles), (tx, ty),
                args + (ptr(partials), ptr(counters), ptr(out)), device=dev, shared_mem=smem)
     return out

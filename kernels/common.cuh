@@ -40,8 +40,12 @@ __device__ __forceinline__ float reduce_partials(const float* partials, long lon
 // "Last block" protocol for single-pass deterministic reductions: each block publishes its partial,
 // fences, and takes a ticket; the block that draws the last ticket sees every partial and reduces them
 // in index order. Which block is last varies run to run; the order of the final sum does not.
-// Call from thread 0 after writing the partial(s); returns true in the last block's thread 0.
+// Call from thread 0 after writing the partial(s); returns true in the last block's thread 0, which
+// also resets the counter to zero (every other block has drawn its ticket by then), so the counter
+// buffer can be reused by the next launch on the same stream without a memset.
 __device__ __forceinline__ bool arrive_last(unsigned int* counter, unsigned int expected) {
     __threadfence();
-    return atomicAdd(counter, 1u) == expected - 1u;
+    const bool last = atomicAdd(counter, 1u) == expected - 1u;
+    if (last) *counter = 0u;
+    return last;
 }

@@ -174,5 +174,24 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
         fn(grid, block, args, shared_mem=shared_mem)
 
 
+_TICKETS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
+    """``count`` zeroed int32 counters private to torch's current stream on ``device``.
+
+    Single-pass deterministic kernels find their last block by drawing tickets; that block resets its
+    counter to zero before it exits, so the buffer is zero again for the next launch on the same stream
+    and no memset kernel is needed per call. Launches on one stream are ordered, so they can share it;
+    every other stream gets its own buffer."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < count:
+        buf = torch.zeros(max(count, 1024), dtype=torch.int32, device=torch.device("cuda", index))
+        _TICKETS[key] = buf
+    return buf[:count]
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

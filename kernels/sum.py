@@ -21,6 +21,7 @@ from .runtime import (
     function,
     launch,
     ptr,
+    ticket_counters,
 )
 
 OP = "sum"
@@ -28,15 +29,17 @@ SOURCE = "sum.cu"
 THREADS = 256
 MAX_BLOCKS = 2048
 
-# exact: fixed point with unit 2^-EXACT_FRAC; elements must satisfy |x| < 2^EXACT_MAX_EXP.
+# exact: integers of 2^-EXACT_FRAC units; elements must satisfy |x| < 2^EXACT_MAX_EXP. Each element is
+# split into 22-bit windows with unit 2^K (see sum.cu); the last window rounds to nearest.
 EXACT_FRAC = 56
-EXACT_MAX_EXP = 40
-EXACT_MAX_N = 2**31  # 2^31 elements of magnitude < 2^96 units cannot overflow the signed 128-bit total
+EXACT_MAX_EXP = 32
+EXACT_WINDOWS = (10, -12, -34, -56)
+EXACT_MAX_N = 2**31  # per-thread int64 window sums and the 128-bit total cannot overflow below this
 FLAG_NAN, FLAG_POS_INF, FLAG_NEG_INF, FLAG_RANGE = 1, 2, 4, 8
 
 
 class SumRangeError(KernelArgumentError):
-    """An element is outside the exact variant's range (|x| >= 2^40)."""
+    """An element is outside the exact variant's range (|x| >= 2^32)."""
 
 
 def blocks_for(n: int) -> int:
@@ -102,7 +105,7 @@ def sum_lastblock_cuda(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), device=x.device, dtype=torch.float32)
     g = blocks_for(x.numel())
     partials = torch.empty(g, device=x.device, dtype=torch.float32)
-    counter = torch.zeros(1, device=x.device, dtype=torch.int32)
+    counter = ticket_counters(x.device, 1)
     out = torch.empty((), device=x.device, dtype=torch.float32)
     launch(function(SOURCE, "sum_lastblock", x.device), (g,), (THREADS,),
            (ptr(x), np.int64(x.numel()), ptr(partials), ptr(counter), ptr(out)), device=x.device)
@@ -111,19 +114,20 @@ def sum_lastblock_cuda(x: torch.Tensor) -> torch.Tensor:
 
 def sum_exact_cuda(x: torch.Tensor, *, check_range: bool = True) -> torch.Tensor:
     """Order-independent sum. With ``check_range`` (default) the host waits for the kernel and raises
-    :class:`SumRangeError` if an element had |x| >= 2^40; without it such a result is NaN."""
+    :class:`SumRangeError` if an element had |x| >= 2^32; without it such a result is NaN."""
     x = _cuda_prologue(x)
     _check_exact_size(x)
     if x.numel() == 0:
         return torch.zeros((), device=x.device, dtype=torch.float32)
     g = blocks_for(x.numel())
     partials = torch.empty((g, 2), device=x.device, dtype=torch.int64)
-    state = torch.zeros(2, device=x.device, dtype=torch.int32)  # [ticket counter, flags]
+    state = ticket_counters(x.device, 2)  # [ticket counter, flag accumulator], left at zero
+    flags = torch.empty(1, device=x.device, dtype=torch.int32)
     out = torch.empty((), device=x.device, dtype=torch.float32)
     launch(function(SOURCE, "sum_exact", x.device), (g,), (THREADS,),
-           (ptr(x), np.int64(x.numel()), ptr(partials), ptr(state), ptr(state[1:]), ptr(out)),
+           (ptr(x), np.int64(x.numel()), ptr(partials), ptr(state), ptr(flags), ptr(out)),
            device=x.device)
-    if check_range and int(state[1].item()) & FLAG_RANGE:
+    if check_range and int(flags.item()) & FLAG_RANGE:
         raise SumRangeError(OP, "x", f"the exact variant needs |x| < 2^{EXACT_MAX_EXP} for every element")
     return out
 
@@ -169,33 +173,33 @@ def sum_tree_cpu(x: torch.Tensor, *, rng=None) -> torch.Tensor:
 
 
 def exact_integer(a: np.ndarray) -> tuple[int, int]:
-    """The exact variant's 128-bit total as a Python int (units of 2^-56), and its flags."""
-    u = np.ascontiguousarray(a, dtype=F32).view(np.uint32)
-    e = ((u >> 23) & 0xFF).astype(np.int64)
-    m = (u & 0x7FFFFF).astype(np.int64)
-    negative = (u >> 31).astype(bool)
-    special = e == 0xFF
+    """The exact variant's integer total (units of 2^-56) as a Python int, and its flags.
+
+    Mirrors ``split`` in sum.cu in float32: t = r + C_k rounds r to a multiple of 2^K_k, the bit
+    patterns' difference is that multiple, r - (t - C_k) is the exact remainder."""
+    x = np.ascontiguousarray(a, dtype=F32)
+    bits = x.view(np.uint32)
+    mag = bits & 0x7FFFFFFF
+    negative = (bits >> 31).astype(bool)
     flags = 0
-    if np.any(special & (m != 0)):
+    if np.any(mag > 0x7F800000):
         flags |= FLAG_NAN
-    if np.any(special & (m == 0) & ~negative):
+    if np.any((mag == 0x7F800000) & ~negative):
         flags |= FLAG_POS_INF
-    if np.any(special & (m == 0) & negative):
+    if np.any((mag == 0x7F800000) & negative):
         flags |= FLAG_NEG_INF
-    out_of_range = ~special & (e >= 127 + EXACT_MAX_EXP)
-    if np.any(out_of_range):
+    limit = np.float32(2.0**EXACT_MAX_EXP).view(np.uint32)
+    if np.any((mag >= limit) & (mag < 0x7F800000)):
         flags |= FLAG_RANGE
-    keep = ~special & ~out_of_range
-    mant = np.where(e == 0, m, m | 0x800000)[keep]
-    shift = (np.where(e == 0, 1, e) - 150 + EXACT_FRAC)[keep]
-    sign = np.where(negative[keep], -1, 1).astype(np.int64)
+    r = x[mag < limit]
     total = 0
-    small = shift < 0  # truncated toward zero, element by element
-    if np.any(small):
-        total += int(np.sum(sign[small] * (mant[small] >> np.minimum(-shift[small], 63))))
-    for s in np.unique(shift[~small]):  # group by shift so each group sums exactly in int64
-        sel = ~small & (shift == s)
-        total += int(np.sum(sign[sel] * mant[sel])) << int(s)
+    for k, unit in enumerate(EXACT_WINDOWS):
+        c = F32(1.5 * 2.0 ** (unit + 23))
+        t = r + c
+        q = t.view(np.int32).astype(np.int64) - int(np.array(c).view(np.int32))
+        total += int(q.sum()) << (unit + EXACT_FRAC)
+        if k + 1 < len(EXACT_WINDOWS):
+            r = r - (t - c)
     return total, flags
 
 
@@ -236,10 +240,10 @@ def sum_exact_cpu(x: torch.Tensor, *, rng=None, check_range: bool = True) -> tor
 
 
 def exact_error_bound(n: int, result: float) -> float:
-    """|exact(x) - sum(x)| bound: each element loses < 2^-56 to truncation, then one float32 rounding
-    of the (truncated) total: <= n * 2^-56 + 2^-24 * (|result| + n * 2^-56)."""
-    trunc = n * 2.0**-EXACT_FRAC
-    return trunc + 2.0**-24 * (abs(result) + trunc)
+    """|exact(x) - sum(x)| bound: each element is rounded to the nearest multiple of 2^-56 (error
+    <= 2^-57), then the integer total is rounded once to float32: <= n 2^-57 + 2^-24 (|result| + n 2^-57)."""
+    grid = n * 2.0 ** -(EXACT_FRAC + 1)
+    return grid + 2.0**-24 * (abs(result) + grid)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,7 +256,7 @@ register(Variant(OP, "tree", True, False, sum_tree_cuda, sum_tree_cpu,
 register(Variant(OP, "lastblock", True, False, sum_lastblock_cuda, sum_tree_cpu,
                  "single pass; the last block to finish reduces the partials in index order (bits = tree)"))
 register(Variant(OP, "exact", True, True, sum_exact_cuda, sum_exact_cpu,
-                 "128-bit fixed point (unit 2^-56, |x| < 2^40): same bits for any permutation"))
+                 "exact integer sum of 2^-56 units (|x| < 2^32): same bits for any permutation"))
 
 
 # --------------------------------------------------------------------------------------------------
