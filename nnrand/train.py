@@ -1,0 +1,588 @@
+"""Train a ResNet with chosen kernel variants in its backward pass, under controlled noise.
+
+    python -m nnrand.train --kernel tree                 # CPU: small model, synthetic data, ~1-2 min
+    python -m nnrand.train --preset impl --members 4     # four members that differ only by atomics
+
+``main(config) -> metrics`` runs every member of a run (a study calls it many times); ``cli()`` is the
+only place that parses arguments. Sections: hyper-parameters, data, network, training, evaluation, run.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import signal
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import kernels
+from nnrand import noise, routing, runio
+from nnrand.fingerprint import fingerprint
+
+# --------------------------------------------------------------------------------------------------
+# Hyper-parameters (one place; units in comments). ``None`` means "the device default below".
+
+
+@dataclass
+class Config:
+    # data and network
+    model: str | None = None            # models.MODELS; CPU default "small", CUDA default "resnet18"
+    dataset: str = "synthetic"          # data.DATASETS; "synthetic" needs no files and no network
+    data_dir: str | None = None         # CIFAR archives (default ~/.cache/nnrand)
+    download: bool = False              # fetch a missing CIFAR archive
+    data_seed: int = 0                  # draws the synthetic images / the CIFAR subset (same for every member)
+    n_train: int | None = None          # training images (None: device default; 0 < n)
+    n_test: int | None = None           # test images
+    # optimisation: SGD with momentum, linear warm-up then linear decay to 0, per step
+    epochs: int | None = None           # passes over the training images
+    batch_size: int | None = None       # images per step; the last partial batch of an epoch is dropped
+    lr: float = 0.2                     # peak learning rate (per step, loss is the batch mean)
+    momentum: float = 0.9               # SGD momentum (nesterov)
+    weight_decay: float = 5e-4          # L2 on every parameter, through SGD
+    warmup_epochs: float = 0.5          # linear warm-up length, epochs (capped at half the run)
+    # kernel routing and noise
+    preset: str = noise.DEFAULT_PRESET  # noise.PRESETS: control / algo / impl / algo+impl
+    kernel: str | None = None           # routing family (tree / atomic / native); None: the preset's
+    kernel_ops: dict = field(default_factory=dict)  # per-op overrides {op: variant}
+    seed: int = 0                       # base seed: "fixed" and "member" seeds derive from it
+    init_seed: str | int | None = None  # "fixed" | "member" | int; None: the preset's
+    order_seed: str | int | None = None
+    aug_seed: str | int | None = None
+    kernel_seed: str | int = noise.DEFAULT_KERNEL_SEED  # CPU atomic models only: "fresh" | "fixed" | "member" | int
+    perturb_ulp: bool = False           # nextafter one weight before step 0
+    perturb_index: int = 0              # which element of the flat parameter vector
+    # run
+    out: str = "runs"                   # run directory root
+    name: str | None = None             # run directory name; None: from preset and routing
+    members: int = 1                    # members of the run, member_000 ...
+    first_member: int = 0               # index of the first member (a study can extend a run)
+    device: str | None = None           # "cuda" when available, else "cpu"
+    channels_last: bool = False         # model and activations in channels_last
+    tf32: bool = False                  # TF32 for matmul and cuDNN conv (off: fp32 arithmetic)
+    resume: bool = True                 # continue an unfinished member from its checkpoint
+    save_epoch_weights: bool = False    # weights_epoch_XXX.pt per epoch
+    progress: bool = True               # tqdm bars
+    report: bool = True                 # render report.md when the run's members are done
+    interrupt_at_step: int | None = None  # behave as if Ctrl-C arrived after this global step (tests)
+
+
+DEVICE_DEFAULTS = {
+    # 2 CPU cores: ~1-2 min for `--kernel tree` with the CPU order models in every backward.
+    "cpu": {"model": "small", "epochs": 2, "batch_size": 64, "n_train": 1024, "n_test": 512},
+    # H200: ResNet-18 on the whole synthetic set (10k/2k).
+    "cuda": {"model": "resnet18", "epochs": 10, "batch_size": 128, "n_train": None, "n_test": None},
+}
+EVAL_BATCH = 500      # images per evaluation forward
+NESTEROV = True
+# Config fields that may differ between a run and its resumption.
+RESUMABLE_CHANGES = ("out", "resume", "progress", "report", "interrupt_at_step", "members", "first_member",
+                     "data_dir", "download")
+
+
+class ConfigError(ValueError):
+    """A bad option value, detected before anything trains."""
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill device defaults and the preset; validate names and values. Raises ConfigError."""
+    from nnrand import data, models
+
+    cfg = dataclasses.replace(cfg, kernel_ops=dict(cfg.kernel_ops))
+    if cfg.device is None:
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(cfg.device)
+    except RuntimeError as e:
+        raise ConfigError(f"--device: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available here")
+    if dev.type not in DEVICE_DEFAULTS:
+        raise ConfigError(f"--device must be cpu or cuda, got {cfg.device!r}")
+    for key, value in DEVICE_DEFAULTS[dev.type].items():
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
+    if cfg.preset not in noise.PRESETS:
+        raise ConfigError(f"unknown preset {cfg.preset!r}; valid: {', '.join(noise.PRESETS)}")
+    preset = noise.PRESETS[cfg.preset]
+    cfg.kernel = cfg.kernel or preset["family"]
+    for src in ("init", "order", "aug"):
+        attr = f"{src}_seed"
+        setattr(cfg, attr, preset[src] if getattr(cfg, attr) is None else getattr(cfg, attr))
+    try:
+        for src in noise.SOURCES:
+            setattr(cfg, f"{src}_seed", noise.check_spec(src, getattr(cfg, f"{src}_seed")))
+        routing.resolve(cfg.kernel, cfg.kernel_ops)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.model not in models.MODELS:
+        raise ConfigError(f"unknown model {cfg.model!r}; valid: {', '.join(models.MODELS)}")
+    if cfg.dataset not in data.DATASETS:
+        raise ConfigError(f"unknown dataset {cfg.dataset!r}; valid: {', '.join(data.DATASETS)}")
+    for key, low in (("epochs", 1), ("batch_size", 2), ("members", 1), ("n_train", 2), ("n_test", 1)):
+        v = getattr(cfg, key)
+        if v is not None and v < low:
+            raise ConfigError(f"--{key.replace('_', '-')} must be >= {low}, got {v}")
+    for key in ("lr", "momentum", "weight_decay", "warmup_epochs"):
+        if not math.isfinite(getattr(cfg, key)) or getattr(cfg, key) < 0:
+            raise ConfigError(f"--{key.replace('_', '-')} must be a finite number >= 0")
+    if cfg.first_member < 0 or cfg.perturb_index < 0:
+        raise ConfigError("--first-member and --perturb-index must be >= 0")
+    if cfg.name is None:
+        ops = "".join(f"_{op}={v}" for op, v in sorted(cfg.kernel_ops.items()))
+        cfg.name = f"{cfg.preset}_{cfg.kernel}{ops}_{cfg.model}"
+    return cfg
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
+    """Linear warm-up from peak/warmup to peak over ``warmup`` steps, then linear decay to 0 at ``total``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * max(0.0, (total - step) / max(1, total - warmup))
+
+
+# --------------------------------------------------------------------------------------------------
+# Data: the whole dataset is one tensor on the device; batches are index gathers (no workers, no races)
+
+
+def load_data(cfg: Config):
+    from nnrand import data
+
+    ds = data.load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.data_seed, n_train=cfg.n_train,
+                           n_test=cfg.n_test, download=cfg.download)
+    if len(ds.train_y) < cfg.batch_size:
+        raise ConfigError(f"--batch-size {cfg.batch_size} exceeds the {len(ds.train_y)} training images")
+    return ds.to(cfg.device)
+
+
+def train_batch(ds, order: torch.Tensor, i: int, batch: int, gen: torch.Generator, fmt):
+    from nnrand import data
+
+    idx = order[i * batch:(i + 1) * batch].to(ds.train_x.device)
+    x = data.normalize(data.augment(ds.train_x[idx], gen), ds).contiguous(memory_format=fmt)
+    return x, ds.train_y[idx]
+
+
+# --------------------------------------------------------------------------------------------------
+# Network and weight checksums
+
+
+def build(cfg: Config, seeds: noise.MemberSeeds, num_classes: int, fmt):
+    from nnrand import models
+
+    noise.seed_torch(seeds.init)
+    model = models.build_model(cfg.model, num_classes).to(cfg.device, memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=NESTEROV,
+                          weight_decay=cfg.weight_decay)
+    return model, opt
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+class Checksum:
+    """Exact checksum of every parameter's float32 bits: sum_i (i+1) * bits_i over the flat parameter
+    vector, in wrapping int64 arithmetic. Integer addition is associative, so the reduction order of
+    the sum cannot change it; position weights make a swap of two values show. Stays on the device."""
+
+    def __init__(self, model: torch.nn.Module):
+        n = sum(p.numel() for p in model.parameters())
+        self.weights = torch.arange(1, n + 1, dtype=torch.int64, device=next(model.parameters()).device)
+
+    def __call__(self, model: torch.nn.Module) -> torch.Tensor:
+        bits = flat_params(model).contiguous().view(torch.int32).to(torch.int64)
+        return (bits * self.weights).sum()
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def evaluate(model, ds, fmt) -> tuple[dict, torch.Tensor]:
+    from nnrand import data
+
+    model.eval()
+    logits = []
+    for s in range(0, len(ds.test_y), EVAL_BATCH):
+        x = data.normalize(ds.test_x[s:s + EVAL_BATCH], ds).contiguous(memory_format=fmt)
+        logits.append(model(x).float())
+    model.train()
+    logits = torch.cat(logits)
+    y = ds.test_y
+    k = min(5, logits.shape[1])
+    top = logits.topk(k, dim=1).indices
+    return {
+        "test_loss": F.cross_entropy(logits, y).item(),
+        "test_top1": (top[:, 0] == y).float().mean().item(),
+        "test_top5": (top == y[:, None]).any(dim=1).float().mean().item(),
+    }, logits
+
+
+# --------------------------------------------------------------------------------------------------
+# Training: one member
+
+
+class _StepTimer:
+    """Per-step times: CUDA events on a GPU (read once per epoch, no sync per step), wall clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list = []
+
+    def start(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, start) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.pending.append((start, e))
+        else:
+            self.pending.append((time.perf_counter() - start) * 1e3)
+
+    def collect(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            out = [a.elapsed_time(b) for a, b in self.pending]
+        else:
+            out = list(self.pending)
+        self.pending = []
+        return out
+
+
+class _Interrupt:
+    """Ctrl-C sets a flag that the loop reads between steps, so the checkpoint is taken at a step
+    boundary; a second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+def _rng_states(kernel_rng) -> dict:
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "numpy_kernel": None if kernel_rng is None else kernel_rng.bit_generator.state}
+
+
+def _set_rng_states(states: dict, kernel_rng) -> None:
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if kernel_rng is not None and states["numpy_kernel"] is not None:
+        kernel_rng.bit_generator.state = states["numpy_kernel"]
+
+
+def member_config(cfg: Config, member: int, seeds: noise.MemberSeeds, route: routing.Routing,
+                  flags: dict) -> dict:
+    hp = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_CHANGES}
+    return {"member": member, "config": hp, "seeds": seeds.as_dict(), "routing": route.describe(),
+            "flags": dict(flags, channels_last=cfg.channels_last, nesterov=NESTEROV),
+            "fingerprint": fingerprint(cfg.device)}
+
+
+def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: dict) -> dict:
+    d = runio.member_dir(cfg.out, cfg.name, member)
+    if cfg.resume and runio.is_finished(d):
+        return runio.read_json(d / "result.json")
+    if not cfg.resume:
+        for f in ("checkpoint.pt", "result.json"):
+            (d / f).unlink(missing_ok=True)
+    device = torch.device(cfg.device)
+    fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    specs = {s: getattr(cfg, f"{s}_seed") for s in noise.SOURCES}
+    seeds = noise.member_seeds(specs, cfg.seed, member)
+    model, opt = build(cfg, seeds, ds.num_classes, fmt)
+    kernel_rng = noise.kernel_rng(seeds.kernel)
+    checksum = Checksum(model)
+    n = len(ds.train_y)
+    steps = n // cfg.batch_size
+    total = steps * cfg.epochs
+    warmup = max(1, min(int(cfg.warmup_epochs * steps), total // 2))
+
+    meta = member_config(cfg, member, seeds, route, flags)
+    ckpt = runio.load_checkpoint(d) if cfg.resume else None
+    if ckpt is None:
+        meta["perturb"] = noise.perturb_one_ulp(model, cfg.perturb_index) if cfg.perturb_ulp else None
+        state = {"epoch": 0, "i": 0, "step": 0, "metrics": [], "checksums": [], "acc": None,
+                 "aug_state": None, "perturb": meta["perturb"]}
+        state["checksums"].append({"step": 0, "epoch": 0, "checksum": int(checksum(model))})
+        runio.write_json(d / "config.json", meta)
+    else:
+        if ckpt["config"] != meta["config"]:
+            diff = sorted(k for k in meta["config"] if ckpt["config"].get(k) != meta["config"][k])
+            raise ConfigError(f"{d} holds a run with a different config (differs in: {', '.join(diff)}); "
+                              "use another --name or --no-resume")
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        _set_rng_states(ckpt["rng"], kernel_rng)
+        state = ckpt["state"]
+        meta["perturb"] = state["perturb"]
+        meta["resumed_from"] = {"epoch": state["epoch"], "i": state["i"], "step": state["step"]}
+        runio.write_json(d / "config.json", meta)
+
+    def save_checkpoint(gen: torch.Generator | None):
+        state["aug_state"] = None if gen is None else gen.get_state()
+        runio.torch_save(d / "checkpoint.pt", {
+            "config": meta["config"], "model": model.state_dict(), "optimizer": opt.state_dict(),
+            "rng": _rng_states(kernel_rng), "state": state})
+
+    timer = _StepTimer(device)
+    epochs = tqdm(range(state["epoch"], cfg.epochs), desc=f"member {member}", disable=not cfg.progress,
+                  initial=state["epoch"], total=cfg.epochs, leave=False)
+    model.train()
+    with routing.use_kernels(route, model, rng=kernel_rng), _Interrupt() as interrupt:
+        for epoch in epochs:
+            from nnrand import data
+
+            order = data.epoch_order(n, epoch, seeds.order)
+            gen = noise.epoch_generator(seeds.aug, epoch, device)
+            acc = state["acc"] or {"loss": 0.0, "correct": 0, "seen": 0, "time_s": 0.0, "step_ms": []}
+            if state["aug_state"] is not None:
+                gen.set_state(state["aug_state"])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+            correct = torch.zeros((), device=device, dtype=torch.int64)
+            pending_sums: list[tuple[int, torch.Tensor]] = []
+            for i in tqdm(range(state["i"], steps), desc=f"epoch {epoch}", disable=not cfg.progress,
+                          initial=state["i"], total=steps, leave=False):
+                x, y = train_batch(ds, order, i, cfg.batch_size, gen, fmt)
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(state["step"], total, warmup, cfg.lr)
+                start = timer.start()
+                logits = model(x)
+                loss = F.cross_entropy(logits, y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                timer.stop(start)
+                loss_sum += loss.detach().double() * len(y)
+                correct += (logits.detach().argmax(1) == y).sum()
+                acc["seen"] += len(y)
+                state["step"] += 1
+                state["i"] = i + 1
+                if epoch == 0:
+                    pending_sums.append((state["step"], checksum(model)))
+                stop = interrupt.requested or state["step"] == cfg.interrupt_at_step
+                if stop and state["i"] < steps:
+                    _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch)
+                    state["acc"] = acc
+                    save_checkpoint(gen)
+                    raise KeyboardInterrupt(f"interrupted at step {state['step']}; checkpoint saved in {d}")
+            _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch)
+            ev, logits = evaluate(model, ds, fmt)
+            state["metrics"].append({
+                "epoch": epoch, "step": state["step"], "train_loss": acc["loss"] / max(1, acc["seen"]),
+                "train_top1": acc["correct"] / max(1, acc["seen"]), **ev, "epoch_time_s": acc["time_s"],
+                "step_time_ms": statistics.median(acc["step_ms"]) if acc["step_ms"] else float("nan")})
+            if epoch > 0:
+                state["checksums"].append({"step": state["step"], "epoch": epoch, "checksum": int(checksum(model))})
+            if cfg.save_epoch_weights:
+                runio.torch_save(d / f"weights_epoch_{epoch:03d}.pt", flat_params(model).float().cpu())
+            state.update(epoch=epoch + 1, i=0, acc=None, aug_state=None)
+            runio.write_csv(d / "metrics.csv", runio.METRICS_COLUMNS, state["metrics"])
+            runio.write_csv(d / "checksums.csv", runio.CHECKSUM_COLUMNS, state["checksums"])
+            save_checkpoint(None)
+            epochs.set_postfix(top1=f"{ev['test_top1']:.3f}")
+            if (interrupt.requested or state["step"] == cfg.interrupt_at_step) and epoch + 1 < cfg.epochs:
+                raise KeyboardInterrupt(f"interrupted at step {state['step']}; checkpoint saved in {d}")
+
+    if state["epoch"] < cfg.epochs or not state["metrics"]:
+        raise RuntimeError(f"{d}: training ended at epoch {state['epoch']} of {cfg.epochs}")
+    ev, logits = evaluate(model, ds, fmt)
+    runio.npz_save(d / "predictions.npz", logits=logits.float().cpu().numpy(),
+                   labels=ds.test_y.cpu().numpy(), group=ds.test_group.cpu().numpy())
+    last = state["metrics"][-1]
+    result = {"member": member, "epochs": cfg.epochs, "steps": state["step"], **ev,
+              "train_loss": last["train_loss"], "train_top1": last["train_top1"],
+              "final_checksum": state["checksums"][-1]["checksum"],
+              "step_time_ms": statistics.median(m["step_time_ms"] for m in state["metrics"]),
+              "train_time_s": sum(m["epoch_time_s"] for m in state["metrics"])}
+    runio.write_json(d / "result.json", result)
+    return result
+
+
+def _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch) -> None:
+    """Move the epoch's device-side accumulators to the host (one sync per epoch, or at an interrupt)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    acc["time_s"] += time.perf_counter() - t0
+    acc["loss"] += float(loss_sum)
+    acc["correct"] += int(correct)
+    acc["step_ms"] += timer.collect()
+    state["checksums"] += [{"step": s, "epoch": epoch, "checksum": int(c)} for s, c in pending_sums]
+    loss_sum.zero_()
+    correct.zero_()
+    pending_sums.clear()
+
+
+# --------------------------------------------------------------------------------------------------
+# Run: every member, then the report
+
+
+def preflight(cfg: Config, ds, route: routing.Routing) -> None:
+    """Everything that can fail before training: kernels runnable on the device, disk space."""
+    from nnrand import models
+
+    if torch.device(cfg.device).type == "cuda" and not route.is_native and not kernels.cuda_available():
+        raise ConfigError("routing to kernel variants on CUDA needs CuPy (pip install 'nnrand[cuda13]' or "
+                          "'nnrand[cuda12]'), or use --kernel native")
+    probe = models.build_model(cfg.model, ds.num_classes)
+    need = runio.estimate_member_bytes(
+        sum(p.numel() for p in probe.parameters()), sum(b.numel() for b in probe.buffers()),
+        epochs=cfg.epochs, steps_first_epoch=len(ds.train_y) // cfg.batch_size, n_test=len(ds.test_y),
+        classes=ds.num_classes, save_epoch_weights=cfg.save_epoch_weights)
+    runio.check_free_space(Path(cfg.out) / cfg.name, need * cfg.members)
+
+
+def main(config: Config | dict) -> dict:
+    """Train members ``first_member .. first_member + members - 1`` of the run; returns
+    ``{"run_dir", "members": [result per member], "report"}``. Finished members are read, not rerun."""
+    cfg = resolve(Config(**config) if isinstance(config, dict) else config)
+    route = routing.resolve(cfg.kernel, cfg.kernel_ops)
+    for op, note in route.notes.items():
+        print(f"note: {note}", file=sys.stderr)
+    ds = load_data(cfg)
+    preflight(cfg, ds, route)
+    run_dir = Path(cfg.out) / cfg.name
+    results = []
+    deterministic = route.deterministic and not route.is_native
+    with noise.pinned_flags(tf32=cfg.tf32, cudnn_deterministic=deterministic) as flags:
+        for member in range(cfg.first_member, cfg.first_member + cfg.members):
+            results.append(train_member(cfg, member, ds, route, flags))
+    report_path = None
+    if cfg.report:
+        from nnrand import report
+
+        report_path = report.render(run_dir)
+    return {"run_dir": str(run_dir), "members": results, "report": None if report_path is None else str(report_path)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+
+
+EPILOG = """examples:
+  python -m nnrand.train --kernel tree                      deterministic backward (CPU: small model, ~1-2 min)
+  python -m nnrand.train --kernel atomic --members 3        three members that differ by atomic order only
+  python -m nnrand.train --kernel tree --kernel-op conv_wgrad=atomic   one op's noise switched on alone
+  python -m nnrand.train --preset algo --members 5 --epochs 20          init/order/aug noise, tree kernels
+  python -m nnrand.train --kernel tree --perturb-ulp --perturb-index 123   one weight moved by one ULP
+  python -m nnrand.train --dataset cifar10 --data-dir ~/data --model resnet18 --device cuda
+presets: control (fixed seeds, tree), algo (per-member init/order/aug, tree), impl (fixed seeds,
+atomic), algo+impl (both). Explicit flags override the preset.
+outputs: <out>/<name>/member_XXX/{config.json,metrics.csv,checksums.csv,predictions.npz,result.json}
+and <out>/<name>/report.md. An unfinished member resumes from its checkpoint; finished ones are skipped."""
+
+
+def parser() -> argparse.ArgumentParser:
+    from nnrand import data, models
+
+    ops = ", ".join(routing.ROUTED_OPS)
+    p = argparse.ArgumentParser(prog="python -m nnrand.train", description=__doc__.splitlines()[0],
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("data and network")
+    g.add_argument("--model", choices=models.MODELS, help="default: small on CPU, resnet18 on CUDA")
+    g.add_argument("--dataset", choices=data.DATASETS, default="synthetic")
+    g.add_argument("--data-dir", help="where CIFAR archives are (or go, with --download)")
+    g.add_argument("--download", action="store_true", help="download a missing CIFAR archive")
+    g.add_argument("--data-seed", type=int, default=0, help="draws the synthetic set / CIFAR subset")
+    g.add_argument("--n-train", type=int, help="training images (CPU default 1024; CUDA: all)")
+    g.add_argument("--n-test", type=int, help="test images (CPU default 512; CUDA: all)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, help="CPU default 2, CUDA default 10")
+    g.add_argument("--batch-size", type=int, help="CPU default 64, CUDA default 128")
+    g.add_argument("--lr", type=float, default=Config.lr, help="peak learning rate (default %(default)s)")
+    g.add_argument("--momentum", type=float, default=Config.momentum)
+    g.add_argument("--weight-decay", type=float, default=Config.weight_decay)
+    g = p.add_argument_group("kernels and noise")
+    g.add_argument("--preset", choices=list(noise.PRESETS), default=noise.DEFAULT_PRESET)
+    g.add_argument("--kernel", choices=routing.FAMILIES, help="every backward reduction to this family "
+                   "(default: the preset's; native = stock PyTorch/cuDNN)")
+    g.add_argument("--kernel-op", action="append", metavar="OP=VARIANT",
+                   help=f"per-op override, repeatable; ops: {ops}; variants from the registry or native")
+    g.add_argument("--seed", type=int, default=0, help="base seed the fixed/member seeds derive from")
+    for src in ("init", "order", "aug"):
+        g.add_argument(f"--{src}-seed", metavar="fixed|member|N", help=f"{src} seed (default: the preset's)")
+    g.add_argument("--kernel-seed", default=noise.DEFAULT_KERNEL_SEED, metavar="fresh|fixed|member|N",
+                   help="arrival order of atomic CPU models (GPU atomics cannot be seeded); default fresh")
+    g.add_argument("--perturb-ulp", action="store_true", help="move one weight by one ULP before step 0")
+    g.add_argument("--perturb-index", type=int, default=0, help="flat parameter index to perturb")
+    g = p.add_argument_group("run")
+    g.add_argument("--out", default="runs", help="run directory root (default %(default)s)")
+    g.add_argument("--name", help="run name (default from preset, routing and model)")
+    g.add_argument("--members", type=int, default=1, help="members to train (member_000 ...)")
+    g.add_argument("--first-member", type=int, default=0)
+    g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--channels-last", action="store_true")
+    g.add_argument("--tf32", action="store_true", help="allow TF32 in matmul/conv (default off)")
+    g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="resume an unfinished run directory (default on)")
+    g.add_argument("--save-epoch-weights", action="store_true")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
+                   help="render report.md at the end (default on)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)}
+    kw["kernel_ops"] = routing.parse_overrides(args.kernel_op)
+    return Config(**kw)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    from nnrand.data import DatasetError
+
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        cfg = resolve(config_from_args(args))
+        out = main(cfg)
+    except (ConfigError, routing.RoutingError, runio.DiskSpaceError, DatasetError) as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    except KeyboardInterrupt as e:
+        print(f"\n{e or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
+        return 130
+    for r in out["members"]:
+        print(f"member {r['member']}: test top-1 {r['test_top1']:.4f}, top-5 {r['test_top5']:.4f}, "
+              f"final checksum {r['final_checksum']}")
+    print(f"outputs: {out['run_dir']}")
+    if out["report"]:
+        print(f"report: {out['report']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())
