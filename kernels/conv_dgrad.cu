@@ -12,7 +12,8 @@
 //           visits only the taps that can hit its pixels (1 of 4 for a 3x3 stride-2 pixel on an even
 //           row and column). Each dx element is one thread's FMA chain in a fixed order (taps with kh
 //           then kw ascending, co ascending inside a tap) and is written once: DETERMINISTIC.
-//           Cin <= 4 (network stems) uses tree_direct, one thread per pixel, same order.
+//           Cin <= 4 (network stems) runs tree_stem instead: one thread per pixel, dy patch and weights
+//           staged in shared memory, its own fixed order.
 //
 // Both use FFMA, so neither matches its CPU model bit for bit (the models round each product apart).
 // Self-contained: no shared header (the reductions here are GEMM accumulators, not common.cuh trees).
@@ -23,7 +24,7 @@
 #define DG_THREADS 256       // 16 x 16 threads, each an 8 x 4 register tile
 #define DG_LDA (DG_BM + 4)   // shared row pitch: conflict-free transposed stores, float4 aligned
 #define DG_MAXK 32           // largest kernel extent per axis (taps are listed in shared memory)
-#define DG_DIRECT_THREADS 256
+#define DG_DIRECT_THREADS 256  // tree_stem block
 
 // One template, two operand loaders and two epilogues:
 //   SCATTER = false (tree): rows are the dx pixels of one stride phase; A[m, (tap, co)] gathers dy at
@@ -37,7 +38,7 @@ __device__ __forceinline__ void dgrad_gemm(
     int N, int Cin, int H, int W, int Cout, int OH, int OW, int KH, int KW,
     int sh, int sw, int ph, int pw, int dh, int dw,
     long long dy_sn, long long dy_sc, long long dy_sh, long long dy_sw,
-    long long dx_sn, long long dx_sc, long long dx_sh, long long dx_sw) {
+    long long dx_sn, long long dx_sc, long long dx_sh, long long dx_sw, int skip_empty) {
     __shared__ __align__(16) float smem[DG_BN * DG_LDA];  // operands while looping, C tile after
     __shared__ int s_kh[DG_MAXK], s_oh[DG_MAXK], s_kw[DG_MAXK], s_ow[DG_MAXK];
     __shared__ int s_nkh, s_nkw;
@@ -55,10 +56,13 @@ __device__ __forceinline__ void dgrad_gemm(
     }
     const int HWq = Hq * Wq;
     const int M = N * HWq;
-    const int m0 = blockIdx.x * DG_BM;
-    if (m0 >= M) return;  // uniform over the block (phases differ in size)
-    const int c0 = blockIdx.y * DG_BN;
     const int ncols = SCATTER ? KH * KW * Cin : Cin;
+    // atomic: one 1-D grid with the column tile fastest, so the blocks holding the taps of one dy tile
+    // (and so the overlapping contributions to one dx region) run side by side and race for real.
+    const int ctiles = (ncols + DG_BN - 1) / DG_BN;
+    const int m0 = (SCATTER ? (int)(blockIdx.x / ctiles) : (int)blockIdx.x) * DG_BM;
+    const int c0 = (SCATTER ? (int)(blockIdx.x % ctiles) : (int)blockIdx.y) * DG_BN;
+    if (m0 >= M) return;  // uniform over the block (phases differ in size)
 
     int ntaps = 1;
     if (!SCATTER) {
@@ -80,6 +84,7 @@ __device__ __forceinline__ void dgrad_gemm(
         }
         __syncthreads();
         ntaps = s_nkh * s_nkw;
+        if (ntaps == 0 && skip_empty) return;  // a phase no tap reaches; dx was zero-filled
     }
     const int cochunks = (Cout + DG_BK - 1) / DG_BK;
     const int KT = ntaps * cochunks;
@@ -219,10 +224,10 @@ __device__ __forceinline__ void dgrad_gemm(
     const float* __restrict__ dy, const float* __restrict__ wmat, float* __restrict__ dx, int N,     \
         int Cin, int H, int W, int Cout, int OH, int OW, int KH, int KW, int sh, int sw, int ph,     \
         int pw, int dh, int dw, long long dy_sn, long long dy_sc, long long dy_sh, long long dy_sw,  \
-        long long dx_sn, long long dx_sc, long long dx_sh, long long dx_sw
+        long long dx_sn, long long dx_sc, long long dx_sh, long long dx_sw, int skip_empty
 #define DG_PASS                                                                                   \
     dy, wmat, dx, N, Cin, H, W, Cout, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, dy_sn, dy_sc, dy_sh, \
-        dy_sw, dx_sn, dx_sc, dx_sh, dx_sw
+        dy_sw, dx_sn, dx_sc, dx_sh, dx_sw, skip_empty
 
 extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_nchw(DG_ARGS) {
     dgrad_gemm<false, false>(DG_PASS);
@@ -237,38 +242,93 @@ extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_atomic_cl
     dgrad_gemm<true, true>(DG_PASS);
 }
 
-// tree_direct: Cin <= 4. A 64-column GEMM tile would waste 15/16 of its work on 3 input channels, so
-// each thread owns one dx pixel (all its channels) and walks the same order as the GEMM: valid taps
-// with kh then kw ascending, co ascending; wmat is w packed as float4 [kh][kw][co][ci padded to 4].
-// One launch-grid z slice per stride phase keeps the tap loop uniform across a warp.
-extern "C" __global__ void __launch_bounds__(DG_DIRECT_THREADS) conv_dgrad_tree_direct(DG_ARGS) {
+// tree_stem: Cin <= 4 (network stems). A 64-column GEMM tile would waste 15/16 of its work on 3 input
+// channels, so each thread owns one dx pixel (all its channels, padded to 4) of a TI x TJ tile of one
+// stride phase. Per chunk of CC output channels the block stages the dy patch its taps read and the
+// phase's weights ([tap][co] float4, ci padded to 4) in shared memory, then every thread runs its FMA
+// chain: chunks ascending, taps (kh, kw) ascending, co ascending. Fixed order, one write per element:
+// deterministic (a different fixed order from the GEMM path, used for every shape with Cin <= 4).
+// Dynamic shared memory: 4 * ntaps_max * CC + CC * PH * PW floats (the launcher keeps it <= 48 KiB).
+extern "C" __global__ void __launch_bounds__(DG_DIRECT_THREADS)
+conv_dgrad_tree_stem(DG_ARGS, int tj_log2, int tiles_i, int tiles_j, int PH, int PW, int CC, int cl) {
+    extern __shared__ __align__(16) float dsm[];
+    __shared__ int s_kh[DG_MAXK], s_oh[DG_MAXK], s_kw[DG_MAXK], s_ow[DG_MAXK];
+    __shared__ int s_nkh, s_nkw;
+    const int t = threadIdx.x;
+    const int TJ = 1 << tj_log2, TI = DG_DIRECT_THREADS >> tj_log2;
     const int rh = blockIdx.z / sw, rw = blockIdx.z % sw;
     const int Hq = rh < H ? (H - rh + sh - 1) / sh : 0;
     const int Wq = rw < W ? (W - rw + sw - 1) / sw : 0;
-    const int HWq = Hq * Wq;
-    const int m = blockIdx.x * DG_DIRECT_THREADS + threadIdx.x;
-    if (m >= N * HWq) return;
-    const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - (r / Wq) * Wq;
-    const int h = rh + sh * i, w = rw + sw * j;
+    int b = blockIdx.x;
+    const int tile_j = b % tiles_j;
+    b /= tiles_j;
+    const int tile_i = b % tiles_i;
+    const int n = b / tiles_i;
+    const int i0 = tile_i * TI, j0 = tile_j * TJ;
+    if (i0 >= Hq || j0 >= Wq) return;  // uniform: this tile lies outside a smaller phase
+    if (t == 0) {
+        int a = 0;
+        for (int kh = 0; kh < KH; ++kh) {
+            const int num = rh + ph - kh * dh;
+            if (((num % sh) + sh) % sh == 0) { s_kh[a] = kh; s_oh[a] = num / sh; ++a; }
+        }
+        s_nkh = a;
+        a = 0;
+        for (int kw = 0; kw < KW; ++kw) {
+            const int num = rw + pw - kw * dw;
+            if (((num % sw) + sw) % sw == 0) { s_kw[a] = kw; s_ow[a] = num / sw; ++a; }
+        }
+        s_nkw = a;
+    }
+    __syncthreads();
+    const int nkh = s_nkh, nkw = s_nkw, ntaps = nkh * nkw;
+    if (ntaps == 0 && skip_empty) return;
+    const int ti = t >> tj_log2, tj = t & (TJ - 1);
     const float4* __restrict__ w4 = reinterpret_cast<const float4*>(wmat);
     float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-    for (int kh = 0; kh < KH; ++kh) {
-        const int nh = h + ph - kh * dh;
-        if (nh < 0 || nh % sh != 0 || nh / sh >= OH) continue;
-        for (int kw = 0; kw < KW; ++kw) {
-            const int nw = w + pw - kw * dw;
-            if (nw < 0 || nw % sw != 0 || nw / sw >= OW) continue;
-            const float* d = dy + (long long)n * dy_sn + (long long)(nh / sh) * dy_sh + (long long)(nw / sw) * dy_sw;
-            const float4* wt = w4 + (long long)(kh * KW + kw) * Cout;
+    if (ntaps > 0) {
+        // the patch starts at the smallest dy row/column any tap of this phase reads for this tile
+        const int oh_base = i0 + s_oh[nkh - 1], ow_base = j0 + s_ow[nkw - 1];
+        float4* ws = reinterpret_cast<float4*>(dsm);  // [ntaps][CC]
+        float* ps = dsm + 4 * ntaps * CC;              // [CC][PH][PW]
+        const int psz = PH * PW;
+        const long long dy_n = (long long)n * dy_sn;
+        for (int co0 = 0; co0 < Cout; co0 += CC) {
+            __syncthreads();  // the previous chunk has been read
+            for (int x = t; x < ntaps * CC; x += DG_DIRECT_THREADS) {
+                const int tp = x / CC, c = x - tp * CC, a = tp / nkw, bb = tp - a * nkw, co = co0 + c;
+                ws[x] = co < Cout ? __ldg(w4 + (long long)(s_kh[a] * KW + s_kw[bb]) * Cout + co)
+                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+            for (int x = t; x < CC * psz; x += DG_DIRECT_THREADS) {
+                int c, rq;  // lanes run along the fastest dy axis: ow (NCHW) or the channel (channels_last)
+                if (cl) { c = x % CC; rq = x / CC; } else { c = x / psz; rq = x - c * psz; }
+                const int r = rq / PW, q = rq - (rq / PW) * PW;
+                const int oh = oh_base + r, ow = ow_base + q, co = co0 + c;
+                float v = 0.0f;
+                if (co < Cout && oh >= 0 && oh < OH && ow >= 0 && ow < OW)
+                    v = __ldg(dy + dy_n + (long long)co * dy_sc + (long long)oh * dy_sh + (long long)ow * dy_sw);
+                ps[c * psz + rq] = v;
+            }
+            __syncthreads();
+            for (int a = 0; a < nkh; ++a) {
+                const int r = ti + s_oh[a] - s_oh[nkh - 1];
+                for (int bb = 0; bb < nkw; ++bb) {
+                    const float* pp = ps + r * PW + tj + s_ow[bb] - s_ow[nkw - 1];
+                    const float4* wq = ws + (a * nkw + bb) * CC;
 #pragma unroll 4
-            for (int co = 0; co < Cout; ++co) {
-                const float v = __ldg(d + (long long)co * dy_sc);
-                const float4 q = __ldg(wt + co);
-                a0 = fmaf(v, q.x, a0); a1 = fmaf(v, q.y, a1); a2 = fmaf(v, q.z, a2); a3 = fmaf(v, q.w, a3);
+                    for (int c = 0; c < CC; ++c) {
+                        const float v = pp[c * psz];
+                        const float4 q = wq[c];
+                        a0 = fmaf(v, q.x, a0); a1 = fmaf(v, q.y, a1); a2 = fmaf(v, q.z, a2); a3 = fmaf(v, q.w, a3);
+                    }
+                }
             }
         }
     }
-    float* o = dx + (long long)n * dx_sn + (long long)h * dx_sh + (long long)w * dx_sw;
+    const int i = i0 + ti, j = j0 + tj;
+    if (i >= Hq || j >= Wq) return;
+    float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * i) * dx_sh + (long long)(rw + sw * j) * dx_sw;
     o[0] = a0;
     if (Cin > 1) o[dx_sc] = a1;
     if (Cin > 2) o[2 * dx_sc] = a2;

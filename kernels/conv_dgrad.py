@@ -42,8 +42,10 @@ from .shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape, conv_out
 OP = "conv_dgrad"
 SOURCE = "conv_dgrad.cu"
 BM, BN, THREADS = 128, 64, 256      # GEMM block tile (rows x columns) and threads; see conv_dgrad.cu
-DIRECT_THREADS = 256
-DIRECT_MAX_CIN = 4                  # tree uses the one-thread-per-pixel kernel up to this many channels
+STEM_THREADS = 256                  # tree_stem: one thread per dx pixel, Cin <= STEM_MAX_CIN
+STEM_MAX_CIN = 4
+STEM_MAX_CHUNK = 16                 # output channels staged per pass
+STEM_SMEM_FLOATS = 11776            # dynamic shared memory cap (46 KiB: 48 KiB less the static part)
 MAX_KERNEL = 32                     # taps per axis the CUDA kernels list in shared memory
 ATOMIC_ORDERS = 16                  # CPU atomic model: random tap orders drawn per call
 
@@ -135,23 +137,54 @@ def _geometry_args(g: Geometry, dy: torch.Tensor, dx: torch.Tensor) -> tuple:
             *(np.int64(s) for s in dy.stride()), *(np.int64(s) for s in dx.stride()))
 
 
+def phase_offsets(k: int, s: int, p: int, d: int) -> list[list[int]]:
+    """Per stride phase r (dx index = r mod s), the dy offsets (r + p - kk*d) / s of the taps kk that
+    reach it, kk ascending (the kernels' tap lists); empty where no tap does."""
+    return [[(r + p - kk * d) // s for kk in range(k) if (r + p - kk * d) % s == 0] for r in range(s)]
+
+
+def _stem_plan(g: Geometry) -> tuple | None:
+    """Launch shape of tree_stem, or None when its shared memory would not fit (then the GEMM runs)."""
+    offs_h = phase_offsets(g.kh, g.sh, g.ph, g.dh)
+    offs_w = phase_offsets(g.kw, g.sw, g.pw, g.dw)
+    spread = lambda offs: max((o[0] - o[-1] for o in offs if o), default=0)  # noqa: E731
+    hq, wq = cdiv(g.h, g.sh), cdiv(g.w, g.sw)  # pixels per image of the largest phase (0, 0)
+    tj_log2 = min(5, max(0, (wq - 1).bit_length()))
+    ti = STEM_THREADS >> tj_log2
+    ph, pw = ti + spread(offs_h), (1 << tj_log2) + spread(offs_w)
+    taps = max(len(o) for o in offs_h) * max(len(o) for o in offs_w)
+    cc = min(STEM_MAX_CHUNK, g.cout, STEM_SMEM_FLOATS // (ph * pw + 4 * taps))
+    if cc < 1:
+        return None
+    tiles_i, tiles_j = cdiv(hq, ti), cdiv(wq, 1 << tj_log2)
+    grid = (g.n * tiles_i * tiles_j, 1, g.sh * g.sw)
+    shared = 4 * cc * (ph * pw + 4 * taps)
+    return grid, shared, tuple(np.int32(v) for v in (tj_log2, tiles_i, tiles_j, ph, pw, cc))
+
+
 def conv_dgrad_tree_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
     g = _cuda_prologue(w, dy, input_size, stride, padding, dilation)
-    dx = _empty_dx(g, dy.device, zero=_trivial(g))
+    # Phases that no tap reaches (3 of 4 for a 1x1 stride-2 conv) are zero-filled up front and their
+    # blocks return at once.
+    empty = not all(phase_offsets(g.kh, g.sh, g.ph, g.dh)) or not all(phase_offsets(g.kw, g.sw, g.pw, g.dw))
+    dx = _empty_dx(g, dy.device, zero=_trivial(g) or empty)
     if _trivial(g):
         return dx
-    phases = g.sh * g.sw
-    rows = g.n * cdiv(g.h, g.sh) * cdiv(g.w, g.sw)  # pixels of the largest phase (0, 0)
-    if g.cin <= DIRECT_MAX_CIN:
-        # [kh][kw][co][ci padded to 4]: one float4 load per (tap, co) gives every channel's weight
+    plan = _stem_plan(g) if g.cin <= STEM_MAX_CIN else None
+    if plan is not None:
+        grid, shared, extra = plan
+        # [kh][kw][co][ci padded to 4]: one float4 per (tap, co) holds every channel's weight
         wmat = F.pad(w.permute(2, 3, 0, 1), (0, 4 - g.cin)).contiguous()
-        fn, grid, block = "conv_dgrad_tree_direct", (cdiv(rows, DIRECT_THREADS), 1, phases), (DIRECT_THREADS,)
+        fn, block = "conv_dgrad_tree_stem", (STEM_THREADS,)
+        extra = (*extra, np.int32(g.layout == "channels_last"))
     else:
+        rows = g.n * cdiv(g.h, g.sh) * cdiv(g.w, g.sw)  # pixels of the largest phase (0, 0)
         wmat = w.permute(2, 3, 0, 1).contiguous()  # [kh][kw][co][ci]: B rows of one tap are contiguous
-        name = "conv_dgrad_tree_cl" if g.layout == "channels_last" else "conv_dgrad_tree_nchw"
-        fn, grid, block = name, (cdiv(rows, BM), cdiv(g.cin, BN), phases), (THREADS,)
+        fn = "conv_dgrad_tree_cl" if g.layout == "channels_last" else "conv_dgrad_tree_nchw"
+        grid, block, shared, extra = (cdiv(rows, BM), cdiv(g.cin, BN), g.sh * g.sw), (THREADS,), 0, ()
     launch(function(SOURCE, fn, dy.device), grid, block,
-           (ptr(dy), ptr(wmat), ptr(dx), *_geometry_args(g, dy, dx)), device=dy.device)
+           (ptr(dy), ptr(wmat), ptr(dx), *_geometry_args(g, dy, dx), np.int32(empty), *extra),
+           device=dy.device, shared_mem=shared)
     return dx
 
 
@@ -161,13 +194,13 @@ def conv_dgrad_atomic_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1
     if _trivial(g):
         return dx
     ncols = g.kh * g.kw * g.cin
-    if cdiv(ncols, BN) > 65535:
-        raise KernelArgumentError(OP, "w", f"the atomic kernel takes KH*KW*Cin <= {65535 * BN}, got {ncols}")
     wmat = w.permute(0, 2, 3, 1).contiguous()  # [co][kh][kw][ci]: GEMM B = (Cout, KH*KW*Cin), row-major
     name = "conv_dgrad_atomic_cl" if g.layout == "channels_last" else "conv_dgrad_atomic_nchw"
-    grid = (cdiv(g.n * g.oh * g.ow, BM), cdiv(ncols, BN), 1)
-    launch(function(SOURCE, name, dy.device), grid, (THREADS,),
-           (ptr(dy), ptr(wmat), ptr(dx), *_geometry_args(g, dy, dx)), device=dy.device)
+    blocks = cdiv(g.n * g.oh * g.ow, BM) * cdiv(ncols, BN)  # 1-D, column tile fastest
+    if blocks > INT32_MAX:
+        raise KernelArgumentError(OP, "dy", f"{blocks} blocks exceed the launch grid")
+    launch(function(SOURCE, name, dy.device), (blocks, 1, 1), (THREADS,),
+           (ptr(dy), ptr(wmat), ptr(dx), *_geometry_args(g, dy, dx), np.int32(0)), device=dy.device)
     return dx
 
 

@@ -242,19 +242,29 @@ def test_cuda_tree_layout_independent():
         assert_bitwise_equal(b.contiguous(), a, s.name)
 
 
+def _distinct_on_device(outs: list[torch.Tensor]) -> int:
+    seen: list[torch.Tensor] = []
+    for o in outs:
+        if not any(torch.equal(o, s) for s in seen):
+            seen.append(o)
+    return len(seen)
+
+
 @pytest.mark.gpu
 def test_cuda_atomic_varies_where_windows_overlap():
-    """Negative control: the atomic scatter gives several distinct results on 3x3 stride-1 windows;
-    on a 1x1 stride-2 conv (one contribution per element) it is as repeatable as the tree."""
-    w, dy, kw = inputs(make_case(RESNET18_CONV[1].with_batch(32), "nchw", 11), "cuda")
-    outs = [ATOMIC(w, dy, **kw) for _ in range(REPEATS)]
+    """Negative control: the atomic scatter gives distinct results over repeats where windows overlap
+    (asserted on 512->512 3x3 at 4x4, batch 128, where every block's taps race); on a 1x1 stride-2 conv
+    (one contribution per element) it is as repeatable as the tree. Counts are printed for the others."""
+    counts = {}
+    for i, s in enumerate(RESNET18_CONV):
+        w, dy, kw = inputs(make_case(s, "nchw", 900 + i), "cuda")
+        counts[s.name] = _distinct_on_device([ATOMIC(w, dy, **kw) for _ in range(REPEATS if i == 10 else 10)])
     torch.cuda.synchronize()
-    n = len({o.cpu().numpy().tobytes() for o in outs})
-    print(f"atomic {RESNET18_CONV[1].name} batch 32: {n} distinct results in {REPEATS} repeats")
-    assert n > 1
-    w, dy, kw = inputs(make_case(RESNET18_CONV[3].with_batch(32), "nchw", 12), "cuda")
-    outs = [ATOMIC(w, dy, **kw) for _ in range(10)]
-    assert len({o.cpu().numpy().tobytes() for o in outs}) == 1
+    print("atomic distinct results (batch 128; 50 repeats for 512-512, 10 for the rest):", counts)
+    assert RESNET18_CONV[10].name == "conv3x3_512-512_4" and counts["conv3x3_512-512_4"] > 1
+    for s in RESNET18_CONV:
+        if s.k == 1:
+            assert counts[s.name] == 1, s.name
 
 
 @pytest.mark.gpu
