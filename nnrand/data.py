@@ -1,0 +1,473 @@
+"""Datasets for the training harness: a procedurally generated default and CIFAR-10/100 from their archives.
+
+Every dataset is held whole as uint8 tensors (N, 3, 32, 32) so it can sit on the GPU; normalisation,
+augmentation and shuffling are batched tensor ops with their own seeds.
+
+``synthetic`` (the default; code, not files)
+    Ten shape families drawn on a coloured background, 32x32 RGB:
+
+        0 disc   1 ring   2 square   3 frame (hollow square)   4 triangle   5 cross (plus)
+        6 stripes (a disc filled with a grating)   7 bar (thin ellipse)   8 pair (two small discs)
+        9 half_disc
+
+    Each image: the shape's signed distance field, anti-aliased over one pixel, at a random centre
+    (+-OFFSET px), radius (RADIUS px), rotation (any angle) and aspect ratio (ASPECT), painted in a random
+    foreground colour kept at least MIN_CONTRAST from the background where a few redraws allow it. The
+    background is a colour from a ten-colour palette with per-image jitter and a linear gradient.
+    Then, independently per image: with probability MORPH_P a second shape of another class is blended
+    into the mask with weight MORPH_ALPHA (the label stays the first class: these are the ambiguous
+    examples); with probability OCCLUDE_P an opaque rectangle of random colour covers part of the image;
+    global contrast/brightness jitter; Gaussian pixel noise of per-image sigma NOISE_SIGMA.
+
+    Subgroups: the palette colour is the *background cue*. In the majority (group 0) the background is
+    palette[class]; in the minority (group 1) it is the palette colour of another, random class.
+    The minority is MINORITY["train"] of the training set and MINORITY["test"] of the test set, so a
+    model that leans on the background cue loses accuracy on group 1 and per-group accuracy is
+    measurable. Groups refer to the drawn shape; training labels are then flipped to a random other
+    class for LABEL_NOISE of the training images (the test labels are clean). ``Dataset.extra`` keeps
+    the clean training labels and the morph flags.
+
+    The generator draws everything from ``numpy.random.default_rng([seed, split])``, so the same seed
+    gives the same bytes; 10k + 2k images take about a second on one CPU core.
+
+``cifar10`` / ``cifar100``
+    Read from the python-version archives in ``data_dir`` (checked against their md5 before anything
+    is unpickled) with ``tarfile`` + ``pickle``; optional download with an atomic write. ``n_train`` /
+    ``n_test`` take a seeded subset (kept in archive order). Groups are unknown: all -1.
+"""
+from __future__ import annotations
+
+import colorsys
+import hashlib
+import io
+import os
+import pickle
+import tarfile
+import tempfile
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DATASETS = ("synthetic", "cifar10", "cifar100")
+
+
+class DatasetError(RuntimeError):
+    """A dataset archive is missing, corrupt (md5 mismatch) or malformed."""
+
+
+@dataclass
+class Dataset:
+    name: str
+    classes: list[str]
+    train_x: torch.Tensor  # (N, 3, 32, 32) uint8
+    train_y: torch.Tensor  # (N,) int64
+    test_x: torch.Tensor  # (M, 3, 32, 32) uint8
+    test_y: torch.Tensor  # (M,) int64
+    train_group: torch.Tensor  # (N,) int64: 0 majority, 1 minority, -1 unknown
+    test_group: torch.Tensor  # (M,) int64
+    mean: tuple[float, float, float]  # per channel, of train_x / 255
+    std: tuple[float, float, float]
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-example side information
+
+    def to(self, device) -> "Dataset":
+        move = lambda t: t.to(device)  # noqa: E731
+        return Dataset(self.name, list(self.classes), move(self.train_x), move(self.train_y),
+                       move(self.test_x), move(self.test_y), move(self.train_group), move(self.test_group),
+                       self.mean, self.std, {k: move(v) for k, v in self.extra.items()})
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+
+def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None, seed: int = 0,
+                 n_train: int | None = None, n_test: int | None = None, download: bool = False,
+                 url: str | None = None) -> Dataset:
+    """The dataset ``name`` (one of DATASETS) on the CPU. ``seed`` draws the synthetic images or the
+    CIFAR subset; ``download``/``url`` only concern CIFAR (see :func:`download_archive`)."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; valid datasets: {', '.join(DATASETS)}")
+    for arg, v in (("n_train", n_train), ("n_test", n_test)):
+        if v is not None and v < 1:
+            raise ValueError(f"{arg} must be >= 1, got {v}")
+    if name == "synthetic":
+        return synthetic(seed=seed, n_train=N_TRAIN if n_train is None else n_train,
+                         n_test=N_TEST if n_test is None else n_test)
+    return load_cifar(name, data_dir=data_dir, seed=seed, n_train=n_train, n_test=n_test,
+                      download=download, url=url)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensor ops used by the training loop
+
+
+def normalize(x: torch.Tensor, ds: Dataset) -> torch.Tensor:
+    """uint8 (N, 3, H, W) -> float32 (x / 255 - mean) / std, on x's device."""
+    mean = torch.tensor(ds.mean, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(ds.std, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
+    return (x.to(torch.float32) / 255.0 - mean) / std
+
+
+def _reflect(i: torch.Tensor, size: int) -> torch.Tensor:
+    # Mirror without repeating the edge pixel (numpy/torch "reflect"); valid while pad < size.
+    i = i.abs()
+    return torch.where(i > size - 1, 2 * (size - 1) - i, i)
+
+
+def augment(x: torch.Tensor, generator: torch.Generator, *, pad: int = 4, mode: str = "reflect",
+            flip: bool = True) -> torch.Tensor:
+    """Random crop (pad ``pad`` px with ``mode`` = "reflect" or "zero", crop back to H x W) and random
+    horizontal flip of a batch (N, C, H, W) of any dtype.
+
+    The offsets and flips are drawn on the generator's device (3 draws per call, N values each) and moved
+    to x's device; the crop/flip/padding is one gather of flat pixel indices, so the output depends only on x and the
+    generator state (a CPU generator gives the same augmentation for CPU and CUDA batches).
+    """
+    if x.ndim != 4:
+        raise ValueError(f"augment: expected x of shape (N, C, H, W), got {tuple(x.shape)}")
+    if mode not in ("reflect", "zero"):
+        raise ValueError(f"augment: mode must be 'reflect' or 'zero', got {mode!r}")
+    n, _, h, w = x.shape
+    if not 0 <= pad < min(h, w):
+        raise ValueError(f"augment: pad must be in [0, {min(h, w)}), got {pad}")
+    gdev = generator.device
+    oy = torch.randint(0, 2 * pad + 1, (n,), generator=generator, device=gdev).to(x.device)
+    ox = torch.randint(0, 2 * pad + 1, (n,), generator=generator, device=gdev).to(x.device)
+    fl = torch.randint(0, 2, (n,), generator=generator, device=gdev).to(x.device).bool()
+    if not flip:
+        fl = torch.zeros_like(fl)
+    ar_h = torch.arange(h, device=x.device)
+    ar_w = torch.arange(w, device=x.device)
+    rows = oy[:, None] + ar_h[None, :] - pad  # (N, H) source row of each output row
+    cols = ox[:, None] + torch.where(fl[:, None], w - 1 - ar_w[None, :], ar_w[None, :]) - pad
+    if mode == "reflect":
+        rows, cols = _reflect(rows, h), _reflect(cols, w)
+    else:
+        valid = ((rows >= 0) & (rows < h))[:, :, None] & ((cols >= 0) & (cols < w))[:, None, :]
+        rows, cols = rows.clamp(0, h - 1), cols.clamp(0, w - 1)
+    c = x.shape[1]
+    src = (rows[:, :, None] * w + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
+    out = x.reshape(n, c, h * w).gather(2, src).view(n, c, h, w)
+    if mode == "zero":
+        out = out * valid[:, None].to(out.dtype)
+    return out
+
+
+def epoch_order(n: int, epoch: int, seed: int) -> torch.LongTensor:
+    """The batch order of epoch ``epoch``: a permutation of range(n) from a CPU generator seeded by
+    (seed, epoch) alone, so a run resumed at any epoch reproduces it."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0]))
+    return torch.randperm(n, generator=g)
+
+
+def channel_stats(x: torch.Tensor) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """Per-channel mean and standard deviation of x / 255, accumulated in float64."""
+    v = x.to(torch.float64).div_(255.0).transpose(0, 1).reshape(x.shape[1], -1)
+    mean = v.mean(dim=1)
+    std = v.std(dim=1, unbiased=False)
+    return tuple(float(m) for m in mean), tuple(float(s) for s in std)
+
+
+# --------------------------------------------------------------------------------------------------
+# Synthetic: hyper-parameters (pixels unless stated)
+
+N_TRAIN, N_TEST = 10_000, 2_000
+SYNTH_CLASSES = ["disc", "ring", "square", "frame", "triangle", "cross", "stripes", "bar", "pair",
+                 "half_disc"]
+SIZE = 32
+MINORITY = {"train": 0.05, "test": 0.30}  # fraction whose background cue names another class
+LABEL_NOISE = 0.03  # fraction of training labels flipped to a random other class
+MORPH_P = 0.12  # fraction with a second shape blended in
+MORPH_ALPHA = (0.2, 0.5)  # blend weight of the second shape
+OCCLUDE_P = 0.35  # fraction with an opaque rectangle
+OCCLUDE_SIDE = (5, 13)  # rectangle side, px (uniform integer, inclusive-exclusive)
+OFFSET = 6.0  # shape centre within +-OFFSET px of the image centre
+RADIUS = (6.0, 11.0)  # shape radius, px
+ASPECT = (0.8, 1.25)  # u/v stretch
+MIN_CONTRAST = 0.35  # Euclidean RGB distance (0..1 units) between foreground and background colours
+BG_JITTER = 0.07  # per-channel background colour jitter, +- (0..1 units)
+BG_GRADIENT = 0.12  # background gradient amplitude across the image (0..1 units)
+CONTRAST = (0.75, 1.2)  # global contrast factor
+BRIGHTNESS = 0.08  # global brightness shift, +-
+NOISE_SIGMA = (0.02, 0.10)  # per-image Gaussian noise sigma (0..1 units)
+CHUNK = 2048  # images rendered at once (bounds memory to ~50 MB)
+
+# Background palette: ten hues, moderate saturation, so the cue is easy to see but not the only thing.
+PALETTE = np.array([colorsys.hsv_to_rgb(i / 10, 0.55, 0.72) for i in range(10)], dtype=np.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Synthetic: shapes as signed distance fields in unit coordinates (negative inside; radius 1 ~ RADIUS)
+
+
+def _box(u, v, half):
+    return np.maximum(np.abs(u), np.abs(v)) - half
+
+
+def _sdf(cls: int, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    r = np.sqrt(u * u + v * v)
+    if cls == 0:  # disc
+        return r - 0.85
+    if cls == 1:  # ring
+        return np.abs(r - 0.72) - 0.26
+    if cls == 2:  # square
+        return _box(u, v, 0.75)
+    if cls == 3:  # frame
+        return np.abs(_box(u, v, 0.66)) - 0.2
+    if cls == 4:  # equilateral triangle, circumradius 1: three half-planes at inradius 0.5
+        d = v - 0.5
+        for a in (np.pi * 7 / 6, np.pi * 11 / 6):
+            d = np.maximum(d, np.cos(a) * u + np.sin(a) * v - 0.5)
+        return d
+    if cls == 5:  # cross
+        return np.minimum(np.maximum(np.abs(u) - 0.95, np.abs(v) - 0.27),
+                          np.maximum(np.abs(v) - 0.95, np.abs(u) - 0.27))
+    if cls == 6:  # stripes: a disc cut by a grating of period 0.5
+        period = 0.5
+        grating = (np.abs(np.mod(u / period, 1.0) - 0.5) - 0.25) * period
+        return np.maximum(r - 0.95, grating)
+    if cls == 7:  # bar: ellipse 1 x 0.33 (distance scaled to the minor axis)
+        return (np.sqrt(u * u + (v / 0.33) ** 2) - 1.0) * 0.33
+    if cls == 8:  # pair of discs
+        return np.minimum(np.sqrt((u - 0.55) ** 2 + v * v), np.sqrt((u + 0.55) ** 2 + v * v)) - 0.42
+    if cls == 9:  # half disc, flat side at v = -0.35
+        w = v + 0.35
+        return np.maximum(np.sqrt(u * u + w * w) - 1.0, -w)
+    raise ValueError(cls)
+
+
+def _masks(cls: np.ndarray, u: np.ndarray, v: np.ndarray, radius: np.ndarray) -> np.ndarray:
+    """Anti-aliased coverage in [0, 1] of shape cls[i] on image i: one pixel ramp across the edge."""
+    m = np.empty_like(u)
+    for c in range(len(SYNTH_CLASSES)):
+        sel = cls == c
+        if sel.any():
+            m[sel] = np.clip(0.5 - _sdf(c, u[sel], v[sel]) * radius[sel, None, None], 0.0, 1.0)
+    return m
+
+
+def _render(rng: np.random.Generator, shape_cls: np.ndarray, bg_cls: np.ndarray):
+    """uint8 images (k, 3, 32, 32) and their morph flags for the given shape and background classes."""
+    k = len(shape_cls)
+    f32 = np.float32
+    grid = np.arange(SIZE, dtype=f32) + f32(0.5 - SIZE / 2)  # pixel centres, image centre at 0
+    cy, cx = (rng.uniform(-OFFSET, OFFSET, (2, k))).astype(f32)
+    radius = rng.uniform(*RADIUS, k).astype(f32)
+    theta = rng.uniform(0, 2 * np.pi, k).astype(f32)
+    aspect = np.exp(rng.uniform(np.log(ASPECT[0]), np.log(ASPECT[1]), k)).astype(f32)
+    dx = grid[None, None, :] - cx[:, None, None]
+    dy = grid[None, :, None] - cy[:, None, None]
+    c, s = np.cos(theta)[:, None, None], np.sin(theta)[:, None, None]
+    u = (c * dx + s * dy) / (radius * aspect)[:, None, None]
+    v = (c * dy - s * dx) * (aspect / radius)[:, None, None]
+    mask = _masks(shape_cls, u, v, radius)
+
+    morph = rng.random(k) < MORPH_P
+    other = (shape_cls + rng.integers(1, len(SYNTH_CLASSES), k)) % len(SYNTH_CLASSES)
+    alpha = rng.uniform(*MORPH_ALPHA, k).astype(f32)
+    if morph.any():
+        m2 = _masks(other[morph], u[morph], v[morph], radius[morph])
+        a = alpha[morph, None, None]
+        mask[morph] = (1 - a) * mask[morph] + a * m2
+
+    bg = PALETTE[bg_cls] + rng.uniform(-BG_JITTER, BG_JITTER, (k, 3)).astype(f32)
+    gdir = rng.uniform(0, 2 * np.pi, k).astype(f32)
+    gamp = rng.uniform(0, BG_GRADIENT, k).astype(f32)
+    ramp = (np.cos(gdir)[:, None, None] * dx + np.sin(gdir)[:, None, None] * dy) / f32(SIZE)
+    background = bg[:, :, None, None] + (gamp[:, None, None] * ramp)[:, None]
+
+    fg = rng.random((k, 3), dtype=f32)
+    for _ in range(4):  # redraw foregrounds too close to the background; the rare survivors stay hard
+        close = np.linalg.norm(fg - bg, axis=1) < MIN_CONTRAST
+        fg[close] = rng.random((int(close.sum()), 3), dtype=f32)
+    img = background + (fg[:, :, None, None] - background) * mask[:, None]
+
+    occ = rng.random(k) < OCCLUDE_P
+    oh, ow = rng.integers(*OCCLUDE_SIDE, (2, k))
+    oy, ox = rng.integers(0, SIZE, (2, k))
+    ocol = rng.random((k, 3), dtype=f32)
+    ar = np.arange(SIZE)
+    inside = (((ar[None, :] >= oy[:, None] - oh[:, None] // 2) & (ar[None, :] < oy[:, None] + (oh[:, None] + 1) // 2))
+              [:, :, None] &
+              ((ar[None, :] >= ox[:, None] - ow[:, None] // 2) & (ar[None, :] < ox[:, None] + (ow[:, None] + 1) // 2))
+              [:, None, :]) & occ[:, None, None]
+    img = np.where(inside[:, None], ocol[:, :, None, None], img)
+
+    contrast = rng.uniform(*CONTRAST, k).astype(f32)[:, None, None, None]
+    bright = rng.uniform(-BRIGHTNESS, BRIGHTNESS, k).astype(f32)[:, None, None, None]
+    sigma = rng.uniform(*NOISE_SIGMA, k).astype(f32)[:, None, None, None]
+    img = (img - f32(0.5)) * contrast + f32(0.5) + bright
+    img = img + sigma * rng.standard_normal(img.shape, dtype=f32)
+    return np.rint(np.clip(img, 0.0, 1.0) * f32(255)).astype(np.uint8), morph
+
+
+def _synthetic_split(seed: int, split: str, n: int):
+    rng = np.random.default_rng([seed, 0 if split == "train" else 1])
+    n_cls = len(SYNTH_CLASSES)
+    shape_cls = rng.permutation(np.arange(n) % n_cls)  # balanced classes
+    minority = rng.random(n) < MINORITY[split]
+    bg_cls = np.where(minority, (shape_cls + rng.integers(1, n_cls, n)) % n_cls, shape_cls)
+    x = np.empty((n, 3, SIZE, SIZE), dtype=np.uint8)
+    morph = np.empty(n, dtype=bool)
+    for i in range(0, n, CHUNK):
+        x[i:i + CHUNK], morph[i:i + CHUNK] = _render(rng, shape_cls[i:i + CHUNK], bg_cls[i:i + CHUNK])
+    y = shape_cls.copy()
+    if split == "train":
+        flipped = rng.random(n) < LABEL_NOISE
+        y[flipped] = (y[flipped] + rng.integers(1, n_cls, int(flipped.sum()))) % n_cls
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(torch.int64)  # noqa: E731
+    return torch.from_numpy(x), t(y), t(minority), t(shape_cls), torch.from_numpy(morph)
+
+
+def synthetic(*, seed: int = 0, n_train: int = N_TRAIN, n_test: int = N_TEST) -> Dataset:
+    train_x, train_y, train_g, train_true, train_morph = _synthetic_split(seed, "train", n_train)
+    test_x, test_y, test_g, _, test_morph = _synthetic_split(seed, "test", n_test)
+    mean, std = channel_stats(train_x)
+    return Dataset("synthetic", list(SYNTH_CLASSES), train_x, train_y, test_x, test_y, train_g, test_g,
+                   mean, std, {"train_true_y": train_true, "train_morph": train_morph,
+                               "test_morph": test_morph})
+
+
+# --------------------------------------------------------------------------------------------------
+# CIFAR-10 / CIFAR-100 from the python-version archives
+
+ARCHIVES = {"cifar10": "cifar-10-python.tar.gz", "cifar100": "cifar-100-python.tar.gz"}
+MD5 = {"cifar10": "c58f30108f718f92721af3b95e74349a", "cifar100": "eb9058c3a382ffc7106e4002c42a8d85"}
+BASE_URL = "https://www.cs.toronto.edu/~kriz/"
+URL_ENV = "NNRAND_CIFAR_URL"  # a full archive URL (ending in .tar.gz) or a base URL to append the name to
+DATA_DIR_ENV = "NNRAND_DATA_DIR"
+DOWNLOAD_TIMEOUT = 60.0  # seconds without progress before a download is abandoned
+# Members of each archive, matched by base name: (train files, test files, meta file, label key, names key)
+_LAYOUT = {
+    "cifar10": ([f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], "batches.meta", "labels",
+                "label_names"),
+    "cifar100": (["train"], ["test"], "meta", "fine_labels", "fine_label_names"),
+}
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get(DATA_DIR_ENV) or Path.home() / ".cache" / "nnrand")
+
+
+def archive_url(name: str, url: str | None = None) -> str:
+    url = url or os.environ.get(URL_ENV) or BASE_URL
+    return url if url.endswith(".tar.gz") else url.rstrip("/") + "/" + ARCHIVES[name]
+
+
+def md5sum(path: Path) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def download_archive(name: str, data_dir: str | os.PathLike | None = None, url: str | None = None) -> Path:
+    """Fetch the archive of ``name`` into data_dir: streamed to a temporary file beside the target, md5
+    checked, then renamed into place, so an interrupted or corrupt download never leaves a file under
+    the archive's name. The URL is ``url``, else $NNRAND_CIFAR_URL, else the Toronto original."""
+    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    target = data_dir / ARCHIVES[name]
+    src = archive_url(name, url)
+    fd, tmp = tempfile.mkstemp(prefix=f".{ARCHIVES[name]}.", suffix=".part", dir=data_dir)
+    try:
+        h = hashlib.md5()
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(src, timeout=DOWNLOAD_TIMEOUT) as resp:
+            for block in iter(lambda: resp.read(1 << 20), b""):
+                h.update(block)
+                out.write(block)
+        if h.hexdigest() != MD5[name]:
+            raise DatasetError(f"download of {src} has md5 {h.hexdigest()}, expected {MD5[name]}; "
+                               f"nothing was written to {target}")
+        os.replace(tmp, target)
+    except OSError as e:  # urllib's URLError/HTTPError are OSErrors
+        raise DatasetError(f"could not download {src} to {target}: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _key(d: dict, key: str):
+    # The original archives are Python 2 pickles: read with encoding="bytes", their keys are bytes.
+    if key.encode() in d:
+        return d[key.encode()]
+    if key in d:
+        return d[key]
+    raise KeyError(key)
+
+
+def _read_archive(name: str, path: Path):
+    train_files, test_files, meta_file, label_key, names_key = _LAYOUT[name]
+    wanted = set(train_files + test_files + [meta_file])
+    found: dict[str, dict] = {}
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            for member in tar.getmembers():
+                base = member.name.rsplit("/", 1)[-1]
+                if member.isfile() and base in wanted:
+                    # Safe to unpickle: the archive's md5 matched the published one before we got here.
+                    found[base] = pickle.load(io.BytesIO(tar.extractfile(member).read()), encoding="bytes")
+    except (tarfile.TarError, OSError, EOFError, pickle.UnpicklingError) as e:
+        raise DatasetError(f"{path} is not a readable {name} archive: {e}") from e
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise DatasetError(f"{path} lacks {', '.join(missing)}; is it the python version of {name}?")
+
+    def stack(files):
+        try:
+            x = np.concatenate([np.asarray(_key(found[f], "data"), dtype=np.uint8) for f in files])
+            y = np.concatenate([np.asarray(_key(found[f], label_key), dtype=np.int64) for f in files])
+        except KeyError as e:
+            raise DatasetError(f"{path}: a batch lacks the key {e}") from e
+        if x.ndim != 2 or x.shape[1] != 3 * 32 * 32 or len(x) != len(y):
+            raise DatasetError(f"{path}: expected (N, 3072) uint8 data with N labels, got data {x.shape} "
+                               f"and {len(y)} labels")
+        return torch.from_numpy(x.reshape(-1, 3, 32, 32).copy()), torch.from_numpy(y)
+
+    train, test = stack(train_files), stack(test_files)
+    classes = [c.decode() if isinstance(c, bytes) else str(c) for c in _key(found[meta_file], names_key)]
+    for split, (_, y) in (("train", train), ("test", test)):
+        if len(y) and (int(y.min()) < 0 or int(y.max()) >= len(classes)):
+            raise DatasetError(f"{path}: {split} labels outside [0, {len(classes)})")
+    return train, test, classes
+
+
+def _subset(n_total: int, n: int | None, seed: int, split: int) -> torch.Tensor | None:
+    if n is None or n >= n_total:
+        return None
+    g = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, split]).generate_state(1)[0]))
+    return torch.randperm(n_total, generator=g)[:n].sort().values
+
+
+def load_cifar(name: str, *, data_dir=None, seed: int = 0, n_train: int | None = None,
+               n_test: int | None = None, download: bool = False, url: str | None = None) -> Dataset:
+    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    path = data_dir / ARCHIVES[name]
+    if not path.is_file():
+        if not download:
+            raise DatasetError(
+                f"{name}: {path} not found. Put {ARCHIVES[name]} (md5 {MD5[name]}, from "
+                f"{archive_url(name)}) in {data_dir}, or pass download=True "
+                f"(data_dir defaults to ${DATA_DIR_ENV} or ~/.cache/nnrand).")
+        download_archive(name, data_dir, url)
+    digest = md5sum(path)
+    if digest != MD5[name]:
+        raise DatasetError(f"{name}: {path} has md5 {digest}, expected {MD5[name]}: the file is corrupt "
+                           f"or not the python version; delete it and download it again.")
+    (train_x, train_y), (test_x, test_y), classes = _read_archive(name, path)
+    for which, (n, split) in enumerate(((n_train, "train"), (n_test, "test"))):
+        idx = _subset(len(train_y) if split == "train" else len(test_y), n, seed, which)
+        if idx is not None and split == "train":
+            train_x, train_y = train_x[idx], train_y[idx]
+        elif idx is not None:
+            test_x, test_y = test_x[idx], test_y[idx]
+    mean, std = channel_stats(train_x)
+    unknown = lambda y: torch.full_like(y, -1)  # noqa: E731
+    return Dataset(name, classes, train_x, train_y, test_x, test_y, unknown(train_y), unknown(test_y),
+                   mean, std)
