@@ -1,0 +1,168 @@
+"""conv_wgrad on a CUDA machine: every variant against float64, distinct results over repeats, and
+timings beside cuDNN, on every ResNet-18 conv shape at batch 128.
+
+    python3 bench/dev/conv_wgrad_check.py [--quick] [--repeats 20] [--csv out.csv] [--targets 512,1024]
+
+--quick: NCHW only (the full run adds channels_last). cuDNN runs with cudnn.benchmark on and TF32 off
+("cudnn", its fastest weight-gradient algorithm) and in deterministic mode ("cudnn_det"); the flags are
+restored on exit. "us" is the median over repeats of CUDA-event time around 10 back-to-back calls,
+divided by 10 (launch overhead that the GPU hides is not counted); "err/bound" is the largest
+|dw - dw_float64| over the element's own bound gamma_(Kc+S+9) * sum |x*dy| (tests/test_conv_wgrad.py
+derives it; <= 1 passes; cuDNN is held to the atomic variant's bound). --targets times tree and atomic
+under other split targets (TARGET_BLOCKS) to tune the plan; the checks always use the shipped one.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import hashlib
+import pathlib
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+import kernels  # noqa: E402
+from kernels import conv_wgrad  # noqa: E402
+from kernels.conv_wgrad import GROUPS, OP, plan  # noqa: E402
+
+U32 = 2.0**-24
+
+
+@contextlib.contextmanager
+def torch_flags(benchmark: bool, deterministic: bool):
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = benchmark, deterministic
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = saved
+
+
+@contextlib.contextmanager
+def split_target(blocks: int):
+    saved = conv_wgrad.TARGET_BLOCKS
+    conv_wgrad.TARGET_BLOCKS = blocks
+    try:
+        yield
+    finally:
+        conv_wgrad.TARGET_BLOCKS = saved
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(torch.int32).cpu().numpy().tobytes()).hexdigest()
+
+
+def time_us(fn, repeats: int, calls: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def geometry(case):
+    p = case.params
+    oh = (p["h"] + 2 * p["pad"] - p["dilation"] * (p["k"] - 1) - 1) // p["stride"] + 1
+    ow = (p["w"] + 2 * p["pad"] - p["dilation"] * (p["k"] - 1) - 1) // p["stride"] + 1
+    return p["cout"], p["cin"] * p["k"] * p["k"], p["n"] * oh * ow
+
+
+def depth(name: str, case) -> int:
+    m, r, k = geometry(case)
+    pl = plan(m, r, k, split=name != "nosplit")
+    return pl.chunk + pl.splits + GROUPS + 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="NCHW only")
+    ap.add_argument("--repeats", type=int, default=20, help="repeats for distinct results and timing")
+    ap.add_argument("--csv", type=pathlib.Path, help="also write the rows to this CSV file")
+    ap.add_argument("--targets", default="", help="comma-separated TARGET_BLOCKS values to time tree/atomic at")
+    args = ap.parse_args()
+    if not kernels.cuda_available():
+        print("conv_wgrad_check: needs a CUDA device and CuPy", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    spec = kernels.spec(OP)
+    variants = kernels.variants(OP)
+    peer = spec.peers()["torch"]
+    targets = [int(t) for t in args.targets.split(",") if t]
+    print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
+          f"cuDNN {torch.backends.cudnn.version()}, TARGET_BLOCKS {conv_wgrad.TARGET_BLOCKS}")
+    rows, sweep, failures = [], [], 0
+    for case in spec.bench_cases("quick" if args.quick else "gpu"):
+        (x, dy), kw = spec.make_inputs(case, dev)
+        with torch_flags(benchmark=False, deterministic=True):
+            ref = peer(x.double(), dy.double(), **kw)  # float64 on the GPU: the reference
+            mag = peer(x.double().abs(), dy.double().abs(), **kw)
+        flops = spec.flops(case)
+        m, r, k = geometry(case)
+        pl = plan(m, r, k)
+        impls = [(v.name, (lambda v=v: v(x, dy, **kw)), (True, False)) for v in variants]
+        impls += [("cudnn", lambda: peer(x, dy, **kw), (True, False)),
+                  ("cudnn_det", lambda: peer(x, dy, **kw), (False, True))]
+        res = {}
+        for name, fn, flags in impls:
+            with torch_flags(*flags):
+                out = fn()
+                torch.cuda.synchronize()  # surfaces a launch error here
+                bound = depth(name if name in ("tree", "nosplit") else "atomic", case) * U32 * mag
+                err = ((out.double() - ref).abs() / bound.clamp_min(1e-300)).max().item()
+                seen = {digest(out)}
+                for _ in range(args.repeats - 1):
+                    seen.add(digest(fn()))
+                us = time_us(fn, args.repeats)
+            failures += not err <= 1.0
+            res[name] = dict(us=us, err=err, distinct=len(seen))
+        for name, rr in res.items():
+            rows.append(dict(case=case.name, plan=f"t{pl.tile} S{pl.splits} Kc{pl.chunk}", variant=name,
+                             us=round(rr["us"], 1), tflops=round(flops / rr["us"] / 1e6, 2),
+                             vs_cudnn=round(rr["us"] / res["cudnn"]["us"], 2),
+                             tree_vs_atomic=round(res["tree"]["us"] / res["atomic"]["us"], 2) if name == "tree" else "",
+                             distinct=rr["distinct"], err_over_bound=f"{rr['err']:.3f}"))
+        for t in targets if case.params["layout"] == "nchw" else ():
+            with split_target(t):
+                tp = plan(m, r, k)
+                ta = time_us(lambda: kernels.get(OP, "atomic")(x, dy, **kw), args.repeats)
+                tt = time_us(lambda: kernels.get(OP, "tree")(x, dy, **kw), args.repeats)
+            sweep.append(dict(case=case.name, target=t, plan=f"t{tp.tile} S{tp.splits} Kc{tp.chunk}",
+                              atomic_us=round(ta, 1), tree_us=round(tt, 1),
+                              tree_vs_cudnn=round(tt / res["cudnn"]["us"], 2)))
+        print(f"  done {case.name}", flush=True)
+    torch.cuda.synchronize()
+    for table, head in ((rows, ["case", "plan", "variant", "us", "tflops", "vs_cudnn", "tree_vs_atomic",
+                                "distinct", "err_over_bound"]),
+                        (sweep, ["case", "target", "plan", "atomic_us", "tree_us", "tree_vs_cudnn"])):
+        if not table:
+            continue
+        widths = [max(len(h), *(len(str(row[h])) for row in table)) for h in head]
+        print("  ".join(h.ljust(n) for h, n in zip(head, widths)))
+        for row in table:
+            print("  ".join(str(row[h]).ljust(n) for h, n in zip(head, widths)))
+    if args.csv:
+        with args.csv.open("w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)
+    print(f"{failures} result(s) outside the float64 bound")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
