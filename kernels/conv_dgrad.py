@@ -47,7 +47,7 @@ STEM_MAX_CIN = 4
 STEM_MAX_CHUNK = 16                 # output channels staged per pass
 STEM_SMEM_FLOATS = 11776            # dynamic shared memory cap (46 KiB: 48 KiB less the static part)
 MAX_KERNEL = 32                     # taps per axis the CUDA kernels list in shared memory
-ATOMIC_ORDERS = 16                  # CPU atomic model: random tap orders drawn per call
+ATOMIC_ORDERS = 32                  # CPU atomic model: runs of dx planes, one random tap order each
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,33 +244,36 @@ def _span(k: int, size: int, out: int, s: int, p: int, d: int) -> tuple[int, int
 
 
 def conv_dgrad_atomic_cpu(w, dy, *, input_size, stride=1, padding=0, dilation=1, rng=None) -> torch.Tensor:
-    """Arrival order: each (n, ci) plane of dx adds its taps' contributions into +0.0 in one of
-    ATOMIC_ORDERS random permutations of the KH*KW taps (plane -> permutation drawn from ``rng`` too).
-    Taps that do not reach an element leave it alone, so only overlapping windows see the order."""
+    """Arrival order: the (n, ci) planes of dx are split into ATOMIC_ORDERS contiguous runs, and each
+    run adds its taps' contributions into +0.0 in its own random permutation of the KH*KW taps, drawn
+    from ``rng``. Taps that do not reach an element leave it alone, so only overlapping windows (kernel
+    extent > stride) see the order."""
     g = _cpu_prologue(w, dy, input_size, stride, padding, dilation)
     if _trivial(g):
         return _empty_dx(g, "cpu", zero=True)
-    gen = rng_of(rng)
     taps, planes = g.kh * g.kw, g.n * g.cin
     c = tap_columns(w, dy, g).reshape(planes, g.kh, g.kw, g.oh, g.ow)
-    orders = np.argsort(gen.random((min(ATOMIC_ORDERS, planes), taps)), axis=1)
-    which = gen.integers(0, len(orders), planes)
-    dx = torch.empty((planes, g.h, g.w), dtype=torch.float32)
-    for o, order in enumerate(orders):
-        idx = torch.from_numpy(np.flatnonzero(which == o))
-        if idx.numel() == 0:
-            continue
-        part = c.index_select(0, idx)
-        acc = torch.zeros((idx.numel(), g.h, g.w), dtype=torch.float32)
-        for t in order:
-            kh, kw = divmod(int(t), g.kw)
-            hlo, hhi, h0 = _span(kh, g.h, g.oh, g.sh, g.ph, g.dh)
+    moves = []  # per tap: (dx slice, contribution slice), None where the tap reaches no dx element
+    for kh in range(g.kh):
+        hlo, hhi, h0 = _span(kh, g.h, g.oh, g.sh, g.ph, g.dh)
+        for kw in range(g.kw):
             wlo, whi, w0 = _span(kw, g.w, g.ow, g.sw, g.pw, g.dw)
             if hhi <= hlo or whi <= wlo:
+                moves.append(None)
                 continue
-            acc[:, h0:h0 + (hhi - hlo - 1) * g.sh + 1:g.sh, w0:w0 + (whi - wlo - 1) * g.sw + 1:g.sw] += \
-                part[:, kh, kw, hlo:hhi, wlo:whi]
-        dx.index_copy_(0, idx, acc)
+            moves.append(((slice(h0, h0 + (hhi - hlo - 1) * g.sh + 1, g.sh),
+                           slice(w0, w0 + (whi - wlo - 1) * g.sw + 1, g.sw)),
+                          (kh, kw, slice(hlo, hhi), slice(wlo, whi))))
+    runs = min(ATOMIC_ORDERS, planes)
+    orders = np.argsort(rng_of(rng).random((runs, taps)), axis=1)
+    bounds = [planes * r // runs for r in range(runs + 1)]
+    dx = torch.zeros((planes, g.h, g.w), dtype=torch.float32)
+    for r, order in enumerate(orders):
+        lo, hi = bounds[r], bounds[r + 1]
+        for t in order:
+            if moves[t] is not None:
+                (hs, ws), (kh, kw, os_, ows) = moves[t]
+                dx[lo:hi, hs, ws] += c[lo:hi, kh, kw, os_, ows]
     return _in_layout(dx.reshape(g.dx_shape), g)
 
 

@@ -118,6 +118,11 @@ def main() -> int:
     print("  ".join(h.ljust(n) for h, n in zip(head, widths)))
     for r in rows:
         print("  ".join(str(r[h]).ljust(n) for h, n in zip(head, widths)))
+    tree = [r for r in rows if r["variant"] == "tree"]
+    slow = [r["case"] for r in tree if r["vs_cudnn"] > 2.0]
+    heavy = [r["case"] for r in tree if r["tree_vs_atomic"] > 1.10]
+    print(f"tree within 2x of cuDNN on {len(tree) - len(slow)}/{len(tree)} cases; over: {slow or 'none'}")
+    print(f"tree within 1.10x of atomic on {len(tree) - len(heavy)}/{len(tree)} cases; over: {heavy or 'none'}")
     if args.csv:
         with args.csv.open("w", newline="") as f:
             wr = csv.DictWriter(f, fieldnames=head)
