@@ -13,7 +13,9 @@ Order of the additions into one dx element (the only thing that decides its bits
   also the order torch's CPU backward adds in (it scatters the windows of a plane in row-major order),
   and its CUDA NCHW backward (a gather over the same window range).
 - ``atomic``: arrival order of the atomicAdds, from +0.0. With one or two contributions the sum does
-  not depend on it (0 + a + b = 0 + b + a); from three on it can.
+  not depend on it (0 + a + b = 0 + b + a); from three on it can. Global float atomicAdd also flushes
+  subnormal operands and results to signed zero (PTX ``atom.add.f32``), which its model reproduces;
+  for data without subnormals atomic and tree agree wherever at most two gradients meet.
 
 ``indices`` must come from the forward with the same pool parameters. Anything else is the caller's
 bug and is not checked (it would cost a pass over the indices): the atomic variant drops indices outside
@@ -165,8 +167,8 @@ def maxpool_bwd_atomic_cuda(dy, indices, *, input_size, kernel_size, stride=None
     dy, indices, p, layout = _cuda_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation,
                                             ceil_mode)
     n, c = dy.shape[:2]
-    dx = torch.zeros((n, c, p["h"], p["w"]), device=dy.device, dtype=torch.float32,
-                     memory_format=_memory_format(layout))
+    dx = torch.empty((n, c, p["h"], p["w"]), device=dy.device, dtype=torch.float32,
+                     memory_format=_memory_format(layout)).zero_()  # the atomics add onto +0.0
     total = dy.numel()
     launch(function(SOURCE, "maxpool_bwd_atomic", dy.device), (_blocks(total),), (THREADS,),
            (ptr(dy), ptr(indices), ptr(dx), np.int64(total), np.int32(c), np.int32(p["h"] * p["w"]),
@@ -197,6 +199,14 @@ def maxpool_bwd_tree_cuda(dy, indices, *, input_size, kernel_size, stride=None, 
 @functools.lru_cache(maxsize=None)
 def _jit():
     import numba
+
+    tiny = F32(np.finfo(F32).tiny)
+
+    @numba.njit(cache=False)
+    def ftz(x):
+        # Global float atomicAdd (PTX atom/red .add.f32) flushes subnormal inputs and results to
+        # sign-preserving zero; plain FADD (tree) does not.
+        return x * F32(0.0) if abs(x) < tiny else x
 
     # Arrays are (A, Q, B): planes A, window cells Q = OH * OW (dx: H * W positions), B channels that
     # lie innermost in memory. NCHW is (N * C, Q, 1), channels_last (N, Q, C): no layout copies.
@@ -246,9 +256,9 @@ def _jit():
                 for j in range(k - 1, 0, -1):
                     r = min(int(keys[s + j] * (j + 1)), j)
                     vals[s + j], vals[s + r] = vals[s + r], vals[s + j]
-                acc = np.float32(0.0)
+                acc = F32(0.0)
                 for j in range(k):
-                    acc += vals[s + j]
+                    acc = ftz(acc + ftz(vals[s + j]))
                 dx[a, e] = acc
 
     return scatter_rowmajor, scatter_shuffled

@@ -212,6 +212,34 @@ def test_layouts_agree():
     check_some_order(c, a, (dy, idx), kw)
 
 
+def subnormal_inputs(device=CPU):
+    """k2s2 (no collisions) with every other gradient subnormal, and one collision case whose two
+    gradients cancel to a subnormal sum."""
+    args, kw = odd_inputs((2, 3, 8, 8), dict(kernel_size=2, stride=2), seed=4)
+    dy, idx = args
+    tiny = float(np.finfo(np.float32).tiny)
+    dy = dy.clone()
+    dy.view(-1)[::2] *= tiny / 4  # |dy| < 2^-126 there: subnormal
+    return (dy.to(device), idx.to(device)), kw
+
+
+def test_atomic_model_flushes_subnormals():
+    (dy, idx), kw = subnormal_inputs()
+    sub = (dy.abs() < np.finfo(np.float32).tiny) & (dy != 0)
+    assert sub.sum() == dy.numel() // 2
+    tree, atomic = TREE(dy, idx, **kw), ATOMIC(dy, idx, **kw, rng=0)
+    assert torch.equal(tree, SPEC.reference((dy, idx), kw).float())  # FADD keeps subnormals
+    flushed = torch.where(sub, torch.zeros_like(dy), dy)
+    assert np.array_equal(bits(atomic), bits(TREE(flushed, idx, **kw)))
+    # two gradients cancelling to a subnormal: the atomic result flushes to zero, tree keeps it
+    a, b = torch.tensor(1.5 * 2.0**-126), torch.tensor(-1.0 * 2.0**-126)
+    dy2 = torch.stack([a, b]).view(1, 1, 1, 2)
+    idx2 = torch.tensor([1, 1]).view(1, 1, 1, 2)
+    kw2 = dict(input_size=(1, 3), kernel_size=(1, 2), stride=1)
+    assert TREE(dy2, idx2, **kw2)[0, 0, 0, 1].item() == 0.5 * 2.0**-126
+    assert bits(ATOMIC(dy2, idx2, **kw2, rng=0))[1] == 0
+
+
 def test_stride_defaults_to_kernel():
     args, kw = odd_inputs((1, 2, 8, 8), dict(kernel_size=2))
     a = TREE(*args, input_size=(8, 8), kernel_size=2)
@@ -391,6 +419,14 @@ def test_gpu_matches_torch_backward(case, cuda_sync):
     check_bound(theirs.cpu(), [a.cpu() for a in args], kw)  # torch itself within the bound
     for v in (TREE, ATOMIC):
         check_bound(v(*args, **kw).cpu(), [a.cpu() for a in args], kw)
+
+
+@pytest.mark.gpu
+def test_gpu_atomic_flushes_subnormals_like_its_model(cuda_sync):
+    cpu_args, kw = subnormal_inputs()
+    args, _ = subnormal_inputs(CUDA)
+    assert np.array_equal(bits(ATOMIC(*args, **kw)), bits(ATOMIC(*cpu_args, **kw, rng=0)))
+    assert np.array_equal(bits(TREE(*args, **kw)), bits(TREE(*cpu_args, **kw)))
 
 
 @pytest.mark.gpu
