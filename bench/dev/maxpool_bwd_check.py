@@ -185,6 +185,8 @@ def main(argv=None) -> int:
                     status, ratio, n_distinct, t_gpu, backlog, t_wall = f"ERROR {type(e).__name__}: {e}", \
                         float("nan"), -1, float("nan"), False, float("nan")
                 results[name] = t_gpu
+                print(f"  {case.name} {name}: {status[:60]}, {n_distinct}/{args.repeats} distinct, "
+                      f"{t_gpu:.2f} us", flush=True)
                 rows.append({"op": OP, "case": case.name, "layout": layout, "contention": case.contention,
                              "collide3": collide, "variant": name, "check": status, "err_over_bound": ratio,
                              "distinct": n_distinct, "repeats": args.repeats, "gpu_us": t_gpu,
