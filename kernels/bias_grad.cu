@@ -86,7 +86,7 @@ __device__ __forceinline__ float nchw_block_partial(const float* __restrict__ dy
     return block_reduce(t, scratch);
 }
 
-extern "C" __global__ void __launch_bounds__(BG_THREADS)
+extern "C" __global__ void __launch_bounds__(BG_THREADS, 6)
 bias_grad_nchw_atomic(const float* __restrict__ dy, long long N, int C, long long S, long long E, int vec,
                       float* out) {
     __shared__ float scratch[32];
@@ -94,7 +94,7 @@ bias_grad_nchw_atomic(const float* __restrict__ dy, long long N, int C, long lon
     if (threadIdx.x == 0) atomicAdd(out + blockIdx.y, v);  // arrival order decides the rounding
 }
 
-extern "C" __global__ void __launch_bounds__(BG_THREADS)
+extern "C" __global__ void __launch_bounds__(BG_THREADS, 6)
 bias_grad_nchw_tree(const float* __restrict__ dy, long long N, int C, long long S, long long E, int vec,
                     float* partials, unsigned int* counters, float* out) {
     // counters: zero on entry, left at zero by each channel's last block (see arrive_last)
@@ -179,7 +179,7 @@ __device__ __forceinline__ void rows_block_tree(float* tile, const float a[4], i
     }
 }
 
-extern "C" __global__ void __launch_bounds__(BG_THREADS)
+extern "C" __global__ void __launch_bounds__(BG_THREADS, 8)
 bias_grad_rows_atomic(const float* __restrict__ dy, long long R, int C, long long RB, int vec, float* out) {
     extern __shared__ float tile[];
     const int col0 = (blockIdx.y * blockDim.x + threadIdx.x) * vec;
@@ -192,7 +192,7 @@ bias_grad_rows_atomic(const float* __restrict__ dy, long long R, int C, long lon
             if (col0 + j < C) atomicAdd(out + col0 + j, tile[threadIdx.x * vec + j]);
 }
 
-extern "C" __global__ void __launch_bounds__(BG_THREADS)
+extern "C" __global__ void __launch_bounds__(BG_THREADS, 8)
 bias_grad_rows_tree(const float* __restrict__ dy, long long R, int C, long long RB, int vec,
                     float* partials, unsigned int* counters, float* out) {
     // counters: zero on entry, left at zero by each column tile's last block (see arrive_last)

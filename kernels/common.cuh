@@ -33,7 +33,14 @@ __device__ __forceinline__ float block_reduce(float v, float* scratch) {
 // blocks of the same launch. Result valid in thread 0.
 __device__ __forceinline__ float reduce_partials(const float* partials, long long count, float* scratch) {
     float acc = 0.0f;
-    for (long long i = threadIdx.x; i < count; i += blockDim.x) acc += __ldcg(partials + i);
+    const long long step = blockDim.x;
+    long long i = threadIdx.x;
+    for (; i + 3 * step < count; i += 4 * step) {  // four loads in flight, added in index order
+        const float p0 = __ldcg(partials + i), p1 = __ldcg(partials + i + step);
+        const float p2 = __ldcg(partials + i + 2 * step), p3 = __ldcg(partials + i + 3 * step);
+        acc += p0; acc += p1; acc += p2; acc += p3;
+    }
+    for (; i < count; i += step) acc += __ldcg(partials + i);
     return block_reduce(acc, scratch);
 }
 

@@ -33,40 +33,73 @@ struct ConvArgs {
     int K, Kc;               // reduction length N*OH*OW, chunk length (multiple of WG_BK)
 };
 
-template <int BM, int BN, int TM, int TN, int MODE>
+// Load-side options (template flags; every combination gives the same bits, since each output
+// element still accumulates its k terms in chunk order with FFMA):
+//   SROWS  per-row constants of the tile (input offset, tap offsets, true column index) live in shared
+//          memory, computed once per block, instead of in registers (frees ~32 registers: no spills
+//          under the two-blocks-per-SM cap).
+//   CL     channels_last inputs: 16 consecutive threads load 16 consecutive channels of one k (NCHW:
+//          16 consecutive k of one row), and the tile's columns run over r' = (kh, kw, ci) so that
+//          consecutive columns are consecutive channels; the epilogue maps r' back to dw's r.
+template <int BM, int BN, int TM, int TN, int MODE, bool SROWS, bool CL>
 __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const float* __restrict__ dy,
                                            float* __restrict__ out, const ConvArgs& a) {
     // MODE 0: atomicAdd into out (= dw). MODE 1: store into out + s*M*R (a workspace, or dw when S = 1).
+    static_assert(!CL || SROWS, "the channels_last mapping keeps its column table in shared memory");
     constexpr int AR = BM / 16, BR = BN / 16;  // rows of the A and B tiles each thread loads per K-step
     constexpr int GM = BM * 4 / TM, GN = BN * 4 / TN;  // stride between a thread's float4 groups (= 64)
     __shared__ __align__(16) float As[2][WG_BK][BM + 4];
     __shared__ __align__(16) float Bs[2][WG_BK][BN + 4];
+    __shared__ int4 brow[SROWS ? BN : 1];  // {x offset of ci, kh*dh - ph (or -2^30 past R), kw*dw - pw, r}
+    __shared__ int arow[SROWS ? BM : 1];   // dy offset of co, -1 past M
 
     const int t = threadIdx.x;
     const int tx = t % (BN / TN), ty = t / (BN / TN);
-    const int kk = t % WG_BK, rg = t / WG_BK;
+    const int kk = CL ? t / 16 : t % WG_BK, rg = CL ? t % 16 : t / WG_BK;
     const int R = a.cin * a.kh * a.kw, M = a.cout, khw = a.kh * a.kw;
     const int r0 = blockIdx.x * BN, m0 = blockIdx.y * BM;
     const int kbeg = blockIdx.z * a.Kc;
     const int kend = min(a.K, kbeg + a.Kc);
     const int ohw = a.oh * a.ow;
 
-    // Per-row constants of this thread's loads, fixed for the whole reduction.
+    auto column = [&](int rr) {  // constants of tile column rr (an r, or an r' under CL)
+        int ci, kh, kw;
+        if (CL) {
+            const int tap = rr / a.cin;
+            ci = rr - tap * a.cin;
+            kh = tap / a.kw;
+            kw = tap - kh * a.kw;
+        } else {
+            ci = rr / khw;
+            const int rem = rr - ci * khw;
+            kh = rem / a.kw;
+            kw = rem - kh * a.kw;
+        }
+        // an out-of-range column never passes the bounds test
+        return make_int4(ci * a.sxc, rr < R ? kh * a.dh - a.ph : -(1 << 30), kw * a.dw - a.pw,
+                         ci * khw + kh * a.kw + kw);
+    };
+
+    // Per-row constants of this thread's loads, fixed for the whole reduction (register variant).
     int doff[AR];
     int xoff[BR], ihoff[BR], iwoff[BR];
+    if constexpr (SROWS) {
+        for (int j = t; j < BN; j += WG_THREADS) brow[j] = column(r0 + j);
+        for (int j = t; j < BM; j += WG_THREADS) arow[j] = m0 + j < M ? (m0 + j) * a.sdc : -1;
+        __syncthreads();
+    } else {
 #pragma unroll
-    for (int i = 0; i < AR; ++i) {
-        const int m = m0 + rg + 16 * i;
-        doff[i] = m < M ? m * a.sdc : -1;
-    }
+        for (int i = 0; i < AR; ++i) {
+            const int m = m0 + rg + 16 * i;
+            doff[i] = m < M ? m * a.sdc : -1;
+        }
 #pragma unroll
-    for (int i = 0; i < BR; ++i) {
-        const int r = r0 + rg + 16 * i;
-        const int ci = r / khw, rem = r - ci * khw;
-        const int kh = rem / a.kw, kw = rem - kh * a.kw;
-        xoff[i] = ci * a.sxc;
-        ihoff[i] = r < R ? kh * a.dh - a.ph : -(1 << 30);  // an out-of-range row never passes the bounds test
-        iwoff[i] = kw * a.dw - a.pw;
+        for (int i = 0; i < BR; ++i) {
+            const int4 c = column(r0 + rg + 16 * i);
+            xoff[i] = c.x;
+            ihoff[i] = c.y;
+            iwoff[i] = c.z;
+        }
     }
 
     float ra[AR], rb[BR];
@@ -79,12 +112,16 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         const int xbase = n * a.sxn;
         const int ih0 = oh * a.sh, iw0 = ow * a.sw;
 #pragma unroll
-        for (int i = 0; i < AR; ++i) ra[i] = (kin && doff[i] >= 0) ? __ldg(dy + dbase + doff[i]) : 0.0f;
+        for (int i = 0; i < AR; ++i) {
+            const int off = SROWS ? arow[rg + 16 * i] : doff[i];
+            ra[i] = (kin && off >= 0) ? __ldg(dy + dbase + off) : 0.0f;
+        }
 #pragma unroll
         for (int i = 0; i < BR; ++i) {
-            const int ih = ih0 + ihoff[i], iw = iw0 + iwoff[i];
+            const int4 c = SROWS ? brow[rg + 16 * i] : make_int4(xoff[i], ihoff[i], iwoff[i], 0);
+            const int ih = ih0 + c.y, iw = iw0 + c.z;
             const bool ok = kin && (unsigned)ih < (unsigned)a.h && (unsigned)iw < (unsigned)a.w;
-            rb[i] = ok ? __ldg(x + xbase + xoff[i] + ih * a.sxh + iw * a.sxw) : 0.0f;
+            rb[i] = ok ? __ldg(x + xbase + c.x + ih * a.sxh + iw * a.sxw) : 0.0f;
         }
     };
     auto store = [&](int buf) {
@@ -137,8 +174,9 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         if (m >= M) continue;
 #pragma unroll
         for (int j = 0; j < TN; ++j) {
-            const int r = r0 + (j / 4) * GN + tx * 4 + (j % 4);
-            if (r >= R) continue;
+            const int col = (j / 4) * GN + tx * 4 + (j % 4);
+            if (r0 + col >= R) continue;
+            const int r = CL ? brow[col].w : r0 + col;
             if (MODE == 0) atomicAdd(dst + m * R + r, acc[i][j]);  // arrival order decides the rounding
             else dst[m * R + r] = acc[i][j];
         }
@@ -151,19 +189,28 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         int dh, int dw, int sxn, int sxc, int sxh, int sxw, int sdn, int sdc, int sdh, int sdw, int K, \
         int Kc
 #define WG_ARGS {cin, h, w, cout, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, sxn, sxc, sxh, sxw, sdn, sdc, sdh, sdw, K, Kc}
-#define WG_KERNEL(name, BM, BN, TM, TN, MODE, MINB)                                                     \
+#define WG_KERNEL(name, BM, BN, TM, TN, MODE, SROWS, CL, MINB)                                         \
     extern "C" __global__ void __launch_bounds__(WG_THREADS, MINB)                                     \
     name(const float* x, const float* dy, float* out, WG_PARAMS) {                                    \
         const ConvArgs a = WG_ARGS;                                                                    \
-        wgrad_tile<BM, BN, TM, TN, MODE>(x, dy, out, a);                                               \
+        wgrad_tile<BM, BN, TM, TN, MODE, SROWS, CL>(x, dy, out, a);                                    \
     }
 
-// 128x128: at most 128 registers so that two blocks share an SM (ptxas spills ~50 bytes of row
-// constants, read once per K-step); 64x64 fits three blocks an SM without a cap.
-WG_KERNEL(conv_wgrad_atomic_t128, 128, 128, 8, 8, 0, 2)
-WG_KERNEL(conv_wgrad_split_t128, 128, 128, 8, 8, 1, 2)
-WG_KERNEL(conv_wgrad_atomic_t64, 64, 64, 4, 4, 0, 3)
-WG_KERNEL(conv_wgrad_split_t64, 64, 64, 4, 4, 1, 3)
+// 128x128 tiles: at most 128 registers so that two blocks share an SM; 64x64: three blocks an SM.
+// Suffix: _r row constants in registers (ptxas spills ~50 bytes of them at 128x128), _s in shared
+// memory, _cl in shared memory with the channels_last mapping.
+WG_KERNEL(conv_wgrad_atomic_t128_r, 128, 128, 8, 8, 0, false, false, 2)
+WG_KERNEL(conv_wgrad_split_t128_r, 128, 128, 8, 8, 1, false, false, 2)
+WG_KERNEL(conv_wgrad_atomic_t64_r, 64, 64, 4, 4, 0, false, false, 3)
+WG_KERNEL(conv_wgrad_split_t64_r, 64, 64, 4, 4, 1, false, false, 3)
+WG_KERNEL(conv_wgrad_atomic_t128_s, 128, 128, 8, 8, 0, true, false, 2)
+WG_KERNEL(conv_wgrad_split_t128_s, 128, 128, 8, 8, 1, true, false, 2)
+WG_KERNEL(conv_wgrad_atomic_t64_s, 64, 64, 4, 4, 0, true, false, 3)
+WG_KERNEL(conv_wgrad_split_t64_s, 64, 64, 4, 4, 1, true, false, 3)
+WG_KERNEL(conv_wgrad_atomic_t128_cl, 128, 128, 8, 8, 0, true, true, 2)
+WG_KERNEL(conv_wgrad_split_t128_cl, 128, 128, 8, 8, 1, true, true, 2)
+WG_KERNEL(conv_wgrad_atomic_t64_cl, 64, 64, 4, 4, 0, true, true, 3)
+WG_KERNEL(conv_wgrad_split_t64_cl, 64, 64, 4, 4, 1, true, true, 3)
 
 // Fixed-order combine of the S chunk partials of each element: a block covers 32 elements (lanes) with
 // 8 warps; warp g adds partials s = g, g + 8, g + 16, ... in that order, then lane e of warp 0 adds the

@@ -19,6 +19,7 @@ tested bitwise against themselves and within a derived bound against float64.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,8 +46,17 @@ SOURCE = "conv_wgrad.cu"
 THREADS = 256
 BK = 16            # K-step of the GEMM kernels; chunk lengths are multiples of it
 GROUPS = 8         # strided groups of the tree combine (conv_wgrad_reduce)
-TARGET_BLOCKS = 1024  # split-K aims at about this many blocks: a constant, never the device's SM count
-MIN_CHUNK = 256    # no chunk shorter than this (shorter ones spend more on prologue/epilogue than FFMAs)
+# Split-K aims at about TARGET_BLOCKS blocks (several waves, so that the last one is short) with chunks of
+# at least CHUNK terms (shorter chunks spend too much on prologue and epilogue), but always allows
+# MIN_SPLITS chunks of at least MIN_CHUNK terms, which helps short reductions (K = 2048 at 4x4).
+# Constants, never the device's SM count. Chosen from timings on an H200 (bench/dev/conv_wgrad_check.py).
+TARGET_BLOCKS = 2048
+CHUNK = 512
+MIN_CHUNK = 256
+MIN_SPLITS = 8
+# Where the GEMM keeps its per-row load constants: "s" shared memory (channels_last inputs get their
+# own load mapping), "r" registers (the first version; kept for comparison in the dev script).
+KERNEL_STYLE = "s"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -98,11 +108,16 @@ class Plan:
 def plan(m: int, r: int, k: int, *, split: bool = True) -> Plan:
     """Tile size and split of the reduction for an (M x R, reduction K) weight gradient. Depends only on
     the shapes: the same inputs are cut the same way on every GPU and on the CPU."""
+    return _plan(m, r, k, split, TARGET_BLOCKS, CHUNK, MIN_CHUNK, MIN_SPLITS)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(m, r, k, split, target_blocks, chunk_len, min_chunk, min_splits) -> Plan:
     tile = 128 if m >= 128 and r >= 128 else 64
     if not split:
         return Plan(tile, 1, max(BK, cdiv(k, BK) * BK))
     tiles = cdiv(m, tile) * cdiv(r, tile)
-    s = max(1, min(cdiv(TARGET_BLOCKS, tiles), k // MIN_CHUNK))
+    s = max(1, min(cdiv(target_blocks, tiles), max(k // chunk_len, min(min_splits, k // min_chunk))))
     chunk = cdiv(cdiv(k, s), BK) * BK
     return Plan(tile, cdiv(k, chunk), chunk)
 
@@ -153,13 +168,22 @@ def _empty(g: Geometry) -> bool:
 # CUDA launchers
 
 
+@functools.lru_cache(maxsize=512)
+def _int_args(g: Geometry, sx: tuple, sd: tuple, p: Plan) -> tuple:
+    """The GEMM's 24 int arguments (cached: converting them costs more host time than a small launch)."""
+    return tuple(np.int32(v) for v in (g.cin, g.h, g.w, g.cout, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.ph,
+                                       g.pw, g.dh, g.dw, *sx, *sd, g.k, p.chunk))
+
+
 def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, g: Geometry, p: Plan) -> None:
-    sx, sd = x.stride(), dy.stride()
-    ints = (g.cin, g.h, g.w, g.cout, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
-            *sx, *sd, g.k, p.chunk)
+    ints = _int_args(g, x.stride(), dy.stride(), p)
     grid = (cdiv(g.r, p.tile), cdiv(g.m, p.tile), p.splits)
-    fn = function(SOURCE, f"conv_wgrad_{name}_t{p.tile}", x.device)
-    launch(fn, grid, (THREADS,), (ptr(x), ptr(dy), ptr(out), *(np.int32(v) for v in ints)), device=x.device)
+    style = KERNEL_STYLE
+    if style == "s" and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() \
+            and dy.is_contiguous(memory_format=torch.channels_last) and not dy.is_contiguous():
+        style = "cl"  # same bits, loads along channels
+    fn = function(SOURCE, f"conv_wgrad_{name}_t{p.tile}_{style}", x.device)
+    launch(fn, grid, (THREADS,), (ptr(x), ptr(dy), ptr(out), *ints), device=x.device)
 
 
 def _cuda_prologue(x, dy, kernel_size, stride, padding, dilation) -> Geometry:
