@@ -82,9 +82,9 @@ def pytest_sessionfinish(session, exitstatus):
             machine_info=bs.get_machine_info(),
             commit_info=config.hook.pytest_benchmark_generate_commit_info(config=config))
         path = results.json_path(stem)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1, default=str))
     md = report.render_file(csv, results.report_path(stem))
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None:
-        tr.write_line(f"nnrand bench: {len(table)} result rows -> {csv.relative_to(results.ROOT)}; "
-                      f"report -> {md.relative_to(results.ROOT)}")
+        tr.write_line(f"nnrand bench: {len(table)} result rows -> {csv}; report -> {md}")

@@ -45,10 +45,13 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"ulp_distance: unsupported dtype {a.dtype}")
     ia, ib = bits(a), bits(b)
     if a.dtype == torch.float64:
-        # sign-magnitude -> two's-complement order; differences may exceed int64, so subtract in float64
-        oa = torch.where(ia < 0, -(ia & 0x7FFFFFFFFFFFFFFF), ia).to(torch.float64)
-        ob = torch.where(ib < 0, -(ib & 0x7FFFFFFFFFFFFFFF), ib).to(torch.float64)
-        d = (oa - ob).abs()
+        # sign-magnitude -> two's-complement order. Same sign: the integer difference fits in int64;
+        # opposite signs: the distance is the sum of both magnitudes, which may not, so add in float64.
+        oa = torch.where(ia < 0, -(ia & 0x7FFFFFFFFFFFFFFF), ia)
+        ob = torch.where(ib < 0, -(ib & 0x7FFFFFFFFFFFFFFF), ib)
+        same = (oa >= 0) == (ob >= 0)
+        d = torch.where(same, (oa - ob).abs().to(torch.float64),
+                        oa.to(torch.float64).abs() + ob.to(torch.float64).abs())
     else:
         mask = (1 << (ia.element_size() * 8 - 1)) - 1
         la, lb = ia.to(torch.int64), ib.to(torch.int64)

@@ -12,7 +12,7 @@ Files, by backend (so a CPU run never overwrites a GPU report; ``--quick`` GPU r
     backend cpu:          reports/results/kernels_cpu.csv    reports/kernels_cpu.md    reports/kernels_cpu_*.png
 
 with the pytest-benchmark JSON beside each table (``<stem>_benchmark.json``). ``NNRAND_BENCH_STEM``
-overrides the stem.
+overrides the stem, ``NNRAND_BENCH_DIR`` the ``reports`` directory (results then go to ``<dir>/results``).
 """
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ import pandas as pd
 from .fingerprint import FIELDS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-REPORTS = ROOT / "reports"
-RESULTS = REPORTS / "results"
+
+
+def reports_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("NNRAND_BENCH_DIR") or ROOT / "reports")
 
 KEY_COLUMNS = ["op", "variant", "kind", "case", "params", "layout", "contention", "case_bytes", "case_flops",
                "deterministic", "mode", "metric", "value", "unit", "backend", "scale", "repeats", "note"]
@@ -63,15 +65,15 @@ def stem(backend: str, quick: bool = False) -> str:
 
 
 def csv_path(stem_: str) -> pathlib.Path:
-    return RESULTS / f"{stem_}.csv"
+    return reports_dir() / "results" / f"{stem_}.csv"
 
 
 def json_path(stem_: str) -> pathlib.Path:
-    return RESULTS / f"{stem_}_benchmark.json"
+    return reports_dir() / "results" / f"{stem_}_benchmark.json"
 
 
 def report_path(stem_: str) -> pathlib.Path:
-    return REPORTS / f"{stem_}.md"
+    return reports_dir() / f"{stem_}.md"
 
 
 def params_json(params: dict) -> str:

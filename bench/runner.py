@@ -52,6 +52,8 @@ class Settings:
     rounds: int                  # pytest-benchmark rounds per subject (at most)
     timing_budget_s: float       # wall time allowed for the host-timed rounds of one subject
     warmup: int                  # untimed calls before measuring (cuDNN autotuning happens here)
+    ceiling_copy_bytes: int | None = None   # None: 1 GiB on CUDA, 64 MiB on the CPU
+    ceiling_matmul_n: int | None = None     # None: 8192 on CUDA, 1024 on the CPU
 
     @property
     def device(self) -> torch.device:
@@ -165,8 +167,8 @@ def layout_of_case(case: Case) -> str:
 
 @dataclass
 class Session:
-    """State shared by the benchmarks of one run: settings, fingerprint, the current case's inputs and
-    reference, the ceilings, and the result rows."""
+    """State shared by the benchmarks of one run: settings, the current case's inputs and reference,
+    the ceilings, and the result rows."""
     settings: Settings
     rows: list[dict] = field(default_factory=list)
     ceilings: Ceilings | None = None
@@ -174,18 +176,12 @@ class Session:
     _inputs: tuple | None = None
     _reference: torch.Tensor | None = None
     _flush: L2Flush | None = None
-    _fingerprint: dict | None = None
-
-    @property
-    def fingerprint(self) -> dict:
-        if self._fingerprint is None:
-            self._fingerprint = fingerprint()
-        return self._fingerprint
 
     def ensure_ceilings(self) -> Ceilings:
         if self.ceilings is None:
             dev = self.settings.device
-            self.ceilings = measure_ceilings(dev)
+            self.ceilings = measure_ceilings(dev, copy_bytes=self.settings.ceiling_copy_bytes,
+                                             matmul_n=self.settings.ceiling_matmul_n)
             base = self._base(None, None, kind="ceiling")
             self.rows.append({**base, "variant": "copy", "metric": "bandwidth", "value": self.ceilings.bandwidth,
                               "unit": "B/s", "note": f"device-to-device copy of {self.ceilings.copy_bytes} bytes "
@@ -231,7 +227,7 @@ class Session:
             spec = kernels.spec(case.op)
             row["case_bytes"] = float(spec.bytes_moved(case))
             row["case_flops"] = float(spec.flops(case)) if spec.flops is not None else math.nan
-        return {**row, **self.fingerprint}
+        return {**row, **fingerprint()}
 
     def record_skip(self, item: Item, reason: str) -> None:
         base = self._base(item.case, item.subject)

@@ -27,6 +27,13 @@ def _tf32_new_api() -> bool:
         and hasattr(torch.backends.cudnn.conv, "fp32_precision")
 
 
+def _set_algorithms(on: bool, warn_only: bool) -> None:
+    # torch.use_deterministic_algorithms imports torch._inductor (seconds); call it only for a change
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) \
+            != (on, warn_only):
+        torch.use_deterministic_algorithms(on, warn_only=warn_only)
+
+
 @contextlib.contextmanager
 def torch_mode(mode: str):
     """``fast``: cuDNN autotuning on (``cudnn.benchmark=True``), deterministic algorithms off.
@@ -59,12 +66,12 @@ def torch_mode(mode: str):
         det = mode == "deterministic"
         cudnn.benchmark = True
         cudnn.deterministic = det
-        torch.use_deterministic_algorithms(det)
+        _set_algorithms(det, False)
         yield
     finally:
         cudnn.benchmark = saved["benchmark"]
         cudnn.deterministic = saved["cudnn_deterministic"]
-        torch.use_deterministic_algorithms(saved["algorithms"], warn_only=saved["warn_only"])
+        _set_algorithms(saved["algorithms"], saved["warn_only"])
         if new_api:
             torch.backends.cuda.matmul.fp32_precision = saved["matmul_prec"]
             cudnn.conv.fp32_precision = saved["conv_prec"]

@@ -1,0 +1,134 @@
+"""End to end on the CPU backend: the bench machinery measures one tiny case of every registered op,
+derives its ratios and renders the report; plus the pytest glue (``--benchmark-only``) on a few items."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from bench import report, results
+from bench.runner import Item, Session, Settings, Subject, Unavailable, plan, subjects
+
+ROOT = results.ROOT
+
+
+def tiny_settings(repeats: int = 3, **kw) -> Settings:
+    return Settings.make(backend="cpu", repeats=repeats, variance_budget_s=0.0, timing_budget_s=0.0, rounds=3,
+                         warmup=1, ceiling_copy_bytes=1 << 20, ceiling_matmul_n=64, **kw)
+
+
+def smallest_case(op: str):
+    spec = kernels.spec(op)
+    return min(spec.test_cases(), key=spec.bytes_moved)
+
+
+def specced_ops() -> list[str]:
+    out = []
+    for op in kernels.ops():
+        try:
+            kernels.spec(op)
+        except KeyError:
+            continue
+        out.append(op)
+    return out
+
+
+def test_settings_defaults_and_plan_follow_the_registry():
+    s = Settings.make(backend="cpu")
+    assert s.scale == "cpu" and s.repeats == 100 and s.device == torch.device("cpu")
+    assert Settings.make(backend="cpu", repeats=7).repeats == 7
+    with pytest.raises(ValueError):
+        Settings.make(backend="cpu", repeats=0)
+    items = plan(s)
+    for op in kernels.ops():
+        mine = [it for it in items if it.op == op]
+        if op not in specced_ops():
+            assert len(mine) == 1 and mine[0].skip
+            continue
+        names = {it.subject.name for it in mine}
+        assert {v.name for v in kernels.variants(op)} <= names
+        for peer in kernels.spec(op).peers():
+            assert peer in names
+            if peer.startswith("torch") and not peer.endswith("deterministic"):
+                assert f"{peer}_deterministic" in names
+        assert len({it.id for it in mine}) == len(mine)
+
+
+def test_one_tiny_case_per_registered_op(tmp_path):
+    session = Session(tiny_settings())
+    ops = specced_ops()
+    assert ops, "no op has a spec"
+    for op in ops:
+        case = smallest_case(op)
+        for sub in subjects(op):
+            try:
+                rows = session.measure(Item(op, case, sub))
+            except Unavailable:
+                continue
+            got = {r["metric"]: r["value"] for r in rows}
+            for m in ("latency", "latency_host", "distinct_results", "err_max_abs", "err_rel_l2"):
+                assert m in got, (op, sub.name, m)
+            assert got["latency"] > 0
+            if sub.kind == "variant" and sub.deterministic:
+                assert got["distinct_results"] == 1.0, (op, sub.name)
+                assert got["max_ulp"] == 0.0, (op, sub.name)
+    df = session.table()
+    measured = df[df["kind"] == "variant"]
+    assert set(measured["op"]) == set(ops)
+    assert {"ratio_atomic", "bandwidth_frac"} <= set(df["metric"])
+    assert (df[df["kind"] == "ceiling"]["value"] > 0).all()
+    for field in ("torch", "numba", "git_sha", "date"):
+        assert (df[field].astype(str) != "").all()
+    md = report.render(df, tmp_path / "kernels_cpu.md", plots=False)
+    assert "CPU order models" in md
+    for op in ops:
+        assert f"### {op}" in md
+
+
+def test_noisy_subject_is_caught_and_unavailable_peer_is_skipped():
+    """Negative control through the whole measurement: a subject that flips the last bit of the
+    reference at random must show > 1 distinct results; a peer that cannot run is recorded as skipped."""
+    op = specced_ops()[0]
+    case = smallest_case(op)
+    spec = kernels.spec(op)
+    gen = torch.Generator().manual_seed(0)
+
+    def noisy(*args, **kwargs):
+        ref = spec.reference(args, kwargs).to(torch.float32)
+        flip = torch.randint(0, 2, ref.shape, generator=gen, dtype=torch.int32)
+        return (ref.contiguous().view(torch.int32) ^ flip).view(torch.float32)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("needs a GPU")
+
+    session = Session(tiny_settings(repeats=8, min_repeats=8))
+    rows = session.measure(Item(op, case, Subject(op, "noisy", "peer", noisy, "fast", None)))
+    got = {r["metric"]: r["value"] for r in rows}
+    assert got["distinct_results"] > 1 and got["max_ulp"] == 1.0 and got["frac_runs_differ"] > 0
+    with pytest.raises(Unavailable):
+        session.measure(Item(op, case, Subject(op, "broken", "peer", broken, "fast", None)))
+    skipped = [r for r in session.rows if r["metric"] == "skipped"]
+    assert len(skipped) == 1 and "needs a GPU" in skipped[0]["note"]
+    with pytest.raises(RuntimeError):  # a variant's failure is not hidden as a skip
+        session.measure(Item(op, case, Subject(op, "bad", "variant", broken, "fast", True)))
+
+
+def test_benchmark_only_session_writes_table_json_and_report(tmp_path):
+    op = specced_ops()[0]
+    variant = kernels.variants(op)[-1].name
+    env = {**os.environ, "NNRAND_BENCH_DIR": str(tmp_path), "NNRAND_BENCH_STEM": "t", "NNRAND_BENCH_QUICK": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--benchmark-only", "-q", "-p", "no:cacheprovider", "bench",
+         "-k", f"{op} and {variant}", "--variance-repeats", "3", "--bench-backend", "cpu"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    df = results.read(tmp_path / "results" / "t.csv")
+    assert set(df[df["kind"] == "variant"]["variant"]) == {variant}
+    assert (df[df["metric"] == "distinct_results"]["repeats"] <= 3).all()
+    assert (tmp_path / "results" / "t_benchmark.json").stat().st_size > 0
+    md = (tmp_path / "t.md").read_text()
+    assert "CPU order models" in md and f"### {op}" in md
