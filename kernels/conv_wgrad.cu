@@ -20,8 +20,9 @@
 //
 // Tile configurations (template): 128x128 with 8x8 per thread and 64x64 with 4x4 per thread, 256
 // threads, K-step 16, two shared-memory buffers with register prefetch of the next K-step. Strides are
-// passed explicitly, so NCHW and channels_last (or any mix) read correctly; indices are 32-bit (the
-// launcher refuses tensors of 2^31 elements or more).
+// passed explicitly, so NCHW and channels_last (or any mix) read correctly; a channels_last build
+// loads along channels instead of along k. Indices are 32-bit (the launcher refuses tensors of 2^31
+// elements or more). The load-side options never change the bits (see wgrad_tile).
 
 #define WG_THREADS 256
 #define WG_BK 16
@@ -46,6 +47,7 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
                                            float* __restrict__ out, const ConvArgs& a) {
     // MODE 0: atomicAdd into out (= dw). MODE 1: store into out + s*M*R (a workspace, or dw when S = 1).
     static_assert(!CL || SROWS, "the channels_last mapping keeps its column table in shared memory");
+    static_assert(WG_BK * 16 == WG_THREADS, "each K-step tile row is loaded by 16 threads");
     constexpr int AR = BM / 16, BR = BN / 16;  // rows of the A and B tiles each thread loads per K-step
     constexpr int GM = BM * 4 / TM, GN = BN * 4 / TN;  // stride between a thread's float4 groups (= 64)
     __shared__ __align__(16) float As[2][WG_BK][BM + 4];

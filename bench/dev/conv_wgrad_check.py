@@ -1,15 +1,20 @@
 """conv_wgrad on a CUDA machine: every variant against float64, distinct results over repeats, and
 timings beside cuDNN, on every ResNet-18 conv shape at batch 128.
 
-    python3 bench/dev/conv_wgrad_check.py [--quick] [--repeats 20] [--csv out.csv] [--targets 512,1024]
+    python3 bench/dev/conv_wgrad_check.py [--quick] [--repeats 20] [--csv out.csv] [--graph]
+                                          [--targets 1024,4096] [--styles r,s]
 
 --quick: NCHW only (the full run adds channels_last). cuDNN runs with cudnn.benchmark on and TF32 off
 ("cudnn", its fastest weight-gradient algorithm) and in deterministic mode ("cudnn_det"); the flags are
 restored on exit. "us" is the median over repeats of CUDA-event time around 10 back-to-back calls,
 divided by 10 (launch overhead that the GPU hides is not counted); "err/bound" is the largest
 |dw - dw_float64| over the element's own bound gamma_(Kc+S+9) * sum |x*dy| (tests/test_conv_wgrad.py
-derives it; <= 1 passes; cuDNN is held to the atomic variant's bound). --targets times tree and atomic
-under other split targets (TARGET_BLOCKS) to tune the plan; the checks always use the shipped one.
+derives it; <= 1 passes; cuDNN is held to the atomic variant's bound). --graph adds "gpu_us": the same
+10 calls replayed from a CUDA graph (no host launch cost at all). --targets / --styles time tree and
+atomic under other split targets (TARGET_BLOCKS) and kernel styles (KERNEL_STYLE: "r" row constants in
+registers, "s" in shared memory) and check that tree keeps the bits of the shipped configuration
+wherever the split is the same (the style never changes the arithmetic); the main table always uses the
+shipped configuration.
 """
 from __future__ import annotations
 
@@ -46,13 +51,13 @@ def torch_flags(benchmark: bool, deterministic: bool):
 
 
 @contextlib.contextmanager
-def split_target(blocks: int):
-    saved = conv_wgrad.TARGET_BLOCKS
-    conv_wgrad.TARGET_BLOCKS = blocks
+def configuration(blocks: int, style: str):
+    saved = conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE
+    conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE = blocks, style
     try:
         yield
     finally:
-        conv_wgrad.TARGET_BLOCKS = saved
+        conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE = saved
 
 
 def digest(t: torch.Tensor) -> str:
@@ -69,6 +74,29 @@ def time_us(fn, repeats: int, calls: int = 10) -> float:
         a.record()
         for _ in range(calls):
             fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def graph_us(fn, repeats: int, calls: int = 10) -> float:
+    """Median GPU time of one call, from CUDA-graph replays of `calls` back-to-back calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / calls)
@@ -93,7 +121,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="NCHW only")
     ap.add_argument("--repeats", type=int, default=20, help="repeats for distinct results and timing")
     ap.add_argument("--csv", type=pathlib.Path, help="also write the rows to this CSV file")
+    ap.add_argument("--graph", action="store_true", help="also time from CUDA-graph replays")
     ap.add_argument("--targets", default="", help="comma-separated TARGET_BLOCKS values to time tree/atomic at")
+    ap.add_argument("--styles", default="", help="comma-separated KERNEL_STYLE values to time tree/atomic with")
     args = ap.parse_args()
     if not kernels.cuda_available():
         print("conv_wgrad_check: needs a CUDA device and CuPy", file=sys.stderr)
@@ -102,9 +132,13 @@ def main() -> int:
     spec = kernels.spec(OP)
     variants = kernels.variants(OP)
     peer = spec.peers()["torch"]
-    targets = [int(t) for t in args.targets.split(",") if t]
+    targets = [int(t) for t in args.targets.split(",") if t] or [conv_wgrad.TARGET_BLOCKS]
+    styles = [st for st in args.styles.split(",") if st] or [conv_wgrad.KERNEL_STYLE]
+    combos = [(t, st) for t in targets for st in styles
+              if (t, st) != (conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE)]
     print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
-          f"cuDNN {torch.backends.cudnn.version()}, TARGET_BLOCKS {conv_wgrad.TARGET_BLOCKS}")
+          f"cuDNN {torch.backends.cudnn.version()}, TARGET_BLOCKS {conv_wgrad.TARGET_BLOCKS}, "
+          f"KERNEL_STYLE {conv_wgrad.KERNEL_STYLE}")
     rows, sweep, failures = [], [], 0
     for case in spec.bench_cases("quick" if args.quick else "gpu"):
         (x, dy), kw = spec.make_inputs(case, dev)
@@ -128,27 +162,33 @@ def main() -> int:
                 for _ in range(args.repeats - 1):
                     seen.add(digest(fn()))
                 us = time_us(fn, args.repeats)
+                gus = graph_us(fn, args.repeats) if args.graph and name != "cudnn_det" else float("nan")
             failures += not err <= 1.0
-            res[name] = dict(us=us, err=err, distinct=len(seen))
+            res[name] = dict(us=us, gpu_us=gus, err=err, distinct=len(seen), out=out)
         for name, rr in res.items():
             rows.append(dict(case=case.name, plan=f"t{pl.tile} S{pl.splits} Kc{pl.chunk}", variant=name,
-                             us=round(rr["us"], 1), tflops=round(flops / rr["us"] / 1e6, 2),
+                             us=round(rr["us"], 1), gpu_us=round(rr["gpu_us"], 1),
+                             tflops=round(flops / rr["us"] / 1e6, 2),
                              vs_cudnn=round(rr["us"] / res["cudnn"]["us"], 2),
                              tree_vs_atomic=round(res["tree"]["us"] / res["atomic"]["us"], 2) if name == "tree" else "",
                              distinct=rr["distinct"], err_over_bound=f"{rr['err']:.3f}"))
-        for t in targets if case.params["layout"] == "nchw" else ():
-            with split_target(t):
+        for t, st in combos:
+            with configuration(t, st):
                 tp = plan(m, r, k)
-                ta = time_us(lambda: kernels.get(OP, "atomic")(x, dy, **kw), args.repeats)
-                tt = time_us(lambda: kernels.get(OP, "tree")(x, dy, **kw), args.repeats)
-            sweep.append(dict(case=case.name, target=t, plan=f"t{tp.tile} S{tp.splits} Kc{tp.chunk}",
+                atomic, tree = kernels.get(OP, "atomic"), kernels.get(OP, "tree")
+                same = torch.equal(tree(x, dy, **kw), res["tree"]["out"]) if tp == pl else ""
+                failures += same is False
+                ta = time_us(lambda: atomic(x, dy, **kw), args.repeats)
+                tt = time_us(lambda: tree(x, dy, **kw), args.repeats)
+            sweep.append(dict(case=case.name, target=t, style=st, plan=f"t{tp.tile} S{tp.splits} Kc{tp.chunk}",
                               atomic_us=round(ta, 1), tree_us=round(tt, 1),
-                              tree_vs_cudnn=round(tt / res["cudnn"]["us"], 2)))
+                              tree_vs_cudnn=round(tt / res["cudnn"]["us"], 2), tree_same_bits=same))
         print(f"  done {case.name}", flush=True)
     torch.cuda.synchronize()
-    for table, head in ((rows, ["case", "plan", "variant", "us", "tflops", "vs_cudnn", "tree_vs_atomic",
+    for table, head in ((rows, ["case", "plan", "variant", "us", "gpu_us", "tflops", "vs_cudnn", "tree_vs_atomic",
                                 "distinct", "err_over_bound"]),
-                        (sweep, ["case", "target", "plan", "atomic_us", "tree_us", "tree_vs_cudnn"])):
+                        (sweep, ["case", "target", "style", "plan", "atomic_us", "tree_us", "tree_vs_cudnn",
+                                 "tree_same_bits"])):
         if not table:
             continue
         widths = [max(len(h), *(len(str(row[h])) for row in table)) for h in head]
@@ -160,7 +200,7 @@ def main() -> int:
             wr = csv.DictWriter(f, fieldnames=list(rows[0]))
             wr.writeheader()
             wr.writerows(rows)
-    print(f"{failures} result(s) outside the float64 bound")
+    print(f"{failures} failure(s): results outside the float64 bound or tree bits that changed with the style")
     return 1 if failures else 0
 
 
