@@ -21,12 +21,13 @@
 // dy[n*C*S + c*S + s]. Chunk p is [p*E, min((p+1)*E, N*S)); thread t adds slots t, t + T, ...
 // (a slot is VEC consecutive values) into VEC lane accumulators, combined as (a0+a1)+(a2+a3).
 
-// Offset of virtual index (n, s) and a step of `step` values (step_n rows and step_s more values).
+// Position (n, s) of a virtual index; a step of `step` values is step_n rows and step_s more values.
+// 32-bit counters (N and H*W are below 2^31); offsets are formed in 64 bits.
 struct Walk {
-    long long n, s;
+    int n, s;
 };
 
-__device__ __forceinline__ void advance(Walk& w, long long step_n, long long step_s, long long S) {
+__device__ __forceinline__ void advance(Walk& w, int step_n, int step_s, int S) {
     w.n += step_n;
     w.s += step_s;
     if (w.s >= S) { w.s -= S; ++w.n; }
@@ -35,14 +36,14 @@ __device__ __forceinline__ void advance(Walk& w, long long step_n, long long ste
 // Four loads are issued before they are added so that enough bytes are in flight; the additions happen
 // in slot order, which is what the CPU model reproduces.
 template <int VEC>
-__device__ __forceinline__ float nchw_thread_sum(const float* __restrict__ dy, long long S, long long CS,
+__device__ __forceinline__ float nchw_thread_sum(const float* __restrict__ dy, int S, long long CS,
                                                  int c, long long begin, long long end) {
     float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
     const float* base = dy + (long long)c * S;
-    const long long step = (long long)VEC * blockDim.x;
-    const long long step_n = step / S, step_s = step - step_n * S;
+    const int step = VEC * blockDim.x;
+    const int step_n = step / S, step_s = step - step_n * S;
     long long v = begin + (long long)VEC * threadIdx.x;
-    Walk w = {v / S, v - (v / S) * S};
+    Walk w = {(int)(v / S), (int)(v % S)};
     for (; v + 3 * step < end; v += 4 * step) {
         Walk w1 = w; advance(w1, step_n, step_s, S);
         Walk w2 = w1; advance(w2, step_n, step_s, S);
@@ -81,12 +82,12 @@ __device__ __forceinline__ float nchw_block_partial(const float* __restrict__ dy
     const int c = blockIdx.y;
     const long long L = N * S, begin = (long long)blockIdx.x * E;
     const long long end = begin + E < L ? begin + E : L;
-    const float t = vec == 4 ? nchw_thread_sum<4>(dy, S, (long long)C * S, c, begin, end)
-                             : nchw_thread_sum<1>(dy, S, (long long)C * S, c, begin, end);
+    const float t = vec == 4 ? nchw_thread_sum<4>(dy, (int)S, (long long)C * S, c, begin, end)
+                             : nchw_thread_sum<1>(dy, (int)S, (long long)C * S, c, begin, end);
     return block_reduce(t, scratch);
 }
 
-extern "C" __global__ void __launch_bounds__(BG_THREADS, 6)
+extern "C" __global__ void __launch_bounds__(BG_THREADS, 8)
 bias_grad_nchw_atomic(const float* __restrict__ dy, long long N, int C, long long S, long long E, int vec,
                       float* out) {
     __shared__ float scratch[32];
@@ -94,7 +95,7 @@ bias_grad_nchw_atomic(const float* __restrict__ dy, long long N, int C, long lon
     if (threadIdx.x == 0) atomicAdd(out + blockIdx.y, v);  // arrival order decides the rounding
 }
 
-extern "C" __global__ void __launch_bounds__(BG_THREADS, 6)
+extern "C" __global__ void __launch_bounds__(BG_THREADS, 8)
 bias_grad_nchw_tree(const float* __restrict__ dy, long long N, int C, long long S, long long E, int vec,
                     float* partials, unsigned int* counters, float* out) {
     // counters: zero on entry, left at zero by each channel's last block (see arrive_last)

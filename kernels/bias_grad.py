@@ -28,7 +28,7 @@ OP = "bias_grad"
 SOURCE = "bias_grad.cu"
 THREADS = 256
 # Split constants. They are constants, never read off the GPU, so the bits depend on the shape alone.
-TARGET_BLOCKS = 1024      # NCHW: enough blocks to cover an H200 (132 SMs) several times over
+TARGET_BLOCKS = 512       # NCHW: about four blocks per SM of an H200 (132 SMs); channels split only when few
 TARGET_ROW_BLOCKS = 256   # rows: fewer, longer blocks keep the last block's pass over the partials short
 MAX_GRID_Y = 65535
 
@@ -81,9 +81,10 @@ def _launch(dy: torch.Tensor, variant: str) -> torch.Tensor:
     dy, layout = _check(dy)
     check_cuda(OP, "dy", dy)
     c = dy.shape[1]
-    out = torch.zeros(c, device=dy.device, dtype=torch.float32)
     if dy.numel() == 0:
-        return out
+        return torch.zeros(c, device=dy.device, dtype=torch.float32)
+    # atomic adds into zeros; tree writes every element itself
+    out = (torch.zeros if variant == "atomic" else torch.empty)(c, device=dy.device, dtype=torch.float32)
     if dy.data_ptr() % 16:
         dy = dy.clone(memory_format=torch.preserve_format)  # float4 loads; bits must not depend on the address
     dev = dy.device
@@ -91,6 +92,8 @@ def _launch(dy: torch.Tensor, variant: str) -> torch.Tensor:
         n, s = dy.shape[0], dy.shape[2] * dy.shape[3]
         if c > MAX_GRID_Y:
             raise KernelArgumentError(OP, "dy", f"NCHW path supports at most {MAX_GRID_Y} channels, got {c}")
+        if n >= 2**31 or s >= 2**31:
+            raise KernelArgumentError(OP, "dy", f"N and H*W must be below 2^31, got N={n}, H*W={s}")
         vec, p, e = nchw_plan(n, c, s)
         args = (ptr(dy), np.int64(n), np.int32(c), np.int64(s), np.int64(e), np.int32(vec))
         if variant == "atomic":

@@ -35,6 +35,11 @@ EXACT_FRAC = 56
 EXACT_MAX_EXP = 32
 EXACT_WINDOWS = (10, -12, -34, -56)
 EXACT_MAX_N = 2**31  # per-thread int64 window sums and the 128-bit total cannot overflow below this
+EXACT_BLOCKS_PER_SM = 6  # __launch_bounds__(256, 6) of sum_exact
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 FLAG_NAN, FLAG_POS_INF, FLAG_NEG_INF, FLAG_RANGE = 1, 2, 4, 8
 
 
@@ -87,9 +92,9 @@ def sum_atomic_cuda(x: torch.Tensor) -> torch.Tensor:
 
 def sum_tree_cuda(x: torch.Tensor) -> torch.Tensor:
     x = _cuda_prologue(x)
-    out = torch.zeros((), device=x.device, dtype=torch.float32)
     if x.numel() == 0:
-        return out
+        return torch.zeros((), device=x.device, dtype=torch.float32)
+    out = torch.empty((), device=x.device, dtype=torch.float32)
     g = blocks_for(x.numel())
     partials = torch.empty(g, device=x.device, dtype=torch.float32)
     launch(function(SOURCE, "sum_partials", x.device), (g,), (THREADS,),
@@ -119,7 +124,9 @@ def sum_exact_cuda(x: torch.Tensor, *, check_range: bool = True) -> torch.Tensor
     _check_exact_size(x)
     if x.numel() == 0:
         return torch.zeros((), device=x.device, dtype=torch.float32)
-    g = blocks_for(x.numel())
+    # Integer addition makes the result independent of the partition, so this grid may follow the GPU:
+    # one resident wave (the kernel's launch bounds guarantee EXACT_BLOCKS_PER_SM blocks per SM).
+    g = max(1, min(cdiv(cdiv(x.numel(), 4), THREADS), _sm_count(x.device) * EXACT_BLOCKS_PER_SM))
     partials = torch.empty((g, 2), device=x.device, dtype=torch.int64)
     state = ticket_counters(x.device, 2)  # [ticket counter, flag accumulator], left at zero
     flags = torch.empty(1, device=x.device, dtype=torch.int32)
