@@ -1,0 +1,223 @@
+"""Training harness: command line, errors before training, run files, checksums, and resumption that
+ends bitwise identical to an uninterrupted run."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nnrand import models, routing, runio, train
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny(tmp_path, name: str, **kw) -> dict:
+    cfg = dict(out=str(tmp_path), name=name, device="cpu", model="small", n_train=96, n_test=40,
+               batch_size=32, epochs=1, progress=False, report=False)
+    cfg.update(kw)
+    return cfg
+
+
+def need_all_ops():
+    missing = [op for op in routing.ROUTED_OPS if not routing.registered_variants(op)]
+    if missing:
+        pytest.skip(f"kernel ops not in the registry yet: {', '.join(missing)}")
+
+
+def cli(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "nnrand.train", *argv], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=600)
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line and early errors
+
+
+def test_help_shows_examples():
+    r = cli("--help")
+    assert r.returncode == 0
+    assert "examples:" in r.stdout and "--kernel-op conv_wgrad=atomic" in r.stdout
+    for op in routing.ROUTED_OPS:
+        assert op in r.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kernel-op", "conv_bgrad=tree"], "valid ops: conv_wgrad, conv_dgrad, bias_grad, maxpool_bwd"),
+    (["--kernel-op", "bias_grad=fast"], "valid: native"),
+    (["--epochs", "0"], "--epochs must be >= 1"),
+    (["--init-seed", "sometimes"], "--init-seed must be"),
+    (["--kernel", "fast"], "invalid choice"),
+    (["--dataset", "cifar10", "--data-dir", "{tmp}/nothing"], "cifar"),
+])
+def test_bad_arguments_fail_before_training(tmp_path, argv, message):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    r = cli(*argv, "--out", str(tmp_path / "runs"), "--device", "cpu", "--no-progress")
+    assert r.returncode == 2, r.stderr
+    assert message.lower() in r.stderr.lower(), r.stderr
+    assert not any((tmp_path / "runs").glob("*/member_*")), "a member directory was created"
+
+
+def test_corrupt_dataset_is_a_clear_error(tmp_path):
+    from nnrand import data
+
+    bad = tmp_path / "cifar"
+    bad.mkdir()
+    (bad / "cifar-10-python.tar.gz").write_bytes(b"not an archive")
+    with pytest.raises(data.DatasetError):
+        train.main(tiny(tmp_path, "bad", dataset="cifar10", data_dir=str(bad)))
+    assert not (tmp_path / "bad").exists()
+
+
+def test_no_space_is_refused_before_training(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(runio.DiskSpaceError, match="not enough space"):
+        train.main(tiny(tmp_path, "full"))
+    assert not (tmp_path / "full").exists()
+
+
+def test_space_estimate_covers_what_a_run_writes(tmp_path):
+    train.main(tiny(tmp_path, "size", kernel="native", epochs=2, save_epoch_weights=True))
+    d = runio.member_dir(tmp_path, "size", 0)
+    written = sum(f.stat().st_size for f in d.iterdir())
+    m = models.build_model("small")
+    est = runio.estimate_member_bytes(sum(p.numel() for p in m.parameters()), sum(b.numel() for b in m.buffers()),
+                                      epochs=2, steps_first_epoch=3, n_test=40, classes=10,
+                                      save_epoch_weights=True)
+    assert written <= est
+
+
+# --------------------------------------------------------------------------------------------------
+# Run files
+
+
+def test_run_files(tmp_path):
+    need_all_ops()
+    out = train.main(tiny(tmp_path, "files", epochs=2, save_epoch_weights=True, report=True))
+    d = runio.member_dir(tmp_path, "files", 0)
+    for f in ("config.json", "metrics.csv", "checksums.csv", "predictions.npz", "checkpoint.pt", "result.json",
+              "weights_epoch_000.pt", "weights_epoch_001.pt"):
+        assert (d / f).exists(), f
+    assert not list(d.glob(".*.tmp")), "temporary files left behind"
+    cfg = runio.read_json(d / "config.json")
+    assert cfg["routing"]["ops"] == {op: "tree" for op in routing.ROUTED_OPS}
+    assert set(cfg["seeds"]) == {"init", "order", "aug", "kernel"}
+    for key in ("gpu", "driver", "cuda", "cudnn", "torch", "cupy", "numba", "git_sha", "date"):
+        assert key in cfg["fingerprint"]
+    assert cfg["flags"]["tf32"] is False and cfg["flags"]["cudnn_benchmark"] is False
+    metrics = runio.read_csv(d / "metrics.csv")
+    assert [int(r["epoch"]) for r in metrics] == [0, 1]
+    assert list(metrics[0]) == list(runio.METRICS_COLUMNS)
+    assert [int(r["step"]) for r in metrics] == [3, 6]
+    sums = runio.read_csv(d / "checksums.csv")
+    assert [int(r["step"]) for r in sums] == [0, 1, 2, 3, 6]   # every step of epoch 0, then epoch ends
+    with np.load(d / "predictions.npz") as f:
+        assert f["logits"].shape == (40, 10) and f["logits"].dtype == np.float32
+        assert f["labels"].shape == (40,) and f["group"].shape == (40,)
+    w = torch.load(d / "weights_epoch_001.pt")
+    model = models.build_model("small")
+    model.load_state_dict(torch.load(d / "checkpoint.pt", weights_only=False)["model"])
+    assert torch.equal(w, train.flat_params(model))
+    assert int(sums[-1]["checksum"]) == int(train.Checksum(model)(model))
+    result = runio.read_json(d / "result.json")
+    assert result == out["members"][0] and 0.0 <= result["test_top1"] <= 1.0
+    report = (tmp_path / "files" / "report.md").read_text()
+    assert "report_curves.png" in report and "git_sha" in report
+    assert (tmp_path / "files" / "report_curves.png").stat().st_size > 0
+
+
+def test_checksum_is_the_documented_formula():
+    torch.manual_seed(3)
+    model = models.build_model("small")
+    bits = train.flat_params(model).numpy().view(np.int32).astype(np.int64)
+    want = sum((i + 1) * int(b) for i, b in enumerate(bits.tolist()))
+    want = (want + 2**63) % 2**64 - 2**63   # wrapping int64
+    cs = train.Checksum(model)
+    assert int(cs(model)) == want
+    with torch.no_grad():   # one bit of one weight moves it
+        p = next(model.parameters()).view(-1)
+        p[7] = torch.nextafter(p[7], torch.tensor(float("inf")))
+    assert int(cs(model)) != want
+
+
+def test_finished_members_are_skipped(tmp_path):
+    cfg = tiny(tmp_path, "skip", kernel="native")
+    first = train.main(cfg)
+    d = runio.member_dir(tmp_path, "skip", 0)
+    stamp = (d / "result.json").stat().st_mtime_ns
+    again = train.main(cfg)
+    assert again["members"] == first["members"]
+    assert (d / "result.json").stat().st_mtime_ns == stamp
+
+
+def test_resume_with_another_config_is_refused(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        train.main(tiny(tmp_path, "cfg", kernel="native", epochs=2, interrupt_at_step=3))
+    with pytest.raises(train.ConfigError, match="lr"):
+        train.main(tiny(tmp_path, "cfg", kernel="native", epochs=2, lr=0.05))
+
+
+# --------------------------------------------------------------------------------------------------
+# Resumption: interrupted + resumed == uninterrupted, bit for bit
+
+
+@pytest.mark.parametrize("interrupt_at", [3, 4], ids=["epoch_boundary", "mid_epoch"])
+def test_resume_is_bitwise_identical(tmp_path, interrupt_at):
+    need_all_ops()
+    kw = dict(epochs=2, kernel="tree", save_epoch_weights=True)
+    train.main(tiny(tmp_path, "straight", **kw))
+    with pytest.raises(KeyboardInterrupt):
+        train.main(tiny(tmp_path, "resumed", interrupt_at_step=interrupt_at, **kw))
+    d = runio.member_dir(tmp_path, "resumed", 0)
+    assert (d / "checkpoint.pt").exists() and not (d / "result.json").exists()
+    train.main(tiny(tmp_path, "resumed", **kw))
+    a, b = runio.member_dir(tmp_path, "straight", 0), d
+    wa = torch.load(a / "checkpoint.pt", weights_only=False)
+    wb = torch.load(b / "checkpoint.pt", weights_only=False)
+    for k in wa["model"]:
+        assert torch.equal(wa["model"][k], wb["model"][k]), k
+    for f in ("checksums.csv", "predictions.npz", "weights_epoch_000.pt", "weights_epoch_001.pt"):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    ma, mb = runio.read_csv(a / "metrics.csv"), runio.read_csv(b / "metrics.csv")
+    for ra, rb in zip(ma, mb):
+        for col in ("epoch", "step", "train_loss", "train_top1", "test_loss", "test_top1", "test_top5"):
+            assert ra[col] == rb[col], col
+    assert runio.read_json(b / "config.json")["resumed_from"]["step"] == interrupt_at
+
+
+def test_atomic_resume_with_seeded_cpu_order_is_identical(tmp_path):
+    """The kernel RNG state travels in the checkpoint too."""
+    need_all_ops()
+    kw = dict(epochs=2, kernel="atomic", kernel_seed=9)
+    train.main(tiny(tmp_path, "straight", **kw))
+    with pytest.raises(KeyboardInterrupt):
+        train.main(tiny(tmp_path, "resumed", interrupt_at_step=2, **kw))
+    train.main(tiny(tmp_path, "resumed", **kw))
+    a = runio.member_dir(tmp_path, "straight", 0)
+    b = runio.member_dir(tmp_path, "resumed", 0)
+    assert (a / "checksums.csv").read_bytes() == (b / "checksums.csv").read_bytes()
+    assert (a / "predictions.npz").read_bytes() == (b / "predictions.npz").read_bytes()
+
+
+# --------------------------------------------------------------------------------------------------
+# The default command
+
+
+@pytest.mark.slow
+def test_default_command_runs_on_cpu(tmp_path):
+    """`python -m nnrand.train --kernel tree` with its CPU defaults (target: <= 3 min on 2 cores)."""
+    need_all_ops()
+    r = cli("--kernel", "tree", "--device", "cpu", "--out", str(tmp_path), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "outputs:" in r.stdout and "report:" in r.stdout
+    run = next(tmp_path.iterdir())
+    assert (run / "report.md").exists() and (run / "member_000" / "result.json").exists()
