@@ -42,7 +42,7 @@ struct ConvArgs {
 //   CL     channels_last inputs: 16 consecutive threads load 16 consecutive channels of one k (NCHW:
 //          16 consecutive k of one row), and the tile's columns run over r' = (kh, kw, ci) so that
 //          consecutive columns are consecutive channels; the epilogue maps r' back to dw's r.
-template <int BM, int BN, int TM, int TN, int MODE, bool SROWS, bool CL, bool FRAG2 = false>
+template <int BM, int BN, int TM, int TN, int MODE, bool SROWS, bool CL>
 __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const float* __restrict__ dy,
                                            float* __restrict__ out, const ConvArgs& a) {
     // MODE 0: atomicAdd into out (= dw). MODE 1: store into out + s*M*R (a workspace, or dw when S = 1).
@@ -147,31 +147,6 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         const int buf = st & 1;
         const bool more = st + 1 < steps;
         if (more) load(kbeg + (st + 1) * WG_BK);  // global loads in flight during the FFMAs below
-        if constexpr (FRAG2) {
-            // fragments of step q + 1 are read from shared memory while step q's FFMAs issue
-            float av[2][TM], bv[2][TN];
-            auto frag = [&](int slot, int q) {
-#pragma unroll
-                for (int g = 0; g < TM / 4; ++g) {
-                    const float4 v = *reinterpret_cast<const float4*>(&As[buf][q][g * GM + ty * 4]);
-                    av[slot][4 * g] = v.x; av[slot][4 * g + 1] = v.y; av[slot][4 * g + 2] = v.z; av[slot][4 * g + 3] = v.w;
-                }
-#pragma unroll
-                for (int g = 0; g < TN / 4; ++g) {
-                    const float4 v = *reinterpret_cast<const float4*>(&Bs[buf][q][g * GN + tx * 4]);
-                    bv[slot][4 * g] = v.x; bv[slot][4 * g + 1] = v.y; bv[slot][4 * g + 2] = v.z; bv[slot][4 * g + 3] = v.w;
-                }
-            };
-            frag(0, 0);
-#pragma unroll
-            for (int q = 0; q < WG_BK; ++q) {
-                if (q + 1 < WG_BK) frag((q + 1) & 1, q + 1);
-#pragma unroll
-                for (int i = 0; i < TM; ++i)
-#pragma unroll
-                    for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[q & 1][i], bv[q & 1][j], acc[i][j]);
-            }
-        } else {
 #pragma unroll
         for (int q = 0; q < WG_BK; ++q) {
             float av[TM], bv[TN];
@@ -189,7 +164,6 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
             for (int i = 0; i < TM; ++i)
 #pragma unroll
                 for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-        }
         }
         if (more) store(buf ^ 1);  // buf ^ 1 was last read before the previous barrier
         __syncthreads();
@@ -217,32 +191,28 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         int dh, int dw, int sxn, int sxc, int sxh, int sxw, int sdn, int sdc, int sdh, int sdw, int K, \
         int Kc
 #define WG_ARGS {cin, h, w, cout, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, sxn, sxc, sxh, sxw, sdn, sdc, sdh, sdw, K, Kc}
-#define WG_KERNEL(name, BM, BN, TM, TN, MODE, SROWS, CL, FRAG2, MINB)                                  \
+#define WG_KERNEL(name, BM, BN, TM, TN, MODE, SROWS, CL, MINB)                                         \
     extern "C" __global__ void __launch_bounds__(WG_THREADS, MINB)                                     \
     name(const float* x, const float* dy, float* out, WG_PARAMS) {                                    \
         const ConvArgs a = WG_ARGS;                                                                    \
-        wgrad_tile<BM, BN, TM, TN, MODE, SROWS, CL, FRAG2>(x, dy, out, a);                             \
+        wgrad_tile<BM, BN, TM, TN, MODE, SROWS, CL>(x, dy, out, a);                                    \
     }
 
 // 128x128 tiles: at most 128 registers so that two blocks share an SM; 64x64: three blocks an SM.
 // Suffix: _r row constants in registers (ptxas spills ~50 bytes of them at 128x128), _s in shared
 // memory, _cl in shared memory with the channels_last mapping.
-WG_KERNEL(conv_wgrad_atomic_t128_r, 128, 128, 8, 8, 0, false, false, false, 2)
-WG_KERNEL(conv_wgrad_split_t128_r, 128, 128, 8, 8, 1, false, false, false, 2)
-WG_KERNEL(conv_wgrad_atomic_t64_r, 64, 64, 4, 4, 0, false, false, false, 3)
-WG_KERNEL(conv_wgrad_split_t64_r, 64, 64, 4, 4, 1, false, false, false, 3)
-WG_KERNEL(conv_wgrad_atomic_t128_s, 128, 128, 8, 8, 0, true, false, false, 2)
-WG_KERNEL(conv_wgrad_split_t128_s, 128, 128, 8, 8, 1, true, false, false, 2)
-WG_KERNEL(conv_wgrad_atomic_t64_s, 64, 64, 4, 4, 0, true, false, false, 3)
-WG_KERNEL(conv_wgrad_split_t64_s, 64, 64, 4, 4, 1, true, false, false, 3)
-WG_KERNEL(conv_wgrad_atomic_t128_cl, 128, 128, 8, 8, 0, true, true, false, 2)
-WG_KERNEL(conv_wgrad_split_t128_cl, 128, 128, 8, 8, 1, true, true, false, 2)
-WG_KERNEL(conv_wgrad_atomic_t64_cl, 64, 64, 4, 4, 0, true, true, false, 3)
-WG_KERNEL(conv_wgrad_split_t64_cl, 64, 64, 4, 4, 1, true, true, false, 3)
-WG_KERNEL(conv_wgrad_atomic_t128_sd, 128, 128, 8, 8, 0, true, false, true, 2)
-WG_KERNEL(conv_wgrad_split_t128_sd, 128, 128, 8, 8, 1, true, false, true, 2)
-WG_KERNEL(conv_wgrad_atomic_t64_sd, 64, 64, 4, 4, 0, true, false, true, 3)
-WG_KERNEL(conv_wgrad_split_t64_sd, 64, 64, 4, 4, 1, true, false, true, 3)
+WG_KERNEL(conv_wgrad_atomic_t128_r, 128, 128, 8, 8, 0, false, false, 2)
+WG_KERNEL(conv_wgrad_split_t128_r, 128, 128, 8, 8, 1, false, false, 2)
+WG_KERNEL(conv_wgrad_atomic_t64_r, 64, 64, 4, 4, 0, false, false, 3)
+WG_KERNEL(conv_wgrad_split_t64_r, 64, 64, 4, 4, 1, false, false, 3)
+WG_KERNEL(conv_wgrad_atomic_t128_s, 128, 128, 8, 8, 0, true, false, 2)
+WG_KERNEL(conv_wgrad_split_t128_s, 128, 128, 8, 8, 1, true, false, 2)
+WG_KERNEL(conv_wgrad_atomic_t64_s, 64, 64, 4, 4, 0, true, false, 3)
+WG_KERNEL(conv_wgrad_split_t64_s, 64, 64, 4, 4, 1, true, false, 3)
+WG_KERNEL(conv_wgrad_atomic_t128_cl, 128, 128, 8, 8, 0, true, true, 2)
+WG_KERNEL(conv_wgrad_split_t128_cl, 128, 128, 8, 8, 1, true, true, 2)
+WG_KERNEL(conv_wgrad_atomic_t64_cl, 64, 64, 4, 4, 0, true, true, 3)
+WG_KERNEL(conv_wgrad_split_t64_cl, 64, 64, 4, 4, 1, true, true, 3)
 
 // Fixed-order combine of the S chunk partials of each element: a block covers 32 elements (lanes) with
 // 8 warps; warp g adds partials s = g, g + 8, g + 16, ... in that order, then lane e of warp 0 adds the

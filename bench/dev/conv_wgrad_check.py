@@ -195,11 +195,13 @@ def main() -> int:
         print("  ".join(h.ljust(n) for h, n in zip(head, widths)))
         for row in table:
             print("  ".join(str(row[h]).ljust(n) for h, n in zip(head, widths)))
-    if args.csv:
-        with args.csv.open("w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
+    if args.csv:  # rows to the file named, the style/target sweep (if any) beside it
+        for table, path in ((rows, args.csv), (sweep, args.csv.with_name(args.csv.stem + "_sweep.csv"))):
+            if table:
+                with path.open("w", newline="") as f:
+                    wr = csv.DictWriter(f, fieldnames=list(table[0]))
+                    wr.writeheader()
+                    wr.writerows(table)
     print(f"{failures} failure(s): results outside the float64 bound or tree bits that changed with the style")
     return 1 if failures else 0
 
