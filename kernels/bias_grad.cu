@@ -104,6 +104,10 @@ bias_grad_nchw_tree(const float* __restrict__ dy, long long N, int C, long long 
     const int c = blockIdx.y;
     const unsigned int P = gridDim.x;
     const float v = nchw_block_partial(dy, N, C, S, E, vec, scratch);
+    if (P == 1) {  // one block per channel: its partial is the result (the same bits as the final pass)
+        if (threadIdx.x == 0) out[c] = v;
+        return;
+    }
     if (threadIdx.x == 0) {
         partials[(long long)c * P + blockIdx.x] = v;
         last = arrive_last(counters + c, P);
@@ -205,6 +209,12 @@ bias_grad_rows_tree(const float* __restrict__ dy, long long R, int C, long long 
     float a[4];
     rows_sum<false>(dy, r0, r1, C, col0, vec, a);
     rows_block_tree(tile, a, vec);
+    if (P == 1) {  // one block per column tile: its partial row is the result (same bits)
+        if (threadIdx.y == 0)
+            for (int j = 0; j < vec; ++j)
+                if (col0 + j < C) out[col0 + j] = tile[threadIdx.x * vec + j];
+        return;
+    }
     if (threadIdx.y == 0) {
         for (int j = 0; j < vec; ++j)
             if (col0 + j < C) partials[(long long)blockIdx.x * C + col0 + j] = tile[threadIdx.x * vec + j];
