@@ -19,6 +19,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 _SESSION = pytest.StashKey()
 
+# bench/dev/ holds the kernel engineers' scripts; they are run by hand, never collected.
+collect_ignore = ["dev"]
+
 
 def pytest_addoption(parser):
     g = parser.getgroup("nnrand bench")

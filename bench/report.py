@@ -115,8 +115,7 @@ def wide(df: pd.DataFrame) -> pd.DataFrame:
     keys = ["op", "case", "kind", "variant"]
     if sub.empty:
         return pd.DataFrame(columns=keys)
-    values = sub.pivot_table(index=keys, columns="metric", values="value", aggfunc="first", dropna=False,
-                             sort=False)
+    values = sub.groupby(keys + ["metric"], sort=False)["value"].first().unstack("metric")
     meta_cols = ["layout", "contention", "case_bytes", "case_flops", "deterministic"]
     meta = sub.groupby(keys, sort=False)[meta_cols].first()
     rep = sub[sub["metric"] == "distinct_results"].groupby(keys, sort=False)["repeats"].first().rename("n")
@@ -129,12 +128,17 @@ def _col(w: pd.DataFrame, name: str) -> pd.Series:
     return w[name] if name in w.columns else pd.Series(math.nan, index=w.index)
 
 
-def summary_rows(w: pd.DataFrame, ops: list[str]) -> tuple[list[list[str]], list[str]]:
+def summary_rows(w: pd.DataFrame, ops: list[str], df: pd.DataFrame | None = None) -> tuple[list[list[str]], list[str]]:
     rows, nondet_ops = [], []
     for op in ops:
+        notes = []
+        if df is not None:
+            skipped = df[(df["op"] == op) & (df["metric"] == "skipped")]
+            if len(skipped):
+                notes.append(f"{len(skipped)} skipped (see below)")
         g = w[w["op"] == op]
         if g.empty:
-            rows.append([op, "0", DASH, DASH, DASH, DASH, DASH, "not measured (see skipped)"])
+            rows.append([op, "0", DASH, DASH, DASH, DASH, DASH, "; ".join(notes + ["nothing measured"])])
             continue
         distinct = _col(g, "distinct_results")
         varied = g[distinct > 1]
@@ -168,8 +172,11 @@ def summary_rows(w: pd.DataFrame, ops: list[str]) -> tuple[list[list[str]], list
             twin = g[(g["kind"] == "peer") & (g["variant"] == base) & (g["case"] == r["case"])]
             if base != r["variant"] and len(twin):
                 torch_cost.append(r.get("latency", math.nan) / twin["latency"].iloc[0])
+        bad = g[(g["deterministic"] == True) & (distinct > 1)]  # noqa: E712
+        if len(bad):
+            notes.insert(0, "claimed-deterministic subject varied: " + ", ".join(sorted(set(bad["variant"]))))
         rows.append([op, str(g["case"].nunique()), ", ".join(names) if names else "none",
-                     best, vs_atomic, vs_peer, fmt_spread(torch_cost), ""])
+                     best, vs_atomic, vs_peer, fmt_spread(torch_cost), "; ".join(notes)])
     return rows, nondet_ops
 
 
@@ -302,7 +309,7 @@ def render(df: pd.DataFrame, out: pathlib.Path, plots: bool = True) -> str:
                  f"`python -m bench.report`.\n")
 
     # summary
-    srows, nondet = summary_rows(w, ops)
+    srows, nondet = summary_rows(w, ops, df)
     lines.append("## Summary\n")
     if nondet:
         lines.append(f"Nondeterministic on this backend (more than one distinct result on one input): "

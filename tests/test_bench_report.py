@@ -158,6 +158,8 @@ def test_report_single_repeat_nan_results_and_skips(tmp_path):
     cells = [c.strip() for c in atomic.strip("|").split("|")]
     assert "1/1" in cells and "NaN" in cells
     assert "Claimed deterministic but varied" in md and "odd / tree" in md
+    summary = next(l for l in md.splitlines() if l.startswith("| odd "))
+    assert "claimed-deterministic subject varied: tree; 1 skipped" in summary
     assert "cupy: ImportError: no module named cupy" in md
     assert "lonely: op 'lonely' has variants but no op spec" in md
 

@@ -117,6 +117,7 @@ def test_noisy_subject_is_caught_and_unavailable_peer_is_skipped():
         session.measure(Item(op, case, Subject(op, "bad", "variant", broken, "fast", True)))
 
 
+@pytest.mark.slow  # a second pytest process: ~10-20 s on 2 cores
 def test_benchmark_only_session_writes_table_json_and_report(tmp_path):
     op = specced_ops()[0]
     variant = kernels.variants(op)[-1].name
