@@ -111,7 +111,7 @@ def _truthy(v) -> bool | None:
 
 def wide(df: pd.DataFrame) -> pd.DataFrame:
     """Measured subjects, one row each, metrics as columns (absent metric -> NaN)."""
-    sub = df[df["kind"].isin(["variant", "peer"]) & (df["metric"] != "skipped")]
+    sub = df[df["kind"].isin(["variant", "peer"]) & ~df["metric"].isin(["skipped", "failed"])]
     keys = ["op", "case", "kind", "variant"]
     if sub.empty:
         return pd.DataFrame(columns=keys)
@@ -133,9 +133,10 @@ def summary_rows(w: pd.DataFrame, ops: list[str], df: pd.DataFrame | None = None
     for op in ops:
         notes = []
         if df is not None:
-            skipped = df[(df["op"] == op) & (df["metric"] == "skipped")]
-            if len(skipped):
-                notes.append(f"{len(skipped)} skipped (see below)")
+            for metric in ("failed", "skipped"):
+                k = int(((df["op"] == op) & (df["metric"] == metric)).sum())
+                if k:
+                    notes.append(f"{k} {metric} (see below)")
         g = w[w["op"] == op]
         if g.empty:
             rows.append([op, "0", DASH, DASH, DASH, DASH, DASH, "; ".join(notes + ["nothing measured"])])
@@ -286,7 +287,7 @@ def render(df: pd.DataFrame, out: pathlib.Path, plots: bool = True) -> str:
         df = results.derive(df)
     w = wide(df)
     backend = _fp_line(df, "backend")
-    ops = sorted(o for o in df["op"].dropna().unique() if o and o != "" and
+    ops = sorted(o for o in df["op"].dropna().unique() if o and
                  (df[df["op"] == o]["kind"].isin(["variant", "peer"]).any()))
     lines = []
     lines.append("# Kernel benchmarks: which ops are nondeterministic, and what determinism costs\n")
@@ -369,12 +370,13 @@ def render(df: pd.DataFrame, out: pathlib.Path, plots: bool = True) -> str:
             lines.append("No measurements.\n")
         else:
             lines.append(md_table(header, op_rows(g, has_flops)) + "\n")
-        sk = df[(df["op"] == op) & (df["metric"] == "skipped")]
-        if len(sk):
-            lines.append("Skipped here:\n")
-            for (name, reason), s in sk.groupby(["variant", "note"], sort=False):
-                lines.append(f"- {name or op}: {reason} ({len(s)} case{'s' if len(s) != 1 else ''})")
-            lines.append("")
+        for metric, title in (("failed", "**Failed** (errors raised while measuring):"), ("skipped", "Skipped here:")):
+            sk = df[(df["op"] == op) & (df["metric"] == metric)]
+            if len(sk):
+                lines.append(title + "\n")
+                for (name, reason), s in sk.groupby(["variant", "note"], sort=False):
+                    lines.append(f"- {name or op}: {reason} ({len(s)} case{'s' if len(s) != 1 else ''})")
+                lines.append("")
     other = df[(df["metric"] == "skipped") & ~df["op"].isin(ops)]
     if len(other):
         lines.append("## Not benchmarked\n")

@@ -52,7 +52,8 @@ UNITS = {
     "err_rel_l2": "1",
     "ratio_fastest_peer": "x",
     "ratio_atomic": "x",
-    "skipped": "",
+    "skipped": "",            # could not run here (note: why)
+    "failed": "",             # raised an error (note: the error)
 }
 
 

@@ -229,15 +229,25 @@ class Session:
             row["case_flops"] = float(spec.flops(case)) if spec.flops is not None else math.nan
         return {**row, **fingerprint()}
 
-    def record_skip(self, item: Item, reason: str) -> None:
+    def record_skip(self, item: Item, reason: str, metric: str = "skipped") -> None:
         base = self._base(item.case, item.subject)
         if item.case is None:
             base["op"] = item.op
-        self.rows.append({**base, "metric": "skipped", "value": math.nan, "unit": "", "note": reason})
+        self.rows.append({**base, "metric": metric, "value": math.nan, "unit": "", "note": reason})
 
     def measure(self, item: Item, benchmark=None) -> list[dict]:
         """Measure one subject on one case; returns (and records) its rows. A peer that cannot run here
-        raises :class:`Unavailable` after recording a ``skipped`` row."""
+        raises :class:`Unavailable` after recording a ``skipped`` row; any other error is recorded as a
+        ``failed`` row (so the report shows it) and raised."""
+        try:
+            return self._measure(item, benchmark)
+        except Unavailable:
+            raise
+        except Exception as e:
+            self.record_skip(item, _reason(e), metric="failed")
+            raise
+
+    def _measure(self, item: Item, benchmark) -> list[dict]:
         if item.skip:
             self.record_skip(item, item.skip)
             raise Unavailable(item.skip)
@@ -254,7 +264,7 @@ class Session:
             except Exception as e:  # a variant's failure is a failure; a peer may be unavailable here
                 if sub.kind == "variant":
                     raise
-                reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                reason = _reason(e)
                 self.record_skip(item, reason)
                 raise Unavailable(f"{item.id}: {reason}") from e
             if not isinstance(first, torch.Tensor):
@@ -320,6 +330,11 @@ class Session:
     def table(self):
         """The rows so far as the result table, with the derived metrics (ratios, ceiling fractions)."""
         return results.derive(results.frame(self.rows))
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
 class Unavailable(Exception):

@@ -115,6 +115,11 @@ def test_noisy_subject_is_caught_and_unavailable_peer_is_skipped():
     assert len(skipped) == 1 and "needs a GPU" in skipped[0]["note"]
     with pytest.raises(RuntimeError):  # a variant's failure is not hidden as a skip
         session.measure(Item(op, case, Subject(op, "bad", "variant", broken, "fast", True)))
+    failed = [r for r in session.rows if r["metric"] == "failed"]
+    assert len(failed) == 1 and failed[0]["variant"] == "bad" and "needs a GPU" in failed[0]["note"]
+    md = report.render(session.table(), results.ROOT / "unused.md", plots=False)
+    assert "**Failed**" in md and "- bad: RuntimeError: needs a GPU" in md
+    assert "- broken: RuntimeError: needs a GPU" in md
 
 
 @pytest.mark.slow  # a second pytest process: ~10-20 s on 2 cores
