@@ -5,14 +5,15 @@
 // inside the (n, c) plane, as max_pool2d(return_indices=True) gives them):
 //   atomic  one thread per window: atomicAdd of its gradient at its argmax (dx zeroed first).
 //           NONDETERMINISTIC where windows overlap: an input that is the argmax of >= 3 windows
-//           receives their gradients in arrival order, and that order decides the rounding. Float
-//           atomicAdd flushes subnormal operands and results to signed zero (PTX atom.add.f32).
+//           receives their gradients in arrival order, and that order decides the rounding.
 //   tree    one thread per input position: gathers the gradients of the windows whose argmax it is,
 //           visiting every window that can contain it in (oh, ow) row-major order from +0.0. Each dx
 //           element is written once, by one thread, in a fixed order: deterministic. No zero-fill.
 //
 // Only additions, no contraction possible: the CPU models reproduce both bit for bit (atomic: for the
-// order the atomics happened to arrive in).
+// order the atomics happened to arrive in), including the flush of subnormal operands and results to
+// signed zero that every addition here does on the GPU (float atomicAdd always; FADD because CuPy
+// compiles with -ftz=true).
 // No #include: the file compiles alone under NVRTC.
 
 #define MPB_THREADS 256

@@ -223,21 +223,24 @@ def subnormal_inputs(device=CPU):
     return (dy.to(device), idx.to(device)), kw
 
 
-def test_atomic_model_flushes_subnormals():
+def test_models_flush_subnormals():
+    """On the GPU both kernels flush subnormal operands and results to signed zero; the models do too,
+    torch's CPU backward does not."""
     (dy, idx), kw = subnormal_inputs()
     sub = (dy.abs() < np.finfo(np.float32).tiny) & (dy != 0)
     assert sub.sum() == dy.numel() // 2
-    tree, atomic = TREE(dy, idx, **kw), ATOMIC(dy, idx, **kw, rng=0)
-    assert torch.equal(tree, SPEC.reference((dy, idx), kw).float())  # FADD keeps subnormals
     flushed = torch.where(sub, torch.zeros_like(dy), dy)
-    assert np.array_equal(bits(atomic), bits(TREE(flushed, idx, **kw)))
-    # two gradients cancelling to a subnormal: the atomic result flushes to zero, tree keeps it
-    a, b = torch.tensor(1.5 * 2.0**-126), torch.tensor(-1.0 * 2.0**-126)
-    dy2 = torch.stack([a, b]).view(1, 1, 1, 2)
+    expected = SPEC.reference((flushed, idx), kw).float()  # k2s2: one gradient per element, exact
+    for v in (TREE, ATOMIC):
+        assert np.array_equal(bits(v(dy, idx, **kw, rng=0)), bits(expected)), v.key
+    assert torch.equal(mp.torch_backward(dy, idx, **kw), SPEC.reference((dy, idx), kw).float())
+    # two normal gradients cancelling to a subnormal sum: flushed to zero
+    dy2 = torch.tensor([1.5 * 2.0**-126, -1.0 * 2.0**-126]).view(1, 1, 1, 2)
     idx2 = torch.tensor([1, 1]).view(1, 1, 1, 2)
     kw2 = dict(input_size=(1, 3), kernel_size=(1, 2), stride=1)
-    assert TREE(dy2, idx2, **kw2)[0, 0, 0, 1].item() == 0.5 * 2.0**-126
-    assert bits(ATOMIC(dy2, idx2, **kw2, rng=0))[1] == 0
+    for v in (TREE, ATOMIC):
+        assert bits(v(dy2, idx2, **kw2, rng=0))[1] == 0, v.key
+    assert mp.torch_backward(dy2, idx2, **kw2)[0, 0, 0, 1].item() == 0.5 * 2.0**-126
 
 
 def test_stride_defaults_to_kernel():
@@ -422,7 +425,7 @@ def test_gpu_matches_torch_backward(case, cuda_sync):
 
 
 @pytest.mark.gpu
-def test_gpu_atomic_flushes_subnormals_like_its_model(cuda_sync):
+def test_gpu_flushes_subnormals_like_the_models(cuda_sync):
     cpu_args, kw = subnormal_inputs()
     args, _ = subnormal_inputs(CUDA)
     assert np.array_equal(bits(ATOMIC(*args, **kw)), bits(ATOMIC(*cpu_args, **kw, rng=0)))
