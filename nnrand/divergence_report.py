@@ -1,0 +1,537 @@
+"""The divergence report, rendered from the study's result files alone (``<stem>.json`` and
+``<stem>_examples.npz``); it never trains or times anything.
+
+    python -m nnrand.divergence_report reports/results/divergence.json     # -> reports/divergence.md
+
+The first screen answers three questions from the numbers: does implementation noise alone (fixed
+seeds, atomic kernels) make predictions diverge as much as random seeds, which op contributes most,
+and who pays (classes, the minority subgroup, hard examples). Then the tables behind those answers,
+the link between kernel-level noise and divergence, the cost of determinism, published figures for
+context, what is missing, and the environment. A configuration without finished members is listed as
+missing, never dropped silently; one with a single member has no divergence to show.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from nnrand import runio
+
+HEADLINE_IMPL = ("impl", "native")      # implementation noise alone, first one present wins
+HEADLINE_ALGO = ("algo",)
+OP_PREFIX = "atomic-"
+
+
+# --------------------------------------------------------------------------------------------------
+# Formatting
+
+
+def _ok(x) -> bool:
+    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def pct(x, se=None, digits=2) -> str:
+    if not _ok(x):
+        return "-"
+    s = f"{100 * x:.{digits}f}%"
+    return s + (f" ± {100 * se:.{digits}f}" if _ok(se) else "")
+
+
+def num(x, digits=4) -> str:
+    return f"{x:.{digits}g}" if _ok(x) else "-"
+
+
+def sd_se(d: dict | None, scale=1.0, digits=3, unit="") -> str:
+    """'SD (SE x)' of a metrics.spread dict."""
+    if not d or not _ok(d.get("sd")):
+        return "-"
+    se = f" (SE {d['sd_se'] * scale:.{digits}g})" if _ok(d.get("sd_se")) else ""
+    return f"{d['sd'] * scale:.{digits}g}{unit}{se}"
+
+
+def _m(c: dict | None, *path):
+    """Nested lookup in a configuration's metrics; None where absent."""
+    v = (c or {}).get("metrics")
+    for k in path:
+        if not isinstance(v, dict) or k not in v:
+            return None
+        v = v[k]
+    return v
+
+
+def _first(configs: dict, names) -> tuple[str | None, dict | None]:
+    for n in names:
+        c = configs.get(n)
+        if c and _m(c, "disagreement") is not None:
+            return n, c
+    return None, None
+
+
+def _steps(c: dict) -> str:
+    fd = c.get("first_divergence")
+    if not fd:
+        return "-"
+    v = fd["per_pair"]
+    differing = sorted(s for s in v if s is not None)
+    if not differing:
+        return "never (bitwise equal at every checked step)"
+    head = f"{differing[0]}" if len(set(differing)) == 1 else f"{differing[0]}-{differing[-1]}"
+    return head + ("" if len(differing) == len(v) else f" ({len(v) - len(differing)} of {len(v)} pairs never)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Plots (PNG beside the report)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    _plt().close(fig)
+    runio.write_bytes(path, buf.getvalue())
+
+
+def plot_disagreement(configs: dict, path: Path) -> bool:
+    rows = [(n, c) for n, c in configs.items() if _m(c, "disagreement") is not None]
+    if not rows:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.4), constrained_layout=True)
+    y = np.arange(len(rows))
+    d = [100 * _m(c, "disagreement") for _, c in rows]
+    de = [100 * (_m(c, "disagreement_se") or 0) for _, c in rows]
+    f = [100 * _m(c, "frac_not_all_equal") for _, c in rows]
+    fe = [100 * (_m(c, "frac_not_all_equal_se") or 0) for _, c in rows]
+    ax.barh(y - 0.2, d, 0.4, xerr=de, label="mean pairwise disagreement", color="#3b75af")
+    ax.barh(y + 0.2, f, 0.4, xerr=fe, label="predictions not all equal", color="#ef8636")
+    ax.set_yticks(y, [n for n, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("% of test images (bars: ± bootstrap SE over images)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    _save(fig, path)
+    return True
+
+
+def plot_l2(configs: dict, path: Path) -> bool:
+    rows = [(n, c["weights"]) for n, c in configs.items() if c.get("weights")]
+    rows = [(n, w) for n, w in rows if any(r["l2"] and r["l2"] > 0 for r in w)]
+    if not rows:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    for n, w in rows:
+        pts = [(r["epoch"] + 1, r["l2"] / r["norm"]) for r in w if r["l2"] and r["norm"]]
+        ax.plot(*zip(*pts), marker="o", ms=3, lw=1.2, label=n)
+    ax.set_yscale("log")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("mean pairwise ||w_i - w_j|| / mean ||w||")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    _save(fig, path)
+    return True
+
+
+def plot_link(link: list[dict], refs: dict, path: Path) -> bool:
+    pts = [r for r in link if _ok(r.get("median_max_ulp")) and _ok(r.get("disagreement"))]
+    if not pts:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
+    for r in pts:
+        x = max(r["median_max_ulp"], 0.5)
+        ax.errorbar(x, 100 * r["disagreement"], yerr=100 * (r.get("disagreement_se") or 0), fmt="o", capsize=3)
+        ax.annotate(r["op"], (x, 100 * r["disagreement"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    for (name, v), style in zip(refs.items(), ("--", ":", "-.")):
+        if _ok(v):
+            ax.axhline(100 * v, ls=style, color="grey", lw=1)
+            ax.annotate(name, (ax.get_xlim()[0], 100 * v), fontsize=7, color="grey", va="bottom")
+    ax.set_xscale("log")
+    ax.set_xlabel("kernel: median over ResNet-18 cases of max ULP between atomic runs (0 drawn at 0.5)")
+    ax.set_ylabel("training: pairwise disagreement, %")
+    ax.grid(alpha=0.3)
+    _save(fig, path)
+    return True
+
+
+def plot_groups(configs: dict, path: Path) -> bool:
+    rows = [(n, c) for n, c in configs.items() if _m(c, "groups", "minority") and _m(c, "groups", "majority")]
+    if not rows:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.4), constrained_layout=True)
+    y = np.arange(len(rows))
+    for k, (g, color) in enumerate((("majority", "#3b75af"), ("minority", "#d1495b"))):
+        ax.barh(y + (k - 0.5) * 0.4, [100 * _m(c, "groups", g, "disagreement") for _, c in rows], 0.4,
+                label=f"{g} subgroup", color=color)
+    ax.set_yticks(y, [n for n, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("mean pairwise disagreement, % of the subgroup's test images")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    _save(fig, path)
+    return True
+
+
+def plot_flips(res: dict, arrays: dict, path: Path, max_rows: int = 6) -> bool:
+    """The most-disagreed test images of the configurations with the most disagreement, one row each,
+    captioned with the true class and the members' predictions."""
+    if "images" not in arrays:
+        return False
+    index = {int(i): k for k, i in enumerate(arrays["image_index"])}
+    classes = res.get("classes") or [str(i) for i in range(100)]
+    rows = [(n, c) for n, c in res["configs"].items() if c.get("top_flips")]
+    rows.sort(key=lambda nc: -(_m(nc[1], "disagreement") or 0))
+    rows = rows[:max_rows]
+    if not rows:
+        return False
+    cols = max(len(c["top_flips"]) for _, c in rows)
+    plt = _plt()
+    fig, axes = plt.subplots(len(rows), cols, figsize=(1.55 * cols, 1.95 * len(rows)), squeeze=False)
+    for r, (name, c) in enumerate(rows):
+        preds = arrays.get(f"{name}/preds")
+        labels = arrays.get(f"{name}/labels")
+        groups = arrays.get(f"{name}/groups")
+        for k in range(cols):
+            ax = axes[r][k]
+            ax.axis("off")
+            if k >= len(c["top_flips"]) or c["top_flips"][k] not in index:
+                continue
+            i = c["top_flips"][k]
+            ax.imshow(np.transpose(arrays["images"][index[i]], (1, 2, 0)))
+            short = lambda j: classes[int(j)][:6]  # noqa: E731
+            cap = f"#{i} {short(labels[i])}" + (" (min)" if groups is not None and groups[i] == 1 else "")
+            cap += "\n" + ",".join(short(p) for p in preds[:, i]) if preds is not None else ""
+            ax.set_title(cap, fontsize=6)
+        axes[r][0].text(-0.1, 0.5, name, transform=axes[r][0].transAxes, rotation=90, ha="right", va="center",
+                        fontsize=7)
+    fig.subplots_adjust(left=0.04, right=0.99, top=0.93, bottom=0.02, hspace=0.6, wspace=0.08)
+    _save(fig, path)
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+
+
+def link_rows(res: dict) -> list[dict]:
+    kn = res.get("kernel_noise") or {}
+    rows = []
+    for n, c in res["configs"].items():
+        if c.get("entry", n).startswith(OP_PREFIX):
+            op = c.get("entry", n)[len(OP_PREFIX):]
+            k = (kn.get("ops") or {}).get(op, {}).get("atomic", {})
+            rows.append({"op": op, "config": n, "disagreement": _m(c, "disagreement"),
+                         "disagreement_se": _m(c, "disagreement_se"), "frac_not_all_equal": _m(c, "frac_not_all_equal"),
+                         "acc": _m(c, "accuracy"), "steps": _steps(c) if c["done"] >= 2 else "-", **k})
+    return rows
+
+
+def headline(res: dict) -> list[str]:
+    cfg = res["configs"]
+    out = ["## Answers first", ""]
+    iname, impl = _first(cfg, HEADLINE_IMPL)
+    aname, algo = _first(cfg, HEADLINE_ALGO)
+    if impl and algo:
+        di, da = _m(impl, "disagreement"), _m(algo, "disagreement")
+        se = math.hypot(_m(impl, "disagreement_se") or 0, _m(algo, "disagreement_se") or 0)
+        if da == 0 and di == 0:
+            verdict = "neither changed a single prediction"
+        elif abs(di - da) <= 2 * se:
+            verdict = "**yes: as much** (the difference is within 2 bootstrap SE)"
+        elif di > da:
+            verdict = "**yes, more**"
+        else:
+            verdict = f"**no: less**, {di / da:.2f} of it" if da > 0 else "**no**"
+        out.append(f"- **Implementation noise alone vs random seeds.** With every seed fixed and only the "
+                   f"reduction order free (`{iname}`), members disagree on {pct(di, _m(impl, 'disagreement_se'))} of "
+                   f"test images (pairwise; {pct(_m(impl, 'frac_not_all_equal'))} not all equal); with random "
+                   f"init/order/augmentation (`{aname}`), {pct(da, _m(algo, 'disagreement_se'))} "
+                   f"({pct(_m(algo, 'frac_not_all_equal'))}). Accuracy SD: {sd_se(_m(impl, 'accuracy'), 100, unit=' pt')} "
+                   f"vs {sd_se(_m(algo, 'accuracy'), 100, unit=' pt')}. As much? {verdict}.")
+    else:
+        out.append("- Implementation noise vs random seeds: not answerable yet (`impl` or `algo` lacks two "
+                   "finished members).")
+    link = [r for r in link_rows(res) if r["disagreement"] is not None]
+    if link:
+        top = max(link, key=lambda r: r["disagreement"])
+        if top["disagreement"] > 0:
+            others = ", ".join(f"{r['op']} {pct(r['disagreement'])}" for r in link if r is not top)
+            out.append(f"- **Op contributing most:** `{top['op']}` atomic alone gives {pct(top['disagreement'], top['disagreement_se'])} "
+                       f"pairwise disagreement" + (f" (others: {others})" if others else "") + ".")
+        else:
+            out.append("- **Op contributing most:** none: no single-op atomic configuration changed a prediction.")
+    else:
+        out.append("- Op contributing most: not answerable yet (no `atomic-<op>` configuration with two finished members).")
+    wname, who = (iname, impl) if impl else (aname, algo)
+    if who:
+        parts = []
+        g = _m(who, "groups")
+        if g and "minority" in g and "majority" in g:
+            parts.append(f"the minority subgroup (background cue of another class) {pct(g['minority']['disagreement'])} "
+                         f"disagreement and accuracy SD {sd_se(g['minority']['accuracy'], 100, unit=' pt')} vs the majority "
+                         f"{pct(g['majority']['disagreement'])} and {sd_se(g['majority']['accuracy'], 100, unit=' pt')}")
+        pc = [r for r in (_m(who, "per_class") or []) if _ok(r.get("disagreement"))]
+        if pc:
+            worst = max(pc, key=lambda r: r["disagreement"])
+            names = res.get("classes") or []
+            cname = names[worst["class"]] if worst["class"] < len(names) else str(worst["class"])
+            parts.append(f"the most-disagreed class is `{cname}` ({pct(worst['disagreement'])}, accuracy SD "
+                         f"{sd_se(worst, 100, unit=' pt')})")
+        conc = _m(who, "concentration", "misclassified_by_most")
+        if conc and _ok(conc.get("share_of_flips")):
+            where = "concentrate on" if conc["ratio"] and conc["ratio"] > 1 else "do not concentrate on"
+            parts.append(f"flips {where} hard images: {pct(conc['rate_in'])} of the images misclassified by most "
+                         f"members flip vs {pct(conc['rate_out'])} of the rest ({num(100 * conc['share_of_flips'], 3)}% "
+                         f"of flips come from {num(100 * conc['share_of_examples'], 3)}% of the images)")
+        elif _ok(_m(who, "frac_not_all_equal")) and _m(who, "frac_not_all_equal") == 0:
+            parts.append("no test prediction flipped between members")
+        out.append(f"- **Who pays** (`{wname}`): " + ("; ".join(parts) if parts else "no per-group data") + ".")
+    if res.get("missing"):
+        out.append(f"- **Partial results:** {len(res['missing'])} configuration(s) lack members: "
+                   f"{', '.join(res['missing'])} (see *Missing*).")
+    return out + [""]
+
+
+def main_table(res: dict) -> list[str]:
+    out = ["## Divergence per configuration", "",
+           f"{res['members']} members per configuration; SDs across members (ddof=1) with bootstrap SE over members "
+           "(1000 resamples; with 3 members a rough figure); rates over test images with bootstrap SE over images. "
+           "Disagreement = mean over member pairs of the fraction of test images whose top-1 labels differ; "
+           "not all equal = fraction of test images on which the members' labels are not all the same "
+           "(Fort et al. 2019, Fig. S4); ensemble gain = mean 2-member ensemble accuracy (mean softmax) minus mean "
+           "single accuracy; L2 = mean pairwise weight distance after the last epoch, relative to the mean weight "
+           "norm; first differing step = first training step at which two members' exact weight checksums differ "
+           "(checked every step of epoch 0, then at epoch ends; range over pairs).", "",
+           "| configuration | what varies | done | test acc mean | acc SD, pt | CE SD | not all equal | "
+           "disagreement | logit corr | ens-2 gain, pt | rel. L2 | first differing step | step ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for n, c in res["configs"].items():
+        acc = _m(c, "accuracy") or {}
+        w = (c.get("weights") or [{}])[-1]
+        rel = w["l2"] / w["norm"] if _ok(w.get("l2")) and _ok(w.get("norm")) and w["norm"] else None
+        eg = _m(c, "ensemble2_gain")
+        out.append(f"| `{n}` | {c.get('note', '')} | {c['done']}/{c['requested']} | {pct(acc.get('mean'))} | "
+                   f"{sd_se(acc, 100)} | {sd_se(_m(c, 'cross_entropy'), 1)} | "
+                   f"{pct(_m(c, 'frac_not_all_equal'), _m(c, 'frac_not_all_equal_se'))} | "
+                   f"{pct(_m(c, 'disagreement'), _m(c, 'disagreement_se'))} | {num(_m(c, 'logit_corr'), 6)} | "
+                   f"{num(100 * eg if _ok(eg) else None, 3)} | {num(rel, 3)} | {_steps(c)} | "
+                   f"{num(c.get('step_time_ms'), 4)} |")
+    return out + [""]
+
+
+def groups_table(res: dict) -> list[str]:
+    rows = [(n, c) for n, c in res["configs"].items() if _m(c, "groups")]
+    if not rows:
+        return ["## Subgroups", "", "No subgroup labels in these results (CIFAR has none).", ""]
+    out = ["## Who pays: subgroups, classes, hard images", "",
+           "Minority = test images whose background colour is the cue of another class (data.py); "
+           "30% of the synthetic test set, 5% of the training set.", "",
+           "| configuration | majority acc SD, pt | minority acc SD, pt | majority disagreement | minority disagreement | "
+           "flip rate: misclassified by most vs rest | lowest-confidence quartile vs rest | minority vs majority |",
+           "|---|---|---|---|---|---|---|---|"]
+    for n, c in rows:
+        g = _m(c, "groups")
+        conc = _m(c, "concentration") or {}
+
+        def cc(k):
+            x = conc.get(k)
+            return f"{pct(x['rate_in'])} vs {pct(x['rate_out'])}" if x else "-"
+        out.append(f"| `{n}` | {sd_se(g.get('majority', {}).get('accuracy'), 100)} | "
+                   f"{sd_se(g.get('minority', {}).get('accuracy'), 100)} | "
+                   f"{pct(g.get('majority', {}).get('disagreement'))} | {pct(g.get('minority', {}).get('disagreement'))} | "
+                   f"{cc('misclassified_by_most')} | {cc('lowest_confidence_quartile')} | {cc('minority')} |")
+    out.append("")
+    classes = res.get("classes") or []
+    show = [n for n in ("control", "algo", "impl", "native") if _m(res["configs"].get(n), "per_class")]
+    if show:
+        out += ["Per class: accuracy SD across members (pt) / pairwise disagreement.", "",
+                "| class | " + " | ".join(f"`{n}`" for n in show) + " |", "|---|" + "---|" * len(show)]
+        k = len(_m(res["configs"][show[0]], "per_class"))
+        for i in range(k):
+            cells = []
+            for n in show:
+                r = _m(res["configs"][n], "per_class")[i]
+                cells.append(f"{num(100 * r['sd'] if _ok(r.get('sd')) else None, 3)} / {pct(r.get('disagreement'))}")
+            out.append(f"| {classes[i] if i < len(classes) else i} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
+def link_section(res: dict, stem: str, have_plot: bool) -> list[str]:
+    kn = res.get("kernel_noise") or {}
+    out = ["## Link: kernel-level noise beside the divergence it causes", ""]
+    if not kn.get("found"):
+        out.append(f"The kernel benchmark table `{kn.get('source', 'reports/results/kernels.csv')}` is absent: "
+                   "run `pytest --benchmark-only` (bench/README.md) and re-render; the divergence column stands alone.")
+    else:
+        out.append(f"Kernel columns from `{kn['source']}` (backend {res['backend']}, scale {kn.get('scale')}, "
+                   f"GPU {kn.get('gpu') or 'none'}, commit {kn.get('git_sha')}, {kn.get('date')}): the `atomic` "
+                   "variant on the ResNet-18 layer cases (contention stress cases left out); distinct results out of "
+                   "the repeats of one input, max ULP between a repeat and the first.")
+    out += ["", "| op | cases varying / cases | max distinct results (repeats) | max ULP: median over cases / max | "
+            "tree: max distinct | atomic-only config | disagreement | not all equal | acc SD, pt | first differing step |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    kops = kn.get("ops") or {}
+    for r in link_rows(res):
+        tree = (kops.get(r["op"]) or {}).get("tree", {})
+        rep = f" ({r['repeats']})" if r.get("repeats") else ""
+        out.append(f"| {r['op']} | {r.get('cases_varying', '-')} / {r.get('cases', '-')} | {r.get('max_distinct', '-')}{rep} | "
+                   f"{num(r.get('median_max_ulp'), 4)} / {num(r.get('max_max_ulp'), 4)} | {tree.get('max_distinct', '-')} | "
+                   f"`{r['config']}` | {pct(r['disagreement'], r['disagreement_se'])} | {pct(r['frac_not_all_equal'])} | "
+                   f"{sd_se(r['acc'], 100)} | {r['steps']} |")
+    out.append("")
+    if have_plot:
+        out += [f"![kernel noise vs divergence]({stem}_link.png)", ""]
+    return out
+
+
+def cost_section(res: dict) -> list[str]:
+    out = ["## Cost of determinism at the training level", ""]
+    t = res.get("timing")
+    if t and t.get("rows"):
+        rows = t["rows"]
+        r0 = rows[0]
+        out.append(f"Dedicated timing pass (`{t.get('source')}`, `bench/dev/train_step_time.py`): {r0.get('model')}, "
+                   f"batch {r0.get('batch')}, {r0.get('layout')}, fp32 with TF32 off, on {r0.get('gpu') or r0.get('device')}; "
+                   f"median of {r0.get('steps')} CUDA-event-timed steps per mode (wall clock on CPU), modes interleaved "
+                   "in rounds in one process.")
+        out += ["", "| mode | median ms/step | p10 | p90 | x native | x torch deterministic |", "|---|---|---|---|---|---|"]
+        labels = {"native": "stock PyTorch (nondeterministic cuDNN algorithms allowed)",
+                  "torch_deterministic": "stock, `use_deterministic_algorithms(True)` + `cudnn.deterministic`",
+                  "atomic": "nnrand `atomic` (all routed ops)", "tree": "nnrand `tree` (all routed ops)"}
+        for r in rows:
+            out.append(f"| {labels.get(r['mode'], r['mode'])} | {num(r['median_ms'], 4)} | {num(r['p10_ms'], 4)} | "
+                       f"{num(r['p90_ms'], 4)} | {num(r['x_native'], 3)} | {num(r['x_torch_deterministic'], 3)} |")
+    else:
+        out.append("No timing pass in these results (it runs once every member is done; `--no-timing` skips it).")
+    members = [(n, c) for n, c in res["configs"].items() if _ok(c.get("step_time_ms"))]
+    if members:
+        out += ["", "From the members' own metrics (median over members of each member's median step_time_ms, "
+                "measured during the study's training; other processes may share the device): " +
+                ", ".join(f"`{n}` {num(c['step_time_ms'], 4)} ms" for n, c in members) + "."]
+    return out + [""]
+
+
+PUBLISHED = """## Published figures for context
+
+Summers & Dinneen (2021, "Nondeterminism and instability in neural network optimization"), CIFAR-10,
+ResNet-14, 500 epochs, 100 runs per setting: pairwise disagreement **10.7%** with all noise sources and
+**10.6%** with cuDNN nondeterminism alone (every seed fixed); accuracy SD about **0.26%**. They found any
+single source, down to one bit of one weight, gives about the same divergence once training is long.
+
+How this study differs: a synthetic 10-class shape dataset with a labelled minority subgroup (not
+CIFAR-10), ResNet-18 (CIFAR stem) rather than ResNet-14, a short schedule (the epochs above, not 500),
+3 members per configuration rather than 100 (so SDs carry large SEs), and nondeterminism that comes from
+nnrand's own atomic kernels per op (routed into the backward pass) beside stock cuDNN, rather than cuDNN
+alone. Short training leaves less time for differences to grow, so lower disagreement than theirs is
+expected; the comparison that matters here is between configurations of the same study.
+"""
+
+
+def missing_section(res: dict) -> list[str]:
+    miss = [res["configs"][n] for n in res.get("missing", [])]
+    if not miss:
+        return []
+    out = ["## Missing", "", "These configurations have fewer finished members than requested; their rows show "
+           "what exists. Resume with the same command: `" + res.get("command", "python -m nnrand.study") + "`.", ""]
+    out += [f"- `{c['name']}`: {c['done']}/{c['requested']} members finished" for c in miss]
+    return out + [""]
+
+
+def render(res: dict | str | Path, md_path: str | Path, examples_path: str | Path | None = None) -> Path:
+    """Write the report (and its PNGs, named ``<md stem>_*.png`` beside it); return its path."""
+    if not isinstance(res, dict):
+        res = json.loads(Path(res).read_text())
+    md_path = Path(md_path)
+    stem = md_path.stem
+    arrays = {}
+    if examples_path is not None and Path(examples_path).exists():
+        with np.load(examples_path) as f:
+            arrays = {k: f[k] for k in f.files}
+    cfg = res["configs"]
+    png = lambda name: md_path.parent / f"{stem}_{name}.png"  # noqa: E731
+    have = {"disagreement": plot_disagreement(cfg, png("disagreement")), "l2": plot_l2(cfg, png("l2")),
+            "groups": plot_groups(cfg, png("groups")), "flips": plot_flips(res, arrays, png("flips"))}
+    refs = {n: _m(cfg.get(n), "disagreement") for n in ("algo", "impl", "native")}
+    have["link"] = plot_link(link_rows(res), refs, png("link"))
+
+    setup = next((c["setup"] for c in cfg.values() if c.get("setup")), None)
+    fp = res.get("fingerprint") or {}
+    where = fp.get("gpu") or f"CPU ({fp.get('platform', 'unknown')})"
+    lines = [f"# Divergence study ({res['backend']}{', quick grid' if res.get('quick') else ''})", ""]
+    if setup:
+        lines += [f"{setup['model']} on {setup['dataset']} ({setup['n_train']} training / {setup['n_test']} test images), "
+                  f"{setup['epochs']} epoch{'s' if setup['epochs'] != 1 else ''} of batch {setup['batch_size']}, peak lr {setup['lr']}, {res['members']} members "
+                  f"per configuration, on {where}. Rendered from `{res['stem']}.json` "
+                  f"(collected {res.get('collected')}).", ""]
+    lines += headline(res)
+    if have["disagreement"]:
+        lines += [f"![disagreement per configuration]({stem}_disagreement.png)", ""]
+    lines += main_table(res)
+    if have["l2"]:
+        lines += ["Weight distance over training (configurations whose members differ at all; `control` stays at "
+                  "exactly 0 when its members are bitwise identical):", "", f"![weight L2 per epoch]({stem}_l2.png)", ""]
+    lines += groups_table(res)
+    if have["groups"]:
+        lines += [f"![subgroup disagreement]({stem}_groups.png)", ""]
+    if have["flips"]:
+        lines += ["Most-disagreed test images (rows: configurations with the most disagreement; caption: index, true "
+                  "class, `(min)` for the minority subgroup, then each member's prediction):", "",
+                  f"![most-disagreed test images]({stem}_flips.png)", ""]
+    elif res.get("images_note"):
+        lines += [f"No image grid: {res['images_note']}.", ""]
+    lines += link_section(res, stem, have["link"])
+    lines += cost_section(res)
+    lines += PUBLISHED.splitlines() + [""]
+    lines += missing_section(res)
+    lines += ["## Study settings", "", "| configuration | lr | seeds (init/order/aug/kernel) | routing | model |",
+              "|---|---|---|---|---|"]
+    for n, c in cfg.items():
+        s = c.get("setup")
+        if not s:
+            lines.append(f"| `{n}` | {c.get('lr')} | (no finished member) | | |")
+            continue
+        seeds = "/".join(str(s["seeds"][k]) for k in ("init", "order", "aug", "kernel"))
+        rt = ", ".join(f"{op}={v}" for op, v in s["routing"].items())
+        lines.append(f"| `{n}` | {s['lr']} | {seeds} | {rt} | {s['model']} |")
+    lines += ["", f"Flags (first configuration): `{json.dumps(setup['flags']) if setup else '-'}`. "
+              "Command: `" + res.get("command", "python -m nnrand.study") + "`; run directories under "
+              f"`{res.get('runs_dir')}`.", ""]
+    lines += ["## Environment", "", "| key | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in fp.items()]
+    shas = {c["fingerprint"].get("git_sha") for c in cfg.values() if c.get("fingerprint")}
+    if len(shas) > 1:
+        lines += ["", f"Configurations ran at different commits: {', '.join(sorted(str(s) for s in shas))}."]
+    runio.write_text(md_path, "\n".join(lines) + "\n")
+    return md_path
+
+
+def cli(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nnrand.divergence_report",
+                                description="Render the divergence report from a study's results JSON.")
+    p.add_argument("results", help="reports/results/<stem>.json")
+    p.add_argument("--out", help="report path (default reports/<stem>.md beside results/)")
+    args = p.parse_args(argv)
+    res_path = Path(args.results)
+    out = Path(args.out) if args.out else res_path.parent.parent / f"{res_path.stem}.md"
+    examples = res_path.with_name(f"{res_path.stem}_examples.npz")
+    print(render(res_path, out, examples))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())

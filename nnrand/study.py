@@ -1,0 +1,596 @@
+"""Divergence study: train a grid of noise configurations x members and report how predictions diverge.
+
+The grid runs through the training harness; every configuration gets the divergence metrics of
+``nnrand.metrics``, and the report links op-level noise to prediction divergence.
+
+    python -m nnrand.study                          # default grid (CUDA) or the quick grid (CPU)
+    python -m nnrand.study --time-budget 540        # stop cleanly before a member would pass 540 s
+    python -m nnrand.study report                   # re-render from the files; trains nothing
+
+Each configuration is one run directory of the harness (``<runs-dir>/<config>/member_XXX``); every
+member is one ``nnrand.train.main`` call, so finished members are skipped and an unfinished one resumes
+from its checkpoint. Outputs, by backend (a CPU run never overwrites the GPU report):
+
+    CUDA, default grid   reports/divergence.md        reports/divergence_*.png        reports/results/divergence*
+    CUDA, --quick        reports/divergence_quick.md  reports/divergence_quick_*.png  reports/results/divergence_quick*
+    CPU                  reports/divergence_cpu.md    reports/divergence_cpu_*.png    reports/results/divergence_cpu*
+
+``--out PATH.md`` puts the report (and its PNGs and results, under ``<dir>/results``) elsewhere. The
+results are ``<stem>.json`` (every metric, the kernel-noise summary, timing), ``<stem>_examples.npz``
+(per-example disagreement, predictions, the most-disagreed test images) and ``<stem>_timing.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from nnrand import metrics, noise, routing, runio, train
+
+REPO = Path(__file__).resolve().parent.parent
+TIMING_SCRIPT = REPO / "bench" / "dev" / "train_step_time.py"
+
+# --------------------------------------------------------------------------------------------------
+# Sizes (one place). The CUDA grid: 10 configurations x 3 members of ResNet-18 on the synthetic 10k/2k
+# set, 10 epochs of batch 128 (780 steps). At 15-30 ms per step on an H200 (15.5 ms stock PyTorch,
+# routed kernels slower) a member takes ~20-35 s with evaluation and checkpoints: ~10-18 min for the
+# grid, plus ~1 min of timing pass. Disk: ~0.5 GB per member (epoch weights), ~15 GB in all.
+
+SIZES = {
+    "cuda": {"model": "resnet18", "epochs": 10, "batch_size": 128, "n_train": 10_000, "n_test": 2_000},
+    # 2 CPU cores: 30 members of 6 steps each with the CPU order models, a few minutes in all.
+    "quick": {"model": "small", "epochs": 2, "batch_size": 32, "n_train": 128, "n_test": 256},
+}
+MEMBERS = 3
+POOL_MODEL = {"resnet18": "resnet18_imagenet"}  # a model without max-pool -> its max-pool sibling
+TOP_FLIPS = 8  # most-disagreed test images kept per configuration
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One configuration of the grid: Config overrides on top of the study's sizes."""
+
+    name: str
+    overrides: dict = field(default_factory=dict)
+    note: str = ""
+
+
+def default_grid(model: str) -> list[Entry]:
+    """control / algo / impl / algo+impl, one-ULP perturbation, one op atomic at a time, stock PyTorch."""
+    grid = [
+        Entry("control", {"preset": "control"}, "fixed seeds, tree kernels: bitwise identical members expected"),
+        Entry("algo", {"preset": "algo"}, "random init, batch order and augmentation per member; tree kernels"),
+        Entry("impl", {"preset": "impl"}, "fixed seeds, every routed backward reduction atomic"),
+        Entry("algo+impl", {"preset": "algo+impl"}, "both"),
+        Entry("perturb_ulp", {"preset": "control", "perturb_ulp": True},
+              "fixed seeds, tree kernels, one weight moved by one ULP (a different weight per member)"),
+    ]
+    for op in routing.ROUTED_OPS:
+        over = {"preset": "control", "kernel_ops": {op: "atomic"}}
+        note = f"fixed seeds, tree kernels except {op} atomic"
+        if op == "maxpool_bwd" and model in POOL_MODEL:
+            over["model"] = POOL_MODEL[model]
+            note += f" (model {POOL_MODEL[model]}: {model} has no max-pool)"
+        grid.append(Entry(f"atomic-{op}", over, note))
+    grid.append(Entry("native", {"preset": "control", "kernel": "native"},
+                      "fixed seeds, stock PyTorch/cuDNN backward (default algorithms, not deterministic mode)"))
+    return grid
+
+
+class StudyError(ValueError):
+    """A bad study option or grid file, detected before anything trains."""
+
+
+def load_grid_file(path: str | Path) -> dict:
+    """A grid file (JSON, or TOML by its .toml suffix)::
+
+        members = 3                 # optional
+        lrs = [0.1, 0.2]            # optional
+        [sizes]                     # optional: Config fields for every run (epochs, n_train, model, ...)
+        epochs = 4
+        [[config]]                  # one table per configuration
+        name = "impl"
+        preset = "impl"
+        note = "fixed seeds, atomic kernels"
+        [[config]]
+        name = "atomic-conv_wgrad"
+        preset = "control"
+        kernel_ops = { conv_wgrad = "atomic" }
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+        spec = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (OSError, ValueError) as e:  # tomllib.TOMLDecodeError and JSONDecodeError are ValueErrors
+        raise StudyError(f"--grid {path}: {e}") from None
+    known = {"members", "lrs", "sizes", "config"}
+    if not isinstance(spec, dict) or set(spec) - known or not spec.get("config"):
+        raise StudyError(f"--grid {path}: expected keys {sorted(known)} with a non-empty 'config' list")
+    fields = {f.name for f in dataclasses.fields(train.Config)}
+    entries = []
+    for i, c in enumerate(spec["config"]):
+        c = dict(c)
+        name, note = c.pop("name", None), c.pop("note", "")
+        if not name or "/" in name:
+            raise StudyError(f"--grid {path}: config #{i} needs a 'name' without '/'")
+        bad = set(c) - fields
+        if bad:
+            raise StudyError(f"--grid {path}: config {name!r} has unknown fields {sorted(bad)}; "
+                             f"valid: {', '.join(sorted(fields))}")
+        entries.append(Entry(name, c, note))
+    sizes = spec.get("sizes", {})
+    if set(sizes) - fields:
+        raise StudyError(f"--grid {path}: unknown [sizes] fields {sorted(set(sizes) - fields)}")
+    return {"entries": entries, "members": spec.get("members"), "lrs": spec.get("lrs"), "sizes": sizes}
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan: (configuration, lr) -> one run directory; each member one harness call
+
+
+@dataclass(frozen=True)
+class Planned:
+    name: str
+    config: dict          # Config fields shared by every member
+    note: str
+    entry: str            # the grid entry's name (without the lr suffix)
+    lr: float
+
+
+@dataclass
+class Study:
+    backend: str          # "cuda" or "cpu"
+    quick: bool
+    members: int
+    plan: list[Planned]
+    runs_dir: Path
+    reports_dir: Path
+    stem: str
+    command: str = "python -m nnrand.study"   # how this study was invoked (the report's resume hint)
+
+    @property
+    def results_path(self) -> Path:
+        return self.reports_dir / "results" / f"{self.stem}.json"
+
+    @property
+    def examples_path(self) -> Path:
+        return self.reports_dir / "results" / f"{self.stem}_examples.npz"
+
+    @property
+    def timing_path(self) -> Path:
+        return self.reports_dir / "results" / f"{self.stem}_timing.json"
+
+    @property
+    def report_path(self) -> Path:
+        return self.reports_dir / f"{self.stem}.md"
+
+
+def default_stem(backend: str, quick: bool) -> str:
+    if backend == "cpu":
+        return "divergence_cpu"
+    return "divergence_quick" if quick else "divergence"
+
+
+def _n_params(model: str, dataset: str) -> int:
+    from nnrand import models
+
+    return models.param_count(models.build_model(model, 100 if dataset == "cifar100" else 10))
+
+
+def member_config(p: Planned, member: int, *, runs_dir: Path, progress: bool) -> dict:
+    """The ``train.main`` config of one member: one member per call so the study can stop between them."""
+    cfg = dict(p.config, out=str(runs_dir), name=p.name, members=1, first_member=member, progress=progress,
+               report=False, save_epoch_weights=True)
+    if cfg.get("perturb_ulp") and "perturb_index" not in p.config:
+        # A different weight per member, drawn from the base seed: members differ by these ULPs only.
+        n = _n_params(cfg["model"], cfg.get("dataset", "synthetic"))
+        cfg["perturb_index"] = noise.derive(cfg.get("seed", 0), 5, member) % n
+    return cfg
+
+
+def make_study(*, device: str | None = None, quick: bool | None = None, members: int | None = None,
+               lrs: list[float] | None = None, configs: list[str] | None = None, grid_file: str | None = None,
+               sizes: dict | None = None, runs_dir: str | None = None, out: str | None = None) -> Study:
+    """Resolve the grid, sizes and paths; check every configuration with the harness's own validation."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = torch.device(device).type
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise StudyError("--device cuda: no CUDA device is available here")
+    quick = (backend != "cuda") if quick is None else quick
+    base = dict(SIZES["quick" if quick else "cuda"], device=device)
+    spec = load_grid_file(grid_file) if grid_file else None
+    if spec:
+        base.update(spec["sizes"])
+    base.update({k: v for k, v in (sizes or {}).items() if v is not None})
+    entries = spec["entries"] if spec else default_grid(base["model"])
+    members = members or (spec and spec["members"]) or MEMBERS
+    if members < 2:
+        raise StudyError(f"--members must be >= 2 (divergence needs pairs), got {members}")
+    lrs = lrs or (spec and spec["lrs"]) or [base.get("lr", train.Config.lr)]
+    if configs:
+        names = {e.name for e in entries}
+        unknown = [c for c in configs if c not in names]
+        if unknown:
+            raise StudyError(f"--configs: unknown {', '.join(unknown)}; grid: {', '.join(e.name for e in entries)}")
+        entries = [e for e in entries if e.name in configs]
+    plan = []
+    for e in entries:
+        for lr in lrs:
+            name = e.name if len(lrs) == 1 else f"{e.name}_lr{lr:g}"
+            cfg = dict(base, lr=float(lr))
+            cfg.update(e.overrides)
+            plan.append(Planned(name, cfg, e.note, e.name, float(lr)))
+    if len({p.name for p in plan}) != len(plan):
+        raise StudyError("configuration names must be unique")
+    for p in plan:  # the harness's validation, before anything trains
+        try:
+            train.resolve(train.Config(**member_config(p, 0, runs_dir=Path("runs"), progress=False)))
+        except (train.ConfigError, routing.RoutingError, TypeError) as e:
+            raise StudyError(f"configuration {p.name!r}: {e}") from None
+    stem = default_stem(backend, quick)
+    reports_dir = REPO / "reports"
+    if out:
+        o = Path(out)
+        stem, reports_dir = (o.stem, o.parent) if o.suffix == ".md" else (stem, o)
+    return Study(backend, quick, members, plan, Path(runs_dir or Path("runs") / stem), reports_dir, stem)
+
+
+# --------------------------------------------------------------------------------------------------
+# Running: every unfinished member, stopping cleanly at the time budget
+
+
+def member_done(study: Study, p: Planned, member: int) -> bool:
+    return runio.is_finished(runio.member_dir(study.runs_dir, p.name, member))
+
+
+def run(study: Study, *, time_budget: float | None = None, progress: bool = True) -> dict:
+    """Train the members not finished yet; returns {"trained", "stopped", "remaining"}. With a time
+    budget, a member is started only if the time spent so far plus the median duration of the members
+    trained in this call fits (the first one always starts: an interrupted member resumes anyway)."""
+    units = [(p, m) for p in study.plan for m in range(study.members)]
+    todo = [(p, m) for p, m in units if not member_done(study, p, m)]
+    start = time.monotonic()
+    durations: list[float] = []
+    trained = 0
+    bar = tqdm(total=len(units), initial=len(units) - len(todo), desc="study members", unit="member",
+               disable=not progress)
+    try:
+        for p, m in todo:
+            elapsed = time.monotonic() - start
+            est = statistics.median(durations) if durations else 0.0
+            if time_budget is not None and durations and elapsed + est > time_budget:
+                return {"trained": trained, "stopped": True, "remaining": len(todo) - trained}
+            bar.set_postfix_str(f"{p.name} member {m}")
+            t0 = time.monotonic()
+            train.main(member_config(p, m, runs_dir=study.runs_dir, progress=progress))
+            durations.append(time.monotonic() - t0)
+            trained += 1
+            bar.update(1)
+    finally:
+        bar.close()
+    return {"trained": trained, "stopped": False, "remaining": 0}
+
+
+def run_timing(study: Study, *, quick_steps: bool) -> bool:
+    """Median training-step time of native, torch deterministic mode, nnrand atomic and nnrand tree,
+    measured side by side in one fresh process (``bench/dev/train_step_time.py``; a fresh process so
+    that CUBLAS_WORKSPACE_CONFIG is set before CUDA starts). Writes ``<stem>_timing.json``."""
+    if not TIMING_SCRIPT.exists():
+        print(f"timing pass skipped: {TIMING_SCRIPT} not found", file=sys.stderr)
+        return False
+    p0 = study.plan[0].config
+    cmd = [sys.executable, str(TIMING_SCRIPT), "--device", p0["device"], "--model", p0["model"],
+           "--batch-size", str(p0["batch_size"]), "--json", str(study.timing_path)]
+    if p0.get("channels_last"):
+        cmd.append("--channels-last")
+    if quick_steps:
+        cmd += ["--warmup", "1", "--steps", "1", "--rounds", "3"]
+    study.timing_path.parent.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"timing pass failed (exit {r.returncode}):\n{r.stderr[-2000:]}", file=sys.stderr)
+        return False
+    print(r.stdout.strip())
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Collecting: run directories -> one results file (every number the report shows)
+
+
+def _clean(o):
+    """NaN/inf -> None, NumPy scalars -> Python, recursively (strict JSON)."""
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (float, np.floating)):
+        return float(o) if math.isfinite(o) else None
+    return o
+
+
+def _checksums(d: Path) -> list[tuple[int, int]]:
+    f = d / "checksums.csv"
+    return [(int(r["step"]), int(r["checksum"])) for r in runio.read_csv(f)] if f.exists() else []
+
+
+def _weights(d: Path, epochs: int) -> dict[int, np.ndarray]:
+    out = {}
+    for e in range(epochs):
+        f = d / f"weights_epoch_{e:03d}.pt"
+        if f.exists():
+            out[e] = torch.load(f, map_location="cpu").double().numpy()
+    return out
+
+
+def collect_config(study: Study, p: Planned) -> tuple[dict, dict]:
+    """Metrics of one configuration from its finished members; (summary, per-example arrays)."""
+    dirs = [runio.member_dir(study.runs_dir, p.name, m) for m in range(study.members)]
+    done = [d for d in dirs if runio.is_finished(d)]
+    out = {"name": p.name, "entry": p.entry, "lr": p.lr, "note": p.note, "requested": study.members,
+           "done": len(done), "done_members": [d.name for d in done]}
+    if not done:
+        return out, {}
+    cfg0 = runio.read_json(done[0] / "config.json")
+    c = cfg0["config"]
+    out["setup"] = {"model": c["model"], "dataset": c["dataset"], "epochs": c["epochs"], "batch_size": c["batch_size"],
+                    "n_train": c["n_train"], "n_test": c["n_test"], "data_seed": c["data_seed"],
+                    "data_dir": c.get("data_dir"), "lr": c["lr"], "preset": c["preset"],
+                    "seeds": {s: c[f"{s}_seed"] for s in noise.SOURCES}, "routing": cfg0["routing"]["ops"],
+                    "flags": cfg0["flags"], "perturb": [runio.read_json(d / "config.json").get("perturb")
+                                                        for d in done] if c.get("perturb_ulp") else None}
+    out["fingerprint"] = cfg0["fingerprint"]
+    results = [runio.read_json(d / "result.json") for d in done]
+    out["step_time_ms"] = statistics.median(r["step_time_ms"] for r in results)
+    out["train_time_s"] = sum(r["train_time_s"] for r in results)
+    preds = []
+    for d in done:
+        with np.load(d / "predictions.npz") as f:
+            preds.append((f["logits"].astype(np.float32), f["labels"], f["group"]))
+    logits = np.stack([x[0] for x in preds])
+    labels, groups = preds[0][1], preds[0][2]
+    groups = groups if (groups >= 0).any() else None
+    arrays = {}
+    if len(done) >= 2:
+        out["metrics"] = metrics.summarize(logits, labels, groups)
+        # weights: pairwise distance per epoch, and the first step with differing bits per pair
+        ws = [_weights(d, c["epochs"]) for d in done]
+        epochs = sorted(set.intersection(*(set(w) for w in ws)))
+        out["weights"] = [{"epoch": e, "l2": metrics.pairwise_l2([w[e] for w in ws]),
+                           "norm": float(np.mean([np.linalg.norm(w[e]) for w in ws]))} for e in epochs]
+        sums = [_checksums(d) for d in done]
+        firsts = [metrics.first_divergent_step(sums[i], sums[j]) for i, j in metrics.pairs(len(done))]
+        out["first_divergence"] = {"per_pair": firsts,
+                                   "checksum_steps": "every step of epoch 0, then every epoch end",
+                                   "steps_per_epoch": c["n_train"] // c["batch_size"] if c["n_train"] else None}
+        preds_arr = metrics.predictions(logits)
+        dis = metrics.example_disagreement(preds_arr)
+        conf = metrics.hardness(logits, labels)["confidence"]
+        order = np.lexsort((np.arange(len(dis)), conf, -dis))  # most disagreed, then least confident
+        top = [int(i) for i in order[:TOP_FLIPS] if dis[i] > 0]
+        out["top_flips"] = top
+        arrays = {"disagreement": dis.astype(np.float32), "preds": preds_arr.astype(np.int16),
+                  "confidence": conf.astype(np.float32)}
+    else:
+        acc = metrics.accuracy(metrics.predictions(logits), labels)
+        out["metrics"] = {"members": len(done), "accuracy": metrics.spread(acc)}
+    arrays["labels"] = labels
+    if groups is not None:
+        arrays["groups"] = groups
+    return out, arrays
+
+
+def kernel_noise(backend: str, reports_dir: Path) -> dict:
+    """Per op, the atomic variant's run-to-run variance on the ResNet-18 cases of the kernel benchmark
+    table (cases named ``contention_*`` are synthetic stress cases and are left out)."""
+    import pandas as pd
+
+    name = "kernels.csv" if backend == "cuda" else "kernels_cpu.csv"
+    path = reports_dir / "results" / name
+    if not path.exists():
+        return {"source": str(path.relative_to(reports_dir.parent)) if path.is_relative_to(reports_dir.parent)
+                else str(path), "found": False, "ops": {}}
+    df = pd.read_csv(path)
+    sel = df[(df["kind"] == "variant") & df["variant"].isin(["atomic", "tree"]) & (df["mode"] == "fast")
+             & ~df["case"].fillna("").str.startswith("contention")]
+    ops = {}
+    for op in routing.ROUTED_OPS:
+        rows = sel[sel["op"] == op]
+        if rows.empty:
+            continue
+        info = {}
+        for variant in ("atomic", "tree"):
+            r = rows[rows["variant"] == variant]
+            dist = r[r["metric"] == "distinct_results"]
+            ulp = r[r["metric"] == "max_ulp"]["value"].dropna()
+            if dist.empty:
+                continue
+            info[variant] = {"cases": int(len(dist)), "cases_varying": int((dist["value"] > 1).sum()),
+                             "max_distinct": int(dist["value"].max()),
+                             "repeats": int(dist["repeats"].max()) if dist["repeats"].notna().any() else None,
+                             "median_max_ulp": float(ulp.median()) if len(ulp) else None,
+                             "max_max_ulp": float(ulp.max()) if len(ulp) else None}
+        info["case_names"] = sorted(rows["case"].dropna().unique().tolist())
+        ops[op] = info
+    meta = df.iloc[0]
+    return {"source": f"reports/results/{name}", "found": True, "ops": ops,
+            "gpu": None if pd.isna(meta.get("gpu")) else str(meta.get("gpu")),
+            "git_sha": str(meta.get("git_sha")), "date": str(meta.get("date")),
+            "scale": str(meta.get("scale"))}
+
+
+def _test_images(setup: dict, indices: list[int]) -> tuple[np.ndarray | None, list[str] | None, str | None]:
+    """The test images at ``indices`` (uint8 N,3,32,32) and the class names, regenerated from the
+    dataset's seed (the synthetic set is code) or read from the CIFAR archive."""
+    from nnrand import data
+
+    try:
+        ds = data.load_dataset(setup["dataset"], data_dir=setup.get("data_dir"), seed=setup["data_seed"],
+                               n_train=setup["n_train"], n_test=setup["n_test"])
+    except (data.DatasetError, ValueError, OSError) as e:
+        return None, None, str(e)
+    return ds.test_x[indices].numpy(), list(ds.classes), None
+
+
+def collect(study: Study, timing: dict | None = None) -> dict:
+    """Read every configuration's run directory; write ``<stem>.json`` and ``<stem>_examples.npz``."""
+    configs, arrays = {}, {}
+    for p in study.plan:
+        s, a = collect_config(study, p)
+        configs[p.name] = s
+        arrays.update({f"{p.name}/{k}": v for k, v in a.items()})
+    done = [c for c in configs.values() if c["done"]]
+    fp = done[0]["fingerprint"] if done else None
+    setup = done[0]["setup"] if done else None
+    classes, why_no_images = None, "no finished members"
+    top = sorted({i for c in configs.values() for i in c.get("top_flips", [])})
+    if setup:
+        images, classes, why_no_images = _test_images(setup, top)
+        if images is not None:
+            arrays["images"] = images
+            arrays["image_index"] = np.array(top, dtype=np.int64)
+    if timing is None and study.timing_path.exists():
+        timing = {"rows": json.loads(study.timing_path.read_text()), "source": study.timing_path.name}
+    res = {
+        "backend": study.backend, "quick": study.quick, "stem": study.stem,
+        "collected": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "members": study.members, "runs_dir": str(study.runs_dir),
+        "grid": [{"name": p.name, "entry": p.entry, "lr": p.lr, "note": p.note} for p in study.plan],
+        "configs": configs,
+        "missing": [c["name"] for c in configs.values() if c["done"] < study.members],
+        "classes": classes, "images_note": why_no_images,
+        "fingerprint": fp, "kernel_noise": kernel_noise(study.backend, REPO / "reports"), "timing": timing,
+        "command": study.command,
+    }
+    runio.write_text(study.results_path, json.dumps(_clean(res), indent=1) + "\n")
+    runio.npz_save(study.examples_path, **arrays)
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+
+EPILOG = """examples:
+  python -m nnrand.study                                   the default grid: CUDA full size, CPU quick
+  python -m nnrand.study --time-budget 540                 stop before a member would pass 540 s; rerun to resume
+  python -m nnrand.study --quick --members 4               the small grid, 4 members per configuration
+  python -m nnrand.study --configs control,impl,algo       a subset of the grid
+  python -m nnrand.study --lr 0.1 --lr 0.4                 every configuration at two learning rates
+  python -m nnrand.study --grid grid.toml                  a grid from a JSON/TOML file (see load_grid_file)
+  python -m nnrand.study status                            members done per configuration
+  python -m nnrand.study report                            re-render the report from the files (trains nothing)
+
+default grid: control, algo, impl, algo+impl, perturb_ulp (one ULP in one weight), atomic-<op> for each of
+conv_wgrad, conv_dgrad, bias_grad, maxpool_bwd (on resnet18_imagenet when the model has no max-pool), native.
+CUDA defaults: resnet18, synthetic 10k/2k, 10 epochs of batch 128, 3 members: about 10-18 min on an H200
+(~20-35 s per member) plus a ~1 min timing pass; ~15 GB of run files. CPU (--quick): small model, 128
+training images, 2 epochs: a few minutes on 2 cores.
+outputs: reports/divergence.md (CUDA), reports/divergence_quick.md (CUDA --quick), reports/divergence_cpu.md
+(CPU), PNGs beside them, numbers in reports/results/<stem>.json; run directories under runs/<stem>/."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m nnrand.study", description=__doc__.splitlines()[0],
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", nargs="?", choices=("run", "report", "status"), default="run",
+                   help="run (default): train what is missing, then collect and render; report: collect and "
+                        "render only; status: members done per configuration")
+    p.add_argument("--report-only", action="store_true", help="same as the 'report' command")
+    g = p.add_argument_group("grid")
+    g.add_argument("--quick", action=argparse.BooleanOptionalAction, default=None,
+                   help="the small grid sizes (default on CPU)")
+    g.add_argument("--grid", metavar="FILE", help="grid file, JSON or TOML")
+    g.add_argument("--configs", help="comma-separated subset of the grid's configurations")
+    g.add_argument("--members", type=int, help=f"members per configuration (default {MEMBERS})")
+    g.add_argument("--lr", type=float, action="append", help="learning rate; repeat for a grid over lr")
+    g.add_argument("--model", help="base model (default resnet18 on CUDA, small with --quick)")
+    g.add_argument("--epochs", type=int)
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--n-train", type=int)
+    g.add_argument("--n-test", type=int)
+    g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    g = p.add_argument_group("run")
+    g.add_argument("--runs-dir", help="run directories' root (default runs/<stem>)")
+    g.add_argument("--out", help="report path (.md) or directory (default reports/<stem>.md by backend)")
+    g.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help="start no member that would end past this many seconds; exit 0 with a resume hint")
+    g.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
+                   help="timing pass once all members are done (default on; skipped if its file exists)")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    return p
+
+
+def status_lines(study: Study) -> list[str]:
+    lines = []
+    for p in study.plan:
+        done = sum(member_done(study, p, m) for m in range(study.members))
+        lines.append(f"{p.name:<24} {done}/{study.members} members done")
+    return lines
+
+
+def cli(argv: list[str] | None = None) -> int:
+    from nnrand import divergence_report
+    from nnrand.data import DatasetError
+
+    p = parser()
+    args = p.parse_args(argv)
+    if args.report_only:
+        args.command = "report"
+    # deterministic cuBLAS (the timing pass's torch deterministic mode) needs this before CUDA starts
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    try:
+        study = make_study(device=args.device, quick=args.quick, members=args.members, lrs=args.lr,
+                           configs=[c.strip() for c in args.configs.split(",")] if args.configs else None,
+                           grid_file=args.grid, runs_dir=args.runs_dir, out=args.out,
+                           sizes={"model": args.model, "epochs": args.epochs, "batch_size": args.batch_size,
+                                  "n_train": args.n_train, "n_test": args.n_test})
+    except StudyError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    argv = sys.argv[1:] if argv is None else argv
+    study.command = " ".join(["python -m nnrand.study", *[a for a in argv if a not in ("report", "--report-only")]])
+    if args.command == "status":
+        print("\n".join(status_lines(study)))
+        return 0
+    outcome = {"stopped": False}
+    if args.command == "run":
+        try:
+            outcome = run(study, time_budget=args.time_budget, progress=args.progress)
+        except (train.ConfigError, routing.RoutingError, runio.DiskSpaceError, DatasetError) as e:
+            p.exit(2, f"{p.prog}: error: {e}\n")
+        except KeyboardInterrupt as e:
+            print(f"\n{e or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
+            return 130
+        if not outcome["stopped"] and args.timing and not study.timing_path.exists():
+            run_timing(study, quick_steps=study.backend == "cpu")
+    if args.command == "report" and not study.runs_dir.exists():
+        if not study.results_path.exists():
+            p.exit(2, f"{p.prog}: error: neither {study.runs_dir} nor {study.results_path} exists\n")
+        res = json.loads(study.results_path.read_text())   # render from the results file alone
+    else:
+        res = collect(study)
+    path = divergence_report.render(res, study.report_path, study.examples_path)
+    print(f"report: {path}")
+    if outcome["stopped"]:
+        print(f"time budget reached after {outcome['trained']} members; {outcome['remaining']} remain: "
+              f"resume with the same command")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())
