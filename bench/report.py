@@ -1,6 +1,7 @@
 """Render the kernel benchmark report from the result table alone (never reruns anything).
 
-    python -m bench.report                          # reports/results/kernels.csv -> reports/kernels.md
+    python -m bench.report                          # the CUDA table if present, else the CPU one
+    python -m bench.report --backend cuda           # reports/results/kernels.csv -> reports/kernels.md
     python -m bench.report --backend cpu            # reports/results/kernels_cpu.csv -> reports/kernels_cpu.md
     python -m bench.report --csv T.csv --out R.md   # any table, any destination
 
@@ -394,13 +395,17 @@ def render_file(csv: pathlib.Path, out: pathlib.Path, plots: bool = True) -> pat
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", choices=("cuda", "cpu"), default="cuda", help="which default table (default cuda)")
+    ap.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="which table: cuda, cpu, or auto (the CUDA table if there is one, else the CPU one)")
     ap.add_argument("--quick", action="store_true", help="the quick-run table")
     ap.add_argument("--csv", type=pathlib.Path, help="result table to render")
     ap.add_argument("--out", type=pathlib.Path, help="markdown to write")
     ap.add_argument("--no-plots", action="store_true", help="markdown only (plots are neither drawn nor linked)")
     a = ap.parse_args(argv)
-    stem = results.stem(a.backend, a.quick)
+    backend = a.backend
+    if backend == "auto":
+        backend = "cuda" if results.csv_path(results.stem("cuda", a.quick)).exists() else "cpu"
+    stem = results.stem(backend, a.quick)
     csv = a.csv or results.csv_path(stem)
     out = a.out or results.report_path(stem)
     if not csv.exists():

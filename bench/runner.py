@@ -84,8 +84,8 @@ class Settings:
                         rounds=10 if quick else 30, timing_budget_s=1.0 if quick else 2.0, warmup=3)
         else:
             base = dict(scale="cpu", repeats=20 if quick else 100, min_repeats=3,
-                        variance_budget_s=0.5 if quick else 1.5, event_rounds=0,
-                        rounds=5 if quick else 10, timing_budget_s=0.3 if quick else 0.6, warmup=1)
+                        variance_budget_s=0.5 if quick else 1.0, event_rounds=0,
+                        rounds=5 if quick else 10, timing_budget_s=0.3 if quick else 0.4, warmup=1)
         if repeats is not None:
             if repeats < 1:
                 raise ValueError(f"repeats must be >= 1, got {repeats}")
