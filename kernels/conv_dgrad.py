@@ -17,6 +17,13 @@ Both kernels multiply-add with FFMA (one rounding per product and sum), which Nu
 not reproduce; so ``cpu_bitexact`` is False, and the CPU models follow each variant's reduction
 structure in float32 instead: products summed over Cout by a float32 matmul, then the KH*KW taps of a
 dx element added in a fixed order (``tree``: torch's col2im ``fold``) or in a random order (``atomic``).
+
+Measured on an H200 (batch 128, fp32, NCHW; ``bench/dev/conv_dgrad_check.py``; cuDNN with
+cudnn.benchmark and TF32 off), microseconds per call, tree / atomic / cuDNN:
+64->64 3x3 32x32: 446 / 951 / 380; 128->128 3x3 16x16: 426 / 663 / 329; 256->256 3x3 8x8:
+411 / 540 / 312; 512->512 3x3 4x4: 484 / 489 / 427; 128->256 3x3 s2 16x16: 289 / 304 / 191;
+3->64 3x3 stem: 162 / 139 / 80; 3->64 7x7 s2 stem: 183 / 135 / 62. The atomic variant gave 20
+distinct results in 20 repeats on every overlapping shape, 1 on the 1x1 stride-2 convs; tree gave 1.
 """
 from __future__ import annotations
 

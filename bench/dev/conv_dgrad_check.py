@@ -5,7 +5,7 @@ timings beside cuDNN, on every ResNet-18 conv shape at batch 128.
 
 --quick: NCHW only (the full run adds channels_last). cuDNN runs with cudnn.benchmark on and TF32 off
 ("cudnn"), and in deterministic mode ("cudnn_det"); the flags are restored on exit. Times are medians of
-CUDA-event timings of single calls after warm-up; "err/bound" is the largest |dx - dx_float64| divided by
+CUDA-event timings of single calls after warm-up ("host_us": the Python call alone); "err/bound" is the largest |dx - dx_float64| divided by
 the element's own worst-case bound gamma_depth * sum |w| |dy| (<= 1 passes; the cuDNN rows are shown
 against the atomic variant's bound for comparison only: their algorithms are not tied to it).
 """
@@ -17,6 +17,7 @@ import csv
 import pathlib
 import statistics
 import sys
+import time
 
 import torch
 
@@ -49,19 +50,24 @@ def depth(name: str, case) -> int:
     return p["cout"] + p["k"] * p["k"] + 1  # atomic, and a bound cuDNN's fp32 algorithms meet too
 
 
-def time_us(fn, repeats: int) -> float:
+def time_us(fn, repeats: int) -> tuple[float, float]:
+    """Median device time of one call (CUDA events around it, GPU idle before) and median host time
+    of the call itself (Python, checks, allocation, launch). Where the two are close the call is
+    bound by the host, not by its kernels."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
+    times, host = [], []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e6)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(host)
 
 
 def main() -> int:
@@ -102,18 +108,18 @@ def main() -> int:
                     if not any(torch.equal(again, s) for s in seen):
                         seen.append(again)
                 torch.cuda.synchronize()  # surfaces any launch error here
-                us = time_us(fn, args.repeats)
+                us, host_us = time_us(fn, args.repeats)
             if name in {v.name for v in variants}:
                 failures += err > 1.0
-            res[name] = dict(us=us, err=err, distinct=len(seen))
+            res[name] = dict(us=us, host_us=host_us, err=err, distinct=len(seen))
         for name, r in res.items():
-            rows.append(dict(case=case.name, variant=name, us=round(r["us"], 1),
+            rows.append(dict(case=case.name, variant=name, us=round(r["us"], 1), host_us=round(r["host_us"], 1),
                              tflops=round(flops / r["us"] / 1e6, 2),
                              vs_cudnn=round(r["us"] / res["cudnn"]["us"], 2),
                              tree_vs_atomic=round(res["tree"]["us"] / res["atomic"]["us"], 2) if name == "tree" else "",
                              distinct=r["distinct"], err_over_bound=f"{r['err']:.3f}"))
         print(f"  done {case.name}", flush=True)
-    head = ["case", "variant", "us", "tflops", "vs_cudnn", "tree_vs_atomic", "distinct", "err_over_bound"]
+    head = ["case", "variant", "us", "host_us", "tflops", "vs_cudnn", "tree_vs_atomic", "distinct", "err_over_bound"]
     widths = [max(len(h), *(len(str(r[h])) for r in rows)) for h in head]
     print("  ".join(h.ljust(n) for h, n in zip(head, widths)))
     for r in rows:
