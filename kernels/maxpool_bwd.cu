@@ -9,6 +9,13 @@
 //   tree    one thread per input position: gathers the gradients of the windows whose argmax it is,
 //           visiting every window that can contain it in (oh, ow) row-major order from +0.0. Each dx
 //           element is written once, by one thread, in a fixed order: deterministic. No zero-fill.
+//   owner   one thread per window, like atomic, but without atomics: the first window (row-major)
+//           whose argmax is a position "owns" it, sums that position's windows in tree's order and
+//           writes the result; other positions keep the zero fill. Each dx element is written by at
+//           most one thread after the fill: deterministic, the same bits as tree. It exists because
+//           tree's one-thread-per-input gather ran at 2.7x atomic on the ResNet stem pool (H200,
+//           batch 128: 32.5 us vs 11.9 us); owner does atomic's amount of work plus a few cached
+//           index loads per window.
 //
 // Only additions, no contraction possible: the CPU models reproduce both bit for bit (atomic: for the
 // order the atomics happened to arrive in), including the flush of subnormal operands and results to
@@ -130,5 +137,70 @@ maxpool_bwd_tree(const float* __restrict__ dy, const long long* __restrict__ idx
     } else {
         if (narrow) tree_body<int, false>(dy, idx, dx, (int)total, P);
         else tree_body<long long, false>(dy, idx, dx, total, P);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// owner
+
+template <typename I, bool CHANNELS_LAST>
+__device__ __forceinline__ void owner_body(const float* __restrict__ dy, const long long* __restrict__ idx,
+                                           float* __restrict__ dx, I total, const Pool P) {
+    const I step = (I)gridDim.x * blockDim.x;
+    const int HW = P.H * P.W;
+    for (I o = (I)blockIdx.x * blockDim.x + threadIdx.x; o < total; o += step) {
+        const long long i = idx[o];
+        if (i < 0 || i >= HW) continue;  // not a position of the plane: ignored, as tree ignores it
+        I base, stride, at;  // first window of the plane, distance between windows, dx offset
+        if (CHANNELS_LAST) {  // o = ((n * OH + oh) * OW + ow) * C + c
+            const I c = o % P.C;
+            const I n = o / ((I)P.OH * P.OW * P.C);
+            base = n * P.OH * P.OW * P.C + c;
+            stride = P.C;
+            at = (n * HW + (I)i) * P.C + c;
+        } else {              // o = plane * OH * OW + oh * OW + ow
+            const I plane = o / ((I)P.OH * P.OW);
+            base = plane * P.OH * P.OW;
+            stride = 1;
+            at = plane * HW + (I)i;
+        }
+        const int h = (int)i / P.W, w = (int)i - h * P.W;
+        const int oh0 = window_lo(h, P.KH, P.SH, P.PH, P.DH), oh1 = window_hi(h, P.SH, P.PH, P.OH);
+        const int ow0 = window_lo(w, P.KW, P.SW, P.PW, P.DW), ow1 = window_hi(w, P.SW, P.PW, P.OW);
+        // tree's loop for position i; the first window pointing at i must be this one, else another
+        // thread owns i and this one stops.
+        float acc = 0.0f;
+        bool owner = false, done = false;
+        for (int oh = oh0; oh < oh1 && !done; ++oh) {
+            for (int ow = ow0; ow < ow1; ++ow) {
+                const I o2 = base + ((I)oh * P.OW + ow) * stride;
+                if (idx[o2] != i) continue;
+                if (!owner && o2 != o) {  // an earlier window owns i
+                    done = true;
+                    break;
+                }
+                owner = true;
+                acc += dy[o2];
+            }
+        }
+        if (owner) dx[at] = acc;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MPB_THREADS)
+maxpool_bwd_owner(const float* __restrict__ dy, const long long* __restrict__ idx, float* __restrict__ dx,
+                  long long total, int C, int H, int W, int OH, int OW, int KH, int KW, int SH, int SW,
+                  int PH, int PW, int DH, int DW, int channels_last) {
+    const Pool P = {C, H, W, OH, OW, KH, KW, SH, SW, PH, PW, DH, DW};
+    // total counts dy elements here; dx offsets reach planes * H * W.
+    const long long dx_total = total / ((long long)OH * OW) * H * W;
+    const bool narrow = total + (long long)gridDim.x * blockDim.x <= MPB_INT32_MAX &&
+                        dx_total <= MPB_INT32_MAX;
+    if (channels_last) {
+        if (narrow) owner_body<int, true>(dy, idx, dx, (int)total, P);
+        else owner_body<long long, true>(dy, idx, dx, total, P);
+    } else {
+        if (narrow) owner_body<int, false>(dy, idx, dx, (int)total, P);
+        else owner_body<long long, false>(dy, idx, dx, total, P);
     }
 }

@@ -179,6 +179,13 @@ def maxpool_bwd_atomic_cuda(dy, indices, *, input_size, kernel_size, stride=None
     return dx
 
 
+def _pool_args(p: dict, c: int, layout: str) -> tuple:
+    i32 = np.int32
+    return (i32(c), i32(p["h"]), i32(p["w"]), i32(p["oh"]), i32(p["ow"]), i32(p["kh"]), i32(p["kw"]),
+            i32(p["sh"]), i32(p["sw"]), i32(p["ph"]), i32(p["pw"]), i32(p["dh"]), i32(p["dw"]),
+            i32(layout == "channels_last"))
+
+
 def maxpool_bwd_tree_cuda(dy, indices, *, input_size, kernel_size, stride=None, padding=0, dilation=1,
                           ceil_mode=False) -> torch.Tensor:
     dy, indices, p, layout = _cuda_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation,
@@ -187,11 +194,21 @@ def maxpool_bwd_tree_cuda(dy, indices, *, input_size, kernel_size, stride=None, 
     dx = torch.empty((n, c, p["h"], p["w"]), device=dy.device, dtype=torch.float32,
                      memory_format=_memory_format(layout))
     total = dx.numel()
-    i32 = np.int32
     launch(function(SOURCE, "maxpool_bwd_tree", dy.device), (_blocks(total),), (THREADS,),
-           (ptr(dy), ptr(indices), ptr(dx), np.int64(total), i32(c), i32(p["h"]), i32(p["w"]), i32(p["oh"]),
-            i32(p["ow"]), i32(p["kh"]), i32(p["kw"]), i32(p["sh"]), i32(p["sw"]), i32(p["ph"]), i32(p["pw"]),
-            i32(p["dh"]), i32(p["dw"]), i32(layout == "channels_last")), device=dy.device)
+           (ptr(dy), ptr(indices), ptr(dx), np.int64(total), *_pool_args(p, c, layout)), device=dy.device)
+    return dx
+
+
+def maxpool_bwd_owner_cuda(dy, indices, *, input_size, kernel_size, stride=None, padding=0, dilation=1,
+                           ceil_mode=False) -> torch.Tensor:
+    dy, indices, p, layout = _cuda_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation,
+                                            ceil_mode)
+    n, c = dy.shape[:2]
+    dx = torch.empty((n, c, p["h"], p["w"]), device=dy.device, dtype=torch.float32,
+                     memory_format=_memory_format(layout)).zero_()  # positions no window owns stay +0.0
+    total = dy.numel()
+    launch(function(SOURCE, "maxpool_bwd_owner", dy.device), (_blocks(total),), (THREADS,),
+           (ptr(dy), ptr(indices), ptr(dx), np.int64(total), *_pool_args(p, c, layout)), device=dy.device)
     return dx
 
 
@@ -314,6 +331,9 @@ register(Variant(OP, "atomic", False, False, maxpool_bwd_atomic_cuda, maxpool_bw
                  "one thread per window; its gradient atomicAdd-ed at the argmax (overlapping windows collide)"))
 register(Variant(OP, "tree", True, False, maxpool_bwd_tree_cuda, maxpool_bwd_tree_cpu,
                  "one thread per input; gathers the windows whose argmax it is in (oh, ow) row-major order"))
+register(Variant(OP, "owner", True, False, maxpool_bwd_owner_cuda, maxpool_bwd_tree_cpu,
+                 "one thread per window; the first window pointing at a position sums it in tree's order "
+                 "(bits = tree)"))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,6 +23,9 @@ OP = "maxpool_bwd"
 SPEC = kernels.spec(OP)
 TREE = kernels.get(OP, "tree")
 ATOMIC = kernels.get(OP, "atomic")
+# Deterministic variants share tree's order and so its CPU model and bits.
+DETERMINISTIC = [v for v in kernels.variants(OP) if v.deterministic]
+DET_IDS = [v.name for v in DETERMINISTIC]
 CPU = torch.device("cpu")
 TEST_CASES = SPEC.test_cases()
 CASE_IDS = [c.name for c in TEST_CASES]
@@ -303,6 +306,113 @@ def test_cuda_launcher_refuses_cpu_tensors():
         TREE.cuda(_DY, _IDX, **_KW)
 
 
+# --------------------------------------------------------------------------------------------------
+# Launch arguments on the CPU: the launchers run against a Python transliteration of maxpool_bwd.cu
+# (same argument order, same index arithmetic), so an argument mix-up fails here, not only on a GPU.
+
+
+def _lo(x, k, s, p, d):
+    span = (k - 1) * d + 1
+    return 0 if x + p < span else (x + p - span) // s + 1
+
+
+def _hi(x, s, p, out):
+    return min((x + p) // s + 1, out)
+
+
+def _emulate(name, tensors, scalars):
+    dy, idx, dx = (t.view(-1) if t.is_contiguous() else t.permute(0, 2, 3, 1).reshape(-1) for t in tensors)
+    dy, idx = dy.numpy(), idx.numpy()
+    out = np.zeros(dx.numel(), dtype=np.float32)
+    if name == "maxpool_bwd_atomic":
+        total, C, HW, OHW, cl = scalars
+        for o in range(total):
+            i = int(idx[o])
+            if 0 <= i < HW:
+                at = ((o // (OHW * C)) * HW + i) * C + o % C if cl else (o // OHW) * HW + i
+                out[at] = np.float32(out[at] + dy[o])
+        return out
+    total, C, H, W, OH, OW, KH, KW, SH, SW, PH, PW, DH, DW, cl = scalars
+    per_element = name == "maxpool_bwd_tree"
+    for t in range(total):
+        if per_element:  # t enumerates dx
+            if cl:
+                c, r = t % C, t // C
+                w, r = r % W, r // W
+                h, n = r % H, r // H
+                base, step = n * OH * OW * C + c, C
+            else:
+                w, r = t % W, t // W
+                h, base, step = r % H, (r // H) * OH * OW, 1
+            i, own, at = h * W + w, None, t
+        else:            # owner: t enumerates dy
+            i = int(idx[t])
+            if not 0 <= i < H * W:
+                continue
+            if cl:
+                c, n = t % C, t // (OH * OW * C)
+                base, step, at = n * OH * OW * C + c, C, (n * H * W + i) * C + c
+            else:
+                plane = t // (OH * OW)
+                base, step, at = plane * OH * OW, 1, plane * H * W + i
+            h, w, own = i // W, i % W, t
+        acc, first = np.float32(0.0), None
+        for oh in range(_lo(h, KH, SH, PH, DH), _hi(h, SH, PH, OH)):
+            for ow in range(_lo(w, KW, SW, PW, DW), _hi(w, SW, PW, OW)):
+                o2 = base + (oh * OW + ow) * step
+                if int(idx[o2]) == i:
+                    first = o2 if first is None else first
+                    acc = np.float32(acc + dy[o2])
+        if own is None or first == own:
+            out[at] = acc
+    return out
+
+
+EMULATED = ["overlap_odd_nchw", "overlap_odd_channels_last", "dilation2_channels_last", "ceil_k3s2",
+            "k3s1_heavy_overlap_nchw", "odd0_nchw", "odd0_channels_last", "odd4_nchw", "odd4_channels_last"]
+
+
+@pytest.mark.parametrize("name", EMULATED)
+def test_launchers_against_emulated_kernels(name, monkeypatch):
+    """Includes pools with different parameters per axis (ODD_POOLS 0 and 4), so swapped H/W
+    arguments show."""
+    tensors: dict[int, torch.Tensor] = {}
+    results = {}
+
+    def fake_ptr(t):
+        tensors[t.data_ptr()] = t
+        return np.uint64(t.data_ptr())
+
+    def fake_launch(fn, grid, block, args, *, device, shared_mem=0):
+        assert block == (mp.THREADS,) and grid[0] >= 1
+        dy, idx, dx = (tensors[int(a)] for a in args[:3])
+        assert all(isinstance(a, (np.int32, np.int64)) for a in args[3:])
+        results[fn] = _emulate(fn, (dy, idx, dx), [int(a) for a in args[3:]])
+
+    monkeypatch.setattr(mp, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(mp, "function", lambda source, name, device: name)
+    monkeypatch.setattr(mp, "launch", fake_launch)
+    monkeypatch.setattr(mp, "ptr", fake_ptr)
+    if name.startswith("odd"):
+        shape, pool = ODD_POOLS[int(name[3])]
+        args, kw = odd_inputs(shape, pool, name.split("_", 1)[1])
+    else:
+        args, kw = SPEC.make_inputs(next(c for c in TEST_CASES if c.name == name), CPU)
+    tree = TREE(*args, **kw)
+    memory = (tree if tree.is_contiguous() else tree.permute(0, 2, 3, 1)).reshape(-1).numpy().view(np.uint32)
+    for v in kernels.variants(OP):
+        out = v.cuda(*args, **kw)
+        assert layout_ok(out, args[0])
+        got = results[f"maxpool_bwd_{v.name}"].view(np.uint32)
+        if v.deterministic:
+            assert np.array_equal(got, memory), v.key
+        else:  # sequential emulation: one arrival order, within the some-order check
+            nchw = torch.from_numpy(got.view(np.float32).copy())
+            shaped = nchw.view(out.shape) if out.is_contiguous() else \
+                nchw.view(out.shape[0], out.shape[2], out.shape[3], out.shape[1]).permute(0, 3, 1, 2)
+            check_some_order(shaped, tree, args, kw)
+
+
 def test_cu_compiles_with_nvcc(tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -340,17 +450,18 @@ def cuda_sync():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", DETERMINISTIC, ids=DET_IDS)
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
-def test_gpu_tree_bitwise_repeatable_and_equals_model(case, cuda_sync):
+def test_gpu_deterministic_bitwise_repeatable_and_equals_model(case, variant, cuda_sync):
     args, kw = SPEC.make_inputs(case, CUDA)
     cpu_args, _ = SPEC.make_inputs(case, CPU)
-    first = TREE(*args, **kw)
+    first = variant(*args, **kw)
     assert layout_ok(first, args[0])
     for _ in range(REPEATS):
-        assert torch.equal(TREE(*args, **kw), first)
-    model = TREE(*cpu_args, **kw)
+        assert torch.equal(variant(*args, **kw), first)
+    model = variant(*cpu_args, **kw)
     diff = np.nonzero(bits(first) != bits(model))[0]
-    assert diff.size == 0, f"CUDA tree differs from its CPU model at {diff[:10]}"
+    assert diff.size == 0, f"CUDA {variant.key} differs from its CPU model at {diff[:10]}"
 
 
 @pytest.mark.gpu
@@ -372,7 +483,8 @@ def test_gpu_odd_pool_parameters(shape, kw, layout, cuda_sync):
     args, call = odd_inputs(shape, kw, layout, device=CUDA)
     cpu_args, _ = odd_inputs(shape, kw, layout)
     tree = TREE(*cpu_args, **call)
-    assert np.array_equal(bits(TREE(*args, **call)), bits(tree))
+    for v in DETERMINISTIC:
+        assert np.array_equal(bits(v(*args, **call)), bits(tree)), v.key
     check_some_order(ATOMIC(*args, **call).cpu(), tree, cpu_args, call)
 
 
@@ -385,14 +497,14 @@ def test_gpu_atomic_varies_on_contended_case(layout, cuda_sync):
     case = kernels.Case(OP, base.name, dict(base.params, layout=layout), seed=base.seed)
     args, kw = SPEC.make_inputs(case, CUDA)
     atomic = {bits(ATOMIC(*args, **kw)).tobytes() for _ in range(REPEATS)}
-    tree = {bits(TREE(*args, **kw)).tobytes() for _ in range(REPEATS)}
-    print(f"{case.name} {layout}: atomic {len(atomic)} distinct / {REPEATS}, tree {len(tree)}")
-    assert len(tree) == 1
+    print(f"{case.name} {layout}: atomic {len(atomic)} distinct / {REPEATS}")
     assert len(atomic) > 1
+    for v in DETERMINISTIC:
+        assert len({bits(v(*args, **kw)).tobytes() for _ in range(REPEATS)}) == 1, v.key
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["tree", "atomic"])
+@pytest.mark.parametrize("variant", [v.name for v in kernels.variants(OP)])
 def test_gpu_runs_on_torch_current_stream(variant, cuda_sync):
     """dy is rewritten on a side stream behind a long sleep; a kernel launched on any other stream would
     read the old dy."""
@@ -408,7 +520,7 @@ def test_gpu_runs_on_torch_current_stream(variant, cuda_sync):
         buf.copy_(new_dy)
         out = kernels.get(OP, variant)(buf, idx, **kw)
     side.synchronize()
-    if variant == "tree":
+    if kernels.get(OP, variant).deterministic:
         assert np.array_equal(bits(out), bits(expected))
     else:
         check_some_order(out.cpu(), expected, (new_dy.cpu(), idx.cpu()), kw)
@@ -420,7 +532,7 @@ def test_gpu_matches_torch_backward(case, cuda_sync):
     args, kw = SPEC.make_inputs(case, CUDA)
     theirs = mp.torch_backward(*args, **kw)
     check_bound(theirs.cpu(), [a.cpu() for a in args], kw)  # torch itself within the bound
-    for v in (TREE, ATOMIC):
+    for v in kernels.variants(OP):
         check_bound(v(*args, **kw).cpu(), [a.cpu() for a in args], kw)
 
 
@@ -428,8 +540,8 @@ def test_gpu_matches_torch_backward(case, cuda_sync):
 def test_gpu_flushes_subnormals_like_the_models(cuda_sync):
     cpu_args, kw = subnormal_inputs()
     args, _ = subnormal_inputs(CUDA)
-    assert np.array_equal(bits(ATOMIC(*args, **kw)), bits(ATOMIC(*cpu_args, **kw, rng=0)))
-    assert np.array_equal(bits(TREE(*args, **kw)), bits(TREE(*cpu_args, **kw)))
+    for v in kernels.variants(OP):
+        assert np.array_equal(bits(v(*args, **kw)), bits(v(*cpu_args, **kw, rng=0))), v.key
 
 
 @pytest.mark.gpu
