@@ -49,8 +49,18 @@ def pytest_generate_tests(metafunc):
     if "bench_item" in metafunc.fixturenames:
         from bench.runner import plan
 
-        items = plan(_session(metafunc.config).settings)
+        state = _session(metafunc.config)
+        items = plan(state.settings)
+        state.planned = len(items)
         metafunc.parametrize("bench_item", items, ids=[it.id for it in items])
+
+
+def pytest_collection_finish(session):
+    """Remember whether every planned benchmark was selected (a partial run writes ``*_partial``)."""
+    if _SESSION in session.config.stash:
+        selected = sum(1 for it in session.items if "bench_item" in getattr(it, "fixturenames", ()))
+        state = session.config.stash[_SESSION]
+        state.complete = selected == state.planned
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +85,8 @@ def pytest_sessionfinish(session, exitstatus):
         return
     from bench import report, results
 
-    stem = results.stem(state.settings.backend, state.settings.quick)
+    partial = not state.complete or exitstatus == pytest.ExitCode.INTERRUPTED
+    stem = results.stem(state.settings.backend, state.settings.quick, partial=partial)
     table = state.table()
     csv = results.write(table, results.csv_path(stem))
     bs = getattr(config, "_benchmarksession", None)

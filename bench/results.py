@@ -11,7 +11,8 @@ Files, by backend (so a CPU run never overwrites a GPU report; ``--quick`` GPU r
     backend cuda, quick:  reports/results/kernels_quick.csv  reports/kernels_quick.md  ...
     backend cpu:          reports/results/kernels_cpu.csv    reports/kernels_cpu.md    reports/kernels_cpu_*.png
 
-with the pytest-benchmark JSON beside each table (``<stem>_benchmark.json``). ``NNRAND_BENCH_STEM``
+with the pytest-benchmark JSON beside each table (``<stem>_benchmark.json``). A run that measured only
+part of the plan (``-k``, a test path, or interrupted) appends ``_partial`` to the stem. ``NNRAND_BENCH_STEM``
 overrides the stem, ``NNRAND_BENCH_DIR`` the ``reports`` directory (results then go to ``<dir>/results``).
 """
 from __future__ import annotations
@@ -57,12 +58,13 @@ UNITS = {
 }
 
 
-def stem(backend: str, quick: bool = False) -> str:
+def stem(backend: str, quick: bool = False, partial: bool = False) -> str:
+    """File stem of a run's outputs. A partial run (some benchmarks deselected, or interrupted) gets
+    ``_partial`` so it never replaces a complete table."""
     if os.environ.get("NNRAND_BENCH_STEM"):
         return os.environ["NNRAND_BENCH_STEM"]
-    if backend == "cpu":
-        return "kernels_cpu"
-    return "kernels_quick" if quick else "kernels"
+    name = "kernels_cpu" if backend == "cpu" else ("kernels_quick" if quick else "kernels")
+    return name + ("_partial" if partial else "")
 
 
 def csv_path(stem_: str) -> pathlib.Path:

@@ -171,6 +171,8 @@ class Session:
     the ceilings, and the result rows."""
     settings: Settings
     rows: list[dict] = field(default_factory=list)
+    planned: int = 0         # benchmarks in the plan, and whether all of them were selected to run
+    complete: bool = False
     ceilings: Ceilings | None = None
     _case_id: str | None = None
     _inputs: tuple | None = None

@@ -187,5 +187,7 @@ def test_paths_keep_cpu_results_apart(monkeypatch):
     monkeypatch.delenv("NNRAND_BENCH_STEM", raising=False)
     assert results.stem("cuda") == "kernels" and results.stem("cuda", quick=True) == "kernels_quick"
     assert results.stem("cpu") == results.stem("cpu", quick=True) == "kernels_cpu"
+    assert results.stem("cuda", partial=True) == "kernels_partial"
+    assert results.stem("cpu", partial=True) == "kernels_cpu_partial"
     assert results.csv_path("kernels_cpu").name == "kernels_cpu.csv"
     assert results.report_path("kernels").name == "kernels.md"

@@ -126,15 +126,18 @@ def test_noisy_subject_is_caught_and_unavailable_peer_is_skipped():
 def test_benchmark_only_session_writes_table_json_and_report(tmp_path):
     op = specced_ops()[0]
     variant = kernels.variants(op)[-1].name
-    env = {**os.environ, "NNRAND_BENCH_DIR": str(tmp_path), "NNRAND_BENCH_STEM": "t", "NNRAND_BENCH_QUICK": "1"}
+    env = {**os.environ, "NNRAND_BENCH_DIR": str(tmp_path), "NNRAND_BENCH_QUICK": "1"}
+    env.pop("NNRAND_BENCH_STEM", None)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--benchmark-only", "-q", "-p", "no:cacheprovider", "bench",
          "-k", f"{op} and {variant}", "--variance-repeats", "3", "--bench-backend", "cpu"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    df = results.read(tmp_path / "results" / "t.csv")
+    # -k selected part of the plan: the outputs are marked partial, a complete table is never replaced
+    assert not (tmp_path / "results" / "kernels_cpu.csv").exists()
+    df = results.read(tmp_path / "results" / "kernels_cpu_partial.csv")
     assert set(df[df["kind"] == "variant"]["variant"]) == {variant}
     assert (df[df["metric"] == "distinct_results"]["repeats"] <= 3).all()
-    assert (tmp_path / "results" / "t_benchmark.json").stat().st_size > 0
-    md = (tmp_path / "t.md").read_text()
+    assert (tmp_path / "results" / "kernels_cpu_partial_benchmark.json").stat().st_size > 0
+    md = (tmp_path / "kernels_cpu_partial.md").read_text()
     assert "CPU order models" in md and f"### {op}" in md
