@@ -102,6 +102,25 @@ def test_tree_model_bitwise_stable():
             assert_bitwise_equal(TREE(w, dy, rng=seed, **kw), first, f"tree model {case.name}")
 
 
+def test_models_independent_of_thread_count():
+    """The models parallelise only over independent outputs (BLAS over matrix blocks with the whole
+    Cout reduction in one place, col2im and the slice adds over planes), so torch's thread count does
+    not change their bits. torch's own CPU data gradient does not have this property for every shape."""
+    saved = torch.get_num_threads()
+    try:
+        for name in ("conv3x3s2_64-128_32_b1", "stem7x7s2_3-64_32_b1", "spatial1x1_b3", "odd_s2_cl_b2"):
+            w, dy, kw = inputs(case_named(name))
+            runs = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                runs.append([v(w, dy, rng=4, **kw) for v in VARIANTS])
+            for run in runs[1:]:
+                for v, a, b in zip(VARIANTS, runs[0], run):
+                    assert_bitwise_equal(b, a, f"{v.key} {name} across thread counts")
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_tree_model_layout_independent():
     """channels_last changes where dx lives, not the order its sums are taken in."""
     for name in ("odd_s2_b2", "c3_k7_s2_p3_b2", "dilation2_b2", "conv3x3s2_64-128_32_b1"):
