@@ -164,8 +164,9 @@ class _Ops:
             dx = ndx if native_mask[0] else None
             dw = ndw if native_mask[1] else None
         if need_dx and dgrad is not None:
-            dx = dgrad(w.contiguous(), dy, input_size=tuple(x.shape[-2:]), stride=g.stride,
-                       padding=g.padding, dilation=g.dilation, rng=self.rng)
+            w = w.contiguous(memory_format=memory_format_of(w))
+            dx = dgrad(w, dy, input_size=tuple(x.shape[-2:]), stride=g.stride, padding=g.padding,
+                       dilation=g.dilation, rng=self.rng)
         if need_dw and wgrad is not None:
             dw = wgrad(x, dy, kernel_size=g.kernel_size, stride=g.stride, padding=g.padding,
                        dilation=g.dilation, rng=self.rng)

@@ -11,8 +11,8 @@ from nnrand import models, noise, routing, runio, train
 
 
 def tiny(tmp_path, name: str, **kw) -> dict:
-    cfg = dict(out=str(tmp_path), name=name, device="cpu", model="small", n_train=96, n_test=40,
-               batch_size=32, epochs=1, progress=False, report=False)
+    cfg = dict(out=str(tmp_path), name=name, device="cpu", model="small", n_train=48, n_test=24,
+               batch_size=16, epochs=1, progress=False, report=False)
     cfg.update(kw)
     return cfg
 
@@ -117,7 +117,7 @@ def test_tree_fixed_seeds_runs_are_bitwise_identical(tmp_path, layout):
     (wa, pa, ca), (wb, pb, cb) = _two_runs(tmp_path, kernel="tree", channels_last=layout == "channels_last")
     assert same_state(wa, wb)
     assert pa.tobytes() == pb.tobytes()
-    assert ca == cb and len(ca) == 96 // 32 + 1
+    assert ca == cb and len(ca) == 48 // 16 + 1
 
 
 def test_atomic_runs_differ(tmp_path):
@@ -147,8 +147,8 @@ def test_algo_preset_members_start_apart_and_perturbation_shows_at_step_zero(tmp
     c0 = runio.read_csv(runio.member_dir(tmp_path, "algo", 0) / "checksums.csv")
     c1 = runio.read_csv(runio.member_dir(tmp_path, "algo", 1) / "checksums.csv")
     assert c0[0]["checksum"] != c1[0]["checksum"]          # different init
-    train.main(tiny(tmp_path, "p0", n_train=64))
-    train.main(tiny(tmp_path, "p1", n_train=64, perturb_ulp=True, perturb_index=5))
+    train.main(tiny(tmp_path, "p0", n_train=32))
+    train.main(tiny(tmp_path, "p1", n_train=32, perturb_ulp=True, perturb_index=5))
     a = runio.read_csv(runio.member_dir(tmp_path, "p0", 0) / "checksums.csv")
     b = runio.read_csv(runio.member_dir(tmp_path, "p1", 0) / "checksums.csv")
     assert a[0]["checksum"] != b[0]["checksum"]

@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def tiny(tmp_path, name: str, **kw) -> dict:
-    cfg = dict(out=str(tmp_path), name=name, device="cpu", model="small", n_train=96, n_test=40,
-               batch_size=32, epochs=1, progress=False, report=False)
+    cfg = dict(out=str(tmp_path), name=name, device="cpu", model="small", n_train=48, n_test=24,
+               batch_size=16, epochs=1, progress=False, report=False)
     cfg.update(kw)
     return cfg
 
@@ -91,7 +91,7 @@ def test_space_estimate_covers_what_a_run_writes(tmp_path):
     written = sum(f.stat().st_size for f in d.iterdir())
     m = models.build_model("small")
     est = runio.estimate_member_bytes(sum(p.numel() for p in m.parameters()), sum(b.numel() for b in m.buffers()),
-                                      epochs=2, steps_first_epoch=3, n_test=40, classes=10,
+                                      epochs=2, steps_first_epoch=3, n_test=24, classes=10,
                                       save_epoch_weights=True)
     assert written <= est
 
@@ -121,8 +121,8 @@ def test_run_files(tmp_path):
     sums = runio.read_csv(d / "checksums.csv")
     assert [int(r["step"]) for r in sums] == [0, 1, 2, 3, 6]   # every step of epoch 0, then epoch ends
     with np.load(d / "predictions.npz") as f:
-        assert f["logits"].shape == (40, 10) and f["logits"].dtype == np.float32
-        assert f["labels"].shape == (40,) and f["group"].shape == (40,)
+        assert f["logits"].shape == (24, 10) and f["logits"].dtype == np.float32
+        assert f["labels"].shape == (24,) and f["group"].shape == (24,)
     w = torch.load(d / "weights_epoch_001.pt")
     model = models.build_model("small")
     model.load_state_dict(torch.load(d / "checkpoint.pt", weights_only=False)["model"])
