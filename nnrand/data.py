@@ -25,7 +25,8 @@ augmentation and shuffling are batched tensor ops with their own seeds.
     model that leans on the background cue loses accuracy on group 1 and per-group accuracy is
     measurable. Groups refer to the drawn shape; training labels are then flipped to a random other
     class for LABEL_NOISE of the training images (the test labels are clean). ``Dataset.extra`` keeps
-    the clean training labels and the morph flags.
+    the clean training labels (``train_true_y``), the palette index of each background (``*_cue``) and
+    the morph flags (``*_morph``).
 
     The generator draws everything from ``numpy.random.default_rng([seed, split])``, so the same seed
     gives the same bytes; 10k + 2k images take about a second on one CPU core.
@@ -189,15 +190,19 @@ OFFSET = 6.0  # shape centre within +-OFFSET px of the image centre
 RADIUS = (6.0, 11.0)  # shape radius, px
 ASPECT = (0.8, 1.25)  # u/v stretch
 MIN_CONTRAST = 0.35  # Euclidean RGB distance (0..1 units) between foreground and background colours
-BG_JITTER = 0.07  # per-channel background colour jitter, +- (0..1 units)
+BG_JITTER = 0.08  # per-channel background colour jitter, +- (0..1 units)
 BG_GRADIENT = 0.12  # background gradient amplitude across the image (0..1 units)
 CONTRAST = (0.75, 1.2)  # global contrast factor
 BRIGHTNESS = 0.08  # global brightness shift, +-
 NOISE_SIGMA = (0.02, 0.10)  # per-image Gaussian noise sigma (0..1 units)
 CHUNK = 2048  # images rendered at once (bounds memory to ~50 MB)
 
-# Background palette: ten hues, moderate saturation, so the cue is easy to see but not the only thing.
-PALETTE = np.array([colorsys.hsv_to_rgb(i / 10, 0.55, 0.72) for i in range(10)], dtype=np.float32)
+PALETTE_SATURATION = 0.4  # HSV saturation of the background palette: the salience of the cue
+PALETTE_VALUE = 0.72
+# Background palette: ten evenly spaced hues. At this saturation, neighbouring hues overlap once jitter,
+# contrast and noise are applied, so the cue is strong but not readable from the colour alone.
+PALETTE = np.array([colorsys.hsv_to_rgb(i / 10, PALETTE_SATURATION, PALETTE_VALUE) for i in range(10)],
+                   dtype=np.float32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -320,16 +325,17 @@ def _synthetic_split(seed: int, split: str, n: int):
         flipped = rng.random(n) < LABEL_NOISE
         y[flipped] = (y[flipped] + rng.integers(1, n_cls, int(flipped.sum()))) % n_cls
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(torch.int64)  # noqa: E731
-    return torch.from_numpy(x), t(y), t(minority), t(shape_cls), torch.from_numpy(morph)
+    return torch.from_numpy(x), t(y), t(minority), t(shape_cls), t(bg_cls), torch.from_numpy(morph)
 
 
 def synthetic(*, seed: int = 0, n_train: int = N_TRAIN, n_test: int = N_TEST) -> Dataset:
-    train_x, train_y, train_g, train_true, train_morph = _synthetic_split(seed, "train", n_train)
-    test_x, test_y, test_g, _, test_morph = _synthetic_split(seed, "test", n_test)
+    train_x, train_y, train_g, train_true, train_cue, train_morph = _synthetic_split(seed, "train", n_train)
+    test_x, test_y, test_g, _, test_cue, test_morph = _synthetic_split(seed, "test", n_test)
     mean, std = channel_stats(train_x)
+    extra = {"train_true_y": train_true, "train_cue": train_cue, "train_morph": train_morph,
+             "test_cue": test_cue, "test_morph": test_morph}
     return Dataset("synthetic", list(SYNTH_CLASSES), train_x, train_y, test_x, test_y, train_g, test_g,
-                   mean, std, {"train_true_y": train_true, "train_morph": train_morph,
-                               "test_morph": test_morph})
+                   mean, std, extra)
 
 
 # --------------------------------------------------------------------------------------------------
