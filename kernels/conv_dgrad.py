@@ -31,6 +31,10 @@ dx) are the price of modelling the per-tap partial sums, and their bits do not d
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -65,16 +69,36 @@ ATOMIC_ORDERS = 32                  # CPU atomic model: runs of dx planes, one r
 # Argument checks (shared by the CUDA launchers and the CPU models)
 
 
+@dataclass(frozen=True)
 class Geometry:
-    """Validated sizes of one call: n, cin, cout, kh, kw, h, w, oh, ow and per-axis stride s*,
-    padding p*, dilation d*; ``layout`` is dy's."""
+    """Validated sizes of one call (hashable: launch plans are cached per geometry); per-axis stride
+    s*, padding p*, dilation d*; ``layout`` is dy's (and dx's)."""
 
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
+    n: int
+    cin: int
+    cout: int
+    kh: int
+    kw: int
+    h: int
+    w: int
+    oh: int
+    ow: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+    dh: int
+    dw: int
+    layout: str
 
     @property
     def dx_shape(self) -> tuple[int, int, int, int]:
         return (self.n, self.cin, self.h, self.w)
+
+    @property
+    def dx_stride(self) -> tuple[int, int, int, int]:
+        c, h, w = self.cin, self.h, self.w
+        return (h * w * c, 1, w * c, c) if self.layout == "channels_last" else (c * h * w, h * w, w, 1)
 
 
 def _pair(arg: str, v, minimum: int) -> tuple[int, int]:
@@ -91,16 +115,32 @@ def _check(w, dy, input_size, stride, padding, dilation) -> Geometry:
     dy = check_tensor(OP, "dy", dy, ndim=4, device=w.device)
     layout_of(OP, "w", w)  # w may be NCHW or channels_last; the launchers repack it
     layout = layout_of(OP, "dy", dy)
+    params = tuple(_hashable(v) for v in (input_size, stride, padding, dilation))
+    # the types are part of the key: 1, 1.0 and True compare equal, and only ints are accepted
+    types = tuple(tuple(map(type, v)) if isinstance(v, tuple) else type(v) for v in params)
+    try:
+        return _geometry(tuple(w.shape), tuple(dy.shape), layout, *params, types)
+    except TypeError:  # an unhashable argument: validate without the cache (raises the proper error)
+        return _geometry.__wrapped__(tuple(w.shape), tuple(dy.shape), layout, *params, types)
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, (list, tuple, torch.Size)) else v
+
+
+@functools.lru_cache(maxsize=1024)
+def _geometry(w_shape, dy_shape, layout, input_size, stride, padding, dilation, types) -> Geometry:
+    """Size checks of one call; cached per argument set and types (errors are raised, never cached)."""
     h, wd = _pair("input_size", input_size, 1)
     sh, sw = _pair("stride", stride, 1)
     ph, pw = _pair("padding", padding, 0)
     dh, dw = _pair("dilation", dilation, 1)
-    cout, cin, kh, kw = w.shape
+    cout, cin, kh, kw = w_shape
     if kh < 1 or kw < 1:
-        raise KernelArgumentError(OP, "w", f"expected a kernel of at least 1x1, got shape {tuple(w.shape)}")
-    n, dcout, oh, ow = dy.shape
+        raise KernelArgumentError(OP, "w", f"expected a kernel of at least 1x1, got shape {w_shape}")
+    n, dcout, oh, ow = dy_shape
     if dcout != cout:
-        raise KernelArgumentError(OP, "dy", f"expected {cout} channels (w.shape[0]), got shape {tuple(dy.shape)}")
+        raise KernelArgumentError(OP, "dy", f"expected {cout} channels (w.shape[0]), got shape {dy_shape}")
     eh, ew = conv_out(h, kh, sh, ph, dh), conv_out(wd, kw, sw, pw, dw)
     if eh < 1 or ew < 1:
         raise KernelArgumentError(OP, "input_size", f"{(h, wd)} with padding {(ph, pw)} is smaller than the "
@@ -141,11 +181,25 @@ def _cuda_prologue(w, dy, input_size, stride, padding, dilation) -> Geometry:
     return g
 
 
-def _geometry_args(g: Geometry, dy: torch.Tensor, dx: torch.Tensor) -> tuple:
+class LaunchPlan(NamedTuple):
+    """Everything about one launch that depends only on the geometry (cached): the kernel, its grid,
+    block and dynamic shared memory, the scalar arguments after the three pointers, whether dx is
+    zero-filled first, and how w is repacked ('stem', 'tap_major' or 'channels_last')."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int]
+    shared: int
+    scalars: tuple
+    zero_fill: bool
+    packing: str
+
+
+def _geometry_args(g: Geometry, dy_stride: tuple[int, ...]) -> tuple:
     i32 = np.int32
     return (i32(g.n), i32(g.cin), i32(g.h), i32(g.w), i32(g.cout), i32(g.oh), i32(g.ow), i32(g.kh),
             i32(g.kw), i32(g.sh), i32(g.sw), i32(g.ph), i32(g.pw), i32(g.dh), i32(g.dw),
-            *(np.int64(s) for s in dy.stride()), *(np.int64(s) for s in dx.stride()))
+            *(np.int64(s) for s in dy_stride), *(np.int64(s) for s in g.dx_stride))
 
 
 def phase_offsets(k: int, s: int, p: int, d: int) -> list[list[int]]:
@@ -173,46 +227,60 @@ def _stem_plan(g: Geometry) -> tuple | None:
     return grid, shared, tuple(np.int32(v) for v in (tj_log2, tiles_i, tiles_j, ph, pw, cc))
 
 
-def conv_dgrad_tree_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
-    g = _cuda_prologue(w, dy, input_size, stride, padding, dilation)
+@functools.lru_cache(maxsize=1024)
+def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     # Phases that no tap reaches (3 of 4 for a 1x1 stride-2 conv) are zero-filled up front and their
     # blocks return at once.
     empty = not all(phase_offsets(g.kh, g.sh, g.ph, g.dh)) or not all(phase_offsets(g.kw, g.sw, g.pw, g.dw))
-    dx = _empty_dx(g, dy.device, zero=_trivial(g) or empty)
+    head = (*_geometry_args(g, dy_stride), np.int32(empty))
+    stem = _stem_plan(g) if g.cin <= STEM_MAX_CIN else None
+    if stem is not None:
+        grid, shared, extra = stem
+        return LaunchPlan("conv_dgrad_tree_stem", grid, (STEM_THREADS,), shared,
+                          (*head, *extra, np.int32(g.layout == "channels_last")), empty, "stem")
+    rows = g.n * cdiv(g.h, g.sh) * cdiv(g.w, g.sw)  # pixels of the largest phase (0, 0)
+    kernel = "conv_dgrad_tree_cl" if g.layout == "channels_last" else "conv_dgrad_tree_nchw"
+    return LaunchPlan(kernel, (cdiv(rows, BM), cdiv(g.cin, BN), g.sh * g.sw), (THREADS,), 0, head, empty,
+                      "tap_major")
+
+
+@functools.lru_cache(maxsize=1024)
+def atomic_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
+    blocks = cdiv(g.n * g.oh * g.ow, BM) * cdiv(g.kh * g.kw * g.cin, BN)  # 1-D, column tile fastest
+    if blocks > INT32_MAX:
+        raise KernelArgumentError(OP, "dy", f"{blocks} blocks exceed the launch grid")
+    kernel = "conv_dgrad_atomic_cl" if g.layout == "channels_last" else "conv_dgrad_atomic_nchw"
+    # the scatter accumulates into zeros
+    return LaunchPlan(kernel, (blocks, 1, 1), (THREADS,), 0, (*_geometry_args(g, dy_stride), np.int32(0)),
+                      True, "channels_last")
+
+
+def _pack_weights(w: torch.Tensor, g: Geometry, packing: str) -> torch.Tensor:
+    if packing == "stem":  # [kh][kw][co][ci padded to 4]: one float4 per (tap, co) holds every channel
+        return F.pad(w.permute(2, 3, 0, 1), (0, 4 - g.cin)).contiguous()
+    if packing == "tap_major":  # [kh][kw][co][ci]: the GEMM B rows of one tap are contiguous
+        return w.permute(2, 3, 0, 1).contiguous()
+    return w.permute(0, 2, 3, 1).contiguous()  # [co][kh][kw][ci]: B = (Cout, KH*KW*Cin), row-major
+
+
+def _run(plan_of, w, dy, input_size, stride, padding, dilation) -> torch.Tensor:
+    g = _cuda_prologue(w, dy, input_size, stride, padding, dilation)
     if _trivial(g):
-        return dx
-    plan = _stem_plan(g) if g.cin <= STEM_MAX_CIN else None
-    if plan is not None:
-        grid, shared, extra = plan
-        # [kh][kw][co][ci padded to 4]: one float4 per (tap, co) holds every channel's weight
-        wmat = F.pad(w.permute(2, 3, 0, 1), (0, 4 - g.cin)).contiguous()
-        fn, block = "conv_dgrad_tree_stem", (STEM_THREADS,)
-        extra = (*extra, np.int32(g.layout == "channels_last"))
-    else:
-        rows = g.n * cdiv(g.h, g.sh) * cdiv(g.w, g.sw)  # pixels of the largest phase (0, 0)
-        wmat = w.permute(2, 3, 0, 1).contiguous()  # [kh][kw][co][ci]: B rows of one tap are contiguous
-        fn = "conv_dgrad_tree_cl" if g.layout == "channels_last" else "conv_dgrad_tree_nchw"
-        grid, block, shared, extra = (cdiv(rows, BM), cdiv(g.cin, BN), g.sh * g.sw), (THREADS,), 0, ()
-    launch(function(SOURCE, fn, dy.device), grid, block,
-           (ptr(dy), ptr(wmat), ptr(dx), *_geometry_args(g, dy, dx), np.int32(empty), *extra),
-           device=dy.device, shared_mem=shared)
+        return _empty_dx(g, dy.device, zero=True)
+    plan = plan_of(g, tuple(dy.stride()))
+    dx = _empty_dx(g, dy.device, zero=plan.zero_fill)
+    wmat = _pack_weights(w, g, plan.packing)
+    launch(function(SOURCE, plan.kernel, dy.device), plan.grid, plan.block,
+           (ptr(dy), ptr(wmat), ptr(dx), *plan.scalars), device=dy.device, shared_mem=plan.shared)
     return dx
+
+
+def conv_dgrad_tree_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    return _run(tree_plan, w, dy, input_size, stride, padding, dilation)
 
 
 def conv_dgrad_atomic_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
-    g = _cuda_prologue(w, dy, input_size, stride, padding, dilation)
-    dx = _empty_dx(g, dy.device, zero=True)  # the scatter accumulates into zeros
-    if _trivial(g):
-        return dx
-    ncols = g.kh * g.kw * g.cin
-    wmat = w.permute(0, 2, 3, 1).contiguous()  # [co][kh][kw][ci]: GEMM B = (Cout, KH*KW*Cin), row-major
-    name = "conv_dgrad_atomic_cl" if g.layout == "channels_last" else "conv_dgrad_atomic_nchw"
-    blocks = cdiv(g.n * g.oh * g.ow, BM) * cdiv(ncols, BN)  # 1-D, column tile fastest
-    if blocks > INT32_MAX:
-        raise KernelArgumentError(OP, "dy", f"{blocks} blocks exceed the launch grid")
-    launch(function(SOURCE, name, dy.device), (blocks, 1, 1), (THREADS,),
-           (ptr(dy), ptr(wmat), ptr(dx), *_geometry_args(g, dy, dx), np.int32(0)), device=dy.device)
-    return dx
+    return _run(atomic_plan, w, dy, input_size, stride, padding, dilation)
 
 
 # --------------------------------------------------------------------------------------------------

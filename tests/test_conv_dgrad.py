@@ -199,6 +199,20 @@ def test_bad_inputs_raise(variant, bad):
     assert info.value.arg == arg, str(info.value)
 
 
+def test_checks_not_bypassed_by_the_geometry_cache():
+    """Sizes are validated once per argument set and cached; 1.0 and True equal 1 in Python, so the
+    cache key carries the types and they are still refused after a valid call with 1."""
+    w, dy = torch.randn(4, 3, 3, 3), torch.randn(2, 4, 5, 5)
+    TREE(w, dy, input_size=(7, 7), stride=1, padding=0, dilation=1)
+    TREE(w, dy, input_size=[7, 7], stride=(1, 1), padding=[0, 0], dilation=1)
+    for bad in ({"stride": 1.0}, {"stride": True}, {"padding": (0, 0.0)}, {"dilation": [1, True]},
+                {"input_size": (7.0, 7)}, {"stride": {1: 1}}):
+        kw = {"input_size": (7, 7), "stride": 1, "padding": 0, "dilation": 1, **bad}
+        with pytest.raises(KernelArgumentError) as info:
+            TREE(w, dy, **kw)
+        assert info.value.arg == next(iter(bad)), str(info.value)
+
+
 def test_cuda_launcher_refuses_cpu_tensors():
     w, dy = torch.randn(4, 3, 3, 3), torch.randn(2, 4, 5, 5)
     for v in VARIANTS:
