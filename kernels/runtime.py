@@ -22,6 +22,7 @@ import torch
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
 INT32_MAX = 2**31 - 1
+# No -ftz: subnormals are kept, as IEEE float32 and the CPU models keep them (see _module).
 NVRTC_OPTIONS = ("--std=c++17", f"-I{KERNEL_DIR}")
 
 
@@ -125,14 +126,35 @@ def layout_of(op: str, arg: str, t: torch.Tensor, *, allow: Iterable[str] = ("nc
 # Compilation and launch
 
 
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel source; the message carries the compiler log."""
+
+
 @functools.lru_cache(maxsize=None)
 def _module(source: str, device_index: int):
+    """Compile ``kernels/<source>`` for one device with NVRTC and load it.
+
+    NVRTC is called directly rather than through ``cupy.RawModule`` because CuPy appends ``-ftz=true``
+    to every compilation: flushing subnormals to zero would make the kernels' float32 additions differ
+    from IEEE arithmetic (and from the CPU order models) on subnormal data. Here the kernels keep
+    NVRTC's defaults: no flush-to-zero, IEEE division and square root."""
     import cupy
+    from cupy_backends.cuda.libs import nvrtc
 
     code = (KERNEL_DIR / source).read_text()
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=code, options=NVRTC_OPTIONS)
-        module.compile()
+    with cupy.cuda.Device(device_index) as dev:
+        arch = f"--gpu-architecture=sm_{dev.compute_capability}"
+        prog = nvrtc.createProgram(code, source, [], [])
+        try:
+            try:
+                nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, arch])
+            except nvrtc.NVRTCError as e:
+                raise KernelCompileError(f"NVRTC could not compile {source}:\n{nvrtc.getProgramLog(prog)}") from e
+            cubin = nvrtc.getCUBIN(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+        module = cupy.cuda.function.Module()
+        module.load(cubin)
     return module
 
 
@@ -170,8 +192,8 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(index)
-    with cupy.cuda.Device(index), _external_stream(stream.cuda_stream, index):
-        fn(grid, block, args, shared_mem=shared_mem)
+    with cupy.cuda.Device(index):
+        fn(grid, block, args, shared_mem=shared_mem, stream=_external_stream(stream.cuda_stream, index))
 
 
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}

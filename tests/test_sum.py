@@ -213,6 +213,18 @@ def test_gpu_deterministic_bitwise_and_equal_to_model(variant, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", DETERMINISTIC, ids=lambda v: v.name)
+def test_gpu_keeps_subnormals_like_the_model(variant):
+    """Kernels are compiled without flush-to-zero: subnormal inputs and partials add as IEEE float32."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(300_007, generator=g) * 1e-39  # every value subnormal (below 2^-126 ~ 1.2e-38)
+    assert bool((x.abs() < 2.0**-126).all())
+    got = variant(x.cuda())
+    assert got.item() != 0.0
+    assert_bitwise_equal(got, variant(x), f"{variant.key} on subnormal input vs CPU model")
+
+
+@pytest.mark.gpu
 def test_gpu_atomic_varies_on_contended_input():
     x = _gpu_x(1 << 24, seed=5, scale=1e7)  # 2048 partials colliding on one scalar, with cancellation
     results = [ATOMIC(x) for _ in range(200)]
