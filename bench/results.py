@@ -112,7 +112,7 @@ def read(path: pathlib.Path) -> pd.DataFrame:
 # Derived metrics: computed from the measured rows of the same table (idempotent).
 
 DERIVED = ("bandwidth_frac", "flop_frac", "ratio_fastest_peer", "ratio_atomic")
-ATOMIC = "atomic"
+ATOMIC = "atomic"  # each op's nondeterministic baseline variant (the "atomic twin" of every row)
 
 
 def ceiling(df: pd.DataFrame, metric: str) -> float:

@@ -4,7 +4,7 @@ A *subject* is one thing that computes an op: a registry variant, or a peer from
 (PyTorch's own op, CuPy/CUB, ...). Peers whose name starts with ``torch`` are also measured in torch's
 deterministic mode as ``<name>_deterministic`` unless the spec lists that name itself. Everything is
 derived from ``kernels.ops()``, ``kernels.variants(op)`` and ``kernels.spec(op)``; nothing here names an
-op or a variant, except the convention that an op's nondeterministic baseline variant is ``atomic``.
+op or a variant (the report's ratios take the variant named ``atomic`` as each op's baseline).
 
 For every subject and case this measures, on one fixed input:
 
@@ -32,9 +32,6 @@ from .fingerprint import fingerprint
 from .metrics import VarianceTracker, reference_error
 from .timing import Ceilings, L2Flush, cuda_event_times, host_times, measure_ceilings, median, synced, \
     synchronize, torch_mode
-
-ATOMIC = "atomic"  # the name of each op's nondeterministic baseline variant (the "atomic twin")
-
 
 # --------------------------------------------------------------------------------------------------
 # Settings
