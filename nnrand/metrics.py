@@ -42,7 +42,10 @@ def pairs(m: int) -> list[tuple[int, int]]:
 def sd(values) -> float:
     """Sample standard deviation (ddof=1); NaN for fewer than two values."""
     v = np.asarray(values, dtype=np.float64)
-    return float(np.std(v, ddof=DDOF)) if len(v) > 1 else math.nan
+    if len(v) < 2:
+        return math.nan
+    # equal values have SD exactly 0 (np.std may leave a rounding residue of the mean)
+    return 0.0 if np.all(v == v[0]) else float(np.std(v, ddof=DDOF))
 
 
 def bootstrap_se(values, stat=sd, n_boot: int = BOOT, seed: int = BOOT_SEED) -> float:
@@ -150,9 +153,11 @@ def ensemble2_gain(logits: np.ndarray, labels: np.ndarray) -> float:
     pr = pairs(len(probs))
     if not pr:
         return math.nan
-    single = float(accuracy(predictions(logits), y).mean())
-    ens = [float(((probs[i] + probs[j]).argmax(axis=-1) == y).mean()) for i, j in pr]
-    return float(np.mean(ens)) - single
+    acc = accuracy(predictions(logits), y)
+    # per pair: ensemble accuracy minus the pair's mean accuracy (every member is in M-1 pairs, so the
+    # mean over pairs of the latter is the mean single accuracy); identical members give exactly 0
+    gain = [float(((probs[i] + probs[j]).argmax(axis=-1) == y).mean()) - (acc[i] + acc[j]) / 2 for i, j in pr]
+    return float(np.mean(gain))
 
 
 # --------------------------------------------------------------------------------------------------
