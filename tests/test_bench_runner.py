@@ -141,3 +141,28 @@ def test_benchmark_only_session_writes_table_json_and_report(tmp_path):
     assert (tmp_path / "results" / "kernels_cpu_partial_benchmark.json").stat().st_size > 0
     md = (tmp_path / "kernels_cpu_partial.md").read_text()
     assert "CPU order models" in md and f"### {op}" in md
+
+
+@pytest.mark.gpu
+def test_cuda_backend_tiny_case_per_registered_op():
+    """The CUDA path (CUDA events behind a spin kernel, L2 flush, synchronized host rounds, peers in
+    both torch modes) on one small case per op; deterministic variants must repeat bit for bit."""
+    session = Session(Settings.make(backend="cuda", repeats=20, event_rounds=5, rounds=3, ceiling_copy_bytes=64 << 20,
+                                    ceiling_matmul_n=1024))
+    assert session.ensure_ceilings().bandwidth > 1e11  # any GPU copies faster than 100 GB/s
+    for op in specced_ops():
+        case = smallest_case(op)
+        for sub in subjects(op):
+            try:
+                rows = session.measure(Item(op, case, sub))
+            except Unavailable:
+                continue
+            got = {r["metric"]: r["value"] for r in rows}
+            lat = next(r for r in rows if r["metric"] == "latency")
+            assert lat["note"].startswith("CUDA events") and 0 < got["latency"] < 1.0, (op, sub.name)
+            if sub.kind == "variant" and sub.deterministic:
+                assert got["distinct_results"] == 1.0, (op, sub.name)
+    torch.cuda.synchronize()
+    df = session.table()
+    assert {"ratio_atomic", "ratio_fastest_peer", "bandwidth_frac"} <= set(df["metric"])
+    assert (df["backend"] == "cuda").all() and (df["gpu"] != "none").all()
