@@ -15,10 +15,9 @@ Order of the additions into one dx element (the only thing that decides its bits
 - ``atomic``: arrival order of the atomicAdds, from +0.0. With one or two contributions the sum does
   not depend on it (0 + a + b = 0 + b + a); from three on it can.
 
-Subnormals: on the GPU every addition flushes subnormal operands and results to signed zero (float
-atomicAdd always does; CuPy compiles the kernels with -ftz=true, so tree's additions do too), and both
-CPU models reproduce that. torch's CPU backward keeps subnormals, so tree equals it bit for bit only
-where no subnormal dy or partial sum occurs (random-normal gradients: always, in practice).
+Subnormals: float atomicAdd flushes subnormal operands and results to sign-preserving zero (PTX
+atom.add.f32), and the atomic model does the same; the kernels are compiled without -ftz (see
+kernels/runtime.py), so tree's ordinary additions keep subnormals, as its model and torch's CPU backward do.
 
 ``indices`` must come from the forward with the same pool parameters. Anything else is the caller's
 bug and is not checked (it would cost a pass over the indices): the atomic variant drops indices outside
@@ -224,9 +223,8 @@ def _jit():
 
     @numba.njit(cache=False)
     def ftz(x):
-        # Subnormal operands and results flush to sign-preserving zero on the GPU: float atomicAdd
-        # always does (PTX atom.add.f32), and CuPy compiles with -ftz=true, so tree's FADD does too
-        # (measured on the H200: both kernels flushed subnormal dy).
+        # float atomicAdd (PTX atom.add.f32) flushes subnormal operands and results to
+        # sign-preserving zero; ordinary additions (tree) keep them.
         return x * F32(0.0) if abs(x) < tiny else x
 
     # Arrays are (A, Q, B): planes A, window cells Q = OH * OW (dx: H * W positions), B channels that
@@ -240,7 +238,7 @@ def _jit():
                 for b in range(dy.shape[2]):
                     i = idx[a, q, b]
                     if i >= 0 and i < hw:
-                        dx[a, i, b] = ftz(dx[a, i, b] + ftz(dy[a, q, b]))
+                        dx[a, i, b] = dx[a, i, b] + dy[a, q, b]
 
     @numba.njit(cache=False)
     def scatter_shuffled(dy, idx, hw, u, dx):

@@ -77,17 +77,26 @@ def block_tree(v: np.ndarray) -> np.ndarray:
     return warp_tree(pad_to(per_warp, -1, WARP))
 
 
+def flush_subnormals(v: np.ndarray) -> np.ndarray:
+    """Subnormal values to sign-preserving zero, as float atomicAdd (PTX atom.add.f32) treats its
+    operands and results."""
+    v = np.asarray(v, dtype=F32)
+    return np.where(np.abs(v) < np.finfo(F32).tiny, v * F32(0.0), v).astype(F32)
+
+
 def arrival_sum(partials: np.ndarray, rng, init: np.ndarray | float = 0.0) -> np.ndarray:
     """``atomicAdd`` of each partial into an output that starts at ``init``, in a random arrival order
-    drawn independently for every output element (the last axis holds the partials)."""
+    drawn independently for every output element (the last axis holds the partials). Like the
+    hardware's float atomicAdd, subnormal operands and results flush to sign-preserving zero."""
     partials = np.asarray(partials, dtype=F32)
     gen = rng_of(rng)
     keys = gen.random(partials.shape)
     order = np.argsort(keys, axis=-1)
     shuffled = np.take_along_axis(partials, order, axis=-1)
-    acc = np.broadcast_to(np.asarray(init, dtype=F32), partials.shape[:-1]).copy()
+    shuffled = flush_subnormals(shuffled)
+    acc = flush_subnormals(np.broadcast_to(np.asarray(init, dtype=F32), partials.shape[:-1]).copy())
     for k in range(shuffled.shape[-1]):
-        acc = acc + shuffled[..., k]
+        acc = flush_subnormals(acc + shuffled[..., k])
     return acc
 
 
