@@ -537,7 +537,8 @@ def test_gpu_matches_torch_backward(case, cuda_sync):
 
 
 @pytest.mark.gpu
-def test_gpu_flushes_subnormals_like_the_models(cuda_sync):
+def test_gpu_subnormals_match_the_models(cuda_sync):
+    """tree keeps subnormals, atomic flushes them as float atomicAdd does: both as their models."""
     cpu_args, kw = subnormal_inputs()
     args, _ = subnormal_inputs(CUDA)
     for v in kernels.variants(OP):
