@@ -11,7 +11,7 @@ add and the flatten before the classifier): ``nn.Conv2d`` (bias=False, groups=1)
     resnet20            He et al. 2016 CIFAR ResNet-20: 3 stages x 3 BasicBlocks at 16/32/64 channels; option-B
                         shortcuts (1x1 stride-2 conv + BN where the shape changes, identity elsewhere)
     small               CPU-sized ResNet: 3x3 stem 3->16, one BasicBlock per stage at 16/32/64 channels, a
-                        3x3 s2 p1 max-pool after the first stage (so max-pool backward runs on CPU too); ~77k params
+                        3x3 s2 p1 max-pool after the first stage (so max-pool backward runs on CPU too); 78,042 params
 
 Initialisation: convs kaiming-normal (fan_out, ReLU gain), BN weight 1 and bias 0, Linear PyTorch's default.
 Nothing here seeds the RNG: build under the caller's ``torch.manual_seed`` for reproducible weights.
