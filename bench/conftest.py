@@ -55,14 +55,6 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("bench_item", items, ids=[it.id for it in items])
 
 
-def pytest_collection_finish(session):
-    """Remember whether every planned benchmark was selected (a partial run writes ``*_partial``)."""
-    if _SESSION in session.config.stash:
-        selected = sum(1 for it in session.items if "bench_item" in getattr(it, "fixturenames", ()))
-        state = session.config.stash[_SESSION]
-        state.complete = selected == state.planned
-
-
 @pytest.fixture(scope="session")
 def bench_session(request):
     return _session(request.config)
@@ -85,7 +77,7 @@ def pytest_sessionfinish(session, exitstatus):
         return
     from bench import report, results
 
-    partial = not state.complete or exitstatus == pytest.ExitCode.INTERRUPTED
+    partial = state.attempted < state.planned  # deselected (-k, a path), stopped early (-x) or interrupted
     stem = results.stem(state.settings.backend, state.settings.quick, partial=partial)
     table = state.table()
     csv = results.write(table, results.csv_path(stem))

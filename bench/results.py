@@ -12,7 +12,7 @@ Files, by backend (so a CPU run never overwrites a GPU report; ``--quick`` GPU r
     backend cpu:          reports/results/kernels_cpu.csv    reports/kernels_cpu.md    reports/kernels_cpu_*.png
 
 with the pytest-benchmark JSON beside each table (``<stem>_benchmark.json``). A run that measured only
-part of the plan (``-k``, a test path, or interrupted) appends ``_partial`` to the stem. ``NNRAND_BENCH_STEM``
+part of the plan (``-k``, a test path, ``-x`` after a failure, or interrupted) appends ``_partial`` to the stem. ``NNRAND_BENCH_STEM``
 overrides the stem, ``NNRAND_BENCH_DIR`` the ``reports`` directory (results then go to ``<dir>/results``).
 """
 from __future__ import annotations

@@ -168,8 +168,8 @@ class Session:
     the ceilings, and the result rows."""
     settings: Settings
     rows: list[dict] = field(default_factory=list)
-    planned: int = 0         # benchmarks in the plan, and whether all of them were selected to run
-    complete: bool = False
+    planned: int = 0         # benchmarks in the plan, and how many of them were measured (or tried)
+    attempted: int = 0
     ceilings: Ceilings | None = None
     _case_id: str | None = None
     _inputs: tuple | None = None
@@ -238,6 +238,7 @@ class Session:
         """Measure one subject on one case; returns (and records) its rows. A peer that cannot run here
         raises :class:`Unavailable` after recording a ``skipped`` row; any other error is recorded as a
         ``failed`` row (so the report shows it) and raised."""
+        self.attempted += 1
         try:
             return self._measure(item, benchmark)
         except Unavailable:
