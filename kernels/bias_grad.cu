@@ -11,7 +11,9 @@
 //           channel spans more than one block: the arrival order decides the rounding.
 //   tree    each block writes its partial to a workspace; the last block to finish for a channel (or
 //           column tile) reduces that channel's partials in index order. Deterministic; one launch,
-//           like atomic.
+//           like atomic. NCHW with P = 2, 4 or 8 blocks per channel: the channel's blocks form a
+//           thread-block cluster and rank 0 reads the P partials from its peers' shared memory
+//           (distributed shared memory) in index order: the same sum, no global-memory round trips.
 #include "common.cuh"
 
 #define BG_THREADS 256
@@ -118,6 +120,49 @@ bias_grad_nchw_tree(const float* __restrict__ dy, long long N, int C, long long 
     const float r = reduce_partials(partials + (long long)c * P, P, scratch);
     if (threadIdx.x == 0) out[c] = r;
 }
+
+// NCHW tree with the channel's P blocks in one cluster (sm_90). Rank r = blockIdx.x holds chunk r's
+// partial in shared memory; after a cluster barrier, warp 0 of rank 0 loads partial `lane` from rank
+// `lane` (zero past P) and reduces with warp_reduce: for P <= 32 that is exactly reduce_partials' sum
+// (thread t's strided sum is partial t; every other warp contributes +0.0), so the bits are the same.
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ float load_peer_shared(const float* local, unsigned int rank) {
+    const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(local));
+    unsigned int remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+template <int P>
+__device__ __forceinline__ void nchw_cluster_tree(const float* __restrict__ dy, long long N, int C, long long S,
+                                                  long long E, int vec, float* out) {
+    __shared__ float scratch[32];
+    __shared__ float partial;
+    const float v = nchw_block_partial(dy, N, C, S, E, vec, scratch);
+    if (threadIdx.x == 0) partial = v;
+    cluster_sync();
+    if (blockIdx.x == 0 && threadIdx.x < 32) {
+        const float p = warp_reduce(threadIdx.x < P ? load_peer_shared(&partial, threadIdx.x) : 0.0f);
+        if (threadIdx.x == 0) out[blockIdx.y] = p;
+    }
+    cluster_sync();  // peers' shared memory must outlive rank 0's reads
+}
+
+#define NCHW_CLUSTER_KERNEL(P)                                                                          \
+    extern "C" __global__ void __cluster_dims__(P, 1, 1) __launch_bounds__(BG_THREADS, 8)              \
+    bias_grad_nchw_tree_cluster##P(const float* __restrict__ dy, long long N, int C, long long S,      \
+                                   long long E, int vec, float* out) {                                 \
+        nchw_cluster_tree<P>(dy, N, C, S, E, vec, out);                                                 \
+    }
+NCHW_CLUSTER_KERNEL(2)
+NCHW_CLUSTER_KERNEL(4)
+NCHW_CLUSTER_KERNEL(8)
 
 // ---------------------------------------------------------------------------------------------
 // rows: dy is [R, C] row-major. Block (TX, TY): thread (tx, ty) owns columns col0 .. col0+VEC-1 with

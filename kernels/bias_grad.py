@@ -30,6 +30,12 @@ THREADS = 256
 # Split constants. They are constants, never read off the GPU, so the bits depend on the shape alone.
 TARGET_BLOCKS = 512       # NCHW: about four blocks per SM of an H200 (132 SMs); channels split only when few
 TARGET_ROW_BLOCKS = 256   # rows: fewer, longer blocks keep the last block's pass over the partials short
+MIN_ROW_ITEMS = 8         # rows: at least this many rows per thread before a column tile is split again
+CLUSTER_SIZES = (2, 4, 8)  # NCHW tree: P blocks of a channel combine in a cluster (compute capability >= 9)
+
+
+def _has_clusters(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 MAX_GRID_Y = 65535
 
 
@@ -49,7 +55,7 @@ def rows_plan(r: int, c: int) -> tuple[int, int, int, int, int, int]:
     tx = min(32, 1 << (cdiv(c, vec) - 1).bit_length())
     ty = THREADS // tx
     tiles = cdiv(c, tx * vec)
-    p = max(1, min(cdiv(TARGET_ROW_BLOCKS, tiles), cdiv(r, ty)))
+    p = max(1, min(cdiv(TARGET_ROW_BLOCKS, tiles), cdiv(r, ty * MIN_ROW_ITEMS)))
     rb = cdiv(cdiv(r, p), ty) * ty
     return vec, tx, ty, tiles, rb, cdiv(r, rb)
 
@@ -98,6 +104,9 @@ def _launch(dy: torch.Tensor, variant: str) -> torch.Tensor:
         args = (ptr(dy), np.int64(n), np.int32(c), np.int64(s), np.int64(e), np.int32(vec))
         if variant == "atomic":
             launch(function(SOURCE, "bias_grad_nchw_atomic", dev), (p, c), (THREADS,), args + (ptr(out),), device=dev)
+        elif p in CLUSTER_SIZES and _has_clusters(dev):
+            launch(function(SOURCE, f"bias_grad_nchw_tree_cluster{p}", dev), (p, c), (THREADS,), args + (ptr(out),),
+                   device=dev)
         else:
             partials = torch.empty(c * p, device=dev, dtype=torch.float32)
             counters = ticket_counters(dev, c)
@@ -192,7 +201,7 @@ def bias_grad_tree_cpu(dy: torch.Tensor, *, rng=None) -> torch.Tensor:
 register(Variant(OP, "atomic", False, False, bias_grad_atomic_cuda, bias_grad_atomic_cpu,
                  "block partials atomicAdd-ed into dB in arrival order"))
 register(Variant(OP, "tree", True, False, bias_grad_tree_cuda, bias_grad_tree_cpu,
-                 "block partials to a workspace; the last block per channel reduces them in index order"))
+                 "block partials combined in index order: by the channel's last block, or in a cluster (sm_90)"))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -214,3 +214,17 @@ def test_gpu_non_default_stream(variant, layout):
         assert_bitwise_equal(out, variant(dy), f"{variant.key} on a side stream")
     ref = SPEC.reference((dy,), {})
     assert bool(((out.cpu().double() - ref).abs() <= bound(dy.cpu(), variant)).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(128, 64, 32, 32), (128, 128, 16, 16), (128, 256, 8, 8), (16, 8, 33, 31)])
+def test_gpu_cluster_and_ticket_paths_agree(shape, monkeypatch):
+    """The cluster combine (sm_90) and the last-block combine add the same partials in the same order."""
+    from kernels import bias_grad as bg
+
+    dy = _gpu_dy(shape, "nchw", seed=7)
+    assert nchw_plan(shape[0], shape[1], shape[2] * shape[3])[1] in bg.CLUSTER_SIZES
+    clustered = TREE(dy)
+    monkeypatch.setattr(bg, "_has_clusters", lambda device: False)
+    assert_bitwise_equal(TREE(dy), clustered, f"{shape} cluster vs ticket")
+    assert_bitwise_equal(clustered, TREE(dy.cpu()), f"{shape} vs CPU model")
