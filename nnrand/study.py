@@ -330,12 +330,16 @@ def _checksums(d: Path) -> list[tuple[int, int]]:
     return [(int(r["step"]), int(r["checksum"])) for r in runio.read_csv(f)] if f.exists() else []
 
 
-def _weights(d: Path, epochs: int) -> dict[int, np.ndarray]:
-    out = {}
+def weight_distances(dirs: list[Path], epochs: int) -> list[dict]:
+    """Per epoch whose weights every member saved: mean pairwise L2 distance and mean weight norm. One
+    epoch in memory at a time (ResNet-18: 45 MB per member and epoch)."""
+    out = []
     for e in range(epochs):
-        f = d / f"weights_epoch_{e:03d}.pt"
-        if f.exists():
-            out[e] = torch.load(f, map_location="cpu").double().numpy()
+        files = [d / f"weights_epoch_{e:03d}.pt" for d in dirs]
+        if not all(f.exists() for f in files):
+            continue
+        ws = [torch.load(f, map_location="cpu").double().numpy() for f in files]
+        out.append({"epoch": e, "l2": metrics.pairwise_l2(ws), "norm": float(np.mean([np.linalg.norm(w) for w in ws]))})
     return out
 
 
@@ -370,10 +374,7 @@ def collect_config(study: Study, p: Planned) -> tuple[dict, dict]:
     if len(done) >= 2:
         out["metrics"] = metrics.summarize(logits, labels, groups)
         # weights: pairwise distance per epoch, and the first step with differing bits per pair
-        ws = [_weights(d, c["epochs"]) for d in done]
-        epochs = sorted(set.intersection(*(set(w) for w in ws)))
-        out["weights"] = [{"epoch": e, "l2": metrics.pairwise_l2([w[e] for w in ws]),
-                           "norm": float(np.mean([np.linalg.norm(w[e]) for w in ws]))} for e in epochs]
+        out["weights"] = weight_distances(done, c["epochs"])
         sums = [_checksums(d) for d in done]
         firsts = [metrics.first_divergent_step(sums[i], sums[j]) for i, j in metrics.pairs(len(done))]
         out["first_divergence"] = {"per_pair": firsts,
