@@ -179,10 +179,51 @@ def maxpool_bwd_atomic_cuda(dy, indices, *, input_size, kernel_size, stride=None
 
 
 def _pool_args(p: dict, c: int, layout: str) -> tuple:
+    return _pool_ints(c, layout, *(p[k] for k in _POOL_KEYS))
+
+
+_POOL_KEYS = ("h", "w", "oh", "ow", "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw")
+
+
+@functools.lru_cache(maxsize=512)
+def _pool_ints(c: int, layout: str, *vals) -> tuple:
+    """The kernels' int32 pool arguments (cached: building them costs host time on every small call)."""
+    p = dict(zip(_POOL_KEYS, vals))
     i32 = np.int32
     return (i32(c), i32(p["h"]), i32(p["w"]), i32(p["oh"]), i32(p["ow"]), i32(p["kh"]), i32(p["kw"]),
             i32(p["sh"]), i32(p["sw"]), i32(p["ph"]), i32(p["pw"]), i32(p["dh"]), i32(p["dw"]),
             i32(layout == "channels_last"))
+
+
+# Shared memory of one maxpool_bwd_tile block: at most the default 48 KiB a block may take without
+# opting in. Blocks stage about TILE_CELLS windows (NCHW: whole planes) or TILE_CHANNELS channels of one
+# image (channels_last); larger planes fall back to the global gather.
+SMEM_LIMIT = 48 * 1024
+TILE_CELLS = 512
+TILE_CHANNELS = 8
+
+
+@functools.lru_cache(maxsize=512)
+def tile_plan(n: int, c: int, h: int, w: int, oh: int, ow: int, layout: str) -> tuple[int, int, int, int] | None:
+    """(grid, group, shift, shared bytes) of maxpool_bwd_tile, or None when a block's share does not
+    fit in shared memory (then tree runs maxpool_bwd_tree). NCHW: ``group`` planes per block and
+    2^shift threads per dx row (the next power of two >= W, at most 32); channels_last: ``group``
+    channels per block, 2^shift = group. Depends on the shapes only; the bits never depend on it."""
+    q = oh * ow
+    if layout == "channels_last":
+        group = 1 << min(max(c - 1, 0).bit_length(), TILE_CHANNELS.bit_length() - 1)
+        shift = group.bit_length() - 1
+        cells = q * group
+        grid = n * cdiv(c, group)
+    else:
+        group = max(1, min(TILE_CELLS // q, n * c))
+        shift = min(max(w - 1, 0).bit_length(), 5)
+        cells = q * group
+        grid = cdiv(n * c, group)
+    smem = 8 * cells + 8 * (h + w)
+    if smem > SMEM_LIMIT or grid > MAX_BLOCKS:
+        return None
+    return grid, group, shift, smem
 
 
 def maxpool_bwd_tree_cuda(dy, indices, *, input_size, kernel_size, stride=None, padding=0, dilation=1,
@@ -190,12 +231,36 @@ def maxpool_bwd_tree_cuda(dy, indices, *, input_size, kernel_size, stride=None, 
     dy, indices, p, layout = _cuda_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation,
                                             ceil_mode)
     n, c = dy.shape[:2]
+    tiled = tile_plan(n, c, p["h"], p["w"], p["oh"], p["ow"], layout)
+    if tiled is None:
+        return _tree_gather(dy, indices, p, layout)
+    grid, group, shift, smem = tiled
+    dx = torch.empty((n, c, p["h"], p["w"]), device=dy.device, dtype=torch.float32,
+                     memory_format=_memory_format(layout))
+    units = n if layout == "channels_last" else n * c
+    launch(function(SOURCE, "maxpool_bwd_tile", dy.device), (grid,), (THREADS,),
+           (ptr(dy), ptr(indices), ptr(dx), np.int64(units), *_pool_args(p, c, layout), np.int32(group),
+            np.int32(shift)), device=dy.device, shared_mem=smem)
+    return dx
+
+
+def _tree_gather(dy, indices, p: dict, layout: str) -> torch.Tensor:
+    n, c = dy.shape[:2]
     dx = torch.empty((n, c, p["h"], p["w"]), device=dy.device, dtype=torch.float32,
                      memory_format=_memory_format(layout))
     total = dx.numel()
     launch(function(SOURCE, "maxpool_bwd_tree", dy.device), (_blocks(total),), (THREADS,),
            (ptr(dy), ptr(indices), ptr(dx), np.int64(total), *_pool_args(p, c, layout)), device=dy.device)
     return dx
+
+
+def maxpool_bwd_tree_gather_cuda(dy, indices, *, input_size, kernel_size, stride=None, padding=0, dilation=1,
+                                 ceil_mode=False) -> torch.Tensor:
+    """tree through the global-memory gather kernel only (what tree runs when the tile does not fit);
+    for tests and timing beside the tiled path. Same bits."""
+    dy, indices, p, layout = _cuda_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation,
+                                            ceil_mode)
+    return _tree_gather(dy, indices, p, layout)
 
 
 def maxpool_bwd_owner_cuda(dy, indices, *, input_size, kernel_size, stride=None, padding=0, dilation=1,
@@ -328,7 +393,8 @@ def maxpool_bwd_atomic_cpu(dy, indices, *, input_size, kernel_size, stride=None,
 register(Variant(OP, "atomic", False, False, maxpool_bwd_atomic_cuda, maxpool_bwd_atomic_cpu,
                  "one thread per window; its gradient atomicAdd-ed at the argmax (overlapping windows collide)"))
 register(Variant(OP, "tree", True, False, maxpool_bwd_tree_cuda, maxpool_bwd_tree_cpu,
-                 "one thread per input; gathers the windows whose argmax it is in (oh, ow) row-major order"))
+                 "one thread per input; gathers the windows whose argmax it is in (oh, ow) row-major order, "
+                 "from a shared-memory copy of the block's windows (global gather for planes too large)"))
 register(Variant(OP, "owner", True, False, maxpool_bwd_owner_cuda, maxpool_bwd_tree_cpu,
                  "one thread per window; the first window pointing at a position sums it in tree's order "
                  "(bits = tree)"))

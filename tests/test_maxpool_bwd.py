@@ -320,7 +320,7 @@ def _hi(x, s, p, out):
     return min((x + p) // s + 1, out)
 
 
-def _emulate(name, tensors, scalars):
+def _emulate(name, tensors, scalars, grid=None, shared_mem=0):
     dy, idx, dx = (t.view(-1) if t.is_contiguous() else t.permute(0, 2, 3, 1).reshape(-1) for t in tensors)
     dy, idx = dy.numpy(), idx.numpy()
     out = np.zeros(dx.numel(), dtype=np.float32)
@@ -332,6 +332,8 @@ def _emulate(name, tensors, scalars):
                 at = ((o // (OHW * C)) * HW + i) * C + o % C if cl else (o // OHW) * HW + i
                 out[at] = np.float32(out[at] + dy[o])
         return out
+    if name == "maxpool_bwd_tile":
+        return _emulate_tile(dy, idx, out, scalars, grid, shared_mem)
     total, C, H, W, OH, OW, KH, KW, SH, SW, PH, PW, DH, DW, cl = scalars
     per_element = name == "maxpool_bwd_tree"
     for t in range(total):
@@ -368,6 +370,47 @@ def _emulate(name, tensors, scalars):
     return out
 
 
+def _gather(dy, idx, base, step, h, w, W, OH, OW, win):
+    """tree's gather of position (h, w) from the windows at dy/idx[base + (oh * OW + ow) * step]."""
+    KH, KW, SH, SW, PH, PW, DH, DW = win
+    acc = np.float32(0.0)
+    for oh in range(_lo(h, KH, SH, PH, DH), _hi(h, SH, PH, OH)):
+        for ow in range(_lo(w, KW, SW, PW, DW), _hi(w, SW, PW, OW)):
+            o = base + (oh * OW + ow) * step
+            if int(idx[o]) == h * W + w:
+                acc = np.float32(acc + dy[o])
+    return acc
+
+
+def _emulate_tile(dy, idx, out, scalars, grid, shared_mem):
+    """maxpool_bwd_tile block by block: which planes (NCHW) or channels of which image (channels_last)
+    each block stages, and where it writes; the gather reads global memory in the same order as the
+    kernel reads its shared copy."""
+    units, C, H, W, OH, OW, *win, cl, group, shift = scalars
+    Q, HW = OH * OW, H * W
+    assert shared_mem == 8 * Q * group + 8 * (H + W)
+    written = np.zeros(out.size, dtype=bool)
+    for b in range(grid[0]):
+        if cl:
+            assert group == 1 << shift
+            cblocks = -(-C // group)
+            n, c0 = b // cblocks, (b % cblocks) * group
+            assert n < units
+            for c in range(c0, min(c0 + group, C)):
+                for pos in range(HW):
+                    at = (n * HW + pos) * C + c
+                    out[at] = _gather(dy, idx, n * Q * C + c, C, pos // W, pos % W, W, OH, OW, win)
+                    written[at] = True
+        else:
+            assert 1 << shift >= min(W, 32)
+            for p in range(b * group, min(b * group + group, units)):
+                for pos in range(HW):
+                    out[p * HW + pos] = _gather(dy, idx, p * Q, 1, pos // W, pos % W, W, OH, OW, win)
+                    written[p * HW + pos] = True
+    assert written.all(), "the grid leaves dx elements unwritten"
+    return out
+
+
 EMULATED = ["overlap_odd_nchw", "overlap_odd_channels_last", "dilation2_channels_last", "ceil_k3s2",
             "k3s1_heavy_overlap_nchw", "odd0_nchw", "odd0_channels_last", "odd4_nchw", "odd4_channels_last"]
 
@@ -387,7 +430,7 @@ def test_launchers_against_emulated_kernels(name, monkeypatch):
         assert block == (mp.THREADS,) and grid[0] >= 1
         dy, idx, dx = (tensors[int(a)] for a in args[:3])
         assert all(isinstance(a, (np.int32, np.int64)) for a in args[3:])
-        results[fn] = _emulate(fn, (dy, idx, dx), [int(a) for a in args[3:]])
+        results[fn] = _emulate(fn, (dy, idx, dx), [int(a) for a in args[3:]], grid, shared_mem)
 
     monkeypatch.setattr(mp, "check_cuda", lambda *a: None)
     monkeypatch.setattr(mp, "function", lambda source, name, device: name)
@@ -400,10 +443,14 @@ def test_launchers_against_emulated_kernels(name, monkeypatch):
         args, kw = SPEC.make_inputs(next(c for c in TEST_CASES if c.name == name), CPU)
     tree = TREE(*args, **kw)
     memory = (tree if tree.is_contiguous() else tree.permute(0, 2, 3, 1)).reshape(-1).numpy().view(np.uint32)
-    for v in kernels.variants(OP):
-        out = v.cuda(*args, **kw)
+    launchers = {v.name: v.cuda for v in kernels.variants(OP)}
+    launchers["tree_gather"] = mp.maxpool_bwd_tree_gather_cuda
+    kernel_of = {"tree": "tile", "tree_gather": "tree"}
+    for name, launcher in launchers.items():
+        out = launcher(*args, **kw)
         assert layout_ok(out, args[0])
-        got = results[f"maxpool_bwd_{v.name}"].view(np.uint32)
+        got = results[f"maxpool_bwd_{kernel_of.get(name, name)}"].view(np.uint32)
+        v = kernels.get(OP, "tree" if name == "tree_gather" else name)
         if v.deterministic:
             assert np.array_equal(got, memory), v.key
         else:  # sequential emulation: one arrival order, within the some-order check
@@ -411,6 +458,18 @@ def test_launchers_against_emulated_kernels(name, monkeypatch):
             shaped = nchw.view(out.shape) if out.is_contiguous() else \
                 nchw.view(out.shape[0], out.shape[2], out.shape[3], out.shape[1]).permute(0, 3, 1, 2)
             check_some_order(shaped, tree, args, kw)
+
+
+def test_tile_plan_fits_shared_memory_or_falls_back():
+    stem = mp.tile_plan(128, 64, 16, 16, 8, 8, "nchw")
+    assert stem == (1024, 8, 4, 8 * 512 + 8 * 32)
+    assert mp.tile_plan(128, 64, 16, 16, 8, 8, "channels_last") == (128 * 8, 8, 3, 8 * 512 + 8 * 32)
+    assert mp.tile_plan(3, 3, 5, 5, 3, 3, "channels_last")[1:3] == (4, 2)  # group: next power of two >= C
+    for layout in ("nchw", "channels_last"):
+        assert mp.tile_plan(1, 64, 224, 224, 112, 112, layout) is None  # 12544 windows a plane: gather
+        for n, c, h, w in ((2, 3, 15, 13), (1, 1, 1, 1), (4, 70, 40, 40)):
+            t = mp.tile_plan(n, c, h, w, (h + 1) // 2, (w + 1) // 2, layout)
+            assert t is not None and t[3] <= mp.SMEM_LIMIT
 
 
 def test_cu_compiles_with_nvcc(tmp_path):
@@ -462,6 +521,26 @@ def test_gpu_deterministic_bitwise_repeatable_and_equals_model(case, variant, cu
     model = variant(*cpu_args, **kw)
     diff = np.nonzero(bits(first) != bits(model))[0]
     assert diff.size == 0, f"CUDA {variant.key} differs from its CPU model at {diff[:10]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_gpu_tree_kernels_agree_bitwise(case, cuda_sync):
+    """tree's two kernels (tiled through shared memory, and the global gather it falls back to for
+    large planes) give the same bits."""
+    args, kw = SPEC.make_inputs(case, CUDA)
+    tiled, gathered = TREE(*args, **kw), mp.maxpool_bwd_tree_gather_cuda(*args, **kw)
+    diff = np.nonzero(bits(tiled) != bits(gathered))[0]
+    assert diff.size == 0, f"tiled and gather kernels differ at {diff[:10]}"
+
+
+@pytest.mark.gpu
+def test_gpu_tree_falls_back_on_large_planes(cuda_sync):
+    shape, kw = (1, 2, 160, 150), dict(kernel_size=3, stride=1, padding=1)
+    assert mp.tile_plan(1, 2, 160, 150, 160, 150, "nchw") is None
+    args, call = odd_inputs(shape, kw, device=CUDA)
+    cpu_args, _ = odd_inputs(shape, kw)
+    assert np.array_equal(bits(TREE(*args, **call)), bits(TREE(*cpu_args, **call)))
 
 
 @pytest.mark.gpu

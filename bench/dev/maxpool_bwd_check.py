@@ -124,7 +124,7 @@ def check(name: str, out: torch.Tensor, cpu_args, kw, tree_model: torch.Tensor, 
         return f"FAIL: {outside} elements outside the bound", ratio
     if np.array_equal(bits(out), bits(tree_model)):
         return "bitwise", ratio
-    if name in {v.name for v in kernels.variants(OP) if v.deterministic}:
+    if name in {v.name for v in kernels.variants(OP) if v.deterministic} | {"tree_gather"}:
         return f"FAIL: differs from its CPU model at {int(np.sum(bits(out) != bits(tree_model)))} elements", ratio
     try:
         _check_some_order(out, tree_model, cpu_args, kw, count)
@@ -170,6 +170,8 @@ def main(argv=None) -> int:
             count, abs_sum, _, _ = mp.contributions(*cpu_args, **kw)
             collide = int(np.sum(count >= 3))
             fns = {v.name: (lambda v=v: v(*gpu_args, **kw)) for v in kernels.variants(OP)}
+            # tree's fallback kernel (global gather), timed beside the tiled one; same bits as tree.
+            fns["tree_gather"] = lambda: mp.maxpool_bwd_tree_gather_cuda(*gpu_args, **kw)
             for peer, f in spec.peers().items():
                 fns[peer] = lambda f=f: f(*gpu_args, **kw)
             results = {}
@@ -198,7 +200,7 @@ def main(argv=None) -> int:
                 r["vs_torch"] = r["gpu_us"] / results["torch"]
     hdr = ("case", "variant", "cont", "n>=3", "check", "err/bnd", "distinct", "gpu_us", "GB/s", "x atomic",
            "x torch", "wall_us", "backlog")
-    fmt = "{:<36} {:<7} {:>6} {:>7} {:<12} {:>7} {:>8} {:>8} {:>7} {:>8} {:>7} {:>8} {:>7}"
+    fmt = "{:<36} {:<11} {:>6} {:>7} {:<12} {:>7} {:>8} {:>8} {:>7} {:>8} {:>7} {:>8} {:>7}"
     print(fmt.format(*hdr))
     for r in rows:
         print(fmt.format(r["case"], r["variant"], f"{r['contention']:.1f}", r["collide3"], r["check"][:12],
