@@ -478,6 +478,11 @@ def render(res: dict | str | Path, md_path: str | Path, examples_path: str | Pat
                   f"{setup['epochs']} epoch{'s' if setup['epochs'] != 1 else ''} of batch {setup['batch_size']}, peak lr {setup['lr']}, {res['members']} members "
                   f"per configuration, on {where}. Rendered from `{res['stem']}.json` "
                   f"(collected {res.get('collected')}).", ""]
+    if res["backend"] == "cpu":
+        lines += ["On CPU the `atomic` variants run their order models, which draw a fresh random arrival order "
+                  "per call (a random order each time, not a GPU's frequency of reordering), and stock PyTorch "
+                  "(`native`) is deterministic: the GPU report (`reports/divergence.md`) is the one that speaks "
+                  "for cuDNN.", ""]
     lines += headline(res)
     if have["disagreement"]:
         lines += [f"![disagreement per configuration]({stem}_disagreement.png)", ""]

@@ -4,7 +4,7 @@ The grid runs through the training harness; every configuration gets the diverge
 ``nnrand.metrics``, and the report links op-level noise to prediction divergence.
 
     python -m nnrand.study                          # default grid (CUDA) or the quick grid (CPU)
-    python -m nnrand.study --time-budget 540        # stop cleanly before a member would pass 540 s
+    python -m nnrand.study --time-budget 480        # stop cleanly before a member would pass 480 s
     python -m nnrand.study report                   # re-render from the files; trains nothing
 
 Each configuration is one run directory of the harness (``<runs-dir>/<config>/member_XXX``); every
@@ -489,7 +489,9 @@ def collect(study: Study, timing: dict | None = None) -> dict:
 
 EPILOG = """examples:
   python -m nnrand.study                                   the default grid: CUDA full size, CPU quick
-  python -m nnrand.study --time-budget 540                 stop before a member would pass 540 s; rerun to resume
+  python -m nnrand.study --time-budget 480                 stop before a member would pass 480 s; rerun to resume
+                                                           (480 leaves room for the timing pass and the report
+                                                           inside a 10-minute command)
   python -m nnrand.study --quick --members 4               the small grid, 4 members per configuration
   python -m nnrand.study --configs control,impl,algo       a subset of the grid
   python -m nnrand.study --lr 0.1 --lr 0.4                 every configuration at two learning rates

@@ -155,6 +155,7 @@ def test_killed_study_continues_and_skips_finished_members(tmp_path, monkeypatch
     assert len(res["configs"]["seeds"]["weights"]) == TINY["epochs"]
 
 
+@pytest.mark.slow
 def test_time_budget_stops_cleanly_and_the_same_command_resumes(tmp_path):
     grid = tiny_grid(tmp_path, ("seeds",))
     argv = ["--device", "cpu", "--grid", str(grid), "--runs-dir", str(tmp_path / "runs"),
@@ -184,6 +185,15 @@ def test_time_budget_stops_cleanly_and_the_same_command_resumes(tmp_path):
 
     r = run("status")
     assert "seeds" in r.stdout and "2/2 members done" in r.stdout
+
+    # without the run directories, the report renders from the results file alone
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs")
+    (tmp_path / "rep" / "div.md").unlink()
+    r = run("--report-only")
+    assert r.returncode == 0, r.stderr
+    assert "| `seeds` |" in (tmp_path / "rep" / "div.md").read_text()
 
 
 def test_help_has_examples():
