@@ -10,9 +10,17 @@
 //   atomic   every block atomicAdd-s its partial tile into dw (zeroed first). NONDETERMINISTIC: the
 //            arrival order of the S partials of an element decides its rounding (cuDNN's fast
 //            BwdFilter algorithms do the same).
-//   tree     every block stores its partial tile to a workspace [S][M][R]; conv_wgrad_reduce then sums
-//            the S partials of each element in a fixed order (8 strided groups, each sequential, then the
-//            8 group sums in index order). Deterministic: no value depends on timing.
+//   tree     every block stores its partial tile to a workspace; the S partials of each element are
+//            then summed in a fixed order (8 strided groups, each sequential, then the 8 group sums in
+//            index order). Deterministic: no value depends on timing. Two ways to run that combine, with
+//            the same additions in the same order and so the same bits:
+//            - fused (conv_wgrad_fused_*, one launch): the workspace is [tile][S][TM*TN][thread], so
+//              every store and load is coalesced whatever the layout; each block draws a ticket on its
+//              tile's counter after storing, and the block that draws the last one (it sees all S
+//              partials) combines the tile and writes dw. Counters come back to zero (arrive_last in
+//              common.cuh), so no memset. That block reads S*BM*BN floats alone, which pays only with
+//              many tiles and few splits (the launcher decides).
+//            - two launches: workspace [S][M][R], then conv_wgrad_reduce (32 elements a block).
 //   nosplit  S = 1: one block owns the whole reduction of its tile and stores it. Deterministic, but
 //            small-M*R shapes leave most SMs idle (the reason split-K exists).
 // All variants use FFMA, so the CPU models reproduce the chunking and the combine order but not the
@@ -24,8 +32,11 @@
 // loads along channels instead of along k. Indices are 32-bit (the launcher refuses tensors of 2^31
 // elements or more). The load-side options never change the bits (see wgrad_tile).
 
+#include "common.cuh"  // arrive_last
+
 #define WG_THREADS 256
 #define WG_BK 16
+#define WG_GROUPS 8
 
 struct ConvArgs {
     int cin, h, w, cout, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw;
@@ -47,8 +58,10 @@ struct ConvArgs {
 //          workspace in r' order and mapping r' -> r in conv_wgrad_reduce would avoid it.
 template <int BM, int BN, int TM, int TN, int MODE, bool SROWS, bool CL>
 __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const float* __restrict__ dy,
-                                           float* __restrict__ out, const ConvArgs& a) {
+                                           float* __restrict__ out, const ConvArgs& a,
+                                           float* __restrict__ ws = nullptr, unsigned int* counters = nullptr) {
     // MODE 0: atomicAdd into out (= dw). MODE 1: store into out + s*M*R (a workspace, or dw when S = 1).
+    // MODE 2: fused tree combine: partial to ws, the tile's last block sums the S partials into out.
     static_assert(!CL || SROWS, "the channels_last mapping keeps its column table in shared memory");
     static_assert(WG_BK * 16 == WG_THREADS, "each K-step tile row is loaded by 16 threads");
     constexpr int AR = BM / 16, BR = BN / 16;  // rows of the A and B tiles each thread loads per K-step
@@ -172,6 +185,47 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         __syncthreads();
     }
 
+    if constexpr (MODE == 2) {
+        constexpr int E = TM * TN;
+        const int S = gridDim.z, tile = blockIdx.y * gridDim.x + blockIdx.x;
+        float* wt = ws + (long long)tile * S * E * WG_THREADS + t;  // [tile][s][q][thread]
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) __stcg(wt + ((long long)blockIdx.z * E + i * TN + j) * WG_THREADS, acc[i][j]);
+        __threadfence();  // this thread's partials are visible device-wide before the ticket is drawn
+        __shared__ bool last;
+        __syncthreads();
+        if (t == 0) last = arrive_last(counters + tile, (unsigned)S);
+        __syncthreads();
+        if (!last) return;
+        // The last block: for each of this thread's elements, group g adds partials s = g, g + 8, ...
+        // in order from +0.0, then the 8 group sums are added in order from +0.0 (as conv_wgrad_reduce).
+#pragma unroll 2
+        for (int q = 0; q < E; ++q) {
+            const int i = q / TN, j = q % TN;
+            const int m = m0 + (i / 4) * GM + ty * 4 + (i % 4);
+            const int col = (j / 4) * GN + tx * 4 + (j % 4);
+            float part[WG_GROUPS];
+#pragma unroll
+            for (int g = 0; g < WG_GROUPS; ++g) part[g] = 0.0f;
+            for (int s0 = 0; s0 < S; s0 += WG_GROUPS) {
+                float v[WG_GROUPS];
+#pragma unroll
+                for (int g = 0; g < WG_GROUPS; ++g)
+                    v[g] = s0 + g < S ? __ldcg(wt + ((long long)(s0 + g) * E + q) * WG_THREADS) : 0.0f;
+#pragma unroll
+                for (int g = 0; g < WG_GROUPS; ++g)
+                    if (s0 + g < S) part[g] += v[g];
+            }
+            float r = 0.0f;
+#pragma unroll
+            for (int g = 0; g < WG_GROUPS; ++g) r += part[g];
+            if (m < M && r0 + col < R) out[m * R + (CL ? brow[col].w : r0 + col)] = r;
+        }
+        return;
+    }
+
     float* dst = MODE == 0 ? out : out + (long long)blockIdx.z * M * R;
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
@@ -201,6 +255,13 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         wgrad_tile<BM, BN, TM, TN, MODE, SROWS, CL>(x, dy, out, a);                                    \
     }
 
+#define WG_FUSED_KERNEL(name, BM, BN, TM, TN, SROWS, CL, MINB)                                        \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, MINB)                                     \
+    name(const float* x, const float* dy, float* out, float* ws, unsigned int* counters, WG_PARAMS) { \
+        const ConvArgs a = WG_ARGS;                                                                    \
+        wgrad_tile<BM, BN, TM, TN, 2, SROWS, CL>(x, dy, out, a, ws, counters);                         \
+    }
+
 // 128x128 tiles: at most 128 registers so that two blocks share an SM; 64x64: three blocks an SM.
 // Suffix: _r row constants in registers (ptxas spills ~50 bytes of them at 128x128), _s in shared
 // memory, _cl in shared memory with the channels_last mapping.
@@ -216,11 +277,16 @@ WG_KERNEL(conv_wgrad_atomic_t128_cl, 128, 128, 8, 8, 0, true, true, 2)
 WG_KERNEL(conv_wgrad_split_t128_cl, 128, 128, 8, 8, 1, true, true, 2)
 WG_KERNEL(conv_wgrad_atomic_t64_cl, 64, 64, 4, 4, 0, true, true, 3)
 WG_KERNEL(conv_wgrad_split_t64_cl, 64, 64, 4, 4, 1, true, true, 3)
+WG_FUSED_KERNEL(conv_wgrad_fused_t128_r, 128, 128, 8, 8, false, false, 2)
+WG_FUSED_KERNEL(conv_wgrad_fused_t64_r, 64, 64, 4, 4, false, false, 3)
+WG_FUSED_KERNEL(conv_wgrad_fused_t128_s, 128, 128, 8, 8, true, false, 2)
+WG_FUSED_KERNEL(conv_wgrad_fused_t64_s, 64, 64, 4, 4, true, false, 3)
+WG_FUSED_KERNEL(conv_wgrad_fused_t128_cl, 128, 128, 8, 8, true, true, 2)
+WG_FUSED_KERNEL(conv_wgrad_fused_t64_cl, 64, 64, 4, 4, true, true, 3)
 
 // Fixed-order combine of the S chunk partials of each element: a block covers 32 elements (lanes) with
 // 8 warps; warp g adds partials s = g, g + 8, g + 16, ... in that order, then lane e of warp 0 adds the
 // 8 group sums in index order. Nothing depends on timing, so the result is bitwise reproducible.
-#define WG_GROUPS 8
 extern "C" __global__ void __launch_bounds__(32 * WG_GROUPS)
 conv_wgrad_reduce(const float* partials, int S, int MR, float* dw) {
     __shared__ float part[WG_GROUPS][32];

@@ -11,6 +11,7 @@ on the CPU); the variants differ in how the S partials of an element are combine
 
     atomic   atomicAdd in arrival order                      (model: random order per element)
     tree     workspace + fixed order: 8 strided groups, each sequential, then the 8 group sums in order
+             (in the GEMM launch by each tile's last block, or by a second kernel: see FUSE)
     nosplit  S = 1, no combine at all
 
 The GPU's FFMA rounding inside a chunk cannot be reproduced by a CPU BLAS, so no variant is CPU/GPU
@@ -30,6 +31,7 @@ from .order import F32, arrival_sum, pad_to, seq_sum
 from .registry import Case, OpSpec, Variant, register, register_op
 from .runtime import (
     INT32_MAX,
+    ticket_counters,
     KernelArgumentError,
     cdiv,
     check_cuda,
@@ -62,6 +64,15 @@ MIN_SPLITS = 8
 # H200 "s" was 5-15% faster than "r" on NCHW inputs and 25-40% faster for atomic on channels_last, with
 # the same bits.
 KERNEL_STYLE = "s"
+# How tree runs its fixed-order combine (same bits every way): "fused" in the GEMM launch (the last
+# block of each output tile combines it), "separate" (a second kernel), or "auto": fused when there
+# are at least FUSE_MIN_TILES tiles and at most FUSE_MAX_SPLITS splits. The last block of a tile
+# reads S*tile^2 floats alone, so with few tiles and many splits (the stems: 1-9 tiles, 64-256 splits)
+# that tail would cost more than a second launch; with many tiles the combines overlap other tiles'
+# GEMMs and the workspace pass of the second kernel disappears.
+FUSE = "auto"
+FUSE_MIN_TILES = 32
+FUSE_MAX_SPLITS = 16
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,7 +191,8 @@ def _int_args(g: Geometry, sx: tuple, sd: tuple, p: Plan) -> tuple:
                                        g.pw, g.dh, g.dw, *sx, *sd, g.k, p.chunk))
 
 
-def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, g: Geometry, p: Plan) -> None:
+def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, g: Geometry, p: Plan,
+          extra: tuple = ()) -> None:
     ints = _int_args(g, x.stride(), dy.stride(), p)
     grid = (cdiv(g.r, p.tile), cdiv(g.m, p.tile), p.splits)
     style = KERNEL_STYLE
@@ -188,7 +200,18 @@ def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, g: Ge
             and dy.is_contiguous(memory_format=torch.channels_last) and not dy.is_contiguous():
         style = "cl"  # same bits, loads along channels
     fn = function(SOURCE, f"conv_wgrad_{name}_t{p.tile}_{style}", x.device)
-    launch(fn, grid, (THREADS,), (ptr(x), ptr(dy), ptr(out), *ints), device=x.device)
+    launch(fn, grid, (THREADS,), (ptr(x), ptr(dy), ptr(out), *extra, *ints), device=x.device)
+
+
+def fused(g: Geometry, p: Plan) -> bool:
+    """Whether tree combines in the GEMM launch (see FUSE); the bits are the same either way."""
+    if p.splits == 1:
+        return False
+    if FUSE in ("fused", "separate"):
+        return FUSE == "fused"
+    if FUSE != "auto":
+        raise ValueError(f"{OP}: FUSE must be 'auto', 'fused' or 'separate', got {FUSE!r}")
+    return cdiv(g.m, p.tile) * cdiv(g.r, p.tile) >= FUSE_MIN_TILES and p.splits <= FUSE_MAX_SPLITS
 
 
 def _cuda_prologue(x, dy, kernel_size, stride, padding, dilation) -> Geometry:
@@ -209,6 +232,12 @@ def _split_and_combine(x, dy, g: Geometry, p: Plan) -> torch.Tensor:
     dw = torch.empty(g.w_shape, device=x.device, dtype=torch.float32)
     if p.splits == 1:  # one chunk: the GEMM stores the final values itself
         _gemm("split", x, dy, dw, g, p)
+        return dw
+    if fused(g, p):  # workspace [tile][S][tile^2]; each tile's last block writes dw
+        tiles = cdiv(g.m, p.tile) * cdiv(g.r, p.tile)
+        ws = torch.empty(tiles * p.splits * p.tile * p.tile, device=x.device, dtype=torch.float32)
+        counters = ticket_counters(x.device, tiles)
+        _gemm("fused", x, dy, dw, g, p, (ptr(ws), ptr(counters)))
         return dw
     mr = g.m * g.r
     partials = torch.empty((p.splits, mr), device=x.device, dtype=torch.float32)

@@ -267,6 +267,22 @@ def test_registry_rows():
     assert not any(v.cpu_bitexact or v.order_independent for v in VARIANTS)  # FFMA inside a chunk
 
 
+def test_fused_combine_choice(monkeypatch):
+    from kernels import conv_wgrad
+
+    def geom(s):
+        _, _, oh, ow = s.y_shape
+        return conv_wgrad.Geometry(s.n, s.cin, s.h, s.w, s.cout, oh, ow, s.k, s.k, s.stride, s.stride, s.pad,
+                                   s.pad, 1, 1)
+
+    chosen = {s.name: conv_wgrad.fused(geom(s), plan(s.cout, s.cin * s.k * s.k, s.n * s.y_shape[2] * s.y_shape[3]))
+              for s in RESNET18_CONV}
+    assert chosen["conv3x3_512-512_4"] and not chosen["stem3x3_3-64_32"] and not chosen["conv1x1s2_128-256_16"]
+    monkeypatch.setattr(conv_wgrad, "FUSE", "sometimes")
+    with pytest.raises(ValueError, match="FUSE"):
+        conv_wgrad.fused(geom(RESNET18_CONV[10]), plan(512, 4608, 2048))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cu_compiles_with_nvcc():
     src = KERNEL_DIR / "conv_wgrad.cu"
@@ -398,6 +414,32 @@ def test_gpu_kernel_styles_give_the_same_bits(variant, monkeypatch):
             shipped = variant(*args, **kw)
             monkeypatch.setattr(conv_wgrad, "KERNEL_STYLE", "r")
             assert_bitwise_equal(variant(*args, **kw), shipped, f"{variant.key} {shape.name} {layout}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_gpu_fused_and_separate_combine_give_the_same_bits(layout, monkeypatch):
+    """tree's fixed-order combine in the GEMM launch (last block per tile, ticket counters) or in a
+    second kernel: the same additions in the same order. Forced both ways on shapes with 1 to 144
+    tiles and 8 to 256 splits, and on ragged hostile shapes; the fused one repeated, so a counter left
+    nonzero by one launch would show in the next."""
+    from kernels import conv_wgrad
+
+    cases = [gpu_case(RESNET18_CONV[i]) for i in (0, 3, 7, 10, 11)]
+    # batch 16: ragged tiles (R = 147, 576) with 8 splits
+    cases += [kernels.Case(OP, f"{RESNET18_CONV[i].name}_n16", dict(gpu_case(RESNET18_CONV[i]).params, n=16),
+                           seed=77 + i) for i in (2, 11)]
+    for case in cases:
+        args, kw = SPEC.make_inputs(case, torch.device("cuda"))
+        if layout == "channels_last":
+            args = tuple(a.to(memory_format=torch.channels_last) for a in args)
+        monkeypatch.setattr(conv_wgrad, "FUSE", "separate")
+        separate = TREE(*args, **kw)
+        monkeypatch.setattr(conv_wgrad, "FUSE", "fused")
+        outs = [TREE(*args, **kw) for _ in range(10)]
+        torch.cuda.synchronize()
+        for o in outs:
+            assert_bitwise_equal(o, separate, f"{case.name} {layout}")
 
 
 @pytest.mark.gpu

@@ -60,6 +60,16 @@ def configuration(blocks: int, style: str):
         conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE = saved
 
 
+@contextlib.contextmanager
+def fuse_mode(mode: str):
+    saved = conv_wgrad.FUSE
+    conv_wgrad.FUSE = mode
+    try:
+        yield
+    finally:
+        conv_wgrad.FUSE = saved
+
+
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.contiguous().view(torch.int32).cpu().numpy().tobytes()).hexdigest()
 
@@ -101,6 +111,20 @@ def graph_us(fn, repeats: int, calls: int = 10) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times)
+
+
+def _in_mode(mode, variant, x, dy, kw):
+    with fuse_mode(mode):
+        return variant(x, dy, **kw)
+
+
+def _geom_args(case):
+    p = case.params
+    m, r, k = geometry(case)
+    oh = (p["h"] + 2 * p["pad"] - p["dilation"] * (p["k"] - 1) - 1) // p["stride"] + 1
+    ow = (p["w"] + 2 * p["pad"] - p["dilation"] * (p["k"] - 1) - 1) // p["stride"] + 1
+    return (p["n"], p["cin"], p["h"], p["w"], p["cout"], oh, ow, p["k"], p["k"], p["stride"], p["stride"],
+            p["pad"], p["pad"], p["dilation"], p["dilation"])
 
 
 def geometry(case):
@@ -149,6 +173,10 @@ def main() -> int:
         m, r, k = geometry(case)
         pl = plan(m, r, k)
         impls = [(v.name, (lambda v=v: v(x, dy, **kw)), (True, False)) for v in variants]
+        # tree with its combine forced into the GEMM launch or into a second kernel (same bits as tree).
+        tree = kernels.get(OP, "tree")
+        for mode in ("fused", "separate"):
+            impls.append((f"tree_{mode}", (lambda mode=mode: _in_mode(mode, tree, x, dy, kw)), (True, False)))
         impls += [("cudnn", lambda: peer(x, dy, **kw), (True, False)),
                   ("cudnn_det", lambda: peer(x, dy, **kw), (False, True))]
         res = {}
@@ -157,6 +185,8 @@ def main() -> int:
                 out = fn()
                 torch.cuda.synchronize()  # surfaces a launch error here
                 bound = depth(name if name in ("tree", "nosplit") else "atomic", case) * U32 * mag
+                if name.startswith("tree_"):
+                    bound = depth("tree", case) * U32 * mag
                 err = ((out.double() - ref).abs() / bound.clamp_min(1e-300)).max().item()
                 seen = {digest(out)}
                 for _ in range(args.repeats - 1):
@@ -164,13 +194,17 @@ def main() -> int:
                 us = time_us(fn, args.repeats)
                 gus = graph_us(fn, args.repeats) if args.graph and name != "cudnn_det" else float("nan")
             failures += not err <= 1.0
+            if name.startswith("tree_") and not torch.equal(out, res["tree"]["out"]):
+                print(f"  FAIL {case.name} {name}: bits differ from tree", flush=True)
+                failures += 1
             res[name] = dict(us=us, gpu_us=gus, err=err, distinct=len(seen), out=out)
         for name, rr in res.items():
-            rows.append(dict(case=case.name, plan=f"t{pl.tile} S{pl.splits} Kc{pl.chunk}", variant=name,
+            fz = "F" if conv_wgrad.fused(conv_wgrad.Geometry(*_geom_args(case)), pl) else ""
+            rows.append(dict(case=case.name, plan=f"t{pl.tile} S{pl.splits} Kc{pl.chunk}{fz}", variant=name,
                              us=round(rr["us"], 1), gpu_us=round(rr["gpu_us"], 1),
                              tflops=round(flops / rr["us"] / 1e6, 2),
                              vs_cudnn=round(rr["us"] / res["cudnn"]["us"], 2),
-                             tree_vs_atomic=round(res["tree"]["us"] / res["atomic"]["us"], 2) if name == "tree" else "",
+                             tree_vs_atomic=round(rr["us"] / res["atomic"]["us"], 2) if name.startswith("tree") else "",
                              distinct=rr["distinct"], err_over_bound=f"{rr['err']:.3f}"))
         for t, st in combos:
             with configuration(t, st):
