@@ -497,6 +497,7 @@ EPILOG = """examples:
   python -m nnrand.study --lr 0.1 --lr 0.4                 every configuration at two learning rates
   python -m nnrand.study --grid grid.toml                  a grid from a JSON/TOML file (see load_grid_file)
   python -m nnrand.study status                            members done per configuration
+  python -m nnrand.study timing                            step time of native / deterministic / atomic / tree
   python -m nnrand.study report                            re-render the report from the files (trains nothing)
 
 default grid: control, algo, impl, algo+impl, perturb_ulp (one ULP in one weight), atomic-<op> for each of
@@ -511,9 +512,10 @@ outputs: reports/divergence.md (CUDA), reports/divergence_quick.md (CUDA --quick
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nnrand.study", description=__doc__.splitlines()[0],
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", nargs="?", choices=("run", "report", "status"), default="run",
+    p.add_argument("command", nargs="?", choices=("run", "report", "status", "timing"), default="run",
                    help="run (default): train what is missing, then collect and render; report: collect and "
-                        "render only; status: members done per configuration")
+                        "render only; status: members done per configuration; timing: the timing pass alone "
+                        "(overwrites its file), then render")
     p.add_argument("--report-only", action="store_true", help="same as the 'report' command")
     g = p.add_argument_group("grid")
     g.add_argument("--quick", action=argparse.BooleanOptionalAction, default=None,
@@ -570,6 +572,8 @@ def cli(argv: list[str] | None = None) -> int:
     if args.command == "status":
         print("\n".join(status_lines(study)))
         return 0
+    if args.command == "timing" and not run_timing(study, quick_steps=study.backend == "cpu"):
+        return 1
     outcome = {"stopped": False}
     if args.command == "run":
         try:
