@@ -156,8 +156,11 @@ def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
 def load_data(cfg: Config):
     from nnrand import data
 
-    ds = data.load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.data_seed, n_train=cfg.n_train,
-                           n_test=cfg.n_test, download=cfg.download)
+    try:
+        ds = data.load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.data_seed, n_train=cfg.n_train,
+                               n_test=cfg.n_test, download=cfg.download)
+    except ValueError as e:  # a size or name the dataset cannot serve; DatasetError passes through
+        raise ConfigError(f"--dataset {cfg.dataset}: {e}") from None
     if len(ds.train_y) < cfg.batch_size:
         raise ConfigError(f"--batch-size {cfg.batch_size} exceeds the {len(ds.train_y)} training images")
     return ds.to(cfg.device)
