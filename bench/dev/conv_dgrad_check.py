@@ -5,7 +5,8 @@ timings beside cuDNN, on every ResNet-18 conv shape at batch 128.
 
 --quick: NCHW only (the full run adds channels_last). cuDNN runs with cudnn.benchmark on and TF32 off
 ("cudnn"), and in deterministic mode ("cudnn_det"); the flags are restored on exit. Times are medians of
-CUDA-event timings of single calls after warm-up ("host_us": the Python call alone); "err/bound" is the largest |dx - dx_float64| divided by
+CUDA-event timings of single calls after warm-up ("host_us": the Python call alone; "b2b_us": per call over
+10 back-to-back calls, where host time hides behind the GPU's); "err/bound" is the largest |dx - dx_float64| divided by
 the element's own worst-case bound gamma_depth * sum |w| |dy| (<= 1 passes; the cuDNN rows are shown
 against the atomic variant's bound for comparison only: their algorithms are not tied to it).
 """
@@ -70,6 +71,22 @@ def time_us(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(host)
 
 
+def b2b_us(fn, repeats: int, calls: int = 10) -> float:
+    """Median device time per call over ``calls`` back-to-back calls (the host enqueues the next call
+    while the GPU runs the previous one, so host time hides wherever the kernels take longer)."""
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="NCHW only")
@@ -109,17 +126,23 @@ def main() -> int:
                         seen.append(again)
                 torch.cuda.synchronize()  # surfaces any launch error here
                 us, host_us = time_us(fn, args.repeats)
+                b2b = b2b_us(fn, args.repeats)
             if name in {v.name for v in variants}:
                 failures += err > 1.0
-            res[name] = dict(us=us, host_us=host_us, err=err, distinct=len(seen))
+            res[name] = dict(us=us, host_us=host_us, b2b_us=b2b, err=err, distinct=len(seen))
         for name, r in res.items():
             rows.append(dict(case=case.name, variant=name, us=round(r["us"], 1), host_us=round(r["host_us"], 1),
+                             b2b_us=round(r["b2b_us"], 1),
+                             b2b_vs_cudnn=round(r["b2b_us"] / res["cudnn"]["b2b_us"], 2),
+                             b2b_tree_vs_atomic=round(res["tree"]["b2b_us"] / res["atomic"]["b2b_us"], 2)
+                             if name == "tree" else "",
                              tflops=round(flops / r["us"] / 1e6, 2),
                              vs_cudnn=round(r["us"] / res["cudnn"]["us"], 2),
                              tree_vs_atomic=round(res["tree"]["us"] / res["atomic"]["us"], 2) if name == "tree" else "",
                              distinct=r["distinct"], err_over_bound=f"{r['err']:.3f}"))
         print(f"  done {case.name}", flush=True)
-    head = ["case", "variant", "us", "host_us", "tflops", "vs_cudnn", "tree_vs_atomic", "distinct", "err_over_bound"]
+    head = ["case", "variant", "us", "host_us", "b2b_us", "tflops", "vs_cudnn", "tree_vs_atomic", "b2b_vs_cudnn",
+            "b2b_tree_vs_atomic", "distinct", "err_over_bound"]
     widths = [max(len(h), *(len(str(r[h])) for r in rows)) for h in head]
     print("  ".join(h.ljust(n) for h, n in zip(head, widths)))
     for r in rows:
