@@ -13,10 +13,6 @@ import os
 
 import pytest
 
-# torch's deterministic mode refuses cuBLAS calls unless this is set before cuBLAS starts; it only
-# fixes cuBLAS's workspace size, for this benchmark process.
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
 _SESSION = pytest.StashKey()
 
 # bench/dev/ holds the kernel engineers' scripts; they are run by hand, never collected.
@@ -32,6 +28,13 @@ def pytest_addoption(parser):
                 help="quick bench: scale 'quick' on CUDA, fewer repeats (also NNRAND_BENCH_QUICK=1)")
     g.addoption("--bench-backend", default=None, choices=("auto", "cuda", "cpu"),
                 help="run the CUDA kernels or the CPU order models (default: CUDA when available)")
+
+
+def pytest_configure(config):
+    if config.getoption("benchmark_only", False):
+        # torch's deterministic mode refuses cuBLAS calls unless this is set before cuBLAS starts; it
+        # only fixes cuBLAS's workspace size, for this benchmark process.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def _session(config):
