@@ -20,7 +20,9 @@
 //              partials) combines the tile and writes dw. Counters come back to zero (arrive_last in
 //              common.cuh), so no memset. That block reads S*BM*BN floats alone, which pays only with
 //              many tiles and few splits (the launcher decides).
-//            - two launches: workspace [S][M][R], then conv_wgrad_reduce (32 elements a block).
+//            - two launches: workspace [S][M][R], then conv_wgrad_reduce (32 elements a block); under
+//              the channels_last mapping the workspace keeps the GEMM's column order r' and
+//              conv_wgrad_reduce_cl puts each sum at its r (the stores were scattered per partial).
 //   nosplit  S = 1: one block owns the whole reduction of its tile and stores it. Deterministic, but
 //            small-M*R shapes leave most SMs idle (the reason split-K exists).
 // All variants use FFMA, so the CPU models reproduce the chunking and the combine order but not the
@@ -52,10 +54,10 @@ struct ConvArgs {
 //          under the two-blocks-per-SM cap).
 //   CL     channels_last inputs: 16 consecutive threads load 16 consecutive channels of one k (NCHW:
 //          16 consecutive k of one row), and the tile's columns run over r' = (kh, kw, ci) so that
-//          consecutive columns are consecutive channels; the epilogue maps r' back to dw's r. Those
-//          scattered stores make the tree variant's workspace writes slow: up to 1.4x the atomic twin
-//          on channels_last (H200, 512->512 3x3 4x4, batch 128), against 1.12x on NCHW. Storing the
-//          workspace in r' order and mapping r' -> r in conv_wgrad_reduce would avoid it.
+//          consecutive columns are consecutive channels; the epilogue maps r' back to dw's r when it
+//          writes dw (atomic, S = 1, fused combine). Scattered workspace stores made tree up to 1.4x
+//          its atomic twin on channels_last (H200, 512->512 3x3 4x4, batch 128), against 1.12x on
+//          NCHW, so split workspaces stay in r' order (conv_wgrad_reduce_cl maps them).
 template <int BM, int BN, int TM, int TN, int MODE, bool SROWS, bool CL>
 __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const float* __restrict__ dy,
                                            float* __restrict__ out, const ConvArgs& a,
@@ -235,7 +237,9 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         for (int j = 0; j < TN; ++j) {
             const int col = (j / 4) * GN + tx * 4 + (j % 4);
             if (r0 + col >= R) continue;
-            const int r = CL ? brow[col].w : r0 + col;
+            // channels_last with S > 1: the workspace keeps the tile's r' order (coalesced stores);
+            // conv_wgrad_reduce_cl maps r' to r once per element instead of once per partial.
+            const int r = CL && (MODE == 0 || gridDim.z == 1) ? brow[col].w : r0 + col;
             if (MODE == 0) atomicAdd(dst + m * R + r, acc[i][j]);  // arrival order decides the rounding
             else dst[m * R + r] = acc[i][j];
         }
@@ -287,8 +291,11 @@ WG_FUSED_KERNEL(conv_wgrad_fused_t64_cl, 64, 64, 4, 4, true, true, 3)
 // Fixed-order combine of the S chunk partials of each element: a block covers 32 elements (lanes) with
 // 8 warps; warp g adds partials s = g, g + 8, g + 16, ... in that order, then lane e of warp 0 adds the
 // 8 group sums in index order. Nothing depends on timing, so the result is bitwise reproducible.
-extern "C" __global__ void __launch_bounds__(32 * WG_GROUPS)
-conv_wgrad_reduce(const float* partials, int S, int MR, float* dw) {
+// CL_ORDER: the partials hold element m*R + r' with r' = (kh*KW + kw)*Cin + ci (the channels_last GEMM's
+// column order); the sum goes to dw's m*R + ci*KH*KW + kh*KW + kw. Same additions, same order.
+template <bool CL_ORDER>
+__device__ __forceinline__ void reduce_body(const float* partials, int S, int MR, float* dw, int R, int cin,
+                                            int khw) {
     __shared__ float part[WG_GROUPS][32];
     const int lane = threadIdx.x & 31, g = threadIdx.x >> 5;
     const int e = blockIdx.x * 32 + lane;
@@ -303,6 +310,21 @@ conv_wgrad_reduce(const float* partials, int S, int MR, float* dw) {
         float r = 0.0f;
 #pragma unroll
         for (int i = 0; i < WG_GROUPS; ++i) r += part[i][lane];
-        dw[e] = r;
+        int at = e;
+        if (CL_ORDER) {
+            const int m = e / R, rp = e - m * R, tap = rp / cin;
+            at = m * R + (rp - tap * cin) * khw + tap;
+        }
+        dw[at] = r;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WG_GROUPS)
+conv_wgrad_reduce(const float* partials, int S, int MR, float* dw) {
+    reduce_body<false>(partials, S, MR, dw, 1, 1, 1);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WG_GROUPS)
+conv_wgrad_reduce_cl(const float* partials, int S, int MR, float* dw, int R, int cin, int khw) {
+    reduce_body<true>(partials, S, MR, dw, R, cin, khw);
 }

@@ -192,7 +192,8 @@ def _int_args(g: Geometry, sx: tuple, sd: tuple, p: Plan) -> tuple:
 
 
 def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, g: Geometry, p: Plan,
-          extra: tuple = ()) -> None:
+          extra: tuple = ()) -> str:
+    """Launch one GEMM kernel; returns the style it ran ("cl": a split workspace is in r' order)."""
     ints = _int_args(g, x.stride(), dy.stride(), p)
     grid = (cdiv(g.r, p.tile), cdiv(g.m, p.tile), p.splits)
     style = KERNEL_STYLE
@@ -201,6 +202,7 @@ def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, g: Ge
         style = "cl"  # same bits, loads along channels
     fn = function(SOURCE, f"conv_wgrad_{name}_t{p.tile}_{style}", x.device)
     launch(fn, grid, (THREADS,), (ptr(x), ptr(dy), ptr(out), *extra, *ints), device=x.device)
+    return style
 
 
 def fused(g: Geometry, p: Plan) -> bool:
@@ -241,9 +243,12 @@ def _split_and_combine(x, dy, g: Geometry, p: Plan) -> torch.Tensor:
         return dw
     mr = g.m * g.r
     partials = torch.empty((p.splits, mr), device=x.device, dtype=torch.float32)
-    _gemm("split", x, dy, partials, g, p)
-    launch(function(SOURCE, "conv_wgrad_reduce", x.device), (cdiv(mr, 32),), (32 * GROUPS,),
-           (ptr(partials), np.int32(p.splits), np.int32(mr), ptr(dw)), device=x.device)
+    style = _gemm("split", x, dy, partials, g, p)
+    args = (ptr(partials), np.int32(p.splits), np.int32(mr), ptr(dw))
+    if style == "cl":  # the workspace is in the GEMM's column order r' = (kh, kw, ci)
+        args += (np.int32(g.r), np.int32(g.cin), np.int32(g.kh * g.kw))
+    launch(function(SOURCE, "conv_wgrad_reduce_cl" if style == "cl" else "conv_wgrad_reduce", x.device),
+           (cdiv(mr, 32),), (32 * GROUPS,), args, device=x.device)
     return dw
 
 
