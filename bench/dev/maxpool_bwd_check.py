@@ -151,6 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", default="gpu", choices=("gpu", "quick"))
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", type=pathlib.Path)
+    ap.add_argument("--only", default="", help="comma-separated substrings: run the cases whose name has one")
     args = ap.parse_args(argv)
     if not kernels.cuda_available():
         print("needs a CUDA device and CuPy", file=sys.stderr)
@@ -161,7 +162,10 @@ def main(argv=None) -> int:
     print(env)
     rows = []
     with torch_settings():
+        only = [o for o in args.only.split(",") if o]
         for case in spec.bench_cases(args.scale):
+            if only and not any(o in case.name for o in only):
+                continue
             cpu_args, kw = spec.make_inputs(case, torch.device("cpu"))
             gpu_args, _ = spec.make_inputs(case, dev)
             layout = case.params["layout"]
