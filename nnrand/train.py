@@ -19,13 +19,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 import kernels
-from nnrand import noise, routing, runio
+from nnrand import data, models, noise, routing, runio
 from nnrand.fingerprint import fingerprint
 
 # --------------------------------------------------------------------------------------------------
@@ -94,8 +93,6 @@ class ConfigError(ValueError):
 
 def resolve(cfg: Config) -> Config:
     """Fill device defaults and the preset; validate names and values. Raises ConfigError."""
-    from nnrand import data, models
-
     cfg = dataclasses.replace(cfg, kernel_ops=dict(cfg.kernel_ops))
     if cfg.device is None:
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,8 +151,6 @@ def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
 
 
 def load_data(cfg: Config):
-    from nnrand import data
-
     try:
         ds = data.load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.data_seed, n_train=cfg.n_train,
                                n_test=cfg.n_test, download=cfg.download)
@@ -167,8 +162,6 @@ def load_data(cfg: Config):
 
 
 def train_batch(ds, order: torch.Tensor, i: int, batch: int, gen: torch.Generator, fmt):
-    from nnrand import data
-
     idx = order[i * batch:(i + 1) * batch].to(ds.train_x.device)
     x = data.normalize(data.augment(ds.train_x[idx], gen), ds).contiguous(memory_format=fmt)
     return x, ds.train_y[idx]
@@ -179,8 +172,6 @@ def train_batch(ds, order: torch.Tensor, i: int, batch: int, gen: torch.Generato
 
 
 def build(cfg: Config, seeds: noise.MemberSeeds, num_classes: int, fmt):
-    from nnrand import models
-
     noise.seed_torch(seeds.init)
     model = models.build_model(cfg.model, num_classes).to(cfg.device, memory_format=fmt)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=NESTEROV,
@@ -212,8 +203,6 @@ class Checksum:
 
 @torch.no_grad()
 def evaluate(model, ds, fmt) -> tuple[dict, torch.Tensor]:
-    from nnrand import data
-
     model.eval()
     logits = []
     for s in range(0, len(ds.test_y), EVAL_BATCH):
@@ -365,8 +354,6 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     model.train()
     with routing.use_kernels(route, model, rng=kernel_rng), _Interrupt() as interrupt:
         for epoch in epochs:
-            from nnrand import data
-
             order = data.epoch_order(n, epoch, seeds.order)
             gen = noise.epoch_generator(seeds.aug, epoch, device)
             acc = state["acc"] or {"loss": 0.0, "correct": 0, "seen": 0, "time_s": 0.0, "step_ms": []}
@@ -431,7 +418,8 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
               "train_loss": last["train_loss"], "train_top1": last["train_top1"],
               "final_checksum": state["checksums"][-1]["checksum"],
               "step_time_ms": statistics.median(m["step_time_ms"] for m in state["metrics"]),
-              "train_time_s": sum(m["epoch_time_s"] for m in state["metrics"])}
+              "train_time_s": sum(m["epoch_time_s"] for m in state["metrics"]),
+              "fingerprint": meta["fingerprint"]}
     runio.write_json(d / "result.json", result)
     return result
 
@@ -456,8 +444,6 @@ def _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch
 
 def preflight(cfg: Config, ds, route: routing.Routing) -> None:
     """Everything that can fail before training: kernels runnable on the device, disk space."""
-    from nnrand import models
-
     if torch.device(cfg.device).type == "cuda" and not route.is_native and not kernels.cuda_available():
         raise ConfigError("routing to kernel variants on CUDA needs CuPy (pip install 'nnrand[cuda13]' or "
                           "'nnrand[cuda12]'), or use --kernel native")
@@ -510,8 +496,6 @@ and <out>/<name>/report.md. An unfinished member resumes from its checkpoint; fi
 
 
 def parser() -> argparse.ArgumentParser:
-    from nnrand import data, models
-
     ops = ", ".join(routing.ROUTED_OPS)
     p = argparse.ArgumentParser(prog="python -m nnrand.train", description=__doc__.splitlines()[0],
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -566,14 +550,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    from nnrand.data import DatasetError
-
     p = parser()
     args = p.parse_args(argv)
     try:
         cfg = resolve(config_from_args(args))
         out = main(cfg)
-    except (ConfigError, routing.RoutingError, runio.DiskSpaceError, DatasetError) as e:
+    except (ConfigError, routing.RoutingError, runio.DiskSpaceError, data.DatasetError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     except KeyboardInterrupt as e:
         print(f"\n{e or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
