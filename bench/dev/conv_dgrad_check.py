@@ -140,6 +140,11 @@ def main() -> int:
                              vs_cudnn=round(r["us"] / res["cudnn"]["us"], 2),
                              tree_vs_atomic=round(res["tree"]["us"] / res["atomic"]["us"], 2) if name == "tree" else "",
                              distinct=r["distinct"], err_over_bound=f"{r['err']:.3f}"))
+        for row in rows[-len(res):]:  # as it goes: a run cut short keeps what it measured
+            print(f"    {row['variant']:<10} {row['us']:>8} us (host {row['host_us']}, b2b {row['b2b_us']})  "
+                  f"x cudnn {row['vs_cudnn']}/{row['b2b_vs_cudnn']} tree/atomic "
+                  f"{row['tree_vs_atomic'] or '-'}/{row['b2b_tree_vs_atomic'] or '-'} distinct {row['distinct']}",
+                  flush=True)
         print(f"  done {case.name}", flush=True)
     head = ["case", "variant", "us", "host_us", "b2b_us", "tflops", "vs_cudnn", "tree_vs_atomic", "b2b_vs_cudnn",
             "b2b_tree_vs_atomic", "distinct", "err_over_bound"]

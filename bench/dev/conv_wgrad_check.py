@@ -206,6 +206,10 @@ def main() -> int:
                              vs_cudnn=round(rr["us"] / res["cudnn"]["us"], 2),
                              tree_vs_atomic=round(rr["us"] / res["atomic"]["us"], 2) if name.startswith("tree") else "",
                              distinct=rr["distinct"], err_over_bound=f"{rr['err']:.3f}"))
+        for row in rows[-len(res):]:  # as it goes: a run cut short keeps what it measured
+            print(f"    {row['variant']:<13} {row['us']:>8} us  x cudnn {row['vs_cudnn']:<5} "
+                  f"x atomic {row['tree_vs_atomic'] or '-':<5} distinct {row['distinct']} err/bound "
+                  f"{row['err_over_bound']}", flush=True)
         for t, st in combos:
             with configuration(t, st):
                 tp = plan(m, r, k)
@@ -217,7 +221,7 @@ def main() -> int:
             sweep.append(dict(case=case.name, target=t, style=st, plan=f"t{tp.tile} S{tp.splits} Kc{tp.chunk}",
                               atomic_us=round(ta, 1), tree_us=round(tt, 1),
                               tree_vs_cudnn=round(tt / res["cudnn"]["us"], 2), tree_same_bits=same))
-        print(f"  done {case.name}", flush=True)
+        print(f"  done {case.name} ({pl})", flush=True)
     torch.cuda.synchronize()
     for table, head in ((rows, ["case", "plan", "variant", "us", "gpu_us", "tflops", "vs_cudnn", "tree_vs_atomic",
                                 "distinct", "err_over_bound"]),
