@@ -254,3 +254,21 @@ def test_eval_mode_uses_running_stats():
     with torch.no_grad():
         want = base(x)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("override", [{"conv_dgrad": "native"}, {"conv_wgrad": "native"}],
+                         ids=["dgrad_native", "wgrad_native"])
+def test_conv_with_one_gradient_native(override):
+    """One conv gradient from a kernel, the other from torch's convolution_backward, in one layer."""
+    need_ops(*routing.ROUTED_OPS)
+    torch.manual_seed(0)
+    base = models.build_model("small")
+    x, y = batch(4, seed=9)
+    ref = grads(copy.deepcopy(base).double(), x.double(), y)
+    stock = grads(copy.deepcopy(base), x, y)
+    m = copy.deepcopy(base)
+    with routing.use_kernels(routing.resolve("tree", override), m):
+        plugged = grads(m, x, y)
+    for r, s, p in zip(ref, stock, plugged):
+        err_stock = (s.double() - r).abs().max().item()
+        assert (p.double() - r).abs().max().item() <= 2 * err_stock + 4 * U * r.abs().max().item()
