@@ -157,8 +157,9 @@ def plot_link(link: list[dict], refs: dict, path: Path) -> bool:
         ax.annotate(r["op"], (x, 100 * r["disagreement"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
     for (name, v), style in zip(refs.items(), ("--", ":", "-.")):
         if _ok(v):
-            ax.axhline(100 * v, ls=style, color="grey", lw=1)
-            ax.annotate(name, (ax.get_xlim()[0], 100 * v), fontsize=7, color="grey", va="bottom")
+            ax.axhline(100 * v, ls=style, color="grey", lw=1, label=f"`{name}` (all ops / seeds): {100 * v:.2f}%")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="best")
     ax.set_xscale("log")
     ax.set_xlabel("kernel: median over ResNet-18 cases of max ULP between atomic runs (0 drawn at 0.5)")
     ax.set_ylabel("training: pairwise disagreement, %")
@@ -270,8 +271,12 @@ def headline(res: dict) -> list[str]:
         top = max(link, key=lambda r: r["disagreement"])
         if top["disagreement"] > 0:
             others = ", ".join(f"{r['op']} {pct(r['disagreement'])}" for r in link if r is not top)
+            tied = [r["op"] for r in link if r is not top and top["disagreement"] - r["disagreement"] <=
+                    2 * math.hypot(top["disagreement_se"] or 0, r["disagreement_se"] or 0)]
+            caveat = (f"; not clearly ahead: {', '.join(tied)} within 2 bootstrap SE" if tied else
+                      "; ahead of every other op by more than 2 bootstrap SE")
             out.append(f"- **Op contributing most:** `{top['op']}` atomic alone gives {pct(top['disagreement'], top['disagreement_se'])} "
-                       f"pairwise disagreement" + (f" (others: {others})" if others else "") + ".")
+                       f"pairwise disagreement" + (f" (others: {others})" if others else "") + caveat + ".")
         else:
             out.append("- **Op contributing most:** none: no single-op atomic configuration changed a prediction.")
     else:
@@ -405,12 +410,15 @@ def cost_section(res: dict) -> list[str]:
     if t and t.get("rows"):
         rows = t["rows"]
         r0 = rows[0]
+        clock = "CUDA-event-timed" if r0.get("gpu") else "wall-clock-timed"
         out.append(f"Dedicated timing pass (`{t.get('source')}`, `bench/dev/train_step_time.py`): {r0.get('model')}, "
                    f"batch {r0.get('batch')}, {r0.get('layout')}, fp32 with TF32 off, on {r0.get('gpu') or r0.get('device')}; "
-                   f"median of {r0.get('steps')} CUDA-event-timed steps per mode (wall clock on CPU), modes interleaved "
-                   "in rounds in one process.")
+                   f"median of {r0.get('steps')} {clock} steps per mode, modes interleaved in rounds in one process.")
+        if not r0.get("gpu"):
+            out.append("On a CPU that other processes share these medians are noisy (compare p10 and p90); the "
+                       "ratios that matter are the GPU's.")
         out += ["", "| mode | median ms/step | p10 | p90 | x native | x torch deterministic |", "|---|---|---|---|---|---|"]
-        labels = {"native": "stock PyTorch (nondeterministic cuDNN algorithms allowed)",
+        labels = {"native": "stock PyTorch (default algorithms; on GPU cuDNN's may be nondeterministic)",
                   "torch_deterministic": "stock, `use_deterministic_algorithms(True)` + `cudnn.deterministic`",
                   "atomic": "nnrand `atomic` (all routed ops)", "tree": "nnrand `tree` (all routed ops)"}
         for r in rows:
@@ -430,8 +438,9 @@ PUBLISHED = """## Published figures for context
 
 Summers & Dinneen (2021, "Nondeterminism and instability in neural network optimization"), CIFAR-10,
 ResNet-14, 500 epochs, 100 runs per setting: pairwise disagreement **10.7%** with all noise sources and
-**10.6%** with cuDNN nondeterminism alone (every seed fixed); accuracy SD about **0.26%**. They found any
-single source, down to one bit of one weight, gives about the same divergence once training is long.
+**10.6%** with cuDNN nondeterminism alone (every seed fixed); accuracy SD about **0.26%**. They report
+that each source alone, down to a one-bit change of one initial weight, gives nearly the variability of
+all sources together.
 
 How this study differs: a synthetic 10-class shape dataset with a labelled minority subgroup (not
 CIFAR-10), ResNet-18 (CIFAR stem) rather than ResNet-14, a short schedule (the epochs above, not 500),
