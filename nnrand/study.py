@@ -232,8 +232,8 @@ def make_study(*, device: str | None = None, quick: bool | None = None, members:
         for lr in lrs:
             name = e.name if len(lrs) == 1 else f"{e.name}_lr{lr:g}"
             cfg = dict(base, lr=float(lr))
-            cfg.update(e.overrides)
-            plan.append(Planned(name, cfg, e.note, e.name, float(lr)))
+            cfg.update(e.overrides)   # an entry's own lr wins over the lr grid
+            plan.append(Planned(name, cfg, e.note, e.name, float(cfg["lr"])))
     if len({p.name for p in plan}) != len(plan):
         raise StudyError("configuration names must be unique")
     for p in plan:  # the harness's validation, before anything trains
