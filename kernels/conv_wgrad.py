@@ -67,12 +67,14 @@ KERNEL_STYLE = "s"
 # How tree runs its fixed-order combine (same bits every way): "fused" in the GEMM launch (the last
 # block of each output tile combines it), "separate" (a second kernel), or "auto": fused when there
 # are at least FUSE_MIN_TILES tiles and at most FUSE_MAX_SPLITS splits. The last block of a tile
-# reads S*tile^2 floats alone, so with few tiles and many splits (the stems: 1-9 tiles, 64-256 splits)
-# that tail would cost more than a second launch; with many tiles the combines overlap other tiles'
-# GEMMs and the workspace pass of the second kernel disappears.
+# reads S*tile^2 floats alone, so the fused combine pays only where many tiles overlap their combines
+# with other tiles' GEMMs. H200, batch 128, us per call fused / separate (bench/dev/conv_wgrad_check.py):
+# 512->512 3x3 4x4 (144 tiles, S 8) 357.6 / 374.6 NCHW, 372.6 / 384.6 channels_last; 256->512 3x3 s2
+# 8x8 (72 tiles, S 8) 233.9 / 209.9; 256->256 3x3 8x8 (36 tiles, S 16) 411.5 / 360.3; the stems and
+# the 64-splits shapes (1-9 tiles) 1.5-3.7x slower fused.
 FUSE = "auto"
-FUSE_MIN_TILES = 32
-FUSE_MAX_SPLITS = 16
+FUSE_MIN_TILES = 128
+FUSE_MAX_SPLITS = 8
 
 
 # --------------------------------------------------------------------------------------------------

@@ -277,7 +277,7 @@ def test_fused_combine_choice(monkeypatch):
 
     chosen = {s.name: conv_wgrad.fused(geom(s), plan(s.cout, s.cin * s.k * s.k, s.n * s.y_shape[2] * s.y_shape[3]))
               for s in RESNET18_CONV}
-    assert chosen["conv3x3_512-512_4"] and not chosen["stem3x3_3-64_32"] and not chosen["conv1x1s2_128-256_16"]
+    assert [name for name, f in chosen.items() if f] == ["conv3x3_512-512_4"]  # the one shape it pays on (H200)
     monkeypatch.setattr(conv_wgrad, "FUSE", "sometimes")
     with pytest.raises(ValueError, match="FUSE"):
         conv_wgrad.fused(geom(RESNET18_CONV[10]), plan(512, 4608, 2048))
