@@ -52,7 +52,8 @@ TIMING_SCRIPT = REPO / "bench" / "dev" / "train_step_time.py"
 
 SIZES = {
     "cuda": {"model": "resnet18", "epochs": 10, "batch_size": 128, "n_train": 10_000, "n_test": 2_000},
-    # 2 CPU cores: 30 members of 6 steps each with the CPU order models, a few minutes in all.
+    # 2 CPU cores: 30 members of 8 steps each with the CPU order models, plus the timing pass: 5.2 min of
+    # CPU time, 7.5 min wall on a shared 2-core machine (load average ~5), measured 2026-11-21.
     "quick": {"model": "small", "epochs": 2, "batch_size": 32, "n_train": 128, "n_test": 256},
 }
 MEMBERS = 3
@@ -504,7 +505,7 @@ default grid: control, algo, impl, algo+impl, perturb_ulp (one ULP in one weight
 conv_wgrad, conv_dgrad, bias_grad, maxpool_bwd (on resnet18_imagenet when the model has no max-pool), native.
 CUDA defaults: resnet18, synthetic 10k/2k, 10 epochs of batch 128, 3 members: about 10-18 min on an H200
 (~20-35 s per member) plus a ~1 min timing pass; ~15 GB of run files. CPU (--quick): small model, 128
-training images, 2 epochs: a few minutes on 2 cores.
+training images, 2 epochs: ~5 min of CPU time on 2 cores (7.5 min wall measured on a shared machine).
 outputs: reports/divergence.md (CUDA), reports/divergence_quick.md (CUDA --quick), reports/divergence_cpu.md
 (CPU), PNGs beside them, numbers in reports/results/<stem>.json; run directories under runs/<stem>/."""
 
