@@ -20,6 +20,10 @@ or an integer. Presets:
 
 Everything else is pinned by ``pinned_flags`` and recorded: TF32 off unless asked, cuDNN benchmark off,
 cuDNN deterministic when the routing is deterministic (so ops left native add in a fixed order too).
+On the CPU the bits also depend on torch's thread count: CPU BLAS splits a matmul's sums by thread (the
+linear layer's weight gradient; conv_wgrad's CPU models on 1x1 spatial inputs), so runs compared bit for
+bit must use the same count (recorded as ``cpu_threads`` in the fingerprint). Measured: `small`, batch
+32, tree routing, 1 vs 2 threads: every gradient equal except fc.weight.
 """
 from __future__ import annotations
 
