@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from nnrand import routing, runio, study, train
 
@@ -201,3 +202,18 @@ def test_help_has_examples():
     r = subprocess.run([sys.executable, "-m", "nnrand.study", "--help"], capture_output=True, text=True,
                        env=env, cwd=REPO, timeout=120)
     assert r.returncode == 0 and "examples:" in r.stdout and "--time-budget" in r.stdout
+
+
+def test_default_cuda_study_plan(monkeypatch):
+    """The H200 grid as planned on a CUDA machine (planning only; nothing runs on a device)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    s = study.make_study()
+    assert s.backend == "cuda" and not s.quick and s.stem == "divergence"
+    assert s.report_path == study.REPO / "reports" / "divergence.md"
+    assert s.members == 3 and len(s.plan) == 10
+    cfg = {p.name: p.config for p in s.plan}
+    assert all(c["device"] == "cuda" and c["epochs"] == 10 and c["batch_size"] == 128 and c["n_train"] == 10_000
+               for c in cfg.values())
+    assert cfg["control"]["model"] == "resnet18" and cfg["atomic-maxpool_bwd"]["model"] == "resnet18_imagenet"
+    m = study.member_config(s.plan[1], 2, runs_dir=Path("runs/x"), progress=False)
+    assert (m["first_member"], m["members"], m["save_epoch_weights"], m["report"]) == (2, 1, True, False)
