@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,9 +112,16 @@ def load_grid_file(path: str | Path) -> dict:
         kernel_ops = { conv_wgrad = "atomic" }
     """
     path = Path(path)
+    if path.suffix == ".toml" and sys.version_info < (3, 11):
+        raise StudyError(f"--grid {path}: TOML grid files need Python 3.11 (tomllib); use JSON")
     try:
         text = path.read_text()
-        spec = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        if path.suffix == ".toml":
+            import tomllib
+
+            spec = tomllib.loads(text)
+        else:
+            spec = json.loads(text)
     except (OSError, ValueError) as e:  # tomllib.TOMLDecodeError and JSONDecodeError are ValueErrors
         raise StudyError(f"--grid {path}: {e}") from None
     known = {"members", "lrs", "sizes", "config"}
