@@ -422,8 +422,10 @@ def cost_section(res: dict) -> list[str]:
                   "torch_deterministic": "stock, `use_deterministic_algorithms(True)` + `cudnn.deterministic`",
                   "atomic": "nnrand `atomic` (all routed ops)", "tree": "nnrand `tree` (all routed ops)"}
         for r in rows:
-            out.append(f"| {labels.get(r['mode'], r['mode'])} | {num(r['median_ms'], 4)} | {num(r['p10_ms'], 4)} | "
-                       f"{num(r['p90_ms'], 4)} | {num(r['x_native'], 3)} | {num(r['x_torch_deterministic'], 3)} |")
+            mode = r.get("mode", "?")
+            out.append(f"| {labels.get(mode, mode)} | {num(r.get('median_ms'), 4)} | {num(r.get('p10_ms'), 4)} | "
+                       f"{num(r.get('p90_ms'), 4)} | {num(r.get('x_native'), 3)} | "
+                       f"{num(r.get('x_torch_deterministic'), 3)} |")
     else:
         out.append("No timing pass in these results (it runs once every member is done; `--no-timing` skips it).")
     members = [(n, c) for n, c in res["configs"].items() if _ok(c.get("step_time_ms"))]
