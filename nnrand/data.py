@@ -105,11 +105,22 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None, seed: 
 # Tensor ops used by the training loop
 
 
+def _normalize_table(mean: tuple, std: tuple) -> torch.Tensor:
+    levels = torch.arange(256, dtype=torch.float64) / 255.0
+    m = torch.tensor(mean, dtype=torch.float64).view(3, 1)
+    s = torch.tensor(std, dtype=torch.float64).view(3, 1)
+    return ((levels.view(1, 256) - m) / s).to(torch.float32)  # (3, 256)
+
+
 def normalize(x: torch.Tensor, ds: Dataset) -> torch.Tensor:
-    """uint8 (N, 3, H, W) -> float32 (x / 255 - mean) / std, on x's device."""
-    mean = torch.tensor(ds.mean, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(ds.std, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
-    return (x.to(torch.float32) / 255.0 - mean) / std
+    """uint8 (N, 3, H, W) -> float32 (x / 255 - mean) / std, on x's device.
+
+    A uint8 channel takes 256 values, so the result is a lookup in a table computed once in float64 on
+    the CPU: the same bits on every device (torch's CUDA division by a scalar multiplies by the
+    reciprocal, which rounds differently from the CPU's true division)."""
+    table = _normalize_table(tuple(ds.mean), tuple(ds.std)).to(x.device)
+    channel = torch.arange(3, device=x.device).view(1, 3, 1, 1)
+    return table[channel, x.long()]
 
 
 def _reflect(i: torch.Tensor, size: int) -> torch.Tensor:
