@@ -213,9 +213,10 @@ def test_gpu_deterministic_bitwise_and_equal_to_model(variant, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", DETERMINISTIC, ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [v for v in DETERMINISTIC if not v.order_independent], ids=lambda v: v.name)
 def test_gpu_keeps_subnormals_like_the_model(variant):
-    """Kernels are compiled without flush-to-zero: subnormal inputs and partials add as IEEE float32."""
+    """Kernels are compiled without flush-to-zero: subnormal inputs and partials add as IEEE float32.
+    (The exact variant rounds every element to its 2^-56 grid, so subnormals sum to zero there.)"""
     g = torch.Generator().manual_seed(21)
     x = torch.randn(300_007, generator=g) * 1e-39  # every value subnormal (below 2^-126 ~ 1.2e-38)
     assert bool((x.abs() < 2.0**-126).all())
