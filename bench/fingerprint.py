@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import os
 import importlib
 import pathlib
 import platform
@@ -59,8 +60,8 @@ def _driver() -> str:
 def git_sha(root: pathlib.Path | None = None) -> str:
     root = root or pathlib.Path(__file__).resolve().parents[1]
     sha = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root)
-    if sha is None:
-        return "unknown"
+    if sha is None:  # a copy of the tree without its history: the caller may say which commit it is
+        return os.environ.get("NNRAND_GIT_SHA", "unknown")
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
     return sha + ("-dirty" if dirty else "")
 
