@@ -28,6 +28,11 @@ augmentation and shuffling are batched tensor ops with their own seeds.
     the clean training labels (``train_true_y``), the palette index of each background (``*_cue``) and
     the morph flags (``*_morph``).
 
+    Difficulty (H200, ResNet-18, 10 epochs, deterministic kernels, bench/dev/synthetic_difficulty.py):
+    89.5% test top-1, 94.9% on the majority, 69.4% on the minority with these constants; a more
+    saturated palette (0.4) or more occlusion and noise let the background cue win (61-70% overall,
+    2% minority), a paler one (0.12) leaves little gap (95.2% / 90.4%).
+
     The generator draws everything from ``numpy.random.default_rng([seed, split])``, so the same seed
     gives the same bytes; 10k + 2k images take about 3 s on a 2-core CPU.
 
@@ -191,11 +196,11 @@ N_TRAIN, N_TEST = 10_000, 2_000
 SYNTH_CLASSES = ["disc", "ring", "square", "frame", "triangle", "cross", "stripes", "bar", "pair",
                  "half_disc"]
 SIZE = 32
-MINORITY = {"train": 0.05, "test": 0.30}  # fraction whose background cue names another class
+MINORITY = {"train": 0.05, "test": 0.20}  # fraction whose background cue names another class
 LABEL_NOISE = 0.03  # fraction of training labels flipped to a random other class
 MORPH_P = 0.12  # fraction with a second shape blended in
 MORPH_ALPHA = (0.2, 0.5)  # blend weight of the second shape
-OCCLUDE_P = 0.35  # fraction with an opaque rectangle
+OCCLUDE_P = 0.15  # fraction with an opaque rectangle
 OCCLUDE_SIDE = (5, 13)  # rectangle side, px (uniform integer, inclusive-exclusive)
 OFFSET = 6.0  # shape centre within +-OFFSET px of the image centre
 RADIUS = (6.0, 11.0)  # shape radius, px
@@ -205,10 +210,10 @@ BG_JITTER = 0.08  # per-channel background colour jitter, +- (0..1 units)
 BG_GRADIENT = 0.12  # background gradient amplitude across the image (0..1 units)
 CONTRAST = (0.75, 1.2)  # global contrast factor
 BRIGHTNESS = 0.08  # global brightness shift, +-
-NOISE_SIGMA = (0.02, 0.10)  # per-image Gaussian noise sigma (0..1 units)
+NOISE_SIGMA = (0.02, 0.06)  # per-image Gaussian noise sigma (0..1 units)
 CHUNK = 2048  # images rendered at once (bounds memory to ~50 MB)
 
-PALETTE_SATURATION = 0.4  # HSV saturation of the background palette: the salience of the cue
+PALETTE_SATURATION = 0.2  # HSV saturation of the background palette: the salience of the cue
 PALETTE_VALUE = 0.72
 # Background palette: ten evenly spaced hues. At this saturation, neighbouring hues overlap once jitter,
 # contrast and noise are applied, so the cue is strong but not readable from the colour alone.

@@ -96,15 +96,16 @@ def test_synthetic_background_cue(synth):
 
 def test_synthetic_background_cue_in_pixels(synth):
     """The cue is in the pixels: the border median's nearest palette colour is the drawn background's
-    in most images (chance 0.1). Jitter, gradient, contrast, noise and occluders blur neighbouring hues,
-    so it is not always: 0.79 measured on this set (seed 0); either way it follows the cue, not the
-    label, in group 1."""
+    far more often than chance (0.1). The palette is pale (saturation 0.2, so that shapes, not the
+    background, carry most of the signal) and jitter, gradient, contrast, noise and occluders blur
+    neighbouring hues, so the read-back is imperfect: 0.46 measured on 2000 test images (seed 0), 0.48 in
+    group 1. In group 1 it follows the cue, not the label (0.06 measured, chance 0.1)."""
     ds = synth
     read = _border_palette_index(ds.test_x)
     hit = (read == ds.extra["test_cue"]).double()
-    assert hit.mean() > 0.6, hit.mean()
+    assert hit.mean() > 0.3, hit.mean()
     g1 = ds.test_group == 1
-    assert hit[g1].mean() > 0.6 and (read[g1] == ds.test_y[g1]).double().mean() < 0.1
+    assert hit[g1].mean() > 0.3 and (read[g1] == ds.test_y[g1]).double().mean() < 0.1
 
 
 def test_synthetic_images_vary(synth):
