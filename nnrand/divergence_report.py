@@ -342,9 +342,13 @@ def groups_table(res: dict) -> list[str]:
     rows = [(n, c) for n, c in res["configs"].items() if _m(c, "groups")]
     if not rows:
         return ["## Subgroups", "", "No subgroup labels in these results (CIFAR has none).", ""]
+    sizes = _m(rows[0][1], "groups")
+    n_min, n_maj = sizes["minority"].get("n"), sizes["majority"].get("n")
+    share = (f"{n_min} of {n_min + n_maj} test images ({100 * n_min / (n_min + n_maj):.1f}%)"
+             if n_min is not None and n_maj is not None else "a share of the test images")
     out = ["## Who pays: subgroups, classes, hard images", "",
-           "Minority = test images whose background colour is the cue of another class (data.py); "
-           "30% of the synthetic test set, 5% of the training set.", "",
+           "Minority = test images whose background colour is the cue of another class (data.py; rare in "
+           f"training, where the cue agrees with the class for most images): {share}.", "",
            "| configuration | majority acc SD, pt | minority acc SD, pt | majority disagreement | minority disagreement | "
            "flip rate: misclassified by most vs rest | lowest-confidence quartile vs rest | minority vs majority |",
            "|---|---|---|---|---|---|---|---|"]
