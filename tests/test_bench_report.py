@@ -5,7 +5,6 @@ import math
 import subprocess
 import sys
 
-import pandas as pd
 import pytest
 
 from bench import report, results

@@ -1,7 +1,6 @@
 """bias_grad: CPU order models against float64 and each other; GPU kernels against their models."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
