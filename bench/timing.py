@@ -184,3 +184,64 @@ def measure_ceilings(device: torch.device, *, copy_bytes: int | None = None, mat
     del src, dst, a, b, c
     return Ceilings(bandwidth=2 * copy_bytes / t_copy, flop_rate=2 * matmul_n**3 / t_mm,
                     copy_bytes=copy_bytes, matmul_n=matmul_n)
+
+
+# --------------------------------------------------------------------------------------------------
+# Plain CUDA timers for the kernel dev scripts in bench/dev/ (no L2 flush, no spin kernel: they time
+# what a caller sees on a warm cache, or pure GPU time through graph replay).
+
+
+@contextlib.contextmanager
+def cudnn_flags(benchmark: bool, deterministic: bool):
+    """cudnn.benchmark / cudnn.deterministic as given, TF32 off; the previous flags restored on exit."""
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = benchmark, deterministic
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = saved
+
+
+def back_to_back_us(fn: Callable[[], object], *, calls: int, repeats: int, warmup: int = 0) -> float:
+    """Median device time per call, CUDA events around ``calls`` back-to-back calls: the host queues
+    the next call while the GPU runs the previous one, so host time hides where the kernels are longer."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def graph_replay_us(fn: Callable[[], object], *, calls: int, replays: int) -> float:
+    """Median GPU time per call from CUDA-graph replays of ``calls`` back-to-back calls (launch gaps and
+    host overhead excluded). ``fn`` must be capturable: no host sync, no allocator outside torch's."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)

@@ -13,7 +13,6 @@ against the atomic variant's bound for comparison only: their algorithms are not
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import pathlib
 import statistics
@@ -26,21 +25,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import kernels  # noqa: E402
 from kernels.conv_dgrad import OP  # noqa: E402
+from bench.timing import back_to_back_us, cudnn_flags  # noqa: E402
 
 U32 = 2.0**-24
-
-
-@contextlib.contextmanager
-def torch_flags(benchmark: bool, deterministic: bool):
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = benchmark, deterministic
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = saved
 
 
 def depth(name: str, case) -> int:
@@ -71,22 +58,6 @@ def time_us(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(host)
 
 
-def b2b_us(fn, repeats: int, calls: int = 10) -> float:
-    """Median device time per call over ``calls`` back-to-back calls (the host enqueues the next call
-    while the GPU runs the previous one, so host time hides wherever the kernels take longer)."""
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="NCHW only")
@@ -105,7 +76,7 @@ def main() -> int:
     rows, failures = [], 0
     for case in spec.bench_cases("quick" if args.quick else "gpu"):
         (w, dy), kw = spec.make_inputs(case, dev)
-        with torch_flags(benchmark=False, deterministic=True):
+        with cudnn_flags(benchmark=False, deterministic=True):
             ref = peer(w.double(), dy.double(), **kw)  # float64 on the GPU: the reference
             absref = peer(w.double().abs(), dy.double().abs(), **kw)
         flops = spec.flops(case)
@@ -114,7 +85,7 @@ def main() -> int:
                   ("cudnn_det", lambda: peer(w, dy, **kw), (False, True))]
         res = {}
         for name, fn, flags in impls:
-            with torch_flags(*flags):
+            with cudnn_flags(*flags):
                 out = fn()
                 torch.cuda.synchronize()
                 bound = depth("tree" if name == "tree" else "atomic", case) * U32 * absref
@@ -126,7 +97,7 @@ def main() -> int:
                         seen.append(again)
                 torch.cuda.synchronize()  # surfaces any launch error here
                 us, host_us = time_us(fn, args.repeats)
-                b2b = b2b_us(fn, args.repeats)
+                b2b = back_to_back_us(fn, calls=10, repeats=args.repeats)
             if name in {v.name for v in variants}:
                 failures += err > 1.0
             res[name] = dict(us=us, host_us=host_us, b2b_us=b2b, err=err, distinct=len(seen))

@@ -23,7 +23,6 @@ import contextlib
 import csv
 import hashlib
 import pathlib
-import statistics
 import sys
 
 import torch
@@ -33,21 +32,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import kernels  # noqa: E402
 from kernels import conv_wgrad  # noqa: E402
 from kernels.conv_wgrad import GROUPS, OP, plan  # noqa: E402
+from bench.timing import back_to_back_us, cudnn_flags, graph_replay_us  # noqa: E402
 
 U32 = 2.0**-24
-
-
-@contextlib.contextmanager
-def torch_flags(benchmark: bool, deterministic: bool):
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = benchmark, deterministic
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = saved
 
 
 @contextlib.contextmanager
@@ -72,45 +59,6 @@ def fuse_mode(mode: str):
 
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.contiguous().view(torch.int32).cpu().numpy().tobytes()).hexdigest()
-
-
-def time_us(fn, repeats: int, calls: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
-
-
-def graph_us(fn, repeats: int, calls: int = 10) -> float:
-    """Median GPU time of one call, from CUDA-graph replays of `calls` back-to-back calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def _in_mode(mode, variant, x, dy, kw):
@@ -166,7 +114,7 @@ def main() -> int:
     rows, sweep, failures = [], [], 0
     for case in spec.bench_cases("quick" if args.quick else "gpu"):
         (x, dy), kw = spec.make_inputs(case, dev)
-        with torch_flags(benchmark=False, deterministic=True):
+        with cudnn_flags(benchmark=False, deterministic=True):
             ref = peer(x.double(), dy.double(), **kw)  # float64 on the GPU: the reference
             mag = peer(x.double().abs(), dy.double().abs(), **kw)
         flops = spec.flops(case)
@@ -181,7 +129,7 @@ def main() -> int:
                   ("cudnn_det", lambda: peer(x, dy, **kw), (False, True))]
         res = {}
         for name, fn, flags in impls:
-            with torch_flags(*flags):
+            with cudnn_flags(*flags):
                 out = fn()
                 torch.cuda.synchronize()  # surfaces a launch error here
                 bound = depth(name if name in ("tree", "nosplit") else "atomic", case) * U32 * mag
@@ -191,8 +139,8 @@ def main() -> int:
                 seen = {digest(out)}
                 for _ in range(args.repeats - 1):
                     seen.add(digest(fn()))
-                us = time_us(fn, args.repeats)
-                gus = graph_us(fn, args.repeats) if args.graph and name != "cudnn_det" else float("nan")
+                us = back_to_back_us(fn, calls=10, repeats=args.repeats, warmup=3)
+                gus = graph_replay_us(fn, calls=10, replays=args.repeats) if args.graph and name != "cudnn_det" else float("nan")
             failures += not err <= 1.0
             if name.startswith("tree_") and not torch.equal(out, res["tree"]["out"]):
                 print(f"  FAIL {case.name} {name}: bits differ from tree", flush=True)
@@ -216,8 +164,8 @@ def main() -> int:
                 atomic, tree = kernels.get(OP, "atomic"), kernels.get(OP, "tree")
                 same = torch.equal(tree(x, dy, **kw), res["tree"]["out"]) if tp == pl else ""
                 failures += same is False
-                ta = time_us(lambda: atomic(x, dy, **kw), args.repeats)
-                tt = time_us(lambda: tree(x, dy, **kw), args.repeats)
+                ta = back_to_back_us(lambda: atomic(x, dy, **kw), calls=10, repeats=args.repeats, warmup=3)
+                tt = back_to_back_us(lambda: tree(x, dy, **kw), calls=10, repeats=args.repeats, warmup=3)
             sweep.append(dict(case=case.name, target=t, style=st, plan=f"t{tp.tile} S{tp.splits} Kc{tp.chunk}",
                               atomic_us=round(ta, 1), tree_us=round(tt, 1),
                               tree_vs_cudnn=round(tt / res["cudnn"]["us"], 2), tree_same_bits=same))

@@ -10,52 +10,18 @@ reporting path; this script is for iterating on the kernels.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 
 import torch
 
-import kernels
-from kernels.bias_grad import partials_per_channel
-from kernels.shapes import bias_grad_shapes
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-
-def loop_time_us(fn, calls: int = 20, reps: int = 20) -> float:
-    """Median time of one call from events around `calls` back-to-back calls (for uncapturable peers)."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
-
-
-def graph_time_us(fn, calls: int = 20, replays: int = 20) -> float:
-    """Median GPU time of one call, from CUDA-graph replays of `calls` back-to-back calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+import kernels  # noqa: E402
+from bench.timing import back_to_back_us, graph_replay_us  # noqa: E402
+from kernels.bias_grad import partials_per_channel  # noqa: E402
+from kernels.shapes import bias_grad_shapes  # noqa: E402
 
 
 def event_time_us(fn, reps: int = 50) -> float:
@@ -81,7 +47,7 @@ def copy_bandwidth() -> float:
     y = torch.empty_like(x)
     for _ in range(20):
         y.copy_(x)
-    t = graph_time_us(lambda: y.copy_(x), calls=10, replays=20)
+    t = graph_replay_us(lambda: y.copy_(x), calls=10, replays=20)
     return 2 * x.numel() * 4 / (t * 1e-6) / 1e12
 
 
@@ -103,7 +69,8 @@ def main() -> None:
         fns.update({f"peer:{k}": (lambda f=f: f(x)) for k, f in peers.items()})
         row = []
         for name, fn in fns.items():
-            g = loop_time_us(fn) if name in ("exact", "peer:cupy") else graph_time_us(fn)
+            g = (back_to_back_us(fn, calls=20, repeats=20, warmup=5) if name in ("exact", "peer:cupy")
+                 else graph_replay_us(fn, calls=20, replays=20))
             ev = event_time_us(fn)
             d = distinct(fn, 100)
             pct = 100 * (4 << e) / (g * 1e-6) / (bw * 1e12)
@@ -118,7 +85,8 @@ def main() -> None:
                 dy = dy.contiguous(memory_format=torch.channels_last)
             fns = {v.name: (lambda v=v: v(dy)) for v in kernels.variants("bias_grad")}
             fns["peer:torch"] = (lambda: dy.sum(0)) if dy.dim() == 2 else (lambda: dy.sum((0, 2, 3)))
-            res = {n: (graph_time_us(f), event_time_us(f), distinct(f, 100)) for n, f in fns.items()}
+            res = {n: (graph_replay_us(f, calls=20, replays=20), event_time_us(f), distinct(f, 100))
+                   for n, f in fns.items()}
             ratio = res["tree"][0] / res["atomic"][0]
             vs_torch = res["tree"][0] / res["peer:torch"][0]
             cells = "  ".join(f"{n}={g:.1f}|{e:.1f}|{d}" for n, (g, e, d) in res.items())
