@@ -26,6 +26,18 @@
 #define DG_MAXK 32           // largest kernel extent per axis (taps are listed in shared memory)
 #define DG_DIRECT_THREADS 256  // tree_stem block
 
+// The taps of one axis that reach stride phase r: k with (r + pad - k*dil) divisible by the stride,
+// in increasing k, each with its dy offset (exact division, also for negative numerators). Returns
+// how many; run by one thread, the others read the shared arrays after a barrier.
+__device__ __forceinline__ int phase_taps(int r, int pad, int stride, int dil, int K, int* s_k, int* s_o) {
+    int a = 0;
+    for (int k = 0; k < K; ++k) {
+        const int num = r + pad - k * dil;
+        if (((num % stride) + stride) % stride == 0) { s_k[a] = k; s_o[a] = num / stride; ++a; }
+    }
+    return a;
+}
+
 // One template, two operand loaders and two epilogues:
 //   SCATTER = false (tree): rows are the dx pixels of one stride phase; A[m, (tap, co)] gathers dy at
 //     the tap's position (zero outside dy); B[(tap, co), ci] = wt[kh][kw][co][ci]; C is stored to dx.
@@ -69,18 +81,8 @@ __device__ __forceinline__ void dgrad_gemm(
         // Taps that hit this phase: (rh + ph - kh*dh) divisible by sh; then oh = i + (rh + ph - kh*dh)/sh
         // for the phase row i (exact division, also for negative numerators).
         if (t == 0) {
-            int a = 0;
-            for (int kh = 0; kh < KH; ++kh) {
-                const int num = rh + ph - kh * dh;
-                if (((num % sh) + sh) % sh == 0) { s_kh[a] = kh; s_oh[a] = num / sh; ++a; }
-            }
-            s_nkh = a;
-            a = 0;
-            for (int kw = 0; kw < KW; ++kw) {
-                const int num = rw + pw - kw * dw;
-                if (((num % sw) + sw) % sw == 0) { s_kw[a] = kw; s_ow[a] = num / sw; ++a; }
-            }
-            s_nkw = a;
+            s_nkh = phase_taps(rh, ph, sh, dh, KH, s_kh, s_oh);
+            s_nkw = phase_taps(rw, pw, sw, dw, KW, s_kw, s_ow);
         }
         __syncthreads();
         ntaps = s_nkh * s_nkw;
@@ -267,18 +269,8 @@ conv_dgrad_tree_stem(DG_ARGS, int tj_log2, int tiles_i, int tiles_j, int PH, int
     const int i0 = tile_i * TI, j0 = tile_j * TJ;
     if (i0 >= Hq || j0 >= Wq) return;  // uniform: this tile lies outside a smaller phase
     if (t == 0) {
-        int a = 0;
-        for (int kh = 0; kh < KH; ++kh) {
-            const int num = rh + ph - kh * dh;
-            if (((num % sh) + sh) % sh == 0) { s_kh[a] = kh; s_oh[a] = num / sh; ++a; }
-        }
-        s_nkh = a;
-        a = 0;
-        for (int kw = 0; kw < KW; ++kw) {
-            const int num = rw + pw - kw * dw;
-            if (((num % sw) + sw) % sw == 0) { s_kw[a] = kw; s_ow[a] = num / sw; ++a; }
-        }
-        s_nkw = a;
+        s_nkh = phase_taps(rh, ph, sh, dh, KH, s_kh, s_oh);
+        s_nkw = phase_taps(rw, pw, sw, dw, KW, s_kw, s_ow);
     }
     __syncthreads();
     const int nkh = s_nkh, nkw = s_nkw, ntaps = nkh * nkw;
