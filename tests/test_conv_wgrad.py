@@ -11,6 +11,12 @@ depth = Kc + S + 9 roundings, and Higham's bound gives |fl(s) - s| <= gamma_dept
 sum |t_k| = conv2d_weight(|x|, |dy|) computed in float64. The float64 reference adds its own error, at
 most gamma_K(2^-53) * sum |t_k|, which is added to the bound. The inputs are float32 in both, so they
 carry no representation error.
+
+The ``winograd`` variant evaluates another expression (transforms, 16 GEMMs over 2x2 tiles, output
+transform; kernels/conv_wgrad_winograd.cu), so its bound scales a different magnitude: the same
+evaluation with every input and coefficient replaced by its absolute value (``magnitude``, float64),
+with depth = 2 + 2 + Kc + S + 8 + 4 roundings on any path (``rounding_depth``). The same Higham argument
+applies: each operation rounds once, relative to its exact result on the already-rounded operands.
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ import torch
 
 import kernels
 from kernels import KernelArgumentError
-from kernels.conv_wgrad import BK, GROUPS, MIN_CHUNK, Geometry, Plan, chunk_partials, plan, tree_combine
+from kernels import conv_wgrad_winograd as wino
+from kernels.conv_wgrad import BK, GROUPS, MIN_CHUNK, Geometry, Plan, _check, chunk_partials, plan, tree_combine
 from kernels.runtime import KERNEL_DIR
 from kernels.shapes import HOSTILE_CONV, RESNET18_CONV
 from tests.helpers import assert_bitwise_equal, byte_hash, distinct, gamma
@@ -34,6 +41,7 @@ VARIANTS = kernels.variants(OP)
 DETERMINISTIC = [v for v in VARIANTS if v.deterministic]
 ATOMIC = kernels.get(OP, "atomic")
 TREE = kernels.get(OP, "tree")
+WINOGRAD = kernels.get(OP, "winograd")
 CASES = SPEC.test_cases()
 
 
@@ -48,13 +56,28 @@ def plan_of(variant, args, kwargs) -> Plan:
     return plan(m, r, k, split=variant.name != "nosplit")
 
 
-def error_bound(variant, args, kwargs) -> torch.Tensor:
-    """Per-element bound on |dw - dw_float64| (module docstring)."""
+def geometry(args, kwargs) -> Geometry:
+    return _check(*args, kwargs["kernel_size"], kwargs.get("stride", 1), kwargs.get("padding", 0),
+                  kwargs.get("dilation", 1))
+
+
+def winograd_applies(variant, args, kwargs) -> bool:
+    return variant.name == "winograd" and wino.applies(geometry(args, kwargs))
+
+
+def error_bound(variant, args, kwargs, mag=None) -> torch.Tensor:
+    """Per-element bound on |dw - dw_float64| (module docstring). ``mag``: sum_k |dy_k * col_k| in float64
+    if the caller has it (the direct evaluation's magnitude)."""
     x, dy = args
-    p = plan_of(variant, args, kwargs)
-    mag = SPEC.reference((x.abs(), dy.abs()), kwargs).to(x.device)  # sum_k |dy_k * col_k|, float64
     k = dy.shape[0] * dy.shape[2] * dy.shape[3]
-    return (gamma(p.chunk + p.splits + GROUPS + 1) + k * 2.0**-53 / (1 - k * 2.0**-53)) * mag
+    ref_err = k * 2.0**-53 / (1 - k * 2.0**-53)
+    if winograd_applies(variant, args, kwargs):
+        g = geometry(args, kwargs)
+        return (gamma(wino.rounding_depth(g)) + ref_err) * wino.magnitude(x, dy, g)
+    p = plan_of(variant, args, kwargs)
+    if mag is None:
+        mag = SPEC.reference((x.abs(), dy.abs()), kwargs)
+    return (gamma(p.chunk + p.splits + GROUPS + 1) + ref_err) * mag.cpu()
 
 
 def assert_within_bound(got, ref, bound, what):
@@ -213,6 +236,102 @@ def test_empty_batch_gives_zeros(variant):
 
 
 # --------------------------------------------------------------------------------------------------
+# winograd: F(3, 2) transforms, plan, fallback
+
+
+def _f32(*v):
+    return [np.float32(e) for e in v]
+
+
+def test_winograd_transforms_are_the_documented_order():
+    """One tile written out with float32 scalars, one rounding per operation, in the .cu file's order:
+    V = rows then columns of (e0 - e2, e1 + e2, e2 - e1, e1 - e3); U = rows then columns of
+    (e0, e0 + e1, e0 - e1, -e1); dw = rows then columns of (e0 + h(e1 + e2), h(e1 - e2), h(e1 + e2) + e3)."""
+    rng = np.random.default_rng(3)
+    d = (rng.standard_normal((4, 4)) * 10.0 ** rng.integers(-4, 5, (4, 4))).astype(np.float32)
+    gt = (rng.standard_normal((2, 2)) * 10.0 ** rng.integers(-4, 5, (2, 2))).astype(np.float32)
+    g = Geometry(1, 1, 4, 4, 1, 2, 2, 3, 3, 1, 1, 0, 0, 1, 1)   # one 2x2 tile, no padding
+    v = wino.input_transform(torch.from_numpy(d).reshape(1, 1, 4, 4), g).reshape(4, 4)
+    u = wino.dy_transform(torch.from_numpy(gt).reshape(1, 1, 2, 2), g).reshape(4, 4)
+
+    def bt(e0, e1, e2, e3):
+        return [e0 - e2, e1 + e2, e2 - e1, e1 - e3]
+
+    def a(e0, e1):
+        return [e0, e0 + e1, e0 - e1, -e1]
+
+    s = [bt(*_f32(*d[:, j])) for j in range(4)]              # s[j][a]
+    for i in range(4):
+        assert [x.tobytes() for x in bt(*[s[j][i] for j in range(4)])] == [x.tobytes() for x in v[i]]
+    r = [a(*_f32(*gt[:, j])) for j in range(2)]
+    for i in range(4):
+        assert [x.tobytes() for x in a(r[0][i], r[1][i])] == [x.tobytes() for x in u[i]]
+
+    m = (rng.standard_normal((16, 1, 1)) * 10.0 ** rng.integers(-4, 5, (16, 1, 1))).astype(np.float32)
+    w = wino.output_transform(m).reshape(3, 3)
+    h = np.float32(0.5)
+
+    def gtf(e0, e1, e2, e3):
+        return [e0 + h * (e1 + e2), h * (e1 - e2), h * (e1 + e2) + e3]
+
+    mm = m.reshape(4, 4)
+    z = [gtf(*mm[:, b]) for b in range(4)]                   # z[b][r]
+    for r_ in range(3):
+        assert [x.tobytes() for x in gtf(*[z[b][r_] for b in range(4)])] == [x.tobytes() for x in w[r_]]
+
+
+@pytest.mark.parametrize("shape", [s for s in RESNET18_CONV + HOSTILE_CONV if s.k == 3 and s.stride == 1
+                                   and s.dilation == 1], ids=lambda s: s.name)
+@pytest.mark.parametrize("batch", [1, 2, 128, 1024])
+def test_winograd_plan_covers_the_tiles(shape, batch):
+    s = shape.with_batch(batch)
+    _, _, oh, ow = s.y_shape
+    t = batch * -(-oh // 2) * -(-ow // 2)
+    p = wino.plan(s.cout, s.cin, t)
+    assert p.chunk % BK == 0 and (p.splits - 1) * p.chunk < t <= p.splits * p.chunk, p
+    assert 16 * p.splits <= 65535
+
+
+def test_winograd_runs_tree_where_it_does_not_apply():
+    """1x1, strided, 7x7 and dilated shapes: winograd is tree, bit for bit (CPU models)."""
+    for shape in (HOSTILE_CONV[0], HOSTILE_CONV[1], HOSTILE_CONV[5], HOSTILE_CONV[6], RESNET18_CONV[3].with_batch(2)):
+        gen = torch.Generator().manual_seed(4)
+        x, dy = torch.randn(shape.x_shape, generator=gen), torch.randn(shape.y_shape, generator=gen)
+        kw = {"kernel_size": shape.k, "stride": shape.stride, "padding": shape.pad, "dilation": shape.dilation}
+        assert not winograd_applies(WINOGRAD, (x, dy), kw)
+        assert_bitwise_equal(WINOGRAD(x, dy, **kw), TREE(x, dy, **kw), shape.name)
+
+
+def test_winograd_bound_rejects_a_wrong_model():
+    """Negative controls for the winograd bound: losing one of the 16 GEMMs, or one chunk partial,
+    must fail it."""
+    case = next(c for c in CASES if c.name == "conv3x3_64-64_32_n1")
+    args, kw = SPEC.make_inputs(case, torch.device("cpu"))
+    x, dy = args
+    g = geometry(args, kw)
+    p = wino.plan(g.cout, g.cin, wino.tiles(g)[2])
+    part = wino.chunk_partials(wino.dy_transform(dy, g), wino.input_transform(x, g), p)
+    m = tree_combine(part.reshape(p.splits, -1)).reshape(16, g.cout, g.cin)
+    bound = error_bound(WINOGRAD, args, kw)
+    ref = SPEC.reference(args, kw)
+    assert_within_bound(torch.from_numpy(wino.output_transform(m)), ref, bound, "the model itself")
+    m_bad = m.copy()
+    m_bad[5] = 0.0
+    with pytest.raises(AssertionError):
+        assert_within_bound(torch.from_numpy(wino.output_transform(m_bad)), ref, bound, "lost GEMM")
+    # half the batch of tiles lost: the last chunk of a two-chunk plan on batch 2
+    args2, kw2 = SPEC.make_inputs(kernels.Case(OP, "b2", dict(case.params, n=2), seed=9), torch.device("cpu"))
+    g2 = geometry(args2, kw2)
+    p2 = wino.plan(g2.cout, g2.cin, wino.tiles(g2)[2])
+    assert p2.splits > 1
+    part2 = wino.chunk_partials(wino.dy_transform(args2[1], g2), wino.input_transform(args2[0], g2), p2)
+    m2 = tree_combine(part2[:-1].reshape(p2.splits - 1, -1)).reshape(16, g2.cout, g2.cin)
+    with pytest.raises(AssertionError):
+        assert_within_bound(torch.from_numpy(wino.output_transform(m2)), SPEC.reference(args2, kw2),
+                            error_bound(WINOGRAD, args2, kw2), "dropped chunk")
+
+
+# --------------------------------------------------------------------------------------------------
 # Argument checks (before any launch)
 
 
@@ -262,8 +381,8 @@ def test_good_arguments_pass():
 
 def test_registry_rows():
     rows = {v.name: v for v in VARIANTS}
-    assert set(rows) == {"atomic", "tree", "nosplit"}
-    assert not rows["atomic"].deterministic and rows["tree"].deterministic and rows["nosplit"].deterministic
+    assert set(rows) == {"atomic", "tree", "nosplit", "winograd"}
+    assert not rows["atomic"].deterministic and all(rows[n].deterministic for n in ("tree", "nosplit", "winograd"))
     assert not any(v.cpu_bitexact or v.order_independent for v in VARIANTS)  # FFMA inside a chunk
 
 
@@ -316,9 +435,7 @@ def gpu_reference(args, kw):
 
 
 def gpu_bound(variant, args, kw, mag):
-    p = plan_of(variant, args, kw)
-    k = args[1].shape[0] * args[1].shape[2] * args[1].shape[3]
-    return (gamma(p.chunk + p.splits + GROUPS + 1) + k * 2.0**-53 / (1 - k * 2.0**-53)) * mag
+    return error_bound(variant, args, kw, mag)
 
 
 @pytest.mark.gpu
@@ -453,3 +570,26 @@ def test_gpu_bad_arguments_and_empty_batch():
               padding=1)
         torch.cuda.synchronize()
         assert z.is_cuda and z.shape == (4, 3, 3, 3) and not z.any()
+
+
+@pytest.mark.gpu
+def test_gpu_winograd_is_tree_where_it_does_not_apply():
+    for i in (2, 3, 11):
+        args, kw = SPEC.make_inputs(gpu_case(RESNET18_CONV[i]), torch.device("cuda"))
+        assert not winograd_applies(WINOGRAD, args, kw)
+        assert_bitwise_equal(WINOGRAD(*args, **kw), TREE(*args, **kw), RESNET18_CONV[i].name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [RESNET18_CONV[i] for i in (0, 1, 4, 7, 10)], ids=lambda s: s.name)
+def test_gpu_winograd_matches_its_model_within_bound(shape):
+    """Not bit-exact (FFMA in the GEMMs): the CUDA kernels and the CPU model are each within the bound;
+    the transforms and the combine are the model's, so the two stay far closer than the bound."""
+    args, kw = SPEC.make_inputs(gpu_case(shape), torch.device("cuda"))
+    got = WINOGRAD(*args, **kw).cpu()
+    cpu_args = tuple(a.cpu() for a in args)
+    model = WINOGRAD(*cpu_args, **kw)
+    ref = SPEC.reference(cpu_args, kw)
+    bound = error_bound(WINOGRAD, cpu_args, kw)
+    assert_within_bound(got, ref, bound, f"cuda {shape.name}")
+    assert_within_bound(model, ref, bound, f"model {shape.name}")

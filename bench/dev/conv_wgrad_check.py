@@ -9,7 +9,8 @@ timings beside cuDNN, on every ResNet-18 conv shape at batch 128.
 restored on exit. "us" is the median over repeats of CUDA-event time around 10 back-to-back calls,
 divided by 10 (launch overhead that the GPU hides is not counted); "err/bound" is the largest
 |dw - dw_float64| over the element's own bound gamma_(Kc+S+9) * sum |x*dy| (tests/test_conv_wgrad.py
-derives it; <= 1 passes; cuDNN is held to the atomic variant's bound). --graph adds "gpu_us": the same
+derives it; <= 1 passes; cuDNN is held to the atomic variant's bound; winograd, where F(3,2) applies, to
+its own bound over the magnitude of its own expression). --graph adds "gpu_us": the same
 10 calls replayed from a CUDA graph (no host launch cost at all). --targets / --styles time tree and
 atomic under other split targets (TARGET_BLOCKS) and kernel styles (KERNEL_STYLE: "r" row constants in
 registers, "s" in shared memory) and check that tree keeps the bits of the shipped configuration
@@ -31,6 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import kernels  # noqa: E402
 from kernels import conv_wgrad  # noqa: E402
+from kernels import conv_wgrad_winograd as wino  # noqa: E402
 from kernels.conv_wgrad import GROUPS, OP, plan  # noqa: E402
 from bench.timing import back_to_back_us, cudnn_flags, graph_replay_us  # noqa: E402
 
@@ -135,6 +137,9 @@ def main() -> int:
                 bound = depth(name if name in ("tree", "nosplit") else "atomic", case) * U32 * mag
                 if name.startswith("tree_"):
                     bound = depth("tree", case) * U32 * mag
+                g = conv_wgrad.Geometry(*_geom_args(case))
+                if name == "winograd" and wino.applies(g):  # its own expression: its own magnitude
+                    bound = wino.rounding_depth(g) * U32 * wino.magnitude(x, dy, g).to(dev)
                 err = ((out.double() - ref).abs() / bound.clamp_min(1e-300)).max().item()
                 seen = {digest(out)}
                 for _ in range(args.repeats - 1):
