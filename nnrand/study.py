@@ -3,13 +3,18 @@
 The grid runs through the training harness; every configuration gets the divergence metrics of
 ``nnrand.metrics``, and the report links op-level noise to prediction divergence.
 
-    python -m nnrand.study                          # default grid (CUDA) or the quick grid (CPU)
-    python -m nnrand.study --time-budget 480        # stop cleanly before a member would pass 480 s
-    python -m nnrand.study report                   # re-render from the files; trains nothing
+    python -m nnrand.study                             # default grid (CUDA) or the quick grid (CPU)
+    python -m nnrand.study --time-budget 480           # stop cleanly before a member would pass 480 s
+    python -m nnrand.study --jobs 3 --time-budget 540  # three members at a time (worker processes)
+    python -m nnrand.study report                      # re-render from the files; trains nothing
 
 Each configuration is one run directory of the harness (``<runs-dir>/<config>/member_XXX``); every
 member is one ``nnrand.train.main`` call, so finished members are skipped and an unfinished one resumes
-from its checkpoint. Outputs, by backend (a CPU run never overwrites the GPU report):
+from its checkpoint. ``--jobs N`` makes that call in N worker processes at a time (spawned, so CUDA
+starts fresh in each; with several GPUs visible, worker i uses GPU i mod count); every member is seeded
+by its configuration, so the results are the same as one after another. On one GPU, concurrency helps
+only when a single member leaves the GPU idle (host-bound steps). Outputs, by backend (a CPU run never
+overwrites the GPU report):
 
     CUDA, default grid   reports/divergence.md        reports/divergence_*.png        reports/results/divergence*
     CUDA, --quick        reports/divergence_quick.md  reports/divergence_quick_*.png  reports/results/divergence_quick*
@@ -22,11 +27,16 @@ results are ``<stem>.json`` (every metric, the kernel-noise summary, timing), ``
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import json
 import math
+import multiprocessing
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -264,12 +274,33 @@ def member_done(study: Study, p: Planned, member: int) -> bool:
     return runio.is_finished(runio.member_dir(study.runs_dir, p.name, member))
 
 
-def run(study: Study, *, time_budget: float | None = None, progress: bool = True) -> dict:
+class MemberError(RuntimeError):
+    """A member failed in a worker process (``--jobs``); the message names its configuration and member,
+    ``__cause__`` is the worker's exception (with the worker's traceback as its own cause)."""
+
+
+def member_error(name: str, member: int, exc: BaseException) -> MemberError:
+    err = MemberError(f"configuration {name!r} member {member}: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+def run(study: Study, *, time_budget: float | None = None, progress: bool = True, jobs: int = 1,
+        trainer=None) -> dict:
     """Train the members not finished yet; returns {"trained", "stopped", "remaining"}. With a time
     budget, a member is started only if the time spent so far plus the median duration of the members
-    trained in this call fits (the first one always starts: an interrupted member resumes anyway)."""
+    trained in this call fits (the first one always starts: an interrupted member resumes anyway).
+
+    ``jobs`` > 1 trains that many members at a time in worker processes (see ``run_parallel``).
+    ``trainer`` replaces ``train.main`` (default); with jobs > 1 it must be picklable (a module-level
+    function), as it is called in the workers."""
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
     units = [(p, m) for p in study.plan for m in range(study.members)]
     todo = [(p, m) for p, m in units if not member_done(study, p, m)]
+    if jobs > 1 and todo:
+        return run_parallel(study, units, todo, time_budget=time_budget, progress=progress, jobs=jobs,
+                            trainer=trainer)
     start = time.monotonic()
     durations: list[float] = []
     trained = 0
@@ -283,13 +314,149 @@ def run(study: Study, *, time_budget: float | None = None, progress: bool = True
                 return {"trained": trained, "stopped": True, "remaining": len(todo) - trained}
             bar.set_postfix_str(f"{p.name} member {m}")
             t0 = time.monotonic()
-            train.main(member_config(p, m, runs_dir=study.runs_dir, progress=progress))
+            (trainer or train.main)(member_config(p, m, runs_dir=study.runs_dir, progress=progress))
             durations.append(time.monotonic() - t0)
             trained += 1
             bar.update(1)
     finally:
         bar.close()
     return {"trained": trained, "stopped": False, "remaining": 0}
+
+
+def worker_gpus(study: Study) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` value of each GPU that workers spread over: one entry per visible GPU
+    when the study runs on ``cuda`` (no index) and more than one GPU is visible, else none (the workers
+    share the study's device). ``torch.cuda.device_count`` is what ``make_study``'s availability check
+    already asked; entries of an inherited ``CUDA_VISIBLE_DEVICES`` are kept (worker i gets the i-th)."""
+    devices = {p.config.get("device") for p in study.plan}
+    if study.backend != "cuda" or devices != {"cuda"}:
+        return []
+    count = torch.cuda.device_count()
+    if count < 2:
+        return []
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited is not None:
+        return [d.strip() for d in inherited.split(",")][:count]
+    return [str(i) for i in range(count)]
+
+
+def pin_gpu(counter, gpus: list[str]) -> str | None:
+    """Worker side: take the next worker index from the shared counter and restrict this process to GPU
+    ``index mod len(gpus)``. Must run before CUDA initialises here (importing torch does not)."""
+    if not gpus:
+        return None
+    with counter.get_lock():
+        index = counter.value
+        counter.value += 1
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+    return os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+def _worker_init(counter, gpus: list[str], threads: int) -> None:
+    # An idle worker ignores Ctrl-C (it would die in the pool's queue otherwise); while it trains, the
+    # harness's own handler takes the signal, checkpoints at the next step and raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The parent's CPU thread count: CPU reductions split by thread, so it is part of a member's bits.
+    torch.set_num_threads(threads)
+    pin_gpu(counter, gpus)
+
+
+@contextlib.contextmanager
+def _inherited_env(**values: str):
+    """Set environment variables that spawned workers inherit (read there before torch starts its thread
+    pools); the previous values come back on exit. This process's runtimes read them long ago."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _train_member(cfg: dict, trainer=None) -> float:
+    """Worker side: one member, one harness call; returns its duration in seconds."""
+    t0 = time.monotonic()
+    (trainer or train.main)(cfg)
+    return time.monotonic() - t0
+
+
+def run_parallel(study: Study, units: list, todo: list, *, time_budget: float | None, progress: bool,
+                 jobs: int, trainer=None) -> dict:
+    """``run`` with ``jobs`` members at a time, each one ``train.main`` call in a spawned worker process
+    (progress bars off there; one bar here counts finished members). With a time budget, no member is
+    submitted once the time spent plus the median duration of the members finished in this call would
+    pass it; running members finish. A failing member stops submission; once the running ones are done it
+    is raised as ``MemberError`` naming its configuration and member. Ctrl-C cancels what is queued and
+    waits for the running members, which take the signal too (one process group) and checkpoint.
+
+    Workers run with this process's ``torch.get_num_threads()`` and, unless set, OMP_WAIT_POLICY=PASSIVE:
+    OpenMP threads of several processes spinning on the same cores made CPU steps ~20x slower (2 cores,
+    2 workers; the bits are the same either way)."""
+    # OMP_WAIT_POLICY is read when a worker loads torch; workers spawn at submit, so it stays set meanwhile
+    with _inherited_env(**({} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"})):
+        return _run_pool(study, units, todo, time_budget=time_budget, progress=progress, jobs=jobs,
+                         trainer=trainer)
+
+
+def _run_pool(study: Study, units: list, todo: list, *, time_budget: float | None, progress: bool, jobs: int,
+              trainer) -> dict:
+    ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
+    workers = min(jobs, len(todo))
+    queue = collections.deque(todo)
+    running: dict[concurrent.futures.Future, tuple[Planned, int]] = {}
+    start = time.monotonic()
+    durations: list[float] = []
+    trained = 0
+    stopped = False
+    failures: list[MemberError] = []
+    bar = tqdm(total=len(units), initial=len(units) - len(todo), desc="study members", unit="member",
+               disable=not progress)
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+                                                  initargs=(ctx.Value("i", 0), worker_gpus(study),
+                                                            torch.get_num_threads()))
+    try:
+        while True:
+            while queue and len(running) < workers and not failures and not stopped:
+                est = statistics.median(durations) if durations else 0.0
+                if time_budget is not None and durations and time.monotonic() - start + est > time_budget:
+                    stopped = True
+                    break
+                p, m = queue.popleft()
+                cfg = member_config(p, m, runs_dir=study.runs_dir, progress=False)
+                running[pool.submit(_train_member, cfg, trainer)] = (p, m)
+            bar.set_postfix_str(", ".join(f"{p.name} member {m}" for p, m in running.values()))
+            if not running:
+                break
+            done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for fut in done:
+                p, m = running.pop(fut)
+                try:
+                    durations.append(fut.result())
+                except Exception as e:
+                    failures.append(member_error(p.name, m, e))
+                    if running:
+                        tqdm.write(f"{failures[-1]}; waiting for the {len(running)} running member(s)",
+                                   file=sys.stderr)
+                    continue
+                trained += 1
+                bar.update(1)
+    except KeyboardInterrupt as e:
+        pool.shutdown(wait=True, cancel_futures=True)   # the running members checkpoint and stop
+        stops = [e, *(f.exception() for f in running if not f.cancelled())]
+        notes = [str(x) for x in stops if isinstance(x, KeyboardInterrupt) and str(x)]
+        raise KeyboardInterrupt("; ".join(notes)) from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+    if failures:
+        for extra in failures[1:]:
+            print(f"also failed: {extra}", file=sys.stderr)
+        raise failures[0]
+    return {"trained": trained, "stopped": stopped, "remaining": len(todo) - trained}
 
 
 def run_timing(study: Study, *, quick_steps: bool) -> bool:
@@ -499,6 +666,8 @@ EPILOG = """examples:
   python -m nnrand.study --time-budget 480                 stop before a member would pass 480 s; rerun to resume
                                                            (480 leaves room for the timing pass and the report
                                                            inside a 10-minute command)
+  python -m nnrand.study --jobs 3 --time-budget 540        three members at a time (worker processes; GPUs
+                                                           spread over when several are visible)
   python -m nnrand.study --quick --members 4               the small grid, 4 members per configuration
   python -m nnrand.study --configs control,impl,algo       a subset of the grid
   python -m nnrand.study --lr 0.1 --lr 0.4                 every configuration at two learning rates
@@ -514,6 +683,16 @@ CUDA defaults: resnet18, synthetic 10k/2k, 10 epochs of batch 128, 3 members: ab
 training images, 2 epochs: ~5 min of CPU time on 2 cores (7.5 min wall measured on a shared machine).
 outputs: reports/divergence.md (CUDA), reports/divergence_quick.md (CUDA --quick), reports/divergence_cpu.md
 (CPU), PNGs beside them, numbers in reports/results/<stem>.json; run directories under runs/<stem>/."""
+
+
+def _jobs(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
 
 
 def parser() -> argparse.ArgumentParser:
@@ -542,6 +721,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--out", help="report path (.md) or directory (default reports/<stem>.md by backend)")
     g.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help="start no member that would end past this many seconds; exit 0 with a resume hint")
+    g.add_argument("--jobs", type=_jobs, default=1, metavar="N",
+                   help="train N members at a time, each in its own worker process (default 1: one after "
+                        "another in this process); results are identical either way, every member being "
+                        "seeded by its configuration. With --device cuda and several GPUs visible, worker i "
+                        "uses GPU i mod count; on one GPU the workers share it, which helps only when a single "
+                        "member leaves the GPU idle (host-bound steps). On CPU the workers share the cores")
     g.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
                    help="timing pass once all members are done (default on; skipped if its file exists)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
@@ -584,11 +769,16 @@ def cli(argv: list[str] | None = None) -> int:
     outcome = {"stopped": False}
     if args.command == "run":
         try:
-            outcome = run(study, time_budget=args.time_budget, progress=args.progress)
+            outcome = run(study, time_budget=args.time_budget, progress=args.progress, jobs=args.jobs)
         except (train.ConfigError, routing.RoutingError, runio.DiskSpaceError, DatasetError) as e:
             p.exit(2, f"{p.prog}: error: {e}\n")
+        except MemberError as e:   # from a worker: the usage errors above exit the same way
+            if isinstance(e.__cause__, (train.ConfigError, routing.RoutingError, runio.DiskSpaceError,
+                                        DatasetError)):
+                p.exit(2, f"{p.prog}: error: {e}\n")
+            raise
         except KeyboardInterrupt as e:
-            print(f"\n{e or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
+            print(f"\n{str(e) or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
             return 130
         if not outcome["stopped"] and args.timing and not study.timing_path.exists():
             run_timing(study, quick_steps=study.backend == "cpu")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,6 +157,147 @@ def test_killed_study_continues_and_skips_finished_members(tmp_path, monkeypatch
     assert len(res["configs"]["seeds"]["weights"]) == TINY["epochs"]
 
 
+# --------------------------------------------------------------------------------------------------
+# --jobs: members in spawned worker processes
+
+
+def member_bits(s: study.Study) -> dict:
+    """What a member computed, bit for bit: epoch weights, final logits, per-step weight checksums, and
+    result.json without its timings and fingerprint (date)."""
+    out = {}
+    for p in s.plan:
+        for m in range(s.members):
+            d = runio.member_dir(s.runs_dir, p.name, m)
+            with np.load(d / "predictions.npz") as f:
+                logits = f["logits"].tobytes()
+            result = {k: v for k, v in runio.read_json(d / "result.json").items()
+                      if k not in ("step_time_ms", "train_time_s", "fingerprint")}
+            out[(p.name, m)] = {"weights": [w.read_bytes() for w in sorted(d.glob("weights_epoch_*.pt"))],
+                                "logits": logits, "checksums": (d / "checksums.csv").read_text(),
+                                "result": result}
+    return out
+
+
+def test_jobs_match_the_sequential_run_and_stop_at_the_budget(tmp_path):
+    (tmp_path / "seq").mkdir()
+    (tmp_path / "par").mkdir()
+    seq = make(tmp_path / "seq")
+    assert study.run(seq, progress=False) == {"trained": 4, "stopped": False, "remaining": 0}
+
+    par = make(tmp_path / "par")
+    omp = os.environ.get("OMP_WAIT_POLICY")
+    # budget 0: the first two members start together (no duration known yet); once one has finished,
+    # nothing more is submitted and the running one finishes
+    assert study.run(par, progress=False, jobs=2, time_budget=0) == {"trained": 2, "stopped": True, "remaining": 2}
+    assert len(stamps(par)) == 2
+    assert study.run(par, progress=False, jobs=2) == {"trained": 2, "stopped": False, "remaining": 0}
+    assert study.run(par, progress=False, jobs=2)["trained"] == 0            # nothing left: no pool
+    assert os.environ.get("OMP_WAIT_POLICY") == omp                          # the parent's env is restored
+    bits = member_bits(par)
+    assert bits == member_bits(seq)
+    assert all(len(b["weights"]) == TINY["epochs"] for b in bits.values())
+    computed = {k: (b["weights"], b["logits"]) for k, b in bits.items()}
+    assert computed[("fixed", 0)] == computed[("fixed", 1)] and computed[("seeds", 0)] != computed[("seeds", 1)]
+
+
+def flaky_trainer(cfg: dict) -> dict:
+    """A worker-side stand-in for train.main (module level: pickled by reference into spawned workers).
+    Records what the worker saw; member 0 of 'seeds' fails at once, every other member ends a second after
+    that failure (so the parent has seen it before a worker is free again)."""
+    import time
+
+    name, member = cfg["name"], cfg["first_member"]
+    seen = {"gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "omp": os.environ.get("OMP_WAIT_POLICY"),
+            "threads": torch.get_num_threads(), "progress": cfg["progress"]}
+    (Path(cfg["out"]) / f"{name}-{member}.json").write_text(json.dumps(seen))
+    if (name, member) == ("seeds", 0):
+        raise ValueError("no luck")
+    deadline = time.monotonic() + 60
+    while not (Path(cfg["out"]) / "seeds-0.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(1.0)
+    return {}
+
+
+def test_jobs_failing_member_is_named_and_stops_submission(tmp_path, monkeypatch):
+    s = make(tmp_path)
+    s.runs_dir.mkdir(parents=True)
+    monkeypatch.setattr(study, "worker_gpus", lambda _: ["5", "7"])       # as if two GPUs were visible
+    with pytest.raises(study.MemberError, match=r"configuration 'seeds' member 0: ValueError: no luck") as err:
+        study.run(s, progress=False, jobs=2, trainer=flaky_trainer)
+    assert isinstance(err.value.__cause__, ValueError)
+    seen = {p.stem: json.loads(p.read_text()) for p in s.runs_dir.glob("*.json")}
+    assert sorted(seen) == ["seeds-0", "seeds-1"]          # the running member finished; nothing new started
+    assert {v["gpu"] for v in seen.values()} <= {"5", "7"}
+    expected_omp = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    assert all(v["omp"] == expected_omp and v["threads"] == torch.get_num_threads() and v["progress"] is False
+               for v in seen.values())
+
+
+def test_member_error_names_config_and_member():
+    cause = RuntimeError("disk on fire")
+    e = study.member_error("atomic-conv_wgrad", 2, cause)
+    assert str(e) == "configuration 'atomic-conv_wgrad' member 2: RuntimeError: disk on fire"
+    assert e.__cause__ is cause
+
+
+def test_jobs_validation(tmp_path, capsys):
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(SystemExit) as e:
+            study.cli(["--jobs", bad, "--device", "cpu", "status"])
+        assert e.value.code == 2
+        assert "argument --jobs: expected an integer >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="jobs must be an integer >= 1"):
+        study.run(make(tmp_path), jobs=0)
+    assert study.parser().parse_args(["--jobs", "3"]).jobs == 3 and study.parser().parse_args([]).jobs == 1
+
+
+def test_cli_passes_jobs_and_records_them(tmp_path, monkeypatch, capsys):
+    argv = ["--device", "cpu", "--grid", str(tiny_grid(tmp_path)), "--runs-dir", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "rep" / "div.md"), "--no-timing", "--no-progress", "--jobs", "2"]
+    calls = []
+
+    def fake_run(s, **kw):
+        calls.append(kw)
+        return {"trained": 0, "stopped": True, "remaining": 4}
+
+    monkeypatch.setattr(study, "run", fake_run)
+    assert study.cli(argv) == 0
+    assert calls == [{"time_budget": None, "progress": False, "jobs": 2}]
+    res = json.loads((tmp_path / "rep" / "results" / "div.json").read_text())
+    assert res["command"].endswith("--no-timing --no-progress --jobs 2")
+
+    def failing_run(s, **kw):     # a usage error from a worker exits like one from this process
+        raise study.member_error("seeds", 1, train.ConfigError("--batch-size 99 exceeds the 64 training images"))
+
+    monkeypatch.setattr(study, "run", failing_run)
+    with pytest.raises(SystemExit) as e:
+        study.cli(argv)
+    assert e.value.code == 2
+    assert "error: configuration 'seeds' member 1: ConfigError: --batch-size 99" in capsys.readouterr().err
+
+
+def test_worker_gpus(monkeypatch):
+    """Planning only: which GPU each worker pins itself to (nothing runs on a device)."""
+    import multiprocessing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    s = study.make_study(configs=["control"])
+    assert study.worker_gpus(s) == ["0", "1", "2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7,9")      # an inherited list: the visible ones, in order
+    assert study.worker_gpus(s) == ["4", "6", "7"]
+    counter = multiprocessing.get_context("spawn").Value("i", 0)
+    assert [study.pin_gpu(counter, ["4", "6", "7"]) for _ in range(4)] == ["4", "6", "7", "4"]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4"
+    assert study.pin_gpu(counter, []) is None and os.environ["CUDA_VISIBLE_DEVICES"] == "4"
+    assert study.worker_gpus(study.make_study(device="cuda:1", configs=["control"])) == []  # an explicit GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert study.worker_gpus(s) == []                          # one GPU: the workers share it
+    assert study.worker_gpus(study.make_study(device="cpu", configs=["control"])) == []
+
+
 @pytest.mark.slow
 def test_time_budget_stops_cleanly_and_the_same_command_resumes(tmp_path):
     grid = tiny_grid(tmp_path, ("seeds",))
@@ -201,7 +343,7 @@ def test_help_has_examples():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, "-m", "nnrand.study", "--help"], capture_output=True, text=True,
                        env=env, cwd=REPO, timeout=120)
-    assert r.returncode == 0 and "examples:" in r.stdout and "--time-budget" in r.stdout
+    assert r.returncode == 0 and "examples:" in r.stdout and "--time-budget" in r.stdout and "--jobs" in r.stdout
 
 
 def test_default_cuda_study_plan(monkeypatch):
