@@ -4,8 +4,9 @@ order model; the algorithm and the exact order of its arithmetic are described a
 
     conv_wgrad winograd(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> dw
 
-Shapes it does not cover (any kernel other than 3x3, stride or dilation other than 1) run ``tree``'s
-implicit GEMM, bits included, so the variant is a drop-in for every conv the harness routes.
+Shapes it does not cover (any kernel other than 3x3, stride or dilation other than 1, fewer than
+MIN_CHANNELS channels) run ``tree``'s implicit GEMM, bits included, so the variant is a drop-in for every
+conv the harness routes.
 
 The tile axis T = N * ceil(OH/2) * ceil(OW/2) is cut into S chunks by :func:`plan`, a function of the
 shapes only, as the direct kernels cut theirs; the CPU model keeps the transforms' and the combine's
@@ -30,9 +31,17 @@ XI = 16             # transform positions: 4 x 4
 MAX_SPLITS = 4095   # gridDim.z = 16 * S <= 65535
 
 
+# Fewest input and output channels for the Winograd path: its GEMMs are Cout x Cin, and with a handful
+# of channels (the 3->64 stem) they waste most of every tile while the transforms still cost 4x the
+# traffic of x and dy. H200, batch 128: the 3->64 3x3 stem took 230 us by Winograd against 72 us by
+# tree; 64->64 3x3 32x32 took 278 us against 446 us.
+MIN_CHANNELS = 16
+
+
 def applies(g: Geometry) -> bool:
-    """3x3, stride 1, dilation 1 (any padding): the shapes F(3, 2) serves."""
-    return (g.kh, g.kw, g.sh, g.sw, g.dh, g.dw) == (3, 3, 1, 1, 1, 1)
+    """3x3, stride 1, dilation 1 (any padding), at least MIN_CHANNELS channels in and out: the shapes
+    this F(3, 2) path serves."""
+    return (g.kh, g.kw, g.sh, g.sw, g.dh, g.dw) == (3, 3, 1, 1, 1, 1) and min(g.cin, g.cout) >= MIN_CHANNELS
 
 
 def tiles(g: Geometry) -> tuple[int, int, int]:
@@ -212,7 +221,7 @@ def rounding_depth(g: Geometry) -> int:
 
 
 register(Variant(OP, "winograd", True, False, conv_wgrad_winograd_cuda, conv_wgrad_winograd_cpu,
-                 "3x3 stride 1: Winograd F(3,2) transforms + 16 split-K GEMMs, partials summed in tree's fixed "
+                 "3x3 stride 1, >= 16 channels: Winograd F(3,2) transforms + 16 split-K GEMMs, partials summed in tree's fixed "
                  "order; other shapes run tree. FFMA in the GEMMs, so not CPU bit-exact (the model keeps the "
                  "transforms, chunking and combine order)",
                  cpu_bitexact=False))
