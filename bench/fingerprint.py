@@ -59,9 +59,12 @@ def _driver() -> str:
 
 def git_sha(root: pathlib.Path | None = None) -> str:
     root = root or pathlib.Path(__file__).resolve().parents[1]
+    # NNRAND_GIT_SHA names the commit of a copied tree (whose own .git, if any, may be another commit's)
+    if os.environ.get("NNRAND_GIT_SHA"):
+        return os.environ["NNRAND_GIT_SHA"]
     sha = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root)
-    if sha is None:  # a copy of the tree without its history: the caller may say which commit it is
-        return os.environ.get("NNRAND_GIT_SHA", "unknown")
+    if sha is None:
+        return "unknown"
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
     return sha + ("-dirty" if dirty else "")
 

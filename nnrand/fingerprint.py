@@ -28,9 +28,12 @@ def _run(cmd: list[str]) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _git() -> dict:
+    # NNRAND_GIT_SHA names the commit of a copied tree (whose own .git, if any, may be another commit's)
+    if os.environ.get("NNRAND_GIT_SHA"):
+        return {"git_sha": os.environ["NNRAND_GIT_SHA"], "git_dirty": None}
     sha = _run(["git", "rev-parse", "HEAD"])
-    if sha is None:  # a copy of the tree without its history: the caller may say which commit it is
-        return {"git_sha": os.environ.get("NNRAND_GIT_SHA"), "git_dirty": None}
+    if sha is None:
+        return {"git_sha": None, "git_dirty": None}
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     return {"git_sha": sha, "git_dirty": None if dirty is None else bool(dirty)}
 
