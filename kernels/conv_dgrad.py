@@ -61,9 +61,6 @@ STEM_THREADS = 256                  # tree_stem: one thread per dx pixel, Cin <=
 STEM_MAX_CIN = 4
 STEM_MAX_CHUNK = 16                 # output channels staged per pass
 STEM_SMEM_FLOATS = 11776            # dynamic shared memory cap (46 KiB: 48 KiB less the static part)
-# Cin <= 4: "stem4" (register-blocked, where it applies, else "stem") or "stem" always; the two give
-# different fixed orders, each deterministic.
-STEM_KERNEL = "stem"
 MAX_KERNEL = 32                     # taps per axis the CUDA kernels list in shared memory
 ATOMIC_ORDERS = 32                  # CPU atomic model: runs of dx planes, one random tap order each
 
@@ -230,44 +227,12 @@ def _stem_plan(g: Geometry) -> tuple | None:
     return grid, shared, tuple(np.int32(v) for v in (tj_log2, tiles_i, tiles_j, ph, pw, cc))
 
 
-STEM4_PX, STEM4_MAXT = 4, 4          # tree_stem4: pixels per thread, most taps per axis in a phase
-
-
-def _stem4_plan(g: Geometry) -> tuple | None:
-    """Launch shape of tree_stem4 (dilation 1, at most 4 taps per axis in every phase), or None."""
-    offs_h = phase_offsets(g.kh, g.sh, g.ph, g.dh)
-    offs_w = phase_offsets(g.kw, g.sw, g.pw, g.dw)
-    th, tw = max(len(o) for o in offs_h), max(len(o) for o in offs_w)
-    if (g.dh, g.dw) != (1, 1) or th > STEM4_MAXT or tw > STEM4_MAXT:
-        return None
-    hq, wq = cdiv(g.h, g.sh), cdiv(g.w, g.sw)  # pixels per image of the largest phase (0, 0)
-    tj_log2 = min(3, max(0, (cdiv(wq, STEM4_PX) - 1).bit_length()))
-    ti_log2 = min(8 - tj_log2, max(0, (hq - 1).bit_length()))
-    nb = STEM_THREADS >> (tj_log2 + ti_log2)
-    ph, pw = (1 << ti_log2) + th - 1, (1 << tj_log2) * STEM4_PX + tw - 1
-    taps = th * tw
-    cc = min(STEM_MAX_CHUNK, g.cout, STEM_SMEM_FLOATS // (nb * ph * pw + 4 * taps))
-    if cc < 1:
-        return None
-    tiles_i, tiles_j = cdiv(hq, 1 << ti_log2), cdiv(wq, (1 << tj_log2) * STEM4_PX)
-    grid = (cdiv(g.n, nb) * tiles_i * tiles_j, 1, g.sh * g.sw)
-    if grid[0] > INT32_MAX:
-        return None
-    shared = 4 * cc * (nb * ph * pw + 4 * taps)
-    return grid, shared, tuple(np.int32(v) for v in (tj_log2, ti_log2, tiles_i, tiles_j, ph, pw, cc))
-
-
 @functools.lru_cache(maxsize=1024)
 def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     # Phases that no tap reaches (3 of 4 for a 1x1 stride-2 conv) are zero-filled up front and their
     # blocks return at once.
     empty = not all(phase_offsets(g.kh, g.sh, g.ph, g.dh)) or not all(phase_offsets(g.kw, g.sw, g.pw, g.dw))
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
-    stem4 = _stem4_plan(g) if g.cin <= STEM_MAX_CIN and STEM_KERNEL == "stem4" else None
-    if stem4 is not None:
-        grid, shared, extra = stem4
-        return LaunchPlan("conv_dgrad_tree_stem4", grid, (STEM_THREADS,), shared,
-                          (*head, *extra, np.int32(g.layout == "channels_last")), empty, "stem")
     stem = _stem_plan(g) if g.cin <= STEM_MAX_CIN else None
     if stem is not None:
         grid, shared, extra = stem
