@@ -2,7 +2,7 @@
 //
 // Every function adds in a fixed order that depends only on the launch shape, never on timing, and
 // has an exact CPU model in kernels/order.py (warp_reduce <-> warp_tree, block_reduce <-> block_tree).
-// Only additions: no multiply-add contraction can change the bits.
+// Only additions (fma_step aside: the GEMM step, FFMA by design): no contraction can change the bits.
 #pragma once
 
 #define FULL_MASK 0xffffffffu
@@ -55,4 +55,48 @@ __device__ __forceinline__ bool arrive_last(unsigned int* counter, unsigned int 
     const bool last = atomicAdd(counter, 1u) == expected - 1u;
     if (last) *counter = 0u;
     return last;
+}
+
+// Fixed-order combine of S split-K partials of one element, p[s * stride] for s < S: group g adds
+// partials g, g + 8, g + 16, ... in order from +0.0, then the 8 group sums are added in index order
+// from +0.0 (kernels/conv_wgrad.py: tree_combine models it). Reads bypass L1: other blocks wrote them.
+#define COMBINE_GROUPS 8
+__device__ __forceinline__ float ordered_combine(const float* p, int S, long long stride) {
+    float part[COMBINE_GROUPS];
+#pragma unroll
+    for (int g = 0; g < COMBINE_GROUPS; ++g) part[g] = 0.0f;
+    for (int s0 = 0; s0 < S; s0 += COMBINE_GROUPS) {
+        float v[COMBINE_GROUPS];
+#pragma unroll
+        for (int g = 0; g < COMBINE_GROUPS; ++g) v[g] = s0 + g < S ? __ldcg(p + (long long)(s0 + g) * stride) : 0.0f;
+#pragma unroll
+        for (int g = 0; g < COMBINE_GROUPS; ++g)
+            if (s0 + g < S) part[g] += v[g];
+    }
+    float r = 0.0f;
+#pragma unroll
+    for (int g = 0; g < COMBINE_GROUPS; ++g) r += part[g];
+    return r;
+}
+
+// One K-step of a register-tiled SGEMM (the FFMA kernels of conv_wgrad*.cu): a / b are the step's rows
+// of the shared A and B tiles; thread (ty, tx) holds TM x TN accumulators whose rows are the float4
+// groups g * GM + 4 * ty and columns g * GN + 4 * tx. acc[i][j] += a[i] * b[j] with FFMA.
+template <int TM, int TN, int GM, int GN>
+__device__ __forceinline__ void fma_step(const float* a, const float* b, int ty, int tx, float (&acc)[TM][TN]) {
+    float av[TM], bv[TN];
+#pragma unroll
+    for (int g = 0; g < TM / 4; ++g) {
+        const float4 v = *reinterpret_cast<const float4*>(a + g * GM + ty * 4);
+        av[4 * g] = v.x; av[4 * g + 1] = v.y; av[4 * g + 2] = v.z; av[4 * g + 3] = v.w;
+    }
+#pragma unroll
+    for (int g = 0; g < TN / 4; ++g) {
+        const float4 v = *reinterpret_cast<const float4*>(b + g * GN + tx * 4);
+        bv[4 * g] = v.x; bv[4 * g + 1] = v.y; bv[4 * g + 2] = v.z; bv[4 * g + 3] = v.w;
+    }
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
 }

@@ -36,7 +36,7 @@
 // loads along channels instead of along k. Indices are 32-bit (the launcher refuses tensors of 2^31
 // elements or more). The load-side options never change the bits (see wgrad_tile).
 
-#include "common.cuh"  // arrive_last
+#include "common.cuh"  // arrive_last, ordered_combine, fma_step
 
 #define WG_THREADS 256
 #define WG_BK 16
@@ -169,23 +169,7 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         const bool more = st + 1 < steps;
         if (more) load(kbeg + (st + 1) * WG_BK);  // global loads in flight during the FFMAs below
 #pragma unroll
-        for (int q = 0; q < WG_BK; ++q) {
-            float av[TM], bv[TN];
-#pragma unroll
-            for (int g = 0; g < TM / 4; ++g) {
-                const float4 v = *reinterpret_cast<const float4*>(&As[buf][q][g * GM + ty * 4]);
-                av[4 * g] = v.x; av[4 * g + 1] = v.y; av[4 * g + 2] = v.z; av[4 * g + 3] = v.w;
-            }
-#pragma unroll
-            for (int g = 0; g < TN / 4; ++g) {
-                const float4 v = *reinterpret_cast<const float4*>(&Bs[buf][q][g * GN + tx * 4]);
-                bv[4 * g] = v.x; bv[4 * g + 1] = v.y; bv[4 * g + 2] = v.z; bv[4 * g + 3] = v.w;
-            }
-#pragma unroll
-            for (int i = 0; i < TM; ++i)
-#pragma unroll
-                for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-        }
+        for (int q = 0; q < WG_BK; ++q) fma_step<TM, TN, GM, GN>(As[buf][q], Bs[buf][q], ty, tx, acc);
         if (more) store(buf ^ 1);  // buf ^ 1 was last read before the previous barrier
         __syncthreads();
     }
@@ -211,21 +195,7 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
             const int i = q / TN, j = q % TN;
             const int m = m0 + (i / 4) * GM + ty * 4 + (i % 4);
             const int col = (j / 4) * GN + tx * 4 + (j % 4);
-            float part[WG_GROUPS];
-#pragma unroll
-            for (int g = 0; g < WG_GROUPS; ++g) part[g] = 0.0f;
-            for (int s0 = 0; s0 < S; s0 += WG_GROUPS) {
-                float v[WG_GROUPS];
-#pragma unroll
-                for (int g = 0; g < WG_GROUPS; ++g)
-                    v[g] = s0 + g < S ? __ldcg(wt + ((long long)(s0 + g) * E + q) * WG_THREADS) : 0.0f;
-#pragma unroll
-                for (int g = 0; g < WG_GROUPS; ++g)
-                    if (s0 + g < S) part[g] += v[g];
-            }
-            float r = 0.0f;
-#pragma unroll
-            for (int g = 0; g < WG_GROUPS; ++g) r += part[g];
+            const float r = ordered_combine(wt + (long long)q * WG_THREADS, S, (long long)E * WG_THREADS);
             if (m < M && r0 + col < R) out[m * R + (CL ? brow[col].w : r0 + col)] = r;
         }
         return;

@@ -134,10 +134,18 @@ def _plan(m, r, k, split, target_blocks, chunk_len, min_chunk, min_splits) -> Pl
     tile = 128 if m >= 128 and r >= 128 else 64
     if not split:
         return Plan(tile, 1, max(BK, cdiv(k, BK) * BK))
-    tiles = cdiv(m, tile) * cdiv(r, tile)
+    splits, chunk = split_for(cdiv(m, tile) * cdiv(r, tile), k, target_blocks, chunk_len, min_chunk, min_splits)
+    return Plan(tile, splits, chunk)
+
+
+def split_for(tiles: int, k: int, target_blocks: int = TARGET_BLOCKS, chunk_len: int = CHUNK,
+              min_chunk: int = MIN_CHUNK, min_splits: int = MIN_SPLITS, max_splits: int | None = None) -> tuple[int, int]:
+    """(S, Kc): the split of a length-k reduction shared by ``tiles`` output tiles (the rule above)."""
     s = max(1, min(cdiv(target_blocks, tiles), max(k // chunk_len, min(min_splits, k // min_chunk))))
+    if max_splits is not None:
+        s = min(s, max_splits)
     chunk = cdiv(cdiv(k, s), BK) * BK
-    return Plan(tile, cdiv(k, chunk), chunk)
+    return cdiv(k, chunk), chunk
 
 
 def _pair(arg: str, v, minimum: int) -> tuple[int, int]:

@@ -27,11 +27,11 @@
 //   M per chunk with FFMA (the only part a CPU cannot reproduce bit for bit), combine as above;
 //   G rows then columns, each  e0 + h*(e1 + e2), h*(e1 - e2), h*(e1 + e2) + e3 with h = 0.5 (the
 //   products are exact; __fmul_rn keeps them from being contracted into an FMA).
-// No #include: the file compiles alone under NVRTC.
+
+#include "common.cuh"  // ordered_combine, fma_step
 
 #define WN_THREADS 256
 #define WN_BK 16
-#define WN_GROUPS 8
 
 // ------------------------------------------------------------------------------------------------
 // Transforms. One thread per (tile, channel), channels fastest: the 16 stores of a warp (one per xi)
@@ -184,23 +184,7 @@ __device__ __forceinline__ void wino_gemm(const float* __restrict__ U, const flo
         const bool more = st + 1 < steps;
         if (more) load(tbeg + (st + 1) * WN_BK);
 #pragma unroll
-        for (int q = 0; q < WN_BK; ++q) {
-            float av[TM], bv[TN];
-#pragma unroll
-            for (int g = 0; g < TM / 4; ++g) {
-                const float4 v = *reinterpret_cast<const float4*>(&As[buf][q][g * GM + ty * 4]);
-                av[4 * g] = v.x; av[4 * g + 1] = v.y; av[4 * g + 2] = v.z; av[4 * g + 3] = v.w;
-            }
-#pragma unroll
-            for (int g = 0; g < TN / 4; ++g) {
-                const float4 v = *reinterpret_cast<const float4*>(&Bs[buf][q][g * GN + tx * 4]);
-                bv[4 * g] = v.x; bv[4 * g + 1] = v.y; bv[4 * g + 2] = v.z; bv[4 * g + 3] = v.w;
-            }
-#pragma unroll
-            for (int i = 0; i < TM; ++i)
-#pragma unroll
-                for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-        }
+        for (int q = 0; q < WN_BK; ++q) fma_step<TM, TN, GM, GN>(As[buf][q], Bs[buf][q], ty, tx, acc);
         if (more) store(buf ^ 1);
         __syncthreads();
     }
@@ -261,19 +245,7 @@ wino_wgrad_output(const float* __restrict__ part, float* __restrict__ dw, int K,
         if (S == 1) {
             m = __ldcg(p);
         } else {
-            float grp[WN_GROUPS];
-#pragma unroll
-            for (int g = 0; g < WN_GROUPS; ++g) grp[g] = 0.0f;
-            for (int s0 = 0; s0 < S; s0 += WN_GROUPS) {
-                float v[WN_GROUPS];
-#pragma unroll
-                for (int g = 0; g < WN_GROUPS; ++g) v[g] = s0 + g < S ? __ldcg(p + (long long)(s0 + g) * KC) : 0.0f;
-#pragma unroll
-                for (int g = 0; g < WN_GROUPS; ++g)
-                    if (s0 + g < S) grp[g] += v[g];
-            }
-#pragma unroll
-            for (int g = 0; g < WN_GROUPS; ++g) m += grp[g];
+            m = ordered_combine(p, S, KC);
         }
     }
     M[lane][xi] = m;

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import conv_wgrad as direct
-from .conv_wgrad import BK, CHUNK, MIN_CHUNK, MIN_SPLITS, OP, TARGET_BLOCKS, Geometry, Plan, tree_combine
+from .conv_wgrad import OP, Geometry, Plan, tree_combine
 from .order import F32
 from .registry import Variant, register
 from .runtime import cdiv, function, launch, ptr
@@ -54,11 +54,8 @@ def plan(k_out: int, c_in: int, t: int) -> Plan:
     """Output tile and split of the tile axis for the 16 GEMMs (Cout x Cin each, reduction over T); the
     direct kernels' rule (conv_wgrad.plan) with 16 times as many output tiles. Shapes only."""
     tile = 128 if k_out >= 128 and c_in >= 128 else 64
-    out_tiles = XI * cdiv(k_out, tile) * cdiv(c_in, tile)
-    s = max(1, min(cdiv(TARGET_BLOCKS, out_tiles), max(t // CHUNK, min(MIN_SPLITS, t // MIN_CHUNK))))
-    s = min(s, MAX_SPLITS)
-    chunk = cdiv(cdiv(t, s), BK) * BK
-    return Plan(tile, cdiv(t, chunk), chunk)
+    splits, chunk = direct.split_for(XI * cdiv(k_out, tile) * cdiv(c_in, tile), t, max_splits=MAX_SPLITS)
+    return Plan(tile, splits, chunk)
 
 
 def _round4(v: int) -> int:
