@@ -1,0 +1,73 @@
+"""maxpool_bwd on the ResNet stem pool (128 x 64 x 16 x 16, 3x3 stride 2 pad 1), CUDA: GPU time of every
+variant and of torch's backward from CUDA-graph replays (warm L2, no launch overhead), then tree's tiled
+kernel under other block shapes (TILE_CELLS for NCHW, TILE_CHANNELS for channels_last), with a check that
+the bits never change.
+
+    PYTHONPATH=. python bench/dev/maxpool_tile_sweep.py
+    PYTHONPATH=. ncu -k regex:maxpool --section SpeedOfLight --section Occupancy \\
+        python bench/dev/maxpool_tile_sweep.py --once      # one call of each variant, for a profiler
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+import kernels  # noqa: E402
+from kernels import maxpool_bwd as mp  # noqa: E402
+from bench.timing import graph_replay_us  # noqa: E402
+
+KW = dict(input_size=(16, 16), kernel_size=3, stride=2, padding=1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--once", action="store_true", help="run each variant once (NCHW) and exit")
+    args = ap.parse_args()
+    if not kernels.cuda_available():
+        print("maxpool_tile_sweep: needs a CUDA device and CuPy", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    x = torch.randn(128, 64, 16, 16, device=dev, generator=torch.Generator(dev).manual_seed(0))
+    saved = mp.TILE_CELLS, mp.TILE_CHANNELS
+    try:
+        for layout in ("nchw", "channels_last"):
+            xi = x if layout == "nchw" else x.contiguous(memory_format=torch.channels_last)
+            _, idx = torch.nn.functional.max_pool2d(xi, 3, 2, 1, return_indices=True)
+            dy = torch.randn(idx.shape, device=dev).contiguous(memory_format=xi.suggest_memory_format())
+
+            def call(name):
+                v = kernels.get("maxpool_bwd", name)
+                return lambda: v(dy, idx, **KW)
+
+            if args.once:
+                for name in ("atomic", "tree", "owner"):
+                    call(name)()
+                torch.cuda.synchronize()
+                return 0
+            us = {n: graph_replay_us(call(n), calls=20, replays=20) for n in ("atomic", "tree", "owner")}
+            us["torch"] = graph_replay_us(lambda: torch.ops.aten.max_pool2d_with_indices_backward(
+                dy, xi, [3, 3], [2, 2], [1, 1], [1, 1], False, idx), calls=20, replays=20)
+            print(layout, "GPU us per call:", {k: round(v, 2) for k, v in us.items()}, flush=True)
+            ref = call("tree")()
+            sizes = [(c, 8) for c in (64, 128, 256, 512, 1024, 2048)] if layout == "nchw" else \
+                [(512, c) for c in (1, 2, 4, 8, 16, 32)]
+            for cells, channels in sizes:
+                mp.TILE_CELLS, mp.TILE_CHANNELS = cells, channels
+                mp.tile_plan.cache_clear()
+                same = torch.equal(call("tree")(), ref)
+                t = graph_replay_us(call("tree"), calls=20, replays=20)
+                print(f"  TILE_CELLS {cells} TILE_CHANNELS {channels}: plan (grid, group, shift, smem) "
+                      f"{mp.tile_plan(128, 64, 16, 16, 8, 8, layout)}, tree {t:.2f} us, same bits {same}", flush=True)
+    finally:
+        mp.TILE_CELLS, mp.TILE_CHANNELS = saved
+        mp.tile_plan.cache_clear()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
