@@ -37,8 +37,8 @@ def main() -> int:
     try:
         for layout in ("nchw", "channels_last"):
             xi = x if layout == "nchw" else x.contiguous(memory_format=torch.channels_last)
-            _, idx = torch.nn.functional.max_pool2d(xi, 3, 2, 1, return_indices=True)
-            dy = torch.randn(idx.shape, device=dev).contiguous(memory_format=xi.suggest_memory_format())
+            y, idx = torch.nn.functional.max_pool2d(xi, 3, 2, 1, return_indices=True)
+            dy = torch.randn_like(y)  # y's layout
 
             def call(name):
                 v = kernels.get("maxpool_bwd", name)
