@@ -6,18 +6,24 @@
 //   atomic  one thread per window: atomicAdd of its gradient at its argmax (dx zeroed first).
 //           NONDETERMINISTIC where windows overlap: an input that is the argmax of >= 3 windows
 //           receives their gradients in arrival order, and that order decides the rounding.
-//   tree    one thread per input position: gathers the gradients of the windows whose argmax it is,
-//           visiting every window that can contain it in (oh, ow) row-major order from +0.0. Each dx
-//           element is written once, by one thread, in a fixed order: deterministic. No zero-fill.
-//           Two kernels, same order and so the same bits: maxpool_bwd_tile stages a block's dy and
-//           indices (a few whole planes, NCHW; one image's positions for a group of channels,
-//           channels_last) in shared memory with coalesced loads and gathers from there, so every
-//           global load is independent and issued up front; maxpool_bwd_tree gathers straight from
-//           global memory (one dependent index load per window) and serves planes too large to stage.
-//           H200, ResNet stem pool (3x3 s2 p1, 128 x 64 x 16 x 16), GPU us per call, NCHW / channels_last:
-//           atomic (with its zero fill) 11.9 / 11.9, tiled 19.5 / 17.0, global gather 32.5 / 33.7,
-//           owner 16.3 / 17.5, torch's backward 30.7 / 27.7. On k x k stride-1 pools (32 x 32, C 64):
-//           tiled 81 / 181 us for k = 3 / 7 against atomic's 92 / 119 and torch's 135 / 267.
+//   tree    each input position gathers the gradients of the windows whose argmax it is, visiting
+//           every window that can contain it in (oh, ow) row-major order from +0.0. Each dx element is
+//           written once, by one thread, in a fixed order: deterministic. No zero-fill. Three kernels,
+//           same windows in the same order and so the same bits:
+//           - maxpool_bwd_cell_*: for the common square pools (3x3 stride 2 pad 1 or 0, 2x2 stride 2,
+//             3x3 stride 1 pad 1), one thread per stride cell (S x S positions): the pool geometry is a
+//             compile-time constant, so a thread loads the N x N windows its cell can touch once and
+//             each position tests only its own windows, from registers.
+//           - maxpool_bwd_tile, other pools: stages a block's dy and indices (a few whole planes, NCHW;
+//             one image's positions for a group of channels, channels_last) in shared memory with
+//             coalesced loads and gathers from there.
+//           - maxpool_bwd_tree, planes too large to stage: gathers straight from global memory.
+//           H200, ResNet stem pool (3x3 s2 p1, 128 x 64 x 16 x 16), GPU us per call from CUDA-graph
+//           replays (bench/dev/maxpool_tile_sweep.py), NCHW / channels_last: atomic (with its zero fill)
+//           8.56 / 8.48, cell 4.71 / 5.56, tiled 16.90 / 14.44, global gather 29.86 / 31.16, owner
+//           13.02 / 14.24, torch's backward 27.44 / 24.43. 3x3 stride-1 pool (32 x 64 x 32 x 32): cell
+//           20.27 / 25.56 against atomic's 21.40 / 19.55 (tiled 22.45 / 54.91); 5x5 and 7x7 stride 1
+//           (tiled): 39.7 / 69.1 and 49.6 / 109.3 against atomic's 28.7 / 25.8 and 30.0 / 27.2.
 //   owner   one thread per window, like atomic, but without atomics: the first window (row-major)
 //           whose argmax is a position "owns" it, sums that position's windows in tree's order and
 //           writes the result; other positions keep the zero fill. Each dx element is written by at
@@ -26,7 +32,8 @@
 //           batch 128: 32.5 us vs 11.9 us); owner does atomic's amount of work plus a few cached
 //           index loads per window. Measured (H200, batch 128): 1.37x atomic on the NCHW stem pool,
 //           1.47x channels_last, 2-3.4x on the stride-1 contention pools (every owner re-walks the
-//           crowded windows); tree's tiled kernel is the faster one except on the NCHW stem pool.
+//           crowded windows). tree is faster on every pool measured; owner stays as the
+//           one-thread-per-window way to a deterministic scatter.
 //
 // Only additions, no contraction possible: the CPU models reproduce both bit for bit (atomic: for the
 // order the atomics happened to arrive in), including the flush of subnormal operands and results to
@@ -243,6 +250,142 @@ maxpool_bwd_tile(const float* __restrict__ dy, const long long* __restrict__ idx
         }
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// tree, one thread per stride cell, for the common square pools
+
+// Pool geometry known at compile time (kernel K, stride S, padding P, dilation 1, both axes). The input
+// plane is cut into S x S cells, cell (bh, bw) = rows [bh*S, bh*S + S) x cols [bw*S, bw*S + S) (clipped
+// to the plane). Along one axis, the windows that can contain position bh*S + r are, relative to
+// o0 = window_lo(bh*S) taken without clipping at 0, the range [lo(r), hi(r)) below: constants, because
+// shifting x by S shifts every window index by 1. Every window that can contain a position of the cell
+// is in the N x N block starting at (o0_h, o0_w). One thread per cell loads that block's indices and
+// gradients once (windows outside [0, OH) x [0, OW) count as "no position"), all loads independent, then
+// gathers each position from registers: for every window of its range, in row-major order, add the
+// gradient if the window's argmax is the position. Same windows, same order, same bits as tree (tree
+// clips the range to [0, OH); the windows beyond never match). NCHW threads enumerate (plane, bh, bw);
+// channels_last threads (n, bh, bw, c), c fastest, so loads and stores coalesce in both layouts; with
+// S = 2 in NCHW and W even, each row of a cell is stored as one float2.
+__host__ __device__ constexpr int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+template <int K, int S, int P>
+struct CellAxis {
+    static constexpr int C0 = P - K;                         // x + P - span, span = K (no dilation), at x = 0
+    __host__ __device__ static constexpr int lo(int r) { return floor_div(r + C0, S) - floor_div(C0, S); }
+    __host__ __device__ static constexpr int hi(int r) { return floor_div(r + P, S) - floor_div(C0, S); }
+    static constexpr int N = hi(S - 1);                       // lo(0) = 0
+};
+
+// n / d for 0 <= n < 2^31 with a multiply-high: m and s from cell_divisor() in maxpool_bwd.py.
+struct FastDiv {
+    unsigned m;
+    int s, d;
+    __device__ __forceinline__ int div(int n) const { return (int)((__umulhi((unsigned)n, m) + (unsigned)n) >> s); }
+    __device__ __forceinline__ long long div(long long n) const { return n / d; }
+};
+
+struct CellArgs {
+    int C, H, W, OH, OW, BH, BW;
+    FastDiv byC, byBH, byBW;
+};
+
+template <typename I, int K, int S, int P, bool CHANNELS_LAST>
+__device__ __forceinline__ void cell_body(const float* __restrict__ dy, const long long* __restrict__ idx,
+                                          float* __restrict__ dx, I total, const CellArgs A) {
+    using Ax = CellAxis<K, S, P>;
+    constexpr int N = Ax::N;
+    const I step = (I)gridDim.x * blockDim.x;
+    const bool pair_store = !CHANNELS_LAST && S == 2 && (A.W & 1) == 0;
+    for (I t = (I)blockIdx.x * blockDim.x + threadIdx.x; t < total; t += step) {
+        int bh, bw;
+        I base, stride, out;  // dy/indices offset of window (0, 0) of the plane; window stride; dx of (0, 0)
+        if (CHANNELS_LAST) {  // t = ((n * BH + bh) * BW + bw) * C + c
+            I r = A.byC.div(t);
+            const I c = t - r * A.C;
+            I r2 = A.byBW.div(r);
+            bw = (int)(r - r2 * A.BW);
+            const I n = A.byBH.div(r2);
+            bh = (int)(r2 - n * A.BH);
+            base = n * A.OH * A.OW * A.C + c;
+            stride = A.C;
+            out = n * A.H * A.W * A.C + c;
+        } else {              // t = (plane * BH + bh) * BW + bw
+            const I r = A.byBW.div(t);
+            bw = (int)(t - r * A.BW);
+            const I plane = A.byBH.div(r);
+            bh = (int)(r - plane * A.BH);
+            base = plane * A.OH * A.OW;
+            stride = 1;
+            out = plane * A.H * A.W;
+        }
+        const int oh0 = bh + floor_div(Ax::C0, S) + 1, ow0 = bw + floor_div(Ax::C0, S) + 1;  // unclipped
+        const int HW = A.H * A.W;
+        int wi[N][N];
+        float wg[N][N];
+#pragma unroll
+        for (int a = 0; a < N; ++a)
+#pragma unroll
+            for (int b = 0; b < N; ++b) {
+                const int oh = oh0 + a, ow = ow0 + b;
+                wi[a][b] = -1;
+                wg[a][b] = 0.0f;
+                if (oh >= 0 && oh < A.OH && ow >= 0 && ow < A.OW) {
+                    const I o = base + ((I)oh * A.OW + ow) * stride;
+                    const long long i = idx[o];
+                    wi[a][b] = (i >= 0 && i < HW) ? (int)i : -1;
+                    wg[a][b] = dy[o];
+                }
+            }
+        const int h0 = bh * S, w0 = bw * S;
+#pragma unroll
+        for (int r = 0; r < S; ++r) {
+            const int h = h0 + r;
+            if (h >= A.H) break;
+            float acc[S];
+#pragma unroll
+            for (int q = 0; q < S; ++q) {
+                const int target = h * A.W + w0 + q;
+                float sum = 0.0f;
+#pragma unroll
+                for (int a = Ax::lo(r); a < Ax::hi(r); ++a)      // row-major over the windows: tree's order
+#pragma unroll
+                    for (int b = Ax::lo(q); b < Ax::hi(q); ++b)
+                        if (wi[a][b] == target) sum += wg[a][b];
+                acc[q] = sum;
+            }
+            if (pair_store) {
+                *reinterpret_cast<float2*>(dx + out + (I)h * A.W + w0) = make_float2(acc[0], acc[S - 1]);
+            } else {
+#pragma unroll
+                for (int q = 0; q < S; ++q)
+                    if (w0 + q < A.W) dx[out + ((I)h * A.W + w0 + q) * stride] = acc[q];
+            }
+        }
+    }
+}
+
+// maxpool_bwd_cell_k<K>s<S>p<P>_<layout>_<index type>: total = cells of the launch (N * C * BH * BW); the
+// launcher checked that the pool is K x K, stride S, padding P, dilation 1 (ceil_mode either way), and
+// chose 32-bit indexing when every dy, dx and thread index fits (i32) or 64-bit (i64). One kernel per
+// layout and index type, so each keeps the registers of its own path only.
+#define MPB_CELL_ONE(K, S, P, LAYOUT, CL, INDEX, I)                                                          \
+    extern "C" __global__ void __launch_bounds__(MPB_THREADS)                                               \
+    maxpool_bwd_cell_k##K##s##S##p##P##_##LAYOUT##_##INDEX(                                                 \
+        const float* __restrict__ dy, const long long* __restrict__ idx, float* __restrict__ dx,            \
+        long long total, int C, int H, int W, int OH, int OW, int BH, int BW, unsigned mC, int sC,           \
+        unsigned mBH, int sBH, unsigned mBW, int sBW) {                                                     \
+        const CellArgs A = {C, H, W, OH, OW, BH, BW, {mC, sC, C}, {mBH, sBH, BH}, {mBW, sBW, BW}};         \
+        cell_body<I, K, S, P, CL>(dy, idx, dx, (I)total, A);                                                \
+    }
+#define MPB_CELL_KERNEL(K, S, P)                                  \
+    MPB_CELL_ONE(K, S, P, nchw, false, i32, int)                  \
+    MPB_CELL_ONE(K, S, P, nchw, false, i64, long long)            \
+    MPB_CELL_ONE(K, S, P, cl, true, i32, int)                     \
+    MPB_CELL_ONE(K, S, P, cl, true, i64, long long)
+MPB_CELL_KERNEL(3, 2, 1)  // the ImageNet ResNet stem pool
+MPB_CELL_KERNEL(3, 2, 0)
+MPB_CELL_KERNEL(2, 2, 0)
+MPB_CELL_KERNEL(3, 1, 1)
 
 // ------------------------------------------------------------------------------------------------
 // owner

@@ -226,10 +226,64 @@ def tile_plan(n: int, c: int, h: int, w: int, oh: int, ow: int, layout: str) -> 
     return grid, group, shift, smem
 
 
+# Pools with a stride-cell kernel in maxpool_bwd.cu (maxpool_bwd_cell_k<K>s<S>p<P>_*): square, dilation 1.
+CELL_POOLS = frozenset({(3, 2, 1), (3, 2, 0), (2, 2, 0), (3, 1, 1)})
+
+
+@functools.lru_cache(maxsize=512)
+def cell_plan(h: int, w: int, kh: int, kw: int, sh: int, sw: int, ph: int, pw: int, dh: int, dw: int,
+              oh: int, ow: int) -> tuple[str, int, int] | None:
+    """(kernel name stem, BH, BW) of tree's stride-cell kernel for this pool (BH x BW cells of stride x
+    stride input positions), or None when maxpool_bwd.cu has no kernel for it. Depends on the pool
+    only; the bits never depend on it."""
+    if not (kh == kw and sh == sw and ph == pw and dh == dw == 1 and (kh, sh, ph) in CELL_POOLS):
+        return None
+    return f"maxpool_bwd_cell_k{kh}s{sh}p{ph}", cdiv(h, sh), cdiv(w, sw)
+
+
+@functools.lru_cache(maxsize=512)
+def cell_divisor(d: int) -> tuple[np.uint32, np.int32]:
+    """(m, s) with n // d == (((n * m) >> 32) + n) >> s for every 0 <= n < 2**31 (the kernels' FastDiv):
+    s = ceil(log2 d), m = floor(2**32 * (2**s - d) / d) + 1 < 2**32."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divisor {d} outside [1, 2^31)")
+    s = (d - 1).bit_length()
+    return np.uint32((2**32 * (2**s - d)) // d + 1), np.int32(s)
+
+
+def _cell(dy, indices, p: dict, layout: str, plan: tuple[str, int, int]) -> torch.Tensor:
+    stem, bh, bw = plan
+    n, c = dy.shape[:2]
+    dx = torch.empty((n, c, p["h"], p["w"]), device=dy.device, dtype=torch.float32,
+                     memory_format=_memory_format(layout))
+    total = n * c * bh * bw
+    blocks = _blocks(total)
+    narrow = (total + blocks * THREADS <= INT32_MAX and n * c * p["h"] * p["w"] <= INT32_MAX
+              and dy.numel() <= INT32_MAX)
+    name = f"{stem}_{'cl' if layout == 'channels_last' else 'nchw'}_{'i32' if narrow else 'i64'}"
+    i32 = np.int32
+    launch(function(SOURCE, name, dy.device), (blocks,), (THREADS,),
+           (ptr(dy), ptr(indices), ptr(dx), np.int64(total), i32(c), i32(p["h"]), i32(p["w"]), i32(p["oh"]),
+            i32(p["ow"]), i32(bh), i32(bw), *cell_divisor(c), *cell_divisor(bh), *cell_divisor(bw)),
+           device=dy.device)
+    return dx
+
+
+def _cell_plan_of(p: dict):
+    return cell_plan(*(p[k] for k in ("h", "w", "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")))
+
+
 def maxpool_bwd_tree_cuda(dy, indices, *, input_size, kernel_size, stride=None, padding=0, dilation=1,
                           ceil_mode=False) -> torch.Tensor:
     dy, indices, p, layout = _cuda_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation,
                                             ceil_mode)
+    plan = _cell_plan_of(p)
+    if plan is not None:
+        return _cell(dy, indices, p, layout, plan)
+    return _tree_tiled(dy, indices, p, layout)
+
+
+def _tree_tiled(dy, indices, p: dict, layout: str) -> torch.Tensor:
     n, c = dy.shape[:2]
     tiled = tile_plan(n, c, p["h"], p["w"], p["oh"], p["ow"], layout)
     if tiled is None:
@@ -261,6 +315,15 @@ def maxpool_bwd_tree_gather_cuda(dy, indices, *, input_size, kernel_size, stride
     dy, indices, p, layout = _cuda_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation,
                                             ceil_mode)
     return _tree_gather(dy, indices, p, layout)
+
+
+def maxpool_bwd_tree_tile_cuda(dy, indices, *, input_size, kernel_size, stride=None, padding=0, dilation=1,
+                               ceil_mode=False) -> torch.Tensor:
+    """tree without the stride-cell kernel: tiled through shared memory, or the global gather where the
+    tile does not fit; for tests and timing beside the cell kernel. Same bits."""
+    dy, indices, p, layout = _cuda_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation,
+                                            ceil_mode)
+    return _tree_tiled(dy, indices, p, layout)
 
 
 def maxpool_bwd_owner_cuda(dy, indices, *, input_size, kernel_size, stride=None, padding=0, dilation=1,
@@ -393,8 +456,9 @@ def maxpool_bwd_atomic_cpu(dy, indices, *, input_size, kernel_size, stride=None,
 register(Variant(OP, "atomic", False, False, maxpool_bwd_atomic_cuda, maxpool_bwd_atomic_cpu,
                  "one thread per window; its gradient atomicAdd-ed at the argmax (overlapping windows collide)"))
 register(Variant(OP, "tree", True, False, maxpool_bwd_tree_cuda, maxpool_bwd_tree_cpu,
-                 "one thread per input; gathers the windows whose argmax it is in (oh, ow) row-major order, "
-                 "from a shared-memory copy of the block's windows (global gather for planes too large)"))
+                 "each input gathers the windows whose argmax it is in (oh, ow) row-major order; one thread "
+                 "per stride cell from registers for common pools, else from a shared-memory copy of the "
+                 "block's windows (global gather for planes too large)"))
 register(Variant(OP, "owner", True, False, maxpool_bwd_owner_cuda, maxpool_bwd_tree_cpu,
                  "one thread per window; the first window pointing at a position sums it in tree's order "
                  "(bits = tree)"))

@@ -7,6 +7,8 @@ k <= 1 means dx is exact; a non-overlapping pool is exact everywhere.
 """
 from __future__ import annotations
 
+import itertools
+import re
 import shutil
 import subprocess
 
@@ -334,6 +336,8 @@ def _emulate(name, tensors, scalars, grid=None, shared_mem=0):
         return out
     if name == "maxpool_bwd_tile":
         return _emulate_tile(dy, idx, out, scalars, grid, shared_mem)
+    if name.startswith("maxpool_bwd_cell_k"):
+        return _emulate_cell(name, dy, idx, out, scalars)
     total, C, H, W, OH, OW, KH, KW, SH, SW, PH, PW, DH, DW, cl = scalars
     per_element = name == "maxpool_bwd_tree"
     for t in range(total):
@@ -411,12 +415,66 @@ def _emulate_tile(dy, idx, out, scalars, grid, shared_mem):
     return out
 
 
+def _emulate_cell(name, dy, idx, out, scalars):
+    """maxpool_bwd_cell_k<K>s<S>p<P>_<layout>_<index> thread by thread: its cell, the N x N windows it
+    loads, the window range of each position (the kernel's compile-time constants), where it writes."""
+    K, S, P, layout, index = re.fullmatch(r"maxpool_bwd_cell_k(\d)s(\d)p(\d)_(nchw|cl)_(i32|i64)", name).groups()
+    K, S, P = int(K), int(S), int(P)
+    total, C, H, W, OH, OW, BH, BW, mC, sC, mBH, sBH, mBW, sBW = scalars
+    assert (BH, BW) == (-(-H // S), -(-W // S)) and total == dy.size // (OH * OW) * BH * BW
+    for d, m, sh in ((C, mC, sC), (BH, mBH, sBH), (BW, mBW, sBW)):  # FastDiv on the thread indices
+        for n in range(0, total, max(1, total // 50)):
+            assert (((n * m) >> 32) + n) >> sh == n // d
+    assert index == ("i32" if total < 2**31 and out.size < 2**31 else "i64")
+    c0 = P - K
+    lo = [(r + c0) // S - c0 // S for r in range(S)]  # Python's // floors, as floor_div does
+    hi = [(r + P) // S - c0 // S for r in range(S)]
+    N = hi[S - 1]
+    written = np.zeros(out.size, dtype=bool)
+    for t in range(total):
+        if layout == "cl":
+            c, r = t % C, t // C
+            bw, r = r % BW, r // BW
+            bh, n = r % BH, r // BH
+            base, step, at0 = n * OH * OW * C + c, C, n * H * W * C + c
+        else:
+            bw, r = t % BW, t // BW
+            bh, plane = r % BH, r // BH
+            base, step, at0 = plane * OH * OW, 1, plane * H * W
+        oh0, ow0 = bh + c0 // S + 1, bw + c0 // S + 1
+        block = [[(-1, np.float32(0))] * N for _ in range(N)]
+        for a, b in itertools.product(range(N), range(N)):
+            if 0 <= oh0 + a < OH and 0 <= ow0 + b < OW:
+                o = base + ((oh0 + a) * OW + ow0 + b) * step
+                block[a][b] = (int(idx[o]) if 0 <= idx[o] < H * W else -1, dy[o])
+        for h in range(bh * S, min(bh * S + S, H)):
+            for w in range(bw * S, min(bw * S + S, W)):
+                # the kernel's constant ranges are tree's window ranges, shifted to the cell's origin
+                assert max(_lo(h, K, S, P, 1), 0) == max(oh0 + lo[h - bh * S], 0)
+                assert _hi(h, S, P, OH) == min(oh0 + hi[h - bh * S], OH)
+                acc = np.float32(0.0)
+                for a in range(lo[h - bh * S], hi[h - bh * S]):
+                    for b in range(lo[w - bw * S], hi[w - bw * S]):
+                        i, g = block[a][b]
+                        if i == h * W + w:
+                            acc = np.float32(acc + g)
+                at = at0 + (h * W + w) * step
+                assert not written[at]
+                out[at], written[at] = acc, True
+    assert written.all(), "the grid leaves dx elements unwritten"
+    return out
+
+
 EMULATED = ["overlap_odd_nchw", "overlap_odd_channels_last", "dilation2_channels_last", "ceil_k3s2",
-            "k3s1_heavy_overlap_nchw", "odd0_nchw", "odd0_channels_last", "odd4_nchw", "odd4_channels_last"]
+            "k2s2_nchw", "k2s2_channels_last", "k3s1_heavy_overlap_nchw", "k3s1_heavy_overlap_channels_last",
+            "odd0_nchw", "odd0_channels_last", "odd4_nchw", "odd4_channels_last"]
+# The kernel tree launches for each: a stride-cell kernel where the pool has one, else the tiled one.
+TREE_KERNEL = {"overlap_odd": "cell_k3s2p1", "dilation2": "tile", "ceil_k3s2": "cell_k3s2p0",
+               "k2s2": "cell_k2s2p0", "k3s1_heavy_overlap": "cell_k3s1p1", "odd": "tile"}
 
 
-@pytest.mark.parametrize("name", EMULATED)
-def test_launchers_against_emulated_kernels(name, monkeypatch):
+@pytest.mark.parametrize("case_name", EMULATED)
+def test_launchers_against_emulated_kernels(case_name, monkeypatch):
     """Includes pools with different parameters per axis (ODD_POOLS 0 and 4), so swapped H/W
     arguments show."""
     tensors: dict[int, torch.Tensor] = {}
@@ -429,35 +487,67 @@ def test_launchers_against_emulated_kernels(name, monkeypatch):
     def fake_launch(fn, grid, block, args, *, device, shared_mem=0):
         assert block == (mp.THREADS,) and grid[0] >= 1
         dy, idx, dx = (tensors[int(a)] for a in args[:3])
-        assert all(isinstance(a, (np.int32, np.int64)) for a in args[3:])
+        assert all(isinstance(a, (np.int32, np.int64, np.uint32)) for a in args[3:])
         results[fn] = _emulate(fn, (dy, idx, dx), [int(a) for a in args[3:]], grid, shared_mem)
 
     monkeypatch.setattr(mp, "check_cuda", lambda *a: None)
     monkeypatch.setattr(mp, "function", lambda source, name, device: name)
     monkeypatch.setattr(mp, "launch", fake_launch)
     monkeypatch.setattr(mp, "ptr", fake_ptr)
-    if name.startswith("odd"):
-        shape, pool = ODD_POOLS[int(name[3])]
-        args, kw = odd_inputs(shape, pool, name.split("_", 1)[1])
+    if case_name.startswith("odd"):
+        shape, pool = ODD_POOLS[int(case_name[3])]
+        args, kw = odd_inputs(shape, pool, case_name.split("_", 1)[1])
     else:
-        args, kw = SPEC.make_inputs(next(c for c in TEST_CASES if c.name == name), CPU)
+        args, kw = SPEC.make_inputs(next(c for c in TEST_CASES if c.name == case_name), CPU)
     tree = TREE(*args, **kw)
     memory = (tree if tree.is_contiguous() else tree.permute(0, 2, 3, 1)).reshape(-1).numpy().view(np.uint32)
     launchers = {v.name: v.cuda for v in kernels.variants(OP)}
+    launchers["tree_tile"] = mp.maxpool_bwd_tree_tile_cuda
     launchers["tree_gather"] = mp.maxpool_bwd_tree_gather_cuda
-    kernel_of = {"tree": "tile", "tree_gather": "tree"}
+    expected = {"tree": TREE_KERNEL[next(k for k in TREE_KERNEL if case_name.startswith(k))],
+                "tree_tile": "tile", "tree_gather": "tree"}
     for name, launcher in launchers.items():
+        results.clear()
         out = launcher(*args, **kw)
         assert layout_ok(out, args[0])
-        got = results[f"maxpool_bwd_{kernel_of.get(name, name)}"].view(np.uint32)
-        v = kernels.get(OP, "tree" if name == "tree_gather" else name)
+        want = f"maxpool_bwd_{expected.get(name, name)}"
+        assert len(results) == 1 and next(iter(results)).startswith(want), (name, want, list(results))
+        got = next(iter(results.values())).view(np.uint32)
+        v = kernels.get(OP, name.split("_")[0])
         if v.deterministic:
-            assert np.array_equal(got, memory), v.key
+            assert np.array_equal(got, memory), name
         else:  # sequential emulation: one arrival order, within the some-order check
             nchw = torch.from_numpy(got.view(np.float32).copy())
             shaped = nchw.view(out.shape) if out.is_contiguous() else \
                 nchw.view(out.shape[0], out.shape[2], out.shape[3], out.shape[1]).permute(0, 3, 1, 2)
             check_some_order(shaped, tree, args, kw)
+
+
+def test_cell_plan():
+    def plan(h, w, k, s, p, d=1):
+        return mp.cell_plan(h, w, k, k, s, s, p, p, d, d, mp.pool_out(h, k, s, p, d, False),
+                            mp.pool_out(w, k, s, p, d, False))
+
+    assert plan(16, 16, 3, 2, 1) == ("maxpool_bwd_cell_k3s2p1", 8, 8)  # the ResNet stem pool
+    assert plan(15, 13, 3, 2, 1) == ("maxpool_bwd_cell_k3s2p1", 8, 7)  # odd sizes: clipped last cells
+    assert plan(8, 8, 2, 2, 0) == ("maxpool_bwd_cell_k2s2p0", 4, 4)
+    assert plan(9, 9, 3, 1, 1) == ("maxpool_bwd_cell_k3s1p1", 9, 9)
+    assert plan(9, 9, 3, 2, 1, d=2) is None                           # dilation
+    assert plan(9, 9, 5, 1, 2) is None                                # no kernel for 5x5
+    assert mp.cell_plan(9, 9, 3, 3, 2, 1, 1, 1, 1, 1, 4, 9) is None     # unequal strides
+
+
+def test_cell_divisor_matches_integer_division():
+    rng = np.random.default_rng(0)
+    ns = np.concatenate([np.arange(0, 5000), rng.integers(0, 2**31, 20000), 2**31 - 1 - np.arange(2000)])
+    ns = ns.astype(object)  # exact integers
+    for d in [*range(1, 300), 1000, 4096, 12543, 65535, 2**20 + 3, 2**30, 2**31 - 1]:
+        m, s = (int(v) for v in mp.cell_divisor(d))
+        assert 0 < m < 2**32
+        q = [(((n * m) >> 32) + n) >> s for n in ns]
+        assert q == [n // d for n in ns], d
+    with pytest.raises(ValueError):
+        mp.cell_divisor(0)
 
 
 def test_tile_plan_fits_shared_memory_or_falls_back():
@@ -526,12 +616,13 @@ def test_gpu_deterministic_bitwise_repeatable_and_equals_model(case, variant, cu
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
 def test_gpu_tree_kernels_agree_bitwise(case, cuda_sync):
-    """tree's two kernels (tiled through shared memory, and the global gather it falls back to for
-    large planes) give the same bits."""
+    """tree's kernels (stride cells, tiled through shared memory, and the global gather it falls back to
+    for large planes) give the same bits."""
     args, kw = SPEC.make_inputs(case, CUDA)
-    tiled, gathered = TREE(*args, **kw), mp.maxpool_bwd_tree_gather_cuda(*args, **kw)
-    diff = np.nonzero(bits(tiled) != bits(gathered))[0]
-    assert diff.size == 0, f"tiled and gather kernels differ at {diff[:10]}"
+    first = bits(TREE(*args, **kw))
+    for name, fn in (("tiled", mp.maxpool_bwd_tree_tile_cuda), ("gather", mp.maxpool_bwd_tree_gather_cuda)):
+        diff = np.nonzero(bits(fn(*args, **kw)) != first)[0]
+        assert diff.size == 0, f"tree and its {name} kernel differ at {diff[:10]}"
 
 
 @pytest.mark.gpu
