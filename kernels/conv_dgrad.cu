@@ -12,8 +12,8 @@
 //           visits only the taps that can hit its pixels (1 of 4 for a 3x3 stride-2 pixel on an even
 //           row and column). Each dx element is one thread's FMA chain in a fixed order (taps with kh
 //           then kw ascending, co ascending inside a tap) and is written once: DETERMINISTIC.
-//           Cin <= 4 (network stems) runs tree_stem instead: one thread per pixel, dy patch and weights
-//           staged in shared memory, its own fixed order.
+//           Cin <= 4 with dilation 1 (network stems) runs tree_stem instead: a few pixels per
+//           thread, dy patch and weights staged in shared memory, its own fixed order.
 //
 // Both use FFMA, so neither matches its CPU model bit for bit (the models round each product apart).
 // Self-contained: no shared header (the reductions here are GEMM accumulators, not common.cuh trees).
@@ -24,7 +24,9 @@
 #define DG_THREADS 256       // 16 x 16 threads, each an 8 x 4 register tile
 #define DG_LDA (DG_BM + 4)   // shared row pitch: conflict-free transposed stores, float4 aligned
 #define DG_MAXK 32           // largest kernel extent per axis (taps are listed in shared memory)
-#define DG_DIRECT_THREADS 256  // tree_stem block
+#define DG_STEM_MAX_THREADS 256  // tree_stem block, at most
+#define DG_STEM_SPLIT 4          // tree_stem: lanes that split one pixel group's output channels
+#define DG_STEM_PIXELS 4         // tree_stem: dx pixels per lane group
 
 // The taps of one axis that reach stride phase r: k with (r + pad - k*dil) divisible by the stride,
 // in increasing k, each with its dy offset (exact division, also for negative numerators). Returns
@@ -244,20 +246,107 @@ extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_atomic_cl
     dgrad_gemm<true, true>(DG_PASS);
 }
 
-// tree_stem: Cin <= 4 (network stems). A 64-column GEMM tile would waste 15/16 of its work on 3 input
-// channels, so each thread owns one dx pixel (all its channels, padded to 4) of a TI x TJ tile of one
-// stride phase. Per chunk of CC output channels the block stages the dy patch its taps read and the
-// phase's weights ([tap][co] float4, ci padded to 4) in shared memory, then every thread runs its FMA
-// chain: chunks ascending, taps (kh, kw) ascending, co ascending. Fixed order, one write per element:
-// deterministic (a different fixed order from the GEMM path, used for every shape with Cin <= 4).
-// Dynamic shared memory: 4 * ntaps_max * CC + CC * PH * PW floats (the launcher keeps it <= 48 KiB).
-extern "C" __global__ void __launch_bounds__(DG_DIRECT_THREADS)
-conv_dgrad_tree_stem(DG_ARGS, int tj_log2, int tiles_i, int tiles_j, int PH, int PW, int CC, int cl) {
-    extern __shared__ __align__(16) float dsm[];
+// tree_stem: Cin <= 4 (network stems), dilation 1. A 64-column GEMM tile would waste 15/16 of its work
+// on 3 input channels, so a group of KS adjacent lanes owns PX consecutive dx pixels of one row of one
+// stride phase, all their channels (padded to 4): 4 * PX accumulators per lane, the lanes of a group
+// splitting the output channels (lane ks takes the groups of four ks, ks + KS, ...). With dilation 1 the
+// taps of a phase reach consecutive dy rows and columns (tap column b+1 reads one dy column left of tap
+// column b), so for one tap row and one output channel a lane reads a single dy row segment of
+// PX + T - 1 values (T >= the taps of the phase along W) straight from global memory (L1-cached: the
+// neighbouring groups read the same rows) and multiplies every tap column against it. How the segments
+// are loaded (the only difference between the kernels):
+//   STEM_CL:     channels_last dy, Cout % 4 == 0: four output channels of a column are one float4;
+//   STEM_ROWS:   NCHW dy, OW % 4 == 0, 16-byte aligned rows, PX % 4 == 0: aligned float4 chunks of the
+//                row (each wholly inside or outside it), the segment cut out at a shift SFT that is the
+//                same for the whole block (a template argument: no selects);
+//   STEM_SCALAR: anything else, one load per value.
+// The phase's weights ([tap][co] float4, ci padded to 4) are staged in shared memory, CW output channels
+// at a time. Each lane's accumulators are FMA chains in a fixed order (weight chunks, tap rows
+// ascending, its output channels ascending, tap columns descending); the group's partial sums then meet
+// in a fixed butterfly, (s0 + s1) + (s2 + s3), which gives every lane the same bits. One write per
+// element: deterministic, and the same order in every layout. Positions outside dy read as 0 (their
+// products add +-0). Dynamic shared memory: 16 * ntaps_max * CW bytes (the launcher keeps it <= 46 KiB);
+// CW is a multiple of 4.
+enum StemLoad { STEM_SCALAR = 0, STEM_CL = 1, STEM_ROWS = 2 };
+
+struct StemTile {
+    int i, j, ks, nkh, nkw, ow0, cw0, cwn, CW;
+    unsigned colok;     // bit e: dy column ow0 + e inside [0, OW)
+    const float* dyn;   // dy of this image, advanced to column ow0 (STEM_ROWS: to the aligned chunk below it)
+};
+
+template <int PX, int T, int KS, int LOAD, int SFT>
+__device__ __forceinline__ void stem_taps(float (&acc)[PX][4], const StemTile& S, const float4* ws, const int* s_oh,
+                                          int OH, int OW, long long dy_sc, long long dy_sh, long long dy_sw) {
+    constexpr int SEG = PX + T - 1;               // dy columns a lane reads per (tap row, co)
+    constexpr int CHUNKS = (SFT + SEG + 3) / 4;   // STEM_ROWS: aligned float4 chunks covering them
+    for (int a = 0; a < S.nkh; ++a) {
+        const int oh = S.i + s_oh[a];
+        const bool rowok = oh >= 0 && oh < OH;
+        const float* row = S.dyn + (long long)oh * dy_sh;
+        const float4* wrow = ws + (a * S.nkw + S.nkw - 1) * S.CW;
+        for (int c = 4 * S.ks; c < S.cwn; c += 4 * KS) {
+            float seg[SEG][4];
+            if (LOAD == STEM_CL) {  // co .. co+3 of one column are one float4
+#pragma unroll
+                for (int e = 0; e < SEG; ++e) {
+                    const bool ok = rowok && ((S.colok >> e) & 1u);
+                    const float4 v = ok ? __ldg(reinterpret_cast<const float4*>(row + (long long)e * dy_sw + S.cw0 + c))
+                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    seg[e][0] = v.x; seg[e][1] = v.y; seg[e][2] = v.z; seg[e][3] = v.w;
+                }
+            } else if (LOAD == STEM_ROWS) {  // chunk q holds columns ow0 - SFT + 4q .. +3
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const float* at = row + (long long)(S.cw0 + c + u) * dy_sc;
+                    float v[CHUNKS * 4];
+#pragma unroll
+                    for (int q = 0; q < CHUNKS; ++q) {
+                        const int col = S.ow0 - SFT + 4 * q;
+                        const bool ok = rowok && c + u < S.cwn && col >= 0 && col < OW;
+                        const float4 f = ok ? __ldg(reinterpret_cast<const float4*>(at + 4 * q)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                        v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
+                    }
+#pragma unroll
+                    for (int e = 0; e < SEG; ++e) seg[e][u] = v[SFT + e];
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < SEG; ++e) {
+                    const bool ok = rowok && ((S.colok >> e) & 1u);
+                    const float* at = row + (long long)e * dy_sw + (long long)(S.cw0 + c) * dy_sc;
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) seg[e][u] = (ok && c + u < S.cwn) ? __ldg(at + u * dy_sc) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+#pragma unroll
+                for (int k = 0; k < T; ++k) {
+                    if (k < S.nkw) {
+                        const float4 q = wrow[c + u - k * S.CW];  // tap column nkw-1-k, co = cw0+c+u
+#pragma unroll
+                        for (int p = 0; p < PX; ++p) {
+                            const float v = seg[p + k][u];
+                            acc[p][0] = fmaf(v, q.x, acc[p][0]);
+                            acc[p][1] = fmaf(v, q.y, acc[p][1]);
+                            acc[p][2] = fmaf(v, q.z, acc[p][2]);
+                            acc[p][3] = fmaf(v, q.w, acc[p][3]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+template <int PX, int T, int KS, int LOAD>
+__device__ __forceinline__ void stem_body(DG_ARGS, int tj_log2, int TI, int tiles_i, int tiles_j, int CW) {
+    extern __shared__ __align__(16) float4 ws[];  // [ntaps][CW]
     __shared__ int s_kh[DG_MAXK], s_oh[DG_MAXK], s_kw[DG_MAXK], s_ow[DG_MAXK];
     __shared__ int s_nkh, s_nkw;
-    const int t = threadIdx.x;
-    const int TJ = 1 << tj_log2, TI = DG_DIRECT_THREADS >> tj_log2;
+    const int t = threadIdx.x, nthreads = blockDim.x;
+    const int TJ = 1 << tj_log2;
     const int rh = blockIdx.z / sw, rw = blockIdx.z % sw;
     const int Hq = rh < H ? (H - rh + sh - 1) / sh : 0;
     const int Wq = rw < W ? (W - rw + sw - 1) / sw : 0;
@@ -266,63 +355,87 @@ conv_dgrad_tree_stem(DG_ARGS, int tj_log2, int tiles_i, int tiles_j, int PH, int
     b /= tiles_j;
     const int tile_i = b % tiles_i;
     const int n = b / tiles_i;
-    const int i0 = tile_i * TI, j0 = tile_j * TJ;
+    const int i0 = tile_i * TI, j0 = tile_j * TJ * PX;
     if (i0 >= Hq || j0 >= Wq) return;  // uniform: this tile lies outside a smaller phase
     if (t == 0) {
         s_nkh = phase_taps(rh, ph, sh, dh, KH, s_kh, s_oh);
         s_nkw = phase_taps(rw, pw, sw, dw, KW, s_kw, s_ow);
     }
     __syncthreads();
-    const int nkh = s_nkh, nkw = s_nkw, ntaps = nkh * nkw;
+    StemTile S;
+    S.nkh = s_nkh;
+    S.nkw = s_nkw;
+    const int ntaps = S.nkh * S.nkw;
     if (ntaps == 0 && skip_empty) return;
-    const int ti = t >> tj_log2, tj = t & (TJ - 1);
-    const float4* __restrict__ w4 = reinterpret_cast<const float4*>(wmat);
-    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    S.ks = t & (KS - 1);
+    const int g = t / KS;
+    S.i = i0 + (g >> tj_log2);
+    S.j = j0 + (g & (TJ - 1)) * PX;  // this group's first pixel
+    S.CW = CW;
+    float acc[PX][4];
+#pragma unroll
+    for (int p = 0; p < PX; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.0f;
     if (ntaps > 0) {
-        // the patch starts at the smallest dy row/column any tap of this phase reads for this tile
-        const int oh_base = i0 + s_oh[nkh - 1], ow_base = j0 + s_ow[nkw - 1];
-        float4* ws = reinterpret_cast<float4*>(dsm);  // [ntaps][CC]
-        float* ps = dsm + 4 * ntaps * CC;              // [CC][PH][PW]
-        const int psz = PH * PW;
-        const long long dy_n = (long long)n * dy_sn;
-        for (int co0 = 0; co0 < Cout; co0 += CC) {
+        // tap column nkw-1-k of pixel p reads dy column ow0 + p + k
+        S.ow0 = S.j + s_ow[S.nkw - 1];
+        S.colok = 0;
+#pragma unroll
+        for (int e = 0; e < PX + T - 1; ++e) S.colok |= (unsigned)(S.ow0 + e >= 0 && S.ow0 + e < OW) << e;
+        const int sft = S.ow0 & 3;  // STEM_ROWS: the same in the whole block (j is a multiple of 4)
+        S.dyn = dy + (long long)n * dy_sn + (long long)(LOAD == STEM_ROWS ? S.ow0 - sft : S.ow0) * dy_sw;
+        const float4* __restrict__ w4 = reinterpret_cast<const float4*>(wmat);
+        for (S.cw0 = 0; S.cw0 < Cout; S.cw0 += CW) {
+            S.cwn = min(CW, Cout - S.cw0);
             __syncthreads();  // the previous chunk has been read
-            for (int x = t; x < ntaps * CC; x += DG_DIRECT_THREADS) {
-                const int tp = x / CC, c = x - tp * CC, a = tp / nkw, bb = tp - a * nkw, co = co0 + c;
-                ws[x] = co < Cout ? __ldg(w4 + (long long)(s_kh[a] * KW + s_kw[bb]) * Cout + co)
+            for (int x = t; x < ntaps * CW; x += nthreads) {
+                const int tp = x / CW, c = x - tp * CW, a = tp / S.nkw, bb = tp - a * S.nkw;
+                ws[x] = c < S.cwn ? __ldg(w4 + (long long)(s_kh[a] * KW + s_kw[bb]) * Cout + S.cw0 + c)
                                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
-            for (int x = t; x < CC * psz; x += DG_DIRECT_THREADS) {
-                int c, rq;  // lanes run along the fastest dy axis: ow (NCHW) or the channel (channels_last)
-                if (cl) { c = x % CC; rq = x / CC; } else { c = x / psz; rq = x - c * psz; }
-                const int r = rq / PW, q = rq - (rq / PW) * PW;
-                const int oh = oh_base + r, ow = ow_base + q, co = co0 + c;
-                float v = 0.0f;
-                if (co < Cout && oh >= 0 && oh < OH && ow >= 0 && ow < OW)
-                    v = __ldg(dy + dy_n + (long long)co * dy_sc + (long long)oh * dy_sh + (long long)ow * dy_sw);
-                ps[c * psz + rq] = v;
-            }
             __syncthreads();
-            for (int a = 0; a < nkh; ++a) {
-                const int r = ti + s_oh[a] - s_oh[nkh - 1];
-                for (int bb = 0; bb < nkw; ++bb) {
-                    const float* pp = ps + r * PW + tj + s_ow[bb] - s_ow[nkw - 1];
-                    const float4* wq = ws + (a * nkw + bb) * CC;
-#pragma unroll 4
-                    for (int c = 0; c < CC; ++c) {
-                        const float v = pp[c * psz];
-                        const float4 q = wq[c];
-                        a0 = fmaf(v, q.x, a0); a1 = fmaf(v, q.y, a1); a2 = fmaf(v, q.z, a2); a3 = fmaf(v, q.w, a3);
-                    }
+            if (LOAD == STEM_ROWS) {
+                switch (sft) {
+                    case 0: stem_taps<PX, T, KS, LOAD, 0>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw); break;
+                    case 1: stem_taps<PX, T, KS, LOAD, 1>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw); break;
+                    case 2: stem_taps<PX, T, KS, LOAD, 2>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw); break;
+                    default: stem_taps<PX, T, KS, LOAD, 3>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw); break;
                 }
+            } else {
+                stem_taps<PX, T, KS, LOAD, 0>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw);
             }
         }
     }
-    const int i = i0 + ti, j = j0 + tj;
-    if (i >= Hq || j >= Wq) return;
-    float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * i) * dx_sh + (long long)(rw + sw * j) * dx_sw;
-    o[0] = a0;
-    if (Cin > 1) o[dx_sc] = a1;
-    if (Cin > 2) o[2 * dx_sc] = a2;
-    if (Cin > 3) o[3 * dx_sc] = a3;
+    // the group's partial sums, (s0 + s1) + (s2 + s3) for KS = 4: the same bits in every lane (a + b = b + a)
+    const unsigned group = ((1u << KS) - 1u) << ((t & 31) & ~(KS - 1));  // blocks hold whole groups
+#pragma unroll
+    for (int m = 1; m < KS; m <<= 1)
+#pragma unroll
+        for (int p = 0; p < PX; ++p)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) acc[p][u] += __shfl_xor_sync(group, acc[p][u], m);
+    if (S.i >= Hq) return;
+#pragma unroll
+    for (int p = 0; p < PX; ++p) {
+        if (S.j + p >= Wq || p % KS != S.ks) continue;  // the group's lanes share the stores
+        float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * S.i) * dx_sh + (long long)(rw + sw * (S.j + p)) * dx_sw;
+        o[0] = acc[p][0];
+        if (Cin > 1) o[dx_sc] = acc[p][1];
+        if (Cin > 2) o[2 * dx_sc] = acc[p][2];
+        if (Cin > 3) o[3 * dx_sc] = acc[p][3];
+    }
 }
+
+// conv_dgrad_tree_stem_t<T>_<load>: PX = 4 pixels per group; the launcher picks T >= the most taps of
+// any phase along W, and the load mode its checks allow (see above).
+#define DG_STEM_ONE(T, NAME, LOAD)                                                                      \
+    extern "C" __global__ void __launch_bounds__(DG_STEM_MAX_THREADS, 1) conv_dgrad_tree_stem_t##T##_##NAME( \
+        DG_ARGS, int tj_log2, int TI, int tiles_i, int tiles_j, int CW) {                               \
+        stem_body<DG_STEM_PIXELS, T, DG_STEM_SPLIT, LOAD>(DG_PASS, tj_log2, TI, tiles_i, tiles_j, CW);   \
+    }
+#define DG_STEM_KERNEL(T)                  \
+    DG_STEM_ONE(T, scalar, STEM_SCALAR)    \
+    DG_STEM_ONE(T, cl, STEM_CL)            \
+    DG_STEM_ONE(T, rows, STEM_ROWS)
+DG_STEM_KERNEL(2)
+DG_STEM_KERNEL(4)
+DG_STEM_KERNEL(7)

@@ -18,12 +18,9 @@ not reproduce; so ``cpu_bitexact`` is False, and the CPU models follow each vari
 structure in float32 instead: products summed over Cout by a float32 matmul, then the KH*KW taps of a
 dx element added in a fixed order (``tree``: torch's col2im ``fold``) or in a random order (``atomic``).
 
-Measured on an H200 (batch 128, fp32, NCHW; ``bench/dev/conv_dgrad_check.py``; cuDNN with
-cudnn.benchmark and TF32 off), microseconds per call, tree / atomic / cuDNN:
-64->64 3x3 32x32: 446 / 951 / 380; 128->128 3x3 16x16: 426 / 663 / 329; 256->256 3x3 8x8:
-411 / 540 / 312; 512->512 3x3 4x4: 484 / 489 / 427; 128->256 3x3 s2 16x16: 289 / 304 / 191;
-3->64 3x3 stem: 162 / 139 / 80; 3->64 7x7 s2 stem: 183 / 135 / 62. The atomic variant gave 20
-distinct results in 20 repeats on every overlapping shape, 1 on the 1x1 stride-2 convs; tree gave 1.
+Speed: reports/kernels.md (``pytest --benchmark-only`` on an H200) has every variant beside cuDNN on
+every ResNet-18 shape; ``bench/dev/conv_dgrad_check.py`` adds bounds and run-to-run counts per shape.
+Cin <= 4 with dilation 1 (network stems) runs its own kernel, tree_stem (see conv_dgrad.cu).
 
 CPU models: 16 -> 16 channels, 3x3, 32x32, batch 64 costs about 44 ms of CPU time on one thread for
 either model (torch's own float32 data gradient: 4 ms); the tap columns (a 9x larger intermediate than
@@ -57,9 +54,7 @@ from .shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape, conv_out
 OP = "conv_dgrad"
 SOURCE = "conv_dgrad.cu"
 BM, BN, THREADS = 128, 64, 256      # GEMM block tile (rows x columns) and threads; see conv_dgrad.cu
-STEM_THREADS = 256                  # tree_stem: one thread per dx pixel, Cin <= STEM_MAX_CIN
 STEM_MAX_CIN = 4
-STEM_MAX_CHUNK = 16                 # output channels staged per pass
 STEM_SMEM_FLOATS = 11776            # dynamic shared memory cap (46 KiB: 48 KiB less the static part)
 MAX_KERNEL = 32                     # taps per axis the CUDA kernels list in shared memory
 ATOMIC_ORDERS = 32                  # CPU atomic model: runs of dx planes, one random tap order each
@@ -208,23 +203,46 @@ def phase_offsets(k: int, s: int, p: int, d: int) -> list[list[int]]:
     return [[(r + p - kk * d) // s for kk in range(k) if (r + p - kk * d) % s == 0] for r in range(s)]
 
 
-def _stem_plan(g: Geometry) -> tuple | None:
-    """Launch shape of tree_stem, or None when its shared memory would not fit (then the GEMM runs)."""
+STEM_TAPS = (2, 4, 7)       # tree_stem kernels: most taps of a phase along W each one takes
+STEM_PIXELS = 4             # dx pixels per lane group (DG_STEM_PIXELS in conv_dgrad.cu)
+STEM_BLOCK = 256            # threads per block, about
+STEM_SPLIT = 4              # lanes per pixel group, splitting Cout (DG_STEM_SPLIT in conv_dgrad.cu)
+
+
+def _stem_load(g: Geometry, dy_stride: tuple[int, ...]) -> str:
+    """How tree_stem loads dy (see conv_dgrad.cu): 'cl' (float4 over four output channels), 'rows'
+    (aligned float4 chunks of NCHW rows) or 'scalar'. The caller also checks dy's address (16 bytes)."""
+    if g.layout == "channels_last" and g.cout % 4 == 0 and dy_stride[1] == 1 and \
+            all(dy_stride[d] % 4 == 0 for d in (0, 2, 3)):
+        return "cl"
+    if g.layout == "nchw" and STEM_PIXELS % 4 == 0 and g.ow % 4 == 0 and dy_stride[3] == 1 and \
+            all(s % 4 == 0 for s in dy_stride[:3]):
+        return "rows"
+    return "scalar"
+
+
+def _stem_plan(g: Geometry, dy_stride: tuple[int, ...]) -> tuple | None:
+    """(kernel, grid, block, shared bytes, extra scalars) of tree_stem, or None when it does not apply
+    (dilation, more than 7 taps of a phase along W: the GEMM runs)."""
+    if g.dh != 1 or g.dw != 1:
+        return None
     offs_h = phase_offsets(g.kh, g.sh, g.ph, g.dh)
     offs_w = phase_offsets(g.kw, g.sw, g.pw, g.dw)
-    spread = lambda offs: max((o[0] - o[-1] for o in offs if o), default=0)  # noqa: E731
-    hq, wq = cdiv(g.h, g.sh), cdiv(g.w, g.sw)  # pixels per image of the largest phase (0, 0)
-    tj_log2 = min(5, max(0, (wq - 1).bit_length()))
-    ti = STEM_THREADS >> tj_log2
-    ph, pw = ti + spread(offs_h), (1 << tj_log2) + spread(offs_w)
     taps = max(len(o) for o in offs_h) * max(len(o) for o in offs_w)
-    cc = min(STEM_MAX_CHUNK, g.cout, STEM_SMEM_FLOATS // (ph * pw + 4 * taps))
-    if cc < 1:
+    t = next((t for t in STEM_TAPS if t >= max(len(o) for o in offs_w)), None)
+    if t is None:
         return None
-    tiles_i, tiles_j = cdiv(hq, ti), cdiv(wq, 1 << tj_log2)
+    px = STEM_PIXELS
+    hq, wq = cdiv(g.h, g.sh), cdiv(g.w, g.sw)  # pixels per image of the largest phase (0, 0)
+    tj_log2 = min(5, max(0, (cdiv(wq, px) - 1).bit_length()))
+    tj = 1 << tj_log2
+    ti = max(1, min(STEM_BLOCK // (tj * STEM_SPLIT), hq))
+    cw = min(cdiv(g.cout, 4) * 4, STEM_SMEM_FLOATS // (4 * max(taps, 1)) // 4 * 4)
+    tiles_i, tiles_j = cdiv(hq, ti), cdiv(wq, tj * px)
     grid = (g.n * tiles_i * tiles_j, 1, g.sh * g.sw)
-    shared = 4 * cc * (ph * pw + 4 * taps)
-    return grid, shared, tuple(np.int32(v) for v in (tj_log2, tiles_i, tiles_j, ph, pw, cc))
+    kernel = f"conv_dgrad_tree_stem_t{t}_{_stem_load(g, dy_stride)}"
+    extra = tuple(np.int32(v) for v in (tj_log2, ti, tiles_i, tiles_j, cw))
+    return kernel, grid, (ti * tj * STEM_SPLIT,), 16 * max(taps, 1) * cw, extra
 
 
 @functools.lru_cache(maxsize=1024)
@@ -233,11 +251,10 @@ def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     # blocks return at once.
     empty = not all(phase_offsets(g.kh, g.sh, g.ph, g.dh)) or not all(phase_offsets(g.kw, g.sw, g.pw, g.dw))
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
-    stem = _stem_plan(g) if g.cin <= STEM_MAX_CIN else None
+    stem = _stem_plan(g, dy_stride) if g.cin <= STEM_MAX_CIN else None
     if stem is not None:
-        grid, shared, extra = stem
-        return LaunchPlan("conv_dgrad_tree_stem", grid, (STEM_THREADS,), shared,
-                          (*head, *extra, np.int32(g.layout == "channels_last")), empty, "stem")
+        kernel, grid, block, shared, extra = stem
+        return LaunchPlan(kernel, grid, block, shared, (*head, *extra), empty, "stem")
     rows = g.n * cdiv(g.h, g.sh) * cdiv(g.w, g.sw)  # pixels of the largest phase (0, 0)
     kernel = "conv_dgrad_tree_cl" if g.layout == "channels_last" else "conv_dgrad_tree_nchw"
     return LaunchPlan(kernel, (cdiv(rows, BM), cdiv(g.cin, BN), g.sh * g.sw), (THREADS,), 0, head, empty,
@@ -270,7 +287,10 @@ def _run(plan_of, w, dy, input_size, stride, padding, dilation) -> torch.Tensor:
     plan = plan_of(g, tuple(dy.stride()))
     dx = _empty_dx(g, dy.device, zero=plan.zero_fill)
     wmat = _pack_weights(w, g, plan.packing)
-    launch(function(SOURCE, plan.kernel, dy.device), plan.grid, plan.block,
+    kernel = plan.kernel
+    if plan.packing == "stem" and dy.data_ptr() % 16 and not kernel.endswith("_scalar"):
+        kernel = kernel.rsplit("_", 1)[0] + "_scalar"  # vector loads need a 16-byte aligned dy
+    launch(function(SOURCE, kernel, dy.device), plan.grid, plan.block,
            (ptr(dy), ptr(wmat), ptr(dx), *plan.scalars), device=dy.device, shared_mem=plan.shared)
     return dx
 

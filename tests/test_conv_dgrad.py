@@ -14,6 +14,7 @@ computed in float64. Roundings per product:
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -22,6 +23,7 @@ import torch
 
 import kernels
 from kernels import KernelArgumentError
+from kernels import conv_dgrad as cd
 from kernels.conv_dgrad import OP, SOURCE, conv_dgrad_tree_cpu
 from kernels.runtime import KERNEL_DIR
 from kernels.shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape
@@ -282,6 +284,56 @@ def test_cuda_stem_kernel():
             for o in outs:
                 assert torch.equal(o, first), f"{case.name}: repeats differ"
             assert_bitwise_equal(cl.contiguous(), first, f"{case.name} channels_last")
+
+
+def test_stem_plan_covers_every_phase_pixel():
+    """tree_stem's launch shape for every stem-like shape (and batch/layout variants): an existing kernel,
+    whole lane groups, shared memory within the cap, tiles covering the largest phase; the GEMM serves
+    dilation and wider kernels."""
+    source = (KERNEL_DIR / SOURCE).read_text()
+    shapes = [s for s in RESNET18_CONV + HOSTILE_CONV if s.cin <= 4]
+    shapes += [ConvShape("k11", 2, 3, 8, 11, 4, 2, 40, 37), ConvShape("k5s1", 1, 2, 5, 5, 1, 2, 9, 9)]
+    for s in shapes:
+        for layout in ("nchw", "channels_last"):
+            w, dy, kw = inputs(make_case(s.with_batch(3), layout, 1), "cpu")
+            g = cd._check(w, dy, kw["input_size"], kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
+            plan = cd.tree_plan(g, tuple(dy.stride()))
+            if s.dilation != 1:
+                assert plan.kernel.startswith("conv_dgrad_tree_") and plan.packing != "stem", s.name
+                continue
+            taps, load = re.fullmatch(r"conv_dgrad_tree_stem_t(\d+)_(scalar|cl|rows)", plan.kernel).groups()
+            assert plan.packing == "stem" and f"DG_STEM_KERNEL({taps})" in source
+            tj_log2, ti, tiles_i, tiles_j, cw = (int(v) for v in plan.scalars[-5:])
+            assert plan.block == (ti * (1 << tj_log2) * cd.STEM_SPLIT,) and plan.block[0] <= 256
+            assert 0 < plan.shared <= 4 * cd.STEM_SMEM_FLOATS and cw % 4 == 0
+            assert ti * tiles_i >= -(-g.h // g.sh) and (1 << tj_log2) * cd.STEM_PIXELS * tiles_j >= -(-g.w // g.sw)
+            assert plan.grid == (g.n * tiles_i * tiles_j, 1, g.sh * g.sw)
+    dil = ConvShape("dil", 1, 3, 4, 3, 1, 2, 9, 9, 2)
+    w, dy, kw = inputs(make_case(dil, "nchw", 1), "cpu")
+    g = cd._check(w, dy, kw["input_size"], kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
+    assert cd.tree_plan(g, tuple(dy.stride())).packing == "tap_major"
+
+
+@pytest.mark.gpu
+def test_cuda_stem_load_modes_agree():
+    """tree_stem loads dy three ways (float4 over channels for channels_last, aligned float4 row chunks
+    for NCHW, one value at a time otherwise, e.g. for a dy that is not 16-byte aligned): the same bits."""
+    for i, s in enumerate(x for x in RESNET18_CONV + HOSTILE_CONV if x.cin <= 4):
+        w, dy, kw = inputs(make_case(s.with_batch(4), "nchw", 700 + i), "cuda")
+        def mode(d):
+            g = cd._check(w, d, kw["input_size"], kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
+            return cd._stem_load(g, tuple(d.stride()))
+
+        first = TREE(w, dy, **kw)
+        cl = dy.contiguous(memory_format=torch.channels_last)
+        modes = {mode(dy), mode(cl)}
+        assert_bitwise_equal(TREE(w, cl, **kw).contiguous(), first, f"{s.name} channels_last")
+        shifted = torch.empty(dy.numel() + 1, device=dy.device)[1:].view(dy.shape).copy_(dy)  # 4-byte aligned only
+        assert shifted.data_ptr() % 16
+        assert_bitwise_equal(TREE(w, shifted, **kw), first, f"{s.name} unaligned dy (scalar loads)")
+        if s.name.startswith("stem"):
+            assert modes == {"rows", "cl"}, (s.name, modes)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.gpu
