@@ -59,6 +59,12 @@ TARGET_BLOCKS = 2048
 CHUNK = 512
 MIN_CHUNK = 256
 MIN_SPLITS = 8
+# Where 128x128 tiles would leave fewer than MIN_BLOCKS blocks (the 1x1 stride-2 shapes: 128->256 at
+# 16x16 ran as 2 tiles x 16 splits = 32 blocks), the plan takes 64x64 tiles and enough splits of at
+# least MIN_CHUNK terms to reach MIN_BLOCKS. H200, batch 128, channels_last, us per call (GPU time, L2
+# flushed) atomic / tree with the separate combine: 128->256 1x1 s2: 98.7 / 95.8 as 2 x 16 blocks,
+# 42.5 / 40.2 as 8 tiles x 32; 256->512 1x1 s2 8x8: 57.8 / 57.8 as 8 x 8, 40.6 / 41.6 as 32 x 8.
+MIN_BLOCKS = 256
 # Where the GEMM keeps its per-row load constants: "s" shared memory (channels_last inputs get their
 # own load mapping), "r" registers (the first version; kept for comparison in the dev script). On the
 # H200 "s" was 5-15% faster than "r" on NCHW inputs and 25-40% faster for atomic on channels_last, with
@@ -126,15 +132,20 @@ class Plan:
 def plan(m: int, r: int, k: int, *, split: bool = True) -> Plan:
     """Tile size and split of the reduction for an (M x R, reduction K) weight gradient. Depends only on
     the shapes: the same inputs are cut the same way on every GPU and on the CPU."""
-    return _plan(m, r, k, split, TARGET_BLOCKS, CHUNK, MIN_CHUNK, MIN_SPLITS)
+    return _plan(m, r, k, split, TARGET_BLOCKS, CHUNK, MIN_CHUNK, MIN_SPLITS, MIN_BLOCKS)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(m, r, k, split, target_blocks, chunk_len, min_chunk, min_splits) -> Plan:
+def _plan(m, r, k, split, target_blocks, chunk_len, min_chunk, min_splits, min_blocks) -> Plan:
     tile = 128 if m >= 128 and r >= 128 else 64
     if not split:
         return Plan(tile, 1, max(BK, cdiv(k, BK) * BK))
-    splits, chunk = split_for(cdiv(m, tile) * cdiv(r, tile), k, target_blocks, chunk_len, min_chunk, min_splits)
+    tiles = cdiv(m, tile) * cdiv(r, tile)
+    splits, chunk = split_for(tiles, k, target_blocks, chunk_len, min_chunk, min_splits)
+    if tile == 128 and tiles * splits < min_blocks:  # too few blocks: 64x64 tiles, chunks down to min_chunk
+        tile, tiles = 64, cdiv(m, 64) * cdiv(r, 64)
+        splits, chunk = split_for(tiles, k, target_blocks, chunk_len, min_chunk,
+                                  max(min_splits, cdiv(min_blocks, tiles)))
     return Plan(tile, splits, chunk)
 
 

@@ -119,6 +119,19 @@ def test_plan_covers_the_reduction(shape, batch):
             assert p.splits == 1
 
 
+def test_plan_takes_smaller_tiles_when_blocks_are_few():
+    """128x128 tiles only where they give MIN_BLOCKS blocks; else 64x64 tiles and more, shorter chunks."""
+    from kernels.conv_wgrad import MIN_BLOCKS, Plan
+
+    assert plan(256, 128, 128 * 8 * 8) == Plan(64, 32, 256)  # 1x1 s2 128->256 at batch 128: 8 tiles x 32
+    assert plan(512, 256, 128 * 4 * 4) == Plan(64, 8, 256)   # 1x1 s2 256->512: 32 tiles x 8
+    assert plan(512, 4608, 2048) == Plan(128, 8, 256)         # 512->512 3x3 4x4: 144 tiles x 8, unchanged
+    for s in RESNET18_CONV:
+        p = plan(s.cout, s.cin * s.k * s.k, s.n * s.y_shape[2] * s.y_shape[3])
+        tiles = -(-s.cout // p.tile) * -(-(s.cin * s.k * s.k) // p.tile)
+        assert p.tile == 64 or tiles * p.splits >= MIN_BLOCKS, (s.name, p)
+
+
 def test_tree_combine_is_the_documented_order():
     """8 strided groups (group j adds partials j, j + 8, ... one after another), then the group sums in
     index order, every addition rounded to float32; written out with scalars."""
