@@ -88,7 +88,30 @@ __device__ __forceinline__ void dgrad_gemm(
         }
         __syncthreads();
         ntaps = s_nkh * s_nkw;
-        if (ntaps == 0 && skip_empty) return;  // a phase no tap reaches; dx was zero-filled
+        if (ntaps == 0) {  // a phase no tap reaches: its dx is zero
+            if (skip_empty) return;  // zero-filled before the launch
+            // write the zeros here, straight (the C-tile epilogue's index arithmetic per element costs
+            // more than the stores): NCHW: a thread keeps one pixel and walks channels;
+            // channels_last: 16 threads cover 64 consecutive channels of a pixel with float4 stores.
+            const int nc = min(DG_BN, ncols - c0);
+            if (CL && (nc & 3) == 0 && (dx_sc == 1) && ((dx_sw & 3) == 0) && ((dx_sh & 3) == 0) && ((dx_sn & 3) == 0)) {
+                for (int ml = t >> 4; ml < DG_BM; ml += DG_THREADS >> 4) {
+                    const int m = m0 + ml, q = (t & 15) * 4;
+                    if (m >= M || q >= nc) continue;
+                    const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
+                    float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * i) * dx_sh + (long long)(rw + sw * j) * dx_sw + c0 + q;
+                    *reinterpret_cast<float4*>(o) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+            } else {
+                const int ml = t & (DG_BM - 1), m = m0 + ml;
+                if (m < M) {
+                    const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
+                    float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * i) * dx_sh + (long long)(rw + sw * j) * dx_sw;
+                    for (int col = t / DG_BM; col < nc; col += DG_THREADS / DG_BM) o[(long long)(c0 + col) * dx_sc] = 0.0f;
+                }
+            }
+            return;
+        }
     }
     const int cochunks = (Cout + DG_BK - 1) / DG_BK;
     const int KT = ntaps * cochunks;

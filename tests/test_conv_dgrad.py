@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 
@@ -333,6 +334,31 @@ def test_cuda_stem_load_modes_agree():
         assert_bitwise_equal(TREE(w, shifted, **kw), first, f"{s.name} unaligned dy (scalar loads)")
         if s.name.startswith("stem"):
             assert modes == {"rows", "cl"}, (s.name, modes)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_cuda_empty_phases_zeroed_either_way(monkeypatch):
+    """Phases no tap reaches (1x1 stride 2): a memset before the launch, or the kernel's own zero
+    stores (both layouts): the same bits, on dx buffers that start out full of garbage."""
+    for i, s in enumerate(x for x in RESNET18_CONV + HOSTILE_CONV if x.k == 1 and x.stride == 2):
+        for layout in ("nchw", "channels_last"):
+            w, dy, kw = inputs(make_case(s.with_batch(8), layout, 600 + i), "cuda")
+            want = cd.conv_dgrad_tree_cpu(w.cpu(), dy.cpu(), **kw)
+            got = {}
+            for mode in ("memset", "kernel"):
+                def plan(g, st, mode=mode, orig=cd.tree_plan):
+                    p = orig(g, st)
+                    assert p.packing == "tap_major"  # the GEMM: skip_empty is the last scalar
+                    return p._replace(zero_fill=mode == "memset", scalars=(*p.scalars[:-1], np.int32(mode == "memset")))
+                monkeypatch.setattr(cd, "tree_plan", plan)
+                monkeypatch.setattr(cd, "_empty_dx", lambda g, device, zero, f=cd._empty_dx:
+                                    f(g, device, zero=zero) if zero else f(g, device, zero=False).fill_(float("nan")))
+                got[mode] = TREE(w, dy, **kw)
+                monkeypatch.undo()
+            assert_bitwise_equal(got["kernel"], got["memset"], f"{s.name} {layout}")
+            assert not torch.isnan(got["kernel"]).any()
+            assert torch.equal(got["kernel"].cpu() == 0, want == 0), s.name  # zeros exactly where expected
     torch.cuda.synchronize()
 
 
