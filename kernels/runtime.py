@@ -185,15 +185,20 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
+def cupy_stream(device: torch.device):
+    """torch's current stream of ``device`` as a CuPy stream (cached per stream)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _external_stream(torch.cuda.current_stream(index).cuda_stream, index)
+
+
 def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, device: torch.device,
            shared_mem: int = 0) -> None:
     """Launch ``fn`` on torch's current stream of ``device``."""
     import cupy
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index)
     with cupy.cuda.Device(index):
-        fn(grid, block, args, shared_mem=shared_mem, stream=_external_stream(stream.cuda_stream, index))
+        fn(grid, block, args, shared_mem=shared_mem, stream=cupy_stream(device))
 
 
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}

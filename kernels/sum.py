@@ -18,6 +18,7 @@ from .runtime import (
     check_cuda,
     check_size,
     check_tensor,
+    cupy_stream,
     function,
     launch,
     ptr,
@@ -313,7 +314,7 @@ def _peers() -> dict:
         import cupy
 
         def cupy_sum(x):
-            with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream, x.device.index or 0):
+            with cupy_stream(x.device):
                 return torch.as_tensor(cupy.sum(cupy.from_dlpack(x)), device=x.device)
 
         peers["cupy"] = cupy_sum
