@@ -260,9 +260,10 @@ def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     fill = empty
     if empty and g.layout == "channels_last" and g.cin % 4 == 0:
         # the empty phases' blocks store the zeros (float4 over channels) instead of a memset before the
-        # launch: H200, batch 128, GPU us per call (bench/dev/conv_dgrad_zero_fill.py), 1x1 stride 2, memset / in the kernel: 64->128 47.0 /
-        # 45.4, 128->256 61.8 / 56.1, 256->512 66.5 / 63.1 (atomic: 54.9, 54.2, 86.2). NCHW, where the
-        # zeros are every other element of a row, keeps the memset (46.6 / 54.8 on 64->128).
+        # launch. H200, batch 128, GPU us per call (bench/dev/conv_dgrad_zero_fill.py), 1x1 stride 2,
+        # memset / in the kernel: 64->128 47.0 / 45.4, 128->256 61.8 / 56.1, 256->512 66.5 / 63.1
+        # (atomic: 54.9, 54.2, 86.2). NCHW, where the zeros are every other element of a row, keeps the
+        # memset (46.6 / 54.8 on 64->128).
         fill = False
         head = (*head[:-1], np.int32(0))
     return LaunchPlan(kernel, (cdiv(rows, BM), cdiv(g.cin, BN), g.sh * g.sw), (THREADS,), 0, head, fill,
