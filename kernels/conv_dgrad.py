@@ -245,10 +245,24 @@ def _stem_plan(g: Geometry, dy_stride: tuple[int, ...]) -> tuple | None:
     return kernel, grid, (ti * tj * STEM_SPLIT,), 16 * max(taps, 1) * cw, extra
 
 
-@functools.lru_cache(maxsize=1024)
+# Who zeroes the phases no tap reaches (3 of 4 for a 1x1 stride-2 conv): "memset" before the launch (their
+# blocks return at once, skip_empty = 1), "kernel" (their blocks store the zeros, skip_empty = 0), or
+# "auto": the kernel on channels_last with Cin % 4 == 0 (float4 stores over channels), else the memset.
+# Same bits every way. H200, batch 128, GPU us per call (bench/dev/conv_dgrad_zero_fill.py), 1x1
+# stride 2, memset / kernel: channels_last 64->128 47.0 / 45.4, 128->256 61.8 / 56.1, 256->512 66.5 /
+# 63.1 (atomic: 54.9, 54.2, 86.2); NCHW, where the zeros are every other element of a row, 46.6 / 54.8
+# on 64->128.
+EMPTY_ZEROS = "auto"
+
+
 def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
-    # Phases that no tap reaches (3 of 4 for a 1x1 stride-2 conv) are zero-filled up front and their
-    # blocks return at once (skip_empty = 1), or their blocks store the zeros (skip_empty = 0).
+    if EMPTY_ZEROS not in ("auto", "memset", "kernel"):
+        raise ValueError(f"{OP}: EMPTY_ZEROS must be 'auto', 'memset' or 'kernel', got {EMPTY_ZEROS!r}")
+    return _tree_plan(g, dy_stride, EMPTY_ZEROS)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str) -> LaunchPlan:
     empty = not all(phase_offsets(g.kh, g.sh, g.ph, g.dh)) or not all(phase_offsets(g.kw, g.sw, g.pw, g.dw))
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
     stem = _stem_plan(g, dy_stride) if g.cin <= STEM_MAX_CIN else None
@@ -257,17 +271,11 @@ def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
         return LaunchPlan(kernel, grid, block, shared, (*head, *extra), empty, "stem")
     rows = g.n * cdiv(g.h, g.sh) * cdiv(g.w, g.sw)  # pixels of the largest phase (0, 0)
     kernel = "conv_dgrad_tree_cl" if g.layout == "channels_last" else "conv_dgrad_tree_nchw"
-    fill = empty
-    if empty and g.layout == "channels_last" and g.cin % 4 == 0:
-        # the empty phases' blocks store the zeros (float4 over channels) instead of a memset before the
-        # launch. H200, batch 128, GPU us per call (bench/dev/conv_dgrad_zero_fill.py), 1x1 stride 2,
-        # memset / in the kernel: 64->128 47.0 / 45.4, 128->256 61.8 / 56.1, 256->512 66.5 / 63.1
-        # (atomic: 54.9, 54.2, 86.2). NCHW, where the zeros are every other element of a row, keeps the
-        # memset (46.6 / 54.8 on 64->128).
-        fill = False
-        head = (*head[:-1], np.int32(0))
-    return LaunchPlan(kernel, (cdiv(rows, BM), cdiv(g.cin, BN), g.sh * g.sw), (THREADS,), 0, head, fill,
-                      "tap_major")
+    if empty_zeros == "auto":
+        empty_zeros = "kernel" if g.layout == "channels_last" and g.cin % 4 == 0 else "memset"
+    fill = empty and empty_zeros == "memset"
+    return LaunchPlan(kernel, (cdiv(rows, BM), cdiv(g.cin, BN), g.sh * g.sw), (THREADS,), 0,
+                      (*head[:-1], np.int32(fill)), fill, "tap_major")
 
 
 @functools.lru_cache(maxsize=1024)

@@ -347,11 +347,7 @@ def test_cuda_empty_phases_zeroed_either_way(monkeypatch):
             want = cd.conv_dgrad_tree_cpu(w.cpu(), dy.cpu(), **kw)
             got = {}
             for mode in ("memset", "kernel"):
-                def plan(g, st, mode=mode, orig=cd.tree_plan):
-                    p = orig(g, st)
-                    assert p.packing == "tap_major"  # the GEMM: skip_empty is the last scalar
-                    return p._replace(zero_fill=mode == "memset", scalars=(*p.scalars[:-1], np.int32(mode == "memset")))
-                monkeypatch.setattr(cd, "tree_plan", plan)
+                monkeypatch.setattr(cd, "EMPTY_ZEROS", mode)
                 monkeypatch.setattr(cd, "_empty_dx", lambda g, device, zero, f=cd._empty_dx:
                                     f(g, device, zero=zero) if zero else f(g, device, zero=False).fill_(float("nan")))
                 got[mode] = TREE(w, dy, **kw)
