@@ -249,8 +249,8 @@ def _stem_plan(g: Geometry, dy_stride: tuple[int, ...]) -> tuple | None:
 # blocks return at once, skip_empty = 1), "kernel" (their blocks store the zeros, skip_empty = 0), or
 # "auto": the kernel on channels_last with Cin % 4 == 0 (float4 stores over channels), else the memset.
 # Same bits every way. H200, batch 128, GPU us per call (bench/dev/conv_dgrad_zero_fill.py), 1x1
-# stride 2, memset / kernel: channels_last 64->128 47.0 / 45.4, 128->256 61.8 / 56.1, 256->512 66.5 /
-# 63.1 (atomic: 54.9, 54.2, 86.2); NCHW, where the zeros are every other element of a row, 46.6 / 54.8
+# stride 2, memset / kernel: channels_last 64->128 47.1 / 45.3, 128->256 61.6 / 56.0, 256->512 66.3 /
+# 62.8 (atomic: 54.5, 54.3, 86.0); NCHW, where the zeros are every other element of a row, 46.5 / 55.1
 # on 64->128.
 EMPTY_ZEROS = "auto"
 

@@ -63,8 +63,8 @@ MIN_SPLITS = 8
 # 16x16 ran as 2 tiles x 16 splits = 32 blocks), the plan takes 64x64 tiles and enough splits of at
 # least MIN_CHUNK terms to reach MIN_BLOCKS. H200, batch 128, channels_last, us per call (GPU time, L2
 # flushed; bench/dev/conv_wgrad_plan_sweep.py), atomic / tree with the separate combine: 128->256 1x1
-# s2: 98.7 / 95.8 as 2 x 16 blocks, 42.5 / 40.2 as 8 tiles x 32; 256->512 1x1 s2 8x8: 57.8 / 57.8 as
-# 8 x 8, 40.6 / 41.6 as 32 x 8.
+# s2: 100.9 / 96.4 as 2 tiles x 16 splits, 43.8 / 41.1 as 8 tiles x 32; 256->512 1x1 s2 8x8: 57.8 /
+# 58.5 as 8 x 8, 41.4 / 41.9 as 32 x 8.
 MIN_BLOCKS = 256
 # Where the GEMM keeps its per-row load constants: "s" shared memory (channels_last inputs get their
 # own load mapping), "r" registers (the first version; kept for comparison in the dev script). On the
