@@ -3,12 +3,23 @@ controlled noise, and records what it takes to find where two runs diverge.
 
     python -m nnrand.train --kernel tree          # see --help for the rest
 
-Modules: ``routing`` (backward reductions through the kernel registry), ``noise`` (seeds, presets,
+One line for any model: ``with nnrand.use_kernels("tree") as routing: ...`` (see ``routing``).
+
+Modules: ``routing`` (backward reductions through the kernel registry, at the dispatcher), ``noise`` (seeds, presets,
 pinned flags), ``train`` (the loop, ``main(config) -> metrics``), ``runio`` (run directories,
 atomic writes, checkpoints), ``fingerprint`` (environment), ``report`` (run report from result files).
 Data and models live in ``data`` and ``models``.
 """
 from __future__ import annotations
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "use_kernels"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # ``nnrand.use_kernels`` without importing torch and the kernels at ``import nnrand``
+    if name == "use_kernels":
+        from nnrand.routing import use_kernels
+
+        return use_kernels
+    raise AttributeError(f"module 'nnrand' has no attribute {name!r}")

@@ -1,8 +1,10 @@
-"""The harness's networks, built only from layers the kernel routing can intercept.
+"""The harness's networks: four built-in ResNets, and any torchvision or timm model by name.
 
-Layer vocabulary (nothing else holds parameters or does arithmetic on activations, except the residual
-add and the flatten before the classifier): ``nn.Conv2d`` (bias=False, groups=1), ``nn.BatchNorm2d``,
-``nn.ReLU``, ``nn.MaxPool2d``, ``nn.AdaptiveAvgPool2d``, ``nn.Linear``.
+Built-in layer vocabulary: ``nn.Conv2d`` (bias=False, groups=1), ``nn.BatchNorm2d``, ``nn.ReLU``,
+``nn.MaxPool2d``, ``nn.AdaptiveAvgPool2d(1)``, ``nn.Linear``, the residual add and the flatten before the
+classifier: every backward reduction in them is one nnrand routes. External models (``torchvision:NAME``,
+``timm:NAME``, extra ``nnrand[vision]``) are routed the same way, at the dispatcher; what they use beyond
+that is passed on or refused, as the routing's coverage says.
 
     resnet18            CIFAR ResNet-18: 3x3 stride-1 stem 3->64, no max-pool, stages [64, 128, 256, 512] x 2
                         BasicBlocks, 1x1 stride-2 projection shortcuts with BN; 11,173,962 params (10 classes)
@@ -139,12 +141,46 @@ _BUILDERS = {"resnet18": resnet18, "resnet18_imagenet": resnet18_imagenet, "resn
 assert tuple(_BUILDERS) == MODELS
 
 
+# Models of other libraries, by name: "torchvision:resnet50", "timm:resnet18". Optional extra: vision.
+SOURCES = {"torchvision": "torchvision", "timm": "timm"}
+
+
+class ModelSourceError(ValueError):
+    """An external model whose library is missing or that the library does not know."""
+
+
+def external_model(name: str, num_classes: int) -> nn.Module:
+    """``torchvision:NAME`` or ``timm:NAME``, randomly initialised (no weights are downloaded)."""
+    source, _, arch = name.partition(":")
+    if source not in SOURCES or not arch:
+        raise ValueError(f"unknown model {name!r}; external models are torchvision:NAME or timm:NAME")
+    try:
+        lib = __import__(SOURCES[source])
+    except Exception as e:  # ImportError, or a build that cannot load its extension against this torch
+        raise ModelSourceError(f"model {name}: {source} is not importable here ({type(e).__name__}: {e}); "
+                               "install the optional extra: pip install 'nnrand[vision]'") from None
+    try:
+        if source == "torchvision":
+            return lib.models.get_model(arch, weights=None, num_classes=num_classes)
+        return lib.create_model(arch, pretrained=False, num_classes=num_classes)
+    except (ValueError, RuntimeError, KeyError) as e:
+        raise ModelSourceError(f"model {name}: {source} cannot build {arch!r}: {e}") from None
+
+
+def is_known(name: str) -> bool:
+    """A built-in model name, or the ``source:NAME`` form of an external one (checked when built)."""
+    return name in _BUILDERS or (name.partition(":")[0] in SOURCES and bool(name.partition(":")[2]))
+
+
 def build_model(name: str, num_classes: int = 10) -> nn.Module:
     """A freshly initialised model; weights come from torch's global RNG, which the caller seeds."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODELS)}")
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    if ":" in name:
+        return external_model(name, num_classes)
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODELS)}, or torchvision:NAME / "
+                         "timm:NAME")
     return _BUILDERS[name](num_classes)
 
 

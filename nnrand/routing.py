@@ -1,44 +1,96 @@
-"""Backward reductions through the kernel registry: one door, ``use_kernels(routing, model)``.
+"""Backward reductions through the kernel registry, routed at the PyTorch dispatcher.
 
-Forward passes stay torch's (deterministic). In backward, four ops take the registry's variants:
+    import nnrand
+    with nnrand.use_kernels("tree", ops={"conv_wgrad": "atomic"}, strict=True) as routing:
+        loss = model(x).sum()
+        loss.backward()
+    print(routing.coverage)
 
-    conv_wgrad   dW of every nn.Conv2d
-    conv_dgrad   dX of every nn.Conv2d
-    bias_grad    every channel reduction: BatchNorm2d dbeta = sum(dy), dgamma = sum(dy * xhat) (the
-                 input gradient is then elementwise in those sums), nn.Linear's bias, a conv bias
-    maxpool_bwd  dX of every nn.MaxPool2d
+Forward passes stay torch's. While the context is open, the aten backward ops that carry the
+nondeterministic reductions run the registry's variants, whoever calls them: any ``nn.Module`` (a subclass
+too), a functional call, torchvision/timm models, a ``torch.compile``d model (inductor calls
+``convolution_backward`` as an extern kernel) and CUDA-graph captured steps. The door is a
+``torch.library`` override at the CPU and CUDA dispatch keys of each aten op in ``ATEN_OPS``; the kernel
+that was there (``torch.library.get_kernel``) stays callable and runs every configuration no variant
+covers (grouped or transposed convs, non-float32 dtypes, eval-mode BatchNorm, ...).
 
-Each op is routed to a variant name of the registry (``tree``, ``atomic``, ...) or to ``native`` (stock
-PyTorch/cuDNN). ``use_kernels`` sets an instance ``forward`` on each affected module of the model that
-calls a ``torch.autograd.Function`` whose backward calls the chosen variants, and puts the modules'
-previous state back on exit, exceptions included. ``native`` everywhere installs nothing. Variants are
-looked up in the registry when the routing is resolved, so an op registered later is picked up without
-a change here.
+Routed ops (the names ``--kernel-op`` takes) and the aten ops they come from:
 
-A ``Variant`` dispatches on the tensor's device: CUDA tensors run the CUDA kernel, CPU tensors the CPU
-order model (atomic models draw their arrival order from ``rng``: a ``numpy.random.Generator`` to make
-the draw reproducible, ``None`` for fresh entropy each call).
+    conv_wgrad   dW   aten::convolution_backward (output_mask[1])
+    conv_dgrad   dX   aten::convolution_backward (output_mask[0])
+    bias_grad    every channel reduction: a conv's bias gradient (convolution_backward output_mask[2],
+                 registry op ``bias_grad``) and the BatchNorm backward (aten::native_batch_norm_backward,
+                 aten::cudnn_batch_norm_backward in training mode; registry op ``bn_bwd``, both sums and dX
+                 in one fused pass). nn.Linear's bias gradient is torch's own sum (a fixed-order
+                 reduction, deterministic), not routed.
+    maxpool_bwd  dX   aten::max_pool2d_with_indices_backward
+
+Under ``torch.compile`` only ``convolution_backward`` reaches the override: inductor generates its own
+max-pool and BatchNorm backward code (fixed-order gathers and reductions). The coverage says what ran.
+
+Determinism is never claimed falsely. When the routing is deterministic (``tree`` everywhere, or any mix
+of deterministic variants), the context also:
+
+* turns on PyTorch's deterministic mode (``torch.use_deterministic_algorithms``), so that ops passed to
+  their original kernel pick deterministic algorithms (cuDNN's, sorted ``index_add``, ...) and the ops
+  PyTorch knows to have none raise (``strict=True``) or warn (``strict=False``). ``CUBLAS_WORKSPACE_CONFIG``
+  is set to ``:4096:8`` while the context is open if it is unset, and deterministic mode's filling of
+  uninitialised memory is off (every ``torch.empty`` would otherwise pay a fill);
+* refuses, at the forward call that creates them, the ops in ``UNCOVERED`` whose CUDA backward is
+  nondeterministic and which nnrand has no variant for (``_adaptive_avg_pool2d`` with an output other
+  than 1x1, bilinear upsampling, ...): ``strict=True`` raises :class:`NondeterministicOpError` naming the
+  aten op and the module it ran in; ``strict=False`` warns once per op and counts it as ``uncovered``.
+  The table judges an op by its CUDA backward on every device, so a model refused on the GPU is refused
+  on a laptop first.
+
+``routing.coverage`` counts, per aten op, the calls routed to each variant, passed to the original
+kernel (with the reason) or left uncovered. It counts dispatches: replays of a captured CUDA graph run
+the captured kernels without dispatching and are not counted.
+
+Contexts do not nest (a second ``use_kernels`` while one is open raises :class:`RoutingError`); on exit,
+exceptions included, every override and flag is put back.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
+import sys
+import threading
+import warnings
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.modules.utils import _pair
 
 import kernels
 
 ROUTED_OPS = ("conv_wgrad", "conv_dgrad", "bias_grad", "maxpool_bwd")
+# Registry ops behind each routed op: a variant name applies to all of them.
+REGISTRY_OPS = {"conv_wgrad": ("conv_wgrad",), "conv_dgrad": ("conv_dgrad",), "bias_grad": ("bias_grad", "bn_bwd"),
+                "maxpool_bwd": ("maxpool_bwd",)}
 NATIVE = "native"
 FAMILIES = ("tree", "atomic", NATIVE)  # what --kernel accepts; per-op overrides accept any registry name
+ORIGINAL = "original"
+UNCOVERED = "uncovered"
 
 
 class RoutingError(ValueError):
-    """A routing that names an unknown op or variant, or a model the routing cannot intercept."""
+    """A routing that names an unknown op or variant, or a context that cannot be opened."""
+
+
+class NondeterministicOpError(RuntimeError):
+    """Under a deterministic routing with ``strict=True``: an op whose backward is nondeterministic and
+    that nnrand does not cover. The message names the aten op and, where known, the module."""
+
+    def __init__(self, op: str, where: str | None, why: str):
+        self.op, self.where = op, where
+        at = f" in {where}" if where else ""
+        super().__init__(
+            f"aten::{op}{at}: {why}; nnrand has no deterministic variant for it, so this run would not be "
+            "repeatable. Use use_kernels(..., strict=False) (or --no-strict) to run it anyway: it is then "
+            "listed as uncovered in the coverage")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -46,11 +98,16 @@ class RoutingError(ValueError):
 
 
 def registered_variants(op: str) -> list[str]:
-    """Variant names of ``op`` in the registry; [] while the op is not registered."""
-    try:
-        return [v.name for v in kernels.variants(op)]
-    except KeyError:
-        return []
+    """Variant names available for routed op ``op``: those every registry op behind it has ([] while
+    one of them is not registered)."""
+    names: list[str] | None = None
+    for reg in REGISTRY_OPS.get(op, (op,)):
+        try:
+            have = [v.name for v in kernels.variants(reg)]
+        except KeyError:
+            return []
+        names = have if names is None else [n for n in names if n in have]
+    return names or []
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, str]:
@@ -81,12 +138,19 @@ class Routing:
     @property
     def deterministic(self) -> bool:
         """True when every routed variant is deterministic (``native`` ops count as deterministic only
-        under cuDNN's deterministic mode, which ``noise.pinned_flags`` sets for such routings)."""
-        return all(v == NATIVE or kernels.get(op, v).deterministic for op, v in self.used.items())
+        under PyTorch's deterministic mode, which ``use_kernels`` turns on for such routings)."""
+        return all(name == NATIVE or all(kernels.get(reg, name).deterministic for reg in REGISTRY_OPS[op])
+                   for op, name in self.used.items())
 
-    def variant(self, op: str):
+    @property
+    def claims_determinism(self) -> bool:
+        """Whether running under this routing claims repeatable results (and so arms the guard)."""
+        return not self.is_native and self.deterministic
+
+    def variant(self, op: str, registry_op: str | None = None):
+        """The registry variant routed op ``op`` runs for ``registry_op`` (default: ``op``); None: native."""
         name = self.used[op]
-        return None if name == NATIVE else kernels.get(op, name)
+        return None if name == NATIVE else kernels.get(registry_op or op, name)
 
     def describe(self) -> dict:
         return {"family": self.family, "ops": dict(self.used), "requested": dict(self.requested),
@@ -127,7 +191,56 @@ def resolve(family: str = "tree", overrides: Mapping[str, str] | None = None) ->
 
 
 # --------------------------------------------------------------------------------------------------
-# The ops as the autograd functions call them: a variant, or torch's own backward for ``native``
+# Coverage
+
+
+class Coverage:
+    """Per aten op, how many calls went where: a variant name (routed), ``original`` (the kernel that
+    was registered before, with the reasons), ``uncovered`` (nondeterministic, no variant)."""
+
+    def __init__(self):
+        self.counts: dict[str, Counter] = defaultdict(Counter)
+        self.reasons: dict[str, set[str]] = defaultdict(set)
+
+    def add(self, op: str, where: str, reason: str | None = None) -> None:
+        self.counts[op][where] += 1
+        if reason:
+            self.reasons[op].add(reason)
+
+    @property
+    def uncovered(self) -> list[str]:
+        return sorted(op for op, c in self.counts.items() if c[UNCOVERED])
+
+    @property
+    def routed(self) -> int:
+        return sum(n for c in self.counts.values() for k, n in c.items() if k not in (ORIGINAL, UNCOVERED))
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {op: dict(sorted(c.items())) for op, c in sorted(self.counts.items())}
+
+    def rows(self) -> list[dict]:
+        return [{"aten_op": op, "routed": {k: n for k, n in c.items() if k not in (ORIGINAL, UNCOVERED)},
+                 "original": c[ORIGINAL], "uncovered": c[UNCOVERED], "reasons": sorted(self.reasons[op])}
+                for op, c in sorted(self.counts.items())]
+
+    def __getitem__(self, op: str) -> dict[str, int]:
+        return dict(self.counts.get(op, {}))
+
+    def __repr__(self) -> str:
+        if not self.counts:
+            return "Coverage(no routed op was called)"
+        lines = []
+        for r in self.rows():
+            routed = ", ".join(f"{k} {n}" for k, n in sorted(r["routed"].items())) or "-"
+            why = f" ({'; '.join(r['reasons'])})" if r["reasons"] else ""
+            lines.append(f"  aten::{r['aten_op']}: routed {routed}; original {r['original']}; "
+                         f"uncovered {r['uncovered']}{why}")
+        return "Coverage(\n" + "\n".join(lines) + "\n)"
+
+
+# --------------------------------------------------------------------------------------------------
+# The overrides. Each gets the active session and the original kernel; it returns what the aten op
+# returns. Unsupported configurations go to the original kernel, counted with the reason.
 
 
 def memory_format_of(t: torch.Tensor) -> torch.memory_format:
@@ -138,237 +251,396 @@ def memory_format_of(t: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-@dataclass(frozen=True)
-class ConvGeom:
-    kernel_size: tuple[int, int]
-    stride: tuple[int, int]
-    padding: tuple[int, int]
-    dilation: tuple[int, int]
+def _pair(v) -> tuple[int, int]:
+    return (int(v[0]), int(v[0])) if len(v) == 1 else (int(v[0]), int(v[1]))
 
 
-class _Ops:
-    """The routing bound to a random source for the CPU models of atomic variants."""
-
-    def __init__(self, routing: Routing, rng):
-        self.routing, self.rng = routing, rng
-        self.v = {op: routing.variant(op) for op in ROUTED_OPS}
-
-    def conv_grads(self, x, w, dy, g: ConvGeom, need_dx: bool, need_dw: bool):
-        dx = dw = None
-        wgrad, dgrad = self.v["conv_wgrad"], self.v["conv_dgrad"]
-        native_mask = [need_dx and dgrad is None, need_dw and wgrad is None, False]
-        if any(native_mask):
-            ndx, ndw, _ = torch.ops.aten.convolution_backward(
-                dy, x, w, None, list(g.stride), list(g.padding), list(g.dilation), False, [0, 0], 1,
-                native_mask)
-            dx = ndx if native_mask[0] else None
-            dw = ndw if native_mask[1] else None
-        if need_dx and dgrad is not None:
-            w = w.contiguous(memory_format=memory_format_of(w))
-            dx = dgrad(w, dy, input_size=tuple(x.shape[-2:]), stride=g.stride, padding=g.padding,
-                       dilation=g.dilation, rng=self.rng)
-        if need_dw and wgrad is not None:
-            dw = wgrad(x, dy, kernel_size=g.kernel_size, stride=g.stride, padding=g.padding,
-                       dilation=g.dilation, rng=self.rng)
-        return dx, dw
-
-    def bias_grad(self, dy: torch.Tensor) -> torch.Tensor:
-        v = self.v["bias_grad"]
-        if v is None:
-            return dy.sum(dim=[d for d in range(dy.dim()) if d != 1])
-        return v(dy, rng=self.rng)
-
-    def maxpool_bwd(self, dy, indices, input_size, g: ConvGeom) -> torch.Tensor:
-        return self.v["maxpool_bwd"](dy, indices, input_size=input_size, kernel_size=g.kernel_size,
-                                     stride=g.stride, padding=g.padding, dilation=g.dilation, rng=self.rng)
+def _f32(*ts) -> bool:
+    return all(t is None or t.dtype == torch.float32 for t in ts)
 
 
-# --------------------------------------------------------------------------------------------------
-# autograd functions
+def _call(v, rng, *args, **kwargs):
+    """A variant on the tensors' device: the CUDA launcher, or the CPU model with ``rng``."""
+    if args[0].is_cuda:
+        return v.cuda(*args, **kwargs)
+    return v(*args, rng=rng, **kwargs)
 
 
-class Conv2dFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, geom: ConvGeom, ops: _Ops):
-        x = x.contiguous(memory_format=memory_format_of(x))
-        ctx.save_for_backward(x, weight)
-        ctx.geom, ctx.ops, ctx.has_bias = geom, ops, bias is not None
-        return F.conv2d(x, weight, bias, geom.stride, geom.padding, geom.dilation)
+def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, padding, dilation, transposed,
+                   output_padding, groups, mask):
+    op = "convolution_backward"
+    why = None
+    if transposed:
+        why = "transposed conv"
+    elif groups != 1:
+        why = f"groups={groups}"
+    elif x.dim() != 4:
+        why = f"{x.dim() - 2}-D conv"
+    elif not _f32(dy, x, w):
+        why = f"dtype {x.dtype}"
+    plan = s.conv
+    if why is None:
+        need = list(mask)
+        native_mask = [need[0] and plan[1] is None, need[1] and plan[0] is None, need[2] and plan[2] is None]
+        try:
+            dx = dw = db = None
+            fmt = memory_format_of(x)
+            dy_ = dy.contiguous(memory_format=fmt)
+            x_ = x.contiguous(memory_format=fmt)
+            geom = dict(stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
+            if need[0] and plan[1] is not None:
+                dx = _call(plan[1], s.rng, w.contiguous(memory_format=memory_format_of(w)), dy_,
+                           input_size=tuple(x.shape[-2:]), **geom)
+            if need[1] and plan[0] is not None:
+                dw = _call(plan[0], s.rng, x_, dy_, kernel_size=tuple(w.shape[-2:]), **geom)
+            if need[2] and plan[2] is not None:
+                db = _call(plan[2], s.rng, dy_)
+        except kernels.KernelArgumentError as e:
+            why = str(e)
+    if why is not None:
+        s.coverage.add(op, ORIGINAL, why)
+        return original.call_boxed(keyset, dy, x, w, bias_sizes, stride, padding, dilation, transposed,
+                                   output_padding, groups, mask)
+    if any(native_mask):
+        ndx, ndw, ndb = original.call_boxed(keyset, dy, x, w, bias_sizes, stride, padding, dilation, transposed,
+                                            output_padding, groups, native_mask)
+        dx = ndx if native_mask[0] else dx
+        dw = ndw if native_mask[1] else dw
+        db = ndb if native_mask[2] else db
+    s.coverage.add(op, s.conv_label)
+    return dx, dw, db
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dy = dy.contiguous(memory_format=memory_format_of(x))
-        dx, dw = ctx.ops.conv_grads(x, w, dy, ctx.geom, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        db = ctx.ops.bias_grad(dy) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None
+
+def _maxpool_backward(s: "_Session", original, keyset, dy, x, kernel_size, stride, padding, dilation, ceil_mode,
+                      indices):
+    op = "max_pool2d_with_indices_backward"
+    why = None
+    if x.dim() != 4:
+        why = "unbatched input"
+    elif not _f32(dy, x):
+        why = f"dtype {x.dtype}"
+    elif dy.numel() == 0:
+        why = "empty input"
+    if why is None:
+        fmt = memory_format_of(indices)
+        k = _pair(kernel_size)
+        try:
+            dx = _call(s.pool, s.rng, dy.contiguous(memory_format=fmt), indices.contiguous(memory_format=fmt),
+                       input_size=tuple(x.shape[-2:]), kernel_size=k, stride=_pair(stride) if len(stride) else k,
+                       padding=_pair(padding), dilation=_pair(dilation), ceil_mode=bool(ceil_mode))
+        except kernels.KernelArgumentError as e:
+            why = str(e)
+    if why is not None:
+        s.coverage.add(op, ORIGINAL, why)
+        return original.call_boxed(keyset, dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices)
+    s.coverage.add(op, s.pool.name)
+    return dx
 
 
-class BatchNorm2dFn(torch.autograd.Function):
-    """Training-mode batch norm. Forward and running-stat update are torch's ``native_batch_norm``;
-    backward takes the two channel sums from ``bias_grad`` and is elementwise otherwise:
-    dx = gamma * invstd * (dy - sum(dy)/M - xhat * sum(dy * xhat)/M), M = N*H*W."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, momentum: float, eps: float, ops: _Ops):
-        x = x.contiguous(memory_format=memory_format_of(x))
-        y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var, True,
-                                                  momentum, eps)
-        ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.ops = ops
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, mean, invstd = ctx.saved_tensors
+def _bn_route(s: "_Session", op: str, dy, x, weight, save_mean, save_invstd, train: bool):
+    """(dx, dgamma, dbeta) from the bn_bwd variant, or a reason to pass the call on."""
+    if not train:
+        return "eval-mode BatchNorm (elementwise dX)"
+    if save_mean is None or save_invstd is None or not save_mean.numel():
+        return "no saved batch statistics"
+    if x.dim() not in (2, 3, 4):
+        return f"{x.dim()}-D input"
+    if not _f32(dy, x, weight, save_mean, save_invstd):
+        return f"dtype {x.dtype}"
+    if x.numel() == 0:
+        return "empty input"
+    shape = x.shape
+    if x.dim() == 3:  # (N, C, L) as NCHW (N, C, L, 1)
+        x4, dy4 = x.contiguous().unsqueeze(-1), dy.contiguous().unsqueeze(-1)
+    elif x.dim() == 4:
         fmt = memory_format_of(x)
-        dy = dy.contiguous(memory_format=fmt)
-        c = x.shape[1]
-        per_c = (1, c, 1, 1)
-        m = x.numel() // c
-        xhat = ((x - mean.view(per_c)) * invstd.view(per_c)).contiguous(memory_format=fmt)
-        dbeta = ctx.ops.bias_grad(dy)
-        dgamma = ctx.ops.bias_grad((dy * xhat).contiguous(memory_format=fmt))
-        dx = None
-        if ctx.needs_input_grad[0]:
-            scale = invstd if weight is None else weight * invstd
-            dx = scale.view(per_c) * (dy - (dbeta / m).view(per_c) - xhat * (dgamma / m).view(per_c))
-            dx = dx.contiguous(memory_format=fmt)
-        dgamma = dgamma if weight is not None and ctx.needs_input_grad[1] else None
-        dbeta = dbeta if ctx.needs_input_grad[2] else None
-        return dx, dgamma, dbeta, None, None, None, None, None
+        x4, dy4 = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
+    else:
+        x4, dy4 = x.contiguous(), dy.contiguous()
+    try:
+        dx, dgamma, dbeta = _call(s.bn, s.rng, dy4, x4, save_mean, save_invstd, weight)
+    except kernels.KernelArgumentError as e:
+        return str(e)
+    return dx.view(shape) if x.dim() == 3 else dx, dgamma, dbeta
 
 
-class MaxPool2dFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, geom: ConvGeom, ops: _Ops):
-        x = x.contiguous(memory_format=memory_format_of(x))
-        y, indices = F.max_pool2d(x, geom.kernel_size, geom.stride, geom.padding, geom.dilation,
-                                  ceil_mode=False, return_indices=True)
-        ctx.save_for_backward(indices)
-        ctx.geom, ctx.ops, ctx.input_size = geom, ops, tuple(x.shape[-2:])
-        ctx.fmt = memory_format_of(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        (indices,) = ctx.saved_tensors
-        dy = dy.contiguous(memory_format=ctx.fmt)
-        indices = indices.contiguous(memory_format=ctx.fmt)
-        return ctx.ops.maxpool_bwd(dy, indices, ctx.input_size, ctx.geom), None, None
+def _native_bn_backward(s: "_Session", original, keyset, dy, x, weight, running_mean, running_var, save_mean,
+                        save_invstd, train, eps, mask):
+    op = "native_batch_norm_backward"
+    out = _bn_route(s, op, dy, x, weight, save_mean, save_invstd, train)
+    if isinstance(out, str):
+        s.coverage.add(op, ORIGINAL, out)
+        return original.call_boxed(keyset, dy, x, weight, running_mean, running_var, save_mean, save_invstd,
+                                   train, eps, mask)
+    s.coverage.add(op, s.bn.name)
+    dx, dgamma, dbeta = out
+    return (dx if mask[0] else None), (dgamma if mask[1] and weight is not None else None), \
+        (dbeta if mask[2] else None)
 
 
-class LinearFn(torch.autograd.Function):
-    """y = x W^T + b. dX and dW are torch matmuls (cuBLAS keeps a fixed order on one stream); the bias
-    gradient, a sum over the batch, goes through ``bias_grad``."""
+def _cudnn_bn_backward(s: "_Session", original, keyset, x, dy, weight, running_mean, running_var, save_mean,
+                       save_var, eps, reserve):
+    op = "cudnn_batch_norm_backward"
+    out = _bn_route(s, op, dy, x, weight, save_mean, save_var, True)  # cuDNN's save_var is 1/sqrt(var+eps)
+    if isinstance(out, str):
+        s.coverage.add(op, ORIGINAL, out)
+        return original.call_boxed(keyset, x, dy, weight, running_mean, running_var, save_mean, save_var, eps,
+                                   reserve)
+    s.coverage.add(op, s.bn.name)
+    return out
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, ops: _Ops):
-        ctx.save_for_backward(x, weight)
-        ctx.ops = ops
-        return F.linear(x, weight, bias)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        rows = dy.reshape(-1, dy.shape[-1]).contiguous()
-        dx = dy.matmul(w) if ctx.needs_input_grad[0] else None
-        dw = rows.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        db = ctx.ops.bias_grad(rows) if ctx.needs_input_grad[2] else None
-        return dx, dw, db, None
+@dataclass(frozen=True)
+class AtenRoute:
+    op: str                     # aten op name (default overload)
+    routed: tuple[str, ...]     # the routed ops it serves; overridden only when one of them is not native
+    handler: Callable
+    keys: tuple[str, ...] = ("CPU", "CUDA")
+
+
+ATEN_OPS = (
+    AtenRoute("convolution_backward", ("conv_wgrad", "conv_dgrad", "bias_grad"), _conv_backward),
+    AtenRoute("max_pool2d_with_indices_backward", ("maxpool_bwd",), _maxpool_backward),
+    AtenRoute("native_batch_norm_backward", ("bias_grad",), _native_bn_backward),
+    AtenRoute("cudnn_batch_norm_backward", ("bias_grad",), _cudnn_bn_backward, ("CUDA",)),
+)
 
 
 # --------------------------------------------------------------------------------------------------
-# Module forwards installed by use_kernels
+# The guard: forward ops whose CUDA backward is nondeterministic (PyTorch raises for them in
+# deterministic mode) and that nnrand does not route. Checked at the forward call, where the module
+# that runs it is on the Python stack. ``applies(args)`` says whether this call's backward is the
+# nondeterministic one.
 
 
-def _conv_forward(ops: _Ops):
-    def forward(self: nn.Conv2d, x):
-        geom = ConvGeom(_pair(self.kernel_size), _pair(self.stride), _pair(self.padding), _pair(self.dilation))
-        return Conv2dFn.apply(x, self.weight, self.bias, geom, ops)
-    return forward
+@dataclass(frozen=True)
+class Uncovered:
+    op: str                     # the forward aten op
+    backward: str               # its backward aten op
+    applies: Callable[..., bool] = lambda *a: True
 
 
-def _bn_forward(ops: _Ops, previous):
-    def forward(self: nn.BatchNorm2d, x):
-        if not self.training:
-            return previous(x)  # eval: torch, with the running statistics
-        # torch's _BatchNorm.forward bookkeeping: count the batch, then momentum (or a cumulative mean).
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        return BatchNorm2dFn.apply(x, self.weight, self.bias, self.running_mean, self.running_var,
-                                   factor, self.eps, ops)
-    return forward
+def _not_1x1(x, output_size, *rest) -> bool:
+    return tuple(output_size) != (1, 1)  # torch turns a 1x1 output into mean(), whose backward is exact
 
 
-def _pool_forward(ops: _Ops):
-    def forward(self: nn.MaxPool2d, x):
-        geom = ConvGeom(_pair(self.kernel_size), _pair(self.stride if self.stride is not None else
-                                                        self.kernel_size),
-                        _pair(self.padding), _pair(self.dilation))
-        return MaxPool2dFn.apply(x, geom, ops)
-    return forward
+UNCOVERED_OPS = (
+    Uncovered("_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward", _not_1x1),
+    Uncovered("_adaptive_avg_pool3d", "_adaptive_avg_pool3d_backward"),
+    Uncovered("adaptive_max_pool2d", "adaptive_max_pool2d_backward"),
+    Uncovered("adaptive_max_pool3d", "adaptive_max_pool3d_backward"),
+    Uncovered("avg_pool3d", "avg_pool3d_backward"),
+    Uncovered("max_pool3d_with_indices", "max_pool3d_with_indices_backward"),
+    Uncovered("fractional_max_pool2d", "fractional_max_pool2d_backward"),
+    Uncovered("fractional_max_pool3d", "fractional_max_pool3d_backward"),
+    Uncovered("upsample_linear1d", "upsample_linear1d_backward"),
+    Uncovered("upsample_bilinear2d", "upsample_bilinear2d_backward"),
+    Uncovered("_upsample_bilinear2d_aa", "_upsample_bilinear2d_aa_backward"),
+    Uncovered("upsample_bicubic2d", "upsample_bicubic2d_backward"),
+    Uncovered("upsample_trilinear3d", "upsample_trilinear3d_backward"),
+    Uncovered("reflection_pad1d", "reflection_pad1d_backward"),
+    Uncovered("reflection_pad2d", "reflection_pad2d_backward"),
+    Uncovered("reflection_pad3d", "reflection_pad3d_backward"),
+    Uncovered("replication_pad1d", "replication_pad1d_backward"),
+    Uncovered("replication_pad2d", "replication_pad2d_backward"),
+    Uncovered("replication_pad3d", "replication_pad3d_backward"),
+    Uncovered("grid_sampler_2d", "grid_sampler_2d_backward"),
+    Uncovered("grid_sampler_3d", "grid_sampler_3d_backward"),
+)
 
 
-def _linear_forward(ops: _Ops):
-    def forward(self: nn.Linear, x):
-        return LinearFn.apply(x, self.weight, self.bias, ops)
-    return forward
+def _module_on_stack(model: torch.nn.Module | None) -> str | None:
+    """The innermost ``nn.Module`` whose ``forward`` is on the Python stack, as ``name (Type)`` (name
+    from ``model`` when given), or the innermost user function. Only called when an error is raised."""
+    names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+    here = os.path.dirname(__file__)
+    torch_dir = os.path.dirname(torch.__file__)
+    first_user = None
+    for info in inspect.stack(context=0)[2:]:
+        me = info.frame.f_locals.get("self")
+        if isinstance(me, torch.nn.Module) and info.function == "forward":
+            name = names.get(id(me))
+            where = f"{info.filename}:{info.lineno}"
+            return f"module {name or '<unnamed>'} ({type(me).__name__}, {where})" if names else \
+                f"{type(me).__name__}.forward ({where})"
+        if first_user is None and not info.filename.startswith((here, torch_dir)):
+            first_user = f"{info.function} ({info.filename}:{info.lineno})"
+    return first_user
 
 
-def _check_module(name: str, m: nn.Module) -> None:
-    if isinstance(m, nn.Conv2d):
-        if m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str):
-            raise RoutingError(f"{name}: only groups=1, zero padding given as numbers is routed "
-                               f"(groups={m.groups}, padding={m.padding!r}, padding_mode={m.padding_mode})")
-    elif isinstance(m, nn.MaxPool2d):
-        if m.ceil_mode or m.return_indices:
-            raise RoutingError(f"{name}: max-pool routing needs ceil_mode=False, return_indices=False")
+def _guarded_forward(s: "_Session", original, entry: Uncovered, keyset, *args, **kwargs):
+    x = args[0]
+    if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad and entry.applies(*args):
+        why = ("its CUDA backward (aten::" + entry.backward + ") adds in an order that changes from run to run")
+        if s.strict:
+            raise NondeterministicOpError(entry.op, _module_on_stack(s.model), why)
+        s.coverage.add(entry.backward, UNCOVERED)
+        if entry.op not in s.warned:
+            s.warned.add(entry.op)
+            where = _module_on_stack(s.model)
+            warnings.warn(f"nnrand: aten::{entry.backward}{f' (from {where})' if where else ''} is nondeterministic "
+                          "on CUDA and not covered by nnrand; this run is not guaranteed repeatable",
+                          RuntimeWarning, stacklevel=2)
+    return original.call_boxed(keyset, *args, **kwargs)
 
 
-def _plan(routing: Routing, model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(name, module, kind) for every module whose forward gets replaced."""
-    conv = routing.used["conv_wgrad"] != NATIVE or routing.used["conv_dgrad"] != NATIVE
-    bias = routing.used["bias_grad"] != NATIVE
-    pool = routing.used["maxpool_bwd"] != NATIVE
-    plan = []
-    for name, m in model.named_modules():
-        if type(m) is nn.Conv2d and (conv or (bias and m.bias is not None)):
-            plan.append((name, m, "conv"))
-        elif type(m) is nn.BatchNorm2d and bias:
-            plan.append((name, m, "bn"))
-        elif type(m) is nn.MaxPool2d and pool:
-            plan.append((name, m, "pool"))
-        elif type(m) is nn.Linear and bias and m.bias is not None:
-            plan.append((name, m, "linear"))
-    return plan
+# --------------------------------------------------------------------------------------------------
+# The session: one open context
+
+
+class _Session:
+    """What the overrides read: the routing's variants, the RNG of the CPU atomic models, the counters."""
+
+    def __init__(self, routing: Routing, strict: bool, rng, model):
+        self.routing, self.strict, self.rng, self.model = routing, strict, rng, model
+        self.coverage = Coverage()
+        self.warned: set[str] = set()
+        # conv: (wgrad, dgrad, bias) variants or None for native
+        self.conv = (routing.variant("conv_wgrad"), routing.variant("conv_dgrad"), routing.variant("bias_grad"))
+        names = sorted({v.name for v in self.conv if v is not None})
+        self.conv_label = "+".join(names) if len(names) > 1 else (names[0] if names else ORIGINAL)
+        self.pool = routing.variant("maxpool_bwd")
+        self.bn = routing.variant("bias_grad", "bn_bwd")
+
+    @property
+    def deterministic(self) -> bool:
+        return self.routing.claims_determinism
+
+
+class RoutingContext:
+    """What ``use_kernels`` yields: the routing, the coverage, and whether determinism is claimed."""
+
+    def __init__(self, session: _Session):
+        self._s = session
+
+    @property
+    def routing(self) -> Routing:
+        return self._s.routing
+
+    @property
+    def coverage(self) -> Coverage:
+        return self._s.coverage
+
+    @property
+    def strict(self) -> bool:
+        return self._s.strict
+
+    @property
+    def deterministic(self) -> bool:
+        """True when this routing claims repeatable results: every routed op deterministic and nothing
+        counted uncovered so far (ops PyTorch's deterministic mode only warned about are not counted)."""
+        return self._s.deterministic and not self.coverage.uncovered
+
+    @property
+    def aten_ops(self) -> list[str]:
+        """The aten ops overridden while the context is open."""
+        return list(self._s.overridden)
+
+    def __repr__(self) -> str:
+        return f"RoutingContext(family={self.routing.family!r}, ops={dict(self.routing.used)}, strict={self.strict})"
+
+
+_LOCK = threading.Lock()
+_ACTIVE: _Session | None = None
+
+
+def _load_original(op: str, key: str):
+    """The kernel registered now for ``aten::op`` at ``key``; None where this build has none (the CUDA
+    key of a CPU-only torch), so there is nothing to override there."""
+    try:
+        return torch.library.get_kernel(f"aten::{op}", key)
+    except RuntimeError as e:
+        if "no kernel for" in str(e):
+            return None
+        raise RoutingError(f"cannot read the {key} kernel of aten::{op} from torch {torch.__version__}: {e}") from None
+
+
+def _bind(fn, *bound):
+    def kernel(keyset, *args, **kwargs):
+        return fn(*bound, keyset, *args, **kwargs)
+    return kernel
 
 
 @contextlib.contextmanager
-def use_kernels(routing: Routing, model: nn.Module, *, rng=None) -> Iterator[list[str]]:
-    """Route ``model``'s backward reductions as ``routing`` says while the context is open.
+def _deterministic_mode(strict: bool) -> Iterator[None]:
+    """PyTorch's deterministic mode for the ops nnrand passes on; everything restored on exit."""
+    from torch.utils import deterministic as det
 
-    Yields the names of the modules intercepted. On exit (normal or by exception) each module's
-    ``forward`` is what it was before: a module without an instance ``forward`` gets none back."""
-    plan = _plan(routing, model)
-    for name, m, _ in plan:
-        _check_module(name or type(m).__name__, m)
-    ops = _Ops(routing, rng)
-    saved: list[tuple[nn.Module, bool, object]] = []
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              det.fill_uninitialized_memory, torch.backends.cudnn.deterministic, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    if before[4] is None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS's fixed-workspace mode (see PyTorch's docs)
+    torch.use_deterministic_algorithms(True, warn_only=not strict)
+    det.fill_uninitialized_memory = False
+    torch.backends.cudnn.deterministic = True
     try:
-        for _, m, kind in plan:
-            had = "forward" in m.__dict__
-            previous = m.forward
-            saved.append((m, had, m.__dict__.get("forward")))
-            make = {"conv": lambda: _conv_forward(ops), "bn": lambda: _bn_forward(ops, previous),
-                    "pool": lambda: _pool_forward(ops), "linear": lambda: _linear_forward(ops)}[kind]
-            m.forward = make().__get__(m, type(m))
-        yield [name for name, _, _ in plan]
+        yield
     finally:
-        for m, had, previous in reversed(saved):
-            if had:
-                m.forward = previous
-            else:
-                del m.__dict__["forward"]
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        det.fill_uninitialized_memory = before[2]
+        torch.backends.cudnn.deterministic = before[3]
+        if before[4] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+@contextlib.contextmanager
+def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = None, *, strict: bool = True,
+                rng=None, model: torch.nn.Module | None = None) -> Iterator[RoutingContext]:
+    """Route backward reductions to the registry's variants while the context is open.
+
+    ``kernel``: a family (``tree``, ``atomic``, ``native``) or a resolved :class:`Routing`; ``ops``: per-op
+    overrides (``{"conv_wgrad": "atomic"}``, names as ``--kernel-op``). ``strict``: under a deterministic
+    routing, an uncovered nondeterministic op raises (True) or warns once and is counted (False).
+    ``rng``: the arrival order of the CPU models of atomic variants (a ``numpy.random.Generator`` or a seed;
+    None: fresh entropy per call, as a GPU behaves). ``model``: optional, only to name modules in errors.
+
+    Yields a :class:`RoutingContext` (``.coverage``, ``.routing``, ``.deterministic``). Contexts do not nest."""
+    global _ACTIVE
+    if isinstance(kernel, Routing):
+        if ops:
+            raise RoutingError("pass per-op overrides to resolve(), not beside a resolved Routing")
+        routing = kernel
+    else:
+        routing = resolve(kernel, ops)
+    with _LOCK:
+        if _ACTIVE is not None:
+            raise RoutingError(f"nnrand.use_kernels is already active (family {_ACTIVE.routing.family!r}); "
+                               "routing contexts do not nest: leave the open one first")
+        session = _Session(routing, strict, rng, model)
+        _ACTIVE = session
+    session.overridden = []
+    lib = None
+    try:
+        with contextlib.ExitStack() as stack:
+            routes = [r for r in ATEN_OPS if any(routing.used[o] != NATIVE for o in r.routed)]
+            guarded = UNCOVERED_OPS if routing.claims_determinism else ()
+            if routes or guarded:
+                originals = {(r.op, k): _load_original(r.op, k) for r in routes for k in r.keys}
+                originals.update({(g.op, k): _load_original(g.op, k) for g in guarded for k in ("CPU", "CUDA")})
+                lib = torch.library.Library("aten", "IMPL")
+                with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+                    warnings.simplefilter("ignore", UserWarning)
+                    for r in routes:
+                        for k in r.keys:
+                            if originals[r.op, k] is not None:
+                                lib.impl(r.op, _bind(r.handler, session, originals[r.op, k]), k, with_keyset=True)
+                        session.overridden.append(r.op)
+                    for g in guarded:
+                        for k in ("CPU", "CUDA"):
+                            if originals[g.op, k] is not None:
+                                lib.impl(g.op, _bind(_guarded_forward, session, originals[g.op, k], g), k,
+                                         with_keyset=True)
+            if routing.claims_determinism:
+                stack.enter_context(_deterministic_mode(strict))
+            yield RoutingContext(session)
+    finally:
+        if lib is not None:
+            lib._destroy()
+        with _LOCK:
+            _ACTIVE = None
+
+
+def active() -> RoutingContext | None:
+    """The open routing context, if any."""
+    s = _ACTIVE
+    return None if s is None else RoutingContext(s)

@@ -34,7 +34,8 @@ from nnrand.fingerprint import fingerprint
 @dataclass
 class Config:
     # data and network
-    model: str | None = None            # models.MODELS; CPU default "small", CUDA default "resnet18"
+    model: str | None = None            # models.MODELS or torchvision:NAME / timm:NAME; CPU "small", CUDA "resnet18"
+    image_size: int | None = None       # resize every batch to this square size (ImageNet-style models); None: 32
     dataset: str = "synthetic"          # data.DATASETS; "synthetic" needs no files and no network
     data_dir: str | None = None         # CIFAR archives (default ~/.cache/nnrand)
     download: bool = False              # fetch a missing CIFAR archive
@@ -57,6 +58,7 @@ class Config:
     order_seed: str | int | None = None
     aug_seed: str | int | None = None
     kernel_seed: str | int = noise.DEFAULT_KERNEL_SEED  # CPU atomic models only: "fresh" | "fixed" | "member" | int
+    strict: bool = True                 # deterministic routing: an uncovered nondeterministic op is an error
     perturb_ulp: bool = False           # nextafter one weight before step 0
     perturb_index: int = 0              # which element of the flat parameter vector
     # run
@@ -66,6 +68,7 @@ class Config:
     first_member: int = 0               # index of the first member (a study can extend a run)
     device: str | None = None           # "cuda" when available, else "cpu"
     channels_last: bool = False         # model and activations in channels_last
+    cuda_graph: bool = False            # capture forward + backward once, replay it every step (CUDA only)
     tf32: bool = False                  # TF32 for matmul and cuDNN conv (off: fp32 arithmetic)
     resume: bool = True                 # continue an unfinished member from its checkpoint
     save_epoch_weights: bool = False    # weights_epoch_XXX.pt per epoch
@@ -121,8 +124,13 @@ def resolve(cfg: Config) -> Config:
         routing.resolve(cfg.kernel, cfg.kernel_ops)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.model not in models.MODELS:
-        raise ConfigError(f"unknown model {cfg.model!r}; valid: {', '.join(models.MODELS)}")
+    if not models.is_known(cfg.model):
+        raise ConfigError(f"unknown model {cfg.model!r}; valid: {', '.join(models.MODELS)}, or torchvision:NAME / "
+                          "timm:NAME (extra nnrand[vision])")
+    if cfg.image_size is not None and cfg.image_size < 8:
+        raise ConfigError(f"--image-size must be >= 8, got {cfg.image_size}")
+    if cfg.cuda_graph and dev.type != "cuda":
+        raise ConfigError("--cuda-graph needs --device cuda (CUDA graphs capture GPU work only)")
     if cfg.dataset not in data.DATASETS:
         raise ConfigError(f"unknown dataset {cfg.dataset!r}; valid: {', '.join(data.DATASETS)}")
     for key, low in (("epochs", 1), ("batch_size", 2), ("members", 1), ("n_train", 2), ("n_test", 1)):
@@ -162,9 +170,16 @@ def load_data(cfg: Config):
     return ds.to(cfg.device)
 
 
-def train_batch(ds, order: torch.Tensor, i: int, batch: int, gen: torch.Generator, fmt):
+def resize(x: torch.Tensor, size: int | None) -> torch.Tensor:
+    """Bilinear resize of a batch to size x size (no gradient flows into the data)."""
+    if size is None or x.shape[-1] == size and x.shape[-2] == size:
+        return x
+    return F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=False)
+
+
+def train_batch(ds, order: torch.Tensor, i: int, batch: int, gen: torch.Generator, fmt, size: int | None = None):
     idx = order[i * batch:(i + 1) * batch].to(ds.train_x.device)
-    x = data.normalize(data.augment(ds.train_x[idx], gen), ds).contiguous(memory_format=fmt)
+    x = resize(data.normalize(data.augment(ds.train_x[idx], gen), ds), size).contiguous(memory_format=fmt)
     return x, ds.train_y[idx]
 
 
@@ -174,7 +189,11 @@ def train_batch(ds, order: torch.Tensor, i: int, batch: int, gen: torch.Generato
 
 def build(cfg: Config, seeds: noise.MemberSeeds, num_classes: int, fmt):
     noise.seed_torch(seeds.init)
-    model = models.build_model(cfg.model, num_classes).to(cfg.device, memory_format=fmt)
+    try:
+        model = models.build_model(cfg.model, num_classes)
+    except models.ModelSourceError as e:
+        raise ConfigError(str(e)) from None
+    model = model.to(cfg.device, memory_format=fmt)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=NESTEROV,
                           weight_decay=cfg.weight_decay)
     return model, opt
@@ -203,11 +222,11 @@ class Checksum:
 
 
 @torch.no_grad()
-def evaluate(model, ds, fmt) -> tuple[dict, torch.Tensor]:
+def evaluate(model, ds, fmt, size: int | None = None) -> tuple[dict, torch.Tensor]:
     model.eval()
     logits = []
     for s in range(0, len(ds.test_y), EVAL_BATCH):
-        x = data.normalize(ds.test_x[s:s + EVAL_BATCH], ds).contiguous(memory_format=fmt)
+        x = resize(data.normalize(ds.test_x[s:s + EVAL_BATCH], ds), size).contiguous(memory_format=fmt)
         logits.append(model(x).float())
     model.train()
     logits = torch.cat(logits)
@@ -279,6 +298,43 @@ class _Interrupt:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
         return False
+
+
+class GraphStep:
+    """Forward, loss and backward captured once in a CUDA graph and replayed every step.
+
+    Inputs are copied into static buffers; the gradients land in the same buffers every replay (they
+    were allocated during capture, and nothing sets them to None afterwards). The optimizer step stays
+    eager: SGD reads its per-step learning rate as a host float. The kernels are the ones eager runs,
+    in the same order, so a replay gives eager's bits (tested for tree on the GPU). Lazy work (kernel
+    compilation, cuDNN plans) is done first by a forward and backward of a copy of the model on a side
+    stream, so the model's own state (weights, BatchNorm statistics) only changes on replay."""
+
+    def __init__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+        import copy
+
+        self.x, self.y = x.clone(), y.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            scratch = copy.deepcopy(model)
+            for _ in range(2):
+                F.cross_entropy(scratch(self.x), self.y).backward()
+            del scratch
+        torch.cuda.current_stream().wait_stream(side)
+        for p in model.parameters():
+            p.grad = None
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model(self.x)
+            self.loss = F.cross_entropy(self.logits, self.y)
+            self.loss.backward()
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.x.copy_(x)
+        self.y.copy_(y)
+        self.graph.replay()
+        return self.logits, self.loss
 
 
 def _rng_states(kernel_rng) -> dict:
@@ -353,7 +409,9 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     epochs = tqdm(range(state["epoch"], cfg.epochs), desc=f"member {member}", disable=not cfg.progress,
                   initial=state["epoch"], total=cfg.epochs, leave=False)
     model.train()
-    with routing.use_kernels(route, model, rng=kernel_rng), _Interrupt() as interrupt:
+    graph = None
+    with routing.use_kernels(route, rng=kernel_rng, strict=cfg.strict, model=model) as routed, \
+            _Interrupt() as interrupt:
         for epoch in epochs:
             order = data.epoch_order(n, epoch, seeds.order)
             gen = noise.epoch_generator(seeds.aug, epoch, device)
@@ -368,14 +426,19 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
             pending_sums: list[tuple[int, torch.Tensor]] = []
             for i in tqdm(range(state["i"], steps), desc=f"epoch {epoch}", disable=not cfg.progress,
                           initial=state["i"], total=steps, leave=False):
-                x, y = train_batch(ds, order, i, cfg.batch_size, gen, fmt)
+                x, y = train_batch(ds, order, i, cfg.batch_size, gen, fmt, cfg.image_size)
                 for group in opt.param_groups:
                     group["lr"] = lr_at(state["step"], total, warmup, cfg.lr)
+                if cfg.cuda_graph and graph is None:
+                    graph = GraphStep(model, x, y)
                 start = timer.start()
-                logits = model(x)
-                loss = F.cross_entropy(logits, y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
+                if graph is not None:
+                    logits, loss = graph(x, y)
+                else:
+                    logits = model(x)
+                    loss = F.cross_entropy(logits, y)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
                 opt.step()
                 timer.stop(start)
                 loss_sum += loss.detach().double() * len(y)
@@ -392,7 +455,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                     save_checkpoint(gen)
                     raise KeyboardInterrupt(f"interrupted at step {state['step']}; checkpoint saved in {d}")
             _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch)
-            ev, logits = evaluate(model, ds, fmt)
+            ev, logits = evaluate(model, ds, fmt, cfg.image_size)
             state["metrics"].append({
                 "epoch": epoch, "step": state["step"], "train_loss": acc["loss"] / max(1, acc["seen"]),
                 "train_top1": acc["correct"] / max(1, acc["seen"]), **ev, "epoch_time_s": acc["time_s"],
@@ -411,7 +474,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
 
     if state["epoch"] < cfg.epochs or not state["metrics"]:
         raise RuntimeError(f"{d}: training ended at epoch {state['epoch']} of {cfg.epochs}")
-    ev, logits = evaluate(model, ds, fmt)
+    ev, logits = evaluate(model, ds, fmt, cfg.image_size)
     runio.npz_save(d / "predictions.npz", logits=logits.float().cpu().numpy(),
                    labels=ds.test_y.cpu().numpy(), group=ds.test_group.cpu().numpy())
     last = state["metrics"][-1]
@@ -420,6 +483,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
               "final_checksum": state["checksums"][-1]["checksum"],
               "step_time_ms": statistics.median(m["step_time_ms"] for m in state["metrics"]),
               "train_time_s": sum(m["epoch_time_s"] for m in state["metrics"]),
+              "coverage": routed.coverage.as_dict(), "uncovered": routed.coverage.uncovered,
               "fingerprint": meta["fingerprint"]}
     runio.write_json(d / "result.json", result)
     return result
@@ -448,7 +512,10 @@ def preflight(cfg: Config, ds, route: routing.Routing) -> None:
     if torch.device(cfg.device).type == "cuda" and not route.is_native and not kernels.cuda_available():
         raise ConfigError("routing to kernel variants on CUDA needs CuPy (pip install 'nnrand[cuda13]' or "
                           "'nnrand[cuda12]'), or use --kernel native")
-    probe = models.build_model(cfg.model, ds.num_classes)
+    try:
+        probe = models.build_model(cfg.model, ds.num_classes)
+    except models.ModelSourceError as e:
+        raise ConfigError(str(e)) from None
     need = runio.estimate_member_bytes(
         sum(p.numel() for p in probe.parameters()), sum(b.numel() for b in probe.buffers()),
         epochs=cfg.epochs, steps_first_epoch=len(ds.train_y) // cfg.batch_size, n_test=len(ds.test_y),
@@ -490,6 +557,9 @@ EPILOG = """examples:
   python -m nnrand.train --preset algo --members 5 --epochs 20          init/order/aug noise, tree kernels
   python -m nnrand.train --kernel tree --perturb-ulp --perturb-index 123   one weight moved by one ULP
   python -m nnrand.train --dataset cifar10 --data-dir ~/data --model resnet18 --device cuda
+  python -m nnrand.train --model torchvision:resnet50 --image-size 224 --channels-last --kernel tree
+  python -m nnrand.train --model timm:resnet18 --image-size 64 --kernel tree --no-strict
+  python -m nnrand.train --kernel tree --cuda-graph                  whole forward/backward as one graph replay
 presets: control (fixed seeds, tree), algo (per-member init/order/aug, tree), impl (fixed seeds,
 atomic), algo+impl (both). Explicit flags override the preset.
 outputs: <out>/<name>/member_XXX/{config.json,metrics.csv,checksums.csv,predictions.npz,result.json}
@@ -501,7 +571,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nnrand.train", description=__doc__.splitlines()[0],
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data and network")
-    g.add_argument("--model", choices=models.MODELS, help="default: small on CPU, resnet18 on CUDA")
+    g.add_argument("--model", metavar="NAME", help=f"{', '.join(models.MODELS)}, torchvision:NAME or timm:NAME "
+                   "(extra nnrand[vision]); default: small on CPU, resnet18 on CUDA")
+    g.add_argument("--image-size", type=int, metavar="PX", help="resize every batch to PX x PX (default: the "
+                   "data's 32); e.g. 224 for ImageNet-style models")
     g.add_argument("--dataset", choices=data.DATASETS, default="synthetic")
     g.add_argument("--data-dir", help="where CIFAR archives are (or go, with --download)")
     g.add_argument("--download", action="store_true", help="download a missing CIFAR archive")
@@ -525,6 +598,9 @@ def parser() -> argparse.ArgumentParser:
         g.add_argument(f"--{src}-seed", metavar="fixed|member|N", help=f"{src} seed (default: the preset's)")
     g.add_argument("--kernel-seed", default=noise.DEFAULT_KERNEL_SEED, metavar="fresh|fixed|member|N",
                    help="arrival order of atomic CPU models (GPU atomics cannot be seeded); default fresh")
+    g.add_argument("--strict", action=argparse.BooleanOptionalAction, default=True,
+                   help="deterministic kernels: an op nnrand cannot make deterministic is an error (default); "
+                   "--no-strict warns once per op and records it as uncovered")
     g.add_argument("--perturb-ulp", action="store_true", help="move one weight by one ULP before step 0")
     g.add_argument("--perturb-index", type=int, default=0, help="flat parameter index to perturb")
     g = p.add_argument_group("run")
@@ -534,6 +610,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--first-member", type=int, default=0)
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--channels-last", action="store_true")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="capture forward + backward once and replay it each step (CUDA; same bits as eager)")
     g.add_argument("--tf32", action="store_true", help="allow TF32 in matmul/conv (default off)")
     g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="resume an unfinished run directory (default on)")
@@ -558,6 +636,8 @@ def cli(argv: list[str] | None = None) -> int:
         out = main(cfg)
     except (ConfigError, routing.RoutingError, runio.DiskSpaceError, data.DatasetError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
+    except routing.NondeterministicOpError as e:
+        p.exit(3, f"{p.prog}: error: {e}\n")
     except KeyboardInterrupt as e:
         print(f"\n{e or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
         return 130
