@@ -53,6 +53,10 @@ def test_help_shows_examples():
     (["--epochs", "0"], "--epochs must be >= 1"),
     (["--init-seed", "sometimes"], "--init-seed must be"),
     (["--kernel", "fast"], "invalid choice"),
+    (["--cuda-graph"], "--cuda-graph needs --device cuda"),
+    (["--model", "resnet50"], "torchvision:NAME"),
+    (["--model", "nosuchlib:resnet50"], "torchvision:NAME"),
+    (["--image-size", "4"], "--image-size must be >= 8"),
     (["--dataset", "cifar10", "--data-dir", "{tmp}/nothing"], "cifar"),
 ])
 def test_bad_arguments_fail_before_training(tmp_path, argv, message):
@@ -221,3 +225,38 @@ def test_default_command_runs_on_cpu(tmp_path):
     assert "outputs:" in r.stdout and "report:" in r.stdout
     run = next(tmp_path.iterdir())
     assert (run / "report.md").exists() and (run / "member_000" / "result.json").exists()
+
+
+def test_missing_model_library_names_the_extra(tmp_path, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_timm(name, *a, **k):
+        if name == "timm":
+            raise ImportError("No module named 'timm'")
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_timm)
+    with pytest.raises(train.ConfigError, match=r"nnrand\[vision\]"):
+        train.main(tiny(tmp_path, "ext", model="timm:resnet18"))
+
+
+def test_strict_refusal_and_no_strict_records_uncovered(tmp_path, monkeypatch):
+    """A model with an uncovered nondeterministic op: strict raises naming the op; --no-strict trains and
+    writes the op into result.json's uncovered list."""
+    need_all_ops()
+    from torch import nn
+
+    def with_pool(name, num_classes=10):
+        net = models._BUILDERS["small"](num_classes)
+        net.pool = nn.AdaptiveAvgPool2d(2)
+        net.fc = nn.Linear(64 * 4, num_classes)
+        return net
+    monkeypatch.setattr(models, "build_model", with_pool)
+    with pytest.raises(routing.NondeterministicOpError, match="_adaptive_avg_pool2d"):
+        train.main(tiny(tmp_path, "strict"))
+    with pytest.warns(RuntimeWarning, match="not covered by nnrand"):
+        out = train.main(tiny(tmp_path, "lenient", strict=False))
+    result = out["members"][0]
+    assert result["uncovered"] == ["_adaptive_avg_pool2d_backward"]
+    assert result["coverage"]["convolution_backward"]["tree"] > 0

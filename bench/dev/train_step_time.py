@@ -5,7 +5,7 @@
     python3 bench/dev/train_step_time.py --device cpu       # small model, batch 32, CPU order models
 
 Modes:
-    tree                 every backward reduction through the registry's tree variants, cuDNN deterministic
+    tree                 every backward reduction through the registry's tree variants (nnrand.use_kernels)
     atomic               every backward reduction through the atomic variants
     native               stock PyTorch/cuDNN (cudnn.benchmark off, as the harness pins it)
     torch_deterministic  stock PyTorch with torch.use_deterministic_algorithms(True), cudnn.deterministic
@@ -47,7 +47,7 @@ def mode_context(mode: str, model):
     deterministic = mode in ("tree", "torch_deterministic")
     with noise.pinned_flags(tf32=False, cudnn_deterministic=deterministic):
         if mode in ("tree", "atomic"):
-            with routing.use_kernels(routing.resolve(mode), model):
+            with routing.use_kernels(mode, model=model):
                 yield
         elif mode == "torch_deterministic":
             before = torch.are_deterministic_algorithms_enabled()

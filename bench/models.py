@@ -1,0 +1,341 @@
+"""Whole models under each backward mode: time per training step, bitwise repeatability, coverage.
+
+    python -m bench.models                       # every model in MODELS (GPU: a few minutes)
+    python -m bench.models --only resnet18_cifar torchvision_resnet50
+    python -m bench.models --render              # reports/models.md from reports/results/models.json only
+
+Modes (fp32, TF32 off; each in NCHW and channels_last, the faster layout is the mode's figure):
+
+    native               stock PyTorch/cuDNN, cudnn.benchmark on: the fastest configuration a user runs
+    torch_deterministic  torch.use_deterministic_algorithms(True), cudnn.deterministic, cudnn.benchmark on
+    tree                 nnrand.use_kernels("tree") (strict; a refused model is run again with strict=False)
+    atomic               nnrand.use_kernels("atomic")
+
+Per model and mode, ``--runs`` runs (default 3) of ``--steps`` SGD steps (default 20) from the same
+initial weights on the same seeded batches. ms/step is the median over the steps after ``--warmup``
+of every run, each step timed with CUDA events (host enqueue gaps included, so host-bound steps show).
+Repeatability: distinct SHA-1 hashes of the final weights over the runs. For native and tree the best
+layout is also run as a CUDA graph (``nnrand.train.GraphStep``: forward and backward captured once,
+SGD eager) for the graph column. Results are appended per model to ``reports/results/models.json``
+(atomic writes: an interrupted run resumes at the next model); the report is rendered from that file.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "reports" / "results" / "models.json"
+REPORT = ROOT / "reports" / "models.md"
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    key: str
+    model: str
+    batch: int
+    size: int
+    classes: int = 10
+
+
+MODELS = (
+    ModelCase("resnet18_cifar", "resnet18", 128, 32),
+    ModelCase("resnet20_cifar", "resnet20", 128, 32),
+    ModelCase("torchvision_resnet18_64px", "torchvision:resnet18", 64, 64),
+    ModelCase("torchvision_resnet18", "torchvision:resnet18", 128, 224),
+    ModelCase("torchvision_resnet50", "torchvision:resnet50", 64, 224),
+    ModelCase("torchvision_vgg11_bn", "torchvision:vgg11_bn", 32, 224),
+    ModelCase("torchvision_mobilenet_v3_small", "torchvision:mobilenet_v3_small", 128, 224),
+    ModelCase("timm_resnet26d", "timm:resnet26d", 64, 128),
+)
+MODES = ("native", "torch_deterministic", "tree", "atomic")
+LAYOUTS = ("nchw", "channels_last")
+
+
+# --------------------------------------------------------------------------------------------------
+# Measuring
+
+
+def _setup_env() -> None:
+    # deterministic cuBLAS (torch_deterministic mode) needs this before CUDA initialises
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    sys.path.insert(0, str(ROOT))
+
+
+def weights_hash(model) -> str:
+    h = hashlib.sha1()
+    for p in model.parameters():
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Mode:
+    """The global state of one mode, entered around a run and restored after it."""
+
+    def __init__(self, mode: str, strict: bool = True):
+        self.mode, self.strict = mode, strict
+
+    def __enter__(self):
+        import contextlib
+
+        import torch
+
+        import nnrand
+
+        self.stack = contextlib.ExitStack()
+        b = torch.backends.cudnn
+        before = (b.benchmark, b.deterministic, torch.are_deterministic_algorithms_enabled())
+
+        def restore():
+            b.benchmark, b.deterministic = before[0], before[1]
+            torch.use_deterministic_algorithms(before[2])
+        self.stack.callback(restore)
+        b.benchmark = True
+        self.routing = None
+        try:
+            if self.mode == "torch_deterministic":
+                b.deterministic = True
+                torch.use_deterministic_algorithms(True)
+            elif self.mode in ("tree", "atomic"):
+                self.routing = self.stack.enter_context(nnrand.use_kernels(self.mode, strict=self.strict))
+        except BaseException:
+            self.stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
+
+
+def run_mode(case: ModelCase, mode: str, layout: str, batches, args, *, strict: bool = True) -> dict:
+    """``args.runs`` runs of ``args.steps`` steps; returns times, hashes and the coverage of one run."""
+    import torch
+    import torch.nn.functional as F
+
+    from nnrand import models
+
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    times, hashes, coverage = [], [], None
+    for _ in range(args.runs):
+        torch.manual_seed(0)
+        model = models.build_model(case.model, case.classes).cuda().to(memory_format=fmt)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        events = []
+        with Mode(mode, strict) as m:
+            for step, (x, y) in enumerate(batches[:args.steps]):
+                x = x.contiguous(memory_format=fmt)
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                b.record()
+                events.append((step, a, b))
+            torch.cuda.synchronize()
+            if m.routing is not None:
+                coverage = {op: {k: v // args.steps for k, v in c.items()}
+                            for op, c in m.routing.coverage.as_dict().items()}
+        times += [a.elapsed_time(b) for step, a, b in events if step >= args.warmup]
+        hashes.append(weights_hash(model))
+        del model, opt
+    return {"ms": statistics.median(times), "distinct": len(set(hashes)), "runs": len(hashes),
+            "coverage": coverage}
+
+
+def run_graph(case: ModelCase, mode: str, layout: str, batches, args) -> dict:
+    import torch
+
+    from nnrand import models
+    from nnrand.train import GraphStep
+
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    torch.manual_seed(0)
+    model = models.build_model(case.model, case.classes).cuda().to(memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    times = []
+    with Mode(mode):
+        graph = GraphStep(model, batches[0][0].contiguous(memory_format=fmt), batches[0][1])
+        for step, (x, y) in enumerate(batches[:args.steps]):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph(x.contiguous(memory_format=fmt), y)
+            opt.step()
+            b.record()
+            times.append((step, a, b))
+        torch.cuda.synchronize()
+    return {"ms": statistics.median(a.elapsed_time(b) for s, a, b in times if s >= args.warmup)}
+
+
+def measure(case: ModelCase, args) -> dict:
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    batches = [(torch.randn(case.batch, 3, case.size, case.size, device="cuda", generator=g),
+                torch.randint(0, case.classes, (case.batch,), device="cuda", generator=g))
+               for _ in range(args.steps)]
+    row = {"case": asdict(case), "modes": {}}
+    for mode in args.modes:
+        per_layout = {}
+        for layout in LAYOUTS if mode != "atomic" else ("best",):
+            lay = layout if layout != "best" else row["modes"].get("tree", {}).get("layout", "channels_last")
+            t0 = time.perf_counter()
+            try:
+                res = run_mode(case, mode, lay, batches, args)
+            except Exception as e:  # a refused model is a result: note the error
+                if mode == "tree" and "nnrand" in type(e).__module__:
+                    res = run_mode(case, mode, lay, batches, args, strict=False)
+                    res["refused_strict"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                else:
+                    res = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+            res["wall_s"] = round(time.perf_counter() - t0, 1)
+            per_layout[lay] = res
+            print(f"  {case.key:<32} {mode:<20} {lay:<14} " +
+                  (f"{res['ms']:8.2f} ms  {res['distinct']}/{res['runs']} distinct" if "ms" in res
+                   else res["error"]), flush=True)
+        ok = {k: v for k, v in per_layout.items() if "ms" in v}
+        best = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
+        row["modes"][mode] = {"layouts": per_layout, "layout": best}
+        if best and mode in ("native", "tree"):
+            try:
+                row["modes"][mode]["graph"] = run_graph(case, mode, best, batches, args)
+            except Exception as e:
+                row["modes"][mode]["graph"] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+            print(f"  {case.key:<32} {mode:<20} {'graph':<14} {row['modes'][mode]['graph']}", flush=True)
+        torch.cuda.empty_cache()
+    return row
+
+
+# --------------------------------------------------------------------------------------------------
+# Result file and report
+
+
+def load() -> dict:
+    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": {}}
+
+
+def save(data: dict) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, RESULTS)
+
+
+def _best(row: dict, mode: str) -> dict | None:
+    m = row["modes"].get(mode)
+    return None if not m or not m.get("layout") else dict(m["layouts"][m["layout"]], layout=m["layout"])
+
+
+def _coverage_text(cov: dict | None) -> str:
+    if not cov:
+        return "-"
+    parts = []
+    for op, c in sorted(cov.items()):
+        routed = sum(n for k, n in c.items() if k not in ("original", "uncovered"))
+        parts.append(f"{op.replace('_backward', '')} {routed}" + (f"/orig {c['original']}" if c.get("original") else "")
+                     + (f"/UNCOVERED {c['uncovered']}" if c.get("uncovered") else ""))
+    return "; ".join(parts)
+
+
+def render(data: dict) -> str:
+    env = data.get("fingerprint", {})
+    out = ["# Whole models: step time, repeatability and coverage per backward mode", "",
+           f"Generated by `python -m bench.models` from `reports/results/models.json`. GPU: {env.get('gpu')}, "
+           f"torch {env.get('torch')}, cuDNN {env.get('cudnn')}, CUDA {env.get('cuda')}, git {env.get('git_sha')}, "
+           f"{env.get('date')}. fp32, TF32 off, SGD (momentum 0.9, nesterov), random seeded batches.", "",
+           "ms/step: median over steps after the warm-up of every run, CUDA events around each step (host "
+           "gaps included). Each mode's figure is its faster layout (NCHW or channels_last, shown). "
+           "`native` is stock PyTorch with cudnn.benchmark in its fastest layout: every ratio is to it, "
+           "measured in the same process. distinct: distinct final-weight SHA-1 hashes over the runs. "
+           "graph: forward+backward captured once as a CUDA graph (`--cuda-graph`), SGD eager. coverage "
+           "(tree, per step): aten backward ops routed / passed to the original kernel / uncovered.", ""]
+    head = ("| model | batch x px | mode | layout | ms/step | x native | distinct | graph ms | graph x native "
+            "| coverage / note |")
+    out += [head, "|---" * (head.count("|") - 1) + "|"]
+    for key, row in data["rows"].items():
+        case = row["case"]
+        native = _best(row, "native")
+        ng = row["modes"].get("native", {}).get("graph", {})
+        for mode in MODES:
+            b = _best(row, mode)
+            if b is None:
+                err = next((v.get("error") for v in row["modes"].get(mode, {}).get("layouts", {}).values()), "")
+                if mode in row["modes"]:
+                    out.append(f"| {case['model']} | {case['batch']} x {case['size']} | {mode} | - | - | - | - | - | - "
+                               f"| runs no step: {err} |")
+                continue
+            ratio = b["ms"] / native["ms"] if native else float("nan")
+            g = row["modes"][mode].get("graph", {})
+            gms = f"{g['ms']:.2f}" if "ms" in g else ("-" if not g else "fails")
+            gx = f"{g['ms'] / ng['ms']:.2f}" if "ms" in g and "ms" in ng else "-"
+            note = _coverage_text(b.get("coverage")) if mode in ("tree", "atomic") else ""
+            if b.get("refused_strict"):
+                note = f"strict: refused ({b['refused_strict']}); run with strict=False: {note}"
+            out.append(f"| {case['model']} | {case['batch']} x {case['size']} | {mode} | {b['layout']} | "
+                       f"{b['ms']:.2f} | {ratio:.2f} | {b['distinct']}/{b['runs']} | {gms} | {gx} | {note} |")
+    out += ["", "Every layout measured (ms/step, distinct/runs):", ""]
+    for key, row in data["rows"].items():
+        cells = []
+        for mode, m in row["modes"].items():
+            for lay, r in m["layouts"].items():
+                cells.append(f"{mode}/{lay} " + (f"{r['ms']:.2f} ({r['distinct']}/{r['runs']})" if "ms" in r
+                                                  else "error"))
+        out.append(f"- {row['case']['model']} ({row['case']['batch']} x {row['case']['size']}): " + "; ".join(cells))
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.models", description=__doc__.splitlines()[0],
+                                epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", choices=[c.key for c in MODELS], help="these model cases only")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--runs", type=int, default=3, help="runs per mode and layout (default %(default)s)")
+    p.add_argument("--steps", type=int, default=20, help="SGD steps per run (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the times")
+    p.add_argument("--fresh", action="store_true", help="measure every case again (default: skip cases in the file)")
+    p.add_argument("--render", action="store_true", help="only render reports/models.md from the result file")
+    args = p.parse_args(argv)
+    if args.render:
+        REPORT.write_text(render(load()))
+        print(f"report: {REPORT}")
+        return 0
+    _setup_env()
+    import torch
+
+    from nnrand import noise
+    from nnrand.fingerprint import fingerprint
+
+    if not torch.cuda.is_available():
+        p.error("measuring needs a CUDA GPU (use --render to re-render the report)")
+    if args.warmup >= args.steps:
+        p.error("--warmup must be smaller than --steps")
+    data = {"rows": {}} if args.fresh else load()
+    data["fingerprint"] = fingerprint("cuda")
+    data["settings"] = {"runs": args.runs, "steps": args.steps, "warmup": args.warmup}
+    cases = [c for c in MODELS if not args.only or c.key in args.only]
+    with noise.pinned_flags(tf32=False, cudnn_deterministic=False):
+        for case in cases:
+            if case.key in data["rows"] and not args.fresh and not args.only:
+                print(f"{case.key}: in the result file, skipped (--fresh to measure again)")
+                continue
+            print(f"{case.key}: {case.model}, batch {case.batch}, {case.size}px", flush=True)
+            try:
+                data["rows"][case.key] = measure(case, args)
+            except Exception as e:  # a model that cannot be built here (missing package) is noted, not fatal
+                data["rows"][case.key] = {"case": asdict(case), "modes": {}, "error": f"{type(e).__name__}: {e}"}
+                print(f"  {case.key}: {e}", flush=True)
+            save(data)
+    REPORT.write_text(render(data))
+    print(render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

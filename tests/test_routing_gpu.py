@@ -1,0 +1,83 @@
+"""Routing on the GPU: whole models routed at the dispatcher, bitwise repeatable under ``tree``, the CUDA
+graph of a routed step equal to eager, torchvision models covered (skipped where torchvision is absent)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nnrand
+from nnrand import models
+from nnrand.train import GraphStep
+
+pytestmark = pytest.mark.gpu
+
+
+def _batches(n: int, batch: int, size: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [(torch.randn(batch, 3, size, size, device="cuda", generator=g),
+             torch.randint(0, 10, (batch,), device="cuda", generator=g)) for _ in range(n)]
+
+
+def _train(model, batches, graph: bool = False, fmt=torch.contiguous_format) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    step = None
+    for x, y in batches:
+        x = x.contiguous(memory_format=fmt)
+        if graph:
+            step = step or GraphStep(model, x, y)
+            step(x, y)
+        else:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    return [p.detach().clone() for p in model.parameters()] + [b.detach().clone() for b in model.buffers()]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_tree_training_is_bitwise_repeatable_and_graph_equals_eager(layout):
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    torch.manual_seed(0)
+    base = models.build_model("resnet18_imagenet").cuda().to(memory_format=fmt)
+    batches = _batches(4, 32, 32, seed=7)
+    runs = []
+    with nnrand.use_kernels("tree") as r:
+        for graph in (False, False, True):
+            runs.append(_train(copy.deepcopy(base), batches, graph=graph, fmt=fmt))
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    cov = r.coverage.as_dict()
+    # 20 convs: two eager runs of 4 steps, then the graph's two warm-up passes and its capture
+    assert cov["convolution_backward"] == {"tree": 20 * 4 * 2 + 20 * 3}
+    assert set(cov) >= {"cudnn_batch_norm_backward", "max_pool2d_with_indices_backward"} or \
+        set(cov) >= {"native_batch_norm_backward", "max_pool2d_with_indices_backward"}
+    assert not r.coverage.uncovered
+
+
+def test_torchvision_resnet18_fully_covered_and_repeatable():
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    base = tv.models.resnet18(num_classes=10).cuda().to(memory_format=torch.channels_last)
+    batches = _batches(3, 16, 64, seed=8)
+    with nnrand.use_kernels("tree") as r:
+        a = _train(copy.deepcopy(base), batches, fmt=torch.channels_last)
+        b = _train(copy.deepcopy(base), batches, fmt=torch.channels_last)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    cov = r.coverage.as_dict()
+    assert cov["convolution_backward"] == {"tree": 2 * 3 * 20}
+    bn = cov.get("cudnn_batch_norm_backward", {}).get("tree", 0) + cov.get("native_batch_norm_backward", {}).get("tree", 0)
+    assert bn == 2 * 3 * 20
+    assert not r.coverage.uncovered
+
+
+def test_vgg11_bn_is_refused_under_strict_tree():
+    tv = pytest.importorskip("torchvision")
+    model = tv.models.vgg11_bn(num_classes=10).cuda()
+    x = torch.randn(2, 3, 64, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
+    with pytest.raises(nnrand.routing.NondeterministicOpError, match="_adaptive_avg_pool2d"):
+        with nnrand.use_kernels("tree", model=model):
+            model(x).sum().backward()
