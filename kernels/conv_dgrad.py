@@ -43,6 +43,7 @@ from .runtime import (
     KernelArgumentError,
     cdiv,
     check_cuda,
+    check_key,
     check_tensor,
     function,
     launch,
@@ -105,7 +106,21 @@ def _pair(arg: str, v, minimum: int) -> tuple[int, int]:
     return int(vals[0]), int(vals[1])
 
 
+_CHECKED: dict[tuple, Geometry] = {}
+
+
 def _check(w, dy, input_size, stride, padding, dilation) -> Geometry:
+    """Validate the arguments (memoised per configuration: see ``runtime.check_key``)."""
+    key = check_key(w, dy, input_size, stride, padding, dilation)
+    g = _CHECKED.get(key) if key is not None else None
+    if g is None:
+        g = _check_all(w, dy, input_size, stride, padding, dilation)
+        if key is not None and len(_CHECKED) < 4096:
+            _CHECKED[key] = g
+    return g
+
+
+def _check_all(w, dy, input_size, stride, padding, dilation) -> Geometry:
     w = check_tensor(OP, "w", w, ndim=4)
     dy = check_tensor(OP, "dy", dy, ndim=4, device=w.device)
     layout_of(OP, "w", w)  # w may be NCHW or channels_last; the launchers repack it

@@ -35,6 +35,7 @@ from .runtime import (
     KernelArgumentError,
     cdiv,
     check_cuda,
+    check_key,
     check_tensor,
     function,
     launch,
@@ -170,7 +171,21 @@ def _pair(arg: str, v, minimum: int) -> tuple[int, int]:
     return int(vals[0]), int(vals[1])
 
 
+_CHECKED: dict[tuple, "Geometry"] = {}
+
+
 def _check(x, dy, kernel_size, stride, padding, dilation) -> Geometry:
+    """Validate the arguments (memoised per configuration: see ``runtime.check_key``)."""
+    key = check_key(x, dy, kernel_size, stride, padding, dilation)
+    g = _CHECKED.get(key) if key is not None else None
+    if g is None:
+        g = _check_all(x, dy, kernel_size, stride, padding, dilation)
+        if key is not None and len(_CHECKED) < 4096:
+            _CHECKED[key] = g
+    return g
+
+
+def _check_all(x, dy, kernel_size, stride, padding, dilation) -> Geometry:
     x = check_tensor(OP, "x", x, ndim=4)
     dy = check_tensor(OP, "dy", dy, ndim=4)
     if dy.device != x.device:

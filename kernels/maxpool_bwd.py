@@ -39,6 +39,7 @@ from .runtime import (
     KernelArgumentError,
     cdiv,
     check_cuda,
+    check_key,
     check_size,
     check_tensor,
     function,
@@ -110,8 +111,22 @@ def _freeze(v):
     return tuple(v) if isinstance(v, (list, tuple, torch.Size)) else v
 
 
+_CHECKED: dict[tuple, tuple] = {}
+
+
 def _check(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode):
-    """Validate everything before any work; returns (dy, indices, params, layout)."""
+    """Validate everything before any work; returns (dy, indices, params, layout). Memoised per
+    configuration (see ``runtime.check_key``)."""
+    key = check_key(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode)
+    hit = _CHECKED.get(key) if key is not None else None
+    if hit is None:
+        hit = _check_all(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode)[2:]
+        if key is not None and len(_CHECKED) < 4096:
+            _CHECKED[key] = hit
+    return (dy, indices, *hit)
+
+
+def _check_all(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode):
     dy = check_tensor(OP, "dy", dy, ndim=4)
     if not isinstance(indices, torch.Tensor):
         raise KernelArgumentError(OP, "indices", f"expected a torch.Tensor, got {type(indices).__name__}")

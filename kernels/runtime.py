@@ -122,6 +122,26 @@ def layout_of(op: str, arg: str, t: torch.Tensor, *, allow: Iterable[str] = ("nc
     return layout
 
 
+def check_key(*items) -> tuple | None:
+    """A hashable key for memoising an argument check: tensors by (dtype, device, shape, strides),
+    everything else by value and type (1, 1.0 and True compare equal but are not equally valid), tuples
+    element by element. None when an item cannot be a key (a list, an unhashable object): check it fully.
+
+    A check memoised under this key sees nothing a repeated call could change, so a launcher called once
+    per layer per step validates each configuration once."""
+    key = []
+    for v in items:
+        if isinstance(v, torch.Tensor):
+            key.append((v.dtype, v.device, v.shape, v.stride()))
+        elif isinstance(v, tuple):
+            key.append((v, tuple(type(e) for e in v)))
+        elif v is None or isinstance(v, (int, float, str, np.integer)):
+            key.append((v, type(v)))
+        else:
+            return None
+    return tuple(key)
+
+
 # --------------------------------------------------------------------------------------------------
 # Compilation and launch
 
@@ -191,14 +211,45 @@ def cupy_stream(device: torch.device):
     return _external_stream(torch.cuda.current_stream(index).cuda_stream, index)
 
 
+_OFFSETS: dict[int, np.ndarray] = {}
+
+
+def _param_block(args: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel parameters as the driver takes them: one 8-byte slot per argument (a pointer or a
+    64-bit integer fills it; a 32-bit integer or float is read from its low 4 bytes, little-endian), and
+    the array of the slots' addresses (``void**``). Both must stay alive until the launch returns."""
+    n = len(args)
+    slots = np.empty(max(n, 1), dtype=np.int64)
+    for i, a in enumerate(args):
+        if isinstance(a, (np.floating, float)):
+            slots[i:i + 1].view(np.float32)[0] = a  # low 4 bytes: the float32 bits
+        else:
+            slots[i] = int(a)
+    offsets = _OFFSETS.get(n)
+    if offsets is None:
+        offsets = _OFFSETS[n] = np.arange(max(n, 1), dtype=np.uint64) * np.uint64(8)
+    return slots, offsets + np.uint64(slots.ctypes.data)
+
+
 def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, device: torch.device,
            shared_mem: int = 0) -> None:
-    """Launch ``fn`` on torch's current stream of ``device``."""
-    import cupy
+    """Launch ``fn`` on torch's current stream of ``device``.
+
+    Straight through the driver (cuLaunchKernel on torch's raw stream handle): a routed backward op
+    launches a few kernels per call, so the host time of a launch is part of a training step's cost.
+    Capturable in a CUDA graph like any launch on the capturing stream."""
+    from cupy.cuda import driver
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    with cupy.cuda.Device(index):
-        fn(grid, block, args, shared_mem=shared_mem, stream=cupy_stream(device))
+    if torch.cuda.current_device() != index:  # the driver launches into the current context
+        with torch.cuda.device(index):
+            return launch(fn, grid, block, args, device=device, shared_mem=shared_mem)
+    g = (*grid, 1, 1)[:3]
+    b = (*block, 1, 1)[:3]
+    slots, addresses = _param_block(args)
+    driver.launchKernel(fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem),
+                        torch._C._cuda_getCurrentRawStream(index), int(addresses.ctypes.data), 0)
+    del slots  # the parameter slots lived until the launch had copied them
 
 
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}
@@ -212,7 +263,7 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
     and no memset kernel is needed per call. Launches on one stream are ordered, so they can share it;
     every other stream gets its own buffer."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
     buf = _TICKETS.get(key)
     if buf is None or buf.numel() < count:
         buf = torch.zeros(max(count, 1024), dtype=torch.int32, device=torch.device("cuda", index))
