@@ -215,16 +215,12 @@ _OFFSETS: dict[int, np.ndarray] = {}
 
 
 def _param_block(args: tuple) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel parameters as the driver takes them: one 8-byte slot per argument (a pointer or a
-    64-bit integer fills it; a 32-bit integer or float is read from its low 4 bytes, little-endian), and
-    the array of the slots' addresses (``void**``). Both must stay alive until the launch returns."""
+    """The kernel parameters as the driver takes them: one 8-byte slot per argument, and the array of the
+    slots' addresses (``void**``); both must stay alive until the launch returns. Every argument is a
+    device pointer (``ptr``) or an integer: a 64-bit one fills its slot, a 32-bit one is read from the
+    slot's low 4 bytes (little-endian two's complement). No kernel here takes a float argument."""
     n = len(args)
-    slots = np.empty(max(n, 1), dtype=np.int64)
-    for i, a in enumerate(args):
-        if isinstance(a, (np.floating, float)):
-            slots[i:i + 1].view(np.float32)[0] = a  # low 4 bytes: the float32 bits
-        else:
-            slots[i] = int(a)
+    slots = np.array(args, dtype=np.int64) if n else np.zeros(1, dtype=np.int64)
     offsets = _OFFSETS.get(n)
     if offsets is None:
         offsets = _OFFSETS[n] = np.arange(max(n, 1), dtype=np.uint64) * np.uint64(8)

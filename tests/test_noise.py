@@ -121,9 +121,12 @@ def test_tree_fixed_seeds_runs_are_bitwise_identical(tmp_path, layout):
 
 
 def test_atomic_runs_differ(tmp_path):
-    """Negative control: the same seeds with atomic kernels (CPU models drawing fresh arrival orders)."""
+    """Negative control: the same seeds with atomic kernels whose CPU models draw two different (seeded)
+    arrival orders, as two GPU runs would."""
     need_all_ops()
-    (wa, pa, ca), (wb, pb, cb) = _two_runs(tmp_path, kernel="atomic")
+    train.main(tiny(tmp_path, "a", kernel="atomic", kernel_seed=1))
+    train.main(tiny(tmp_path, "b", kernel="atomic", kernel_seed=2))
+    (wa, pa, ca), (wb, pb, cb) = final_state(tmp_path, "a"), final_state(tmp_path, "b")
     assert not same_state(wa, wb)
     assert ca[0] == cb[0]   # same initial weights: the seeds are fixed
     assert ca[-1]["checksum"] != cb[-1]["checksum"]
@@ -131,8 +134,9 @@ def test_atomic_runs_differ(tmp_path):
 
 def test_one_atomic_op_alone_makes_runs_differ(tmp_path):
     need_all_ops()
-    (wa, _, _), (wb, _, _) = _two_runs(tmp_path, kernel="tree", kernel_ops={"conv_wgrad": "atomic"})
-    assert not same_state(wa, wb)
+    for name, seed in (("a", 1), ("b", 2)):
+        train.main(tiny(tmp_path, name, kernel="tree", kernel_ops={"conv_wgrad": "atomic"}, kernel_seed=seed))
+    assert not same_state(final_state(tmp_path, "a")[0], final_state(tmp_path, "b")[0])
 
 
 def test_seeded_atomic_cpu_models_reproduce(tmp_path):
