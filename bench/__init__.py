@@ -6,5 +6,6 @@ against its peers (PyTorch, CuPy/CUB), written to one long-format table and rend
 
 Modules: :mod:`bench.runner` (plan and measurement), :mod:`bench.metrics` (variance, ULP, error),
 :mod:`bench.timing` (torch flags, CUDA-event timing, ceilings), :mod:`bench.results` (the table and
-its paths), :mod:`bench.report` (markdown and plots), :mod:`bench.fingerprint` (environment).
+its paths), :mod:`bench.report` (markdown and plots). Every row carries
+:func:`nnrand.fingerprint.row_fingerprint` (environment).
 """

@@ -3,7 +3,7 @@
 One row per (op, subject, case, metric). Subjects are the registry's variants (kind ``variant``), the op
 spec's peers (kind ``peer``), and the session's ceilings (kind ``ceiling``); a subject that could not run
 has one row with metric ``skipped`` and the reason in ``note``. Every row carries the environment
-fingerprint (:mod:`bench.fingerprint`).
+fingerprint (:mod:`nnrand.fingerprint`).
 
 Files, by backend (so a CPU run never overwrites a GPU report; ``--quick`` GPU runs get their own too):
 
@@ -24,7 +24,7 @@ import pathlib
 
 import pandas as pd
 
-from .fingerprint import FIELDS
+from nnrand.fingerprint import FIELDS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -26,9 +26,9 @@ import torch
 
 import kernels
 from kernels.registry import Case
+from nnrand.fingerprint import row_fingerprint
 
 from . import results
-from .fingerprint import fingerprint
 from .metrics import VarianceTracker, reference_error
 from .timing import Ceilings, L2Flush, cuda_event_times, host_times, measure_ceilings, median, synced, \
     synchronize, torch_mode
@@ -226,7 +226,7 @@ class Session:
             spec = kernels.spec(case.op)
             row["case_bytes"] = float(spec.bytes_moved(case))
             row["case_flops"] = float(spec.flops(case)) if spec.flops is not None else math.nan
-        return {**row, **fingerprint()}
+        return {**row, **row_fingerprint()}
 
     def record_skip(self, item: Item, reason: str, metric: str = "skipped") -> None:
         base = self._base(item.case, item.subject)

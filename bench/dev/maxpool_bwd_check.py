@@ -16,9 +16,7 @@ import argparse
 import contextlib
 import json
 import pathlib
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -29,6 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import kernels  # noqa: E402
 from kernels import maxpool_bwd as mp  # noqa: E402
+from nnrand.fingerprint import row_fingerprint  # noqa: E402
 
 OP = "maxpool_bwd"
 SLEEP_CYCLES = 80_000_000  # ~40 ms at 1.98 GHz: longer than enqueueing one round of timed calls
@@ -47,24 +46,6 @@ def torch_settings():
     finally:
         (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32,
          torch.backends.cudnn.allow_tf32) = saved
-
-
-def fingerprint() -> dict:
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "cudnn": torch.backends.cudnn.version(), "python": platform.python_version()}
-    try:
-        import cupy
-
-        env["cupy"] = cupy.__version__
-        env["driver"] = cupy.cuda.runtime.driverGetVersion()
-    except Exception as e:  # reported, not fatal: the fingerprint is informational
-        env["cupy"] = f"unavailable ({type(e).__name__})"
-    try:
-        env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        env["git"] = "unknown"
-    return env
 
 
 def gpu_times(fn, rounds: int = 3) -> tuple[float, bool]:
@@ -158,7 +139,7 @@ def main(argv=None) -> int:
         return 2
     spec = kernels.spec(OP)
     dev = torch.device("cuda")
-    env = fingerprint()
+    env = row_fingerprint()
     print(env)
     rows = []
     with torch_settings():
