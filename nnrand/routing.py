@@ -450,22 +450,21 @@ UNCOVERED_OPS = (
 
 
 def _module_on_stack(model: torch.nn.Module | None) -> str | None:
-    """The innermost ``nn.Module`` whose ``forward`` is on the Python stack, as ``name (Type)`` (name
-    from ``model`` when given), or the innermost user function. Only called when an error is raised."""
+    """The innermost ``nn.Module`` whose ``forward`` is on the Python stack, as ``module NAME (Type)``
+    (NAME from ``model`` when given), and the innermost line of user code; only called to word an error."""
     names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
-    here = os.path.dirname(__file__)
-    torch_dir = os.path.dirname(torch.__file__)
-    first_user = None
+    skip = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+    module = line = None
     for info in inspect.stack(context=0)[2:]:
         me = info.frame.f_locals.get("self")
-        if isinstance(me, torch.nn.Module) and info.function == "forward":
+        if module is None and isinstance(me, torch.nn.Module) and info.function == "forward":
             name = names.get(id(me))
-            where = f"{info.filename}:{info.lineno}"
-            return f"module {name or '<unnamed>'} ({type(me).__name__}, {where})" if names else \
-                f"{type(me).__name__}.forward ({where})"
-        if first_user is None and not info.filename.startswith((here, torch_dir)):
-            first_user = f"{info.function} ({info.filename}:{info.lineno})"
-    return first_user
+            module = f"module {name} ({type(me).__name__})" if name is not None else f"{type(me).__name__}.forward"
+        if line is None and not info.filename.startswith(skip):
+            line = f"{info.filename}:{info.lineno}"
+        if module is not None and line is not None:
+            break
+    return ", ".join(p for p in (module, f"called at {line}" if line else None) if p) or None
 
 
 def _guarded_forward(s: "_Session", original, entry: Uncovered, keyset, *args, **kwargs):
