@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .order import F32, arrival_sum, block_tree, halving_tree, pad_to, seq_sum, strided_reduce
-from .registry import Case, OpSpec, Variant, register, register_op
+from .registry import Case, define_op
 from .runtime import (
     KernelArgumentError,
     cdiv,
@@ -198,12 +198,6 @@ def bias_grad_tree_cpu(dy: torch.Tensor, *, rng=None) -> torch.Tensor:
     return _cpu(dy, "tree", rng)
 
 
-register(Variant(OP, "atomic", False, False, bias_grad_atomic_cuda, bias_grad_atomic_cpu,
-                 "block partials atomicAdd-ed into dB in arrival order"))
-register(Variant(OP, "tree", True, False, bias_grad_tree_cuda, bias_grad_tree_cpu,
-                 "block partials combined in index order: by the channel's last block, or in a cluster (sm_90)"))
-
-
 # --------------------------------------------------------------------------------------------------
 # Op spec
 
@@ -276,12 +270,22 @@ def _peers() -> dict:
     return {"torch": lambda dy: dy.sum(0) if dy.dim() == 2 else dy.sum((0, 2, 3))}
 
 
-register_op(OpSpec(
-    op=OP,
+# --------------------------------------------------------------------------------------------------
+# Registry: the op's spec and its variants (tests, benchmarks and reports list them in this order)
+
+define_op(
+    OP,
+    variants=[
+        # name, deterministic, order-independent, CUDA launcher, CPU model, note
+        ("atomic", False, False, bias_grad_atomic_cuda, bias_grad_atomic_cpu,
+         "block partials atomicAdd-ed into dB in arrival order"),
+        ("tree", True, False, bias_grad_tree_cuda, bias_grad_tree_cpu,
+         "block partials combined in index order: by the channel's last block, or in a cluster (sm_90)"),
+    ],
     make_inputs=_make_inputs,
     reference=_reference,
     test_cases=_test_cases,
     bench_cases=_bench_cases,
     peers=_peers,
     bytes_moved=lambda case: 4 * int(np.prod(case.params["shape"])) + 4 * case.params["shape"][1],
-))
+)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .order import rng_of
-from .registry import Case, OpSpec, Variant, register, register_op
+from .registry import Case, define_op
 from .runtime import (
     INT32_MAX,
     KernelArgumentError,
@@ -409,18 +409,6 @@ def conv_dgrad_atomic_cpu(w, dy, *, input_size, stride=1, padding=0, dilation=1,
 
 
 # --------------------------------------------------------------------------------------------------
-# Registry
-
-register(Variant(OP, "atomic", False, False, conv_dgrad_atomic_cuda, conv_dgrad_atomic_cpu,
-                 "scatter (cuDNN ALGO_0 style): tiled SGEMM dy^T.w per dy position, taps atomicAdd-ed "
-                 "into dx; overlapping windows arrive in any order; FFMA, so not CPU bit-exact",
-                 cpu_bitexact=False))
-register(Variant(OP, "tree", True, False, conv_dgrad_tree_cuda, conv_dgrad_tree_cpu,
-                 "gather: implicit GEMM per stride phase, each dx element one FMA chain in (kh, kw, co) "
-                 "order, written once; FFMA, so not CPU bit-exact", cpu_bitexact=False))
-
-
-# --------------------------------------------------------------------------------------------------
 # Op spec: inputs, float64 reference, cases, peers
 
 
@@ -498,8 +486,21 @@ def _bytes_moved(case: Case) -> int:
     return 4 * (numel(s.w_shape) + numel(s.y_shape) + numel(s.x_shape))
 
 
-register_op(OpSpec(
-    op=OP,
+# --------------------------------------------------------------------------------------------------
+# Registry: the op's spec and its variants (tests, benchmarks and reports list them in this order)
+
+define_op(
+    OP,
+    variants=[
+        # name, deterministic, order-independent, CUDA launcher, CPU model, note
+        ("atomic", False, False, conv_dgrad_atomic_cuda, conv_dgrad_atomic_cpu,
+         "scatter (cuDNN ALGO_0 style): tiled SGEMM dy^T.w per dy position, taps atomicAdd-ed "
+         "into dx; overlapping windows arrive in any order; FFMA, so not CPU bit-exact"),
+        ("tree", True, False, conv_dgrad_tree_cuda, conv_dgrad_tree_cpu,
+         "gather: implicit GEMM per stride phase, each dx element one FMA chain in (kh, kw, co) "
+         "order, written once; FFMA, so not CPU bit-exact"),
+    ],
+    cpu_bitexact=False,
     make_inputs=_make_inputs,
     reference=_reference,
     test_cases=_test_cases,
@@ -507,4 +508,4 @@ register_op(OpSpec(
     peers=_peers,
     bytes_moved=_bytes_moved,
     flops=lambda case: _shape_of(case).flops,
-))
+)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .order import F32, arrival_sum, pad_to, seq_sum
-from .registry import Case, OpSpec, Variant, register, register_op
+from .registry import Case, define_op
 from .runtime import (
     INT32_MAX,
     ticket_counters,
@@ -377,21 +377,6 @@ def conv_wgrad_nosplit_cpu(x, dy, *, kernel_size, stride=1, padding=0, dilation=
 
 
 # --------------------------------------------------------------------------------------------------
-# Registry
-
-_FMA = "; FFMA inside a chunk, so not CPU bit-exact (the model keeps chunking and combine order)"
-register(Variant(OP, "atomic", False, False, conv_wgrad_atomic_cuda, conv_wgrad_atomic_cpu,
-                 "implicit GEMM, split-K; chunk partial tiles atomicAdd-ed into dw in arrival order" + _FMA,
-                 cpu_bitexact=False))
-register(Variant(OP, "tree", True, False, conv_wgrad_tree_cuda, conv_wgrad_tree_cpu,
-                 "implicit GEMM, same split-K; chunk partials to a workspace, summed in a fixed order" + _FMA,
-                 cpu_bitexact=False))
-register(Variant(OP, "nosplit", True, False, conv_wgrad_nosplit_cuda, conv_wgrad_nosplit_cpu,
-                 "implicit GEMM without split-K: one block per output tile owns the whole reduction" + _FMA,
-                 cpu_bitexact=False))
-
-
-# --------------------------------------------------------------------------------------------------
 # Op spec: inputs, float64 reference, cases, peers
 
 
@@ -461,8 +446,22 @@ def _bytes_moved(case: Case) -> int:
     return 4 * (int(np.prod(s.x_shape)) + int(np.prod(s.y_shape)) + int(np.prod(s.w_shape)))
 
 
-register_op(OpSpec(
-    op=OP,
+# --------------------------------------------------------------------------------------------------
+# Registry: the op's spec and its variants (tests, benchmarks and reports list them in this order)
+
+_FMA = "; FFMA inside a chunk, so not CPU bit-exact (the model keeps chunking and combine order)"
+define_op(
+    OP,
+    variants=[
+        # name, deterministic, order-independent, CUDA launcher, CPU model, note
+        ("atomic", False, False, conv_wgrad_atomic_cuda, conv_wgrad_atomic_cpu,
+         "implicit GEMM, split-K; chunk partial tiles atomicAdd-ed into dw in arrival order" + _FMA),
+        ("tree", True, False, conv_wgrad_tree_cuda, conv_wgrad_tree_cpu,
+         "implicit GEMM, same split-K; chunk partials to a workspace, summed in a fixed order" + _FMA),
+        ("nosplit", True, False, conv_wgrad_nosplit_cuda, conv_wgrad_nosplit_cpu,
+         "implicit GEMM without split-K: one block per output tile owns the whole reduction" + _FMA),
+    ],
+    cpu_bitexact=False,
     make_inputs=_make_inputs,
     reference=_reference,
     test_cases=_test_cases,
@@ -470,4 +469,4 @@ register_op(OpSpec(
     peers=lambda: {"torch": _torch_wgrad},
     bytes_moved=_bytes_moved,
     flops=lambda case: _shape_of(case).flops,
-))
+)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from . import conv_wgrad as direct
 from .conv_wgrad import OP, Geometry, Plan, tree_combine
 from .order import F32
-from .registry import Variant, register
+from .registry import define_op
 from .runtime import cdiv, function, launch, ptr
 
 SOURCE = "conv_wgrad_winograd.cu"
@@ -217,8 +217,14 @@ def rounding_depth(g: Geometry) -> int:
     return p.chunk + p.splits + 8 + 9
 
 
-register(Variant(OP, "winograd", True, False, conv_wgrad_winograd_cuda, conv_wgrad_winograd_cpu,
-                 "3x3 stride 1, >= 16 channels: Winograd F(3,2) transforms + 16 split-K GEMMs, partials summed in tree's fixed "
-                 "order; other shapes run tree. FFMA in the GEMMs, so not CPU bit-exact (the model keeps the "
-                 "transforms, chunking and combine order)",
-                 cpu_bitexact=False))
+# conv_wgrad's spec is in conv_wgrad.py; this adds a variant to it.
+define_op(
+    OP,
+    variants=[
+        ("winograd", True, False, conv_wgrad_winograd_cuda, conv_wgrad_winograd_cpu,
+         "3x3 stride 1, >= 16 channels: Winograd F(3,2) transforms + 16 split-K GEMMs, partials summed in tree's "
+         "fixed order; other shapes run tree. FFMA in the GEMMs, so not CPU bit-exact (the model keeps the "
+         "transforms, chunking and combine order)"),
+    ],
+    cpu_bitexact=False,
+)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .order import F32, rng_of
-from .registry import Case, OpSpec, Variant, register, register_op
+from .registry import Case, define_op
 from .runtime import (
     INT32_MAX,
     KernelArgumentError,
@@ -466,20 +466,6 @@ def maxpool_bwd_atomic_cpu(dy, indices, *, input_size, kernel_size, stride=None,
 
 
 # --------------------------------------------------------------------------------------------------
-# Registry
-
-register(Variant(OP, "atomic", False, False, maxpool_bwd_atomic_cuda, maxpool_bwd_atomic_cpu,
-                 "one thread per window; its gradient atomicAdd-ed at the argmax (overlapping windows collide)"))
-register(Variant(OP, "tree", True, False, maxpool_bwd_tree_cuda, maxpool_bwd_tree_cpu,
-                 "each input gathers the windows whose argmax it is in (oh, ow) row-major order; one thread "
-                 "per stride cell from registers for common pools, else from a shared-memory copy of the "
-                 "block's windows (global gather for planes too large)"))
-register(Variant(OP, "owner", True, False, maxpool_bwd_owner_cuda, maxpool_bwd_tree_cpu,
-                 "one thread per window; the first window pointing at a position sums it in tree's order "
-                 "(bits = tree)"))
-
-
-# --------------------------------------------------------------------------------------------------
 # Helpers for tests and benchmarks: float64 reference, per-element contributions and error bound
 
 
@@ -669,12 +655,27 @@ def _bytes_moved(case: Case) -> int:
     return outputs * (4 + 8) + 4 * p["n"] * p["c"] * p["h"] * p["w"]
 
 
-register_op(OpSpec(
-    op=OP,
+# --------------------------------------------------------------------------------------------------
+# Registry: the op's spec and its variants (tests, benchmarks and reports list them in this order)
+
+define_op(
+    OP,
+    variants=[
+        # name, deterministic, order-independent, CUDA launcher, CPU model, note
+        ("atomic", False, False, maxpool_bwd_atomic_cuda, maxpool_bwd_atomic_cpu,
+         "one thread per window; its gradient atomicAdd-ed at the argmax (overlapping windows collide)"),
+        ("tree", True, False, maxpool_bwd_tree_cuda, maxpool_bwd_tree_cpu,
+         "each input gathers the windows whose argmax it is in (oh, ow) row-major order; one thread "
+         "per stride cell from registers for common pools, else from a shared-memory copy of the "
+         "block's windows (global gather for planes too large)"),
+        ("owner", True, False, maxpool_bwd_owner_cuda, maxpool_bwd_tree_cpu,
+         "one thread per window; the first window pointing at a position sums it in tree's order "
+         "(bits = tree)"),
+    ],
     make_inputs=_make_inputs,
     reference=_reference,
     test_cases=_test_cases,
     bench_cases=_bench_cases,
     peers=_peers,
     bytes_moved=_bytes_moved,
-))
+)

@@ -145,3 +145,30 @@ def spec(op: str) -> OpSpec:
         return _SPECS[op]
     except KeyError:
         raise KeyError(f"no op spec for {op!r}; known: {', '.join(sorted(_SPECS))}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# One call per op file: its spec and its variants
+
+
+def define_op(op: str, variants: list[tuple], *, cpu_bitexact: bool = True, **spec_fields) -> OpSpec:
+    """Register op ``op``: its :class:`OpSpec` (``spec_fields``: ``make_inputs``, ``reference``, ...) and
+    its variants, in the order given (the order of tests, benchmarks and reports). Each variant is a row
+    ``(name, deterministic, order_independent, cuda, cpu, note)``; ``cpu_bitexact`` holds for all of them.
+
+    Without ``spec_fields`` it adds variants to an op whose spec another module registered. A variant
+    that needs other fields is registered with :func:`register`.
+
+        define_op(OP, [("atomic", False, False, sum_atomic_cuda, sum_atomic_cpu, "single pass; ..."),
+                       ("tree", True, False, sum_tree_cuda, sum_tree_cpu, "two passes; ...")],
+                  make_inputs=_make_inputs, reference=_reference, test_cases=_test_cases,
+                  bench_cases=_bench_cases, peers=_peers, bytes_moved=_bytes_moved)
+    """
+    rows = [Variant(op, *row, cpu_bitexact=cpu_bitexact) for row in variants]
+    if spec_fields:
+        register_op(OpSpec(op=op, **spec_fields))
+    else:
+        spec(op)  # adding variants: the op must exist (raises, naming the known ops)
+    for v in rows:
+        register(v)
+    return _SPECS[op]

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .order import F32, arrival_sum, block_tree, pad_to, seq_sum, strided_reduce
-from .registry import Case, OpSpec, Variant, register, register_op
+from .registry import Case, define_op
 from .runtime import (
     KernelArgumentError,
     cdiv,
@@ -255,19 +255,6 @@ def exact_error_bound(n: int, result: float) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# Registry
-
-register(Variant(OP, "atomic", False, False, sum_atomic_cuda, sum_atomic_cpu,
-                 "single pass; block partials atomicAdd-ed into the output in arrival order"))
-register(Variant(OP, "tree", True, False, sum_tree_cuda, sum_tree_cpu,
-                 "two passes; block partials reduced in index order by one block"))
-register(Variant(OP, "lastblock", True, False, sum_lastblock_cuda, sum_tree_cpu,
-                 "single pass; the last block to finish reduces the partials in index order (bits = tree)"))
-register(Variant(OP, "exact", True, True, sum_exact_cuda, sum_exact_cpu,
-                 "exact integer sum of 2^-56 units (|x| < 2^32): same bits for any permutation"))
-
-
-# --------------------------------------------------------------------------------------------------
 # Op spec: inputs, float64 reference, cases, peers
 
 
@@ -323,12 +310,26 @@ def _peers() -> dict:
     return peers
 
 
-register_op(OpSpec(
-    op=OP,
+# --------------------------------------------------------------------------------------------------
+# Registry: the op's spec and its variants (tests, benchmarks and reports list them in this order)
+
+define_op(
+    OP,
+    variants=[
+        # name, deterministic, order-independent, CUDA launcher, CPU model, note
+        ("atomic", False, False, sum_atomic_cuda, sum_atomic_cpu,
+         "single pass; block partials atomicAdd-ed into the output in arrival order"),
+        ("tree", True, False, sum_tree_cuda, sum_tree_cpu,
+         "two passes; block partials reduced in index order by one block"),
+        ("lastblock", True, False, sum_lastblock_cuda, sum_tree_cpu,
+         "single pass; the last block to finish reduces the partials in index order (bits = tree)"),
+        ("exact", True, True, sum_exact_cuda, sum_exact_cpu,
+         "exact integer sum of 2^-56 units (|x| < 2^32): same bits for any permutation"),
+    ],
     make_inputs=_make_inputs,
     reference=_reference,
     test_cases=_test_cases,
     bench_cases=_bench_cases,
     peers=_peers,
     bytes_moved=lambda case: 4 * case.params["n"] + 4,
-))
+)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import registry
 from kernels.runtime import KERNEL_DIR, KernelArgumentError, layout_of
 
 CU_FILES = sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
@@ -34,6 +35,27 @@ def test_unknown_names_list_the_valid_ones():
         kernels.get("nope", "tree")
     with pytest.raises(KeyError, match="known variants: atomic, tree"):
         kernels.get("bias_grad", "fast")
+
+
+def test_define_op_registers_spec_and_variants_in_order(monkeypatch):
+    # a scratch copy of the tables, so the test op never leaks into the real registry
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
+    base = kernels.spec("sum")
+    fields = {f: getattr(base, f) for f in ("make_inputs", "reference", "test_cases", "bench_cases", "peers",
+                                            "bytes_moved")}
+    cuda, cpu = kernels.get("sum", "tree").cuda, kernels.get("sum", "tree").cpu
+    spec = registry.define_op("scratch", variants=[("tree", True, False, cuda, cpu, "t"),
+                                                   ("atomic", False, False, cuda, cpu, "a")], **fields)
+    assert kernels.spec("scratch") is spec and spec.op == "scratch"
+    registry.define_op("scratch", variants=[("extra", True, True, cuda, cpu, "e")], cpu_bitexact=False)
+    assert [(v.name, v.cpu_bitexact) for v in kernels.variants("scratch")] == \
+        [("tree", True), ("atomic", True), ("extra", False)]
+    with pytest.raises(KeyError, match="no op spec for 'nope'"):
+        registry.define_op("nope", variants=[("tree", True, False, cuda, cpu, "t")])
+    assert "nope" not in kernels.ops()
+    with pytest.raises(ValueError, match="scratch/tree is registered twice"):
+        registry.define_op("scratch", variants=[("tree", True, False, cuda, cpu, "t")])
 
 
 def test_cli_prints_every_variant():
