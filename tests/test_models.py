@@ -1,8 +1,6 @@
 """Models: shapes, parameter counts, layer vocabulary, max-pool placement, reproducible construction."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,34 +150,3 @@ def test_backward_reaches_every_parameter():
     net = _build("small")
     F.cross_entropy(net(torch.randn(4, 3, 32, 32)), torch.tensor([0, 1, 2, 3])).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters())
-
-
-@pytest.mark.slow
-def test_small_epoch_time_on_cpu():
-    """One epoch of 10k images at batch 128 (79 SGD steps) must stay well under 20 s on 2 CPU cores.
-    Measured 8.3 s wall (105 ms/step) with 2 threads on an idle 2-core machine. Asserted on one thread's
-    CPU time (10 steps after 2 warm-up steps), which other load on a shared machine barely changes
-    (10.6 s/epoch measured at load average 7); two threads are not slower than one, so this bounds the
-    2-core epoch from above."""
-    net = _build("small")
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(128, 3, 32, 32, generator=gen), torch.randint(0, 10, (128,), generator=gen)
-
-    def step():
-        opt.zero_grad()
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(2):
-            step()
-        t0 = time.process_time()
-        for _ in range(10):
-            step()
-        epoch_s = (time.process_time() - t0) / 10 * 79
-    finally:
-        torch.set_num_threads(threads)
-    assert epoch_s < 20.0, f"small: {epoch_s:.1f} CPU s per 10k-image epoch on one thread"
