@@ -307,6 +307,13 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
         dx = ndx if native_mask[0] else dx
         dw = ndw if native_mask[1] else dw
         db = ndb if native_mask[2] else db
+    # torch's layout contract for this op (its meta kernel, which torch.compile checks): dX and dW are
+    # channels_last when the input or the weight is, else contiguous
+    out_fmt = torch.channels_last if torch.channels_last in (fmt, memory_format_of(w)) else torch.contiguous_format
+    if dx is not None:
+        dx = dx.contiguous(memory_format=out_fmt)
+    if dw is not None:
+        dw = dw.contiguous(memory_format=out_fmt)
     s.coverage.add(op, s.conv_label)
     return dx, dw, db
 
@@ -334,7 +341,7 @@ def _maxpool_backward(s: "_Session", original, keyset, dy, x, kernel_size, strid
         s.coverage.add(op, ORIGINAL, why)
         return original.call_boxed(keyset, dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices)
     s.coverage.add(op, s.pool.name)
-    return dx
+    return dx.contiguous(memory_format=memory_format_of(x))
 
 
 def _bn_route(s: "_Session", op: str, dy, x, weight, save_mean, save_invstd, train: bool):
