@@ -10,6 +10,10 @@ Bitwise identity is the criterion: two results are the same only if every byte i
 
 With a single repeat there is nothing to compare: ``distinct_results`` is 1 and the comparison metrics
 are NaN (unknown), never 0 (which would claim determinism).
+
+A result is one tensor or a tuple of tensors (an op with several outputs, such as BatchNorm backward's
+dx, dgamma, dbeta): a tuple is one result, the same only if every part is bitwise the same, and its error
+against the reference is the worst over its parts.
 """
 from __future__ import annotations
 
@@ -20,6 +24,27 @@ import torch
 
 _INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
            torch.bfloat16: torch.int16}
+
+
+def parts(out) -> tuple[torch.Tensor, ...]:
+    """The tensors of a result: ``(out,)`` for a tensor, the tensors of a non-empty tuple or list."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out):
+        return tuple(out)
+    raise TypeError(f"expected a torch.Tensor or a tuple of them, got {type(out).__name__}")
+
+
+def joined(out) -> torch.Tensor:
+    """A result as one tensor: a tensor itself; the parts of a tuple flattened and concatenated in order
+    (all of one dtype), so that comparing the joined bits compares every part."""
+    ps = parts(out)
+    if isinstance(out, torch.Tensor):
+        return out
+    dtypes = {t.dtype for t in ps}
+    if len(dtypes) > 1:
+        raise ValueError(f"a result's parts must share one dtype to be compared, got {sorted(map(str, dtypes))}")
+    return torch.cat([t.detach().reshape(-1) for t in ps])
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -86,7 +111,9 @@ class VarianceTracker:
         self.runs_differing = 0
         self.max_abs_diff = 0.0
         self.max_ulp = 0.0
-        self._first: torch.Tensor | None = None
+        self._first: torch.Tensor | tuple[torch.Tensor, ...] | None = None
+        self._first_joined: torch.Tensor | None = None
+        self._signature: tuple | None = None
         self._first_bits: torch.Tensor | None = None
         self._ever: torch.Tensor | None = None
         self._stored: list[torch.Tensor] = []
@@ -94,30 +121,38 @@ class VarianceTracker:
         self._float = False
 
     @property
-    def first(self) -> torch.Tensor | None:
+    def first(self) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """The first result as it was added (a tensor, or a tuple of tensors)."""
         return self._first
 
-    def add(self, out: torch.Tensor) -> None:
-        out = out.detach()
+    def add(self, out) -> None:
+        """One result: a tensor, or a tuple of tensors compared as their joined bytes (see ``joined``)."""
+        ps = parts(out)
+        single = isinstance(out, torch.Tensor)
+        signature = tuple((t.dtype, tuple(t.shape)) for t in ps)
+        out = out.detach() if single else joined(ps)
         self.repeats += 1
         b = bits(out)
         if self._first is None:
-            self._first = out.clone()
-            self._first_bits = bits(self._first)
+            self._first_joined = out.clone() if single else out  # joined() already made a fresh tensor
+            self._first = self._first_joined if single else tuple(t.detach().clone() for t in ps)
+            self._signature = signature
+            self._first_bits = bits(self._first_joined)
             self._ever = torch.zeros(b.shape, dtype=torch.bool, device=b.device)
             self._stored = [self._first_bits]
             self._float = out.dtype in _INT_OF
             return
-        if out.shape != self._first.shape or out.dtype != self._first.dtype:
-            raise ValueError(f"result changed shape or dtype between repeats: {self._first.dtype}"
-                             f"{tuple(self._first.shape)} -> {out.dtype}{tuple(out.shape)}")
+        if signature != self._signature:
+            first = self._signature if len(self._signature) > 1 else f"{self._signature[0][0]}{self._signature[0][1]}"
+            now = signature if len(signature) > 1 else f"{signature[0][0]}{signature[0][1]}"
+            raise ValueError(f"result changed shape or dtype between repeats: {first} -> {now}")
         if torch.equal(b, self._first_bits):
             return
         self.runs_differing += 1
         self._ever |= b != self._first_bits
         if self._float:
-            self.max_abs_diff = max(self.max_abs_diff, float(abs_difference(out, self._first).max()))
-            self.max_ulp = max(self.max_ulp, float(ulp_distance(out, self._first).max()))
+            self.max_abs_diff = max(self.max_abs_diff, float(abs_difference(out, self._first_joined).max()))
+            self.max_ulp = max(self.max_ulp, float(ulp_distance(out, self._first_joined).max()))
         else:
             self.max_abs_diff = self.max_ulp = math.nan
         if any(torch.equal(b, s) for s in self._stored[1:]):
@@ -153,9 +188,27 @@ def variance(results) -> dict[str, float]:
     return tracker.summary()
 
 
-def reference_error(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+def reference_error(out, ref) -> dict[str, float]:
     """Error of one result against the float64 reference: max |out - ref| and ||out - ref|| / ||ref||
-    (the absolute L2 error where the reference is all zeros). NaN/inf in the result propagate."""
+    (the absolute L2 error where the reference is all zeros). NaN/inf in the result propagate.
+
+    A tuple result is compared part by part with a tuple reference, or with one tensor that holds the
+    parts' values flattened and concatenated in order; each metric is the worst over the parts."""
+    if not isinstance(out, torch.Tensor):
+        outs = parts(out)
+        if isinstance(ref, torch.Tensor):
+            flat = ref.detach().reshape(-1)
+            sizes = [t.numel() for t in outs]
+            if sum(sizes) != flat.numel():
+                raise ValueError(f"result has {sum(sizes)} elements in {len(outs)} parts, the reference {flat.numel()}")
+            refs = torch.split(flat, sizes)
+        else:
+            refs = parts(ref)
+            if len(refs) != len(outs):
+                raise ValueError(f"result has {len(outs)} parts, the reference {len(refs)}")
+        errs = [reference_error(o, r) for o, r in zip(outs, refs)]
+        # max that propagates NaN (Python's max would depend on where the NaN sits)
+        return {k: max((e[k] for e in errs), key=lambda v: math.inf if math.isnan(v) else v) for k in errs[0]}
     o = out.detach().to("cpu", torch.float64).reshape(-1)
     r = ref.detach().to("cpu", torch.float64).reshape(-1)
     if o.shape != r.shape:

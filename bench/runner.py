@@ -29,7 +29,7 @@ from kernels.registry import Case
 from nnrand.fingerprint import row_fingerprint
 
 from . import results
-from .metrics import VarianceTracker, reference_error
+from .metrics import VarianceTracker, parts, reference_error
 from .timing import Ceilings, L2Flush, cuda_event_times, host_times, measure_ceilings, median, synced, \
     synchronize, torch_mode
 
@@ -267,8 +267,11 @@ class Session:
                 reason = _reason(e)
                 self.record_skip(item, reason)
                 raise Unavailable(f"{item.id}: {reason}") from e
-            if not isinstance(first, torch.Tensor):
-                raise TypeError(f"{item.id} returned {type(first).__name__}, expected a torch.Tensor")
+            try:
+                parts(first)  # a tensor, or a tuple of tensors (an op with several outputs)
+            except TypeError:
+                raise TypeError(f"{item.id} returned {type(first).__name__}, expected a torch.Tensor or a "
+                                "tuple of them") from None
             del first
             for _ in range(s.warmup - 1):
                 call()
