@@ -9,6 +9,7 @@ Modes (fp32, TF32 off; each in NCHW and channels_last, the faster layout is the 
     native               stock PyTorch/cuDNN, cudnn.benchmark on: the fastest configuration a user runs
     torch_deterministic  torch.use_deterministic_algorithms(True), cudnn.deterministic, cudnn.benchmark on
     tree                 nnrand.use_kernels("tree") (strict; a refused model is run again with strict=False)
+    tree_winograd        tree with conv_wgrad=winograd (Winograd F(3,2) weight gradient where it applies)
     atomic               nnrand.use_kernels("atomic")
 
 Per model and mode, ``--runs`` runs (default 3) of ``--steps`` SGD steps (default 20) from the same
@@ -55,7 +56,8 @@ MODELS = (
     ModelCase("torchvision_mobilenet_v3_small", "torchvision:mobilenet_v3_small", 128, 224),
     ModelCase("timm_resnet26d", "timm:resnet26d", 64, 128),
 )
-MODES = ("native", "torch_deterministic", "tree", "atomic")
+MODES = ("native", "torch_deterministic", "tree", "tree_winograd", "atomic")
+ROUTED = {"tree": ("tree", None), "tree_winograd": ("tree", {"conv_wgrad": "winograd"}), "atomic": ("atomic", None)}
 LAYOUTS = ("nchw", "channels_last")
 
 
@@ -103,8 +105,9 @@ class Mode:
             if self.mode == "torch_deterministic":
                 b.deterministic = True
                 torch.use_deterministic_algorithms(True)
-            elif self.mode in ("tree", "atomic"):
-                self.routing = self.stack.enter_context(nnrand.use_kernels(self.mode, strict=self.strict))
+            elif self.mode in ROUTED:
+                family, ops = ROUTED[self.mode]
+                self.routing = self.stack.enter_context(nnrand.use_kernels(family, ops, strict=self.strict))
         except BaseException:
             self.stack.close()
             raise
@@ -190,7 +193,7 @@ def measure(case: ModelCase, args) -> dict:
             try:
                 res = run_mode(case, mode, lay, batches, args)
             except Exception as e:  # a refused model is a result: note the error
-                if mode == "tree" and "nnrand" in type(e).__module__:
+                if mode.startswith("tree") and "nnrand" in type(e).__module__:
                     res = run_mode(case, mode, lay, batches, args, strict=False)
                     res["refused_strict"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 else:
@@ -203,7 +206,7 @@ def measure(case: ModelCase, args) -> dict:
         ok = {k: v for k, v in per_layout.items() if "ms" in v}
         best = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
         row["modes"][mode] = {"layouts": per_layout, "layout": best}
-        if best and mode in ("native", "tree"):
+        if best and mode in ("native", "tree", "tree_winograd"):
             try:
                 row["modes"][mode]["graph"] = run_graph(case, mode, best, batches, args)
             except Exception as e:
@@ -259,8 +262,14 @@ def render(data: dict) -> str:
     head = ("| model | batch x px | mode | layout | ms/step | x native | distinct | graph ms | graph x native "
             "| coverage / note |")
     out += [head, "|---" * (head.count("|") - 1) + "|"]
-    for key, row in data["rows"].items():
+    order = [c.key for c in MODELS] + sorted(k for k in data["rows"] if k not in {c.key for c in MODELS})
+    rows = [(k, data["rows"][k]) for k in order if k in data["rows"]]
+    for key, row in rows:
         case = row["case"]
+        if row.get("error"):
+            out.append(f"| {case['model']} | {case['batch']} x {case['size']} | - | - | - | - | - | - | - "
+                       f"| not measured: {row['error']} |")
+            continue
         native = _best(row, "native")
         ng = row["modes"].get("native", {}).get("graph", {})
         for mode in MODES:
@@ -275,13 +284,13 @@ def render(data: dict) -> str:
             g = row["modes"][mode].get("graph", {})
             gms = f"{g['ms']:.2f}" if "ms" in g else ("-" if not g else "fails")
             gx = f"{g['ms'] / ng['ms']:.2f}" if "ms" in g and "ms" in ng else "-"
-            note = _coverage_text(b.get("coverage")) if mode in ("tree", "atomic") else ""
+            note = _coverage_text(b.get("coverage")) if mode in ROUTED else ""
             if b.get("refused_strict"):
                 note = f"strict: refused ({b['refused_strict']}); run with strict=False: {note}"
             out.append(f"| {case['model']} | {case['batch']} x {case['size']} | {mode} | {b['layout']} | "
                        f"{b['ms']:.2f} | {ratio:.2f} | {b['distinct']}/{b['runs']} | {gms} | {gx} | {note} |")
     out += ["", "Every layout measured (ms/step, distinct/runs):", ""]
-    for key, row in data["rows"].items():
+    for key, row in rows:
         cells = []
         for mode, m in row["modes"].items():
             for lay, r in m["layouts"].items():

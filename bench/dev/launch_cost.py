@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also print cProfile's top N functions of the routed conv backward calls")
     args = p.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     c, hw = 16, 8
@@ -59,6 +61,17 @@ def main(argv=None) -> int:
     with nnrand.use_kernels("tree"):
         out.append(("aten conv backward, routed tree", per_call_us(
             lambda: torch.ops.aten.convolution_backward(*conv_args), args.calls)))
+    if args.profile:
+        import cProfile
+        import pstats
+
+        with nnrand.use_kernels("tree"):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                torch.ops.aten.convolution_backward(*conv_args)
+            prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     print(f"host us per call ({args.calls} calls, {torch.cuda.get_device_name()}):")
     for name, us in out:
         print(f"  {name:<34} {us:8.1f}")
