@@ -153,7 +153,7 @@ def run_mode(case: ModelCase, mode: str, layout: str, batches, args, *, strict: 
             "coverage": coverage}
 
 
-def run_graph(case: ModelCase, mode: str, layout: str, batches, args) -> dict:
+def run_graph(case: ModelCase, mode: str, layout: str, batches, args, *, strict: bool = True) -> dict:
     import torch
 
     from nnrand import models
@@ -164,7 +164,7 @@ def run_graph(case: ModelCase, mode: str, layout: str, batches, args) -> dict:
     model = models.build_model(case.model, case.classes).cuda().to(memory_format=fmt)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
     times = []
-    with Mode(mode):
+    with Mode(mode, strict):
         graph = GraphStep(model, batches[0][0].contiguous(memory_format=fmt), batches[0][1])
         for step, (x, y) in enumerate(batches[:args.steps]):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -208,7 +208,8 @@ def measure(case: ModelCase, args) -> dict:
         row["modes"][mode] = {"layouts": per_layout, "layout": best}
         if best and mode in ("native", "tree", "tree_winograd"):
             try:
-                row["modes"][mode]["graph"] = run_graph(case, mode, best, batches, args)
+                strict = not per_layout[best].get("refused_strict")
+                row["modes"][mode]["graph"] = run_graph(case, mode, best, batches, args, strict=strict)
             except Exception as e:
                 row["modes"][mode]["graph"] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
             print(f"  {case.key:<32} {mode:<20} {'graph':<14} {row['modes'][mode]['graph']}", flush=True)
@@ -278,7 +279,7 @@ def render(data: dict) -> str:
                 err = next((v.get("error") for v in row["modes"].get(mode, {}).get("layouts", {}).values()), "")
                 if mode in row["modes"]:
                     out.append(f"| {case['model']} | {case['batch']} x {case['size']} | {mode} | - | - | - | - | - | - "
-                               f"| runs no step: {err} |")
+                               f"| runs no step: {err.split(', but you set')[0]} |")
                 continue
             ratio = b["ms"] / native["ms"] if native else float("nan")
             g = row["modes"][mode].get("graph", {})
@@ -286,7 +287,8 @@ def render(data: dict) -> str:
             gx = f"{g['ms'] / ng['ms']:.2f}" if "ms" in g and "ms" in ng else "-"
             note = _coverage_text(b.get("coverage")) if mode in ROUTED else ""
             if b.get("refused_strict"):
-                note = f"strict: refused ({b['refused_strict']}); run with strict=False: {note}"
+                op = b["refused_strict"].split(" in ")[0].split(": ")[-1]
+                note = f"strict: refused ({op}); run with strict=False: {note}"
             out.append(f"| {case['model']} | {case['batch']} x {case['size']} | {mode} | {b['layout']} | "
                        f"{b['ms']:.2f} | {ratio:.2f} | {b['distinct']}/{b['runs']} | {gms} | {gx} | {note} |")
     out += ["", "Every layout measured (ms/step, distinct/runs):", ""]
