@@ -243,8 +243,11 @@ def _coverage_text(cov: dict | None) -> str:
     parts = []
     for op, c in sorted(cov.items()):
         routed = sum(n for k, n in c.items() if k not in ("original", "uncovered"))
-        parts.append(f"{op.replace('_backward', '')} {routed}" + (f"/orig {c['original']}" if c.get("original") else "")
-                     + (f"/UNCOVERED {c['uncovered']}" if c.get("uncovered") else ""))
+        name = op.replace("_backward", "")
+        if c.get("uncovered"):
+            parts.append(f"{name}: UNCOVERED {c['uncovered']}")
+        else:
+            parts.append(f"{name} {routed}" + (f"/orig {c['original']}" if c.get("original") else ""))
     return "; ".join(parts)
 
 
