@@ -9,6 +9,7 @@ natively and routed. What a routed conv adds to a host-bound step is the routed 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -58,9 +59,25 @@ def main(argv=None) -> int:
         ("aten conv backward, native", lambda: torch.ops.aten.convolution_backward(*conv_args)),
     ]
     out = [(name, per_call_us(fn, args.calls)) for name, fn in rows]
+    no_bias = (*conv_args[:-1], [True, True, False])
     with nnrand.use_kernels("tree"):
         out.append(("aten conv backward, routed tree", per_call_us(
             lambda: torch.ops.aten.convolution_backward(*conv_args), args.calls)))
+        out.append(("  the same, no bias gradient", per_call_us(
+            lambda: torch.ops.aten.convolution_backward(*no_bias), args.calls)))
+        out.append(("  dgrad + wgrad launchers inside it", per_call_us(lambda: (rows[2][1](), rows[3][1]()), args.calls)))
+    from nnrand import routing
+
+    real = routing._deterministic_mode
+    routing._deterministic_mode = lambda strict: contextlib.nullcontext()
+    try:
+        with nnrand.use_kernels("tree"):
+            out.append(("  no bias, deterministic mode off", per_call_us(
+                lambda: torch.ops.aten.convolution_backward(*no_bias), args.calls)))
+    finally:
+        routing._deterministic_mode = real
+    out.append(("aten conv backward native, no bias", per_call_us(
+        lambda: torch.ops.aten.convolution_backward(*no_bias), args.calls)))
     if args.profile:
         import cProfile
         import pstats
