@@ -251,6 +251,60 @@ def _coverage_text(cov: dict | None) -> str:
     return "; ".join(parts)
 
 
+def _ratio(row: dict, mode: str, graph: bool = False) -> float | None:
+    """Mode over native (each in its faster layout; graph: graph over native's graph)."""
+    a, b = _best(row, mode), _best(row, "native")
+    if a is None or b is None:
+        return None
+    if graph:
+        ga, gb = row["modes"][mode].get("graph", {}), row["modes"]["native"].get("graph", {})
+        return ga["ms"] / gb["ms"] if "ms" in ga and "ms" in gb else None
+    return a["ms"] / b["ms"]
+
+
+def targets(data: dict) -> list[str]:
+    """The figures the routing is held to, each with its verdict, computed from the result file."""
+    rows = data["rows"]
+    out = ["## Targets", ""]
+
+    def verdict(value, limit, fmt="{:.2f}x") -> str:
+        if value is None:
+            return "not measured"
+        return f"{fmt.format(value)} (target <= {fmt.format(limit)}: {'met' if value <= limit else 'NOT met'})"
+
+    r18 = rows.get("resnet18_cifar")
+    if r18:
+        for mode in ("tree", "tree_winograd"):
+            out.append(f"- our ResNet-18 (CIFAR, batch 128), {mode}: eager {verdict(_ratio(r18, mode), 1.10)}, "
+                       f"CUDA graph {verdict(_ratio(r18, mode, graph=True), 1.05)} of native")
+    for key in ("torchvision_resnet50", "torchvision_resnet18"):
+        if key in rows:
+            for mode in ("tree", "tree_winograd"):
+                out.append(f"- {rows[key]['case']['model']} (batch {rows[key]['case']['batch']}, 224 px), {mode} "
+                           f"in its faster layout: {verdict(_ratio(rows[key], mode), 1.10)} of the fastest native")
+    below, above, refused = [], [], []
+    for key, row in rows.items():
+        t, d = _best(row, "tree"), _best(row, "torch_deterministic")
+        if t is None:
+            continue
+        if d is None:
+            refused.append(row["case"]["model"])
+        else:
+            (below if t["ms"] < d["ms"] else above).append(
+                f"{row['case']['model']} {row['case']['size']} px ({t['ms']:.2f} vs {d['ms']:.2f} ms)")
+    out.append(f"- tree below PyTorch's deterministic mode: {'; '.join(below) or 'none'}")
+    out.append(f"- tree NOT below it: {'; '.join(above) or 'none'}")
+    if refused:
+        out.append(f"- PyTorch's deterministic mode runs no step: {', '.join(refused)}")
+    full = [row["case"]["model"] + (f" ({_best(row, 'tree')['distinct']}/{_best(row, 'tree')['runs']})")
+            for row in rows.values() if _best(row, "tree") and not _best(row, "tree").get("refused_strict")]
+    one = all(_best(r, "tree")["distinct"] == 1 for r in rows.values()
+              if _best(r, "tree") and not _best(r, "tree").get("refused_strict"))
+    out.append(f"- distinct final-weight hashes under tree where the coverage is full: {', '.join(full)} "
+               f"({'1 everywhere: met' if one else 'NOT 1 everywhere'})")
+    return out
+
+
 def render(data: dict) -> str:
     env = data.get("fingerprint", {})
     out = ["# Whole models: step time, repeatability and coverage per backward mode", "",
@@ -262,7 +316,10 @@ def render(data: dict) -> str:
            "`native` is stock PyTorch with cudnn.benchmark in its fastest layout: every ratio is to it, "
            "measured in the same process. distinct: distinct final-weight SHA-1 hashes over the runs. "
            "graph: forward+backward captured once as a CUDA graph (`--cuda-graph`), SGD eager. coverage "
-           "(tree, per step): aten backward ops routed / passed to the original kernel / uncovered.", ""]
+           "(tree, per step): aten backward ops routed / passed to the original kernel / uncovered. Where a "
+           "mode's graph time is far below its eager time, its eager step is host-bound: each routed op "
+           "adds the Python cost of its dispatch and launches (`bench/dev/launch_cost.py`), which the graph "
+           "removes; where both are close, the GPU time of the kernels decides (`reports/kernels.md`).", ""]
     head = ("| model | batch x px | mode | layout | ms/step | x native | distinct | graph ms | graph x native "
             "| coverage / note |")
     out += [head, "|---" * (head.count("|") - 1) + "|"]
@@ -294,7 +351,7 @@ def render(data: dict) -> str:
                 note = f"strict: refused ({op}); run with strict=False: {note}"
             out.append(f"| {case['model']} | {case['batch']} x {case['size']} | {mode} | {b['layout']} | "
                        f"{b['ms']:.2f} | {ratio:.2f} | {b['distinct']}/{b['runs']} | {gms} | {gx} | {note} |")
-    out += ["", "Every layout measured (ms/step, distinct/runs):", ""]
+    out += ["", *targets(data), "", "Every layout measured (ms/step, distinct/runs):", ""]
     for key, row in rows:
         cells = []
         for mode, m in row["modes"].items():
