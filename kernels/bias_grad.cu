@@ -23,17 +23,7 @@
 // dy[n*C*S + c*S + s]. Chunk p is [p*E, min((p+1)*E, N*S)); thread t adds slots t, t + T, ...
 // (a slot is VEC consecutive values) into VEC lane accumulators, combined as (a0+a1)+(a2+a3).
 
-// Position (n, s) of a virtual index; a step of `step` values is step_n rows and step_s more values.
-// 32-bit counters (N and H*W are below 2^31); offsets are formed in 64 bits.
-struct Walk {
-    int n, s;
-};
-
-__device__ __forceinline__ void advance(Walk& w, int step_n, int step_s, int S) {
-    w.n += step_n;
-    w.s += step_s;
-    if (w.s >= S) { w.s -= S; ++w.n; }
-}
+// Positions walk with Walk/advance (common.cuh).
 
 // Four loads are issued before they are added so that enough bytes are in flight; the additions happen
 // in slot order, which is what the CPU model reproduces.

@@ -82,15 +82,6 @@ __device__ __forceinline__ void load_vec(const float* p, float q[4]) {
 // offset n*C*S + c*S + s. Chunk p is [p*E, min((p+1)*E, N*S)); thread t adds slots t, t + T, ... (a slot
 // is VEC consecutive values of one row) into VEC lane accumulators per sum, combined as (a0+a1)+(a2+a3).
 
-struct Walk {
-    int n, s;
-};
-
-__device__ __forceinline__ void advance(Walk& w, int step_n, int step_s, int S) {
-    w.n += step_n;
-    w.s += step_s;
-    if (w.s >= S) { w.s -= S; ++w.n; }
-}
 
 // Four slots of dy and x are loaded before they are added (enough bytes in flight); the additions happen
 // in slot order, which is what the CPU model reproduces.

@@ -100,3 +100,17 @@ __device__ __forceinline__ void fma_step(const float* a, const float* b, int ty,
 #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// A position (n, s) in a channel's virtual array of N rows of S values (NCHW reductions: bias_grad,
+// bn_bwd); a step of step_n rows and step_s more values, carried into the next row. 32-bit counters:
+// N and S are below 2^31; callers form 64-bit offsets.
+struct Walk {
+    int n, s;
+};
+
+__device__ __forceinline__ void advance(Walk& w, int step_n, int step_s, int S) {
+    w.n += step_n;
+    w.s += step_s;
+    if (w.s >= S) { w.s -= S; ++w.n; }
+}

@@ -43,7 +43,7 @@ from .runtime import (
     KernelArgumentError,
     cdiv,
     check_cuda,
-    check_key,
+    memo_check,
     check_tensor,
     function,
     launch,
@@ -110,14 +110,8 @@ _CHECKED: dict[tuple, Geometry] = {}
 
 
 def _check(w, dy, input_size, stride, padding, dilation) -> Geometry:
-    """Validate the arguments (memoised per configuration: see ``runtime.check_key``)."""
-    key = check_key(w, dy, input_size, stride, padding, dilation)
-    g = _CHECKED.get(key) if key is not None else None
-    if g is None:
-        g = _check_all(w, dy, input_size, stride, padding, dilation)
-        if key is not None and len(_CHECKED) < 4096:
-            _CHECKED[key] = g
-    return g
+    """Validate the arguments (once per configuration: ``runtime.memo_check``)."""
+    return memo_check(_CHECKED, _check_all, w, dy, input_size, stride, padding, dilation)
 
 
 def _check_all(w, dy, input_size, stride, padding, dilation) -> Geometry:

@@ -35,7 +35,7 @@ from .runtime import (
     KernelArgumentError,
     cdiv,
     check_cuda,
-    check_key,
+    memo_check,
     check_tensor,
     function,
     launch,
@@ -175,14 +175,8 @@ _CHECKED: dict[tuple, "Geometry"] = {}
 
 
 def _check(x, dy, kernel_size, stride, padding, dilation) -> Geometry:
-    """Validate the arguments (memoised per configuration: see ``runtime.check_key``)."""
-    key = check_key(x, dy, kernel_size, stride, padding, dilation)
-    g = _CHECKED.get(key) if key is not None else None
-    if g is None:
-        g = _check_all(x, dy, kernel_size, stride, padding, dilation)
-        if key is not None and len(_CHECKED) < 4096:
-            _CHECKED[key] = g
-    return g
+    """Validate the arguments (once per configuration: ``runtime.memo_check``)."""
+    return memo_check(_CHECKED, _check_all, x, dy, kernel_size, stride, padding, dilation)
 
 
 def _check_all(x, dy, kernel_size, stride, padding, dilation) -> Geometry:

@@ -39,7 +39,7 @@ from .runtime import (
     KernelArgumentError,
     cdiv,
     check_cuda,
-    check_key,
+    memo_check,
     check_size,
     check_tensor,
     function,
@@ -117,13 +117,13 @@ _CHECKED: dict[tuple, tuple] = {}
 def _check(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode):
     """Validate everything before any work; returns (dy, indices, params, layout). Memoised per
     configuration (see ``runtime.check_key``)."""
-    key = check_key(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode)
-    hit = _CHECKED.get(key) if key is not None else None
-    if hit is None:
-        hit = _check_all(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode)[2:]
-        if key is not None and len(_CHECKED) < 4096:
-            _CHECKED[key] = hit
-    return (dy, indices, *hit)
+    params, layout = memo_check(_CHECKED, _checked_params, dy, indices, input_size, kernel_size, stride, padding,
+                                dilation, ceil_mode)
+    return dy, indices, params, layout
+
+
+def _checked_params(*args):
+    return _check_all(*args)[2:]
 
 
 def _check_all(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode):

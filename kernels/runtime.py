@@ -142,6 +142,21 @@ def check_key(*items) -> tuple | None:
     return tuple(key)
 
 
+MEMO_LIMIT = 4096  # configurations remembered per launcher
+
+
+def memo_check(cache: dict, check, *args):
+    """``check(*args)``, remembered in ``cache`` under ``check_key(*args)``: errors are raised every time
+    (never cached), a valid configuration is validated once."""
+    key = check_key(*args)
+    hit = cache.get(key) if key is not None else None
+    if hit is None:
+        hit = check(*args)
+        if key is not None and len(cache) < MEMO_LIMIT:
+            cache[key] = hit
+    return hit
+
+
 # --------------------------------------------------------------------------------------------------
 # Compilation and launch
 

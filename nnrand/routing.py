@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import sys
 import threading
 import warnings
 from collections import Counter, defaultdict
@@ -344,7 +343,7 @@ def _maxpool_backward(s: "_Session", original, keyset, dy, x, kernel_size, strid
     return dx.contiguous(memory_format=memory_format_of(x))
 
 
-def _bn_route(s: "_Session", op: str, dy, x, weight, save_mean, save_invstd, train: bool):
+def _bn_route(s: "_Session", dy, x, weight, save_mean, save_invstd, train: bool):
     """(dx, dgamma, dbeta) from the bn_bwd variant, or a reason to pass the call on."""
     if not train:
         return "eval-mode BatchNorm (elementwise dX)"
@@ -374,7 +373,7 @@ def _bn_route(s: "_Session", op: str, dy, x, weight, save_mean, save_invstd, tra
 def _native_bn_backward(s: "_Session", original, keyset, dy, x, weight, running_mean, running_var, save_mean,
                         save_invstd, train, eps, mask):
     op = "native_batch_norm_backward"
-    out = _bn_route(s, op, dy, x, weight, save_mean, save_invstd, train)
+    out = _bn_route(s, dy, x, weight, save_mean, save_invstd, train)
     if isinstance(out, str):
         s.coverage.add(op, ORIGINAL, out)
         return original.call_boxed(keyset, dy, x, weight, running_mean, running_var, save_mean, save_invstd,
@@ -388,7 +387,7 @@ def _native_bn_backward(s: "_Session", original, keyset, dy, x, weight, running_
 def _cudnn_bn_backward(s: "_Session", original, keyset, x, dy, weight, running_mean, running_var, save_mean,
                        save_var, eps, reserve):
     op = "cudnn_batch_norm_backward"
-    out = _bn_route(s, op, dy, x, weight, save_mean, save_var, True)  # cuDNN's save_var is 1/sqrt(var+eps)
+    out = _bn_route(s, dy, x, weight, save_mean, save_var, True)  # cuDNN's save_var is 1/sqrt(var+eps)
     if isinstance(out, str):
         s.coverage.add(op, ORIGINAL, out)
         return original.call_boxed(keyset, x, dy, weight, running_mean, running_var, save_mean, save_var, eps,
@@ -501,6 +500,7 @@ class _Session:
         self.routing, self.strict, self.rng, self.model = routing, strict, rng, model
         self.coverage = Coverage()
         self.warned: set[str] = set()
+        self.overridden: list[str] = []  # aten ops overridden while open
         # conv: (wgrad, dgrad, bias) variants or None for native
         self.conv = (routing.variant("conv_wgrad"), routing.variant("conv_dgrad"), routing.variant("bias_grad"))
         names = sorted({v.name for v in self.conv if v is not None})
@@ -614,7 +614,6 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
                                "routing contexts do not nest: leave the open one first")
         session = _Session(routing, strict, rng, model)
         _ACTIVE = session
-    session.overridden = []
     lib = None
     try:
         with contextlib.ExitStack() as stack:

@@ -126,7 +126,7 @@ def test_atomic_runs_differ(tmp_path):
     need_all_ops()
     train.main(tiny(tmp_path, "a", kernel="atomic", kernel_seed=1))
     train.main(tiny(tmp_path, "b", kernel="atomic", kernel_seed=2))
-    (wa, pa, ca), (wb, pb, cb) = final_state(tmp_path, "a"), final_state(tmp_path, "b")
+    (wa, _, ca), (wb, _, cb) = final_state(tmp_path, "a"), final_state(tmp_path, "b")
     assert not same_state(wa, wb)
     assert ca[0] == cb[0]   # same initial weights: the seeds are fixed
     assert ca[-1]["checksum"] != cb[-1]["checksum"]
