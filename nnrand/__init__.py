@@ -5,7 +5,8 @@ controlled noise, and records what it takes to find where two runs diverge.
 
 One line for any model: ``with nnrand.use_kernels("tree") as routing: ...`` (see ``routing``).
 
-Modules: ``routing`` (backward reductions through the kernel registry, at the dispatcher), ``noise`` (seeds, presets,
+Modules: ``routing`` (backward reductions through the kernel registry, at the dispatcher), ``trace``
+(record runs op by op and find the first op where two part), ``noise`` (seeds, presets,
 pinned flags), ``train`` (the loop, ``main(config) -> metrics``), ``runio`` (run directories,
 atomic writes, checkpoints), ``fingerprint`` (environment), ``report`` (run report from result files).
 Data and models live in ``data`` and ``models``.
@@ -17,9 +18,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # ``nnrand.use_kernels`` without importing torch and the kernels at ``import nnrand``
-    if name == "use_kernels":
-        from nnrand.routing import use_kernels
+    # ``nnrand.use_kernels`` and ``nnrand.trace`` without importing torch and the kernels at ``import nnrand``
+    import importlib
 
-        return use_kernels
+    if name == "use_kernels":
+        return importlib.import_module("nnrand.routing").use_kernels
+    if name in ("routing", "trace"):
+        return importlib.import_module(f"nnrand.{name}")
     raise AttributeError(f"module 'nnrand' has no attribute {name!r}")

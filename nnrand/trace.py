@@ -1,0 +1,493 @@
+"""Find the first op where two training runs part, and how far the difference spreads.
+
+    python -m nnrand.trace record --kernel atomic --steps 3 -o a.trace     # same options as nnrand.train
+    python -m nnrand.trace record --kernel atomic --steps 3 -o b.trace
+    python -m nnrand.trace diff a.trace b.trace
+
+or around any training code::
+
+    with nnrand.trace.record("a.trace", model=model) as rec:
+        for x, y in batches:
+            rec.step()
+            loss = F.cross_entropy(model(x), y)        # phase "forward"
+            loss.backward()                            # ops inside autograd: phase "backward"
+            with rec.phase("optimizer"):
+                opt.step()
+
+Every aten op that runs while recording (``ops="all"``; ``"routed"``: only the backward ops nnrand
+routes) adds one record per tensor output: step, phase, index within the step, aten op, module path,
+output number, shape, dtype, a fingerprint of the output's bytes and two summaries (L2 norm, max |x|).
+The fingerprint is an exact position-weighted sum of the output's bit patterns, sum_i (i + 1) * bits_i in
+wrapping int64 arithmetic, computed on the tensor's device; integer addition is associative, so it does
+not depend on how the device adds, and two outputs with different bytes almost surely differ in it. The
+per-op values stay on the device until the step ends (one transfer per step, no synchronisation per op).
+
+Module paths: the forward op runs inside a module's ``forward`` (a global module hook keeps the stack;
+names come from ``model`` when given); a backward op is attributed to the module whose forward made the
+autograd node it belongs to (set on the node when that module returns).
+
+File format (``FORMAT``, version ``VERSION``): a NumPy ``.npz`` archive with a JSON ``header`` (format,
+version, metadata such as the routing and seeds), one column per record field (``step`` int32, ``phase``
+uint8 index into ``PHASES``, ``index`` int32, ``op``/``module``/``shape`` int32 indices into the string
+tables ``ops``/``modules``/``shapes``, ``output`` int16, ``dtype`` int16 index into ``dtypes``, ``fp``
+int64, ``l2`` and ``maxabs`` float64) and, for records kept in full, ``tensor_<record>`` arrays. Little
+endian, no pickles: portable across machines. Written atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import zipfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+FORMAT = "nnrand-trace"
+VERSION = 1
+PHASES = ("forward", "backward", "optimizer", "other")
+ROUTED_ATEN = ("convolution_backward", "max_pool2d_with_indices_backward", "native_batch_norm_backward",
+               "cudnn_batch_norm_backward")
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+COLUMNS = ("step", "phase", "index", "op", "module", "output", "shape", "dtype", "fp", "l2", "maxabs")
+
+
+class TraceFormatError(ValueError):
+    """A file that is not a complete nnrand trace of a version this code reads."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Fingerprints
+
+
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    w = _WEIGHTS.get(device)
+    if w is None or w.numel() < n:
+        w = torch.arange(1, max(n, 1024) + 1, dtype=torch.int64, device=device)
+        _WEIGHTS[device] = w
+    return w[:n]
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """sum_i (i + 1) * bits_i (wrapping int64) over the tensor's bytes in logical (row-major) order, as a
+    0-d int64 tensor on the tensor's device."""
+    t = t.detach().contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    bits = t.view(_INT_VIEW[t.element_size()]).to(torch.int64)
+    return (bits * _weights(bits.numel(), bits.device)).sum()
+
+
+def summaries(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L2 norm, max |x|) in float64 on the device."""
+    x = t.detach().reshape(-1).to(torch.float64)
+    return torch.linalg.vector_norm(x), x.abs().max()
+
+
+# --------------------------------------------------------------------------------------------------
+# Recording
+
+
+class Recorder(TorchDispatchMode):
+    """Records every aten op's tensor outputs while active (see the module docstring)."""
+
+    def __init__(self, *, ops: str = "all", model: torch.nn.Module | None = None,
+                 keep: set[tuple[int, str, int]] | None = None, meta: dict | None = None):
+        super().__init__()
+        if ops not in ("all", "routed"):
+            raise ValueError(f"ops must be 'all' or 'routed', got {ops!r}")
+        self.ops, self.keep, self.meta = ops, keep or set(), dict(meta or {})
+        self.names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+        self.stack: list[str] = []
+        self._phase = "forward"
+        self.step_no, self.index = -1, 0
+        self.rows: list[tuple] = []        # host fields per record
+        self.pending: list[torch.Tensor] = []   # device values of the current step, 3 per record
+        self.values: list[np.ndarray] = []
+        self.tensors: dict[int, np.ndarray] = {}
+        self.tables: dict[str, dict[str, int]] = {"ops": {}, "modules": {}, "shapes": {}, "dtypes": {}}
+        self._hooks = []
+        self._flushing = False
+
+    # -- control
+    def step(self) -> None:
+        """Start the next step (the first call starts step 0; ops before it count as step 0)."""
+        self._flush()
+        self.step_no += 1
+        self.index = 0
+        self._phase = "forward"
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if name not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {name!r}")
+        before, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = before
+
+    # -- module paths
+    def _module_name(self, m: torch.nn.Module) -> str:
+        return self.names.get(id(m), type(m).__name__)
+
+    def _pre(self, m, args):
+        self.stack.append(self._module_name(m) if not self.stack or id(m) in self.names else
+                          f"{self.stack[-1]}.{type(m).__name__}")
+
+    def _post(self, m, args, out):
+        path = self.stack.pop() if self.stack else self._module_name(m)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.metadata.setdefault("nnrand_module", path)
+
+    def __enter__(self):
+        from torch.nn.modules import module as mm
+
+        self._hooks = [mm.register_module_forward_pre_hook(self._pre),
+                       mm.register_module_forward_hook(self._post)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._flush()
+        return super().__exit__(*exc)
+
+    # -- the records
+    def _code(self, table: str, value: str) -> int:
+        t = self.tables[table]
+        return t.setdefault(value, len(t))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__
+        if self._flushing or (self.ops == "routed" and name not in ROUTED_ATEN):
+            return out
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            phase, module = "backward", node.metadata.get("nnrand_module", "")
+        else:
+            phase, module = self._phase, (self.stack[-1] if self.stack else "")
+        step = max(self.step_no, 0)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for k, t in enumerate(outs):
+            if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.is_sparse:
+                continue
+            rec = len(self.rows)
+            self.rows.append((step, PHASES.index(phase), self.index, self._code("ops", name),
+                              self._code("modules", module), k, self._code("shapes", "x".join(map(str, t.shape))),
+                              self._code("dtypes", str(t.dtype).replace("torch.", ""))))
+            l2, mx = summaries(t)
+            self.pending += [fingerprint(t), l2, mx]
+            if (step, phase, self.index) in self.keep:
+                self.tensors[rec] = t.detach().cpu().numpy().copy()
+        self.index += 1
+        return out
+
+    def _flush(self) -> None:
+        """Move the step's device values to the host in one transfer (the ops doing it are not recorded)."""
+        if not self.pending:
+            return
+        self._flushing = True
+        try:
+            pending, self.pending = self.pending, []
+            by_kind = torch.stack([torch.stack(pending[k::3]).to(torch.float64) if k else
+                                   torch.stack(pending[0::3]).view(torch.float64) for k in range(3)]).cpu().numpy()
+        finally:
+            self._flushing = False
+        self.values.append((by_kind[0].view(np.int64).copy(), by_kind[1].copy(), by_kind[2].copy()))
+
+    # -- output
+    def arrays(self) -> dict[str, np.ndarray]:
+        self._flush()
+        rows = np.array(self.rows, dtype=np.int64).reshape(-1, 8)
+        fp = np.concatenate([v[0] for v in self.values]) if self.values else np.zeros(0, np.int64)
+        l2 = np.concatenate([v[1] for v in self.values]) if self.values else np.zeros(0)
+        mx = np.concatenate([v[2] for v in self.values]) if self.values else np.zeros(0)
+        header = {"format": FORMAT, "version": VERSION, "meta": self.meta, "records": len(self.rows),
+                  **{k: list(v) for k, v in self.tables.items()}}
+        out = {"header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
+               "step": rows[:, 0].astype(np.int32), "phase": rows[:, 1].astype(np.uint8),
+               "index": rows[:, 2].astype(np.int32), "op": rows[:, 3].astype(np.int32),
+               "module": rows[:, 4].astype(np.int32), "output": rows[:, 5].astype(np.int16),
+               "shape": rows[:, 6].astype(np.int32), "dtype": rows[:, 7].astype(np.int16),
+               "fp": fp, "l2": l2, "maxabs": mx}
+        out.update({f"tensor_{i}": a for i, a in self.tensors.items()})
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        from nnrand import runio
+
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **self.arrays())
+        runio.write_bytes(path, buf.getvalue())
+        return Path(path)
+
+
+@contextlib.contextmanager
+def record(path: str | Path | None, *, ops: str = "all", model: torch.nn.Module | None = None,
+           keep: set[tuple[int, str, int]] | None = None, meta: dict | None = None) -> Iterator[Recorder]:
+    """Record while the context is open; write ``path`` (atomically) on a normal exit."""
+    rec = Recorder(ops=ops, model=model, keep=keep, meta=meta)
+    with rec:
+        yield rec
+    if path is not None:
+        rec.save(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading and comparing
+
+
+@dataclass
+class Trace:
+    header: dict
+    cols: dict[str, np.ndarray]
+    tensors: dict[int, np.ndarray]
+    path: str = ""
+
+    def __len__(self) -> int:
+        return len(self.cols["fp"])
+
+    def label(self, i: int) -> dict:
+        c, h = self.cols, self.header
+        return {"record": i, "step": int(c["step"][i]), "phase": PHASES[c["phase"][i]], "index": int(c["index"][i]),
+                "op": h["ops"][c["op"][i]], "module": h["modules"][c["module"][i]], "output": int(c["output"][i]),
+                "shape": h["shapes"][c["shape"][i]], "dtype": h["dtypes"][c["dtype"][i]]}
+
+    def keys(self) -> list[tuple]:
+        """What must match for two records to be comparable: position, op, output, shape, dtype."""
+        c, h = self.cols, self.header
+        return list(zip(c["step"].tolist(), c["phase"].tolist(), c["index"].tolist(),
+                        [h["ops"][i] for i in c["op"]], c["output"].tolist(),
+                        [h["shapes"][i] for i in c["shape"]], [h["dtypes"][i] for i in c["dtype"]]))
+
+
+def load(path: str | Path) -> Trace:
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if "header" not in z.files:
+                raise TraceFormatError(f"{path}: not an nnrand trace (no header)")
+            header = json.loads(bytes(z["header"]).decode())
+            if header.get("format") != FORMAT:
+                raise TraceFormatError(f"{path}: not an nnrand trace (format {header.get('format')!r})")
+            if header.get("version") != VERSION:
+                raise TraceFormatError(f"{path}: trace version {header.get('version')} is not readable by this "
+                                       f"version of nnrand (reads {VERSION})")
+            cols = {k: z[k] for k in COLUMNS}
+            tensors = {int(k.split("_", 1)[1]): z[k] for k in z.files if k.startswith("tensor_")}
+    except TraceFormatError:
+        raise
+    except FileNotFoundError:
+        raise
+    except (zipfile.BadZipFile, EOFError, KeyError, ValueError, OSError, json.JSONDecodeError) as e:
+        raise TraceFormatError(f"{path}: not a complete nnrand trace ({type(e).__name__}: {e}); truncated or "
+                               "not written by nnrand.trace") from None
+    n = len(cols["fp"])
+    if any(len(v) != n for v in cols.values()) or header.get("records") != n:
+        raise TraceFormatError(f"{path}: columns of different lengths: the file is damaged")
+    return Trace(header, cols, tensors, str(path))
+
+
+def ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
+    """Largest distance in units in the last place between two float32 arrays (ordered bit patterns)."""
+    def ordered(x):
+        i = np.ascontiguousarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
+        return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+    return int(np.max(np.abs(ordered(a) - ordered(b)))) if a.size else 0
+
+
+def diff(a: Trace, b: Trace) -> dict:
+    """Compare two traces record by record. Returns ``{"status": "identical" | "diverge" | "different
+    ops", ...}`` with the first divergent record and the per-step spread."""
+    ka, kb = a.keys(), b.keys()
+    n = min(len(ka), len(kb))
+    mismatch = next((i for i in range(n) if ka[i] != kb[i]), None)
+    if mismatch is None and len(ka) != len(kb):
+        mismatch = n
+    if mismatch is not None:
+        return {"status": "different ops", "record": mismatch,
+                "a": a.label(mismatch) if mismatch < len(a) else None,
+                "b": b.label(mismatch) if mismatch < len(b) else None}
+    differ = a.cols["fp"] != b.cols["fp"]
+    if not differ.any():
+        return {"status": "identical", "records": len(a)}
+    first = int(np.argmax(differ))
+    out = {"status": "diverge", "records": len(a), "first": a.label(first),
+           "l2": (float(a.cols["l2"][first]), float(b.cols["l2"][first])),
+           "maxabs": (float(a.cols["maxabs"][first]), float(b.cols["maxabs"][first]))}
+    if first in a.tensors and first in b.tensors:
+        ta, tb = a.tensors[first], b.tensors[first]
+        if ta.dtype == np.float32:
+            out["max_ulp"] = ulp_distance(ta, tb)
+        ref = float(np.linalg.norm(tb.astype(np.float64)))
+        out["rel_l2"] = float(np.linalg.norm(ta.astype(np.float64) - tb.astype(np.float64)) / ref) if ref else None
+    steps = a.cols["step"]
+    per_step = []
+    for s in np.unique(steps):
+        sel = steps == s
+        l2a, l2b = a.cols["l2"][sel], b.cols["l2"][sel]
+        rel = np.abs(l2a - l2b) / np.maximum(np.abs(l2b), np.finfo(np.float64).tiny)
+        per_step.append({"step": int(s), "records": int(sel.sum()), "differ": int(differ[sel].sum()),
+                         "max_rel_l2_summary": float(rel.max()) if rel.size else 0.0})
+    out["per_step"] = per_step
+    out["first_by_phase"] = {p: a.label(int(np.flatnonzero(differ & (a.cols["phase"] == i))[0]))
+                             for i, p in enumerate(PHASES) if (differ & (a.cols["phase"] == i)).any()}
+    return out
+
+
+def format_diff(d: dict) -> str:
+    if d["status"] == "identical":
+        return f"identical: {d['records']} records, every fingerprint equal"
+    if d["status"] == "different ops":
+        return (f"the op sequences differ at record {d['record']}: {d['a']} vs {d['b']}; the runs cannot be "
+                "compared record by record (different models, shapes or code paths)")
+    f = d["first"]
+    lines = [f"first divergent record {f['record']}: step {f['step']}, {f['phase']}, op #{f['index']} "
+             f"aten::{f['op']} (output {f['output']}, {f['shape']} {f['dtype']}), module {f['module'] or '-'}",
+             f"  L2 {d['l2'][0]:.9g} vs {d['l2'][1]:.9g}; max|x| {d['maxabs'][0]:.9g} vs {d['maxabs'][1]:.9g}"]
+    if "max_ulp" in d or "rel_l2" in d:
+        lines.append(f"  saved tensors: max ULP {d.get('max_ulp')}, relative L2 {d.get('rel_l2')}")
+    for p, lab in d["first_by_phase"].items():
+        lines.append(f"  first in {p}: step {lab['step']} op #{lab['index']} aten::{lab['op']} ({lab['module'] or '-'})")
+    lines.append("  per step: records differing / recorded, largest relative difference of an L2 summary")
+    for s in d["per_step"]:
+        lines.append(f"    step {s['step']:>4}: {s['differ']:>6} / {s['records']:<6} {s['max_rel_l2_summary']:.3g}")
+    return "\n".join(lines)
+
+
+def plot(d: dict, path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+    steps = [s["step"] for s in d.get("per_step", [])]
+    ax[0].plot(steps, [s["differ"] / max(1, s["records"]) for s in d.get("per_step", [])], marker="o")
+    ax[0].set(xlabel="step", ylabel="fraction of records differing", ylim=(0, 1.02))
+    ax[1].semilogy(steps, [max(s["max_rel_l2_summary"], 1e-18) for s in d.get("per_step", [])], marker="o")
+    ax[1].set(xlabel="step", ylabel="largest relative L2 summary difference")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Recording a training run from the command line
+
+
+def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all") -> Path:
+    """``steps`` SGD steps of the harness's member 0 under ``cfg`` (a resolved ``train.Config``), recorded."""
+    import torch.nn.functional as F
+
+    from nnrand import data, noise, routing, train
+
+    ds = train.load_data(cfg)
+    fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    seeds = noise.member_seeds({s: getattr(cfg, f"{s}_seed") for s in noise.SOURCES}, cfg.seed, 0)
+    route = routing.resolve(cfg.kernel, cfg.kernel_ops)
+    n = len(ds.train_y)
+    per_epoch = n // cfg.batch_size
+    meta = {"config": {k: v for k, v in vars(cfg).items() if not k.startswith("_")}, "seeds": seeds.as_dict(),
+            "routing": route.describe(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if torch.device(cfg.device).type == "cuda" else "cpu"}
+    with noise.pinned_flags(tf32=cfg.tf32, cudnn_deterministic=route.claims_determinism):
+        model, opt = train.build(cfg, seeds, ds.num_classes, fmt)
+        if cfg.perturb_ulp:
+            meta["perturb"] = noise.perturb_one_ulp(model, cfg.perturb_index)
+        with routing.use_kernels(route, rng=noise.kernel_rng(seeds.kernel), strict=cfg.strict, model=model), \
+                record(path, ops=ops, model=model, meta=meta) as rec:
+            total = per_epoch * cfg.epochs
+            warmup = max(1, min(int(cfg.warmup_epochs * per_epoch), total // 2))  # as train_member
+            step = 0
+            while step < steps:
+                epoch = step // per_epoch
+                order = data.epoch_order(n, epoch, seeds.order)
+                gen = noise.epoch_generator(seeds.aug, epoch, torch.device(cfg.device))
+                for i in range(per_epoch):
+                    if step == steps:
+                        break
+                    rec.step()
+                    with rec.phase("other"):  # the batch: gather, augmentation, normalisation
+                        x, y = train.train_batch(ds, order, i, cfg.batch_size, gen, fmt, cfg.image_size)
+                    for group in opt.param_groups:
+                        group["lr"] = train.lr_at(step, total, warmup, cfg.lr)
+                    loss = F.cross_entropy(model(x), y)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    with rec.phase("optimizer"):
+                        opt.step()
+                    step += 1
+    return Path(path)
+
+
+EPILOG = """examples:
+  python -m nnrand.trace record --kernel atomic --steps 3 -o a.trace
+  python -m nnrand.trace record --kernel atomic --steps 3 -o b.trace
+  python -m nnrand.trace diff a.trace b.trace --plot growth.png
+  python -m nnrand.trace record --kernel tree --perturb-ulp --perturb-index 10 --steps 2 -o ulp.trace
+record takes every option of python -m nnrand.train (model, data, seeds, --kernel, --kernel-op, ...)."""
+
+
+def cli(argv: list[str] | None = None) -> int:
+    from nnrand import routing, train
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = argparse.ArgumentParser(prog="python -m nnrand.trace", description=__doc__.splitlines()[0],
+                                  epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("command", choices=("record", "diff"))
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("record", "diff"):
+        top.parse_args(argv)
+        return 2
+    if argv[0] == "diff":
+        p = argparse.ArgumentParser(prog="python -m nnrand.trace diff", description="compare two traces")
+        p.add_argument("a")
+        p.add_argument("b")
+        p.add_argument("--plot", help="write the per-step growth curve to this PNG")
+        p.add_argument("--json", help="also write the comparison as JSON")
+        args = p.parse_args(argv[1:])
+        try:
+            d = diff(load(args.a), load(args.b))
+        except (TraceFormatError, FileNotFoundError) as e:
+            p.exit(2, f"{p.prog}: error: {e}\n")
+        print(format_diff(d))
+        if args.plot and d["status"] == "diverge":
+            print(f"plot: {plot(d, args.plot)}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(d, indent=1) + "\n")
+        return 0 if d["status"] == "identical" else 1
+    p = train.parser()
+    p.prog = "python -m nnrand.trace record"
+    p.add_argument("--steps", type=int, default=3, help="SGD steps to record (default %(default)s)")
+    p.add_argument("-o", "--output", required=True, help="trace file to write")
+    p.add_argument("--ops", choices=("all", "routed"), default="all", help="which ops to record")
+    args = p.parse_args(argv[1:])
+    try:
+        cfg = train.resolve(train.config_from_args(args))
+        if args.steps < 1:
+            raise train.ConfigError("--steps must be >= 1")
+        path = record_training(cfg, args.steps, args.output, ops=args.ops)
+    except (train.ConfigError, routing.RoutingError) as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    t = load(path)
+    print(f"trace: {path} ({len(t)} records, {Counter(PHASES[i] for i in t.cols['phase'])})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())

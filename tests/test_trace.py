@@ -1,0 +1,150 @@
+"""nnrand.trace: recording training runs op by op, finding the first divergent op, clear errors for bad files."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from nnrand import routing, trace, train
+
+TINY = dict(device="cpu", model="small", n_train=64, n_test=16, batch_size=16, epochs=1, progress=False,
+            report=False)
+
+
+def recorded(tmp_path, name: str, steps: int = 2, **kw) -> trace.Trace:
+    cfg = train.resolve(train.Config(**{**TINY, **kw}))
+    return trace.load(trace.record_training(cfg, steps, tmp_path / f"{name}.trace"))
+
+
+def need_all_ops():
+    missing = [op for op in routing.ROUTED_OPS if not routing.registered_variants(op)]
+    assert not missing, f"routed kernel ops missing from the registry: {', '.join(missing)}"
+
+
+def test_atomic_runs_part_at_a_routed_backward_op_of_step_0(tmp_path):
+    """Two arrival orders of the atomic CPU models (seeded, as two GPU runs differ): the first divergent
+    record is a routed backward op of step 0, attributed to a module; the forward of step 0 agrees."""
+    need_all_ops()
+    a = recorded(tmp_path, "a", kernel="atomic", kernel_seed=1)
+    b = recorded(tmp_path, "b", kernel="atomic", kernel_seed=2)
+    d = trace.diff(a, b)
+    assert d["status"] == "diverge"
+    first = d["first"]
+    assert (first["step"], first["phase"]) == (0, "backward")
+    assert first["op"] in trace.ROUTED_ATEN and first["module"].startswith(("stem", "stages"))
+    assert d["first_by_phase"]["forward"]["step"] == 1  # step 0's forward ran on identical weights
+    assert d["per_step"][0]["differ"] > 0 and "first divergent record" in trace.format_diff(d)
+
+
+def test_tree_traces_are_identical(tmp_path):
+    need_all_ops()
+    a, b = recorded(tmp_path, "a", kernel="tree"), recorded(tmp_path, "b", kernel="tree")
+    assert trace.diff(a, b) == {"status": "identical", "records": len(a)}
+    assert len(a) > 0 and {"forward", "backward", "optimizer"} <= {trace.PHASES[i] for i in a.cols["phase"]}
+
+
+def test_one_ulp_change_first_differs_at_the_forward_op_that_reads_it(tmp_path):
+    """Flat parameter 0 is the stem conv's weight: the first divergence is that conv's forward."""
+    need_all_ops()
+    a = recorded(tmp_path, "a", kernel="tree", steps=1)
+    b = recorded(tmp_path, "b", kernel="tree", steps=1, perturb_ulp=True, perturb_index=0)
+    first = trace.diff(a, b)["first"]
+    assert (first["step"], first["phase"], first["op"], first["module"]) == (0, "forward", "convolution", "stem.0")
+
+
+def _arrays(n: int, seed: int) -> dict:
+    """A hand-built trace of n records of one step."""
+    rng = np.random.default_rng(seed)
+    header = {"format": trace.FORMAT, "version": trace.VERSION, "meta": {}, "records": n, "ops": ["add", "mul"],
+              "modules": ["", "m"], "shapes": ["3"], "dtypes": ["float32"]}
+    return {"header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
+            "step": np.zeros(n, np.int32), "phase": np.zeros(n, np.uint8), "index": np.arange(n, dtype=np.int32),
+            "op": (np.arange(n) % 2).astype(np.int32), "module": np.ones(n, np.int32),
+            "output": np.zeros(n, np.int16), "shape": np.zeros(n, np.int32), "dtype": np.zeros(n, np.int16),
+            "fp": rng.integers(-2**62, 2**62, n), "l2": rng.random(n), "maxabs": rng.random(n)}
+
+
+def _write(path, arrays: dict):
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+@pytest.mark.parametrize("k", [0, 7, 19])
+def test_hand_built_pair_first_difference_found_exactly(tmp_path, k):
+    a = _arrays(20, seed=1)
+    b = {key: v.copy() for key, v in a.items()}
+    b["fp"][k] += 1
+    b["fp"][-1] += 1  # a later difference must not mask the first
+    d = trace.diff(trace.load(_write(tmp_path / "a.trace", a)), trace.load(_write(tmp_path / "b.trace", b)))
+    assert d["status"] == "diverge" and d["first"]["record"] == k and d["first"]["index"] == k
+    assert d["first"]["op"] == ("add" if k % 2 == 0 else "mul") and d["first"]["module"] == "m"
+
+
+def test_different_op_sequences_are_reported_not_compared(tmp_path):
+    a = _arrays(20, seed=1)
+    b = {key: v.copy() for key, v in a.items()}
+    b["op"][5] = 1 - b["op"][5]
+    d = trace.diff(trace.load(_write(tmp_path / "a.trace", a)), trace.load(_write(tmp_path / "b.trace", b)))
+    assert d["status"] == "different ops" and d["record"] == 5
+    short = {key: (v[:10] if key != "header" else v) for key, v in a.items()}
+    hdr = json.loads(bytes(a["header"]).decode())
+    short["header"] = np.frombuffer(json.dumps({**hdr, "records": 10}).encode(), dtype=np.uint8)
+    d = trace.diff(trace.load(_write(tmp_path / "a.trace", a)), trace.load(_write(tmp_path / "s.trace", short)))
+    assert d["status"] == "different ops" and d["record"] == 10
+
+
+def test_malformed_files_fail_clearly(tmp_path):
+    good = _write(tmp_path / "good.trace", _arrays(5, seed=2))
+    data = good.read_bytes()
+    (tmp_path / "cut.trace").write_bytes(data[: len(data) // 2])
+    with pytest.raises(trace.TraceFormatError, match="not a complete nnrand trace"):
+        trace.load(tmp_path / "cut.trace")
+    (tmp_path / "text.trace").write_text("hello")
+    with pytest.raises(trace.TraceFormatError, match="not a complete nnrand trace"):
+        trace.load(tmp_path / "text.trace")
+    with pytest.raises(trace.TraceFormatError, match="not an nnrand trace"):
+        trace.load(_write(tmp_path / "foreign.trace", {"x": np.zeros(3)}))
+    arrays = _arrays(5, seed=2)
+    hdr = json.loads(bytes(arrays["header"]).decode())
+    arrays["header"] = np.frombuffer(json.dumps({**hdr, "version": 99}).encode(), dtype=np.uint8)
+    with pytest.raises(trace.TraceFormatError, match="version 99"):
+        trace.load(_write(tmp_path / "future.trace", arrays))
+    arrays = _arrays(5, seed=2)
+    arrays["fp"] = arrays["fp"][:3]
+    with pytest.raises(trace.TraceFormatError, match="damaged"):
+        trace.load(_write(tmp_path / "short.trace", arrays))
+
+
+def test_cli_diff_reports_and_exits_by_result(tmp_path, capsys):
+    a = _write(tmp_path / "a.trace", _arrays(6, seed=3))
+    b_arr = _arrays(6, seed=3)
+    b_arr["fp"][2] += 5
+    b = _write(tmp_path / "b.trace", b_arr)
+    assert trace.cli(["diff", str(a), str(a)]) == 0
+    assert trace.cli(["diff", str(a), str(b), "--plot", str(tmp_path / "g.png")]) == 1
+    out = capsys.readouterr().out
+    assert "identical" in out and "first divergent record 2" in out and (tmp_path / "g.png").exists()
+    (tmp_path / "cut.trace").write_bytes(a.read_bytes()[:40])
+    with pytest.raises(SystemExit) as e:
+        trace.cli(["diff", str(a), str(tmp_path / "cut.trace")])
+    assert e.value.code == 2 and "not a complete nnrand trace" in capsys.readouterr().err
+
+
+def test_fingerprint_is_exact_and_position_sensitive():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1000, generator=g)
+    y = x.clone()
+    y[[10, 20]] = y[[20, 10]]  # a swap keeps every sum of values
+    assert int(trace.fingerprint(x)) == int(trace.fingerprint(x.clone()))
+    assert int(trace.fingerprint(x)) != int(trace.fingerprint(y))
+    z = x.clone()
+    z[500] = torch.nextafter(z[500], torch.tensor(float("inf")))  # one ULP
+    assert int(trace.fingerprint(x)) != int(trace.fingerprint(z))
+    bits = x.view(torch.int32).to(torch.int64).numpy()
+    want = int(np.sum((np.arange(1, 1001, dtype=np.int64) * bits).astype(np.int64)))
+    assert int(trace.fingerprint(x)) == want
