@@ -3,6 +3,7 @@
     python -m nnrand.trace record --kernel atomic --steps 3 -o a.trace     # same options as nnrand.train
     python -m nnrand.trace record --kernel atomic --steps 3 -o b.trace
     python -m nnrand.trace diff a.trace b.trace
+    python -m nnrand.trace lockstep --vary ulp --steps 3                    # two replicas, one axis apart
 
 or around any training code::
 
@@ -391,7 +392,8 @@ def plot(d: dict, path: str | Path) -> Path:
 # Recording a training run from the command line
 
 
-def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all") -> Path:
+def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
+                    keep: set[tuple[int, str, int]] | None = None) -> Path:
     """``steps`` SGD steps of the harness's member 0 under ``cfg`` (a resolved ``train.Config``), recorded."""
     import torch.nn.functional as F
 
@@ -411,7 +413,7 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all") -> P
         if cfg.perturb_ulp:
             meta["perturb"] = noise.perturb_one_ulp(model, cfg.perturb_index)
         with routing.use_kernels(route, rng=noise.kernel_rng(seeds.kernel), strict=cfg.strict, model=model), \
-                record(path, ops=ops, model=model, meta=meta) as rec:
+                record(path, ops=ops, model=model, meta=meta, keep=keep) as rec:
             total = per_epoch * cfg.epochs
             warmup = max(1, min(int(cfg.warmup_epochs * per_epoch), total // 2))  # as train_member
             step = 0
@@ -436,12 +438,56 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all") -> P
     return Path(path)
 
 
+VARY = ("kernel", "init", "order", "aug", "ulp")
+
+
+def lockstep_configs(cfg, vary: str):
+    """Two configurations equal on every axis but ``vary``. The base is ``cfg`` with fixed seeds and its
+    own kernel family; ``kernel``: atomic kernels in both, with two arrival orders (two CPU seeds; on a
+    GPU the hardware's); ``init``/``order``/``aug``: that seed 1 vs 2; ``ulp``: one weight moved by one
+    ULP in the second (``--perturb-index``)."""
+    import dataclasses
+
+    if vary not in VARY:
+        raise ValueError(f"--vary must be one of {', '.join(VARY)}, got {vary!r}")
+    base = dataclasses.replace(cfg, init_seed="fixed", order_seed="fixed", aug_seed="fixed", perturb_ulp=False)
+    if vary == "kernel":
+        return (dataclasses.replace(base, kernel="atomic", kernel_ops={}, kernel_seed=1),
+                dataclasses.replace(base, kernel="atomic", kernel_ops={}, kernel_seed=2))
+    if vary == "ulp":
+        return base, dataclasses.replace(base, perturb_ulp=True)
+    return (dataclasses.replace(base, **{f"{vary}_seed": 1}), dataclasses.replace(base, **{f"{vary}_seed": 2}))
+
+
+def lockstep(cfg, vary: str, steps: int, out_dir: str | Path, *, ops: str = "all", keep: int = 1) -> dict:
+    """Record the two replicas of ``lockstep_configs`` and compare them. With ``keep`` > 0 both are
+    recorded again keeping the first ``keep`` differing records in full, for their ULP and L2 distance
+    (a replica whose noise is the hardware's may part elsewhere the second time; the diff says where)."""
+    out_dir = Path(out_dir)
+    a_cfg, b_cfg = lockstep_configs(cfg, vary)
+    paths = (out_dir / "a.trace", out_dir / "b.trace")
+    record_training(a_cfg, steps, paths[0], ops=ops)
+    record_training(b_cfg, steps, paths[1], ops=ops)
+    a, b = load(paths[0]), load(paths[1])
+    d = diff(a, b)
+    if keep > 0 and d["status"] == "diverge":
+        differ = np.flatnonzero(a.cols["fp"] != b.cols["fp"])[:keep]
+        wanted = {(int(a.cols["step"][i]), PHASES[a.cols["phase"][i]], int(a.cols["index"][i])) for i in differ}
+        record_training(a_cfg, steps, paths[0], ops=ops, keep=wanted)
+        record_training(b_cfg, steps, paths[1], ops=ops, keep=wanted)
+        d = diff(load(paths[0]), load(paths[1]))
+    d["vary"], d["traces"] = vary, [str(p) for p in paths]
+    return d
+
+
 EPILOG = """examples:
   python -m nnrand.trace record --kernel atomic --steps 3 -o a.trace
   python -m nnrand.trace record --kernel atomic --steps 3 -o b.trace
   python -m nnrand.trace diff a.trace b.trace --plot growth.png
   python -m nnrand.trace record --kernel tree --perturb-ulp --perturb-index 10 --steps 2 -o ulp.trace
-record takes every option of python -m nnrand.train (model, data, seeds, --kernel, --kernel-op, ...)."""
+  python -m nnrand.trace lockstep --vary kernel --steps 5 --out-dir lock/ --plot lock/growth.png
+record and lockstep take every option of python -m nnrand.train (model, data, seeds, --kernel, ...);
+lockstep runs two replicas that differ on one axis (kernel, init, order, aug or ulp) and compares them."""
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -450,8 +496,8 @@ def cli(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = argparse.ArgumentParser(prog="python -m nnrand.trace", description=__doc__.splitlines()[0],
                                   epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    top.add_argument("command", choices=("record", "diff"))
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("record", "diff"):
+    top.add_argument("command", choices=("record", "diff", "lockstep"))
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("record", "diff", "lockstep"):
         top.parse_args(argv)
         return 2
     if argv[0] == "diff":
@@ -472,18 +518,33 @@ def cli(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(d, indent=1) + "\n")
         return 0 if d["status"] == "identical" else 1
     p = train.parser()
-    p.prog = "python -m nnrand.trace record"
+    p.prog = f"python -m nnrand.trace {argv[0]}"
     p.add_argument("--steps", type=int, default=3, help="SGD steps to record (default %(default)s)")
-    p.add_argument("-o", "--output", required=True, help="trace file to write")
     p.add_argument("--ops", choices=("all", "routed"), default="all", help="which ops to record")
+    if argv[0] == "record":
+        p.add_argument("-o", "--output", required=True, help="trace file to write")
+    else:
+        p.add_argument("--vary", choices=VARY, required=True, help="the one axis the two replicas differ on")
+        p.add_argument("--out-dir", default="lockstep", help="where a.trace and b.trace go (default %(default)s)")
+        p.add_argument("--keep", type=int, default=1, help="first differing records kept in full (default 1)")
+        p.add_argument("--plot", help="write the per-step growth curve to this PNG")
     args = p.parse_args(argv[1:])
     try:
         cfg = train.resolve(train.config_from_args(args))
         if args.steps < 1:
             raise train.ConfigError("--steps must be >= 1")
-        path = record_training(cfg, args.steps, args.output, ops=args.ops)
+        if argv[0] == "lockstep":
+            d = lockstep(cfg, args.vary, args.steps, args.out_dir, ops=args.ops, keep=args.keep)
+        else:
+            path = record_training(cfg, args.steps, args.output, ops=args.ops)
     except (train.ConfigError, routing.RoutingError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
+    if argv[0] == "lockstep":
+        print(f"replicas differing in {args.vary}: {d['traces'][0]} vs {d['traces'][1]}")
+        print(format_diff(d))
+        if args.plot and d["status"] == "diverge":
+            print(f"plot: {plot(d, args.plot)}")
+        return 0
     t = load(path)
     print(f"trace: {path} ({len(t)} records, {Counter(PHASES[i] for i in t.cols['phase'])})")
     return 0

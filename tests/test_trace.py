@@ -148,3 +148,24 @@ def test_fingerprint_is_exact_and_position_sensitive():
     bits = x.view(torch.int32).to(torch.int64).numpy()
     want = int(np.sum((np.arange(1, 1001, dtype=np.int64) * bits).astype(np.int64)))
     assert int(trace.fingerprint(x)) == want
+
+
+def test_lockstep_replicas_differ_on_one_axis_only():
+    import dataclasses
+
+    cfg = train.resolve(train.Config(**TINY))
+    for vary in trace.VARY:
+        a, b = trace.lockstep_configs(cfg, vary)
+        changed = {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
+        want = {"kernel": {"kernel_seed"}, "ulp": {"perturb_ulp"}}.get(vary, {f"{vary}_seed"})
+        assert changed == want, (vary, changed)
+    with pytest.raises(ValueError, match="--vary"):
+        trace.lockstep_configs(cfg, "weather")
+
+
+def test_lockstep_ulp_keeps_the_first_differing_output_in_full(tmp_path):
+    need_all_ops()
+    cfg = train.resolve(train.Config(**TINY, kernel="tree"))
+    d = trace.lockstep(cfg, "ulp", 1, tmp_path, keep=1)
+    assert (d["first"]["phase"], d["first"]["op"], d["first"]["module"]) == ("forward", "convolution", "stem.0")
+    assert d["max_ulp"] >= 1 and d["rel_l2"] > 0
