@@ -118,7 +118,7 @@ class Recorder(TorchDispatchMode):
         self.tensors: dict[int, np.ndarray] = {}
         self.tables: dict[str, dict[str, int]] = {"ops": {}, "modules": {}, "shapes": {}, "dtypes": {}}
         self._hooks = []
-        self._flushing = False
+        self._quiet = False
 
     # -- control
     def step(self) -> None:
@@ -166,7 +166,29 @@ class Recorder(TorchDispatchMode):
         self._flush()
         return super().__exit__(*exc)
 
+    def snapshot(self, named: Iterator[tuple[str, torch.Tensor]], op: str = "parameter") -> None:
+        """One record per named tensor (phase "other", aten op field ``op``, module field the name): the
+        weights at the end of a step, say, which in-place optimizer updates do not show as op outputs."""
+        self._quiet = True  # the ops computing the fingerprints are not records themselves
+        try:
+            for name, t in named:
+                self._add(t.detach(), op, name, "other", 0)
+                self.index += 1
+        finally:
+            self._quiet = False
+
     # -- the records
+    def _add(self, t: torch.Tensor, op: str, module: str, phase: str, k: int) -> None:
+        step = max(self.step_no, 0)
+        rec = len(self.rows)
+        self.rows.append((step, PHASES.index(phase), self.index, self._code("ops", op), self._code("modules", module),
+                          k, self._code("shapes", "x".join(map(str, t.shape))),
+                          self._code("dtypes", str(t.dtype).replace("torch.", ""))))
+        l2, mx = summaries(t)
+        self.pending += [fingerprint(t), l2, mx]
+        if (step, phase, self.index) in self.keep:
+            self.tensors[rec] = t.detach().cpu().numpy().copy()
+
     def _code(self, table: str, value: str) -> int:
         t = self.tables[table]
         return t.setdefault(value, len(t))
@@ -174,26 +196,17 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func._overloadpacket.__name__
-        if self._flushing or (self.ops == "routed" and name not in ROUTED_ATEN):
+        if self._quiet or (self.ops == "routed" and name not in ROUTED_ATEN):
             return out
         node = torch._C._current_autograd_node()
         if node is not None:
             phase, module = "backward", node.metadata.get("nnrand_module", "")
         else:
             phase, module = self._phase, (self.stack[-1] if self.stack else "")
-        step = max(self.step_no, 0)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for k, t in enumerate(outs):
-            if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.is_sparse:
-                continue
-            rec = len(self.rows)
-            self.rows.append((step, PHASES.index(phase), self.index, self._code("ops", name),
-                              self._code("modules", module), k, self._code("shapes", "x".join(map(str, t.shape))),
-                              self._code("dtypes", str(t.dtype).replace("torch.", ""))))
-            l2, mx = summaries(t)
-            self.pending += [fingerprint(t), l2, mx]
-            if (step, phase, self.index) in self.keep:
-                self.tensors[rec] = t.detach().cpu().numpy().copy()
+            if isinstance(t, torch.Tensor) and t.numel() and not t.is_sparse:
+                self._add(t, name, module, phase, k)
         self.index += 1
         return out
 
@@ -201,13 +214,13 @@ class Recorder(TorchDispatchMode):
         """Move the step's device values to the host in one transfer (the ops doing it are not recorded)."""
         if not self.pending:
             return
-        self._flushing = True
+        self._quiet = True
         try:
             pending, self.pending = self.pending, []
             by_kind = torch.stack([torch.stack(pending[k::3]).to(torch.float64) if k else
                                    torch.stack(pending[0::3]).view(torch.float64) for k in range(3)]).cpu().numpy()
         finally:
-            self._flushing = False
+            self._quiet = False
         self.values.append((by_kind[0].view(np.int64).copy(), by_kind[1].copy(), by_kind[2].copy()))
 
     # -- output
@@ -345,6 +358,14 @@ def diff(a: Trace, b: Trace) -> dict:
         per_step.append({"step": int(s), "records": int(sel.sum()), "differ": int(differ[sel].sum()),
                          "max_rel_l2_summary": float(rel.max()) if rel.size else 0.0})
     out["per_step"] = per_step
+    params = np.array([a.header["ops"][i] == "parameter" for i in a.cols["op"]], dtype=bool)
+    if params.any():
+        for s in per_step:
+            sel = params & (steps == s["step"])
+            s["params_differ"] = int(differ[sel].sum())
+            s["params"] = int(sel.sum())
+        out["all_weights_differ_at_step"] = next((s["step"] for s in per_step if s.get("params")
+                                                 and s["params_differ"] == s["params"]), None)
     out["first_by_phase"] = {p: a.label(int(np.flatnonzero(differ & (a.cols["phase"] == i))[0]))
                              for i, p in enumerate(PHASES) if (differ & (a.cols["phase"] == i)).any()}
     return out
@@ -364,9 +385,14 @@ def format_diff(d: dict) -> str:
         lines.append(f"  saved tensors: max ULP {d.get('max_ulp')}, relative L2 {d.get('rel_l2')}")
     for p, lab in d["first_by_phase"].items():
         lines.append(f"  first in {p}: step {lab['step']} op #{lab['index']} aten::{lab['op']} ({lab['module'] or '-'})")
-    lines.append("  per step: records differing / recorded, largest relative difference of an L2 summary")
+    if "all_weights_differ_at_step" in d:
+        lines.append(f"  every weight tensor differs from step {d['all_weights_differ_at_step']} on"
+                     if d["all_weights_differ_at_step"] is not None else "  not every weight tensor differs yet")
+    lines.append("  per step: records differing / recorded, weight tensors differing, largest relative difference "
+                 "of an L2 summary")
     for s in d["per_step"]:
-        lines.append(f"    step {s['step']:>4}: {s['differ']:>6} / {s['records']:<6} {s['max_rel_l2_summary']:.3g}")
+        w = f"{s['params_differ']:>4} / {s['params']:<4}" if "params" in s else "-"
+        lines.append(f"    step {s['step']:>4}: {s['differ']:>6} / {s['records']:<6} {w} {s['max_rel_l2_summary']:.3g}")
     return "\n".join(lines)
 
 
@@ -434,26 +460,30 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
                     loss.backward()
                     with rec.phase("optimizer"):
                         opt.step()
+                    rec.snapshot(model.named_parameters())
                     step += 1
     return Path(path)
 
 
-VARY = ("kernel", "init", "order", "aug", "ulp")
+VARY = ("none", "kernel", "init", "order", "aug", "ulp")
 
 
 def lockstep_configs(cfg, vary: str):
     """Two configurations equal on every axis but ``vary``. The base is ``cfg`` with fixed seeds and its
-    own kernel family; ``kernel``: atomic kernels in both, with two arrival orders (two CPU seeds; on a
-    GPU the hardware's); ``init``/``order``/``aug``: that seed 1 vs 2; ``ulp``: one weight moved by one
+    own kernel routing; ``kernel``: the routing's atomic ops (every op atomic if it has none) in both, with
+    two arrival orders (two CPU seeds; on a GPU the hardware's); ``none``: the same configuration twice; ``init``/``order``/``aug``: that seed 1 vs 2; ``ulp``: one weight moved by one
     ULP in the second (``--perturb-index``)."""
     import dataclasses
 
     if vary not in VARY:
         raise ValueError(f"--vary must be one of {', '.join(VARY)}, got {vary!r}")
     base = dataclasses.replace(cfg, init_seed="fixed", order_seed="fixed", aug_seed="fixed", perturb_ulp=False)
+    if vary == "none":  # the control: two runs of one configuration
+        return base, base
     if vary == "kernel":
-        return (dataclasses.replace(base, kernel="atomic", kernel_ops={}, kernel_seed=1),
-                dataclasses.replace(base, kernel="atomic", kernel_ops={}, kernel_seed=2))
+        if base.kernel != "atomic" and "atomic" not in base.kernel_ops.values():
+            base = dataclasses.replace(base, kernel="atomic", kernel_ops={})  # else: the atomic ops asked for
+        return dataclasses.replace(base, kernel_seed=1), dataclasses.replace(base, kernel_seed=2)
     if vary == "ulp":
         return base, dataclasses.replace(base, perturb_ulp=True)
     return (dataclasses.replace(base, **{f"{vary}_seed": 1}), dataclasses.replace(base, **{f"{vary}_seed": 2}))
@@ -480,12 +510,118 @@ def lockstep(cfg, vary: str, steps: int, out_dir: str | Path, *, ops: str = "all
     return d
 
 
+def recording_cost(cfg, steps: int, out_dir: str | Path) -> dict:
+    """Median step time (CUDA events on a GPU, wall clock on the CPU) without recording, recording the
+    routed ops, and recording every op; and the trace size per step. Same training code, same steps."""
+    import time
+
+    import torch.nn.functional as F
+
+    from nnrand import noise, routing, train
+
+    out_dir = Path(out_dir)
+    dev = torch.device(cfg.device)
+    fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    seeds = noise.member_seeds({s: "fixed" for s in ("init", "order", "aug")} | {"kernel": cfg.kernel_seed},
+                               cfg.seed, 0)
+    g = torch.Generator(device=dev).manual_seed(0)
+    size = cfg.image_size or 32
+    x = torch.randn(cfg.batch_size, 3, size, size, device=dev, generator=g).contiguous(memory_format=fmt)
+    y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
+    out = {}
+    for mode in ("none", "routed", "all"):
+        model, opt = train.build(cfg, seeds, 10, fmt)
+        path = out_dir / f"cost_{mode}.trace"
+        times = []
+        ctx = record(path, ops=mode, model=model) if mode != "none" else contextlib.nullcontext()
+        with routing.use_kernels(cfg.kernel, cfg.kernel_ops, strict=cfg.strict), ctx as rec:
+            for i in range(steps + 3):
+                if rec is not None:
+                    rec.step()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                if rec is not None:
+                    rec.snapshot(model.named_parameters())
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                if i >= 3:
+                    times.append((time.perf_counter() - t) * 1e3)
+        out[mode] = {"ms_per_step": float(np.median(times))}
+        if mode != "none":
+            out[mode]["bytes_per_step"] = path.stat().st_size / (steps + 3)
+            out[mode]["records_per_step"] = len(load(path)) / (steps + 3)
+    return out
+
+
+def report(cfg, steps: int, out: str | Path, results: str | Path) -> Path:
+    """The trace report: (a) atomic against itself, (b) a one-ULP change of one weight, (c) each routed op
+    alone atomic, every other op tree; and what recording costs. Writes ``results`` (JSON) and ``out``."""
+    import dataclasses
+    import tempfile
+
+    from nnrand import fingerprint as fp
+    from nnrand import routing, runio
+
+    cases = [("tree vs itself (control)", dataclasses.replace(cfg, kernel="tree", kernel_ops={}), "none"),
+             ("atomic vs itself", dataclasses.replace(cfg, kernel="atomic", kernel_ops={}), "kernel"),
+             ("one-ULP change of one weight (tree)", dataclasses.replace(cfg, kernel="tree", kernel_ops={}), "ulp")]
+    cases += [(f"{op} alone atomic", dataclasses.replace(cfg, kernel="tree", kernel_ops={op: "atomic"}), "kernel")
+              for op in routing.ROUTED_OPS]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, c, vary in cases:
+            d = lockstep(c, vary, steps, tmp, keep=0)
+            rows.append({"case": name, "vary": vary, "status": d["status"], "first": d.get("first"),
+                         "all_weights_differ_at_step": d.get("all_weights_differ_at_step"),
+                         "per_step": d.get("per_step", [])})
+            print(f"{name}: {d['status']}", flush=True)
+        cost = recording_cost(dataclasses.replace(cfg, kernel="tree", kernel_ops={}), min(steps, 10), tmp)
+    data = {"fingerprint": fp.fingerprint(cfg.device), "steps": steps, "model": cfg.model,
+            "batch_size": cfg.batch_size, "rows": rows, "cost": cost}
+    runio.write_json(results, data)
+    return render_report(data, out)
+
+
+def render_report(data: dict, out: str | Path) -> Path:
+    from nnrand import runio
+
+    env = data["fingerprint"]
+    lines = ["# Where two runs part: first divergent op and how the difference grows", "",
+             f"Generated by `python -m nnrand.trace report` ({data['model']}, batch {data['batch_size']}, "
+             f"{data['steps']} steps per replica; {env.get('gpu') or 'cpu'}, torch {env.get('torch')}, "
+             f"git {env.get('git_sha')}). Each case trains two replicas that differ on one axis only and "
+             "records every op (`python -m nnrand.trace lockstep`).", "",
+             "| case | first divergent record (step, phase, aten op, module) | every weight tensor differs from step "
+             "| weight tensors differing per step |", "|---|---|---|---|"]
+    for r in data["rows"]:
+        f = r["first"]
+        first = (f"step {f['step']}, {f['phase']}, `aten::{f['op']}`, {f['module'] or '-'}" if f else r["status"])
+        growth = " ".join(f"{s.get('params_differ', '-')}/{s.get('params', '-')}" for s in r["per_step"])
+        lines.append(f"| {r['case']} | {first} | {r['all_weights_differ_at_step']} | {growth} |")
+    c = data["cost"]
+    base = c["none"]["ms_per_step"]
+    lines += ["", "Recording cost (same model, tree kernels, median step time):", ""]
+    for mode in ("routed", "all"):
+        lines.append(f"- recording {mode} ops: {c[mode]['ms_per_step']:.2f} ms/step against {base:.2f} "
+                     f"({c[mode]['ms_per_step'] / base:.2f}x), {c[mode]['records_per_step']:.0f} records and "
+                     f"{c[mode]['bytes_per_step'] / 1e3:.1f} kB per step ({c[mode]['bytes_per_step'] * 100 / 1e6:.1f} MB "
+                     "per 100 steps)")
+    runio.write_text(out, "\n".join(lines) + "\n")
+    return Path(out)
+
+
 EPILOG = """examples:
   python -m nnrand.trace record --kernel atomic --steps 3 -o a.trace
   python -m nnrand.trace record --kernel atomic --steps 3 -o b.trace
   python -m nnrand.trace diff a.trace b.trace --plot growth.png
   python -m nnrand.trace record --kernel tree --perturb-ulp --perturb-index 10 --steps 2 -o ulp.trace
   python -m nnrand.trace lockstep --vary kernel --steps 5 --out-dir lock/ --plot lock/growth.png
+  python -m nnrand.trace report --steps 8 --n-train 2048      reports/trace.md (atomic, ULP, each op atomic)
 record and lockstep take every option of python -m nnrand.train (model, data, seeds, --kernel, ...);
 lockstep runs two replicas that differ on one axis (kernel, init, order, aug or ulp) and compares them."""
 
@@ -496,8 +632,8 @@ def cli(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = argparse.ArgumentParser(prog="python -m nnrand.trace", description=__doc__.splitlines()[0],
                                   epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    top.add_argument("command", choices=("record", "diff", "lockstep"))
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("record", "diff", "lockstep"):
+    top.add_argument("command", choices=("record", "diff", "lockstep", "report"))
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("record", "diff", "lockstep", "report"):
         top.parse_args(argv)
         return 2
     if argv[0] == "diff":
@@ -523,6 +659,9 @@ def cli(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", choices=("all", "routed"), default="all", help="which ops to record")
     if argv[0] == "record":
         p.add_argument("-o", "--output", required=True, help="trace file to write")
+    elif argv[0] == "report":
+        p.add_argument("--md", default="reports/trace.md", help="report to write (default %(default)s)")
+        p.add_argument("--json", default="reports/results/trace.json", help="results (default %(default)s)")
     else:
         p.add_argument("--vary", choices=VARY, required=True, help="the one axis the two replicas differ on")
         p.add_argument("--out-dir", default="lockstep", help="where a.trace and b.trace go (default %(default)s)")
@@ -533,6 +672,9 @@ def cli(argv: list[str] | None = None) -> int:
         cfg = train.resolve(train.config_from_args(args))
         if args.steps < 1:
             raise train.ConfigError("--steps must be >= 1")
+        if argv[0] == "report":
+            print(f"report: {report(cfg, args.steps, args.md, args.json)}")
+            return 0
         if argv[0] == "lockstep":
             d = lockstep(cfg, args.vary, args.steps, args.out_dir, ops=args.ops, keep=args.keep)
         else:

@@ -157,7 +157,7 @@ def test_lockstep_replicas_differ_on_one_axis_only():
     for vary in trace.VARY:
         a, b = trace.lockstep_configs(cfg, vary)
         changed = {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
-        want = {"kernel": {"kernel_seed"}, "ulp": {"perturb_ulp"}}.get(vary, {f"{vary}_seed"})
+        want = {"none": set(), "kernel": {"kernel_seed"}, "ulp": {"perturb_ulp"}}.get(vary, {f"{vary}_seed"})
         assert changed == want, (vary, changed)
     with pytest.raises(ValueError, match="--vary"):
         trace.lockstep_configs(cfg, "weather")
