@@ -217,11 +217,18 @@ class Recorder(TorchDispatchMode):
         self._quiet = True
         try:
             pending, self.pending = self.pending, []
-            by_kind = torch.stack([torch.stack(pending[k::3]).to(torch.float64) if k else
-                                   torch.stack(pending[0::3]).view(torch.float64) for k in range(3)]).cpu().numpy()
+            n = len(pending) // 3
+            fps, l2, mx = np.zeros(n, np.int64), np.zeros(n), np.zeros(n)
+            devices: dict[torch.device, list[int]] = {}
+            for i in range(n):  # records of CPU tensors may sit between those of GPU tensors
+                devices.setdefault(pending[3 * i].device, []).append(i)
+            for idx in devices.values():  # one transfer per device
+                fp = torch.stack([pending[3 * i] for i in idx]).cpu().numpy()
+                sm = torch.stack([torch.stack((pending[3 * i + 1], pending[3 * i + 2])) for i in idx]).cpu().numpy()
+                fps[idx], l2[idx], mx[idx] = fp, sm[:, 0], sm[:, 1]
         finally:
             self._quiet = False
-        self.values.append((by_kind[0].view(np.int64).copy(), by_kind[1].copy(), by_kind[2].copy()))
+        self.values.append((fps, l2, mx))
 
     # -- output
     def arrays(self) -> dict[str, np.ndarray]:
