@@ -501,6 +501,7 @@ class _Session:
         self.coverage = Coverage()
         self.warned: set[str] = set()
         self.overridden: list[str] = []  # aten ops overridden while open
+        self.observers: list[Callable[[str, object], None]] = []
         # conv: (wgrad, dgrad, bias) variants or None for native
         self.conv = (routing.variant("conv_wgrad"), routing.variant("conv_dgrad"), routing.variant("bias_grad"))
         names = sorted({v.name for v in self.conv if v is not None})
@@ -567,6 +568,30 @@ def _bind(fn, *bound):
     return kernel
 
 
+def _bind_observed(fn, session: "_Session", op: str, *bound):
+    """A routed op's kernel: the handler, then the session's observers (``observe``) with its outputs."""
+    def kernel(keyset, *args, **kwargs):
+        out = fn(session, *bound, keyset, *args, **kwargs)
+        for f in session.observers:
+            f(op, out)
+        return out
+    return kernel
+
+
+@contextlib.contextmanager
+def observe(fn: Callable[[str, object], None]) -> Iterator[None]:
+    """Call ``fn(aten_op, outputs)`` after every routed aten op of the open ``use_kernels`` context (what
+    ``nnrand.trace`` records with ``ops="routed"``: no cost for the ops nnrand does not route)."""
+    s = _ACTIVE
+    if s is None:
+        raise RoutingError("routing.observe needs an open nnrand.use_kernels context")
+    s.observers.append(fn)
+    try:
+        yield
+    finally:
+        s.observers.remove(fn)
+
+
 @contextlib.contextmanager
 def _deterministic_mode(strict: bool) -> Iterator[None]:
     """PyTorch's deterministic mode for the ops nnrand passes on; everything restored on exit."""
@@ -628,7 +653,8 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
                     for r in routes:
                         for k in r.keys:
                             if originals[r.op, k] is not None:
-                                lib.impl(r.op, _bind(r.handler, session, originals[r.op, k]), k, with_keyset=True)
+                                lib.impl(r.op, _bind_observed(r.handler, session, r.op, originals[r.op, k]), k,
+                                         with_keyset=True)
                         session.overridden.append(r.op)
                     for g in guarded:
                         for k in ("CPU", "CUDA"):

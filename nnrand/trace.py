@@ -15,8 +15,9 @@ or around any training code::
             with rec.phase("optimizer"):
                 opt.step()
 
-Every aten op that runs while recording (``ops="all"``; ``"routed"``: only the backward ops nnrand
-routes) adds one record per tensor output: step, phase, index within the step, aten op, module path,
+Every aten op that runs while recording (``ops="all"``, through a ``TorchDispatchMode``; ``"routed"``:
+only the backward ops nnrand routes, reported by the open ``use_kernels`` context itself, so the other ops
+run at full speed) adds one record per tensor output: step, phase, index within the step, aten op, module path,
 output number, shape, dtype, a fingerprint of the output's bytes and two summaries (L2 norm, max |x|).
 The fingerprint is an exact position-weighted sum of the output's bit patterns, sum_i (i + 1) * bits_i in
 wrapping int64 arithmetic, computed on the tensor's device; integer addition is associative, so it does
@@ -155,16 +156,40 @@ class Recorder(TorchDispatchMode):
     def __enter__(self):
         from torch.nn.modules import module as mm
 
+        from nnrand import routing
+
         self._hooks = [mm.register_module_forward_pre_hook(self._pre),
                        mm.register_module_forward_hook(self._post)]
+        if self.ops == "routed":  # only the routed ops, from the routing's own overrides: no dispatch mode
+            self._observing = routing.observe(self._observe)
+            try:
+                self._observing.__enter__()
+            except BaseException:
+                self._remove_hooks()
+                raise
+            return self
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self._remove_hooks()
+        self._flush()
+        if self.ops == "routed":
+            return self._observing.__exit__(*exc)
+        return super().__exit__(*exc)
+
+    def _remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self._flush()
-        return super().__exit__(*exc)
+
+    def _observe(self, op: str, out) -> None:
+        node = torch._C._current_autograd_node()
+        phase, module = ("backward", node.metadata.get("nnrand_module", "")) if node is not None else \
+            (self._phase, self.stack[-1] if self.stack else "")
+        for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.numel() and not t.is_sparse:
+                self._add(t, op, module, phase, k)
+        self.index += 1
 
     def snapshot(self, named: Iterator[tuple[str, torch.Tensor]], op: str = "parameter") -> None:
         """One record per named tensor (phase "other", aten op field ``op``, module field the name): the

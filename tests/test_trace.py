@@ -169,3 +169,21 @@ def test_lockstep_ulp_keeps_the_first_differing_output_in_full(tmp_path):
     d = trace.lockstep(cfg, "ulp", 1, tmp_path, keep=1)
     assert (d["first"]["phase"], d["first"]["op"], d["first"]["module"]) == ("forward", "convolution", "stem.0")
     assert d["max_ulp"] >= 1 and d["rel_l2"] > 0
+
+
+def test_routed_recording_sees_exactly_the_routed_ops(tmp_path):
+    """ops="routed" records through the routing's observers: the routed backward ops of every step, each
+    with its module, the same fingerprints as the full recording's records of those ops."""
+    need_all_ops()
+    cfg = train.resolve(train.Config(**TINY, kernel="tree"))
+    full = trace.load(trace.record_training(cfg, 1, tmp_path / "all.trace"))
+    routed = trace.load(trace.record_training(cfg, 1, tmp_path / "routed.trace", ops="routed"))
+    ops = {routed.header["ops"][i] for i in routed.cols["op"]} - {"parameter"}
+    assert ops == {"convolution_backward", "native_batch_norm_backward", "max_pool2d_with_indices_backward"}
+    sel = np.array([full.header["ops"][i] in trace.ROUTED_ATEN for i in full.cols["op"]])
+    rsel = np.array([routed.header["ops"][i] in trace.ROUTED_ATEN for i in routed.cols["op"]])
+    assert np.array_equal(full.cols["fp"][sel], routed.cols["fp"][rsel])
+    assert all(routed.header["modules"][m] for m in routed.cols["module"][rsel])
+    with pytest.raises(routing.RoutingError, match="use_kernels"):
+        with trace.record(None, ops="routed"):
+            pass
