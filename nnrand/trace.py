@@ -21,7 +21,8 @@ run at full speed) adds one record per tensor output: step, phase, index within 
 output number, shape, dtype, a fingerprint of the output's bytes and two summaries (L2 norm, max |x|).
 The fingerprint is an exact position-weighted sum of the output's bit patterns, sum_i (i + 1) * bits_i in
 wrapping int64 arithmetic, computed on the tensor's device; integer addition is associative, so it does
-not depend on how the device adds, and two outputs with different bytes almost surely differ in it. The
+not depend on how the device adds, and two outputs with different bytes almost surely differ in it. On a
+GPU, float32 outputs are fingerprinted and summarised by one pass of ``kernels/fingerprint.cu``. The
 per-op values stay on the device until the step ends (one transfer per step, no synchronisation per op).
 
 Module paths: the forward op runs inside a module's ``forward`` (a global module hook keeps the stack;
@@ -96,6 +97,45 @@ def summaries(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.linalg.vector_norm(x), x.abs().max()
 
 
+FP_THREADS = 256           # FP_THREADS in kernels/fingerprint.cu
+FP_WORDS_PER_THREAD = 16   # at least this many words per thread before another block is added
+FP_MAX_BLOCKS = 1024
+
+
+def fingerprint_cuda(t: torch.Tensor) -> torch.Tensor:
+    """(fingerprint's bits, L2, max |x|) of a CUDA tensor of 4-byte elements as a (3,) float64 tensor on
+    its device: two launches of kernels/fingerprint.cu instead of seven torch ops. Same fingerprint as
+    ``fingerprint``; the summaries are added in the kernel's fixed order (deterministic, and within a
+    few double roundings of torch's)."""
+    from kernels import runtime
+
+    w = t.detach().contiguous().reshape(-1).view(torch.int32)
+    n = w.numel()
+    blocks = max(1, min(FP_MAX_BLOCKS, runtime.cdiv(n, FP_THREADS * FP_WORDS_PER_THREAD)))
+    chunk = runtime.cdiv(n, blocks)
+    dev = w.device
+    parts = torch.empty(3 * blocks, dtype=torch.int64, device=dev)  # fp u64 | sq f64 | mx f32, nan i32
+    base = parts.data_ptr()
+    p_fp, p_sq, p_mx, p_nan = (np.uint64(base), np.uint64(base + 8 * blocks), np.uint64(base + 16 * blocks),
+                               np.uint64(base + 20 * blocks))
+    out = torch.empty(3, dtype=torch.float64, device=dev)
+    runtime.launch(runtime.function("fingerprint.cu", "fingerprint_blocks", dev), (blocks,), (FP_THREADS,),
+                   (runtime.ptr(w), np.int64(n), np.int64(chunk), p_fp, p_sq, p_mx, p_nan), device=dev)
+    runtime.launch(runtime.function("fingerprint.cu", "fingerprint_combine", dev), (1,), (FP_THREADS,),
+                   (p_fp, p_sq, p_mx, p_nan, np.int32(blocks), runtime.ptr(out)), device=dev)
+    return out
+
+
+def record_values(t: torch.Tensor) -> torch.Tensor:
+    """(fingerprint's bits, L2, max |x|) as a (3,) float64 tensor on the tensor's device."""
+    from kernels import cuda_available
+
+    if t.is_cuda and t.element_size() == 4 and t.dtype != torch.bool and cuda_available():
+        return fingerprint_cuda(t)
+    l2, mx = summaries(t)
+    return torch.stack((fingerprint(t).view(torch.float64), l2, mx))
+
+
 # --------------------------------------------------------------------------------------------------
 # Recording
 
@@ -114,7 +154,7 @@ class Recorder(TorchDispatchMode):
         self._phase = "forward"
         self.step_no, self.index = -1, 0
         self.rows: list[tuple] = []        # host fields per record
-        self.pending: list[torch.Tensor] = []   # device values of the current step, 3 per record
+        self.pending: list[torch.Tensor] = []   # (fp bits, L2, max) per record of the current step, on its device
         self.values: list[np.ndarray] = []
         self.tensors: dict[int, np.ndarray] = {}
         self.tables: dict[str, dict[str, int]] = {"ops": {}, "modules": {}, "shapes": {}, "dtypes": {}}
@@ -209,8 +249,7 @@ class Recorder(TorchDispatchMode):
         self.rows.append((step, PHASES.index(phase), self.index, self._code("ops", op), self._code("modules", module),
                           k, self._code("shapes", "x".join(map(str, t.shape))),
                           self._code("dtypes", str(t.dtype).replace("torch.", ""))))
-        l2, mx = summaries(t)
-        self.pending += [fingerprint(t), l2, mx]
+        self.pending.append(record_values(t))
         if (step, phase, self.index) in self.keep:
             self.tensors[rec] = t.detach().cpu().numpy().copy()
 
@@ -242,18 +281,15 @@ class Recorder(TorchDispatchMode):
         self._quiet = True
         try:
             pending, self.pending = self.pending, []
-            n = len(pending) // 3
-            fps, l2, mx = np.zeros(n, np.int64), np.zeros(n), np.zeros(n)
+            vals = np.zeros((len(pending), 3))
             devices: dict[torch.device, list[int]] = {}
-            for i in range(n):  # records of CPU tensors may sit between those of GPU tensors
-                devices.setdefault(pending[3 * i].device, []).append(i)
+            for i, v in enumerate(pending):  # records of CPU tensors may sit between those of GPU tensors
+                devices.setdefault(v.device, []).append(i)
             for idx in devices.values():  # one transfer per device
-                fp = torch.stack([pending[3 * i] for i in idx]).cpu().numpy()
-                sm = torch.stack([torch.stack((pending[3 * i + 1], pending[3 * i + 2])) for i in idx]).cpu().numpy()
-                fps[idx], l2[idx], mx[idx] = fp, sm[:, 0], sm[:, 1]
+                vals[idx] = torch.stack([pending[i] for i in idx]).cpu().numpy()
         finally:
             self._quiet = False
-        self.values.append((fps, l2, mx))
+        self.values.append((vals[:, 0].view(np.int64).copy(), vals[:, 1].copy(), vals[:, 2].copy()))
 
     # -- output
     def arrays(self) -> dict[str, np.ndarray]:

@@ -1,0 +1,39 @@
+"""nnrand.trace on the GPU: the fused fingerprint kernel against the torch formula, and traces of two
+tree runs bitwise equal."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nnrand import trace, train
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("n", [1, 255, 1023, 4097, 1 << 20, (1 << 22) + 3])
+def test_fused_fingerprint_matches_the_formula(n):
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(n, device="cuda", generator=g) * 3
+    got = trace.fingerprint_cuda(x)
+    fp, l2, mx = got[0].view(torch.int64), got[1], got[2]
+    assert int(fp) == int(trace.fingerprint(x))
+    assert float(mx) == float(x.abs().max())
+    # x*x is exact in double (24-bit significands); two sums of n doubles in different orders differ by
+    # at most 2 (n - 1) 2^-53 relative, the square root halves that; one more rounding each for the root
+    want = torch.linalg.vector_norm(x.double())
+    assert abs(float(l2) - float(want)) <= (n + 2) * 2.0**-53 * float(want)
+    reps = {trace.fingerprint_cuda(x).cpu().numpy().tobytes() for _ in range(20)}
+    assert len(reps) == 1
+    x[n // 2] = float("nan")
+    got = trace.fingerprint_cuda(x)
+    assert torch.isnan(got[1]) and torch.isnan(got[2]) and int(got[0].view(torch.int64)) == int(trace.fingerprint(x))
+
+
+def test_two_tree_runs_record_identical_traces(tmp_path):
+    cfg = train.resolve(train.Config(device="cuda", model="resnet18", n_train=512, n_test=64, batch_size=64,
+                                     epochs=1, progress=False, report=False, kernel="tree"))
+    a = trace.load(trace.record_training(cfg, 2, tmp_path / "a.trace"))
+    b = trace.load(trace.record_training(cfg, 2, tmp_path / "b.trace"))
+    assert trace.diff(a, b) == {"status": "identical", "records": len(a)}
+    routed = trace.load(trace.record_training(cfg, 2, tmp_path / "r.trace", ops="routed"))
+    assert len(routed) < len(a)
