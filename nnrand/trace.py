@@ -679,8 +679,29 @@ def render_report(data: dict, out: str | Path) -> Path:
                      f"({c[mode]['ms_per_step'] / base:.2f}x), {c[mode]['records_per_step']:.0f} records and "
                      f"{c[mode]['bytes_per_step'] / 1e3:.1f} kB per step ({c[mode]['bytes_per_step'] * 100 / 1e6:.1f} MB "
                      "per 100 steps)")
+    cross = data.get("cross_gpu")
+    if cross:
+        lines += ["", "The same run on two GPUs (`python -m nnrand.trace record --kernel tree --steps 3 --n-train 1024 "
+                  "--n-test 128` on each machine, then `python -m nnrand.trace diff`; traces in reports/results/):", ""]
+        for c in cross:
+            lines.append(f"- {c['a']} vs {c['b']}: {format_diff(c['diff']).splitlines()[0]}")
     runio.write_text(out, "\n".join(lines) + "\n")
     return Path(out)
+
+
+def add_cross_gpu(results: str | Path, a: str | Path, b: str | Path, out: str | Path) -> Path:
+    """Compare two traces of one run recorded on two machines, keep the comparison in the results file,
+    and re-render the report from it."""
+    from nnrand import runio
+
+    data = json.loads(Path(results).read_text())
+    ta, tb = load(a), load(b)
+    entry = {"a": f"{Path(a).name} ({ta.header['meta'].get('device')})",
+             "b": f"{Path(b).name} ({tb.header['meta'].get('device')})", "diff": diff(ta, tb)}
+    data["cross_gpu"] = [c for c in data.get("cross_gpu", []) if (c["a"], c["b"]) != (entry["a"], entry["b"])]
+    data["cross_gpu"].append(entry)
+    runio.write_json(results, data)
+    return render_report(data, out)
 
 
 EPILOG = """examples:
@@ -730,6 +751,8 @@ def cli(argv: list[str] | None = None) -> int:
     elif argv[0] == "report":
         p.add_argument("--md", default="reports/trace.md", help="report to write (default %(default)s)")
         p.add_argument("--json", default="reports/results/trace.json", help="results (default %(default)s)")
+        p.add_argument("--cross-gpu", nargs=2, metavar="TRACE", help="add the comparison of one run's traces "
+                       "from two machines to the results and re-render (runs nothing)")
     else:
         p.add_argument("--vary", choices=VARY, required=True, help="the one axis the two replicas differ on")
         p.add_argument("--out-dir", default="lockstep", help="where a.trace and b.trace go (default %(default)s)")
@@ -741,7 +764,10 @@ def cli(argv: list[str] | None = None) -> int:
         if args.steps < 1:
             raise train.ConfigError("--steps must be >= 1")
         if argv[0] == "report":
-            print(f"report: {report(cfg, args.steps, args.md, args.json)}")
+            if args.cross_gpu:
+                print(f"report: {add_cross_gpu(args.json, *args.cross_gpu, args.md)}")
+            else:
+                print(f"report: {report(cfg, args.steps, args.md, args.json)}")
             return 0
         if argv[0] == "lockstep":
             d = lockstep(cfg, args.vary, args.steps, args.out_dir, ops=args.ops, keep=args.keep)

@@ -187,3 +187,17 @@ def test_routed_recording_sees_exactly_the_routed_ops(tmp_path):
     with pytest.raises(routing.RoutingError, match="use_kernels"):
         with trace.record(None, ops="routed"):
             pass
+
+
+def test_cross_gpu_comparison_is_added_to_the_report(tmp_path):
+    a = _write(tmp_path / "a.trace", _arrays(6, seed=5))
+    results = tmp_path / "trace.json"
+    results.write_text(json.dumps({"fingerprint": {"gpu": "x", "torch": "t", "git_sha": "s"}, "steps": 1,
+                                   "model": "m", "batch_size": 2, "rows": [],
+                                   "cost": {m: {"ms_per_step": 1.0, "records_per_step": 1, "bytes_per_step": 10}
+                                            for m in ("none", "routed", "all")}}))
+    md = trace.add_cross_gpu(results, a, a, tmp_path / "trace.md")
+    assert "identical: 6 records" in md.read_text()
+    assert len(json.loads(results.read_text())["cross_gpu"]) == 1
+    trace.add_cross_gpu(results, a, a, tmp_path / "trace.md")  # the same pair again replaces its entry
+    assert len(json.loads(results.read_text())["cross_gpu"]) == 1
