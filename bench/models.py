@@ -7,8 +7,9 @@
 Modes (fp32, TF32 off; each in NCHW and channels_last, the faster layout is the mode's figure):
 
     native               stock PyTorch/cuDNN, cudnn.benchmark on: the fastest configuration a user runs
-    torch_deterministic  torch.use_deterministic_algorithms(True), cudnn.deterministic, cudnn.benchmark on
-    tree                 nnrand.use_kernels("tree") (strict; a refused model is run again with strict=False)
+    torch_deterministic  torch.use_deterministic_algorithms(True), cudnn.deterministic, cudnn.benchmark off
+    tree                 nnrand.use_kernels("tree") (strict; a refused model is run again with strict=False;
+                         cudnn.benchmark off inside, as use_kernels sets it for a deterministic routing)
     tree_winograd        tree with conv_wgrad=winograd (Winograd F(3,2) weight gradient where it applies)
     atomic               nnrand.use_kernels("atomic")
 
@@ -102,8 +103,8 @@ class Mode:
         b.benchmark = True
         self.routing = None
         try:
-            if self.mode == "torch_deterministic":
-                b.deterministic = True
+            if self.mode == "torch_deterministic":  # as PyTorch's reproducibility notes ask: benchmark off too
+                b.deterministic, b.benchmark = True, False
                 torch.use_deterministic_algorithms(True)
             elif self.mode in ROUTED:
                 family, ops = ROUTED[self.mode]

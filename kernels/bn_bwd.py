@@ -29,7 +29,7 @@ from .runtime import (
     KernelArgumentError,
     cdiv,
     check_cuda,
-    check_key,
+    memo_check,
     check_size,
     check_tensor,
     function,
@@ -100,15 +100,9 @@ _CHECKED: dict[tuple, tuple[str, bool]] = {}
 
 def _check(dy, x, mean, invstd, weight) -> tuple[torch.Tensor, str]:
     """Validate everything before any work; returns (dy in x's layout, layout). Memoised per configuration
-    (``runtime.check_key``: dtypes, devices, shapes and strides), so a launcher called once per BatchNorm
+    (``runtime.memo_check``: dtypes, devices, shapes and strides), so a launcher called once per BatchNorm
     layer per step checks each configuration once."""
-    key = check_key(dy, x, mean, invstd, weight)
-    hit = _CHECKED.get(key) if key is not None else None
-    if hit is None:
-        hit = _check_all(dy, x, mean, invstd, weight)
-        if key is not None and len(_CHECKED) < 4096:
-            _CHECKED[key] = hit
-    layout, convert = hit
+    layout, convert = memo_check(_CHECKED, _check_all, dy, x, mean, invstd, weight)
     if convert:
         dy = dy.contiguous(memory_format=_memory_format(layout))
     return dy, layout

@@ -149,7 +149,10 @@ def memo_check(cache: dict, check, *args):
     """``check(*args)``, remembered in ``cache`` under ``check_key(*args)``: errors are raised every time
     (never cached), a valid configuration is validated once."""
     key = check_key(*args)
-    hit = cache.get(key) if key is not None else None
+    try:
+        hit = cache.get(key) if key is not None else None
+    except TypeError:  # a tuple holding something unhashable: check it fully, remember nothing
+        key = hit = None
     if hit is None:
         hit = check(*args)
         if key is not None and len(cache) < MEMO_LIMIT:

@@ -48,13 +48,18 @@ kernel (with the reason) or left uncovered. It counts dispatches: replays of a c
 the captured kernels without dispatching and are not counted.
 
 Contexts do not nest (a second ``use_kernels`` while one is open raises :class:`RoutingError`); on exit,
-exceptions included, every override and flag is put back.
+exceptions included, every override and flag is put back. The dispatcher and PyTorch's flags are
+process-wide: while a context is open, backward passes run by other threads are routed (and counted) too;
+autograd runs CUDA backward passes on its own threads, so the routing cannot be limited to one thread.
+With ``strict=False``, ops PyTorch's deterministic mode only warns about are counted ``uncovered`` when the
+warning is shown (a filter that ignores it hides it from the count too).
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import os
+import re
 import threading
 import warnings
 from collections import Counter, defaultdict
@@ -278,12 +283,12 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
     elif not _f32(dy, x, w):
         why = f"dtype {x.dtype}"
     plan = s.conv
+    fmt = memory_format_of(x)
     if why is None:
         need = list(mask)
         native_mask = [need[0] and plan[1] is None, need[1] and plan[0] is None, need[2] and plan[2] is None]
         try:
             dx = dw = db = None
-            fmt = memory_format_of(x)
             dy_ = dy.contiguous(memory_format=fmt)
             x_ = x.contiguous(memory_format=fmt)
             geom = dict(stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
@@ -313,7 +318,8 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
         dx = dx.contiguous(memory_format=out_fmt)
     if dw is not None:
         dw = dw.contiguous(memory_format=out_fmt)
-    s.coverage.add(op, s.conv_label)
+    ran = sorted({v.name for v, needed in zip(plan, (need[1], need[0], need[2])) if needed and v is not None})
+    s.coverage.add(op, "+".join(ran) if ran else ORIGINAL, None if ran else "no routed gradient was asked for")
     return dx, dw, db
 
 
@@ -422,8 +428,9 @@ ATEN_OPS = (
 @dataclass(frozen=True)
 class Uncovered:
     op: str                     # the forward aten op
-    backward: str               # its backward aten op
+    backward: str               # its nondeterministic aten op (the backward, or the op itself)
     applies: Callable[..., bool] = lambda *a: True
+    forward: bool = False       # the forward itself is nondeterministic (checked whether or not grad flows)
 
 
 def _not_1x1(x, output_size, *rest) -> bool:
@@ -436,7 +443,6 @@ UNCOVERED_OPS = (
     Uncovered("adaptive_max_pool2d", "adaptive_max_pool2d_backward"),
     Uncovered("adaptive_max_pool3d", "adaptive_max_pool3d_backward"),
     Uncovered("avg_pool3d", "avg_pool3d_backward"),
-    Uncovered("max_pool3d_with_indices", "max_pool3d_with_indices_backward"),
     Uncovered("fractional_max_pool2d", "fractional_max_pool2d_backward"),
     Uncovered("fractional_max_pool3d", "fractional_max_pool3d_backward"),
     Uncovered("upsample_linear1d", "upsample_linear1d_backward"),
@@ -447,12 +453,16 @@ UNCOVERED_OPS = (
     Uncovered("reflection_pad1d", "reflection_pad1d_backward"),
     Uncovered("reflection_pad2d", "reflection_pad2d_backward"),
     Uncovered("reflection_pad3d", "reflection_pad3d_backward"),
-    Uncovered("replication_pad1d", "replication_pad1d_backward"),
-    Uncovered("replication_pad2d", "replication_pad2d_backward"),
-    Uncovered("replication_pad3d", "replication_pad3d_backward"),
     Uncovered("grid_sampler_2d", "grid_sampler_2d_backward"),
     Uncovered("grid_sampler_3d", "grid_sampler_3d_backward"),
+    Uncovered("_ctc_loss", "_ctc_loss_backward"),
+    Uncovered("nll_loss2d_forward", "nll_loss2d_forward", forward=True),
+    Uncovered("max_unpool2d", "max_unpool2d", forward=True),
+    Uncovered("max_unpool3d", "max_unpool3d", forward=True),
 )
+# Not listed: ops PyTorch makes deterministic in its deterministic mode, which the routing turns on
+# (replication padding and max_pool3d backward, index_add, scatter_add, index_put with accumulate, ...).
+# What PyTorch refuses or warns about beyond this table is still caught: see use_kernels.
 
 
 def _module_on_stack(model: torch.nn.Module | None) -> str | None:
@@ -475,8 +485,10 @@ def _module_on_stack(model: torch.nn.Module | None) -> str | None:
 
 def _guarded_forward(s: "_Session", original, entry: Uncovered, keyset, *args, **kwargs):
     x = args[0]
-    if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad and entry.applies(*args):
-        why = ("its CUDA backward (aten::" + entry.backward + ") adds in an order that changes from run to run")
+    grad = torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad
+    if (entry.forward or grad) and entry.applies(*args):
+        why = (f"its CUDA {'kernel' if entry.forward else 'backward (aten::' + entry.backward + ')'} adds in an "
+               "order that changes from run to run")
         if s.strict:
             raise NondeterministicOpError(entry.op, _module_on_stack(s.model), why)
         s.coverage.add(entry.backward, UNCOVERED)
@@ -504,8 +516,6 @@ class _Session:
         self.observers: list[Callable[[str, object], None]] = []
         # conv: (wgrad, dgrad, bias) variants or None for native
         self.conv = (routing.variant("conv_wgrad"), routing.variant("conv_dgrad"), routing.variant("bias_grad"))
-        names = sorted({v.name for v in self.conv if v is not None})
-        self.conv_label = "+".join(names) if len(names) > 1 else (names[0] if names else ORIGINAL)
         self.pool = routing.variant("maxpool_bwd")
         self.bn = routing.variant("bias_grad", "bn_bwd")
 
@@ -592,24 +602,55 @@ def observe(fn: Callable[[str, object], None]) -> Iterator[None]:
         s.observers.remove(fn)
 
 
+# PyTorch's message when its deterministic mode meets an op it has no deterministic implementation of
+_ALERT = re.compile(r"(\S+) does not have a deterministic implementation")
+
+
+@contextlib.contextmanager
+def _counting_alerts(session: "_Session") -> Iterator[None]:
+    """With ``strict=False`` PyTorch only warns about such ops: count each warning shown as ``uncovered``
+    (the op named as PyTorch names it), then show it as it would have been."""
+    previous = warnings.showwarning
+    original = getattr(warnings, "_showwarning_orig", None)
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        m = _ALERT.search(str(message))
+        if m:
+            session.coverage.add(m.group(1), UNCOVERED, "PyTorch has no deterministic implementation")
+        if previous is original and hasattr(warnings, "_showwarnmsg_impl"):  # the default path, recorders kept
+            warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, filename, lineno, file, line))
+        else:
+            previous(message, category, filename, lineno, file, line)
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
+
+
 @contextlib.contextmanager
 def _deterministic_mode(strict: bool) -> Iterator[None]:
     """PyTorch's deterministic mode for the ops nnrand passes on; everything restored on exit."""
     from torch.utils import deterministic as det
 
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-              det.fill_uninitialized_memory, torch.backends.cudnn.deterministic, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+              det.fill_uninitialized_memory, torch.backends.cudnn.deterministic, os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+              torch.backends.cudnn.benchmark)
     if before[4] is None:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS's fixed-workspace mode (see PyTorch's docs)
     torch.use_deterministic_algorithms(True, warn_only=not strict)
     det.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = True
+    # cudnn.benchmark would pick the forward convs' algorithm by timing, per process: off, as PyTorch's
+    # reproducibility notes ask
+    torch.backends.cudnn.benchmark = False
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         det.fill_uninitialized_memory = before[2]
         torch.backends.cudnn.deterministic = before[3]
+        torch.backends.cudnn.benchmark = before[5]
         if before[4] is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
@@ -663,7 +704,16 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
                                          with_keyset=True)
             if routing.claims_determinism:
                 stack.enter_context(_deterministic_mode(strict))
-            yield RoutingContext(session)
+                if not strict:
+                    stack.enter_context(_counting_alerts(session))
+            try:
+                yield RoutingContext(session)
+            except RuntimeError as e:  # PyTorch's own refusal under strict: the same error as the guard's
+                m = _ALERT.search(str(e))
+                if m is None or isinstance(e, NondeterministicOpError) or not routing.claims_determinism:
+                    raise
+                raise NondeterministicOpError(m.group(1), None, "PyTorch has no deterministic implementation of "
+                                              "it (its deterministic mode refused it)") from e
     finally:
         if lib is not None:
             lib._destroy()

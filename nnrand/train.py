@@ -316,7 +316,8 @@ class GraphStep:
         self.x, self.y = x.clone(), y.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        # the warm-up's random draws (dropout, stochastic depth) must not move the run's generators
+        with torch.random.fork_rng(devices=[x.device]), torch.cuda.stream(side):
             scratch = copy.deepcopy(model)
             for _ in range(2):
                 F.cross_entropy(scratch(self.x), self.y).backward()
