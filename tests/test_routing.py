@@ -541,3 +541,86 @@ def test_nested_unhashable_arguments_still_raise_the_argument_error():
     with pytest.raises(kernels.KernelArgumentError):
         kernels.get("conv_dgrad", "tree")(w, dy, input_size=(8, [8]), stride=(1, 1), padding=(1, 1),
                                           dilation=(1, 1))
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument forms the aten schemas allow
+
+
+def _conv_bwd(dy, x, w, mask, stride, padding, dilation, bias=True):
+    return torch.ops.aten.convolution_backward(dy, x, w, [w.shape[0]] if bias else None, stride, padding, dilation,
+                                               False, [0], 1, mask)
+
+
+@pytest.mark.parametrize("geom", [(9, 2, 2, 0, 1), (11, 3, 2, 1, 1), (10, 3, 1, 2, 2)],
+                         ids=["k2s2", "k3s2p1", "k3d2p2"])
+def test_every_output_mask_with_one_element_lists(geom):
+    """Each requested gradient is its variant's output bit for bit, the others None, for stride, padding
+    and dilation given as one-element lists (as aten passes square ones)."""
+    need_ops("conv_wgrad", "conv_dgrad", "bias_grad")
+    h, k, s, p, d = geom
+    g = torch.Generator().manual_seed(h * 10 + k)
+    x, w = torch.randn(2, 3, h, h, generator=g), torch.randn(4, 3, k, k, generator=g)
+    dy = torch.randn_like(F.conv2d(x, w, stride=s, padding=p, dilation=d)).normal_(generator=g)
+    kw = dict(stride=(s, s), padding=(p, p), dilation=(d, d))
+    want = (kernels.get("conv_dgrad", "tree")(w, dy, input_size=(h, h), **kw),
+            kernels.get("conv_wgrad", "tree")(x, dy, kernel_size=(k, k), **kw).contiguous(),
+            kernels.get("bias_grad", "tree")(dy))
+    for mask in ([a, b, c] for a in (True, False) for b in (True, False) for c in (True, False)):
+        with nnrand.use_kernels("tree"):
+            got = _conv_bwd(dy, x, w, mask, [s], [p], [d])
+        for m, gt, wt in zip(mask, got, want):
+            assert (gt is None) == (not m)
+            if m:
+                assert torch.equal(gt, wt)
+
+
+def test_one_gradient_native_the_other_routed():
+    need_ops("conv_wgrad", "conv_dgrad")
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 3, 9, 9, generator=g), torch.randn(4, 3, 3, 3, generator=g)
+    dy = torch.randn(2, 4, 9, 9, generator=g)
+    stock = _conv_bwd(dy, x, w, [True, True, False], [1], [1], [1], bias=False)
+    with nnrand.use_kernels("tree", {"conv_dgrad": "native"}) as r:
+        got = _conv_bwd(dy, x, w, [True, True, False], [1], [1], [1], bias=False)
+    assert torch.equal(got[0], stock[0])  # the original kernel's dX
+    assert torch.equal(got[1], kernels.get("conv_wgrad", "tree")(x, dy, kernel_size=(3, 3), stride=(1, 1),
+                                                                  padding=(1, 1), dilation=(1, 1)).contiguous())
+    assert r.coverage["convolution_backward"] == {"tree": 1}
+
+
+def test_non_contiguous_upstream_gradient_gives_the_same_bits():
+    need_ops("conv_wgrad", "conv_dgrad")
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 3, 8, 8, generator=g), torch.randn(4, 3, 3, 3, generator=g)
+    dy = torch.randn(2, 4, 8, 8, generator=g)
+    odd = dy.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # channels-last strides, NCHW input
+    with nnrand.use_kernels("tree"):
+        a = _conv_bwd(dy, x, w, [True, True, False], [1], [1], [1], bias=False)
+        b = _conv_bwd(odd, x, w, [True, True, False], [1], [1], [1], bias=False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_batchnorm_forms():
+    """BatchNorm1d on (N, C, L) is routed as (N, C, L, 1); affine=False returns no dgamma; eval mode
+    (running statistics) goes to the original kernel and is counted with its reason."""
+    need_ops("bias_grad")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 6, 7, generator=g, requires_grad=True)
+    dy = torch.randn(4, 6, 7, generator=g)
+    bn = nn.BatchNorm1d(6)
+    with nnrand.use_kernels("tree") as r:
+        bn(x).backward(dy)
+    _, mean, invstd = torch.native_batch_norm(x.detach(), bn.weight, bn.bias, None, None, True, 0.1, bn.eps)
+    dx, dgamma, dbeta = kernels.get("bn_bwd", "tree")(dy.unsqueeze(-1), x.detach().unsqueeze(-1), mean, invstd,
+                                                      bn.weight.detach())
+    assert torch.equal(x.grad, dx.squeeze(-1)) and torch.equal(bn.weight.grad, dgamma)
+    assert torch.equal(bn.bias.grad, dbeta) and r.coverage["native_batch_norm_backward"] == {"tree": 1}
+    plain = nn.BatchNorm2d(3, affine=False)
+    x2 = torch.randn(2, 3, 5, 5, generator=g, requires_grad=True)
+    with nnrand.use_kernels("tree") as r:
+        plain(x2).sum().backward()
+        plain.eval()
+        plain(x2).sum().backward()
+    assert r.coverage["native_batch_norm_backward"] == {"tree": 1, "original": 1}
+    assert any("eval-mode" in why for why in r.coverage.reasons["native_batch_norm_backward"])
