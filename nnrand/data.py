@@ -143,19 +143,71 @@ def augment(x: torch.Tensor, generator: torch.Generator, *, pad: int = 4, mode: 
     to x's device; the crop/flip/padding is one gather of flat pixel indices, so the output depends only on x and the
     generator state (a CPU generator gives the same augmentation for CPU and CUDA batches).
     """
+    _check_augment(x, pad, mode)
+    n = x.shape[0]
+    gdev = generator.device
+    oy = torch.randint(0, 2 * pad + 1, (n,), generator=generator, device=gdev)
+    ox = torch.randint(0, 2 * pad + 1, (n,), generator=generator, device=gdev)
+    fl = torch.randint(0, 2, (n,), generator=generator, device=gdev).bool()
+    return crop_flip(x, oy, ox, fl if flip else torch.zeros_like(fl), pad=pad, mode=mode)
+
+
+# splitmix64 finaliser constants
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    # numpy uint64 arithmetic wraps mod 2**64, as splitmix64 needs
+    z = (z ^ (z >> np.uint64(30))) * _MIX[1]
+    z = (z ^ (z >> np.uint64(27))) * _MIX[2]
+    return z ^ (z >> np.uint64(31))
+
+
+def sample_draws(index: torch.Tensor, seed: int, epoch: int, *, pad: int = 4, flip: bool = True):
+    """Crop offsets and flips keyed by each image's dataset index: (oy, ox, flip), each (N,) on CPU.
+
+    A pure function of (seed, epoch, index): an image gets the same augmentation whichever batch, micro-
+    batch, rank or world size it lands in. Counter-based (splitmix64 of the three keys), so nothing
+    depends on how many draws came before."""
+    idx = index.detach().cpu().numpy().astype(np.uint64)
+    key = np.uint64(noise_key(seed, epoch))
+    with np.errstate(over="ignore"):
+        h = _mix64(key ^ (idx * _MIX[0]))
+        oy = (h & np.uint64(0xFFFF)) % np.uint64(2 * pad + 1)
+        ox = ((h >> np.uint64(16)) & np.uint64(0xFFFF)) % np.uint64(2 * pad + 1)
+        fl = ((h >> np.uint64(32)) & np.uint64(1)).astype(bool) & flip
+    return (torch.from_numpy(oy.astype(np.int64)), torch.from_numpy(ox.astype(np.int64)), torch.from_numpy(fl))
+
+
+def noise_key(seed: int, epoch: int) -> int:
+    """A 64-bit key from (seed, epoch) (NumPy SeedSequence)."""
+    return int(np.random.SeedSequence([int(seed), int(epoch)]).generate_state(1, np.uint64)[0])
+
+
+def augment_indexed(x: torch.Tensor, index: torch.Tensor, seed: int, epoch: int, *, pad: int = 4,
+                    mode: str = "reflect", flip: bool = True) -> torch.Tensor:
+    """:func:`augment` with each image's crop and flip keyed by its dataset index (:func:`sample_draws`)."""
+    _check_augment(x, pad, mode)
+    if index.shape != (x.shape[0],):
+        raise ValueError(f"augment_indexed: index must have shape ({x.shape[0]},), got {tuple(index.shape)}")
+    return crop_flip(x, *sample_draws(index, seed, epoch, pad=pad, flip=flip), pad=pad, mode=mode)
+
+
+def _check_augment(x: torch.Tensor, pad: int, mode: str) -> None:
     if x.ndim != 4:
         raise ValueError(f"augment: expected x of shape (N, C, H, W), got {tuple(x.shape)}")
     if mode not in ("reflect", "zero"):
         raise ValueError(f"augment: mode must be 'reflect' or 'zero', got {mode!r}")
-    n, _, h, w = x.shape
-    if not 0 <= pad < min(h, w):
-        raise ValueError(f"augment: pad must be in [0, {min(h, w)}), got {pad}")
-    gdev = generator.device
-    oy = torch.randint(0, 2 * pad + 1, (n,), generator=generator, device=gdev).to(x.device)
-    ox = torch.randint(0, 2 * pad + 1, (n,), generator=generator, device=gdev).to(x.device)
-    fl = torch.randint(0, 2, (n,), generator=generator, device=gdev).to(x.device).bool()
-    if not flip:
-        fl = torch.zeros_like(fl)
+    if not 0 <= pad < min(x.shape[2], x.shape[3]):
+        raise ValueError(f"augment: pad must be in [0, {min(x.shape[2], x.shape[3])}), got {pad}")
+
+
+def crop_flip(x: torch.Tensor, oy: torch.Tensor, ox: torch.Tensor, fl: torch.Tensor, *, pad: int,
+              mode: str) -> torch.Tensor:
+    """Crop image i at offset (oy[i], ox[i]) of its padded copy, mirrored where fl[i]: one gather, per
+    image independent of the others."""
+    n, c, h, w = x.shape
+    oy, ox, fl = oy.to(x.device), ox.to(x.device), fl.to(x.device)
     ar_h = torch.arange(h, device=x.device)
     ar_w = torch.arange(w, device=x.device)
     rows = oy[:, None] + ar_h[None, :] - pad  # (N, H) source row of each output row
@@ -165,7 +217,6 @@ def augment(x: torch.Tensor, generator: torch.Generator, *, pad: int = 4, mode: 
     else:
         valid = ((rows >= 0) & (rows < h))[:, :, None] & ((cols >= 0) & (cols < w))[:, None, :]
         rows, cols = rows.clamp(0, h - 1), cols.clamp(0, w - 1)
-    c = x.shape[1]
     src = (rows[:, :, None] * w + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
     out = x.reshape(n, c, h * w).gather(2, src).view(n, c, h, w)
     if mode == "zero":

@@ -2,6 +2,7 @@
 
     python -m nnrand.train --kernel tree                 # CPU: small model, synthetic data, under a minute
     python -m nnrand.train --preset impl --members 4     # four members that differ only by atomics
+    torchrun --nproc_per_node 2 -m nnrand.train --kernel tree --world-invariant   # same bits on 1, 2, 4 GPUs
 
 ``main(config) -> metrics`` runs every member of a run (a study calls it many times); ``cli()`` is the
 only place that parses arguments. Sections: hyper-parameters, data, network, training, evaluation, run.
@@ -10,7 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import logging
 import math
+import os
+import socket
 import signal
 import statistics
 import sys
@@ -24,7 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import kernels
-from nnrand import data, models, noise, routing, runio
+from nnrand import data, distributed, models, noise, routing, runio
 from nnrand.fingerprint import fingerprint
 
 # --------------------------------------------------------------------------------------------------
@@ -75,6 +80,10 @@ class Config:
     progress: bool = True               # tqdm bars
     report: bool = True                 # render report.md when the run's members are done
     interrupt_at_step: int | None = None  # behave as if Ctrl-C arrived after this global step (tests)
+    # several processes (torchrun): plain DDP, or the world-size invariant step (nnrand.distributed)
+    world_invariant: bool = False       # same bits on any power-of-two world size dividing batch/micro_batch
+    micro_batch: int | None = None      # world-invariant: images per micro-batch (= BatchNorm's virtual batch)
+    dist_timeout: float = 300.0         # seconds a collective waits for the other ranks before failing
 
 
 DEVICE_DEFAULTS = {
@@ -88,7 +97,10 @@ EVAL_BATCH = 500      # images per evaluation forward
 NESTEROV = True
 # Config fields that may differ between a run and its resumption.
 RESUMABLE_CHANGES = ("out", "resume", "progress", "report", "interrupt_at_step", "members", "first_member",
-                     "data_dir", "download")
+                     "data_dir", "download", "dist_timeout")
+# Micro-batches per global batch when --world-invariant has no --micro-batch: runs on 1, 2 and 4
+# processes then give the same bits.
+DEFAULT_MICRO_BATCHES = 4
 
 
 class ConfigError(ValueError):
@@ -142,10 +154,41 @@ def resolve(cfg: Config) -> Config:
             raise ConfigError(f"--{key.replace('_', '-')} must be a finite number >= 0")
     if cfg.first_member < 0 or cfg.perturb_index < 0:
         raise ConfigError("--first-member and --perturb-index must be >= 0")
+    _resolve_world(cfg, dev)
     if cfg.name is None:
         ops = "".join(f"_{op}={v}" for op, v in sorted(cfg.kernel_ops.items()))
         cfg.name = f"{cfg.preset}_{cfg.kernel}{ops}_{cfg.model}"
     return cfg
+
+
+def _resolve_world(cfg: Config, dev: torch.device) -> None:
+    try:
+        world = distributed.world_from_env()
+    except distributed.LaunchError as e:
+        raise ConfigError(str(e)) from None
+    if not math.isfinite(cfg.dist_timeout) or cfg.dist_timeout <= 0:
+        raise ConfigError(f"--dist-timeout must be a number of seconds > 0, got {cfg.dist_timeout}")
+    if (world.distributed or cfg.world_invariant) and cfg.cuda_graph:
+        raise ConfigError("--cuda-graph runs one process with one batch per step; it cannot be combined with "
+                          "several processes or --world-invariant")
+    if dev.type == "cuda" and world.distributed and world.local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"rank {world.rank}: LOCAL_RANK {world.local_rank} but only "
+                          f"{torch.cuda.device_count()} CUDA devices are visible")
+    if not cfg.world_invariant:
+        if cfg.micro_batch is not None:
+            raise ConfigError("--micro-batch applies to --world-invariant runs only")
+        if cfg.batch_size % world.size:
+            raise ConfigError(f"--batch-size {cfg.batch_size} (the global batch) is not divisible by the world "
+                              f"size {world.size}")
+        return
+    if cfg.micro_batch is None:
+        cfg.micro_batch = next(cfg.batch_size // k for k in (DEFAULT_MICRO_BATCHES, 2, 1) if cfg.batch_size % k == 0)
+    if cfg.micro_batch < 2:
+        raise ConfigError(f"--micro-batch must be >= 2 (BatchNorm needs two images), got {cfg.micro_batch}")
+    try:
+        distributed.check_invariant_layout(cfg.batch_size, cfg.micro_batch, world.size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
@@ -178,9 +221,21 @@ def resize(x: torch.Tensor, size: int | None) -> torch.Tensor:
 
 
 def train_batch(ds, order: torch.Tensor, i: int, batch: int, gen: torch.Generator, fmt, size: int | None = None):
-    idx = order[i * batch:(i + 1) * batch].to(ds.train_x.device)
+    return local_batch(ds, order[i * batch:(i + 1) * batch], gen, fmt, size)
+
+
+def local_batch(ds, idx: torch.Tensor, gen: torch.Generator, fmt, size: int | None = None):
+    """The images at dataset indices ``idx``, augmented with draws from ``gen``."""
+    idx = idx.to(ds.train_x.device)
     x = resize(data.normalize(data.augment(ds.train_x[idx], gen), ds), size).contiguous(memory_format=fmt)
     return x, ds.train_y[idx]
+
+
+def indexed_batch(ds, idx: torch.Tensor, aug_seed: int, epoch: int, fmt, size: int | None = None):
+    """The images at dataset indices ``idx``, each augmented by its own index (world-invariant runs)."""
+    x = data.augment_indexed(ds.train_x[idx.to(ds.train_x.device)], idx, aug_seed, epoch)
+    x = resize(data.normalize(x, ds), size).contiguous(memory_format=fmt)
+    return x, ds.train_y[idx.to(ds.train_y.device)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,15 +333,17 @@ class _StepTimer:
 
 class _Interrupt:
     """Ctrl-C sets a flag that the loop reads between steps, so the checkpoint is taken at a step
-    boundary; a second Ctrl-C interrupts at once."""
+    boundary; a second Ctrl-C interrupts at once. Under torchrun SIGTERM (what its agent sends the
+    workers when it is stopped) does the same, and the ranks agree on the step to stop at."""
 
-    def __init__(self):
+    def __init__(self, distributed: bool = False):
         self.requested = False
-        self._previous = None
+        self._signals = (signal.SIGINT, signal.SIGTERM) if distributed else (signal.SIGINT,)
+        self._previous: dict = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self._signals}
         return self
 
     def _handle(self, signum, frame):
@@ -295,8 +352,8 @@ class _Interrupt:
         self.requested = True
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
         return False
 
 
@@ -353,20 +410,39 @@ def _set_rng_states(states: dict, kernel_rng) -> None:
 
 
 def member_config(cfg: Config, member: int, seeds: noise.MemberSeeds, route: routing.Routing,
-                  flags: dict) -> dict:
+                  flags: dict, world: distributed.World | None = None) -> dict:
+    world = world or distributed.World()
     hp = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_CHANGES}
+    if world.distributed and not cfg.world_invariant:
+        hp["world_size"] = world.size   # plain DDP: another world size is another run
     return {"member": member, "config": hp, "seeds": seeds.as_dict(), "routing": route.describe(),
-            "flags": dict(flags, channels_last=cfg.channels_last, nesterov=NESTEROV),
+            "flags": dict(flags, channels_last=cfg.channels_last, nesterov=NESTEROV, world_size=world.size,
+                          world_invariant=cfg.world_invariant, micro_batch=cfg.micro_batch),
             "fingerprint": fingerprint(cfg.device)}
 
 
-def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: dict) -> dict:
+def _rank_seed(seed: int, world: distributed.World) -> int:
+    """Plain DDP: each rank's augmentation stream (one process keeps the run's own seed)."""
+    return seed if not world.distributed else noise.derive(seed, 1_000_003, world.rank)
+
+
+def logits_hash(logits: torch.Tensor) -> str:
+    return hashlib.sha256(logits.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: dict,
+                 group: distributed.Group | None = None, log: logging.Logger | None = None) -> dict:
+    group = group or distributed.Group(distributed.World(), torch.device(cfg.device))
+    world = group.world
+    main_rank = world.is_main
+    log = log or logging.getLogger("nnrand.train")
     d = runio.member_dir(cfg.out, cfg.name, member)
     if cfg.resume and runio.is_finished(d):
         return runio.read_json(d / "result.json")
-    if not cfg.resume:
+    if not cfg.resume and main_rank:
         for f in ("checkpoint.pt", "result.json"):
             (d / f).unlink(missing_ok=True)
+    group.barrier()
     device = torch.device(cfg.device)
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
     specs = {s: getattr(cfg, f"{s}_seed") for s in noise.SOURCES}
@@ -378,18 +454,19 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     steps = n // cfg.batch_size
     total = steps * cfg.epochs
     warmup = max(1, min(int(cfg.warmup_epochs * steps), total // 2))
+    local = cfg.batch_size // world.size
 
-    meta = member_config(cfg, member, seeds, route, flags)
+    meta = member_config(cfg, member, seeds, route, flags, world)
     ckpt = runio.load_checkpoint(d) if cfg.resume else None
     if ckpt is None:
         meta["perturb"] = noise.perturb_one_ulp(model, cfg.perturb_index) if cfg.perturb_ulp else None
         state = {"epoch": 0, "i": 0, "step": 0, "metrics": [], "checksums": [], "acc": None,
                  "aug_state": None, "perturb": meta["perturb"]}
         state["checksums"].append({"step": 0, "epoch": 0, "checksum": int(checksum(model))})
-        runio.write_json(d / "config.json", meta)
     else:
         if ckpt["config"] != meta["config"]:
-            diff = sorted(k for k in meta["config"] if ckpt["config"].get(k) != meta["config"][k])
+            diff = sorted(k for k in set(meta["config"]) | set(ckpt["config"])
+                          if ckpt["config"].get(k) != meta["config"].get(k))
             raise ConfigError(f"{d} holds a run with a different config (differs in: {', '.join(diff)}); "
                               "use another --name or --no-resume")
         model.load_state_dict(ckpt["model"])
@@ -398,100 +475,158 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
         state = ckpt["state"]
         meta["perturb"] = state["perturb"]
         meta["resumed_from"] = {"epoch": state["epoch"], "i": state["i"], "step": state["step"]}
+    if main_rank:
         runio.write_json(d / "config.json", meta)
 
-    def save_checkpoint(gen: torch.Generator | None):
-        state["aug_state"] = None if gen is None else gen.get_state()
-        runio.torch_save(d / "checkpoint.pt", {
-            "config": meta["config"], "model": model.state_dict(), "optimizer": opt.state_dict(),
-            "rng": _rng_states(kernel_rng), "state": state})
+    ddp = None
+    step_fn = None
+    if cfg.world_invariant:
+        step_fn = distributed.InvariantStep(model, group, batch=cfg.batch_size, micro=cfg.micro_batch,
+                                            seed=seeds.aug)
+    elif world.distributed:
+        from torch.nn.parallel import DistributedDataParallel
 
+        with group.guard("DistributedDataParallel start-up"):
+            ddp = DistributedDataParallel(model, device_ids=[world.local_rank] if device.type == "cuda" else None)
+
+    def save_checkpoint(gen: torch.Generator | None):
+        gen_state = None if gen is None else gen.get_state()
+        if ddp is not None:   # every rank's augmentation stream
+            gen_state = group.gather_objects(gen_state)
+        state["aug_state"] = gen_state
+        if main_rank:
+            runio.torch_save(d / "checkpoint.pt", {
+                "config": meta["config"], "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "rng": _rng_states(kernel_rng), "state": state})
+
+    def step_metrics(loss_sum, correct):
+        if ddp is not None:   # every rank's share of the global batch
+            group.all_reduce_sum(loss_sum)
+            group.all_reduce_sum(correct)
+
+    log.info("member %d: %s, %d steps of %d images (%d per rank%s)", member,
+             "resumed at step %d" % state["step"] if ckpt is not None else "starting", total, cfg.batch_size,
+             local, f", micro-batches of {cfg.micro_batch}" if cfg.world_invariant else "")
+    show = cfg.progress and main_rank
     timer = _StepTimer(device)
-    epochs = tqdm(range(state["epoch"], cfg.epochs), desc=f"member {member}", disable=not cfg.progress,
+    epochs = tqdm(range(state["epoch"], cfg.epochs), desc=f"member {member}", disable=not show,
                   initial=state["epoch"], total=cfg.epochs, leave=False)
     model.train()
     graph = None
     with routing.use_kernels(route, rng=kernel_rng, strict=cfg.strict, model=model) as routed, \
-            _Interrupt() as interrupt:
+            _Interrupt(distributed=world.distributed) as interrupt:
         for epoch in epochs:
             order = data.epoch_order(n, epoch, seeds.order)
-            gen = noise.epoch_generator(seeds.aug, epoch, device)
+            gen = None if step_fn is not None else noise.epoch_generator(_rank_seed(seeds.aug, world), epoch, device)
             acc = state["acc"] or {"loss": 0.0, "correct": 0, "seen": 0, "time_s": 0.0, "step_ms": []}
-            if state["aug_state"] is not None:
-                gen.set_state(state["aug_state"])
+            if state["aug_state"] is not None and gen is not None:
+                gen.set_state(state["aug_state"][world.rank] if ddp is not None else state["aug_state"])
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=device, dtype=torch.float64)
             correct = torch.zeros((), device=device, dtype=torch.int64)
             pending_sums: list[tuple[int, torch.Tensor]] = []
-            for i in tqdm(range(state["i"], steps), desc=f"epoch {epoch}", disable=not cfg.progress,
+            for i in tqdm(range(state["i"], steps), desc=f"epoch {epoch}", disable=not show,
                           initial=state["i"], total=steps, leave=False):
-                x, y = train_batch(ds, order, i, cfg.batch_size, gen, fmt, cfg.image_size)
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(state["step"], total, warmup, cfg.lr)
-                if cfg.cuda_graph and graph is None:
-                    graph = GraphStep(model, x, y)
-                start = timer.start()
-                if graph is not None:
-                    logits, loss = graph(x, y)
+                group.step = state["step"]
+                for pgroup in opt.param_groups:
+                    pgroup["lr"] = lr_at(state["step"], total, warmup, cfg.lr)
+                batch_idx = order[i * cfg.batch_size:(i + 1) * cfg.batch_size]
+                if step_fn is not None:
+                    m, first = cfg.micro_batch, step_fn.first_micro()
+                    batches = [indexed_batch(ds, batch_idx[j * m:(j + 1) * m], seeds.aug, epoch, fmt, cfg.image_size)
+                               for j in range(first, first + step_fn.local)]
+                    start = timer.start()
+                    out = step_fn(batches, state["step"])
+                    opt.step()
+                    timer.stop(start)
+                    loss_sum += out[0]
+                    correct += out[1].to(torch.int64)
                 else:
-                    logits = model(x)
-                    loss = F.cross_entropy(logits, y)
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                opt.step()
-                timer.stop(start)
-                loss_sum += loss.detach().double() * len(y)
-                correct += (logits.detach().argmax(1) == y).sum()
-                acc["seen"] += len(y)
+                    x, y = local_batch(ds, batch_idx[world.rank * local:(world.rank + 1) * local], gen, fmt,
+                                       cfg.image_size)
+                    if cfg.cuda_graph and graph is None:
+                        graph = GraphStep(model, x, y)
+                    start = timer.start()
+                    if graph is not None:
+                        logits, loss = graph(x, y)
+                    else:
+                        with group.guard("DistributedDataParallel step", only_collectives=True):
+                            logits = (ddp or model)(x)
+                            loss = F.cross_entropy(logits, y)
+                            opt.zero_grad(set_to_none=True)
+                            loss.backward()
+                    opt.step()
+                    timer.stop(start)
+                    loss_sum += loss.detach().double() * len(y)
+                    correct += (logits.detach().argmax(1) == y).sum()
+                acc["seen"] += cfg.batch_size
                 state["step"] += 1
                 state["i"] = i + 1
                 if epoch == 0:
                     pending_sums.append((state["step"], checksum(model)))
-                stop = interrupt.requested or state["step"] == cfg.interrupt_at_step
+                stop = group.any(interrupt.requested or state["step"] == cfg.interrupt_at_step)
                 if stop and state["i"] < steps:
-                    _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch)
+                    _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch, step_metrics)
                     state["acc"] = acc
                     save_checkpoint(gen)
                     raise KeyboardInterrupt(f"interrupted at step {state['step']}; checkpoint saved in {d}")
-            _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch)
-            ev, logits = evaluate(model, ds, fmt, cfg.image_size)
+            _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch, step_metrics)
+            ev = evaluate(model, ds, fmt, cfg.image_size)[0] if main_rank else {}
             state["metrics"].append({
                 "epoch": epoch, "step": state["step"], "train_loss": acc["loss"] / max(1, acc["seen"]),
                 "train_top1": acc["correct"] / max(1, acc["seen"]), **ev, "epoch_time_s": acc["time_s"],
                 "step_time_ms": statistics.median(acc["step_ms"]) if acc["step_ms"] else float("nan")})
             if epoch > 0:
                 state["checksums"].append({"step": state["step"], "epoch": epoch, "checksum": int(checksum(model))})
-            if cfg.save_epoch_weights:
+            log.info("member %d epoch %d: step %d, train loss %.4f, train top-1 %.4f%s, median step %.2f ms",
+                     member, epoch, state["step"], state["metrics"][-1]["train_loss"],
+                     state["metrics"][-1]["train_top1"],
+                     f", test top-1 {ev['test_top1']:.4f}" if ev else "", state["metrics"][-1]["step_time_ms"])
+            if cfg.save_epoch_weights and main_rank:
                 runio.torch_save(d / f"weights_epoch_{epoch:03d}.pt", flat_params(model).float().cpu())
             state.update(epoch=epoch + 1, i=0, acc=None, aug_state=None)
-            runio.write_csv(d / "metrics.csv", runio.METRICS_COLUMNS, state["metrics"])
-            runio.write_csv(d / "checksums.csv", runio.CHECKSUM_COLUMNS, state["checksums"])
+            if main_rank:
+                runio.write_csv(d / "metrics.csv", runio.METRICS_COLUMNS, state["metrics"])
+                runio.write_csv(d / "checksums.csv", runio.CHECKSUM_COLUMNS, state["checksums"])
             save_checkpoint(None)
-            epochs.set_postfix(top1=f"{ev['test_top1']:.3f}")
-            if (interrupt.requested or state["step"] == cfg.interrupt_at_step) and epoch + 1 < cfg.epochs:
+            if ev:
+                epochs.set_postfix(top1=f"{ev['test_top1']:.3f}")
+            stop = group.any(interrupt.requested or state["step"] == cfg.interrupt_at_step)
+            if stop and epoch + 1 < cfg.epochs:
                 raise KeyboardInterrupt(f"interrupted at step {state['step']}; checkpoint saved in {d}")
 
     if state["epoch"] < cfg.epochs or not state["metrics"]:
         raise RuntimeError(f"{d}: training ended at epoch {state['epoch']} of {cfg.epochs}")
+    final = int(state["checksums"][-1]["checksum"])
+    if not main_rank:
+        group.barrier()   # rank 0 evaluates and writes the member's files
+        log.info("member %d done: final checksum %d", member, final)
+        return {"member": member, "rank": world.rank, "final_checksum": final, "steps": state["step"]}
     ev, logits = evaluate(model, ds, fmt, cfg.image_size)
     runio.npz_save(d / "predictions.npz", logits=logits.float().cpu().numpy(),
                    labels=ds.test_y.cpu().numpy(), group=ds.test_group.cpu().numpy())
     last = state["metrics"][-1]
     result = {"member": member, "epochs": cfg.epochs, "steps": state["step"], **ev,
               "train_loss": last["train_loss"], "train_top1": last["train_top1"],
-              "final_checksum": state["checksums"][-1]["checksum"],
+              "final_checksum": final, "logits_hash": logits_hash(logits),
               "step_time_ms": statistics.median(m["step_time_ms"] for m in state["metrics"]),
               "train_time_s": sum(m["epoch_time_s"] for m in state["metrics"]),
               "coverage": routed.coverage.as_dict(), "uncovered": routed.coverage.uncovered,
+              "world_size": world.size, "world_invariant": cfg.world_invariant,
               "fingerprint": meta["fingerprint"]}
     runio.write_json(d / "result.json", result)
+    log.info("member %d done: test top-1 %.4f, final checksum %d, logits %s", member, ev["test_top1"], final,
+             result["logits_hash"])
+    group.barrier()
     return result
 
 
-def _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch) -> None:
+def _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch, reduce=None) -> None:
     """Move the epoch's device-side accumulators to the host (one sync per epoch, or at an interrupt)."""
+    if reduce is not None:
+        reduce(loss_sum, correct)
     if device.type == "cuda":
         torch.cuda.synchronize()
     acc["time_s"] += time.perf_counter() - t0
@@ -506,6 +641,24 @@ def _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch
 
 # --------------------------------------------------------------------------------------------------
 # Run: every member, then the report
+
+
+def rank_logger(run_dir: Path, world: distributed.World) -> logging.Logger:
+    """``<run>/logs/rank<R>.log``: this rank's start, epochs, end or error (appended across resumes)."""
+    log = logging.getLogger(f"nnrand.train.rank{world.rank}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
+    path = run_dir / "logs" / f"rank{world.rank}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    log.addHandler(handler)
+    log.info("rank %d of %d (local %d), host %s, pid %d", world.rank, world.size, world.local_rank,
+             socket.gethostname(), os.getpid())
+    return log
 
 
 def preflight(cfg: Config, ds, route: routing.Routing) -> None:
@@ -529,18 +682,39 @@ def main(config: Config | dict) -> dict:
     ``{"run_dir", "members": [result per member], "report"}``. Finished members are read, not rerun."""
     cfg = resolve(Config(**config) if isinstance(config, dict) else config)
     route = routing.resolve(cfg.kernel, cfg.kernel_ops)
-    for op, note in route.notes.items():
-        print(f"note: {note}", file=sys.stderr)
+    world = dataclasses.replace(distributed.world_from_env(), timeout_s=cfg.dist_timeout)
+    if world.is_main:
+        for op, note in route.notes.items():
+            print(f"note: {note}", file=sys.stderr)
+    if world.distributed and torch.device(cfg.device).type == "cuda":
+        torch.cuda.set_device(world.local_rank)   # "cuda" is this rank's GPU from here on
     ds = load_data(cfg)
     preflight(cfg, ds, route)
     run_dir = Path(cfg.out) / cfg.name
     results = []
     deterministic = route.deterministic and not route.is_native
-    with noise.pinned_flags(tf32=cfg.tf32, cudnn_deterministic=deterministic) as flags:
-        for member in range(cfg.first_member, cfg.first_member + cfg.members):
-            results.append(train_member(cfg, member, ds, route, flags))
+    log = rank_logger(run_dir, world)
+    threads = torch.get_num_threads()
+    if cfg.world_invariant and torch.device(cfg.device).type == "cpu":
+        # CPU BLAS blocks a matrix product by thread count (a linear layer's weight gradient over 8 images
+        # changed bits between 1 and 2 threads), so every process uses one: the processes are the parallelism.
+        torch.set_num_threads(1)
+    group = distributed.Group(world, torch.device(cfg.device))
+    try:
+        with noise.pinned_flags(tf32=cfg.tf32, cudnn_deterministic=deterministic) as flags:
+            for member in range(cfg.first_member, cfg.first_member + cfg.members):
+                results.append(train_member(cfg, member, ds, route, flags, group, log))
+    except BaseException as e:
+        log.error("stopped: %s: %s", type(e).__name__, e)
+        raise
+    finally:
+        group.close()
+        torch.set_num_threads(threads)
+        for h in list(log.handlers):
+            log.removeHandler(h)
+            h.close()
     report_path = None
-    if cfg.report:
+    if cfg.report and world.is_main:
         from nnrand import report
 
         report_path = report.render(run_dir)
@@ -561,10 +735,13 @@ EPILOG = """examples:
   python -m nnrand.train --model torchvision:resnet50 --image-size 224 --channels-last --kernel tree
   python -m nnrand.train --model timm:resnet18 --image-size 64 --kernel tree --no-strict
   python -m nnrand.train --kernel tree --cuda-graph                  whole forward/backward as one graph replay
+  torchrun --nproc_per_node 2 -m nnrand.train --kernel tree          DistributedDataParallel over 2 GPUs
+  torchrun --nproc_per_node 4 -m nnrand.train --kernel tree --world-invariant --micro-batch 32
+                                    the same bits as 1 or 2 processes with the same --batch-size and --micro-batch
 presets: control (fixed seeds, tree), algo (per-member init/order/aug, tree), impl (fixed seeds,
 atomic), algo+impl (both). Explicit flags override the preset.
-outputs: <out>/<name>/member_XXX/{config.json,metrics.csv,checksums.csv,predictions.npz,result.json}
-and <out>/<name>/report.md. An unfinished member resumes from its checkpoint; finished ones are skipped."""
+outputs: <out>/<name>/member_XXX/{config.json,metrics.csv,checksums.csv,predictions.npz,result.json},
+<out>/<name>/logs/rank<R>.log and <out>/<name>/report.md (rank 0 writes all but its own rank's log). An unfinished member resumes from its checkpoint; finished ones are skipped."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -620,6 +797,14 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
                    help="render report.md at the end (default on)")
+    g = p.add_argument_group("several processes (torchrun --nproc_per_node N -m nnrand.train ...)")
+    g.add_argument("--world-invariant", action="store_true",
+                   help="the same bits on any power-of-two number of processes that divides the micro-batches: "
+                   "fixed-size micro-batches, ghost BatchNorm, per-image augmentation, one fixed summation tree")
+    g.add_argument("--micro-batch", type=int, metavar="M", help="--world-invariant: images per micro-batch, also "
+                   f"BatchNorm's virtual batch size (default: --batch-size / {DEFAULT_MICRO_BATCHES})")
+    g.add_argument("--dist-timeout", type=float, default=Config.dist_timeout, metavar="S",
+                   help="seconds a rank waits in a collective before failing (default %(default)s)")
     return p
 
 
@@ -633,15 +818,24 @@ def cli(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
+        world = distributed.world_from_env()
+    except distributed.LaunchError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    who = f" (rank {world.rank} of {world.size})" if world.distributed else ""
+    try:
         cfg = resolve(config_from_args(args))
         out = main(cfg)
     except (ConfigError, routing.RoutingError, runio.DiskSpaceError, data.DatasetError) as e:
-        p.exit(2, f"{p.prog}: error: {e}\n")
+        p.exit(2, f"{p.prog}: error{who}: {e}\n")
     except routing.NondeterministicOpError as e:
-        p.exit(3, f"{p.prog}: error: {e}\n")
+        p.exit(3, f"{p.prog}: error{who}: {e}\n")
+    except distributed.RankFailure as e:
+        p.exit(4, f"{p.prog}: error: {e}\n")
     except KeyboardInterrupt as e:
-        print(f"\n{e or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
+        print(f"\n{e or 'interrupted'}{who}; rerun the same command to resume", file=sys.stderr)
         return 130
+    if not world.is_main:
+        return 0
     for r in out["members"]:
         print(f"member {r['member']}: test top-1 {r['test_top1']:.4f}, top-5 {r['test_top5']:.4f}, "
               f"final checksum {r['final_checksum']}")

@@ -1,0 +1,318 @@
+"""Data-parallel training over ``torchrun`` ranks, and gradients that do not depend on the world size.
+
+``nnrand.train`` runs in one of three ways:
+
+- one process (no ``torchrun``, or ``--nproc_per_node 1``): nothing here is used but :func:`tree_sum`;
+- plain data parallel: each of W ranks trains on its B/W images of every global batch of B, and
+  ``DistributedDataParallel`` all-reduces the gradients (NCCL on GPUs, gloo on CPUs). With deterministic
+  kernels inside every rank this repeats bitwise at a fixed W and topology, but another W changes the
+  bits: other local batch shapes (so other kernels), BatchNorm statistics over other images, another
+  all-reduce order;
+- ``--world-invariant`` (:class:`InvariantStep`): the same bits on any power-of-two W that divides the
+  number of micro-batches. Its pieces:
+
+  1. every image's crop and flip are keyed by its dataset index (``data.augment_indexed``), not drawn
+     from a rank's generator;
+  2. the global batch is cut into ``B / m`` micro-batches of ``m`` images (``--micro-batch``, default
+     B/4), micro-batch ``j`` always holds images ``j*m .. j*m+m-1`` of the global batch and runs on rank
+     ``j // (B/m/W)``; every micro-batch has the same shape on every W, so every rank runs the same
+     kernels and algorithms;
+  3. BatchNorm normalises with the statistics of each micro-batch (ghost BatchNorm: the virtual batch
+     size is ``m``); the running statistics move once per step, towards the mean over micro-batches of
+     each micro-batch's mean and unbiased variance;
+  4. the loss of a micro-batch is its summed cross-entropy divided by B (the global batch), so each
+     micro-batch's gradient is its share of the global mean;
+  5. micro-batch gradients, BatchNorm statistics and metrics are added in one fixed binary tree over
+     micro-batch indices (:func:`tree_sum`: split in halves, left + right). With W a power of two that
+     divides the number of micro-batches, each rank's micro-batches form whole subtrees, so a rank sums
+     its own subtree, one ``all_gather`` brings every rank the W subtree sums, and every rank finishes the
+     same tree: the same additions in the same order whatever W is. (IEEE addition is commutative, so
+     ``a + b`` and ``b + a`` have the same bits; the order that matters is the grouping, fixed here.)
+  6. dropout and other random layers draw from a generator seeded per (step, micro-batch).
+
+Collectives time out after ``--dist-timeout`` seconds, and a rank whose peer exits sees its next
+collective fail: :class:`RankFailure` names the rank and the step, and the process exits non-zero.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: another rank exited, or did not answer within the timeout."""
+
+
+class LaunchError(ValueError):
+    """The torchrun environment is malformed."""
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    timeout_s: float = 300.0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env(env=None) -> World:
+    """The rank and world size ``torchrun`` put in the environment (RANK, WORLD_SIZE, LOCAL_RANK);
+    one process of one without them."""
+    env = os.environ if env is None else env
+    if "WORLD_SIZE" not in env:
+        return World()
+    try:
+        size, rank = int(env["WORLD_SIZE"]), int(env.get("RANK", "0"))
+        local = int(env.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        raise LaunchError(f"WORLD_SIZE/RANK/LOCAL_RANK must be integers, got {env.get('WORLD_SIZE')!r}/"
+                          f"{env.get('RANK')!r}/{env.get('LOCAL_RANK')!r}") from None
+    if size < 1 or not 0 <= rank < size or local < 0:
+        raise LaunchError(f"bad torchrun environment: RANK={rank} WORLD_SIZE={size} LOCAL_RANK={local}")
+    return World(rank=rank, size=size, local_rank=local)
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Process group
+
+
+class Group:
+    """The process group of a run: the default group (NCCL on CUDA, gloo on CPU) for tensors, and a
+    gloo group for host-side agreement (interrupts, barriers), which also notices a dead peer at once."""
+
+    def __init__(self, world: World, device: torch.device):
+        self.world = world
+        self.device = device
+        self.step = 0          # for error messages
+        self.control = None
+        if world.distributed:
+            timeout = datetime.timedelta(seconds=world.timeout_s)
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            with self.guard("process group start-up"):
+                dist.init_process_group(backend, timeout=timeout, rank=world.rank, world_size=world.size)
+                self.control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+
+    def close(self) -> None:
+        if self.world.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    @contextmanager
+    def guard(self, what: str, *, only_collectives: bool = False):
+        """Turn a collective's failure into a :class:`RankFailure` that says who and where. With
+        ``only_collectives`` (around code that also does other things, such as a DDP step), other
+        errors pass through unchanged."""
+        try:
+            yield
+        except RuntimeError as e:  # gloo and NCCL failures (DistBackendError is one)
+            if isinstance(e, RankFailure) or not self.world.distributed:
+                raise
+            if only_collectives and not _is_collective_error(e):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RankFailure(f"rank {self.world.rank} of {self.world.size}: {what} failed at step {self.step} "
+                              f"(a rank exited or did not answer within {self.world.timeout_s:g} s): {first}") from e
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is true on any (host-side; no device sync)."""
+        if not self.world.distributed:
+            return bool(flag)
+        t = torch.tensor([int(bool(flag))], dtype=torch.int32)
+        with self.guard("agreement"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        if self.world.distributed:
+            with self.guard("barrier"):  # gloo: names the ranks that did not arrive
+                dist.monitored_barrier(group=self.control, timeout=datetime.timedelta(seconds=self.world.timeout_s))
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t``, in rank order."""
+        if not self.world.distributed:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.world.size)]
+        with self.guard("all_gather"):
+            dist.all_gather(out, t.contiguous())
+        return out
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world.distributed:
+            with self.guard("all_reduce"):
+                dist.all_reduce(t)
+        return t
+
+    def broadcast_object(self, obj):
+        if not self.world.distributed:
+            return obj
+        box = [obj]
+        with self.guard("broadcast"):
+            dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def gather_objects(self, obj) -> list:
+        if not self.world.distributed:
+            return [obj]
+        out = [None] * self.world.size
+        with self.guard("all_gather_object"):
+            dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+
+def _is_collective_error(e: BaseException) -> bool:
+    dist_backend_error = getattr(dist, "DistBackendError", ())
+    text = str(e)
+    return isinstance(e, dist_backend_error) or any(k in text for k in ("gloo", "NCCL", "ProcessGroup",
+                                                                            "Connection closed", "Connection reset"))
+
+
+# --------------------------------------------------------------------------------------------------
+# World-size invariant step
+
+
+def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` added in a fixed binary tree: the sum of the first ``len // 2`` plus the sum of the rest.
+
+    For a list of ``W * k`` parts with W a power of two, the top ``log2 W`` levels split it exactly into
+    the W runs of k parts, so ``tree_sum([tree_sum(run) for run in runs])`` has the same bits."""
+    if not parts:
+        raise ValueError("tree_sum: nothing to add")
+    if len(parts) == 1:
+        return parts[0]
+    half = len(parts) // 2
+    return tree_sum(parts[:half]) + tree_sum(parts[half:])
+
+
+def check_invariant_layout(batch: int, micro: int, world: int) -> int:
+    """Micro-batches per rank for a world-invariant step; raises ValueError naming what does not fit."""
+    if micro < 1 or batch % micro:
+        raise ValueError(f"--micro-batch {micro} must divide --batch-size {batch}")
+    n_micro = batch // micro
+    if not is_power_of_two(world) or n_micro % world:
+        raise ValueError(f"--world-invariant: the world size ({world}) must be a power of two that divides the "
+                         f"{n_micro} micro-batches of --batch-size {batch} / --micro-batch {micro}")
+    return n_micro // world
+
+
+def batchnorms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            and m.track_running_stats and m.running_mean is not None]
+
+
+class InvariantStep:
+    """Forward and backward of this rank's micro-batches, then the world's gradient sum in a fixed tree
+    (module docstring, 2-6). After a call every parameter's ``.grad`` holds the gradient of the global
+    batch's mean loss, and the BatchNorm running statistics have moved one step: the same bits on every
+    rank and on every world size the layout allows.
+
+    Cost, on top of the micro-batches' forward and backward: one copy of the flat gradient per micro-
+    batch (kept until the step ends: k x the parameter bytes), k - 1 + W - 1 vector additions, one
+    ``all_gather`` of W x (parameters + BatchNorm statistics) floats, and one copy back into ``.grad``."""
+
+    def __init__(self, model: torch.nn.Module, group: Group, *, batch: int, micro: int, seed: int):
+        self.model = model
+        self.group = group
+        self.batch = batch
+        self.micro = micro
+        self.local = check_invariant_layout(batch, micro, group.world.size)
+        self.n_micro = batch // micro
+        self.seed = seed
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sizes = [p.numel() for p in self.params]
+        self.bns = batchnorms(model)
+        self.stat_sizes = [2 * m.running_mean.numel() for m in self.bns]
+
+    def first_micro(self) -> int:
+        """Global index of this rank's first micro-batch."""
+        return self.group.world.rank * self.local
+
+    def _seed_random_layers(self, seed: int) -> None:
+        torch.random.default_generator.manual_seed(seed)
+        if self.group.device.type == "cuda":
+            torch.cuda.manual_seed(seed)   # this rank's device only
+
+    def _flat_grad(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                          for p in self.params])
+
+    def __call__(self, batches, step: int) -> torch.Tensor:
+        """``batches``: this rank's (x, y) micro-batches in order. Returns the global batch's
+        [summed loss, correct predictions] (float64, on the device)."""
+        from nnrand import noise
+
+        saved = [(m.momentum, m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
+                 for m in self.bns]
+        for m in self.bns:
+            m.momentum = 1.0     # the running statistics become this micro-batch's, exactly
+        grads, stats, metrics = [], [], []
+        try:
+            for jj, (x, y) in enumerate(batches):
+                self._seed_random_layers(noise.derive(self.seed, step, self.first_micro() + jj))
+                for p in self.params:
+                    p.grad = None
+                logits = self.model(x)
+                ce = F.cross_entropy(logits, y, reduction="sum")
+                (ce / self.batch).backward()
+                grads.append(self._flat_grad())
+                if self.bns:
+                    stats.append(torch.cat([torch.cat([m.running_mean, m.running_var]).float() for m in self.bns]))
+                with torch.no_grad():
+                    metrics.append(torch.stack([ce.detach().double(),
+                                                (logits.argmax(1) == y).sum().double()]))
+        finally:
+            for m, (momentum, mean, var, tracked) in zip(self.bns, saved):
+                m.momentum = momentum
+                m.running_mean.copy_(mean)
+                m.running_var.copy_(var)
+                m.num_batches_tracked.copy_(tracked)
+        grad = tree_sum(grads)
+        stat = tree_sum(stats) if stats else None
+        metric = tree_sum(metrics)
+        if self.group.world.distributed:
+            grad, stat, metric = self._combine(grad, stat, metric)
+        self._write_grads(grad)
+        if stat is not None:
+            self._update_running(stat)
+        return metric
+
+    def _combine(self, grad, stat, metric):
+        """One all_gather of every rank's subtree sums, then the top of the tree on every rank."""
+        pieces = [grad] + ([stat] if stat is not None else []) + [metric.view(torch.float32)]
+        packed = torch.cat(pieces)
+        parts = self.group.all_gather(packed)
+        n_g, n_s = grad.numel(), 0 if stat is None else stat.numel()
+        grad = tree_sum([p[:n_g] for p in parts])
+        stat = None if stat is None else tree_sum([p[n_g:n_g + n_s] for p in parts])
+        metric = tree_sum([p[n_g + n_s:].clone().view(torch.float64) for p in parts])  # clone: 8-byte aligned
+        return grad, stat, metric
+
+    def _write_grads(self, flat: torch.Tensor) -> None:
+        for p, g in zip(self.params, flat.split(self.sizes)):
+            p.grad = g.view(p.shape).to(p.dtype)
+
+    @torch.no_grad()
+    def _update_running(self, flat: torch.Tensor) -> None:
+        mean_of = flat / self.n_micro
+        for m, s in zip(self.bns, mean_of.split(self.stat_sizes)):
+            mean, var = s.view(2, -1)
+            m.num_batches_tracked += 1
+            f = m.momentum if m.momentum is not None else 1.0 / float(m.num_batches_tracked)
+            m.running_mean.mul_(1.0 - f).add_(mean.to(m.running_mean.dtype), alpha=f)
+            m.running_var.mul_(1.0 - f).add_(var.to(m.running_var.dtype), alpha=f)

@@ -1,0 +1,238 @@
+"""Several processes: the fixed summation tree, index-keyed augmentation, launch errors, and torchrun
+runs on the CPU (gloo) whose final weights and logits are bitwise identical on 1, 2 and 4 processes
+with --world-invariant and differ without it; a killed rank makes the others fail within the timeout."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nnrand import data, distributed, runio, train
+
+REPO = Path(__file__).resolve().parent.parent
+
+# 8 steps of 32 images on the CPU model: a few seconds per process.
+RUN = ["--device", "cpu", "--model", "small", "--kernel", "tree", "--epochs", "1", "--n-train", "256",
+       "--n-test", "64", "--batch-size", "32", "--no-progress", "--no-report", "--dist-timeout", "60"]
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def torchrun(nproc: int, out: Path, *argv: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "nnrand.train", *RUN, "--out", str(out), "--name", "run", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
+
+
+def result_of(out: Path) -> dict:
+    return runio.read_json(runio.member_dir(out, "run", 0) / "result.json")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(n: int, argv: list[str], port: int) -> list[subprocess.Popen]:
+    """The n workers torchrun would start, started by hand so that each one's exit can be watched."""
+    return [subprocess.Popen([sys.executable, "-m", "nnrand.train", *argv], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=_env(RANK=r, LOCAL_RANK=r, WORLD_SIZE=n, MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=port, OMP_NUM_THREADS=1))
+            for r in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The fixed tree
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+@pytest.mark.parametrize("per_rank", [1, 3, 4])
+def test_tree_sum_of_rank_subtrees_is_the_whole_tree(world, per_rank):
+    g = torch.Generator().manual_seed(world * 10 + per_rank)
+    # magnitudes spread over 2^-20 .. 2^20 so that the grouping of the additions shows in the bits
+    parts = [torch.randn(257, generator=g) * 2.0 ** torch.randint(-20, 21, (257,), generator=g)
+             for _ in range(world * per_rank)]
+    whole = distributed.tree_sum(parts)
+    runs = [distributed.tree_sum(parts[r * per_rank:(r + 1) * per_rank]) for r in range(world)]
+    assert torch.equal(distributed.tree_sum(runs), whole)
+
+
+def test_tree_sum_grouping_matters():
+    """Negative control: the same parts added left to right give other bits, so the test above can fail."""
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(1024, generator=g) * 2.0 ** torch.randint(-20, 21, (1024,), generator=g) for _ in range(8)]
+    seq = parts[0]
+    for p in parts[1:]:
+        seq = seq + p
+    assert not torch.equal(seq, distributed.tree_sum(parts))
+    with pytest.raises(ValueError, match="nothing to add"):
+        distributed.tree_sum([])
+
+
+@pytest.mark.parametrize("batch,micro,world,message", [
+    (32, 5, 1, "--micro-batch 5 must divide --batch-size 32"),
+    (32, 8, 3, r"world size \(3\) must be a power of two"),
+    (32, 8, 8, r"divides the 4 micro-batches"),
+])
+def test_invariant_layout_errors(batch, micro, world, message):
+    with pytest.raises(ValueError, match=message):
+        distributed.check_invariant_layout(batch, micro, world)
+    assert distributed.check_invariant_layout(32, 8, 4) == 1
+    assert distributed.check_invariant_layout(32, 4, 2) == 4
+
+
+def test_world_from_env():
+    assert distributed.world_from_env({}) == distributed.World()
+    w = distributed.world_from_env({"WORLD_SIZE": "4", "RANK": "2", "LOCAL_RANK": "2"})
+    assert (w.rank, w.size, w.local_rank, w.distributed, w.is_main) == (2, 4, 2, True, False)
+    for env in ({"WORLD_SIZE": "two"}, {"WORLD_SIZE": "2", "RANK": "2"}, {"WORLD_SIZE": "0"}):
+        with pytest.raises(distributed.LaunchError):
+            distributed.world_from_env(env)
+
+
+# --------------------------------------------------------------------------------------------------
+# Augmentation keyed by the image's index
+
+
+def test_indexed_augmentation_does_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 256, (16, 3, 32, 32), generator=g, dtype=torch.uint8)
+    idx = torch.randperm(1000, generator=g)[:16]
+    whole = data.augment_indexed(x, idx, seed=5, epoch=2)
+    # the same images in another grouping and order get the same crops and flips
+    perm = torch.randperm(16, generator=g)
+    halves = [data.augment_indexed(x[perm[s:s + 8]], idx[perm[s:s + 8]], seed=5, epoch=2) for s in (0, 8)]
+    assert torch.equal(torch.cat(halves), whole[perm])
+    oy, ox, fl = data.sample_draws(torch.arange(4096), seed=5, epoch=2)
+    assert oy.min() == 0 and oy.max() == 8 and ox.min() == 0 and ox.max() == 8
+    assert 0.45 < fl.float().mean() < 0.55     # 4096 fair coins: 0.05 is 6.4 standard deviations
+    other = data.sample_draws(torch.arange(4096), seed=5, epoch=3)
+    assert (oy != other[0]).float().mean() > 0.8   # a new epoch redraws (chance of a repeat: 1/9)
+    with pytest.raises(ValueError, match="index must have shape"):
+        data.augment_indexed(x, idx[:3], seed=5, epoch=2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch errors, before anything trains
+
+
+@pytest.mark.parametrize("env,argv,message", [
+    ({"WORLD_SIZE": "3", "RANK": "1"}, ["--batch-size", "32"], "not divisible by the world size 3"),
+    ({"WORLD_SIZE": "3", "RANK": "0"}, ["--world-invariant"], "must be a power of two"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, ["--world-invariant", "--micro-batch", "32"], "divides the 1 micro-batches"),
+    ({}, ["--micro-batch", "8"], "--micro-batch applies to --world-invariant"),
+    ({}, ["--world-invariant", "--micro-batch", "1"], "--micro-batch must be >= 2"),
+    ({}, ["--dist-timeout", "0"], "--dist-timeout must be"),
+    ({"WORLD_SIZE": "2", "RANK": "5"}, [], "bad torchrun environment"),
+])
+def test_bad_launch_fails_clearly_before_training(monkeypatch, capsys, tmp_path, env, argv, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    base = [a for a in RUN if a != "--dist-timeout" and a != "60"]
+    with pytest.raises(SystemExit) as e:
+        train.cli([*base, "--out", str(tmp_path), *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if "RANK" in env and "bad torchrun" not in message:
+        assert f"rank {env['RANK']} of {env['WORLD_SIZE']}" in err
+    assert not list(tmp_path.iterdir())      # nothing was written
+
+
+# --------------------------------------------------------------------------------------------------
+# torchrun on the CPU
+
+
+def test_world_invariant_bits_on_1_2_and_4_processes(tmp_path):
+    runs = {}
+    for n in (1, 2, 4):
+        r = torchrun(n, tmp_path / f"inv{n}", "--world-invariant", "--micro-batch", "8")
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[n] = result_of(tmp_path / f"inv{n}")
+        assert runs[n]["world_size"] == n and runs[n]["world_invariant"]
+        logs = sorted(p.name for p in (tmp_path / f"inv{n}" / "run" / "logs").iterdir())
+        assert logs == [f"rank{r}.log" for r in range(n)]
+    for n in (2, 4):
+        assert runs[n]["final_checksum"] == runs[1]["final_checksum"], n
+        assert runs[n]["logits_hash"] == runs[1]["logits_hash"], n
+        assert runs[n]["train_loss"] == runs[1]["train_loss"], n
+        a = runio.member_dir(tmp_path / "inv1", "run", 0)
+        b = runio.member_dir(tmp_path / f"inv{n}", "run", 0)
+        assert (a / "checksums.csv").read_bytes() == (b / "checksums.csv").read_bytes()
+
+
+def test_plain_data_parallel_bits_depend_on_the_world_size(tmp_path):
+    """Negative control: the same global batch without --world-invariant gives other weights on 1, 2
+    and 4 processes (other local batch shapes, BatchNorm statistics, all-reduce order)."""
+    sums = {}
+    for n in (1, 2, 4):
+        r = torchrun(n, tmp_path / f"ddp{n}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        sums[n] = result_of(tmp_path / f"ddp{n}")["final_checksum"]
+    assert len(set(sums.values())) == 3, sums
+
+
+def test_world_invariant_run_resumes_on_fewer_processes(tmp_path):
+    """Interrupted on 2 processes, finished on 1: the bits of an uninterrupted run."""
+    argv = [*RUN, "--world-invariant", "--micro-batch", "8", "--epochs", "2", "--name", "run"]
+    straight = train.main(train.config_from_args(train.parser().parse_args([*argv, "--out", str(tmp_path / "a")])))
+    script = ("import sys; from nnrand import train; "
+              "cfg = train.config_from_args(train.parser().parse_args(sys.argv[1:])); cfg.interrupt_at_step = 11; "
+              "train.main(cfg)")
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", script, *argv, "--out", str(tmp_path / "b")], cwd=REPO,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=_env(RANK=r, LOCAL_RANK=r, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode != 0 and "interrupted at step 11" in err, err[-3000:]
+    d = runio.member_dir(tmp_path / "b", "run", 0)
+    assert (d / "checkpoint.pt").exists() and not (d / "result.json").exists()
+    resumed = train.main(train.config_from_args(train.parser().parse_args([*argv, "--out", str(tmp_path / "b")])))
+    a, b = straight["members"][0], resumed["members"][0]
+    assert (a["final_checksum"], a["logits_hash"]) == (b["final_checksum"], b["logits_hash"])
+    assert runio.read_json(d / "config.json")["resumed_from"]["step"] == 11
+
+
+def test_a_killed_rank_makes_the_others_fail_within_the_timeout(tmp_path):
+    timeout = 20
+    argv = [*RUN, "--epochs", "100", "--out", str(tmp_path), "--name", "run", "--dist-timeout", str(timeout)]
+    procs = spawn_ranks(2, argv, free_port())
+    log = tmp_path / "run" / "logs" / "rank1.log"
+    try:
+        deadline = time.monotonic() + 300
+        while not (log.exists() and "starting" in log.read_text()):
+            assert time.monotonic() < deadline, "rank 1 did not start training"
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = procs[0].communicate(timeout=timeout + 30)
+        waited = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert procs[0].returncode == 4, err[-3000:]
+    assert "rank 0 of 2" in err and "failed at step" in err
+    assert waited < timeout + 30
+    assert "stopped: RankFailure" in (tmp_path / "run" / "logs" / "rank0.log").read_text()
