@@ -1,0 +1,219 @@
+// upsample_bilinear2d_bwd.cu: backward of F.interpolate(x, (OH, OW), mode="bilinear", align_corners=...):
+// dx (N, C, H, W) from dy (N, C, OH, OW). Launchers and CPU order models: kernels/upsample_bilinear2d_bwd.py.
+//
+// Weights exactly as aten's CUDA upsample_bilinear2d(_backward) computes them, in float32 (its
+// accscalar_t for float): per axis, scale s (the host computes it, (in-1)/(out-1) or in/out, and passes
+// its bits), source index r(o) = s * o (align_corners) or max(fma(s, o + 0.5, -0.5), 0) (nvcc contracts
+// torch's `scale * (dst_index + 0.5) - 0.5` into one FMA), i0 = (int)r, i1 = i0 + (i0 < in - 1),
+// l1 = r - i0, l0 = 1 - l1. dy[oh, ow] = d sends four products, issued in this order:
+//     (l0h * l0w) * d -> (i0h, i0w),  (l0h * l1w) * d -> (i0h, i1w),
+//     (l1h * l0w) * d -> (i1h, i0w),  (l1h * l1w) * d -> (i1h, i1w)
+// (at the last row or column i1 = i0, so an element can receive two of them). Where OH == H and OW == W
+// torch copies dy instead; the launchers do the same.
+// dx is laid out like dy (NCHW, or channels_last = NHWC in memory).
+//
+// Variants:
+//   atomic  one thread per dy element: the four products atomicAdd-ed into dx (zeroed first), as
+//           torch's CUDA backward does. NONDETERMINISTIC wherever an element receives >= 3 products
+//           (any upsampling): their arrival order decides the rounding.
+//   tree    one thread per dx element: the dy elements that touch it in (oh, ow) row-major order, and
+//           within one dy element its products in the order above, from +0.0. Each dx element is
+//           written once by one thread, no atomics, no zero fill: deterministic, the same bits on every
+//           GPU and equal to its CPU model. A block first tabulates (i0, i1, l0, l1) of every output
+//           row and column in shared memory where they fit (else each thread computes them, same
+//           arithmetic, same bits); the dy rows touching dx row h are those with i0 in {h-1, h}, a
+//           contiguous range found by binary search (i0 is non-decreasing).
+//
+// Products and additions are explicit _rn intrinsics, so nothing is contracted besides the source
+// index FMA, which the CPU model reproduces exactly (the product of two floats is exact in double).
+// No #include: compiles alone under NVRTC.
+
+#define UBB_THREADS 256
+#define UBB_INT32_MAX 2147483647LL
+
+struct Axis {
+    int in, out, align;
+    float scale;
+};
+
+struct Tap {
+    int i0, i1;
+    float l0, l1;
+};
+
+__device__ __forceinline__ Tap make_tap(const Axis A, int o) {
+    float r;
+    if (A.align) {
+        r = __fmul_rn(A.scale, (float)o);
+    } else {
+        r = __fmaf_rn(A.scale, __fadd_rn((float)o, 0.5f), -0.5f);
+        r = r < 0.0f ? 0.0f : r;
+    }
+    Tap t;
+    t.i0 = (int)r;
+    t.i1 = t.i0 + (t.i0 < A.in - 1 ? 1 : 0);
+    t.l1 = __fsub_rn(r, (float)t.i0);
+    t.l0 = __fsub_rn(1.0f, t.l1);
+    return t;
+}
+
+// ------------------------------------------------------------------------------------------------
+// atomic
+
+template <typename I, bool CL>
+__device__ __forceinline__ void atomic_body(const float* __restrict__ dy, float* __restrict__ dx, I total, int C,
+                                            const Axis AH, const Axis AW) {
+    const I step = (I)gridDim.x * blockDim.x;
+    for (I o = (I)blockIdx.x * blockDim.x + threadIdx.x; o < total; o += step) {
+        int oh, ow;
+        I base, stride;  // dx offset of element (0, 0) of the plane; distance between positions
+        if (CL) {  // o = ((n * OH + oh) * OW + ow) * C + c
+            const I c = o % C;
+            I r = o / C;
+            ow = (int)(r % AW.out);
+            r /= AW.out;
+            oh = (int)(r % AH.out);
+            const I n = r / AH.out;
+            base = n * AH.in * AW.in * C + c;
+            stride = C;
+        } else {   // o = (plane * OH + oh) * OW + ow
+            ow = (int)(o % AW.out);
+            const I r = o / AW.out;
+            oh = (int)(r % AH.out);
+            base = (r / AH.out) * AH.in * AW.in;
+            stride = 1;
+        }
+        const Tap th = make_tap(AH, oh), tw = make_tap(AW, ow);
+        const float d = dy[o];
+        const I r0 = (I)th.i0 * AW.in, r1 = (I)th.i1 * AW.in;
+        // arrival order decides the rounding where products collide
+        atomicAdd(dx + base + (r0 + tw.i0) * stride, __fmul_rn(__fmul_rn(th.l0, tw.l0), d));
+        atomicAdd(dx + base + (r0 + tw.i1) * stride, __fmul_rn(__fmul_rn(th.l0, tw.l1), d));
+        atomicAdd(dx + base + (r1 + tw.i0) * stride, __fmul_rn(__fmul_rn(th.l1, tw.l0), d));
+        atomicAdd(dx + base + (r1 + tw.i1) * stride, __fmul_rn(__fmul_rn(th.l1, tw.l1), d));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(UBB_THREADS)
+upsample_bilinear2d_bwd_atomic(const float* __restrict__ dy, float* __restrict__ dx, long long total, int C, int H,
+                               int W, int OH, int OW, int align_corners, int scale_h_bits, int scale_w_bits,
+                               int channels_last) {
+    const Axis AH = {H, OH, align_corners, __int_as_float(scale_h_bits)};
+    const Axis AW = {W, OW, align_corners, __int_as_float(scale_w_bits)};
+    const long long dx_total = total / ((long long)OH * OW) * H * W;
+    const bool narrow = total + (long long)gridDim.x * blockDim.x <= UBB_INT32_MAX && dx_total <= UBB_INT32_MAX;
+    if (channels_last) {
+        if (narrow) atomic_body<int, true>(dy, dx, (int)total, C, AH, AW);
+        else atomic_body<long long, true>(dy, dx, total, C, AH, AW);
+    } else {
+        if (narrow) atomic_body<int, false>(dy, dx, (int)total, C, AH, AW);
+        else atomic_body<long long, false>(dy, dx, total, C, AH, AW);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// tree
+
+// The taps of one axis: from the block's shared-memory table (SMEM), or computed on the spot.
+template <bool SMEM>
+struct Taps {
+    Axis A;
+    const Tap* table;
+    __device__ __forceinline__ Tap operator[](int o) const {
+        if (SMEM) return table[o];
+        return make_tap(A, o);
+    }
+    // The first output index o in [0, out] with i0(o) >= target (out if none): i0 is non-decreasing.
+    __device__ __forceinline__ int lower_bound(int target) const {
+        int lo = 0, hi = A.out;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if ((*this)[mid].i0 >= target) hi = mid;
+            else lo = mid + 1;
+        }
+        return lo;
+    }
+};
+
+template <typename I, bool CL, bool SMEM>
+__device__ __forceinline__ void tree_body(const float* __restrict__ dy, float* __restrict__ dx, I total, int C,
+                                          const Taps<SMEM> TH, const Taps<SMEM> TW) {
+    const int H = TH.A.in, W = TW.A.in, OH = TH.A.out, OW = TW.A.out;
+    const I step = (I)gridDim.x * blockDim.x;
+    for (I t = (I)blockIdx.x * blockDim.x + threadIdx.x; t < total; t += step) {
+        int h, w;
+        I base, stride;  // dy offset of element (0, 0) of the plane; distance between elements
+        if (CL) {  // t = ((n * H + h) * W + w) * C + c
+            const I c = t % C;
+            I r = t / C;
+            w = (int)(r % W);
+            r /= W;
+            h = (int)(r % H);
+            const I n = r / H;
+            base = n * OH * OW * C + c;
+            stride = C;
+        } else {   // t = (plane * H + h) * W + w
+            w = (int)(t % W);
+            const I r = t / W;
+            h = (int)(r % H);
+            base = (r / H) * OH * OW;
+            stride = 1;
+        }
+        // dy rows that touch row h: i0 == h (weight l0) or i1 == h, i.e. i0 in {h - 1, h}.
+        const int oh0 = TH.lower_bound(h - 1), oh1 = TH.lower_bound(h + 1);
+        const int ow0 = TW.lower_bound(w - 1), ow1 = TW.lower_bound(w + 1);
+        float acc = 0.0f;
+        for (int oh = oh0; oh < oh1; ++oh) {       // row-major over dy: tree's order
+            const Tap th = TH[oh];
+            const bool a0 = th.i0 == h, a1 = th.i1 == h;
+            const I row = base + (I)oh * OW * stride;
+            for (int ow = ow0; ow < ow1; ++ow) {
+                const Tap tw = TW[ow];
+                const bool b0 = tw.i0 == w, b1 = tw.i1 == w;
+                const float d = dy[row + (I)ow * stride];
+                // this dy element's products in the order torch issues them
+                if (a0 && b0) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(th.l0, tw.l0), d));
+                if (a0 && b1) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(th.l0, tw.l1), d));
+                if (a1 && b0) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(th.l1, tw.l0), d));
+                if (a1 && b1) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(th.l1, tw.l1), d));
+            }
+        }
+        dx[t] = acc;  // t enumerates dx in memory order in both layouts
+    }
+}
+
+template <bool SMEM>
+__device__ __forceinline__ void tree_entry(const float* __restrict__ dy, float* __restrict__ dx, long long total,
+                                           int C, const Axis AH, const Axis AW, int channels_last) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    Tap* tabH = reinterpret_cast<Tap*>(smem);
+    Tap* tabW = tabH + AH.out;
+    if (SMEM) {
+        for (int o = threadIdx.x; o < AH.out; o += blockDim.x) tabH[o] = make_tap(AH, o);
+        for (int o = threadIdx.x; o < AW.out; o += blockDim.x) tabW[o] = make_tap(AW, o);
+        __syncthreads();
+    }
+    const Taps<SMEM> TH = {AH, tabH}, TW = {AW, tabW};
+    const long long dy_total = total / ((long long)AH.in * AW.in) * AH.out * AW.out;
+    const bool narrow = total + (long long)gridDim.x * blockDim.x <= UBB_INT32_MAX && dy_total <= UBB_INT32_MAX;
+    if (channels_last) {
+        if (narrow) tree_body<int, true, SMEM>(dy, dx, (int)total, C, TH, TW);
+        else tree_body<long long, true, SMEM>(dy, dx, total, C, TH, TW);
+    } else {
+        if (narrow) tree_body<int, false, SMEM>(dy, dx, (int)total, C, TH, TW);
+        else tree_body<long long, false, SMEM>(dy, dx, total, C, TH, TW);
+    }
+}
+
+// upsample_bilinear2d_bwd_tree_{smem,direct}: total = dx elements; smem needs (OH + OW) * sizeof(Tap)
+// bytes of dynamic shared memory (the launcher picks direct when that exceeds 48 KiB).
+#define UBB_TREE_KERNEL(NAME, SMEM)                                                                            \
+    extern "C" __global__ void __launch_bounds__(UBB_THREADS)                                                  \
+    NAME(const float* __restrict__ dy, float* __restrict__ dx, long long total, int C, int H, int W, int OH,   \
+         int OW, int align_corners, int scale_h_bits, int scale_w_bits, int channels_last) {                   \
+        const Axis AH = {H, OH, align_corners, __int_as_float(scale_h_bits)};                                  \
+        const Axis AW = {W, OW, align_corners, __int_as_float(scale_w_bits)};                                  \
+        tree_entry<SMEM>(dy, dx, total, C, AH, AW, channels_last);                                             \
+    }
+UBB_TREE_KERNEL(upsample_bilinear2d_bwd_tree_smem, true)
+UBB_TREE_KERNEL(upsample_bilinear2d_bwd_tree_direct, false)

@@ -1,0 +1,374 @@
+"""adaptive_avg_pool2d_bwd: CPU order models against float64 and torch's CPU backward, bad inputs, and
+(on a GPU) the CUDA kernels against their models and torch's CUDA backward, bitwise.
+
+Error bound (``adaptive_avg_pool2d_bwd.error_bound``): an element covered by k windows receives k
+contributions (dy / kw) / kh, each rounded twice, then added one at a time from +0.0 (k - 1 roundings):
+|dx - exact| <= gamma(k + 1) * sum |exact contribution|, gamma(m) = m u / (1 - m u), u = 2^-24.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kernels
+from kernels import KernelArgumentError
+from kernels import adaptive_avg_pool2d_bwd as aap
+
+OP = aap.OP
+SPEC = kernels.spec(OP)
+TREE = kernels.get(OP, "tree")
+ATOMIC = kernels.get(OP, "atomic")
+CPU = torch.device("cpu")
+TEST_CASES = SPEC.test_cases()
+CASE_IDS = [c.name for c in TEST_CASES]
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    """float32 values as uint32 in NCHW order (+0.0 and -0.0 differ)."""
+    return t.detach().to("cpu").contiguous().reshape(-1).numpy().view(np.uint32)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor, where=None) -> np.ndarray:
+    """Indices (NCHW flat) where a and b differ, NaN matching NaN whatever its payload."""
+    x, y = bits(a), bits(b)
+    nan = np.isnan(x.view(np.float32)) & np.isnan(y.view(np.float32))
+    bad = (x != y) & ~nan
+    if where is not None:
+        bad &= where.reshape(-1)
+    return np.nonzero(bad)[0]
+
+
+def check_bound(result: torch.Tensor, args, kw, flushes: bool = False) -> None:
+    """|result - float64 reference| within the bound wherever the reference is finite; NaN and the
+    infinities where the reference has them. ``flushes``: float atomicAdd flushes subnormal operands
+    and results to zero, each losing less than 2^-126: 2k + 1 of them for k contributions."""
+    ref = SPEC.reference(args, kw).numpy()
+    res = result.detach().to("cpu").contiguous().numpy().astype(np.float64)
+    bound = aap.error_bound(args[0], *kw["input_size"])
+    if flushes:
+        bound = bound + (2 * element_counts(args[0], kw) + 1) * 2.0**-126
+    fin = np.isfinite(ref)
+    with np.errstate(invalid="ignore"):
+        err = np.abs(res - ref)
+    bad = np.nonzero(fin & ~(err <= bound))
+    assert bad[0].size == 0, f"{bad[0].size} elements outside the bound, first at {np.transpose(bad)[:5]}: " \
+                             f"err {err[bad][:5]}, bound {bound[bad][:5]}"
+    assert np.array_equal(np.isnan(res), np.isnan(ref)), "NaN where the exact result has none, or the reverse"
+    assert np.array_equal(res[np.isinf(ref)], ref[np.isinf(ref)])
+
+
+def layout_ok(result: torch.Tensor, dy: torch.Tensor) -> bool:
+    want = aap.memory_format(aap.suggest_layout(dy))
+    return result.is_contiguous(memory_format=want)
+
+
+def element_counts(dy: torch.Tensor, kw) -> np.ndarray:
+    n, c, oh, ow = dy.shape
+    h, w = kw["input_size"]
+    return np.broadcast_to(aap.counts(h, w, oh, ow), (n, c, h, w))
+
+
+def division_orders_agree(dy: torch.Tensor, kw) -> np.ndarray:
+    """(N, C, H, W): every contribution to the element is the same float32 whether divided by kw then kh
+    (the kernels, torch's CUDA) or by kh then kw (torch's CPU)."""
+    h, w = kw["input_size"]
+    d = dy.detach().cpu().contiguous().numpy()
+    _, _, oh, ow = d.shape
+    kh = aap.axis_table(h, oh)[0].astype(np.float32)
+    kwid = aap.axis_table(w, ow)[0].astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        a = (d / kwid[None, None, None, :]) / kh[None, None, :, None]
+        b = (d / kh[None, None, :, None]) / kwid[None, None, None, :]
+    agree = (a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))
+    _, rows, rvalid = aap.axis_table(h, oh)
+    _, cols, cvalid = aap.axis_table(w, ow)
+    ok = np.ones(d.shape[:2] + (h, w), dtype=bool)
+    for j in range(rows.shape[1]):
+        for i in range(cols.shape[1]):
+            m = rvalid[:, j][:, None] & cvalid[:, i][None, :]
+            ok &= ~m | agree[:, :, rows[:, j][:, None], cols[:, i][None, :]]
+    return ok
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: models against float64, torch and each other
+
+
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_tree_model_within_bound_and_equals_torch_cpu(case):
+    args, kw = SPEC.make_inputs(case, CPU)
+    dx = TREE(*args, **kw)
+    assert dx.shape == (*args[0].shape[:2], *kw["input_size"]) and dx.dtype == torch.float32
+    assert layout_ok(dx, args[0])
+    check_bound(dx, args, kw)
+    # torch's CPU backward adds the windows in (oh, ow) row-major order from +0.0 like tree, but
+    # divides by kh first: same bits wherever both division orders give the same contributions.
+    agree = division_orders_agree(args[0], kw)
+    diff = same_bits(dx, aap.torch_backward(*args, **kw), where=agree)
+    assert diff.size == 0, f"tree differs from torch's CPU backward at {diff[:10]}"
+    h, w = kw["input_size"]
+    oh, ow = args[0].shape[2:]
+    kh, kwid = aap.axis_table(h, oh)[0], aap.axis_table(w, ow)[0]
+    if len(set(kh.tolist()) | set(kwid.tolist())) == 1:
+        assert agree.all()  # every window kh == kw: the two division orders cannot differ
+
+
+def test_square_windows_equal_torch_cpu_everywhere():
+    case = next(c for c in TEST_CASES if c.name == "up_3to8_nchw")  # overlapping 1x1 and 2x2 windows
+    args, kw = SPEC.make_inputs(case, CPU)
+    assert element_counts(args[0], kw).max() >= 4
+    assert same_bits(TREE(*args, **kw), aap.torch_backward(*args, **kw)).size == 0
+
+
+def test_division_orders_do_differ_on_rectangular_windows():
+    """Why torch's CPU bits are compared only where the orders agree: with kh != kw they do differ."""
+    case = next(c for c in TEST_CASES if c.name == "nondiv_25x11to7x4_nchw")
+    args, kw = SPEC.make_inputs(case, CPU)
+    agree = division_orders_agree(args[0], kw)
+    assert not agree.all()
+    assert same_bits(TREE(*args, **kw), aap.torch_backward(*args, **kw)).size > 0
+
+
+def test_single_window_elements_get_the_share_exactly():
+    case = next(c for c in TEST_CASES if c.name == "nondiv_13to7_nchw")
+    (dy,), kw = SPEC.make_inputs(case, CPU)
+    parts = aap.contributions(dy, *kw["input_size"])
+    one = element_counts(dy, kw) == 1
+    assert one.any() and (~one).any()
+    expected = np.where(one, parts[..., 0], 0).astype(np.float32)
+    got = TREE(dy, **kw).numpy()
+    assert np.array_equal(got[one].view(np.uint32), expected[one].view(np.uint32))
+
+
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_atomic_model_is_some_order(case):
+    """Elements with <= 2 contributions equal tree's bits (0 + a + b = 0 + b + a); all within the bound."""
+    args, kw = SPEC.make_inputs(case, CPU)
+    dx = ATOMIC(*args, **kw, rng=case.seed)
+    assert layout_ok(dx, args[0])
+    check_bound(dx, args, kw, flushes=True)
+    few = element_counts(args[0], kw) <= 2
+    tiny = np.abs(TREE(*args, **kw).numpy()) < np.finfo(np.float32).tiny  # atomic flushes subnormals
+    diff = same_bits(dx, TREE(*args, **kw), where=few & ~tiny)
+    assert diff.size == 0, f"elements with <= 2 contributions differ from tree at {diff[:10]}"
+
+
+def test_atomic_model_varies_with_order_negative_control():
+    """OH > H: 64 windows per element; the arrival order changes the bits, tree's order is fixed."""
+    case = next(c for c in SPEC.bench_cases("cpu") if c.name.startswith("up_4to28"))
+    args, kw = SPEC.make_inputs(case, CPU)
+    assert element_counts(args[0], kw).min() >= 49
+    results = {bits(ATOMIC(*args, **kw, rng=seed)).tobytes() for seed in range(10)}
+    assert len(results) >= 5, f"only {len(results)} distinct results over 10 arrival orders"
+    assert len({bits(TREE(*args, **kw)).tobytes() for _ in range(3)}) == 1
+    assert bits(ATOMIC(*args, **kw, rng=3)).tobytes() == bits(ATOMIC(*args, **kw, rng=3)).tobytes()
+
+
+def test_checks_reject_wrong_results_negative_control():
+    """The checks must fail on deliberately wrong results: the reversed window order (a correct sum, but
+    not tree's bits), and a result missing one gradient."""
+    case = next(c for c in TEST_CASES if c.name == "up_3to8_nchw")
+    (dy,), kw = SPEC.make_inputs(case, CPU)
+    tree = TREE(dy, **kw)
+    rev = TREE(dy.flip(2, 3).contiguous(), **kw).flip(2, 3)  # the windows in reverse order
+    assert same_bits(rev, tree).size > 0
+    check_bound(rev, (dy,), kw)
+    dropped = dy.clone()
+    dropped[0, 0, 3, 3] = 0.0
+    with pytest.raises(AssertionError, match="outside the bound"):
+        check_bound(TREE(dropped, **kw), (dy,), kw)
+
+
+def test_special_values():
+    """Inf and NaN pass through like torch's (NaN where torch has NaN); -0.0 gradients give +0.0;
+    subnormal shares survive tree's additions and flush to zero in atomic's."""
+    case = next(c for c in TEST_CASES if c.name.startswith("special"))
+    (dy,), kw = SPEC.make_inputs(case, CPU)
+    dx = TREE(dy, **kw)
+    ref = aap.torch_backward(dy, **kw)
+    assert torch.isnan(dx).any() and torch.isinf(dx).any()
+    assert torch.equal(torch.isnan(dx), torch.isnan(ref)) and torch.equal(torch.isinf(dx), torch.isinf(ref))
+    one = torch.from_numpy(element_counts(dy, kw) == 1)
+    # a lone -0.0 gradient: +0.0 + (-0.0 / kw / kh) = +0.0
+    z = torch.zeros(1, 1, 3, 3)
+    z[0, 0, 1, 1] = -0.0
+    out = TREE(z, input_size=(6, 6))
+    assert (bits(out) == 0).all() and (bits(aap.torch_backward(z, input_size=(6, 6))) == 0).all()
+    # subnormal shares: 1e-40 / 1 / 1 stays in tree, flushes in atomic
+    s = torch.full((1, 1, 2, 2), 1e-40)
+    assert (TREE(s, input_size=(2, 2)) == 1e-40).all()
+    assert (bits(ATOMIC(s, input_size=(2, 2), rng=0)) == 0).all()
+    assert one.any()
+
+
+def test_layouts_and_noncontiguous_agree():
+    """tree gives the same bits in both layouts and for a strided dy (copied first)."""
+    case = next(c for c in TEST_CASES if c.name == "nondiv_13to7_nchw")
+    (dy,), kw = SPEC.make_inputs(case, CPU)
+    a = TREE(dy, **kw)
+    b = TREE(dy.contiguous(memory_format=torch.channels_last), **kw)
+    assert a.is_contiguous() and b.is_contiguous(memory_format=torch.channels_last)
+    assert same_bits(a, b).size == 0
+    strided = torch.zeros(dy.shape[0], dy.shape[1], dy.shape[2] * 2, dy.shape[3])[:, :, ::2]
+    strided.copy_(dy)
+    assert not strided.is_contiguous()
+    assert same_bits(TREE(strided, **kw), a).size == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad inputs: KernelArgumentError naming the argument, before anything runs
+
+_DY = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+BAD = [
+    ("dy", (_DY.double(),), dict(input_size=(8, 8))),
+    ("dy", ([[1.0]],), dict(input_size=(8, 8))),
+    ("dy", (_DY[0],), dict(input_size=(8, 8))),
+    ("dy", (_DY[:0],), dict(input_size=(8, 8))),
+    ("input_size", (_DY,), dict(input_size=(8,))),
+    ("input_size", (_DY,), dict(input_size=(0, 8))),
+    ("input_size", (_DY,), dict(input_size=(8.0, 8))),
+    ("input_size", (_DY,), dict(input_size=8)),
+]
+
+
+@pytest.mark.parametrize("variant", ["tree", "atomic"])
+@pytest.mark.parametrize("arg,args,kw", BAD, ids=[f"{a}{i}" for i, (a, _, _) in enumerate(BAD)])
+def test_bad_inputs_name_the_argument(variant, arg, args, kw):
+    with pytest.raises(KernelArgumentError, match=f"^{OP}: argument '{arg}'"):
+        kernels.get(OP, variant)(*args, **kw)
+
+
+def test_cuda_launcher_refuses_cpu_tensors():
+    with pytest.raises(KernelArgumentError, match="CUDA tensor"):
+        aap.adaptive_avg_pool2d_bwd_tree_cuda(_DY, input_size=(8, 8))
+
+
+def test_spec_tables():
+    names = {c.name for c in SPEC.bench_cases("gpu")}
+    assert {"vgg_14to7_b64_nchw", "vgg_13to7_b64_nchw", "vgg_25to7_b64_nchw",
+            "resnet_head_7to1_b64_nchw", "up_4to28_b64_nchw"} <= names
+    vgg = next(c for c in SPEC.bench_cases("gpu") if c.name == "vgg_14to7_b64_nchw")
+    assert SPEC.bytes_moved(vgg) == 4 * 64 * 512 * (49 + 196)
+    for scale in ("gpu", "quick", "cpu"):
+        assert all(c.contention >= 1 for c in SPEC.bench_cases(scale))
+    assert set(SPEC.peers()) == {"torch", "torch_autograd"}
+    with pytest.raises(ValueError):
+        SPEC.bench_cases("huge")
+
+
+def test_autograd_peer_equals_aten_peer_on_the_cpu():
+    case = next(c for c in TEST_CASES if c.name == "nondiv_13to7_channels_last")
+    args, kw = SPEC.make_inputs(case, CPU)
+    assert same_bits(aap.torch_autograd_backward(*args, **kw), aap.torch_backward(*args, **kw)).size == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: the CUDA kernels against their models and torch's CUDA backward
+
+CUDA = torch.device("cuda")
+REPEATS = 50
+
+
+@pytest.fixture
+def cuda_sync():
+    yield
+    torch.cuda.synchronize()  # surfaces any asynchronous launch error in the test that caused it
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_gpu_tree_bitwise_repeatable_and_equals_model(case, cuda_sync):
+    args, kw = SPEC.make_inputs(case, CUDA)
+    cpu_args, _ = SPEC.make_inputs(case, CPU)
+    first = TREE(*args, **kw)
+    assert layout_ok(first, args[0])
+    for _ in range(REPEATS):
+        assert torch.equal(bits_t(TREE(*args, **kw)), bits_t(first))
+    diff = same_bits(first, TREE(*cpu_args, **kw))
+    assert diff.size == 0, f"CUDA tree differs from its CPU model at {diff[:10]}"
+
+
+def bits_t(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)  # NaN-safe bitwise comparison with torch.equal
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_gpu_atomic_is_some_order(case, cuda_sync):
+    args, kw = SPEC.make_inputs(case, CUDA)
+    cpu_args, _ = SPEC.make_inputs(case, CPU)
+    tree = TREE(*cpu_args, **kw)
+    few = element_counts(cpu_args[0], kw) <= 2
+    tiny = np.abs(tree.numpy()) < np.finfo(np.float32).tiny
+    for _ in range(5):
+        dx = ATOMIC(*args, **kw)
+        assert layout_ok(dx, args[0])
+        check_bound(dx.cpu(), cpu_args, kw, flushes=True)
+        assert same_bits(dx, tree, where=few & ~tiny).size == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_gpu_atomic_varies_on_contended_case(layout, cuda_sync):
+    """Negative control: 4x4 -> 28x28, 64 windows per element. The atomic kernel gives several
+    results over the repeats; tree gives one."""
+    base = next(c for c in SPEC.bench_cases("gpu") if c.name.startswith("up_4to28"))
+    case = kernels.Case(OP, base.name, dict(base.params, layout=layout), seed=base.seed)
+    args, kw = SPEC.make_inputs(case, CUDA)
+    atomic = {bits(ATOMIC(*args, **kw)).tobytes() for _ in range(REPEATS)}
+    print(f"{case.name} {layout}: atomic {len(atomic)} distinct / {REPEATS}")
+    assert len(atomic) > 1
+    assert len({bits(TREE(*args, **kw)).tobytes() for _ in range(REPEATS)}) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in TEST_CASES if aap.suggest_layout(
+    SPEC.make_inputs(c, CPU)[0][0]) == "nchw"], ids=lambda c: c.name)
+def test_gpu_equals_torch_cuda_where_order_cannot_matter(case, cuda_sync):
+    """torch's CUDA NCHW backward adds (dy / kW) / kH atomically: on elements with <= 2 contributions its
+    bits are fixed, and tree must give them (this checks the division order on the GPU)."""
+    args, kw = SPEC.make_inputs(case, CUDA)
+    cpu_args, _ = SPEC.make_inputs(case, CPU)
+    theirs = aap.torch_backward(*args, **kw)
+    few = element_counts(cpu_args[0], kw) <= 2
+    tiny = np.abs(theirs.cpu().numpy()) < np.finfo(np.float32).tiny
+    diff = same_bits(TREE(*args, **kw), theirs, where=few & ~tiny)
+    assert diff.size == 0, f"tree differs from torch's CUDA backward at {diff[:10]}"
+    check_bound(theirs.cpu(), cpu_args, kw)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_deterministic_mode_refuses_or_runs_mean():
+    """What the benchmark records as unavailable: torch raises for this backward in deterministic mode,
+    except through F.adaptive_avg_pool2d to (1, 1), which is mean."""
+    from bench.timing import torch_mode
+
+    dy = torch.randn(2, 3, 7, 7, device=CUDA)
+    with torch_mode("deterministic"):
+        with pytest.raises(RuntimeError, match="deterministic"):
+            aap.torch_backward(dy, input_size=(13, 13))
+        head = aap.torch_autograd_backward(torch.randn(2, 3, 1, 1, device=CUDA), input_size=(7, 7))
+    assert head.shape == (2, 3, 7, 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["tree", "atomic"])
+def test_gpu_runs_on_torch_current_stream(variant, cuda_sync):
+    """dy is rewritten on a side stream behind a long sleep; a kernel launched on another stream would
+    read the old dy."""
+    case = next(c for c in TEST_CASES if c.name == "nondiv_13to7_nchw")
+    (dy,), kw = SPEC.make_inputs(case, CUDA)
+    new_dy = torch.randn(dy.shape, generator=torch.Generator().manual_seed(99))
+    expected = TREE(new_dy, **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        buf = dy.clone()
+        torch.cuda._sleep(50_000_000)
+        buf.copy_(new_dy.to(CUDA, non_blocking=False))
+        out = kernels.get(OP, variant)(buf, **kw)
+    side.synchronize()
+    few = element_counts(new_dy, kw) <= 2
+    assert same_bits(out, expected, where=few).size == 0
+    check_bound(out.cpu(), (new_dy,), kw, flushes=True)
