@@ -1,0 +1,298 @@
+"""Several GPUs of one host: NCCL all-reduce repeatability, DDP with native vs nnrand kernels, and
+``--world-invariant`` training on 1 and N GPUs, with step times. Writes ``reports/multigpu.md``.
+
+    python -m bench.multigpu                      # every section on all visible GPUs (a few minutes)
+    python -m bench.multigpu --only allreduce     # one section
+    python -m bench.multigpu --render             # the report from reports/results/multigpu.json only
+
+Sections (each launches ``torchrun`` child processes; results are merged into the JSON file section by
+section with atomic writes, so an interrupted run keeps what it finished):
+
+    allreduce   ``dist.all_reduce`` (sum, fp32) of seeded per-rank tensors from 2^10 to 25e6 elements,
+                ``--repeats`` times on the same inputs, per NCCL_ALGO (default, Ring, Tree): distinct
+                results (SHA-256 of the bytes) and median time
+    ddp         ``torchrun -m nnrand.train`` of ResNet-18 (CIFAR, synthetic data) with DDP on N GPUs,
+                ``--runs`` runs each with ``--kernel native`` and ``--kernel tree``: distinct final-weight
+                checksums, median step time
+    invariant   ``--world-invariant`` on 1 and N GPUs at the same global batch, with micro-batches of
+                B/N (one per rank on N GPUs) and B/4: final-weight checksum and logits hash per world size,
+                step time; and the one-process tree run without micro-batches, for the cost of each piece
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "reports" / "results" / "multigpu.json"
+REPORT = ROOT / "reports" / "multigpu.md"
+SECTIONS = ("allreduce", "ddp", "invariant")
+ALGOS = ("default", "Ring", "Tree")
+SIZES = (2**10, 2**16, 2**20, 2**24, 25_000_000)
+# ResNet-18 (CIFAR variant) on the synthetic set: 1 epoch of 40 steps at batch 128
+TRAIN = ["--model", "resnet18", "--epochs", "1", "--n-train", "5120", "--n-test", "1000", "--batch-size", "128",
+         "--no-progress", "--no-report", "--no-resume", "--dist-timeout", "120"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Children
+
+
+def allreduce_worker(args) -> int:
+    """One rank of the all-reduce measurement (run under torchrun)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    rows = []
+    for n in SIZES:
+        g = torch.Generator(device="cuda").manual_seed(1000 + rank)
+        src = torch.randn(n, device="cuda", generator=g)
+        buf = torch.empty_like(src)
+        hashes, times = set(), []
+        for _ in range(args.repeats):
+            buf.copy_(src)
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dist.all_reduce(buf)
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) * 1e3)
+            hashes.add(hashlib.sha256(buf.cpu().numpy().tobytes()).hexdigest())
+        rows.append({"elements": n, "distinct": len(hashes), "repeats": args.repeats,
+                     "median_us": statistics.median(times[1:] or times)})
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+    return 0
+
+
+def _torchrun(nproc: int, module_args: list[str], env: dict | None = None, timeout: int = 900):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *module_args]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **(env or {})),
+                       timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-4000:]}")
+    return time.perf_counter() - t0
+
+
+def _train(nproc: int, out: Path, name: str, extra: list[str]) -> dict:
+    _torchrun(nproc, ["-m", "nnrand.train", *TRAIN, "--out", str(out), "--name", name, *extra])
+    r = json.loads((out / name / "member_000" / "result.json").read_text())
+    return {k: r[k] for k in ("final_checksum", "logits_hash", "step_time_ms", "test_top1", "world_size",
+                              "world_invariant", "train_loss")}
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+
+
+def run_allreduce(n: int, scratch: Path, args) -> dict:
+    out = {}
+    for algo in ALGOS:
+        env = {} if algo == "default" else {"NCCL_ALGO": algo}
+        path = scratch / f"allreduce_{algo}.json"
+        try:
+            _torchrun(n, ["-m", "bench.multigpu", "_allreduce", "--repeats", str(args.repeats), "--result", str(path)],
+                      env=env)
+            out[algo] = json.loads(path.read_text())
+        except RuntimeError as e:
+            out[algo] = {"error": str(e).splitlines()[-1][:300]}
+        print(f"allreduce {algo}: {out[algo]}", flush=True)
+    return out
+
+
+def run_ddp(n: int, scratch: Path, args) -> dict:
+    out = {}
+    for kernel in ("native", "tree"):
+        runs = [_train(n, scratch, f"ddp_{kernel}_{i}", ["--kernel", kernel]) for i in range(args.runs)]
+        out[kernel] = runs
+        print(f"ddp {kernel}: {[r['final_checksum'] for r in runs]}", flush=True)
+    return out
+
+
+def run_invariant(n: int, scratch: Path, args) -> dict:
+    batch = int(TRAIN[TRAIN.index("--batch-size") + 1])
+    out = {"single_tree": _train(1, scratch, "single_tree", ["--kernel", "tree"])}
+    for micro in sorted({batch // n, batch // 4}, reverse=True):
+        for world in sorted({1, n}):
+            key = f"m{micro}_w{world}"
+            out[key] = _train(world, scratch, f"inv_{key}", ["--kernel", "tree", "--world-invariant",
+                                                             "--micro-batch", str(micro)])
+            out[key]["micro_batch"] = micro
+            print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Results and report
+
+
+def load() -> dict:
+    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+
+
+def save(data: dict) -> None:
+    from nnrand import runio
+
+    runio.write_json(RESULTS, data)
+
+
+def _distinct(runs: list[dict], key: str = "final_checksum") -> int:
+    return len({r[key] for r in runs})
+
+
+def render(data: dict) -> str:
+    env = data.get("fingerprint", {})
+    n = data.get("gpus")
+    lines = [
+        "# Several GPUs: repeatability across runs and across world sizes",
+        "",
+        f"Generated by `python -m bench.multigpu` on {n} x {env.get('gpu', '?')} (driver "
+        f"{env.get('driver', '?')}, NCCL {data.get('nccl', '?')}, torch {env.get('torch', '?')}, git "
+        f"{str(env.get('git_sha', '?'))[:7]}, {env.get('date', '?')}). fp32, TF32 off.",
+        "",
+    ]
+    ar = data.get("allreduce")
+    if ar:
+        lines += ["## NCCL all-reduce repeatability",
+                  "",
+                  f"`dist.all_reduce` (sum, fp32) on {n} GPUs of the same seeded per-rank tensors, repeated: "
+                  "distinct results (SHA-256 of the bytes) / repeats, and median time.",
+                  "",
+                  "| elements | " + " | ".join(f"{a} distinct | {a} µs" for a in ALGOS) + " |",
+                  "|---:|" + "---:|---:|" * len(ALGOS)]
+        for i, size in enumerate(SIZES):
+            cells = []
+            for a in ALGOS:
+                rows = ar.get(a)
+                if not isinstance(rows, list):
+                    cells += ["failed", "-"]
+                    continue
+                r = rows[i]
+                cells += [f"{r['distinct']}/{r['repeats']}", f"{r['median_us']:.0f}"]
+            lines.append(f"| {size:,} | " + " | ".join(cells) + " |")
+        errors = {a: v["error"] for a, v in ar.items() if isinstance(v, dict)}
+        for a, e in errors.items():
+            lines += ["", f"NCCL_ALGO={a} failed: `{e}`"]
+        lines.append("")
+    ddp = data.get("ddp")
+    if ddp:
+        lines += ["## DDP at a fixed world size: native kernels vs nnrand `tree`",
+                  "",
+                  f"`torchrun --nproc_per_node {n} -m nnrand.train {' '.join(data.get('train_args', TRAIN))}` "
+                  "(ResNet-18, CIFAR-sized synthetic set), each run from the same seeds.",
+                  "",
+                  "| kernels | runs | distinct final weights | median step ms |",
+                  "|---|---:|---:|---:|"]
+        for k in ("native", "tree"):
+            runs = ddp.get(k) or []
+            if runs:
+                ms = statistics.median(r["step_time_ms"] for r in runs)
+                lines.append(f"| {k} | {len(runs)} | {_distinct(runs)} | {ms:.2f} |")
+        lines.append("")
+    inv = data.get("invariant")
+    if inv:
+        single = inv.get("single_tree")
+        lines += ["## `--world-invariant`: the same bits on 1 and N GPUs",
+                  "",
+                  "Same global batch, seeds and kernels (`tree`) as above; micro-batches of M images (BatchNorm's "
+                  "virtual batch). Equal checksums and logits hashes across world sizes are the claim.",
+                  "",
+                  "| micro-batch | GPUs | final-weight checksum | logits hash | test top-1 | median step ms |",
+                  "|---:|---:|---|---|---:|---:|"]
+        for key, r in inv.items():
+            if key == "single_tree":
+                continue
+            lines.append(f"| {r['micro_batch']} | {r['world_size']} | {r['final_checksum']} | {r['logits_hash']} | "
+                         f"{r['test_top1']:.4f} | {r['step_time_ms']:.2f} |")
+        lines.append("")
+        for micro in sorted({r["micro_batch"] for k, r in inv.items() if k != "single_tree"}, reverse=True):
+            rows = [r for k, r in inv.items() if k != "single_tree" and r["micro_batch"] == micro]
+            same = len({(r["final_checksum"], r["logits_hash"]) for r in rows}) == 1
+            lines.append(f"- micro-batch {micro}: {'identical' if same else 'DIFFERENT'} bits on "
+                         f"{', '.join(str(r['world_size']) for r in rows)} GPUs.")
+        if single:
+            lines.append(f"- one process, no micro-batches (`--kernel tree`): {single['step_time_ms']:.2f} ms/step.")
+        lines.append("")
+        if ddp and ddp.get("tree") and ddp.get("native"):
+            tree_ms = statistics.median(r["step_time_ms"] for r in ddp["tree"])
+            native_ms = statistics.median(r["step_time_ms"] for r in ddp["native"])
+            lines += ["## Cost", "",
+                      "| comparison | ratio | target |", "|---|---:|---:|",
+                      f"| DDP `tree` / DDP native ({n} GPUs) | {tree_ms / native_ms:.3f} | <= 1.10 |"]
+            for key, r in inv.items():
+                if key != "single_tree" and r["world_size"] == n and n > 1:
+                    lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']} / DDP `tree` ({n} GPUs) | "
+                                 f"{r['step_time_ms'] / tree_ms:.3f} | <= 1.15 |")
+            if single:
+                for key, r in inv.items():
+                    if key != "single_tree" and r["world_size"] == 1:
+                        lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']} / plain `tree`, one GPU | "
+                                     f"{r['step_time_ms'] / single['step_time_ms']:.3f} | - |")
+            lines += ["",
+                      "With one micro-batch per rank the extra work over DDP is the copy of the flat gradient, one "
+                      "all_gather of every rank's gradient and BatchNorm statistics, and the fixed-order additions "
+                      "on every rank; smaller micro-batches add their own forward and backward passes (smaller "
+                      "kernels, more launches). On one GPU the same pieces cost what the last rows show.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.multigpu", description=__doc__.splitlines()[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd")
+    w = sub.add_parser("_allreduce", help=argparse.SUPPRESS)
+    w.add_argument("--repeats", type=int, default=30)
+    w.add_argument("--result", required=True)
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--gpus", type=int, help="GPUs to use (default: all visible)")
+    p.add_argument("--repeats", type=int, default=30, help="all-reduce repeats per size (default 30)")
+    p.add_argument("--runs", type=int, default=3, help="DDP runs per kernel family (default 3)")
+    p.add_argument("--scratch", default="runs/multigpu", help="where the child runs write (default %(default)s)")
+    p.add_argument("--render", action="store_true", help="only re-render the report from the results file")
+    args = p.parse_args(argv)
+    if args.cmd == "_allreduce":
+        return allreduce_worker(args)
+    data = load()
+    if not args.render:
+        import torch
+
+        from nnrand.fingerprint import fingerprint
+
+        if not torch.cuda.is_available():
+            p.exit(2, f"{p.prog}: error: needs CUDA GPUs (found none)\n")
+        n = args.gpus or torch.cuda.device_count()
+        if n > torch.cuda.device_count():
+            p.exit(2, f"{p.prog}: error: --gpus {n} but {torch.cuda.device_count()} are visible\n")
+        if data.get("gpus") not in (None, n):
+            data = {}     # another machine's results: start over
+        nccl = torch.cuda.nccl.version()
+        data.update(gpus=n, fingerprint=fingerprint("cuda"), train_args=TRAIN,
+                    nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
+        scratch = Path(args.scratch)
+        for section in args.only:
+            data[section] = {"allreduce": run_allreduce, "ddp": run_ddp, "invariant": run_invariant}[section](
+                n, scratch, args)
+            save(data)
+    if not data:
+        p.exit(2, f"{p.prog}: error: no results in {RESULTS}; run without --render first\n")
+    from nnrand import runio
+
+    runio.write_text(REPORT, render(data))
+    print(f"report: {REPORT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
