@@ -1,0 +1,533 @@
+"""index_add: out (M, D) = 0; out[index[i], :] += src[i, :]. CUDA launchers for ``index_add.cu`` and their
+CPU order models, and the scatter-sum machinery that scatter_add and embedding_bwd share (segsum.cuh).
+
+    out = index_add(index, src, num_rows=M)        # index (N,) int64, src (N, D) float32
+
+A non-contiguous ``src`` is copied to a contiguous one first. Indices outside [0, M) raise
+KernelArgumentError naming the first bad value (one torch.aminmax on the device and one transfer; pass
+``check_range=False`` to skip it, then such indices are undefined behaviour on the GPU).
+
+Order of the additions into one output element (the only thing that decides its bits):
+- ``atomic``: arrival order of the atomicAdds, from +0.0; float atomicAdd flushes subnormal operands and
+  results to sign-preserving zero, and the model does the same.
+- ``sorted``: the row's k contributions in source order, cut into chunks of L = 32 * 2^e (smallest e with
+  ceil(k / L) <= 1024); each chunk summed one value at a time from +0.0; with more than one chunk, the
+  partials are combined by a 32-ary tree whose every node is a halving tree over 32 consecutive children
+  (missing children +0.0): at most two levels, since there are at most 1024 chunks. The bits of a row
+  depend only on its own contributions in source order (not on other rows, nor on the GPU).
+Both start every row at +0.0, so a row of -0.0 contributions ends at +0.0 (as torch's zeros + index_add).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from .order import F32, rng_of
+from .registry import Case, define_op
+from .runtime import (
+    KernelArgumentError,
+    cdiv,
+    check_cuda,
+    check_size,
+    check_tensor,
+    function,
+    launch,
+    memo_check,
+    ptr,
+    ticket_counters,
+)
+
+OP = "index_add"
+SOURCE = "index_add.cu"
+THREADS = 256
+MAX_BLOCKS = 2**31 - 1
+CHUNK_MIN = 32       # SEG_CHUNK_MIN of segsum.cuh
+MAX_CHUNKS = 1024    # SEG_MAX_CHUNKS
+FAN = 32             # SEG_FAN: children of a tree node
+SCALAR_BELOW_D = 4   # row form with D < 4 runs the one-thread-per-chunk kernel (a warp would idle)
+
+
+def chunk_len(k: int) -> int:
+    """Chunk length of a row of ``k`` contributions (``seg_chunk_len``)."""
+    L = CHUNK_MIN
+    while -(-k // L) > MAX_CHUNKS:
+        L *= 2
+    return L
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared argument checks
+
+
+def check_rows(op: str, arg: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise KernelArgumentError(op, arg, f"expected an int, got {v!r}")
+    if v < 0:
+        raise KernelArgumentError(op, arg, f"expected a value >= 0, got {v}")
+    return int(v)
+
+
+def check_index(op: str, arg: str, t, *, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise KernelArgumentError(op, arg, f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int64:
+        raise KernelArgumentError(op, arg, f"expected dtype torch.int64, got {t.dtype}")
+    if t.device != device:
+        raise KernelArgumentError(op, arg, f"expected a tensor on {device}, got one on {t.device}")
+    return t
+
+
+def check_index_range(op: str, arg: str, index: torch.Tensor, rows: int) -> None:
+    """Every index in [0, rows): one aminmax on the index's device, one transfer. Names the bad value."""
+    if index.numel() == 0:
+        return
+    lo, hi = torch.stack(torch.aminmax(index)).tolist()  # one transfer
+    if lo < 0 or hi >= rows:
+        bad = lo if lo < 0 else hi
+        raise KernelArgumentError(op, arg, f"index {bad} is out of range for {rows} rows (expected 0 <= index < {rows})")
+
+
+# --------------------------------------------------------------------------------------------------
+# The scatter-sum machinery (segsum.cuh): row form (key (N,), src (N, D)) or element form (key and src
+# (N, D), destination key * D + column).
+
+
+def _key_dtype(space: int) -> tuple[torch.dtype, str]:
+    """The narrowest signed key type for keys in [0, space): fewer radix-sort passes."""
+    if space <= 2**15 - 1:
+        return torch.int16, "i16"
+    if space <= 2**31 - 1:
+        return torch.int32, "i32"
+    return torch.int64, "i64"
+
+
+def _blocks(total: int) -> int:
+    return max(1, min(cdiv(total, THREADS), MAX_BLOCKS))
+
+
+def segsum_atomic_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
+                       elementwise: bool = False, skip: int = -1, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """out (rows, D) = 0, then one atomicAdd per element of src (contiguous)."""
+    d = src.shape[1]
+    out = torch.zeros((rows, d), device=src.device, dtype=torch.float32)
+    total = src.numel()
+    if total == 0:
+        return out
+    launch(function(source, f"{prefix}_atomic", src.device), (_blocks(total),), (THREADS,),
+           (ptr(src), ptr(key), ptr(out), np.int64(total), np.int32(d), np.int32(elementwise), np.int64(skip),
+            np.uint64(0) if counts is None else ptr(counts)), device=src.device)
+    return out
+
+
+def _vec(src: torch.Tensor, d: int) -> int:
+    for v in (4, 2):
+        if d % v == 0 and src.data_ptr() % (4 * v) == 0:
+            return v
+    return 1
+
+
+def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
+                       elementwise: bool = False, skip: int = -1, scaled: bool = False,
+                       force_scalar: bool = False) -> torch.Tensor:
+    """out (rows, D): each destination's contributions in source order, chunked, fixed tree (see the
+    module docstring). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits;
+    for tests)."""
+    d = src.shape[1]
+    dev = src.device
+    out = torch.zeros((rows, d), device=dev, dtype=torch.float32)
+    if key.numel() == 0 or d == 0:
+        return out
+    if elementwise:  # destination of src[i, j]: flat row key[i, j] * D + j of a (rows * D, 1) output
+        space, width = rows * d, 1
+        flat = key * d + torch.arange(d, device=dev, dtype=torch.int64)
+        ktype, kname = _key_dtype(space)
+        keys = flat.reshape(-1).to(ktype)
+    else:
+        space, width = rows, d
+        ktype, kname = _key_dtype(space)
+        keys = key.to(ktype)
+    n = keys.numel()
+    skey, perm = torch.sort(keys, stable=True)
+    start = torch.empty(space + 1, device=dev, dtype=torch.int64)
+    launch(function(source, f"{prefix}_starts_{kname}", dev), (_blocks(space + 1),), (THREADS,),
+           (ptr(skey), np.int64(n), np.int64(space), ptr(start)), device=dev)
+    slots = max(1, 2 * (n // CHUNK_MIN))
+    part = torch.empty((2, slots, width), device=dev, dtype=torch.float32)
+    counters = ticket_counters(dev, 2 * slots)  # left at zero by the kernel's last arrivals
+    args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
+            np.uint64(int(ptr(counters)) + 4 * slots), np.int64(n), np.int32(width), np.int64(skip),
+            np.int32(scaled))
+    if elementwise or width < SCALAR_BELOW_D or force_scalar:
+        launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks(n),), (THREADS,), args, device=dev)
+    else:
+        tiles = cdiv(n, 32)
+        launch(function(source, f"{prefix}_rows{_vec(src, width)}_{kname}", dev), (max(1, cdiv(tiles, THREADS // 32)),),
+               (THREADS,), args, device=dev)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU order models (Numba: one float32 addition per contribution, in the kernels' order)
+
+
+@functools.lru_cache(maxsize=None)
+def _jit():
+    import numba
+
+    tiny = F32(np.finfo(F32).tiny)
+
+    @numba.njit(cache=False)
+    def ftz(x):
+        # float atomicAdd flushes subnormal operands and results to sign-preserving zero
+        return x * F32(0.0) if abs(x) < tiny else x
+
+    @numba.njit(cache=False)
+    def node(v):
+        # halving tree over 32 values: v[i] += v[i + half], half = 16 .. 1
+        half = 16
+        while half >= 1:
+            for i in range(half):
+                v[i] = v[i] + v[i + half]
+            half //= 2
+        return v[0]
+
+    @numba.njit(cache=False)
+    def sorted_sum(keys, vals, order, skip, out):
+        # keys (n,), vals (n, D), order: a stable argsort of keys (so a row's contributions in source order)
+        n, d = vals.shape
+        part = np.zeros((MAX_CHUNKS, d), np.float32)
+        nodes = np.zeros((FAN, d), np.float32)
+        v = np.zeros(FAN, np.float32)
+        p = 0
+        while p < n:
+            m = keys[order[p]]
+            e = p + 1
+            while e < n and keys[order[e]] == m:
+                e += 1
+            k = e - p
+            if m != skip:
+                L = CHUNK_MIN
+                while (k + L - 1) // L > MAX_CHUNKS:
+                    L *= 2
+                nc = (k + L - 1) // L
+                for c in range(nc):
+                    lo = p + c * L
+                    hi = min(lo + L, e)
+                    for j in range(d):
+                        acc = F32(0.0)
+                        for q in range(lo, hi):
+                            acc = acc + vals[order[q], j]
+                        part[c, j] = acc
+                if nc == 1:
+                    for j in range(d):
+                        out[m, j] = part[0, j]
+                else:
+                    ng = (nc + FAN - 1) // FAN
+                    for g in range(ng):
+                        cnt = min(FAN, nc - FAN * g)
+                        for j in range(d):
+                            for i in range(FAN):
+                                v[i] = part[FAN * g + i, j] if i < cnt else F32(0.0)
+                            nodes[g, j] = node(v)
+                    for j in range(d):
+                        if ng == 1:
+                            out[m, j] = nodes[0, j]
+                        else:
+                            for i in range(FAN):
+                                v[i] = nodes[i, j] if i < ng else F32(0.0)
+                            out[m, j] = node(v)
+            p = e
+
+    @numba.njit(cache=False)
+    def arrival_sum(keys, vals, order, u, skip, out):
+        # Each output element's contributions in a uniformly random order (Fisher-Yates driven by the
+        # uniforms u, one per contribution and column), independent across elements, from +0.0 with
+        # atomicAdd's flush.
+        n, d = vals.shape
+        buf = np.empty(n, np.float32)
+        p = 0
+        while p < n:
+            m = keys[order[p]]
+            e = p + 1
+            while e < n and keys[order[e]] == m:
+                e += 1
+            k = e - p
+            if m != skip:
+                for j in range(d):
+                    for q in range(k):
+                        buf[q] = vals[order[p + q], j]
+                    for q in range(k - 1, 0, -1):
+                        r = min(int(u[order[p + q], j] * (q + 1)), q)
+                        buf[q], buf[r] = buf[r], buf[q]
+                    acc = F32(0.0)
+                    for q in range(k):
+                        acc = ftz(acc + ftz(buf[q]))
+                    out[m, j] = acc
+            p = e
+
+    return sorted_sum, arrival_sum
+
+
+def scaled_values(key: np.ndarray, vals: np.ndarray, rows: int) -> np.ndarray:
+    """Each value divided by its destination's count, one float32 rounding (the kernels' __fdiv_rn)."""
+    counts = np.bincount(key, minlength=rows).astype(F32)
+    return (vals / counts[key][:, None]).astype(F32)
+
+
+def segsum_cpu(kind: str, key: torch.Tensor, src: torch.Tensor, rows: int, *, elementwise: bool = False,
+               skip: int = -1, scaled: bool = False, rng=None) -> torch.Tensor:
+    """The CPU model of ``segsum_<kind>_cuda`` (kind: "sorted" or "atomic"); same arguments."""
+    d = src.shape[1]
+    vals = src.detach().contiguous().numpy()
+    k = key.contiguous().numpy()
+    if elementwise:
+        k = (k * d + np.arange(d, dtype=np.int64)).reshape(-1)
+        vals, space = vals.reshape(-1, 1), rows * d
+    else:
+        space = rows
+    if scaled:
+        vals = scaled_values(k, vals, space)
+    out = np.zeros((space, vals.shape[1]), dtype=F32)
+    if k.size:
+        order = np.argsort(k, kind="stable")
+        sorted_sum, arrival = _jit()
+        if kind == "sorted":
+            sorted_sum(k, vals, order, skip, out)
+        else:
+            arrival(k, vals, order, rng_of(rng).random(vals.shape), skip, out)
+    return torch.from_numpy(out).view(rows, d)
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers for tests: float64 reference, per-element counts and error bound
+
+
+def contributions(key: torch.Tensor, src: torch.Tensor, rows: int, *, elementwise: bool = False, skip: int = -1,
+                  scaled: bool = False):
+    """(exact float64 sum, count, sum of |term|) per output element, (rows, D) each; terms are the exact
+    quotients with ``scaled``."""
+    d = src.shape[1]
+    vals = src.detach().to("cpu", torch.float64).contiguous().numpy()
+    k = key.to("cpu").contiguous().numpy()
+    if elementwise:
+        k, vals = (k * d + np.arange(d)).reshape(-1), vals.reshape(-1, 1)
+    space = rows * d if elementwise else rows
+    keep = k != skip
+    k, vals = k[keep], vals[keep]
+    counts = np.bincount(k, minlength=space)
+    if scaled:
+        vals = vals / counts[k][:, None]
+    kt, vt = torch.from_numpy(k), torch.from_numpy(vals)
+    exact = torch.zeros(space, vals.shape[1], dtype=torch.float64).index_add_(0, kt, vt).numpy()
+    absum = torch.zeros(space, vals.shape[1], dtype=torch.float64).index_add_(0, kt, vt.abs()).numpy()
+    cnt = np.broadcast_to(counts[:, None], exact.shape)
+    return exact.reshape(rows, d), cnt.reshape(rows, d).copy(), absum.reshape(rows, d)
+
+
+def error_bound(count: np.ndarray, abs_sum: np.ndarray, *, scaled: bool = False) -> np.ndarray:
+    """|float32 sum - exact| for ``count`` terms added from +0.0 in any binary tree: each term passes
+    through at most count - 1 roundings, so <= gamma(count - 1) * sum |term| (Higham). With ``scaled``
+    each term is first rounded once more (the division): <= gamma(count) * sum |exact term|."""
+    m = np.maximum(count.astype(np.float64) - (0.0 if scaled else 1.0), 0.0)
+    u = 2.0**-24
+    return m * u / (1.0 - m * u) * abs_sum
+
+
+# --------------------------------------------------------------------------------------------------
+# index_add launchers and models
+
+_CHECKED: dict = {}
+
+
+def _check_all(index, src, num_rows):
+    src = check_tensor(OP, "src", src, ndim=2)
+    index = check_index(OP, "index", index, device=src.device)
+    if index.dim() != 1:
+        raise KernelArgumentError(OP, "index", f"expected a 1-D tensor, got shape {tuple(index.shape)}")
+    if index.shape[0] != src.shape[0]:
+        raise KernelArgumentError(OP, "index", f"expected {src.shape[0]} entries (src's rows), got {index.shape[0]}")
+    rows = check_rows(OP, "num_rows", num_rows)
+    if index.numel() and rows == 0:
+        raise KernelArgumentError(OP, "num_rows", f"no rows to add {index.numel()} source rows into")
+    check_size(OP, "src", src)
+    if rows * src.shape[1] > 2**40:
+        raise KernelArgumentError(OP, "num_rows", f"the output would have {rows * src.shape[1]} elements; at most 2^40")
+    return rows
+
+
+def _prologue(index, src, num_rows, range_check: bool):
+    rows = memo_check(_CHECKED, _check_all, index, src, num_rows)
+    if range_check:
+        check_index_range(OP, "index", index, rows)
+    return index.contiguous(), src.contiguous(), rows
+
+
+def index_add_atomic_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
+    index, src, rows = _prologue(index, src, num_rows, check_range)
+    check_cuda(OP, "src", src)
+    return segsum_atomic_cuda(SOURCE, OP, index, src, rows)
+
+
+def index_add_sorted_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
+    index, src, rows = _prologue(index, src, num_rows, check_range)
+    check_cuda(OP, "src", src)
+    return segsum_sorted_cuda(SOURCE, OP, index, src, rows)
+
+
+def index_add_sorted_scalar_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
+    """sorted through the one-thread-per-chunk kernel whatever D (same bits; for tests)."""
+    index, src, rows = _prologue(index, src, num_rows, check_range)
+    check_cuda(OP, "src", src)
+    return segsum_sorted_cuda(SOURCE, OP, index, src, rows, force_scalar=True)
+
+
+def _cpu_prologue(index, src, num_rows, range_check):
+    index, src, rows = _prologue(index, src, num_rows, range_check)
+    if src.device.type != "cpu":
+        raise KernelArgumentError(OP, "src", f"the CPU model needs CPU tensors, got one on {src.device}")
+    return index, src, rows
+
+
+def index_add_sorted_cpu(index, src, *, num_rows, check_range: bool = True, rng=None) -> torch.Tensor:
+    index, src, rows = _cpu_prologue(index, src, num_rows, True)
+    return segsum_cpu("sorted", index, src, rows)
+
+
+def index_add_atomic_cpu(index, src, *, num_rows, check_range: bool = True, rng=None) -> torch.Tensor:
+    index, src, rows = _cpu_prologue(index, src, num_rows, True)
+    return segsum_cpu("atomic", index, src, rows, rng=rng)
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs shared by the three ops' case tables
+
+
+def draw_index(g: torch.Generator, shape, rows: int, dup: float) -> torch.Tensor:
+    """Indices of ``shape`` in [0, rows): a fraction ``dup`` of them (exactly round(dup * count)) equal
+    to one hot row (rows // 2), placed at random; the rest uniform."""
+    count = int(np.prod(shape)) if len(shape) else 1
+    idx = torch.randint(0, rows, (count,), generator=g)
+    hot = int(round(dup * count))
+    if hot:
+        where = torch.randperm(count, generator=g)[:hot]
+        idx[where] = rows // 2
+    return idx.view(shape)
+
+
+def draw_values(g: torch.Generator, shape, special: str = "") -> torch.Tensor:
+    """Normal values; ``negzero``: every other row all -0.0; ``infnan``: a few +-Inf and NaN;
+    ``cancel``: magnitudes from 2^-20 to 2^20 (where the order of additions shows)."""
+    x = torch.randn(shape, generator=g)
+    if special == "negzero":
+        x[::2] = -0.0
+    elif special == "infnan":
+        flat = x.view(-1)
+        pos = torch.randperm(flat.numel(), generator=g)[:6]
+        flat[pos] = torch.tensor([float("inf"), float("-inf"), float("nan"), float("inf"), float("nan"), 1.0])
+    elif special == "cancel":
+        x = x * torch.exp2(torch.randint(-20, 21, shape, generator=g).float())
+    return x
+
+
+def noncontiguous(x: torch.Tensor) -> torch.Tensor:
+    """The same values as a view with column stride 2."""
+    wide = torch.zeros(x.shape[0], 2 * x.shape[1], dtype=x.dtype)
+    wide[:, ::2] = x
+    return wide[:, ::2]
+
+
+def _make_inputs(case: Case, device: torch.device) -> tuple[tuple, dict]:
+    p = case.params
+    g = torch.Generator().manual_seed(case.seed)
+    index = draw_index(g, (p["n"],), max(p["m"], 1), p.get("dup", 0.0))
+    src = draw_values(g, (p["n"], p["d"]), p.get("special", ""))
+    if p.get("noncontig"):
+        src = noncontiguous(src)
+    return (index.to(device), src.to(device)), {"num_rows": p["m"]}
+
+
+def _reference(args: tuple, kwargs: dict) -> torch.Tensor:
+    index, src = args
+    out = torch.zeros(kwargs["num_rows"], src.shape[1], dtype=torch.float64)
+    return out.index_add_(0, index.cpu(), src.detach().cpu().double())
+
+
+def _case(name: str, seed: int, **params) -> Case:
+    n, m, dup = params["n"], max(params["m"], 1), params.get("dup", 0.0)
+    return Case(OP, name, params, seed=seed, contention=dup * n + (1 - dup) * n / m)
+
+
+# Hostile shapes: odd D (each kernel width: scalar below 4, float / float2 / float4 lanes), a row hot
+# enough for one tree level (k > 32), two levels (k > 1024), longer chunks (k > 32768), empty, D = 1.
+TEST_TABLE = (
+    ("uniform_d17", dict(n=1023, d=17, m=100)),
+    ("uniform_d64", dict(n=1025, d=64, m=300)),
+    ("d1", dict(n=1025, d=1, m=50)),
+    ("d2_dup50", dict(n=700, d=2, m=40, dup=0.5)),
+    ("d130_dup100", dict(n=257, d=130, m=9, dup=1.0)),
+    ("d33_dup50_two_levels", dict(n=2500, d=33, m=64, dup=0.5)),
+    ("d4_dup100_two_levels", dict(n=3000, d=4, m=5, dup=1.0)),
+    ("d1_dup100_long_chunks", dict(n=40000, d=1, m=3, dup=1.0)),
+    ("d8_dup100_long_chunks", dict(n=33000, d=8, m=2, dup=1.0)),
+    ("empty", dict(n=0, d=8, m=10)),
+    ("empty_no_rows", dict(n=0, d=3, m=0)),
+    ("one_row", dict(n=100, d=5, m=1)),
+    ("noncontig_d24", dict(n=600, d=24, m=50, dup=0.2, noncontig=True)),
+    ("negzero_d12", dict(n=400, d=12, m=30, special="negzero")),
+    ("infnan_d16", dict(n=500, d=16, m=20, dup=0.3, special="infnan")),
+    ("cancel_d32_dup100", dict(n=1500, d=32, m=4, dup=1.0, special="cancel")),
+)
+
+
+def _test_cases() -> list[Case]:
+    return [_case(name, 6000 + i, **p) for i, (name, p) in enumerate(TEST_TABLE)]
+
+
+DUPS = (0.01, 0.5, 1.0)
+
+
+def _bench_cases(scale: str) -> list[Case]:
+    """``dup``: the fraction of indices equal to one hot row (1%, 50%, 100%); the rest uniform. GPU: a
+    graph-network aggregation, 1e6 messages of 64 floats into 1e5 nodes."""
+    if scale not in ("gpu", "quick", "cpu"):
+        raise ValueError(f"{OP}: unknown bench scale {scale!r}")
+    n, d, m = {"gpu": (1_000_000, 64, 100_000), "quick": (1_000_000, 64, 100_000), "cpu": (4096, 16, 512)}[scale]
+    cases = [_case(f"n{n}_d{d}_m{m}_uniform", 900, n=n, d=d, m=m)]
+    for i, dup in enumerate(DUPS):
+        cases.append(_case(f"n{n}_d{d}_m{m}_dup{int(dup * 100)}", 901 + i, n=n, d=d, m=m, dup=dup))
+    return cases
+
+
+def torch_index_add(index, src, *, num_rows, **_):
+    return torch.zeros(num_rows, src.shape[1], device=src.device, dtype=src.dtype).index_add_(0, index, src)
+
+
+def _peers() -> dict:
+    # bench.runner measures "torch" also under torch.use_deterministic_algorithms as torch_deterministic
+    return {"torch": torch_index_add}
+
+
+def _bytes_moved(case: Case) -> int:
+    p = case.params
+    return p["n"] * p["d"] * 4 + p["n"] * 8 + p["m"] * p["d"] * 4
+
+
+define_op(
+    OP,
+    variants=[
+        # name, deterministic, order-independent, CUDA launcher, CPU model, note
+        ("atomic", False, False, index_add_atomic_cuda, index_add_atomic_cpu,
+         "one thread per src element, atomicAdd into the zeroed output (as torch's CUDA index_add)"),
+        ("sorted", True, False, index_add_sorted_cuda, index_add_sorted_cpu,
+         "stable sort by index; each row sums its sources in source order in chunks of 32*2^e, chunk "
+         "partials combined by a fixed 32-ary tree (hot rows split across warps)"),
+    ],
+    make_inputs=_make_inputs,
+    reference=_reference,
+    test_cases=_test_cases,
+    bench_cases=_bench_cases,
+    peers=_peers,
+    bytes_moved=_bytes_moved,
+)

@@ -1,0 +1,286 @@
+"""index_add: CPU order models against float64 and against the order as documented, bad inputs, hostile
+values, and (on a GPU) the CUDA kernels against their models, bitwise.
+
+Error bound (``index_add.error_bound``): an output element with k contributions is a float32 sum of k
+terms from +0.0 in some binary tree (any arrival order for atomic, chunks + fixed tree for sorted); each
+term passes through at most k - 1 roundings, so |out - exact| <= gamma(k - 1) * sum |term|.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kernels
+from kernels import KernelArgumentError
+from kernels import index_add as ia
+from tests.segsum_checks import bits, check_bound, check_some_order, same_bits, spec_sorted
+
+OP = "index_add"
+SPEC = kernels.spec(OP)
+SORTED = kernels.get(OP, "sorted")
+ATOMIC = kernels.get(OP, "atomic")
+CPU = torch.device("cpu")
+TEST_CASES = SPEC.test_cases()
+CASE_IDS = [c.name for c in TEST_CASES]
+
+
+def stats(args, kw):
+    index, src = args
+    return ia.contributions(index, src, kw["num_rows"])
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU
+
+
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_models_within_bound_of_float64(case):
+    args, kw = SPEC.make_inputs(case, CPU)
+    ref = SPEC.reference(args, kw)
+    _, count, abs_sum = stats(args, kw)
+    s = SORTED(*args, **kw)
+    assert s.shape == (kw["num_rows"], args[1].shape[1]) and s.dtype == torch.float32 and s.is_contiguous()
+    check_bound(s, ref, count, abs_sum)
+    a = ATOMIC(*args, **kw, rng=case.seed)
+    check_bound(a, ref, count, abs_sum)
+    check_some_order(a, s, count)
+    if count.size and count.max() <= 1:
+        assert torch.equal(s, ref.float())
+
+
+@pytest.mark.parametrize("case", [c for c in TEST_CASES if c.params["n"] <= 5000 or "long" in c.name], ids=lambda c: c.name)
+def test_sorted_model_is_the_documented_order(case):
+    args, kw = SPEC.make_inputs(case, CPU)
+    index, src = args
+    want = spec_sorted(index.numpy(), src.contiguous().numpy(), kw["num_rows"])
+    diff = same_bits(SORTED(*args, **kw), torch.from_numpy(want))
+    assert diff.size == 0, f"model and documented order differ at {diff[:10]}"
+
+
+def test_sorted_order_tree_is_not_sequential_negative_control():
+    """The two-level case really goes through the tree: a plain source-order sum gives other bits, and
+    the documented-order checker above sees the difference."""
+    case = next(c for c in TEST_CASES if c.name == "cancel_d32_dup100")
+    args, kw = SPEC.make_inputs(case, CPU)
+    index, src = args
+    s = SORTED(*args, **kw)
+    seq = torch.zeros_like(s)
+    for i in range(src.shape[0]):  # one addition at a time in source order
+        seq[index[i]] = seq[index[i]] + src[i]
+    assert same_bits(s, seq).size > 0
+    _, count, abs_sum = stats(args, kw)
+    check_bound(seq, SPEC.reference(args, kw), count, abs_sum)  # also a correct sum, just another order
+
+
+def test_atomic_model_varies_with_order_negative_control():
+    case = next(c for c in TEST_CASES if c.name == "cancel_d32_dup100")
+    args, kw = SPEC.make_inputs(case, CPU)
+    results = {bits(ATOMIC(*args, **kw, rng=seed)).tobytes() for seed in range(10)}
+    assert len(results) >= 5, f"only {len(results)} distinct results over 10 arrival orders"
+    assert len({bits(ATOMIC(*args, **kw)).tobytes() for _ in range(3)}) > 1  # rng=None: fresh entropy
+    assert len({bits(SORTED(*args, **kw)).tobytes() for _ in range(3)}) == 1
+    assert bits(ATOMIC(*args, **kw, rng=4)).tobytes() == bits(ATOMIC(*args, **kw, rng=4)).tobytes()
+
+
+def test_bound_check_rejects_a_dropped_term_negative_control():
+    case = next(c for c in TEST_CASES if c.name == "d33_dup50_two_levels")
+    args, kw = SPEC.make_inputs(case, CPU)
+    index, src = args
+    _, count, abs_sum = stats(args, kw)
+    dropped = src.clone()
+    dropped[int(torch.nonzero(index == kw["num_rows"] // 2)[7])] = 0.0
+    with pytest.raises(AssertionError, match="outside the bound"):
+        check_bound(SORTED(index, dropped, **kw), SPEC.reference(args, kw), count, abs_sum)
+
+
+def test_negative_zeros_sum_to_positive_zero():
+    """Every row starts at +0.0, so -0.0 contributions leave +0.0 (torch.zeros(...).index_add_ too)."""
+    index = torch.tensor([0, 0, 1, 2, 2, 2])
+    src = torch.full((6, 3), -0.0)
+    for v in (SORTED, ATOMIC):
+        out = v(index, src, num_rows=4, rng=0)
+        assert (bits(out) == 0).all(), v.key
+    assert (bits(ia.torch_index_add(index, src, num_rows=4)) == 0).all()
+
+
+def test_inf_nan_pass_through():
+    index = torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    src = torch.tensor([[float("inf")], [1.0], [float("inf")], [float("-inf")], [float("nan")], [2.0], [3.0]])
+    want = torch.tensor([[float("inf")], [float("nan")], [float("nan")], [3.0]])
+    for v in (SORTED, ATOMIC):
+        out = v(index, src, num_rows=4, rng=1)
+        assert same_bits(out, want).size == 0, (v.key, out)
+
+
+def test_subnormals_flush_only_in_atomic():
+    tiny = float(np.finfo(np.float32).tiny)
+    index = torch.tensor([0, 1, 1])
+    src = torch.tensor([[tiny / 4], [1.5 * tiny], [-1.0 * tiny]])
+    s = SORTED(index, src, num_rows=2)
+    assert s[0, 0].item() == tiny / 4 and s[1, 0].item() == 0.5 * tiny  # kept
+    a = ATOMIC(index, src, num_rows=2, rng=0)
+    assert (bits(a) == 0).all()  # operand and result flushed, as float atomicAdd does
+
+
+def test_noncontiguous_src_gives_the_contiguous_bits():
+    case = next(c for c in TEST_CASES if c.name == "noncontig_d24")
+    (index, src), kw = SPEC.make_inputs(case, CPU)
+    assert not src.is_contiguous()
+    assert np.array_equal(bits(SORTED(index, src, **kw)), bits(SORTED(index, src.contiguous(), **kw)))
+
+
+def test_empty_index_gives_zeros():
+    for v in (SORTED, ATOMIC):
+        out = v(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 5), num_rows=7)
+        assert out.shape == (7, 5) and (bits(out) == 0).all()
+
+
+def test_chunk_len_and_partial_slots():
+    assert [ia.chunk_len(k) for k in (1, 32, 33, 32768, 32769, 65536, 65537, 10**6)] == \
+        [32, 32, 32, 32, 64, 64, 128, 1024]
+    # Rows with >= 2 chunks take slots 2 * floor(s / 32) + c: disjoint and below 2 * floor(n / 32), for
+    # random row layouts with hot rows.
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        counts = rng.choice([1, 5, 31, 33, 64, 65, 700, 1025, 40000], size=rng.integers(1, 12))
+        n = int(counts.sum())
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        used = []
+        for s, k in zip(starts, counts):
+            nc = -(-int(k) // ia.chunk_len(int(k)))
+            if nc > 1:
+                used.extend(2 * (int(s) // 32) + c for c in range(nc))
+        assert len(used) == len(set(used)) and (not used or max(used) < 2 * (n // 32))
+
+
+BAD = [
+    ("index", (torch.zeros(4, dtype=torch.int32), torch.zeros(4, 3)), {"num_rows": 5}),
+    ("index", (torch.zeros(4, 1, dtype=torch.int64), torch.zeros(4, 3)), {"num_rows": 5}),
+    ("index", (torch.zeros(3, dtype=torch.int64), torch.zeros(4, 3)), {"num_rows": 5}),
+    ("index", ([0, 1], torch.zeros(2, 3)), {"num_rows": 5}),
+    ("index", (torch.zeros(4, dtype=torch.int64).to("meta"), torch.zeros(4, 3)), {"num_rows": 5}),
+    ("src", (torch.zeros(4, dtype=torch.int64), torch.zeros(4, 3, dtype=torch.float64)), {"num_rows": 5}),
+    ("src", (torch.zeros(4, dtype=torch.int64), torch.zeros(4)), {"num_rows": 5}),
+    ("num_rows", (torch.zeros(4, dtype=torch.int64), torch.zeros(4, 3)), {"num_rows": True}),
+    ("num_rows", (torch.zeros(4, dtype=torch.int64), torch.zeros(4, 3)), {"num_rows": -1}),
+    ("num_rows", (torch.zeros(4, dtype=torch.int64), torch.zeros(4, 3)), {"num_rows": 0}),
+]
+
+
+@pytest.mark.parametrize("arg,args,kw", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)])
+@pytest.mark.parametrize("variant", ["sorted", "atomic"])
+def test_bad_arguments_name_the_argument(arg, args, kw, variant):
+    with pytest.raises(KernelArgumentError, match=f"^{OP}: argument '{arg}'"):
+        kernels.get(OP, variant)(*args, **kw)
+
+
+@pytest.mark.parametrize("bad", [-1, 5, 1 << 40])
+def test_out_of_range_index_names_the_value(bad):
+    index = torch.tensor([0, 4, bad, 2])
+    with pytest.raises(KernelArgumentError, match=f"argument 'index': index {bad} is out of range for 5 rows"):
+        SORTED(index, torch.zeros(4, 3), num_rows=5)
+
+
+def test_spec_tables():
+    gpu = SPEC.bench_cases("gpu")
+    assert {c.params.get("dup", 0.0) for c in gpu} == {0.0, 0.01, 0.5, 1.0}
+    big = next(c for c in gpu if c.params.get("dup") == 1.0)
+    assert (big.params["n"], big.params["d"], big.params["m"]) == (1_000_000, 64, 100_000)
+    assert big.contention == 1_000_000
+    assert SPEC.bytes_moved(big) == 10**6 * 64 * 4 + 10**6 * 8 + 10**5 * 64 * 4
+    case = next(c for c in TEST_CASES if c.name == "d130_dup100")
+    (index, _), kw = SPEC.make_inputs(case, CPU)
+    assert (index == kw["num_rows"] // 2).all()  # 100% duplicates: one hot row
+    assert set(SPEC.peers()) == {"torch"}
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: the CUDA kernels against their CPU models, bitwise
+
+CUDA = torch.device("cuda")
+REPEATS = 50
+
+
+@pytest.fixture
+def cuda_sync():
+    yield
+    torch.cuda.synchronize()  # surfaces an asynchronous launch error in the test that caused it
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
+    args, kw = SPEC.make_inputs(case, CUDA)
+    cpu_args, _ = SPEC.make_inputs(case, CPU)
+    first = SORTED(*args, **kw)
+    for _ in range(REPEATS):
+        assert same_bits(first, SORTED(*args, **kw)).size == 0  # NaN payloads aside, bit for bit
+    model = SORTED(*cpu_args, **kw)
+    diff = same_bits(first, model)
+    assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"
+    scalar = ia.index_add_sorted_scalar_cuda(*args, **kw)  # the one-thread-per-chunk kernel: same bits
+    assert same_bits(scalar, model).size == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_gpu_atomic_is_some_order_and_peers_within_bound(case, cuda_sync):
+    args, kw = SPEC.make_inputs(case, CUDA)
+    cpu_args, _ = SPEC.make_inputs(case, CPU)
+    ref = SPEC.reference(cpu_args, kw)
+    _, count, abs_sum = stats(cpu_args, kw)
+    model = SORTED(*cpu_args, **kw)
+    for _ in range(3):
+        out = ATOMIC(*args, **kw)
+        check_bound(out, ref, count, abs_sum)
+        check_some_order(out, model, count)
+    check_bound(ia.torch_index_add(*args, **kw), ref, count, abs_sum)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dup", [0.01, 0.5, 1.0])
+def test_gpu_bench_size_sorted_repeatable_atomic_varies(dup, cuda_sync):
+    """The benchmark's shape (1e6 x 64 into 1e5 rows): sorted gives one result over repeats and stays
+    within the bound; atomic (negative control) gives more than one where a row is hot."""
+    case = next(c for c in SPEC.bench_cases("gpu") if c.params.get("dup") == dup)
+    args, kw = SPEC.make_inputs(case, CUDA)
+    first = SORTED(*args, **kw)
+    assert len({bits(SORTED(*args, **kw)).tobytes() for _ in range(10)} | {bits(first).tobytes()}) == 1
+    cpu_args = tuple(a.cpu() for a in args)
+    _, count, abs_sum = stats(cpu_args, kw)
+    check_bound(first, SPEC.reference(cpu_args, kw), count, abs_sum)
+    atomic = {bits(ATOMIC(*args, **kw)).tobytes() for _ in range(10)}
+    print(f"dup {dup}: atomic {len(atomic)} distinct / 10")
+    assert len(atomic) > 1
+
+
+@pytest.mark.gpu
+def test_gpu_runs_on_torch_current_stream(cuda_sync):
+    """src is rewritten on a side stream behind a long sleep; a launch on any other stream would read
+    the old values."""
+    case = next(c for c in TEST_CASES if c.name == "d33_dup50_two_levels")
+    (index, src), kw = SPEC.make_inputs(case, CUDA)
+    new = torch.randn(src.shape, generator=torch.Generator().manual_seed(99))
+    expected = SORTED(index.cpu(), new, **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        buf = src.clone()
+        torch.cuda._sleep(50_000_000)
+        buf.copy_(new.to(CUDA, non_blocking=False))
+        out = SORTED(index, buf, **kw)
+        out_a = ATOMIC(index, buf, **kw)
+    side.synchronize()
+    assert same_bits(out, expected).size == 0
+    _, count, abs_sum = stats((index.cpu(), new), kw)
+    check_bound(out_a, SPEC.reference((index.cpu(), new), kw), count, abs_sum)
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_and_device_mismatch(cuda_sync):
+    src = torch.zeros(3, 4, device=CUDA)
+    with pytest.raises(KernelArgumentError, match="index 7 is out of range"):
+        SORTED(torch.tensor([0, 7, 1], device=CUDA), src, num_rows=5)
+    with pytest.raises(KernelArgumentError, match="argument 'index'"):
+        ATOMIC(torch.tensor([0, 1, 1]), src, num_rows=5)
