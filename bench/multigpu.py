@@ -82,7 +82,8 @@ def _torchrun(nproc: int, module_args: list[str], env: dict | None = None, timeo
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **(env or {})),
                        timeout=timeout)
     if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-4000:]}")
+        errors = [ln.strip() for ln in r.stderr.splitlines() if "Error" in ln or "error:" in ln]
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {errors[-1] if errors else r.stderr[-500:]}")
     return time.perf_counter() - t0
 
 
@@ -107,7 +108,7 @@ def run_allreduce(n: int, scratch: Path, args) -> dict:
                       env=env)
             out[algo] = json.loads(path.read_text())
         except RuntimeError as e:
-            out[algo] = {"error": str(e).splitlines()[-1][:300]}
+            out[algo] = {"error": str(e).split("): ", 1)[-1][:400]}
         print(f"allreduce {algo}: {out[algo]}", flush=True)
     return out
 
