@@ -164,6 +164,10 @@ def render(data: dict) -> str:
         f"{str(env.get('git_sha', '?'))[:7]}, {env.get('date', '?')}). fp32, TF32 off.",
         "",
     ]
+    measured = data.get("measured", {})
+    if len({m.get("git_sha") for m in measured.values()}) > 1:
+        lines += ["Sections measured separately: " + "; ".join(
+            f"{k} at git {str(m.get('git_sha'))[:7]} ({m.get('date')})" for k, m in measured.items()) + ".", ""]
     ar = data.get("allreduce")
     if ar:
         lines += ["## NCCL all-reduce repeatability",
@@ -285,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         for section in args.only:
             data[section] = {"allreduce": run_allreduce, "ddp": run_ddp, "invariant": run_invariant}[section](
                 n, scratch, args)
+            data.setdefault("measured", {})[section] = {k: data["fingerprint"].get(k) for k in ("git_sha", "date")}
             save(data)
     if not data:
         p.exit(2, f"{p.prog}: error: no results in {RESULTS}; run without --render first\n")

@@ -152,31 +152,39 @@ def augment(x: torch.Tensor, generator: torch.Generator, *, pad: int = 4, mode: 
     return crop_flip(x, oy, ox, fl if flip else torch.zeros_like(fl), pad=pad, mode=mode)
 
 
-# splitmix64 finaliser constants
-_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+# splitmix64: golden-ratio increment and finaliser multipliers, as signed int64 (torch has no uint64
+# arithmetic; int64 multiplication wraps mod 2**64 like uint64, and shifts are made logical by masking)
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
 
 
-def _mix64(z: np.ndarray) -> np.ndarray:
-    # numpy uint64 arithmetic wraps mod 2**64, as splitmix64 needs
-    z = (z ^ (z >> np.uint64(30))) * _MIX[1]
-    z = (z ^ (z >> np.uint64(27))) * _MIX[2]
-    return z ^ (z >> np.uint64(31))
+_GOLDEN, _MUL1, _MUL2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shr(z, 30)) * _MUL1
+    z = (z ^ _shr(z, 27)) * _MUL2
+    return z ^ _shr(z, 31)
 
 
 def sample_draws(index: torch.Tensor, seed: int, epoch: int, *, pad: int = 4, flip: bool = True):
-    """Crop offsets and flips keyed by each image's dataset index: (oy, ox, flip), each (N,) on CPU.
+    """Crop offsets and flips keyed by each image's dataset index: (oy, ox, flip), each (N,) on index's
+    device.
 
     A pure function of (seed, epoch, index): an image gets the same augmentation whichever batch, micro-
-    batch, rank or world size it lands in. Counter-based (splitmix64 of the three keys), so nothing
-    depends on how many draws came before."""
-    idx = index.detach().cpu().numpy().astype(np.uint64)
-    key = np.uint64(noise_key(seed, epoch))
-    with np.errstate(over="ignore"):
-        h = _mix64(key ^ (idx * _MIX[0]))
-        oy = (h & np.uint64(0xFFFF)) % np.uint64(2 * pad + 1)
-        ox = ((h >> np.uint64(16)) & np.uint64(0xFFFF)) % np.uint64(2 * pad + 1)
-        fl = ((h >> np.uint64(32)) & np.uint64(1)).astype(bool) & flip
-    return (torch.from_numpy(oy.astype(np.int64)), torch.from_numpy(ox.astype(np.int64)), torch.from_numpy(fl))
+    batch, rank or world size it lands in. Counter-based (the splitmix64 finaliser of key ^ index * golden
+    ratio), in integer arithmetic, so every device computes the same values and nothing depends on how
+    many draws came before; no host round trip."""
+    key = _signed(noise_key(seed, epoch))
+    h = _mix64(index.to(torch.int64) * _GOLDEN ^ key)
+    oy = (h & 0xFFFF) % (2 * pad + 1)
+    ox = (_shr(h, 16) & 0xFFFF) % (2 * pad + 1)
+    fl = (_shr(h, 32) & 1).bool() & flip
+    return oy, ox, fl
 
 
 def noise_key(seed: int, epoch: int) -> int:

@@ -257,11 +257,13 @@ class InvariantStep:
         [summed loss, correct predictions] (float64, on the device)."""
         from nnrand import noise
 
-        saved = [(m.momentum, m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
-                 for m in self.bns]
+        stat_tensors = [t for m in self.bns for t in (m.running_mean, m.running_var)]
+        saved = torch.cat([t.reshape(-1).float() for t in stat_tensors]) if self.bns else None
+        momenta = [m.momentum for m in self.bns]
         for m in self.bns:
             m.momentum = 1.0     # the running statistics become this micro-batch's, exactly
         grads, stats, metrics = [], [], []
+        done = False
         try:
             for jj, (x, y) in enumerate(batches):
                 self._seed_random_layers(noise.derive(self.seed, step, self.first_micro() + jj))
@@ -272,16 +274,19 @@ class InvariantStep:
                 (ce / self.batch).backward()
                 grads.append(self._flat_grad())
                 if self.bns:
-                    stats.append(torch.cat([torch.cat([m.running_mean, m.running_var]).float() for m in self.bns]))
+                    stats.append(torch.cat([t.reshape(-1).float() for t in stat_tensors]))
                 with torch.no_grad():
                     metrics.append(torch.stack([ce.detach().double(),
                                                 (logits.argmax(1) == y).sum().double()]))
+            done = True
         finally:
-            for m, (momentum, mean, var, tracked) in zip(self.bns, saved):
+            for m, momentum in zip(self.bns, momenta):
                 m.momentum = momentum
-                m.running_mean.copy_(mean)
-                m.running_var.copy_(var)
-                m.num_batches_tracked.copy_(tracked)
+            if self.bns:
+                # each forward counted one batch; the step counts one
+                torch._foreach_sub_([m.num_batches_tracked for m in self.bns], len(stats) - 1 if done else len(stats))
+                if not done:
+                    self._write_stats(stat_tensors, saved)
         grad = tree_sum(grads)
         stat = tree_sum(stats) if stats else None
         metric = tree_sum(metrics)
@@ -289,7 +294,7 @@ class InvariantStep:
             grad, stat, metric = self._combine(grad, stat, metric)
         self._write_grads(grad)
         if stat is not None:
-            self._update_running(stat)
+            self._update_running(stat_tensors, saved, stat)
         return metric
 
     def _combine(self, grad, stat, metric):
@@ -308,11 +313,23 @@ class InvariantStep:
             p.grad = g.view(p.shape).to(p.dtype)
 
     @torch.no_grad()
-    def _update_running(self, flat: torch.Tensor) -> None:
-        mean_of = flat / self.n_micro
-        for m, s in zip(self.bns, mean_of.split(self.stat_sizes)):
-            mean, var = s.view(2, -1)
-            m.num_batches_tracked += 1
+    def _update_running(self, targets: list[torch.Tensor], saved: torch.Tensor, total: torch.Tensor) -> None:
+        """running <- (1 - f) * running + f * (mean over micro-batches of their statistics); f is the
+        module's momentum, or 1 / batches tracked for a cumulative average (momentum None)."""
+        mean_of = total / self.n_micro
+        momenta = {m.momentum for m in self.bns}
+        if None not in momenta and len(momenta) == 1:       # the usual case: one fused update
+            f = momenta.pop()
+            self._write_stats(targets, torch.add(saved * (1.0 - f), mean_of, alpha=f))
+            return
+        new = []
+        for m, old, s in zip(self.bns, saved.split(self.stat_sizes), mean_of.split(self.stat_sizes)):
             f = m.momentum if m.momentum is not None else 1.0 / float(m.num_batches_tracked)
-            m.running_mean.mul_(1.0 - f).add_(mean.to(m.running_mean.dtype), alpha=f)
-            m.running_var.mul_(1.0 - f).add_(var.to(m.running_var.dtype), alpha=f)
+            new.append(torch.add(old * (1.0 - f), s, alpha=f))
+        self._write_stats(targets, torch.cat(new))
+
+    @staticmethod
+    def _write_stats(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            parts = [p.view_as(t).to(t.dtype) for p, t in zip(flat.split([t.numel() for t in targets]), targets)]
+            torch._foreach_copy_(targets, parts)

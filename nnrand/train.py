@@ -516,7 +516,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     with routing.use_kernels(route, rng=kernel_rng, strict=cfg.strict, model=model) as routed, \
             _Interrupt(distributed=world.distributed) as interrupt:
         for epoch in epochs:
-            order = data.epoch_order(n, epoch, seeds.order)
+            order = data.epoch_order(n, epoch, seeds.order).to(device)  # batches slice it on the device
             gen = None if step_fn is not None else noise.epoch_generator(_rank_seed(seeds.aug, world), epoch, device)
             acc = state["acc"] or {"loss": 0.0, "correct": 0, "seen": 0, "time_s": 0.0, "step_ms": []}
             if state["aug_state"] is not None and gen is not None:

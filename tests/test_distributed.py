@@ -107,6 +107,66 @@ def test_world_from_env():
 
 
 # --------------------------------------------------------------------------------------------------
+# The step in one process
+
+U = 2.0 ** -24   # float32 unit roundoff
+
+
+def test_invariant_step_gradient_is_the_global_mean_loss_gradient():
+    """4 micro-batches of 8: each one's summed loss / 32, added in the tree, is the gradient of the
+    mean loss over all 32 images."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(16, 5)
+    x, y = torch.randn(32, 16, generator=g), torch.randint(0, 5, (32,), generator=g)
+    group = distributed.Group(distributed.World(), torch.device("cpu"))
+    step = distributed.InvariantStep(model, group, batch=32, micro=8, seed=0)
+    metric = step([(x[j:j + 8], y[j:j + 8]) for j in range(0, 32, 8)], step=0)
+    ref = torch.nn.Linear(16, 5).double()
+    ref.load_state_dict(model.state_dict())
+    per_sample = []
+    for i in range(32):
+        ref.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x[i:i + 1].double()), y[i:i + 1]).backward()
+        per_sample.append(ref.weight.grad.clone())
+    exact = torch.stack(per_sample).mean(0)
+    # each float32 term carries a few roundings (softmax, product, / 32) and each lands in a sum of 32:
+    # |error| <= 64 u * sum |term| / 32, generously above the ~(8 + log2 32) u of the arithmetic
+    bound = 64 * U * torch.stack(per_sample).abs().sum(0) / 32
+    assert ((model.weight.grad.double() - exact).abs() <= bound).all()
+    loss = torch.nn.functional.cross_entropy(model(x).double(), y, reduction="sum")
+    assert abs(metric[0].item() - loss.item()) <= 64 * U * loss.item()
+    assert metric[1].item() == (model(x).argmax(1) == y).sum().item()
+
+
+def test_invariant_step_running_statistics_move_once_per_step():
+    """One micro-batch: the running statistics take one momentum step towards its batch statistics,
+    as BatchNorm's own update does; the batch counter moves by one per step whatever the micro-batches."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 3, 5, 5, generator=g) * 3 + 1
+    y = torch.randint(0, 2, (16,), generator=g)
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=0.25),
+                                   torch.nn.Flatten(), torch.nn.Linear(36, 2))
+
+    group = distributed.Group(distributed.World(), torch.device("cpu"))
+    model, ref = net(), net()
+    distributed.InvariantStep(model, group, batch=16, micro=16, seed=0)([(x, y)], step=0)
+    ref(x)   # BatchNorm's own update, momentum 0.25
+    bn, rbn = model[1], ref[1]
+    for a, b in ((bn.running_mean, rbn.running_mean), (bn.running_var, rbn.running_var)):
+        # both are 0.75 * old + 0.25 * stat from the same stat: a few roundings of |terms|
+        assert ((a - b).abs() <= 4 * U * (0.75 * b.abs() + b.abs())).all()
+    assert int(bn.num_batches_tracked) == 1
+    model4 = net()
+    distributed.InvariantStep(model4, group, batch=16, micro=4, seed=0)([(x[j:j + 4], y[j:j + 4]) for j in
+                                                                        range(0, 16, 4)], step=0)
+    assert int(model4[1].num_batches_tracked) == 1 and model4[1].momentum == 0.25
+    assert not torch.equal(model4[1].running_var, bn.running_var)   # ghost BatchNorm: other statistics
+
+
+# --------------------------------------------------------------------------------------------------
 # Augmentation keyed by the image's index
 
 
@@ -126,6 +186,21 @@ def test_indexed_augmentation_does_not_depend_on_the_batch():
     assert (oy != other[0]).float().mean() > 0.8   # a new epoch redraws (chance of a repeat: 1/9)
     with pytest.raises(ValueError, match="index must have shape"):
         data.augment_indexed(x, idx[:3], seed=5, epoch=2)
+
+
+def test_index_draws_are_splitmix64_of_the_index():
+    """The signed-int64 torch arithmetic equals splitmix64 written in NumPy uint64."""
+    idx = np.arange(0, 5_000_000, 997, dtype=np.uint64)
+    key = np.uint64(data.noise_key(5, 2))
+    with np.errstate(over="ignore"):
+        z = key ^ (idx * np.uint64(0x9E3779B97F4A7C15))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        h = z ^ (z >> np.uint64(31))
+    oy, ox, fl = data.sample_draws(torch.from_numpy(idx.astype(np.int64)), seed=5, epoch=2)
+    assert np.array_equal(oy.numpy(), ((h & np.uint64(0xFFFF)) % np.uint64(9)).astype(np.int64))
+    assert np.array_equal(ox.numpy(), (((h >> np.uint64(16)) & np.uint64(0xFFFF)) % np.uint64(9)).astype(np.int64))
+    assert np.array_equal(fl.numpy(), ((h >> np.uint64(32)) & np.uint64(1)).astype(bool))
 
 
 # --------------------------------------------------------------------------------------------------
