@@ -24,6 +24,19 @@ Routed ops (the names ``--kernel-op`` takes) and the aten ops they come from:
                  in one fused pass). nn.Linear's bias gradient is torch's own sum (a fixed-order
                  reduction, deterministic), not routed.
     maxpool_bwd  dX   aten::max_pool2d_with_indices_backward
+    conv_wgrad_grouped, conv_dgrad_grouped
+                 dW and dX of grouped and depthwise convs (aten::convolution_backward with groups > 1; the
+                 bias gradient is bias_grad's)
+    adaptive_avg_pool2d_bwd   dX   aten::_adaptive_avg_pool2d_backward
+    upsample_bilinear2d_bwd   dX   aten::upsample_bilinear2d_backward (output-size form; explicit scale
+                                   factors without align_corners go to the original kernel)
+    embedding_bwd             dW   aten::embedding_dense_backward
+    index_add, scatter_add    the forward ops aten::index_add(_) and aten::scatter_add(_) (sum): the
+                              result is ``self + (the variant's fixed-order sum from zeros)``, one addition
+                              into ``self`` per element, so its bits differ from torch's (which adds into
+                              ``self`` directly), deterministically
+
+The family ``tree`` means each op's fixed-order variant: ``sorted`` for the three scatter sums.
 
 Under ``torch.compile`` only ``convolution_backward`` reaches the override: inductor generates its own
 max-pool and BatchNorm backward code (fixed-order gathers and reductions). The coverage says what ran.
@@ -70,10 +83,14 @@ import torch
 
 import kernels
 
-ROUTED_OPS = ("conv_wgrad", "conv_dgrad", "bias_grad", "maxpool_bwd")
+ROUTED_OPS = ("conv_wgrad", "conv_dgrad", "bias_grad", "maxpool_bwd", "conv_wgrad_grouped", "conv_dgrad_grouped",
+              "adaptive_avg_pool2d_bwd", "upsample_bilinear2d_bwd", "embedding_bwd", "index_add", "scatter_add")
 # Registry ops behind each routed op: a variant name applies to all of them.
 REGISTRY_OPS = {"conv_wgrad": ("conv_wgrad",), "conv_dgrad": ("conv_dgrad",), "bias_grad": ("bias_grad", "bn_bwd"),
                 "maxpool_bwd": ("maxpool_bwd",)}
+# What a family means for an op whose deterministic variant has another name.
+FAMILY_VARIANTS = {("tree", "embedding_bwd"): "sorted", ("tree", "index_add"): "sorted",
+                   ("tree", "scatter_add"): "sorted"}
 NATIVE = "native"
 FAMILIES = ("tree", "atomic", NATIVE)  # what --kernel accepts; per-op overrides accept any registry name
 ORIGINAL = "original"
@@ -143,7 +160,7 @@ class Routing:
     def deterministic(self) -> bool:
         """True when every routed variant is deterministic (``native`` ops count as deterministic only
         under PyTorch's deterministic mode, which ``use_kernels`` turns on for such routings)."""
-        return all(name == NATIVE or all(kernels.get(reg, name).deterministic for reg in REGISTRY_OPS[op])
+        return all(name == NATIVE or all(kernels.get(reg, name).deterministic for reg in REGISTRY_OPS.get(op, (op,)))
                    for op, name in self.used.items())
 
     @property
@@ -170,7 +187,7 @@ def resolve(family: str = "tree", overrides: Mapping[str, str] | None = None) ->
     if family not in FAMILIES:
         raise RoutingError(f"unknown kernel family {family!r}; valid: {', '.join(FAMILIES)}")
     overrides = dict(overrides or {})
-    requested = {op: family for op in ROUTED_OPS}
+    requested = {op: FAMILY_VARIANTS.get((family, op), family) for op in ROUTED_OPS}
     used: dict[str, str] = {}
     notes: dict[str, str] = {}
     for op, name in overrides.items():
@@ -276,13 +293,11 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
     why = None
     if transposed:
         why = "transposed conv"
-    elif groups != 1:
-        why = f"groups={groups}"
     elif x.dim() != 4:
         why = f"{x.dim() - 2}-D conv"
     elif not _f32(dy, x, w):
         why = f"dtype {x.dtype}"
-    plan = s.conv
+    plan = s.conv if groups == 1 else s.conv_grouped
     fmt = memory_format_of(x)
     if why is None:
         need = list(mask)
@@ -292,6 +307,8 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
             dy_ = dy.contiguous(memory_format=fmt)
             x_ = x.contiguous(memory_format=fmt)
             geom = dict(stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
+            if groups != 1:
+                geom["groups"] = int(groups)
             if need[0] and plan[1] is not None:
                 dx = _call(plan[1], s.rng, w.contiguous(memory_format=memory_format_of(w)), dy_,
                            input_size=tuple(x.shape[-2:]), **geom)
@@ -347,6 +364,117 @@ def _maxpool_backward(s: "_Session", original, keyset, dy, x, kernel_size, strid
         return original.call_boxed(keyset, dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices)
     s.coverage.add(op, s.pool.name)
     return dx.contiguous(memory_format=memory_format_of(x))
+
+
+def _adaptive_pool_backward(s: "_Session", original, keyset, dy, x):
+    op = "_adaptive_avg_pool2d_backward"
+    why = None
+    if x.dim() != 4:
+        why = "unbatched input"
+    elif not _f32(dy, x):
+        why = f"dtype {x.dtype}"
+    elif dy.numel() == 0:
+        why = "empty input"
+    if why is None:
+        try:
+            dx = _call(s.aap, s.rng, dy.contiguous(memory_format=memory_format_of(x)), input_size=tuple(x.shape[-2:]))
+        except kernels.KernelArgumentError as e:
+            why = str(e)
+    if why is not None:
+        s.coverage.add(op, ORIGINAL, why)
+        return original.call_boxed(keyset, dy, x)
+    s.coverage.add(op, s.aap.name)
+    return dx.contiguous(memory_format=memory_format_of(x))
+
+
+def _upsample_backward(s: "_Session", original, keyset, dy, output_size, input_size, align_corners, *scales,
+                       **kw_scales):
+    op = "upsample_bilinear2d_backward"
+    given = [v for v in (*scales, *kw_scales.values()) if v is not None]
+    why = None
+    if given and not align_corners:
+        why = "explicit scale factors (the variants take the output-size form)"
+    elif len(input_size) != 4 or dy.dim() != 4:
+        why = "not a 4-D input"
+    elif not _f32(dy):
+        why = f"dtype {dy.dtype}"
+    elif dy.numel() == 0:
+        why = "empty input"
+    if why is None:
+        try:
+            dx = _call(s.up, s.rng, dy.contiguous(memory_format=memory_format_of(dy)),
+                       input_size=(int(input_size[2]), int(input_size[3])), align_corners=bool(align_corners))
+        except kernels.KernelArgumentError as e:
+            why = str(e)
+    if why is not None:
+        s.coverage.add(op, ORIGINAL, why)
+        return original.call_boxed(keyset, dy, output_size, input_size, align_corners, *scales, **kw_scales)
+    s.coverage.add(op, s.up.name)
+    return dx.contiguous(memory_format=memory_format_of(dy))
+
+
+def _embedding_backward(s: "_Session", original, keyset, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    op = "embedding_dense_backward"
+    why = None
+    if not _f32(grad):
+        why = f"dtype {grad.dtype}"
+    elif indices.dtype not in (torch.int64, torch.int32):
+        why = f"index dtype {indices.dtype}"
+    if why is None:
+        try:
+            gw = _call(s.emb, s.rng, grad.contiguous(), indices.contiguous().long(), num_weights=int(num_weights),
+                       padding_idx=int(padding_idx), scale_grad_by_freq=bool(scale_grad_by_freq))
+        except kernels.KernelArgumentError as e:
+            why = str(e)
+    if why is not None:
+        s.coverage.add(op, ORIGINAL, why)
+        return original.call_boxed(keyset, grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    s.coverage.add(op, s.emb.name)
+    return gw
+
+
+def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` with ``dim`` first and the other dims flattened: (t.shape[dim], rest)."""
+    return t.movedim(dim, 0).reshape(t.shape[dim], -1)
+
+
+def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = (like.shape[dim], *(n for k, n in enumerate(like.shape) if k != dim))
+    return rows.reshape(shape).movedim(0, dim)
+
+
+def _scatter_sum(s: "_Session", variant, op, original, keyset, inplace: bool, self_, dim, index, src, **kw):
+    """index_add / scatter_add as ``self + (fixed-order sum of what lands in each element)``: the sum runs
+    the variant from zeros, then one addition into ``self`` (torch adds into ``self`` directly, so the bits
+    differ from its, deterministically)."""
+    alpha = kw.get("alpha", 1)
+    why = None
+    if self_.dim() == 0 or not _f32(self_, src):
+        why = "0-D or not float32"
+    elif index.dtype not in (torch.int64, torch.int32):
+        why = f"index dtype {index.dtype}"
+    if why is None:
+        d = dim % self_.dim()
+        if op == "scatter_add" and (index.shape != src.shape or
+                                    any(index.shape[k] != self_.shape[k] for k in range(self_.dim()) if k != d)):
+            why = "index smaller than src or self outside the scattered dim"
+        elif op == "index_add" and index.dim() > 1:
+            why = "multi-dimensional index"
+    if why is None:
+        try:
+            source = src if alpha == 1 else src * alpha
+            if op == "index_add":
+                rows = _call(variant, s.rng, index.reshape(-1).long(), _rows(source, d), num_rows=self_.shape[d])
+            else:
+                rows = _call(variant, s.rng, _rows(index, d).long(), _rows(source, d), num_rows=self_.shape[d])
+            total = _from_rows(rows, self_, d)
+        except kernels.KernelArgumentError as e:
+            why = str(e)
+    if why is not None:
+        s.coverage.add(op, ORIGINAL, why)
+        return original.call_boxed(keyset, self_, dim, index, src, **kw)
+    s.coverage.add(op, variant.name)
+    return self_.add_(total) if inplace else self_ + total
 
 
 def _bn_route(s: "_Session", dy, x, weight, save_mean, save_invstd, train: bool):
@@ -410,11 +538,35 @@ class AtenRoute:
     keys: tuple[str, ...] = ("CPU", "CUDA")
 
 
+def _index_add(s, original, keyset, self_, dim, index, source, **kw):
+    return _scatter_sum(s, s.index_add, "index_add", original, keyset, False, self_, dim, index, source, **kw)
+
+
+def _index_add_(s, original, keyset, self_, dim, index, source, **kw):
+    return _scatter_sum(s, s.index_add, "index_add", original, keyset, True, self_, dim, index, source, **kw)
+
+
+def _scatter_add(s, original, keyset, self_, dim, index, src):
+    return _scatter_sum(s, s.scatter_add, "scatter_add", original, keyset, False, self_, dim, index, src)
+
+
+def _scatter_add_(s, original, keyset, self_, dim, index, src):
+    return _scatter_sum(s, s.scatter_add, "scatter_add", original, keyset, True, self_, dim, index, src)
+
+
 ATEN_OPS = (
-    AtenRoute("convolution_backward", ("conv_wgrad", "conv_dgrad", "bias_grad"), _conv_backward),
+    AtenRoute("convolution_backward", ("conv_wgrad", "conv_dgrad", "bias_grad", "conv_wgrad_grouped",
+                                       "conv_dgrad_grouped"), _conv_backward),
     AtenRoute("max_pool2d_with_indices_backward", ("maxpool_bwd",), _maxpool_backward),
     AtenRoute("native_batch_norm_backward", ("bias_grad",), _native_bn_backward),
     AtenRoute("cudnn_batch_norm_backward", ("bias_grad",), _cudnn_bn_backward, ("CUDA",)),
+    AtenRoute("_adaptive_avg_pool2d_backward", ("adaptive_avg_pool2d_bwd",), _adaptive_pool_backward),
+    AtenRoute("upsample_bilinear2d_backward", ("upsample_bilinear2d_bwd",), _upsample_backward),
+    AtenRoute("embedding_dense_backward", ("embedding_bwd",), _embedding_backward),
+    AtenRoute("index_add", ("index_add",), _index_add),
+    AtenRoute("index_add_", ("index_add",), _index_add_),
+    AtenRoute("scatter_add", ("scatter_add",), _scatter_add),
+    AtenRoute("scatter_add_", ("scatter_add",), _scatter_add_),
 )
 
 
@@ -431,6 +583,7 @@ class Uncovered:
     backward: str               # its nondeterministic aten op (the backward, or the op itself)
     applies: Callable[..., bool] = lambda *a: True
     forward: bool = False       # the forward itself is nondeterministic (checked whether or not grad flows)
+    routed_by: str | None = None  # the routed op that covers its backward (then not guarded while routed)
 
 
 def _not_1x1(x, output_size, *rest) -> bool:
@@ -438,7 +591,7 @@ def _not_1x1(x, output_size, *rest) -> bool:
 
 
 UNCOVERED_OPS = (
-    Uncovered("_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward", _not_1x1),
+    Uncovered("_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward", _not_1x1, routed_by="adaptive_avg_pool2d_bwd"),
     Uncovered("_adaptive_avg_pool3d", "_adaptive_avg_pool3d_backward"),
     Uncovered("adaptive_max_pool2d", "adaptive_max_pool2d_backward"),
     Uncovered("adaptive_max_pool3d", "adaptive_max_pool3d_backward"),
@@ -446,7 +599,7 @@ UNCOVERED_OPS = (
     Uncovered("fractional_max_pool2d", "fractional_max_pool2d_backward"),
     Uncovered("fractional_max_pool3d", "fractional_max_pool3d_backward"),
     Uncovered("upsample_linear1d", "upsample_linear1d_backward"),
-    Uncovered("upsample_bilinear2d", "upsample_bilinear2d_backward"),
+    Uncovered("upsample_bilinear2d", "upsample_bilinear2d_backward", routed_by="upsample_bilinear2d_bwd"),
     Uncovered("_upsample_bilinear2d_aa", "_upsample_bilinear2d_aa_backward"),
     Uncovered("upsample_bicubic2d", "upsample_bicubic2d_backward"),
     Uncovered("upsample_trilinear3d", "upsample_trilinear3d_backward"),
@@ -461,7 +614,8 @@ UNCOVERED_OPS = (
     Uncovered("max_unpool3d", "max_unpool3d", forward=True),
 )
 # Not listed: ops PyTorch makes deterministic in its deterministic mode, which the routing turns on
-# (replication padding and max_pool3d backward, index_add, scatter_add, index_put with accumulate, ...).
+# (replication padding and max_pool3d backward, index_put with accumulate, ...), and the ops routed above
+# (index_add, scatter_add; adaptive pooling and bilinear upsampling while their variants are routed).
 # What PyTorch refuses or warns about beyond this table is still caught: see use_kernels.
 
 
@@ -518,6 +672,13 @@ class _Session:
         self.conv = (routing.variant("conv_wgrad"), routing.variant("conv_dgrad"), routing.variant("bias_grad"))
         self.pool = routing.variant("maxpool_bwd")
         self.bn = routing.variant("bias_grad", "bn_bwd")
+        # grouped convs: (wgrad, dgrad, bias); the bias gradient is the same channel sum
+        self.conv_grouped = (routing.variant("conv_wgrad_grouped"), routing.variant("conv_dgrad_grouped"), self.conv[2])
+        self.aap = routing.variant("adaptive_avg_pool2d_bwd")
+        self.up = routing.variant("upsample_bilinear2d_bwd")
+        self.emb = routing.variant("embedding_bwd")
+        self.index_add = routing.variant("index_add")
+        self.scatter_add = routing.variant("scatter_add")
 
     @property
     def deterministic(self) -> bool:
@@ -684,7 +845,8 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
     try:
         with contextlib.ExitStack() as stack:
             routes = [r for r in ATEN_OPS if any(routing.used[o] != NATIVE for o in r.routed)]
-            guarded = UNCOVERED_OPS if routing.claims_determinism else ()
+            guarded = tuple(g for g in UNCOVERED_OPS if g.routed_by is None or routing.used[g.routed_by] == NATIVE) \
+                if routing.claims_determinism else ()
             if routes or guarded:
                 originals = {(r.op, k): _load_original(r.op, k) for r in routes for k in r.keys}
                 originals.update({(g.op, k): _load_original(g.op, k) for g in guarded for k in ("CPU", "CUDA")})

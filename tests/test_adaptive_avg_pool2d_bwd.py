@@ -335,7 +335,7 @@ def test_gpu_equals_torch_cuda_where_order_cannot_matter(case, cuda_sync):
     tiny = np.abs(theirs.cpu().numpy()) < np.finfo(np.float32).tiny
     diff = same_bits(TREE(*args, **kw), theirs, where=few & ~tiny)
     assert diff.size == 0, f"tree differs from torch's CUDA backward at {diff[:10]}"
-    check_bound(theirs.cpu(), cpu_args, kw)
+    check_bound(theirs.cpu(), cpu_args, kw, flushes=True)  # torch's CUDA atomicAdd flushes subnormals
 
 
 @pytest.mark.gpu

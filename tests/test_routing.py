@@ -81,7 +81,10 @@ def test_family_with_per_op_override():
     need_ops(*routing.ROUTED_OPS)
     r = routing.resolve("tree", {"conv_wgrad": "atomic", "maxpool_bwd": "native"})
     assert dict(r.used) == {"conv_wgrad": "atomic", "conv_dgrad": "tree", "bias_grad": "tree",
-                            "maxpool_bwd": "native"}
+                            "maxpool_bwd": "native", "conv_wgrad_grouped": "tree", "conv_dgrad_grouped": "tree",
+                            "adaptive_avg_pool2d_bwd": "tree", "upsample_bilinear2d_bwd": "tree",
+                            # the family's deterministic variant of the scatter sums is named sorted
+                            "embedding_bwd": "sorted", "index_add": "sorted", "scatter_add": "sorted"}
     assert not r.deterministic and not r.claims_determinism
     assert routing.resolve("tree").claims_determinism
     assert not routing.resolve("native").claims_determinism
@@ -392,15 +395,15 @@ def test_torch_compile_reaches_convolution_backward():
 def test_unsupported_conv_goes_to_the_original_kernel_and_is_counted():
     need_ops(*routing.ROUTED_OPS)
     torch.manual_seed(4)
-    # the grouped conv last, so its upstream gradient is the loss's in both runs
-    model = nn.Sequential(nn.Conv2d(4, 4, 3, bias=False), nn.Conv2d(4, 4, 3, groups=2, bias=False))
+    # the transposed conv last, so its upstream gradient is the loss's in both runs
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, bias=False), nn.ConvTranspose2d(4, 4, 3, bias=False))
     x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(71))
     stock = copy.deepcopy(model)
     stock(x).sum().backward()
     with nnrand.use_kernels("tree") as r:
         model(x).sum().backward()
     assert r.coverage["convolution_backward"] == {"tree": 1, "original": 1}
-    assert any("groups=2" in why for why in r.coverage.reasons["convolution_backward"])
+    assert any("transposed" in why for why in r.coverage.reasons["convolution_backward"])
     assert torch.equal(model[1].weight.grad, stock[1].weight.grad)  # the original kernel's own result
 
 
@@ -409,17 +412,17 @@ def test_unsupported_conv_goes_to_the_original_kernel_and_is_counted():
 
 
 class MixedNet(nn.Module):
-    """Routed ops and one nondeterministic op nnrand does not cover (adaptive pooling to 3x3)."""
+    """Routed ops and one nondeterministic op nnrand does not cover (reflection padding)."""
 
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(4)
-        self.head_pool = nn.AdaptiveAvgPool2d(3)
-        self.fc = nn.Linear(36, 10)
+        self.head_pad = nn.ReflectionPad2d(1)
+        self.fc = nn.Linear(4 * 10 * 10, 10)
 
     def forward(self, x):
-        return self.fc(self.head_pool(torch.relu(self.bn(self.conv(x)))).flatten(1))
+        return self.fc(self.head_pad(torch.relu(self.bn(self.conv(x)))).flatten(1))
 
 
 def test_strict_refuses_an_uncovered_nondeterministic_op_naming_op_and_module():
@@ -430,8 +433,8 @@ def test_strict_refuses_an_uncovered_nondeterministic_op_naming_op_and_module():
     with pytest.raises(routing.NondeterministicOpError) as e:
         with nnrand.use_kernels("tree", model=model):
             grads(model, x, y)
-    assert "aten::_adaptive_avg_pool2d" in str(e.value) and "head_pool" in str(e.value)
-    assert "AdaptiveAvgPool2d" in str(e.value)
+    assert "aten::reflection_pad2d" in str(e.value) and "head_pad" in str(e.value)
+    assert "ReflectionPad2d" in str(e.value)
     assert routing.active() is None and not torch.are_deterministic_algorithms_enabled()
 
 
@@ -446,14 +449,14 @@ def test_warn_mode_warns_once_and_counts_uncovered():
             grads(model, x, y)
             grads(model, x, y)
     ours = [w for w in caught if "nnrand" in str(w.message)]
-    assert len(ours) == 1 and "_adaptive_avg_pool2d_backward" in str(ours[0].message)
-    assert r.coverage.uncovered == ["_adaptive_avg_pool2d_backward"]
-    assert r.coverage["_adaptive_avg_pool2d_backward"] == {"uncovered": 2}
+    assert len(ours) == 1 and "reflection_pad2d_backward" in str(ours[0].message)
+    assert r.coverage.uncovered == ["reflection_pad2d_backward"]
+    assert r.coverage["reflection_pad2d_backward"] == {"uncovered": 2}
     assert r.coverage["convolution_backward"] == {"tree": 2}
     assert not r.deterministic
 
 
-def test_guard_is_off_without_a_determinism_claim_and_for_1x1_pooling():
+def test_guard_is_off_without_a_determinism_claim_and_for_routed_or_exact_pooling():
     need_ops(*routing.ROUTED_OPS)
     torch.manual_seed(7)
     model = MixedNet()
@@ -461,11 +464,19 @@ def test_guard_is_off_without_a_determinism_claim_and_for_1x1_pooling():
     with nnrand.use_kernels("atomic", rng=np.random.default_rng(0)) as r:
         grads(model, x, y)  # atomic claims nothing: no error, no count
     assert r.coverage.uncovered == []
-    model.head_pool = nn.AdaptiveAvgPool2d(1)
+    model.head_pad = nn.AdaptiveAvgPool2d(1)
     model.fc = nn.Linear(4, 10)
     with nnrand.use_kernels("tree") as r:  # a 1x1 output is a mean: exact backward, not refused
         grads(model, x, y)
     assert r.coverage.uncovered == [] and r.deterministic
+    model.head_pad = nn.AdaptiveAvgPool2d(3)
+    model.fc = nn.Linear(36, 10)
+    with nnrand.use_kernels("tree") as r:  # 3x3: routed to the adaptive pooling variant
+        grads(model, x, y)
+    assert r.coverage["_adaptive_avg_pool2d_backward"] == {"tree": 1} and r.deterministic
+    with nnrand.use_kernels("tree", {"adaptive_avg_pool2d_bwd": "native"}):  # not routed: guarded again
+        with pytest.raises(routing.NondeterministicOpError, match="_adaptive_avg_pool2d"):
+            grads(model, x, y)
 
 
 def test_no_grad_forward_of_an_uncovered_op_is_allowed():
@@ -624,3 +635,76 @@ def test_batchnorm_forms():
         plain(x2).sum().backward()
     assert r.coverage["native_batch_norm_backward"] == {"tree": 1, "original": 1}
     assert any("eval-mode" in why for why in r.coverage.reasons["native_batch_norm_backward"])
+
+
+# --------------------------------------------------------------------------------------------------
+# The ops routed beside the convolution, pooling and BatchNorm backward: each gives its variant's bits
+
+
+def _variant(op, name="tree"):
+    return kernels.get(op, name)
+
+
+@pytest.mark.parametrize("family", ["tree", "atomic"])
+def test_pooling_upsampling_and_embedding_backward_give_their_variants_bits(family):
+    need_ops("adaptive_avg_pool2d_bwd", "upsample_bilinear2d_bwd", "embedding_bwd")
+    g = torch.Generator().manual_seed(5)
+    rng_seed = 3
+    x = torch.randn(2, 3, 9, 11, generator=g, requires_grad=True)
+    dy = torch.randn(2, 3, 4, 5, generator=g)
+    up = torch.randn(2, 3, 17, 23, generator=g)
+    w = torch.randn(20, 6, generator=g, requires_grad=True)
+    tok = torch.randint(0, 20, (4, 7), generator=g)
+    dtok = torch.randn(4, 7, 6, generator=g)
+    sorted_or_tree = "sorted" if family == "tree" else family
+    with nnrand.use_kernels(family, rng=np.random.default_rng(rng_seed)) as r:
+        torch.nn.functional.adaptive_avg_pool2d(x, (4, 5)).backward(dy)
+        pooled = x.grad.clone()
+        x.grad = None
+        torch.nn.functional.interpolate(x, size=(17, 23), mode="bilinear", align_corners=True).backward(up)
+        upsampled = x.grad.clone()
+        torch.nn.functional.embedding(tok, w).backward(dtok)
+    assert r.coverage["_adaptive_avg_pool2d_backward"] == {family: 1}
+    assert r.coverage["upsample_bilinear2d_backward"] == {family: 1}
+    assert r.coverage["embedding_dense_backward"] == {sorted_or_tree: 1}
+    if family == "tree":  # atomic CPU models draw an order per call: compare the deterministic ones
+        assert torch.equal(pooled, _variant("adaptive_avg_pool2d_bwd")(dy, input_size=(9, 11)))
+        assert torch.equal(upsampled, _variant("upsample_bilinear2d_bwd")(up, input_size=(9, 11), align_corners=True))
+        assert torch.equal(w.grad, _variant("embedding_bwd", "sorted")(dtok, tok, num_weights=20))
+
+
+def test_index_add_and_scatter_add_are_self_plus_the_variants_sum():
+    need_ops("index_add", "scatter_add")
+    g = torch.Generator().manual_seed(6)
+    base = torch.randn(5, 4, 3, generator=g)
+    src = torch.randn(5, 9, 3, generator=g)
+    idx = torch.randint(0, 4, (9,), generator=g)
+    with nnrand.use_kernels("tree") as r:
+        out = torch.index_add(base, 1, idx, src, alpha=2.0)
+        inplace = base.clone().index_add_(1, idx, src)
+        sidx = torch.randint(0, 5, (7, 3), generator=g)
+        ssrc = torch.randn(7, 3, generator=g)
+        scattered = torch.zeros(5, 3).scatter_add(0, sidx, ssrc)
+    assert r.coverage["index_add"] == {"sorted": 2}     # functional and in-place
+    variant = _variant("index_add", "sorted")
+    rows = variant(idx, (src * 2.0).movedim(1, 0).reshape(9, -1), num_rows=4)
+    assert torch.equal(out, base + rows.reshape(4, 5, 3).movedim(0, 1))
+    rows = variant(idx, src.movedim(1, 0).reshape(9, -1), num_rows=4)
+    assert torch.equal(inplace, base + rows.reshape(4, 5, 3).movedim(0, 1))
+    assert torch.equal(scattered, _variant("scatter_add", "sorted")(sidx, ssrc, num_rows=5))
+    assert r.coverage["scatter_add"] == {"sorted": 1}
+
+
+def test_grouped_and_depthwise_conv_backward_give_their_variants_bits():
+    need_ops("conv_wgrad_grouped", "conv_dgrad_grouped")
+    g = torch.Generator().manual_seed(7)
+    for cin, cout, groups in ((8, 8, 8), (8, 12, 4)):
+        x = torch.randn(2, cin, 9, 9, generator=g, requires_grad=True)
+        w = torch.randn(cout, cin // groups, 3, 3, generator=g, requires_grad=True)
+        dy = torch.randn(2, cout, 5, 5, generator=g)
+        with nnrand.use_kernels("tree") as r:
+            torch.nn.functional.conv2d(x, w, stride=2, padding=1, groups=groups).backward(dy)
+        assert r.coverage["convolution_backward"] == {"tree": 1}
+        geom = dict(stride=(2, 2), padding=(1, 1), dilation=(1, 1), groups=groups)
+        assert torch.equal(w.grad, _variant("conv_wgrad_grouped")(x.detach(), dy, kernel_size=(3, 3), **geom))
+        assert torch.equal(x.grad, _variant("conv_dgrad_grouped")(w.detach(), dy, input_size=(9, 9), **geom))

@@ -74,10 +74,24 @@ def test_torchvision_resnet18_fully_covered_and_repeatable():
     assert not r.coverage.uncovered
 
 
-def test_vgg11_bn_is_refused_under_strict_tree():
+@pytest.mark.parametrize("name", ["vgg11_bn", "mobilenet_v3_small"])
+def test_torchvision_models_with_adaptive_pooling_and_depthwise_convs_are_covered(name):
+    """vgg11_bn pools adaptively to 7x7, mobilenet_v3_small has depthwise convs: both are routed under
+    strict tree and repeat bitwise."""
     tv = pytest.importorskip("torchvision")
-    model = tv.models.vgg11_bn(num_classes=10).cuda()
-    x = torch.randn(2, 3, 64, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
-    with pytest.raises(nnrand.routing.NondeterministicOpError, match="_adaptive_avg_pool2d"):
-        with nnrand.use_kernels("tree", model=model):
+    torch.manual_seed(0)
+    model = getattr(tv.models, name)(num_classes=10).cuda()
+    x = torch.randn(4, 3, 64, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
+    out = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with nnrand.use_kernels("tree", model=model) as r:
             model(x).sum().backward()
+        out.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        assert not r.coverage.uncovered and r.deterministic
+    assert all(torch.equal(a, b) for run in out[1:] for a, b in zip(out[0], run))
+    routed = r.coverage.as_dict()
+    if name == "vgg11_bn":
+        assert routed["_adaptive_avg_pool2d_backward"] == {"tree": 1}
+    else:
+        assert "original" not in routed["convolution_backward"]
