@@ -13,9 +13,16 @@
 //           first), as torch's CUDA backward does. NONDETERMINISTIC where windows overlap (H not a
 //           multiple of OH, or OH > H): an element covered by >= 3 windows adds their g in arrival
 //           order, and that order decides the rounding.
-//   tree    one thread per dx element: the windows that cover it in (oh, ow) row-major order, from
-//           +0.0; each dx element written once by one thread, no atomics, no zero fill:
-//           deterministic, the same bits on every GPU and equal to its CPU model.
+//   tree    every dx element summed by one thread: the windows that cover it in (oh, ow) row-major
+//           order, from +0.0; each dx element written once, no atomics, no zero fill: deterministic,
+//           the same bits on every GPU and equal to its CPU model. Two kernels, same bits:
+//           _tiled (the launcher's choice wherever the tables and a tile fit in shared memory): a
+//             block takes a tile of P images x CB channels (NCHW is viewed as N*C images of one
+//             channel), computes each dy element's share once into shared memory, then every dx
+//             element of the tile adds its shares from there. Window bounds per dx row and column
+//             and the window sizes are per-block tables; index decomposition by multiply-shift
+//             dividers. Channels_last tiles put adjacent channels on adjacent threads (coalesced).
+//           _direct (any size): one thread per dx element, bounds and shares computed on the spot.
 //
 // Only divisions and additions, no contraction possible: the CPU models reproduce both bit for bit
 // (atomic: for the order the atomics happened to arrive in; float atomicAdd flushes subnormal
@@ -31,6 +38,25 @@ __device__ __forceinline__ int end_ind(int a, int b, int c) { return (int)(((lon
 // The share of one window's gradient that each of its elements receives.
 __device__ __forceinline__ float share(float g, int kw, int kh) {
     return __fdiv_rn(__fdiv_rn(g, (float)kw), (float)kh);
+}
+
+// n / d for 0 <= n < 2^31 and 1 <= d <= 2^31 by a high multiply, an add and a shift (the magic-number
+// divider of torch's IntDivider): m = 2^32 (2^s - d) / d + 1 with 2^s >= d > 2^(s-1).
+struct FastDiv {
+    unsigned d, m, s;
+};
+
+__device__ __forceinline__ FastDiv make_fastdiv(unsigned d) {
+    unsigned s = 0;
+    while (s < 31 && (1u << s) < d) ++s;
+    if ((1u << s) < d) s = 32;  // d > 2^31: not used here (tile sizes stay far below)
+    const unsigned long long m = ((1ull << 32) * ((1ull << s) - d)) / d + 1;
+    FastDiv f = {d, (unsigned)m, s};
+    return f;
+}
+
+__device__ __forceinline__ int fast_div(const FastDiv f, int n) {
+    return (int)((__umulhi((unsigned)n, f.m) + (unsigned)n) >> f.s);
 }
 
 struct Geom {
@@ -89,6 +115,8 @@ adaptive_avg_pool2d_bwd_atomic(const float* __restrict__ dy, float* __restrict__
 // ------------------------------------------------------------------------------------------------
 // tree
 
+// ---- direct: one thread per dx element, everything computed on the spot
+
 template <typename I, bool CL>
 __device__ __forceinline__ void tree_body(const float* __restrict__ dy, float* __restrict__ dx, I total, const Geom G) {
     const I step = (I)gridDim.x * blockDim.x;
@@ -129,7 +157,7 @@ __device__ __forceinline__ void tree_body(const float* __restrict__ dy, float* _
 }
 
 extern "C" __global__ void __launch_bounds__(AAP_THREADS)
-adaptive_avg_pool2d_bwd_tree(const float* __restrict__ dy, float* __restrict__ dx, long long total, int C, int H,
+adaptive_avg_pool2d_bwd_tree_direct(const float* __restrict__ dy, float* __restrict__ dx, long long total, int C, int H,
                              int W, int OH, int OW, int channels_last) {
     const Geom G = {C, H, W, OH, OW};
     const long long dy_total = total / ((long long)H * W) * OH * OW;
@@ -140,5 +168,79 @@ adaptive_avg_pool2d_bwd_tree(const float* __restrict__ dy, float* __restrict__ d
     } else {
         if (narrow) tree_body<int, false>(dy, dx, (int)total, G);
         else tree_body<long long, false>(dy, dx, total, G);
+    }
+}
+
+// ---- tiled: shares once per dy element into shared memory, then a gather of additions only
+//
+// The tensor is viewed as N images of H x W positions of C channels, channels innermost (NCHW is
+// N*C images of one channel). A tile is P consecutive images x CB consecutive channels: its dy part
+// (P * OH * OW * CB shares) sits in shared memory; its dx part (P * H * W * CB elements) is computed
+// from it. Dynamic shared memory, in this order (the launcher sizes it the same way):
+//   FastDiv divs[5] (64 bytes: CB, H*W, W, OH*OW, OW) | int2 rows[H] | int2 cols[W] |
+//   float khf[OH] | float kwf[OW] | float tile[P * CB * OH * OW]
+// rows[h] = [first, end) of the windows covering dx row h (likewise cols); khf, kwf the window sizes.
+// The launcher guarantees P * CB * max(H*W, OH*OW) < 2^31 (tile-local indices are int).
+
+extern "C" __global__ void __launch_bounds__(AAP_THREADS)
+adaptive_avg_pool2d_bwd_tree_tiled(const float* __restrict__ dy, float* __restrict__ dx, long long N, int C, int H,
+                                   int W, int OH, int OW, int CB, int P) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    FastDiv* divs = reinterpret_cast<FastDiv*>(smem);
+    int2* rows = reinterpret_cast<int2*>(smem + 64);
+    int2* cols = rows + H;
+    float* khf = reinterpret_cast<float*>(cols + W);
+    float* kwf = khf + OH;
+    float* tile = kwf + OW;
+    const int HW = H * W, OHW = OH * OW;
+    if (threadIdx.x < 5) {
+        const int which = threadIdx.x;
+        const int d = which == 0 ? CB : which == 1 ? HW : which == 2 ? W : which == 3 ? OHW : OW;
+        divs[which] = make_fastdiv((unsigned)d);
+    }
+    for (int i = threadIdx.x; i < H; i += blockDim.x) rows[i] = make_int2(start_ind(i, H, OH), end_ind(i, H, OH));
+    for (int i = threadIdx.x; i < W; i += blockDim.x) cols[i] = make_int2(start_ind(i, W, OW), end_ind(i, W, OW));
+    for (int o = threadIdx.x; o < OH; o += blockDim.x) khf[o] = (float)(end_ind(o, OH, H) - start_ind(o, OH, H));
+    for (int o = threadIdx.x; o < OW; o += blockDim.x) kwf[o] = (float)(end_ind(o, OW, W) - start_ind(o, OW, W));
+    __syncthreads();
+    const FastDiv dCB = divs[0], dHW = divs[1], dW = divs[2], dOHW = divs[3], dOW = divs[4];
+
+    const long long chunks = (C + CB - 1) / CB;
+    const long long tiles = (N + P - 1) / P * chunks;
+    for (long long id = blockIdx.x; id < tiles; id += gridDim.x) {
+        const long long tn = chunks == 1 ? id : id / chunks;  // NCHW: one chunk
+        const int c0 = (int)(id - tn * chunks) * CB;
+        const long long n0 = tn * P;
+        const int np = (int)(N - n0 < P ? N - n0 : P);
+        const int cb = C - c0 < CB ? C - c0 : CB;  // channels of this tile (the last chunk can be short)
+
+        // 1. tile[(pp * OHW + q) * CB + cc] = share of dy[n0 + pp, q, c0 + cc], each computed once
+        const float* ysrc = dy + n0 * OHW * C + c0;
+        const int nload = np * OHW * CB;
+        for (int j = threadIdx.x; j < nload; j += blockDim.x) {
+            const int rest = fast_div(dCB, j), cc = j - rest * CB;
+            const int pp = fast_div(dOHW, rest), q = rest - pp * OHW;
+            const int oh = fast_div(dOW, q), ow = q - oh * OW;
+            if (cc < cb)
+                tile[j] = __fdiv_rn(__fdiv_rn(ysrc[((long long)pp * OHW + q) * C + cc], kwf[ow]), khf[oh]);
+        }
+        __syncthreads();
+
+        // 2. every dx element of the tile: its windows in (oh, ow) row-major order, from +0.0
+        float* xdst = dx + n0 * HW * C + c0;
+        const int nout = np * HW * CB;
+        for (int j = threadIdx.x; j < nout; j += blockDim.x) {
+            const int rest = fast_div(dCB, j), cc = j - rest * CB;
+            if (cc >= cb) continue;
+            const int pp = fast_div(dHW, rest), r = rest - pp * HW;
+            const int h = fast_div(dW, r), w = r - h * W;
+            const int2 rh = rows[h], rw = cols[w];
+            const float* t = tile + pp * OHW * CB + cc;
+            float acc = 0.0f;
+            for (int oh = rh.x; oh < rh.y; ++oh)
+                for (int ow = rw.x; ow < rw.y; ++ow) acc = __fadd_rn(acc, t[(oh * OW + ow) * CB]);
+            xdst[((long long)pp * HW + r) * C + cc] = acc;
+        }
+        __syncthreads();  // the next tile overwrites the shares
     }
 }

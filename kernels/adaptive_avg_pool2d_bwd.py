@@ -20,6 +20,10 @@ Order of the additions into one dx element:
   torch's CPU backward (it zeroes dx and adds each plane's windows in row-major order), so tree equals
   torch's CPU backward bit for bit wherever the two division orders agree on every contribution (in
   particular for square windows: 14->7, 7->1, 28->7).
+  The CUDA kernel (``_tiled`` in the .cu file) computes each dy element's share once into shared
+  memory and then adds, per dx element, the shares of its windows in that order; the shares and the
+  order are the same as summing (dy / kw) / kh on the spot (``_direct``, the fallback for shapes
+  whose tile does not fit), so both give the same bits.
 - ``atomic``: arrival order of the atomicAdds, from +0.0. With one or two contributions the sum does
   not depend on it (0 + a + b = 0 + b + a); from three on it can.
 
@@ -119,29 +123,87 @@ def _check(dy, input_size):
 # --------------------------------------------------------------------------------------------------
 # CUDA launchers
 
+TILE_SHARES = 4096        # floats of one tile's shares (16 KiB): ~8 blocks of 256 threads per SM still fit
+TILE_MAX_OUT = 1 << 16    # dx elements of one tile at most (a bigger plane goes to the direct kernel)
+SMEM_LIMIT = 48 * 1024    # dynamic shared memory without opting in
+BLOCKS_PER_SM = 8         # 2048 resident threads per SM / 256
 
-def _launch(kernel: str, dy, input_size, *, zero: bool) -> torch.Tensor:
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=1024)
+def tree_plan(n: int, c: int, h: int, w: int, oh: int, ow: int, layout: str):
+    """How the tiled tree kernel cuts this shape: (images N, channels C, P, CB, shared bytes, tiles),
+    NCHW viewed as N*C images of one channel; None where it does not fit (the direct kernel runs).
+
+    A tile is P images x CB channels; its shares (P * CB * OH * OW floats) must fit in TILE_SHARES
+    beside the tables, and it should hold a few thousand dx elements (fewer on small problems, so that
+    there are >= ~2048 tiles to spread over the SMs). CB is all channels where a whole image fits
+    (the tile is then contiguous), else 32 (a warp's stores are 128 contiguous bytes), halved until
+    the shares fit."""
+    big_n, big_c = (n * c, 1) if layout == "nchw" else (n, c)
+    hw, ohw = h * w, oh * ow
+    tables = 64 + 8 * (h + w) + 4 * (oh + ow)  # FastDiv[5] padded, int2 rows/cols, float khf/kwf
+    budget = min(TILE_SHARES, (SMEM_LIMIT - tables) // 4)
+    if budget < ohw:
+        return None
+    target = min(4096, max(512, big_n * big_c * hw // 2048))
+    if big_c * ohw <= budget and big_c * hw <= target:
+        cb = big_c
+    else:
+        cb = min(32, big_c)
+        while cb > 1 and cb * ohw > budget:
+            cb //= 2
+    if cb * hw > TILE_MAX_OUT:
+        return None
+    p = max(1, min(big_n, target // (cb * hw), budget // (cb * ohw)))
+    tiles = cdiv(big_n, p) * cdiv(big_c, cb)
+    return big_n, big_c, p, cb, tables + 4 * p * cb * ohw, tiles
+
+
+def _launch(kind: str, dy, input_size) -> torch.Tensor:
     dy, (h, w), layout = _check(dy, input_size)
     check_cuda(OP, "dy", dy)
     n, c, oh, ow = dy.shape
     dx = torch.empty((n, c, h, w), device=dy.device, dtype=torch.float32, memory_format=memory_format(layout))
-    if zero:
-        dx.zero_()  # the atomics add onto +0.0
-    total = dy.numel() if zero else dx.numel()  # atomic: one thread per dy element; tree: per dx element
-    blocks = max(1, min(cdiv(total, THREADS), MAX_BLOCKS))
     i32 = np.int32
-    launch(function(SOURCE, kernel, dy.device), (blocks,), (THREADS,),
+    plan = tree_plan(n, c, h, w, oh, ow, layout) if kind == "tree" else None
+    if plan is not None:
+        big_n, big_c, p, cb, smem, tiles = plan
+        index = dy.device.index if dy.device.index is not None else torch.cuda.current_device()
+        blocks = max(1, min(tiles, BLOCKS_PER_SM * _sm_count(index)))  # blocks loop over the tiles
+        launch(function(SOURCE, "adaptive_avg_pool2d_bwd_tree_tiled", dy.device), (blocks,), (THREADS,),
+               (ptr(dy), ptr(dx), np.int64(big_n), i32(big_c), i32(h), i32(w), i32(oh), i32(ow), i32(cb), i32(p)),
+               device=dy.device, shared_mem=smem)
+        return dx
+    if kind == "atomic":
+        dx.zero_()  # the atomics add onto +0.0
+        name, total = "adaptive_avg_pool2d_bwd_atomic", dy.numel()  # one thread per dy element
+    else:
+        name, total = "adaptive_avg_pool2d_bwd_tree_direct", dx.numel()  # one thread per dx element
+    blocks = max(1, min(cdiv(total, THREADS), MAX_BLOCKS))
+    launch(function(SOURCE, name, dy.device), (blocks,), (THREADS,),
            (ptr(dy), ptr(dx), np.int64(total), i32(c), i32(h), i32(w), i32(oh), i32(ow),
             i32(layout == "channels_last")), device=dy.device)
     return dx
 
 
 def adaptive_avg_pool2d_bwd_atomic_cuda(dy, *, input_size) -> torch.Tensor:
-    return _launch("adaptive_avg_pool2d_bwd_atomic", dy, input_size, zero=True)
+    return _launch("atomic", dy, input_size)
 
 
 def adaptive_avg_pool2d_bwd_tree_cuda(dy, *, input_size) -> torch.Tensor:
-    return _launch("adaptive_avg_pool2d_bwd_tree", dy, input_size, zero=False)
+    """tree: the tiled kernel where the shape fits it (tree_plan), else the direct one; same bits."""
+    return _launch("tree", dy, input_size)
+
+
+def adaptive_avg_pool2d_bwd_tree_direct_cuda(dy, *, input_size) -> torch.Tensor:
+    """tree's direct kernel whatever the shape (what tree runs where no tile fits); for tests and
+    timing beside the tiled kernel. Same bits."""
+    return _launch("tree_direct", dy, input_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -346,6 +408,8 @@ def _test_cases() -> list[Case]:
         ("up_1to5x3", 2, 2, 1, 1, 5, 3, {}),            # 1x1 input
         ("in_1x9_to_1x4", 2, 3, 1, 9, 1, 4, {}),
         ("identity_6", 1, 3, 6, 6, 6, 6, {}),
+        ("tiles_c40_13to7", 3, 40, 13, 13, 7, 7, {}),   # channels_last: a short last chunk of channels
+        ("tiles_5to3", 5, 7, 5, 5, 3, 3, {}),           # a short last tile of images
         ("special_13to5", 2, 3, 13, 13, 5, 5, {"special": True}),
     ]
     cases, seed = [], 6000
@@ -397,8 +461,8 @@ define_op(
          "one thread per dy element; (dy / kw) / kh atomicAdd-ed into its window (as torch's CUDA backward; "
          "overlapping windows collide)"),
         ("tree", True, False, adaptive_avg_pool2d_bwd_tree_cuda, adaptive_avg_pool2d_bwd_tree_cpu,
-         "one thread per dx element; the windows covering it in (oh, ow) row-major order from +0.0 "
-         "(torch's CPU order)"),
+         "each dx element summed by one thread: the windows covering it in (oh, ow) row-major order from "
+         "+0.0 (torch's CPU order); shares computed once per dy element into shared memory"),
     ],
     make_inputs=_make_inputs,
     reference=_reference,

@@ -19,10 +19,15 @@
 //   tree    one thread per dx element: the dy elements that touch it in (oh, ow) row-major order, and
 //           within one dy element its products in the order above, from +0.0. Each dx element is
 //           written once by one thread, no atomics, no zero fill: deterministic, the same bits on every
-//           GPU and equal to its CPU model. A block first tabulates (i0, i1, l0, l1) of every output
-//           row and column in shared memory where they fit (else each thread computes them, same
-//           arithmetic, same bits); the dy rows touching dx row h are those with i0 in {h-1, h}, a
-//           contiguous range found by binary search (i0 is non-decreasing).
+//           GPU and equal to its CPU model. Two kernels, same arithmetic, same bits:
+//           _tabled (the launcher's choice where the tables fit in shared memory): a block first
+//             tabulates per axis, for every dx position p, the range of outputs touching it (those
+//             with i0 in {p-1, p}, contiguous since i0 is non-decreasing) and the weight the k-th of
+//             them gives p (k-major, so adjacent threads read adjacent words); a thread then only
+//             multiplies and adds. Only the last row and column (i0 == i1 there) can take two products
+//             from one dy element; their second weight l1 is recomputed on the spot. Index
+//             decomposition by multiply-shift dividers; blocks loop over the elements.
+//           _direct (any size): weights computed per product, ranges by binary search over the taps.
 //
 // Products and additions are explicit _rn intrinsics, so nothing is contracted besides the source
 // index FMA, which the CPU model reproduces exactly (the product of two floats is exact in double).
@@ -182,38 +187,164 @@ __device__ __forceinline__ void tree_body(const float* __restrict__ dy, float* _
     }
 }
 
-template <bool SMEM>
-__device__ __forceinline__ void tree_entry(const float* __restrict__ dy, float* __restrict__ dx, long long total,
-                                           int C, const Axis AH, const Axis AW, int channels_last) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    Tap* tabH = reinterpret_cast<Tap*>(smem);
-    Tap* tabW = tabH + AH.out;
-    if (SMEM) {
-        for (int o = threadIdx.x; o < AH.out; o += blockDim.x) tabH[o] = make_tap(AH, o);
-        for (int o = threadIdx.x; o < AW.out; o += blockDim.x) tabW[o] = make_tap(AW, o);
-        __syncthreads();
-    }
-    const Taps<SMEM> TH = {AH, tabH}, TW = {AW, tabW};
-    const long long dy_total = total / ((long long)AH.in * AW.in) * AH.out * AW.out;
+extern "C" __global__ void __launch_bounds__(UBB_THREADS)
+upsample_bilinear2d_bwd_tree_direct(const float* __restrict__ dy, float* __restrict__ dx, long long total, int C,
+                                    int H, int W, int OH, int OW, int align_corners, int scale_h_bits,
+                                    int scale_w_bits, int channels_last) {
+    const Axis AH = {H, OH, align_corners, __int_as_float(scale_h_bits)};
+    const Axis AW = {W, OW, align_corners, __int_as_float(scale_w_bits)};
+    const Taps<false> TH = {AH, nullptr}, TW = {AW, nullptr};
+    const long long dy_total = total / ((long long)H * W) * OH * OW;
     const bool narrow = total + (long long)gridDim.x * blockDim.x <= UBB_INT32_MAX && dy_total <= UBB_INT32_MAX;
     if (channels_last) {
-        if (narrow) tree_body<int, true, SMEM>(dy, dx, (int)total, C, TH, TW);
-        else tree_body<long long, true, SMEM>(dy, dx, total, C, TH, TW);
+        if (narrow) tree_body<int, true, false>(dy, dx, (int)total, C, TH, TW);
+        else tree_body<long long, true, false>(dy, dx, total, C, TH, TW);
     } else {
-        if (narrow) tree_body<int, false, SMEM>(dy, dx, (int)total, C, TH, TW);
-        else tree_body<long long, false, SMEM>(dy, dx, total, C, TH, TW);
+        if (narrow) tree_body<int, false, false>(dy, dx, (int)total, C, TH, TW);
+        else tree_body<long long, false, false>(dy, dx, total, C, TH, TW);
     }
 }
 
-// upsample_bilinear2d_bwd_tree_{smem,direct}: total = dx elements; smem needs (OH + OW) * sizeof(Tap)
-// bytes of dynamic shared memory (the launcher picks direct when that exceeds 48 KiB).
-#define UBB_TREE_KERNEL(NAME, SMEM)                                                                            \
-    extern "C" __global__ void __launch_bounds__(UBB_THREADS)                                                  \
-    NAME(const float* __restrict__ dy, float* __restrict__ dx, long long total, int C, int H, int W, int OH,   \
-         int OW, int align_corners, int scale_h_bits, int scale_w_bits, int channels_last) {                   \
-        const Axis AH = {H, OH, align_corners, __int_as_float(scale_h_bits)};                                  \
-        const Axis AW = {W, OW, align_corners, __int_as_float(scale_w_bits)};                                  \
-        tree_entry<SMEM>(dy, dx, total, C, AH, AW, channels_last);                                             \
+// ---- tabled
+
+// n / d for 0 <= n < 2^31 and 1 <= d <= 2^31 by a high multiply, an add and a shift (the magic-number
+// divider of torch's IntDivider): m = 2^32 (2^s - d) / d + 1 with 2^s >= d > 2^(s-1).
+struct FastDiv {
+    unsigned d, m, s;
+};
+
+__device__ __forceinline__ FastDiv make_fastdiv(unsigned d) {
+    unsigned s = 0;
+    while (s < 31 && (1u << s) < d) ++s;
+    const unsigned long long m = ((1ull << 32) * ((1ull << s) - d)) / d + 1;
+    FastDiv f = {d, (unsigned)m, s};
+    return f;
+}
+
+// q = n / d, r = n - q * d: multiply-shift for the int path, plain division for the 64-bit one.
+__device__ __forceinline__ int divmod(const FastDiv f, int n, int& r) {
+    const int q = (int)((__umulhi((unsigned)n, f.m) + (unsigned)n) >> f.s);
+    r = n - q * (int)f.d;
+    return q;
+}
+__device__ __forceinline__ long long divmod(const FastDiv f, long long n, int& r) {
+    const long long q = n / f.d;
+    r = (int)(n - q * f.d);
+    return q;
+}
+
+// The first output o in [0, out] with i0(o) >= target (out if none).
+__device__ __forceinline__ int first_reaching(const Axis A, int target) {
+    int lo = 0, hi = A.out;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (make_tap(A, mid).i0 >= target) hi = mid;
+        else lo = mid + 1;
     }
-UBB_TREE_KERNEL(upsample_bilinear2d_bwd_tree_smem, true)
-UBB_TREE_KERNEL(upsample_bilinear2d_bwd_tree_direct, false)
+    return lo;
+}
+
+// Fills one axis's tables: range[p] = [first, end) of the outputs touching p (at most K of them, as
+// the launcher computed), and wt[k * in + p] = the weight the k-th of them gives p.
+__device__ __forceinline__ void fill_ranges(const Axis A, int K, int2* range) {
+    for (int p = threadIdx.x; p < A.in; p += blockDim.x) {
+        const int first = first_reaching(A, p - 1), end = first_reaching(A, p + 1);
+        range[p] = make_int2(first, min(end, first + K));  // min: never past the table (K is exact)
+    }
+}
+
+__device__ __forceinline__ void fill_weights(const Axis A, int K, const int2* range, float* wt) {
+    for (int e = threadIdx.x; e < K * A.in; e += blockDim.x) {
+        const int k = e / A.in, p = e - k * A.in;
+        const int o = range[p].x + k;
+        float v = 0.0f;
+        if (o < range[p].y) {
+            const Tap t = make_tap(A, o);
+            v = t.i0 == p ? t.l0 : t.l1;  // i0 == p: p is its first tap (and maybe also its second)
+        }
+        wt[e] = v;
+    }
+}
+
+template <typename I, bool CL>
+__device__ __forceinline__ void tabled_body(const float* __restrict__ dy, float* __restrict__ dx, I total, int C,
+                                            const Axis AH, const Axis AW, const FastDiv dC, const FastDiv dW,
+                                            const FastDiv dH, const int2* __restrict__ rangeH,
+                                            const int2* __restrict__ rangeW, const float* __restrict__ wtH,
+                                            const float* __restrict__ wtW, int lastH, int lastW) {
+    const int H = AH.in, W = AW.in, OH = AH.out, OW = AW.out;
+    const I step = (I)gridDim.x * blockDim.x;
+    for (I t = (I)blockIdx.x * blockDim.x + threadIdx.x; t < total; t += step) {
+        int h, w;
+        I base, stride;  // dy offset of element (0, 0) of the plane; distance between elements
+        if (CL) {  // t = ((n * H + h) * W + w) * C + c
+            int c;
+            const I r = divmod(dC, t, c);
+            const I n = divmod(dH, divmod(dW, r, w), h);
+            base = n * OH * OW * C + c;
+            stride = C;
+        } else {   // t = (plane * H + h) * W + w
+            const I plane = divmod(dH, divmod(dW, t, w), h);
+            base = plane * OH * OW;
+            stride = 1;
+        }
+        const int2 rh = rangeH[h], rw = rangeW[w];
+        // outputs from which p takes two products (i0 == i1 == p): only at the last row / column
+        const int twoH = h == H - 1 ? lastH : 0x7fffffff, twoW = w == W - 1 ? lastW : 0x7fffffff;
+        float acc = 0.0f;
+        for (int oh = rh.x, kh = 0; oh < rh.y; ++oh, ++kh) {   // row-major over dy: tree's order
+            const float lh = wtH[kh * H + h];
+            const I row = base + (I)oh * OW * stride;
+            for (int ow = rw.x, kw = 0; ow < rw.y; ++ow, ++kw) {
+                const float lw = wtW[kw * W + w];
+                const float d = dy[row + (I)ow * stride];
+                acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh, lw), d));   // (first tap h, first tap w)
+                if (oh >= twoH || ow >= twoW) {  // rare: the products of both taps, in torch's order
+                    const bool bh = oh >= twoH, bw = ow >= twoW;
+                    const float lh1 = make_tap(AH, oh).l1, lw1 = make_tap(AW, ow).l1;
+                    if (bw) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh, lw1), d));
+                    if (bh) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh1, lw), d));
+                    if (bh && bw) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh1, lw1), d));
+                }
+            }
+        }
+        dx[t] = acc;  // t enumerates dx in memory order in both layouts
+    }
+}
+
+// total = dx elements; KH, KW = the most outputs touching one input position per axis. Dynamic shared
+// memory, in this order (the launcher sizes it the same way): FastDiv[3] (64 bytes: C, W, H) |
+// int2 rangeH[H] | int2 rangeW[W] | float wtH[KH * H] | float wtW[KW * W] | int lastH, lastW.
+extern "C" __global__ void __launch_bounds__(UBB_THREADS)
+upsample_bilinear2d_bwd_tree_tabled(const float* __restrict__ dy, float* __restrict__ dx, long long total, int C,
+                                    int H, int W, int OH, int OW, int align_corners, int scale_h_bits,
+                                    int scale_w_bits, int channels_last, int KH, int KW) {
+    const Axis AH = {H, OH, align_corners, __int_as_float(scale_h_bits)};
+    const Axis AW = {W, OW, align_corners, __int_as_float(scale_w_bits)};
+    extern __shared__ __align__(16) unsigned char smem[];
+    FastDiv* divs = reinterpret_cast<FastDiv*>(smem);
+    int2* rangeH = reinterpret_cast<int2*>(smem + 64);
+    int2* rangeW = rangeH + H;
+    float* wtH = reinterpret_cast<float*>(rangeW + W);
+    float* wtW = wtH + (long long)KH * H;
+    int* last = reinterpret_cast<int*>(wtW + (long long)KW * W);
+    if (threadIdx.x < 3) divs[threadIdx.x] = make_fastdiv((unsigned)(threadIdx.x == 0 ? C : threadIdx.x == 1 ? W : H));
+    if (threadIdx.x == 32) last[0] = first_reaching(AH, H - 1);  // outputs with i0 == H - 1 (== i1)
+    if (threadIdx.x == 64) last[1] = first_reaching(AW, W - 1);
+    fill_ranges(AH, KH, rangeH);
+    fill_ranges(AW, KW, rangeW);
+    __syncthreads();
+    fill_weights(AH, KH, rangeH, wtH);
+    fill_weights(AW, KW, rangeW, wtW);
+    __syncthreads();
+    const FastDiv dC = divs[0], dW = divs[1], dH = divs[2];
+    const long long dy_total = total / ((long long)H * W) * OH * OW;
+    const bool narrow = total + (long long)gridDim.x * blockDim.x <= UBB_INT32_MAX && dy_total <= UBB_INT32_MAX;
+    if (channels_last) {
+        if (narrow) tabled_body<int, true>(dy, dx, (int)total, C, AH, AW, dC, dW, dH, rangeH, rangeW, wtH, wtW, last[0], last[1]);
+        else tabled_body<long long, true>(dy, dx, total, C, AH, AW, dC, dW, dH, rangeH, rangeW, wtH, wtW, last[0], last[1]);
+    } else {
+        if (narrow) tabled_body<int, false>(dy, dx, (int)total, C, AH, AW, dC, dW, dH, rangeH, rangeW, wtH, wtW, last[0], last[1]);
+        else tabled_body<long long, false>(dy, dx, total, C, AH, AW, dC, dW, dH, rangeH, rangeW, wtH, wtW, last[0], last[1]);
+    }
+}

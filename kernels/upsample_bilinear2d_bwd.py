@@ -59,7 +59,6 @@ OP = "upsample_bilinear2d_bwd"
 SOURCE = "upsample_bilinear2d_bwd.cu"
 THREADS = 256
 MAX_BLOCKS = 2**31 - 1
-TAP_BYTES = 16        # sizeof(Tap) in the .cu file
 SMEM_LIMIT = 48 * 1024
 NEG_ZERO = F32(-0.0)  # x + (-0.0) == x for every x: the neutral padding of a masked addition
 
@@ -183,6 +182,27 @@ def _scale_bits(size: int, out: int, align_corners: bool) -> np.int32:
     return np.array([scale_of(size, out, align_corners)], dtype=F32).view(np.int32)[0]
 
 
+BLOCKS_PER_SM = 8  # 2048 resident threads per SM / 256: the tabled kernel's blocks loop over dx
+
+
+@functools.lru_cache(maxsize=1024)
+def tabled_plan(h: int, w: int, oh: int, ow: int, align_corners: bool):
+    """(KH, KW, shared bytes) of the tabled tree kernel, or None where its tables exceed shared memory
+    (the direct kernel runs). K per axis: the most outputs touching one input position, i.e. the
+    largest count(i0 == p - 1) + count(i0 == p) (the outputs with i0 == p - 1 reach p through i1)."""
+    ks = []
+    for size, out in ((h, oh), (w, ow)):
+        cnt = np.bincount(taps(size, out, align_corners)[0], minlength=size)
+        ks.append(max(1, int((cnt + np.concatenate(([0], cnt[:-1]))).max())))
+    smem = 64 + 8 * (h + w) + 4 * (ks[0] * h + ks[1] * w) + 8  # FastDiv[3] padded, ranges, weights, last
+    return (ks[0], ks[1], smem) if smem <= SMEM_LIMIT else None
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _launch(kind: str, dy, input_size, align_corners) -> torch.Tensor:
     dy, (h, w), layout = _check(dy, input_size, align_corners)
     check_cuda(OP, "dy", dy)
@@ -190,23 +210,24 @@ def _launch(kind: str, dy, input_size, align_corners) -> torch.Tensor:
     if (oh, ow) == (h, w):
         return dy.clone(memory_format=memory_format(layout))  # torch copies when the sizes agree
     dx = torch.empty((n, c, h, w), device=dy.device, dtype=torch.float32, memory_format=memory_format(layout))
-    smem = 0
+    i32 = np.int32
+    args = (ptr(dy), ptr(dx), np.int64(dy.numel() if kind == "atomic" else dx.numel()), i32(c), i32(h), i32(w),
+            i32(oh), i32(ow), i32(align_corners), _scale_bits(h, oh, align_corners),
+            _scale_bits(w, ow, align_corners), i32(layout == "channels_last"))
+    total = int(args[2])
+    blocks = max(1, min(cdiv(total, THREADS), MAX_BLOCKS))
+    plan = tabled_plan(h, w, oh, ow, bool(align_corners)) if kind == "tree" else None
+    if plan is not None:
+        kh, kw, smem = plan
+        index = dy.device.index if dy.device.index is not None else torch.cuda.current_device()
+        blocks = max(1, min(blocks, BLOCKS_PER_SM * _sm_count(index)))  # tables built once per block
+        launch(function(SOURCE, "upsample_bilinear2d_bwd_tree_tabled", dy.device), (blocks,), (THREADS,),
+               args + (i32(kh), i32(kw)), device=dy.device, shared_mem=smem)
+        return dx
     if kind == "atomic":
         dx.zero_()  # the atomics add onto +0.0
-        name, total = "upsample_bilinear2d_bwd_atomic", dy.numel()
-    else:
-        total = dx.numel()
-        smem = TAP_BYTES * (oh + ow)
-        name = "upsample_bilinear2d_bwd_tree_smem" if smem <= SMEM_LIMIT and kind == "tree" else \
-            "upsample_bilinear2d_bwd_tree_direct"
-        if name.endswith("direct"):
-            smem = 0
-    blocks = max(1, min(cdiv(total, THREADS), MAX_BLOCKS))
-    i32 = np.int32
-    launch(function(SOURCE, name, dy.device), (blocks,), (THREADS,),
-           (ptr(dy), ptr(dx), np.int64(total), i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(align_corners),
-            _scale_bits(h, oh, align_corners), _scale_bits(w, ow, align_corners), i32(layout == "channels_last")),
-           device=dy.device, shared_mem=smem)
+    name = "upsample_bilinear2d_bwd_atomic" if kind == "atomic" else "upsample_bilinear2d_bwd_tree_direct"
+    launch(function(SOURCE, name, dy.device), (blocks,), (THREADS,), args, device=dy.device)
     return dx
 
 
@@ -219,8 +240,8 @@ def upsample_bilinear2d_bwd_tree_cuda(dy, *, input_size, align_corners=False) ->
 
 
 def upsample_bilinear2d_bwd_tree_direct_cuda(dy, *, input_size, align_corners=False) -> torch.Tensor:
-    """tree with the weights computed by each thread (what tree runs when the tables exceed shared
-    memory); for tests and timing beside the tabulated kernel. Same bits."""
+    """tree's direct kernel whatever the shape (what tree runs where the tables exceed shared memory):
+    weights computed per product; for tests and timing beside the tabled kernel. Same bits."""
     return _launch("tree_direct", dy, input_size, align_corners)
 
 
@@ -458,7 +479,7 @@ define_op(
          "one thread per dy element; its four weighted products atomicAdd-ed into dx (as torch's CUDA backward)"),
         ("tree", True, False, upsample_bilinear2d_bwd_tree_cuda, upsample_bilinear2d_bwd_tree_cpu,
          "one thread per dx element; the dy elements touching it in (oh, ow) row-major order, each one's "
-         "products in torch's order, from +0.0; per-axis weight tables in shared memory"),
+         "products in torch's order, from +0.0; per-axis ranges and weights tabled in shared memory"),
     ],
     make_inputs=_make_inputs,
     reference=_reference,

@@ -69,9 +69,10 @@ def element_counts(dy: torch.Tensor, kw) -> np.ndarray:
     return np.broadcast_to(aap.counts(h, w, oh, ow), (n, c, h, w))
 
 
-def division_orders_agree(dy: torch.Tensor, kw) -> np.ndarray:
+def division_orders_agree(dy: torch.Tensor, kw, single: bool = False) -> np.ndarray:
     """(N, C, H, W): every contribution to the element is the same float32 whether divided by kw then kh
-    (the kernels, torch's CUDA) or by kh then kw (torch's CPU)."""
+    (the kernels, torch's CUDA) or by kh then kw (torch's CPU); ``single``: and divided once by kh * kw
+    (torch's CPU channels_last kernel on the channels its vector loop covers)."""
     h, w = kw["input_size"]
     d = dy.detach().cpu().contiguous().numpy()
     _, _, oh, ow = d.shape
@@ -80,7 +81,10 @@ def division_orders_agree(dy: torch.Tensor, kw) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         a = (d / kwid[None, None, None, :]) / kh[None, None, :, None]
         b = (d / kh[None, None, :, None]) / kwid[None, None, None, :]
+        c = d / (kh[:, None] * kwid[None, :])[None, None]  # kh * kw: exact in float32 here
     agree = (a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))
+    if single:
+        agree &= (a.view(np.uint32) == c.view(np.uint32)) | (np.isnan(a) & np.isnan(c))
     _, rows, rvalid = aap.axis_table(h, oh)
     _, cols, cvalid = aap.axis_table(w, ow)
     ok = np.ones(d.shape[:2] + (h, w), dtype=bool)
@@ -103,8 +107,11 @@ def test_tree_model_within_bound_and_equals_torch_cpu(case):
     assert layout_ok(dx, args[0])
     check_bound(dx, args, kw)
     # torch's CPU backward adds the windows in (oh, ow) row-major order from +0.0 like tree, but
-    # divides by kh first: same bits wherever both division orders give the same contributions.
-    agree = division_orders_agree(args[0], kw)
+    # divides by kh first: same bits wherever both division orders give the same contributions. Its
+    # channels_last kernel divides once by kh * kw on the channels of its vector loop (all but a
+    # tail shorter than the vector width, 8 or 16 floats), so with C >= 8 that form must agree too.
+    wide_cl = aap.suggest_layout(args[0]) == "channels_last" and args[0].shape[1] >= 8
+    agree = division_orders_agree(args[0], kw, single=wide_cl)
     diff = same_bits(dx, aap.torch_backward(*args, **kw), where=agree)
     assert diff.size == 0, f"tree differs from torch's CPU backward at {diff[:10]}"
     h, w = kw["input_size"]
@@ -287,6 +294,26 @@ def test_gpu_tree_bitwise_repeatable_and_equals_model(case, cuda_sync):
         assert torch.equal(bits_t(TREE(*args, **kw)), bits_t(first))
     diff = same_bits(first, TREE(*cpu_args, **kw))
     assert diff.size == 0, f"CUDA tree differs from its CPU model at {diff[:10]}"
+    direct = aap.adaptive_avg_pool2d_bwd_tree_direct_cuda(*args, **kw)  # shares computed on the spot
+    diff = same_bits(direct, TREE(*cpu_args, **kw))
+    assert diff.size == 0, f"tree's direct kernel differs from its CPU model at {diff[:10]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in TEST_CASES if c.name.startswith(("tiles", "nondiv_13"))],
+                         ids=lambda c: c.name)
+def test_gpu_tiled_one_block_looping_over_all_tiles(case, monkeypatch, cuda_sync):
+    """The tiled kernel's blocks loop over tiles when there are more tiles than resident blocks: with
+    one block for the whole tensor every tile after the first reuses the shared memory, and a missing
+    barrier or a stale share would change bits."""
+    args, kw = SPEC.make_inputs(case, CUDA)
+    cpu_args, _ = SPEC.make_inputs(case, CPU)
+    p = case.params
+    plan = aap.tree_plan(p["n"], p["c"], p["h"], p["w"], p["oh"], p["ow"], aap.suggest_layout(cpu_args[0]))
+    assert plan is not None and plan[-1] >= 2, plan  # the tiled kernel runs, with several tiles
+    monkeypatch.setattr(aap, "BLOCKS_PER_SM", 0)  # max(1, min(tiles, 0)) = one block
+    diff = same_bits(TREE(*args, **kw), TREE(*cpu_args, **kw))
+    assert diff.size == 0, f"one-block tiled tree differs from its CPU model at {diff[:10]}"
 
 
 def bits_t(t: torch.Tensor) -> torch.Tensor:

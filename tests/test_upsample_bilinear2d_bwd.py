@@ -187,6 +187,17 @@ def test_special_values():
     assert bits(ATOMIC(s, input_size=(1, 1), align_corners=True, rng=0))[0] == 0
 
 
+def test_tabled_plan_table_sizes():
+    """The tabled kernel's per-axis table height K is the most outputs touching one input position,
+    the same count as the model's gather table (a K too small would cut products off)."""
+    for size, out in ((4, 32), (7, 19), (20, 7), (64, 512), (1, 5), (6, 1), (256, 96), (64, 128), (5, 5)):
+        for ac in (False, True):
+            kh, kw, smem = ub.tabled_plan(size, 3, out, 3, ac)
+            assert kh == ub.gather_table(size, out, ac)[0].shape[1]
+            assert smem == 64 + 8 * (size + 3) + 4 * (kh * size + kw * 3) + 8
+    assert ub.tabled_plan(4096, 4096, 8192, 8192, False) is None  # tables too big: the direct kernel
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad inputs
 
@@ -257,6 +268,17 @@ def test_gpu_tree_bitwise_repeatable_and_equals_model(case, cuda_sync):
     assert same_bits(first, model).size == 0, "CUDA tree differs from its CPU model"
     direct = ub.upsample_bilinear2d_bwd_tree_direct_cuda(*args, **kw)  # weights without the tables
     assert same_bits(direct, model).size == 0, "tree's direct kernel differs from its CPU model"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in TEST_CASES if c.name.startswith(("odd", "down_20", "in_1x1"))],
+                         ids=lambda c: c.name)
+def test_gpu_tabled_one_block_looping_over_everything(case, monkeypatch, cuda_sync):
+    """One block of the tabled kernel loops over the whole tensor (its tables built once)."""
+    args, kw = SPEC.make_inputs(case, CUDA)
+    cpu_args, _ = SPEC.make_inputs(case, CPU)
+    monkeypatch.setattr(ub, "BLOCKS_PER_SM", 0)  # max(1, min(blocks, 0)) = one block
+    assert same_bits(TREE(*args, **kw), TREE(*cpu_args, **kw)).size == 0
 
 
 @pytest.mark.gpu
