@@ -10,6 +10,9 @@ and with ``scale_grad_by_freq`` every term is divided by the count of its index 
 IEEE float32 division per term, before it is added; aten multiplies by the reciprocal instead, so the
 two differ by rounding).
 
+Out-of-range indices raise KernelArgumentError (on the GPU after the kernels are queued; see
+index_add.py; ``check_range=False``: no check, no host synchronisation, bad indices add nothing).
+
 Order of the additions into one grad_weight element: as index_add's variants: ``atomic`` in arrival
 order, ``sorted`` the row's tokens in token order, chunks of 32 * 2^e, fixed 32-ary tree over the chunk
 partials.
@@ -64,32 +67,38 @@ def _check_all(grad_output, indices, num_weights, padding_idx, scale_grad_by_fre
     return rows, int(padding_idx), d
 
 
-def _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq, range_check: bool):
+def _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
     rows, skip, d = memo_check(_CHECKED, _check_all, grad_output, indices, num_weights, padding_idx,
                                scale_grad_by_freq)
-    key = indices.reshape(-1)
-    if range_check:
-        check_index_range(OP, "indices", key, rows)
-    return key.contiguous(), grad_output.reshape(-1, d).contiguous(), rows, skip
+    return indices.reshape(-1).contiguous(), grad_output.reshape(-1, d).contiguous(), rows, skip
 
 
 def embedding_bwd_atomic_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
                               check_range: bool = True) -> torch.Tensor:
-    key, g, rows, skip = _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq, check_range)
+    key, g, rows, skip = _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
     check_cuda(OP, "grad_output", g)
-    counts = torch.bincount(key, minlength=rows) if scale_grad_by_freq and key.numel() else None
-    return segsum_atomic_cuda(SOURCE, OP, key, g, rows, skip=skip, counts=counts)
+    check = (OP, "indices") if check_range else None
+    counts = None
+    if scale_grad_by_freq and key.numel():
+        if check is not None:  # bincount needs valid indices: check first here
+            check_index_range(*check, key, rows)
+            check = None
+        valid = (key >= 0) & (key < rows)
+        counts = torch.bincount(torch.where(valid, key, rows), minlength=rows + 1)
+    return segsum_atomic_cuda(SOURCE, OP, key, g, rows, skip=skip, counts=counts, check=check)
 
 
 def embedding_bwd_sorted_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
                               check_range: bool = True) -> torch.Tensor:
-    key, g, rows, skip = _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq, check_range)
+    key, g, rows, skip = _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
     check_cuda(OP, "grad_output", g)
-    return segsum_sorted_cuda(SOURCE, OP, key, g, rows, skip=skip, scaled=scale_grad_by_freq)
+    return segsum_sorted_cuda(SOURCE, OP, key, g, rows, skip=skip, scaled=scale_grad_by_freq,
+                              check=(OP, "indices") if check_range else None)
 
 
 def _cpu_prologue(*args):
-    key, g, rows, skip = _prologue(*args, True)
+    key, g, rows, skip = _prologue(*args)
+    check_index_range(OP, "indices", key, rows)  # the models always check (their sort needs valid keys)
     if g.device.type != "cpu":
         raise KernelArgumentError(OP, "grad_output", f"the CPU model needs CPU tensors, got one on {g.device}")
     return key, g, rows, skip

@@ -4,9 +4,10 @@
 // Variants:
 //   atomic  one thread per element of src, atomicAdd into the zeroed output (as PyTorch's CUDA
 //           index_add does). NONDETERMINISTIC where >= 3 rows of src share an index.
-//   sorted  stable sort of the indices, then each output row sums its source rows in source order in
-//           chunks of 32 * 2^e, chunk partials combined by a fixed 32-ary tree of halving trees.
-//           DETERMINISTIC; one hot index does not serialise the kernel (its chunks run in parallel).
+//   sorted  stable sort of the indices (16-bit keys up to 65535 rows), then each output row sums its
+//           source rows in source order in chunks of 32 * 2^e, chunk partials combined by a fixed 32-ary
+//           tree of halving trees; a warp per output row writes it whole (no zero fill). DETERMINISTIC;
+//           one hot index does not serialise the kernel (its chunks run in parallel).
 #include "segsum.cuh"
 
 SEG_KERNELS(index_add)

@@ -4,8 +4,11 @@ CPU order models, and the scatter-sum machinery that scatter_add and embedding_b
     out = index_add(index, src, num_rows=M)        # index (N,) int64, src (N, D) float32
 
 A non-contiguous ``src`` is copied to a contiguous one first. Indices outside [0, M) raise
-KernelArgumentError naming the first bad value (one torch.aminmax on the device and one transfer; pass
-``check_range=False`` to skip it, then such indices are undefined behaviour on the GPU).
+KernelArgumentError naming a bad value (the smallest negative one, else the largest). On the GPU the
+kernels are queued first and the check reads one number back afterwards (sorted: the count of valid
+keys its row-start pass already computed; atomic: one aminmax), so the device never waits for the
+host mid-call; ``check_range=False`` skips that read back and with it every host synchronisation, and
+bad indices then add nothing (the kernels drop them, never touching memory out of bounds).
 
 Order of the additions into one output element (the only thing that decides its bits):
 - ``atomic``: arrival order of the atomicAdds, from +0.0; float atomicAdd flushes subnormal operands and
@@ -80,7 +83,8 @@ def check_index(op: str, arg: str, t, *, device: torch.device) -> torch.Tensor:
 
 
 def check_index_range(op: str, arg: str, index: torch.Tensor, rows: int) -> None:
-    """Every index in [0, rows): one aminmax on the index's device, one transfer. Names the bad value."""
+    """Every index in [0, rows): one aminmax on the index's device, one transfer. Names the bad value
+    (the smallest if one is negative, else the largest)."""
     if index.numel() == 0:
         return
     lo, hi = torch.stack(torch.aminmax(index)).tolist()  # one transfer
@@ -94,13 +98,16 @@ def check_index_range(op: str, arg: str, index: torch.Tensor, rows: int) -> None
 # (N, D), destination key * D + column).
 
 
-def _key_dtype(space: int) -> tuple[torch.dtype, str]:
-    """The narrowest signed key type for keys in [0, space): fewer radix-sort passes."""
-    if space <= 2**15 - 1:
-        return torch.int16, "i16"
-    if space <= 2**31 - 1:
-        return torch.int32, "i32"
-    return torch.int64, "i64"
+def _key_dtype(space: int) -> tuple[torch.dtype, str, int]:
+    """(dtype, name, offset): the narrowest signed key type holding destination - offset for every
+    destination in [0, space] (space itself is the sentinel of out-of-range indices). Fewer bytes, fewer
+    radix-sort passes: torch's radix sort runs one 8-bit pass per key byte, so 16-bit keys (up to 65535
+    destinations, shifted by -32768) take 2 passes where int32 takes 4."""
+    if space <= 2**16 - 1:
+        return torch.int16, "i16", 2**15
+    if space <= 2**32 - 1:
+        return torch.int32, "i32", 2**31
+    return torch.int64, "i64", 0
 
 
 def _blocks(total: int) -> int:
@@ -108,8 +115,11 @@ def _blocks(total: int) -> int:
 
 
 def segsum_atomic_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
-                       elementwise: bool = False, skip: int = -1, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """out (rows, D) = 0, then one atomicAdd per element of src (contiguous)."""
+                       elementwise: bool = False, skip: int = -1, counts: torch.Tensor | None = None,
+                       check: tuple[str, str] | None = None) -> torch.Tensor:
+    """out (rows, D) = 0, then one atomicAdd per element of src (contiguous). Keys outside [0, rows) add
+    nothing; with ``check`` = (op, arg) they raise KernelArgumentError after the kernel is queued (one
+    aminmax and one transfer, the only host synchronisation)."""
     d = src.shape[1]
     out = torch.zeros((rows, d), device=src.device, dtype=torch.float32)
     total = src.numel()
@@ -117,54 +127,68 @@ def segsum_atomic_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
         return out
     launch(function(source, f"{prefix}_atomic", src.device), (_blocks(total),), (THREADS,),
            (ptr(src), ptr(key), ptr(out), np.int64(total), np.int32(d), np.int32(elementwise), np.int64(skip),
-            np.uint64(0) if counts is None else ptr(counts)), device=src.device)
+            np.uint64(0) if counts is None else ptr(counts), np.int64(rows)), device=src.device)
+    if check is not None:
+        check_index_range(*check, key, rows)
     return out
 
 
 def _vec(src: torch.Tensor, d: int) -> int:
-    for v in (4, 2):
-        if d % v == 0 and src.data_ptr() % (4 * v) == 0:
-            return v
-    return 1
+    """Floats per lane in the warp kernel: the fewest column slices of 32 * VEC, then the smallest VEC
+    (all 32 lanes busy, more source rows per round trip): D = 64 -> 2, 128 and 512 -> 4, 17 -> 1."""
+    ok = [v for v in (1, 2, 4) if d % v == 0 and src.data_ptr() % (4 * v) == 0]
+    fewest = min(cdiv(d, 32 * v) for v in ok)
+    return min(v for v in ok if cdiv(d, 32 * v) == fewest)
+
+
+MAX_GRID_Y = 65535
 
 
 def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
                        elementwise: bool = False, skip: int = -1, scaled: bool = False,
-                       force_scalar: bool = False) -> torch.Tensor:
+                       force_scalar: bool = False, check: tuple[str, str] | None = None) -> torch.Tensor:
     """out (rows, D): each destination's contributions in source order, chunked, fixed tree (see the
-    module docstring). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits;
-    for tests)."""
+    module docstring). Four launches and torch.sort, no host synchronisation: keys (narrowed, bad ones
+    to a sentinel), stable sort, row starts, sums (which write every output row, so the output is never
+    zero-filled). Keys outside [0, rows) add nothing; with ``check`` = (op, arg) they raise
+    KernelArgumentError after the kernels are queued (start[space], the count of valid keys, read back).
+    ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits; for tests)."""
     d = src.shape[1]
     dev = src.device
-    out = torch.zeros((rows, d), device=dev, dtype=torch.float32)
-    if key.numel() == 0 or d == 0:
-        return out
-    if elementwise:  # destination of src[i, j]: flat row key[i, j] * D + j of a (rows * D, 1) output
-        space, width = rows * d, 1
-        flat = key * d + torch.arange(d, device=dev, dtype=torch.int64)
-        ktype, kname = _key_dtype(space)
-        keys = flat.reshape(-1).to(ktype)
-    else:
-        space, width = rows, d
-        ktype, kname = _key_dtype(space)
-        keys = key.to(ktype)
-    n = keys.numel()
+    n = key.numel()
+    if n == 0 or d == 0:
+        return torch.zeros((rows, d), device=dev, dtype=torch.float32)
+    space, width = (rows * d, 1) if elementwise else (rows, d)
+    ktype, kname, offset = _key_dtype(space)
+    keys = torch.empty(n, device=dev, dtype=ktype)
+    # element form: destination of src[i, j] is flat row key[i, j] * D + j of a (rows * D, 1) output
+    launch(function(source, f"{prefix}_keys_{kname}", dev), (_blocks(n),), (THREADS,),
+           (ptr(key), ptr(keys), np.int64(n), np.int64(d if elementwise else 0), np.int64(rows), np.int64(offset)),
+           device=dev)
     skey, perm = torch.sort(keys, stable=True)
     start = torch.empty(space + 1, device=dev, dtype=torch.int64)
     launch(function(source, f"{prefix}_starts_{kname}", dev), (_blocks(space + 1),), (THREADS,),
-           (ptr(skey), np.int64(n), np.int64(space), ptr(start)), device=dev)
+           (ptr(skey), np.int64(n), np.int64(space), np.int64(offset), ptr(start)), device=dev)
+    out = torch.empty((rows, d), device=dev, dtype=torch.float32)
+    scalar = elementwise or width < SCALAR_BELOW_D or force_scalar
+    vec = 1 if scalar else _vec(src, width)
+    slices = 1 if scalar else cdiv(width, 32 * vec)
     slots = max(1, 2 * (n // CHUNK_MIN))
     part = torch.empty((2, slots, width), device=dev, dtype=torch.float32)
-    counters = ticket_counters(dev, 2 * slots)  # left at zero by the kernel's last arrivals
+    counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
     args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
-            np.uint64(int(ptr(counters)) + 4 * slots), np.int64(n), np.int32(width), np.int64(skip),
-            np.int32(scaled))
-    if elementwise or width < SCALAR_BELOW_D or force_scalar:
-        launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks(n),), (THREADS,), args, device=dev)
-    else:
-        tiles = cdiv(n, 32)
-        launch(function(source, f"{prefix}_rows{_vec(src, width)}_{kname}", dev), (max(1, cdiv(tiles, THREADS // 32)),),
-               (THREADS,), args, device=dev)
+            np.uint64(int(ptr(counters)) + 4 * slots * slices), np.int64(n), np.int32(width), np.int64(skip),
+            np.int32(scaled), np.int64(space), np.int64(offset))
+    if scalar:  # a thread per destination and per sorted position
+        launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks(space + n),), (THREADS,), args,
+               device=dev)
+    else:  # a warp per destination and per 32 sorted positions; grid rows: column slices
+        warps = space + cdiv(n, 32)
+        launch(function(source, f"{prefix}_rows{vec}_{kname}", dev),
+               (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)), min(slices, MAX_GRID_Y)), (THREADS,), args,
+               device=dev)
+    if check is not None and int(start[space]) != n:  # the one host synchronisation, after the work is queued
+        check_index_range(*check, key, rows)
     return out
 
 
@@ -357,34 +381,37 @@ def _check_all(index, src, num_rows):
     return rows
 
 
-def _prologue(index, src, num_rows, range_check: bool):
+def _prologue(index, src, num_rows):
     rows = memo_check(_CHECKED, _check_all, index, src, num_rows)
-    if range_check:
-        check_index_range(OP, "index", index, rows)
     return index.contiguous(), src.contiguous(), rows
 
 
+def _check_arg(check_range: bool):
+    return (OP, "index") if check_range else None
+
+
 def index_add_atomic_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
-    index, src, rows = _prologue(index, src, num_rows, check_range)
+    index, src, rows = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
-    return segsum_atomic_cuda(SOURCE, OP, index, src, rows)
+    return segsum_atomic_cuda(SOURCE, OP, index, src, rows, check=_check_arg(check_range))
 
 
 def index_add_sorted_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
-    index, src, rows = _prologue(index, src, num_rows, check_range)
+    index, src, rows = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
-    return segsum_sorted_cuda(SOURCE, OP, index, src, rows)
+    return segsum_sorted_cuda(SOURCE, OP, index, src, rows, check=_check_arg(check_range))
 
 
 def index_add_sorted_scalar_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
-    """sorted through the one-thread-per-chunk kernel whatever D (same bits; for tests)."""
-    index, src, rows = _prologue(index, src, num_rows, check_range)
+    """sorted through the thread-per-task kernel whatever D (same bits; for tests)."""
+    index, src, rows = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
-    return segsum_sorted_cuda(SOURCE, OP, index, src, rows, force_scalar=True)
+    return segsum_sorted_cuda(SOURCE, OP, index, src, rows, force_scalar=True, check=_check_arg(check_range))
 
 
 def _cpu_prologue(index, src, num_rows, range_check):
-    index, src, rows = _prologue(index, src, num_rows, range_check)
+    index, src, rows = _prologue(index, src, num_rows)
+    check_index_range(OP, "index", index, rows)  # the models always check (their sort needs valid keys)
     if src.device.type != "cpu":
         raise KernelArgumentError(OP, "src", f"the CPU model needs CPU tensors, got one on {src.device}")
     return index, src, rows

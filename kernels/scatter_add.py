@@ -13,7 +13,11 @@ Order of the additions into one output element, in both forms (index_add.py has 
 - ``atomic``: arrival order, from +0.0 (subnormals flushed as float atomicAdd does).
 - ``sorted``: the element's contributions in source order (i ascending), chunks of 32 * 2^e summed in
   order from +0.0, chunk partials combined by a fixed 32-ary tree of halving trees. In the element form
-  the sort is over N * D keys (index * D + j), so it costs a sort of N * D keys where the row form sorts N.
+  the sort is over N * D keys (index * D + j), so it costs a sort of N * D keys where the row form sorts N
+  (int16 keys, two radix passes, while M * D <= 65535; int32, four passes, beyond).
+
+Out-of-range indices raise KernelArgumentError (on the GPU after the kernels are queued; see
+index_add.py; ``check_range=False``: no check, no host synchronisation, bad indices add nothing).
 """
 from __future__ import annotations
 
@@ -55,29 +59,30 @@ def _check_all(index, src, num_rows):
     return rows, bool(src.shape[1] <= 1 or index.stride(1) == 0)
 
 
-def _prologue(index, src, num_rows, range_check: bool):
+def _prologue(index, src, num_rows):
     """(key, src, rows, elementwise): key (N,) in the row form, (N, D) contiguous in the element form."""
     rows, row_form = memo_check(_CHECKED, _check_all, index, src, num_rows)
     key = index[:, 0] if row_form and index.shape[1] else index
-    if range_check:
-        check_index_range(OP, "index", key, rows)
     return key.contiguous(), src.contiguous(), rows, not row_form
 
 
 def scatter_add_atomic_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
-    key, src, rows, elementwise = _prologue(index, src, num_rows, check_range)
+    key, src, rows, elementwise = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
-    return segsum_atomic_cuda(SOURCE, OP, key, src, rows, elementwise=elementwise)
+    return segsum_atomic_cuda(SOURCE, OP, key, src, rows, elementwise=elementwise,
+                              check=(OP, "index") if check_range else None)
 
 
 def scatter_add_sorted_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
-    key, src, rows, elementwise = _prologue(index, src, num_rows, check_range)
+    key, src, rows, elementwise = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
-    return segsum_sorted_cuda(SOURCE, OP, key, src, rows, elementwise=elementwise)
+    return segsum_sorted_cuda(SOURCE, OP, key, src, rows, elementwise=elementwise,
+                              check=(OP, "index") if check_range else None)
 
 
 def _cpu_prologue(index, src, num_rows):
-    key, src, rows, elementwise = _prologue(index, src, num_rows, True)
+    key, src, rows, elementwise = _prologue(index, src, num_rows)
+    check_index_range(OP, "index", key, rows)  # the models always check (their sort needs valid keys)
     if src.device.type != "cpu":
         raise KernelArgumentError(OP, "src", f"the CPU model needs CPU tensors, got one on {src.device}")
     return key, src, rows, elementwise

@@ -1,26 +1,36 @@
 // segsum.cuh: scatter-style sums, out[key] += value, shared by index_add.cu, scatter_add.cu and
 // embedding_bwd.cu. Launchers and CPU order models: kernels/index_add.py.
 //
-// A launch sums n contributions into rows of D floats. Contribution e has a destination row key[e] and
-// D values: row e of src (row form: index_add, embedding_bwd), or element e of src with D = 1 (element
-// form: scatter_add with a full index). Optionally (embedding_bwd) a row `skip` gets nothing, and each
-// value is divided by its destination's count (scale_grad_by_freq): v / (float)count, IEEE division
-// (NVRTC default), so no multiply-add can fuse it with the sum.
+// A launch sums n contributions into `space` destination rows of D floats. Contribution e has a
+// destination row key[e] and D values: row e of src (row form: index_add, embedding_bwd), or element e
+// of src with D = 1 (element form: scatter_add with a full index). Optionally (embedding_bwd) a row
+// `skip` gets nothing, and each value is divided by its destination's count (scale_grad_by_freq):
+// v / (float)count, IEEE division (NVRTC default), so no multiply-add can fuse it with the sum. Keys
+// outside [0, rows) contribute nothing in either variant (the launchers raise on them when asked to
+// check, after the kernels are queued), so a bad index never makes a kernel touch memory out of bounds.
 //
 //   atomic  one thread per (contribution, column): atomicAdd into the zeroed output. NONDETERMINISTIC:
 //           a row with >= 3 contributions is summed in arrival order. Float atomicAdd flushes subnormal
 //           operands and results to sign-preserving zero (PTX atom.add.f32).
-//   sorted  the launcher sorts the keys stably (torch.sort(stable=True): a radix sort, deterministic),
-//           so each row's contributions lie together in source order; segsum_starts finds where each
-//           row begins. A row of k contributions is cut into chunks of L = 32 * 2^e (smallest e with
-//           ceil(k / L) <= 1024) consecutive contributions, each summed in source order from +0.0 by one
-//           warp (lane = columns) or one thread (segsum_sorted_scalar). One chunk: that is the row.
-//           More: the chunk partials are combined by a fixed 32-ary tree, each node a halving tree over
-//           32 consecutive children (missing ones +0.0, exact because a sum from +0.0 is never -0.0):
-//           the last chunk of a group of 32 to finish (ticket counter) builds the node, the last node of
-//           the row builds the root. Which warp finishes last varies; the tree does not: DETERMINISTIC,
-//           and a row's bits depend only on its own contributions in source order. Ordinary additions:
-//           subnormals kept (no -ftz), as the CPU model keeps them.
+//   sorted  segsum_keys narrows the keys to the smallest sortable type (int16 for up to 65535
+//           destinations, stored as key - 32768; int32 as key - 2^31; else int64), out-of-range keys
+//           becoming the sentinel `space`; the launcher sorts them stably (torch.sort(stable=True): a
+//           radix sort, deterministic), so each row's contributions lie together in source order;
+//           segsum_starts finds where each row begins (start[space] = the number of valid keys, which is
+//           the range check). A row of k contributions is cut into chunks of L = 32 * 2^e (smallest e
+//           with ceil(k / L) <= 1024) consecutive contributions, each summed in source order from +0.0
+//           by one warp (lanes = columns, one column slice of 32 * VEC per grid row y) or one thread
+//           (segsum_scalar). One chunk: that is the row. More: the chunk partials are combined by a
+//           fixed 32-ary tree, each node a halving tree over 32 consecutive children (missing ones
+//           +0.0, exact because a sum from +0.0 is never -0.0): the last chunk of a group of 32 to
+//           finish (ticket counter) builds the node, the last node of the row builds the root. Which
+//           warp finishes last varies; the tree does not: DETERMINISTIC, and a row's bits depend only on
+//           its own contributions in source order. Ordinary additions: subnormals kept (no -ftz), as the
+//           CPU model keeps them.
+//           Work split: one task per destination row (it writes the row, +0.0 where the row has no
+//           contribution, so the output needs no zero fill, and sums the row's chunk 0) and one task per
+//           32 sorted positions (it sums the chunks c >= 1 that start there: chunks are >= 32 long, so
+//           at most one per row per tile). Each chunk is summed by exactly one task.
 // No float kernel arguments; ints are 64-bit where they can exceed 2^31.
 #pragma once
 
@@ -28,6 +38,7 @@
 #define SEG_CHUNK_MIN 32
 #define SEG_MAX_CHUNKS 1024
 #define SEG_FAN 32
+#define SEG_WARPS 8  // warps per block of 256 threads
 
 // Chunk length of a row of k contributions (kernels/index_add.py: chunk_len).
 __device__ __forceinline__ long long seg_chunk_len(long long k) {
@@ -53,13 +64,14 @@ __device__ __forceinline__ float seg_value(float v, bool scaled, float count) {
 template <typename I>
 __device__ __forceinline__ void seg_atomic_body(const float* __restrict__ src, const long long* __restrict__ key,
                                                 float* __restrict__ out, I total, int D, int elementwise,
-                                                long long skip, const long long* __restrict__ counts) {
+                                                long long skip, const long long* __restrict__ counts,
+                                                long long rows) {
     const I step = (I)gridDim.x * blockDim.x;
     for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
         const I i = elementwise ? e : e / D;
         const I d = e - (e / D) * D;
         const long long m = key[i];
-        if (m == skip) continue;
+        if (m == skip || m < 0 || m >= rows) continue;
         float v = src[e];
         if (counts != nullptr) v = __fdiv_rn(v, (float)counts[m]);
         atomicAdd(out + m * D + d, v);  // arrival order decides the rounding where rows collide
@@ -69,26 +81,43 @@ __device__ __forceinline__ void seg_atomic_body(const float* __restrict__ src, c
 #define SEG_ATOMIC_KERNEL(NAME)                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                                    \
     NAME(const float* __restrict__ src, const long long* __restrict__ key, float* __restrict__ out,      \
-         long long total, int D, int elementwise, long long skip, const long long* __restrict__ counts) { \
+         long long total, int D, int elementwise, long long skip, const long long* __restrict__ counts,  \
+         long long rows) {                                                                               \
         if (total + (long long)gridDim.x * blockDim.x <= 2147483647LL)                                   \
-            seg_atomic_body<int>(src, key, out, (int)total, D, elementwise, skip, counts);               \
+            seg_atomic_body<int>(src, key, out, (int)total, D, elementwise, skip, counts, rows);         \
         else                                                                                             \
-            seg_atomic_body<long long>(src, key, out, total, D, elementwise, skip, counts);              \
+            seg_atomic_body<long long>(src, key, out, total, D, elementwise, skip, counts, rows);        \
     }
 
 // ------------------------------------------------------------------------------------------------
-// sorted: row starts
+// sorted: keys and row starts
 
-// start[m] = first sorted position with key >= m, for m = 0 .. M (start[M] = n).
+// skey_in[e] = destination - offset, or space - offset for an index outside [0, rows). Row form
+// (width 0): destination key[e]; element form: key[e] * width + e % width. One pass replaces the
+// range check's reduction and the cast.
 template <typename K>
-__device__ __forceinline__ void seg_starts_body(const K* __restrict__ skey, long long n, long long M,
-                                                long long* __restrict__ start) {
+__device__ __forceinline__ void seg_keys_body(const long long* __restrict__ key, K* __restrict__ out, long long total,
+                                              long long width, long long rows, long long offset) {
+    const long long space = width ? rows * width : rows;
     const long long step = (long long)gridDim.x * blockDim.x;
-    for (long long m = (long long)blockIdx.x * blockDim.x + threadIdx.x; m <= M; m += step) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
+        const long long i = key[e];
+        long long m = space;
+        if (i >= 0 && i < rows) m = width ? i * width + e % width : i;
+        out[e] = (K)(m - offset);
+    }
+}
+
+// start[m] = first sorted position with key >= m, for m = 0 .. space (start[space] = valid keys).
+template <typename K>
+__device__ __forceinline__ void seg_starts_body(const K* __restrict__ skey, long long n, long long space,
+                                                long long offset, long long* __restrict__ start) {
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long m = (long long)blockIdx.x * blockDim.x + threadIdx.x; m <= space; m += step) {
         long long lo = 0, hi = n;
         while (lo < hi) {
             const long long mid = (lo + hi) >> 1;
-            if ((long long)skey[mid] < m) lo = mid + 1;
+            if ((long long)skey[mid] + offset < m) lo = mid + 1;
             else hi = mid;
         }
         start[m] = lo;
@@ -111,15 +140,16 @@ __device__ __forceinline__ float seg_node(const float* p, int count, long long D
     return v[0];
 }
 
-// After chunk c of a row (nc >= 2 chunks, first slot `base`) has written its partials to part1: the
-// group's last chunk builds the group's node (to out when it is the root, else to part2), the row's
-// last node builds the root. `cols` columns [col0, col0 + ncols) of this thread, `stride` apart.
-// Called by every lane of a warp (team = 32) or by one thread (team = 1); lanes agree on everything
-// but their columns.
+// After chunk c of a row (nc >= 2 chunks, first slot `base`) has written its partials to part1 (this
+// thread's columns [cb, ce)): the group's last chunk builds the group's node (to out when it is the
+// root, else to part2), the row's last node builds the root. Ticket counters are per (slot, slice):
+// slices of one row run independently. Called by every lane of a warp (team = 32) or by one thread
+// (team = 1); lanes agree on everything but their columns.
 template <int TEAM>
 __device__ __forceinline__ void seg_combine(float* __restrict__ out, float* part1, float* part2,
                                             unsigned* cnt1, unsigned* cnt2, long long m, long long base,
-                                            long long c, long long nc, int D, int col0, int colstep) {
+                                            long long c, long long nc, int D, int cb, int ce,
+                                            long long slice, long long slices) {
     const int lane = TEAM == 32 ? (threadIdx.x & 31) : 0;
     const long long g = c / SEG_FAN;
     const int in_group = (int)min((long long)SEG_FAN, nc - g * SEG_FAN);
@@ -127,14 +157,15 @@ __device__ __forceinline__ void seg_combine(float* __restrict__ out, float* part
     if (TEAM == 32) __syncwarp();
     unsigned last = 0;
     if (lane == 0) {
-        last = atomicAdd(cnt1 + base + g, 1u) == (unsigned)(in_group - 1);
-        if (last) cnt1[base + g] = 0u;  // every chunk of the group has drawn: reset for the next launch
+        unsigned* t = cnt1 + (base + g) * slices + slice;
+        last = atomicAdd(t, 1u) == (unsigned)(in_group - 1);
+        if (last) *t = 0u;  // every chunk of the group has drawn: reset for the next launch
     }
     if (TEAM == 32) last = __shfl_sync(SEG_FULL, last, 0);
     if (!last) return;
     __threadfence();
     const long long groups = (nc + SEG_FAN - 1) / SEG_FAN;
-    for (int col = col0; col < D; col += colstep) {
+    for (int col = cb; col < ce; ++col) {
         const float q = seg_node(part1 + (base + g * SEG_FAN) * D + col, in_group, D);
         if (groups == 1) out[m * D + col] = q;
         else part2[(base + g) * D + col] = q;
@@ -144,18 +175,18 @@ __device__ __forceinline__ void seg_combine(float* __restrict__ out, float* part
     if (TEAM == 32) __syncwarp();
     last = 0;
     if (lane == 0) {
-        last = atomicAdd(cnt2 + base, 1u) == (unsigned)(groups - 1);
-        if (last) cnt2[base] = 0u;
+        unsigned* t = cnt2 + base * slices + slice;
+        last = atomicAdd(t, 1u) == (unsigned)(groups - 1);
+        if (last) *t = 0u;
     }
     if (TEAM == 32) last = __shfl_sync(SEG_FULL, last, 0);
     if (!last) return;
     __threadfence();
-    for (int col = col0; col < D; col += colstep)
-        out[m * D + col] = seg_node(part2 + base * D + col, (int)groups, D);
+    for (int col = cb; col < ce; ++col) out[m * D + col] = seg_node(part2 + base * D + col, (int)groups, D);
 }
 
 // ------------------------------------------------------------------------------------------------
-// sorted: one warp per tile of 32 sorted positions (row form, D >= 4)
+// sorted: warp tasks (row form, D >= 4)
 
 template <int VEC>
 struct SegVec;
@@ -183,131 +214,184 @@ struct SegVec<4> {
     }
 };
 
-// Each warp owns a tile of 32 sorted positions and sums every chunk that starts in it (a chunk may run
-// on into later tiles), its heads in position order. Lane l holds columns col0 + l * VEC .. + VEC - 1
-// of each slice of 32 * VEC columns; the chunk's contributions are added one at a time in source
-// order, 8 loads in flight.
+// The warp sums `len` contributions from sorted position q0 in source order: lane l holds columns
+// col .. col + VEC - 1. perm is read 32 positions at a time (one per lane) and broadcast; U source rows
+// are loaded at once (16 floats per lane in flight, 80 registers: 3 blocks per SM; predicated, so a
+// short chunk costs one round trip), then added one at a time in order.
+template <int VEC>
+__device__ __forceinline__ void seg_warp_chunk(const float* __restrict__ src, const long long* __restrict__ perm,
+                                               long long q0, int len, int D, int col, bool active, bool scaled,
+                                               float count, float* acc) {
+    constexpr int U = VEC == 1 ? 8 : 16 / VEC;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+    for (int b = 0; b < len; b += 32) {
+        const int nb = min(32, len - b);
+        const long long mine = lane < nb ? perm[q0 + b + lane] : 0;
+        for (int t = 0; t < nb; t += U) {  // t + u < 32: U divides 32
+            float v[U][VEC];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const long long row = __shfl_sync(SEG_FULL, mine, t + u);
+                if (active && t + u < nb) SegVec<VEC>::load(src + row * D + col, v[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (t + u < nb)
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) acc[j] += seg_value(v[u][j], scaled, count);
+        }
+    }
+}
+
+// Task w < space: destination row w (zeros when empty or skipped; else its chunk 0). Task w >= space:
+// the tile of sorted positions 32 * (w - space) .. + 31 and the chunks c >= 1 that start in it. Grid
+// row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each.
 template <typename K, int VEC>
 __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, const K* __restrict__ skey,
                                               const long long* __restrict__ perm,
                                               const long long* __restrict__ start, float* __restrict__ out,
                                               float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
-                                              long long n, int D, long long skip, int scaled) {
+                                              long long n, int D, long long skip, int scaled, long long space,
+                                              long long offset) {
     const int lane = threadIdx.x & 31;
-    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
-    const long long tiles = (n + 31) >> 5;
-    for (long long tile = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); tile < tiles;
-         tile += warps) {
-        const long long p = tile * 32 + lane;
-        long long m = -1, s = 0, k = 0, L = 1;
-        bool head = false;
-        if (p < n) {
-            m = (long long)skey[p];
-            s = start[m];
-            k = start[m + 1] - s;
-            L = seg_chunk_len(k);
-            head = ((p - s) & (L - 1)) == 0 && m != skip;
-        }
-        unsigned heads = __ballot_sync(SEG_FULL, head);
-        while (heads) {
-            const int h = __ffs(heads) - 1;
-            heads &= heads - 1;
-            const long long hm = __shfl_sync(SEG_FULL, m, h), hs = __shfl_sync(SEG_FULL, s, h);
-            const long long hk = __shfl_sync(SEG_FULL, k, h), hL = __shfl_sync(SEG_FULL, L, h);
-            const long long hp = tile * 32 + h;
-            const long long c = (hp - hs) / hL;
-            const int len = (int)min(hL, hk - (hp - hs));
-            const long long nc = (hk + hL - 1) / hL;
-            const float count = (float)hk;
-            const long long base = seg_slot(hs);
-            for (int col0 = 0; col0 < D; col0 += 32 * VEC) {
-                const int col = col0 + lane * VEC;
-                const bool active = col < D;  // D is a multiple of VEC
-                float acc[VEC];
+    const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
+    const long long tasks = space + ((n + 31) >> 5);
+    const long long warps = (long long)gridDim.x * SEG_WARPS;
+    for (long long slice = blockIdx.y; slice < slices; slice += gridDim.y) {
+        const int col = (int)slice * 32 * VEC + lane * VEC;
+        const bool active = col < D;  // D is a multiple of VEC
+        const int cb = active ? col : 0, ce = active ? col + VEC : 0;
+        for (long long w = (long long)blockIdx.x * SEG_WARPS + (threadIdx.x >> 5); w < tasks; w += warps) {
+            float acc[VEC];
+            if (w < space) {  // warp-uniform
+                const long long m = w, s = start[m], k = start[m + 1] - s;
+                if (k == 0 || m == skip) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
-                for (int q0 = 0; q0 < len; q0 += 32) {
-                    const int nb = min(32, len - q0);
-                    const long long mine = lane < nb ? perm[hp + q0 + lane] : 0;
-                    int t = 0;
-                    for (; t + 8 <= nb; t += 8) {
-                        float v[8][VEC];
-#pragma unroll
-                        for (int u = 0; u < 8; ++u) {
-                            const long long row = __shfl_sync(SEG_FULL, mine, t + u);
-                            if (active) SegVec<VEC>::load(src + row * D + col, v[u]);
-                        }
-#pragma unroll
-                        for (int u = 0; u < 8; ++u)
-#pragma unroll
-                            for (int j = 0; j < VEC; ++j) acc[j] += seg_value(v[u][j], scaled, count);
-                    }
-                    for (; t < nb; ++t) {
-                        const long long row = __shfl_sync(SEG_FULL, mine, t);
-                        float v[VEC];
-                        if (active) {
-                            SegVec<VEC>::load(src + row * D + col, v);
-#pragma unroll
-                            for (int j = 0; j < VEC; ++j) acc[j] += seg_value(v[j], scaled, count);
-                        }
-                    }
+                    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+                    if (active) SegVec<VEC>::store(out + m * D + col, acc);
+                    continue;
                 }
-                if (active) {
-                    if (nc == 1) SegVec<VEC>::store(out + hm * D + col, acc);
-                    else SegVec<VEC>::store(part1 + (base + c) * D + col, acc);
+                const long long L = seg_chunk_len(k), nc = (k + L - 1) / L;
+                seg_warp_chunk<VEC>(src, perm, s, (int)min(L, k), D, col, active, scaled, (float)k, acc);
+                if (nc == 1) {
+                    if (active) SegVec<VEC>::store(out + m * D + col, acc);
+                } else {
+                    const long long base = seg_slot(s);
+                    if (active) SegVec<VEC>::store(part1 + base * D + col, acc);
+                    seg_combine<32>(out, part1, part2, cnt1, cnt2, m, base, 0, nc, D, cb, ce, slice, slices);
+                }
+                continue;
+            }
+            const long long tile = w - space, p = tile * 32 + lane;
+            long long m = 0, s = 0, k = 0, L = 1;
+            bool head = false;
+            if (p < n) {
+                m = (long long)skey[p] + offset;
+                if (m < space && m != skip) {
+                    s = start[m];
+                    k = start[m + 1] - s;
+                    L = seg_chunk_len(k);
+                    head = p != s && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1
                 }
             }
-            if (nc > 1) seg_combine<32>(out, part1, part2, cnt1, cnt2, hm, base, c, nc, D, lane, 32);
+            unsigned heads = __ballot_sync(SEG_FULL, head);
+            while (heads) {
+                const int h = __ffs(heads) - 1;
+                heads &= heads - 1;
+                const long long hm = __shfl_sync(SEG_FULL, m, h), hs = __shfl_sync(SEG_FULL, s, h);
+                const long long hk = __shfl_sync(SEG_FULL, k, h), hL = __shfl_sync(SEG_FULL, L, h);
+                const long long hp = tile * 32 + h;
+                const long long c = (hp - hs) / hL, nc = (hk + hL - 1) / hL, base = seg_slot(hs);
+                seg_warp_chunk<VEC>(src, perm, hp, (int)min(hL, hk - (hp - hs)), D, col, active, scaled,
+                                    (float)hk, acc);
+                if (active) SegVec<VEC>::store(part1 + (base + c) * D + col, acc);
+                seg_combine<32>(out, part1, part2, cnt1, cnt2, hm, base, c, nc, D, cb, ce, slice, slices);
+            }
         }
     }
 }
 
 // ------------------------------------------------------------------------------------------------
-// sorted: one thread per sorted position (element form, and row form with D < 4)
+// sorted: thread tasks (element form, and row form with D < 4)
 
-// Thread p sums the chunk that starts at p, if one does, column by column: perm[q] * D + d is the
-// value of contribution q in column d (element form: D = 1, perm[q] is the flat src element).
+// Task t < space: destination t (zeros when empty or skipped; else its chunk 0). Task t >= space:
+// sorted position p = t - space, the chunk c >= 1 that starts there if one does. Column by column:
+// perm[q] * D + d is the value of contribution q in column d (element form: D = 1, perm[q] is the
+// flat src element); 8 contributions loaded at once, added in order.
 template <typename K>
 __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, const K* __restrict__ skey,
                                                 const long long* __restrict__ perm,
                                                 const long long* __restrict__ start, float* __restrict__ out,
                                                 float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
-                                                long long n, int D, long long skip, int scaled) {
+                                                long long n, int D, long long skip, int scaled, long long space,
+                                                long long offset) {
+    constexpr int U = 8;
     const long long step = (long long)gridDim.x * blockDim.x;
-    for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < n; p += step) {
-        const long long m = (long long)skey[p];
-        if (m == skip) continue;
-        const long long s = start[m], k = start[m + 1] - s, L = seg_chunk_len(k);
-        if (((p - s) & (L - 1)) != 0) continue;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < space + n; t += step) {
+        long long m, s, k, p;
+        if (t < space) {
+            m = t;
+            s = start[m];
+            k = start[m + 1] - s;
+            if (k == 0 || m == skip) {
+                for (int d = 0; d < D; ++d) out[m * D + d] = 0.0f;
+                continue;
+            }
+            p = s;
+        } else {
+            p = t - space;
+            m = (long long)skey[p] + offset;
+            if (m >= space || m == skip) continue;
+            s = start[m];
+            k = start[m + 1] - s;
+            if (p == s || ((p - s) & (seg_chunk_len(k) - 1)) != 0) continue;
+        }
+        const long long L = seg_chunk_len(k);
         const long long c = (p - s) / L, end = p + min(L, k - (p - s)), nc = (k + L - 1) / L;
         const long long base = seg_slot(s);
         const float count = (float)k;
         for (int d = 0; d < D; ++d) {
             float acc = 0.0f;
-            long long q = p;
-            for (; q + 4 <= end; q += 4) {
-                const long long r0 = perm[q], r1 = perm[q + 1], r2 = perm[q + 2], r3 = perm[q + 3];
-                const float v0 = src[r0 * D + d], v1 = src[r1 * D + d], v2 = src[r2 * D + d], v3 = src[r3 * D + d];
-                acc += seg_value(v0, scaled, count);
-                acc += seg_value(v1, scaled, count);
-                acc += seg_value(v2, scaled, count);
-                acc += seg_value(v3, scaled, count);
+            for (long long q = p; q < end; q += U) {
+                long long r[U];
+                float v[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) r[u] = q + u < end ? perm[q + u] : 0;
+#pragma unroll
+                for (int u = 0; u < U; ++u) v[u] = q + u < end ? src[r[u] * D + d] : 0.0f;
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+                    if (q + u < end) acc += seg_value(v[u], scaled, count);
             }
-            for (; q < end; ++q) acc += seg_value(src[perm[q] * D + d], scaled, count);
             if (nc == 1) out[m * D + d] = acc;
             else part1[(base + c) * D + d] = acc;
         }
-        if (nc > 1) seg_combine<1>(out, part1, part2, cnt1, cnt2, m, base, c, nc, D, 0, 1);
+        if (nc > 1) seg_combine<1>(out, part1, part2, cnt1, cnt2, m, base, c, nc, D, 0, D, 0, 1);
     }
 }
 
-#define SEG_SORTED_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled
+#define SEG_SORTED_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset
 
-// PREFIX_starts_<key>, PREFIX_rows<VEC>_<key>, PREFIX_scalar_<key> for key types i16, i32, i64.
+#define SEG_SORTED_ARGS_T(KT)                                                                            \
+    const float* __restrict__ src, const KT* __restrict__ skey, const long long* __restrict__ perm,     \
+        const long long* __restrict__ start, float* __restrict__ out, float* part1, float* part2,       \
+        unsigned* cnt1, unsigned* cnt2, long long n, int D, long long skip, int scaled, long long space, \
+        long long offset
+
+// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>_<key>, PREFIX_scalar_<key> for key types
+// i16, i32, i64.
 #define SEG_SORTED_FOR(PREFIX, KEYNAME, KT)                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                    \
-    PREFIX##_starts_##KEYNAME(const KT* __restrict__ skey, long long n, long long M, long long* __restrict__ start) { \
-        seg_starts_body<KT>(skey, n, M, start);                                                          \
+    PREFIX##_keys_##KEYNAME(const long long* __restrict__ key, KT* __restrict__ out, long long total,    \
+                            long long width, long long rows, long long offset) {                         \
+        seg_keys_body<KT>(key, out, total, width, rows, offset);                                         \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256)                                                    \
+    PREFIX##_starts_##KEYNAME(const KT* __restrict__ skey, long long n, long long space, long long offset, \
+                              long long* __restrict__ start) {                                           \
+        seg_starts_body<KT>(skey, n, space, offset, start);                                              \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) PREFIX##_rows1_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {  \
         seg_rows_body<KT, 1>(SEG_SORTED_PASS);                                                           \
@@ -321,11 +405,6 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
     extern "C" __global__ void __launch_bounds__(256) PREFIX##_scalar_##KEYNAME(SEG_SORTED_ARGS_T(KT)) { \
         seg_scalar_body<KT>(SEG_SORTED_PASS);                                                            \
     }
-
-#define SEG_SORTED_ARGS_T(KT)                                                                            \
-    const float* __restrict__ src, const KT* __restrict__ skey, const long long* __restrict__ perm,     \
-        const long long* __restrict__ start, float* __restrict__ out, float* part1, float* part2,       \
-        unsigned* cnt1, unsigned* cnt2, long long n, int D, long long skip, int scaled
 
 #define SEG_KERNELS(PREFIX)                        \
     SEG_ATOMIC_KERNEL(PREFIX##_atomic)             \

@@ -154,6 +154,41 @@ def test_chunk_len_and_partial_slots():
         assert len(used) == len(set(used)) and (not used or max(used) < 2 * (n // 32))
 
 
+def test_key_type_and_vector_width():
+    # 16-bit keys (stored as key - 32768) while destinations and the sentinel fit: two radix passes
+    assert ia._key_dtype(65535) == (torch.int16, "i16", 2**15)
+    assert ia._key_dtype(65536) == (torch.int32, "i32", 2**31)
+    assert ia._key_dtype(2**32 - 1)[1] == "i32" and ia._key_dtype(2**32)[1] == "i64"
+    src = torch.zeros(4, 1024)
+    assert [ia._vec(src, d) for d in (17, 33, 48, 64, 96, 128, 130, 512)] == [1, 1, 2, 2, 4, 4, 2, 4]
+    assert ia._vec(src.view(-1)[1:1025].view(4, 256), 64) == 1  # misaligned: scalar loads
+
+
+def test_task_split_sums_every_chunk_once():
+    """The sorted kernels' work split, replayed on the host: destination tasks take chunk 0 of each
+    non-empty row (and write the empty and skipped rows), tile tasks of 32 positions take the chunks
+    c >= 1 that start in them; every chunk of every row exactly once, at most one per tile and row."""
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        counts = rng.choice([0, 0, 1, 5, 32, 33, 64, 65, 700, 1025, 40000], size=rng.integers(1, 10))
+        skip = int(rng.integers(-1, len(counts)))
+        keys = np.repeat(np.arange(len(counts)), counts)
+        start = np.concatenate(([0], np.cumsum(counts)))
+        n, space = len(keys), len(counts)
+        want = {(m, c) for m in range(space) if m != skip
+                for c in range(-(-int(counts[m]) // ia.chunk_len(int(counts[m]))))}
+        got = [(m, 0) for m in range(space) if counts[m] and m != skip]
+        for tile in range(-(-n // 32)):
+            p = np.arange(tile * 32, min(n, tile * 32 + 32))
+            m = keys[p]
+            s = start[m]
+            L = np.array([ia.chunk_len(int(counts[r])) for r in m])
+            head = (p != s) & ((p - s) % L == 0) & (m != skip)
+            assert len(set(m[head])) == head.sum()
+            got += [(int(r), int(c)) for r, c in zip(m[head], ((p - s) // L)[head])]
+        assert len(got) == len(set(got)) and set(got) == want
+
+
 BAD = [
     ("index", (torch.zeros(4, dtype=torch.int32), torch.zeros(4, 3)), {"num_rows": 5}),
     ("index", (torch.zeros(4, 1, dtype=torch.int64), torch.zeros(4, 3)), {"num_rows": 5}),
@@ -208,11 +243,19 @@ def cuda_sync():
     torch.cuda.synchronize()  # surfaces an asynchronous launch error in the test that caused it
 
 
+def _poison_allocator(shape):
+    """Leave NaN in the caching allocator's next block of this size: the sorted kernels write every
+    output row themselves (no zero fill), so a row they missed would show as NaN."""
+    junk = torch.full(shape, float("nan"), device=CUDA)
+    del junk
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
 def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     args, kw = SPEC.make_inputs(case, CUDA)
     cpu_args, _ = SPEC.make_inputs(case, CPU)
+    _poison_allocator((kw["num_rows"], args[1].shape[1]))
     first = SORTED(*args, **kw)
     for _ in range(REPEATS):
         assert same_bits(first, SORTED(*args, **kw)).size == 0  # NaN payloads aside, bit for bit
@@ -284,3 +327,46 @@ def test_gpu_out_of_range_and_device_mismatch(cuda_sync):
         SORTED(torch.tensor([0, 7, 1], device=CUDA), src, num_rows=5)
     with pytest.raises(KernelArgumentError, match="argument 'index'"):
         ATOMIC(torch.tensor([0, 1, 1]), src, num_rows=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["sorted", "atomic"])
+def test_gpu_unchecked_bad_indices_add_nothing(variant, cuda_sync):
+    """check_range=False: no host synchronisation; indices outside [0, M) are dropped by the kernels
+    (the sorted keys pass maps them to a sentinel past the last row) and the rest sums as usual."""
+    g = torch.Generator().manual_seed(11)
+    index = ia.draw_index(g, (3000,), 40, 0.3)
+    src = ia.draw_values(g, (3000, 20))
+    bad = torch.randperm(3000, generator=g)[:200]
+    index[bad[:100]] = -5
+    index[bad[100:]] = 40 + torch.arange(100)
+    keep = (index >= 0) & (index < 40)
+    want = SORTED(index[keep], src[keep], num_rows=40)
+    _poison_allocator((40, 20))
+    out = kernels.get(OP, variant)(index.to(CUDA), src.to(CUDA), num_rows=40, check_range=False)
+    if variant == "sorted":
+        assert same_bits(out, want).size == 0
+    else:
+        _, count, abs_sum = ia.contributions(index[keep], src[keep], 40)
+        check_bound(out, SPEC.reference((index[keep], src[keep]), {"num_rows": 40}), count, abs_sum)
+    with pytest.raises(KernelArgumentError, match="index -5 is out of range for 40 rows"):
+        kernels.get(OP, variant)(index.to(CUDA), src.to(CUDA), num_rows=40)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [32767, 32768, 65535, 65536])
+def test_gpu_key_width_boundaries(rows, cuda_sync):
+    """Around the int16 key limits (65535 destinations, stored as key - 32768, and the sentinel): the
+    first and last rows, hot and cold, bit for bit against the model; an index == rows still raises."""
+    g = torch.Generator().manual_seed(rows)
+    index = torch.cat([torch.full((70,), rows - 1), torch.zeros(40, dtype=torch.int64),
+                       torch.randint(0, rows, (500,), generator=g), torch.full((3,), rows // 2)])
+    index = index[torch.randperm(len(index), generator=g)]
+    src = ia.draw_values(g, (len(index), 8))
+    want = SORTED(index, src, num_rows=rows)
+    _poison_allocator((rows, 8))
+    assert same_bits(SORTED(index.to(CUDA), src.to(CUDA), num_rows=rows), want).size == 0
+    assert same_bits(ia.index_add_sorted_scalar_cuda(index.to(CUDA), src.to(CUDA), num_rows=rows), want).size == 0
+    index[5] = rows
+    with pytest.raises(KernelArgumentError, match=f"index {rows} is out of range"):
+        SORTED(index.to(CUDA), src.to(CUDA), num_rows=rows)

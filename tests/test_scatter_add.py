@@ -58,8 +58,8 @@ def test_expanded_index_takes_the_row_form_with_the_same_bits():
     case = next(c for c in TEST_CASES if c.name == "bcast_d64_dup50")
     (index, src), kw = SPEC.make_inputs(case, CPU)
     assert index.stride(1) == 0
-    assert sa._prologue(index, src, kw["num_rows"], False)[3] is False            # row form
-    assert sa._prologue(index.contiguous(), src, kw["num_rows"], False)[3] is True  # element form
+    assert sa._prologue(index, src, kw["num_rows"])[3] is False            # row form
+    assert sa._prologue(index.contiguous(), src, kw["num_rows"])[3] is True  # element form
     row = SORTED(index, src, **kw)
     assert np.array_equal(bits(row), bits(SORTED(index.contiguous(), src, **kw)))
     assert np.array_equal(bits(row), bits(kernels.get("index_add", "sorted")(index[:, 0], src, **kw)))
@@ -157,3 +157,20 @@ def test_gpu_hot_row_sorted_repeatable_atomic_varies(case, cuda_sync):
     atomic = {bits(ATOMIC(*args, **kw)).tobytes() for _ in range(10)}
     print(f"{case.name}: atomic {len(atomic)} distinct / 10")
     assert len(atomic) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [13107, 13108])
+def test_gpu_element_form_key_width_boundary(rows, cuda_sync):
+    """Element form with D = 5: 13107 rows is 65535 destinations (16-bit keys, the sentinel at the
+    limit), 13108 rows takes 32-bit keys. The last row hot, every output element written (the
+    allocator's next block holds NaN), bits equal to the model."""
+    g = torch.Generator().manual_seed(rows)
+    index = torch.randint(0, rows, (900, 5), generator=g)
+    index[torch.rand(900, 5, generator=g) < 0.2] = rows - 1
+    src = torch.randn(900, 5, generator=g)
+    want = SORTED(index, src, num_rows=rows)
+    junk = torch.full((rows, 5), float("nan"), device=CUDA)
+    del junk
+    diff = same_bits(SORTED(index.to(CUDA), src.to(CUDA), num_rows=rows), want)
+    assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"
