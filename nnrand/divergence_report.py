@@ -23,6 +23,7 @@ import numpy as np
 from nnrand import runio
 
 HEADLINE_IMPL = ("impl", "native")      # implementation noise alone, first one present wins
+ALPHA = 0.05                            # a paired test's p below this reads "they differ"
 HEADLINE_ALGO = ("algo",)
 OP_PREFIX = "atomic-"
 
@@ -52,6 +53,24 @@ def sd_se(d: dict | None, scale=1.0, digits=3, unit="") -> str:
         return "-"
     se = f" (SE {d['sd_se'] * scale:.{digits}g})" if _ok(d.get("sd_se")) else ""
     return f"{d['sd'] * scale:.{digits}g}{unit}{se}"
+
+
+def ci_txt(ci: dict | None, scale=100.0, digits=3, unit="") -> str:
+    """'value [lo, hi]' of a stats interval dict (scaled: 100 for percent / points)."""
+    if not ci or not _ok(ci.get("value")):
+        return "-"
+    v = f"{ci['value'] * scale:.{digits}g}{unit}"
+    if not (_ok(ci.get("lo")) and _ok(ci.get("hi"))):
+        return v
+    return f"{v} [{ci['lo'] * scale:.{digits}g}, {ci['hi'] * scale:.{digits}g}]"
+
+
+def p_txt(t: dict | None) -> str:
+    """A permutation test's p-value with how it was obtained."""
+    if not t or not _ok(t.get("p_value")):
+        return "-"
+    how = f"all {t['splits']} splits" if t.get("exact") else f"{t['splits'] - 1} random splits"
+    return f"{t['p_value']:.3g} ({how})"
 
 
 def _m(c: dict | None, *path):
@@ -112,14 +131,20 @@ def plot_disagreement(configs: dict, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.4), constrained_layout=True)
     y = np.arange(len(rows))
     d = [100 * _m(c, "disagreement") for _, c in rows]
-    de = [100 * (_m(c, "disagreement_se") or 0) for _, c in rows]
+    cis = [_m(c, "ci", "disagreement") for _, c in rows]
+    if all(ci and _ok(ci.get("lo")) for ci in cis):   # member-bootstrap interval (stats), else SE over images
+        de = [[100 * (ci["value"] - ci["lo"]) for ci in cis], [100 * (ci["hi"] - ci["value"]) for ci in cis]]
+        what = f"bars on disagreement: {100 * cis[0]['level']:.0f}% bootstrap interval over members"
+    else:
+        de = [100 * (_m(c, "disagreement_se") or 0) for _, c in rows]
+        what = "bars: ± bootstrap SE over images"
     f = [100 * _m(c, "frac_not_all_equal") for _, c in rows]
     fe = [100 * (_m(c, "frac_not_all_equal_se") or 0) for _, c in rows]
     ax.barh(y - 0.2, d, 0.4, xerr=de, label="mean pairwise disagreement", color="#3b75af")
     ax.barh(y + 0.2, f, 0.4, xerr=fe, label="predictions not all equal", color="#ef8636")
     ax.set_yticks(y, [n for n, _ in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("% of test images (bars: ± bootstrap SE over images)")
+    ax.set_xlabel(f"% of test images ({what})")
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     _save(fig, path)
@@ -135,7 +160,11 @@ def plot_l2(configs: dict, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
     for n, w in rows:
         pts = [(r["epoch"] + 1, r["l2"] / r["norm"]) for r in w if r["l2"] and r["norm"]]
-        ax.plot(*zip(*pts), marker="o", ms=3, lw=1.2, label=n)
+        line = ax.plot(*zip(*pts), marker="o", ms=3, lw=1.2, label=n)[0]
+        band = [(r["epoch"] + 1, r["l2_ci"]["lo"] / r["norm"], r["l2_ci"]["hi"] / r["norm"]) for r in w
+                if r["l2"] and r["norm"] and _ok((r.get("l2_ci") or {}).get("lo")) and r["l2_ci"]["lo"] > 0]
+        if len(band) > 1:
+            ax.fill_between(*zip(*band), color=line.get_color(), alpha=0.15, lw=0)
     ax.set_yscale("log")
     ax.set_xlabel("epoch")
     ax.set_ylabel("mean pairwise ||w_i - w_j|| / mean ||w||")
@@ -241,6 +270,19 @@ def link_rows(res: dict) -> list[dict]:
     return rows
 
 
+def comparison(res: dict, a: str | None, b: str | None) -> dict | None:
+    """The paired test of configuration a against b in the results (either order; None if absent)."""
+    for c in res.get("comparisons") or []:
+        if (c["a"], c["b"]) == (a, b):
+            return c
+    for c in res.get("comparisons") or []:
+        if (c["a"], c["b"]) == (b, a):   # flip the sign of the difference and the interval
+            flip = lambda d: dict(d, value=-d["value"], lo=-d["hi"], hi=-d["lo"])  # noqa: E731
+            return {**c, "a": a, "b": b, **{k: dict(c[k], a=c[k]["b"], b=c[k]["a"], diff=flip(c[k]["diff"]))
+                                            for k in ("disagreement", "accuracy_sd")}}
+    return None
+
+
 def headline(res: dict) -> list[str]:
     cfg = res["configs"]
     out = ["## Answers first", ""]
@@ -249,8 +291,15 @@ def headline(res: dict) -> list[str]:
     if impl and algo:
         di, da = _m(impl, "disagreement"), _m(algo, "disagreement")
         se = math.hypot(_m(impl, "disagreement_se") or 0, _m(algo, "disagreement_se") or 0)
+        test = comparison(res, iname, aname)
         if da == 0 and di == 0:
             verdict = "neither changed a single prediction"
+        elif test:
+            t = test["disagreement"]
+            verdict = (f"difference {ci_txt(t['diff'], 100, unit=' pt')} (bootstrap over members), permutation "
+                       f"p = {p_txt(t)}: " + ("**they differ**" + (", impl more" if di > da else ", impl less")
+                                              if t["p_value"] < ALPHA else
+                                              "**no detectable difference** at this number of members"))
         elif abs(di - da) <= 2 * se:
             verdict = "**yes: as much** (the difference is within 2 bootstrap SE)"
         elif di > da:
@@ -275,8 +324,12 @@ def headline(res: dict) -> list[str]:
                     2 * math.hypot(top["disagreement_se"] or 0, r["disagreement_se"] or 0)]
             caveat = (f"; not clearly ahead: {', '.join(tied)} within 2 bootstrap SE" if tied else
                       "; ahead of every other op by more than 2 bootstrap SE")
+            vs = [c for c in res.get("comparisons") or [] if c["a"] == top["config"] and c["b"].startswith("control")]
+            test = (f"; against `{vs[0]['b']}` (its model's fixed-seed baseline) difference "
+                    f"{ci_txt(vs[0]['disagreement']['diff'], unit=' pt')}, permutation p = {p_txt(vs[0]['disagreement'])}"
+                    if vs else "")
             out.append(f"- **Op contributing most:** `{top['op']}` atomic alone gives {pct(top['disagreement'], top['disagreement_se'])} "
-                       f"pairwise disagreement" + (f" (others: {others})" if others else "") + caveat + ".")
+                       f"pairwise disagreement" + (f" (others: {others})" if others else "") + caveat + test + ".")
         else:
             out.append("- **Op contributing most:** none: no single-op atomic configuration changed a prediction.")
     else:
@@ -298,7 +351,8 @@ def headline(res: dict) -> list[str]:
                          f"{sd_se(worst, 100, unit=' pt')})")
         conc = _m(who, "concentration", "misclassified_by_most")
         if conc and _ok(conc.get("share_of_flips")):
-            where = "concentrate on" if conc["ratio"] and conc["ratio"] > 1 else "do not concentrate on"
+            # rates, not their ratio: a ratio over a zero rate outside is infinite, stored as null
+            where = "concentrate on" if (conc.get("rate_in") or 0) > (conc.get("rate_out") or 0) else "do not concentrate on"
             parts.append(f"flips {where} hard images: {pct(conc['rate_in'])} of the images misclassified by most "
                          f"members flip vs {pct(conc['rate_out'])} of the rest ({num(100 * conc['share_of_flips'], 3)}% "
                          f"of flips come from {num(100 * conc['share_of_examples'], 3)}% of the images)")
@@ -312,9 +366,10 @@ def headline(res: dict) -> list[str]:
 
 
 def main_table(res: dict) -> list[str]:
+    nxt = "; intervals in the next section" if any(_m(c, "ci") for c in res["configs"].values()) else ""
     out = ["## Divergence per configuration", "",
            f"{res['members']} members per configuration; SDs across members (ddof=1) with bootstrap SE over members "
-           "(1000 resamples; with 3 members a rough figure); rates over test images with bootstrap SE over images. "
+           f"(1000 resamples; with {res['members']} members a rough figure{nxt}); rates over test images with bootstrap SE over images. "
            "Disagreement = mean over member pairs of the fraction of test images whose top-1 labels differ; "
            "not all equal = fraction of test images on which the members' labels are not all the same "
            "(Fort et al. 2019, Fig. S4); ensemble gain = mean 2-member ensemble accuracy (mean softmax) minus mean "
@@ -335,6 +390,49 @@ def main_table(res: dict) -> list[str]:
                    f"{pct(_m(c, 'disagreement'), _m(c, 'disagreement_se'))} | {num(_m(c, 'logit_corr'), 6)} | "
                    f"{num(100 * eg if _ok(eg) else None, 3)} | {num(rel, 3)} | {_steps(c)} | "
                    f"{num(c.get('step_time_ms'), 4)} |")
+    return out + [""]
+
+
+def interval_table(res: dict) -> list[str]:
+    """Every configuration's metrics with their member-bootstrap intervals (``stats.config_stats``)."""
+    rows = [(n, c) for n, c in res["configs"].items() if _m(c, "ci")]
+    if not rows:
+        return []
+    b = _m(rows[0][1], "ci", "bootstrap")
+    out = ["## Intervals per configuration", "",
+           f"Point estimate [{100 * b['level']:.0f}% percentile interval] from {b['n_boot']} bootstrap resamples of "
+           f"the **members** (seed {b['seed']}; the test images are fixed). Pairwise quantities are recomputed over "
+           "all pairs of distinct members of each resample (pairs share members, so pairs are not resampled). "
+           "With few members the intervals are coarse (two members: one pair, the interval collapses to the point).",
+           "", "| configuration | members | acc mean, % | acc SD, pt | CE SD | disagreement, % | logit corr | "
+           "ens-2 gain, pt | L2 last epoch | L2 growth (last / first epoch) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, c in rows:
+        ci = _m(c, "ci")
+        w = (c.get("weights") or [{}])[-1]
+        out.append(f"| `{n}` | {c['done']} | {ci_txt(ci['accuracy_mean'], 100, 4)} | {ci_txt(ci['accuracy_sd'])} | "
+                   f"{ci_txt(ci['cross_entropy_sd'], 1)} | {ci_txt(ci['disagreement'])} | "
+                   f"{ci_txt(ci['logit_corr'], 1, 6)} | {ci_txt(ci['ensemble2_gain'])} | "
+                   f"{ci_txt(w.get('l2_ci'), 1, 4)} | {num(w.get('growth'), 4)} |")
+    return out + [""]
+
+
+def comparison_table(res: dict) -> list[str]:
+    comps = res.get("comparisons") or []
+    if not comps:
+        return []
+    out = ["## Paired tests between configurations", "",
+           "Is configuration a's disagreement (or accuracy SD) different from b's? Difference a - b with its 95% "
+           "bootstrap interval (members resampled within each configuration) and a two-sided permutation test over "
+           "members (null: the members of a and b are exchangeable; the pooled members are split at random and "
+           "the statistic recomputed; p counts the observed split). All splits are enumerated when there are few: "
+           "with 2 members per side there are 6 and p cannot go below 1/3.", "",
+           "| a | b | disagreement a / b, % | difference, pt | p | acc SD a / b, pt | difference, pt | p |",
+           "|---|---|---|---|---|---|---|---|"]
+    for c in comps:
+        d, a = c["disagreement"], c["accuracy_sd"]
+        out.append(f"| `{c['a']}` | `{c['b']}` | {pct(d['a'])} / {pct(d['b'])} | {ci_txt(d['diff'])} | {p_txt(d)} | "
+                   f"{num(100 * a['a'] if _ok(a['a']) else None, 3)} / {num(100 * a['b'] if _ok(a['b']) else None, 3)} | "
+                   f"{ci_txt(a['diff'])} | {p_txt(a)} |")
     return out + [""]
 
 
@@ -359,9 +457,11 @@ def groups_table(res: dict) -> list[str]:
         def cc(k):
             x = conc.get(k)
             return f"{pct(x['rate_in'])} vs {pct(x['rate_out'])}" if x else "-"
+        gci = _m(c, "ci", "groups") or {}
+        gd = lambda k: ci_txt(gci[k], unit="%") if k in gci else pct(g.get(k, {}).get("disagreement"))  # noqa: E731
         out.append(f"| `{n}` | {sd_se(g.get('majority', {}).get('accuracy'), 100)} | "
                    f"{sd_se(g.get('minority', {}).get('accuracy'), 100)} | "
-                   f"{pct(g.get('majority', {}).get('disagreement'))} | {pct(g.get('minority', {}).get('disagreement'))} | "
+                   f"{gd('majority')} | {gd('minority')} | "
                    f"{cc('misclassified_by_most')} | {cc('lowest_confidence_quartile')} | {cc('minority')} |")
     out.append("")
     classes = res.get("classes") or []
@@ -374,7 +474,9 @@ def groups_table(res: dict) -> list[str]:
             cells = []
             for n in show:
                 r = _m(res["configs"][n], "per_class")[i]
-                cells.append(f"{num(100 * r['sd'] if _ok(r.get('sd')) else None, 3)} / {pct(r.get('disagreement'))}")
+                pci = (_m(res["configs"][n], "ci", "per_class") or [None] * (i + 1))[i]
+                dis = ci_txt(pci, unit="%") if pci else pct(r.get("disagreement"))
+                cells.append(f"{num(100 * r['sd'] if _ok(r.get('sd')) else None, 3)} / {dis}")
             out.append(f"| {classes[i] if i < len(classes) else i} | " + " | ".join(cells) + " |")
         out.append("")
     return out
@@ -487,7 +589,12 @@ def render(res: dict | str | Path, md_path: str | Path, examples_path: str | Pat
     setup = next((c["setup"] for c in cfg.values() if c.get("setup")), None)
     fp = res.get("fingerprint") or {}
     where = fp.get("gpu") or f"CPU ({fp.get('platform', 'unknown')})"
-    lines = [f"# Divergence study ({res['backend']}{', quick grid' if res.get('quick') else ''})", ""]
+    size = ", smoke sizes" if res.get("smoke") else ", quick grid" if res.get("quick") else ""
+    lines = [f"# Divergence study ({res['backend']}{size})", ""]
+    if res.get("smoke"):
+        lines += ["**Smoke sizes** (`--smoke`): two tiny members per configuration, a few training steps each. "
+                  "This report checks that every configuration trains, collects and renders; its numbers say "
+                  "nothing about divergence.", ""]
     if setup:
         lines += [f"{setup['model']} on {setup['dataset']} ({setup['n_train']} training / {setup['n_test']} test images), "
                   f"{setup['epochs']} epoch{'s' if setup['epochs'] != 1 else ''} of batch {setup['batch_size']}, peak lr {setup['lr']}, {res['members']} members "
@@ -502,6 +609,8 @@ def render(res: dict | str | Path, md_path: str | Path, examples_path: str | Pat
     if have["disagreement"]:
         lines += [f"![disagreement per configuration]({stem}_disagreement.png)", ""]
     lines += main_table(res)
+    lines += interval_table(res)
+    lines += comparison_table(res)
     if have["l2"]:
         lines += ["Weight distance over training (configurations whose members differ at all; `control` stays at "
                   "exactly 0 when its members are bitwise identical):", "", f"![weight L2 per epoch]({stem}_l2.png)", ""]

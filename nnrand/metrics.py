@@ -12,7 +12,8 @@ Every standard deviation is the sample SD across members (ddof=1) and comes with
 error: the members are resampled with replacement ``BOOT`` times (seed ``BOOT_SEED``) and the SE is the
 SD (ddof=1) of the resampled SDs. With 3 members there are only 10 distinct resamples, so that SE is a
 rough indication, not a precise one. Rates over test examples (disagreement) get a bootstrap SE over
-examples instead. Arithmetic is float64 throughout.
+examples instead. Arithmetic is float64 throughout. Confidence intervals over members, pairwise
+matrices and the tests between configurations are ``nnrand.stats``.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Divergence study: train a grid of noise configurations x members and report how predictions diverge.
 
-The grid runs through the training harness; every configuration gets the divergence metrics of
-``nnrand.metrics``, and the report links op-level noise to prediction divergence.
+The grid (``CONFIGURATIONS``, configuration -> train.Config overrides) runs through the training harness.
+This module runs members and collects their files; the numbers come from ``nnrand.metrics`` (per-member
+definitions) and ``nnrand.stats`` (bootstrap intervals over members, paired tests between configurations,
+``COMPARISONS``), and ``nnrand.divergence_report`` renders them.
 
     python -m nnrand.study                             # default grid (CUDA) or the quick grid (CPU)
     python -m nnrand.study --time-budget 480           # stop cleanly before a member would pass 480 s
@@ -48,26 +50,59 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from nnrand import metrics, noise, routing, runio, train
+from nnrand import metrics, noise, routing, runio, stats, train
 
 REPO = Path(__file__).resolve().parent.parent
 TIMING_SCRIPT = REPO / "bench" / "dev" / "train_step_time.py"
 
 # --------------------------------------------------------------------------------------------------
-# Sizes (one place). The CUDA grid: 10 configurations x 3 members of ResNet-18 on the synthetic 10k/2k
-# set, 10 epochs of batch 128 (780 steps). At 15-30 ms per step on an H200 (15.5 ms stock PyTorch,
-# routed kernels slower) a member takes ~20-35 s with evaluation and checkpoints: ~10-18 min for the
-# grid, plus ~1 min of timing pass. Disk: ~0.5 GB per member (epoch weights), ~15 GB in all.
+# Sizes (one place). The CUDA grid: ResNet-18 on the synthetic 10k/2k set, 10 epochs of batch 128 (780
+# steps). At 15-30 ms per step on an H200 (15.5 ms stock PyTorch, routed kernels slower) a member takes
+# ~20-35 s with evaluation and checkpoints. Disk: ~0.5 GB per member (epoch weights).
 
 SIZES = {
     "cuda": {"model": "resnet18", "epochs": 10, "batch_size": 128, "n_train": 10_000, "n_test": 2_000},
     # 2 CPU cores: 30 members of 8 steps each with the CPU order models, plus the timing pass: 5.2 min of
     # CPU time, 7.5 min wall on a shared 2-core machine (load average ~5), measured 2026-11-21.
     "quick": {"model": "small", "epochs": 2, "batch_size": 32, "n_train": 128, "n_test": 256},
+    # --smoke (what CI runs): two tiny members per configuration on the CPU, 2 steps each; it checks that
+    # every configuration trains, collects and renders, not what the numbers are.
+    "smoke": {"model": "small", "epochs": 1, "batch_size": 32, "n_train": 64, "n_test": 64, "device": "cpu"},
 }
-MEMBERS = 3
+MEMBERS = {"cuda": 10, "quick": 3, "smoke": 2}   # members per configuration by default
 POOL_MODEL = {"resnet18": "resnet18_imagenet"}  # a model without max-pool -> its max-pool sibling
 TOP_FLIPS = 8  # most-disagreed test images kept per configuration
+
+# --------------------------------------------------------------------------------------------------
+# Configurations as data: name -> (train.Config overrides, what varies between members). Every entry
+# but `native` runs nnrand's kernels, and every one fixes what it does not name.
+
+ATTRIBUTION_OPS = ("conv_wgrad", "conv_dgrad", "bias_grad", "maxpool_bwd")   # one op atomic at a time
+
+CONFIGURATIONS: dict[str, tuple[dict, str]] = {
+    "control": ({"preset": "control"}, "fixed seeds, tree kernels: bitwise identical members expected"),
+    "algo": ({"preset": "algo"}, "random init, batch order and augmentation per member; tree kernels"),
+    "impl": ({"preset": "impl"}, "fixed seeds, every routed backward reduction atomic"),
+    "algo+impl": ({"preset": "algo+impl"}, "both"),
+    "ulp": ({"preset": "control", "perturb_ulp": True},
+            "fixed seeds, tree kernels, one weight moved by one ULP at step 0 (a different weight per member)"),
+    "init": ({"preset": "control", "init_seed": "member"}, "initialisation seed per member; all else fixed, tree"),
+    "order": ({"preset": "control", "order_seed": "member"}, "batch-order seed per member; all else fixed, tree"),
+    "aug": ({"preset": "control", "aug_seed": "member"}, "augmentation seed per member; all else fixed, tree"),
+    **{f"atomic-{op}": ({"preset": "control", "kernel_ops": {op: "atomic"}},
+                        f"fixed seeds, tree kernels except {op} atomic") for op in ATTRIBUTION_OPS},
+    "native": ({"preset": "control", "kernel": "native"},
+               "fixed seeds, stock PyTorch/cuDNN backward (default algorithms, not deterministic mode)"),
+}
+# Seed baselines repeated on a configuration's own model when it differs from the study's model (the
+# max-pool sibling): its disagreement is compared with these, never with another architecture's.
+BASELINES = ("control", "algo")
+
+# Paired tests the results carry: (a, b) asks "is a's disagreement different from b's?". Entries whose
+# configurations are absent are skipped; atomic-<op> is compared with the control of its own model.
+COMPARISONS = [("impl", "algo"), ("impl", "ulp"), ("ulp", "algo"), ("algo+impl", "algo"), ("impl", "native"),
+               ("init", "algo"), ("order", "algo"), ("aug", "algo")] + \
+              [(f"atomic-{op}", "control") for op in ATTRIBUTION_OPS] + [(f"atomic-{op}", "impl") for op in ATTRIBUTION_OPS]
 
 
 @dataclass(frozen=True)
@@ -79,26 +114,42 @@ class Entry:
     note: str = ""
 
 
+def has_maxpool(model: str) -> bool:
+    """Whether ``model`` contains a max-pool (so that max-pool backward runs at all). A model that cannot
+    be built here counts as having one: the harness's validation names the problem later."""
+    from nnrand import models
+
+    try:
+        net = models.build_model(model)
+    except (ValueError, ImportError):
+        return True
+    return any(isinstance(m, torch.nn.MaxPool2d) for m in net.modules())
+
+
 def default_grid(model: str) -> list[Entry]:
-    """control / algo / impl / algo+impl, one-ULP perturbation, one op atomic at a time, stock PyTorch."""
-    grid = [
-        Entry("control", {"preset": "control"}, "fixed seeds, tree kernels: bitwise identical members expected"),
-        Entry("algo", {"preset": "algo"}, "random init, batch order and augmentation per member; tree kernels"),
-        Entry("impl", {"preset": "impl"}, "fixed seeds, every routed backward reduction atomic"),
-        Entry("algo+impl", {"preset": "algo+impl"}, "both"),
-        Entry("perturb_ulp", {"preset": "control", "perturb_ulp": True},
-              "fixed seeds, tree kernels, one weight moved by one ULP (a different weight per member)"),
-    ]
-    for op in routing.ROUTED_OPS:
-        over = {"preset": "control", "kernel_ops": {op: "atomic"}}
-        note = f"fixed seeds, tree kernels except {op} atomic"
-        if op == "maxpool_bwd" and model in POOL_MODEL:
-            over["model"] = POOL_MODEL[model]
-            note += f" (model {POOL_MODEL[model]}: {model} has no max-pool)"
-        grid.append(Entry(f"atomic-{op}", over, note))
-    grid.append(Entry("native", {"preset": "control", "kernel": "native"},
-                      "fixed seeds, stock PyTorch/cuDNN backward (default algorithms, not deterministic mode)"))
-    return grid
+    """``CONFIGURATIONS`` for ``model``. ``atomic-maxpool_bwd`` runs on the model's max-pool sibling when
+    it has no max-pool itself (``POOL_MODEL``; dropped if there is none), and that sibling gets its own
+    ``BASELINES`` (``control@<model>``, ``algo@<model>``)."""
+    grid, extra = [], []
+    for name, (over, note) in CONFIGURATIONS.items():
+        over = dict(over)
+        if name == "atomic-maxpool_bwd" and not has_maxpool(model):
+            if model not in POOL_MODEL:
+                continue
+            pool = POOL_MODEL[model]
+            over["model"] = pool
+            note += f" (model {pool}: {model} has no max-pool)"
+            extra = [Entry(f"{b}@{pool}", dict(CONFIGURATIONS[b][0], model=pool),
+                           CONFIGURATIONS[b][1] + f" (model {pool}: the seed baseline of atomic-maxpool_bwd)")
+                     for b in BASELINES]
+        grid.append(Entry(name, over, note))
+    return grid + extra
+
+
+def baseline_for(name: str, model: str, names: set[str]) -> str:
+    """Configuration ``name`` on ``model`` when the grid has it there (``name@model``, see BASELINES)."""
+    cand = f"{name}@{model}"
+    return cand if cand in names else name
 
 
 class StudyError(ValueError):
@@ -178,6 +229,7 @@ class Study:
     reports_dir: Path
     stem: str
     command: str = "python -m nnrand.study"   # how this study was invoked (the report's resume hint)
+    smoke: bool = False                        # the --smoke sizes (CI): numbers say nothing, code paths run
 
     @property
     def results_path(self) -> Path:
@@ -196,7 +248,9 @@ class Study:
         return self.reports_dir / f"{self.stem}.md"
 
 
-def default_stem(backend: str, quick: bool) -> str:
+def default_stem(backend: str, quick: bool, smoke: bool = False) -> str:
+    if smoke:
+        return "divergence_smoke_cpu" if backend == "cpu" else "divergence_smoke"
     if backend == "cpu":
         return "divergence_cpu"
     return "divergence_quick" if quick else "divergence"
@@ -221,20 +275,23 @@ def member_config(p: Planned, member: int, *, runs_dir: Path, progress: bool) ->
 
 def make_study(*, device: str | None = None, quick: bool | None = None, members: int | None = None,
                lrs: list[float] | None = None, configs: list[str] | None = None, grid_file: str | None = None,
-               sizes: dict | None = None, runs_dir: str | None = None, out: str | None = None) -> Study:
-    """Resolve the grid, sizes and paths; check every configuration with the harness's own validation."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+               sizes: dict | None = None, runs_dir: str | None = None, out: str | None = None,
+               smoke: bool = False) -> Study:
+    """Resolve the grid, sizes and paths; check every configuration with the harness's own validation.
+    ``smoke``: the tiny CI sizes, on the CPU unless ``device`` says otherwise."""
+    device = device or (SIZES["smoke"]["device"] if smoke else "cuda" if torch.cuda.is_available() else "cpu")
     backend = torch.device(device).type
     if backend == "cuda" and not torch.cuda.is_available():
         raise StudyError("--device cuda: no CUDA device is available here")
     quick = (backend != "cuda") if quick is None else quick
-    base = dict(SIZES["quick" if quick else "cuda"], device=device)
+    size = "smoke" if smoke else "quick" if quick else "cuda"
+    base = dict(SIZES[size], device=device)
     spec = load_grid_file(grid_file) if grid_file else None
     if spec:
         base.update(spec["sizes"])
     base.update({k: v for k, v in (sizes or {}).items() if v is not None})
     entries = spec["entries"] if spec else default_grid(base["model"])
-    members = members or (spec and spec["members"]) or MEMBERS
+    members = members or (spec and spec["members"]) or MEMBERS[size]
     if members < 2:
         raise StudyError(f"--members must be >= 2 (divergence needs pairs), got {members}")
     lrs = lrs or (spec and spec["lrs"]) or [base.get("lr", train.Config.lr)]
@@ -258,12 +315,13 @@ def make_study(*, device: str | None = None, quick: bool | None = None, members:
             train.resolve(train.Config(**member_config(p, 0, runs_dir=Path("runs"), progress=False)))
         except (train.ConfigError, routing.RoutingError, TypeError) as e:
             raise StudyError(f"configuration {p.name!r}: {e}") from None
-    stem = default_stem(backend, quick)
+    stem = default_stem(backend, quick, smoke)
     reports_dir = REPO / "reports"
     if out:
         o = Path(out)
         stem, reports_dir = (o.stem, o.parent) if o.suffix == ".md" else (stem, o)
-    return Study(backend, quick, members, plan, Path(runs_dir or Path("runs") / stem), reports_dir, stem)
+    return Study(backend, quick, members, plan, Path(runs_dir or Path("runs") / stem), reports_dir, stem,
+                 smoke=smoke)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -505,20 +563,22 @@ def _checksums(d: Path) -> list[tuple[int, int]]:
 
 
 def weight_distances(dirs: list[Path], epochs: int) -> list[dict]:
-    """Per epoch whose weights every member saved: mean pairwise L2 distance and mean weight norm. One
-    epoch in memory at a time (ResNet-18: 45 MB per member and epoch)."""
-    out = []
+    """Per epoch whose weights every member saved: pairwise L2 distances and the mean weight norm, summed
+    up by ``stats.l2_growth`` (mean pairwise L2 with its interval, growth over the first epoch). One
+    epoch in memory at a time (ResNet-18: 45 MB per member and epoch in float32)."""
+    rows = []
     for e in range(epochs):
         files = [d / f"weights_epoch_{e:03d}.pt" for d in dirs]
         if not all(f.exists() for f in files):
             continue
-        ws = [torch.load(f, map_location="cpu").double().numpy() for f in files]
-        out.append({"epoch": e, "l2": metrics.pairwise_l2(ws), "norm": float(np.mean([np.linalg.norm(w) for w in ws]))})
-    return out
+        ws = [torch.load(f, map_location="cpu").numpy() for f in files]
+        rows.append((e, stats.l2_matrix(ws), float(np.mean([np.linalg.norm(w.astype(np.float64)) for w in ws]))))
+    return stats.l2_growth(rows)
 
 
 def collect_config(study: Study, p: Planned) -> tuple[dict, dict]:
-    """Metrics of one configuration from its finished members; (summary, per-example arrays)."""
+    """Metrics of one configuration from its finished members; (summary, per-example arrays; the
+    members' ``logits`` among them, for the comparisons between configurations)."""
     dirs = [runio.member_dir(study.runs_dir, p.name, m) for m in range(study.members)]
     done = [d for d in dirs if runio.is_finished(d)]
     out = {"name": p.name, "entry": p.entry, "lr": p.lr, "note": p.note, "requested": study.members,
@@ -547,6 +607,7 @@ def collect_config(study: Study, p: Planned) -> tuple[dict, dict]:
     arrays = {}
     if len(done) >= 2:
         out["metrics"] = metrics.summarize(logits, labels, groups)
+        out["metrics"]["ci"] = stats.config_stats(logits, labels, groups)
         # weights: pairwise distance per epoch, and the first step with differing bits per pair
         out["weights"] = weight_distances(done, c["epochs"])
         sums = [_checksums(d) for d in done]
@@ -568,7 +629,32 @@ def collect_config(study: Study, p: Planned) -> tuple[dict, dict]:
     arrays["labels"] = labels
     if groups is not None:
         arrays["groups"] = groups
+    arrays["logits"] = logits
     return out, arrays
+
+
+def comparisons(study: Study, configs: dict, logits: dict) -> list[dict]:
+    """``COMPARISONS`` between the configurations with >= 2 finished members (``stats.compare_configs``);
+    the baseline named by a comparison is taken on the first configuration's own model when the grid has
+    one there (``control@resnet18_imagenet`` for ``atomic-maxpool_bwd``), and at the same lr."""
+    by_entry = {(p.entry, p.lr): p.name for p in study.plan}
+    names = {p.entry for p in study.plan}
+    out = []
+    for a_entry, b_entry in COMPARISONS:
+        for p in study.plan:
+            if p.entry != a_entry:
+                continue
+            b_name = by_entry.get((baseline_for(b_entry, p.config["model"], names), p.lr))
+            if b_name is None or b_name not in logits or p.name not in logits:
+                continue
+            ca, cb = configs[p.name], configs[b_name]
+            if ca["setup"]["n_test"] != cb["setup"]["n_test"] or ca["setup"]["dataset"] != cb["setup"]["dataset"]:
+                continue
+            labels = logits[p.name][1]
+            if not np.array_equal(labels, logits[b_name][1]):
+                continue
+            out.append({"a": p.name, "b": b_name, **stats.compare_configs(logits[p.name][0], logits[b_name][0], labels)})
+    return out
 
 
 def kernel_noise(backend: str, reports_dir: Path) -> dict:
@@ -625,10 +711,13 @@ def _test_images(setup: dict, indices: list[int]) -> tuple[np.ndarray | None, li
 
 def collect(study: Study, timing: dict | None = None) -> dict:
     """Read every configuration's run directory; write ``<stem>.json`` and ``<stem>_examples.npz``."""
-    configs, arrays = {}, {}
+    configs, arrays, logits = {}, {}, {}
     for p in study.plan:
         s, a = collect_config(study, p)
         configs[p.name] = s
+        z = a.pop("logits", None)
+        if z is not None and len(z) >= 2:
+            logits[p.name] = (z, a["labels"])
         arrays.update({f"{p.name}/{k}": v for k, v in a.items()})
     done = [c for c in configs.values() if c["done"]]
     fp = done[0]["fingerprint"] if done else None
@@ -643,11 +732,12 @@ def collect(study: Study, timing: dict | None = None) -> dict:
     if timing is None and study.timing_path.exists():
         timing = {"rows": json.loads(study.timing_path.read_text()), "source": study.timing_path.name}
     res = {
-        "backend": study.backend, "quick": study.quick, "stem": study.stem,
+        "backend": study.backend, "quick": study.quick, "smoke": study.smoke, "stem": study.stem,
         "collected": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "members": study.members, "runs_dir": str(study.runs_dir),
         "grid": [{"name": p.name, "entry": p.entry, "lr": p.lr, "note": p.note} for p in study.plan],
         "configs": configs,
+        "comparisons": comparisons(study, configs, logits),
         "missing": [c["name"] for c in configs.values() if c["done"] < study.members],
         "classes": classes, "images_note": why_no_images,
         "fingerprint": fp, "kernel_noise": kernel_noise(study.backend, REPO / "reports"), "timing": timing,
@@ -669,6 +759,7 @@ EPILOG = """examples:
   python -m nnrand.study --jobs 3 --time-budget 540        three members at a time (worker processes; GPUs
                                                            spread over when several are visible)
   python -m nnrand.study --quick --members 4               the small grid, 4 members per configuration
+  python -m nnrand.study --smoke                           every configuration, 2 tiny CPU members (CI)
   python -m nnrand.study --configs control,impl,algo       a subset of the grid
   python -m nnrand.study --lr 0.1 --lr 0.4                 every configuration at two learning rates
   python -m nnrand.study --grid grid.toml                  a grid from a JSON/TOML file (see load_grid_file)
@@ -676,11 +767,12 @@ EPILOG = """examples:
   python -m nnrand.study timing                            step time of native / deterministic / atomic / tree
   python -m nnrand.study report                            re-render the report from the files (trains nothing)
 
-default grid: control, algo, impl, algo+impl, perturb_ulp (one ULP in one weight), atomic-<op> for each of
-conv_wgrad, conv_dgrad, bias_grad, maxpool_bwd (on resnet18_imagenet when the model has no max-pool), native.
-CUDA defaults: resnet18, synthetic 10k/2k, 10 epochs of batch 128, 3 members: about 10-18 min on an H200
-(~20-35 s per member) plus a ~1 min timing pass; ~15 GB of run files. CPU (--quick): small model, 128
-training images, 2 epochs: ~5 min of CPU time on 2 cores (7.5 min wall measured on a shared machine).
+default grid (study.CONFIGURATIONS): control, algo, impl, algo+impl, ulp (one ULP in one weight), init, order,
+aug (one seed source per member each), atomic-<op> for each of conv_wgrad, conv_dgrad, bias_grad, maxpool_bwd
+(on resnet18_imagenet when the model has no max-pool, with control@ and algo@resnet18_imagenet as its seed
+baselines), native. CUDA defaults: resnet18, synthetic 10k/2k, 10 epochs of batch 128, 10 members per
+configuration (~20-35 s per member on an H200) plus a ~1 min timing pass; ~0.5 GB of run files per member.
+CPU (--quick): small model, 128 training images, 2 epochs, 3 members. --smoke: 2 members of 2 steps each.
 outputs: reports/divergence.md (CUDA), reports/divergence_quick.md (CUDA --quick), reports/divergence_cpu.md
 (CPU), PNGs beside them, numbers in reports/results/<stem>.json; run directories under runs/<stem>/."""
 
@@ -706,9 +798,14 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("grid")
     g.add_argument("--quick", action=argparse.BooleanOptionalAction, default=None,
                    help="the small grid sizes (default on CPU)")
+    g.add_argument("--smoke", action="store_true",
+                   help=f"two tiny members per configuration on the CPU ({SIZES['smoke']['n_train']} training "
+                        "images, one epoch), no timing pass: checks that every configuration trains, collects and "
+                        "renders (what CI runs); report reports/divergence_smoke_cpu.md")
     g.add_argument("--grid", metavar="FILE", help="grid file, JSON or TOML")
     g.add_argument("--configs", help="comma-separated subset of the grid's configurations")
-    g.add_argument("--members", type=int, help=f"members per configuration (default {MEMBERS})")
+    g.add_argument("--members", type=int, help="members per configuration (default "
+                   + ", ".join(f"{v} {k}" for k, v in MEMBERS.items()) + ")")
     g.add_argument("--lr", type=float, action="append", help="learning rate; repeat for a grid over lr")
     g.add_argument("--model", help="base model (default resnet18 on CUDA, small with --quick)")
     g.add_argument("--epochs", type=int)
@@ -756,7 +853,7 @@ def cli(argv: list[str] | None = None) -> int:
                            configs=[c.strip() for c in args.configs.split(",")] if args.configs else None,
                            grid_file=args.grid, runs_dir=args.runs_dir, out=args.out,
                            sizes={"model": args.model, "epochs": args.epochs, "batch_size": args.batch_size,
-                                  "n_train": args.n_train, "n_test": args.n_test})
+                                  "n_train": args.n_train, "n_test": args.n_test}, smoke=args.smoke)
     except StudyError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     argv = sys.argv[1:] if argv is None else argv
@@ -780,7 +877,7 @@ def cli(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt as e:
             print(f"\n{str(e) or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
             return 130
-        if not outcome["stopped"] and args.timing and not study.timing_path.exists():
+        if not outcome["stopped"] and args.timing and not study.smoke and not study.timing_path.exists():
             run_timing(study, quick_steps=study.backend == "cpu")
     if args.command == "report" and not study.runs_dir.exists():
         if not study.results_path.exists():

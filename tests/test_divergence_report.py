@@ -112,3 +112,41 @@ def test_cli_renders_from_the_json_alone(tmp_path):
     path = build(tmp_path, partial=True)
     assert divergence_report.cli([str(path), "--out", str(tmp_path / "out.md")]) == 0
     assert (tmp_path / "out.md").exists() and (tmp_path / "out_disagreement.png").exists()
+
+
+def test_intervals_and_paired_tests_render(tmp_path):
+    """Results carrying nnrand.stats intervals and paired tests: the interval table, the paired-test table
+    and a headline verdict that quotes the permutation p-value (not the 2-SE rule of older results)."""
+    from nnrand import stats
+
+    path = build(tmp_path, partial=False)
+    res = json.loads(path.read_text())
+    rng = np.random.default_rng(5)
+    labels = rng.integers(0, 4, 24)
+    logits = {}
+    for name, flip in (("impl", 0.05), ("algo", 0.5)):
+        preds = np.where(rng.random((6, 24)) < flip, rng.integers(0, 4, (6, 24)), labels[None])
+        z = np.zeros(preds.shape + (4,))
+        np.put_along_axis(z, preds[..., None], 4.0, axis=-1)
+        logits[name] = z
+        c = res["configs"][name]
+        c["done"] = c["requested"] = 6
+        c["metrics"] = metrics.summarize(z, labels, None)
+        c["metrics"]["ci"] = stats.config_stats(z, labels, None, n_boot=200)
+    res["members"] = 6
+    comp = stats.compare_configs(logits["algo"], logits["impl"], labels, n_boot=200, n_perm=500)  # C(12, 6) = 924 > 500: random splits
+    op = stats.compare_configs(logits["impl"], np.repeat(logits["impl"][:1], 6, axis=0), labels, n_boot=200,
+                               n_perm=500)
+    res["comparisons"] = [{"a": "algo", "b": "impl", **comp},     # stored as algo-impl: read back flipped
+                          {"a": "atomic-conv_wgrad", "b": "control", **op}]
+    path.write_text(json.dumps(study._clean(res)))
+    text = divergence_report.render(path, tmp_path / "div.md").read_text()
+    assert "## Intervals per configuration" in text and "## Paired tests between configurations" in text
+    assert "| `algo` | `impl` |" in text
+    first = text.split("## Divergence per configuration")[0]
+    p = comp["disagreement"]["p_value"]
+    assert p < 0.05 and f"p = {p:.3g} (500 random splits): **they differ**, impl less" in first
+    d = comp["disagreement"]["diff"]      # the headline states impl - algo: the interval flipped
+    assert f"difference {-100 * d['value']:.3g} pt [{-100 * d['hi']:.3g}, {-100 * d['lo']:.3g}]" in first
+    assert (f"against `control` (its model's fixed-seed baseline) difference "
+            f"{100 * op['disagreement']['diff']['value']:.3g} pt") in first

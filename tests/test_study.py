@@ -45,15 +45,33 @@ def stamps(s: study.Study) -> dict:
 
 def test_default_grid():
     names = [e.name for e in study.default_grid("resnet18")]
-    assert names[:5] == ["control", "algo", "impl", "algo+impl", "perturb_ulp"]
-    assert names[-1] == "native"
-    assert [n for n in names if n.startswith("atomic-")] == [f"atomic-{op}" for op in routing.ROUTED_OPS]
+    assert names[:8] == ["control", "algo", "impl", "algo+impl", "ulp", "init", "order", "aug"]
+    assert [n for n in names if n.startswith("atomic-")] == [f"atomic-{op}" for op in study.ATTRIBUTION_OPS]
+    assert set(study.ATTRIBUTION_OPS) <= set(routing.ROUTED_OPS)
+    # resnet18 has no max-pool: max-pool backward runs on its sibling, which gets its own seed baselines
+    assert names[-3:] == ["native", "control@resnet18_imagenet", "algo@resnet18_imagenet"]
     grid = {e.name: e for e in study.default_grid("resnet18")}
-    assert grid["atomic-maxpool_bwd"].overrides["model"] == "resnet18_imagenet"   # resnet18 has no max-pool
-    small = {e.name: e for e in study.default_grid("small")}
-    assert "model" not in small["atomic-maxpool_bwd"].overrides                   # small has one
+    assert grid["atomic-maxpool_bwd"].overrides["model"] == "resnet18_imagenet"
+    assert grid["algo@resnet18_imagenet"].overrides == {"preset": "algo", "model": "resnet18_imagenet"}
+    small = [e.name for e in study.default_grid("small")]                           # small has a max-pool
+    assert small == names[:-2]
+    assert "model" not in {e.name: e for e in study.default_grid("small")}["atomic-maxpool_bwd"].overrides
+    assert "atomic-maxpool_bwd" not in [e.name for e in study.default_grid("resnet20")]  # no max-pool, no sibling
     assert grid["atomic-conv_wgrad"].overrides == {"preset": "control", "kernel_ops": {"conv_wgrad": "atomic"}}
-    assert grid["native"].overrides["kernel"] == "native" and grid["perturb_ulp"].overrides["perturb_ulp"]
+    assert grid["native"].overrides["kernel"] == "native" and grid["ulp"].overrides["perturb_ulp"]
+    # one seed source per member at a time, everything else fixed and deterministic
+    for src in ("init", "order", "aug"):
+        cfg = train.resolve(train.Config(device="cpu", **grid[src].overrides))
+        seeds = {k: getattr(cfg, f"{k}_seed") for k in ("init", "order", "aug")}
+        assert seeds == {k: "member" if k == src else "fixed" for k in seeds} and cfg.kernel == "tree"
+
+
+def test_comparisons_name_configurations_of_the_grid():
+    names = {e.name for e in study.default_grid("resnet18")}
+    assert all(a in names and b in names for a, b in study.COMPARISONS)
+    assert ("impl", "algo") in study.COMPARISONS and ("impl", "ulp") in study.COMPARISONS
+    assert study.baseline_for("control", "resnet18_imagenet", names) == "control@resnet18_imagenet"
+    assert study.baseline_for("control", "resnet18", names) == "control"
 
 
 def test_paths_by_backend(tmp_path):
@@ -63,7 +81,10 @@ def test_paths_by_backend(tmp_path):
     s = study.make_study(device="cpu")
     assert s.quick and s.stem == "divergence_cpu" and s.report_path.name == "divergence_cpu.md"
     assert s.results_path.parent.name == "results" and s.runs_dir == Path("runs/divergence_cpu")
-    assert len(s.plan) == 10 and s.members == 3
+    assert len(s.plan) == len(study.CONFIGURATIONS) and s.members == 3
+    s = study.make_study(smoke=True)
+    assert s.smoke and s.backend == "cpu" and s.members == 2 and s.stem == "divergence_smoke_cpu"
+    assert s.report_path.name == "divergence_smoke_cpu.md" and s.plan[0].config["n_train"] == 64
     s = make(tmp_path)
     assert s.report_path == tmp_path / "reports" / "div.md"
     assert s.results_path == tmp_path / "reports" / "results" / "div.json"
@@ -107,7 +128,7 @@ def test_bad_grid_file(tmp_path):
 
 
 def test_perturbed_members_move_different_weights(tmp_path):
-    s = study.make_study(device="cpu", configs=["perturb_ulp"])
+    s = study.make_study(device="cpu", configs=["ulp"])
     p = s.plan[0]
     idx = [study.member_config(p, m, runs_dir=tmp_path, progress=False)["perturb_index"] for m in range(3)]
     assert len(set(idx)) == 3
@@ -155,6 +176,9 @@ def test_killed_study_continues_and_skips_finished_members(tmp_path, monkeypatch
     assert res["configs"]["fixed"]["first_divergence"]["per_pair"] == [None]
     assert res["configs"]["seeds"]["first_divergence"]["per_pair"] == [0]   # different init: differ at step 0
     assert len(res["configs"]["seeds"]["weights"]) == TINY["epochs"]
+    ci = res["configs"]["seeds"]["metrics"]["ci"]
+    assert ci["bootstrap"]["unit"] == "members" and ci["disagreement"]["value"] == res["configs"]["seeds"]["metrics"]["disagreement"]
+    assert res["comparisons"] == []          # the tiny grid names none of study.COMPARISONS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -352,10 +376,32 @@ def test_default_cuda_study_plan(monkeypatch):
     s = study.make_study()
     assert s.backend == "cuda" and not s.quick and s.stem == "divergence"
     assert s.report_path == study.REPO / "reports" / "divergence.md"
-    assert s.members == 3 and len(s.plan) == 10
+    assert s.members == 10 and len(s.plan) == len(study.CONFIGURATIONS) + len(study.BASELINES)
     cfg = {p.name: p.config for p in s.plan}
     assert all(c["device"] == "cuda" and c["epochs"] == 10 and c["batch_size"] == 128 and c["n_train"] == 10_000
                for c in cfg.values())
     assert cfg["control"]["model"] == "resnet18" and cfg["atomic-maxpool_bwd"]["model"] == "resnet18_imagenet"
+    assert cfg["control@resnet18_imagenet"]["model"] == "resnet18_imagenet"
     m = study.member_config(s.plan[1], 2, runs_dir=Path("runs/x"), progress=False)
     assert (m["first_member"], m["members"], m["save_epoch_weights"], m["report"]) == (2, 1, True, False)
+
+
+def test_smoke_study_trains_collects_compares_and_renders(tmp_path, capsys):
+    """--smoke on a subset of the configurations (the whole set is what `python -m nnrand.study --smoke`
+    runs; 26 members take ~1.5 min of CPU time): every step from training to the paired tests."""
+    argv = ["--smoke", "--configs", "control,algo,impl,ulp", "--runs-dir", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "rep" / "div_cpu.md"), "--no-progress"]
+    assert study.cli(argv) == 0
+    res = json.loads((tmp_path / "rep" / "results" / "div_cpu.json").read_text())
+    assert res["smoke"] and res["missing"] == [] and not (tmp_path / "rep" / "results" / "div_cpu_timing.json").exists()
+    c = res["configs"]
+    assert c["control"]["metrics"]["ci"]["disagreement"]["value"] == 0.0       # fixed seeds, tree: identical
+    assert c["algo"]["metrics"]["disagreement"] > 0                             # different inits after 2 steps
+    assert c["ulp"]["first_divergence"]["per_pair"] == [0]                      # the ULPs differ at step 0
+    pairs = {(x["a"], x["b"]) for x in res["comparisons"]}
+    assert pairs == {("impl", "algo"), ("impl", "ulp"), ("ulp", "algo")}
+    comp = next(x for x in res["comparisons"] if (x["a"], x["b"]) == ("impl", "algo"))
+    assert comp["disagreement"]["exact"] and comp["disagreement"]["splits"] == 6 and comp["members"] == [2, 2]
+    text = (tmp_path / "rep" / "div_cpu.md").read_text()
+    assert "smoke sizes" in text and "## Paired tests between configurations" in text
+    assert "## Intervals per configuration" in text and "| `impl` | `algo` |" in text
