@@ -100,7 +100,7 @@ BASELINES = ("control", "algo")
 
 # Paired tests the results carry: (a, b) asks "is a's disagreement different from b's?". Entries whose
 # configurations are absent are skipped; atomic-<op> is compared with the control of its own model.
-COMPARISONS = [("impl", "algo"), ("impl", "ulp"), ("ulp", "algo"), ("algo+impl", "algo"), ("impl", "native"),
+COMPARISONS = [("impl", "algo"), ("impl", "ulp"), ("impl", "control"), ("ulp", "algo"), ("algo+impl", "algo"), ("impl", "native"),
                ("init", "algo"), ("order", "algo"), ("aug", "algo")] + \
               [(f"atomic-{op}", "control") for op in ATTRIBUTION_OPS] + [(f"atomic-{op}", "impl") for op in ATTRIBUTION_OPS]
 
@@ -647,9 +647,9 @@ def comparisons(study: Study, configs: dict, logits: dict) -> list[dict]:
             b_name = by_entry.get((baseline_for(b_entry, p.config["model"], names), p.lr))
             if b_name is None or b_name not in logits or p.name not in logits:
                 continue
-            ca, cb = configs[p.name], configs[b_name]
-            if ca["setup"]["n_test"] != cb["setup"]["n_test"] or ca["setup"]["dataset"] != cb["setup"]["dataset"]:
-                continue
+            sa, sb = configs[p.name]["setup"], configs[b_name]["setup"]
+            if any(sa[k] != sb[k] for k in ("model", "dataset", "n_test", "data_seed")):
+                continue   # another model or test set: no paired test (atomic-maxpool_bwd vs impl on resnet18)
             labels = logits[p.name][1]
             if not np.array_equal(labels, logits[b_name][1]):
                 continue

@@ -74,6 +74,19 @@ def test_comparisons_name_configurations_of_the_grid():
     assert study.baseline_for("control", "resnet18", names) == "control"
 
 
+def test_comparisons_pair_configurations_of_the_same_model_and_test_set():
+    s = study.make_study(device="cpu", sizes={"model": "resnet18"},
+                         configs=["impl", "control", "atomic-maxpool_bwd", "control@resnet18_imagenet"])
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 10, 20)
+    logits = {p.name: (rng.normal(size=(3, 20, 10)), labels) for p in s.plan}
+    configs = {p.name: {"setup": {"model": p.config["model"], "dataset": "synthetic", "n_test": 20, "data_seed": 0}}
+               for p in s.plan}
+    got = [(c["a"], c["b"]) for c in study.comparisons(s, configs, logits)]
+    # atomic-maxpool_bwd runs on resnet18_imagenet: compared with that model's control, never with impl on resnet18
+    assert got == [("impl", "control"), ("atomic-maxpool_bwd", "control@resnet18_imagenet")]
+
+
 def test_paths_by_backend(tmp_path):
     assert study.default_stem("cuda", False) == "divergence"
     assert study.default_stem("cuda", True) == "divergence_quick"
@@ -399,7 +412,7 @@ def test_smoke_study_trains_collects_compares_and_renders(tmp_path, capsys):
     assert c["algo"]["metrics"]["disagreement"] > 0                             # different inits after 2 steps
     assert c["ulp"]["first_divergence"]["per_pair"] == [0]                      # the ULPs differ at step 0
     pairs = {(x["a"], x["b"]) for x in res["comparisons"]}
-    assert pairs == {("impl", "algo"), ("impl", "ulp"), ("ulp", "algo")}
+    assert pairs == {("impl", "algo"), ("impl", "ulp"), ("impl", "control"), ("ulp", "algo")}
     comp = next(x for x in res["comparisons"] if (x["a"], x["b"]) == ("impl", "algo"))
     assert comp["disagreement"]["exact"] and comp["disagreement"]["splits"] == 6 and comp["members"] == [2, 2]
     text = (tmp_path / "rep" / "div_cpu.md").read_text()
