@@ -37,6 +37,10 @@ class DiskSpaceError(OSError):
     """Not enough free space in the output directory for the estimated outputs."""
 
 
+class CheckpointError(RuntimeError):
+    """A member's checkpoint.pt exists but cannot be loaded (truncated, corrupt, not a checkpoint)."""
+
+
 def member_dir(out: str | os.PathLike, name: str, member: int) -> Path:
     return Path(out) / name / f"member_{member:03d}"
 
@@ -134,10 +138,15 @@ def load_checkpoint(directory: str | os.PathLike) -> dict | None:
     if not path.exists():
         return None
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # torch raises several types for a damaged file
-        raise RuntimeError(f"{path} exists but cannot be loaded ({e}); delete it or the member directory "
-                           "to start that member again") from e
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises several types for a damaged file (RuntimeError, EOFError, pickle's)
+        reason = " ".join(f"{type(e).__name__}: {e}".split())  # one line: torch's messages span several
+        raise CheckpointError(f"{path} exists but cannot be loaded ({reason[:200]}); delete it to start that "
+                              "member again, or rerun with --no-resume") from e
+    if not isinstance(ckpt, dict) or not {"config", "model", "optimizer", "rng", "state"} <= ckpt.keys():
+        raise CheckpointError(f"{path} loads but is not an nnrand checkpoint; delete it to start that member "
+                              "again, or rerun with --no-resume")
+    return ckpt
 
 
 # --------------------------------------------------------------------------------------------------

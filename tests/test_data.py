@@ -1,4 +1,5 @@
-"""Data: synthetic generator semantics and determinism, CIFAR archives (format, md5, download), tensor ops."""
+"""Data: synthetic generator semantics and determinism, CIFAR archives (format, md5, download), scikit-learn's
+digits, tensor ops."""
 from __future__ import annotations
 
 import contextlib
@@ -163,9 +164,9 @@ def test_synthetic_full_size_is_fast():
 
 
 def test_bad_name():
-    with pytest.raises(ValueError, match="synthetic, cifar10, cifar100"):
+    with pytest.raises(ValueError, match="synthetic, cifar10, cifar100, digits"):
         load_dataset("mnist")
-    assert DATASETS == ("synthetic", "cifar10", "cifar100")
+    assert DATASETS == ("synthetic", "cifar10", "cifar100", "digits")
 
 
 def test_bad_sizes():
@@ -482,3 +483,84 @@ def test_cifar_download_404(tmp_path, no_proxy):
     with serve(tmp_path) as base, pytest.raises(DatasetError, match="could not download"):
         data.download_archive("cifar10", tmp_path / "dest", url=base)
     assert list((tmp_path / "dest").iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# scikit-learn's digits (extra nnrand[data])
+
+
+@pytest.fixture(scope="module")
+def digits() -> Dataset:
+    pytest.importorskip("sklearn", reason="--dataset digits needs scikit-learn (extra nnrand[data])")
+    return load_dataset("digits")
+
+
+def test_digits_layout_and_fixed_split(digits):
+    from sklearn.datasets import load_digits
+
+    ds = digits
+    assert "digits" in DATASETS and ds.name == "digits" and ds.classes == [str(c) for c in range(10)]
+    assert ds.train_x.shape == (data.DIGITS_TRAIN, 3, 32, 32) and ds.test_x.shape == (1797 - data.DIGITS_TRAIN, 3, 32, 32)
+    assert ds.train_x.dtype == torch.uint8 and ds.train_y.dtype == torch.int64
+    ref = load_digits()
+    # the documented split: the first DIGITS_TRAIN images in file order train, the rest test
+    assert ds.train_y.tolist() == ref.target[:data.DIGITS_TRAIN].tolist()
+    assert ds.test_y.tolist() == ref.target[data.DIGITS_TRAIN:].tolist()
+    assert torch.equal(ds.train_x[:, 0], ds.train_x[:, 1]) and torch.equal(ds.train_x[:, 0], ds.train_x[:, 2])
+    assert min(torch.bincount(ds.test_y, minlength=10).tolist()) >= 30
+    assert ds.mean == data.channel_stats(ds.train_x)[0] and len(set(ds.mean)) == 1
+
+
+def test_digits_pixels_are_torch_bilinear_upsampling(digits):
+    """The float64 matrix form equals torch's bilinear interpolation (align_corners=False) of the 8x8
+    images scaled to 0..255, after rounding: both compute the same convex combinations in float64 (the
+    weights are multiples of 1/8, exact), so a rounding difference could only come from a tie; none here."""
+    from sklearn.datasets import load_digits
+
+    images = torch.from_numpy(load_digits().images * (255.0 / 16.0))[:, None]
+    ref = torch.nn.functional.interpolate(images, size=(32, 32), mode="bilinear", align_corners=False)
+    ref = ref.round().clamp(0, 255).to(torch.uint8)[:, 0]
+    assert torch.equal(digits.train_x[:, 0], ref[:data.DIGITS_TRAIN])
+    assert torch.equal(digits.test_x[:, 0], ref[data.DIGITS_TRAIN:])
+    # the ink of an 8x8 image survives the upsampling: top-left block of 4x4 output pixels ~ one input pixel
+    assert int(digits.train_x.max()) == 255 and int(digits.train_x.min()) == 0
+
+
+def test_digits_groups_are_faint_images(digits):
+    ds = digits
+    thr = ds.extra["ink_threshold"]
+    assert torch.equal(ds.train_group, (ds.extra["train_ink"] < thr[ds.train_y]).long())
+    assert torch.equal(ds.test_group, (ds.extra["test_ink"] < thr[ds.test_y]).long())
+    # below a linearly interpolated first quartile lie at most floor(0.25 * (n - 1)) + 1 of n values
+    for c in range(10):
+        g = ds.train_group[ds.train_y == c]
+        assert 0 < int(g.sum()) <= int(0.25 * (len(g) - 1)) + 1
+    assert 0.1 < float(ds.test_group.float().mean()) < 0.4
+
+
+def test_digits_subset_is_seeded_and_deterministic(digits):
+    a = load_dataset("digits", seed=3, n_train=100, n_test=50)
+    b = load_dataset("digits", seed=3, n_train=100, n_test=50)
+    c = load_dataset("digits", seed=4, n_train=100, n_test=50)
+    assert dataset_digest(a) == dataset_digest(b) != dataset_digest(c)
+    assert a.train_x.shape[0] == 100 and a.test_y.shape == (50,)
+    assert dataset_digest(load_dataset("digits")) == dataset_digest(digits)
+    # a subset's images are images of the full split, with their labels and groups
+    full = {bytes(x.numpy().tobytes()): (int(y), int(g)) for x, y, g in zip(digits.train_x, digits.train_y,
+                                                                             digits.train_group)}
+    for x, y, g in zip(a.train_x, a.train_y, a.train_group):
+        assert full[bytes(x.numpy().tobytes())] == (int(y), int(g))
+
+
+def test_digits_without_scikit_learn_names_the_extra(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_sklearn(name, *a, **k):
+        if name == "sklearn" or name.startswith("sklearn."):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_sklearn)
+    with pytest.raises(DatasetError, match=r"nnrand\[data\]"):
+        load_dataset("digits")

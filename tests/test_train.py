@@ -170,6 +170,30 @@ def test_resume_with_another_config_is_refused(tmp_path):
         train.main(tiny(tmp_path, "cfg", kernel="native", epochs=2, lr=0.05))
 
 
+def test_unreadable_checkpoint_is_a_one_line_cli_error(tmp_path):
+    """A truncated or overwritten checkpoint.pt stops the resume with exit code 2 and one line naming the
+    file and the two ways out; --no-resume then starts the member again."""
+    argv = ["--kernel", "native", "--device", "cpu", "--model", "small", "--n-train", "48", "--n-test", "24",
+            "--batch-size", "16", "--epochs", "2", "--out", str(tmp_path), "--name", "ckpt", "--no-progress",
+            "--no-report"]
+    with pytest.raises(KeyboardInterrupt):
+        train.main(tiny(tmp_path, "ckpt", kernel="native", epochs=2, interrupt_at_step=2))
+    path = runio.member_dir(tmp_path, "ckpt", 0) / "checkpoint.pt"
+    good = path.read_bytes()
+    for damaged in (good[:len(good) // 2], b"\x00" * 64):   # truncated; overwritten
+        path.write_bytes(damaged)
+        with pytest.raises(runio.CheckpointError):
+            runio.load_checkpoint(path.parent)
+        r = cli(*argv)
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert str(path) in lines[0] and "delete it" in lines[0] and "--no-resume" in lines[0], lines[0]
+    r = cli(*argv, "--no-resume")
+    assert r.returncode == 0, r.stderr
+    assert runio.is_finished(path.parent)
+
+
 # --------------------------------------------------------------------------------------------------
 # Resumption: interrupted + resumed == uninterrupted, bit for bit
 
@@ -260,3 +284,12 @@ def test_strict_refusal_and_no_strict_records_uncovered(tmp_path, monkeypatch):
     result = out["members"][0]
     assert result["uncovered"] == ["reflection_pad2d_backward"]
     assert result["coverage"]["convolution_backward"]["tree"] > 0
+
+
+def test_digits_dataset_trains_and_records_groups(tmp_path):
+    """--dataset digits (extra nnrand[data]) through the harness: per-image groups reach predictions.npz."""
+    pytest.importorskip("sklearn", reason="--dataset digits needs scikit-learn (extra nnrand[data])")
+    out = train.main(tiny(tmp_path, "digits", dataset="digits", kernel="native"))
+    pred = np.load(runio.member_dir(tmp_path, "digits", 0) / "predictions.npz")
+    assert pred["logits"].shape == (24, 10) and set(pred["group"].tolist()) <= {0, 1}
+    assert 0.0 <= out["members"][0]["test_top1"] <= 1.0
