@@ -367,24 +367,27 @@ def _peers() -> dict:
 SPECIALS = [float("inf"), float("-inf"), float("nan"), -0.0, -0.0, 1e-40, -3e-39, 0.0]
 
 
-def _make_inputs(case: Case, device: torch.device) -> tuple[tuple, dict]:
-    """dy random normal from case.seed (``special``: with Inf, NaN, -0.0 and subnormals mixed in);
-    ``noncontig``: a strided view of a larger tensor."""
-    p = case.params
-    g = torch.Generator().manual_seed(case.seed)
-    shape = (p["n"], p["c"], p["oh"], p["ow"])
-    kw = {"input_size": (p["h"], p["w"])}
+def make_dy(p: dict, seed: int, device: torch.device) -> torch.Tensor:
+    """The upstream gradient (n, c, oh, ow) of a resampling case: random normal from ``seed``
+    (``special``: with Inf, NaN, -0.0 and subnormals mixed in; ``noncontig``: a strided view of a larger
+    tensor; ``layout``: channels_last or NCHW). Shared with upsample_bilinear2d_bwd."""
+    g = torch.Generator().manual_seed(seed)
     if p.get("noncontig"):  # sliced on the device, so the strides survive the move
         big = torch.randn((p["n"], p["c"], 2 * p["oh"], p["ow"] + 3), generator=g).to(device)
-        return (big[:, :, ::2, 1:p["ow"] + 1],), kw
-    dy = torch.randn(shape, generator=g)
+        return big[:, :, ::2, 1:p["ow"] + 1]
+    dy = torch.randn((p["n"], p["c"], p["oh"], p["ow"]), generator=g)
     if p.get("special"):
         flat = dy.view(-1)
         sel = torch.randperm(flat.numel(), generator=g)[:len(SPECIALS)]
         flat[sel] = torch.tensor(SPECIALS)
     if p.get("layout") == "channels_last":
         dy = dy.contiguous(memory_format=torch.channels_last)
-    return (dy.to(device),), kw
+    return dy.to(device)
+
+
+def _make_inputs(case: Case, device: torch.device) -> tuple[tuple, dict]:
+    p = case.params
+    return (make_dy(p, case.seed, device),), {"input_size": (p["h"], p["w"])}
 
 
 def _reference(args: tuple, kwargs: dict) -> torch.Tensor:

@@ -50,7 +50,7 @@ from .runtime import (
     layout_of,
     ptr,
 )
-from .shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape, conv_out
+from .shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape, check_dgrad_output
 
 OP = "conv_dgrad"
 SOURCE = "conv_dgrad.cu"
@@ -142,17 +142,7 @@ def _geometry(w_shape, dy_shape, layout, input_size, stride, padding, dilation, 
     cout, cin, kh, kw = w_shape
     if kh < 1 or kw < 1:
         raise KernelArgumentError(OP, "w", f"expected a kernel of at least 1x1, got shape {w_shape}")
-    n, dcout, oh, ow = dy_shape
-    if dcout != cout:
-        raise KernelArgumentError(OP, "dy", f"expected {cout} channels (w.shape[0]), got shape {dy_shape}")
-    eh, ew = conv_out(h, kh, sh, ph, dh), conv_out(wd, kw, sw, pw, dw)
-    if eh < 1 or ew < 1:
-        raise KernelArgumentError(OP, "input_size", f"{(h, wd)} with padding {(ph, pw)} is smaller than the "
-                                  f"dilated kernel {(dh * (kh - 1) + 1, dw * (kw - 1) + 1)}")
-    if (oh, ow) != (eh, ew):
-        raise KernelArgumentError(OP, "dy", f"expected spatial size {(eh, ew)} (the conv output of input_size "
-                                  f"{(h, wd)}, kernel {(kh, kw)}, stride {(sh, sw)}, padding {(ph, pw)}, "
-                                  f"dilation {(dh, dw)}), got {(oh, ow)}")
+    n, oh, ow = check_dgrad_output(OP, dy_shape, cout, h, wd, kh, kw, sh, sw, ph, pw, dh, dw)
     if n * h * wd > INT32_MAX or n * oh * ow > INT32_MAX or cin * kh * kw > INT32_MAX:
         raise KernelArgumentError(OP, "dy", f"pixel counts must fit in int32, got batch {n} of {h}x{wd}")
     return Geometry(n=n, cin=cin, cout=cout, kh=kh, kw=kw, h=h, w=wd, oh=oh, ow=ow, sh=sh, sw=sw,

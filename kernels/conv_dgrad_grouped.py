@@ -37,7 +37,7 @@ from .conv_wgrad_grouped import (
 from .order import rng_of
 from .registry import Case, define_op
 from .runtime import INT32_MAX, KernelArgumentError, cdiv, check_cuda, check_tensor, function, launch, memo_check, ptr
-from .shapes import conv_out
+from .shapes import check_dgrad_output
 
 OP = "conv_dgrad_grouped"
 SOURCE = "conv_dgrad_grouped.cu"
@@ -100,17 +100,7 @@ def _check_all(w, dy, input_size, stride, padding, dilation, groups) -> Geometry
     if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
         raise KernelArgumentError(OP, "groups", f"expected an int >= 1, got {groups!r}")
     check_groups(OP, groups, cin_g * int(groups), cout)  # Cout must split into the groups
-    n, dcout, oh, ow = dy.shape
-    if dcout != cout:
-        raise KernelArgumentError(OP, "dy", f"expected {cout} channels (w.shape[0]), got shape {tuple(dy.shape)}")
-    eh, ew = conv_out(h, kh, sh, ph, dh), conv_out(wd, kw, sw, pw, dw)
-    if eh < 1 or ew < 1:
-        raise KernelArgumentError(OP, "input_size", f"{(h, wd)} with padding {(ph, pw)} is smaller than the "
-                                  f"dilated kernel {(dh * (kh - 1) + 1, dw * (kw - 1) + 1)}")
-    if (oh, ow) != (eh, ew):
-        raise KernelArgumentError(OP, "dy", f"expected spatial size {(eh, ew)} (the conv output of input_size "
-                                  f"{(h, wd)}, kernel {(kh, kw)}, stride {(sh, sw)}, padding {(ph, pw)}, "
-                                  f"dilation {(dh, dw)}), got {(oh, ow)}")
+    n, oh, ow = check_dgrad_output(OP, tuple(dy.shape), cout, h, wd, kh, kw, sh, sw, ph, pw, dh, dw)
     cin = cin_g * int(groups)
     for arg, t in (("w", w), ("dy", dy)):
         span = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) if t.numel() else 0

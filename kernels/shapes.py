@@ -13,6 +13,26 @@ def conv_out(size: int, k: int, stride: int, pad: int, dilation: int = 1) -> int
     return (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
 
 
+def check_dgrad_output(op: str, dy_shape: tuple, cout: int, h: int, wd: int, kh: int, kw: int, sh: int, sw: int,
+                       ph: int, pw: int, dh: int, dw: int) -> tuple[int, int, int]:
+    """A data gradient's dy against the conv it belongs to: Cout channels and the conv output size of
+    input (h, wd). Returns (N, OH, OW); raises KernelArgumentError naming ``op`` and the argument."""
+    from .runtime import KernelArgumentError
+
+    n, dcout, oh, ow = dy_shape
+    if dcout != cout:
+        raise KernelArgumentError(op, "dy", f"expected {cout} channels (w.shape[0]), got shape {tuple(dy_shape)}")
+    eh, ew = conv_out(h, kh, sh, ph, dh), conv_out(wd, kw, sw, pw, dw)
+    if eh < 1 or ew < 1:
+        raise KernelArgumentError(op, "input_size", f"{(h, wd)} with padding {(ph, pw)} is smaller than the "
+                                  f"dilated kernel {(dh * (kh - 1) + 1, dw * (kw - 1) + 1)}")
+    if (oh, ow) != (eh, ew):
+        raise KernelArgumentError(op, "dy", f"expected spatial size {(eh, ew)} (the conv output of input_size "
+                                  f"{(h, wd)}, kernel {(kh, kw)}, stride {(sh, sw)}, padding {(ph, pw)}, "
+                                  f"dilation {(dh, dw)}), got {(oh, ow)}")
+    return n, oh, ow
+
+
 @dataclass(frozen=True)
 class ConvShape:
     name: str

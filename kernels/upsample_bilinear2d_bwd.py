@@ -39,11 +39,10 @@ import functools
 import numpy as np
 import torch
 
-from .adaptive_avg_pool2d_bwd import memory_format, suggest_layout
+from .adaptive_avg_pool2d_bwd import make_dy, memory_format, suggest_layout
 from .order import F32, arrival_sum
 from .registry import Case, define_op
 from .runtime import (
-    INT32_MAX,
     KernelArgumentError,
     cdiv,
     check_cuda,
@@ -377,27 +376,9 @@ def _peers() -> dict:
 # --------------------------------------------------------------------------------------------------
 # Op spec: inputs, reference, cases
 
-# Values a gradient can hold that arithmetic treats specially: infinities, NaN, signed zeros, subnormals.
-SPECIALS = [float("inf"), float("-inf"), float("nan"), -0.0, -0.0, 1e-40, -3e-39, 0.0]
-
-
 def _make_inputs(case: Case, device: torch.device) -> tuple[tuple, dict]:
-    """dy random normal from case.seed (``special``: with Inf, NaN, -0.0 and subnormals mixed in);
-    ``noncontig``: a strided view of a larger tensor."""
     p = case.params
-    g = torch.Generator().manual_seed(case.seed)
-    kw = {"input_size": (p["h"], p["w"]), "align_corners": p["align_corners"]}
-    if p.get("noncontig"):  # sliced on the device, so the strides survive the move
-        big = torch.randn((p["n"], p["c"], 2 * p["oh"], p["ow"] + 3), generator=g).to(device)
-        return (big[:, :, ::2, 1:p["ow"] + 1],), kw
-    dy = torch.randn((p["n"], p["c"], p["oh"], p["ow"]), generator=g)
-    if p.get("special"):
-        flat = dy.view(-1)
-        sel = torch.randperm(flat.numel(), generator=g)[:len(SPECIALS)]
-        flat[sel] = torch.tensor(SPECIALS)
-    if p.get("layout") == "channels_last":
-        dy = dy.contiguous(memory_format=torch.channels_last)
-    return (dy.to(device),), kw
+    return (make_dy(p, case.seed, device),), {"input_size": (p["h"], p["w"]), "align_corners": p["align_corners"]}
 
 
 def _reference(args: tuple, kwargs: dict) -> torch.Tensor:

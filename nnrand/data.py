@@ -252,7 +252,7 @@ def epoch_order(n: int, epoch: int, seed: int) -> torch.LongTensor:
     """The batch order of epoch ``epoch``: a permutation of range(n) from a CPU generator seeded by
     (seed, epoch) alone, so a run resumed at any epoch reproduces it."""
     g = torch.Generator(device="cpu")
-    g.manual_seed(int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0]))
+    g.manual_seed(noise_key(seed, epoch))
     return torch.randperm(n, generator=g)
 
 

@@ -159,14 +159,6 @@ class Group:
                 dist.all_reduce(t)
         return t
 
-    def broadcast_object(self, obj):
-        if not self.world.distributed:
-            return obj
-        box = [obj]
-        with self.guard("broadcast"):
-            dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
-
     def gather_objects(self, obj) -> list:
         if not self.world.distributed:
             return [obj]
