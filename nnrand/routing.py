@@ -36,7 +36,11 @@ Routed ops (the names ``--kernel-op`` takes) and the aten ops they come from:
                               into ``self`` per element, so its bits differ from torch's (which adds into
                               ``self`` directly), deterministically
 
-The family ``tree`` means each op's fixed-order variant: ``sorted`` for the three scatter sums.
+The family ``tree`` means each op's fixed-order variant: ``sorted`` for the three scatter sums. The
+family ``fastest-deterministic`` is ``tree`` except on the conv ops, which it routes ``auto``: per conv
+configuration, the fastest of the deterministic candidates (the registry's deterministic variants and
+torch's own kernel under PyTorch's deterministic mode, ``torch_det``), timed once and cached on disk by
+``nnrand.autotune``; the coverage names what ran, ``routing.tuner.record()`` every choice.
 
 Under ``torch.compile`` only ``convolution_backward`` reaches the override: inductor generates its own
 max-pool and BatchNorm backward code (fixed-order gathers and reductions). The coverage says what ran.
@@ -92,7 +96,11 @@ REGISTRY_OPS = {"conv_wgrad": ("conv_wgrad",), "conv_dgrad": ("conv_dgrad",), "b
 FAMILY_VARIANTS = {("tree", "embedding_bwd"): "sorted", ("tree", "index_add"): "sorted",
                    ("tree", "scatter_add"): "sorted"}
 NATIVE = "native"
-FAMILIES = ("tree", "atomic", NATIVE)  # what --kernel accepts; per-op overrides accept any registry name
+FASTEST = "fastest-deterministic"
+FAMILIES = ("tree", "atomic", NATIVE, FASTEST)  # what --kernel accepts; per-op overrides: any registry name
+# Per-shape choice among the deterministic candidates (nnrand.autotune), for the conv ops
+AUTO = "auto"
+TUNABLE = ("conv_wgrad", "conv_dgrad", "conv_wgrad_grouped", "conv_dgrad_grouped")
 ORIGINAL = "original"
 UNCOVERED = "uncovered"
 
@@ -116,6 +124,23 @@ class NondeterministicOpError(RuntimeError):
 
 # --------------------------------------------------------------------------------------------------
 # Resolution: (family, per-op overrides) -> variant per op, checked against the registry
+
+
+def family_variant(family: str, op: str) -> str:
+    """The variant a family means for ``op``: ``fastest-deterministic`` is ``auto`` on the conv ops and
+    ``tree``'s choice elsewhere."""
+    if family == FASTEST:
+        return AUTO if op in TUNABLE else family_variant("tree", op)
+    return FAMILY_VARIANTS.get((family, op), family)
+
+
+@dataclass(frozen=True)
+class Auto:
+    """What ``Routing.variant`` returns for an op routed ``auto``: the tuner picks per configuration."""
+
+    op: str
+    name: str = AUTO
+    deterministic: bool = True
 
 
 def registered_variants(op: str) -> list[str]:
@@ -160,7 +185,8 @@ class Routing:
     def deterministic(self) -> bool:
         """True when every routed variant is deterministic (``native`` ops count as deterministic only
         under PyTorch's deterministic mode, which ``use_kernels`` turns on for such routings)."""
-        return all(name == NATIVE or all(kernels.get(reg, name).deterministic for reg in REGISTRY_OPS.get(op, (op,)))
+        return all(name in (NATIVE, AUTO) or all(kernels.get(reg, name).deterministic
+                                                 for reg in REGISTRY_OPS.get(op, (op,)))
                    for op, name in self.used.items())
 
     @property
@@ -169,9 +195,16 @@ class Routing:
         return not self.is_native and self.deterministic
 
     def variant(self, op: str, registry_op: str | None = None):
-        """The registry variant routed op ``op`` runs for ``registry_op`` (default: ``op``); None: native."""
+        """The registry variant routed op ``op`` runs for ``registry_op`` (default: ``op``); None: native;
+        an :class:`Auto` where the tuner chooses per configuration."""
         name = self.used[op]
+        if name == AUTO:
+            return Auto(op)
         return None if name == NATIVE else kernels.get(registry_op or op, name)
+
+    @property
+    def tuned(self) -> bool:
+        return AUTO in self.used.values()
 
     def describe(self) -> dict:
         return {"family": self.family, "ops": dict(self.used), "requested": dict(self.requested),
@@ -187,13 +220,13 @@ def resolve(family: str = "tree", overrides: Mapping[str, str] | None = None) ->
     if family not in FAMILIES:
         raise RoutingError(f"unknown kernel family {family!r}; valid: {', '.join(FAMILIES)}")
     overrides = dict(overrides or {})
-    requested = {op: FAMILY_VARIANTS.get((family, op), family) for op in ROUTED_OPS}
+    requested = {op: family_variant(family, op) for op in ROUTED_OPS}
     used: dict[str, str] = {}
     notes: dict[str, str] = {}
     for op, name in overrides.items():
         if op not in ROUTED_OPS:
             raise RoutingError(f"unknown op {op!r} in --kernel-op; valid ops: {', '.join(ROUTED_OPS)}")
-        valid = registered_variants(op)
+        valid = registered_variants(op) + ([AUTO] if op in TUNABLE else [])
         if name != NATIVE and name not in valid:
             have = ", ".join([NATIVE, *valid])
             why = "" if valid else f" (op {op} is not in the kernel registry yet)"
@@ -201,7 +234,7 @@ def resolve(family: str = "tree", overrides: Mapping[str, str] | None = None) ->
         requested[op] = name
     for op in ROUTED_OPS:
         name = requested[op]
-        if name == NATIVE or name in registered_variants(op):
+        if name == NATIVE or name in registered_variants(op) or (name == AUTO and op in TUNABLE):
             used[op] = name
         else:
             used[op] = NATIVE
@@ -287,21 +320,45 @@ def _call(v, rng, *args, **kwargs):
     return v(*args, rng=rng, **kwargs)
 
 
+def _tuned(s: "_Session", auto: Auto, grad: int, original, keyset, args: tuple, x, w, geom: dict, fmt,
+           variant_args: tuple, variant_kwargs: dict):
+    """The variant the tuner picks for ``auto.op`` on this call (None: torch's own kernel, ``torch_det``).
+    ``grad``: 0 for dX, 1 for dW (the slot in convolution_backward's output mask)."""
+    from . import autotune
+
+    candidates: dict[str, Callable[[], object]] = {}
+    variants = {}
+    for v in kernels.variants(auto.op):
+        if v.deterministic:
+            variants[v.name] = v
+            candidates[v.name] = (lambda v=v: _call(v, s.rng, *variant_args, **variant_kwargs))
+    # torch's kernel is deterministic only under the deterministic mode a deterministic routing turns on
+    if torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic \
+            and not torch.backends.cudnn.benchmark:
+        mask = [grad == 0, grad == 1, False]
+        candidates[autotune.TORCH_DET] = lambda: original.call_boxed(keyset, *args, mask)
+    layout = "channels_last" if fmt == torch.channels_last else "nchw"
+    key = autotune.conv_key(auto.op, x, w, geom["stride"], geom["padding"], geom["dilation"],
+                            geom.get("groups", 1), layout)
+    name = s.tuner.choose(key, x.device, candidates)
+    return variants.get(name)
+
+
 def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, padding, dilation, transposed,
                    output_padding, groups, mask):
     op = "convolution_backward"
+    args = (dy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups)
     why = None
     if transposed:
         why = "transposed conv"
     elif x.dim() != 4:
-        why = f"{x.dim() - 2}-D conv"
+        why = f"{x.dim()}-D conv"
     elif not _f32(dy, x, w):
         why = f"dtype {x.dtype}"
-    plan = s.conv if groups == 1 else s.conv_grouped
+    plan = list(s.conv if groups == 1 else s.conv_grouped)  # (wgrad, dgrad, bias)
     fmt = memory_format_of(x)
     if why is None:
         need = list(mask)
-        native_mask = [need[0] and plan[1] is None, need[1] and plan[0] is None, need[2] and plan[2] is None]
         try:
             dx = dw = db = None
             dy_ = dy.contiguous(memory_format=fmt)
@@ -309,22 +366,27 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
             geom = dict(stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
             if groups != 1:
                 geom["groups"] = int(groups)
+            dgrad_in = ((w.contiguous(memory_format=memory_format_of(w)), dy_),
+                        dict(input_size=tuple(x.shape[-2:]), **geom))
+            wgrad_in = ((x_, dy_), dict(kernel_size=tuple(w.shape[-2:]), **geom))
+            if need[0] and isinstance(plan[1], Auto):
+                plan[1] = _tuned(s, plan[1], 0, original, keyset, args, x, w, geom, fmt, *dgrad_in)
+            if need[1] and isinstance(plan[0], Auto):
+                plan[0] = _tuned(s, plan[0], 1, original, keyset, args, x, w, geom, fmt, *wgrad_in)
+            native_mask = [need[0] and plan[1] is None, need[1] and plan[0] is None, need[2] and plan[2] is None]
             if need[0] and plan[1] is not None:
-                dx = _call(plan[1], s.rng, w.contiguous(memory_format=memory_format_of(w)), dy_,
-                           input_size=tuple(x.shape[-2:]), **geom)
+                dx = _call(plan[1], s.rng, *dgrad_in[0], **dgrad_in[1])
             if need[1] and plan[0] is not None:
-                dw = _call(plan[0], s.rng, x_, dy_, kernel_size=tuple(w.shape[-2:]), **geom)
+                dw = _call(plan[0], s.rng, *wgrad_in[0], **wgrad_in[1])
             if need[2] and plan[2] is not None:
                 db = _call(plan[2], s.rng, dy_)
         except kernels.KernelArgumentError as e:
             why = str(e)
     if why is not None:
         s.coverage.add(op, ORIGINAL, why)
-        return original.call_boxed(keyset, dy, x, w, bias_sizes, stride, padding, dilation, transposed,
-                                   output_padding, groups, mask)
+        return original.call_boxed(keyset, *args, mask)
     if any(native_mask):
-        ndx, ndw, ndb = original.call_boxed(keyset, dy, x, w, bias_sizes, stride, padding, dilation, transposed,
-                                            output_padding, groups, native_mask)
+        ndx, ndw, ndb = original.call_boxed(keyset, *args, native_mask)
         dx = ndx if native_mask[0] else dx
         dw = ndw if native_mask[1] else dw
         db = ndb if native_mask[2] else db
@@ -335,7 +397,11 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
         dx = dx.contiguous(memory_format=out_fmt)
     if dw is not None:
         dw = dw.contiguous(memory_format=out_fmt)
-    ran = sorted({v.name for v, needed in zip(plan, (need[1], need[0], need[2])) if needed and v is not None})
+    # what ran per asked gradient: a variant's name, or torch_det where the tuner chose torch's kernel
+    tuned = s.conv_tuned if groups == 1 else s.conv_grouped_tuned
+    ran = sorted({v.name if v is not None else "torch_det" for v, needed, t in zip(plan, (need[1], need[0], need[2]),
+                                                                                    tuned)
+                  if needed and (v is not None or t)})
     s.coverage.add(op, "+".join(ran) if ran else ORIGINAL, None if ran else "no routed gradient was asked for")
     return dx, dw, db
 
@@ -659,10 +725,16 @@ def _guarded_forward(s: "_Session", original, entry: Uncovered, keyset, *args, *
 # The session: one open context
 
 
+def _default_tuner():
+    from . import autotune
+
+    return autotune.Tuner()
+
+
 class _Session:
     """What the overrides read: the routing's variants, the RNG of the CPU atomic models, the counters."""
 
-    def __init__(self, routing: Routing, strict: bool, rng, model):
+    def __init__(self, routing: Routing, strict: bool, rng, model, tuner=None):
         self.routing, self.strict, self.rng, self.model = routing, strict, rng, model
         self.coverage = Coverage()
         self.warned: set[str] = set()
@@ -674,6 +746,10 @@ class _Session:
         self.bn = routing.variant("bias_grad", "bn_bwd")
         # grouped convs: (wgrad, dgrad, bias); the bias gradient is the same channel sum
         self.conv_grouped = (routing.variant("conv_wgrad_grouped"), routing.variant("conv_dgrad_grouped"), self.conv[2])
+        # which slots of those tuples the tuner fills (a None it returns means torch_det, not native)
+        self.conv_tuned = tuple(isinstance(v, Auto) for v in self.conv)
+        self.conv_grouped_tuned = tuple(isinstance(v, Auto) for v in self.conv_grouped)
+        self.tuner = tuner if tuner is not None or not routing.tuned else _default_tuner()
         self.aap = routing.variant("adaptive_avg_pool2d_bwd")
         self.up = routing.variant("upsample_bilinear2d_bwd")
         self.emb = routing.variant("embedding_bwd")
@@ -702,6 +778,11 @@ class RoutingContext:
     @property
     def strict(self) -> bool:
         return self._s.strict
+
+    @property
+    def tuner(self):
+        """The :class:`nnrand.autotune.Tuner` of ops routed ``auto`` (None when no op is)."""
+        return self._s.tuner
 
     @property
     def deterministic(self) -> bool:
@@ -818,7 +899,7 @@ def _deterministic_mode(strict: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = None, *, strict: bool = True,
-                rng=None, model: torch.nn.Module | None = None) -> Iterator[RoutingContext]:
+                rng=None, model: torch.nn.Module | None = None, tuner=None) -> Iterator[RoutingContext]:
     """Route backward reductions to the registry's variants while the context is open.
 
     ``kernel``: a family (``tree``, ``atomic``, ``native``) or a resolved :class:`Routing`; ``ops``: per-op
@@ -826,6 +907,8 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
     routing, an uncovered nondeterministic op raises (True) or warns once and is counted (False).
     ``rng``: the arrival order of the CPU models of atomic variants (a ``numpy.random.Generator`` or a seed;
     None: fresh entropy per call, as a GPU behaves). ``model``: optional, only to name modules in errors.
+    ``tuner``: the :class:`nnrand.autotune.Tuner` of ops routed ``auto`` (``fastest-deterministic``);
+    default: one with the on-disk cache.
 
     Yields a :class:`RoutingContext` (``.coverage``, ``.routing``, ``.deterministic``). Contexts do not nest."""
     global _ACTIVE
@@ -839,7 +922,7 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
         if _ACTIVE is not None:
             raise RoutingError(f"nnrand.use_kernels is already active (family {_ACTIVE.routing.family!r}); "
                                "routing contexts do not nest: leave the open one first")
-        session = _Session(routing, strict, rng, model)
+        session = _Session(routing, strict, rng, model, tuner)
         _ACTIVE = session
     lib = None
     try:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import kernels
-from nnrand import data, distributed, models, noise, routing, runio
+from nnrand import autotune, data, distributed, models, noise, routing, runio
 from nnrand.fingerprint import fingerprint
 
 # --------------------------------------------------------------------------------------------------
@@ -56,8 +56,9 @@ class Config:
     warmup_epochs: float = 0.5          # linear warm-up length, epochs (capped at half the run)
     # kernel routing and noise
     preset: str = noise.DEFAULT_PRESET  # noise.PRESETS: control / algo / impl / algo+impl
-    kernel: str | None = None           # routing family (tree / atomic / native); None: the preset's
+    kernel: str | None = None           # routing family (tree / atomic / native / fastest-deterministic)
     kernel_ops: dict = field(default_factory=dict)  # per-op overrides {op: variant}
+    autotune_plan: str | None = None    # a run's config.json whose per-shape conv choices to reuse (auto ops)
     seed: int = 0                       # base seed: "fixed" and "member" seeds derive from it
     init_seed: str | int | None = None  # "fixed" | "member" | int; None: the preset's
     order_seed: str | int | None = None
@@ -164,10 +165,27 @@ def resolve(cfg: Config) -> Config:
     if cfg.first_member < 0 or cfg.perturb_index < 0:
         raise ConfigError("--first-member and --perturb-index must be >= 0")
     _resolve_world(cfg, dev)
+    _resolve_autotune(cfg)
     if cfg.name is None:
         ops = "".join(f"_{op}={v}" for op, v in sorted(cfg.kernel_ops.items()))
         cfg.name = f"{cfg.preset}_{cfg.kernel}{ops}_{cfg.model}"
     return cfg
+
+
+def _resolve_autotune(cfg: Config) -> None:
+    tuned = routing.resolve(cfg.kernel, cfg.kernel_ops).tuned
+    if cfg.autotune_plan is not None:
+        if not tuned:
+            raise ConfigError("--autotune-plan applies to runs whose conv ops are tuned per shape: --kernel "
+                              "fastest-deterministic or --kernel-op OP=auto")
+        try:
+            autotune.read_record(cfg.autotune_plan)
+        except autotune.AutotuneError as e:
+            raise ConfigError(str(e)) from None
+    elif tuned and distributed.world_from_env().distributed:
+        raise ConfigError("--kernel fastest-deterministic with several processes needs --autotune-plan: ranks "
+                          "timing on their own could choose differently; run one process first and pass its "
+                          "member's config.json")
 
 
 def _resolve_world(cfg: Config, dev: torch.device) -> None:
@@ -484,6 +502,12 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
         state = ckpt["state"]
         meta["perturb"] = state["perturb"]
         meta["resumed_from"] = {"epoch": state["epoch"], "i": state["i"], "step": state["step"]}
+    tuner = None
+    if route.tuned:   # per-shape conv choices: the checkpoint's on resume, else the plan's, else timed
+        pinned = (ckpt or {}).get("autotune") or (autotune.read_record(cfg.autotune_plan) if cfg.autotune_plan
+                                                 else None)
+        tuner = autotune.Tuner(pinned=pinned, pinned_only=world.distributed)
+        meta["autotune"] = tuner.record()
     if main_rank:
         runio.write_json(d / "config.json", meta)
 
@@ -504,9 +528,13 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
             gen_state = group.gather_objects(gen_state)
         state["aug_state"] = gen_state
         if main_rank:
+            record = None
+            if tuner is not None:   # the choices made so far, in the checkpoint and the run's config.json
+                record = meta["autotune"] = tuner.record()
+                runio.write_json(d / "config.json", meta)
             runio.torch_save(d / "checkpoint.pt", {
                 "config": meta["config"], "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "rng": _rng_states(kernel_rng), "state": state})
+                "rng": _rng_states(kernel_rng), "state": state, "autotune": record})
 
     def step_metrics(loss_sum, correct):
         if ddp is not None:   # every rank's share of the global batch
@@ -522,7 +550,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                   initial=state["epoch"], total=cfg.epochs, leave=False)
     model.train()
     graph = None
-    with routing.use_kernels(route, rng=kernel_rng, strict=cfg.strict, model=model) as routed, \
+    with routing.use_kernels(route, rng=kernel_rng, strict=cfg.strict, model=model, tuner=tuner) as routed, \
             _Interrupt(distributed=world.distributed) as interrupt:
         for epoch in epochs:
             order = data.epoch_order(n, epoch, seeds.order).to(device)  # batches slice it on the device
@@ -625,6 +653,10 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
               "coverage": routed.coverage.as_dict(), "uncovered": routed.coverage.uncovered,
               "world_size": world.size, "world_invariant": cfg.world_invariant,
               "fingerprint": meta["fingerprint"]}
+    if tuner is not None:
+        result["autotune"] = tuner.counts()
+        meta["autotune"] = tuner.record()
+        runio.write_json(d / "config.json", meta)
     runio.write_json(d / "result.json", result)
     log.info("member %d done: test top-1 %.4f, final checksum %d, logits %s", member, ev["test_top1"], final,
              result["logits_hash"])
@@ -744,6 +776,10 @@ EPILOG = """examples:
   python -m nnrand.train --model torchvision:resnet50 --image-size 224 --channels-last --kernel tree
   python -m nnrand.train --model timm:resnet18 --image-size 64 --kernel tree --no-strict
   python -m nnrand.train --kernel tree --cuda-graph                  whole forward/backward as one graph replay
+  python -m nnrand.train --kernel fastest-deterministic   per conv shape, the fastest deterministic backward
+                                    (timed once, cached on disk, recorded in <member>/config.json)
+  python -m nnrand.train --kernel fastest-deterministic --autotune-plan runs/X/member_000/config.json
+                                    the same per-shape choices as run X, without timing
   torchrun --nproc_per_node 2 -m nnrand.train --kernel tree          DistributedDataParallel over 2 GPUs
   torchrun --nproc_per_node 4 -m nnrand.train --kernel tree --world-invariant --micro-batch 32
                                     the same bits as 1 or 2 processes with the same --batch-size and --micro-batch
@@ -779,7 +815,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--kernel", choices=routing.FAMILIES, help="every backward reduction to this family "
                    "(default: the preset's; native = stock PyTorch/cuDNN)")
     g.add_argument("--kernel-op", action="append", metavar="OP=VARIANT",
-                   help=f"per-op override, repeatable; ops: {ops}; variants from the registry or native")
+                   help=f"per-op override, repeatable; ops: {ops}; variants from the registry, native, or "
+                   "auto (conv ops: the fastest deterministic candidate per shape)")
+    g.add_argument("--autotune-plan", metavar="CONFIG_JSON",
+                   help="fastest-deterministic: reuse the per-shape choices recorded in a run's "
+                   "<member>/config.json instead of timing (needed with several processes)")
     g.add_argument("--seed", type=int, default=0, help="base seed the fixed/member seeds derive from")
     for src in ("init", "order", "aug"):
         g.add_argument(f"--{src}-seed", metavar="fixed|member|N", help=f"{src} seed (default: the preset's)")
@@ -834,7 +874,8 @@ def cli(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve(config_from_args(args))
         out = main(cfg)
-    except (ConfigError, routing.RoutingError, runio.DiskSpaceError, runio.CheckpointError, data.DatasetError) as e:
+    except (ConfigError, routing.RoutingError, runio.DiskSpaceError, runio.CheckpointError, data.DatasetError,
+            autotune.AutotuneError) as e:
         p.exit(2, f"{p.prog}: error{who}: {e}\n")
     except routing.NondeterministicOpError as e:
         p.exit(3, f"{p.prog}: error{who}: {e}\n")

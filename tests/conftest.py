@@ -1,0 +1,9 @@
+"""Every test's autotune cache lives in a temporary directory, never in the user's home."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _private_autotune_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("NNRAND_CACHE_DIR", str(tmp_path_factory.mktemp("nnrand_cache")))
