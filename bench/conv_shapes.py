@@ -1,0 +1,320 @@
+"""Every conv backward of a network, per shape: cuDNN's fastest, cuDNN deterministic, each nnrand variant
+and the autotuner's choice, as GPU time from CUDA-graph replays.
+
+    python -m bench.conv_shapes                          # ResNet-50 (224 px, batch 64), ResNet-18 (CIFAR, batch 128)
+    python -m bench.conv_shapes --only resnet18_cifar --layouts channels_last
+    python -m bench.conv_shapes --render                 # the section of reports/kernels.md from the result file
+
+Per network, the distinct conv configurations of one forward (counted: ResNet-50's 53 convs are 23
+shapes) are found by forward hooks on the meta device. For each shape, layout (NCHW, channels_last), and
+gradient (dX: data, dW: weight), on seeded random tensors, fp32 with TF32 off:
+
+    cudnn_fastest   torch's convolution_backward, cudnn.benchmark on, deterministic off: cuDNN's fastest
+                    algorithm, nondeterministic ones allowed (what a user runs for speed)
+    cudnn_det       the same under PyTorch's deterministic mode, cudnn.benchmark off: what nnrand's
+                    ``torch_det`` candidate runs (cuDNN's heuristic choice among deterministic algorithms)
+    <variant>       every registry variant of the op (``atomic`` for reference: nondeterministic)
+    auto            what ``use_kernels("fastest-deterministic")`` chose for the shape (a fresh tuner,
+                    timing as in training); its time is the chosen column's
+
+Each time is the median GPU time per call over ``--replays`` replays of a CUDA graph of ``--calls``
+back-to-back calls (``bench.timing.graph_replay_us``: no launch gaps, no host time). Network totals
+weight each shape by how often it occurs. Results: ``reports/results/conv_shapes.json`` (written after
+each network and layout: an interrupted run keeps what it measured); the rendered section goes into
+``reports/kernels.md`` between its conv-shapes markers.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "reports" / "results" / "conv_shapes.json"
+KERNELS_MD = ROOT / "reports" / "kernels.md"
+BEGIN, END = "<!-- conv-shapes: begin (python -m bench.conv_shapes) -->", "<!-- conv-shapes: end -->"
+NETWORKS = {  # key: (model name for nnrand.models.build_model, batch, image size, classes)
+    "resnet50_224": ("torchvision:resnet50", 64, 224, 1000),
+    "resnet18_cifar": ("resnet18", 128, 32, 10),
+}
+LAYOUTS = ("nchw", "channels_last")
+GRADS = {"dgrad": 0, "wgrad": 1}
+PEERS = ("cudnn_fastest", "cudnn_det")
+TARGET_TOTAL, TARGET_SHAPE = 1.05, 1.3   # autotuned / cudnn_fastest: network total, every shape and gradient
+
+
+def conv_shapes(model_name: str, batch: int, size: int, classes: int) -> list[dict]:
+    """The distinct Conv2d configurations of one forward, with their counts (hooks on the meta device)."""
+    import torch
+
+    from nnrand import models
+
+    with torch.device("meta"):
+        model = models.build_model(model_name, classes)
+    seen: Counter = Counter()
+
+    def hook(mod, inputs, output):
+        x = inputs[0]
+        seen[(tuple(x.shape), tuple(mod.weight.shape), tuple(mod.stride), tuple(mod.padding), tuple(mod.dilation),
+              int(mod.groups), mod.bias is not None)] += 1
+    for m in model.modules():
+        if isinstance(m, torch.nn.Conv2d):
+            m.register_forward_hook(hook)
+    with torch.no_grad():
+        model(torch.empty(batch, 3, size, size, device="meta"))
+    return [{"x": list(k[0]), "w": list(k[1]), "stride": list(k[2]), "padding": list(k[3]), "dilation": list(k[4]),
+             "groups": k[5], "count": n} for k, n in seen.items()]
+
+
+def shape_name(s: dict) -> str:
+    n, c, h, w = s["x"]
+    co, _, kh, kw = s["w"]
+    st = f"s{s['stride'][0]}" if s["stride"][0] > 1 else ""
+    g = f"g{s['groups']}" if s["groups"] > 1 else ""
+    return f"{kh}x{kw}{st}{g} {c}->{co} {h}x{w}"
+
+
+def measure_shape(s: dict, layout: str, args) -> dict:
+    """GPU time (us) of every candidate for dX and dW of one shape."""
+    import torch
+
+    import kernels
+    import nnrand
+    from bench.timing import cudnn_flags, graph_replay_us
+    from nnrand import autotune, routing
+
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(*s["x"], device="cuda", generator=g).contiguous(memory_format=fmt)
+    w = torch.randn(*s["w"], device="cuda", generator=g).contiguous(memory_format=fmt)
+    y = torch.nn.functional.conv2d(x, w, None, s["stride"], s["padding"], s["dilation"], s["groups"])
+    dy = torch.randn(y.shape, device="cuda", generator=g).contiguous(memory_format=fmt)
+    del y
+    geom = dict(stride=tuple(s["stride"]), padding=tuple(s["padding"]), dilation=tuple(s["dilation"]))
+    if s["groups"] > 1:
+        geom["groups"] = s["groups"]
+
+    def aten(mask):
+        return lambda: torch.ops.aten.convolution_backward(dy, x, w, None, s["stride"], s["padding"], s["dilation"],
+                                                           False, [0, 0], s["groups"], mask)
+    out: dict = {}
+    for grad, slot in GRADS.items():
+        op = f"conv_{grad}" + ("_grouped" if s["groups"] > 1 else "")
+        mask = [slot == 0, slot == 1, False]
+        times: dict[str, float | None] = {}
+        with cudnn_flags(benchmark=True, deterministic=False):
+            times["cudnn_fastest"] = graph_replay_us(aten(mask), calls=args.calls, replays=args.replays)
+        with cudnn_flags(benchmark=False, deterministic=True):
+            torch.use_deterministic_algorithms(True)
+            try:
+                times["cudnn_det"] = graph_replay_us(aten(mask), calls=args.calls, replays=args.replays)
+            finally:
+                torch.use_deterministic_algorithms(False)
+        for v in kernels.variants(op):
+            if grad == "dgrad":
+                call = (lambda v=v: v.cuda(w, dy, input_size=tuple(s["x"][-2:]), **geom))
+            else:
+                call = (lambda v=v: v.cuda(x, dy, kernel_size=tuple(s["w"][-2:]), **geom))
+            try:
+                call()
+            except kernels.KernelArgumentError:
+                times[v.name] = None   # the variant does not take this shape
+                continue
+            times[v.name] = graph_replay_us(call, calls=args.calls, replays=args.replays)
+        # what the routing's tuner picks, timing as it does in training (a fresh tuner, no disk cache)
+        tuner = autotune.Tuner(cache=None)
+        with cudnn_flags(benchmark=False, deterministic=False), \
+                nnrand.use_kernels("fastest-deterministic", {o: "tree" for o in routing.TUNABLE if o != op},
+                                   tuner=tuner):
+            aten(mask)()
+        torch.cuda.synchronize()
+        (entry,) = tuner.record()["choices"].values()
+        choice = entry["choice"]
+        out[grad] = {"times_us": times, "auto": choice, "auto_column": "cudnn_det" if choice == autotune.TORCH_DET
+                     else choice, "tuner_times_us": entry["times_us"],
+                     "deterministic": {v.name: v.deterministic for v in kernels.variants(op)}}
+    return out
+
+
+def measure(args) -> dict:
+    import torch
+
+    from nnrand import runio
+    from nnrand.fingerprint import fingerprint
+
+    data = load() if not args.fresh else {"networks": {}}
+    data["fingerprint"] = fingerprint("cuda")
+    data["settings"] = {"calls": args.calls, "replays": args.replays}
+    for key in args.only or list(NETWORKS):
+        model_name, batch, size, classes = NETWORKS[key]
+        shapes = conv_shapes(model_name, batch, size, classes)
+        net = data["networks"].setdefault(key, {"model": model_name, "batch": batch, "size": size, "layouts": {}})
+        net["shapes"] = shapes
+        for layout in args.layouts:
+            rows = []
+            for i, s in enumerate(shapes):
+                m = measure_shape(s, layout, args)
+                rows.append({"shape": shape_name(s), **m})
+                torch.cuda.empty_cache()
+                best = {g: m[g]["times_us"] for g in GRADS}
+                print(f"{key} {layout} [{i + 1}/{len(shapes)}] {shape_name(s):<26} x{s['count']}  " +
+                      "  ".join(f"{g}: fastest {t['cudnn_fastest']:.1f} det {t['cudnn_det']:.1f} "
+                                f"tree {t['tree']:.1f} auto={m[g]['auto']}" for g, t in best.items()), flush=True)
+            net["layouts"][layout] = {"rows": rows, "measured": {k: data["fingerprint"].get(k)
+                                                                 for k in ("git_sha", "date", "gpu")}}
+            runio.write_text(RESULTS, _dumps(data))
+            torch.cuda.empty_cache()
+    return data
+
+
+def _dumps(data: dict) -> str:
+    import json
+
+    return json.dumps(data, indent=1, sort_keys=False) + "\n"
+
+
+def load() -> dict:
+    import json
+
+    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {"networks": {}}
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+
+
+def _auto_time(r: dict, grad: str) -> float | None:
+    return r[grad]["times_us"].get(r[grad]["auto_column"])
+
+
+def _best_det(r: dict, grad: str) -> tuple[str, float]:
+    t = r[grad]["times_us"]
+    det = {n: v for n, v in t.items() if v is not None and (n == "cudnn_det" or r[grad]["deterministic"].get(n))}
+    name = min(det, key=det.get)
+    return name, det[name]
+
+
+def totals(net: dict, layout: str) -> dict:
+    """Count-weighted sums per column and gradient, and the worst per-shape ratio of auto to cuDNN fastest."""
+    rows = net["layouts"][layout]["rows"]
+    counts = [s["count"] for s in net["shapes"]]
+    out: dict = {"sum": {}, "worst": {}}
+    for grad in GRADS:
+        cols = {"cudnn_fastest", "cudnn_det", "tree", "auto", "best_det"}
+        sums = dict.fromkeys(cols, 0.0)
+        worst = (0.0, None)
+        for r, n in zip(rows, counts):
+            t = r[grad]["times_us"]
+            vals = {"cudnn_fastest": t["cudnn_fastest"], "cudnn_det": t["cudnn_det"], "tree": t.get("tree"),
+                    "auto": _auto_time(r, grad), "best_det": _best_det(r, grad)[1]}
+            for c, v in vals.items():
+                sums[c] += n * (v if v is not None else math.nan)
+            ratio = vals["auto"] / vals["cudnn_fastest"]
+            if ratio > worst[0]:
+                worst = (ratio, r["shape"])
+        out["sum"][grad] = sums
+        out["worst"][grad] = worst
+    out["sum"]["both"] = {c: out["sum"]["dgrad"][c] + out["sum"]["wgrad"][c] for c in out["sum"]["dgrad"]}
+    return out
+
+
+def _fmt(v) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1f}"
+
+
+def render_section(data: dict) -> str:
+    """The markdown section (tables per network and layout, totals, targets) from the result file."""
+    env = data.get("fingerprint", {})
+    out = [BEGIN, "## Conv backward per network shape: cuDNN fastest, cuDNN deterministic, nnrand, autotuned", "",
+           f"Generated by `python -m bench.conv_shapes` from `reports/results/conv_shapes.json`. GPU: {env.get('gpu')}, "
+           f"torch {env.get('torch')}, cuDNN {env.get('cudnn')}, git {env.get('git_sha')}, {env.get('date')}. fp32, TF32 "
+           "off; microseconds of GPU time per call (median over CUDA-graph replays). `cudnn_fastest` allows "
+           "cuDNN's nondeterministic algorithms (cudnn.benchmark on); `cudnn_det` is PyTorch's deterministic mode "
+           "(cudnn.benchmark off), the autotuner's `torch_det` candidate; `atomic` is nondeterministic and shown "
+           "for reference only. `auto` is the candidate `--kernel fastest-deterministic` chose for the shape "
+           "(timed by the tuner in the same run), its time that column's. ×n: occurrences in one forward.", ""]
+    for key, net in data.get("networks", {}).items():
+        for layout, lay in net["layouts"].items():
+            rows = lay["rows"]
+            variants = [n for n in rows[0]["dgrad"]["times_us"] if n not in PEERS] if rows else []
+            wvariants = [n for n in rows[0]["wgrad"]["times_us"] if n not in PEERS] if rows else []
+            m = lay.get("measured", {})
+            out += [f"### {net['model']}, batch {net['batch']}, {net['size']} px, {layout}", "",
+                    f"Measured at git {str(m.get('git_sha'))[:7]} on {m.get('date')}.", ""]
+            head = (["shape", "×n"] + [f"dX {c}" for c in (*PEERS, *variants)] + ["dX auto"] +
+                    [f"dW {c}" for c in (*PEERS, *wvariants)] + ["dW auto"])
+            out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            for r, s in zip(rows, net["shapes"]):
+                cells = [r["shape"], str(s["count"])]
+                for grad, names in (("dgrad", variants), ("wgrad", wvariants)):
+                    t = r[grad]["times_us"]
+                    cells += [_fmt(t.get(c)) for c in (*PEERS, *names)]
+                    ratio = _auto_time(r, grad) / t["cudnn_fastest"]
+                    cells.append(f"{r[grad]['auto']} ({ratio:.2f}x)")
+                out.append("| " + " | ".join(cells) + " |")
+            tot = totals(net, layout)
+            out += ["", "| total (us, count-weighted) | cuDNN fastest | cuDNN det | tree | autotuned | best "
+                    "deterministic per shape |", "|---|---|---|---|---|---|"]
+            for grad, label in (("dgrad", "dX"), ("wgrad", "dW"), ("both", "dX + dW")):
+                t = tot["sum"][grad]
+                f = t["cudnn_fastest"]
+                out.append(f"| {label} | {f:.0f} | {t['cudnn_det']:.0f} ({t['cudnn_det'] / f:.2f}x) | "
+                           f"{t['tree']:.0f} ({t['tree'] / f:.2f}x) | {t['auto']:.0f} ({t['auto'] / f:.2f}x) | "
+                           f"{t['best_det']:.0f} ({t['best_det'] / f:.2f}x) |")
+            both = tot["sum"]["both"]
+            total_ratio = both["auto"] / both["cudnn_fastest"]
+            out += ["", f"Targets: autotuned total {total_ratio:.2f}x cuDNN fastest (target <= {TARGET_TOTAL:.2f}x: "
+                    f"{'met' if total_ratio <= TARGET_TOTAL else 'NOT met'}); worst single shape " +
+                    "; ".join(f"{g} {tot['worst'][g][0]:.2f}x ({tot['worst'][g][1]})" for g in GRADS) +
+                    f" (target <= {TARGET_SHAPE:.1f}x each: " +
+                    ("met" if all(tot["worst"][g][0] <= TARGET_SHAPE for g in GRADS) else "NOT met") + ").", ""]
+    out.append(END)
+    return "\n".join(out) + "\n"
+
+
+def splice(markdown: str, section: str) -> str:
+    """``markdown`` with its conv-shapes section replaced by ``section`` (appended when absent)."""
+    if BEGIN in markdown and END in markdown:
+        head, rest = markdown.split(BEGIN, 1)
+        return head + section.rstrip("\n") + rest.split(END, 1)[1]
+    return markdown.rstrip("\n") + "\n\n" + section
+
+
+def write_report(data: dict) -> Path:
+    from nnrand import runio
+
+    text = KERNELS_MD.read_text() if KERNELS_MD.exists() else "# Kernels\n"
+    runio.write_text(KERNELS_MD, splice(text, render_section(data)))
+    return KERNELS_MD
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.conv_shapes", description=__doc__.splitlines()[0],
+                                epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", choices=list(NETWORKS), help="these networks only")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    p.add_argument("--calls", type=int, default=5, help="calls per captured graph (default %(default)s)")
+    p.add_argument("--replays", type=int, default=10, help="graph replays per time (default %(default)s)")
+    p.add_argument("--fresh", action="store_true", help="drop earlier results from the file")
+    p.add_argument("--render", action="store_true", help="only render the report section from the result file")
+    args = p.parse_args(argv)
+    if not args.render:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("measuring needs a CUDA GPU (use --render to re-render the report)")
+        data = measure(args)   # TF32 off inside (bench.timing.cudnn_flags)
+    else:
+        data = load()
+        if not data.get("networks"):
+            p.error(f"{RESULTS} holds no measurements yet")
+    path = write_report(data)
+    print(render_section(data))
+    print(f"report: {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

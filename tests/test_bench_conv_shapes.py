@@ -1,0 +1,48 @@
+"""bench.conv_shapes without a GPU: the shape census of a network, the count-weighted totals and target
+verdicts of the report, and the splice into reports/kernels.md that keeps the rest of the file."""
+from __future__ import annotations
+
+import pytest
+
+from bench import conv_shapes as cs
+
+
+def test_census_of_our_resnet18():
+    shapes = cs.conv_shapes("resnet18", 128, 32, 10)
+    assert sum(s["count"] for s in shapes) == 20          # 1 stem + 16 block convs + 3 projections
+    assert len(shapes) == 11
+    first = shapes[0]
+    assert first["x"] == [128, 3, 32, 32] and first["w"] == [64, 3, 3, 3] and first["count"] == 1
+    assert {cs.shape_name(s) for s in shapes} >= {"3x3 64->64 32x32", "1x1s2 256->512 8x8"}
+
+
+def _row(shape, fastest, det, tree, atomic, auto):
+    times = {"cudnn_fastest": fastest, "cudnn_det": det, "atomic": atomic, "tree": tree}
+    col = "cudnn_det" if auto == "torch_det" else auto
+    g = {"times_us": times, "auto": auto, "auto_column": col, "tuner_times_us": {},
+         "deterministic": {"atomic": False, "tree": True}}
+    return {"shape": shape, "dgrad": g, "wgrad": g}
+
+
+def test_totals_weight_by_count_and_ignore_nondeterministic_for_best():
+    net = {"model": "m", "batch": 2, "size": 8,
+           "shapes": [{"count": 3}, {"count": 1}],
+           "layouts": {"nchw": {"rows": [_row("a", 10.0, 20.0, 12.0, 1.0, "tree"),
+                                          _row("b", 5.0, 6.0, 9.0, 1.0, "torch_det")], "measured": {}}}}
+    t = cs.totals(net, "nchw")
+    assert t["sum"]["dgrad"]["cudnn_fastest"] == 3 * 10 + 5
+    assert t["sum"]["dgrad"]["auto"] == 3 * 12 + 6
+    assert t["sum"]["dgrad"]["best_det"] == 3 * 12 + 6      # atomic's 1.0 never counts as deterministic
+    assert t["sum"]["both"]["tree"] == 2 * (3 * 12 + 9)
+    assert t["worst"]["wgrad"] == (pytest.approx(1.2), "a")
+    text = cs.render_section({"networks": {"m": net}, "fingerprint": {"gpu": "G"}})
+    assert text.startswith(cs.BEGIN) and text.rstrip().endswith(cs.END)
+    assert "autotuned total 1.20x" in text  # (3*12 + 6) / (3*10 + 5) and "NOT met" in text and "tree (1.20x)" in text
+
+
+def test_splice_replaces_only_the_section():
+    doc = "# Kernels\n\nbody\n"
+    once = cs.splice(doc, f"{cs.BEGIN}\nold\n{cs.END}\n")
+    assert once.startswith(doc.rstrip("\n")) and "old" in once
+    twice = cs.splice(once + "\ntail\n", f"{cs.BEGIN}\nnew\n{cs.END}\n")
+    assert "old" not in twice and "new" in twice and twice.endswith("tail\n") and twice.count(cs.BEGIN) == 1
