@@ -64,7 +64,10 @@ __device__ __forceinline__ void dgrad_gemm(
     if (SCATTER) {
         Hq = OH; Wq = OW;
     } else {
-        rh = blockIdx.z / sw; rw = blockIdx.z % sw;
+        // phases in reverse: blocks are dispatched z-slowest, and the last phase (odd row, odd column for
+        // an odd kernel with "same" padding) holds the most taps: the longest blocks start first
+        const int z = gridDim.z - 1 - blockIdx.z;
+        rh = z / sw; rw = z % sw;
         Hq = rh < H ? (H - rh + sh - 1) / sh : 0;
         Wq = rw < W ? (W - rw + sw - 1) / sw : 0;
     }
@@ -370,7 +373,8 @@ __device__ __forceinline__ void stem_body(DG_ARGS, int tj_log2, int TI, int tile
     __shared__ int s_nkh, s_nkw;
     const int t = threadIdx.x, nthreads = blockDim.x;
     const int TJ = 1 << tj_log2;
-    const int rh = blockIdx.z / sw, rw = blockIdx.z % sw;
+    const int z = gridDim.z - 1 - blockIdx.z;  // longest phases first, as in dgrad_gemm
+    const int rh = z / sw, rw = z % sw;
     const int Hq = rh < H ? (H - rh + sh - 1) / sh : 0;
     const int Wq = rw < W ? (W - rw + sw - 1) / sw : 0;
     int b = blockIdx.x;
