@@ -524,7 +524,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
 
     def save_checkpoint(gen: torch.Generator | None):
         gen_state = None if gen is None else gen.get_state()
-        if ddp is not None:   # every rank's augmentation stream
+        if ddp is not None and gen is not None:   # every rank's augmentation stream (none at an epoch's end)
             gen_state = group.gather_objects(gen_state)
         state["aug_state"] = gen_state
         if main_rank:

@@ -263,6 +263,14 @@ def test_plain_data_parallel_bits_depend_on_the_world_size(tmp_path):
     assert len(set(sums.values())) == 3, sums
 
 
+def test_plain_data_parallel_runs_past_its_first_epoch(tmp_path):
+    """The checkpoint at an epoch's end holds no augmentation state on any rank; the next epoch must
+    start from its own seed, not from a list of Nones."""
+    r = torchrun(2, tmp_path / "ddp", "--epochs", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert result_of(tmp_path / "ddp")["steps"] == 2 * 256 // 32
+
+
 def test_world_invariant_run_resumes_on_fewer_processes(tmp_path):
     """Interrupted on 2 processes, finished on 1: the bits of an uninterrupted run."""
     argv = [*RUN, "--world-invariant", "--micro-batch", "8", "--epochs", "2", "--name", "run"]
