@@ -107,11 +107,16 @@ def measure_shape(s: dict, layout: str, args) -> dict:
         with cudnn_flags(benchmark=True, deterministic=False):
             times["cudnn_fastest"] = graph_replay_us(aten(mask), calls=args.calls, replays=args.replays)
         with cudnn_flags(benchmark=False, deterministic=True):
+            from torch.utils import deterministic as det
+
+            fill = det.fill_uninitialized_memory
             torch.use_deterministic_algorithms(True)
+            det.fill_uninitialized_memory = False   # as the routing runs it: no fill of every new output
             try:
                 times["cudnn_det"] = graph_replay_us(aten(mask), calls=args.calls, replays=args.replays)
             finally:
                 torch.use_deterministic_algorithms(False)
+                det.fill_uninitialized_memory = fill
         for v in kernels.variants(op):
             if grad == "dgrad":
                 call = (lambda v=v: v.cuda(w, dy, input_size=tuple(s["x"][-2:]), **geom))

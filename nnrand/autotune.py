@@ -50,7 +50,7 @@ import torch
 from . import runio
 
 TORCH_DET = "torch_det"   # candidate: torch's own kernel under PyTorch's deterministic mode
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 CALLS, REPEATS = 3, 5
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 
@@ -80,8 +80,12 @@ def kernels_hash() -> str:
 
 
 def environment(device: torch.device) -> dict:
-    """What a timing depends on besides the configuration."""
-    env = {"torch": torch.__version__, "kernels": kernels_hash()}
+    """What a timing depends on besides the configuration (TF32 and cuDNN flags included: they change
+    what torch's kernel computes)."""
+    from .noise import _tf32_flags
+
+    env = {"torch": torch.__version__, "kernels": kernels_hash(),
+           "tf32": {k: str(v) for k, v in _tf32_flags().items()}, "cudnn_enabled": bool(torch.backends.cudnn.enabled)}
     if device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(idx)
@@ -123,14 +127,15 @@ def time_us(fn: Callable[[], object], device: torch.device, calls: int = CALLS, 
         return statistics.median(times)
     torch.cuda.synchronize(device)
     times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
+    with torch.cuda.device(device):
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(calls):
+                fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times)
 
 
@@ -145,8 +150,9 @@ def _read_cache(path: Path) -> dict:
         warnings.warn(f"nnrand autotune cache {path} is unreadable ({e}); timing again", RuntimeWarning, stacklevel=3)
         return {}
     if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
-        warnings.warn(f"nnrand autotune cache {path} has another format (version {data.get('version')!r} "
-                      f"if a dict); timing again", RuntimeWarning, stacklevel=3)
+        version = data.get("version") if isinstance(data, dict) else None
+        warnings.warn(f"nnrand autotune cache {path} has another format (version {version!r}, expected "
+                      f"{CACHE_VERSION}); timing again", RuntimeWarning, stacklevel=3)
         return {}
     return data["entries"]
 
@@ -180,35 +186,44 @@ class Tuner:
     def choose(self, key: str, device: torch.device, candidates: Mapping[str, Callable[[], object]]) -> str:
         """The candidate to run for ``key``: pinned, else this process's earlier choice, else the disk
         cache's, else the fastest by timing (then cached). ``candidates`` maps name -> zero-argument call;
-        a call that raises ``KernelArgumentError`` (the shape is not for it) drops out."""
+        a call that raises ``KernelArgumentError`` (the shape is not for it) drops out. An earlier or
+        cached choice counts only if it was made among the same candidates (a routing with deterministic
+        mode off offers no ``torch_det``, and must not reuse a choice that beat it, or be reused by one)."""
+        offered = sorted(candidates)
         with self._lock:
-            if key in self.choices:
-                return self.choices[key]["choice"]
+            memo = self.choices.get(key)
+            if memo is not None and (memo.get("candidates") == offered or memo["source"] == "pinned"):
+                return self._check_pinned(key, memo["choice"], candidates) if memo["source"] == "pinned" \
+                    else memo["choice"]
             if self.env is None:
                 self.env = environment(device)
             if key in self.pinned:
-                name = self.pinned[key]
-                if name not in candidates:
-                    raise AutotuneError(f"{key}: the pinned choice {name!r} is not a deterministic candidate here "
-                                        f"(candidates: {', '.join(candidates)})")
+                name = self._check_pinned(key, self.pinned[key], candidates)
                 self.choices[key] = {"choice": name, "source": "pinned"}
                 return name
             if self.pinned_only:
-                raise AutotuneError(f"{key} is not in the pinned autotune record; runs of several processes take "
-                                    "their choices from the record (--autotune-plan) of a one-process run of the "
-                                    "same model with the same images per process (--batch-size divided by the "
-                                    "number of processes)")
-            entry = self._cached(key)
-            if entry is not None and entry.get("choice") in candidates:
+                raise AutotuneError(f"{key} is not in the pinned autotune record (--autotune-plan or the "
+                                    "checkpoint's); a plan holds the shapes of the run that made it: the same "
+                                    "model, image size and images per process (and --micro-batch with "
+                                    "--world-invariant)")
+            entry = self._cached(key, device, offered)
+            if entry is not None and entry.get("candidates") == offered and entry.get("choice") in candidates:
                 self.choices[key] = {**entry, "source": "cache"}
                 return entry["choice"]
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise AutotuneError(f"{key} was first met while a CUDA graph was being captured, where nothing can "
                                     "be timed; run one eager step before capturing")
-            entry = self._time(key, device, candidates)
-            self.choices[key] = {**entry, "source": "timed"}
-            self._store(key, entry)
+            entry = {**self._time(key, device, candidates), "candidates": offered}
+            entry, source = self._store(key, device, entry)
+            self.choices[key] = {**entry, "source": source}
             return entry["choice"]
+
+    @staticmethod
+    def _check_pinned(key: str, name: str, candidates) -> str:
+        if name not in candidates:
+            raise AutotuneError(f"{key}: the pinned choice {name!r} is not a deterministic candidate here "
+                                f"(candidates: {', '.join(candidates)})")
+        return name
 
     def _time(self, key: str, device: torch.device, candidates: Mapping[str, Callable[[], object]]) -> dict:
         from kernels import KernelArgumentError
@@ -225,21 +240,34 @@ class Tuner:
         best = min(times, key=lambda n: (times[n], n))  # ties: by name, so the choice does not depend on order
         return {"choice": best, "times_us": {n: round(t, 3) for n, t in times.items()}}
 
-    def _cached(self, key: str) -> dict | None:
+    @staticmethod
+    def _cache_key(key: str, offered: list[str]) -> str:
+        return f"{key} among {','.join(offered)}"   # one entry per candidate set
+
+    def _cached(self, key: str, device: torch.device, offered: list[str]) -> dict | None:
         if self.cache is None:
             return None
-        return _read_cache(self.cache).get(env_key(self.env), {}).get(key)
+        return _read_cache(self.cache).get(env_key(environment(device)), {}).get(self._cache_key(key, offered))
 
-    def _store(self, key: str, entry: dict) -> None:
+    def _store(self, key: str, device: torch.device, entry: dict) -> tuple[dict, str]:
+        """Write ``entry`` unless another process stored a choice for ``key`` among the same candidates
+        while this one was timing: then that one is adopted (the first writer wins, so processes sharing
+        a cache converge on one choice). Returns the entry in effect and its source."""
         if self.cache is None:
-            return
+            return entry, "timed"
         entries = _read_cache(self.cache)
-        entries.setdefault(env_key(self.env), {})[key] = entry
+        mine = entries.setdefault(env_key(environment(device)), {})
+        ckey = self._cache_key(key, entry["candidates"])
+        other = mine.get(ckey)
+        if other is not None and other.get("candidates") == entry["candidates"] and other.get("choice"):
+            return other, "cache"
+        mine[ckey] = entry
         try:
             _write_cache(self.cache, entries)
         except OSError as e:
             warnings.warn(f"nnrand autotune cache {self.cache} cannot be written ({e}); the choice holds for this "
                           "process only", RuntimeWarning, stacklevel=3)
+        return entry, "timed"
 
     def record(self) -> dict:
         """The choices made so far and the environment they were made in (what a run stores)."""
@@ -249,7 +277,9 @@ class Tuner:
     def counts(self) -> dict[str, dict[str, int]]:
         """Per op, how many configurations chose each candidate."""
         out: dict[str, dict[str, int]] = {}
-        for key, entry in self.choices.items():
+        with self._lock:
+            choices = dict(self.choices)
+        for key, entry in choices.items():
             op = key.split(" ", 1)[0]
             out.setdefault(op, {})
             out[op][entry["choice"]] = out[op].get(entry["choice"], 0) + 1

@@ -352,7 +352,7 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
     if transposed:
         why = "transposed conv"
     elif x.dim() != 4:
-        why = f"{x.dim()}-D conv"
+        why = f"{x.dim() - 2}-D conv"
     elif not _f32(dy, x, w):
         why = f"dtype {x.dtype}"
     plan = list(s.conv if groups == 1 else s.conv_grouped)  # (wgrad, dgrad, bias)

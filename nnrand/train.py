@@ -183,7 +183,8 @@ def _resolve_autotune(cfg: Config) -> None:
         except autotune.AutotuneError as e:
             raise ConfigError(str(e)) from None
     elif tuned and distributed.world_from_env().distributed:
-        raise ConfigError("--kernel fastest-deterministic with several processes needs --autotune-plan: ranks "
+        raise ConfigError("per-shape conv choices (--kernel fastest-deterministic or OP=auto) with several "
+                          "processes need --autotune-plan: ranks "
                           "timing on their own could choose differently; run one process first and pass its "
                           "member's config.json")
 
@@ -506,7 +507,8 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     if route.tuned:   # per-shape conv choices: the checkpoint's on resume, else the plan's, else timed
         pinned = (ckpt or {}).get("autotune") or (autotune.read_record(cfg.autotune_plan) if cfg.autotune_plan
                                                  else None)
-        tuner = autotune.Tuner(pinned=pinned, pinned_only=world.distributed)
+        # a record given is the whole plan: a shape outside it is an error, never a silent new timing
+        tuner = autotune.Tuner(pinned=pinned, pinned_only=bool(pinned and pinned.get("choices")) or world.distributed)
         meta["autotune"] = tuner.record()
     if main_rank:
         runio.write_json(d / "config.json", meta)

@@ -79,7 +79,8 @@ def test_fastest_candidate_wins_and_ties_go_by_name(tmp_path):
     t = autotune.Tuner(cache=None, timer=lambda fn, dev: fn())
     assert t.choose("k1", torch.device("cpu"), {"b": lambda: 2.0, "a": lambda: 3.0}) == "b"
     assert t.choose("k2", torch.device("cpu"), {"b": lambda: 1.0, "a": lambda: 1.0}) == "a"
-    assert t.record()["choices"]["k1"] == {"choice": "b", "times_us": {"b": 2.0, "a": 3.0}, "source": "timed"}
+    assert t.record()["choices"]["k1"] == {"choice": "b", "times_us": {"b": 2.0, "a": 3.0}, "candidates": ["a", "b"],
+                                           "source": "timed"}
     assert t.counts() == {"k1": {"b": 1}, "k2": {"a": 1}}
 
 
@@ -107,16 +108,42 @@ def test_disk_cache_is_reused_per_environment(tmp_path, monkeypatch):
     other = autotune.Tuner(cache=path, timer=lambda fn, dev: fn())
     assert other.choose("k", torch.device("cpu"), {"a": lambda: 1.0, "b": lambda: 2.0}) == "a"
     entries = json.loads(path.read_text())["entries"]
-    assert len(entries) == 2 and all(e["k"]["choice"] in "ab" for e in entries.values())
+    assert len(entries) == 2 and all([v["choice"] for v in e.values()] in (["a"], ["b"]) for e in entries.values())
 
 
-def test_unreadable_cache_warns_and_is_replaced(tmp_path):
+@pytest.mark.parametrize("text", ["{not json", "[]", "null", '{"version": 1, "entries": {}}'])
+def test_unreadable_cache_warns_and_is_replaced(tmp_path, text):
     path = tmp_path / "autotune.json"
-    path.write_text("{not json")
+    path.write_text(text)
     t = autotune.Tuner(cache=path, timer=lambda fn, dev: fn())
-    with pytest.warns(RuntimeWarning, match="unreadable"):
+    with pytest.warns(RuntimeWarning, match="unreadable|another format"):
         assert t.choose("k", torch.device("cpu"), {"a": lambda: 1.0}) == "a"
     assert json.loads(path.read_text())["version"] == autotune.CACHE_VERSION
+
+
+def test_choices_hold_only_among_the_same_candidates(tmp_path):
+    """A choice made while torch's kernel competed is not reused where it may not (deterministic mode
+    off), and a choice made without it is not reused where it competes: in memory and on disk."""
+    path = tmp_path / "autotune.json"
+    t = autotune.Tuner(cache=path, timer=lambda fn, dev: fn())
+    assert t.choose("k", torch.device("cpu"), {"torch_det": lambda: 1.0, "tree": lambda: 2.0}) == "torch_det"
+    assert t.choose("k", torch.device("cpu"), {"tree": lambda: 2.0, "nosplit": lambda: 3.0}) == "tree"
+    fresh = autotune.Tuner(cache=path, timer=lambda fn, dev: fn())
+    assert fresh.choose("k", torch.device("cpu"), {"tree": lambda: 2.0, "torch_det": lambda: 9.0}) == "torch_det"
+    assert fresh.record()["choices"]["k"]["source"] == "cache"
+    other = autotune.Tuner(cache=path, timer=lambda fn, dev: fn())
+    assert other.choose("k", torch.device("cpu"), {"nosplit": lambda: 3.0, "tree": lambda: 5.0}) == "tree"
+    assert other.record()["choices"]["k"]["source"] == "cache"
+
+
+def test_a_choice_stored_meanwhile_by_another_process_is_adopted(tmp_path):
+    """Two processes timing one shape at once: the second to finish takes the first's choice."""
+    path = tmp_path / "autotune.json"
+    first = autotune.Tuner(cache=path, timer=lambda fn, dev: fn())
+    second = autotune.Tuner(cache=path, timer=lambda fn, dev: (first.choose("k", dev, {"a": lambda: 1.0,
+                                                                                     "b": lambda: 2.0}), fn())[1])
+    assert second.choose("k", torch.device("cpu"), {"a": lambda: 9.0, "b": lambda: 2.0}) == "a"
+    assert second.record()["choices"]["k"]["source"] == "cache"
 
 
 def test_pinned_record_wins_and_pinned_only_refuses_new_shapes():
@@ -220,7 +247,7 @@ def test_resume_keeps_the_checkpoints_choices(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("env,argv,message", [
-    ({"WORLD_SIZE": "2", "RANK": "0"}, ["--kernel", "fastest-deterministic"], "needs --autotune-plan"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, ["--kernel", "fastest-deterministic"], "need --autotune-plan"),
     ({}, ["--kernel", "tree", "--autotune-plan", "x.json"], "--autotune-plan applies to"),
     ({}, ["--kernel", "fastest-deterministic", "--autotune-plan", "{tmp}/missing.json"], "no such file"),
     ({}, ["--kernel", "fastest-deterministic", "--autotune-plan", "{tmp}/plain.json"], "no autotune record"),
@@ -265,5 +292,5 @@ def test_no_choice_during_graph_capture(monkeypatch):
     with pytest.raises(autotune.AutotuneError, match="while a CUDA graph was being captured"):
         t.choose("k", torch.device("cuda"), {"a": lambda: None})
     # a choice made before capture is served during it
-    t.choices["k"] = {"choice": "a", "source": "timed"}
+    t.choices["k"] = {"choice": "a", "source": "timed", "candidates": ["a"]}
     assert t.choose("k", torch.device("cuda"), {"a": lambda: None}) == "a"
