@@ -169,21 +169,15 @@ def measure(args) -> dict:
                                 f"tree {t['tree']:.1f} auto={m[g]['auto']}" for g, t in best.items()), flush=True)
             net["layouts"][layout] = {"rows": rows, "measured": {k: data["fingerprint"].get(k)
                                                                  for k in ("git_sha", "date", "gpu")}}
-            runio.write_text(RESULTS, _dumps(data))
+            runio.write_json(RESULTS, data)
             torch.cuda.empty_cache()
     return data
 
 
-def _dumps(data: dict) -> str:
-    import json
-
-    return json.dumps(data, indent=1, sort_keys=False) + "\n"
-
-
 def load() -> dict:
-    import json
+    from nnrand import runio
 
-    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {"networks": {}}
+    return runio.read_json(RESULTS) if RESULTS.exists() else {"networks": {}}
 
 
 # --------------------------------------------------------------------------------------------------
