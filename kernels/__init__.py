@@ -10,11 +10,11 @@ from __future__ import annotations
 import importlib
 import pathlib
 
-from .registry import Case, OpSpec, Variant, define_op, get, ops, register, register_op, spec, table, variants
+from .registry import HALF_DTYPES, Case, OpSpec, Variant, define_op, get, ops, register, register_op, spec, table, variants
 from .runtime import KernelArgumentError, KernelUnavailableError, cuda_available, cupy_available
 
 __all__ = [
-    "Case", "OpSpec", "Variant", "define_op", "get", "ops", "register", "register_op", "spec", "table", "variants",
+    "HALF_DTYPES", "Case", "OpSpec", "Variant", "define_op", "get", "ops", "register", "register_op", "spec", "table", "variants",
     "KernelArgumentError", "KernelUnavailableError", "cuda_available", "cupy_available",
     "OP_MODULES",
 ]

@@ -557,4 +557,5 @@ define_op(
     bench_cases=_bench_cases,
     peers=_peers,
     bytes_moved=_bytes_moved,
+    out_like=(1,),  # the sum as src
 )

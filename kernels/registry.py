@@ -4,6 +4,15 @@ A :class:`Variant` is callable: CUDA tensors go to its CUDA launcher, CPU tensor
 (the NumPy/Numba reproduction of the kernel's accumulation order). Atomic variants' CPU models take
 ``rng`` (``None``, a seed, or a ``numpy.random.Generator``) to draw the arrival order of their partials;
 other models ignore it.
+
+Half precision (bfloat16, float16: what ``torch.autocast`` hands a backward op) goes through the same
+call: every half tensor argument is widened to float32 (exact: float32 holds every bf16 and fp16 value,
+and every product of two of them), the float32 variant runs (its fixed accumulation order in float32),
+and each output is rounded once, to nearest even, to the dtype autocast expects of it (``OpSpec.out_like``:
+the dtype of the argument it is the gradient of). The bits are a function of the float32 result, so a
+deterministic variant stays deterministic, its CPU model reproduces the GPU's bits wherever the float32
+model does, and an ``atomic`` variant keeps its run-to-run variation. The launchers themselves take
+float32 only (``Variant.cuda`` / ``Variant.cpu``).
 """
 from __future__ import annotations
 
@@ -12,6 +21,10 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+from .runtime import KernelArgumentError
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -34,12 +47,46 @@ class Variant:
         return f"{self.op}/{self.name}"
 
     def __call__(self, *args, rng=None, **kwargs) -> torch.Tensor:
+        half = half_dtype(self.op, args)
+        if half is not None:
+            wide = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype == half else a for a in args)
+            return round_outputs(self.op, self._run(wide, rng, kwargs), args)
+        return self._run(args, rng, kwargs)
+
+    def _run(self, args: tuple, rng, kwargs: dict):
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if first is not None and first.device.type == "cuda":
             return self.cuda(*args, **kwargs)
         # Overflow to Inf and Inf - Inf = NaN are results here, as on the GPU, not numerical accidents.
         with np.errstate(over="ignore", invalid="ignore"):
             return self.cpu(*args, rng=rng, **kwargs)
+
+
+def half_dtype(op: str, args: tuple) -> torch.dtype | None:
+    """The half dtype among ``args`` (None: none is half); bfloat16 and float16 together are an error."""
+    found: dict[torch.dtype, int] = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.dtype in HALF_DTYPES:
+            found.setdefault(a.dtype, i)
+    if len(found) > 1:
+        (d1, i1), (d2, i2) = sorted(found.items(), key=lambda kv: kv[1])[:2]
+        raise KernelArgumentError(op, f"#{i2}", f"is {d2} while argument #{i1} is {d1}; "
+                                  "half-precision inputs must share one dtype")
+    return next(iter(found), None)
+
+
+def round_outputs(op: str, out, args: tuple):
+    """Each float32 output of a variant called on widened half inputs, rounded to the dtype of the
+    argument ``OpSpec.out_like`` names for it (float32 when that argument is not a half tensor)."""
+    like = _SPECS[op].out_like if op in _SPECS else (0,)
+    outs = out if isinstance(out, tuple) else (out,)
+    rounded = []
+    for k, t in enumerate(outs):
+        i = like[min(k, len(like) - 1)]
+        src = args[i] if i < len(args) else None
+        want = src.dtype if isinstance(src, torch.Tensor) and src.dtype in HALF_DTYPES else None
+        rounded.append(t.to(want) if want is not None and isinstance(t, torch.Tensor) else t)
+    return tuple(rounded) if isinstance(out, tuple) else rounded[0]
 
 
 _REGISTRY: dict[tuple[str, str], Variant] = {}
@@ -128,6 +175,9 @@ class OpSpec:
     # Fewest bytes the op must move (inputs read once, outputs written once), and FLOPs, per case.
     bytes_moved: Callable[[Case], int]
     flops: Callable[[Case], int] | None = None
+    # Half-precision calls: output k is rounded to the dtype of positional argument ``out_like[k]`` (the
+    # last entry serves the outputs past the tuple's end); float32 when that argument is not half.
+    out_like: tuple[int, ...] = (0,)
 
 
 _SPECS: dict[str, OpSpec] = {}

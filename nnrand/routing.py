@@ -12,7 +12,7 @@ too), a functional call, torchvision/timm models, a ``torch.compile``d model (in
 ``convolution_backward`` as an extern kernel) and CUDA-graph captured steps. The door is a
 ``torch.library`` override at the CPU and CUDA dispatch keys of each aten op in ``ATEN_OPS``; the kernel
 that was there (``torch.library.get_kernel``) stays callable and runs every configuration no variant
-covers (grouped or transposed convs, non-float32 dtypes, eval-mode BatchNorm, ...).
+covers (grouped or transposed convs, float64, eval-mode BatchNorm, ...).
 
 Routed ops (the names ``--kernel-op`` takes) and the aten ops they come from:
 
@@ -309,13 +309,19 @@ def _pair(v) -> tuple[int, int]:
     return (int(v[0]), int(v[0])) if len(v) == 1 else (int(v[0]), int(v[1]))
 
 
-def _f32(*ts) -> bool:
-    return all(t is None or t.dtype == torch.float32 for t in ts)
+ROUTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _floating(*ts) -> bool:
+    """float32, or the half dtypes autocast runs in (the registry widens them to float32 exactly, runs the
+    variant and rounds each output once; mixed bf16 and fp16 is refused there, counted as original)."""
+    return all(t is None or t.dtype in ROUTED_DTYPES for t in ts)
 
 
 def _call(v, rng, *args, **kwargs):
-    """A variant on the tensors' device: the CUDA launcher, or the CPU model with ``rng``."""
-    if args[0].is_cuda:
+    """A variant on the tensors' device: the CUDA launcher, or the CPU model with ``rng``; half inputs
+    through the registry's widening call."""
+    if args[0].is_cuda and not any(isinstance(a, torch.Tensor) and a.dtype in kernels.HALF_DTYPES for a in args):
         return v.cuda(*args, **kwargs)
     return v(*args, rng=rng, **kwargs)
 
@@ -353,7 +359,7 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
         why = "transposed conv"
     elif x.dim() != 4:
         why = f"{x.dim() - 2}-D conv"
-    elif not _f32(dy, x, w):
+    elif not _floating(dy, x, w):
         why = f"dtype {x.dtype}"
     plan = list(s.conv if groups == 1 else s.conv_grouped)  # (wgrad, dgrad, bias)
     fmt = memory_format_of(x)
@@ -412,7 +418,7 @@ def _maxpool_backward(s: "_Session", original, keyset, dy, x, kernel_size, strid
     why = None
     if x.dim() != 4:
         why = "unbatched input"
-    elif not _f32(dy, x):
+    elif not _floating(dy, x):
         why = f"dtype {x.dtype}"
     elif dy.numel() == 0:
         why = "empty input"
@@ -437,7 +443,7 @@ def _adaptive_pool_backward(s: "_Session", original, keyset, dy, x):
     why = None
     if x.dim() != 4:
         why = "unbatched input"
-    elif not _f32(dy, x):
+    elif not _floating(dy, x):
         why = f"dtype {x.dtype}"
     elif dy.numel() == 0:
         why = "empty input"
@@ -462,7 +468,7 @@ def _upsample_backward(s: "_Session", original, keyset, dy, output_size, input_s
         why = "explicit scale factors (the variants take the output-size form)"
     elif len(input_size) != 4 or dy.dim() != 4:
         why = "not a 4-D input"
-    elif not _f32(dy):
+    elif not _floating(dy):
         why = f"dtype {dy.dtype}"
     elif dy.numel() == 0:
         why = "empty input"
@@ -482,7 +488,7 @@ def _upsample_backward(s: "_Session", original, keyset, dy, output_size, input_s
 def _embedding_backward(s: "_Session", original, keyset, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
     op = "embedding_dense_backward"
     why = None
-    if not _f32(grad):
+    if not _floating(grad):
         why = f"dtype {grad.dtype}"
     elif indices.dtype not in (torch.int64, torch.int32):
         why = f"index dtype {indices.dtype}"
@@ -515,8 +521,8 @@ def _scatter_sum(s: "_Session", variant, op, original, keyset, inplace: bool, se
     differ from its, deterministically)."""
     alpha = kw.get("alpha", 1)
     why = None
-    if self_.dim() == 0 or not _f32(self_, src):
-        why = "0-D or not float32"
+    if self_.dim() == 0 or not _floating(self_, src):
+        why = "0-D" if self_.dim() == 0 else f"dtype {src.dtype}"
     elif index.dtype not in (torch.int64, torch.int32):
         why = f"index dtype {index.dtype}"
     if why is None:
@@ -551,7 +557,7 @@ def _bn_route(s: "_Session", dy, x, weight, save_mean, save_invstd, train: bool)
         return "no saved batch statistics"
     if x.dim() not in (2, 3, 4):
         return f"{x.dim()}-D input"
-    if not _f32(dy, x, weight, save_mean, save_invstd):
+    if not _floating(dy, x, weight, save_mean, save_invstd):
         return f"dtype {x.dtype}"
     if x.numel() == 0:
         return "empty input"

@@ -10,7 +10,9 @@ only place that parses arguments. Sections: hyper-parameters, data, network, tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -76,6 +78,7 @@ class Config:
     channels_last: bool = False         # model and activations in channels_last
     cuda_graph: bool = False            # capture forward + backward once, replay it every step (CUDA only)
     tf32: bool = False                  # TF32 for matmul and cuDNN conv (off: fp32 arithmetic)
+    amp: str | None = None              # "bf16" | "fp16": forward under torch.autocast (fp16 with a GradScaler)
     resume: bool = True                 # continue an unfinished member from its checkpoint
     save_epoch_weights: bool = False    # weights_epoch_XXX.pt per epoch
     progress: bool = True               # tqdm bars
@@ -104,6 +107,7 @@ DEVICE_DEFAULTS = {
     "cuda": {"model": "resnet18", "epochs": 10, "batch_size": 128, "n_train": None, "n_test": None},
 }
 EVAL_BATCH = 500      # images per evaluation forward
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NESTEROV = True
 # Config fields that may differ between a run and its resumption.
 RESUMABLE_CHANGES = ("out", "resume", "progress", "report", "interrupt_at_step", "members", "first_member",
@@ -151,6 +155,10 @@ def resolve(cfg: Config) -> Config:
                           "timm:NAME (extra nnrand[vision])")
     if cfg.image_size is not None and cfg.image_size < 8:
         raise ConfigError(f"--image-size must be >= 8, got {cfg.image_size}")
+    if cfg.amp is not None and cfg.amp not in AMP_DTYPES:
+        raise ConfigError(f"--amp must be one of {', '.join(AMP_DTYPES)}, got {cfg.amp!r}")
+    if cfg.amp is not None and cfg.world_invariant:
+        raise ConfigError("--amp is not supported with --world-invariant (its micro-batch step runs float32)")
     if cfg.cuda_graph and dev.type != "cuda":
         raise ConfigError("--cuda-graph needs --device cuda (CUDA graphs capture GPU work only)")
     if cfg.dataset not in data.DATASETS:
@@ -168,7 +176,7 @@ def resolve(cfg: Config) -> Config:
     _resolve_autotune(cfg)
     if cfg.name is None:
         ops = "".join(f"_{op}={v}" for op, v in sorted(cfg.kernel_ops.items()))
-        cfg.name = f"{cfg.preset}_{cfg.kernel}{ops}_{cfg.model}"
+        cfg.name = f"{cfg.preset}_{cfg.kernel}{ops}_{cfg.model}" + (f"_{cfg.amp}" if cfg.amp else "")
     return cfg
 
 
@@ -282,6 +290,35 @@ def build(cfg: Config, seeds: noise.MemberSeeds, num_classes: int, fmt):
     return model, opt
 
 
+def autocast(cfg: Config, *, cache: bool = True):
+    """The forward's precision: ``torch.autocast`` in the ``--amp`` dtype, or float32 (a disabled context).
+    ``cache=False`` inside a CUDA-graph capture (autocast's cast cache must not outlive the capture)."""
+    dtype = AMP_DTYPES.get(cfg.amp)
+    return torch.autocast(torch.device(cfg.device).type, dtype=dtype or torch.bfloat16, enabled=dtype is not None,
+                          cache_enabled=cache)
+
+
+def grad_scaler(cfg: Config):
+    """fp16 only: loss scaling against gradient underflow. Its steps are deterministic given the gradients:
+    the unscale and the Inf/NaN check are elementwise, the skip-or-step decision and the scale update
+    depend only on whether any gradient is non-finite."""
+    if cfg.amp != "fp16":
+        return None
+    return torch.amp.GradScaler(torch.device(cfg.device).type)
+
+
+def backward(loss: torch.Tensor, scaler) -> None:
+    (loss if scaler is None else scaler.scale(loss)).backward()
+
+
+def optimizer_step(opt, scaler) -> None:
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)   # skipped when a gradient is Inf/NaN
+        scaler.update()
+
+
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -305,12 +342,14 @@ class Checksum:
 
 
 @torch.no_grad()
-def evaluate(model, ds, fmt, size: int | None = None) -> tuple[dict, torch.Tensor]:
+def evaluate(model, ds, fmt, size: int | None = None, precision=contextlib.nullcontext) -> tuple[dict, torch.Tensor]:
+    """Test-set metrics and logits (float32); ``precision``: a context factory the forwards run in (autocast)."""
     model.eval()
     logits = []
     for s in range(0, len(ds.test_y), EVAL_BATCH):
         x = resize(data.normalize(ds.test_x[s:s + EVAL_BATCH], ds), size).contiguous(memory_format=fmt)
-        logits.append(model(x).float())
+        with precision():
+            logits.append(model(x).float())
     model.train()
     logits = torch.cat(logits)
     y = ds.test_y
@@ -395,26 +434,34 @@ class GraphStep:
     compilation, cuDNN plans) is done first by a forward and backward of a copy of the model on a side
     stream, so the model's own state (weights, BatchNorm statistics) only changes on replay."""
 
-    def __init__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+    def __init__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision=contextlib.nullcontext,
+                 scaler=None):
+        """``precision(cache=...)``: the forward's autocast context; ``scaler``: fp16's GradScaler (its scale is
+        a device tensor the replay reads, so its updates between steps reach the captured backward)."""
         import copy
 
         self.x, self.y = x.clone(), y.clone()
+        if scaler is not None:   # its scale tensor exists before the capture, outside the graph's pool
+            scaler.scale(torch.ones((), device=x.device))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         # the warm-up's random draws (dropout, stochastic depth) must not move the run's generators
         with torch.random.fork_rng(devices=[x.device]), torch.cuda.stream(side):
             scratch = copy.deepcopy(model)
             for _ in range(2):
-                F.cross_entropy(scratch(self.x), self.y).backward()
+                with precision(cache=False):
+                    loss = F.cross_entropy(scratch(self.x), self.y)
+                backward(loss, scaler)
             del scratch
         torch.cuda.current_stream().wait_stream(side)
         for p in model.parameters():
             p.grad = None
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = model(self.x)
-            self.loss = F.cross_entropy(self.logits, self.y)
-            self.loss.backward()
+            with precision(cache=False):
+                self.logits = model(self.x)
+                self.loss = F.cross_entropy(self.logits, self.y)
+            backward(self.loss, scaler)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.x.copy_(x)
@@ -441,6 +488,8 @@ def member_config(cfg: Config, member: int, seeds: noise.MemberSeeds, route: rou
                   flags: dict, world: distributed.World | None = None) -> dict:
     world = world or distributed.World()
     hp = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_CHANGES}
+    if hp.get("amp") is None:
+        hp.pop("amp", None)   # float32 runs' configs read as before --amp existed (their checkpoints resume)
     if world.distributed and not cfg.world_invariant:
         hp["world_size"] = world.size   # plain DDP: another world size is another run
     return {"member": member, "config": hp, "seeds": seeds.as_dict(), "routing": route.describe(),
@@ -476,6 +525,8 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     specs = {s: getattr(cfg, f"{s}_seed") for s in noise.SOURCES}
     seeds = noise.member_seeds(specs, cfg.seed, member)
     model, opt = build(cfg, seeds, ds.num_classes, fmt)
+    precision = functools.partial(autocast, cfg)
+    scaler = grad_scaler(cfg)
     kernel_rng = noise.kernel_rng(seeds.kernel)
     checksum = Checksum(model)
     n = len(ds.train_y)
@@ -499,6 +550,8 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                               "use another --name or --no-resume")
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
+        if scaler is not None:
+            scaler.load_state_dict(ckpt["scaler"])  # written by the same config (fp16), checked above
         _set_rng_states(ckpt["rng"], kernel_rng)
         state = ckpt["state"]
         meta["perturb"] = state["perturb"]
@@ -536,7 +589,8 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                 runio.write_json(d / "config.json", meta)
             runio.torch_save(d / "checkpoint.pt", {
                 "config": meta["config"], "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "rng": _rng_states(kernel_rng), "state": state, "autotune": record})
+                "rng": _rng_states(kernel_rng), "state": state, "autotune": record,
+                "scaler": None if scaler is None else scaler.state_dict()})
 
     def step_metrics(loss_sum, correct):
         if ddp is not None:   # every rank's share of the global batch
@@ -586,17 +640,18 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                     x, y = local_batch(ds, batch_idx[world.rank * local:(world.rank + 1) * local], gen, fmt,
                                        cfg.image_size)
                     if cfg.cuda_graph and graph is None:
-                        graph = GraphStep(model, x, y)
+                        graph = GraphStep(model, x, y, precision, scaler)
                     start = timer.start()
                     if graph is not None:
                         logits, loss = graph(x, y)
                     else:
                         with group.guard("DistributedDataParallel step", only_collectives=True):
-                            logits = (ddp or model)(x)
-                            loss = F.cross_entropy(logits, y)
+                            with precision():
+                                logits = (ddp or model)(x)
+                                loss = F.cross_entropy(logits, y)
                             opt.zero_grad(set_to_none=True)
-                            loss.backward()
-                    opt.step()
+                            backward(loss, scaler)
+                    optimizer_step(opt, scaler)
                     timer.stop(start)
                     loss_sum += loss.detach().double() * len(y)
                     correct += (logits.detach().argmax(1) == y).sum()
@@ -612,7 +667,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                     save_checkpoint(gen)
                     raise KeyboardInterrupt(f"interrupted at step {state['step']}; checkpoint saved in {d}")
             _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch, step_metrics)
-            ev = evaluate(model, ds, fmt, cfg.image_size)[0] if main_rank else {}
+            ev = evaluate(model, ds, fmt, cfg.image_size, precision)[0] if main_rank else {}
             state["metrics"].append({
                 "epoch": epoch, "step": state["step"], "train_loss": acc["loss"] / max(1, acc["seen"]),
                 "train_top1": acc["correct"] / max(1, acc["seen"]), **ev, "epoch_time_s": acc["time_s"],
@@ -643,7 +698,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
         group.barrier()   # rank 0 evaluates and writes the member's files
         log.info("member %d done: final checksum %d", member, final)
         return {"member": member, "rank": world.rank, "final_checksum": final, "steps": state["step"]}
-    ev, logits = evaluate(model, ds, fmt, cfg.image_size)
+    ev, logits = evaluate(model, ds, fmt, cfg.image_size, precision)
     runio.npz_save(d / "predictions.npz", logits=logits.float().cpu().numpy(),
                    labels=ds.test_y.cpu().numpy(), group=ds.test_group.cpu().numpy())
     last = state["metrics"][-1]
@@ -778,6 +833,8 @@ EPILOG = """examples:
   python -m nnrand.train --model torchvision:resnet50 --image-size 224 --channels-last --kernel tree
   python -m nnrand.train --model timm:resnet18 --image-size 64 --kernel tree --no-strict
   python -m nnrand.train --kernel tree --cuda-graph                  whole forward/backward as one graph replay
+  python -m nnrand.train --model torchvision:resnet50 --image-size 224 --channels-last --amp bf16 \
+      --kernel fastest-deterministic    bf16 autocast, deterministic backward
   python -m nnrand.train --kernel fastest-deterministic   per conv shape, the fastest deterministic backward
                                     (timed once, cached on disk, recorded in <member>/config.json)
   python -m nnrand.train --kernel fastest-deterministic --autotune-plan runs/X/member_000/config.json
@@ -842,6 +899,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--cuda-graph", action="store_true",
                    help="capture forward + backward once and replay it each step (CUDA; same bits as eager)")
     g.add_argument("--tf32", action="store_true", help="allow TF32 in matmul/conv (default off)")
+    g.add_argument("--amp", choices=list(AMP_DTYPES), help="forward under torch.autocast in this dtype, its backward "
+                   "ops routed in it (half inputs accumulate in float32); fp16 adds a GradScaler. Default: float32")
     g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="resume an unfinished run directory (default on)")
     g.add_argument("--save-epoch-weights", action="store_true")
