@@ -3,8 +3,10 @@
     python -m bench.models                       # every model in MODELS (GPU: a few minutes)
     python -m bench.models --only resnet18_cifar torchvision_resnet50
     python -m bench.models --render              # reports/models.md from reports/results/models.json only
+    python -m bench.models --only torchvision_resnet50 --amp bf16   # under torch.autocast in bf16
 
-Modes (fp32, TF32 off; each in NCHW and channels_last, the faster layout is the mode's figure):
+Modes (fp32, TF32 off, or with ``--amp`` the forward under autocast in bf16/fp16 (fp16 with a GradScaler),
+rows keyed ``<case>_<amp>``; each in NCHW and channels_last, the faster layout is the mode's figure):
 
     native               stock PyTorch/cuDNN, cudnn.benchmark on: the fastest configuration a user runs
     torch_deterministic  torch.use_deterministic_algorithms(True), cudnn.deterministic, cudnn.benchmark off
@@ -122,29 +124,48 @@ class Mode:
         return self.stack.__exit__(*exc)
 
 
+def precision(amp: str | None):
+    """(autocast context factory taking ``cache=``, GradScaler factory) for ``--amp``: float32 without."""
+    import contextlib
+
+    import torch
+
+    from nnrand.train import AMP_DTYPES
+
+    if amp is None:
+        return (lambda cache=True: contextlib.nullcontext()), (lambda: None)
+    dtype = AMP_DTYPES[amp]
+    return ((lambda cache=True: torch.autocast("cuda", dtype=dtype, cache_enabled=cache)),
+            (lambda: torch.amp.GradScaler("cuda") if amp == "fp16" else None))
+
+
 def run_mode(case: ModelCase, mode: str, layout: str, batches, args, *, strict: bool = True) -> dict:
     """``args.runs`` runs of ``args.steps`` steps; returns times, hashes and the coverage of one run."""
     import torch
     import torch.nn.functional as F
 
     from nnrand import models
+    from nnrand.train import backward, optimizer_step
 
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    autocast, make_scaler = precision(getattr(args, "amp", None))
     times, hashes, coverage = [], [], None
     for _ in range(args.runs):
         torch.manual_seed(0)
         model = models.build_model(case.model, case.classes).cuda().to(memory_format=fmt)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        scaler = make_scaler()
         events = []
         with Mode(mode, strict) as m:
             for step, (x, y) in enumerate(batches[:args.steps]):
                 x = x.contiguous(memory_format=fmt)
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                loss = F.cross_entropy(model(x), y)
+                with autocast():
+                    loss = F.cross_entropy(model(x), y)
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+                backward(loss, scaler)
+                optimizer_step(opt, scaler)
                 b.record()
                 events.append((step, a, b))
             torch.cuda.synchronize()
@@ -162,20 +183,22 @@ def run_graph(case: ModelCase, mode: str, layout: str, batches, args, *, strict:
     import torch
 
     from nnrand import models
-    from nnrand.train import GraphStep
+    from nnrand.train import GraphStep, optimizer_step
 
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    autocast, make_scaler = precision(getattr(args, "amp", None))
     torch.manual_seed(0)
     model = models.build_model(case.model, case.classes).cuda().to(memory_format=fmt)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    scaler = make_scaler()
     times = []
     with Mode(mode, strict):
-        graph = GraphStep(model, batches[0][0].contiguous(memory_format=fmt), batches[0][1])
+        graph = GraphStep(model, batches[0][0].contiguous(memory_format=fmt), batches[0][1], autocast, scaler)
         for step, (x, y) in enumerate(batches[:args.steps]):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             graph(x.contiguous(memory_format=fmt), y)
-            opt.step()
+            optimizer_step(opt, scaler)
             b.record()
             times.append((step, a, b))
         torch.cuda.synchronize()
@@ -189,7 +212,7 @@ def measure(case: ModelCase, args) -> dict:
     batches = [(torch.randn(case.batch, 3, case.size, case.size, device="cuda", generator=g),
                 torch.randint(0, case.classes, (case.batch,), device="cuda", generator=g))
                for _ in range(args.steps)]
-    row = {"case": asdict(case), "modes": {}}
+    row = {"case": asdict(case), "modes": {}, "amp": getattr(args, "amp", None)}
     for mode in args.modes:
         per_layout = {}
         for layout in LAYOUTS if mode != "atomic" else ("best",):
@@ -235,6 +258,11 @@ def save(data: dict) -> None:
     tmp = RESULTS.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, RESULTS)
+
+
+def _label(row: dict) -> str:
+    """The model as the report names it: ``torchvision:resnet50 (bf16)`` for an --amp row."""
+    return row["case"]["model"] + (f" ({row['amp']})" if row.get("amp") else "")
 
 
 def _best(row: dict, mode: str) -> dict | None:
@@ -286,13 +314,13 @@ def targets(data: dict) -> list[str]:
             out.append(f"- our ResNet-18 (CIFAR, batch 128), fastest_deterministic: eager "
                        f"{verdict(_ratio(r18, 'fastest_deterministic'), 1.05)}, CUDA graph "
                        f"{verdict(_ratio(r18, 'fastest_deterministic', graph=True), 1.05)} of native")
-    for key in ("torchvision_resnet50", "torchvision_resnet18"):
+    for key in ("torchvision_resnet50", "torchvision_resnet18", "torchvision_resnet50_bf16"):
         if key in rows:
             for mode in ("tree", "tree_winograd", "fastest_deterministic"):
                 if mode not in rows[key]["modes"]:
                     continue
-                limit = 1.05 if mode == "fastest_deterministic" else 1.10
-                out.append(f"- {rows[key]['case']['model']} (batch {rows[key]['case']['batch']}, 224 px), {mode} "
+                limit = 1.05 if mode == "fastest_deterministic" and not rows[key].get("amp") else 1.10
+                out.append(f"- {_label(rows[key])} (batch {rows[key]['case']['batch']}, 224 px), {mode} "
                            f"in its faster layout: {verdict(_ratio(rows[key], mode), limit)} of the fastest native")
     below, above, refused = [], [], []
     for key, row in rows.items():
@@ -300,15 +328,15 @@ def targets(data: dict) -> list[str]:
         if t is None:
             continue
         if d is None:
-            refused.append(row["case"]["model"])
+            refused.append(_label(row))
         else:
             (below if t["ms"] < d["ms"] else above).append(
-                f"{row['case']['model']} {row['case']['size']} px ({t['ms']:.2f} vs {d['ms']:.2f} ms)")
+                f"{_label(row)} {row['case']['size']} px ({t['ms']:.2f} vs {d['ms']:.2f} ms)")
     out.append(f"- tree below PyTorch's deterministic mode: {'; '.join(below) or 'none'}")
     out.append(f"- tree NOT below it: {'; '.join(above) or 'none'}")
     if refused:
         out.append(f"- PyTorch's deterministic mode runs no step: {', '.join(refused)}")
-    full = [row["case"]["model"] + (f" ({_best(row, 'tree')['distinct']}/{_best(row, 'tree')['runs']})")
+    full = [_label(row) + (f" ({_best(row, 'tree')['distinct']}/{_best(row, 'tree')['runs']})")
             for row in rows.values() if _best(row, "tree") and not _best(row, "tree").get("refused_strict")]
     one = all(_best(r, "tree")["distinct"] == 1 for r in rows.values()
               if _best(r, "tree") and not _best(r, "tree").get("refused_strict"))
@@ -334,7 +362,7 @@ def render(data: dict) -> str:
     out = ["# Whole models: step time, repeatability and coverage per backward mode", "",
            f"Generated by `python -m bench.models` from `reports/results/models.json`. GPU: {env.get('gpu')}, "
            f"torch {env.get('torch')}, cuDNN {env.get('cudnn')}, CUDA {env.get('cuda')}, git {env.get('git_sha')}, "
-           f"{env.get('date')}. fp32, TF32 off, SGD (momentum 0.9, nesterov), random seeded batches.", "",
+           f"{env.get('date')}. fp32 (rows marked bf16/fp16: forward under torch.autocast in that dtype), TF32 off, SGD (momentum 0.9, nesterov), random seeded batches.", "",
            *_measured_line(data),
            "ms/step: median over steps after the warm-up of every run, CUDA events around each step (host "
            "gaps included). Each mode's figure is its faster layout (NCHW or channels_last, shown). "
@@ -348,12 +376,14 @@ def render(data: dict) -> str:
     head = ("| model | batch x px | mode | layout | ms/step | x native | distinct | graph ms | graph x native "
             "| coverage / note |")
     out += [head, "|---" * (head.count("|") - 1) + "|"]
-    order = [c.key for c in MODELS] + sorted(k for k in data["rows"] if k not in {c.key for c in MODELS})
+    keys = [c.key for c in MODELS]
+    order = [k + amp for k in keys for amp in ("", "_bf16", "_fp16")]
+    order += sorted(k for k in data["rows"] if k not in order)
     rows = [(k, data["rows"][k]) for k in order if k in data["rows"]]
     for key, row in rows:
         case = row["case"]
         if row.get("error"):
-            out.append(f"| {case['model']} | {case['batch']} x {case['size']} | - | - | - | - | - | - | - "
+            out.append(f"| {_label(row)} | {case['batch']} x {case['size']} | - | - | - | - | - | - | - "
                        f"| not measured: {row['error']} |")
             continue
         native = _best(row, "native")
@@ -363,7 +393,7 @@ def render(data: dict) -> str:
             if b is None:
                 err = next((v.get("error") for v in row["modes"].get(mode, {}).get("layouts", {}).values()), "")
                 if mode in row["modes"]:
-                    out.append(f"| {case['model']} | {case['batch']} x {case['size']} | {mode} | - | - | - | - | - | - "
+                    out.append(f"| {_label(row)} | {case['batch']} x {case['size']} | {mode} | - | - | - | - | - | - "
                                f"| runs no step: {err.split(', but you set')[0]} |")
                 continue
             ratio = b["ms"] / native["ms"] if native else float("nan")
@@ -374,7 +404,7 @@ def render(data: dict) -> str:
             if b.get("refused_strict"):
                 op = b["refused_strict"].split(" in ")[0].split(": ")[-1]
                 note = f"strict: refused ({op}); run with strict=False: {note}"
-            out.append(f"| {case['model']} | {case['batch']} x {case['size']} | {mode} | {b['layout']} | "
+            out.append(f"| {_label(row)} | {case['batch']} x {case['size']} | {mode} | {b['layout']} | "
                        f"{b['ms']:.2f} | {ratio:.2f} | {b['distinct']}/{b['runs']} | {gms} | {gx} | {note} |")
     out += ["", *targets(data), "", "Every layout measured (ms/step, distinct/runs):", ""]
     for key, row in rows:
@@ -383,7 +413,7 @@ def render(data: dict) -> str:
             for lay, r in m["layouts"].items():
                 cells.append(f"{mode}/{lay} " + (f"{r['ms']:.2f} ({r['distinct']}/{r['runs']})" if "ms" in r
                                                   else "error"))
-        out.append(f"- {row['case']['model']} ({row['case']['batch']} x {row['case']['size']}): " + "; ".join(cells))
+        out.append(f"- {_label(row)} ({row['case']['batch']} x {row['case']['size']}): " + "; ".join(cells))
     return "\n".join(out) + "\n"
 
 
@@ -395,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="runs per mode and layout (default %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="SGD steps per run (default %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the times")
+    p.add_argument("--amp", choices=["bf16", "fp16"], help="forward under torch.autocast in this dtype (rows "
+                   "<case>_<amp>); default float32")
     p.add_argument("--fresh", action="store_true", help="measure every case again (default: skip cases in the file)")
     p.add_argument("--render", action="store_true", help="only render reports/models.md from the result file")
     args = p.parse_args(argv)
@@ -420,16 +452,18 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in MODELS if not args.only or c.key in args.only]
     with noise.pinned_flags(tf32=False, cudnn_deterministic=False):
         for case in cases:
-            if case.key in data["rows"] and not args.fresh and not args.only:
-                print(f"{case.key}: in the result file, skipped (--fresh to measure again)")
+            key = case.key + (f"_{args.amp}" if args.amp else "")
+            if key in data["rows"] and not args.fresh and not args.only:
+                print(f"{key}: in the result file, skipped (--fresh to measure again)")
                 continue
-            print(f"{case.key}: {case.model}, batch {case.batch}, {case.size}px", flush=True)
+            print(f"{key}: {case.model}, batch {case.batch}, {case.size}px, {args.amp or 'fp32'}", flush=True)
             try:
-                data["rows"][case.key] = measure(case, args)
-                data["rows"][case.key]["measured"] = {k: data["fingerprint"].get(k) for k in ("git_sha", "date")}
+                data["rows"][key] = measure(case, args)
+                data["rows"][key]["measured"] = {k: data["fingerprint"].get(k) for k in ("git_sha", "date")}
             except Exception as e:  # a model that cannot be built here (missing package) is noted, not fatal
-                data["rows"][case.key] = {"case": asdict(case), "modes": {}, "error": f"{type(e).__name__}: {e}"}
-                print(f"  {case.key}: {e}", flush=True)
+                data["rows"][key] = {"case": asdict(case), "modes": {}, "error": f"{type(e).__name__}: {e}",
+                                     "amp": args.amp}
+                print(f"  {key}: {e}", flush=True)
             save(data)
     REPORT.write_text(render(data))
     print(render(data))

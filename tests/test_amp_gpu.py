@@ -1,0 +1,111 @@
+"""Half precision on the GPU: every variant's bf16/fp16 call equals its CPU model bit for bit where the
+float32 variant does, deterministic variants repeat bitwise, and a ResNet trained under autocast with
+``tree`` is bitwise repeatable (eager and CUDA graph) while ``atomic`` is not (the negative control)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+import nnrand
+from nnrand import models
+from nnrand.train import GraphStep, backward, optimizer_step
+from tests.helpers import assert_bitwise_equal, byte_hash
+
+pytestmark = pytest.mark.gpu
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+def _inputs(op: str, device: str, dtype: torch.dtype):
+    spec = kernels.spec(op)
+    case = spec.test_cases()[0]
+    args, kwargs = spec.make_inputs(case, torch.device(device))
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
+                 for a in args), kwargs
+
+
+def _outs(out):
+    return [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("key", [v.key for v in kernels.variants() if v.deterministic])
+def test_half_gpu_equals_cpu_model_and_repeats(key, dtype):
+    op, name = key.split("/")
+    v = kernels.get(op, name)
+    args, kwargs = _inputs(op, "cuda", dtype)
+    runs = [_outs(v(*args, **kwargs)) for _ in range(5)]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert_bitwise_equal(a, b, f"{key} repeat")
+    assert all(t.dtype in (dtype, torch.float32) for t in runs[0])
+    if v.cpu_bitexact:
+        cpu_args, cpu_kwargs = _inputs(op, "cpu", dtype)
+        for a, b in zip(runs[0], _outs(v(*cpu_args, **cpu_kwargs))):
+            assert_bitwise_equal(a, b, f"{key} GPU vs CPU model")
+
+
+def _train(model, batches, fmt, dtype, graph=False) -> str:
+    """Hash of the weights and buffers after SGD steps with the forward under autocast."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+
+    def autocast(cache=True):
+        return torch.autocast("cuda", dtype=dtype, cache_enabled=cache)
+
+    step = None
+    for x, y in batches:
+        x = x.contiguous(memory_format=fmt)
+        if graph:
+            step = step or GraphStep(model, x, y, autocast, scaler)
+            step(x, y)
+        else:
+            with autocast():
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            backward(loss, scaler)
+        optimizer_step(opt, scaler)
+    torch.cuda.synchronize()
+    return byte_hash(torch.cat([t.detach().float().flatten() for t in (*model.parameters(), *model.buffers())
+                                if t.is_floating_point()]))
+
+
+def _batches(n, batch, size, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [(torch.randn(batch, 3, size, size, device="cuda", generator=g),
+             torch.randint(0, 10, (batch,), device="cuda", generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_tree_under_autocast_is_repeatable_graph_equals_eager_and_atomic_is_not(dtype):
+    fmt = torch.channels_last
+    torch.manual_seed(0)
+    base = models.build_model("resnet18_imagenet").cuda().to(memory_format=fmt)
+    batches = _batches(3, 32, 32, seed=11)
+    with nnrand.use_kernels("tree") as r:
+        tree = [_train(copy.deepcopy(base), batches, fmt, dtype, graph=g) for g in (False, False, False, True)]
+    assert len(set(tree)) == 1, tree
+    rows = {row["aten_op"]: row for row in r.coverage.rows()}
+    assert rows["convolution_backward"]["original"] == 0
+    bn = rows.get("cudnn_batch_norm_backward") or rows["native_batch_norm_backward"]
+    assert bn["original"] == 0 and rows["max_pool2d_with_indices_backward"]["original"] == 0
+    assert not r.coverage.uncovered
+    with nnrand.use_kernels("atomic"):
+        atomic = [_train(copy.deepcopy(base), batches, fmt, dtype) for _ in range(5)]
+    assert len(set(atomic)) > 1, "atomic under autocast gave one result in 5 runs: the negative control failed"
+
+
+def test_fastest_deterministic_under_bf16_is_repeatable():
+    fmt = torch.channels_last
+    torch.manual_seed(0)
+    base = models.build_model("resnet18_imagenet").cuda().to(memory_format=fmt)
+    batches = _batches(3, 32, 32, seed=5)
+    with nnrand.use_kernels("fastest-deterministic") as r:
+        runs = [_train(copy.deepcopy(base), batches, fmt, torch.bfloat16) for _ in range(3)]
+    assert len(set(runs)) == 1
+    assert r.coverage.as_dict()["convolution_backward"].get("original", 0) == 0
+    assert r.tuner.record()["choices"] and all("bfloat16" in k for k in r.tuner.record()["choices"])
