@@ -23,6 +23,8 @@
 // Every float operation is a round-to-nearest intrinsic (__fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn):
 // they are never contracted into FMA, so the sequence of float32 roundings is the one the CPU models
 // replay with NumPy float32 and the bits agree. NVRTC compiles without -ftz: subnormals are kept.
+// dy, x and dx are act_t (common.cuh): the source is compiled once per activation dtype; bf16/fp16 values
+// are widened on load and dx narrowed once on store, the sums and statistics stay float32.
 #include "common.cuh"
 
 #define BN_THREADS 256
@@ -86,12 +88,12 @@ __device__ __forceinline__ void load_vec(const float* p, float q[4]) {
 // Four slots of dy and x are loaded before they are added (enough bytes in flight); the additions happen
 // in slot order, which is what the CPU model reproduces.
 template <int VEC>
-__device__ __forceinline__ void nchw_thread_sums(const float* __restrict__ dy, const float* __restrict__ x, int S,
+__device__ __forceinline__ void nchw_thread_sums(const act_t* __restrict__ dy, const act_t* __restrict__ x, int S,
                                                  long long CS, int c, float mean, float invstd, long long begin,
                                                  long long end, float& sum_dy, float& sum_dyx) {
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const float* dyc = dy + (long long)c * S;
-    const float* xc = x + (long long)c * S;
+    const act_t* dyc = dy + (long long)c * S;
+    const act_t* xc = x + (long long)c * S;
     const int step = VEC * blockDim.x;
     const int step_n = step / S, step_s = step - step_n * S;
     long long v = begin + (long long)VEC * threadIdx.x;
@@ -102,10 +104,10 @@ __device__ __forceinline__ void nchw_thread_sums(const float* __restrict__ dy, c
         Walk w3 = w2; advance(w3, step_n, step_s, S);
         const long long o0 = w.n * CS + w.s, o1 = w1.n * CS + w1.s, o2 = w2.n * CS + w2.s, o3 = w3.n * CS + w3.s;
         float d0[4], d1[4], d2[4], d3[4], x0[4], x1[4], x2[4], x3[4];
-        load_vec<VEC, false>(dyc + o0, d0); load_vec<VEC, false>(xc + o0, x0);
-        load_vec<VEC, false>(dyc + o1, d1); load_vec<VEC, false>(xc + o1, x1);
-        load_vec<VEC, false>(dyc + o2, d2); load_vec<VEC, false>(xc + o2, x2);
-        load_vec<VEC, false>(dyc + o3, d3); load_vec<VEC, false>(xc + o3, x3);
+        load_act<VEC>(dyc + o0, d0); load_act<VEC>(xc + o0, x0);
+        load_act<VEC>(dyc + o1, d1); load_act<VEC>(xc + o1, x1);
+        load_act<VEC>(dyc + o2, d2); load_act<VEC>(xc + o2, x2);
+        load_act<VEC>(dyc + o3, d3); load_act<VEC>(xc + o3, x3);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             accumulate(s[j], t[j], d0[j], x0[j], mean, invstd);
@@ -119,8 +121,8 @@ __device__ __forceinline__ void nchw_thread_sums(const float* __restrict__ dy, c
     for (; v < end; v += step) {
         const long long o = w.n * CS + w.s;
         float d[4], xv[4];
-        load_vec<VEC, false>(dyc + o, d);
-        load_vec<VEC, false>(xc + o, xv);
+        load_act<VEC>(dyc + o, d);
+        load_act<VEC>(xc + o, xv);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) accumulate(s[j], t[j], d[j], xv[j], mean, invstd);
         advance(w, step_n, step_s, S);
@@ -135,7 +137,7 @@ __device__ __forceinline__ void nchw_thread_sums(const float* __restrict__ dy, c
 }
 
 // The block's two partials (valid in thread 0).
-__device__ __forceinline__ void nchw_block_partials(const float* __restrict__ dy, const float* __restrict__ x,
+__device__ __forceinline__ void nchw_block_partials(const act_t* __restrict__ dy, const act_t* __restrict__ x,
                                                     const float* __restrict__ mean, const float* __restrict__ invstd,
                                                     long long N, int C, long long S, long long E, int vec,
                                                     float* scratch, float& a, float& b) {
@@ -149,7 +151,7 @@ __device__ __forceinline__ void nchw_block_partials(const float* __restrict__ dy
 }
 
 extern "C" __global__ void __launch_bounds__(BN_THREADS, 4)
-bn_bwd_nchw_atomic(const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ mean,
+bn_bwd_nchw_atomic(const act_t* __restrict__ dy, const act_t* __restrict__ x, const float* __restrict__ mean,
                    const float* __restrict__ invstd, long long N, int C, long long S, long long E, int vec,
                    float* dbeta, float* dgamma) {
     __shared__ float scratch[64];
@@ -164,7 +166,7 @@ bn_bwd_nchw_atomic(const float* __restrict__ dy, const float* __restrict__ x, co
 // partials: [2][C][P] (dbeta's, then dgamma's). counters: zero on entry, left at zero by each channel's
 // last block (see arrive_last in common.cuh).
 extern "C" __global__ void __launch_bounds__(BN_THREADS, 4)
-bn_bwd_nchw_tree(const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ mean,
+bn_bwd_nchw_tree(const act_t* __restrict__ dy, const act_t* __restrict__ x, const float* __restrict__ mean,
                  const float* __restrict__ invstd, long long N, int C, long long S, long long E, int vec,
                  float* partials, unsigned int* counters, float* dbeta, float* dgamma) {
     __shared__ float scratch[64];
@@ -206,7 +208,7 @@ bn_bwd_nchw_tree(const float* __restrict__ dy, const float* __restrict__ x, cons
 
 // Rows r0 + ty, r0 + ty + TY, ... < r1, added in row order; four rows are loaded before they are added.
 template <int VEC>
-__device__ __forceinline__ void rows_thread_sums(const float* __restrict__ dy, const float* __restrict__ x,
+__device__ __forceinline__ void rows_thread_sums(const act_t* __restrict__ dy, const act_t* __restrict__ x,
                                                  const float m[4], const float is[4], long long r0, long long r1,
                                                  int C, int col0, float s[4], float t[4]) {
 #pragma unroll
@@ -217,10 +219,10 @@ __device__ __forceinline__ void rows_thread_sums(const float* __restrict__ dy, c
     for (; r + 3 * TY < r1; r += 4 * TY) {
         const long long o0 = r * C + col0, o1 = o0 + TY * C, o2 = o1 + TY * C, o3 = o2 + TY * C;
         float d0[4], d1[4], d2[4], d3[4], x0[4], x1[4], x2[4], x3[4];
-        load_vec<VEC, false>(dy + o0, d0); load_vec<VEC, false>(x + o0, x0);
-        load_vec<VEC, false>(dy + o1, d1); load_vec<VEC, false>(x + o1, x1);
-        load_vec<VEC, false>(dy + o2, d2); load_vec<VEC, false>(x + o2, x2);
-        load_vec<VEC, false>(dy + o3, d3); load_vec<VEC, false>(x + o3, x3);
+        load_act<VEC>(dy + o0, d0); load_act<VEC>(x + o0, x0);
+        load_act<VEC>(dy + o1, d1); load_act<VEC>(x + o1, x1);
+        load_act<VEC>(dy + o2, d2); load_act<VEC>(x + o2, x2);
+        load_act<VEC>(dy + o3, d3); load_act<VEC>(x + o3, x3);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             accumulate(s[j], t[j], d0[j], x0[j], m[j], is[j]);
@@ -231,8 +233,8 @@ __device__ __forceinline__ void rows_thread_sums(const float* __restrict__ dy, c
     }
     for (; r < r1; r += TY) {
         float d[4], xv[4];
-        load_vec<VEC, false>(dy + r * C + col0, d);
-        load_vec<VEC, false>(x + r * C + col0, xv);
+        load_act<VEC>(dy + r * C + col0, d);
+        load_act<VEC>(x + r * C + col0, xv);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) accumulate(s[j], t[j], d[j], xv[j], m[j], is[j]);
     }
@@ -298,7 +300,7 @@ __device__ __forceinline__ void rows_block_tree2(float* tile, const float s[4], 
     }
 }
 
-__device__ __forceinline__ void rows_block_partials(const float* __restrict__ dy, const float* __restrict__ x,
+__device__ __forceinline__ void rows_block_partials(const act_t* __restrict__ dy, const act_t* __restrict__ x,
                                                     const float* __restrict__ mean, const float* __restrict__ invstd,
                                                     long long R, int C, long long RB, int vec, int col0, float* tile) {
     const long long r0 = (long long)blockIdx.x * RB, r1 = r0 + RB < R ? r0 + RB : R;
@@ -312,7 +314,7 @@ __device__ __forceinline__ void rows_block_partials(const float* __restrict__ dy
 }
 
 extern "C" __global__ void __launch_bounds__(BN_THREADS, 4)
-bn_bwd_rows_atomic(const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ mean,
+bn_bwd_rows_atomic(const act_t* __restrict__ dy, const act_t* __restrict__ x, const float* __restrict__ mean,
                    const float* __restrict__ invstd, long long R, int C, long long RB, int vec,
                    float* dbeta, float* dgamma) {
     __shared__ float tile[2 * BN_THREADS * 4];
@@ -329,7 +331,7 @@ bn_bwd_rows_atomic(const float* __restrict__ dy, const float* __restrict__ x, co
 // partials: [2][P][C] (dbeta's, then dgamma's). counters: zero on entry, left at zero by each column
 // tile's last block (see arrive_last in common.cuh).
 extern "C" __global__ void __launch_bounds__(BN_THREADS, 4)
-bn_bwd_rows_tree(const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ mean,
+bn_bwd_rows_tree(const act_t* __restrict__ dy, const act_t* __restrict__ x, const float* __restrict__ mean,
                  const float* __restrict__ invstd, long long R, int C, long long RB, int vec,
                  float* partials, unsigned int* counters, float* dbeta, float* dgamma) {
     __shared__ float tile[2 * BN_THREADS * 4];
@@ -401,33 +403,29 @@ __device__ __forceinline__ float dx_of(float dy, float x, const Coef& q) {
 
 // NCHW: element e is in channel (e / S) % C; a float4 (S % 4 == 0) stays inside one row.
 template <int VEC>
-__device__ __forceinline__ void dx_nchw(const float* __restrict__ dy, const float* __restrict__ x,
+__device__ __forceinline__ void dx_nchw(const act_t* __restrict__ dy, const act_t* __restrict__ x,
                                         const float* __restrict__ mean, const float* __restrict__ invstd,
                                         const float* __restrict__ weight, const float* __restrict__ dbeta,
                                         const float* __restrict__ dgamma, float M, long long nvec, int C, long long S,
-                                        float* __restrict__ dx) {
+                                        act_t* __restrict__ dx) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += stride) {
         const long long e = i * VEC;
         const Coef q = coef_of((int)((e / S) % C), mean, invstd, weight, dbeta, dgamma, M);
-        if constexpr (VEC == 4) {
-            const float4 d = *reinterpret_cast<const float4*>(dy + e);
-            const float4 xv = *reinterpret_cast<const float4*>(x + e);
-            float4 r;
-            r.x = dx_of(d.x, xv.x, q); r.y = dx_of(d.y, xv.y, q);
-            r.z = dx_of(d.z, xv.z, q); r.w = dx_of(d.w, xv.w, q);
-            *reinterpret_cast<float4*>(dx + e) = r;
-        } else {
-            dx[e] = dx_of(dy[e], x[e], q);
-        }
+        float d[4], xv[4], r[4];
+        load_act<VEC>(dy + e, d);
+        load_act<VEC>(x + e, xv);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) r[j] = dx_of(d[j], xv[j], q);
+        store_act<VEC>(dx + e, r);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(BN_THREADS)
-bn_bwd_dx_nchw(const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ mean,
+bn_bwd_dx_nchw(const act_t* __restrict__ dy, const act_t* __restrict__ x, const float* __restrict__ mean,
                const float* __restrict__ invstd, const float* __restrict__ weight, const float* __restrict__ dbeta,
                const float* __restrict__ dgamma, long long M, long long nvec, int C, long long S, int vec,
-               float* __restrict__ dx) {
+               act_t* __restrict__ dx) {
     const float m = __ll2float_rn(M);  // M rounded to float32 once (exact below 2^24), as np.float32(M)
     if (vec == 4) dx_nchw<4>(dy, x, mean, invstd, weight, dbeta, dgamma, m, nvec, C, S, dx);
     else dx_nchw<1>(dy, x, mean, invstd, weight, dbeta, dgamma, m, nvec, C, S, dx);
@@ -436,11 +434,11 @@ bn_bwd_dx_nchw(const float* __restrict__ dy, const float* __restrict__ x, const 
 // rows: block (TX, TY) over rows [blockIdx.x * RB, ...) of column tile blockIdx.y; thread (tx, ty) forms
 // the coefficients of its VEC columns once and walks rows r0 + ty, r0 + ty + TY, ...
 template <int VEC>
-__device__ __forceinline__ void dx_rows(const float* __restrict__ dy, const float* __restrict__ x,
+__device__ __forceinline__ void dx_rows(const act_t* __restrict__ dy, const act_t* __restrict__ x,
                                         const float* __restrict__ mean, const float* __restrict__ invstd,
                                         const float* __restrict__ weight, const float* __restrict__ dbeta,
                                         const float* __restrict__ dgamma, float M, long long R, int C, long long RB,
-                                        float* __restrict__ dx) {
+                                        act_t* __restrict__ dx) {
     const int col0 = (blockIdx.y * blockDim.x + threadIdx.x) * VEC;
     if (col0 >= C) return;  // C % VEC == 0: a thread's columns are all in range or all out
     Coef q[VEC];
@@ -449,24 +447,20 @@ __device__ __forceinline__ void dx_rows(const float* __restrict__ dy, const floa
     const long long r0 = (long long)blockIdx.x * RB, r1 = r0 + RB < R ? r0 + RB : R;
     for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
         const long long o = r * C + col0;
-        if constexpr (VEC == 4) {
-            const float4 d = *reinterpret_cast<const float4*>(dy + o);
-            const float4 xv = *reinterpret_cast<const float4*>(x + o);
-            float4 res;
-            res.x = dx_of(d.x, xv.x, q[0]); res.y = dx_of(d.y, xv.y, q[1]);
-            res.z = dx_of(d.z, xv.z, q[2]); res.w = dx_of(d.w, xv.w, q[3]);
-            *reinterpret_cast<float4*>(dx + o) = res;
-        } else {
-            dx[o] = dx_of(dy[o], x[o], q[0]);
-        }
+        float d[4], xv[4], res[4];
+        load_act<VEC>(dy + o, d);
+        load_act<VEC>(x + o, xv);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) res[j] = dx_of(d[j], xv[j], q[j]);
+        store_act<VEC>(dx + o, res);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(BN_THREADS)
-bn_bwd_dx_rows(const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ mean,
+bn_bwd_dx_rows(const act_t* __restrict__ dy, const act_t* __restrict__ x, const float* __restrict__ mean,
                const float* __restrict__ invstd, const float* __restrict__ weight, const float* __restrict__ dbeta,
                const float* __restrict__ dgamma, long long M, long long R, int C, long long RB, int vec,
-               float* __restrict__ dx) {
+               act_t* __restrict__ dx) {
     const float m = __ll2float_rn(M);
     if (vec == 4) dx_rows<4>(dy, x, mean, invstd, weight, dbeta, dgamma, m, R, C, RB, dx);
     else dx_rows<1>(dy, x, mean, invstd, weight, dbeta, dgamma, m, R, C, RB, dx);

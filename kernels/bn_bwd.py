@@ -2,7 +2,10 @@
 
     dx, dgamma, dbeta = kernels.get("bn_bwd", "tree")(dy, x, mean, invstd, weight)
 
-dy, x: float32 (N, C, H, W) in NCHW or channels_last (dy is brought to x's layout), or (N, C). mean, invstd:
+dy, x: float32 (N, C, H, W) in NCHW or channels_last (dy is brought to x's layout), or (N, C). The CUDA
+launchers also take bf16/fp16 dy and x (autocast's BatchNorm: read as half, float32 sums, dx written in x's
+dtype; dgamma and dbeta in weight's dtype, float32 without a weight), with the bits of the float32 kernels on
+the widened tensors rounded once (the registry's half-precision call, which the CPU models take). mean, invstd:
 the saved batch statistics (C,) (invstd = 1 / sqrt(var + eps)); weight: (C,) or None (ones). With M values
 per channel and xhat = (x - mean) * invstd:
 
@@ -23,10 +26,13 @@ import torch
 
 from .bias_grad import THREADS, nchw_plan, rows_plan
 from .order import F32, arrival_sum, block_tree, halving_tree, pad_to, seq_sum, strided_reduce
+from . import registry
 from .registry import Case, define_op
 from .runtime import (
+    ACT_KINDS,
     INT32_MAX,
     KernelArgumentError,
+    act_defines,
     cdiv,
     check_cuda,
     memo_check,
@@ -51,9 +57,16 @@ EPS = 1e-5                 # the variance epsilon of the test and benchmark inpu
 # Argument checks (shared by the CUDA launchers and the CPU models)
 
 
-def _check_all(dy, x, mean, invstd, weight) -> tuple[str, bool]:
+def _dtype_of(t, half_ok: bool) -> torch.dtype:
+    """The dtype a tensor argument is checked against: its own where it is a routed half dtype and the
+    caller (a CUDA launcher) takes half, else float32."""
+    dtype = getattr(t, "dtype", None)
+    return dtype if half_ok and dtype in ACT_KINDS else torch.float32
+
+
+def _check_all(dy, x, mean, invstd, weight, half_ok: bool = False) -> tuple[str, bool]:
     """(layout, whether dy must be copied into x's layout); raises naming the argument."""
-    x = check_tensor(OP, "x", x, ndim=(2, 4))
+    x = check_tensor(OP, "x", x, ndim=(2, 4), dtype=_dtype_of(x, half_ok))
     if x.dim() == 2:
         if not x.is_contiguous():
             raise KernelArgumentError(OP, "x", f"expected a contiguous (N, C) tensor, got strides {x.stride()}")
@@ -63,13 +76,13 @@ def _check_all(dy, x, mean, invstd, weight) -> tuple[str, bool]:
     c = x.shape[1]
     if c == 0:
         raise KernelArgumentError(OP, "x", f"expected at least one channel, got shape {tuple(x.shape)}")
-    dy = check_tensor(OP, "dy", dy, ndim=x.dim(), device=x.device)
+    dy = check_tensor(OP, "dy", dy, ndim=x.dim(), device=x.device, dtype=x.dtype)
     if dy.shape != x.shape:
         raise KernelArgumentError(OP, "dy", f"expected x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
     for name, t in (("mean", mean), ("invstd", invstd), ("weight", weight)):
         if t is None and name == "weight":
             continue
-        check_tensor(OP, name, t, ndim=1, device=x.device)
+        check_tensor(OP, name, t, ndim=1, device=x.device, dtype=_dtype_of(t, half_ok))
         if t.shape[0] != c:
             raise KernelArgumentError(OP, name, f"expected shape ({c},) (one value per channel of x), "
                                                 f"got {tuple(t.shape)}")
@@ -98,11 +111,11 @@ def _in_layout(t: torch.Tensor, layout: str) -> bool:
 _CHECKED: dict[tuple, tuple[str, bool]] = {}
 
 
-def _check(dy, x, mean, invstd, weight) -> tuple[torch.Tensor, str]:
+def _check(dy, x, mean, invstd, weight, half_ok: bool = False) -> tuple[torch.Tensor, str]:
     """Validate everything before any work; returns (dy in x's layout, layout). Memoised per configuration
     (``runtime.memo_check``: dtypes, devices, shapes and strides), so a launcher called once per BatchNorm
     layer per step checks each configuration once."""
-    layout, convert = memo_check(_CHECKED, _check_all, dy, x, mean, invstd, weight)
+    layout, convert = memo_check(_CHECKED, _check_all, dy, x, mean, invstd, weight, half_ok)
     if convert:
         dy = dy.contiguous(memory_format=_memory_format(layout))
     return dy, layout
@@ -161,13 +174,24 @@ def _aligned(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def _launch(variant: str, dy, x, mean, invstd, weight):
-    dy, layout = _check(dy, x, mean, invstd, weight)
+    half = registry.half_dtype(OP, (dy, x, mean, invstd, weight))
+    if half is not None and not (getattr(dy, "dtype", None) == getattr(x, "dtype", None) == half):
+        # half and float32 activations together: what the registry's widening call does, here too
+        args = (dy, x, mean, invstd, weight)
+        wide = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype == half else a for a in args)
+        return registry.round_outputs(OP, _launch(variant, *wide), args)
+    dy, layout = _check(dy, x, mean, invstd, weight, True)
     check_cuda(OP, "x", x)
     c, dev = x.shape[1], x.device
     fmt = _memory_format(layout)
+    param_dtype = weight.dtype if weight is not None else torch.float32
+    if half is not None:   # statistics and weight widened (exact); sums stay float32
+        mean, invstd = mean.float(), invstd.float()
+        weight = weight.float() if weight is not None else None
+    defines = act_defines(x.dtype)
     if x.numel() == 0:
-        return (torch.empty(x.shape, device=dev, memory_format=fmt),
-                torch.zeros(c, device=dev), torch.zeros(c, device=dev))
+        return (torch.empty(x.shape, device=dev, dtype=x.dtype, memory_format=fmt),
+                torch.zeros(c, device=dev, dtype=param_dtype), torch.zeros(c, device=dev, dtype=param_dtype))
     plan = _plan(tuple(x.shape), layout)
     dy, x = _aligned(dy, layout), _aligned(x, layout)
     # held in locals until the launches are queued: a freed temporary's memory could be handed to dbeta
@@ -177,23 +201,25 @@ def _launch(variant: str, dy, x, mean, invstd, weight):
     # atomic adds into zeros; tree writes every element itself
     alloc = torch.zeros if variant == "atomic" else torch.empty
     dbeta, dgamma = alloc(c, device=dev), alloc(c, device=dev)
-    dx = torch.empty(x.shape, device=dev, memory_format=fmt)
+    dx = torch.empty(x.shape, device=dev, dtype=x.dtype, memory_format=fmt)
     inputs = (ptr(dy), ptr(x), ptr(mean), ptr(invstd))
     kind = plan["kind"]
     if variant == "atomic":
-        launch(function(SOURCE, f"bn_bwd_{kind}_atomic", dev), plan["red_grid"], plan["red_block"],
+        launch(function(SOURCE, f"bn_bwd_{kind}_atomic", dev, defines), plan["red_grid"], plan["red_block"],
                inputs + plan["red_args"] + (ptr(dbeta), ptr(dgamma)), device=dev)
     else:
         workspace = counters = None
         if plan["p"] > 1:
             workspace = torch.empty(plan["workspace"], device=dev)
             counters = ticket_counters(dev, plan["counters"])
-        launch(function(SOURCE, f"bn_bwd_{kind}_tree", dev), plan["red_grid"], plan["red_block"],
+        launch(function(SOURCE, f"bn_bwd_{kind}_tree", dev, defines), plan["red_grid"], plan["red_block"],
                inputs + plan["red_args"] + (ptr(workspace) if workspace is not None else np.uint64(0),
                                             ptr(counters) if counters is not None else np.uint64(0),
                                             ptr(dbeta), ptr(dgamma)), device=dev)
-    launch(function(SOURCE, f"bn_bwd_dx_{kind}", dev), plan["dx_grid"], plan["dx_block"],
+    launch(function(SOURCE, f"bn_bwd_dx_{kind}", dev, defines), plan["dx_grid"], plan["dx_block"],
            inputs + (w, ptr(dbeta), ptr(dgamma), plan["m"]) + plan["dx_args"] + (ptr(dx),), device=dev)
+    if param_dtype != torch.float32:   # a half weight's gradients, rounded once (out_like)
+        return dx, dgamma.to(param_dtype), dbeta.to(param_dtype)
     return dx, dgamma, dbeta
 
 
@@ -417,4 +443,5 @@ define_op(
     bytes_moved=lambda case: 12 * int(np.prod(case.params["shape"])) + 20 * case.params["shape"][1],
     # half inputs: dx as x, dgamma and dbeta as weight (float32 under autocast, as cuDNN returns them)
     out_like=(1, 4),
+    half_native=True,
 )

@@ -7,6 +7,77 @@
 
 #define FULL_MASK 0xffffffffu
 
+// ---------------------------------------------------------------------------------------------
+// Activation dtype. A source that reads activations through act_t is compiled once per dtype:
+// NNRAND_ACT 0 (default) float32, 1 bfloat16, 2 float16 (runtime.act_defines). Half values are widened to
+// float32 exactly on load (every bf16/fp16 value is a float32), all arithmetic stays float32, and results
+// are narrowed once, round to nearest even (bf16: NaN -> 0x7FC0, as torch's conversion; fp16: cvt.rn,
+// overflow -> Inf, subnormals kept). The bits equal widening the tensors, running the float32 kernel and
+// rounding its output, which is what the registry's half-precision call does on the CPU.
+#ifndef NNRAND_ACT
+#define NNRAND_ACT 0
+#endif
+#if NNRAND_ACT == 0
+typedef float act_t;
+__device__ __forceinline__ float widen(act_t v) { return v; }
+__device__ __forceinline__ act_t narrow(float v) { return v; }
+#else
+typedef unsigned short act_t;
+#if NNRAND_ACT == 1
+__device__ __forceinline__ float widen(act_t v) { return __uint_as_float((unsigned int)v << 16); }
+__device__ __forceinline__ act_t narrow(float v) {
+    const unsigned int u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (act_t)0x7fc0u;
+    return (act_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#else
+__device__ __forceinline__ float widen(act_t v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+}
+__device__ __forceinline__ act_t narrow(float v) {
+    act_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+}
+#endif
+#endif
+
+// VEC (1 or 4) consecutive activations widened to float32; VEC 4 is one 16-byte (float32) or 8-byte (half)
+// load, so p must be aligned to VEC elements of act_t.
+template <int VEC>
+__device__ __forceinline__ void load_act(const act_t* p, float q[4]) {
+    if (VEC == 4) {
+#if NNRAND_ACT == 0
+        const float4 v = *reinterpret_cast<const float4*>(p);
+        q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;
+#else
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        q[0] = widen((act_t)(v.x & 0xffffu)); q[1] = widen((act_t)(v.x >> 16));
+        q[2] = widen((act_t)(v.y & 0xffffu)); q[3] = widen((act_t)(v.y >> 16));
+#endif
+    } else {
+        q[0] = widen(*p);
+    }
+}
+
+template <int VEC>
+__device__ __forceinline__ void store_act(act_t* p, const float r[4]) {
+    if (VEC == 4) {
+#if NNRAND_ACT == 0
+        *reinterpret_cast<float4*>(p) = make_float4(r[0], r[1], r[2], r[3]);
+#else
+        uint2 v;
+        v.x = (unsigned int)narrow(r[0]) | ((unsigned int)narrow(r[1]) << 16);
+        v.y = (unsigned int)narrow(r[2]) | ((unsigned int)narrow(r[3]) << 16);
+        *reinterpret_cast<uint2*>(p) = v;
+#endif
+    } else {
+        *p = narrow(r[0]);
+    }
+}
+
 // Lane 0 ends with a halving tree of the 32 lanes: v[i] += v[i + off], off = 16, 8, 4, 2, 1.
 __device__ __forceinline__ float warp_reduce(float v) {
 #pragma unroll

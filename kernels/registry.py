@@ -11,8 +11,8 @@ and every product of two of them), the float32 variant runs (its fixed accumulat
 and each output is rounded once, to nearest even, to the dtype autocast expects of it (``OpSpec.out_like``:
 the dtype of the argument it is the gradient of). The bits are a function of the float32 result, so a
 deterministic variant stays deterministic, its CPU model reproduces the GPU's bits wherever the float32
-model does, and an ``atomic`` variant keeps its run-to-run variation. The launchers themselves take
-float32 only (``Variant.cuda`` / ``Variant.cpu``).
+model does, and an ``atomic`` variant keeps its run-to-run variation. The CPU models take float32
+only; a variant with ``half_native`` reads and writes half tensors in its CUDA launcher, with the same bits.
 """
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ class Variant:
     # against themselves and within a derived bound against float64.
     cpu_bitexact: bool = True
     tags: tuple[str, ...] = field(default=())
+    # The CUDA launcher takes bf16/fp16 tensors itself (read as half, accumulated in float32, the outputs
+    # written in the dtypes ``OpSpec.out_like`` names) with the bits of the widening call: less memory
+    # traffic, same results. Half CPU tensors always go through the widening call.
+    half_native: bool = False
 
     @property
     def key(self) -> str:
@@ -48,7 +52,7 @@ class Variant:
 
     def __call__(self, *args, rng=None, **kwargs) -> torch.Tensor:
         half = half_dtype(self.op, args)
-        if half is not None:
+        if half is not None and not (self.half_native and args[0].device.type == "cuda"):
             wide = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype == half else a for a in args)
             return round_outputs(self.op, self._run(wide, rng, kwargs), args)
         return self._run(args, rng, kwargs)
@@ -201,10 +205,12 @@ def spec(op: str) -> OpSpec:
 # One call per op file: its spec and its variants
 
 
-def define_op(op: str, variants: list[tuple], *, cpu_bitexact: bool = True, **spec_fields) -> OpSpec:
+def define_op(op: str, variants: list[tuple], *, cpu_bitexact: bool = True, half_native: bool = False,
+              **spec_fields) -> OpSpec:
     """Register op ``op``: its :class:`OpSpec` (``spec_fields``: ``make_inputs``, ``reference``, ...) and
     its variants, in the order given (the order of tests, benchmarks and reports). Each variant is a row
-    ``(name, deterministic, order_independent, cuda, cpu, note)``; ``cpu_bitexact`` holds for all of them.
+    ``(name, deterministic, order_independent, cuda, cpu, note)``; ``cpu_bitexact`` and ``half_native`` hold
+    for all of them.
 
     Without ``spec_fields`` it adds variants to an op whose spec another module registered. A variant
     that needs other fields is registered with :func:`register`.
@@ -214,7 +220,7 @@ def define_op(op: str, variants: list[tuple], *, cpu_bitexact: bool = True, **sp
                   make_inputs=_make_inputs, reference=_reference, test_cases=_test_cases,
                   bench_cases=_bench_cases, peers=_peers, bytes_moved=_bytes_moved)
     """
-    rows = [Variant(op, *row, cpu_bitexact=cpu_bitexact) for row in variants]
+    rows = [Variant(op, *row, cpu_bitexact=cpu_bitexact, half_native=half_native) for row in variants]
     if spec_fields:
         register_op(OpSpec(op=op, **spec_fields))
     else:

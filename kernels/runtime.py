@@ -79,7 +79,8 @@ def check_tensor(
             raise KernelArgumentError(op, arg, f"expected a {want} tensor, got shape {tuple(t.shape)}")
     if t.dtype != dtype:
         raise KernelArgumentError(
-            op, arg, f"expected dtype {dtype}, got {t.dtype} (only float32 is implemented)"
+            op, arg, f"expected dtype {dtype}, got {t.dtype} (the kernels take float32; bfloat16 and float16 "
+            "through the registry's call)"
         )
     if device is not None and t.device != device:
         raise KernelArgumentError(op, arg, f"expected a tensor on {device}, got one on {t.device}")
@@ -168,9 +169,20 @@ class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel source; the message carries the compiler log."""
 
 
+# The activation dtype a source is compiled for (common.cuh: act_t, widen, narrow); float32 by default.
+ACT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def act_defines(dtype: torch.dtype) -> tuple[str, ...]:
+    """NVRTC options that compile a source's ``act_t`` tensors as ``dtype`` (none for float32)."""
+    kind = ACT_KINDS[dtype]
+    return (f"-DNNRAND_ACT={kind}",) if kind else ()
+
+
 @functools.lru_cache(maxsize=None)
-def _module(source: str, device_index: int):
-    """Compile ``kernels/<source>`` for one device with NVRTC and load it.
+def _module(source: str, device_index: int, defines: tuple[str, ...] = ()):
+    """Compile ``kernels/<source>`` for one device with NVRTC and load it (``defines``: extra ``-D`` options,
+    one module per set).
 
     NVRTC is called directly rather than through ``cupy.RawModule`` because CuPy appends ``-ftz=true``
     to every compilation: flushing subnormals to zero would make the kernels' float32 additions differ
@@ -185,7 +197,7 @@ def _module(source: str, device_index: int):
         prog = nvrtc.createProgram(code, source, [], [])
         try:
             try:
-                nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, arch])
+                nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, *defines, arch])
             except nvrtc.NVRTCError as e:
                 raise KernelCompileError(f"NVRTC could not compile {source}:\n{nvrtc.getProgramLog(prog)}") from e
             cubin = nvrtc.getCUBIN(prog)
@@ -197,14 +209,14 @@ def _module(source: str, device_index: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _function(source: str, name: str, device_index: int):
-    return _module(source, device_index).get_function(name)
+def _function(source: str, name: str, device_index: int, defines: tuple[str, ...] = ()):
+    return _module(source, device_index, defines).get_function(name)
 
 
-def function(source: str, name: str, device: torch.device):
-    """The kernel ``name`` from ``kernels/<source>``, compiled for ``device`` (cached)."""
+def function(source: str, name: str, device: torch.device, defines: tuple[str, ...] = ()):
+    """The kernel ``name`` from ``kernels/<source>``, compiled for ``device`` (cached per ``defines``)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _function(source, name, index)
+    return _function(source, name, index, defines)
 
 
 @functools.lru_cache(maxsize=64)

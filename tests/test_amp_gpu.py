@@ -109,3 +109,49 @@ def test_fastest_deterministic_under_bf16_is_repeatable():
     assert len(set(runs)) == 1
     assert r.coverage.as_dict()["convolution_backward"].get("original", 0) == 0
     assert r.tuner.record()["choices"] and all("bfloat16" in k for k in r.tuner.record()["choices"])
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, "half", None], ids=["w_fp32", "w_half", "no_w"])
+@pytest.mark.parametrize("shape,layout", [((4, 6, 8, 8), "nchw"), ((3, 5, 7, 3), "nchw"),
+                                          ((4, 8, 6, 6), "channels_last"), ((5, 12, 3, 3), "channels_last"),
+                                          ((33, 20), "rows"), ((2, 64, 56, 56), "nchw")])
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["tree", "atomic"])
+def test_batchnorm_half_kernels_equal_the_widening_call(name, dtype, shape, layout, weight_dtype):
+    """bn_bwd's CUDA launcher reads and writes half itself (half_native); its bits must be those of the
+    float32 kernel on the widened tensors, rounded once, i.e. the CPU model through the registry's call
+    (for atomic: the sums' arrival order aside, so dx and the sums are compared on the tree's order only
+    where one block serves a channel, and the dtypes everywhere)."""
+    v = kernels.get("bn_bwd", name)
+    g = torch.Generator().manual_seed(17)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = (torch.randn(shape, generator=g) * 2 + 0.5).to(dtype)
+    dy = torch.randn(shape, generator=g).to(dtype)
+    if len(shape) == 4:
+        x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
+    dims = [0] + list(range(2, len(shape)))
+    mean = x.float().mean(dims)
+    invstd = torch.rsqrt(x.float().var(dims, unbiased=False) + 1e-5)
+    wd = dtype if weight_dtype == "half" else weight_dtype
+    weight = None if wd is None else torch.rand(shape[1], generator=g).to(wd)
+    cpu = kernels.get("bn_bwd", "tree")(dy, x, mean, invstd, weight)
+    gpu = v(dy.cuda(), x.cuda(), mean.cuda(), invstd.cuda(), None if weight is None else weight.cuda())
+    want_param = torch.float32 if weight is None else weight.dtype
+    assert [t.dtype for t in gpu] == [dtype, want_param, want_param]
+    assert gpu[0].is_contiguous(memory_format=fmt)
+    if name == "tree":
+        for a, b, what in zip(gpu, cpu, ("dx", "dgamma", "dbeta")):
+            assert_bitwise_equal(a, b, what)
+
+
+def test_batchnorm_half_x_with_float32_dy_equals_the_cpu_call():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 8, 6, 6, generator=g).half()
+    dy = torch.randn(4, 8, 6, 6, generator=g)
+    mean, invstd, weight = x.float().mean((0, 2, 3)), torch.rand(8, generator=g) + 0.5, torch.rand(8, generator=g)
+    tree = kernels.get("bn_bwd", "tree")
+    cpu = tree(dy, x, mean, invstd, weight)
+    gpu = tree(dy.cuda(), x.cuda(), mean.cuda(), invstd.cuda(), weight.cuda())
+    assert gpu[0].dtype == torch.float16
+    for a, b, what in zip(gpu, cpu, ("dx", "dgamma", "dbeta")):
+        assert_bitwise_equal(a, b, what)

@@ -215,7 +215,7 @@ def _good(shape=(2, 3, 4, 4)):
 
 BAD = [
     ("x", dict(x=torch.zeros(2, 3, 4)), "2-D or 4-D"),
-    ("x", dict(x=torch.zeros(2, 3, 4, 4, dtype=torch.float16)), "float32"),
+    ("x", dict(x=torch.zeros(2, 3, 4, 4, dtype=torch.float64)), "float32"),
     ("x", dict(x=torch.zeros(2, 3, 4, 4).transpose(2, 3)), "contiguous NCHW or channels_last"),
     ("x", dict(x=torch.zeros(6, 3).t(), dy=torch.zeros(3, 6), mean=torch.zeros(6), invstd=torch.ones(6),
                weight=None), "contiguous \\(N, C\\)"),
@@ -231,7 +231,7 @@ BAD = [
     ("invstd", dict(invstd=torch.ones(2)), "shape \\(3,\\)"),
     ("invstd", dict(invstd=None), "torch.Tensor"),
     ("weight", dict(weight=torch.ones(5)), "shape \\(3,\\)"),
-    ("weight", dict(weight=torch.ones(3, dtype=torch.float16)), "float32"),
+    ("weight", dict(weight=torch.ones(3, dtype=torch.int32)), "float32"),
 ]
 
 
