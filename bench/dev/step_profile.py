@@ -1,0 +1,78 @@
+"""Where a training step's GPU time goes, per mode: torch.profiler over a few steps of a model, CUDA time
+summed per kernel name (top rows), for native vs routed modes side by side.
+
+    python bench/dev/step_profile.py --model torchvision:resnet50 --batch 64 --size 224 --amp bf16 \
+        --modes native fastest_deterministic --layout channels_last
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.models import Mode, precision  # noqa: E402
+from nnrand import models  # noqa: E402
+from nnrand.train import backward, optimizer_step  # noqa: E402
+
+
+def profile(mode: str, args) -> None:
+    fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
+    autocast, make_scaler = precision(args.amp)
+    torch.manual_seed(0)
+    model = models.build_model(args.model, 10).cuda().to(memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = make_scaler()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(args.batch, 3, args.size, args.size, device="cuda", generator=g).contiguous(memory_format=fmt)
+    y = torch.randint(0, 10, (args.batch,), device="cuda", generator=g)
+
+    def step():
+        with autocast():
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        backward(loss, scaler)
+        optimizer_step(opt, scaler)
+    with Mode(mode):
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            rows.setdefault(e.name, [0.0, 0])
+            rows[e.name][0] += e.device_time / args.steps
+            rows[e.name][1] += 1
+    total = sum(v[0] for v in rows.values())
+    print(f"== {mode}: GPU time per step {total / 1e3:.2f} ms ({len(rows)} kernels)")
+    for name, (us, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"  {us / 1e3:8.3f} ms  x{n // args.steps:<4} {name[:110]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="torchvision:resnet50")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--amp", choices=["bf16", "fp16"])
+    p.add_argument("--layout", choices=["nchw", "channels_last"], default="channels_last")
+    p.add_argument("--modes", nargs="+", default=["native", "fastest_deterministic"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    for mode in args.modes:
+        profile(mode, args)
+
+
+if __name__ == "__main__":
+    main()
