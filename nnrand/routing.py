@@ -332,21 +332,30 @@ def _tuned(s: "_Session", auto: Auto, grad: int, original, keyset, args: tuple, 
     ``grad``: 0 for dX, 1 for dW (the slot in convolution_backward's output mask)."""
     from . import autotune
 
+    # torch's kernel is deterministic only under the deterministic mode a deterministic routing turns on
+    det_ok = torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic \
+        and not torch.backends.cudnn.benchmark
+    # the tuner's choice for a configuration among one candidate set never changes once made: remember it
+    # per call signature, so a step's later calls skip building the candidates and the key (host time)
+    memo_key = (auto.op, grad, x.shape, w.shape, x.dtype, x.device, fmt, geom["stride"], geom["padding"],
+                geom["dilation"], geom.get("groups", 1), det_ok)
+    hit = s.tuned_memo.get(memo_key, s)
+    if hit is not s:
+        return hit
     candidates: dict[str, Callable[[], object]] = {}
     variants = {}
     for v in kernels.variants(auto.op):
         if v.deterministic:
             variants[v.name] = v
             candidates[v.name] = (lambda v=v: _call(v, s.rng, *variant_args, **variant_kwargs))
-    # torch's kernel is deterministic only under the deterministic mode a deterministic routing turns on
-    if torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic \
-            and not torch.backends.cudnn.benchmark:
+    if det_ok:
         mask = [grad == 0, grad == 1, False]
         candidates[autotune.TORCH_DET] = lambda: original.call_boxed(keyset, *args, mask)
     layout = "channels_last" if fmt == torch.channels_last else "nchw"
     key = autotune.conv_key(auto.op, x, w, geom["stride"], geom["padding"], geom["dilation"],
                             geom.get("groups", 1), layout)
     name = s.tuner.choose(key, x.device, candidates)
+    s.tuned_memo[memo_key] = variants.get(name)
     return variants.get(name)
 
 
@@ -756,6 +765,7 @@ class _Session:
         self.conv_tuned = tuple(isinstance(v, Auto) for v in self.conv)
         self.conv_grouped_tuned = tuple(isinstance(v, Auto) for v in self.conv_grouped)
         self.tuner = tuner if tuner is not None or not routing.tuned else _default_tuner()
+        self.tuned_memo: dict[tuple, object] = {}   # conv call signature -> the tuner's variant (None: torch_det)
         self.aap = routing.variant("adaptive_avg_pool2d_bwd")
         self.up = routing.variant("upsample_bilinear2d_bwd")
         self.emb = routing.variant("embedding_bwd")

@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.models import Mode, precision  # noqa: E402
 from nnrand import models  # noqa: E402
-from nnrand.train import backward, optimizer_step  # noqa: E402
+from nnrand.train import GraphStep, backward, optimizer_step  # noqa: E402
 
 
 def profile(mode: str, args) -> None:
@@ -33,11 +33,18 @@ def profile(mode: str, args) -> None:
     x = torch.randn(args.batch, 3, args.size, args.size, device="cuda", generator=g).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (args.batch,), device="cuda", generator=g)
 
+    graph = None
+
     def step():
-        with autocast():
-            loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        backward(loss, scaler)
+        nonlocal graph
+        if args.graph:
+            graph = graph or GraphStep(model, x, y, autocast, scaler)
+            graph(x, y)
+        else:
+            with autocast():
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            backward(loss, scaler)
         optimizer_step(opt, scaler)
     with Mode(mode):
         for _ in range(3):
@@ -54,7 +61,16 @@ def profile(mode: str, args) -> None:
             rows[e.name][0] += e.device_time / args.steps
             rows[e.name][1] += 1
     total = sum(v[0] for v in rows.values())
-    print(f"== {mode}: GPU time per step {total / 1e3:.2f} ms ({len(rows)} kernels)")
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    with Mode(mode):
+        start.record()
+        for _ in range(args.steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+    print(f"== {mode}{' (graph)' if args.graph else ''}: kernel time per step {total / 1e3:.2f} ms "
+          f"({len(rows)} kernels), wall per step {start.elapsed_time(end) / args.steps:.2f} ms")
     for name, (us, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"  {us / 1e3:8.3f} ms  x{n // args.steps:<4} {name[:110]}")
 
@@ -68,6 +84,7 @@ def main() -> None:
     p.add_argument("--layout", choices=["nchw", "channels_last"], default="channels_last")
     p.add_argument("--modes", nargs="+", default=["native", "fastest_deterministic"])
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--graph", action="store_true", help="forward+backward as a CUDA graph (nnrand.train.GraphStep)")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
     for mode in args.modes:
