@@ -93,6 +93,10 @@ CONFIGURATIONS: dict[str, tuple[dict, str]] = {
                         f"fixed seeds, tree kernels except {op} atomic") for op in ATTRIBUTION_OPS},
     "native": ({"preset": "control", "kernel": "native"},
                "fixed seeds, stock PyTorch/cuDNN backward (default algorithms, not deterministic mode)"),
+    "algo-bf16": ({"preset": "algo", "amp": "bf16"}, "algo with the forward under bf16 autocast (tree kernels "
+                  "on the half tensors, float32 accumulation)"),
+    "impl-bf16": ({"preset": "impl", "amp": "bf16"}, "impl with the forward under bf16 autocast (every routed "
+                  "backward reduction atomic)"),
 }
 # Seed baselines repeated on a configuration's own model when it differs from the study's model (the
 # max-pool sibling): its disagreement is compared with these, never with another architecture's.
@@ -102,7 +106,8 @@ BASELINES = ("control", "algo")
 # configurations are absent are skipped; atomic-<op> is compared with the control of its own model.
 COMPARISONS = [("impl", "algo"), ("impl", "ulp"), ("impl", "control"), ("ulp", "algo"), ("algo+impl", "algo"), ("impl", "native"),
                ("init", "algo"), ("order", "algo"), ("aug", "algo")] + \
-              [(f"atomic-{op}", "control") for op in ATTRIBUTION_OPS] + [(f"atomic-{op}", "impl") for op in ATTRIBUTION_OPS]
+              [(f"atomic-{op}", "control") for op in ATTRIBUTION_OPS] + [(f"atomic-{op}", "impl") for op in ATTRIBUTION_OPS] + \
+              [("impl-bf16", "impl"), ("algo-bf16", "algo"), ("impl-bf16", "algo-bf16")]   # does bf16 change the answer?
 
 
 @dataclass(frozen=True)

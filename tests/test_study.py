@@ -49,7 +49,9 @@ def test_default_grid():
     assert [n for n in names if n.startswith("atomic-")] == [f"atomic-{op}" for op in study.ATTRIBUTION_OPS]
     assert set(study.ATTRIBUTION_OPS) <= set(routing.ROUTED_OPS)
     # resnet18 has no max-pool: max-pool backward runs on its sibling, which gets its own seed baselines
-    assert names[-3:] == ["native", "control@resnet18_imagenet", "algo@resnet18_imagenet"]
+    assert names[-5:] == ["native", "algo-bf16", "impl-bf16", "control@resnet18_imagenet", "algo@resnet18_imagenet"]
+    assert {e.name: e for e in study.default_grid("resnet18")}["impl-bf16"].overrides == {"preset": "impl",
+                                                                                          "amp": "bf16"}
     grid = {e.name: e for e in study.default_grid("resnet18")}
     assert grid["atomic-maxpool_bwd"].overrides["model"] == "resnet18_imagenet"
     assert grid["algo@resnet18_imagenet"].overrides == {"preset": "algo", "model": "resnet18_imagenet"}
