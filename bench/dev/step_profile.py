@@ -61,6 +61,19 @@ def profile(mode: str, args) -> None:
             rows[e.name][0] += e.device_time / args.steps
             rows[e.name][1] += 1
     total = sum(v[0] for v in rows.values())
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        with Mode(mode):
+            prof_host = cProfile.Profile()
+            prof_host.enable()
+            for _ in range(args.steps):
+                step()
+            prof_host.disable()
+            torch.cuda.synchronize()
+        print(f"-- {mode}: host functions by own time over {args.steps} steps")
+        pstats.Stats(prof_host).sort_stats("tottime").print_stats(args.cprofile)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     with Mode(mode):
@@ -84,6 +97,7 @@ def main() -> None:
     p.add_argument("--layout", choices=["nchw", "channels_last"], default="channels_last")
     p.add_argument("--modes", nargs="+", default=["native", "fastest_deterministic"])
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N", help="also cProfile the steps: top N functions")
     p.add_argument("--graph", action="store_true", help="forward+backward as a CUDA graph (nnrand.train.GraphStep)")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
