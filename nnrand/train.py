@@ -298,6 +298,11 @@ def autocast(cfg: Config, *, cache: bool = True):
                           cache_enabled=cache)
 
 
+def float32_forward(cache: bool = True):
+    """The precision context of a float32 forward: none (the default of ``GraphStep`` and ``evaluate``)."""
+    return contextlib.nullcontext()
+
+
 def grad_scaler(cfg: Config):
     """fp16 only: loss scaling against gradient underflow. Its steps are deterministic given the gradients:
     the unscale and the Inf/NaN check are elementwise, the skip-or-step decision and the scale update
@@ -342,7 +347,7 @@ class Checksum:
 
 
 @torch.no_grad()
-def evaluate(model, ds, fmt, size: int | None = None, precision=contextlib.nullcontext) -> tuple[dict, torch.Tensor]:
+def evaluate(model, ds, fmt, size: int | None = None, precision=float32_forward) -> tuple[dict, torch.Tensor]:
     """Test-set metrics and logits (float32); ``precision``: a context factory the forwards run in (autocast)."""
     model.eval()
     logits = []
@@ -434,7 +439,7 @@ class GraphStep:
     compilation, cuDNN plans) is done first by a forward and backward of a copy of the model on a side
     stream, so the model's own state (weights, BatchNorm statistics) only changes on replay."""
 
-    def __init__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision=contextlib.nullcontext,
+    def __init__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision=float32_forward,
                  scaler=None):
         """``precision(cache=...)``: the forward's autocast context; ``scaler``: fp16's GradScaler (its scale is
         a device tensor the replay reads, so its updates between steps reach the captured backward)."""
