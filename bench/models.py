@@ -327,8 +327,10 @@ def targets(data: dict) -> list[str]:
                 if mode not in rows[key]["modes"]:
                     continue
                 limit = 1.05 if mode == "fastest_deterministic" and not rows[key].get("amp") else 1.10
+                graph = _ratio(rows[key], mode, graph=True)
                 out.append(f"- {_label(rows[key])} (batch {rows[key]['case']['batch']}, 224 px), {mode} "
-                           f"in its faster layout: {verdict(_ratio(rows[key], mode), limit)} of the fastest native")
+                           f"in its faster layout: {verdict(_ratio(rows[key], mode), limit)} of the fastest native"
+                           + (f"; CUDA graph {verdict(graph, limit)} of native's graph" if graph is not None else ""))
     below, above, refused = [], [], []
     for key, row in rows.items():
         t, d = _best(row, "tree"), _best(row, "torch_deterministic")
