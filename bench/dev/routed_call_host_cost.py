@@ -1,0 +1,100 @@
+"""Host time of one routed backward call against the same aten call unrouted, CUDA, per op: the Python
+cost the routing adds to an eager step (the GPU runs behind; nothing synchronises inside the timed loop).
+
+    python bench/dev/routed_call_host_cost.py [--dtype bf16] [--layout channels_last] [--calls 200]
+
+Rows: convolution_backward (dX+dW of a 3x3 256->256 14x14 conv, batch 64) under cuDNN benchmark, under
+PyTorch's deterministic mode, and routed by fastest-deterministic (torch_det chosen) and tree; BatchNorm
+backward (the conv's output) native and routed tree. Each figure is the median over --calls calls of
+perf_counter around the call alone, in microseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+
+import nnrand  # noqa: E402
+from bench.timing import cudnn_flags  # noqa: E402
+from nnrand.train import AMP_DTYPES  # noqa: E402
+
+
+def host_us(fn, calls: int) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        if i % 20 == 19:
+            torch.cuda.synchronize()   # keep the queue short: host time only, not back-pressure
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument("--layout", choices=["nchw", "channels_last"], default="channels_last")
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N", help="cProfile the routed calls: top N")
+    args = p.parse_args()
+    dtype = AMP_DTYPES.get(args.dtype, torch.float32)
+    fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 256, 14, 14, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+    w = torch.randn(256, 256, 3, 3, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+    dy = torch.randn(64, 256, 14, 14, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+    mean = torch.zeros(256, device="cuda")
+    invstd = torch.ones(256, device="cuda")
+    gamma = torch.ones(256, device="cuda")
+
+    def conv():
+        return torch.ops.aten.convolution_backward(dy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                                   [True, True, False])
+
+    def bn():
+        return torch.ops.aten.native_batch_norm_backward(dy, x, gamma, None, None, mean, invstd, True, 1e-5,
+                                                         [True, True, True])
+    rows = []
+    with cudnn_flags(benchmark=True, deterministic=False):
+        rows += [("conv native (cudnn.benchmark)", host_us(conv, args.calls)), ("bn native", host_us(bn, args.calls))]
+    with cudnn_flags(benchmark=False, deterministic=True):
+        torch.use_deterministic_algorithms(True)
+        rows.append(("conv PyTorch deterministic mode", host_us(conv, args.calls)))
+        torch.use_deterministic_algorithms(False)
+    with nnrand.use_kernels("fastest-deterministic") as r:
+        rows.append(("conv routed fastest-deterministic", host_us(conv, args.calls)))
+        rows.append(("bn routed tree", host_us(bn, args.calls)))
+        print("tuner:", r.tuner.counts())
+        if args.cprofile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.calls):
+                conv()
+                bn()
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
+    with nnrand.use_kernels("tree"):
+        rows.append(("conv routed tree", host_us(conv, args.calls)))
+    print(f"host us per call, {args.dtype}, {args.layout}:")
+    for name, us in rows:
+        print(f"  {name:<36} {us:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
