@@ -127,7 +127,7 @@ def test_empty_input_gives_zeros(variant, shape):
 @pytest.mark.parametrize("bad,match", [
     (torch.zeros(3), "2-D or 4-D"),
     (torch.zeros(2, 3, 4), "2-D or 4-D"),
-    (torch.zeros(2, 3, 4, 4, dtype=torch.float16), "float32"),
+    (torch.zeros(2, 3, 4, 4, dtype=torch.float64), "float32"),
     (torch.zeros(2, 3, 4, 4).transpose(2, 3), "contiguous NCHW or channels_last"),
     (torch.zeros(6, 4).t(), "contiguous \\(N, C\\)"),
     (torch.zeros(2, 0, 3, 3), "at least one channel"),

@@ -84,7 +84,7 @@ def test_empty_and_negative_zero():
 BAD = [
     ("index", (torch.zeros(4, 3, dtype=torch.int32), torch.zeros(4, 3)), {"num_rows": 5}),
     ("index", (torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 3)), {"num_rows": 5}),
-    ("src", (torch.zeros(4, 3, dtype=torch.int64), torch.zeros(4, 3, dtype=torch.float16)), {"num_rows": 5}),
+    ("src", (torch.zeros(4, 3, dtype=torch.int64), torch.zeros(4, 3, dtype=torch.float64)), {"num_rows": 5}),
     ("num_rows", (torch.zeros(4, 3, dtype=torch.int64), torch.zeros(4, 3)), {"num_rows": 2.0}),
 ]
 
