@@ -13,6 +13,7 @@ CuPy is optional: nothing here imports it until a CUDA launch is asked for.
 """
 from __future__ import annotations
 
+import array
 import functools
 import pathlib
 from typing import Iterable, Sequence
@@ -241,20 +242,15 @@ def cupy_stream(device: torch.device):
     return _external_stream(torch.cuda.current_stream(index).cuda_stream, index)
 
 
-_OFFSETS: dict[int, np.ndarray] = {}
-
-
-def _param_block(args: tuple) -> tuple[np.ndarray, np.ndarray]:
+def _param_block(args: tuple) -> tuple[array.array, array.array]:
     """The kernel parameters as the driver takes them: one 8-byte slot per argument, and the array of the
     slots' addresses (``void**``); both must stay alive until the launch returns. Every argument is a
     device pointer (``ptr``) or an integer: a 64-bit one fills its slot, a 32-bit one is read from the
-    slot's low 4 bytes (little-endian two's complement). No kernel here takes a float argument."""
-    n = len(args)
-    slots = np.array(args, dtype=np.int64) if n else np.zeros(1, dtype=np.int64)
-    offsets = _OFFSETS.get(n)
-    if offsets is None:
-        offsets = _OFFSETS[n] = np.arange(max(n, 1), dtype=np.uint64) * np.uint64(8)
-    return slots, offsets + np.uint64(slots.ctypes.data)
+    slot's low 4 bytes (little-endian two's complement). No kernel here takes a float argument. Built with
+    the ``array`` module: a few microseconds less per launch than NumPy (a routed op launches several)."""
+    slots = array.array("q", args) if args else array.array("q", (0,))
+    base = slots.buffer_info()[0]
+    return slots, array.array("Q", range(base, base + 8 * len(slots), 8))
 
 
 def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, device: torch.device,
@@ -274,7 +270,7 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
     b = (*block, 1, 1)[:3]
     slots, addresses = _param_block(args)
     driver.launchKernel(fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem),
-                        torch._C._cuda_getCurrentRawStream(index), int(addresses.ctypes.data), 0)
+                        torch._C._cuda_getCurrentRawStream(index), addresses.buffer_info()[0], 0)
     del slots  # the parameter slots lived until the launch had copied them
 
 

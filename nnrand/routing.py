@@ -321,7 +321,8 @@ def _floating(*ts) -> bool:
 def _call(v, rng, *args, **kwargs):
     """A variant on the tensors' device: the CUDA launcher, or the CPU model with ``rng``; half inputs
     through the registry's widening call."""
-    if args[0].is_cuda and not any(isinstance(a, torch.Tensor) and a.dtype in kernels.HALF_DTYPES for a in args):
+    if args[0].is_cuda and (v.half_native or
+                            not any(isinstance(a, torch.Tensor) and a.dtype in kernels.HALF_DTYPES for a in args)):
         return v.cuda(*args, **kwargs)
     return v(*args, rng=rng, **kwargs)
 
