@@ -442,6 +442,6 @@ define_op(
     # dy and x read once, dx written once; mean, invstd, weight read, dgamma and dbeta written
     bytes_moved=lambda case: 12 * int(np.prod(case.params["shape"])) + 20 * case.params["shape"][1],
     # half inputs: dx as x, dgamma and dbeta as weight (float32 under autocast, as cuDNN returns them)
-    out_like=(1, 4),
+    out_like=(1, (4, "weight")),
     half_native=True,
 )

@@ -11,9 +11,10 @@
 // Activation dtype. A source that reads activations through act_t is compiled once per dtype:
 // NNRAND_ACT 0 (default) float32, 1 bfloat16, 2 float16 (runtime.act_defines). Half values are widened to
 // float32 exactly on load (every bf16/fp16 value is a float32), all arithmetic stays float32, and results
-// are narrowed once, round to nearest even (bf16: NaN -> 0x7FC0, as torch's conversion; fp16: cvt.rn,
-// overflow -> Inf, subnormals kept). The bits equal widening the tensors, running the float32 kernel and
-// rounding its output, which is what the registry's half-precision call does on the CPU.
+// are narrowed once, round to nearest even (fp16: cvt.rn, overflow -> Inf, subnormals kept). The bits of
+// every non-NaN result equal widening the tensors, running the float32 kernel and rounding its output with
+// torch, which is what the registry's half-precision call does on the CPU. A NaN stays a NaN, but its
+// payload is not part of the contract (bf16 here: 0x7FC0; torch's conversions differ between CPU and GPU).
 #ifndef NNRAND_ACT
 #define NNRAND_ACT 0
 #endif

@@ -6,12 +6,13 @@ A :class:`Variant` is callable: CUDA tensors go to its CUDA launcher, CPU tensor
 other models ignore it.
 
 Half precision (bfloat16, float16: what ``torch.autocast`` hands a backward op) goes through the same
-call: every half tensor argument is widened to float32 (exact: float32 holds every bf16 and fp16 value,
-and every product of two of them), the float32 variant runs (its fixed accumulation order in float32),
+call: every half tensor argument (positional or keyword) is widened to float32 (exact: float32 holds every
+bf16 and fp16 value), the float32 variant runs (its fixed accumulation order in float32; a product of two
+fp16 values, or of two bf16 values inside float32's range, is exact there),
 and each output is rounded once, to nearest even, to the dtype autocast expects of it (``OpSpec.out_like``:
 the dtype of the argument it is the gradient of). The bits are a function of the float32 result, so a
 deterministic variant stays deterministic, its CPU model reproduces the GPU's bits wherever the float32
-model does, and an ``atomic`` variant keeps its run-to-run variation. The CPU models take float32
+model does (NaN payloads aside: a NaN stays a NaN), and an ``atomic`` variant keeps its run-to-run variation. The CPU models take float32
 only; a variant with ``half_native`` reads and writes half tensors in its CUDA launcher, with the same bits.
 """
 from __future__ import annotations
@@ -51,10 +52,12 @@ class Variant:
         return f"{self.op}/{self.name}"
 
     def __call__(self, *args, rng=None, **kwargs) -> torch.Tensor:
-        half = half_dtype(self.op, args)
+        half = half_dtype(self.op, (*args, *kwargs.values()))
         if half is not None and not (self.half_native and args[0].device.type == "cuda"):
             wide = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype == half else a for a in args)
-            return round_outputs(self.op, self._run(wide, rng, kwargs), args)
+            wide_kw = {k: a.float() if isinstance(a, torch.Tensor) and a.dtype == half else a
+                       for k, a in kwargs.items()}
+            return round_outputs(self.op, self._run(wide, rng, wide_kw), args, kwargs)
         return self._run(args, rng, kwargs)
 
     def _run(self, args: tuple, rng, kwargs: dict):
@@ -79,15 +82,17 @@ def half_dtype(op: str, args: tuple) -> torch.dtype | None:
     return next(iter(found), None)
 
 
-def round_outputs(op: str, out, args: tuple):
+def round_outputs(op: str, out, args: tuple, kwargs: dict | None = None):
     """Each float32 output of a variant called on widened half inputs, rounded to the dtype of the
     argument ``OpSpec.out_like`` names for it (float32 when that argument is not a half tensor)."""
+    kwargs = kwargs or {}
     like = _SPECS[op].out_like if op in _SPECS else (0,)
     outs = out if isinstance(out, tuple) else (out,)
     rounded = []
     for k, t in enumerate(outs):
-        i = like[min(k, len(like) - 1)]
-        src = args[i] if i < len(args) else None
+        entry = like[min(k, len(like) - 1)]
+        i, name = entry if isinstance(entry, tuple) else (entry, None)
+        src = args[i] if i < len(args) else kwargs.get(name)
         want = src.dtype if isinstance(src, torch.Tensor) and src.dtype in HALF_DTYPES else None
         rounded.append(t.to(want) if want is not None and isinstance(t, torch.Tensor) else t)
     return tuple(rounded) if isinstance(out, tuple) else rounded[0]
@@ -179,9 +184,10 @@ class OpSpec:
     # Fewest bytes the op must move (inputs read once, outputs written once), and FLOPs, per case.
     bytes_moved: Callable[[Case], int]
     flops: Callable[[Case], int] | None = None
-    # Half-precision calls: output k is rounded to the dtype of positional argument ``out_like[k]`` (the
-    # last entry serves the outputs past the tuple's end); float32 when that argument is not half.
-    out_like: tuple[int, ...] = (0,)
+    # Half-precision calls: output k is rounded to the dtype of the argument ``out_like[k]`` names: a
+    # position, or (position, keyword name) for one that may come by keyword (the last entry serves the
+    # outputs past the tuple's end); float32 when that argument is not half.
+    out_like: tuple[int | tuple[int, str], ...] = (0,)
 
 
 _SPECS: dict[str, OpSpec] = {}

@@ -531,8 +531,8 @@ def _scatter_sum(s: "_Session", variant, op, original, keyset, inplace: bool, se
     differ from its, deterministically)."""
     alpha = kw.get("alpha", 1)
     why = None
-    if self_.dim() == 0 or not _floating(self_, src):
-        why = "0-D" if self_.dim() == 0 else f"dtype {src.dtype}"
+    if self_.dim() == 0 or not _floating(self_, src) or self_.dtype != src.dtype:
+        why = "0-D" if self_.dim() == 0 else f"dtype {src.dtype} into {self_.dtype}"
     elif index.dtype not in (torch.int64, torch.int32):
         why = f"index dtype {index.dtype}"
     if why is None:

@@ -504,6 +504,7 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
             "device": torch.cuda.get_device_name() if torch.device(cfg.device).type == "cuda" else "cpu"}
     with noise.pinned_flags(tf32=cfg.tf32, cudnn_deterministic=route.claims_determinism):
         model, opt = train.build(cfg, seeds, ds.num_classes, fmt)
+        scaler = train.grad_scaler(cfg)   # --amp as the harness runs it: autocast forward, fp16 loss scaling
         if cfg.perturb_ulp:
             meta["perturb"] = noise.perturb_one_ulp(model, cfg.perturb_index)
         with routing.use_kernels(route, rng=noise.kernel_rng(seeds.kernel), strict=cfg.strict, model=model), \
@@ -523,11 +524,12 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
                         x, y = train.train_batch(ds, order, i, cfg.batch_size, gen, fmt, cfg.image_size)
                     for group in opt.param_groups:
                         group["lr"] = train.lr_at(step, total, warmup, cfg.lr)
-                    loss = F.cross_entropy(model(x), y)
+                    with train.autocast(cfg):
+                        loss = F.cross_entropy(model(x), y)
                     opt.zero_grad(set_to_none=True)
-                    loss.backward()
+                    train.backward(loss, scaler)
                     with rec.phase("optimizer"):
-                        opt.step()
+                        train.optimizer_step(opt, scaler)
                     rec.snapshot(model.named_parameters())
                     step += 1
     return Path(path)

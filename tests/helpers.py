@@ -10,7 +10,8 @@ U32 = 2.0**-24  # unit roundoff of float32 (round to nearest)
 
 
 def byte_hash(t: torch.Tensor) -> str:
-    return hashlib.sha1(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+    """SHA-1 of a tensor's bytes (any dtype, bf16 included: hashed as raw bytes)."""
+    return hashlib.sha1(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def distinct(results: list[torch.Tensor]) -> int:

@@ -118,10 +118,9 @@ def test_fastest_deterministic_under_bf16_is_repeatable():
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["tree", "atomic"])
 def test_batchnorm_half_kernels_equal_the_widening_call(name, dtype, shape, layout, weight_dtype):
-    """bn_bwd's CUDA launcher reads and writes half itself (half_native); its bits must be those of the
-    float32 kernel on the widened tensors, rounded once, i.e. the CPU model through the registry's call
-    (for atomic: the sums' arrival order aside, so dx and the sums are compared on the tree's order only
-    where one block serves a channel, and the dtypes everywhere)."""
+    """bn_bwd's CUDA launcher reads and writes half itself (half_native); tree's bits must be those of the
+    float32 kernel on the widened tensors, rounded once, i.e. the CPU model through the registry's call.
+    atomic's sums depend on arrival order: for it only the output dtypes and layout are checked here."""
     v = kernels.get("bn_bwd", name)
     g = torch.Generator().manual_seed(17)
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
