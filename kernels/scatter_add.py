@@ -21,7 +21,6 @@ index_add.py; ``check_range=False``: no check, no host synchronisation, bad indi
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .index_add import (
