@@ -838,8 +838,8 @@ EPILOG = """examples:
   python -m nnrand.train --model torchvision:resnet50 --image-size 224 --channels-last --kernel tree
   python -m nnrand.train --model timm:resnet18 --image-size 64 --kernel tree --no-strict
   python -m nnrand.train --kernel tree --cuda-graph                  whole forward/backward as one graph replay
-  python -m nnrand.train --model torchvision:resnet50 --image-size 224 --channels-last --amp bf16 \
-      --kernel fastest-deterministic    bf16 autocast, deterministic backward
+  python -m nnrand.train --model torchvision:resnet50 --image-size 224 --channels-last --amp bf16 --kernel fastest-deterministic
+                                    bf16 autocast, deterministic backward (add --cuda-graph: bf16 steps are host-bound eager)
   python -m nnrand.train --kernel fastest-deterministic   per conv shape, the fastest deterministic backward
                                     (timed once, cached on disk, recorded in <member>/config.json)
   python -m nnrand.train --kernel fastest-deterministic --autotune-plan runs/X/member_000/config.json
