@@ -126,26 +126,19 @@ class Mode:
 
 def precision(amp: str | None):
     """(autocast context factory taking ``cache=``, GradScaler factory) for ``--amp``: float32 without."""
-    import contextlib
+    import functools
 
-    import torch
+    from nnrand.train import autocast_for, scaler_for
 
-    from nnrand.train import AMP_DTYPES
-
-    if amp is None:
-        return (lambda cache=True: contextlib.nullcontext()), (lambda: None)
-    dtype = AMP_DTYPES[amp]
-    return ((lambda cache=True: torch.autocast("cuda", dtype=dtype, cache_enabled=cache)),
-            (lambda: torch.amp.GradScaler("cuda") if amp == "fp16" else None))
+    return functools.partial(autocast_for, "cuda", amp), functools.partial(scaler_for, "cuda", amp)
 
 
 def run_mode(case: ModelCase, mode: str, layout: str, batches, args, *, strict: bool = True) -> dict:
     """``args.runs`` runs of ``args.steps`` steps; returns times, hashes and the coverage of one run."""
     import torch
-    import torch.nn.functional as F
 
     from nnrand import models
-    from nnrand.train import backward, optimizer_step
+    from nnrand.train import forward_backward, optimizer_step
 
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     autocast, make_scaler = precision(getattr(args, "amp", None))
@@ -161,10 +154,7 @@ def run_mode(case: ModelCase, mode: str, layout: str, batches, args, *, strict: 
                 x = x.contiguous(memory_format=fmt)
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                with autocast():
-                    loss = F.cross_entropy(model(x), y)
-                opt.zero_grad(set_to_none=True)
-                backward(loss, scaler)
+                forward_backward(model, opt, x, y, autocast, scaler)
                 optimizer_step(opt, scaler)
                 b.record()
                 events.append((step, a, b))

@@ -208,19 +208,11 @@ def cudnn_flags(benchmark: bool, deterministic: bool):
 def back_to_back_us(fn: Callable[[], object], *, calls: int, repeats: int, warmup: int = 0) -> float:
     """Median device time per call, CUDA events around ``calls`` back-to-back calls: the host queues
     the next call while the GPU runs the previous one, so host time hides where the kernels are longer."""
+    from nnrand.autotune import events_us
+
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    return events_us(fn, torch.device("cuda", torch.cuda.current_device()), calls, repeats)
 
 
 def graph_replay_us(fn: Callable[[], object], *, calls: int, replays: int) -> float:

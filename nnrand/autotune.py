@@ -125,6 +125,12 @@ def time_us(fn: Callable[[], object], device: torch.device, calls: int = CALLS, 
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
         return statistics.median(times)
+    return events_us(fn, device, calls, repeats)
+
+
+def events_us(fn: Callable[[], object], device: torch.device, calls: int, repeats: int) -> float:
+    """Median device time per call in microseconds: CUDA events around ``calls`` back-to-back calls (the
+    host queues the next call while the GPU runs the previous one), ``repeats`` times."""
     torch.cuda.synchronize(device)
     times = []
     with torch.cuda.device(device):

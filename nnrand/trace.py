@@ -489,7 +489,7 @@ def plot(d: dict, path: str | Path) -> Path:
 def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
                     keep: set[tuple[int, str, int]] | None = None) -> Path:
     """``steps`` SGD steps of the harness's member 0 under ``cfg`` (a resolved ``train.Config``), recorded."""
-    import torch.nn.functional as F
+    import functools
 
     from nnrand import data, noise, routing, train
 
@@ -524,10 +524,7 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
                         x, y = train.train_batch(ds, order, i, cfg.batch_size, gen, fmt, cfg.image_size)
                     for group in opt.param_groups:
                         group["lr"] = train.lr_at(step, total, warmup, cfg.lr)
-                    with train.autocast(cfg):
-                        loss = F.cross_entropy(model(x), y)
-                    opt.zero_grad(set_to_none=True)
-                    train.backward(loss, scaler)
+                    train.forward_backward(model, opt, x, y, functools.partial(train.autocast, cfg), scaler)
                     with rec.phase("optimizer"):
                         train.optimizer_step(opt, scaler)
                     rec.snapshot(model.named_parameters())

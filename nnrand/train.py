@@ -290,12 +290,17 @@ def build(cfg: Config, seeds: noise.MemberSeeds, num_classes: int, fmt):
     return model, opt
 
 
+def autocast_for(device_type: str, amp: str | None, cache: bool = True):
+    """The forward's precision: ``torch.autocast`` in the ``--amp`` dtype (``AMP_DTYPES``), or float32 (a
+    disabled context) for None. ``cache=False`` inside a CUDA-graph capture (autocast's cast cache must not
+    outlive the capture)."""
+    dtype = AMP_DTYPES.get(amp)
+    return torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=cache)
+
+
 def autocast(cfg: Config, *, cache: bool = True):
-    """The forward's precision: ``torch.autocast`` in the ``--amp`` dtype, or float32 (a disabled context).
-    ``cache=False`` inside a CUDA-graph capture (autocast's cast cache must not outlive the capture)."""
-    dtype = AMP_DTYPES.get(cfg.amp)
-    return torch.autocast(torch.device(cfg.device).type, dtype=dtype or torch.bfloat16, enabled=dtype is not None,
-                          cache_enabled=cache)
+    """``autocast_for`` the run's device and ``--amp``."""
+    return autocast_for(torch.device(cfg.device).type, cfg.amp, cache)
 
 
 def float32_forward(cache: bool = True):
@@ -303,17 +308,32 @@ def float32_forward(cache: bool = True):
     return contextlib.nullcontext()
 
 
+def scaler_for(device_type: str, amp: str | None):
+    """fp16 only: loss scaling against gradient underflow (None otherwise). Its steps are deterministic
+    given the gradients: the unscale and the Inf/NaN check are elementwise, the skip-or-step decision and
+    the scale update depend only on whether any gradient is non-finite."""
+    return torch.amp.GradScaler(device_type) if amp == "fp16" else None
+
+
 def grad_scaler(cfg: Config):
-    """fp16 only: loss scaling against gradient underflow. Its steps are deterministic given the gradients:
-    the unscale and the Inf/NaN check are elementwise, the skip-or-step decision and the scale update
-    depend only on whether any gradient is non-finite."""
-    if cfg.amp != "fp16":
-        return None
-    return torch.amp.GradScaler(torch.device(cfg.device).type)
+    """``scaler_for`` the run's device and ``--amp``."""
+    return scaler_for(torch.device(cfg.device).type, cfg.amp)
 
 
 def backward(loss: torch.Tensor, scaler) -> None:
     (loss if scaler is None else scaler.scale(loss)).backward()
+
+
+def forward_backward(model, opt, x: torch.Tensor, y: torch.Tensor, precision=None, scaler=None):
+    """One eager step but the optimizer's: the forward and the cross-entropy loss in ``precision`` (a context
+    factory; float32 by default), the gradients zeroed, the backward (loss-scaled for fp16). Returns
+    (logits, loss); ``optimizer_step`` follows."""
+    with (precision or float32_forward)():
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+    opt.zero_grad(set_to_none=True)
+    backward(loss, scaler)
+    return logits, loss
 
 
 def optimizer_step(opt, scaler) -> None:
@@ -651,11 +671,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                         logits, loss = graph(x, y)
                     else:
                         with group.guard("DistributedDataParallel step", only_collectives=True):
-                            with precision():
-                                logits = (ddp or model)(x)
-                                loss = F.cross_entropy(logits, y)
-                            opt.zero_grad(set_to_none=True)
-                            backward(loss, scaler)
+                            logits, loss = forward_backward(ddp or model, opt, x, y, precision, scaler)
                     optimizer_step(opt, scaler)
                     timer.stop(start)
                     loss_sum += loss.detach().double() * len(y)

@@ -4,15 +4,15 @@ float32 variant does, deterministic variants repeat bitwise, and a ResNet traine
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kernels
 import nnrand
 from nnrand import models
-from nnrand.train import GraphStep, backward, optimizer_step
+from nnrand.train import GraphStep, autocast_for, forward_backward, optimizer_step, scaler_for
 from tests.helpers import assert_bitwise_equal, byte_hash
 
 pytestmark = pytest.mark.gpu
@@ -52,10 +52,9 @@ def test_half_gpu_equals_cpu_model_and_repeats(key, dtype):
 def _train(model, batches, fmt, dtype, graph=False) -> str:
     """Hash of the weights and buffers after SGD steps with the forward under autocast."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
-
-    def autocast(cache=True):
-        return torch.autocast("cuda", dtype=dtype, cache_enabled=cache)
+    amp = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    scaler = scaler_for("cuda", amp)
+    autocast = functools.partial(autocast_for, "cuda", amp)
 
     step = None
     for x, y in batches:
@@ -64,10 +63,7 @@ def _train(model, batches, fmt, dtype, graph=False) -> str:
             step = step or GraphStep(model, x, y, autocast, scaler)
             step(x, y)
         else:
-            with autocast():
-                loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            backward(loss, scaler)
+            forward_backward(model, opt, x, y, autocast, scaler)
         optimizer_step(opt, scaler)
     torch.cuda.synchronize()
     return byte_hash(torch.cat([t.detach().float().flatten() for t in (*model.parameters(), *model.buffers())

@@ -15,11 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from bench.models import Mode, precision  # noqa: E402
 from nnrand import models  # noqa: E402
-from nnrand.train import GraphStep, backward, optimizer_step  # noqa: E402
+from nnrand.train import GraphStep, forward_backward, optimizer_step  # noqa: E402
 
 
 def profile(mode: str, args) -> None:
@@ -41,10 +40,7 @@ def profile(mode: str, args) -> None:
             graph = graph or GraphStep(model, x, y, autocast, scaler)
             graph(x, y)
         else:
-            with autocast():
-                loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            backward(loss, scaler)
+            forward_backward(model, opt, x, y, autocast, scaler)
         optimizer_step(opt, scaler)
     with Mode(mode):
         for _ in range(3):
