@@ -39,7 +39,11 @@
 // order the atomics happened to arrive in), including the flush of subnormal operands and results to
 // signed zero that float atomicAdd does (atomic only; the ordinary FADDs of tree and owner keep
 // subnormals: kernels/runtime.py compiles without -ftz).
-// No #include: the file compiles alone under NVRTC.
+//
+// dy and dx are act_t (common.cuh): the source is compiled once per activation dtype. bf16/fp16 gradients
+// are widened on load, summed in float32 in the order above and narrowed once on store (atomic: into a
+// float32 buffer the launcher rounds once), so the bits are those of the float32 kernels on the widened dy.
+#include "common.cuh"
 
 #define MPB_THREADS 256
 #define MPB_INT32_MAX 2147483647LL
@@ -49,7 +53,7 @@
 
 // I: the index type (int when every index of the launch fits, else long long).
 template <typename I, bool CHANNELS_LAST>
-__device__ __forceinline__ void atomic_body(const float* __restrict__ dy, const long long* __restrict__ idx,
+__device__ __forceinline__ void atomic_body(const act_t* __restrict__ dy, const long long* __restrict__ idx,
                                             float* __restrict__ dx, I total, int C, int HW, int OHW) {
     const I step = (I)gridDim.x * blockDim.x;
     for (I o = (I)blockIdx.x * blockDim.x + threadIdx.x; o < total; o += step) {
@@ -63,12 +67,12 @@ __device__ __forceinline__ void atomic_body(const float* __restrict__ dy, const 
         } else {              // o = (n * C + c) * OHW + (oh * OW + ow)
             at = (o / OHW) * HW + (I)i;
         }
-        atomicAdd(dx + at, dy[o]);  // arrival order decides the rounding where argmaxes collide
+        atomicAdd(dx + at, widen(dy[o]));  // arrival order decides the rounding where argmaxes collide
     }
 }
 
 extern "C" __global__ void __launch_bounds__(MPB_THREADS)
-maxpool_bwd_atomic(const float* __restrict__ dy, const long long* __restrict__ idx, float* __restrict__ dx,
+maxpool_bwd_atomic(const act_t* __restrict__ dy, const long long* __restrict__ idx, float* __restrict__ dx,
                    long long total, int C, int HW, int OHW, int channels_last) {
     // Both the dy index and the dx offsets must fit in 32 bits (dx has HW / OHW times dy's size).
     const long long dx_total = total / OHW * HW;
@@ -102,8 +106,8 @@ __device__ __forceinline__ int window_hi(int x, int s, int p, int out) {
 }
 
 template <typename I, bool CHANNELS_LAST>
-__device__ __forceinline__ void tree_body(const float* __restrict__ dy, const long long* __restrict__ idx,
-                                          float* __restrict__ dx, I total, const Pool P) {
+__device__ __forceinline__ void tree_body(const act_t* __restrict__ dy, const long long* __restrict__ idx,
+                                          act_t* __restrict__ dx, I total, const Pool P) {
     const I step = (I)gridDim.x * blockDim.x;
     for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
         int h, w;
@@ -131,15 +135,15 @@ __device__ __forceinline__ void tree_body(const float* __restrict__ dy, const lo
         for (int oh = oh0; oh < oh1; ++oh) {      // row-major over the windows: the fixed order
             for (int ow = ow0; ow < ow1; ++ow) {
                 const I o = base + ((I)oh * P.OW + ow) * stride;
-                if (idx[o] == target) acc += dy[o];
+                if (idx[o] == target) acc += widen(dy[o]);
             }
         }
-        dx[e] = acc;
+        dx[e] = narrow(acc);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(MPB_THREADS)
-maxpool_bwd_tree(const float* __restrict__ dy, const long long* __restrict__ idx, float* __restrict__ dx,
+maxpool_bwd_tree(const act_t* __restrict__ dy, const long long* __restrict__ idx, act_t* __restrict__ dx,
                  long long total, int C, int H, int W, int OH, int OW, int KH, int KW, int SH, int SW,
                  int PH, int PW, int DH, int DW, int channels_last) {
     const Pool P = {C, H, W, OH, OW, KH, KW, SH, SW, PH, PW, DH, DW};
@@ -168,7 +172,7 @@ maxpool_bwd_tree(const float* __restrict__ dy, const long long* __restrict__ idx
 //                  group + channel, so `group` threads load consecutive channels of one window.
 // Indices outside [0, H*W) are stored as -1, which equals no position: tree ignores them too.
 extern "C" __global__ void __launch_bounds__(MPB_THREADS)
-maxpool_bwd_tile(const float* __restrict__ dy, const long long* __restrict__ idx, float* __restrict__ dx,
+maxpool_bwd_tile(const act_t* __restrict__ dy, const long long* __restrict__ idx, act_t* __restrict__ dx,
                  long long units, int C, int H, int W, int OH, int OW, int KH, int KW, int SH, int SW,
                  int PH, int PW, int DH, int DW, int channels_last, int group, int shift) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -191,11 +195,11 @@ maxpool_bwd_tile(const float* __restrict__ dy, const long long* __restrict__ idx
         for (int j = t; j < np * Q; j += MPB_THREADS) {  // every load independent and coalesced
             const long long i = idx[gin + j];
             sidx[j] = (i >= 0 && i < HW) ? (int)i : -1;
-            sdy[j] = dy[gin + j];
+            sdy[j] = widen(dy[gin + j]);
         }
         __syncthreads();
         const int tx = t & ((1 << shift) - 1), ty = t >> shift, TX = 1 << shift, TY = MPB_THREADS >> shift;
-        float* out = dx + p0 * HW;
+        act_t* out = dx + p0 * HW;
         for (int row = ty; row < np * H; row += TY) {
             const int p = row / H, h = row - p * H;
             const int2 rr = rows[h];
@@ -210,7 +214,7 @@ maxpool_bwd_tile(const float* __restrict__ dy, const long long* __restrict__ idx
                         const int o = oh * OW + ow;
                         if (pidx[o] == target) acc += pdy[o];
                     }
-                out[(long long)p * HW + target] = acc;
+                out[(long long)p * HW + target] = narrow(acc);
             }
         }
     } else {
@@ -227,7 +231,7 @@ maxpool_bwd_tile(const float* __restrict__ dy, const long long* __restrict__ idx
             if (cc < nc) {
                 const long long at = gin + (long long)q * C + cc;
                 i = idx[at];
-                g = dy[at];
+                g = widen(dy[at]);
             }
             sidx[j] = (i >= 0 && i < HW) ? (int)i : -1;
             sdy[j] = g;
@@ -235,7 +239,7 @@ maxpool_bwd_tile(const float* __restrict__ dy, const long long* __restrict__ idx
         __syncthreads();
         const int cc = t & (group - 1), step = MPB_THREADS >> shift;
         if (cc < nc) {
-            float* out = dx + n * HW * (long long)C + c0 + cc;
+            act_t* out = dx + n * HW * (long long)C + c0 + cc;
             for (int pos = t >> shift; pos < HW; pos += step) {
                 const int h = pos / W, w = pos - h * W;
                 const int2 rr = rows[h], cr = cols[w];
@@ -245,7 +249,7 @@ maxpool_bwd_tile(const float* __restrict__ dy, const long long* __restrict__ idx
                         const int o = ((oh * OW + ow) << shift) + cc;
                         if (sidx[o] == pos) acc += sdy[o];
                     }
-                out[(long long)pos * C] = acc;
+                out[(long long)pos * C] = narrow(acc);
             }
         }
     }
@@ -289,9 +293,18 @@ struct CellArgs {
     FastDiv byC, byBH, byBW;
 };
 
+// Two horizontally adjacent dx elements in one store (p aligned to two elements).
+__device__ __forceinline__ void store_pair(act_t* p, float a, float b) {
+#if NNRAND_ACT == 0
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+#else
+    *reinterpret_cast<unsigned int*>(p) = (unsigned int)narrow(a) | ((unsigned int)narrow(b) << 16);
+#endif
+}
+
 template <typename I, int K, int S, int P, bool CHANNELS_LAST>
-__device__ __forceinline__ void cell_body(const float* __restrict__ dy, const long long* __restrict__ idx,
-                                          float* __restrict__ dx, I total, const CellArgs A) {
+__device__ __forceinline__ void cell_body(const act_t* __restrict__ dy, const long long* __restrict__ idx,
+                                          act_t* __restrict__ dx, I total, const CellArgs A) {
     using Ax = CellAxis<K, S, P>;
     constexpr int N = Ax::N;
     const I step = (I)gridDim.x * blockDim.x;
@@ -333,7 +346,7 @@ __device__ __forceinline__ void cell_body(const float* __restrict__ dy, const lo
                     const I o = base + ((I)oh * A.OW + ow) * stride;
                     const long long i = idx[o];
                     wi[a][b] = (i >= 0 && i < HW) ? (int)i : -1;
-                    wg[a][b] = dy[o];
+                    wg[a][b] = widen(dy[o]);
                 }
             }
         const int h0 = bh * S, w0 = bw * S;
@@ -354,11 +367,11 @@ __device__ __forceinline__ void cell_body(const float* __restrict__ dy, const lo
                 acc[q] = sum;
             }
             if (pair_store) {
-                *reinterpret_cast<float2*>(dx + out + (I)h * A.W + w0) = make_float2(acc[0], acc[S - 1]);
+                store_pair(dx + out + (I)h * A.W + w0, acc[0], acc[S - 1]);
             } else {
 #pragma unroll
                 for (int q = 0; q < S; ++q)
-                    if (w0 + q < A.W) dx[out + ((I)h * A.W + w0 + q) * stride] = acc[q];
+                    if (w0 + q < A.W) dx[out + ((I)h * A.W + w0 + q) * stride] = narrow(acc[q]);
             }
         }
     }
@@ -371,7 +384,7 @@ __device__ __forceinline__ void cell_body(const float* __restrict__ dy, const lo
 #define MPB_CELL_ONE(K, S, P, LAYOUT, CL, INDEX, I)                                                          \
     extern "C" __global__ void __launch_bounds__(MPB_THREADS)                                               \
     maxpool_bwd_cell_k##K##s##S##p##P##_##LAYOUT##_##INDEX(                                                 \
-        const float* __restrict__ dy, const long long* __restrict__ idx, float* __restrict__ dx,            \
+        const act_t* __restrict__ dy, const long long* __restrict__ idx, act_t* __restrict__ dx,            \
         long long total, int C, int H, int W, int OH, int OW, int BH, int BW, unsigned mC, int sC,           \
         unsigned mBH, int sBH, unsigned mBW, int sBW) {                                                     \
         const CellArgs A = {C, H, W, OH, OW, BH, BW, {mC, sC, C}, {mBH, sBH, BH}, {mBW, sBW, BW}};         \
@@ -391,8 +404,8 @@ MPB_CELL_KERNEL(3, 1, 1)
 // owner
 
 template <typename I, bool CHANNELS_LAST>
-__device__ __forceinline__ void owner_body(const float* __restrict__ dy, const long long* __restrict__ idx,
-                                           float* __restrict__ dx, I total, const Pool P) {
+__device__ __forceinline__ void owner_body(const act_t* __restrict__ dy, const long long* __restrict__ idx,
+                                           act_t* __restrict__ dx, I total, const Pool P) {
     const I step = (I)gridDim.x * blockDim.x;
     const int HW = P.H * P.W;
     for (I o = (I)blockIdx.x * blockDim.x + threadIdx.x; o < total; o += step) {
@@ -427,15 +440,15 @@ __device__ __forceinline__ void owner_body(const float* __restrict__ dy, const l
                     break;
                 }
                 owner = true;
-                acc += dy[o2];
+                acc += widen(dy[o2]);
             }
         }
-        if (owner) dx[at] = acc;
+        if (owner) dx[at] = narrow(acc);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(MPB_THREADS)
-maxpool_bwd_owner(const float* __restrict__ dy, const long long* __restrict__ idx, float* __restrict__ dx,
+maxpool_bwd_owner(const act_t* __restrict__ dy, const long long* __restrict__ idx, act_t* __restrict__ dx,
                   long long total, int C, int H, int W, int OH, int OW, int KH, int KW, int SH, int SW,
                   int PH, int PW, int DH, int DW, int channels_last) {
     const Pool P = {C, H, W, OH, OW, KH, KW, SH, SW, PH, PW, DH, DW};

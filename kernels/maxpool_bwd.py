@@ -5,8 +5,10 @@
 ``dy`` (N, C, OH, OW) float32 and ``indices`` (N, C, OH, OW) int64 are what
 ``torch.nn.functional.max_pool2d(x, ..., return_indices=True)`` gives (the gradient of its output, and
 the flat ``h * W + w`` position of each window's maximum inside the (n, c) plane of x). ``dx`` is
-(N, C, H, W) float32 in dy's layout (NCHW or channels_last); input positions that are no window's
-argmax get +0.0.
+(N, C, H, W) in dy's layout (NCHW or channels_last); input positions that are no window's argmax get
++0.0. The CUDA launchers also take a bf16/fp16 ``dy`` and return dx in its dtype: the kernels widen each
+gradient, add in float32 in the order below and round each dx element once, which are the bits of the
+float32 variant on ``dy.float()`` rounded with ``.to(dy.dtype)`` (the registry's call on the CPU).
 
 Order of the additions into one dx element (the only thing that decides its bits):
 - ``tree``: the windows that can contain the element, in (oh, ow) row-major order, from +0.0. That is
@@ -35,8 +37,10 @@ import torch
 from .order import F32, rng_of
 from .registry import Case, define_op
 from .runtime import (
+    ACT_KINDS,
     INT32_MAX,
     KernelArgumentError,
+    act_defines,
     cdiv,
     check_cuda,
     memo_check,
@@ -114,11 +118,11 @@ def _freeze(v):
 _CHECKED: dict[tuple, tuple] = {}
 
 
-def _check(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode):
+def _check(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode, half_ok: bool = False):
     """Validate everything before any work; returns (dy, indices, params, layout). Memoised per
-    configuration (see ``runtime.check_key``)."""
+    configuration (see ``runtime.check_key``). ``half_ok``: dy may be bf16/fp16 (the CUDA launchers)."""
     params, layout = memo_check(_CHECKED, _checked_params, dy, indices, input_size, kernel_size, stride, padding,
-                                dilation, ceil_mode)
+                                dilation, ceil_mode, half_ok)
     return dy, indices, params, layout
 
 
@@ -126,8 +130,9 @@ def _checked_params(*args):
     return _check_all(*args)[2:]
 
 
-def _check_all(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode):
-    dy = check_tensor(OP, "dy", dy, ndim=4)
+def _check_all(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode, half_ok: bool = False):
+    dtype = getattr(dy, "dtype", None)
+    dy = check_tensor(OP, "dy", dy, ndim=4, dtype=dtype if half_ok and dtype in ACT_KINDS else torch.float32)
     if not isinstance(indices, torch.Tensor):
         raise KernelArgumentError(OP, "indices", f"expected a torch.Tensor, got {type(indices).__name__}")
     if indices.dtype != torch.int64:
@@ -170,9 +175,21 @@ def _memory_format(layout: str) -> torch.memory_format:
 
 
 def _cuda_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode):
-    dy, indices, p, layout = _check(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode)
+    """Checks for a CUDA launcher: dy float32, bfloat16 or float16 (read as such by the kernels)."""
+    dy, indices, p, layout = _check(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode,
+                                    True)
     check_cuda(OP, "dy", dy)
     return dy, indices, p, layout
+
+
+def _empty_dx(dy, p: dict, layout: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    n, c = dy.shape[:2]
+    return torch.empty((n, c, p["h"], p["w"]), device=dy.device, dtype=dtype or dy.dtype,
+                       memory_format=_memory_format(layout))
+
+
+def _kernel(name: str, dy):
+    return function(SOURCE, name, dy.device, act_defines(dy.dtype))
 
 
 def _blocks(total: int) -> int:
@@ -183,14 +200,13 @@ def maxpool_bwd_atomic_cuda(dy, indices, *, input_size, kernel_size, stride=None
                             ceil_mode=False) -> torch.Tensor:
     dy, indices, p, layout = _cuda_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation,
                                             ceil_mode)
-    n, c = dy.shape[:2]
-    dx = torch.empty((n, c, p["h"], p["w"]), device=dy.device, dtype=torch.float32,
-                     memory_format=_memory_format(layout)).zero_()  # the atomics add onto +0.0
+    c = dy.shape[1]
+    dx = _empty_dx(dy, p, layout, torch.float32).zero_()  # the atomics add onto +0.0, in float32
     total = dy.numel()
-    launch(function(SOURCE, "maxpool_bwd_atomic", dy.device), (_blocks(total),), (THREADS,),
+    launch(_kernel("maxpool_bwd_atomic", dy), (_blocks(total),), (THREADS,),
            (ptr(dy), ptr(indices), ptr(dx), np.int64(total), np.int32(c), np.int32(p["h"] * p["w"]),
             np.int32(p["oh"] * p["ow"]), np.int32(layout == "channels_last")), device=dy.device)
-    return dx
+    return dx if dy.dtype == torch.float32 else dx.to(dy.dtype)  # half: the sums rounded once
 
 
 def _pool_args(p: dict, c: int, layout: str) -> tuple:
@@ -269,15 +285,14 @@ def cell_divisor(d: int) -> tuple[np.uint32, np.int32]:
 def _cell(dy, indices, p: dict, layout: str, plan: tuple[str, int, int]) -> torch.Tensor:
     stem, bh, bw = plan
     n, c = dy.shape[:2]
-    dx = torch.empty((n, c, p["h"], p["w"]), device=dy.device, dtype=torch.float32,
-                     memory_format=_memory_format(layout))
+    dx = _empty_dx(dy, p, layout)
     total = n * c * bh * bw
     blocks = _blocks(total)
     narrow = (total + blocks * THREADS <= INT32_MAX and n * c * p["h"] * p["w"] <= INT32_MAX
               and dy.numel() <= INT32_MAX)
     name = f"{stem}_{'cl' if layout == 'channels_last' else 'nchw'}_{'i32' if narrow else 'i64'}"
     i32 = np.int32
-    launch(function(SOURCE, name, dy.device), (blocks,), (THREADS,),
+    launch(_kernel(name, dy), (blocks,), (THREADS,),
            (ptr(dy), ptr(indices), ptr(dx), np.int64(total), i32(c), i32(p["h"]), i32(p["w"]), i32(p["oh"]),
             i32(p["ow"]), i32(bh), i32(bw), *cell_divisor(c), *cell_divisor(bh), *cell_divisor(bw)),
            device=dy.device)
@@ -304,21 +319,19 @@ def _tree_tiled(dy, indices, p: dict, layout: str) -> torch.Tensor:
     if tiled is None:
         return _tree_gather(dy, indices, p, layout)
     grid, group, shift, smem = tiled
-    dx = torch.empty((n, c, p["h"], p["w"]), device=dy.device, dtype=torch.float32,
-                     memory_format=_memory_format(layout))
+    dx = _empty_dx(dy, p, layout)
     units = n if layout == "channels_last" else n * c
-    launch(function(SOURCE, "maxpool_bwd_tile", dy.device), (grid,), (THREADS,),
+    launch(_kernel("maxpool_bwd_tile", dy), (grid,), (THREADS,),
            (ptr(dy), ptr(indices), ptr(dx), np.int64(units), *_pool_args(p, c, layout), np.int32(group),
             np.int32(shift)), device=dy.device, shared_mem=smem)
     return dx
 
 
 def _tree_gather(dy, indices, p: dict, layout: str) -> torch.Tensor:
-    n, c = dy.shape[:2]
-    dx = torch.empty((n, c, p["h"], p["w"]), device=dy.device, dtype=torch.float32,
-                     memory_format=_memory_format(layout))
+    c = dy.shape[1]
+    dx = _empty_dx(dy, p, layout)
     total = dx.numel()
-    launch(function(SOURCE, "maxpool_bwd_tree", dy.device), (_blocks(total),), (THREADS,),
+    launch(_kernel("maxpool_bwd_tree", dy), (_blocks(total),), (THREADS,),
            (ptr(dy), ptr(indices), ptr(dx), np.int64(total), *_pool_args(p, c, layout)), device=dy.device)
     return dx
 
@@ -345,11 +358,10 @@ def maxpool_bwd_owner_cuda(dy, indices, *, input_size, kernel_size, stride=None,
                            ceil_mode=False) -> torch.Tensor:
     dy, indices, p, layout = _cuda_prologue(dy, indices, input_size, kernel_size, stride, padding, dilation,
                                             ceil_mode)
-    n, c = dy.shape[:2]
-    dx = torch.empty((n, c, p["h"], p["w"]), device=dy.device, dtype=torch.float32,
-                     memory_format=_memory_format(layout)).zero_()  # positions no window owns stay +0.0
+    c = dy.shape[1]
+    dx = _empty_dx(dy, p, layout).zero_()  # positions no window owns stay +0.0
     total = dy.numel()
-    launch(function(SOURCE, "maxpool_bwd_owner", dy.device), (_blocks(total),), (THREADS,),
+    launch(_kernel("maxpool_bwd_owner", dy), (_blocks(total),), (THREADS,),
            (ptr(dy), ptr(indices), ptr(dx), np.int64(total), *_pool_args(p, c, layout)), device=dy.device)
     return dx
 
@@ -678,4 +690,5 @@ define_op(
     bench_cases=_bench_cases,
     peers=_peers,
     bytes_moved=_bytes_moved,
+    half_native=True,
 )

@@ -473,25 +473,31 @@ TREE_KERNEL = {"overlap_odd": "cell_k3s2p1", "dilation2": "tile", "ceil_k3s2": "
                "k2s2": "cell_k2s2p0", "k3s1_heavy_overlap": "cell_k3s1p1", "odd": "tile"}
 
 
-@pytest.mark.parametrize("case_name", EMULATED)
-def test_launchers_against_emulated_kernels(case_name, monkeypatch):
-    """Includes pools with different parameters per axis (ODD_POOLS 0 and 4), so swapped H/W
-    arguments show."""
+def _emulated_launches(case_name, monkeypatch, dtype=torch.float32):
+    """Every CUDA launcher of the op (plus tree's tile and gather paths) on the CPU, its kernel launch
+    replaced by the Python emulation above. Yields (launcher name, returned tensor, kernel name, the
+    emulated dx memory as float32 sums, defines, inputs); ``dtype``: dy's dtype (half dy is widened for
+    the emulation, as the kernels widen on load)."""
     tensors: dict[int, torch.Tensor] = {}
     results = {}
+    defines = {}
 
     def fake_ptr(t):
         tensors[t.data_ptr()] = t
         return np.uint64(t.data_ptr())
 
+    def fake_function(source, name, device, extra=()):
+        defines[name] = extra
+        return name
+
     def fake_launch(fn, grid, block, args, *, device, shared_mem=0):
         assert block == (mp.THREADS,) and grid[0] >= 1
         dy, idx, dx = (tensors[int(a)] for a in args[:3])
         assert all(isinstance(a, (np.int32, np.int64, np.uint32)) for a in args[3:])
-        results[fn] = _emulate(fn, (dy, idx, dx), [int(a) for a in args[3:]], grid, shared_mem)
+        results[fn] = _emulate(fn, (dy.float(), idx, dx), [int(a) for a in args[3:]], grid, shared_mem)
 
     monkeypatch.setattr(mp, "check_cuda", lambda *a: None)
-    monkeypatch.setattr(mp, "function", lambda source, name, device: name)
+    monkeypatch.setattr(mp, "function", fake_function)
     monkeypatch.setattr(mp, "launch", fake_launch)
     monkeypatch.setattr(mp, "ptr", fake_ptr)
     if case_name.startswith("odd"):
@@ -499,20 +505,35 @@ def test_launchers_against_emulated_kernels(case_name, monkeypatch):
         args, kw = odd_inputs(shape, pool, case_name.split("_", 1)[1])
     else:
         args, kw = SPEC.make_inputs(next(c for c in TEST_CASES if c.name == case_name), CPU)
-    tree = TREE(*args, **kw)
-    memory = (tree if tree.is_contiguous() else tree.permute(0, 2, 3, 1)).reshape(-1).numpy().view(np.uint32)
+    if dtype != torch.float32:
+        args = (args[0].to(dtype),) + tuple(args[1:])
     launchers = {v.name: v.cuda for v in kernels.variants(OP)}
     launchers["tree_tile"] = mp.maxpool_bwd_tree_tile_cuda
     launchers["tree_gather"] = mp.maxpool_bwd_tree_gather_cuda
-    expected = {"tree": TREE_KERNEL[next(k for k in TREE_KERNEL if case_name.startswith(k))],
-                "tree_tile": "tile", "tree_gather": "tree"}
     for name, launcher in launchers.items():
         results.clear()
+        defines.clear()
         out = launcher(*args, **kw)
-        assert layout_ok(out, args[0])
+        assert len(results) == 1, (name, list(results))
+        (fn, got), = results.items()
+        yield name, out, fn, got, defines[fn], args, kw
+
+
+@pytest.mark.parametrize("case_name", EMULATED)
+def test_launchers_against_emulated_kernels(case_name, monkeypatch):
+    """Includes pools with different parameters per axis (ODD_POOLS 0 and 4), so swapped H/W
+    arguments show."""
+    expected = {"tree": TREE_KERNEL[next(k for k in TREE_KERNEL if case_name.startswith(k))],
+                "tree_tile": "tile", "tree_gather": "tree"}
+    tree = None
+    for name, out, fn, got, defines, args, kw in _emulated_launches(case_name, monkeypatch):
+        if tree is None:
+            tree = TREE(*args, **kw)
+            memory = (tree if tree.is_contiguous() else tree.permute(0, 2, 3, 1)).reshape(-1).numpy().view(np.uint32)
+        assert layout_ok(out, args[0]) and out.dtype == torch.float32 and defines == ()
         want = f"maxpool_bwd_{expected.get(name, name)}"
-        assert len(results) == 1 and next(iter(results)).startswith(want), (name, want, list(results))
-        got = next(iter(results.values())).view(np.uint32)
+        assert fn.startswith(want), (name, want, fn)
+        got = got.view(np.uint32)
         v = kernels.get(OP, name.split("_")[0])
         if v.deterministic:
             assert np.array_equal(got, memory), name
@@ -521,6 +542,31 @@ def test_launchers_against_emulated_kernels(case_name, monkeypatch):
             shaped = nchw.view(out.shape) if out.is_contiguous() else \
                 nchw.view(out.shape[0], out.shape[2], out.shape[3], out.shape[1]).permute(0, 3, 1, 2)
             check_some_order(shaped, tree, args, kw)
+
+
+@pytest.mark.parametrize("dtype,define", [(torch.bfloat16, "-DNNRAND_ACT=1"), (torch.float16, "-DNNRAND_ACT=2")],
+                         ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case_name", ["overlap_odd_nchw", "k3s1_heavy_overlap_channels_last", "odd4_nchw"])
+def test_half_launchers_read_and_return_half(case_name, dtype, define, monkeypatch):
+    """A bf16/fp16 dy goes to the kernels as such (compiled with the dtype's define) and dx comes back in
+    dy's dtype and layout; the float32 sums the kernels form, rounded once, are the registry's call on the
+    CPU (the float32 model on dy widened, rounded with torch). atomic sums into a float32 buffer that the
+    launcher rounds: its dx must be that buffer, rounded."""
+    tree = None
+    for name, out, fn, got, defines, args, kw in _emulated_launches(case_name, monkeypatch, dtype):
+        if tree is None:
+            tree = kernels.get(OP, "tree")(*args, **kw)
+            assert tree.dtype == dtype
+        assert layout_ok(out, args[0]) and defines == (define,), (name, defines)
+        sums = torch.from_numpy(got.copy())
+        sums = sums.view(out.shape) if out.is_contiguous() else \
+            sums.view(out.shape[0], out.shape[2], out.shape[3], out.shape[1]).permute(0, 3, 1, 2)
+        if kernels.get(OP, name.split("_")[0]).deterministic:
+            assert out.dtype == dtype
+            assert torch.equal(sums.to(dtype).view(torch.int16), tree.view(torch.int16)), name
+        else:  # the launcher rounded the emulated float32 buffer; some arrival order of float32 sums
+            assert out.dtype == dtype
+            check_some_order(sums, TREE(args[0].float(), *args[1:], **kw), (args[0].float(), *args[1:]), kw)
 
 
 def test_cell_plan():
@@ -562,12 +608,13 @@ def test_tile_plan_fits_shared_memory_or_falls_back():
             assert t is not None and t[3] <= mp.SMEM_LIMIT
 
 
-def test_cu_compiles_with_nvcc(tmp_path):
+@pytest.mark.parametrize("act", [0, 1, 2], ids=["float32", "bf16", "fp16"])
+def test_cu_compiles_with_nvcc(tmp_path, act):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed")
-    res = subprocess.run([nvcc, "-arch=sm_90", f"-I{KERNEL_DIR}", "-c", "-o", str(tmp_path / "m.o"),
-                          str(KERNEL_DIR / "maxpool_bwd.cu")], capture_output=True, text=True)
+    res = subprocess.run([nvcc, "-arch=sm_90", f"-DNNRAND_ACT={act}", f"-I{KERNEL_DIR}", "-c", "-o",
+                          str(tmp_path / "m.o"), str(KERNEL_DIR / "maxpool_bwd.cu")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
 
 
@@ -656,6 +703,44 @@ def test_gpu_odd_pool_parameters(shape, kw, layout, cuda_sync):
     for v in DETERMINISTIC:
         assert np.array_equal(bits(v(*args, **call)), bits(tree)), v.key
     check_some_order(ATOMIC(*args, **call).cpu(), tree, cpu_args, call)
+
+
+HALF_LAUNCHERS = {"tree": TREE.cuda, "tree_tile": mp.maxpool_bwd_tree_tile_cuda,
+                  "tree_gather": mp.maxpool_bwd_tree_gather_cuda, "owner": kernels.get(OP, "owner").cuda}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
+def test_gpu_half_dy_read_natively_equals_the_widening_call(case, dtype, cuda_sync):
+    """The launchers read a bf16/fp16 dy themselves and write dx in its dtype (cell, tile, gather and
+    owner kernels): bits of the CPU model on dy widened, rounded once with torch, in dy's layout; repeats
+    bitwise. atomic rounds its float32 buffer once: dtype and layout checked, its sums some arrival order."""
+    args, kw = SPEC.make_inputs(case, CUDA)
+    args = (args[0].to(dtype), args[1])
+    cpu_args = (args[0].cpu(), args[1].cpu())
+    want = TREE(*cpu_args, **kw)  # the registry's call: widened, the float32 model, rounded once
+    assert want.dtype == dtype
+    for name, launch in HALF_LAUNCHERS.items():
+        first = launch(*args, **kw)
+        assert first.dtype == dtype and layout_ok(first, args[0]), name
+        assert torch.equal(first.cpu().view(torch.int16), want.view(torch.int16)), f"{case.name} {name}"
+        for _ in range(3):
+            assert torch.equal(launch(*args, **kw).view(torch.int16), first.view(torch.int16)), name
+    out = ATOMIC.cuda(*args, **kw)
+    assert out.dtype == dtype and layout_ok(out, args[0])
+    # Elements with <= 2 contributions have one float32 sum in every order (0 + a + b = 0 + b + a): tree's.
+    count, abs_sum, _, _ = mp.contributions(cpu_args[0].float(), cpu_args[1], **kw)
+    few = count <= 2
+    got, tree_bits = (t.cpu().contiguous().reshape(-1).view(torch.int16).numpy() for t in (out, want))
+    assert np.array_equal(got[few], tree_bits[few])
+    # All: the float32 sum's bound, then one rounding to dtype: relative 2^-p (p significand bits, round to
+    # nearest), plus half of the smallest subnormal (fp16's 2^-24; bf16's is below float32's).
+    ref = SPEC.reference([cpu_args[0].float(), cpu_args[1]], kw).reshape(-1).numpy()
+    f32 = mp.error_bound(count, abs_sum)
+    u, tiny = (2.0**-8, 2.0**-134) if dtype == torch.bfloat16 else (2.0**-11, 2.0**-25)
+    err = np.abs(out.float().cpu().contiguous().reshape(-1).numpy().astype(np.float64) - ref)
+    assert np.all(err <= f32 + u * (np.abs(ref) + f32) + tiny)
 
 
 @pytest.mark.gpu
