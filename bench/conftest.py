@@ -1,7 +1,8 @@
 """pytest glue for the benchmark suite: ``pytest --benchmark-only`` from the repository root.
 
 Options: ``--variance-repeats N`` (default 100 on CUDA), ``--quick`` (or ``NNRAND_BENCH_QUICK=1``: scale
-"quick", fewer repeats), ``--bench-backend auto|cuda|cpu`` (or ``NNRAND_BENCH_BACKEND``). In a plain
+"quick", fewer repeats), ``--bench-backend auto|cuda|cpu`` (or ``NNRAND_BENCH_BACKEND``), ``--bench-dtype
+float32|bf16|fp16`` (or ``NNRAND_BENCH_DTYPE``: inputs rounded to that dtype). In a plain
 ``pytest`` run the benchmarks are skipped (``--benchmark-skip`` in the project's addopts; pytest-benchmark
 lets ``--benchmark-only`` override it). At the end of a session that measured anything, the result
 table, the pytest-benchmark JSON and the markdown report are written (paths: :mod:`bench.results`).
@@ -28,6 +29,9 @@ def pytest_addoption(parser):
                 help="quick bench: scale 'quick' on CUDA, fewer repeats (also NNRAND_BENCH_QUICK=1)")
     g.addoption("--bench-backend", default=None, choices=("auto", "cuda", "cpu"),
                 help="run the CUDA kernels or the CPU order models (default: CUDA when available)")
+    g.addoption("--bench-dtype", default=None, choices=("float32", "bf16", "fp16"),
+                help="inputs in this dtype: every float32 input rounded to bf16/fp16, as under autocast "
+                     "(default float32; also NNRAND_BENCH_DTYPE); outputs go to <stem>_<dtype>")
 
 
 def pytest_configure(config):
@@ -43,7 +47,7 @@ def _session(config):
     if _SESSION not in config.stash:
         quick = True if config.getoption("quick") else None
         settings = Settings.make(backend=config.getoption("bench_backend"), quick=quick,
-                                 repeats=config.getoption("variance_repeats"))
+                                 repeats=config.getoption("variance_repeats"), dtype=config.getoption("bench_dtype"))
         config.stash[_SESSION] = Session(settings)
     return config.stash[_SESSION]
 
@@ -66,7 +70,7 @@ def bench_session(request):
 def pytest_report_header(config):
     if _SESSION in config.stash or config.getoption("benchmark_only", False):
         s = _session(config).settings
-        return (f"nnrand bench: backend {s.backend}, scale {s.scale}, {s.repeats} variance repeats "
+        return (f"nnrand bench: backend {s.backend}, scale {s.scale}, inputs {s.dtype}, {s.repeats} variance repeats "
                 f"(budget {s.variance_budget_s:g} s per subject)")
     return None
 
@@ -81,7 +85,7 @@ def pytest_sessionfinish(session, exitstatus):
     from bench import report, results
 
     partial = state.attempted < state.planned  # deselected (-k, a path), stopped early (-x) or interrupted
-    stem = results.stem(state.settings.backend, state.settings.quick, partial=partial)
+    stem = results.stem(state.settings.backend, state.settings.quick, partial=partial, dtype=state.settings.dtype)
     table = state.table()
     csv = results.write(table, results.csv_path(stem))
     bs = getattr(config, "_benchmarksession", None)

@@ -304,6 +304,14 @@ def render(df: pd.DataFrame, out: pathlib.Path, plots: bool = True) -> str:
     else:
         where = f"**Backend: {backend}.**"
     lines.append(where + "\n")
+    dtypes = [d for d in _fp_line(df, "dtype").split(", ") if d not in ("?", "float32")]
+    if dtypes:
+        lines.append(f"**Inputs in {', '.join(dtypes)}**: every float32 input of each case rounded to it before "
+                     "anything runs, as under `torch.autocast`. nnrand's variants widen to float32, add in their "
+                     "fixed order and round each output once; peers run PyTorch's own half-precision kernels. "
+                     "Errors are against the float64 sum of the half inputs (so they include that final "
+                     "rounding); % BW counts each half tensor at 2 bytes per element; % FLOP is of the float32 "
+                     "matmul ceiling (nnrand's kernels compute in float32).\n")
     lines.append(f"Scale `{_fp_line(df, 'scale')}`; git `{_fp_line(df, 'git_sha')}`; measured "
                  f"{df['date'].min() if 'date' in df else '?'} to {df['date'].max() if 'date' in df else '?'}; "
                  f"torch {_fp_line(df, 'torch')}, numba {_fp_line(df, 'numba')}, numpy {_fp_line(df, 'numpy')}, "

@@ -11,7 +11,8 @@ Files, by backend (so a CPU run never overwrites a GPU report; ``--quick`` GPU r
     backend cuda, quick:  reports/results/kernels_quick.csv  reports/kernels_quick.md  ...
     backend cpu:          reports/results/kernels_cpu.csv    reports/kernels_cpu.md    reports/kernels_cpu_*.png
 
-with the pytest-benchmark JSON beside each table (``<stem>_benchmark.json``). A run that measured only
+with the pytest-benchmark JSON beside each table (``<stem>_benchmark.json``). A run with half-precision inputs
+(``--bench-dtype bf16|fp16``) appends the dtype: ``kernels_quick_bf16``. A run that measured only
 part of the plan (``-k``, a test path, ``-x`` after a failure, or interrupted) appends ``_partial`` to the stem. ``NNRAND_BENCH_STEM``
 overrides the stem, ``NNRAND_BENCH_DIR`` the ``reports`` directory (results then go to ``<dir>/results``).
 """
@@ -33,7 +34,7 @@ def reports_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("NNRAND_BENCH_DIR") or ROOT / "reports")
 
 KEY_COLUMNS = ["op", "variant", "kind", "case", "params", "layout", "contention", "case_bytes", "case_flops",
-               "deterministic", "mode", "metric", "value", "unit", "backend", "scale", "repeats", "note"]
+               "deterministic", "mode", "metric", "value", "unit", "backend", "scale", "dtype", "repeats", "note"]
 COLUMNS = KEY_COLUMNS + list(FIELDS)
 
 # metric -> unit
@@ -58,13 +59,13 @@ UNITS = {
 }
 
 
-def stem(backend: str, quick: bool = False, partial: bool = False) -> str:
+def stem(backend: str, quick: bool = False, partial: bool = False, dtype: str = "float32") -> str:
     """File stem of a run's outputs. A partial run (some benchmarks deselected, or interrupted) gets
-    ``_partial`` so it never replaces a complete table."""
+    ``_partial`` so it never replaces a complete table; half-precision inputs get their dtype."""
     if os.environ.get("NNRAND_BENCH_STEM"):
         return os.environ["NNRAND_BENCH_STEM"]
     name = "kernels_cpu" if backend == "cpu" else ("kernels_quick" if quick else "kernels")
-    return name + ("_partial" if partial else "")
+    return name + ("" if dtype == "float32" else f"_{dtype}") + ("_partial" if partial else "")
 
 
 def csv_path(stem_: str) -> pathlib.Path:
@@ -88,7 +89,8 @@ def frame(rows: list[dict]) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     for c in COLUMNS:
         if c not in df.columns:
-            df[c] = math.nan if c in ("value", "contention", "case_bytes", "case_flops", "repeats") else ""
+            df[c] = math.nan if c in ("value", "contention", "case_bytes", "case_flops", "repeats") else \
+                ("float32" if c == "dtype" else "")
     extra = [c for c in df.columns if c not in COLUMNS]
     return df[COLUMNS + extra]
 
@@ -101,10 +103,14 @@ def write(df: pd.DataFrame, path: pathlib.Path) -> pathlib.Path:
 
 def read(path: pathlib.Path) -> pd.DataFrame:
     df = pd.read_csv(path, keep_default_na=False, na_values=["", "nan", "NaN"],
-                     dtype={"note": str, "layout": str, "params": str, "variant": str, "case": str})
+                     dtype={"note": str, "layout": str, "params": str, "variant": str, "case": str, "mode": str,
+                            "dtype": str})
     for c in ("note", "layout", "params", "mode"):
         if c in df.columns:
             df[c] = df[c].fillna("")
+    if "dtype" not in df.columns:  # tables written before inputs could be half: float32
+        df.insert(COLUMNS.index("dtype"), "dtype", "float32")
+    df["dtype"] = df["dtype"].fillna("float32")
     return df
 
 

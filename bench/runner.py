@@ -13,6 +13,11 @@ For every subject and case this measures, on one fixed input:
 * latency: CUDA-event median on CUDA (cold L2), else the host median; plus pytest-benchmark's own
   synchronized host timing when a ``benchmark`` fixture is given;
 * bandwidth (``spec.bytes_moved``) and FLOP rate (``spec.flops``) from the latency.
+
+``Settings.dtype`` ``bf16`` / ``fp16``: every float32 tensor the op's ``make_inputs`` draws is rounded to that
+dtype before anything runs (the subjects see half inputs, as under ``torch.autocast``; nnrand's variants
+sum in float32 and round each output once, see ``kernels/registry.py``); the float64 reference is taken on
+those half inputs, and the bytes moved count each half tensor at its own size (:func:`half_bytes`).
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ from .timing import Ceilings, L2Flush, cuda_event_times, host_times, measure_cei
 # --------------------------------------------------------------------------------------------------
 # Settings
 
+DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -49,6 +56,7 @@ class Settings:
     rounds: int                  # pytest-benchmark rounds per subject (at most)
     timing_budget_s: float       # wall time allowed for the host-timed rounds of one subject
     warmup: int                  # untimed calls before measuring (cuDNN autotuning happens here)
+    dtype: str = "float32"       # inputs: "float32", or "bf16" / "fp16" (float32 inputs rounded to it)
     ceiling_copy_bytes: int | None = None   # None: 1 GiB on CUDA, 64 MiB on the CPU
     ceiling_matmul_n: int | None = None     # None: 8192 on CUDA, 1024 on the CPU
 
@@ -58,7 +66,7 @@ class Settings:
 
     @classmethod
     def make(cls, backend: str | None = None, quick: bool | None = None, repeats: int | None = None,
-             **overrides) -> "Settings":
+             dtype: str | None = None, **overrides) -> "Settings":
         """Defaults for the backend: ``auto`` / None picks CUDA when CUDA kernels can run here.
 
         Full GPU run: 100 repeats within 4 s per subject (a 1.2 ms cuDNN dgrad: 100 in 0.12 s), so every
@@ -75,6 +83,9 @@ class Settings:
             raise RuntimeError("backend cuda asked for, but CUDA kernels cannot run here (no CUDA device or no CuPy)")
         if quick is None:
             quick = os.environ.get("NNRAND_BENCH_QUICK", "") not in ("", "0")
+        dtype = dtype or os.environ.get("NNRAND_BENCH_DTYPE") or "float32"
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown input dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         if backend == "cuda":
             base = dict(scale="quick" if quick else "gpu", repeats=30 if quick else 100, min_repeats=10,
                         variance_budget_s=2.0 if quick else 4.0, event_rounds=20 if quick else 50,
@@ -89,7 +100,7 @@ class Settings:
             base["repeats"] = repeats
             base["min_repeats"] = min(base["min_repeats"], repeats)
         base.update(overrides)
-        return cls(backend=backend, quick=quick, **base)
+        return cls(backend=backend, quick=quick, dtype=dtype, **base)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,7 +206,8 @@ class Session:
             self._inputs = self._reference = None
             if self.settings.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._inputs = kernels.spec(case.op).make_inputs(case, self.settings.device)
+            args, kwargs = kernels.spec(case.op).make_inputs(case, self.settings.device)
+            self._inputs = to_dtype(args, DTYPES[self.settings.dtype]), to_dtype(kwargs, DTYPES[self.settings.dtype])
             self._case_id = case.id
         return self._inputs
 
@@ -220,7 +232,7 @@ class Session:
                "layout": layout_of_case(case) if case else "",
                "contention": case.contention if case and case.contention is not None else math.nan,
                "deterministic": "" if subject is None or subject.deterministic is None else subject.deterministic,
-               "mode": subject.mode if subject else "", "backend": s.backend, "scale": s.scale,
+               "mode": subject.mode if subject else "", "backend": s.backend, "scale": s.scale, "dtype": s.dtype,
                "repeats": math.nan, "note": ""}
         if case is not None:
             spec = kernels.spec(case.op)
@@ -272,6 +284,7 @@ class Session:
             except TypeError:
                 raise TypeError(f"{item.id} returned {type(first).__name__}, expected a torch.Tensor or a "
                                 "tuple of them") from None
+            out_parts = parts(first)
             del first
             for _ in range(s.warmup - 1):
                 call()
@@ -313,6 +326,8 @@ class Session:
                 latency, how = host, f"host clock, median of {rounds}"
 
         base = self._base(case, sub)
+        if s.dtype != "float32":
+            base["case_bytes"] = half_bytes(base["case_bytes"], (args, kwargs), out_parts)
         add = lambda metric, value, **kw: rows.append(  # noqa: E731
             {**base, "metric": metric, "value": float(value), "unit": results.UNITS[metric], **kw})
         add("latency", latency, note=how)
@@ -333,6 +348,27 @@ class Session:
     def table(self):
         """The rows so far as the result table, with the derived metrics (ratios, ceiling fractions)."""
         return results.derive(results.frame(self.rows))
+
+
+def to_dtype(obj, dtype: torch.dtype):
+    """``obj`` (a tuple of arguments or a dict of keyword arguments) with every float32 tensor rounded to
+    ``dtype`` (round to nearest even); other values as they are."""
+    if dtype == torch.float32:
+        return obj
+    conv = lambda a: a.to(dtype) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a  # noqa: E731
+    return {k: conv(a) for k, a in obj.items()} if isinstance(obj, dict) else tuple(conv(a) for a in obj)
+
+
+def half_bytes(spec_bytes: float, inputs: tuple[tuple, dict], outputs) -> float:
+    """Bytes moved with half inputs: ``spec.bytes_moved`` counts every floating tensor once at 4 bytes per
+    element, so each half input and each half output is counted again at 2 (its own ``nbytes``) and the
+    2 bytes per element it does not move are taken off. NaN where that leaves nothing (a spec that does
+    not count some tensor)."""
+    args, kwargs = inputs
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)] + list(outputs)
+    saved = sum(t.numel() * t.element_size() for t in tensors if t.dtype in (torch.bfloat16, torch.float16))
+    left = spec_bytes - saved
+    return float(left) if left > 0 or spec_bytes == saved == 0 else math.nan
 
 
 def _reason(e: BaseException) -> str:

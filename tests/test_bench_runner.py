@@ -89,6 +89,55 @@ def test_one_tiny_case_per_registered_op(tmp_path):
         assert f"### {op}" in md
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_inputs_one_tiny_case_per_registered_op(tmp_path, dtype):
+    """``--bench-dtype``: every variant runs on half inputs (a variant that cannot is a failure, raised),
+    deterministic ones repeat bitwise, results come back in half where the op's output follows a half
+    argument, half tensors are counted at 2 bytes, and the rows, file stem and report say the dtype."""
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    session = Session(tiny_settings(dtype=dtype))
+    assert session.settings.dtype == dtype
+    full = Session(tiny_settings())
+    for op in specced_ops():
+        case = smallest_case(op)
+        args, kwargs = session.inputs(case)
+        f32_args, f32_kwargs = full.inputs(case)
+        floats = [a for a in (*f32_args, *f32_kwargs.values()) if isinstance(a, torch.Tensor) and a.dtype == torch.float32]
+        assert floats and not any(isinstance(a, torch.Tensor) and a.dtype == torch.float32
+                                  for a in (*args, *kwargs.values())), op
+        for sub in subjects(op):
+            if sub.kind != "variant":
+                continue
+            rows = session.measure(Item(op, case, sub))
+            got = {r["metric"]: r["value"] for r in rows}
+            assert all(r["dtype"] == dtype for r in rows)
+            spec_bytes = kernels.spec(op).bytes_moved(case)
+            # the half inputs alone save 2 bytes per element of every float input
+            saved = sum(t.numel() * 2 for t in floats)
+            assert rows[0]["case_bytes"] <= spec_bytes - saved, op
+            if sub.deterministic:
+                assert got["distinct_results"] == 1.0 and got["max_ulp"] == 0.0, (op, sub.name)
+        out = kernels.get(op, kernels.variants(op)[-1].name)(*args, **kwargs)
+        assert any(t.dtype == half for t in (out if isinstance(out, tuple) else (out,))), op
+    assert results.stem("cuda", quick=True, dtype=dtype) == f"kernels_quick_{dtype}"
+    assert results.stem("cpu", partial=True, dtype=dtype) == f"kernels_cpu_{dtype}_partial"
+    df = session.table()
+    path = results.write(df, tmp_path / "t.csv")
+    assert set(results.read(path)["dtype"]) == {dtype}
+    md = report.render(df, tmp_path / f"kernels_cpu_{dtype}.md", plots=False)
+    assert f"**Inputs in {dtype}**" in md
+
+
+def test_old_tables_read_as_float32(tmp_path):
+    df = results.frame([{"op": "sum", "variant": "tree", "kind": "variant", "metric": "latency", "value": 1.0}])
+    assert list(df["dtype"]) == ["float32"]
+    path = results.write(df.drop(columns=["dtype"]), tmp_path / "old.csv")
+    back = results.read(path)
+    assert list(back["dtype"]) == ["float32"] and list(back.columns[:len(results.KEY_COLUMNS)]) == results.KEY_COLUMNS
+    with pytest.raises(ValueError, match="dtype"):
+        Settings.make(backend="cpu", dtype="float64")
+
+
 def test_noisy_subject_is_caught_and_unavailable_peer_is_skipped():
     """Negative control through the whole measurement: a subject that flips the last bit of the
     reference at random must show > 1 distinct results; a peer that cannot run is recorded as skipped."""
