@@ -406,14 +406,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                     help="which table: cuda, cpu, or auto (the CUDA table if there is one, else the CPU one)")
     ap.add_argument("--quick", action="store_true", help="the quick-run table")
+    ap.add_argument("--dtype", choices=("float32", "bf16", "fp16"), default="float32",
+                    help="the table of a --bench-dtype run (default float32)")
     ap.add_argument("--csv", type=pathlib.Path, help="result table to render")
     ap.add_argument("--out", type=pathlib.Path, help="markdown to write")
     ap.add_argument("--no-plots", action="store_true", help="markdown only (plots are neither drawn nor linked)")
     a = ap.parse_args(argv)
     backend = a.backend
     if backend == "auto":
-        backend = "cuda" if results.csv_path(results.stem("cuda", a.quick)).exists() else "cpu"
-    stem = results.stem(backend, a.quick)
+        backend = "cuda" if results.csv_path(results.stem("cuda", a.quick, dtype=a.dtype)).exists() else "cpu"
+    stem = results.stem(backend, a.quick, dtype=a.dtype)
     csv = a.csv or results.csv_path(stem)
     out = a.out or results.report_path(stem)
     if not csv.exists():
