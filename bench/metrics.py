@@ -36,14 +36,18 @@ def parts(out) -> tuple[torch.Tensor, ...]:
 
 
 def joined(out) -> torch.Tensor:
-    """A result as one tensor: a tensor itself; the parts of a tuple flattened and concatenated in order
-    (all of one dtype), so that comparing the joined bits compares every part."""
+    """A result as one tensor: a tensor itself; the parts of a tuple flattened and concatenated in order,
+    so that comparing the joined bits compares every part. Parts of different floating dtypes of at most
+    32 bits (a bf16 dx beside float32 dgamma, dbeta) are widened to float32 first: exact and one to one
+    (NaN payloads aside), so distinct results stay distinct; their ULPs are then float32's."""
     ps = parts(out)
     if isinstance(out, torch.Tensor):
         return out
     dtypes = {t.dtype for t in ps}
     if len(dtypes) > 1:
-        raise ValueError(f"a result's parts must share one dtype to be compared, got {sorted(map(str, dtypes))}")
+        if not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
+            raise ValueError(f"a result's parts must share one dtype to be compared, got {sorted(map(str, dtypes))}")
+        return torch.cat([t.detach().reshape(-1).float() for t in ps])
     return torch.cat([t.detach().reshape(-1) for t in ps])
 
 

@@ -14,8 +14,8 @@ For every subject and case this measures, on one fixed input:
   synchronized host timing when a ``benchmark`` fixture is given;
 * bandwidth (``spec.bytes_moved``) and FLOP rate (``spec.flops``) from the latency.
 
-``Settings.dtype`` ``bf16`` / ``fp16``: every float32 tensor the op's ``make_inputs`` draws is rounded to that
-dtype before anything runs (the subjects see half inputs, as under ``torch.autocast``; nnrand's variants
+``Settings.dtype`` ``bf16`` / ``fp16``: every float32 tensor the op's ``make_inputs`` draws (or those
+``spec.half_inputs`` names: bn_bwd's dy and x) is rounded to that dtype before anything runs (the subjects see half inputs, as under ``torch.autocast``; nnrand's variants
 sum in float32 and round each output once, see ``kernels/registry.py``); the float64 reference is taken on
 those half inputs, and the bytes moved count each half tensor at its own size (:func:`half_bytes`).
 """
@@ -206,8 +206,14 @@ class Session:
             self._inputs = self._reference = None
             if self.settings.device.type == "cuda":
                 torch.cuda.empty_cache()
-            args, kwargs = kernels.spec(case.op).make_inputs(case, self.settings.device)
-            self._inputs = to_dtype(args, DTYPES[self.settings.dtype]), to_dtype(kwargs, DTYPES[self.settings.dtype])
+            spec = kernels.spec(case.op)
+            args, kwargs = spec.make_inputs(case, self.settings.device)
+            dtype = DTYPES[self.settings.dtype]
+            if spec.half_inputs is None:
+                self._inputs = to_dtype(args, dtype), to_dtype(kwargs, dtype)
+            else:  # the arguments autocast makes half; the others stay float32
+                self._inputs = tuple(to_dtype((a,), dtype)[0] if i in spec.half_inputs else a
+                                     for i, a in enumerate(args)), kwargs
             self._case_id = case.id
         return self._inputs
 

@@ -444,4 +444,5 @@ define_op(
     # half inputs: dx as x, dgamma and dbeta as weight (float32 under autocast, as cuDNN returns them)
     out_like=(1, (4, "weight")),
     half_native=True,
+    half_inputs=(0, 1),  # dy and x; under autocast the statistics and the affine weight stay float32
 )

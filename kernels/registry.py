@@ -188,6 +188,9 @@ class OpSpec:
     # position, or (position, keyword name) for one that may come by keyword (the last entry serves the
     # outputs past the tuple's end); float32 when that argument is not half.
     out_like: tuple[int | tuple[int, str], ...] = (0,)
+    # The positional arguments torch.autocast makes half (benchmarks with half inputs round these, and
+    # only these, to bf16/fp16); None: every float32 tensor argument.
+    half_inputs: tuple[int, ...] | None = None
 
 
 _SPECS: dict[str, OpSpec] = {}

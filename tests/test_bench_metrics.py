@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.metrics import VarianceTracker, abs_difference, byte_hash, reference_error, ulp_distance, variance
+from bench.metrics import VarianceTracker, abs_difference, byte_hash, joined, reference_error, ulp_distance, variance
 from bench.timing import torch_mode
 
 F = torch.float32
@@ -213,3 +213,21 @@ def test_torch_mode_restores_a_non_default_state():
     with pytest.raises(ValueError):
         with torch_mode("sloppy"):
             pass
+
+
+def test_mixed_half_and_float32_parts_are_joined_exactly_and_told_apart():
+    """A bf16 dx beside float32 dgamma/dbeta: joined in float32 (exact), a one-bit change in either part
+    is a new result; float64 beside float32 is still refused."""
+    g = torch.Generator().manual_seed(3)
+    dx = torch.randn(4, 5, generator=g).bfloat16()
+    dgamma, dbeta = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    j = joined((dx, dgamma, dbeta))
+    assert j.dtype == torch.float32 and torch.equal(j[:20].bfloat16(), dx.reshape(-1))
+    t = VarianceTracker()
+    t.add((dx, dgamma, dbeta))
+    t.add((dx.clone(), dgamma.clone(), dbeta.clone()))
+    flipped = (dx.view(torch.int16) ^ 1).view(torch.bfloat16)
+    t.add((flipped, dgamma, dbeta))
+    assert t.distinct == 2
+    with pytest.raises(ValueError, match="share one dtype"):
+        joined((dgamma.double(), dbeta))

@@ -102,9 +102,16 @@ def test_half_inputs_one_tiny_case_per_registered_op(tmp_path, dtype):
         case = smallest_case(op)
         args, kwargs = session.inputs(case)
         f32_args, f32_kwargs = full.inputs(case)
-        floats = [a for a in (*f32_args, *f32_kwargs.values()) if isinstance(a, torch.Tensor) and a.dtype == torch.float32]
-        assert floats and not any(isinstance(a, torch.Tensor) and a.dtype == torch.float32
-                                  for a in (*args, *kwargs.values())), op
+        chosen = kernels.spec(op).half_inputs
+        pairs = [(a, b) for i, (a, b) in enumerate(zip(f32_args, args)) if chosen is None or i in chosen]
+        if chosen is None:
+            pairs += [(f32_kwargs[k], kwargs[k]) for k in f32_kwargs]
+        converted = [(a, b) for a, b in pairs if isinstance(a, torch.Tensor) and a.dtype == torch.float32]
+        floats = [a for a, _ in converted]
+        assert floats and all(b.dtype == half for _, b in converted), op
+        if chosen is not None:  # the others stay float32, as under autocast
+            assert all(b.dtype == a.dtype for i, (a, b) in enumerate(zip(f32_args, args))
+                       if i not in chosen and isinstance(a, torch.Tensor)), op
         for sub in subjects(op):
             if sub.kind != "variant":
                 continue
