@@ -208,12 +208,7 @@ class Session:
                 torch.cuda.empty_cache()
             spec = kernels.spec(case.op)
             args, kwargs = spec.make_inputs(case, self.settings.device)
-            dtype = DTYPES[self.settings.dtype]
-            if spec.half_inputs is None:
-                self._inputs = to_dtype(args, dtype), to_dtype(kwargs, dtype)
-            else:  # the arguments autocast makes half; the others stay float32
-                self._inputs = tuple(to_dtype((a,), dtype)[0] if i in spec.half_inputs else a
-                                     for i, a in enumerate(args)), kwargs
+            self._inputs = to_dtype(args, kwargs, DTYPES[self.settings.dtype], spec.half_inputs)
             self._case_id = case.id
         return self._inputs
 
@@ -356,13 +351,15 @@ class Session:
         return results.derive(results.frame(self.rows))
 
 
-def to_dtype(obj, dtype: torch.dtype):
-    """``obj`` (a tuple of arguments or a dict of keyword arguments) with every float32 tensor rounded to
-    ``dtype`` (round to nearest even); other values as they are."""
+def to_dtype(args: tuple, kwargs: dict, dtype: torch.dtype, positions: tuple[int, ...] | None = None):
+    """(args, kwargs) with every float32 tensor rounded to ``dtype`` (round to nearest even), or only the
+    positional ones at ``positions`` (``OpSpec.half_inputs``: what autocast makes half); the rest as is."""
     if dtype == torch.float32:
-        return obj
+        return args, kwargs
     conv = lambda a: a.to(dtype) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a  # noqa: E731
-    return {k: conv(a) for k, a in obj.items()} if isinstance(obj, dict) else tuple(conv(a) for a in obj)
+    if positions is not None:
+        return tuple(conv(a) if i in positions else a for i, a in enumerate(args)), kwargs
+    return tuple(conv(a) for a in args), {k: conv(a) for k, a in kwargs.items()}
 
 
 def half_bytes(spec_bytes: float, inputs: tuple[tuple, dict], outputs) -> float:

@@ -29,7 +29,6 @@ from .order import F32, arrival_sum, block_tree, halving_tree, pad_to, seq_sum, 
 from . import registry
 from .registry import Case, define_op
 from .runtime import (
-    ACT_KINDS,
     INT32_MAX,
     KernelArgumentError,
     act_defines,
@@ -57,16 +56,9 @@ EPS = 1e-5                 # the variance epsilon of the test and benchmark inpu
 # Argument checks (shared by the CUDA launchers and the CPU models)
 
 
-def _dtype_of(t, half_ok: bool) -> torch.dtype:
-    """The dtype a tensor argument is checked against: its own where it is a routed half dtype and the
-    caller (a CUDA launcher) takes half, else float32."""
-    dtype = getattr(t, "dtype", None)
-    return dtype if half_ok and dtype in ACT_KINDS else torch.float32
-
-
 def _check_all(dy, x, mean, invstd, weight, half_ok: bool = False) -> tuple[str, bool]:
     """(layout, whether dy must be copied into x's layout); raises naming the argument."""
-    x = check_tensor(OP, "x", x, ndim=(2, 4), dtype=_dtype_of(x, half_ok))
+    x = check_tensor(OP, "x", x, ndim=(2, 4), half_ok=half_ok)
     if x.dim() == 2:
         if not x.is_contiguous():
             raise KernelArgumentError(OP, "x", f"expected a contiguous (N, C) tensor, got strides {x.stride()}")
@@ -82,7 +74,7 @@ def _check_all(dy, x, mean, invstd, weight, half_ok: bool = False) -> tuple[str,
     for name, t in (("mean", mean), ("invstd", invstd), ("weight", weight)):
         if t is None and name == "weight":
             continue
-        check_tensor(OP, name, t, ndim=1, device=x.device, dtype=_dtype_of(t, half_ok))
+        check_tensor(OP, name, t, ndim=1, device=x.device, half_ok=half_ok)
         if t.shape[0] != c:
             raise KernelArgumentError(OP, name, f"expected shape ({c},) (one value per channel of x), "
                                                 f"got {tuple(t.shape)}")
@@ -178,8 +170,7 @@ def _launch(variant: str, dy, x, mean, invstd, weight):
     if half is not None and not (getattr(dy, "dtype", None) == getattr(x, "dtype", None) == half):
         # half and float32 activations together: what the registry's widening call does, here too
         args = (dy, x, mean, invstd, weight)
-        wide = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype == half else a for a in args)
-        return registry.round_outputs(OP, _launch(variant, *wide), args)
+        return registry.round_outputs(OP, _launch(variant, *registry.widen(args, half)), args)
     dy, layout = _check(dy, x, mean, invstd, weight, True)
     check_cuda(OP, "x", x)
     c, dev = x.shape[1], x.device

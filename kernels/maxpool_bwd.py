@@ -37,7 +37,6 @@ import torch
 from .order import F32, rng_of
 from .registry import Case, define_op
 from .runtime import (
-    ACT_KINDS,
     INT32_MAX,
     KernelArgumentError,
     act_defines,
@@ -131,8 +130,7 @@ def _checked_params(*args):
 
 
 def _check_all(dy, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode, half_ok: bool = False):
-    dtype = getattr(dy, "dtype", None)
-    dy = check_tensor(OP, "dy", dy, ndim=4, dtype=dtype if half_ok and dtype in ACT_KINDS else torch.float32)
+    dy = check_tensor(OP, "dy", dy, ndim=4, half_ok=half_ok)
     if not isinstance(indices, torch.Tensor):
         raise KernelArgumentError(OP, "indices", f"expected a torch.Tensor, got {type(indices).__name__}")
     if indices.dtype != torch.int64:

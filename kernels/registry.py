@@ -54,10 +54,8 @@ class Variant:
     def __call__(self, *args, rng=None, **kwargs) -> torch.Tensor:
         half = half_dtype(self.op, (*args, *kwargs.values()))
         if half is not None and not (self.half_native and args[0].device.type == "cuda"):
-            wide = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype == half else a for a in args)
-            wide_kw = {k: a.float() if isinstance(a, torch.Tensor) and a.dtype == half else a
-                       for k, a in kwargs.items()}
-            return round_outputs(self.op, self._run(wide, rng, wide_kw), args, kwargs)
+            wide_kw = dict(zip(kwargs, widen(tuple(kwargs.values()), half)))
+            return round_outputs(self.op, self._run(widen(args, half), rng, wide_kw), args, kwargs)
         return self._run(args, rng, kwargs)
 
     def _run(self, args: tuple, rng, kwargs: dict):
@@ -80,6 +78,11 @@ def half_dtype(op: str, args: tuple) -> torch.dtype | None:
         raise KernelArgumentError(op, f"#{i2}", f"is {d2} while argument #{i1} is {d1}; "
                                   "half-precision inputs must share one dtype")
     return next(iter(found), None)
+
+
+def widen(args: tuple, half: torch.dtype) -> tuple:
+    """``args`` with every ``half`` tensor widened to float32 (exact); other values as they are."""
+    return tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype == half else a for a in args)
 
 
 def round_outputs(op: str, out, args: tuple, kwargs: dict | None = None):

@@ -69,8 +69,10 @@ def check_tensor(
     ndim: int | Sequence[int] | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
+    half_ok: bool = False,
 ) -> torch.Tensor:
-    """Type, dtype, rank and device of one tensor argument; returns it for chaining."""
+    """Type, dtype, rank and device of one tensor argument; returns it for chaining. ``half_ok``: bfloat16
+    and float16 pass too (a CUDA launcher that reads half itself, ``ACT_KINDS``)."""
     if not isinstance(t, torch.Tensor):
         raise KernelArgumentError(op, arg, f"expected a torch.Tensor, got {type(t).__name__}")
     if ndim is not None:
@@ -78,7 +80,7 @@ def check_tensor(
         if t.dim() not in allowed:
             want = " or ".join(f"{d}-D" for d in allowed)
             raise KernelArgumentError(op, arg, f"expected a {want} tensor, got shape {tuple(t.shape)}")
-    if t.dtype != dtype:
+    if t.dtype != dtype and not (half_ok and t.dtype in ACT_KINDS):
         raise KernelArgumentError(
             op, arg, f"expected dtype {dtype}, got {t.dtype} (the kernels take float32; bfloat16 and float16 "
             "through the registry's call)"
