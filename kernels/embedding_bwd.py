@@ -28,8 +28,10 @@ from .index_add import (
     check_rows,
     draw_index,
     draw_values,
+    FIXED_NOTE,
     segsum_atomic_cuda,
     segsum_cpu,
+    segsum_fixed_cuda,
     segsum_sorted_cuda,
 )
 from .registry import Case, define_op
@@ -73,19 +75,32 @@ def _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq
     return indices.reshape(-1).contiguous(), grad_output.reshape(-1, d).contiguous(), rows, skip
 
 
+def _counts(key, rows, scale_grad_by_freq, check_range):
+    """(counts or None, check): each index's count over the batch for ``scale_grad_by_freq`` (an integer
+    bincount: exact), with the range check done first when asked, since bincount needs valid indices."""
+    check = (OP, "indices") if check_range else None
+    if not (scale_grad_by_freq and key.numel()):
+        return None, check
+    if check is not None:
+        check_index_range(*check, key, rows)
+    valid = (key >= 0) & (key < rows)
+    return torch.bincount(torch.where(valid, key, rows), minlength=rows + 1), None
+
+
 def embedding_bwd_atomic_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
                               check_range: bool = True) -> torch.Tensor:
     key, g, rows, skip = _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
     check_cuda(OP, "grad_output", g)
-    check = (OP, "indices") if check_range else None
-    counts = None
-    if scale_grad_by_freq and key.numel():
-        if check is not None:  # bincount needs valid indices: check first here
-            check_index_range(*check, key, rows)
-            check = None
-        valid = (key >= 0) & (key < rows)
-        counts = torch.bincount(torch.where(valid, key, rows), minlength=rows + 1)
+    counts, check = _counts(key, rows, scale_grad_by_freq, check_range)
     return segsum_atomic_cuda(SOURCE, OP, key, g, rows, skip=skip, counts=counts, check=check)
+
+
+def embedding_bwd_fixed_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
+                             check_range: bool = True) -> torch.Tensor:
+    key, g, rows, skip = _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
+    check_cuda(OP, "grad_output", g)
+    counts, check = _counts(key, rows, scale_grad_by_freq, check_range)
+    return segsum_fixed_cuda(SOURCE, OP, key, g, rows, skip=skip, counts=counts, check=check)
 
 
 def embedding_bwd_sorted_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
@@ -114,6 +129,12 @@ def embedding_bwd_atomic_cpu(grad_output, indices, *, num_weights, padding_idx=-
                              check_range: bool = True, rng=None) -> torch.Tensor:
     key, g, rows, skip = _cpu_prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
     return segsum_cpu("atomic", key, g, rows, skip=skip, scaled=scale_grad_by_freq, rng=rng)
+
+
+def embedding_bwd_fixed_cpu(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
+                            check_range: bool = True, rng=None) -> torch.Tensor:
+    key, g, rows, skip = _cpu_prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
+    return segsum_cpu("fixed", key, g, rows, skip=skip, scaled=scale_grad_by_freq)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,6 +229,7 @@ define_op(
         ("sorted", True, False, embedding_bwd_sorted_cuda, embedding_bwd_sorted_cpu,
          "stable sort of the tokens by index; token order in chunks of 32*2^e, fixed 32-ary tree over "
          "chunk partials (hot rows split across warps)"),
+        ("fixed", True, True, embedding_bwd_fixed_cuda, embedding_bwd_fixed_cpu, FIXED_NOTE),
     ],
     make_inputs=_make_inputs,
     reference=_reference,

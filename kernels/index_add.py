@@ -133,6 +133,58 @@ def segsum_atomic_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     return out
 
 
+FIXED_NOTE = ("no sort: terms rounded to int64 multiples of 2^-s (s from max |src| and the row count, so "
+              "no sum overflows), int64 atomicAdd (exact, so any order gives the same bits), one rounding")
+FIXED_MAX_BLOCKS = 1024  # blocks of segsum_fixed_max: one atomicMax each
+
+
+def fixed_log2n(n: int) -> int:
+    """c = ceil(log2 n) for n >= 1 source rows (0 for n <= 1): each output element has at most n terms."""
+    return max(0, int(n) - 1).bit_length()
+
+
+def fixed_shift(max_abs: float, n: int) -> int:
+    """The fixed variant's shift s (``seg_fixed_shift``): terms become integers of 2^-s units, s = 62 -
+    ceil(log2 n) - E with ``max_abs`` < 2^E; 0 when ``max_abs`` is 0."""
+    bits = int(np.float32(abs(max_abs)).view(np.uint32))
+    if bits == 0:
+        return 0
+    be = bits >> 23
+    return 62 - fixed_log2n(n) - (-126 if be == 0 else be - 126)
+
+
+def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
+                      elementwise: bool = False, skip: int = -1, counts: torch.Tensor | None = None,
+                      check: tuple[str, str] | None = None) -> torch.Tensor:
+    """out (rows, D): order-independent fixed-point sums (segsum.cuh, ``fixed``). One zero fill and
+    three launches, no sort, no host synchronisation but ``check``'s (as segsum_atomic_cuda). The shift
+    comes from max |src| over every finite element of src and from its row count N."""
+    n_rows, d = src.shape
+    dev = src.device
+    total = src.numel()
+    if total == 0:
+        return torch.zeros((rows, d), device=dev, dtype=torch.float32)
+    space = rows * d
+    words = cdiv(space, 8)  # 4 flag bits per output element
+    # one zero fill: int64 accumulators | flag words | max |src| bits
+    buf = torch.zeros(space + cdiv(words + 1, 2), device=dev, dtype=torch.int64)
+    acc = ptr(buf)
+    flags = np.uint64(int(acc) + 8 * space)
+    maxbits = np.uint64(int(flags) + 4 * words)
+    log2n = np.int32(fixed_log2n(n_rows))
+    launch(function(source, "segsum_fixed_max", dev), (max(1, min(cdiv(total, 4 * THREADS), FIXED_MAX_BLOCKS)),),
+           (THREADS,), (ptr(src), np.int64(total), maxbits), device=dev)
+    launch(function(source, f"{prefix}_fixed_add", dev), (_blocks(total),), (THREADS,),
+           (ptr(src), ptr(key), acc, flags, np.int64(total), np.int32(d), np.int32(elementwise), np.int64(skip),
+            np.uint64(0) if counts is None else ptr(counts), np.int64(rows), maxbits, log2n), device=dev)
+    out = torch.empty((rows, d), device=dev, dtype=torch.float32)
+    launch(function(source, "segsum_fixed_out", dev), (_blocks(space),), (THREADS,),
+           (acc, flags, ptr(out), np.int64(space), maxbits, log2n), device=dev)
+    if check is not None:
+        check_index_range(*check, key, rows)
+    return out
+
+
 def _vec(src: torch.Tensor, d: int) -> int:
     """Floats per lane in the warp kernel: the fewest column slices of 32 * VEC, then the smallest VEC
     (all 32 lanes busy, more source rows per round trip): D = 64 -> 2, 128 and 512 -> 4, 17 -> 1."""
@@ -146,13 +198,17 @@ MAX_GRID_Y = 65535
 
 def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
                        elementwise: bool = False, skip: int = -1, scaled: bool = False,
-                       force_scalar: bool = False, check: tuple[str, str] | None = None) -> torch.Tensor:
+                       force_scalar: bool = False, sparse: bool | None = None,
+                       check: tuple[str, str] | None = None) -> torch.Tensor:
     """out (rows, D): each destination's contributions in source order, chunked, fixed tree (see the
     module docstring). Four launches and torch.sort, no host synchronisation: keys (narrowed, bad ones
-    to a sentinel), stable sort, row starts, sums (which write every output row, so the output is never
-    zero-filled). Keys outside [0, rows) add nothing; with ``check`` = (op, arg) they raise
-    KernelArgumentError after the kernels are queued (start[space], the count of valid keys, read back).
-    ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits; for tests)."""
+    to a sentinel), stable sort, row starts, sums. Dense (more contributions than destinations): the sums
+    write every output row, so the output is never zero-filled. Sparse (fewer: an embedding's gradient,
+    most rows untouched): the output is zero-filled at full bandwidth and only the sorted positions get
+    tasks, so empty rows cost no warp; the same chunks and tree, so the same bits (``sparse`` forces
+    either; default: by the counts). Keys outside [0, rows) add nothing; with ``check`` = (op, arg) they
+    raise KernelArgumentError after the kernels are queued (start[space], the count of valid keys, read
+    back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits; for tests)."""
     d = src.shape[1]
     dev = src.device
     n = key.numel()
@@ -169,7 +225,10 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     start = torch.empty(space + 1, device=dev, dtype=torch.int64)
     launch(function(source, f"{prefix}_starts_{kname}", dev), (_blocks(space + 1),), (THREADS,),
            (ptr(skey), np.int64(n), np.int64(space), np.int64(offset), ptr(start)), device=dev)
-    out = torch.empty((rows, d), device=dev, dtype=torch.float32)
+    if sparse is None:
+        sparse = n < space
+    out = (torch.zeros if sparse else torch.empty)((rows, d), device=dev, dtype=torch.float32)
+    first = space if sparse else 0  # tasks before it (one per destination) are not launched
     scalar = elementwise or width < SCALAR_BELOW_D or force_scalar
     vec = 1 if scalar else _vec(src, width)
     slices = 1 if scalar else cdiv(width, 32 * vec)
@@ -178,12 +237,12 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
     args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
             np.uint64(int(ptr(counters)) + 4 * slots * slices), np.int64(n), np.int32(width), np.int64(skip),
-            np.int32(scaled), np.int64(space), np.int64(offset))
+            np.int32(scaled), np.int64(space), np.int64(offset), np.int32(sparse))
     if scalar:  # a thread per destination and per sorted position
-        launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks(space + n),), (THREADS,), args,
+        launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks(space - first + n),), (THREADS,), args,
                device=dev)
     else:  # a warp per destination and per 32 sorted positions; grid rows: column slices
-        warps = space + cdiv(n, 32)
+        warps = space - first + cdiv(n, 32)
         launch(function(source, f"{prefix}_rows{vec}_{kname}", dev),
                (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)), min(slices, MAX_GRID_Y)), (THREADS,), args,
                device=dev)
@@ -300,12 +359,40 @@ def scaled_values(key: np.ndarray, vals: np.ndarray, rows: int) -> np.ndarray:
     return (vals / counts[key][:, None]).astype(F32)
 
 
+FLAG_NAN, FLAG_POS_INF, FLAG_NEG_INF = 1, 2, 4  # SEG_FLAG_* of segsum.cuh
+
+
+def fixed_sum(dst: np.ndarray, vals: np.ndarray, space: int, s: int) -> np.ndarray:
+    """The fixed variant's sums (float32, ``space``) of the terms ``vals`` (float32) into the elements
+    ``dst``: every finite term rounded to the nearest integer multiple of 2^-s (ties to even), the integers
+    summed exactly (int64: they cannot overflow, see segsum.cuh), each sum rounded to float32 (int64 ->
+    float32 to nearest even, times 2^-s in float64, narrowed); NaN where a term is NaN or both infinities
+    occur, else the infinity where one occurs."""
+    fin = np.isfinite(vals)
+    q = np.rint(vals[fin].astype(np.float64) * 2.0**s).astype(np.int64)
+    acc = np.zeros(space, np.int64)
+    np.add.at(acc, dst[fin], q)  # integer sums: exact, so any order gives these
+    out = (acc.astype(F32).astype(np.float64) * 2.0**-s).astype(F32)
+    if not fin.all():
+        bad, v = dst[~fin], vals[~fin]
+        flags = np.zeros(space, np.uint8)
+        code = np.where(np.isnan(v), FLAG_NAN, np.where(v > 0, FLAG_POS_INF, FLAG_NEG_INF)).astype(np.uint8)
+        np.bitwise_or.at(flags, bad, code)
+        out[flags == FLAG_POS_INF] = np.inf
+        out[flags == FLAG_NEG_INF] = -np.inf
+        out[((flags & FLAG_NAN) != 0) | (flags == FLAG_POS_INF | FLAG_NEG_INF)] = np.nan
+    return out
+
+
 def segsum_cpu(kind: str, key: torch.Tensor, src: torch.Tensor, rows: int, *, elementwise: bool = False,
                skip: int = -1, scaled: bool = False, rng=None) -> torch.Tensor:
-    """The CPU model of ``segsum_<kind>_cuda`` (kind: "sorted" or "atomic"); same arguments."""
+    """The CPU model of ``segsum_<kind>_cuda`` (kind: "sorted", "atomic" or "fixed"); same arguments."""
     d = src.shape[1]
     vals = src.detach().contiguous().numpy()
     k = key.contiguous().numpy()
+    if kind == "fixed":
+        finite = np.abs(vals[np.isfinite(vals)])
+        s = fixed_shift(finite.max() if finite.size else 0.0, vals.shape[0])
     if elementwise:
         k = (k * d + np.arange(d, dtype=np.int64)).reshape(-1)
         vals, space = vals.reshape(-1, 1), rows * d
@@ -313,6 +400,11 @@ def segsum_cpu(kind: str, key: torch.Tensor, src: torch.Tensor, rows: int, *, el
         space = rows
     if scaled:
         vals = scaled_values(k, vals, space)
+    if kind == "fixed":
+        keep = k != skip
+        width = vals.shape[1]
+        dst = (k[keep, None] * width + np.arange(width)).reshape(-1)
+        return torch.from_numpy(fixed_sum(dst, vals[keep].reshape(-1), space * width, s)).view(rows, d)
     out = np.zeros((space, vals.shape[1]), dtype=F32)
     if k.size:
         order = np.argsort(k, kind="stable")
@@ -402,6 +494,12 @@ def index_add_sorted_cuda(index, src, *, num_rows, check_range: bool = True) -> 
     return segsum_sorted_cuda(SOURCE, OP, index, src, rows, check=_check_arg(check_range))
 
 
+def index_add_fixed_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
+    index, src, rows = _prologue(index, src, num_rows)
+    check_cuda(OP, "src", src)
+    return segsum_fixed_cuda(SOURCE, OP, index, src, rows, check=_check_arg(check_range))
+
+
 def index_add_sorted_scalar_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
     """sorted through the thread-per-task kernel whatever D (same bits; for tests)."""
     index, src, rows = _prologue(index, src, num_rows)
@@ -425,6 +523,11 @@ def index_add_sorted_cpu(index, src, *, num_rows, check_range: bool = True, rng=
 def index_add_atomic_cpu(index, src, *, num_rows, check_range: bool = True, rng=None) -> torch.Tensor:
     index, src, rows = _cpu_prologue(index, src, num_rows, True)
     return segsum_cpu("atomic", index, src, rows, rng=rng)
+
+
+def index_add_fixed_cpu(index, src, *, num_rows, check_range: bool = True, rng=None) -> torch.Tensor:
+    index, src, rows = _cpu_prologue(index, src, num_rows, True)
+    return segsum_cpu("fixed", index, src, rows)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -550,6 +653,7 @@ define_op(
         ("sorted", True, False, index_add_sorted_cuda, index_add_sorted_cpu,
          "stable sort by index; each row sums its sources in source order in chunks of 32*2^e, chunk "
          "partials combined by a fixed 32-ary tree (hot rows split across warps)"),
+        ("fixed", True, True, index_add_fixed_cuda, index_add_fixed_cpu, FIXED_NOTE),
     ],
     make_inputs=_make_inputs,
     reference=_reference,

@@ -30,8 +30,10 @@ from .index_add import (
     draw_index,
     draw_values,
     noncontiguous,
+    FIXED_NOTE,
     segsum_atomic_cuda,
     segsum_cpu,
+    segsum_fixed_cuda,
     segsum_sorted_cuda,
 )
 from .registry import Case, define_op
@@ -79,6 +81,13 @@ def scatter_add_sorted_cuda(index, src, *, num_rows, check_range: bool = True) -
                               check=(OP, "index") if check_range else None)
 
 
+def scatter_add_fixed_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
+    key, src, rows, elementwise = _prologue(index, src, num_rows)
+    check_cuda(OP, "src", src)
+    return segsum_fixed_cuda(SOURCE, OP, key, src, rows, elementwise=elementwise,
+                             check=(OP, "index") if check_range else None)
+
+
 def _cpu_prologue(index, src, num_rows):
     key, src, rows, elementwise = _prologue(index, src, num_rows)
     check_index_range(OP, "index", key, rows)  # the models always check (their sort needs valid keys)
@@ -95,6 +104,11 @@ def scatter_add_sorted_cpu(index, src, *, num_rows, check_range: bool = True, rn
 def scatter_add_atomic_cpu(index, src, *, num_rows, check_range: bool = True, rng=None) -> torch.Tensor:
     key, src, rows, elementwise = _cpu_prologue(index, src, num_rows)
     return segsum_cpu("atomic", key, src, rows, elementwise=elementwise, rng=rng)
+
+
+def scatter_add_fixed_cpu(index, src, *, num_rows, check_range: bool = True, rng=None) -> torch.Tensor:
+    key, src, rows, elementwise = _cpu_prologue(index, src, num_rows)
+    return segsum_cpu("fixed", key, src, rows, elementwise=elementwise)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,6 +204,7 @@ define_op(
         ("sorted", True, False, scatter_add_sorted_cuda, scatter_add_sorted_cpu,
          "stable sort by destination (by row for an expanded index, else by element); source order in "
          "chunks of 32*2^e, fixed 32-ary tree over chunk partials"),
+        ("fixed", True, True, scatter_add_fixed_cuda, scatter_add_fixed_cpu, FIXED_NOTE),
     ],
     make_inputs=_make_inputs,
     reference=_reference,

@@ -31,6 +31,21 @@
 //           contribution, so the output needs no zero fill, and sums the row's chunk 0) and one task per
 //           32 sorted positions (it sums the chunks c >= 1 that start there: chunks are >= 32 long, so
 //           at most one per row per tile). Each chunk is summed by exactly one task.
+//   fixed   order-independent fixed point, three launches and no sort: segsum_fixed_max finds the
+//           largest finite |src| (one atomicMax per block on the float's bits: an integer max, exact in any
+//           order), which with c = ceil(log2 N), N the source rows, fixes the shift s = 62 - c - E (E the
+//           smallest integer with max |src| < 2^E). segsum_fixed_add rounds every finite term to the
+//           nearest integer q = rint(v * 2^s) (ties to even; v * 2^s is exact in double) and atomically
+//           adds it into an int64 accumulator per output element: |q| <= 2^(62 - c) and an element has at
+//           most N terms, so no sum can overflow, and integer addition is associative, so the sum does not
+//           depend on the order of arrival. A non-finite term sets a flag instead (NaN, +Inf, -Inf; four
+//           bits per element, eight elements per word). segsum_fixed_out rounds each integer to float32
+//           (__ll2float_rn, to nearest even), scales it by 2^-s in double (exact) and narrows
+//           (exact unless the result is subnormal or overflows); flagged elements become NaN (a NaN, or
+//           both infinities) or the infinity. DETERMINISTIC, and the bits depend only on the multiset of
+//           each element's terms, N and max |src|: not on the GPU, the launch shape, nor the order of the
+//           source rows. Error per element: <= k 2^-(s+1) for k terms (the roundings to 2^-s), then one
+//           float32 rounding; an element of zero sum is +0.0. Subnormal terms are kept.
 // No float kernel arguments; ints are 64-bit where they can exceed 2^31.
 #pragma once
 
@@ -254,16 +269,17 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                                               const long long* __restrict__ start, float* __restrict__ out,
                                               float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
                                               long long n, int D, long long skip, int scaled, long long space,
-                                              long long offset) {
+                                              long long offset, int sparse) {
     const int lane = threadIdx.x & 31;
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
+    const long long first = sparse ? space : 0;  // sparse: no row tasks (the output is zero-filled)
     const long long tasks = space + ((n + 31) >> 5);
     const long long warps = (long long)gridDim.x * SEG_WARPS;
     for (long long slice = blockIdx.y; slice < slices; slice += gridDim.y) {
         const int col = (int)slice * 32 * VEC + lane * VEC;
         const bool active = col < D;  // D is a multiple of VEC
         const int cb = active ? col : 0, ce = active ? col + VEC : 0;
-        for (long long w = (long long)blockIdx.x * SEG_WARPS + (threadIdx.x >> 5); w < tasks; w += warps) {
+        for (long long w = first + (long long)blockIdx.x * SEG_WARPS + (threadIdx.x >> 5); w < tasks; w += warps) {
             float acc[VEC];
             if (w < space) {  // warp-uniform
                 const long long m = w, s = start[m], k = start[m + 1] - s;
@@ -293,7 +309,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                     s = start[m];
                     k = start[m + 1] - s;
                     L = seg_chunk_len(k);
-                    head = p != s && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1
+                    head = (sparse || p != s) && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1 (sparse: c >= 0)
                 }
             }
             unsigned heads = __ballot_sync(SEG_FULL, head);
@@ -306,6 +322,10 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 const long long c = (hp - hs) / hL, nc = (hk + hL - 1) / hL, base = seg_slot(hs);
                 seg_warp_chunk<VEC>(src, perm, hp, (int)min(hL, hk - (hp - hs)), D, col, active, scaled,
                                     (float)hk, acc);
+                if (nc == 1) {  // sparse only: the row's one chunk
+                    if (active) SegVec<VEC>::store(out + hm * D + col, acc);
+                    continue;
+                }
                 if (active) SegVec<VEC>::store(part1 + (base + c) * D + col, acc);
                 seg_combine<32>(out, part1, part2, cnt1, cnt2, hm, base, c, nc, D, cb, ce, slice, slices);
             }
@@ -326,10 +346,11 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
                                                 const long long* __restrict__ start, float* __restrict__ out,
                                                 float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
                                                 long long n, int D, long long skip, int scaled, long long space,
-                                                long long offset) {
+                                                long long offset, int sparse) {
     constexpr int U = 8;
     const long long step = (long long)gridDim.x * blockDim.x;
-    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < space + n; t += step) {
+    const long long first = sparse ? space : 0;  // sparse: no destination tasks (the output is zero-filled)
+    for (long long t = first + (long long)blockIdx.x * blockDim.x + threadIdx.x; t < space + n; t += step) {
         long long m, s, k, p;
         if (t < space) {
             m = t;
@@ -346,7 +367,7 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
             if (m >= space || m == skip) continue;
             s = start[m];
             k = start[m + 1] - s;
-            if (p == s || ((p - s) & (seg_chunk_len(k) - 1)) != 0) continue;
+            if ((p == s && !sparse) || ((p - s) & (seg_chunk_len(k) - 1)) != 0) continue;
         }
         const long long L = seg_chunk_len(k);
         const long long c = (p - s) / L, end = p + min(L, k - (p - s)), nc = (k + L - 1) / L;
@@ -372,13 +393,13 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
     }
 }
 
-#define SEG_SORTED_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset
+#define SEG_SORTED_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset, sparse
 
 #define SEG_SORTED_ARGS_T(KT)                                                                            \
     const float* __restrict__ src, const KT* __restrict__ skey, const long long* __restrict__ perm,     \
         const long long* __restrict__ start, float* __restrict__ out, float* part1, float* part2,       \
         unsigned* cnt1, unsigned* cnt2, long long n, int D, long long skip, int scaled, long long space, \
-        long long offset
+        long long offset, int sparse
 
 // PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>_<key>, PREFIX_scalar_<key> for key types
 // i16, i32, i64.
@@ -406,8 +427,115 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
         seg_scalar_body<KT>(SEG_SORTED_PASS);                                                            \
     }
 
+// ------------------------------------------------------------------------------------------------
+// fixed: order-independent fixed-point sums
+
+#define SEG_FLAG_NAN 1u
+#define SEG_FLAG_POS_INF 2u
+#define SEG_FLAG_NEG_INF 4u
+#define SEG_ABS_INF 0x7f800000u  // |x|'s bits at or above this: Inf or NaN
+
+// The shift s: 62 - c - E with max |src| < 2^E (E = biased exponent - 126; -126 for a subnormal
+// maximum); 0 when every finite |src| is zero. s lies in [62 - 63 - 128, 62 + 126], so 2^s and 2^-s
+// are normal doubles.
+__device__ __forceinline__ int seg_fixed_shift(unsigned maxbits, int log2n) {
+    if (maxbits == 0u) return 0;
+    const int be = (int)(maxbits >> 23);
+    return 62 - log2n - (be == 0 ? -126 : be - 126);
+}
+
+__device__ __forceinline__ double seg_pow2(int e) { return __longlong_as_double((long long)(1023 + e) << 52); }
+
+// The largest finite |x| over n words as float bits (a finite float's magnitude orders as its bits).
+extern "C" __global__ void __launch_bounds__(256)
+segsum_fixed_max(const unsigned* __restrict__ x, long long n, unsigned* __restrict__ maxbits) {
+    __shared__ unsigned warp_max[SEG_WARPS];
+    unsigned m = 0u;
+    const long long step = (long long)gridDim.x * blockDim.x;
+    const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool aligned = (reinterpret_cast<size_t>(x) & 15u) == 0;
+    const long long n4 = aligned ? n >> 2 : 0;
+    for (long long i = i0; i < n4; i += step) {
+        const uint4 w = reinterpret_cast<const uint4*>(x)[i];
+        const unsigned a[4] = {w.x & 0x7fffffffu, w.y & 0x7fffffffu, w.z & 0x7fffffffu, w.w & 0x7fffffffu};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            if (a[j] < SEG_ABS_INF) m = max(m, a[j]);
+    }
+    for (long long i = 4 * n4 + i0; i < n; i += step) {
+        const unsigned a = x[i] & 0x7fffffffu;
+        if (a < SEG_ABS_INF) m = max(m, a);
+    }
+    m = __reduce_max_sync(SEG_FULL, m);
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < SEG_WARPS; ++w) m = max(m, warp_max[w]);
+        if (m) atomicMax(maxbits, m);
+    }
+}
+
+// Contributions as seg_atomic_body's; each finite term rounded to an integer multiple of 2^-s and
+// added into acc (int64, two's complement through unsigned atomicAdd: the same bits as a signed add).
+template <typename I>
+__device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src, const long long* __restrict__ key,
+                                                   unsigned long long* __restrict__ acc, unsigned* __restrict__ flags,
+                                                   I total, int D, int elementwise, long long skip,
+                                                   const long long* __restrict__ counts, long long rows,
+                                                   const unsigned* __restrict__ maxbits, int log2n) {
+    const double scale = seg_pow2(seg_fixed_shift(*maxbits, log2n));
+    const I step = (I)gridDim.x * blockDim.x;
+    for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
+        const I i = elementwise ? e : e / D;
+        const I d = e - (e / D) * D;
+        const long long m = key[i];
+        if (m == skip || m < 0 || m >= rows) continue;
+        float v = src[e];
+        if (counts != nullptr) v = __fdiv_rn(v, (float)counts[m]);
+        const long long dst = m * D + d;
+        if ((__float_as_uint(v) & 0x7fffffffu) < SEG_ABS_INF) {
+            const long long q = __double2ll_rn((double)v * scale);
+            if (q != 0) atomicAdd(acc + dst, (unsigned long long)q);  // exact: the order cannot matter
+        } else {
+            const unsigned f = v != v ? SEG_FLAG_NAN : (v > 0.0f ? SEG_FLAG_POS_INF : SEG_FLAG_NEG_INF);
+            atomicOr(flags + (dst >> 3), f << (4 * (int)(dst & 7)));
+        }
+    }
+}
+
+#define SEG_FIXED_ADD_KERNEL(NAME)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                                    \
+    NAME(const float* __restrict__ src, const long long* __restrict__ key, unsigned long long* __restrict__ acc, \
+         unsigned* __restrict__ flags, long long total, int D, int elementwise, long long skip,           \
+         const long long* __restrict__ counts, long long rows, const unsigned* __restrict__ maxbits,      \
+         int log2n) {                                                                                    \
+        if (total + (long long)gridDim.x * blockDim.x <= 2147483647LL)                                   \
+            seg_fixed_add_body<int>(src, key, acc, flags, (int)total, D, elementwise, skip, counts, rows, \
+                                    maxbits, log2n);                                                     \
+        else                                                                                             \
+            seg_fixed_add_body<long long>(src, key, acc, flags, total, D, elementwise, skip, counts, rows, \
+                                          maxbits, log2n);                                               \
+    }
+
+// out[j] = float32(acc[j] * 2^-s), or the flagged non-finite value.
+extern "C" __global__ void __launch_bounds__(256)
+segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__ flags, float* __restrict__ out,
+                 long long n, const unsigned* __restrict__ maxbits, int log2n) {
+    const double unscale = seg_pow2(-seg_fixed_shift(*maxbits, log2n));
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += step) {
+        const unsigned f = (flags[j >> 3] >> (4 * (int)(j & 7))) & 7u;
+        float r;
+        if (f == 0u) r = __double2float_rn((double)__ll2float_rn(acc[j]) * unscale);
+        else if ((f & SEG_FLAG_NAN) || f == (SEG_FLAG_POS_INF | SEG_FLAG_NEG_INF)) r = __int_as_float(0x7fc00000);
+        else r = __int_as_float(f == SEG_FLAG_POS_INF ? 0x7f800000 : (int)0xff800000u);
+        out[j] = r;
+    }
+}
+
 #define SEG_KERNELS(PREFIX)                        \
     SEG_ATOMIC_KERNEL(PREFIX##_atomic)             \
+    SEG_FIXED_ADD_KERNEL(PREFIX##_fixed_add)       \
     SEG_SORTED_FOR(PREFIX, i16, short)             \
     SEG_SORTED_FOR(PREFIX, i32, int)               \
     SEG_SORTED_FOR(PREFIX, i64, long long)

@@ -204,7 +204,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("arg,args,kw", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)])
-@pytest.mark.parametrize("variant", ["sorted", "atomic"])
+@pytest.mark.parametrize("variant", ["sorted", "atomic", "fixed"])
 def test_bad_arguments_name_the_argument(arg, args, kw, variant):
     with pytest.raises(KernelArgumentError, match=f"^{OP}: argument '{arg}'"):
         kernels.get(OP, variant)(*args, **kw)
@@ -264,6 +264,12 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"
     scalar = ia.index_add_sorted_scalar_cuda(*args, **kw)  # the one-thread-per-chunk kernel: same bits
     assert same_bits(scalar, model).size == 0
+    index, src = args
+    for force_scalar in (False, True):  # both task splits (row tasks + tiles; tiles over a zero fill)
+        for sparse in (False, True):
+            out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src.contiguous(), kw["num_rows"],
+                                        force_scalar=force_scalar, sparse=sparse)
+            assert same_bits(out, model).size == 0, (force_scalar, sparse)
 
 
 @pytest.mark.gpu
