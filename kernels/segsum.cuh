@@ -38,7 +38,8 @@
 //           nearest integer q = rint(v * 2^s) (ties to even; v * 2^s is exact in double) and atomically
 //           adds it into an int64 accumulator per output element: |q| <= 2^(62 - c) and an element has at
 //           most N terms, so no sum can overflow, and integer addition is associative, so the sum does not
-//           depend on the order of arrival. A non-finite term sets a flag instead (NaN, +Inf, -Inf; four
+//           depend on the order of arrival (nor on how a thread groups the terms it holds for a hot
+//           destination before adding them). A non-finite term sets a flag instead (NaN, +Inf, -Inf; four
 //           bits per element, eight elements per word). segsum_fixed_out rounds each integer to float32
 //           (__ll2float_rn, to nearest even), scales it by 2^-s in double (exact) and narrows
 //           (exact unless the result is subnormal or overflows); flagged elements become NaN (a NaN, or
@@ -485,6 +486,13 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
                                                    const unsigned* __restrict__ maxbits, int log2n) {
     const double scale = seg_pow2(seg_fixed_shift(*maxbits, log2n));
     const I step = (I)gridDim.x * blockDim.x;
+    // A thread's elements e, e + step, ... share their column whenever step is a multiple of D, so a hot
+    // destination recurs: the thread holds one destination's running sum and adds it once. It replaces
+    // a held destination met only once (a cold one) by the next; a destination met twice stays held.
+    // Integer sums, so how the terms are grouped changes nothing.
+    long long held = -1;
+    unsigned long long part = 0ull;
+    int seen = 0;
     for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
         const I i = elementwise ? e : e / D;
         const I d = e - (e / D) * D;
@@ -494,13 +502,24 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
         if (counts != nullptr) v = __fdiv_rn(v, (float)counts[m]);
         const long long dst = m * D + d;
         if ((__float_as_uint(v) & 0x7fffffffu) < SEG_ABS_INF) {
-            const long long q = __double2ll_rn((double)v * scale);
-            if (q != 0) atomicAdd(acc + dst, (unsigned long long)q);  // exact: the order cannot matter
+            const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
+            if (dst == held) {
+                part += q;
+                ++seen;
+            } else if (seen <= 1) {
+                if (part != 0ull) atomicAdd(acc + held, part);  // exact: the order cannot matter
+                held = dst;
+                part = q;
+                seen = 1;
+            } else if (q != 0ull) {
+                atomicAdd(acc + dst, q);
+            }
         } else {
             const unsigned f = v != v ? SEG_FLAG_NAN : (v > 0.0f ? SEG_FLAG_POS_INF : SEG_FLAG_NEG_INF);
             atomicOr(flags + (dst >> 3), f << (4 * (int)(dst & 7)));
         }
     }
+    if (part != 0ull) atomicAdd(acc + held, part);
 }
 
 #define SEG_FIXED_ADD_KERNEL(NAME)                                                                       \

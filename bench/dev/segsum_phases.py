@@ -1,0 +1,77 @@
+"""The scatter sums (index_add, scatter_add, embedding_bwd) on a CUDA machine, phase by phase: every
+bench case's variants (sorted both task splits, fixed, atomic) timed per call (CUDA events, L2 flushed,
+median of 30) and each kernel's share from torch.profiler (CUPTI sees CuPy's launches too).
+
+    PYTHONPATH=. python bench/dev/segsum_phases.py [--ops index_add scatter_add] [--reps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from unittest import mock
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, ".")
+import kernels  # noqa: E402
+from bench.timing import L2Flush, cuda_event_times, median  # noqa: E402
+from kernels import index_add as ia  # noqa: E402
+
+OPS = ("index_add", "scatter_add", "embedding_bwd")
+
+
+def sorted_split(op: str, sparse: bool):
+    """The op's sorted variant with the task split forced (same bits)."""
+    variant = kernels.get(op, "sorted")
+    module = sys.modules[variant.cuda.__module__]
+
+    def forced(*a, **k):
+        return ia.segsum_sorted_cuda(*a, **{**k, "sparse": sparse})
+
+    def run(*args, **kw):
+        with mock.patch.object(module, "segsum_sorted_cuda", forced):
+            return variant(*args, **kw)
+    return run
+
+
+def kernel_times(fn, reps: int) -> dict[str, float]:
+    """Mean device time per call of each kernel name (µs)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name[:60]] += e.device_time / reps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    flush = L2Flush(dev)
+    for op in a.ops:
+        spec = kernels.spec(op)
+        for case in spec.bench_cases("gpu"):
+            args, kw = spec.make_inputs(case, dev)
+            subjects = {"atomic": lambda: kernels.get(op, "atomic")(*args, **kw),
+                        "sorted_dense": lambda: sorted_split(op, False)(*args, **kw),
+                        "sorted_sparse": lambda: sorted_split(op, True)(*args, **kw),
+                        "fixed": lambda: kernels.get(op, "fixed")(*args, **kw)}
+            print(f"\n{op} {case.name}")
+            for name, fn in subjects.items():
+                t = median(cuda_event_times(fn, 30, dev, flush=flush)) * 1e6
+                parts = ", ".join(f"{k} {v:.0f}" for k, v in list(kernel_times(fn, a.reps).items())[:6])
+                print(f"  {name:14s} {t:8.1f} us   [{parts}]")
+
+
+if __name__ == "__main__":
+    main()
