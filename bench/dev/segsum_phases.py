@@ -26,9 +26,10 @@ def sorted_split(op: str, sparse: bool):
     """The op's sorted variant with the task split forced (same bits)."""
     variant = kernels.get(op, "sorted")
     module = sys.modules[variant.cuda.__module__]
+    original = ia.segsum_sorted_cuda
 
     def forced(*a, **k):
-        return ia.segsum_sorted_cuda(*a, **{**k, "sparse": sparse})
+        return original(*a, **{**k, "sparse": sparse})
 
     def run(*args, **kw):
         with mock.patch.object(module, "segsum_sorted_cuda", forced):
