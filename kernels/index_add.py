@@ -185,7 +185,7 @@ def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Te
            (ptr(src), ptr(key), acc, flags, np.int64(total), np.int32(d), np.int32(elementwise), np.int64(skip),
             np.uint64(0) if counts is None else ptr(counts), np.int64(rows), maxbits, log2n), device=dev)
     out = torch.empty((rows, d), device=dev, dtype=torch.float32)
-    launch(function(source, "segsum_fixed_out", dev), (_blocks(space),), (THREADS,),
+    launch(function(source, "segsum_fixed_out", dev), (_blocks(words),), (THREADS,),
            (acc, flags, ptr(out), np.int64(space), maxbits, log2n), device=dev)
     if check is not None:
         check_index_range(*check, key, rows)
