@@ -36,7 +36,18 @@ from .conv_wgrad_grouped import (
 )
 from .order import rng_of
 from .registry import Case, define_op
-from .runtime import INT32_MAX, KernelArgumentError, cdiv, check_cuda, check_tensor, function, launch, memo_check, ptr
+from .runtime import (
+    INT32_MAX,
+    KernelArgumentError,
+    cdiv,
+    check_cuda,
+    check_tensor,
+    cudnn_default_heuristics,
+    function,
+    launch,
+    memo_check,
+    ptr,
+)
 from .shapes import check_dgrad_output
 
 OP = "conv_dgrad_grouped"
@@ -323,7 +334,7 @@ def torch_dgrad(w, dy, *, input_size, stride=1, padding=0, dilation=1, groups=1)
 
 def _torch_dgrad_default(w, dy, **kw) -> torch.Tensor:
     """cuDNN with its default heuristics (``cudnn.benchmark`` off), deterministic mode off."""
-    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=False):
+    with cudnn_default_heuristics():
         return torch_dgrad(w, dy, **kw)
 
 

@@ -36,6 +36,7 @@ from .runtime import (
     cdiv,
     check_cuda,
     check_tensor,
+    cudnn_default_heuristics,
     function,
     launch,
     memo_check,
@@ -506,7 +507,7 @@ def _torch_wgrad(x, dy, *, kernel_size, stride=1, padding=0, dilation=1, groups=
 
 def _torch_wgrad_default(x, dy, **kw) -> torch.Tensor:
     """cuDNN with its default heuristics (``cudnn.benchmark`` off), deterministic mode off."""
-    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=False):
+    with cudnn_default_heuristics():
         return _torch_wgrad(x, dy, **kw)
 
 

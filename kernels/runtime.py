@@ -14,6 +14,7 @@ CuPy is optional: nothing here imports it until a CUDA launch is asked for.
 from __future__ import annotations
 
 import array
+import contextlib
 import functools
 import pathlib
 from typing import Iterable, Sequence
@@ -293,6 +294,20 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
         buf = torch.zeros(max(count, 1024), dtype=torch.int32, device=torch.device("cuda", index))
         _TICKETS[key] = buf
     return buf[:count]
+
+
+@contextlib.contextmanager
+def cudnn_default_heuristics():
+    """cuDNN picking algorithms by its own heuristics (``benchmark`` and ``deterministic`` off), the
+    previous two flags restored on exit. Only these two: ``torch.backends.cudnn.flags`` would also set
+    the legacy TF32 switch, which torch >= 2.9 refuses to mix with the ``fp32_precision`` settings."""
+    cudnn = torch.backends.cudnn
+    saved = cudnn.benchmark, cudnn.deterministic
+    cudnn.benchmark = cudnn.deterministic = False
+    try:
+        yield
+    finally:
+        cudnn.benchmark, cudnn.deterministic = saved
 
 
 def cdiv(a: int, b: int) -> int:

@@ -244,3 +244,18 @@ def test_gpu_layouts_strides_and_nonfinite_give_the_model_bits():
     big = torch.zeros(dy.shape[0], dy.shape[1], dy.shape[2], 3 * dy.shape[3], device="cuda")
     big[..., ::3] = dy.cuda()
     assert_bitwise_equal(TREE(w.cuda(), big[..., ::3], **kw).cpu(), want, "strided dy")
+
+
+@pytest.mark.parametrize("op", ["conv_dgrad_grouped", "conv_wgrad_grouped"])
+def test_cudnn_default_peer_runs_under_the_benchmarks_flags(op):
+    """The peer sets only cuDNN's benchmark/deterministic switches: inside the benchmark's torch mode
+    (TF32 off through ``fp32_precision`` where torch has it), ``torch.backends.cudnn.flags`` would set
+    the legacy TF32 switch too, and torch refuses the mix. Flags are restored afterwards."""
+    from bench.timing import torch_mode
+
+    spec = kernels.spec(op)
+    args, kw = spec.make_inputs(spec.test_cases()[0], torch.device("cpu"))
+    with torch_mode("fast"):
+        out = spec.peers()["cudnn_default"](*args, **kw)
+        assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
+    assert torch.equal(out, spec.peers()["torch"](*args, **kw))
