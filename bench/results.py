@@ -102,9 +102,11 @@ def write(df: pd.DataFrame, path: pathlib.Path) -> pathlib.Path:
 
 
 def read(path: pathlib.Path) -> pd.DataFrame:
+    # the fingerprint columns are text: a git SHA of decimal digits and one "e" ("7975e94") must not
+    # become a float, nor cuDNN 91900 an int
     df = pd.read_csv(path, keep_default_na=False, na_values=["", "nan", "NaN"],
                      dtype={"note": str, "layout": str, "params": str, "variant": str, "case": str, "mode": str,
-                            "dtype": str})
+                            "dtype": str, **{f: str for f in FIELDS}})
     for c in ("note", "layout", "params", "mode"):
         if c in df.columns:
             df[c] = df[c].fillna("")

@@ -182,6 +182,16 @@ def test_csv_roundtrip_and_cli_render_the_same(tmp_path):
     assert out.read_text().startswith("# Kernel benchmarks")
 
 
+@pytest.mark.parametrize("sha", ["7975e94", "1234567", "0e10"])
+def test_fingerprint_columns_read_back_as_text(tmp_path, sha):
+    """A SHA pandas would parse as a number (digits with one "e", or all digits) comes back verbatim."""
+    df = results.derive(toy_table())
+    df["git_sha"] = sha
+    back = results.read(results.write(df, tmp_path / "t.csv"))
+    assert (back["git_sha"] == sha).all() and (back["cudnn"] == "91900").all()
+    assert f"git `{sha}`" in report.render(back, tmp_path / "r.md", plots=False)
+
+
 def test_paths_keep_cpu_results_apart(monkeypatch):
     monkeypatch.delenv("NNRAND_BENCH_STEM", raising=False)
     assert results.stem("cuda") == "kernels" and results.stem("cuda", quick=True) == "kernels_quick"
