@@ -26,7 +26,9 @@
 //             them gives p (k-major, so adjacent threads read adjacent words); a thread then only
 //             multiplies and adds. Only the last row and column (i0 == i1 there) can take two products
 //             from one dy element; their second weight l1 is recomputed on the spot. Index
-//             decomposition by multiply-shift dividers; blocks loop over the elements.
+//             decomposition by multiply-shift dividers; blocks loop over the elements. Where every
+//             position takes at most one dy element per axis (downsampling by 2 or more), _tabled1: the
+//             same arithmetic with four elements' loads in flight per thread.
 //           _direct (any size): weights computed per product, ranges by binary search over the taps.
 //
 // Products and additions are explicit _rn intrinsics, so nothing is contracted besides the source
@@ -312,13 +314,81 @@ __device__ __forceinline__ void tabled_body(const float* __restrict__ dy, float*
     }
 }
 
+// KH == KW == 1 (downsampling by 2 or more on both axes): a dx element takes at most one dy element
+// (two or four products from it at the last row or column). The same arithmetic as tabled_body, but a
+// thread handles UBB_ILP elements (t, t + step, ...) at once, their dy loads issued together: with
+// one load per element, tabled_body's loop waits one memory latency per element.
+#define UBB_ILP 4
+
+template <typename I, bool CL>
+__device__ __forceinline__ void tabled1_body(const float* __restrict__ dy, float* __restrict__ dx, I total, int C,
+                                             const Axis AH, const Axis AW, const FastDiv dC, const FastDiv dW,
+                                             const FastDiv dH, const int2* __restrict__ rangeH,
+                                             const int2* __restrict__ rangeW, const float* __restrict__ wtH,
+                                             const float* __restrict__ wtW, int lastH, int lastW) {
+    const int H = AH.in, W = AW.in, OH = AH.out, OW = AW.out;
+    const I step = (I)gridDim.x * blockDim.x;
+    for (I t0 = (I)blockIdx.x * blockDim.x + threadIdx.x; t0 < total; t0 += UBB_ILP * step) {
+        int hs[UBB_ILP], ws[UBB_ILP], ohs[UBB_ILP], ows[UBB_ILP];
+        float d[UBB_ILP];
+#pragma unroll
+        for (int j = 0; j < UBB_ILP; ++j) {
+            const I t = t0 + (I)j * step;
+            ohs[j] = -1;
+            d[j] = 0.0f;
+            if (t >= total) continue;
+            int h, w;
+            I base, stride;
+            if (CL) {
+                int c;
+                const I r = divmod(dC, t, c);
+                const I n = divmod(dH, divmod(dW, r, w), h);
+                base = n * OH * OW * C + c;
+                stride = C;
+            } else {
+                const I plane = divmod(dH, divmod(dW, t, w), h);
+                base = plane * OH * OW;
+                stride = 1;
+            }
+            hs[j] = h;
+            ws[j] = w;
+            const int2 rh = rangeH[h], rw = rangeW[w];
+            if (rh.x < rh.y && rw.x < rw.y) {
+                ohs[j] = rh.x;
+                ows[j] = rw.x;
+                d[j] = dy[base + ((I)rh.x * OW + rw.x) * stride];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < UBB_ILP; ++j) {
+            const I t = t0 + (I)j * step;
+            if (t >= total) continue;
+            float acc = 0.0f;
+            const int oh = ohs[j], ow = ows[j];
+            if (oh >= 0) {
+                const int h = hs[j], w = ws[j];
+                const float lh = wtH[h], lw = wtW[w];
+                acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh, lw), d[j]));
+                const bool bh = h == H - 1 && oh >= lastH, bw = w == W - 1 && ow >= lastW;
+                if (bh || bw) {  // rare: the products of both taps, in torch's order (as tabled_body)
+                    const float lh1 = make_tap(AH, oh).l1, lw1 = make_tap(AW, ow).l1;
+                    if (bw) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh, lw1), d[j]));
+                    if (bh) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh1, lw), d[j]));
+                    if (bh && bw) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh1, lw1), d[j]));
+                }
+            }
+            dx[t] = acc;
+        }
+    }
+}
+
 // total = dx elements; KH, KW = the most outputs touching one input position per axis. Dynamic shared
 // memory, in this order (the launcher sizes it the same way): FastDiv[3] (64 bytes: C, W, H) |
 // int2 rangeH[H] | int2 rangeW[W] | float wtH[KH * H] | float wtW[KW * W] | int lastH, lastW.
-extern "C" __global__ void __launch_bounds__(UBB_THREADS)
-upsample_bilinear2d_bwd_tree_tabled(const float* __restrict__ dy, float* __restrict__ dx, long long total, int C,
-                                    int H, int W, int OH, int OW, int align_corners, int scale_h_bits,
-                                    int scale_w_bits, int channels_last, int KH, int KW) {
+template <bool ONE>
+__device__ __forceinline__ void tabled_kernel(const float* __restrict__ dy, float* __restrict__ dx, long long total,
+                                              int C, int H, int W, int OH, int OW, int align_corners,
+                                              int scale_h_bits, int scale_w_bits, int channels_last, int KH, int KW) {
     const Axis AH = {H, OH, align_corners, __int_as_float(scale_h_bits)};
     const Axis AW = {W, OW, align_corners, __int_as_float(scale_w_bits)};
     extern __shared__ __align__(16) unsigned char smem[];
@@ -340,11 +410,35 @@ upsample_bilinear2d_bwd_tree_tabled(const float* __restrict__ dy, float* __restr
     const FastDiv dC = divs[0], dW = divs[1], dH = divs[2];
     const long long dy_total = total / ((long long)H * W) * OH * OW;
     const bool narrow = total + (long long)gridDim.x * blockDim.x <= UBB_INT32_MAX && dy_total <= UBB_INT32_MAX;
-    if (channels_last) {
-        if (narrow) tabled_body<int, true>(dy, dx, (int)total, C, AH, AW, dC, dW, dH, rangeH, rangeW, wtH, wtW, last[0], last[1]);
-        else tabled_body<long long, true>(dy, dx, total, C, AH, AW, dC, dW, dH, rangeH, rangeW, wtH, wtW, last[0], last[1]);
+#define UBB_TABLED_ARGS C, AH, AW, dC, dW, dH, rangeH, rangeW, wtH, wtW, last[0], last[1]
+    if (ONE) {
+        if (channels_last) {
+            if (narrow) tabled1_body<int, true>(dy, dx, (int)total, UBB_TABLED_ARGS);
+            else tabled1_body<long long, true>(dy, dx, total, UBB_TABLED_ARGS);
+        } else {
+            if (narrow) tabled1_body<int, false>(dy, dx, (int)total, UBB_TABLED_ARGS);
+            else tabled1_body<long long, false>(dy, dx, total, UBB_TABLED_ARGS);
+        }
+    } else if (channels_last) {
+        if (narrow) tabled_body<int, true>(dy, dx, (int)total, UBB_TABLED_ARGS);
+        else tabled_body<long long, true>(dy, dx, total, UBB_TABLED_ARGS);
     } else {
-        if (narrow) tabled_body<int, false>(dy, dx, (int)total, C, AH, AW, dC, dW, dH, rangeH, rangeW, wtH, wtW, last[0], last[1]);
-        else tabled_body<long long, false>(dy, dx, total, C, AH, AW, dC, dW, dH, rangeH, rangeW, wtH, wtW, last[0], last[1]);
+        if (narrow) tabled_body<int, false>(dy, dx, (int)total, UBB_TABLED_ARGS);
+        else tabled_body<long long, false>(dy, dx, total, UBB_TABLED_ARGS);
     }
+#undef UBB_TABLED_ARGS
+}
+
+#define UBB_TABLED_PARAMS                                                                                \
+    const float* __restrict__ dy, float* __restrict__ dx, long long total, int C, int H, int W, int OH, int OW, \
+        int align_corners, int scale_h_bits, int scale_w_bits, int channels_last, int KH, int KW
+#define UBB_TABLED_PASS dy, dx, total, C, H, W, OH, OW, align_corners, scale_h_bits, scale_w_bits, channels_last, KH, KW
+
+extern "C" __global__ void __launch_bounds__(UBB_THREADS) upsample_bilinear2d_bwd_tree_tabled(UBB_TABLED_PARAMS) {
+    tabled_kernel<false>(UBB_TABLED_PASS);
+}
+
+// KH == KW == 1 only (the launcher checks): tabled1_body.
+extern "C" __global__ void __launch_bounds__(UBB_THREADS) upsample_bilinear2d_bwd_tree_tabled1(UBB_TABLED_PARAMS) {
+    tabled_kernel<true>(UBB_TABLED_PASS);
 }

@@ -202,7 +202,8 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _launch(kind: str, dy, input_size, align_corners) -> torch.Tensor:
+def _launch(kind: str, dy, input_size, align_corners, generic: bool = False) -> torch.Tensor:
+    """``generic``: the general tabled kernel even where the one-tap kernel applies (same bits; tests)."""
     dy, (h, w), layout = _check(dy, input_size, align_corners)
     check_cuda(OP, "dy", dy)
     n, c, oh, ow = dy.shape
@@ -220,7 +221,8 @@ def _launch(kind: str, dy, input_size, align_corners) -> torch.Tensor:
         kh, kw, smem = plan
         index = dy.device.index if dy.device.index is not None else torch.cuda.current_device()
         blocks = max(1, min(blocks, BLOCKS_PER_SM * _sm_count(index)))  # tables built once per block
-        launch(function(SOURCE, "upsample_bilinear2d_bwd_tree_tabled", dy.device), (blocks,), (THREADS,),
+        name = "upsample_bilinear2d_bwd_tree_tabled" + ("1" if kh == kw == 1 and not generic else "")
+        launch(function(SOURCE, name, dy.device), (blocks,), (THREADS,),
                args + (i32(kh), i32(kw)), device=dy.device, shared_mem=smem)
         return dx
     if kind == "atomic":
@@ -236,6 +238,12 @@ def upsample_bilinear2d_bwd_atomic_cuda(dy, *, input_size, align_corners=False) 
 
 def upsample_bilinear2d_bwd_tree_cuda(dy, *, input_size, align_corners=False) -> torch.Tensor:
     return _launch("tree", dy, input_size, align_corners)
+
+
+def upsample_bilinear2d_bwd_tree_generic_cuda(dy, *, input_size, align_corners=False) -> torch.Tensor:
+    """tree through the general tabled kernel even where every position takes one dy element per axis
+    (where tree runs _tabled1); for tests. Same bits."""
+    return _launch("tree", dy, input_size, align_corners, generic=True)
 
 
 def upsample_bilinear2d_bwd_tree_direct_cuda(dy, *, input_size, align_corners=False) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 import kernels
 from kernels import KernelArgumentError
+from kernels.registry import Case
 from kernels import upsample_bilinear2d_bwd as ub
 
 OP = ub.OP
@@ -278,6 +279,32 @@ def test_gpu_tabled_one_block_looping_over_everything(case, monkeypatch, cuda_sy
     args, kw = SPEC.make_inputs(case, CUDA)
     cpu_args, _ = SPEC.make_inputs(case, CPU)
     monkeypatch.setattr(ub, "BLOCKS_PER_SM", 0)  # max(1, min(blocks, 0)) = one block
+    assert same_bits(TREE(*args, **kw), TREE(*cpu_args, **kw)).size == 0
+
+
+ONE_TAP = [c for c in TEST_CASES if ub.tabled_plan(c.params["h"], c.params["w"], c.params["oh"], c.params["ow"],
+                                                 c.params["align_corners"])[:2] == (1, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ONE_TAP, ids=lambda c: c.name)
+def test_gpu_one_tap_kernel_equals_the_general_one(case, cuda_sync):
+    """Where every position takes at most one dy element per axis tree runs _tabled1 (four elements in
+    flight per thread): the general tabled kernel's bits."""
+    args, kw = SPEC.make_inputs(case, CUDA)
+    assert same_bits(TREE(*args, **kw), ub.upsample_bilinear2d_bwd_tree_generic_cuda(*args, **kw)).size == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_gpu_one_tap_kernel_at_a_benchmark_like_size(layout, align_corners, cuda_sync):
+    """256 -> 96 (the benchmark's downsampling, fewer planes): _tabled1 against the CPU model, bitwise."""
+    case = Case(OP, "down_256to96", dict(n=2, c=5, h=256, w=256, oh=96, ow=96, align_corners=align_corners,
+                                         layout=layout), seed=77)
+    assert ub.tabled_plan(256, 256, 96, 96, align_corners)[:2] == (1, 1)
+    args, kw = SPEC.make_inputs(case, CUDA)
+    cpu_args, _ = SPEC.make_inputs(case, CPU)
     assert same_bits(TREE(*args, **kw), TREE(*cpu_args, **kw)).size == 0
 
 
