@@ -76,7 +76,23 @@ __device__ __forceinline__ float seg_value(float v, bool scaled, float count) {
 // atomic
 
 // Row form: e = i * D + d, value src[e] into out[key[i] * D + d]. Element form (scatter_add, D = the
-// rows' width): e is the contribution, value src[e] into out[key[e] * D + e % D].
+// rows' width): e is the contribution, value src[e] into out[key[e] * D + e % D]. Returns the flat
+// destination (-1: the skip row or a key outside [0, rows), nothing to add) and sets v (divided by the
+// destination's count when counts are given).
+template <typename I>
+__device__ __forceinline__ long long seg_contribution(const float* __restrict__ src, const long long* __restrict__ key,
+                                                      I e, int D, int elementwise, long long skip,
+                                                      const long long* __restrict__ counts, long long rows,
+                                                      float& v) {
+    const I i = elementwise ? e : e / D;
+    const I d = e - (e / D) * D;
+    const long long m = key[i];
+    if (m == skip || m < 0 || m >= rows) return -1;
+    v = src[e];
+    if (counts != nullptr) v = __fdiv_rn(v, (float)counts[m]);
+    return m * D + d;
+}
+
 template <typename I>
 __device__ __forceinline__ void seg_atomic_body(const float* __restrict__ src, const long long* __restrict__ key,
                                                 float* __restrict__ out, I total, int D, int elementwise,
@@ -84,13 +100,9 @@ __device__ __forceinline__ void seg_atomic_body(const float* __restrict__ src, c
                                                 long long rows) {
     const I step = (I)gridDim.x * blockDim.x;
     for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
-        const I i = elementwise ? e : e / D;
-        const I d = e - (e / D) * D;
-        const long long m = key[i];
-        if (m == skip || m < 0 || m >= rows) continue;
-        float v = src[e];
-        if (counts != nullptr) v = __fdiv_rn(v, (float)counts[m]);
-        atomicAdd(out + m * D + d, v);  // arrival order decides the rounding where rows collide
+        float v;
+        const long long dst = seg_contribution(src, key, e, D, elementwise, skip, counts, rows, v);
+        if (dst >= 0) atomicAdd(out + dst, v);  // arrival order decides the rounding where rows collide
     }
 }
 
@@ -476,7 +488,7 @@ segsum_fixed_max(const unsigned* __restrict__ x, long long n, unsigned* __restri
     }
 }
 
-// Contributions as seg_atomic_body's; each finite term rounded to an integer multiple of 2^-s and
+// Contributions as seg_atomic_body's (seg_contribution); each finite term rounded to an integer multiple of 2^-s and
 // added into acc (int64, two's complement through unsigned atomicAdd: the same bits as a signed add).
 template <typename I>
 __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src, const long long* __restrict__ key,
@@ -494,13 +506,9 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
     unsigned long long part = 0ull;
     int seen = 0;
     for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
-        const I i = elementwise ? e : e / D;
-        const I d = e - (e / D) * D;
-        const long long m = key[i];
-        if (m == skip || m < 0 || m >= rows) continue;
-        float v = src[e];
-        if (counts != nullptr) v = __fdiv_rn(v, (float)counts[m]);
-        const long long dst = m * D + d;
+        float v;
+        const long long dst = seg_contribution(src, key, e, D, elementwise, skip, counts, rows, v);
+        if (dst < 0) continue;
         if ((__float_as_uint(v) & 0x7fffffffu) < SEG_ABS_INF) {
             const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
             if (dst == held) {

@@ -268,6 +268,23 @@ __device__ __forceinline__ void fill_weights(const Axis A, int K, const int2* ra
     }
 }
 
+// dx element t's position (h, w) and the dy offset of element (0, 0) of its plane; ``stride``: the
+// distance between dy elements of the plane.
+template <typename I, bool CL>
+__device__ __forceinline__ I locate(I t, int C, int OH, int OW, const FastDiv dC, const FastDiv dW, const FastDiv dH,
+                                    int& h, int& w, I& stride) {
+    if (CL) {  // t = ((n * H + h) * W + w) * C + c
+        int c;
+        const I r = divmod(dC, t, c);
+        const I n = divmod(dH, divmod(dW, r, w), h);
+        stride = C;
+        return n * OH * OW * C + c;
+    }
+    const I plane = divmod(dH, divmod(dW, t, w), h);  // t = (plane * H + h) * W + w
+    stride = 1;
+    return plane * OH * OW;
+}
+
 template <typename I, bool CL>
 __device__ __forceinline__ void tabled_body(const float* __restrict__ dy, float* __restrict__ dx, I total, int C,
                                             const Axis AH, const Axis AW, const FastDiv dC, const FastDiv dW,
@@ -278,18 +295,8 @@ __device__ __forceinline__ void tabled_body(const float* __restrict__ dy, float*
     const I step = (I)gridDim.x * blockDim.x;
     for (I t = (I)blockIdx.x * blockDim.x + threadIdx.x; t < total; t += step) {
         int h, w;
-        I base, stride;  // dy offset of element (0, 0) of the plane; distance between elements
-        if (CL) {  // t = ((n * H + h) * W + w) * C + c
-            int c;
-            const I r = divmod(dC, t, c);
-            const I n = divmod(dH, divmod(dW, r, w), h);
-            base = n * OH * OW * C + c;
-            stride = C;
-        } else {   // t = (plane * H + h) * W + w
-            const I plane = divmod(dH, divmod(dW, t, w), h);
-            base = plane * OH * OW;
-            stride = 1;
-        }
+        I stride;
+        const I base = locate<I, CL>(t, C, OH, OW, dC, dW, dH, h, w, stride);
         const int2 rh = rangeH[h], rw = rangeW[w];
         // outputs from which p takes two products (i0 == i1 == p): only at the last row / column
         const int twoH = h == H - 1 ? lastH : 0x7fffffff, twoW = w == W - 1 ? lastW : 0x7fffffff;
@@ -338,18 +345,8 @@ __device__ __forceinline__ void tabled1_body(const float* __restrict__ dy, float
             d[j] = 0.0f;
             if (t >= total) continue;
             int h, w;
-            I base, stride;
-            if (CL) {
-                int c;
-                const I r = divmod(dC, t, c);
-                const I n = divmod(dH, divmod(dW, r, w), h);
-                base = n * OH * OW * C + c;
-                stride = C;
-            } else {
-                const I plane = divmod(dH, divmod(dW, t, w), h);
-                base = plane * OH * OW;
-                stride = 1;
-            }
+            I stride;
+            const I base = locate<I, CL>(t, C, OH, OW, dC, dW, dH, h, w, stride);
             hs[j] = h;
             ws[j] = w;
             const int2 rh = rangeH[h], rw = rangeW[w];

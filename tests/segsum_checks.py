@@ -85,3 +85,15 @@ def spec_sorted(keys: np.ndarray, vals: np.ndarray, space: int, skip: int = -1) 
             parts = [_node(parts[i:i + ia.FAN], width) for i in range(0, len(parts), ia.FAN)]
         out[m] = parts[0]
     return out
+
+
+def bad_index_case(rows: int = 40):
+    """(index, src, keep): 3000 source rows of 20 into ``rows`` rows, 100 indices at -5 and 100 at rows
+    and beyond; ``keep`` marks the valid ones."""
+    g = torch.Generator().manual_seed(11)
+    index = ia.draw_index(g, (3000,), rows, 0.3)
+    src = ia.draw_values(g, (3000, 20))
+    bad = torch.randperm(3000, generator=g)[:200]
+    index[bad[:100]] = -5
+    index[bad[100:]] = rows + torch.arange(100)
+    return index, src, (index >= 0) & (index < rows)

@@ -14,7 +14,7 @@ import torch
 import kernels
 from kernels import KernelArgumentError
 from kernels import index_add as ia
-from tests.segsum_checks import bits, check_bound, check_some_order, same_bits, spec_sorted
+from tests.segsum_checks import bad_index_case, bits, check_bound, check_some_order, same_bits, spec_sorted
 
 OP = "index_add"
 SPEC = kernels.spec(OP)
@@ -340,13 +340,7 @@ def test_gpu_out_of_range_and_device_mismatch(cuda_sync):
 def test_gpu_unchecked_bad_indices_add_nothing(variant, cuda_sync):
     """check_range=False: no host synchronisation; indices outside [0, M) are dropped by the kernels
     (the sorted keys pass maps them to a sentinel past the last row) and the rest sums as usual."""
-    g = torch.Generator().manual_seed(11)
-    index = ia.draw_index(g, (3000,), 40, 0.3)
-    src = ia.draw_values(g, (3000, 20))
-    bad = torch.randperm(3000, generator=g)[:200]
-    index[bad[:100]] = -5
-    index[bad[100:]] = 40 + torch.arange(100)
-    keep = (index >= 0) & (index < 40)
+    index, src, keep = bad_index_case(40)
     want = SORTED(index[keep], src[keep], num_rows=40)
     _poison_allocator((40, 20))
     out = kernels.get(OP, variant)(index.to(CUDA), src.to(CUDA), num_rows=40, check_range=False)

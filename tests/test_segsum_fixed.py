@@ -17,7 +17,7 @@ import torch
 
 import kernels
 from kernels import index_add as ia
-from tests.segsum_checks import bits, same_bits
+from tests.segsum_checks import bad_index_case, bits, same_bits
 
 OPS = ("index_add", "scatter_add", "embedding_bwd")
 CPU = torch.device("cpu")
@@ -280,13 +280,7 @@ def test_gpu_bench_size_repeatable_order_free_and_equals_model(op, cuda_sync):
 
 @pytest.mark.gpu
 def test_gpu_unchecked_bad_indices_add_nothing(cuda_sync):
-    g = torch.Generator().manual_seed(11)
-    index = ia.draw_index(g, (3000,), 40, 0.3)
-    src = ia.draw_values(g, (3000, 20))
-    bad = torch.randperm(3000, generator=g)[:200]
-    index[bad[:100]] = -5
-    index[bad[100:]] = 40 + torch.arange(100)
-    keep = (index >= 0) & (index < 40)
+    index, src, keep = bad_index_case(40)
     fixed = kernels.get("index_add", "fixed")
     # the shift depends on N and max |src| over all rows: the model gets the same rows, bad ones zeroed
     # out of the sum by a padding row it then drops
