@@ -55,6 +55,7 @@ from .runtime import (
     launch,
     memo_check,
     ptr,
+    sm_count,
 )
 
 OP = "adaptive_avg_pool2d_bwd"
@@ -129,11 +130,6 @@ SMEM_LIMIT = 48 * 1024    # dynamic shared memory without opting in
 BLOCKS_PER_SM = 8         # 2048 resident threads per SM / 256
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 @functools.lru_cache(maxsize=1024)
 def tree_plan(n: int, c: int, h: int, w: int, oh: int, ow: int, layout: str):
     """How the tiled tree kernel cuts this shape: (images N, channels C, P, CB, shared bytes, tiles),
@@ -173,8 +169,7 @@ def _launch(kind: str, dy, input_size) -> torch.Tensor:
     plan = tree_plan(n, c, h, w, oh, ow, layout) if kind == "tree" else None
     if plan is not None:
         big_n, big_c, p, cb, smem, tiles = plan
-        index = dy.device.index if dy.device.index is not None else torch.cuda.current_device()
-        blocks = max(1, min(tiles, BLOCKS_PER_SM * _sm_count(index)))  # blocks loop over the tiles
+        blocks = max(1, min(tiles, BLOCKS_PER_SM * sm_count(dy.device)))  # blocks loop over the tiles
         launch(function(SOURCE, "adaptive_avg_pool2d_bwd_tree_tiled", dy.device), (blocks,), (THREADS,),
                (ptr(dy), ptr(dx), np.int64(big_n), i32(big_c), i32(h), i32(w), i32(oh), i32(ow), i32(cb), i32(p)),
                device=dy.device, shared_mem=smem)

@@ -87,20 +87,24 @@ def _counts(key, rows, scale_grad_by_freq, check_range):
     return torch.bincount(torch.where(valid, key, rows), minlength=rows + 1), None
 
 
-def embedding_bwd_atomic_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
-                              check_range: bool = True) -> torch.Tensor:
+def _with_counts(segsum, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq, check_range):
+    """A launcher that divides each term by its index's count itself (atomic, fixed)."""
     key, g, rows, skip = _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
     check_cuda(OP, "grad_output", g)
     counts, check = _counts(key, rows, scale_grad_by_freq, check_range)
-    return segsum_atomic_cuda(SOURCE, OP, key, g, rows, skip=skip, counts=counts, check=check)
+    return segsum(SOURCE, OP, key, g, rows, skip=skip, counts=counts, check=check)
+
+
+def embedding_bwd_atomic_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
+                              check_range: bool = True) -> torch.Tensor:
+    return _with_counts(segsum_atomic_cuda, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq,
+                        check_range)
 
 
 def embedding_bwd_fixed_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
                              check_range: bool = True) -> torch.Tensor:
-    key, g, rows, skip = _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
-    check_cuda(OP, "grad_output", g)
-    counts, check = _counts(key, rows, scale_grad_by_freq, check_range)
-    return segsum_fixed_cuda(SOURCE, OP, key, g, rows, skip=skip, counts=counts, check=check)
+    return _with_counts(segsum_fixed_cuda, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq,
+                        check_range)
 
 
 def embedding_bwd_sorted_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,

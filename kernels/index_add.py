@@ -39,6 +39,7 @@ from .runtime import (
     launch,
     memo_check,
     ptr,
+    sm_count,
     ticket_counters,
 )
 
@@ -153,11 +154,6 @@ def fixed_shift(max_abs: float, n: int) -> int:
     return 62 - fixed_log2n(n) - (-126 if be == 0 else be - 126)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
                       elementwise: bool = False, skip: int = -1, counts: torch.Tensor | None = None,
                       check: tuple[str, str] | None = None) -> torch.Tensor:
@@ -180,7 +176,7 @@ def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Te
     launch(function(source, "segsum_fixed_max", dev), (max(1, min(cdiv(total, 4 * THREADS), FIXED_MAX_BLOCKS)),),
            (THREADS,), (ptr(src), np.int64(total), maxbits), device=dev)
     # a wave of 8 blocks per SM: each thread then adds several elements of one column (see the kernel)
-    blocks = max(1, min(cdiv(total, THREADS), 8 * _sm_count(dev)))
+    blocks = max(1, min(cdiv(total, THREADS), 8 * sm_count(dev)))
     launch(function(source, f"{prefix}_fixed_add", dev), (blocks,), (THREADS,),
            (ptr(src), ptr(key), acc, flags, np.int64(total), np.int32(d), np.int32(elementwise), np.int64(skip),
             np.uint64(0) if counts is None else ptr(counts), np.int64(rows), maxbits, log2n), device=dev)

@@ -296,6 +296,18 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
     return buf[:count]
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device | int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached per device)."""
+    if isinstance(device, torch.device):
+        device = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(int(device))
+
+
 @contextlib.contextmanager
 def cudnn_default_heuristics():
     """cuDNN picking algorithms by its own heuristics (``benchmark`` and ``deterministic`` off), the

@@ -22,6 +22,7 @@ from .runtime import (
     function,
     launch,
     ptr,
+    sm_count,
     ticket_counters,
 )
 
@@ -39,8 +40,6 @@ EXACT_MAX_N = 2**31  # per-thread int64 window sums and the 128-bit total cannot
 EXACT_BLOCKS_PER_SM = 6  # __launch_bounds__(256, 6) of sum_exact
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 FLAG_NAN, FLAG_POS_INF, FLAG_NEG_INF, FLAG_RANGE = 1, 2, 4, 8
 
 
@@ -127,7 +126,7 @@ def sum_exact_cuda(x: torch.Tensor, *, check_range: bool = True) -> torch.Tensor
         return torch.zeros((), device=x.device, dtype=torch.float32)
     # Integer addition makes the result independent of the partition, so this grid may follow the GPU:
     # one resident wave (the kernel's launch bounds guarantee EXACT_BLOCKS_PER_SM blocks per SM).
-    g = max(1, min(cdiv(cdiv(x.numel(), 4), THREADS), _sm_count(x.device) * EXACT_BLOCKS_PER_SM))
+    g = max(1, min(cdiv(cdiv(x.numel(), 4), THREADS), sm_count(x.device) * EXACT_BLOCKS_PER_SM))
     partials = torch.empty((g, 2), device=x.device, dtype=torch.int64)
     state = ticket_counters(x.device, 2)  # [ticket counter, flag accumulator], left at zero
     flags = torch.empty(1, device=x.device, dtype=torch.int32)

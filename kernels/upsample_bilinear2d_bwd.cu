@@ -285,6 +285,17 @@ __device__ __forceinline__ I locate(I t, int C, int OH, int OW, const FastDiv dC
     return plane * OH * OW;
 }
 
+// Rare (last row or column, where i0 == i1 == p): after the (first, first) product, the products that
+// involve a second tap (bh: along h, bw: along w), in torch's order; their weights l1 recomputed.
+__device__ __forceinline__ float second_taps(float acc, const Axis AH, const Axis AW, int oh, int ow, float lh,
+                                             float lw, float d, bool bh, bool bw) {
+    const float lh1 = make_tap(AH, oh).l1, lw1 = make_tap(AW, ow).l1;
+    if (bw) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh, lw1), d));
+    if (bh) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh1, lw), d));
+    if (bh && bw) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh1, lw1), d));
+    return acc;
+}
+
 template <typename I, bool CL>
 __device__ __forceinline__ void tabled_body(const float* __restrict__ dy, float* __restrict__ dx, I total, int C,
                                             const Axis AH, const Axis AW, const FastDiv dC, const FastDiv dW,
@@ -308,13 +319,7 @@ __device__ __forceinline__ void tabled_body(const float* __restrict__ dy, float*
                 const float lw = wtW[kw * W + w];
                 const float d = dy[row + (I)ow * stride];
                 acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh, lw), d));   // (first tap h, first tap w)
-                if (oh >= twoH || ow >= twoW) {  // rare: the products of both taps, in torch's order
-                    const bool bh = oh >= twoH, bw = ow >= twoW;
-                    const float lh1 = make_tap(AH, oh).l1, lw1 = make_tap(AW, ow).l1;
-                    if (bw) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh, lw1), d));
-                    if (bh) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh1, lw), d));
-                    if (bh && bw) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh1, lw1), d));
-                }
+                if (oh >= twoH || ow >= twoW) acc = second_taps(acc, AH, AW, oh, ow, lh, lw, d, oh >= twoH, ow >= twoW);
             }
         }
         dx[t] = acc;  // t enumerates dx in memory order in both layouts
@@ -367,12 +372,7 @@ __device__ __forceinline__ void tabled1_body(const float* __restrict__ dy, float
                 const float lh = wtH[h], lw = wtW[w];
                 acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh, lw), d[j]));
                 const bool bh = h == H - 1 && oh >= lastH, bw = w == W - 1 && ow >= lastW;
-                if (bh || bw) {  // rare: the products of both taps, in torch's order (as tabled_body)
-                    const float lh1 = make_tap(AH, oh).l1, lw1 = make_tap(AW, ow).l1;
-                    if (bw) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh, lw1), d[j]));
-                    if (bh) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh1, lw), d[j]));
-                    if (bh && bw) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(lh1, lw1), d[j]));
-                }
+                if (bh || bw) acc = second_taps(acc, AH, AW, oh, ow, lh, lw, d[j], bh, bw);
             }
             dx[t] = acc;
         }

@@ -52,6 +52,7 @@ from .runtime import (
     launch,
     memo_check,
     ptr,
+    sm_count,
 )
 
 OP = "upsample_bilinear2d_bwd"
@@ -197,11 +198,6 @@ def tabled_plan(h: int, w: int, oh: int, ow: int, align_corners: bool):
     return (ks[0], ks[1], smem) if smem <= SMEM_LIMIT else None
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _launch(kind: str, dy, input_size, align_corners, generic: bool = False) -> torch.Tensor:
     """``generic``: the general tabled kernel even where the one-tap kernel applies (same bits; tests)."""
     dy, (h, w), layout = _check(dy, input_size, align_corners)
@@ -219,8 +215,7 @@ def _launch(kind: str, dy, input_size, align_corners, generic: bool = False) -> 
     plan = tabled_plan(h, w, oh, ow, bool(align_corners)) if kind == "tree" else None
     if plan is not None:
         kh, kw, smem = plan
-        index = dy.device.index if dy.device.index is not None else torch.cuda.current_device()
-        blocks = max(1, min(blocks, BLOCKS_PER_SM * _sm_count(index)))  # tables built once per block
+        blocks = max(1, min(blocks, BLOCKS_PER_SM * sm_count(dy.device)))  # tables built once per block
         name = "upsample_bilinear2d_bwd_tree_tabled" + ("1" if kh == kw == 1 and not generic else "")
         launch(function(SOURCE, name, dy.device), (blocks,), (THREADS,),
                args + (i32(kh), i32(kw)), device=dy.device, shared_mem=smem)
