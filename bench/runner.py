@@ -21,6 +21,8 @@ those half inputs, and the bytes moved count each half tensor at its own size (:
 """
 from __future__ import annotations
 
+import functools
+
 import math
 import os
 import time
@@ -122,8 +124,11 @@ class Subject:
 
 def subjects(op: str) -> list[Subject]:
     """The op's variants (registration order), then its peers."""
-    out = [Subject(op, v.name, "variant", v, "fast", v.deterministic) for v in kernels.variants(op)]
-    peers = kernels.spec(op).peers()
+    spec = kernels.spec(op)
+    extra = dict(spec.bench_kwargs)
+    out = [Subject(op, v.name, "variant", functools.partial(v, **extra) if extra else v, "fast", v.deterministic)
+           for v in kernels.variants(op)]
+    peers = spec.peers()
     for name, fn in peers.items():
         det = name.endswith("deterministic")
         out.append(Subject(op, name, "peer", fn, "deterministic" if det else "fast", True if det else None))

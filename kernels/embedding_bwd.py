@@ -11,7 +11,8 @@ IEEE float32 division per term, before it is added; aten multiplies by the recip
 two differ by rounding).
 
 Out-of-range indices raise KernelArgumentError (on the GPU after the kernels are queued; see
-index_add.py; ``check_range=False``: no check, no host synchronisation, bad indices add nothing).
+index_add.py; ``check_range="device"``: a device-side assertion instead, no host synchronisation;
+``check_range=False``: no check, bad indices add nothing).
 
 Order of the additions into one grad_weight element: as index_add's variants: ``atomic`` in arrival
 order, ``sorted`` the row's tokens in token order, chunks of 32 * 2^e, fixed 32-ary tree over the chunk
@@ -28,8 +29,12 @@ from .index_add import (
     check_rows,
     draw_index,
     draw_values,
+    BENCH_KWARGS,
     FIXED_NOTE,
+    NO_CHECK,
+    range_check,
     segsum_atomic_cuda,
+    segsum_counts_cuda,
     segsum_cpu,
     segsum_fixed_cuda,
     segsum_sorted_cuda,
@@ -76,15 +81,16 @@ def _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq
 
 
 def _counts(key, rows, scale_grad_by_freq, check_range):
-    """(counts or None, check): each index's count over the batch for ``scale_grad_by_freq`` (an integer
-    bincount: exact), with the range check done first when asked, since bincount needs valid indices."""
-    check = (OP, "indices") if check_range else None
+    """(counts or None, check): each index's count over the batch for ``scale_grad_by_freq`` (segsum_count:
+    integer atomics, exact; bad indices not counted, and no host synchronisation), after a sync range
+    check, which is then not repeated."""
+    check = range_check(OP, "indices", check_range)
     if not (scale_grad_by_freq and key.numel()):
         return None, check
-    if check is not None:
-        check_index_range(*check, key, rows)
-    valid = (key >= 0) & (key < rows)
-    return torch.bincount(torch.where(valid, key, rows), minlength=rows + 1), None
+    if check.sync:
+        check_index_range(OP, "indices", key, rows)
+        check = NO_CHECK
+    return segsum_counts_cuda(SOURCE, key, rows), check
 
 
 def _with_counts(segsum, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq, check_range):
@@ -96,26 +102,27 @@ def _with_counts(segsum, grad_output, indices, num_weights, padding_idx, scale_g
 
 
 def embedding_bwd_atomic_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
-                              check_range: bool = True) -> torch.Tensor:
+                              check_range: bool | str = True) -> torch.Tensor:
     return _with_counts(segsum_atomic_cuda, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq,
                         check_range)
 
 
 def embedding_bwd_fixed_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
-                             check_range: bool = True) -> torch.Tensor:
+                             check_range: bool | str = True) -> torch.Tensor:
     return _with_counts(segsum_fixed_cuda, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq,
                         check_range)
 
 
 def embedding_bwd_sorted_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
-                              check_range: bool = True) -> torch.Tensor:
+                              check_range: bool | str = True) -> torch.Tensor:
     key, g, rows, skip = _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
     check_cuda(OP, "grad_output", g)
     return segsum_sorted_cuda(SOURCE, OP, key, g, rows, skip=skip, scaled=scale_grad_by_freq,
-                              check=(OP, "indices") if check_range else None)
+                              check=range_check(OP, "indices", check_range))
 
 
-def _cpu_prologue(*args):
+def _cpu_prologue(*args, check_range):
+    range_check(OP, "indices", check_range)  # a bad value is an error here too
     key, g, rows, skip = _prologue(*args)
     check_index_range(OP, "indices", key, rows)  # the models always check (their sort needs valid keys)
     if g.device.type != "cpu":
@@ -124,20 +131,23 @@ def _cpu_prologue(*args):
 
 
 def embedding_bwd_sorted_cpu(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
-                             check_range: bool = True, rng=None) -> torch.Tensor:
-    key, g, rows, skip = _cpu_prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
+                             check_range: bool | str = True, rng=None) -> torch.Tensor:
+    key, g, rows, skip = _cpu_prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq,
+                                     check_range=check_range)
     return segsum_cpu("sorted", key, g, rows, skip=skip, scaled=scale_grad_by_freq)
 
 
 def embedding_bwd_atomic_cpu(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
-                             check_range: bool = True, rng=None) -> torch.Tensor:
-    key, g, rows, skip = _cpu_prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
+                             check_range: bool | str = True, rng=None) -> torch.Tensor:
+    key, g, rows, skip = _cpu_prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq,
+                                     check_range=check_range)
     return segsum_cpu("atomic", key, g, rows, skip=skip, scaled=scale_grad_by_freq, rng=rng)
 
 
 def embedding_bwd_fixed_cpu(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
-                            check_range: bool = True, rng=None) -> torch.Tensor:
-    key, g, rows, skip = _cpu_prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
+                            check_range: bool | str = True, rng=None) -> torch.Tensor:
+    key, g, rows, skip = _cpu_prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq,
+                                     check_range=check_range)
     return segsum_cpu("fixed", key, g, rows, skip=skip, scaled=scale_grad_by_freq)
 
 
@@ -241,4 +251,5 @@ define_op(
     bench_cases=_bench_cases,
     peers=_peers,
     bytes_moved=_bytes_moved,
+    bench_kwargs=BENCH_KWARGS,
 )

@@ -7,8 +7,10 @@ A non-contiguous ``src`` is copied to a contiguous one first. Indices outside [0
 KernelArgumentError naming a bad value (the smallest negative one, else the largest). On the GPU the
 kernels are queued first and the check reads one number back afterwards (sorted: the count of valid
 keys its row-start pass already computed; atomic: one aminmax), so the device never waits for the
-host mid-call; ``check_range=False`` skips that read back and with it every host synchronisation, and
-bad indices then add nothing (the kernels drop them, never touching memory out of bounds).
+host mid-call; ``check_range="device"`` makes the kernels themselves fail on a bad index (a device-side
+assertion, as PyTorch's CUDA index kernels: no host synchronisation at all; what the routing uses), and
+``check_range=False`` checks nothing: bad indices then add nothing (the kernels drop them, never touching
+memory out of bounds). RangeCheck has the details.
 
 Order of the additions into one output element (the only thing that decides its bits):
 - ``atomic``: arrival order of the atomicAdds, from +0.0; float atomicAdd flushes subnormal operands and
@@ -23,6 +25,7 @@ Both start every row at +0.0, so a row of -0.0 contributions ends at +0.0 (as to
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -83,6 +86,52 @@ def check_index(op: str, arg: str, t, *, device: torch.device) -> torch.Tensor:
     return t
 
 
+RANGE_CHECKS = ("sync", "device", "off")
+
+
+@dataclass(frozen=True)
+class RangeCheck:
+    """How a scatter sum on the GPU checks its indices against [0, rows) (``check_range``):
+
+    - ``"sync"`` (or True, the default): after the kernels are queued, one number is read back and a bad
+      index raises KernelArgumentError naming it (the host waits for the GPU once per call);
+    - ``"device"``: the kernels themselves fail on a bad index with a device-side assertion that prints the
+      op and the index, as PyTorch's own CUDA index kernels do: no host synchronisation (CUDA-graph
+      capture works), but the error surfaces at the next synchronisation and the CUDA context is lost;
+    - ``"off"`` (or False): no check; bad indices add nothing (the kernels never touch memory out of
+      bounds for them).
+
+    The CPU models always check (their sort needs valid keys)."""
+    op: str
+    arg: str
+    mode: str
+
+    @property
+    def sync(self) -> bool:
+        return self.mode == "sync"
+
+    @property
+    def trap(self) -> np.int32:
+        """The kernels' ``trap`` argument."""
+        return np.int32(self.mode == "device")
+
+
+def range_check(op: str, arg: str, check_range) -> RangeCheck:
+    """``check_range`` (True, False or one of RANGE_CHECKS) as a RangeCheck for index argument ``arg``."""
+    if check_range is True or check_range is False:
+        return RangeCheck(op, arg, "sync" if check_range else "off")
+    if not isinstance(check_range, str) or check_range not in RANGE_CHECKS:
+        raise KernelArgumentError(op, "check_range", f"expected True, False or one of {RANGE_CHECKS}, got "
+                                                     f"{check_range!r}")
+    return RangeCheck(op, arg, check_range)
+
+
+NO_CHECK = RangeCheck("", "", "off")
+# The benchmarks time the variants as the routing runs them: range-checked in the kernels, no host
+# synchronisation (torch's own CUDA kernels check the same way)
+BENCH_KWARGS = (("check_range", "device"),)
+
+
 def check_index_range(op: str, arg: str, index: torch.Tensor, rows: int) -> None:
     """Every index in [0, rows): one aminmax on the index's device, one transfer. Names the bad value
     (the smallest if one is negative, else the largest)."""
@@ -115,12 +164,22 @@ def _blocks(total: int) -> int:
     return max(1, min(cdiv(total, THREADS), MAX_BLOCKS))
 
 
+def segsum_counts_cuda(source: str, key: torch.Tensor, rows: int) -> torch.Tensor:
+    """counts (rows,) int64: how many keys equal each row (keys outside [0, rows) not counted); integer
+    atomics, exact, no host synchronisation."""
+    counts = torch.zeros(rows, device=key.device, dtype=torch.int64)
+    if key.numel():
+        launch(function(source, "segsum_count", key.device), (_blocks(key.numel()),), (THREADS,),
+               (ptr(key), np.int64(key.numel()), np.int64(rows), ptr(counts)), device=key.device)
+    return counts
+
+
 def segsum_atomic_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
                        elementwise: bool = False, skip: int = -1, counts: torch.Tensor | None = None,
-                       check: tuple[str, str] | None = None) -> torch.Tensor:
+                       check: RangeCheck = NO_CHECK) -> torch.Tensor:
     """out (rows, D) = 0, then one atomicAdd per element of src (contiguous). Keys outside [0, rows) add
-    nothing; with ``check`` = (op, arg) they raise KernelArgumentError after the kernel is queued (one
-    aminmax and one transfer, the only host synchronisation)."""
+    nothing, or fail the kernel (``check`` device), or raise KernelArgumentError after the kernel is
+    queued (``check`` sync: one aminmax and one transfer, the only host synchronisation)."""
     d = src.shape[1]
     out = torch.zeros((rows, d), device=src.device, dtype=torch.float32)
     total = src.numel()
@@ -128,9 +187,9 @@ def segsum_atomic_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
         return out
     launch(function(source, f"{prefix}_atomic", src.device), (_blocks(total),), (THREADS,),
            (ptr(src), ptr(key), ptr(out), np.int64(total), np.int32(d), np.int32(elementwise), np.int64(skip),
-            np.uint64(0) if counts is None else ptr(counts), np.int64(rows)), device=src.device)
-    if check is not None:
-        check_index_range(*check, key, rows)
+            np.uint64(0) if counts is None else ptr(counts), np.int64(rows), check.trap), device=src.device)
+    if check.sync:
+        check_index_range(check.op, check.arg, key, rows)
     return out
 
 
@@ -156,9 +215,9 @@ def fixed_shift(max_abs: float, n: int) -> int:
 
 def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
                       elementwise: bool = False, skip: int = -1, counts: torch.Tensor | None = None,
-                      check: tuple[str, str] | None = None) -> torch.Tensor:
+                      check: RangeCheck = NO_CHECK) -> torch.Tensor:
     """out (rows, D): order-independent fixed-point sums (segsum.cuh, ``fixed``). One zero fill and
-    three launches, no sort, no host synchronisation but ``check``'s (as segsum_atomic_cuda). The shift
+    three launches, no sort, no host synchronisation but a sync ``check``'s (as segsum_atomic_cuda). The shift
     comes from max |src| over every finite element of src and from its row count N."""
     n_rows, d = src.shape
     dev = src.device
@@ -179,12 +238,12 @@ def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Te
     blocks = max(1, min(cdiv(total, THREADS), 8 * sm_count(dev)))
     launch(function(source, f"{prefix}_fixed_add", dev), (blocks,), (THREADS,),
            (ptr(src), ptr(key), acc, flags, np.int64(total), np.int32(d), np.int32(elementwise), np.int64(skip),
-            np.uint64(0) if counts is None else ptr(counts), np.int64(rows), maxbits, log2n), device=dev)
+            np.uint64(0) if counts is None else ptr(counts), np.int64(rows), maxbits, log2n, check.trap), device=dev)
     out = torch.empty((rows, d), device=dev, dtype=torch.float32)
     launch(function(source, "segsum_fixed_out", dev), (_blocks(words),), (THREADS,),
            (acc, flags, ptr(out), np.int64(space), maxbits, log2n), device=dev)
-    if check is not None:
-        check_index_range(*check, key, rows)
+    if check.sync:
+        check_index_range(check.op, check.arg, key, rows)
     return out
 
 
@@ -202,16 +261,16 @@ MAX_GRID_Y = 65535
 def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
                        elementwise: bool = False, skip: int = -1, scaled: bool = False,
                        force_scalar: bool = False, sparse: bool | None = None,
-                       check: tuple[str, str] | None = None) -> torch.Tensor:
+                       check: RangeCheck = NO_CHECK) -> torch.Tensor:
     """out (rows, D): each destination's contributions in source order, chunked, fixed tree (see the
     module docstring). Four launches and torch.sort, no host synchronisation: keys (narrowed, bad ones
     to a sentinel), stable sort, row starts, sums. Dense (more contributions than destinations): the sums
     write every output row, so the output is never zero-filled. Sparse (fewer: an embedding's gradient,
     most rows untouched): the output is zero-filled at full bandwidth and only the sorted positions get
     tasks, so empty rows cost no warp; the same chunks and tree, so the same bits (``sparse`` forces
-    either; default: by the counts). Keys outside [0, rows) add nothing; with ``check`` = (op, arg) they
-    raise KernelArgumentError after the kernels are queued (start[space], the count of valid keys, read
-    back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits; for tests)."""
+    either; default: by the counts). Keys outside [0, rows) add nothing, or fail the keys kernel
+    (``check`` device), or raise KernelArgumentError after the kernels are queued (``check`` sync:
+    start[space], the count of valid keys, read back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits; for tests)."""
     d = src.shape[1]
     dev = src.device
     n = key.numel()
@@ -222,8 +281,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     keys = torch.empty(n, device=dev, dtype=ktype)
     # element form: destination of src[i, j] is flat row key[i, j] * D + j of a (rows * D, 1) output
     launch(function(source, f"{prefix}_keys_{kname}", dev), (_blocks(n),), (THREADS,),
-           (ptr(key), ptr(keys), np.int64(n), np.int64(d if elementwise else 0), np.int64(rows), np.int64(offset)),
-           device=dev)
+           (ptr(key), ptr(keys), np.int64(n), np.int64(d if elementwise else 0), np.int64(rows), np.int64(offset),
+            check.trap), device=dev)
     skey, perm = torch.sort(keys, stable=True)
     start = torch.empty(space + 1, device=dev, dtype=torch.int64)
     launch(function(source, f"{prefix}_starts_{kname}", dev), (_blocks(space + 1),), (THREADS,),
@@ -249,8 +308,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
         launch(function(source, f"{prefix}_rows{vec}_{kname}", dev),
                (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)), min(slices, MAX_GRID_Y)), (THREADS,), args,
                device=dev)
-    if check is not None and int(start[space]) != n:  # the one host synchronisation, after the work is queued
-        check_index_range(*check, key, rows)
+    if check.sync and int(start[space]) != n:  # the one host synchronisation, after the work is queued
+        check_index_range(check.op, check.arg, key, rows)
     return out
 
 
@@ -481,36 +540,37 @@ def _prologue(index, src, num_rows):
     return index.contiguous(), src.contiguous(), rows
 
 
-def _check_arg(check_range: bool):
-    return (OP, "index") if check_range else None
+def _check_arg(check_range) -> RangeCheck:
+    return range_check(OP, "index", check_range)
 
 
-def index_add_atomic_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
+def index_add_atomic_cuda(index, src, *, num_rows, check_range: bool | str = True) -> torch.Tensor:
     index, src, rows = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
     return segsum_atomic_cuda(SOURCE, OP, index, src, rows, check=_check_arg(check_range))
 
 
-def index_add_sorted_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
+def index_add_sorted_cuda(index, src, *, num_rows, check_range: bool | str = True) -> torch.Tensor:
     index, src, rows = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
     return segsum_sorted_cuda(SOURCE, OP, index, src, rows, check=_check_arg(check_range))
 
 
-def index_add_fixed_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
+def index_add_fixed_cuda(index, src, *, num_rows, check_range: bool | str = True) -> torch.Tensor:
     index, src, rows = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
     return segsum_fixed_cuda(SOURCE, OP, index, src, rows, check=_check_arg(check_range))
 
 
-def index_add_sorted_scalar_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
+def index_add_sorted_scalar_cuda(index, src, *, num_rows, check_range: bool | str = True) -> torch.Tensor:
     """sorted through the thread-per-task kernel whatever D (same bits; for tests)."""
     index, src, rows = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
     return segsum_sorted_cuda(SOURCE, OP, index, src, rows, force_scalar=True, check=_check_arg(check_range))
 
 
-def _cpu_prologue(index, src, num_rows, range_check):
+def _cpu_prologue(index, src, num_rows, check_range):
+    _check_arg(check_range)  # a bad value is an error here too
     index, src, rows = _prologue(index, src, num_rows)
     check_index_range(OP, "index", index, rows)  # the models always check (their sort needs valid keys)
     if src.device.type != "cpu":
@@ -518,18 +578,18 @@ def _cpu_prologue(index, src, num_rows, range_check):
     return index, src, rows
 
 
-def index_add_sorted_cpu(index, src, *, num_rows, check_range: bool = True, rng=None) -> torch.Tensor:
-    index, src, rows = _cpu_prologue(index, src, num_rows, True)
+def index_add_sorted_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None) -> torch.Tensor:
+    index, src, rows = _cpu_prologue(index, src, num_rows, check_range)
     return segsum_cpu("sorted", index, src, rows)
 
 
-def index_add_atomic_cpu(index, src, *, num_rows, check_range: bool = True, rng=None) -> torch.Tensor:
-    index, src, rows = _cpu_prologue(index, src, num_rows, True)
+def index_add_atomic_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None) -> torch.Tensor:
+    index, src, rows = _cpu_prologue(index, src, num_rows, check_range)
     return segsum_cpu("atomic", index, src, rows, rng=rng)
 
 
-def index_add_fixed_cpu(index, src, *, num_rows, check_range: bool = True, rng=None) -> torch.Tensor:
-    index, src, rows = _cpu_prologue(index, src, num_rows, True)
+def index_add_fixed_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None) -> torch.Tensor:
+    index, src, rows = _cpu_prologue(index, src, num_rows, check_range)
     return segsum_cpu("fixed", index, src, rows)
 
 
@@ -664,5 +724,6 @@ define_op(
     bench_cases=_bench_cases,
     peers=_peers,
     bytes_moved=_bytes_moved,
+    bench_kwargs=BENCH_KWARGS,
     out_like=(1,),  # the sum as src
 )

@@ -194,6 +194,8 @@ class OpSpec:
     # The positional arguments torch.autocast makes half (benchmarks with half inputs round these, and
     # only these, to bf16/fp16); None: every float32 tensor argument.
     half_inputs: tuple[int, ...] | None = None
+    # Keyword arguments the benchmarks add to every variant call (the mode the routing runs them in)
+    bench_kwargs: tuple[tuple[str, object], ...] = ()
 
 
 _SPECS: dict[str, OpSpec] = {}

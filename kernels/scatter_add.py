@@ -30,7 +30,9 @@ from .index_add import (
     draw_index,
     draw_values,
     noncontiguous,
+    BENCH_KWARGS,
     FIXED_NOTE,
+    range_check,
     segsum_atomic_cuda,
     segsum_cpu,
     segsum_fixed_cuda,
@@ -67,28 +69,29 @@ def _prologue(index, src, num_rows):
     return key.contiguous(), src.contiguous(), rows, not row_form
 
 
-def scatter_add_atomic_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
+def scatter_add_atomic_cuda(index, src, *, num_rows, check_range: bool | str = True) -> torch.Tensor:
     key, src, rows, elementwise = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
     return segsum_atomic_cuda(SOURCE, OP, key, src, rows, elementwise=elementwise,
-                              check=(OP, "index") if check_range else None)
+                              check=range_check(OP, "index", check_range))
 
 
-def scatter_add_sorted_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
+def scatter_add_sorted_cuda(index, src, *, num_rows, check_range: bool | str = True) -> torch.Tensor:
     key, src, rows, elementwise = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
     return segsum_sorted_cuda(SOURCE, OP, key, src, rows, elementwise=elementwise,
-                              check=(OP, "index") if check_range else None)
+                              check=range_check(OP, "index", check_range))
 
 
-def scatter_add_fixed_cuda(index, src, *, num_rows, check_range: bool = True) -> torch.Tensor:
+def scatter_add_fixed_cuda(index, src, *, num_rows, check_range: bool | str = True) -> torch.Tensor:
     key, src, rows, elementwise = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
     return segsum_fixed_cuda(SOURCE, OP, key, src, rows, elementwise=elementwise,
-                             check=(OP, "index") if check_range else None)
+                             check=range_check(OP, "index", check_range))
 
 
-def _cpu_prologue(index, src, num_rows):
+def _cpu_prologue(index, src, num_rows, check_range):
+    range_check(OP, "index", check_range)  # a bad value is an error here too
     key, src, rows, elementwise = _prologue(index, src, num_rows)
     check_index_range(OP, "index", key, rows)  # the models always check (their sort needs valid keys)
     if src.device.type != "cpu":
@@ -96,18 +99,18 @@ def _cpu_prologue(index, src, num_rows):
     return key, src, rows, elementwise
 
 
-def scatter_add_sorted_cpu(index, src, *, num_rows, check_range: bool = True, rng=None) -> torch.Tensor:
-    key, src, rows, elementwise = _cpu_prologue(index, src, num_rows)
+def scatter_add_sorted_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None) -> torch.Tensor:
+    key, src, rows, elementwise = _cpu_prologue(index, src, num_rows, check_range)
     return segsum_cpu("sorted", key, src, rows, elementwise=elementwise)
 
 
-def scatter_add_atomic_cpu(index, src, *, num_rows, check_range: bool = True, rng=None) -> torch.Tensor:
-    key, src, rows, elementwise = _cpu_prologue(index, src, num_rows)
+def scatter_add_atomic_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None) -> torch.Tensor:
+    key, src, rows, elementwise = _cpu_prologue(index, src, num_rows, check_range)
     return segsum_cpu("atomic", key, src, rows, elementwise=elementwise, rng=rng)
 
 
-def scatter_add_fixed_cpu(index, src, *, num_rows, check_range: bool = True, rng=None) -> torch.Tensor:
-    key, src, rows, elementwise = _cpu_prologue(index, src, num_rows)
+def scatter_add_fixed_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None) -> torch.Tensor:
+    key, src, rows, elementwise = _cpu_prologue(index, src, num_rows, check_range)
     return segsum_cpu("fixed", key, src, rows, elementwise=elementwise)
 
 
@@ -212,5 +215,6 @@ define_op(
     bench_cases=_bench_cases,
     peers=_peers,
     bytes_moved=_bytes_moved,
+    bench_kwargs=BENCH_KWARGS,
     out_like=(1,),  # the sum as src
 )

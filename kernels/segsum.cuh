@@ -7,7 +7,9 @@
 // `skip` gets nothing, and each value is divided by its destination's count (scale_grad_by_freq):
 // v / (float)count, IEEE division (NVRTC default), so no multiply-add can fuse it with the sum. Keys
 // outside [0, rows) contribute nothing in either variant (the launchers raise on them when asked to
-// check, after the kernels are queued), so a bad index never makes a kernel touch memory out of bounds.
+// check, after the kernels are queued), so a bad index never makes a kernel touch memory out of bounds;
+// or, with the `trap` argument (check_range="device"), fail the kernel with a device-side assertion
+// (seg_bad_index): no host synchronisation, PyTorch's own behaviour on CUDA.
 //
 //   atomic  one thread per (contribution, column): atomicAdd into the zeroed output. NONDETERMINISTIC:
 //           a row with >= 3 contributions is summed in arrival order. Float atomicAdd flushes subnormal
@@ -75,19 +77,54 @@ __device__ __forceinline__ float seg_value(float v, bool scaled, float count) {
 // ------------------------------------------------------------------------------------------------
 // atomic
 
+// A key outside [0, rows) where the launcher asked for the device-side range check (check_range="device":
+// no host synchronisation): print which op and index (once per module load), then fail the kernel with
+// a device-side assertion, as PyTorch's own CUDA index kernels do. The CUDA context is unusable
+// afterwards; the error surfaces at the next synchronisation ("device-side assert triggered").
+#ifndef __CUDACC_RTC__
+#include <cstdio>  // printf (NVRTC declares it itself)
+#endif
+extern "C" __device__ void __assertfail(const void* message, const void* file, unsigned int line, const void* function,
+                                        size_t charsize);
+__device__ unsigned seg_bad_index_reported = 0u;
+
+__device__ __noinline__ void seg_bad_index(const char* op, long long m, long long rows) {
+    if (atomicExch(&seg_bad_index_reported, 1u) == 0u)
+        printf("nnrand %s: index %lld is out of range for %lld rows (expected 0 <= index < %lld)\n", op, m, rows,
+               rows);
+    __assertfail("nnrand: index out of range", __FILE__, __LINE__, "seg_bad_index", sizeof(char));
+}
+
+// counts[m] = how many of the n keys equal m, for m in [0, rows) (scale_grad_by_freq); other keys are
+// not counted. Integer atomics: exact in any order. No host synchronisation (torch.bincount reads its
+// input's maximum back).
+extern "C" __global__ void __launch_bounds__(256)
+segsum_count(const long long* __restrict__ key, long long n, long long rows, unsigned long long* __restrict__ counts) {
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += step) {
+        const long long m = key[e];
+        if (m >= 0 && m < rows) atomicAdd(counts + m, 1ull);
+    }
+}
+
 // Row form: e = i * D + d, value src[e] into out[key[i] * D + d]. Element form (scatter_add, D = the
 // rows' width): e is the contribution, value src[e] into out[key[e] * D + e % D]. Returns the flat
-// destination (-1: the skip row or a key outside [0, rows), nothing to add) and sets v (divided by the
-// destination's count when counts are given).
+// destination (-1: the skip row or a key outside [0, rows), nothing to add; with `trap` set a key outside
+// [0, rows) fails the kernel, seg_bad_index) and sets v (divided by the destination's count when counts
+// are given).
 template <typename I>
 __device__ __forceinline__ long long seg_contribution(const float* __restrict__ src, const long long* __restrict__ key,
                                                       I e, int D, int elementwise, long long skip,
                                                       const long long* __restrict__ counts, long long rows,
-                                                      float& v) {
+                                                      const char* trap, float& v) {
     const I i = elementwise ? e : e / D;
     const I d = e - (e / D) * D;
     const long long m = key[i];
-    if (m == skip || m < 0 || m >= rows) return -1;
+    if (m < 0 || m >= rows) {
+        if (trap != nullptr) seg_bad_index(trap, m, rows);
+        return -1;
+    }
+    if (m == skip) return -1;
     v = src[e];
     if (counts != nullptr) v = __fdiv_rn(v, (float)counts[m]);
     return m * D + d;
@@ -97,24 +134,25 @@ template <typename I>
 __device__ __forceinline__ void seg_atomic_body(const float* __restrict__ src, const long long* __restrict__ key,
                                                 float* __restrict__ out, I total, int D, int elementwise,
                                                 long long skip, const long long* __restrict__ counts,
-                                                long long rows) {
+                                                long long rows, const char* trap) {
     const I step = (I)gridDim.x * blockDim.x;
     for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
         float v;
-        const long long dst = seg_contribution(src, key, e, D, elementwise, skip, counts, rows, v);
+        const long long dst = seg_contribution(src, key, e, D, elementwise, skip, counts, rows, trap, v);
         if (dst >= 0) atomicAdd(out + dst, v);  // arrival order decides the rounding where rows collide
     }
 }
 
-#define SEG_ATOMIC_KERNEL(NAME)                                                                          \
+#define SEG_ATOMIC_KERNEL(NAME, OPNAME)                                                                  \
     extern "C" __global__ void __launch_bounds__(256)                                                    \
     NAME(const float* __restrict__ src, const long long* __restrict__ key, float* __restrict__ out,      \
          long long total, int D, int elementwise, long long skip, const long long* __restrict__ counts,  \
-         long long rows) {                                                                               \
+         long long rows, int trap) {                                                                     \
+        const char* op = trap ? OPNAME : nullptr;                                                        \
         if (total + (long long)gridDim.x * blockDim.x <= 2147483647LL)                                   \
-            seg_atomic_body<int>(src, key, out, (int)total, D, elementwise, skip, counts, rows);         \
+            seg_atomic_body<int>(src, key, out, (int)total, D, elementwise, skip, counts, rows, op);     \
         else                                                                                             \
-            seg_atomic_body<long long>(src, key, out, total, D, elementwise, skip, counts, rows);        \
+            seg_atomic_body<long long>(src, key, out, total, D, elementwise, skip, counts, rows, op);    \
     }
 
 // ------------------------------------------------------------------------------------------------
@@ -122,16 +160,17 @@ __device__ __forceinline__ void seg_atomic_body(const float* __restrict__ src, c
 
 // skey_in[e] = destination - offset, or space - offset for an index outside [0, rows). Row form
 // (width 0): destination key[e]; element form: key[e] * width + e % width. One pass replaces the
-// range check's reduction and the cast.
+// range check's reduction and the cast (with `trap` set, a bad index fails the kernel instead).
 template <typename K>
 __device__ __forceinline__ void seg_keys_body(const long long* __restrict__ key, K* __restrict__ out, long long total,
-                                              long long width, long long rows, long long offset) {
+                                              long long width, long long rows, long long offset, const char* trap) {
     const long long space = width ? rows * width : rows;
     const long long step = (long long)gridDim.x * blockDim.x;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
         const long long i = key[e];
         long long m = space;
         if (i >= 0 && i < rows) m = width ? i * width + e % width : i;
+        else if (trap != nullptr) seg_bad_index(trap, i, rows);
         out[e] = (K)(m - offset);
     }
 }
@@ -419,8 +458,8 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
 #define SEG_SORTED_FOR(PREFIX, KEYNAME, KT)                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                    \
     PREFIX##_keys_##KEYNAME(const long long* __restrict__ key, KT* __restrict__ out, long long total,    \
-                            long long width, long long rows, long long offset) {                         \
-        seg_keys_body<KT>(key, out, total, width, rows, offset);                                         \
+                            long long width, long long rows, long long offset, int trap) {               \
+        seg_keys_body<KT>(key, out, total, width, rows, offset, trap ? #PREFIX : nullptr);               \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(256)                                                    \
     PREFIX##_starts_##KEYNAME(const KT* __restrict__ skey, long long n, long long space, long long offset, \
@@ -495,7 +534,8 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
                                                    unsigned long long* __restrict__ acc, unsigned* __restrict__ flags,
                                                    I total, int D, int elementwise, long long skip,
                                                    const long long* __restrict__ counts, long long rows,
-                                                   const unsigned* __restrict__ maxbits, int log2n) {
+                                                   const unsigned* __restrict__ maxbits, int log2n,
+                                                   const char* trap) {
     const double scale = seg_pow2(seg_fixed_shift(*maxbits, log2n));
     const I step = (I)gridDim.x * blockDim.x;
     // A thread's elements e, e + step, ... share their column whenever step is a multiple of D, so a hot
@@ -507,7 +547,7 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
     int seen = 0;
     for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
         float v;
-        const long long dst = seg_contribution(src, key, e, D, elementwise, skip, counts, rows, v);
+        const long long dst = seg_contribution(src, key, e, D, elementwise, skip, counts, rows, trap, v);
         if (dst < 0) continue;
         if ((__float_as_uint(v) & 0x7fffffffu) < SEG_ABS_INF) {
             const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
@@ -530,18 +570,19 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
     if (part != 0ull) atomicAdd(acc + held, part);
 }
 
-#define SEG_FIXED_ADD_KERNEL(NAME)                                                                       \
+#define SEG_FIXED_ADD_KERNEL(NAME, OPNAME)                                                               \
     extern "C" __global__ void __launch_bounds__(256)                                                    \
     NAME(const float* __restrict__ src, const long long* __restrict__ key, unsigned long long* __restrict__ acc, \
          unsigned* __restrict__ flags, long long total, int D, int elementwise, long long skip,           \
          const long long* __restrict__ counts, long long rows, const unsigned* __restrict__ maxbits,      \
-         int log2n) {                                                                                    \
+         int log2n, int trap) {                                                                          \
+        const char* op = trap ? OPNAME : nullptr;                                                        \
         if (total + (long long)gridDim.x * blockDim.x <= 2147483647LL)                                   \
             seg_fixed_add_body<int>(src, key, acc, flags, (int)total, D, elementwise, skip, counts, rows, \
-                                    maxbits, log2n);                                                     \
+                                    maxbits, log2n, op);                                                 \
         else                                                                                             \
             seg_fixed_add_body<long long>(src, key, acc, flags, total, D, elementwise, skip, counts, rows, \
-                                          maxbits, log2n);                                               \
+                                          maxbits, log2n, op);                                           \
     }
 
 __device__ __forceinline__ float seg_fixed_value(long long a, unsigned f, double unscale) {
@@ -580,8 +621,8 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
 }
 
 #define SEG_KERNELS(PREFIX)                        \
-    SEG_ATOMIC_KERNEL(PREFIX##_atomic)             \
-    SEG_FIXED_ADD_KERNEL(PREFIX##_fixed_add)       \
+    SEG_ATOMIC_KERNEL(PREFIX##_atomic, #PREFIX)    \
+    SEG_FIXED_ADD_KERNEL(PREFIX##_fixed_add, #PREFIX) \
     SEG_SORTED_FOR(PREFIX, i16, short)             \
     SEG_SORTED_FOR(PREFIX, i32, int)               \
     SEG_SORTED_FOR(PREFIX, i64, long long)

@@ -872,6 +872,7 @@ def _nnrand(entry: Entry, phase: str, p: dict, repeats: int, device: torch.devic
         _, y, g = phase_call(entry, phase, p) if phase != "forward" else (None, None, None)
         with torch.no_grad():
             args, kwargs = adapter(p, y, g)
+    kwargs = {**dict(kernels.spec(reg).bench_kwargs), **kwargs}  # as the routing runs them
     det = [v for v in kernels.variants(reg) if v.deterministic]
     timed, notes = [], []
     for v in det:

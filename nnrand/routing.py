@@ -40,7 +40,14 @@ The family ``tree`` means each op's fixed-order variant: ``sorted`` for the thre
 family ``fastest-deterministic`` is ``tree`` except on the conv ops, which it routes ``auto``: per conv
 configuration, the fastest of the deterministic candidates (the registry's deterministic variants and
 torch's own kernel under PyTorch's deterministic mode, ``torch_det``), timed once and cached on disk by
-``nnrand.autotune``; the coverage names what ran, ``routing.tuner.record()`` every choice.
+``nnrand.autotune``; the coverage names what ran, ``routing.tuner.record()`` every choice. Its
+scatter_add with a full index (each element its own destination row, not one index per row broadcast
+along it) runs ``fixed``, which needs no sort of the N * D keys (unless scatter_add is set to another
+variant); the coverage counts it as ``fixed``.
+
+The routed scatter sums never synchronise with the host: an index out of range fails the kernel with a
+device-side assertion that names the op and the index (as torch's own CUDA kernels do), so CUDA graphs
+can capture them.
 
 Under ``torch.compile`` only ``convolution_backward`` reaches the override: inductor generates its own
 max-pool and BatchNorm backward code (fixed-order gathers and reductions). The coverage says what ran.
@@ -95,6 +102,9 @@ REGISTRY_OPS = {"conv_wgrad": ("conv_wgrad",), "conv_dgrad": ("conv_dgrad",), "b
 # What a family means for an op whose deterministic variant has another name.
 FAMILY_VARIANTS = {("tree", "embedding_bwd"): "sorted", ("tree", "index_add"): "sorted",
                    ("tree", "scatter_add"): "sorted"}
+# fastest-deterministic's scatter_add with a full index (the element form: a sort of N * D keys for
+# sorted, where fixed needs none)
+ELEMENTWISE_FASTEST = "fixed"
 NATIVE = "native"
 FASTEST = "fastest-deterministic"
 FAMILIES = ("tree", "atomic", NATIVE, FASTEST)  # what --kernel accepts; per-op overrides: any registry name
@@ -176,6 +186,7 @@ class Routing:
     requested: Mapping[str, str]
     used: Mapping[str, str]
     notes: Mapping[str, str] = field(default_factory=dict)
+    scatter_add_elementwise: str | None = None  # what scatter_add with a full index runs, when not used's
 
     @property
     def is_native(self) -> bool:
@@ -194,10 +205,13 @@ class Routing:
         """Whether running under this routing claims repeatable results (and so arms the guard)."""
         return not self.is_native and self.deterministic
 
-    def variant(self, op: str, registry_op: str | None = None):
+    def variant(self, op: str, registry_op: str | None = None, *, elementwise: bool = False):
         """The registry variant routed op ``op`` runs for ``registry_op`` (default: ``op``); None: native;
-        an :class:`Auto` where the tuner chooses per configuration."""
+        an :class:`Auto` where the tuner chooses per configuration. ``elementwise``: scatter_add's with a
+        full index."""
         name = self.used[op]
+        if elementwise and op == "scatter_add" and self.scatter_add_elementwise:
+            name = self.scatter_add_elementwise
         if name == AUTO:
             return Auto(op)
         return None if name == NATIVE else kernels.get(registry_op or op, name)
@@ -208,7 +222,7 @@ class Routing:
 
     def describe(self) -> dict:
         return {"family": self.family, "ops": dict(self.used), "requested": dict(self.requested),
-                "notes": dict(self.notes)}
+                "notes": dict(self.notes), "scatter_add_elementwise": self.scatter_add_elementwise}
 
 
 def resolve(family: str = "tree", overrides: Mapping[str, str] | None = None) -> Routing:
@@ -241,7 +255,11 @@ def resolve(family: str = "tree", overrides: Mapping[str, str] | None = None) ->
             valid = registered_variants(op)
             notes[op] = (f"{op} has no variant {name!r} in the registry (registered: "
                          f"{', '.join(valid) or 'none'}); runs native")
-    return Routing(family, requested, used, notes)
+    elementwise = None
+    if family == FASTEST and "scatter_add" not in overrides and ELEMENTWISE_FASTEST in registered_variants("scatter_add"):
+        elementwise = ELEMENTWISE_FASTEST
+        notes["scatter_add"] = f"scatter_add with a full index (the element form) runs {elementwise} under {FASTEST}"
+    return Routing(family, requested, used, notes, elementwise)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -495,6 +513,12 @@ def _upsample_backward(s: "_Session", original, keyset, dy, output_size, input_s
     return dx.contiguous(memory_format=memory_format_of(dy))
 
 
+# How the routed scatter sums check their indices: in the kernels (a device-side assertion on a bad index,
+# as torch's own CUDA kernels), never by a host synchronisation (kernels.index_add.RangeCheck). The
+# embedding's indices were checked by its forward already.
+CHECK_RANGE = "device"
+
+
 def _embedding_backward(s: "_Session", original, keyset, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
     op = "embedding_dense_backward"
     why = None
@@ -505,7 +529,8 @@ def _embedding_backward(s: "_Session", original, keyset, grad, indices, num_weig
     if why is None:
         try:
             gw = _call(s.emb, s.rng, grad.contiguous(), indices.contiguous().long(), num_weights=int(num_weights),
-                       padding_idx=int(padding_idx), scale_grad_by_freq=bool(scale_grad_by_freq))
+                       padding_idx=int(padding_idx), scale_grad_by_freq=bool(scale_grad_by_freq),
+                       check_range=CHECK_RANGE)
         except kernels.KernelArgumentError as e:
             why = str(e)
     if why is not None:
@@ -528,7 +553,8 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
 def _scatter_sum(s: "_Session", variant, op, original, keyset, inplace: bool, self_, dim, index, src, **kw):
     """index_add / scatter_add as ``self + (fixed-order sum of what lands in each element)``: the sum runs
     the variant from zeros, then one addition into ``self`` (torch adds into ``self`` directly, so the bits
-    differ from its, deterministically)."""
+    differ from its, deterministically). scatter_add with a full index (not one index per row broadcast
+    along the row) runs ``s.scatter_add_elementwise``."""
     alpha = kw.get("alpha", 1)
     why = None
     if self_.dim() == 0 or not _floating(self_, src) or self_.dtype != src.dtype:
@@ -546,9 +572,13 @@ def _scatter_sum(s: "_Session", variant, op, original, keyset, inplace: bool, se
         try:
             source = src if alpha == 1 else src * alpha
             if op == "index_add":
-                rows = _call(variant, s.rng, index.reshape(-1).long(), _rows(source, d), num_rows=self_.shape[d])
+                rows = _call(variant, s.rng, index.reshape(-1).long(), _rows(source, d), num_rows=self_.shape[d],
+                             check_range=CHECK_RANGE)
             else:
-                rows = _call(variant, s.rng, _rows(index, d).long(), _rows(source, d), num_rows=self_.shape[d])
+                key = _rows(index, d).long()
+                if key.shape[1] > 1 and key.stride(1) != 0:  # a full index: the element form
+                    variant = s.scatter_add_elementwise
+                rows = _call(variant, s.rng, key, _rows(source, d), num_rows=self_.shape[d], check_range=CHECK_RANGE)
             total = _from_rows(rows, self_, d)
         except kernels.KernelArgumentError as e:
             why = str(e)
@@ -772,6 +802,7 @@ class _Session:
         self.emb = routing.variant("embedding_bwd")
         self.index_add = routing.variant("index_add")
         self.scatter_add = routing.variant("scatter_add")
+        self.scatter_add_elementwise = routing.variant("scatter_add", elementwise=True)
 
     @property
     def deterministic(self) -> bool:

@@ -20,7 +20,7 @@ from torch import nn
 
 import kernels
 import nnrand
-from nnrand import models, routing
+from nnrand import autotune, models, routing
 from tests.helpers import gamma
 
 FORMATS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
@@ -693,6 +693,27 @@ def test_index_add_and_scatter_add_are_self_plus_the_variants_sum():
     assert torch.equal(inplace, base + rows.reshape(4, 5, 3).movedim(0, 1))
     assert torch.equal(scattered, _variant("scatter_add", "sorted")(sidx, ssrc, num_rows=5))
     assert r.coverage["scatter_add"] == {"sorted": 1}
+
+
+def test_fastest_deterministic_runs_scatter_add_with_a_full_index_fixed():
+    """fastest-deterministic: a full index (each element its own destination) runs ``fixed`` (no sort of
+    N * D keys), an index broadcast along the rows runs ``sorted``; tree runs sorted for both; an explicit
+    scatter_add variant is kept for both."""
+    need_ops("scatter_add")
+    g = torch.Generator().manual_seed(8)
+    full = torch.randint(0, 5, (40, 3), generator=g)
+    rows = torch.randint(0, 5, (40,), generator=g)[:, None].expand(40, 3)
+    src = torch.randn(40, 3, generator=g)
+    for family, overrides, elementwise in ((routing.FASTEST, None, "fixed"), ("tree", None, "sorted"),
+                                           (routing.FASTEST, {"scatter_add": "sorted"}, "sorted")):
+        route = routing.resolve(family, overrides)
+        assert ("scatter_add" in route.notes) == (elementwise == "fixed")
+        with nnrand.use_kernels(route, tuner=autotune.Tuner(cache=None)) as r:  # no conv: the tuner idles
+            a = torch.zeros(5, 3).scatter_add(0, full, src)
+            b = torch.zeros(5, 3).scatter_add(0, rows, src)
+        assert r.coverage["scatter_add"] == ({elementwise: 1, "sorted": 1} if elementwise != "sorted" else {"sorted": 2})
+        assert torch.equal(a, _variant("scatter_add", elementwise)(full, src, num_rows=5))
+        assert torch.equal(b, _variant("scatter_add", "sorted")(rows, src, num_rows=5))
 
 
 def test_grouped_and_depthwise_conv_backward_give_their_variants_bits():
