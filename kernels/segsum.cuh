@@ -81,11 +81,11 @@ __device__ __forceinline__ float seg_value(float v, bool scaled, float count) {
 // no host synchronisation): print which op and index (once per module load), then fail the kernel with
 // a device-side assertion, as PyTorch's own CUDA index kernels do. The CUDA context is unusable
 // afterwards; the error surfaces at the next synchronisation ("device-side assert triggered").
-#ifndef __CUDACC_RTC__
-#include <cstdio>  // printf (NVRTC declares it itself)
-#endif
+#ifndef __CUDACC_RTC__  // NVRTC declares both itself
+#include <cstdio>
 extern "C" __device__ void __assertfail(const void* message, const void* file, unsigned int line, const void* function,
                                         size_t charsize);
+#endif
 __device__ unsigned seg_bad_index_reported = 0u;
 
 __device__ __noinline__ void seg_bad_index(const char* op, long long m, long long rows) {
