@@ -200,6 +200,7 @@ TEST_TABLE = (
     ("d1", dict(batch=3, seq=77, d=1, m=12, dup=0.3)),
     ("infnan", dict(batch=2, seq=64, d=16, m=8, dup=0.3, special="infnan")),
     ("negzero", dict(batch=2, seq=64, d=16, m=8, special="negzero")),
+    ("sparse_d128_scale", dict(batch=4, seq=60, d=128, m=2000, dup=0.2, scale=True, padding_idx=5)),
 )
 
 
