@@ -263,13 +263,12 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
                        force_scalar: bool = False, sparse: bool | None = None,
                        check: RangeCheck = NO_CHECK) -> torch.Tensor:
     """out (rows, D): each destination's contributions in source order, chunked, fixed tree (see the
-    module docstring). Four launches (five when sparse) and torch.sort, no host synchronisation: keys (narrowed, bad ones
+    module docstring). Four launches and torch.sort, no host synchronisation: keys (narrowed, bad ones
     to a sentinel), stable sort, row starts, sums. Dense (more contributions than destinations): the sums
     write every output row, so the output is never zero-filled. Sparse (fewer: an embedding's gradient,
     most rows untouched): the output is zero-filled at full bandwidth and only the sorted positions get
-    tasks, so empty rows cost no warp, and rows of one contribution get a thread per column group
-    instead (segsum_singles); the same chunks and tree, so the same bits (``sparse`` forces either;
-    default: by the counts). Keys outside [0, rows) add nothing, or fail the keys kernel
+    tasks, so empty rows cost no warp; the same chunks and tree, so the same bits (``sparse`` forces
+    either; default: by the counts). Keys outside [0, rows) add nothing, or fail the keys kernel
     (``check`` device), or raise KernelArgumentError after the kernels are queued (``check`` sync:
     start[space], the count of valid keys, read back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits; for tests)."""
     d = src.shape[1]
@@ -305,11 +304,6 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
         launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks(space - first + n),), (THREADS,), args,
                device=dev)
     else:  # a warp per destination and per 32 sorted positions; grid rows: column slices
-        if sparse:  # rows of one contribution: a thread per 4 (or 1) of their columns
-            v = 4 if width % 4 == 0 and src.data_ptr() % 16 == 0 else 1
-            launch(function(source, f"{prefix}_singles{v}_{kname}", dev), (_blocks(n * width // v),), (THREADS,),
-                   (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), np.int64(n), np.int32(width),
-                    np.int64(skip), np.int32(scaled), np.int64(space), np.int64(offset)), device=dev)
         warps = space - first + cdiv(n, 32)
         launch(function(source, f"{prefix}_rows{vec}_{kname}", dev),
                (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)), min(slices, MAX_GRID_Y)), (THREADS,), args,

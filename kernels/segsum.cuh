@@ -32,9 +32,7 @@
 //           Work split: one task per destination row (it writes the row, +0.0 where the row has no
 //           contribution, so the output needs no zero fill, and sums the row's chunk 0) and one task per
 //           32 sorted positions (it sums the chunks c >= 1 that start there: chunks are >= 32 long, so
-//           at most one per row per tile). Each chunk is summed by exactly one task. Sparse (fewer
-//           contributions than destinations): the output is zero-filled, only the tiles get tasks, and
-//           rows of one contribution go to segsum_singles, a thread per column group.
+//           at most one per row per tile). Each chunk is summed by exactly one task.
 //   fixed   order-independent fixed point, three launches and no sort: segsum_fixed_max finds the
 //           largest finite |src| (one atomicMax per block on the float's bits: an integer max, exact in any
 //           order), which with c = ceil(log2 N), N the source rows, fixes the shift s = 62 - c - E (E the
@@ -363,8 +361,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                     s = start[m];
                     k = start[m + 1] - s;
                     L = seg_chunk_len(k);
-                    // a chunk c >= 1 (sparse: c >= 0, rows of one contribution left to seg_singles_body)
-                    head = (sparse ? k > 1 : p != s) && ((p - s) & (L - 1)) == 0;
+                    head = (sparse || p != s) && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1 (sparse: c >= 0)
                 }
             }
             unsigned heads = __ballot_sync(SEG_FULL, head);
@@ -385,30 +382,6 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 seg_combine<32>(out, part1, part2, cnt1, cnt2, hm, base, c, nc, D, cb, ce, slice, slices);
             }
         }
-    }
-}
-
-// Sparse row form: the rows of exactly one contribution (most rows of an embedding's gradient), a thread
-// per VEC columns of each: +0.0 + the value, the bits seg_warp_chunk would give, with every row's loads
-// in flight at once (a warp summing a tile's rows one after another waits two round trips per row).
-template <typename K, int VEC>
-__device__ __forceinline__ void seg_singles_body(const float* __restrict__ src, const K* __restrict__ skey,
-                                                 const long long* __restrict__ perm,
-                                                 const long long* __restrict__ start, float* __restrict__ out,
-                                                 long long n, int D, long long skip, int scaled, long long space,
-                                                 long long offset) {
-    const long long per = D / VEC;  // D is a multiple of VEC
-    const long long step = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n * per; i += step) {
-        const long long p = i / per;
-        const int col = (int)(i - p * per) * VEC;
-        const long long m = (long long)skey[p] + offset;
-        if (m >= space || m == skip || start[m + 1] - start[m] != 1) continue;
-        float v[VEC];
-        SegVec<VEC>::load(src + perm[p] * D + col, v);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v[j] = 0.0f + seg_value(v[j], scaled, 1.0f);
-        SegVec<VEC>::store(out + m * D + col, v);
     }
 }
 
@@ -480,14 +453,7 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
         unsigned* cnt1, unsigned* cnt2, long long n, int D, long long skip, int scaled, long long space, \
         long long offset, int sparse
 
-#define SEG_SINGLES_PASS src, skey, perm, start, out, n, D, skip, scaled, space, offset
-#define SEG_SINGLES_ARGS_T(KT)                                                                           \
-    const float* __restrict__ src, const KT* __restrict__ skey, const long long* __restrict__ perm,     \
-        const long long* __restrict__ start, float* __restrict__ out, long long n, int D, long long skip, \
-        int scaled, long long space, long long offset
-
-// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>_<key>, PREFIX_singles<VEC>_<key>,
-// PREFIX_scalar_<key> for key types
+// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>_<key>, PREFIX_scalar_<key> for key types
 // i16, i32, i64.
 #define SEG_SORTED_FOR(PREFIX, KEYNAME, KT)                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                    \
@@ -508,12 +474,6 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) PREFIX##_rows4_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {  \
         seg_rows_body<KT, 4>(SEG_SORTED_PASS);                                                           \
-    }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) PREFIX##_singles1_##KEYNAME(SEG_SINGLES_ARGS_T(KT)) { \
-        seg_singles_body<KT, 1>(SEG_SINGLES_PASS);                                                       \
-    }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) PREFIX##_singles4_##KEYNAME(SEG_SINGLES_ARGS_T(KT)) { \
-        seg_singles_body<KT, 4>(SEG_SINGLES_PASS);                                                       \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) PREFIX##_scalar_##KEYNAME(SEG_SORTED_ARGS_T(KT)) { \
         seg_scalar_body<KT>(SEG_SORTED_PASS);                                                            \
