@@ -1,6 +1,7 @@
 """The scatter sums (index_add, scatter_add, embedding_bwd) on a CUDA machine, phase by phase: every
 bench case's variants (sorted both task splits, fixed, atomic) timed per call (CUDA events, L2 flushed,
-median of 30) and each kernel's share from torch.profiler (CUPTI sees CuPy's launches too).
+median of 30), eagerly and as a CUDA-graph replay (no host work: what the GPU alone takes), and each
+kernel's share from torch.profiler (CUPTI sees CuPy's launches too).
 
     PYTHONPATH=. python bench/dev/segsum_phases.py [--ops index_add scatter_add] [--reps 20]
 """
@@ -52,6 +53,20 @@ def kernel_times(fn, reps: int) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def graph_of(fn):
+    """fn captured in a CUDA graph (after two warm-up calls on a side stream): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
@@ -63,6 +78,7 @@ def main() -> None:
         spec = kernels.spec(op)
         for case in spec.bench_cases("gpu"):
             args, kw = spec.make_inputs(case, dev)
+            kw = {**kw, **dict(spec.bench_kwargs)}  # as benchmarked and routed: no host synchronisation
             subjects = {"atomic": lambda: kernels.get(op, "atomic")(*args, **kw),
                         "sorted_dense": lambda: sorted_split(op, False)(*args, **kw),
                         "sorted_sparse": lambda: sorted_split(op, True)(*args, **kw),
@@ -70,8 +86,11 @@ def main() -> None:
             print(f"\n{op} {case.name}")
             for name, fn in subjects.items():
                 t = median(cuda_event_times(fn, 30, dev, flush=flush)) * 1e6
-                parts = ", ".join(f"{k} {v:.0f}" for k, v in list(kernel_times(fn, a.reps).items())[:6])
-                print(f"  {name:14s} {t:8.1f} us   [{parts}]")
+                tg = median(cuda_event_times(graph_of(fn), 30, dev, flush=flush)) * 1e6
+                times = kernel_times(fn, a.reps)
+                parts = ", ".join(f"{k} {v:.0f}" for k, v in list(times.items())[:7])
+                print(f"  {name:14s} eager {t:7.1f} us  graph {tg:7.1f} us  kernels {sum(times.values()):7.1f} us"
+                      f"   [{parts}]")
 
 
 if __name__ == "__main__":
