@@ -205,13 +205,10 @@ class Routing:
         """Whether running under this routing claims repeatable results (and so arms the guard)."""
         return not self.is_native and self.deterministic
 
-    def variant(self, op: str, registry_op: str | None = None, *, elementwise: bool = False):
+    def variant(self, op: str, registry_op: str | None = None):
         """The registry variant routed op ``op`` runs for ``registry_op`` (default: ``op``); None: native;
-        an :class:`Auto` where the tuner chooses per configuration. ``elementwise``: scatter_add's with a
-        full index."""
+        an :class:`Auto` where the tuner chooses per configuration."""
         name = self.used[op]
-        if elementwise and op == "scatter_add" and self.scatter_add_elementwise:
-            name = self.scatter_add_elementwise
         if name == AUTO:
             return Auto(op)
         return None if name == NATIVE else kernels.get(registry_op or op, name)
@@ -802,7 +799,8 @@ class _Session:
         self.emb = routing.variant("embedding_bwd")
         self.index_add = routing.variant("index_add")
         self.scatter_add = routing.variant("scatter_add")
-        self.scatter_add_elementwise = routing.variant("scatter_add", elementwise=True)
+        self.scatter_add_elementwise = (kernels.get("scatter_add", routing.scatter_add_elementwise)
+                                        if routing.scatter_add_elementwise else self.scatter_add)
 
     @property
     def deterministic(self) -> bool:

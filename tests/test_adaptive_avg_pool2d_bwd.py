@@ -277,12 +277,6 @@ CUDA = torch.device("cuda")
 REPEATS = 50
 
 
-@pytest.fixture
-def cuda_sync():
-    yield
-    torch.cuda.synchronize()  # surfaces any asynchronous launch error in the test that caused it
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
 def test_gpu_tree_bitwise_repeatable_and_equals_model(case, cuda_sync):

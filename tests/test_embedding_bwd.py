@@ -124,12 +124,6 @@ CUDA = torch.device("cuda")
 REPEATS = 50
 
 
-@pytest.fixture
-def cuda_sync():
-    yield
-    torch.cuda.synchronize()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
 def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):

@@ -237,12 +237,6 @@ CUDA = torch.device("cuda")
 REPEATS = 50
 
 
-@pytest.fixture
-def cuda_sync():
-    yield
-    torch.cuda.synchronize()  # surfaces an asynchronous launch error in the test that caused it
-
-
 def _poison_allocator(shape):
     """Leave NaN in the caching allocator's next block of this size: the sorted kernels write every
     output row themselves (no zero fill), so a row they missed would show as NaN."""

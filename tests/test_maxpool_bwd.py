@@ -639,12 +639,6 @@ CUDA = torch.device("cuda")
 REPEATS = 50
 
 
-@pytest.fixture
-def cuda_sync():
-    yield
-    torch.cuda.synchronize()  # surfaces any asynchronous launch error in the test that caused it
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", DETERMINISTIC, ids=DET_IDS)
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)

@@ -231,12 +231,6 @@ CUDA = torch.device("cuda")
 REPEATS = 30
 
 
-@pytest.fixture
-def cuda_sync():
-    yield
-    torch.cuda.synchronize()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("op,case", CASES, ids=CASE_IDS)
 def test_gpu_bitwise_repeatable_and_equals_model(op, case, cuda_sync):

@@ -89,12 +89,6 @@ GPU_IDS = [f"{op}-{v}" + ("-pad-scale" if extra else "") for op, v, extra in GPU
 
 
 @pytest.fixture
-def cuda_sync():
-    yield
-    torch.cuda.synchronize()
-
-
-@pytest.fixture
 def sync_errors():
     """torch's sync debug mode at "error" for the test's body: any host synchronisation torch makes raises."""
     try:

@@ -246,12 +246,6 @@ CUDA = torch.device("cuda")
 REPEATS = 50
 
 
-@pytest.fixture
-def cuda_sync():
-    yield
-    torch.cuda.synchronize()
-
-
 def bits_t(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
