@@ -342,13 +342,19 @@ def _in_layout(dx: torch.Tensor, g: Geometry) -> torch.Tensor:
 
 
 def conv_dgrad_tree_cpu(w, dy, *, input_size, stride=1, padding=0, dilation=1, rng=None) -> torch.Tensor:
-    """Fixed order: per dx element the taps' column sums are added in (kh, kw) order by col2im."""
+    """Fixed order: per dx element, +0.0 plus the taps' column sums in (kh, kw) order (col2im's order:
+    the same bits as ``F.fold`` of :func:`tap_columns`, one strided add per tap over every plane)."""
     g = _cpu_prologue(w, dy, input_size, stride, padding, dilation)
     if _trivial(g):
         return _empty_dx(g, "cpu", zero=True)
-    dx = F.fold(tap_columns(w, dy, g), (g.h, g.w), (g.kh, g.kw), dilation=(g.dh, g.dw),
-                padding=(g.ph, g.pw), stride=(g.sh, g.sw))
-    return _in_layout(dx, g)
+    planes = g.n * g.cin
+    c = tap_columns(w, dy, g).reshape(planes, g.kh, g.kw, g.oh, g.ow)
+    dx = torch.zeros((planes, g.h, g.w), dtype=torch.float32)
+    for move in _tap_moves(g):
+        if move is not None:
+            (hs, ws), (kh, kw, os_, ows) = move
+            dx[:, hs, ws] += c[:, kh, kw, os_, ows]
+    return _in_layout(dx.reshape(g.dx_shape), g)
 
 
 def _span(k: int, size: int, out: int, s: int, p: int, d: int) -> tuple[int, int, int]:
@@ -356,6 +362,23 @@ def _span(k: int, size: int, out: int, s: int, p: int, d: int) -> tuple[int, int
     lo = max(0, cdiv(p - k * d, s))
     hi = min(out, (size - 1 + p - k * d) // s + 1)
     return lo, hi, lo * s - p + k * d
+
+
+def _tap_moves(g: Geometry) -> list:
+    """Per tap (kh, kw) in row-major order: ((dx rows, dx cols), (kh, kw, dy rows, dy cols)) as slices,
+    None where the tap reaches no dx element."""
+    moves = []
+    for kh in range(g.kh):
+        hlo, hhi, h0 = _span(kh, g.h, g.oh, g.sh, g.ph, g.dh)
+        for kw in range(g.kw):
+            wlo, whi, w0 = _span(kw, g.w, g.ow, g.sw, g.pw, g.dw)
+            if hhi <= hlo or whi <= wlo:
+                moves.append(None)
+                continue
+            moves.append(((slice(h0, h0 + (hhi - hlo - 1) * g.sh + 1, g.sh),
+                           slice(w0, w0 + (whi - wlo - 1) * g.sw + 1, g.sw)),
+                          (kh, kw, slice(hlo, hhi), slice(wlo, whi))))
+    return moves
 
 
 def conv_dgrad_atomic_cpu(w, dy, *, input_size, stride=1, padding=0, dilation=1, rng=None) -> torch.Tensor:
@@ -368,17 +391,7 @@ def conv_dgrad_atomic_cpu(w, dy, *, input_size, stride=1, padding=0, dilation=1,
         return _empty_dx(g, "cpu", zero=True)
     taps, planes = g.kh * g.kw, g.n * g.cin
     c = tap_columns(w, dy, g).reshape(planes, g.kh, g.kw, g.oh, g.ow)
-    moves = []  # per tap: (dx slice, contribution slice), None where the tap reaches no dx element
-    for kh in range(g.kh):
-        hlo, hhi, h0 = _span(kh, g.h, g.oh, g.sh, g.ph, g.dh)
-        for kw in range(g.kw):
-            wlo, whi, w0 = _span(kw, g.w, g.ow, g.sw, g.pw, g.dw)
-            if hhi <= hlo or whi <= wlo:
-                moves.append(None)
-                continue
-            moves.append(((slice(h0, h0 + (hhi - hlo - 1) * g.sh + 1, g.sh),
-                           slice(w0, w0 + (whi - wlo - 1) * g.sw + 1, g.sw)),
-                          (kh, kw, slice(hlo, hhi), slice(wlo, whi))))
+    moves = _tap_moves(g)
     runs = min(ATOMIC_ORDERS, planes)
     orders = np.argsort(rng_of(rng).random((runs, taps)), axis=1)
     bounds = [planes * r // runs for r in range(runs + 1)]

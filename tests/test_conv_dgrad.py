@@ -105,6 +105,19 @@ def test_tree_model_bitwise_stable():
             assert_bitwise_equal(TREE(w, dy, rng=seed, **kw), first, f"tree model {case.name}")
 
 
+def test_tree_model_is_col2im_order():
+    """The tree model's per-tap strided adds give F.fold's bits: col2im adds an element's tap columns
+    into +0.0 in (kh, kw) order too. Every case, layouts and hostile geometries included."""
+    for case in CASES:
+        w, dy, kw = inputs(case)
+        g = cd._cpu_prologue(w, dy, **kw)
+        if cd._trivial(g):
+            continue
+        want = torch.nn.functional.fold(cd.tap_columns(w, dy, g), (g.h, g.w), (g.kh, g.kw), dilation=(g.dh, g.dw),
+                                        padding=(g.ph, g.pw), stride=(g.sh, g.sw))
+        assert_bitwise_equal(TREE(w, dy, **kw).contiguous(), want, case.name)
+
+
 def test_models_independent_of_thread_count():
     """The models parallelise only over independent outputs (BLAS over matrix blocks with the whole
     Cout reduction in one place, col2im and the slice adds over planes), so torch's thread count does

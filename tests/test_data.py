@@ -128,12 +128,19 @@ def test_synthetic_stats(synth):
 
 
 def test_synthetic_deterministic(synth):
-    again = load_dataset("synthetic", seed=0, **SMALL)
-    assert dataset_digest(again) == dataset_digest(synth)
+    again = data.synthetic(seed=0, **SMALL)  # drawn anew, not the per-process memo load_dataset keeps
+    assert again is not synth and dataset_digest(again) == dataset_digest(synth)
     other = load_dataset("synthetic", seed=1, **SMALL)
     assert digest(other.train_x) != digest(synth.train_x) and digest(other.test_x) != digest(synth.test_x)
     # Train and test come from distinct streams: no test image is a training image.
     assert not set(map(digest, synth.test_x[:100])) & set(map(digest, synth.train_x))
+
+
+def test_synthetic_memo_per_arguments():
+    """load_dataset draws a synthetic set once per (seed, sizes) in a process; other arguments, another set."""
+    a = load_dataset("synthetic", seed=4, n_train=30, n_test=20)
+    assert load_dataset("synthetic", seed=4, n_train=30, n_test=20) is a
+    assert load_dataset("synthetic", seed=4, n_train=31, n_test=20) is not a
 
 
 def test_synthetic_test_independent_of_train_size():
