@@ -12,6 +12,8 @@ that is passed on or refused, as the routing's coverage says.
                         on 32x32 input the body runs at 8x8 -> 1x1
     resnet20            He et al. 2016 CIFAR ResNet-20: 3 stages x 3 BasicBlocks at 16/32/64 channels; option-B
                         shortcuts (1x1 stride-2 conv + BN where the shape changes, identity elsewhere)
+    resnet20_maxpool    the same body behind a stem that pools (3x3 conv, BN, ReLU, 3x3 s2 p1 max-pool): stages at
+                        16x16 / 8x8 / 4x4 px; the max-pool sibling of resnet20 in the divergence study
     small               CPU-sized ResNet: 3x3 stem 3->16 with BN, ReLU and a 3x3 s2 p1 max-pool (so max-pool
                         backward runs on CPU too), one BasicBlock per stage at 24/48/96 channels and 16/8/4 px;
                         172,746 params (10 classes)
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MODELS = ("resnet18", "resnet18_imagenet", "resnet20", "small")
+MODELS = ("resnet18", "resnet18_imagenet", "resnet20", "resnet20_maxpool", "small")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,10 +125,19 @@ def resnet18_imagenet(num_classes: int = 10) -> ResNet:
     return ResNet(imagenet_stem(64), _resnet18_stages(), 512, num_classes)
 
 
+def _resnet20_stages() -> nn.Sequential:
+    return nn.Sequential(stage(16, 16, 3, 1), stage(16, 32, 3, 2), stage(32, 64, 3, 2))
+
+
 def resnet20(num_classes: int = 10) -> ResNet:
     # 32x32 (16 ch) -> 16x16 (32 ch) -> 8x8 (64 ch); 1 + 3*3*2 convs + 1 linear = 20 weighted layers.
-    stages = nn.Sequential(stage(16, 16, 3, 1), stage(16, 32, 3, 2), stage(32, 64, 3, 2))
-    return ResNet(cifar_stem(16), stages, 64, num_classes)
+    return ResNet(cifar_stem(16), _resnet20_stages(), 64, num_classes)
+
+
+def resnet20_maxpool(num_classes: int = 10) -> ResNet:
+    # 32x32 stem conv (16 ch) -> max-pool 16x16 -> stages at 16x16 / 8x8 / 4x4: a quarter of the body's work
+    stem = nn.Sequential(*cifar_stem(16), nn.MaxPool2d(3, stride=2, padding=1))
+    return ResNet(stem, _resnet20_stages(), 64, num_classes)
 
 
 def small(num_classes: int = 10) -> ResNet:
@@ -140,7 +151,7 @@ def small(num_classes: int = 10) -> ResNet:
 
 
 _BUILDERS = {"resnet18": resnet18, "resnet18_imagenet": resnet18_imagenet, "resnet20": resnet20,
-             "small": small}
+             "resnet20_maxpool": resnet20_maxpool, "small": small}
 assert tuple(_BUILDERS) == MODELS
 
 

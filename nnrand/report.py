@@ -57,9 +57,9 @@ def _plot(members: list[dict], path: Path) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
     for ax, key, title in ((axes[0], "test_top1", "test top-1"), (axes[1], "test_top5", "test top-5")):
         for m, metrics in rows:
-            ep = [int(r["epoch"]) + 1 for r in metrics]
-            ax.plot(ep, [float(r[key]) for r in metrics], marker="o", ms=3, lw=1,
-                    label=m["dir"].name)
+            evaluated = [r for r in metrics if r.get(key)]   # epochs without a test evaluation (--eval-every)
+            ax.plot([int(r["epoch"]) + 1 for r in evaluated], [float(r[key]) for r in evaluated], marker="o", ms=3,
+                    lw=1, label=m["dir"].name)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("epoch")
         ax.set_ylabel(title)

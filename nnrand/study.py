@@ -56,12 +56,16 @@ REPO = Path(__file__).resolve().parent.parent
 TIMING_SCRIPT = REPO / "bench" / "dev" / "train_step_time.py"
 
 # --------------------------------------------------------------------------------------------------
-# Sizes (one place). The CUDA grid: ResNet-18 on the synthetic 10k/2k set, 10 epochs of batch 128 (780
-# steps). At 15-30 ms per step on an H200 (15.5 ms stock PyTorch, routed kernels slower) a member takes
-# ~20-35 s with evaluation and checkpoints. Disk: ~0.5 GB per member (epoch weights).
-
+# Sizes (one place). The CUDA grid: ResNet-20 on the synthetic set, 10k training and 10k test images
+# (the test set's size bounds how finely accuracy SD and disagreement resolve: with members disagreeing
+# on a fraction d of n images, accuracy SD cannot fall far below sqrt(d / 2n), 0.2 pt at d = 8%, n = 10k),
+# 15 epochs of batch 128 (1170 steps), forward + backward captured once in a CUDA graph, the test set
+# evaluated every 5 epochs (a 10k-image evaluation costs about a third of a training epoch).
+# Recipe probe on the H200 (bench/dev/recipe_probe.json, 8 members each, 4 at a time on the GPU):
+# `algo` 96.06% test top-1, SD 0.30 pt; 40 epochs 96.95%, SD 0.18; lr 0.1 95.51%, SD 0.16.
 SIZES = {
-    "cuda": {"model": "resnet18", "epochs": 10, "batch_size": 128, "n_train": 10_000, "n_test": 2_000},
+    "cuda": {"model": "resnet20", "epochs": 15, "batch_size": 128, "n_train": 10_000, "n_test": 10_000,
+             "cuda_graph": True, "eval_every": 5},
     # 2 CPU cores: 30 members of 8 steps each with the CPU order models, plus the timing pass: 5.2 min of
     # CPU time, 7.5 min wall on a shared 2-core machine (load average ~5), measured 2026-11-21.
     "quick": {"model": "small", "epochs": 2, "batch_size": 32, "n_train": 128, "n_test": 256},
@@ -70,7 +74,10 @@ SIZES = {
     "smoke": {"model": "small", "epochs": 1, "batch_size": 32, "n_train": 64, "n_test": 64, "device": "cpu"},
 }
 MEMBERS = {"cuda": 10, "quick": 3, "smoke": 2}   # members per configuration by default
-POOL_MODEL = {"resnet18": "resnet18_imagenet"}  # a model without max-pool -> its max-pool sibling
+# Default workers per GPU: a ResNet-20 member alone leaves the GPU idle while it evaluates, checkpoints
+# and starts; four share one H200 (time-sliced).
+JOBS_PER_GPU = 4
+POOL_MODEL = {"resnet18": "resnet18_imagenet", "resnet20": "resnet20_maxpool"}  # model -> its max-pool sibling
 TOP_FLIPS = 8  # most-disagreed test images kept per configuration
 
 # --------------------------------------------------------------------------------------------------
@@ -401,6 +408,13 @@ def worker_gpus(study: Study) -> list[str]:
     if inherited is not None:
         return [d.strip() for d in inherited.split(",")][:count]
     return [str(i) for i in range(count)]
+
+
+def default_jobs(study: Study) -> int:
+    """Members at a time when --jobs is not given: ``JOBS_PER_GPU`` per GPU on CUDA, 1 on the CPU."""
+    if study.backend != "cuda":
+        return 1
+    return JOBS_PER_GPU * max(1, len(worker_gpus(study)))
 
 
 def pin_gpu(counter, gpus: list[str]) -> str | None:
@@ -774,9 +788,10 @@ EPILOG = """examples:
 
 default grid (study.CONFIGURATIONS): control, algo, impl, algo+impl, ulp (one ULP in one weight), init, order,
 aug (one seed source per member each), atomic-<op> for each of conv_wgrad, conv_dgrad, bias_grad, maxpool_bwd
-(on resnet18_imagenet when the model has no max-pool, with control@ and algo@resnet18_imagenet as its seed
-baselines), native. CUDA defaults: resnet18, synthetic 10k/2k, 10 epochs of batch 128, 10 members per
-configuration (~20-35 s per member on an H200) plus a ~1 min timing pass; ~0.5 GB of run files per member.
+(on resnet20_maxpool when the model has no max-pool, with control@ and algo@resnet20_maxpool as its seed
+baselines), native, algo-bf16, impl-bf16. CUDA defaults: resnet20, synthetic 10k/10k, 15 epochs of batch 128
+in a CUDA graph, the test set evaluated every 5 epochs, 10 members per configuration, 4 workers per GPU,
+then a ~1 min timing pass; ~20 MB of run files per member.
 CPU (--quick): small model, 128 training images, 2 epochs, 3 members. --smoke: 2 members of 2 steps each.
 outputs: reports/divergence.md (CUDA), reports/divergence_quick.md (CUDA --quick), reports/divergence_cpu.md
 (CPU), PNGs beside them, numbers in reports/results/<stem>.json; run directories under runs/<stem>/."""
@@ -812,7 +827,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--members", type=int, help="members per configuration (default "
                    + ", ".join(f"{v} {k}" for k, v in MEMBERS.items()) + ")")
     g.add_argument("--lr", type=float, action="append", help="learning rate; repeat for a grid over lr")
-    g.add_argument("--model", help="base model (default resnet18 on CUDA, small with --quick)")
+    g.add_argument("--model", help="base model (default resnet20 on CUDA, small with --quick)")
     g.add_argument("--epochs", type=int)
     g.add_argument("--batch-size", type=int)
     g.add_argument("--n-train", type=int)
@@ -823,12 +838,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--out", help="report path (.md) or directory (default reports/<stem>.md by backend)")
     g.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help="start no member that would end past this many seconds; exit 0 with a resume hint")
-    g.add_argument("--jobs", type=_jobs, default=1, metavar="N",
-                   help="train N members at a time, each in its own worker process (default 1: one after "
-                        "another in this process); results are identical either way, every member being "
-                        "seeded by its configuration. With --device cuda and several GPUs visible, worker i "
-                        "uses GPU i mod count; on one GPU the workers share it, which helps only when a single "
-                        "member leaves the GPU idle (host-bound steps). On CPU the workers share the cores")
+    g.add_argument("--jobs", type=_jobs, metavar="N",
+                   help="train N members at a time, each in its own worker process; results are identical "
+                        "either way, every member being seeded by its configuration. Default: "
+                        f"{JOBS_PER_GPU} per visible GPU on CUDA (worker i uses GPU i mod count; workers on "
+                        "one GPU fill each other's idle time: evaluation, checkpoints, start-up), 1 on CPU "
+                        "(one after another in this process; CPU workers share the cores)")
     g.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
                    help="timing pass once all members are done (default on; skipped if its file exists)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
@@ -871,7 +886,8 @@ def cli(argv: list[str] | None = None) -> int:
     outcome = {"stopped": False}
     if args.command == "run":
         try:
-            outcome = run(study, time_budget=args.time_budget, progress=args.progress, jobs=args.jobs)
+            outcome = run(study, time_budget=args.time_budget, progress=args.progress,
+                          jobs=args.jobs or default_jobs(study))
         except (train.ConfigError, routing.RoutingError, runio.DiskSpaceError, DatasetError) as e:
             p.exit(2, f"{p.prog}: error: {e}\n")
         except MemberError as e:   # from a worker: the usage errors above exit the same way

@@ -81,6 +81,7 @@ class Config:
     amp: str | None = None              # "bf16" | "fp16": forward under torch.autocast (fp16 with a GradScaler)
     resume: bool = True                 # continue an unfinished member from its checkpoint
     save_epoch_weights: bool = False    # weights_epoch_XXX.pt per epoch
+    eval_every: int = 1                 # test-set evaluation every this many epochs (and after the last)
     progress: bool = True               # tqdm bars
     report: bool = True                 # render report.md when the run's members are done
     interrupt_at_step: int | None = None  # behave as if Ctrl-C arrived after this global step (tests)
@@ -111,7 +112,7 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NESTEROV = True
 # Config fields that may differ between a run and its resumption.
 RESUMABLE_CHANGES = ("out", "resume", "progress", "report", "interrupt_at_step", "members", "first_member",
-                     "data_dir", "download", "dist_timeout")
+                     "data_dir", "download", "dist_timeout", "eval_every")
 # Micro-batches per global batch when --world-invariant has no --micro-batch: runs on 1, 2 and 4
 # processes then give the same bits.
 DEFAULT_MICRO_BATCHES = 4
@@ -163,7 +164,8 @@ def resolve(cfg: Config) -> Config:
         raise ConfigError("--cuda-graph needs --device cuda (CUDA graphs capture GPU work only)")
     if cfg.dataset not in data.DATASETS:
         raise ConfigError(f"unknown dataset {cfg.dataset!r}; valid: {', '.join(data.DATASETS)}")
-    for key, low in (("epochs", 1), ("batch_size", 2), ("members", 1), ("n_train", 2), ("n_test", 1)):
+    for key, low in (("epochs", 1), ("batch_size", 2), ("members", 1), ("n_train", 2), ("n_test", 1),
+                     ("eval_every", 1)):
         v = getattr(cfg, key)
         if v is not None and v < low:
             raise ConfigError(f"--{key.replace('_', '-')} must be >= {low}, got {v}")
@@ -631,6 +633,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                   initial=state["epoch"], total=cfg.epochs, leave=False)
     model.train()
     graph = None
+    last_eval = None   # (metrics, logits) of the last epoch, when its evaluation ran in this call
     with routing.use_kernels(route, rng=kernel_rng, strict=cfg.strict, model=model, tuner=tuner) as routed, \
             _Interrupt(distributed=world.distributed) as interrupt:
         for epoch in epochs:
@@ -688,7 +691,11 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                     save_checkpoint(gen)
                     raise KeyboardInterrupt(f"interrupted at step {state['step']}; checkpoint saved in {d}")
             _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch, step_metrics)
-            ev = evaluate(model, ds, fmt, cfg.image_size, precision)[0] if main_rank else {}
+            ev = {}
+            if main_rank and ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs):
+                ev, logits = evaluate(model, ds, fmt, cfg.image_size, precision)
+                if epoch + 1 == cfg.epochs:
+                    last_eval = ev, logits   # the final evaluation below (same model, same bits)
             state["metrics"].append({
                 "epoch": epoch, "step": state["step"], "train_loss": acc["loss"] / max(1, acc["seen"]),
                 "train_top1": acc["correct"] / max(1, acc["seen"]), **ev, "epoch_time_s": acc["time_s"],
@@ -719,7 +726,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
         group.barrier()   # rank 0 evaluates and writes the member's files
         log.info("member %d done: final checksum %d", member, final)
         return {"member": member, "rank": world.rank, "final_checksum": final, "steps": state["step"]}
-    ev, logits = evaluate(model, ds, fmt, cfg.image_size, precision)
+    ev, logits = last_eval or evaluate(model, ds, fmt, cfg.image_size, precision)
     runio.npz_save(d / "predictions.npz", logits=logits.float().cpu().numpy(),
                    labels=ds.test_y.cpu().numpy(), group=ds.test_group.cpu().numpy())
     last = state["metrics"][-1]
@@ -925,6 +932,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="resume an unfinished run directory (default on)")
     g.add_argument("--save-epoch-weights", action="store_true")
+    g.add_argument("--eval-every", type=int, default=1, metavar="N",
+                   help="evaluate on the test set every N epochs and after the last (default 1)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
                    help="render report.md at the end (default on)")

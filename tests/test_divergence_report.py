@@ -150,3 +150,20 @@ def test_intervals_and_paired_tests_render(tmp_path):
     assert f"difference {-100 * d['value']:.3g} pt [{-100 * d['hi']:.3g}, {-100 * d['lo']:.3g}]" in first
     assert (f"against `control` (its model's fixed-seed baseline) difference "
             f"{100 * op['disagreement']['diff']['value']:.3g} pt") in first
+
+
+def test_published_reference_verdict_follows_the_ratio(tmp_path):
+    """The report says whether impl / algo disagreement matches the published 10.6 / 10.7: yes within
+    AGREE of that ratio, no (with the direction) outside, and names this study's own setup."""
+    path = build(tmp_path, partial=False)
+    res = json.loads(path.read_text())
+    ref = divergence_report.PUBLISHED["impl"] / divergence_report.PUBLISHED["algo"]
+    for ratio, verdict in ((ref, "**Yes**"), (ref - 2 * divergence_report.AGREE, "**No**: here it makes less"),
+                           (ref + 2 * divergence_report.AGREE, "**No**: here it makes more")):
+        res["configs"]["algo"]["metrics"]["disagreement"] = 0.1
+        res["configs"]["impl"]["metrics"]["disagreement"] = 0.1 * ratio
+        text = "\n".join(divergence_report.published_section(res))
+        assert f"gives {ratio:.2f} of the disagreement" in text and verdict in text, ratio
+        assert "small rather than ResNet-14; 2 epochs rather than 500; 3 members" in text
+    del res["configs"]["impl"]
+    assert "Not comparable yet" in "\n".join(divergence_report.published_section(res))

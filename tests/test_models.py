@@ -34,7 +34,7 @@ def _expected_params(name: str, num_classes: int) -> int:
         body = sum(_basic_block(a, b) + _basic_block(b, b) for a, b in ((64, 64), (64, 128), (128, 256),
                                                                          (256, 512)))
         return stem + body + 512 * num_classes + num_classes
-    if name == "resnet20":
+    if name.startswith("resnet20"):  # the max-pool has no parameters
         body = sum(_basic_block(a, b) + 2 * _basic_block(b, b) for a, b in ((16, 16), (16, 32), (32, 64)))
         return _conv_bn(3, 16, 3) + body + 64 * num_classes + num_classes
     if name == "small":
@@ -79,7 +79,7 @@ def test_layer_vocabulary(name):
 
 
 @pytest.mark.parametrize("name,pools", [("resnet18", 0), ("resnet18_imagenet", 1), ("resnet20", 0),
-                                        ("small", 1)])
+                                        ("resnet20_maxpool", 1), ("small", 1)])
 def test_max_pool_placement(name, pools):
     found = [m for m in _build(name).modules() if isinstance(m, nn.MaxPool2d)]
     assert len(found) == pools
@@ -95,7 +95,8 @@ def test_stems():
 
 
 @pytest.mark.parametrize("name,spatial", [("resnet18", [32, 16, 8, 4]), ("resnet18_imagenet", [8, 4, 2, 1]),
-                                          ("resnet20", [32, 16, 8]), ("small", [16, 8, 4])])
+                                          ("resnet20", [32, 16, 8]), ("resnet20_maxpool", [16, 8, 4]),
+                                          ("small", [16, 8, 4])])
 def test_stage_resolutions(name, spatial):
     """Feature-map sizes at the end of each residual stage on 32x32 input."""
     net = _build(name).eval()
@@ -142,7 +143,7 @@ def test_does_not_seed():
 
 
 def test_bad_name():
-    with pytest.raises(ValueError, match="resnet18.*resnet18_imagenet.*resnet20.*small"):
+    with pytest.raises(ValueError, match="resnet18.*resnet18_imagenet.*resnet20.*resnet20_maxpool.*small"):
         build_model("resnet50")
 
 

@@ -58,7 +58,10 @@ def test_default_grid():
     small = [e.name for e in study.default_grid("small")]                           # small has a max-pool
     assert small == names[:-2]
     assert "model" not in {e.name: e for e in study.default_grid("small")}["atomic-maxpool_bwd"].overrides
-    assert "atomic-maxpool_bwd" not in [e.name for e in study.default_grid("resnet20")]  # no max-pool, no sibling
+    r20 = {e.name: e for e in study.default_grid("resnet20")}   # resnet20's sibling: the same body behind a max-pool
+    assert r20["atomic-maxpool_bwd"].overrides["model"] == "resnet20_maxpool" and "algo@resnet20_maxpool" in r20
+    own = {e.name: e for e in study.default_grid("resnet20_maxpool")}   # a model with a max-pool runs it itself
+    assert "model" not in own["atomic-maxpool_bwd"].overrides and not any("@" in n for n in own)
     assert grid["atomic-conv_wgrad"].overrides == {"preset": "control", "kernel_ops": {"conv_wgrad": "atomic"}}
     assert grid["native"].overrides["kernel"] == "native" and grid["ulp"].overrides["perturb_ulp"]
     # one seed source per member at a time, everything else fixed and deterministic
@@ -288,7 +291,8 @@ def test_jobs_validation(tmp_path, capsys):
         assert "argument --jobs: expected an integer >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="jobs must be an integer >= 1"):
         study.run(make(tmp_path), jobs=0)
-    assert study.parser().parse_args(["--jobs", "3"]).jobs == 3 and study.parser().parse_args([]).jobs == 1
+    assert study.parser().parse_args(["--jobs", "3"]).jobs == 3 and study.parser().parse_args([]).jobs is None
+    assert study.default_jobs(make(tmp_path)) == 1   # CPU: one member after another unless --jobs says more
 
 
 def test_cli_passes_jobs_and_records_them(tmp_path, monkeypatch, capsys):
@@ -393,10 +397,11 @@ def test_default_cuda_study_plan(monkeypatch):
     assert s.report_path == study.REPO / "reports" / "divergence.md"
     assert s.members == 10 and len(s.plan) == len(study.CONFIGURATIONS) + len(study.BASELINES)
     cfg = {p.name: p.config for p in s.plan}
-    assert all(c["device"] == "cuda" and c["epochs"] == 10 and c["batch_size"] == 128 and c["n_train"] == 10_000
-               for c in cfg.values())
-    assert cfg["control"]["model"] == "resnet18" and cfg["atomic-maxpool_bwd"]["model"] == "resnet18_imagenet"
-    assert cfg["control@resnet18_imagenet"]["model"] == "resnet18_imagenet"
+    assert all(c["device"] == "cuda" and c["epochs"] == 15 and c["batch_size"] == 128 and c["n_train"] == 10_000
+               and c["n_test"] == 10_000 and c["cuda_graph"] and c["eval_every"] == 5 for c in cfg.values())
+    assert cfg["control"]["model"] == "resnet20" and cfg["atomic-maxpool_bwd"]["model"] == "resnet20_maxpool"
+    assert cfg["control@resnet20_maxpool"]["model"] == "resnet20_maxpool"
+    assert study.default_jobs(s) == study.JOBS_PER_GPU
     m = study.member_config(s.plan[1], 2, runs_dir=Path("runs/x"), progress=False)
     assert (m["first_member"], m["members"], m["save_epoch_weights"], m["report"]) == (2, 1, True, False)
 

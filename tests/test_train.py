@@ -197,6 +197,30 @@ def test_unreadable_checkpoint_is_a_one_line_cli_error(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
+def test_eval_every_skips_test_evaluations_only(tmp_path):
+    """--eval-every 2 over 3 epochs: test metrics after epochs 2 and 3 only; training, checksums and the
+    final predictions are those of a run that evaluates every epoch, and the predictions are the bits a
+    fresh evaluation of the final model gives."""
+    need_all_ops()
+    train.main(tiny(tmp_path, "every1", epochs=3))
+    train.main(tiny(tmp_path, "every2", epochs=3, eval_every=2))
+    a, b = runio.member_dir(tmp_path, "every1", 0), runio.member_dir(tmp_path, "every2", 0)
+    ma, mb = runio.read_csv(a / "metrics.csv"), runio.read_csv(b / "metrics.csv")
+    assert [bool(r["test_top1"]) for r in ma] == [True, True, True]
+    assert [bool(r["test_top1"]) for r in mb] == [False, True, True]
+    assert [r["test_top1"] for r in mb[1:]] == [r["test_top1"] for r in ma[1:]]
+    for f in ("checksums.csv", "predictions.npz"):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    ds = train.load_data(train.resolve(train.Config(**tiny(tmp_path, "every2", epochs=3))))
+    model = models.build_model("small")
+    model.load_state_dict(torch.load(b / "checkpoint.pt", weights_only=False)["model"])
+    logits = train.evaluate(model, ds, torch.contiguous_format)[1]
+    with np.load(b / "predictions.npz") as f:
+        assert np.array_equal(f["logits"], logits.numpy())
+    with pytest.raises(train.ConfigError, match="--eval-every must be >= 1"):
+        train.resolve(train.Config(**tiny(tmp_path, "bad", eval_every=0)))
+
+
 # Resumption: interrupted + resumed == uninterrupted, bit for bit
 
 
