@@ -64,14 +64,15 @@ TIMING_SCRIPT = REPO / "bench" / "dev" / "train_step_time.py"
 # Recipe probe on the H200 (bench/dev/recipe_probe.json, 8 members each, 4 at a time on the GPU):
 # `algo` 96.06% test top-1, SD 0.30 pt; 40 epochs 96.95%, SD 0.18; lr 0.1 95.51%, SD 0.16.
 SIZES = {
-    "cuda": {"model": "resnet20", "epochs": 15, "batch_size": 128, "n_train": 10_000, "n_test": 10_000,
+    "cuda": {"model": "resnet20", "epochs": 15, "batch_size": 128, "lr": 0.2, "n_train": 10_000, "n_test": 10_000,
              "cuda_graph": True, "eval_every": 5},
     # 2 CPU cores: 30 members of 8 steps each with the CPU order models, plus the timing pass: 5.2 min of
     # CPU time, 7.5 min wall on a shared 2-core machine (load average ~5), measured 2026-11-21.
-    "quick": {"model": "small", "epochs": 2, "batch_size": 32, "n_train": 128, "n_test": 256},
+    "quick": {"model": "small", "epochs": 2, "batch_size": 32, "lr": 0.2, "n_train": 128, "n_test": 256},
     # --smoke (what CI runs): two tiny members per configuration on the CPU, 2 steps each; it checks that
     # every configuration trains, collects and renders, not what the numbers are.
-    "smoke": {"model": "small", "epochs": 1, "batch_size": 32, "n_train": 64, "n_test": 64, "device": "cpu"},
+    "smoke": {"model": "small", "epochs": 1, "batch_size": 32, "lr": 0.2, "n_train": 64, "n_test": 64,
+              "device": "cpu"},
 }
 MEMBERS = {"cuda": 10, "quick": 3, "smoke": 2}   # members per configuration by default
 # Default workers per GPU. H200, ResNet-20 steps in a CUDA graph (3-epoch runs): one process alone 5.2 ms
@@ -308,7 +309,7 @@ def make_study(*, device: str | None = None, quick: bool | None = None, members:
     members = members or (spec and spec["members"]) or MEMBERS[size]
     if members < 2:
         raise StudyError(f"--members must be >= 2 (divergence needs pairs), got {members}")
-    lrs = lrs or (spec and spec["lrs"]) or [base.get("lr", train.Config.lr)]
+    lrs = lrs or (spec and spec["lrs"]) or [base["lr"]]
     if configs:
         names = {e.name for e in entries}
         unknown = [c for c in configs if c not in names]
