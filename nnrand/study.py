@@ -7,16 +7,16 @@ definitions) and ``nnrand.stats`` (bootstrap intervals over members, paired test
 
     python -m nnrand.study                             # default grid (CUDA) or the quick grid (CPU)
     python -m nnrand.study --time-budget 480           # stop cleanly before a member would pass 480 s
-    python -m nnrand.study --jobs 3 --time-budget 540  # three members at a time (worker processes)
+    python -m nnrand.study --jobs 3 --time-budget 540  # three members at a time (default: 8 per GPU on CUDA)
     python -m nnrand.study report                      # re-render from the files; trains nothing
 
 Each configuration is one run directory of the harness (``<runs-dir>/<config>/member_XXX``); every
 member is one ``nnrand.train.main`` call, so finished members are skipped and an unfinished one resumes
 from its checkpoint. ``--jobs N`` makes that call in N worker processes at a time (spawned, so CUDA
 starts fresh in each; with several GPUs visible, worker i uses GPU i mod count); every member is seeded
-by its configuration, so the results are the same as one after another. On one GPU, concurrency helps
-only when a single member leaves the GPU idle (host-bound steps). Outputs, by backend (a CPU run never
-overwrites the GPU report):
+by its configuration, so the results are the same as one after another. On CUDA the default is
+``JOBS_PER_GPU`` workers per GPU: ResNet-20 members leave an H200 partly idle one at a time. Outputs, by
+backend (a CPU run never overwrites the GPU report):
 
     CUDA, default grid   reports/divergence.md        reports/divergence_*.png        reports/results/divergence*
     CUDA, --quick        reports/divergence_quick.md  reports/divergence_quick_*.png  reports/results/divergence_quick*
