@@ -47,6 +47,15 @@ def test_help_shows_examples():
         assert op in r.stdout
 
 
+def test_device_defaults_fill_only_what_is_unset():
+    cpu = train.resolve(train.Config(device="cpu"))
+    assert (cpu.model, cpu.epochs, cpu.batch_size, cpu.lr) == ("small", 5, 64, 0.1)
+    mine = train.resolve(train.Config(device="cpu", lr=0.3, batch_size=32))
+    assert (mine.lr, mine.batch_size) == (0.3, 32)
+    assert train.DEVICE_DEFAULTS["cuda"]["lr"] == 0.2
+    assert set(train.DEVICE_DEFAULTS["cuda"]) == set(train.DEVICE_DEFAULTS["cpu"])   # every device fills the same fields
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--kernel-op", "conv_bgrad=tree"], "valid ops: conv_wgrad, conv_dgrad, bias_grad, maxpool_bwd"),
     (["--kernel-op", "bias_grad=fast"], "valid: native"),
