@@ -97,8 +97,8 @@ DEVICE_DEFAULTS = {
     # The former defaults (batch 128 at lr 0.2) took 54.3 / 50.5 / 52.5 s for 60.7 / 60.0 / 54.9%
     # (majority 75 / 74 / 68%, minority 12 / 11 / 10%: the background cue is learnt, the shapes only in
     # part). With stock kernels (--kernel native --channels-last, seed 0): batch 32 at lr 0.05, 68.6% in
-    # 27 s; 10 epochs of it 72.3%; 30 epochs of batch 128 83.6% in 94 s (80% passed after ~22 epochs).
-    # 80% on this set needs about 4x the steps that fit in a minute on 2 cores with the order models.
+    # 27 s; 10 epochs of it 72.3%. These defaults with --epochs 20: 80.5% (seed 0): 80% on this set needs
+    # about 4x the steps that fit in a minute on 2 cores with the order models.
     "cpu": {"model": "small", "epochs": 5, "batch_size": 64, "lr": 0.1, "n_train": 4096, "n_test": 512},
     # H200: ResNet-18 on the whole synthetic set (10k/2k).
     "cuda": {"model": "resnet18", "epochs": 10, "batch_size": 128, "lr": 0.2, "n_train": None, "n_test": None},
