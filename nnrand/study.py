@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from nnrand import metrics, noise, routing, runio, stats, train
+from nnrand import metrics, mps, noise, routing, runio, stats, train
 
 REPO = Path(__file__).resolve().parent.parent
 TIMING_SCRIPT = REPO / "bench" / "dev" / "train_step_time.py"
@@ -584,18 +584,46 @@ def _checksums(d: Path) -> list[tuple[int, int]]:
     return [(int(r["step"]), int(r["checksum"])) for r in runio.read_csv(f)] if f.exists() else []
 
 
+L2_CACHE = "weights_l2.json"
+
+
 def weight_distances(dirs: list[Path], epochs: int) -> list[dict]:
     """Per epoch whose weights every member saved: pairwise L2 distances and the mean weight norm, summed
     up by ``stats.l2_growth`` (mean pairwise L2 with its interval, growth over the first epoch). One
-    epoch in memory at a time (ResNet-18: 45 MB per member and epoch in float32)."""
-    rows = []
+    epoch in memory at a time (ResNet-18: 45 MB per member and epoch in float32).
+
+    The matrices are kept beside the members in ``<config>/weights_l2.json``, valid for exactly the
+    members they were taken over (names and final checksums): once it is written, the per-epoch weight files (most of a study's
+    bytes) are not needed to collect the configuration again, so a study's finished configurations can
+    move to another machine without them."""
+    rows = _l2_rows(dirs, epochs)
+    return stats.l2_growth([(e, np.asarray(m, dtype=np.float64), n) for e, m, n in rows])
+
+
+def _l2_rows(dirs: list[Path], epochs: int) -> list[tuple[int, list, float]]:
+    if not dirs:
+        return []
+    cache = dirs[0].parent / L2_CACHE
+    # a member is named with its final checksum: a member trained again (--no-resume) makes a new entry
+    members = [[d.name, runio.read_json(d / "result.json")["final_checksum"] if runio.is_finished(d) else None]
+               for d in dirs]
+    if cache.exists():
+        held = runio.read_json(cache)
+        if held.get("members") == members and held.get("epochs") == epochs:
+            return [(r["epoch"], r["l2"], r["norm"]) for r in held["rows"]]
+    rows, complete = [], True
     for e in range(epochs):
         files = [d / f"weights_epoch_{e:03d}.pt" for d in dirs]
         if not all(f.exists() for f in files):
+            complete = False
             continue
         ws = [torch.load(f, map_location="cpu").numpy() for f in files]
-        rows.append((e, stats.l2_matrix(ws), float(np.mean([np.linalg.norm(w.astype(np.float64)) for w in ws]))))
-    return stats.l2_growth(rows)
+        rows.append((e, stats.l2_matrix(ws).tolist(),
+                     float(np.mean([np.linalg.norm(w.astype(np.float64)) for w in ws]))))
+    if complete and len(dirs) >= 2:   # a partial set would hide epochs: recomputed until every file is there
+        runio.write_json(cache, {"members": members, "epochs": epochs,
+                                 "rows": [{"epoch": e, "l2": m, "norm": n} for e, m, n in rows]})
+    return rows
 
 
 def collect_config(study: Study, p: Planned) -> tuple[dict, dict]:
@@ -847,6 +875,11 @@ def parser() -> argparse.ArgumentParser:
                         f"{JOBS_PER_GPU} per visible GPU on CUDA (worker i uses GPU i mod count; workers on "
                         "one GPU fill each other's idle time: evaluation, checkpoints, start-up), 1 on CPU "
                         "(one after another in this process; CPU workers share the cores)")
+    g.add_argument("--mps", action="store_true",
+                   help="run the CUDA workers under a private CUDA MPS daemon (started for the run, stopped "
+                        "after it): without MPS, processes on one GPU take turns; with it, their kernels "
+                        "run side by side. Members' bits are the same either way. Needs --jobs > 1 and "
+                        "nvidia-cuda-mps-control on PATH")
     g.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
                    help="timing pass once all members are done (default on; skipped if its file exists)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
@@ -888,9 +921,15 @@ def cli(argv: list[str] | None = None) -> int:
         return 1
     outcome = {"stopped": False}
     if args.command == "run":
+        jobs = args.jobs or default_jobs(study)
+        if args.mps and (study.backend != "cuda" or jobs < 2):
+            p.exit(2, f"{p.prog}: error: --mps: MPS shares a GPU between worker processes; it needs the cuda "
+                      f"device and --jobs > 1 (here: {study.backend}, {jobs} job{'s' * (jobs != 1)})\n")
         try:
-            outcome = run(study, time_budget=args.time_budget, progress=args.progress,
-                          jobs=args.jobs or default_jobs(study))
+            with mps.daemon() if args.mps else contextlib.nullcontext():
+                outcome = run(study, time_budget=args.time_budget, progress=args.progress, jobs=jobs)
+        except mps.MPSError as e:
+            p.exit(2, f"{p.prog}: error: --mps: {e}\n")
         except (train.ConfigError, routing.RoutingError, runio.DiskSpaceError, DatasetError) as e:
             p.exit(2, f"{p.prog}: error: {e}\n")
         except MemberError as e:   # from a worker: the usage errors above exit the same way

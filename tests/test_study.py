@@ -382,6 +382,30 @@ def test_time_budget_stops_cleanly_and_the_same_command_resumes(tmp_path):
     assert "| `seeds` |" in (tmp_path / "rep" / "div.md").read_text()
 
 
+def test_finished_configurations_collect_without_their_weight_files(tmp_path):
+    """Collecting writes each configuration's pairwise L2 matrices beside its members; with that file the
+    per-epoch weights (and checkpoints) can be dropped, as when a study's finished configurations move to
+    another machine, and the results stay the same. The file holds for the members' final checksums
+    only: a member trained again is not covered by it."""
+    s = make(tmp_path)
+    study.run(s, progress=False)
+    before = study.collect(s)
+    weights = before["configs"]["seeds"]["weights"]
+    assert weights and weights[0]["l2"] > 0                       # per-member seeds: the members differ
+    cache = s.runs_dir / "seeds" / study.L2_CACHE
+    assert cache.exists()
+    for f in [*s.runs_dir.glob("*/member_*/weights_epoch_*.pt"), *s.runs_dir.glob("*/member_*/checkpoint.pt")]:
+        f.unlink()
+    after = study.collect(s)
+    assert after["configs"]["seeds"]["weights"] == weights
+    assert after["configs"]["fixed"]["weights"] == before["configs"]["fixed"]["weights"]
+
+    held = json.loads(cache.read_text())
+    held["members"][0][1] += 1                                     # as if member 0 had been trained again
+    cache.write_text(json.dumps(held))
+    assert study.collect(s)["configs"]["seeds"]["weights"] == []   # no weight files, no valid matrices
+
+
 def test_help_has_examples():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, "-m", "nnrand.study", "--help"], capture_output=True, text=True,

@@ -1,0 +1,69 @@
+"""A private CUDA MPS (Multi-Process Service) daemon for the length of a ``with`` block.
+
+Processes that share a GPU without MPS are time-sliced: their kernels never run at the same time, so
+several small training processes on one GPU take turns rather than overlap. Under MPS their kernels
+share the GPU's multiprocessors. ``daemon()`` starts ``nvidia-cuda-mps-control -d`` with its own pipe
+and log directories and sets ``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY`` in this process's
+environment, which processes started inside the block inherit: a process becomes an MPS client when it
+first initialises CUDA, so workers must start after entering (a process whose CUDA runtime started
+before stays outside the daemon, unaffected). On exit the daemon is told to quit and the variables are
+restored.
+
+What each kernel computes does not depend on MPS (it changes when kernels run, not their arithmetic or
+their order within a process): a member's bits are the same with or without it."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+CONTROL = "nvidia-cuda-mps-control"
+ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+
+
+class MPSError(RuntimeError):
+    """The daemon could not be started (control binary missing, one already configured, start failed)."""
+
+
+@contextlib.contextmanager
+def daemon(*, control: str = CONTROL, start_timeout_s: float = 10.0):
+    """Run the block under a private MPS daemon; yields its pipe directory."""
+    for var in ENV:
+        if os.environ.get(var):
+            raise MPSError(f"{var} is already set ({os.environ[var]}): an MPS daemon is managed outside this "
+                           "run; leave MPS to it")
+    exe = shutil.which(control)
+    if exe is None:
+        raise MPSError(f"{control} not found on PATH (it ships with the NVIDIA driver)")
+    root = Path(tempfile.mkdtemp(prefix="nnrand-mps-"))
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
+    for d in env.values():
+        Path(d).mkdir()
+    full = {**os.environ, **env}
+    r = subprocess.run([exe, "-d"], env=full, capture_output=True, text=True, timeout=start_timeout_s)
+    if r.returncode != 0:
+        shutil.rmtree(root, ignore_errors=True)
+        raise MPSError(f"{control} -d failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()[-500:]}")
+    try:
+        _wait_for_pipe(Path(env["CUDA_MPS_PIPE_DIRECTORY"]), start_timeout_s)
+        os.environ.update(env)
+        yield Path(env["CUDA_MPS_PIPE_DIRECTORY"])
+    finally:
+        for var in ENV:
+            os.environ.pop(var, None)
+        subprocess.run([exe], input="quit\n", env=full, capture_output=True, text=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _wait_for_pipe(pipe: Path, timeout_s: float) -> None:
+    """The daemon forks and returns before its control pipe exists; a client that starts earlier would
+    run outside it. Waits until the pipe directory holds an entry."""
+    end = time.monotonic() + timeout_s
+    while not any(pipe.iterdir()):
+        if time.monotonic() > end:
+            raise MPSError(f"{CONTROL} -d returned but made no control pipe in {pipe} within {timeout_s:g} s")
+        time.sleep(0.05)

@@ -1,0 +1,89 @@
+"""The private MPS daemon around a study's workers, against a stand-in control program (a shell script
+on PATH that records how it was called and makes the control pipe as the real one does)."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nnrand import mps, study
+
+FAKE = """#!/bin/sh
+echo "$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY" >> "{log}"
+if [ "$1" = "-d" ]; then
+    [ -n "{fail}" ] && {{ echo "cannot start: {fail}" >&2; exit 3; }}
+    [ -n "{nopipe}" ] || mkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"
+    exit 0
+fi
+cat >> "{log}"
+"""
+
+
+@pytest.fixture
+def fake_control(tmp_path, monkeypatch):
+    def make(fail: str = "", nopipe: str = "") -> Path:
+        bindir = tmp_path / "bin"
+        bindir.mkdir(exist_ok=True)
+        log = tmp_path / "calls.log"
+        exe = bindir / mps.CONTROL
+        exe.write_text(FAKE.format(log=log, fail=fail, nopipe=nopipe))
+        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+        monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+        for var in mps.ENV:
+            monkeypatch.delenv(var, raising=False)
+        return log
+    return make
+
+
+def test_daemon_starts_private_pipe_children_inherit_and_quit_on_exit(fake_control):
+    log = fake_control()
+    with mps.daemon() as pipe:
+        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe) and (pipe / "control").exists()
+        child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['CUDA_MPS_PIPE_DIRECTORY'])"],
+                               capture_output=True, text=True, check=True)
+        assert child.stdout.strip() == str(pipe)   # a process started inside is a client of this daemon
+    assert not any(v in os.environ for v in mps.ENV)
+    assert not pipe.exists()
+    calls = log.read_text().splitlines()
+    assert calls[0] == f"-d pipe={pipe} log={pipe.parent / 'log'}"
+    assert calls[1] == f" pipe={pipe} log={pipe.parent / 'log'}" and calls[2] == "quit"
+
+
+def test_daemon_quits_when_the_block_raises(fake_control):
+    log = fake_control()
+    with pytest.raises(KeyboardInterrupt):
+        with mps.daemon():
+            raise KeyboardInterrupt
+    assert log.read_text().splitlines()[-1] == "quit" and not any(v in os.environ for v in mps.ENV)
+
+
+def test_daemon_errors_name_the_cause(fake_control, monkeypatch, tmp_path):
+    fake_control(fail="no GPU")
+    with pytest.raises(mps.MPSError, match=r"-d failed \(exit 3\): cannot start: no GPU"):
+        with mps.daemon():
+            pass
+    fake_control(nopipe="1")
+    with pytest.raises(mps.MPSError, match="made no control pipe"):
+        with mps.daemon(start_timeout_s=0.2):
+            pass
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/somewhere")
+    with pytest.raises(mps.MPSError, match="already set"):
+        with mps.daemon():
+            pass
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(mps.MPSError, match="not found on PATH"):
+        with mps.daemon():
+            pass
+
+
+def test_study_refuses_mps_without_cuda_workers(capsys):
+    with pytest.raises(SystemExit) as e:
+        study.cli(["--device", "cpu", "--smoke", "--configs", "control", "--mps", "--no-progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--mps" in err and "(here: cpu, 1 job)" in err
