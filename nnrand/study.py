@@ -808,6 +808,8 @@ EPILOG = """examples:
                                                            inside a 10-minute command)
   python -m nnrand.study --jobs 3 --time-budget 540        three members at a time (worker processes; GPUs
                                                            spread over when several are visible)
+  python -m nnrand.study --mps                             the workers under a private CUDA MPS daemon (their
+                                                           kernels overlap instead of taking turns on the GPU)
   python -m nnrand.study --quick --members 4               the small grid, 4 members per configuration
   python -m nnrand.study --smoke                           every configuration, 2 tiny CPU members (CI)
   python -m nnrand.study --configs control,impl,algo       a subset of the grid
@@ -822,7 +824,8 @@ aug (one seed source per member each), atomic-<op> for each of conv_wgrad, conv_
 (on resnet20_maxpool when the model has no max-pool, with control@ and algo@resnet20_maxpool as its seed
 baselines), native, algo-bf16, impl-bf16. CUDA defaults: resnet20, synthetic 10k/10k, 15 epochs of batch 128
 in a CUDA graph, the test set evaluated every 5 epochs, 10 members per configuration, 8 workers per GPU,
-then a ~1 min timing pass; ~20 MB of run files per member.
+then a ~1 min timing pass; ~20 MB of run files per member, ~0.5 MB without weights_epoch_*.pt and
+checkpoint.pt, which a configuration no longer needs once 'report' has collected it (weights_l2.json).
 CPU (--quick): small model, 128 training images, 2 epochs, 3 members. --smoke: 2 members of 2 steps each.
 outputs: reports/divergence.md (CUDA), reports/divergence_quick.md (CUDA --quick), reports/divergence_cpu.md
 (CPU), PNGs beside them, numbers in reports/results/<stem>.json; run directories under runs/<stem>/."""
