@@ -291,12 +291,15 @@ def member_config(p: Planned, member: int, *, runs_dir: Path, progress: bool) ->
 def make_study(*, device: str | None = None, quick: bool | None = None, members: int | None = None,
                lrs: list[float] | None = None, configs: list[str] | None = None, grid_file: str | None = None,
                sizes: dict | None = None, runs_dir: str | None = None, out: str | None = None,
-               smoke: bool = False) -> Study:
+               smoke: bool = False, trains: bool = True) -> Study:
     """Resolve the grid, sizes and paths; check every configuration with the harness's own validation.
-    ``smoke``: the tiny CI sizes, on the CPU unless ``device`` says otherwise."""
+    ``smoke``: the tiny CI sizes, on the CPU unless ``device`` says otherwise. ``trains=False`` (status and
+    report, which read run files only): a CUDA study resolves on a machine without CUDA, so members trained
+    on GPU machines are collected and rendered anywhere; the harness's checks, which need the device, are
+    left to the machines that train."""
     device = device or (SIZES["smoke"]["device"] if smoke else "cuda" if torch.cuda.is_available() else "cpu")
     backend = torch.device(device).type
-    if backend == "cuda" and not torch.cuda.is_available():
+    if trains and backend == "cuda" and not torch.cuda.is_available():
         raise StudyError("--device cuda: no CUDA device is available here")
     quick = (backend != "cuda") if quick is None else quick
     size = "smoke" if smoke else "quick" if quick else "cuda"
@@ -325,7 +328,7 @@ def make_study(*, device: str | None = None, quick: bool | None = None, members:
             plan.append(Planned(name, cfg, e.note, e.name, float(cfg["lr"])))
     if len({p.name for p in plan}) != len(plan):
         raise StudyError("configuration names must be unique")
-    for p in plan:  # the harness's validation, before anything trains
+    for p in plan if trains else ():  # the harness's validation, before anything trains
         try:
             train.resolve(train.Config(**member_config(p, 0, runs_dir=Path("runs"), progress=False)))
         except (train.ConfigError, routing.RoutingError, TypeError) as e:
@@ -912,7 +915,8 @@ def cli(argv: list[str] | None = None) -> int:
                            configs=[c.strip() for c in args.configs.split(",")] if args.configs else None,
                            grid_file=args.grid, runs_dir=args.runs_dir, out=args.out,
                            sizes={"model": args.model, "epochs": args.epochs, "batch_size": args.batch_size,
-                                  "n_train": args.n_train, "n_test": args.n_test}, smoke=args.smoke)
+                                  "n_train": args.n_train, "n_test": args.n_test}, smoke=args.smoke,
+                           trains=args.command in ("run", "timing"))
     except StudyError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     argv = sys.argv[1:] if argv is None else argv

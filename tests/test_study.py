@@ -430,6 +430,22 @@ def test_default_cuda_study_plan(monkeypatch):
     assert (m["first_member"], m["members"], m["save_epoch_weights"], m["report"]) == (2, 1, True, False)
 
 
+def test_cuda_study_reads_its_files_on_a_machine_without_cuda(tmp_path, monkeypatch, capsys):
+    """status and report read run files only: members trained on GPU machines are collected anywhere;
+    training or timing a CUDA study still needs the device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(study.StudyError, match="no CUDA device"):
+        study.make_study(device="cuda")
+    s = study.make_study(device="cuda", trains=False)
+    assert s.backend == "cuda" and s.stem == "divergence" and s.members == 10
+    assert study.cli(["status", "--device", "cuda", "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert "control                  0/10 members done" in capsys.readouterr().out
+    for command in ("run", "timing"):
+        with pytest.raises(SystemExit) as e:
+            study.cli([command, "--device", "cuda", "--runs-dir", str(tmp_path / "runs")])
+        assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+
+
 def test_smoke_study_trains_collects_compares_and_renders(tmp_path, capsys):
     """--smoke on a subset of the configurations (the whole set is what `python -m nnrand.study --smoke`
     runs; 26 members take ~1.5 min of CPU time): every step from training to the paired tests."""
