@@ -596,9 +596,10 @@ def weight_distances(dirs: list[Path], epochs: int) -> list[dict]:
     epoch in memory at a time (ResNet-18: 45 MB per member and epoch in float32).
 
     The matrices are kept beside the members in ``<config>/weights_l2.json``, valid for exactly the
-    members they were taken over (names and final checksums): once it is written, the per-epoch weight files (most of a study's
-    bytes) are not needed to collect the configuration again, so a study's finished configurations can
-    move to another machine without them."""
+    members they were taken over (names and final checksums): once it is written, the per-epoch weight
+    files (most of a study's bytes) are not needed to collect the configuration again, so a study's
+    finished configurations can move to another machine without them. A configuration whose members
+    were trained on two machines needs its weight files together once, on one of them."""
     rows = _l2_rows(dirs, epochs)
     return stats.l2_growth([(e, np.asarray(m, dtype=np.float64), n) for e, m, n in rows])
 
