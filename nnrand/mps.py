@@ -44,10 +44,16 @@ def daemon(*, control: str = CONTROL, start_timeout_s: float = 10.0):
     for d in env.values():
         Path(d).mkdir()
     full = {**os.environ, **env}
-    r = subprocess.run([exe, "-d"], env=full, capture_output=True, text=True, timeout=start_timeout_s)
-    if r.returncode != 0:
+    # Output to a file, not a pipe: the daemon's forked child may keep inherited pipes open, and reading
+    # a pipe to its end would then wait for the daemon to exit.
+    errors = root / "start.txt"
+    with open(errors, "w") as f:
+        rc = subprocess.run([exe, "-d"], env=full, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                            timeout=start_timeout_s).returncode
+    if rc != 0:
+        said = errors.read_text().strip()[-500:]
         shutil.rmtree(root, ignore_errors=True)
-        raise MPSError(f"{control} -d failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()[-500:]}")
+        raise MPSError(f"{control} -d failed (exit {rc}): {said}")
     try:
         _wait_for_pipe(Path(env["CUDA_MPS_PIPE_DIRECTORY"]), start_timeout_s)
         os.environ.update(env)
@@ -55,7 +61,8 @@ def daemon(*, control: str = CONTROL, start_timeout_s: float = 10.0):
     finally:
         for var in ENV:
             os.environ.pop(var, None)
-        subprocess.run([exe], input="quit\n", env=full, capture_output=True, text=True, timeout=60)
+        subprocess.run([exe], input="quit\n", env=full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       text=True, timeout=60)
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -17,6 +17,7 @@ echo "$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY" >> "{log}"
 if [ "$1" = "-d" ]; then
     [ -n "{fail}" ] && {{ echo "cannot start: {fail}" >&2; exit 3; }}
     [ -n "{nopipe}" ] || mkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"
+    [ -n "{linger}" ] && {{ sleep 30 & }}   # a forked child that keeps the inherited output open
     exit 0
 fi
 cat >> "{log}"
@@ -25,12 +26,12 @@ cat >> "{log}"
 
 @pytest.fixture
 def fake_control(tmp_path, monkeypatch):
-    def make(fail: str = "", nopipe: str = "") -> Path:
+    def make(fail: str = "", nopipe: str = "", linger: str = "") -> Path:
         bindir = tmp_path / "bin"
         bindir.mkdir(exist_ok=True)
         log = tmp_path / "calls.log"
         exe = bindir / mps.CONTROL
-        exe.write_text(FAKE.format(log=log, fail=fail, nopipe=nopipe))
+        exe.write_text(FAKE.format(log=log, fail=fail, nopipe=nopipe, linger=linger))
         exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
         monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
         for var in mps.ENV:
@@ -51,6 +52,13 @@ def test_daemon_starts_private_pipe_children_inherit_and_quit_on_exit(fake_contr
     calls = log.read_text().splitlines()
     assert calls[0] == f"-d pipe={pipe} log={pipe.parent / 'log'}"
     assert calls[1] == f" pipe={pipe} log={pipe.parent / 'log'}" and calls[2] == "quit"
+
+
+def test_start_returns_while_the_forked_daemon_holds_its_output(fake_control):
+    # read through a pipe, the start would wait for the child's 30 s and hit the 2 s start timeout
+    fake_control(linger="1")
+    with mps.daemon(start_timeout_s=2.0) as pipe:
+        assert (pipe / "control").exists()
 
 
 def test_daemon_quits_when_the_block_raises(fake_control):
