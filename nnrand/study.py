@@ -928,6 +928,9 @@ def cli(argv: list[str] | None = None) -> int:
     if args.command == "timing" and not run_timing(study, quick_steps=study.backend == "cpu"):
         return 1
     outcome = {"stopped": False}
+    # what a member can fail with that the user fixes (an option, the disk, the data, a damaged checkpoint)
+    user_errors = (train.ConfigError, routing.RoutingError, runio.DiskSpaceError, runio.CheckpointError,
+                   DatasetError)
     if args.command == "run":
         jobs = args.jobs or default_jobs(study)
         if args.mps and (study.backend != "cuda" or jobs < 2):
@@ -938,11 +941,10 @@ def cli(argv: list[str] | None = None) -> int:
                 outcome = run(study, time_budget=args.time_budget, progress=args.progress, jobs=jobs)
         except mps.MPSError as e:
             p.exit(2, f"{p.prog}: error: --mps: {e}\n")
-        except (train.ConfigError, routing.RoutingError, runio.DiskSpaceError, DatasetError) as e:
+        except user_errors as e:
             p.exit(2, f"{p.prog}: error: {e}\n")
         except MemberError as e:   # from a worker: the usage errors above exit the same way
-            if isinstance(e.__cause__, (train.ConfigError, routing.RoutingError, runio.DiskSpaceError,
-                                        DatasetError)):
+            if isinstance(e.__cause__, user_errors):
                 p.exit(2, f"{p.prog}: error: {e}\n")
             raise
         except KeyboardInterrupt as e:

@@ -406,6 +406,25 @@ def test_finished_configurations_collect_without_their_weight_files(tmp_path):
     assert study.collect(s)["configs"]["seeds"]["weights"] == []   # no weight files, no valid matrices
 
 
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_damaged_checkpoint_is_a_one_line_error_naming_it(tmp_path, capsys, jobs):
+    """A member's checkpoint that does not load stops the study with exit 2 and one line naming the file
+    (in this process or from a worker), not a traceback and not a silent fresh start."""
+    bad = tmp_path / "runs" / "seeds" / "member_000" / "checkpoint.pt"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"not a checkpoint")
+    argv = ["--device", "cpu", "--grid", str(tiny_grid(tmp_path, ("seeds",))), "--runs-dir", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "rep" / "div.md"), "--no-progress", "--no-timing", "--jobs", jobs]
+    with pytest.raises(SystemExit) as e:
+        study.cli(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]   # with workers, a line before it says the others are awaited
+    assert "Traceback" not in err and last.startswith("python -m nnrand.study: error:")
+    assert str(bad) in last and "cannot be loaded" in last and "--no-resume" in last
+    assert bad.read_bytes() == b"not a checkpoint"
+
+
 def test_help_has_examples():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, "-m", "nnrand.study", "--help"], capture_output=True, text=True,
