@@ -39,7 +39,10 @@ def daemon(*, control: str = CONTROL, start_timeout_s: float = 10.0):
     exe = shutil.which(control)
     if exe is None:
         raise MPSError(f"{control} not found on PATH (it ships with the NVIDIA driver)")
-    root = Path(tempfile.mkdtemp(prefix="nnrand-mps-"))
+    # clients reach the daemon through unix sockets in the pipe directory, whose paths must stay short
+    # (about 100 bytes): a long $TMPDIR falls back to /tmp
+    base = tempfile.gettempdir()
+    root = Path(tempfile.mkdtemp(prefix="nnrand-mps-", dir=base if len(base) <= 64 else "/tmp"))
     env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
     for d in env.values():
         Path(d).mkdir()

@@ -6,6 +6,7 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,15 @@ def test_start_returns_while_the_forked_daemon_holds_its_output(fake_control):
     fake_control(linger="1")
     with mps.daemon(start_timeout_s=2.0) as pipe:
         assert (pipe / "control").exists()
+
+
+def test_pipe_directory_stays_short_under_a_long_tmpdir(fake_control, monkeypatch, tmp_path):
+    long_tmp = tmp_path / ("t" * 80)
+    long_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    fake_control()
+    with mps.daemon() as pipe:
+        assert len(str(pipe / "control")) < 100 and not str(pipe).startswith(str(long_tmp))
 
 
 def test_daemon_quits_when_the_block_raises(fake_control):
