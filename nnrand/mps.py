@@ -58,7 +58,7 @@ def daemon(*, control: str = CONTROL, start_timeout_s: float = 10.0):
         shutil.rmtree(root, ignore_errors=True)
         raise MPSError(f"{control} -d failed (exit {rc}): {said}")
     try:
-        _wait_for_pipe(Path(env["CUDA_MPS_PIPE_DIRECTORY"]), start_timeout_s)
+        _wait_for_pipe(Path(env["CUDA_MPS_PIPE_DIRECTORY"]), start_timeout_s, control)
         os.environ.update(env)
         yield Path(env["CUDA_MPS_PIPE_DIRECTORY"])
     finally:
@@ -69,11 +69,11 @@ def daemon(*, control: str = CONTROL, start_timeout_s: float = 10.0):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _wait_for_pipe(pipe: Path, timeout_s: float) -> None:
+def _wait_for_pipe(pipe: Path, timeout_s: float, control: str) -> None:
     """The daemon forks and returns before its control pipe exists; a client that starts earlier would
     run outside it. Waits until the pipe directory holds an entry."""
     end = time.monotonic() + timeout_s
     while not any(pipe.iterdir()):
         if time.monotonic() > end:
-            raise MPSError(f"{CONTROL} -d returned but made no control pipe in {pipe} within {timeout_s:g} s")
+            raise MPSError(f"{control} -d returned but made no control pipe in {pipe} within {timeout_s:g} s")
         time.sleep(0.05)

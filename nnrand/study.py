@@ -590,30 +590,27 @@ def _checksums(d: Path) -> list[tuple[int, int]]:
 L2_CACHE = "weights_l2.json"
 
 
-def weight_distances(dirs: list[Path], epochs: int) -> list[dict]:
+def weight_distances(dirs: list[Path], epochs: int, checksums: list[int]) -> list[dict]:
     """Per epoch whose weights every member saved: pairwise L2 distances and the mean weight norm, summed
     up by ``stats.l2_growth`` (mean pairwise L2 with its interval, growth over the first epoch). One
     epoch in memory at a time (ResNet-18: 45 MB per member and epoch in float32).
 
     The matrices are kept beside the members in ``<config>/weights_l2.json``, valid for exactly the
-    members they were taken over (names and final checksums): once it is written, the per-epoch weight
+    members they were taken over (names and ``checksums``, their final checksums): once it is written, the per-epoch weight
     files (most of a study's bytes) are not needed to collect the configuration again, so a study's
     finished configurations can move to another machine without them. A configuration whose members
     were trained on two machines needs its weight files together once, on one of them."""
-    rows = _l2_rows(dirs, epochs)
+    rows = _l2_rows(dirs, epochs, checksums)
     return stats.l2_growth([(e, np.asarray(m, dtype=np.float64), n) for e, m, n in rows])
 
 
-def _l2_rows(dirs: list[Path], epochs: int) -> list[tuple[int, list, float]]:
-    if not dirs:
-        return []
+def _l2_rows(dirs: list[Path], epochs: int, checksums: list[int]) -> list[tuple[int, list, float]]:
     cache = dirs[0].parent / L2_CACHE
     # a member is named with its final checksum: a member trained again (--no-resume) makes a new entry
-    members = [[d.name, runio.read_json(d / "result.json")["final_checksum"] if runio.is_finished(d) else None]
-               for d in dirs]
+    members = [[d.name, c] for d, c in zip(dirs, checksums)]
     if cache.exists():
         held = runio.read_json(cache)
-        if held.get("members") == members and held.get("epochs") == epochs:
+        if held.get("members") == members:
             return [(r["epoch"], r["l2"], r["norm"]) for r in held["rows"]]
     rows, complete = [], True
     for e in range(epochs):
@@ -624,8 +621,8 @@ def _l2_rows(dirs: list[Path], epochs: int) -> list[tuple[int, list, float]]:
         ws = [torch.load(f, map_location="cpu").numpy() for f in files]
         rows.append((e, stats.l2_matrix(ws).tolist(),
                      float(np.mean([np.linalg.norm(w.astype(np.float64)) for w in ws]))))
-    if complete and len(dirs) >= 2:   # a partial set would hide epochs: recomputed until every file is there
-        runio.write_json(cache, {"members": members, "epochs": epochs,
+    if complete:   # a partial set would hide epochs: recomputed until every file is there
+        runio.write_json(cache, {"members": members,
                                  "rows": [{"epoch": e, "l2": m, "norm": n} for e, m, n in rows]})
     return rows
 
@@ -663,7 +660,7 @@ def collect_config(study: Study, p: Planned) -> tuple[dict, dict]:
         out["metrics"] = metrics.summarize(logits, labels, groups)
         out["metrics"]["ci"] = stats.config_stats(logits, labels, groups)
         # weights: pairwise distance per epoch, and the first step with differing bits per pair
-        out["weights"] = weight_distances(done, c["epochs"])
+        out["weights"] = weight_distances(done, c["epochs"], [r["final_checksum"] for r in results])
         sums = [_checksums(d) for d in done]
         firsts = [metrics.first_divergent_step(sums[i], sums[j]) for i, j in metrics.pairs(len(done))]
         out["first_divergence"] = {"per_pair": firsts,
