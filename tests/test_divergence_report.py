@@ -154,16 +154,25 @@ def test_intervals_and_paired_tests_render(tmp_path):
 
 def test_published_reference_verdict_follows_the_ratio(tmp_path):
     """The report says whether impl / algo disagreement matches the published 10.6 / 10.7: yes within
-    AGREE of that ratio, no (with the direction) outside, and names this study's own setup."""
+    AGREE of that ratio, no (with the direction) outside, "nearly" within AGREE when this study's paired
+    test resolves a difference, and names this study's own setup."""
     path = build(tmp_path, partial=False)
     res = json.loads(path.read_text())
     ref = divergence_report.PUBLISHED["impl"] / divergence_report.PUBLISHED["algo"]
-    for ratio, verdict in ((ref, "**Yes**"), (ref - 2 * divergence_report.AGREE, "**No**: here it makes less"),
-                           (ref + 2 * divergence_report.AGREE, "**No**: here it makes more")):
+    near = ref - divergence_report.AGREE / 2
+    test = {"diff": {"value": -0.01, "lo": -0.02, "hi": -0.005}, "splits": 1001, "exact": False}
+    for ratio, p, verdict in ((ref, None, "**Yes**"), (near, 0.4, "**Yes**"),
+                              (near, 0.001, "**Nearly**: as they found, the reduction order alone makes most of "
+                                            "the prediction churn of every seed source together, but here "
+                                            "measurably less (paired test p = 0.001 (1000 random splits)"),
+                              (ref - 2 * divergence_report.AGREE, 0.4, "**No**: here it makes less"),
+                              (ref + 2 * divergence_report.AGREE, None, "**No**: here it makes more")):
         res["configs"]["algo"]["metrics"]["disagreement"] = 0.1
         res["configs"]["impl"]["metrics"]["disagreement"] = 0.1 * ratio
+        res["comparisons"] = [] if p is None else [
+            {"a": "impl", "b": "algo", "disagreement": {**test, "p_value": p}, "accuracy_sd": {**test, "p_value": p}}]
         text = "\n".join(divergence_report.published_section(res))
-        assert f"gives {ratio:.2f} of the disagreement" in text and verdict in text, ratio
+        assert f"gives {ratio:.2f} of the disagreement" in text and verdict in text, (ratio, p)
         assert "small rather than ResNet-14; 2 epochs rather than 500; 3 members" in text
     del res["configs"]["impl"]
     assert "Not comparable yet" in "\n".join(divergence_report.published_section(res))
