@@ -117,9 +117,9 @@ def torch_save(path, obj) -> None:
     write_bytes(path, buf.getvalue())
 
 
-def npz_save(path, **arrays) -> None:
+def npz_save(path, *, compress: bool = False, **arrays) -> None:
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    (np.savez_compressed if compress else np.savez)(buf, **arrays)
     write_bytes(path, buf.getvalue())
 
 

@@ -795,7 +795,11 @@ def collect(study: Study, timing: dict | None = None) -> dict:
         "command": study.command,
     }
     runio.write_text(study.results_path, json.dumps(_clean(res), indent=1) + "\n")
-    runio.npz_save(study.examples_path, **arrays)
+    # kept in the repository beside the report: class labels and subgroups fit 16 and 8 bits, and the
+    # per-configuration copies of the same labels compress away
+    small = {k: v.astype(np.int16 if k.endswith("/labels") else np.int8) if k.endswith(("/labels", "/groups")) else v
+             for k, v in arrays.items()}
+    runio.npz_save(study.examples_path, compress=True, **small)
     return res
 
 
