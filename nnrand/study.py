@@ -78,7 +78,9 @@ MEMBERS = {"cuda": 10, "quick": 3, "smoke": 2}   # members per configuration by 
 # Default workers per GPU. H200, ResNet-20 steps in a CUDA graph (3-epoch runs): one process alone 5.2 ms
 # per step; eight processes at once 17.8-32.9 ms each (median 28.8), ~3.4 ms per step in aggregate, 1.5x
 # the throughput of one (the GPU time-slices between them; each also fills the others' evaluation,
-# checkpoint and start-up time).
+# checkpoint and start-up time). Under MPS (the default where it starts, nnrand/mps.py) the default study,
+# 17 configurations x 10 members at 15 epochs, took 771 s on one H200 (90 members in 471 s, 80 in 300 s,
+# each figure including the collection), against 7.8 s per member without it.
 JOBS_PER_GPU = 8
 POOL_MODEL = {"resnet18": "resnet18_imagenet", "resnet20": "resnet20_maxpool"}  # model -> its max-pool sibling
 TOP_FLIPS = 8  # most-disagreed test images kept per configuration
@@ -813,7 +815,8 @@ EPILOG = """examples:
                                                            inside a 10-minute command)
   python -m nnrand.study --jobs 3 --time-budget 540        three members at a time (worker processes; GPUs
                                                            spread over when several are visible)
-  python -m nnrand.study --mps                             the workers under a private CUDA MPS daemon (their
+  python -m nnrand.study --no-mps                          workers without the private CUDA MPS daemon (by
+                                                           default they run under one when it can start: their
                                                            kernels overlap instead of taking turns on the GPU)
   python -m nnrand.study --quick --members 4               the small grid, 4 members per configuration
   python -m nnrand.study --smoke                           every configuration, 2 tiny CPU members (CI)
@@ -828,8 +831,8 @@ default grid (study.CONFIGURATIONS): control, algo, impl, algo+impl, ulp (one UL
 aug (one seed source per member each), atomic-<op> for each of conv_wgrad, conv_dgrad, bias_grad, maxpool_bwd
 (on resnet20_maxpool when the model has no max-pool, with control@ and algo@resnet20_maxpool as its seed
 baselines), native, algo-bf16, impl-bf16. CUDA defaults: resnet20, synthetic 10k/10k, 15 epochs of batch 128
-in a CUDA graph, the test set evaluated every 5 epochs, 10 members per configuration, 8 workers per GPU,
-then a ~1 min timing pass; ~20 MB of run files per member, ~0.5 MB without weights_epoch_*.pt and
+in a CUDA graph, the test set evaluated every 5 epochs, 10 members per configuration, 8 workers per GPU
+under a private MPS daemon where one starts (13 min on one H200), then a ~1 min timing pass; ~20 MB of run files per member, ~0.5 MB without weights_epoch_*.pt and
 checkpoint.pt, which a configuration no longer needs once 'report' has collected it (weights_l2.json).
 CPU (--quick): small model, 128 training images, 2 epochs, 3 members. --smoke: 2 members of 2 steps each.
 outputs: reports/divergence.md (CUDA), reports/divergence_quick.md (CUDA --quick), reports/divergence_cpu.md
@@ -881,17 +884,42 @@ def parser() -> argparse.ArgumentParser:
                    help="train N members at a time, each in its own worker process; results are identical "
                         "either way, every member being seeded by its configuration. Default: "
                         f"{JOBS_PER_GPU} per visible GPU on CUDA (worker i uses GPU i mod count; workers on "
-                        "one GPU fill each other's idle time: evaluation, checkpoints, start-up), 1 on CPU "
+                        "one GPU run side by side under MPS, see --mps, and otherwise take turns), 1 on CPU "
                         "(one after another in this process; CPU workers share the cores)")
-    g.add_argument("--mps", action="store_true",
+    g.add_argument("--mps", action=argparse.BooleanOptionalAction, default=None,
                    help="run the CUDA workers under a private CUDA MPS daemon (started for the run, stopped "
                         "after it): without MPS, processes on one GPU take turns; with it, their kernels "
-                        "run side by side. Members' bits are the same either way. Needs --jobs > 1 and "
-                        "nvidia-cuda-mps-control on PATH")
+                        "run side by side. Members' bits are the same either way. Default: on when there are "
+                        "CUDA workers (--jobs > 1) and nvidia-cuda-mps-control is on PATH, with a note and "
+                        "without it when the daemon cannot start or serve a client; --mps makes that an error, "
+                        "--no-mps skips it")
     g.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
                    help="timing pass once all members are done (default on; skipped if its file exists)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     return p
+
+
+def worker_mps(mode: bool | None, probe: tuple[str, ...] = mps.CUDA_PROBE) -> contextlib.ExitStack:
+    """The MPS daemon around a run's CUDA workers, entered: ``mode`` True (--mps) needs it and raises
+    ``mps.MPSError``; None (the default) starts it when it can and says so either way on stderr; False
+    (--no-mps, or no CUDA workers) does nothing. A daemon configured outside (``CUDA_MPS_PIPE_DIRECTORY``
+    set) is left to serve the workers."""
+    stack = contextlib.ExitStack()
+    if mode is False:
+        return stack
+    outside = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+    if mode is None and outside:
+        print(f"study: workers under the MPS daemon that CUDA_MPS_PIPE_DIRECTORY names ({outside})", file=sys.stderr)
+        return stack
+    try:
+        stack.enter_context(mps.daemon(probe=probe))
+    except mps.MPSError as e:
+        if mode:
+            raise
+        print(f"study: workers without MPS (they take turns on the GPU): {e}", file=sys.stderr)
+        return stack
+    print("study: workers under a private CUDA MPS daemon (--no-mps: without)", file=sys.stderr)
+    return stack
 
 
 def status_lines(study: Study) -> list[str]:
@@ -934,14 +962,17 @@ def cli(argv: list[str] | None = None) -> int:
                    DatasetError)
     if args.command == "run":
         jobs = args.jobs or default_jobs(study)
-        if args.mps and (study.backend != "cuda" or jobs < 2):
+        workers = study.backend == "cuda" and jobs >= 2
+        if args.mps and not workers:
             p.exit(2, f"{p.prog}: error: --mps: MPS shares a GPU between worker processes; it needs the cuda "
                       f"device and --jobs > 1 (here: {study.backend}, {jobs} job{'s' * (jobs != 1)})\n")
         try:
-            with mps.daemon() if args.mps else contextlib.nullcontext():
-                outcome = run(study, time_budget=args.time_budget, progress=args.progress, jobs=jobs)
+            stack = worker_mps(args.mps if workers else False)
         except mps.MPSError as e:
             p.exit(2, f"{p.prog}: error: --mps: {e}\n")
+        try:
+            with stack:
+                outcome = run(study, time_budget=args.time_budget, progress=args.progress, jobs=jobs)
         except user_errors as e:
             p.exit(2, f"{p.prog}: error: {e}\n")
         except MemberError as e:   # from a worker: the usage errors above exit the same way

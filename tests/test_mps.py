@@ -105,3 +105,54 @@ def test_study_refuses_mps_without_cuda_workers(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--mps" in err and "(here: cpu, 1 job)" in err
+
+
+# probes: a stand-in client that reports the pipe it was given, or fails as a refused CUDA client would
+SEES_PIPE = (sys.executable, "-c", "import os, pathlib; pathlib.Path(os.environ['PROBE_OUT']).write_text("
+                                   "os.environ['CUDA_MPS_PIPE_DIRECTORY'])")
+REFUSED = (sys.executable, "-c", "raise SystemExit('RuntimeError: all CUDA-capable devices are busy or unavailable')")
+
+
+def test_probe_runs_as_a_client_before_the_block(fake_control, monkeypatch, tmp_path):
+    fake_control()
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "probe.txt"))
+    with mps.daemon(probe=SEES_PIPE) as pipe:
+        assert (tmp_path / "probe.txt").read_text() == str(pipe)
+
+
+def test_refused_probe_stops_the_daemon_and_names_the_client_error(fake_control):
+    log = fake_control()
+    with pytest.raises(mps.MPSError, match=r"a client of the daemon failed \(exit 1\): RuntimeError: all CUDA"):
+        with mps.daemon(probe=REFUSED):
+            pytest.fail("the block must not run when the probe fails")
+    assert log.read_text().splitlines()[-1] == "quit" and not any(v in os.environ for v in mps.ENV)
+
+
+def test_study_uses_mps_by_default_and_runs_without_it_when_it_cannot(fake_control, capsys):
+    log = fake_control()
+    with study.worker_mps(None, probe=(sys.executable, "-c", "pass")):
+        pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+        assert "under a private CUDA MPS daemon" in capsys.readouterr().err
+    assert log.read_text().splitlines()[-1] == "quit" and not Path(pipe).exists()
+
+    with study.worker_mps(None, probe=REFUSED):        # default: a note, then the run goes on without
+        assert not any(v in os.environ for v in mps.ENV)
+    assert "workers without MPS (they take turns on the GPU): a client of the daemon failed" in capsys.readouterr().err
+    with pytest.raises(mps.MPSError, match="a client of the daemon failed"):    # --mps: an error
+        study.worker_mps(True, probe=REFUSED)
+
+    calls = len(log.read_text().splitlines())
+    with study.worker_mps(False):                        # --no-mps, or no CUDA workers: nothing started
+        assert not any(v in os.environ for v in mps.ENV)
+    assert len(log.read_text().splitlines()) == calls and capsys.readouterr().err == ""
+
+
+def test_study_leaves_mps_to_a_daemon_configured_outside(fake_control, monkeypatch, capsys):
+    log = fake_control()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/srv/mps")
+    with study.worker_mps(None):
+        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == "/srv/mps"
+    assert "the MPS daemon that CUDA_MPS_PIPE_DIRECTORY names (/srv/mps)" in capsys.readouterr().err
+    assert not log.exists()
+    with pytest.raises(mps.MPSError, match="already set"):
+        study.worker_mps(True)
