@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import sys
@@ -56,6 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 FORMAT = "nnrand-trace"
 VERSION = 1
 PHASES = ("forward", "backward", "optimizer", "other")
+_PHASE = {name: i for i, name in enumerate(PHASES)}
 ROUTED_ATEN = ("convolution_backward", "max_pool2d_with_indices_backward", "native_batch_norm_backward",
                "cudnn_batch_norm_backward")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -101,39 +103,96 @@ FP_THREADS = 256           # FP_THREADS in kernels/fingerprint.cu
 FP_WORDS_PER_THREAD = 16   # at least this many words per thread before another block is added
 FP_MAX_BLOCKS = 1024
 
+# per (device index, raw stream): the kernel, its block-partials scratch (FP_MAX_BLOCKS of each: fp u64 |
+# sq f64 | mx f32, nan i32) and its arrival counter. Launches on one stream run in order, so they share one.
+_FP_STATE: dict[tuple[int, int], tuple] = {}
 
-def fingerprint_cuda(t: torch.Tensor) -> torch.Tensor:
-    """(fingerprint's bits, L2, max |x|) of a CUDA tensor of 4-byte elements as a (3,) float64 tensor on
-    its device: two launches of kernels/fingerprint.cu instead of seven torch ops. Same fingerprint as
-    ``fingerprint``; the summaries are added in the kernel's fixed order (deterministic, and within a
-    few double roundings of torch's)."""
+
+def _fp_state(index: int) -> tuple:
     from kernels import runtime
 
-    w = t.detach().contiguous().reshape(-1).view(torch.int32)
-    n = w.numel()
-    blocks = max(1, min(FP_MAX_BLOCKS, runtime.cdiv(n, FP_THREADS * FP_WORDS_PER_THREAD)))
-    chunk = runtime.cdiv(n, blocks)
-    dev = w.device
-    parts = torch.empty(3 * blocks, dtype=torch.int64, device=dev)  # fp u64 | sq f64 | mx f32, nan i32
-    base = parts.data_ptr()
-    p_fp, p_sq, p_mx, p_nan = (np.uint64(base), np.uint64(base + 8 * blocks), np.uint64(base + 16 * blocks),
-                               np.uint64(base + 20 * blocks))
-    out = torch.empty(3, dtype=torch.float64, device=dev)
-    runtime.launch(runtime.function("fingerprint.cu", "fingerprint_blocks", dev), (blocks,), (FP_THREADS,),
-                   (runtime.ptr(w), np.int64(n), np.int64(chunk), p_fp, p_sq, p_mx, p_nan), device=dev)
-    runtime.launch(runtime.function("fingerprint.cu", "fingerprint_combine", dev), (1,), (FP_THREADS,),
-                   (p_fp, p_sq, p_mx, p_nan, np.int32(blocks), runtime.ptr(out)), device=dev)
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    st = _FP_STATE.get(key)
+    if st is None:
+        dev = torch.device("cuda", index)
+        scratch = torch.empty(3 * FP_MAX_BLOCKS, dtype=torch.int64, device=dev)
+        base, b = scratch.data_ptr(), FP_MAX_BLOCKS
+        counter = runtime.ticket_counters(dev, 1)
+        st = (runtime.function("fingerprint.cu", "fingerprint", dev), dev, scratch, counter,
+              (np.uint64(base), np.uint64(base + 8 * b), np.uint64(base + 16 * b), np.uint64(base + 20 * b),
+               np.uint64(counter.data_ptr())))
+        _FP_STATE[key] = st
+    return st
+
+
+def fingerprint_cuda(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(fingerprint's bits, L2, max |x|) of a CUDA tensor of 4-byte elements, written as three float64
+    into ``out`` (a new (3,) tensor on its device when None) by one launch of kernels/fingerprint.cu.
+    Same fingerprint as ``fingerprint``; the summaries are added in the kernel's fixed order
+    (deterministic, and within a few double roundings of torch's)."""
+    if out is None:
+        out = torch.empty(3, dtype=torch.float64, device=t.device)
+    elif not (out.is_contiguous() and out.numel() == 3 and out.dtype == torch.float64 and out.device == t.device):
+        raise ValueError(f"fingerprint_cuda: out must be 3 contiguous float64 on {t.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    _launch_fingerprint(t, out.data_ptr())
     return out
+
+
+def _launch_fingerprint(t: torch.Tensor, out_ptr: int) -> None:
+    from kernels import runtime
+
+    if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
+        t = t.contiguous()
+    fn, dev, _, _, scratch = _fp_state(t.device.index)
+    n = t.numel()
+    blocks = max(1, min(FP_MAX_BLOCKS, -(-n // (FP_THREADS * FP_WORDS_PER_THREAD))))
+    runtime.launch(fn, (blocks,), (FP_THREADS,),
+                   (np.uint64(t.data_ptr()), np.int64(n), np.int64(-(-n // blocks)), *scratch, np.uint64(out_ptr)),
+                   device=dev)
+
+
+def _fused(t: torch.Tensor) -> bool:
+    """Whether ``fingerprint_cuda`` takes this tensor (CUDA, 4-byte elements, kernels compiled here)."""
+    return t.is_cuda and t.element_size() == 4 and t.dtype != torch.bool and _kernels_here()
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels_here() -> bool:
+    from kernels import cuda_available
+
+    return cuda_available()
 
 
 def record_values(t: torch.Tensor) -> torch.Tensor:
     """(fingerprint's bits, L2, max |x|) as a (3,) float64 tensor on the tensor's device."""
-    from kernels import cuda_available
-
-    if t.is_cuda and t.element_size() == 4 and t.dtype != torch.bool and cuda_available():
+    if _fused(t):
         return fingerprint_cuda(t)
     l2, mx = summaries(t)
     return torch.stack((fingerprint(t).view(torch.float64), l2, mx))
+
+
+class _Slots:
+    """Per CUDA device, the step's records' (fp, L2, max) rows, written in place by the fingerprint kernel
+    and read back in one copy when the step ends: no allocation per record. Grows by ``ROWS`` rows."""
+    ROWS = 4096
+
+    def __init__(self, dev: torch.device):
+        self.dev, self.chunks, self.used = dev, [], 0
+
+    def next_ptr(self) -> int:
+        """The device address of the next free row (24 bytes)."""
+        chunk, row = divmod(self.used, self.ROWS)
+        if chunk == len(self.chunks):
+            self.chunks.append(torch.empty(self.ROWS, 3, dtype=torch.float64, device=self.dev))
+        self.used += 1
+        return self.chunks[chunk].data_ptr() + 24 * row
+
+    def take(self) -> np.ndarray:
+        """The rows written since the last take, on the host (synchronises with the device)."""
+        rows = torch.cat(self.chunks)[:self.used] if len(self.chunks) > 1 else self.chunks[0][:self.used]
+        self.used = 0
+        return rows.cpu().numpy()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,7 +213,12 @@ class Recorder(TorchDispatchMode):
         self._phase = "forward"
         self.step_no, self.index = -1, 0
         self.rows: list[tuple] = []        # host fields per record
-        self.pending: list[torch.Tensor] = []   # (fp bits, L2, max) per record of the current step, on its device
+        # per record of the current step: its (fp bits, L2, max) as a (3,) tensor on its device, or where
+        # the fingerprint kernel wrote them, (device index, row of that device's _Slots)
+        self.pending: list[torch.Tensor | tuple[int, int]] = []
+        self.slots: dict[int, _Slots] = {}
+        self._shapes: dict[torch.Size, int] = {}    # codes by value, not by formatted string: hot path
+        self._dtypes: dict[torch.dtype, int] = {}
         self.values: list[np.ndarray] = []
         self.tensors: dict[int, np.ndarray] = {}
         self.tables: dict[str, dict[str, int]] = {"ops": {}, "modules": {}, "shapes": {}, "dtypes": {}}
@@ -237,7 +301,7 @@ class Recorder(TorchDispatchMode):
         self._quiet = True  # the ops computing the fingerprints are not records themselves
         try:
             for name, t in named:
-                self._add(t.detach(), op, name, "other", 0)
+                self._add(t, op, name, "other", 0)   # read only: no detach (one dispatched op less)
                 self.index += 1
         finally:
             self._quiet = False
@@ -246,10 +310,21 @@ class Recorder(TorchDispatchMode):
     def _add(self, t: torch.Tensor, op: str, module: str, phase: str, k: int) -> None:
         step = max(self.step_no, 0)
         rec = len(self.rows)
-        self.rows.append((step, PHASES.index(phase), self.index, self._code("ops", op), self._code("modules", module),
-                          k, self._code("shapes", "x".join(map(str, t.shape))),
-                          self._code("dtypes", str(t.dtype).replace("torch.", ""))))
-        self.pending.append(record_values(t))
+        shape = self._shapes.get(t.shape)
+        if shape is None:
+            shape = self._shapes[t.shape] = self._code("shapes", "x".join(map(str, t.shape)))
+        dtype = self._dtypes.get(t.dtype)
+        if dtype is None:
+            dtype = self._dtypes[t.dtype] = self._code("dtypes", str(t.dtype).replace("torch.", ""))
+        self.rows.append((step, _PHASE[phase], self.index, self._code("ops", op), self._code("modules", module),
+                          k, shape, dtype))
+        if _fused(t):
+            index = t.device.index
+            slots = self.slots.get(index) or self.slots.setdefault(index, _Slots(t.device))
+            _launch_fingerprint(t, slots.next_ptr())
+            self.pending.append((index, slots.used - 1))
+        else:
+            self.pending.append(record_values(t))
         if (step, phase, self.index) in self.keep:
             self.tensors[rec] = t.detach().cpu().numpy().copy()
 
@@ -275,17 +350,26 @@ class Recorder(TorchDispatchMode):
         return out
 
     def _flush(self) -> None:
-        """Move the step's device values to the host in one transfer (the ops doing it are not recorded)."""
+        """Move the step's device values to the host, one transfer per device (the ops doing it are not
+        recorded)."""
         if not self.pending:
             return
         self._quiet = True
         try:
             pending, self.pending = self.pending, []
             vals = np.zeros((len(pending), 3))
-            devices: dict[torch.device, list[int]] = {}
+            tensors: dict[torch.device, list[int]] = {}
+            slotted: dict[int, tuple[list[int], list[int]]] = {}
             for i, v in enumerate(pending):  # records of CPU tensors may sit between those of GPU tensors
-                devices.setdefault(v.device, []).append(i)
-            for idx in devices.values():  # one transfer per device
+                if isinstance(v, tuple):
+                    at = slotted.setdefault(v[0], ([], []))
+                    at[0].append(i)
+                    at[1].append(v[1])
+                else:
+                    tensors.setdefault(v.device, []).append(i)
+            for index, (recs, rows) in slotted.items():
+                vals[recs] = self.slots[index].take()[rows]
+            for idx in tensors.values():
                 vals[idx] = torch.stack([pending[i] for i in idx]).cpu().numpy()
         finally:
             self._quiet = False
@@ -489,8 +573,6 @@ def plot(d: dict, path: str | Path) -> Path:
 def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
                     keep: set[tuple[int, str, int]] | None = None) -> Path:
     """``steps`` SGD steps of the harness's member 0 under ``cfg`` (a resolved ``train.Config``), recorded."""
-    import functools
-
     from nnrand import data, noise, routing, train
 
     ds = train.load_data(cfg)

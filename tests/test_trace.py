@@ -201,3 +201,37 @@ def test_cross_gpu_comparison_is_added_to_the_report(tmp_path):
     assert len(json.loads(results.read_text())["cross_gpu"]) == 1
     trace.add_cross_gpu(results, a, a, tmp_path / "trace.md")  # the same pair again replaces its entry
     assert len(json.loads(results.read_text())["cross_gpu"]) == 1
+
+
+def test_kernel_written_rows_come_back_in_record_order(monkeypatch):
+    """On a GPU the fingerprint kernel writes each record's (fp, L2, max) into a row of a per-device slot
+    buffer that is read back once per step. The bookkeeping (rows across chunk boundaries, records whose
+    values are tensors in between, several steps) is checked here on the CPU: a stand-in for the kernel
+    writes the formula's values into the row's address, and the trace must equal the one recorded with
+    every value a tensor."""
+    import ctypes
+
+    def run() -> dict:
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(4, 5, generator=g)
+        with trace.record(None) as rec:
+            for _ in range(3):
+                rec.step()
+                y = torch.relu(x @ x.T).double().sum(0).float()   # float64 records between float32 ones
+                (x * 2 + y.mean()).exp().sum()
+                rec.snapshot([("x", x), ("y", y)])
+        return rec.arrays()
+
+    def stand_in(t: torch.Tensor, ptr: int) -> None:
+        l2, mx = trace.summaries(t)
+        row = torch.stack((trace.fingerprint(t).view(torch.float64), l2, mx)).numpy()
+        ctypes.memmove(ptr, row.ctypes.data, 24)
+
+    want = run()
+    monkeypatch.setattr(trace, "_fused", lambda t: t.dtype == torch.float32)
+    monkeypatch.setattr(trace, "_launch_fingerprint", stand_in)
+    monkeypatch.setattr(trace._Slots, "ROWS", 3)     # several chunks per step
+    got = run()
+    assert sorted(got) == sorted(want) and len(want["fp"]) > 3 * 3
+    for k in want:
+        assert np.array_equal(got[k], want[k]), k

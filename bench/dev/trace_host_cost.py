@@ -1,0 +1,136 @@
+"""Where the time of a recorded training step goes: nnrand.trace's cost taken apart.
+
+    python3 bench/dev/trace_host_cost.py                          # resnet18, batch 128, tree kernels
+    python3 bench/dev/trace_host_cost.py --profile 30             # plus cProfile's top 30 under ops="all"
+    python3 bench/dev/trace_host_cost.py --kineto 15              # plus the GPU's top 15 kernels, routed and all
+
+Per mode, the median step time (synchronised; CUDA on a GPU) over ``--steps`` steps after 3 warm-up steps,
+each step as ``trace.recording_cost`` times it (forward, backward, optimizer step, parameter snapshot):
+
+    none     no recording
+    null     a dispatch mode that only calls each op (the price of intercepting every op in Python)
+    routed   trace.record(ops="routed")
+    all      trace.record(ops="all")
+
+and the host time of one record's fingerprint alone (``trace.record_values`` on a 128x64x32x32 tensor).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from nnrand import noise, routing, trace, train  # noqa: E402
+
+
+class NullMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: int = 0) -> float:
+    dev = torch.device(cfg.device)
+    seeds = noise.member_seeds({s: "fixed" for s in ("init", "order", "aug")} | {"kernel": 0}, cfg.seed, 0)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(cfg.batch_size, 3, 32, 32, device=dev, generator=g)
+    y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
+    model, opt = train.build(cfg, seeds, 10, torch.contiguous_format)
+    ctx = {"none": contextlib.nullcontext(), "null": NullMode(),
+           "routed": trace.record(tmp / "r.trace", ops="routed", model=model),
+           "all": trace.record(tmp / "a.trace", ops="all", model=model)}[mode]
+    times = []
+    prof = cProfile.Profile() if profile else None
+    act = torch.profiler.ProfilerActivity.CUDA if dev.type == "cuda" else torch.profiler.ProfilerActivity.CPU
+    kin = torch.profiler.profile(activities=[act]) if kineto else None
+    with routing.use_kernels(cfg.kernel, cfg.kernel_ops, strict=cfg.strict), ctx as rec:
+        for i in range(steps + 3):
+            if isinstance(rec, trace.Recorder):
+                rec.step()
+            sync(dev)
+            if prof is not None and i >= 3:
+                prof.enable()
+            if kin is not None and i == 3:
+                kin.__enter__()
+            t = time.perf_counter()
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if isinstance(rec, trace.Recorder):
+                rec.snapshot(model.named_parameters())
+            sync(dev)
+            if i >= 3:
+                times.append((time.perf_counter() - t) * 1e3)
+            if prof is not None:
+                prof.disable()
+    if kin is not None:
+        kin.__exit__(None, None, None)
+        print(f"\nGPU kernels, ops={mode}, {steps} steps, top {kineto} by device time:")
+        print(kin.key_averages().table(sort_by="self_device_time_total", row_limit=kineto))
+    if prof is not None:
+        print(f"\ncProfile, ops={mode}, {steps} steps, top {profile} by own time:")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--kernel", default="tree")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's top N under ops='all'")
+    p.add_argument("--kineto", type=int, default=0, metavar="N",
+                   help="the top N GPU kernels by device time under ops='routed' and 'all' (torch.profiler)")
+    p.add_argument("--tmp", default="/tmp/nnrand-trace-cost")
+    a = p.parse_args(argv)
+    cfg = train.resolve(train.Config(model=a.model, batch_size=a.batch, kernel=a.kernel, device=a.device))
+    tmp = Path(a.tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(a.device)
+    t = torch.randn(128, 64, 32, 32, device=dev)
+    for _ in range(20):
+        trace.record_values(t)
+    sync(dev)
+    t0 = time.perf_counter()
+    n = 200
+    for _ in range(n):
+        trace.record_values(t)
+    host = (time.perf_counter() - t0) / n * 1e6
+    sync(dev)
+    gpu = (time.perf_counter() - t0) / n * 1e6
+    print(f"record_values on 128x64x32x32 float32 ({dev}): {host:.1f} us host per call, {gpu:.1f} us with the device")
+    base = None
+    for mode in ("none", "null", "routed", "all"):
+        ms = steps_ms(cfg, mode, a.steps, tmp)
+        base = base or ms
+        print(f"{mode:7s} {ms:8.2f} ms/step  {ms / base:5.2f}x", flush=True)
+    if a.kineto:
+        steps_ms(cfg, "routed", a.steps, tmp, kineto=a.kineto)
+    if a.profile or a.kineto:
+        steps_ms(cfg, "all", a.steps, tmp, profile=a.profile, kineto=a.kineto)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
