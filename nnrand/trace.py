@@ -113,7 +113,7 @@ FP_BATCH = 96              # FP_BATCH in kernels/fingerprint.cu: descriptors per
 class _Batch:
     """Fingerprints waiting for one launch of ``fingerprint_batch`` on one device and stream: their
     descriptors (in the kernel's ``FpBatch`` layout, int64 words: count, then per tensor its address,
-    n, chunk, the output's address and first block | blocks << 32) and the tensors themselves, held until
+    n, chunk, the output's address and first block | blocks << 32) and the tensors' storages, held until
     the launch is enqueued so that their memory cannot be reused before the kernel reads it. A tensor must
     not be written between ``add`` and ``launch``: the recorder launches before every mutating op."""
 
@@ -132,7 +132,7 @@ class _Batch:
         p0 = self.ptrs.buffer_info()[0]
         self.params = array.array("Q", (self.desc.buffer_info()[0], *(p0 + 8 * k for k in range(5))))
         self.count = self.blocks = 0
-        self.held: list[torch.Tensor] = []
+        self.held: list[torch.UntypedStorage] = []
 
     def add(self, t: torch.Tensor, out_ptr: int) -> None:
         if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
@@ -141,7 +141,9 @@ class _Batch:
         blocks = max(1, min(FP_MAX_BLOCKS, -(-n // (FP_THREADS * FP_WORDS_PER_THREAD))))
         k = 1 + 5 * self.count
         self.desc[k:k + 5] = array.array("q", (t.data_ptr(), n, -(-n // blocks), out_ptr, self.blocks | blocks << 32))
-        self.held.append(t)
+        # the storage, not the tensor: autograd steals a gradient only while nothing else holds its tensor,
+        # and a recorder must not change which ops run
+        self.held.append(t.untyped_storage())
         self.count += 1
         self.blocks += blocks
         if self.count == FP_BATCH:
