@@ -5,14 +5,13 @@
 //         arithmetic: integer addition is associative, so this is exact whatever the order
 //   l2  = sqrt(sum_i x_i^2), x_i the words read as float32, accumulated in double
 //   mx  = max_i |x_i| (NaN if any x_i is NaN)
-// A recorded step fingerprints hundreds of outputs, so the host cost of a record is mostly its launch:
-// fingerprint_batch takes up to FP_BATCH tensors per launch. Deterministic: every sum is added in an
-// order fixed by n and the tensor's block count B:
-//   block b of a tensor reduces words [b * chunk, (b + 1) * chunk): thread t adds words t, t + T, ... in
-//   order, then a shared-memory halving tree over the T threads; the block's partial goes to scratch and
-//   the tensor's last block to arrive (common.cuh: arrive_last) adds the B partials the same way, thread t
-//   taking partials t, t + T, ..., and writes (fp, l2, mx) as three 8-byte values (fp's bits stored in a
-//   double's slot). Which block arrives last changes nothing but who does the fixed-order combine.
+// One launch per tensor (a recorded step fingerprints hundreds of outputs, so the host cost of a record
+// is mostly its launches). Deterministic: every sum is added in an order fixed by n and the launch shape.
+//   block b reduces words [b * chunk, (b + 1) * chunk): thread t adds words t, t + T, ... in order, then a
+//   shared-memory halving tree over the T threads; the block's partial goes to scratch and the last
+//   block to arrive (common.cuh: arrive_last) adds the B partials the same way, thread t taking partials
+//   t, t + T, ..., and writes (fp, l2, mx) as three 8-byte values (fp's bits stored in a double's slot).
+//   Which block arrives last changes nothing but who does the fixed-order combine.
 #include "common.cuh"
 
 #define FP_THREADS 256
@@ -46,46 +45,16 @@ __device__ __forceinline__ void fp_write(const FpPart& p, double* out) {
     out[2] = p.nan ? __longlong_as_double(0x7ff8000000000000ll) : (double)p.mx;
 }
 
-// Up to FP_BATCH descriptors passed by value (the kernel parameter block: 3888 bytes with the pointers
-// below, under the 4 KB limit). Tensor j owns the launch's blocks [first_j, first_j + blocks_j) and its
-// partials at the same indices of the scratch arrays; a tensor's result does not depend on what else
-// shares its launch.
-#define FP_BATCH 96
-
-struct FpDesc {
-    const unsigned int* w;
-    long long n;
-    long long chunk;
-    double* out;
-    int first;
-    int blocks;
-};
-
-struct FpBatch {
-    int count;
-    int pad;
-    FpDesc d[FP_BATCH];
-};
-
 extern "C" __global__ void __launch_bounds__(FP_THREADS)
-fingerprint_batch(const FpBatch batch, unsigned long long* part_fp, double* part_sq, float* part_mx, int* part_nan,
-                  unsigned int* counters) {
+fingerprint(const unsigned int* __restrict__ w, long long n, long long chunk, unsigned long long* part_fp,
+            double* part_sq, float* part_mx, int* part_nan, unsigned int* counter, double* out) {
     __shared__ FpPart s[FP_THREADS];
     __shared__ bool last;
-    // this block's tensor: the last j with first_j <= blockIdx.x (descriptors in launch order)
-    int lo = 0, hi = batch.count - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (batch.d[mid].first <= (int)blockIdx.x) lo = mid;
-        else hi = mid - 1;
-    }
-    const FpDesc& d = batch.d[lo];
-    const int b = (int)blockIdx.x - d.first;
-    const long long begin = (long long)b * d.chunk;
-    const long long end = begin + d.chunk < d.n ? begin + d.chunk : d.n;
+    const long long begin = (long long)blockIdx.x * chunk;
+    const long long end = begin + chunk < n ? begin + chunk : n;
     FpPart p = {0ull, 0.0, 0.0f, 0};
     for (long long i = begin + threadIdx.x; i < end; i += FP_THREADS) {
-        const unsigned int word = d.w[i];
+        const unsigned int word = w[i];
         p.fp += (unsigned long long)(i + 1) * (unsigned long long)(long long)(int)word;
         const float x = __int_as_float((int)word);
         p.sq += (double)x * (double)x;
@@ -93,8 +62,9 @@ fingerprint_batch(const FpBatch batch, unsigned long long* part_fp, double* part
         else p.mx = fmaxf(p.mx, fabsf(x));
     }
     fp_tree(p, s);
-    if (d.blocks == 1) {
-        if (threadIdx.x == 0) fp_write(p, d.out);
+    // the combine of one partial would add it to zeros: the same bits
+    if (gridDim.x == 1) {
+        if (threadIdx.x == 0) fp_write(p, out);
         return;
     }
     if (threadIdx.x == 0) {
@@ -102,18 +72,18 @@ fingerprint_batch(const FpBatch batch, unsigned long long* part_fp, double* part
         part_sq[blockIdx.x] = p.sq;
         part_mx[blockIdx.x] = p.mx;
         part_nan[blockIdx.x] = p.nan;
-        last = arrive_last(counters + lo, d.blocks);
+        last = arrive_last(counter, gridDim.x);
     }
-    __syncthreads();
+    __syncthreads();   // also: every thread has read s[0] before the combine's tree writes s again
     if (!last) return;
     __threadfence();
     FpPart q = {0ull, 0.0, 0.0f, 0};
-    for (int k = threadIdx.x; k < d.blocks; k += FP_THREADS) {
-        q.fp += __ldcg(part_fp + d.first + k);
-        q.sq += __ldcg(part_sq + d.first + k);
-        q.mx = fmaxf(q.mx, __ldcg(part_mx + d.first + k));
-        q.nan |= __ldcg(part_nan + d.first + k);
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += FP_THREADS) {
+        q.fp += __ldcg(part_fp + b);
+        q.sq += __ldcg(part_sq + b);
+        q.mx = fmaxf(q.mx, __ldcg(part_mx + b));
+        q.nan |= __ldcg(part_nan + b);
     }
     fp_tree(q, s);
-    if (threadIdx.x == 0) fp_write(q, d.out);
+    if (threadIdx.x == 0) fp_write(q, out);
 }

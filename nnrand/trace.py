@@ -22,12 +22,8 @@ output number, shape, dtype, a fingerprint of the output's bytes and two summari
 The fingerprint is an exact position-weighted sum of the output's bit patterns, sum_i (i + 1) * bits_i in
 wrapping int64 arithmetic, computed on the tensor's device; integer addition is associative, so it does
 not depend on how the device adds, and two outputs with different bytes almost surely differ in it. On a
-GPU, float32 outputs are fingerprinted and summarised by one pass of ``kernels/fingerprint.cu`` over up to
-96 outputs per launch: the launch is enqueued before the next op that writes any of its arguments
-(in-place, ``out=``), at the latest when the step ends, so each fingerprint reads the bytes its op made
-(a write the dispatcher does not see, by an extension through a raw pointer, would be read instead).
-With ``ops="routed"`` each routed op's outputs are launched at once. The per-op values stay on the
-device until the step ends (one transfer per step, no synchronisation per op).
+GPU, float32 outputs are fingerprinted and summarised by one pass of ``kernels/fingerprint.cu``. The
+per-op values stay on the device until the step ends (one transfer per step, no synchronisation per op).
 
 Module paths: the forward op runs inside a module's ``forward`` (a global module hook keeps the stack;
 names come from ``model`` when given); a backward op is attributed to the module whose forward made the
@@ -43,7 +39,6 @@ endian, no pickles: portable across machines. Written atomically.
 from __future__ import annotations
 
 import argparse
-import array
 import contextlib
 import functools
 import io
@@ -107,105 +102,54 @@ def summaries(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 FP_THREADS = 256           # FP_THREADS in kernels/fingerprint.cu
 FP_WORDS_PER_THREAD = 16   # at least this many words per thread before another block is added
 FP_MAX_BLOCKS = 1024
-FP_BATCH = 96              # FP_BATCH in kernels/fingerprint.cu: descriptors per launch
+
+# per (device index, raw stream): the kernel, its block-partials scratch (FP_MAX_BLOCKS of each: fp u64 |
+# sq f64 | mx f32, nan i32) and its arrival counter. Launches on one stream run in order, so they share one.
+_FP_STATE: dict[tuple[int, int], tuple] = {}
 
 
-class _Batch:
-    """Fingerprints waiting for one launch of ``fingerprint_batch`` on one device and stream: their
-    descriptors (in the kernel's ``FpBatch`` layout, int64 words: count, then per tensor its address,
-    n, chunk, the output's address and first block | blocks << 32) and the tensors' storages, held until
-    the launch is enqueued so that their memory cannot be reused before the kernel reads it. A tensor must
-    not be written between ``add`` and ``launch``: the recorder launches before every mutating op."""
+def _fp_state(index: int) -> tuple:
+    from kernels import runtime
 
-    def __init__(self, index: int, stream: int):
-        from kernels import runtime
-
-        dev = torch.device("cuda", index)
-        self.index, self.stream = index, stream
-        self.fn = runtime.function("fingerprint.cu", "fingerprint_batch", dev)
-        m = FP_BATCH * FP_MAX_BLOCKS   # partials: fp u64 | sq f64 | mx f32, nan i32, at the launch's block index
-        self.scratch = torch.empty(3 * m, dtype=torch.int64, device=dev)
-        self.counters = runtime.ticket_counters(dev, FP_BATCH)
-        base = self.scratch.data_ptr()
-        self.desc = array.array("q", bytes(8 * (1 + 5 * FP_BATCH)))
-        self.ptrs = array.array("Q", (base, base + 8 * m, base + 16 * m, base + 20 * m, self.counters.data_ptr()))
-        p0 = self.ptrs.buffer_info()[0]
-        self.params = array.array("Q", (self.desc.buffer_info()[0], *(p0 + 8 * k for k in range(5))))
-        self.count = self.blocks = 0
-        self.held: list[torch.UntypedStorage] = []
-
-    def add(self, t: torch.Tensor, out_ptr: int) -> None:
-        if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
-            t = t.contiguous()
-        n = t.numel()
-        blocks = max(1, min(FP_MAX_BLOCKS, -(-n // (FP_THREADS * FP_WORDS_PER_THREAD))))
-        k = 1 + 5 * self.count
-        self.desc[k:k + 5] = array.array("q", (t.data_ptr(), n, -(-n // blocks), out_ptr, self.blocks | blocks << 32))
-        # the storage, not the tensor: autograd steals a gradient only while nothing else holds its tensor,
-        # and a recorder must not change which ops run
-        self.held.append(t.untyped_storage())
-        self.count += 1
-        self.blocks += blocks
-        if self.count == FP_BATCH:
-            self.launch()
-
-    def launch(self) -> None:
-        from cupy.cuda import driver
-
-        if not self.count:
-            return
-        self.desc[0] = self.count
-        with contextlib.ExitStack() as stack:
-            if torch._C._cuda_getDevice() != self.index:   # the driver launches into the current context
-                stack.enter_context(torch.cuda.device(self.index))
-            driver.launchKernel(self.fn.ptr, self.blocks, 1, 1, FP_THREADS, 1, 1, 0, self.stream,
-                                self.params.buffer_info()[0], 0)
-        self.count = self.blocks = 0
-        self.held.clear()   # freed memory is reused in stream order: after the kernel has read it
-
-
-_MUTATING: dict = {}
-
-
-def _mutates(func) -> bool:
-    """Whether an aten overload writes any of its arguments (in-place, out=), cached per overload."""
-    m = _MUTATING.get(func)
-    if m is None:
-        m = _MUTATING[func] = bool(func._schema.is_mutable)
-    return m
-
-
-# one per (device index, raw stream): launches on one stream run in order, so they share scratch and counters
-_BATCHES: dict[tuple[int, int], _Batch] = {}
-
-
-def _batch(index: int) -> _Batch:
     key = (index, torch._C._cuda_getCurrentRawStream(index))
-    b = _BATCHES.get(key)
-    if b is None:
-        b = _BATCHES[key] = _Batch(*key)
-    return b
-
-
-def _launch_all() -> None:
-    for b in _BATCHES.values():
-        b.launch()
+    st = _FP_STATE.get(key)
+    if st is None:
+        dev = torch.device("cuda", index)
+        scratch = torch.empty(3 * FP_MAX_BLOCKS, dtype=torch.int64, device=dev)
+        base, b = scratch.data_ptr(), FP_MAX_BLOCKS
+        counter = runtime.ticket_counters(dev, 1)
+        st = (runtime.function("fingerprint.cu", "fingerprint", dev), dev, scratch, counter,
+              (np.uint64(base), np.uint64(base + 8 * b), np.uint64(base + 16 * b), np.uint64(base + 20 * b),
+               np.uint64(counter.data_ptr())))
+        _FP_STATE[key] = st
+    return st
 
 
 def fingerprint_cuda(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """(fingerprint's bits, L2, max |x|) of a CUDA tensor of 4-byte elements, written as three float64
-    into ``out`` (a new (3,) tensor on its device when None) by kernels/fingerprint.cu, launched now
-    (with whatever else waits on that stream). Same fingerprint as ``fingerprint``; the summaries are
-    added in the kernel's fixed order (deterministic, and within a few double roundings of torch's)."""
+    into ``out`` (a new (3,) tensor on its device when None) by one launch of kernels/fingerprint.cu.
+    Same fingerprint as ``fingerprint``; the summaries are added in the kernel's fixed order
+    (deterministic, and within a few double roundings of torch's)."""
     if out is None:
         out = torch.empty(3, dtype=torch.float64, device=t.device)
     elif not (out.is_contiguous() and out.numel() == 3 and out.dtype == torch.float64 and out.device == t.device):
         raise ValueError(f"fingerprint_cuda: out must be 3 contiguous float64 on {t.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
-    b = _batch(t.device.index)
-    b.add(t, out.data_ptr())
-    b.launch()
+    _launch_fingerprint(t, out.data_ptr())
     return out
+
+
+def _launch_fingerprint(t: torch.Tensor, out_ptr: int) -> None:
+    from kernels import runtime
+
+    if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
+        t = t.contiguous()
+    fn, dev, _, _, scratch = _fp_state(t.device.index)
+    n = t.numel()
+    blocks = max(1, min(FP_MAX_BLOCKS, -(-n // (FP_THREADS * FP_WORDS_PER_THREAD))))
+    runtime.launch(fn, (blocks,), (FP_THREADS,),
+                   (np.uint64(t.data_ptr()), np.int64(n), np.int64(-(-n // blocks)), *scratch, np.uint64(out_ptr)),
+                   device=dev)
 
 
 def _fused(t: torch.Tensor) -> bool:
@@ -273,7 +217,6 @@ class Recorder(TorchDispatchMode):
         # the fingerprint kernel wrote them, (device index, row of that device's _Slots)
         self.pending: list[torch.Tensor | tuple[int, int]] = []
         self.slots: dict[int, _Slots] = {}
-        self.deferred = False   # fingerprints added to a _Batch and not launched yet
         self._shapes: dict[torch.Size, int] = {}    # codes by value, not by formatted string: hot path
         self._dtypes: dict[torch.dtype, int] = {}
         self.values: list[np.ndarray] = []
@@ -351,7 +294,6 @@ class Recorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.numel() and not t.is_sparse:
                 self._add(t, op, module, phase, k)
         self.index += 1
-        self.launch()   # without a dispatch mode, later writes to these outputs are not seen: read them now
 
     def snapshot(self, named: Iterator[tuple[str, torch.Tensor]], op: str = "parameter") -> None:
         """One record per named tensor (phase "other", aten op field ``op``, module field the name): the
@@ -361,7 +303,6 @@ class Recorder(TorchDispatchMode):
             for name, t in named:
                 self._add(t, op, name, "other", 0)   # read only: no detach (one dispatched op less)
                 self.index += 1
-            self.launch()   # the optimizer updates them in place next
         finally:
             self._quiet = False
 
@@ -380,8 +321,7 @@ class Recorder(TorchDispatchMode):
         if _fused(t):
             index = t.device.index
             slots = self.slots.get(index) or self.slots.setdefault(index, _Slots(t.device))
-            _batch(index).add(t, slots.next_ptr())   # launched with others: before a mutating op at the latest
-            self.deferred = True
+            _launch_fingerprint(t, slots.next_ptr())
             self.pending.append((index, slots.used - 1))
         else:
             self.pending.append(record_values(t))
@@ -392,15 +332,7 @@ class Recorder(TorchDispatchMode):
         t = self.tables[table]
         return t.setdefault(value, len(t))
 
-    def launch(self) -> None:
-        """Enqueue the fingerprints waiting in batches (their tensors must not change before they are read)."""
-        if self.deferred:
-            _launch_all()
-            self.deferred = False
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.deferred and _mutates(func):   # it may write a tensor whose fingerprint is not read yet
-            self.launch()
         out = func(*args, **(kwargs or {}))
         name = func._overloadpacket.__name__
         if self._quiet or (self.ops == "routed" and name not in ROUTED_ATEN):
@@ -424,7 +356,6 @@ class Recorder(TorchDispatchMode):
             return
         self._quiet = True
         try:
-            self.launch()
             pending, self.pending = self.pending, []
             vals = np.zeros((len(pending), 3))
             tensors: dict[torch.device, list[int]] = {}

@@ -39,8 +39,8 @@ def test_two_tree_runs_record_identical_traces(tmp_path, monkeypatch):
     assert d == {"status": "identical", "records": len(a)}, trace.format_diff(d)
     routed = trace.load(trace.record_training(cfg, 2, tmp_path / "r.trace", ops="routed"))
     assert len(routed) < len(a)
-    # the batched kernel path changes neither which ops run nor what they compute: the same run with every
-    # fingerprint taken by the torch formula at once gives the same records and fingerprints
+    # the kernel path changes neither which ops run nor what they compute: the same run with every
+    # fingerprint taken by the torch formula gives the same records and fingerprints
     monkeypatch.setattr(trace, "_fused", lambda t: False)
     c = trace.load(trace.record_training(cfg, 2, tmp_path / "c.trace"))
     d = trace.diff(a, c)
