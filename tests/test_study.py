@@ -440,7 +440,7 @@ def test_default_cuda_study_plan(monkeypatch):
     assert s.report_path == study.REPO / "reports" / "divergence.md"
     assert s.members == 10 and len(s.plan) == len(study.CONFIGURATIONS) + len(study.BASELINES)
     cfg = {p.name: p.config for p in s.plan}
-    assert all(c["device"] == "cuda" and c["epochs"] == 15 and c["batch_size"] == 128 and c["n_train"] == 10_000
+    assert all(c["device"] == "cuda" and c["epochs"] == 20 and c["batch_size"] == 128 and c["n_train"] == 10_000
                and c["n_test"] == 10_000 and c["cuda_graph"] and c["eval_every"] == 5 for c in cfg.values())
     assert cfg["control"]["model"] == "resnet20" and cfg["atomic-maxpool_bwd"]["model"] == "resnet20_maxpool"
     assert cfg["control@resnet20_maxpool"]["model"] == "resnet20_maxpool"
