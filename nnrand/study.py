@@ -80,8 +80,9 @@ MEMBERS = {"cuda": 10, "quick": 3, "smoke": 2}   # members per configuration by 
 # per step; eight processes at once 17.8-32.9 ms each (median 28.8), ~3.4 ms per step in aggregate, 1.5x
 # the throughput of one (the GPU time-slices between them; each also fills the others' evaluation,
 # checkpoint and start-up time). Under MPS (the default where it starts, nnrand/mps.py) the default study,
-# 17 configurations x 10 members at 15 epochs, took 771 s on one H200 (90 members in 471 s, 80 in 300 s,
-# each figure including the collection), against 7.8 s per member without it.
+# 17 configurations x 10 members at 20 epochs, took 1011 s on one H200 (three parts: 60 members in 407 s,
+# 60 in 377 s, 50 in 227 s, each including the collection; 15 epochs: 771 s), against 7.8 s per member
+# at 15 epochs without it.
 JOBS_PER_GPU = 8
 POOL_MODEL = {"resnet18": "resnet18_imagenet", "resnet20": "resnet20_maxpool"}  # model -> its max-pool sibling
 TOP_FLIPS = 8  # most-disagreed test images kept per configuration
@@ -833,7 +834,7 @@ aug (one seed source per member each), atomic-<op> for each of conv_wgrad, conv_
 (on resnet20_maxpool when the model has no max-pool, with control@ and algo@resnet20_maxpool as its seed
 baselines), native, algo-bf16, impl-bf16. CUDA defaults: resnet20, synthetic 10k/10k, 20 epochs of batch 128
 in a CUDA graph, the test set evaluated every 5 epochs, 10 members per configuration, 8 workers per GPU
-under a private MPS daemon where one starts (13 min on one H200), then a ~1 min timing pass; ~20 MB of run files per member, ~0.5 MB without weights_epoch_*.pt and
+under a private MPS daemon where one starts (17 min on one H200), then a ~1 min timing pass; ~20 MB of run files per member, ~0.5 MB without weights_epoch_*.pt and
 checkpoint.pt, which a configuration no longer needs once 'report' has collected it (weights_l2.json).
 CPU (--quick): small model, 128 training images, 2 epochs, 3 members. --smoke: 2 members of 2 steps each.
 outputs: reports/divergence.md (CUDA), reports/divergence_quick.md (CUDA --quick), reports/divergence_cpu.md
