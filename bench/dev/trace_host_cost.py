@@ -3,6 +3,7 @@
     python3 bench/dev/trace_host_cost.py                          # resnet18, batch 128, tree kernels
     python3 bench/dev/trace_host_cost.py --profile 30             # plus cProfile's top 30 under ops="all"
     python3 bench/dev/trace_host_cost.py --kineto 15              # plus the GPU's top 15 kernels, routed and all
+    python3 bench/dev/trace_host_cost.py --split                  # plus host time per thread: op, record, rest
 
 Per mode, the median step time (synchronised; CUDA on a GPU) over ``--steps`` steps after 3 warm-up steps,
 each step as ``trace.recording_cost`` times it (forward, backward, optimizer step, parameter snapshot):
@@ -23,6 +24,7 @@ import os
 import pstats
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +36,56 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from nnrand import noise, routing, trace, train  # noqa: E402
+
+
+class Split:
+    """Host time inside the recorder's dispatch, per thread (forward/optimizer on the main thread, backward on
+    autograd's device thread): calling the op, recording its outputs (``_add``), and the rest of the step."""
+
+    def __init__(self):
+        self.op, self.add, self.calls, self.records = {}, {}, {}, {}
+
+    def install(self):
+        rec_dispatch, rec_add = trace.Recorder.__torch_dispatch__, trace.Recorder._add
+        split = self
+
+        def dispatch(self, func, types, args=(), kwargs=None):
+            th = threading.current_thread().name
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            t1 = time.perf_counter()
+            split.op[th] = split.op.get(th, 0.0) + (t1 - t0)
+            split.calls[th] = split.calls.get(th, 0) + 1
+            real = func
+            try:
+                return rec_dispatch(self, _Done(real, out), types, args, kwargs)
+            finally:
+                split.add[th] = split.add.get(th, 0.0) + (time.perf_counter() - t1)
+
+        def add(self, *a, **k):
+            th = threading.current_thread().name
+            split.records[th] = split.records.get(th, 0) + 1
+            return rec_add(self, *a, **k)
+
+        trace.Recorder.__torch_dispatch__, trace.Recorder._add = dispatch, add
+        return lambda: (setattr(trace.Recorder, "__torch_dispatch__", rec_dispatch),
+                        setattr(trace.Recorder, "_add", rec_add))
+
+    def report(self, steps: int) -> None:
+        for th in sorted(self.calls):
+            print(f"  thread {th}: {self.calls[th] / steps:.0f} ops and {self.records.get(th, 0) / steps:.0f} "
+                  f"records per step; {self.op[th] / steps * 1e3:.2f} ms calling ops, "
+                  f"{self.add[th] / steps * 1e3:.2f} ms recording per step")
+
+
+class _Done:
+    """An op already called: the recorder's dispatch gets its output instead of calling it again."""
+
+    def __init__(self, func, out):
+        self.func, self.out, self._overloadpacket = func, out, func._overloadpacket
+
+    def __call__(self, *args, **kwargs):
+        return self.out
 
 
 class NullMode(TorchDispatchMode):
@@ -102,6 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's top N under ops='all'")
     p.add_argument("--kineto", type=int, default=0, metavar="N",
                    help="the top N GPU kernels by device time under ops='routed' and 'all' (torch.profiler)")
+    p.add_argument("--split", action="store_true",
+                   help="host time per thread in calling ops and in recording them, under ops='all'")
     p.add_argument("--tmp", default="/tmp/nnrand-trace-cost")
     a = p.parse_args(argv)
     cfg = train.resolve(train.Config(model=a.model, batch_size=a.batch, kernel=a.kernel, device=a.device))
@@ -129,6 +183,16 @@ def main(argv=None) -> int:
         steps_ms(cfg, "routed", a.steps, tmp, kineto=a.kineto)
     if a.profile or a.kineto:
         steps_ms(cfg, "all", a.steps, tmp, profile=a.profile, kineto=a.kineto)
+    if a.split:
+        split = Split()
+        undo = split.install()
+        try:
+            ms = steps_ms(cfg, "all", a.steps, tmp)
+        finally:
+            undo()
+        print(f"\nops='all' with the split timers: {ms:.2f} ms/step; per step (3 warm-up steps included, "
+              f"averaged over {a.steps + 3}):")
+        split.report(a.steps + 3)
     return 0
 
 
