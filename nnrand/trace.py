@@ -109,18 +109,18 @@ _FP_STATE: dict[tuple[int, int], tuple] = {}
 
 
 def _fp_state(index: int) -> tuple:
-    from kernels import runtime
-
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     st = _FP_STATE.get(key)
     if st is None:
+        from kernels import runtime
+
         dev = torch.device("cuda", index)
         scratch = torch.empty(3 * FP_MAX_BLOCKS, dtype=torch.int64, device=dev)
         base, b = scratch.data_ptr(), FP_MAX_BLOCKS
         counter = runtime.ticket_counters(dev, 1)
+        # plain ints: the launch packs them into 8-byte slots (np.uint64 scalars cost more per launch)
         st = (runtime.function("fingerprint.cu", "fingerprint", dev), dev, scratch, counter,
-              (np.uint64(base), np.uint64(base + 8 * b), np.uint64(base + 16 * b), np.uint64(base + 20 * b),
-               np.uint64(counter.data_ptr())))
+              (base, base + 8 * b, base + 16 * b, base + 20 * b, counter.data_ptr()))
         _FP_STATE[key] = st
     return st
 
@@ -140,16 +140,23 @@ def fingerprint_cuda(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
 
 def _launch_fingerprint(t: torch.Tensor, out_ptr: int) -> None:
-    from kernels import runtime
-
+    """One fingerprint launch; the hot path of recording (one per recorded output), so no imports, no NumPy
+    scalars and no checks beyond contiguity here (H200: 11.5 us of host time per record before, see
+    bench/dev/trace_host_cost.py)."""
     if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
         t = t.contiguous()
-    fn, dev, _, _, scratch = _fp_state(t.device.index)
+    fn, dev, _, _, scratch = _fp_state(t.get_device())
     n = t.numel()
     blocks = max(1, min(FP_MAX_BLOCKS, -(-n // (FP_THREADS * FP_WORDS_PER_THREAD))))
-    runtime.launch(fn, (blocks,), (FP_THREADS,),
-                   (np.uint64(t.data_ptr()), np.int64(n), np.int64(-(-n // blocks)), *scratch, np.uint64(out_ptr)),
-                   device=dev)
+    _runtime().launch(fn, (blocks,), (FP_THREADS,), (t.data_ptr(), n, -(-n // blocks), *scratch, out_ptr),
+                      device=dev)
+
+
+@functools.lru_cache(maxsize=1)
+def _runtime():
+    from kernels import runtime
+
+    return runtime
 
 
 def _fused(t: torch.Tensor) -> bool:

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,3 +81,42 @@ def test_cu_file_compiles_for_sm90(source, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "warning" not in result.stderr.lower(), result.stderr
+
+
+class _FakeDriver:
+    """Stands in for cupy.cuda.driver: keeps what one launch passed, parameters read back from their slots."""
+
+    def __init__(self):
+        self.calls = []
+
+    def launchKernel(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        import ctypes
+
+        n = 4  # the test kernels below take four parameters
+        addresses = (ctypes.c_uint64 * n).from_address(params)
+        values = [ctypes.c_int64.from_address(a).value for a in addresses]
+        self.calls.append(((f, gx, gy, gz, bx, by, bz, shared, stream, extra), values))
+
+
+@pytest.mark.parametrize("grid, block, dims", [((7,), (256,), (7, 1, 1, 256, 1, 1)),
+                                                ((3, 5), (32, 8), (3, 5, 1, 32, 8, 1)),
+                                                ((2, 3, 4), (8, 4, 2), (2, 3, 4, 8, 4, 2))])
+def test_launch_passes_dims_stream_and_parameter_slots(monkeypatch, grid, block, dims):
+    # runtime.launch without a GPU: the driver and torch's device/stream queries replaced, so what reaches
+    # cuLaunchKernel can be read back: 1-3 dims padded with 1, torch's raw stream, one 8-byte slot per
+    # argument holding ints and NumPy integers alike (a negative 32-bit value reads back from the low bytes)
+    from kernels import runtime
+
+    fake = _FakeDriver()
+    monkeypatch.setattr(runtime, "_DRIVER", fake)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0xABC0 + index, raising=False)
+
+    class Fn:
+        ptr = 0x1234
+
+    args = (2**40 + 8, np.int64(-5), np.int32(-7), np.uint64(2**62))
+    runtime.launch(Fn, grid, block, args, device=torch.device("cuda", 0), shared_mem=np.int64(48))
+    (call, values), = fake.calls
+    assert call == (0x1234, *dims, 48, 0xABC0, 0)
+    assert values == [2**40 + 8, -5, -7, 2**62]
