@@ -667,9 +667,14 @@ def lockstep(cfg, vary: str, steps: int, out_dir: str | Path, *, ops: str = "all
     return d
 
 
-def recording_cost(cfg, steps: int, out_dir: str | Path) -> dict:
-    """Median step time (CUDA events on a GPU, wall clock on the CPU) without recording, recording the
-    routed ops, and recording every op; and the trace size per step. Same training code, same steps."""
+COST_ROUNDS = 5   # recording_cost: rounds over the three modes (a host-bound step drifts; rounds spread it)
+
+
+def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUNDS) -> dict:
+    """Median step time (wall clock between device synchronisations) without recording, recording the
+    routed ops, and recording every op; and the trace size per step. Same training code, same steps: the
+    modes take turns, ``rounds`` times ``steps`` steps each after one warm-up step (three in the first
+    round), so that drift of the host's speed during the measurement falls on every mode alike."""
     import time
 
     import torch.nn.functional as F
@@ -685,33 +690,39 @@ def recording_cost(cfg, steps: int, out_dir: str | Path) -> dict:
     size = cfg.image_size or 32
     x = torch.randn(cfg.batch_size, 3, size, size, device=dev, generator=g).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
+    modes = ("none", "routed", "all")
+    built = {mode: train.build(cfg, seeds, 10, fmt) for mode in modes}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
     out = {}
-    for mode in ("none", "routed", "all"):
-        model, opt = train.build(cfg, seeds, 10, fmt)
-        path = out_dir / f"cost_{mode}.trace"
-        times = []
-        ctx = record(path, ops=mode, model=model) if mode != "none" else contextlib.nullcontext()
-        with routing.use_kernels(cfg.kernel, cfg.kernel_ops, strict=cfg.strict), ctx as rec:
-            for i in range(steps + 3):
-                if rec is not None:
-                    rec.step()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                loss = F.cross_entropy(model(x), y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                if rec is not None:
-                    rec.snapshot(model.named_parameters())
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                if i >= 3:
-                    times.append((time.perf_counter() - t) * 1e3)
-        out[mode] = {"ms_per_step": float(np.median(times))}
-        if mode != "none":
-            out[mode]["bytes_per_step"] = path.stat().st_size / (steps + 3)
-            out[mode]["records_per_step"] = len(load(path)) / (steps + 3)
+    for r in range(rounds):
+        warm = 3 if r == 0 else 1
+        for mode in modes:
+            model, opt = built[mode]
+            path = out_dir / f"cost_{mode}.trace"
+            ctx = record(path, ops=mode, model=model) if mode != "none" else contextlib.nullcontext()
+            with routing.use_kernels(cfg.kernel, cfg.kernel_ops, strict=cfg.strict), ctx as rec:
+                for i in range(steps + warm):
+                    if rec is not None:
+                        rec.step()
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    loss = F.cross_entropy(model(x), y)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    if rec is not None:
+                        rec.snapshot(model.named_parameters())
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    if i >= warm:
+                        times[mode].append((time.perf_counter() - t) * 1e3)
+            if r == 0 and mode != "none":   # the first round's trace: steps + 3 steps
+                out[mode] = {"bytes_per_step": path.stat().st_size / (steps + warm),
+                             "records_per_step": len(load(path)) / (steps + warm)}
+    for mode in modes:
+        out.setdefault(mode, {})["ms_per_step"] = float(np.median(times[mode]))
+        out[mode]["steps_timed"] = len(times[mode])
     return out
 
 
@@ -771,7 +782,11 @@ def render_report(data: dict, out: str | Path) -> Path:
         lines.append(f"| {r['case']} | {first} | {r['all_weights_differ_at_step']} | {growth} |")
     c = data["cost"]
     base = c["none"]["ms_per_step"]
-    lines += ["", "Recording cost (same model, tree kernels, median step time):", ""]
+    timed = c["none"].get("steps_timed")
+    how = (f"median of {timed} steps per mode, the modes taking turns in {COST_ROUNDS} rounds" if timed else
+           "median step time")
+    lines += ["", f"Recording cost (same model, tree kernels, {how}; host-bound steps vary by several tenths of "
+              "the ratio between runs on one machine):", ""]
     for mode in ("routed", "all"):
         lines.append(f"- recording {mode} ops: {c[mode]['ms_per_step']:.2f} ms/step against {base:.2f} "
                      f"({c[mode]['ms_per_step'] / base:.2f}x), {c[mode]['records_per_step']:.0f} records and "
