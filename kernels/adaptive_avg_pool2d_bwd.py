@@ -23,7 +23,10 @@ Order of the additions into one dx element:
   The CUDA kernel (``_tiled`` in the .cu file) computes each dy element's share once into shared
   memory and then adds, per dx element, the shares of its windows in that order; the shares and the
   order are the same as summing (dy / kw) / kh on the spot (``_direct``, the fallback for shapes
-  whose tile does not fit), so both give the same bits.
+  whose tile does not fit), so both give the same bits. Where the windows tile the input exactly
+  (H and W multiples of OH and OW: 14->7, 7->1, 7->7) every element has one window and its sum is
+  +0.0 + share: ``_exact`` writes that straight from dy, one thread per element (four channels per
+  thread in channels_last), with no shared memory or tables; again the same bits.
 - ``atomic``: arrival order of the atomicAdds, from +0.0. With one or two contributions the sum does
   not depend on it (0 + a + b = 0 + b + a); from three on it can.
 
@@ -125,6 +128,7 @@ def _check(dy, input_size):
 # CUDA launchers
 
 TILE_SHARES = 4096        # floats of one tile's shares (16 KiB): ~8 blocks of 256 threads per SM still fit
+MAX_EXACT_BLOCKS = 1 << 16  # the exact kernel's grid at most (its threads loop)
 TILE_MAX_OUT = 1 << 16    # dx elements of one tile at most (a bigger plane goes to the direct kernel)
 SMEM_LIMIT = 48 * 1024    # dynamic shared memory without opting in
 BLOCKS_PER_SM = 8         # 2048 resident threads per SM / 256
@@ -160,13 +164,53 @@ def tree_plan(n: int, c: int, h: int, w: int, oh: int, ow: int, layout: str):
     return big_n, big_c, p, cb, tables + 4 * p * cb * ohw, tiles
 
 
+def magic_divider(d: int) -> tuple[int, int]:
+    """(m, s) with n // d == (umulhi(n, m) + n) >> s for every 0 <= n < 2^31 (32-bit unsigned arithmetic;
+    torch's IntDivider): s the least with 2^s >= d, m = 2^32 (2^s - d) // d + 1. For 1 <= d <= 2^31."""
+    if not 1 <= d <= 2**31:
+        raise ValueError(f"magic_divider: divisor must be in [1, 2^31], got {d}")
+    s = (d - 1).bit_length()
+    return ((1 << 32) * ((1 << s) - d)) // d + 1, s
+
+
+def exact_windows(h: int, w: int, oh: int, ow: int) -> bool:
+    """Whether the pooling windows tile the input exactly (each dx element in exactly one window)."""
+    return oh <= h and ow <= w and h % oh == 0 and w % ow == 0
+
+
+def _launch_exact(dy: torch.Tensor, dx: torch.Tensor, layout: str) -> bool:
+    """tree through the exact kernel where the windows tile dx and every index fits 32 bits; False if not."""
+    n, c, h, w = dx.shape
+    oh, ow = dy.shape[2:]
+    if not exact_windows(h, w, oh, ow) or dx.numel() + THREADS * MAX_EXACT_BLOCKS > INT32_MAX:
+        return False
+    if layout == "channels_last":
+        vec = 4 if c % 4 == 0 and dy.data_ptr() % 16 == 0 and dx.data_ptr() % 16 == 0 else 1
+        first = c // vec
+    else:
+        vec, first = 0, h * w
+    total = dx.numel() // max(vec, 1)
+    q = [v for d in (first, w, h, h // oh, w // ow) for v in _magic(d)]
+    blocks = max(1, min(cdiv(total, THREADS), MAX_EXACT_BLOCKS))
+    launch(function(SOURCE, "adaptive_avg_pool2d_bwd_tree_exact", dy.device), (blocks,), (THREADS,),
+           (dy.data_ptr(), dx.data_ptr(), total, c, h, w, oh, ow, vec, *q), device=dy.device)
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _magic(d: int) -> tuple[int, int]:
+    return magic_divider(d)
+
+
 def _launch(kind: str, dy, input_size) -> torch.Tensor:
     dy, (h, w), layout = _check(dy, input_size)
     check_cuda(OP, "dy", dy)
     n, c, oh, ow = dy.shape
     dx = torch.empty((n, c, h, w), device=dy.device, dtype=torch.float32, memory_format=memory_format(layout))
     i32 = np.int32
-    plan = tree_plan(n, c, h, w, oh, ow, layout) if kind == "tree" else None
+    if kind == "tree" and _launch_exact(dy, dx, layout):
+        return dx
+    plan = tree_plan(n, c, h, w, oh, ow, layout) if kind in ("tree", "tree_tiled") else None
     if plan is not None:
         big_n, big_c, p, cb, smem, tiles = plan
         blocks = max(1, min(tiles, BLOCKS_PER_SM * sm_count(dy.device)))  # blocks loop over the tiles
@@ -191,8 +235,15 @@ def adaptive_avg_pool2d_bwd_atomic_cuda(dy, *, input_size) -> torch.Tensor:
 
 
 def adaptive_avg_pool2d_bwd_tree_cuda(dy, *, input_size) -> torch.Tensor:
-    """tree: the tiled kernel where the shape fits it (tree_plan), else the direct one; same bits."""
+    """tree: the exact kernel where the windows tile the input (exact_windows), else the tiled kernel where
+    the shape fits it (tree_plan), else the direct one; same bits."""
     return _launch("tree", dy, input_size)
+
+
+def adaptive_avg_pool2d_bwd_tree_tiled_cuda(dy, *, input_size) -> torch.Tensor:
+    """tree without the exact kernel: the tiled one where a tile fits, else the direct one (for tests and
+    timing beside the exact kernel). Same bits."""
+    return _launch("tree_tiled", dy, input_size)
 
 
 def adaptive_avg_pool2d_bwd_tree_direct_cuda(dy, *, input_size) -> torch.Tensor:
@@ -409,6 +460,11 @@ def _test_cases() -> list[Case]:
         ("tiles_c40_13to7", 3, 40, 13, 13, 7, 7, {}),   # channels_last: a short last chunk of channels
         ("tiles_5to3", 5, 7, 5, 5, 3, 3, {}),           # a short last tile of images
         ("special_13to5", 2, 3, 13, 13, 5, 5, {"special": True}),
+        # windows tiling the input exactly (the exact kernel): specials (-0.0 shares) on it, four channels
+        # per thread in channels_last (C % 4 == 0), rectangular windows
+        ("special_14to7", 2, 3, 14, 14, 7, 7, {"special": True}),
+        ("exact_c8_28to7", 2, 8, 28, 28, 7, 7, {}),
+        ("exact_c4_8x6to4x2", 3, 4, 8, 6, 4, 2, {}),
     ]
     cases, seed = [], 6000
     for name, n, c, h, w, oh, ow, extra in rows:
@@ -460,7 +516,8 @@ define_op(
          "overlapping windows collide)"),
         ("tree", True, False, adaptive_avg_pool2d_bwd_tree_cuda, adaptive_avg_pool2d_bwd_tree_cpu,
          "each dx element summed by one thread: the windows covering it in (oh, ow) row-major order from "
-         "+0.0 (torch's CPU order); shares computed once per dy element into shared memory"),
+         "+0.0 (torch's CPU order); shares computed once per dy element into shared memory, or straight "
+         "from dy where the windows tile the input exactly"),
     ],
     make_inputs=_make_inputs,
     reference=_reference,

@@ -251,6 +251,28 @@ def test_cuda_launcher_refuses_cpu_tensors():
         aap.adaptive_avg_pool2d_bwd_tree_cuda(_DY, input_size=(8, 8))
 
 
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 5, 7, 49, 196, 255, 256, 257, 1000, 2**16 + 1, 2**30 + 3, 2**31 - 1,
+                               2**31])
+def test_magic_divider_divides_exactly(d):
+    """The exact kernel's host-computed dividers, in the kernel's 32-bit arithmetic: q = (umulhi(n, m) + n) >> s
+    equals n // d for 0 <= n < 2^31, checked at the ends of the range, around multiples of d and on 20000
+    seeded random n."""
+    m, s = aap.magic_divider(d)
+    assert 0 < m < 2**32 and 0 <= s <= 31
+    rng = np.random.default_rng(d)
+    k = np.arange(0, (2**31 - 1) // d + 1, max(1, (2**31 - 1) // d // 5000), dtype=np.uint64)
+    n = np.concatenate([k * d, k * d + 1, k * d - 1, np.array([0, 1, 2**31 - 1], dtype=np.uint64),
+                        rng.integers(0, 2**31, 20000, dtype=np.uint64)])
+    n = n[(n < 2**31)]
+    q = ((((n * np.uint64(m)) >> np.uint64(32)) + n) & np.uint64(2**32 - 1)) >> np.uint64(s)
+    assert np.array_equal(q, n // np.uint64(d))
+
+
+def test_magic_divider_refuses_out_of_range():
+    with pytest.raises(ValueError, match="divisor"):
+        aap.magic_divider(0)
+
+
 def test_spec_tables():
     names = {c.name for c in SPEC.bench_cases("gpu")}
     assert {"vgg_14to7_b64_nchw", "vgg_13to7_b64_nchw", "vgg_25to7_b64_nchw",
@@ -291,6 +313,30 @@ def test_gpu_tree_bitwise_repeatable_and_equals_model(case, cuda_sync):
     direct = aap.adaptive_avg_pool2d_bwd_tree_direct_cuda(*args, **kw)  # shares computed on the spot
     diff = same_bits(direct, TREE(*cpu_args, **kw))
     assert diff.size == 0, f"tree's direct kernel differs from its CPU model at {diff[:10]}"
+    tiled = aap.adaptive_avg_pool2d_bwd_tree_tiled_cuda(*args, **kw)  # never the exact kernel
+    diff = same_bits(tiled, TREE(*cpu_args, **kw))
+    assert diff.size == 0, f"tree's tiled kernel differs from its CPU model at {diff[:10]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c, offset", [(8, 0), (8, 1), (6, 0)], ids=["vec4", "misaligned", "c6"])
+def test_gpu_exact_kernel_all_widths_equal_tiled(c, offset, cuda_sync):
+    """The exact kernel (windows tiling dx: 28 -> 7 and 8x6 -> 4x2 here) in channels_last: four channels
+    per thread where C % 4 == 0 and both tensors are 16-byte aligned, one otherwise (a dy starting one
+    float into its storage, C = 6); NCHW beside it. Every form gives the tiled kernel's bits."""
+    g = torch.Generator().manual_seed(7000 + c + offset)
+    for (h, w), (oh, ow) in (((28, 28), (7, 7)), ((8, 6), (4, 2))):
+        assert aap.exact_windows(h, w, oh, ow)
+        n = 3
+        flat = torch.randn(n * c * oh * ow + offset, generator=g).to(CUDA)
+        dy = flat[offset:].view(n, oh, ow, c).permute(0, 3, 1, 2)   # channels_last, storage offset
+        assert dy.is_contiguous(memory_format=torch.channels_last) and (dy.data_ptr() % 16 == 0) == (offset == 0)
+        for x in (dy, dy.contiguous()):
+            out = TREE(x, input_size=(h, w))
+            ref = aap.adaptive_avg_pool2d_bwd_tree_tiled_cuda(x, input_size=(h, w))
+            assert torch.equal(bits_t(out), bits_t(ref)), (c, offset, h, w, x.is_contiguous())
+            diff = same_bits(out, TREE(x.cpu(), input_size=(h, w)))
+            assert diff.size == 0, f"exact kernel differs from the CPU model at {diff[:10]}"
 
 
 @pytest.mark.gpu
