@@ -248,56 +248,68 @@ adaptive_avg_pool2d_bwd_tree_tiled(const float* __restrict__ dy, float* __restri
 // ---- exact: the windows tile dx exactly (H = KH * OH, W = KW * OW: 14->7, 7->1, 7->7, 28->7), so every
 // dx element lies in exactly one window and its tree sum is +0.0 + (dy / KW) / KH: the bits of _tiled and
 // _direct (the +0.0 turns a -0.0 share into +0.0, as their sums from +0.0 do). No shared memory, no
-// tables: one thread per dx element in memory order (VEC = 4: four channels of one position, channels_last
-// with C % 4 == 0 and 16-byte aligned tensors, as one float4 load and store). Index decomposition by
-// magic-number dividers computed on the host (m, s pairs of FastDiv; n < 2^31 throughout: the launcher
-// sends larger tensors to the tiled kernel).
+// tables: one thread per VEC consecutive dx elements in memory order, stored as one vector:
+//   channels_last, VEC = 4: four channels of one position (C % 4 == 0), four shares from one float4 load;
+//   NCHW, VEC = 2 or 4: VEC elements of one row inside one window (W % VEC == 0 and KW % VEC == 0), one
+//   share written VEC times; VEC = 1 otherwise (and for unaligned tensors).
+// Index decomposition by magic-number dividers computed on the host (m, s pairs of FastDiv; every index
+// below 2^31: the launcher sends larger tensors to the tiled kernel).
 
 __device__ __forceinline__ int qdiv(int n, unsigned m, unsigned s) {
     return (int)((__umulhi((unsigned)n, m) + (unsigned)n) >> s);
 }
 
+__device__ __forceinline__ float exact_share(float g, float kwf, float khf) {
+    return __fadd_rn(0.0f, __fdiv_rn(__fdiv_rn(g, kwf), khf));
+}
+
 template <int VEC, bool CL>
 __device__ __forceinline__ void exact_body(const float* __restrict__ dy, float* __restrict__ dx, int total, int C,
                                            int H, int W, int OH, int OW, float kwf, float khf, const unsigned* q) {
-    // q: magic (m, s) pairs for the divisors C / VEC (channels_last) or H * W (NCHW), then W, H, KH, KW
+    // q: magic (m, s) pairs for the divisors
+    //   channels_last: C / VEC, W, H, KH, KW     (t = ((n * H + h) * W + w) * (C / VEC) + c4)
+    //   NCHW:          H * W / VEC, W / VEC, -, KH, KW / VEC   (t = (plane * H + h) * (W / VEC) + wv)
     const int step = gridDim.x * blockDim.x;
     for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += step) {
-        int src;
-        if (CL) {   // t = ((n * H + h) * W + w) * (C / VEC) + c4
+        if (CL) {
             const int cv = C / VEC;
             const int r = qdiv(t, q[0], q[1]), c = (t - r * cv) * VEC;
             const int r2 = qdiv(r, q[2], q[3]), w = r - r2 * W;
             const int n = qdiv(r2, q[4], q[5]), h = r2 - n * H;
-            src = ((n * OH + qdiv(h, q[6], q[7])) * OW + qdiv(w, q[8], q[9])) * C + c;
-        } else {    // t = (plane * H + h) * W + w
-            const int plane = qdiv(t, q[0], q[1]), r = t - plane * (H * W);
-            const int h = qdiv(r, q[2], q[3]), w = r - h * W;
-            src = (plane * OH + qdiv(h, q[6], q[7])) * OW + qdiv(w, q[8], q[9]);
-        }
-        if (VEC == 4) {
-            const float4 g = *reinterpret_cast<const float4*>(dy + src);
-            float4 o;
-            o.x = __fadd_rn(0.0f, __fdiv_rn(__fdiv_rn(g.x, kwf), khf));
-            o.y = __fadd_rn(0.0f, __fdiv_rn(__fdiv_rn(g.y, kwf), khf));
-            o.z = __fadd_rn(0.0f, __fdiv_rn(__fdiv_rn(g.z, kwf), khf));
-            o.w = __fadd_rn(0.0f, __fdiv_rn(__fdiv_rn(g.w, kwf), khf));
-            reinterpret_cast<float4*>(dx)[t] = o;
+            const int src = ((n * OH + qdiv(h, q[6], q[7])) * OW + qdiv(w, q[8], q[9])) * C + c;
+            if (VEC == 4) {
+                const float4 g = *reinterpret_cast<const float4*>(dy + src);
+                reinterpret_cast<float4*>(dx)[t] = make_float4(exact_share(g.x, kwf, khf), exact_share(g.y, kwf, khf),
+                                                               exact_share(g.z, kwf, khf), exact_share(g.w, kwf, khf));
+            } else {
+                dx[t] = exact_share(dy[src], kwf, khf);
+            }
         } else {
-            dx[t] = __fadd_rn(0.0f, __fdiv_rn(__fdiv_rn(dy[src], kwf), khf));
+            const int wvs = W / VEC;
+            const int plane = qdiv(t, q[0], q[1]), r = t - plane * (H * wvs);
+            const int h = qdiv(r, q[2], q[3]), wv = r - h * wvs;
+            const float v = exact_share(dy[(plane * OH + qdiv(h, q[6], q[7])) * OW + qdiv(wv, q[8], q[9])], kwf, khf);
+            if (VEC == 4) reinterpret_cast<float4*>(dx)[t] = make_float4(v, v, v, v);
+            else if (VEC == 2) reinterpret_cast<float2*>(dx)[t] = make_float2(v, v);
+            else dx[t] = v;
         }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(AAP_THREADS)
 adaptive_avg_pool2d_bwd_tree_exact(const float* __restrict__ dy, float* __restrict__ dx, int total, int C, int H,
-                                   int W, int OH, int OW, int layout_vec,
+                                   int W, int OH, int OW, int channels_last, int vec,
                                    unsigned m0, unsigned s0, unsigned m1, unsigned s1, unsigned m2, unsigned s2,
                                    unsigned m3, unsigned s3, unsigned m4, unsigned s4) {
-    // layout_vec: 0 NCHW, 1 channels_last, 4 channels_last four channels per thread; total counts threads' items
+    // total: threads' items (dx elements / vec)
     const unsigned q[10] = {m0, s0, m1, s1, m2, s2, m3, s3, m4, s4};
     const float kwf = (float)(W / OW), khf = (float)(H / OH);
-    if (layout_vec == 4) exact_body<4, true>(dy, dx, total, C, H, W, OH, OW, kwf, khf, q);
-    else if (layout_vec == 1) exact_body<1, true>(dy, dx, total, C, H, W, OH, OW, kwf, khf, q);
-    else exact_body<1, false>(dy, dx, total, C, H, W, OH, OW, kwf, khf, q);
+    if (channels_last) {
+        if (vec == 4) exact_body<4, true>(dy, dx, total, C, H, W, OH, OW, kwf, khf, q);
+        else exact_body<1, true>(dy, dx, total, C, H, W, OH, OW, kwf, khf, q);
+    } else {
+        if (vec == 4) exact_body<4, false>(dy, dx, total, C, H, W, OH, OW, kwf, khf, q);
+        else if (vec == 2) exact_body<2, false>(dy, dx, total, C, H, W, OH, OW, kwf, khf, q);
+        else exact_body<1, false>(dy, dx, total, C, H, W, OH, OW, kwf, khf, q);
+    }
 }

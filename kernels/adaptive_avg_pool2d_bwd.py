@@ -184,16 +184,20 @@ def _launch_exact(dy: torch.Tensor, dx: torch.Tensor, layout: str) -> bool:
     oh, ow = dy.shape[2:]
     if not exact_windows(h, w, oh, ow) or dx.numel() + THREADS * MAX_EXACT_BLOCKS > INT32_MAX:
         return False
+    kh, kw = h // oh, w // ow
+    aligned = dy.data_ptr() % 16 == 0 and dx.data_ptr() % 16 == 0
     if layout == "channels_last":
-        vec = 4 if c % 4 == 0 and dy.data_ptr() % 16 == 0 and dx.data_ptr() % 16 == 0 else 1
-        first = c // vec
-    else:
-        vec, first = 0, h * w
-    total = dx.numel() // max(vec, 1)
-    q = [v for d in (first, w, h, h // oh, w // ow) for v in _magic(d)]
+        vec = 4 if c % 4 == 0 and aligned else 1
+        divisors = (c // vec, w, h, kh, kw)
+    else:   # vec elements of one row in one window: one share, one vector store
+        vec = next((v for v in (4, 2) if w % v == 0 and kw % v == 0 and aligned), 1)
+        divisors = (h * w // vec, w // vec, 1, kh, kw // vec)
+    total = dx.numel() // vec
+    q = [v for d in divisors for v in _magic(d)]
     blocks = max(1, min(cdiv(total, THREADS), MAX_EXACT_BLOCKS))
     launch(function(SOURCE, "adaptive_avg_pool2d_bwd_tree_exact", dy.device), (blocks,), (THREADS,),
-           (dy.data_ptr(), dx.data_ptr(), total, c, h, w, oh, ow, vec, *q), device=dy.device)
+           (dy.data_ptr(), dx.data_ptr(), total, c, h, w, oh, ow, int(layout == "channels_last"), vec, *q),
+           device=dy.device)
     return True
 
 
