@@ -117,6 +117,18 @@ def torch_save(path, obj) -> None:
     write_bytes(path, buf.getvalue())
 
 
+def small_ints(a: np.ndarray) -> np.ndarray:
+    """An integer array in the narrowest signed type that holds its values (labels and group ids of a
+    study member travel between machines: int8 or int16 instead of int64)."""
+    if a.size == 0:
+        return a.astype(np.int8)
+    lo, hi = int(a.min()), int(a.max())
+    for t in (np.int8, np.int16, np.int32):
+        if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max:
+            return a.astype(t)
+    return a.astype(np.int64)
+
+
 def npz_save(path, *, compress: bool = False, **arrays) -> None:
     buf = io.BytesIO()
     (np.savez_compressed if compress else np.savez)(buf, **arrays)

@@ -655,7 +655,7 @@ def collect_config(study: Study, p: Planned) -> tuple[dict, dict]:
     preds = []
     for d in done:
         with np.load(d / "predictions.npz") as f:
-            preds.append((f["logits"].astype(np.float32), f["labels"], f["group"]))
+            preds.append((f["logits"].astype(np.float32), f["labels"].astype(np.int64), f["group"].astype(np.int64)))
     logits = np.stack([x[0] for x in preds])
     labels, groups = preds[0][1], preds[0][2]
     groups = groups if (groups >= 0).any() else None

@@ -724,7 +724,8 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
         return {"member": member, "rank": world.rank, "final_checksum": final, "steps": state["step"]}
     ev, logits = last_eval or evaluate(model, ds, fmt, cfg.image_size, precision)
     runio.npz_save(d / "predictions.npz", logits=logits.float().cpu().numpy(),
-                   labels=ds.test_y.cpu().numpy(), group=ds.test_group.cpu().numpy())
+                   labels=runio.small_ints(ds.test_y.cpu().numpy()),
+                   group=runio.small_ints(ds.test_group.cpu().numpy()))
     last = state["metrics"][-1]
     result = {"member": member, "epochs": cfg.epochs, "steps": state["step"], **ev,
               "train_loss": last["train_loss"], "train_top1": last["train_top1"],

@@ -138,6 +138,7 @@ def test_run_files(tmp_path):
     with np.load(d / "predictions.npz") as f:
         assert f["logits"].shape == (24, 10) and f["logits"].dtype == np.float32
         assert f["labels"].shape == (24,) and f["group"].shape == (24,)
+        assert f["labels"].dtype == np.int8 and f["group"].dtype == np.int8   # 10 classes, groups -1..1
     w = torch.load(d / "weights_epoch_001.pt")
     model = models.build_model("small")
     model.load_state_dict(torch.load(d / "checkpoint.pt", weights_only=False)["model"])
@@ -328,3 +329,12 @@ def test_digits_dataset_trains_and_records_groups(tmp_path):
     pred = np.load(runio.member_dir(tmp_path, "digits", 0) / "predictions.npz")
     assert pred["logits"].shape == (24, 10) and set(pred["group"].tolist()) <= {0, 1}
     assert 0.0 <= out["members"][0]["test_top1"] <= 1.0
+
+
+@pytest.mark.parametrize("values, dtype", [([0, 9, -1], np.int8), ([0, 99], np.int8), ([0, 127], np.int8),
+                                           ([-129, 0], np.int16), ([0, 999], np.int16), ([0, 40000], np.int32),
+                                           ([0, 2**40], np.int64), ([], np.int8)])
+def test_small_ints_keeps_every_value_in_the_narrowest_type(values, dtype):
+    a = np.array(values, dtype=np.int64)
+    out = runio.small_ints(a)
+    assert out.dtype == dtype and np.array_equal(out.astype(np.int64), a)
