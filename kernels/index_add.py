@@ -258,30 +258,6 @@ def _vec(src: torch.Tensor, d: int) -> int:
 MAX_GRID_Y = 65535
 
 
-_SIDE: dict[int, torch.cuda.Stream] = {}
-
-
-def _zero_beside(out: torch.Tensor) -> "torch.cuda.Event | None":
-    """Zero ``out`` on a side stream of its device and return the event that marks the end of the fill;
-    the current stream must wait on it before touching ``out``. The side stream first waits for everything
-    queued on the current stream (``out``'s memory may have been in use there until just now). While a
-    CUDA graph is being captured the fill stays on the current stream (None is returned): same bits."""
-    if torch.cuda.is_current_stream_capturing():
-        out.zero_()
-        return None
-    dev = out.device
-    main = torch.cuda.current_stream(dev)
-    side = _SIDE.get(dev.index)
-    if side is None:
-        side = _SIDE[dev.index] = torch.cuda.Stream(dev)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        out.zero_()
-        done = torch.cuda.Event()
-        done.record(side)
-    return done
-
-
 def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
                        elementwise: bool = False, skip: int = -1, scaled: bool = False,
                        force_scalar: bool = False, sparse: bool | None = None,
@@ -290,9 +266,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     module docstring). Four launches and torch.sort, no host synchronisation: keys (narrowed, bad ones
     to a sentinel), stable sort, row starts, sums. Dense (more contributions than destinations): the sums
     write every output row, so the output is never zero-filled. Sparse (fewer: an embedding's gradient,
-    most rows untouched): the output is zero-filled at full bandwidth, on a side stream while the keys are
-    sorted, and only the sorted positions get tasks, so empty rows cost no warp; the same chunks and tree,
-    so the same bits (``sparse`` forces
+    most rows untouched): the output is zero-filled at full bandwidth and only the sorted positions get
+    tasks, so empty rows cost no warp; the same chunks and tree, so the same bits (``sparse`` forces
     either; default: by the counts). Keys outside [0, rows) add nothing, or fail the keys kernel
     (``check`` device), or raise KernelArgumentError after the kernels are queued (``check`` sync:
     start[space], the count of valid keys, read back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits; for tests)."""
@@ -302,12 +277,6 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     if n == 0 or d == 0:
         return torch.zeros((rows, d), device=dev, dtype=torch.float32)
     space, width = (rows * d, 1) if elementwise else (rows, d)
-    if sparse is None:
-        sparse = n < space
-    out = torch.empty((rows, d), device=dev, dtype=torch.float32)
-    joined = None
-    if sparse:   # the zero fill (bandwidth-bound) runs beside the keys, the sort and the row starts (latency-bound)
-        joined = _zero_beside(out)
     ktype, kname, offset = _key_dtype(space)
     keys = torch.empty(n, device=dev, dtype=ktype)
     # element form: destination of src[i, j] is flat row key[i, j] * D + j of a (rows * D, 1) output
@@ -318,8 +287,9 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     start = torch.empty(space + 1, device=dev, dtype=torch.int64)
     launch(function(source, f"{prefix}_starts_{kname}", dev), (_blocks(space + 1),), (THREADS,),
            (ptr(skey), np.int64(n), np.int64(space), np.int64(offset), ptr(start)), device=dev)
-    if joined is not None:
-        torch.cuda.current_stream(dev).wait_event(joined)   # the sums add onto the zeros
+    if sparse is None:
+        sparse = n < space
+    out = (torch.zeros if sparse else torch.empty)((rows, d), device=dev, dtype=torch.float32)
     first = space if sparse else 0  # tasks before it (one per destination) are not launched
     scalar = elementwise or width < SCALAR_BELOW_D or force_scalar
     vec = 1 if scalar else _vec(src, width)

@@ -165,37 +165,3 @@ def test_gpu_bench_size_sorted_repeatable_atomic_varies(case, cuda_sync):
     atomic = {bits(ATOMIC(*args, **kw)).tobytes() for _ in range(10)}
     print(f"{case.name}: atomic {len(atomic)} distinct / 10")
     assert len(atomic) > 1
-
-
-@pytest.mark.gpu
-def test_gpu_sparse_zero_fill_beside_the_sort_is_joined(cuda_sync):
-    """The sparse sorted path zero-fills its output on a side stream while the keys are sorted. Each call
-    here gets back the block of a freed NaN tensor of the output's size (the caching allocator reuses it),
-    and the result is read on the current stream at once: a missing join would leave NaN in untouched
-    rows or race the sums. 30 calls, each with the CPU model's bits; then once inside a CUDA graph capture,
-    where the fill stays on the capturing stream."""
-    g = torch.Generator(device=CUDA).manual_seed(11)
-    rows, d = 50_000, 512
-    idx = torch.randint(0, rows, (8, 512), device=CUDA, generator=g)
-    grad = torch.randn(8, 512, d, device=CUDA, generator=g)
-    kw = dict(num_weights=rows, padding_idx=-1, scale_grad_by_freq=False)
-    ref = SORTED(grad.cpu(), idx.cpu(), **kw).to(CUDA)
-    assert not torch.isnan(ref).any() and (ref == 0).all(dim=1).sum() > rows // 2   # mostly untouched rows
-    for _ in range(30):
-        junk = torch.full((rows, d), float("nan"), device=CUDA)
-        del junk
-        out = SORTED(grad, idx, **kw)
-        assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
-    # captured: the fill stays on the capturing stream
-    static = torch.empty_like(ref)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        SORTED(grad, idx, **kw)   # warm-up on the capture's stream
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static.copy_(SORTED(grad, idx, **kw))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static.view(torch.int32), ref.view(torch.int32))
