@@ -418,6 +418,26 @@ def render(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def to_measure(rows: dict, cases: list, *, only: list | None, fresh: bool, amp: str | None) -> list[tuple]:
+    """(case, row key) pairs a run measures: the ``only`` cases whether or not the result file has them;
+    else every case with ``fresh``, or the cases the file lacks. Rows not measured stay in the file."""
+    out = []
+    for case in cases:
+        key = case.key + (f"_{amp}" if amp else "")
+        if only:
+            if case.key in only:
+                out.append((case, key))
+        elif fresh or key not in rows:
+            out.append((case, key))
+    return out
+
+
+def dropped_modes(row: dict | None, modes: list[str]) -> list[str]:
+    """Modes of an existing row that a run measuring only ``modes`` replaces: a row's ratios come from one
+    run, so the new row holds the new modes alone."""
+    return sorted(set((row or {}).get("modes", {})) - set(modes))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.models", description=__doc__.splitlines()[0],
                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -428,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the times")
     p.add_argument("--amp", choices=["bf16", "fp16"], help="forward under torch.autocast in this dtype (rows "
                    "<case>_<amp>); default float32")
-    p.add_argument("--fresh", action="store_true", help="measure every case again (default: skip cases in the file)")
+    p.add_argument("--fresh", action="store_true", help="measure every case again (default: skip cases in the file; "
+                   "--only cases are always measured); rows of cases not measured stay in the file")
     p.add_argument("--render", action="store_true", help="only render reports/models.md from the result file")
     args = p.parse_args(argv)
     if args.render:
@@ -445,19 +466,22 @@ def main(argv: list[str] | None = None) -> int:
         p.error("measuring needs a CUDA GPU (use --render to re-render the report)")
     if args.warmup >= args.steps:
         p.error("--warmup must be smaller than --steps")
-    data = {"rows": {}} if args.fresh else load()
+    data = load()
     for row in data["rows"].values():   # rows from an earlier run keep that run's commit and date
         row.setdefault("measured", {k: data.get("fingerprint", {}).get(k) for k in ("git_sha", "date")})
     data["fingerprint"] = fingerprint("cuda")
     data["settings"] = {"runs": args.runs, "steps": args.steps, "warmup": args.warmup}
-    cases = [c for c in MODELS if not args.only or c.key in args.only]
+    todo = to_measure(data["rows"], MODELS, only=args.only, fresh=args.fresh, amp=args.amp)
+    for key in sorted({c.key + (f"_{args.amp}" if args.amp else "") for c in MODELS} - {k for _, k in todo}):
+        if key in data["rows"]:
+            print(f"{key}: in the result file, skipped (--fresh or --only to measure again)")
     with noise.pinned_flags(tf32=False, cudnn_deterministic=False):
-        for case in cases:
-            key = case.key + (f"_{args.amp}" if args.amp else "")
-            if key in data["rows"] and not args.fresh and not args.only:
-                print(f"{key}: in the result file, skipped (--fresh to measure again)")
-                continue
+        for case, key in todo:
             print(f"{key}: {case.model}, batch {case.batch}, {case.size}px, {args.amp or 'fp32'}", flush=True)
+            lost = dropped_modes(data["rows"].get(key), args.modes)
+            if lost:
+                print(f"  {key}: the row's {', '.join(lost)} results are dropped (a row's ratios come from one "
+                      "run: measure every mode to keep them)", flush=True)
             try:
                 data["rows"][key] = measure(case, args)
                 data["rows"][key]["measured"] = {k: data["fingerprint"].get(k) for k in ("git_sha", "date")}

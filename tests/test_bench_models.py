@@ -1,0 +1,74 @@
+"""bench.models' bookkeeping of its result file (measuring needs a GPU; which rows a run measures and what
+it keeps does not)."""
+from __future__ import annotations
+
+from bench import models as bm
+
+KEYS = [c.key for c in bm.MODELS]
+
+
+def keys(todo):
+    return [k for _, k in todo]
+
+
+def test_only_measures_the_named_cases_whether_or_not_the_file_has_them():
+    rows = {KEYS[0]: {"modes": {}}, KEYS[1]: {"modes": {}}}
+    todo = bm.to_measure(rows, bm.MODELS, only=[KEYS[1], KEYS[2]], fresh=False, amp=None)
+    assert keys(todo) == [KEYS[1], KEYS[2]]
+    assert [c.key for c, _ in todo] == [KEYS[1], KEYS[2]]
+
+
+def test_default_fills_the_gaps_and_fresh_measures_everything():
+    rows = {KEYS[0]: {"modes": {}}}
+    assert keys(bm.to_measure(rows, bm.MODELS, only=None, fresh=False, amp=None)) == KEYS[1:]
+    assert keys(bm.to_measure(rows, bm.MODELS, only=None, fresh=True, amp=None)) == KEYS
+
+
+def test_amp_rows_have_their_own_keys():
+    rows = {KEYS[0]: {"modes": {}}}   # the fp32 row does not stand in for the bf16 one
+    todo = bm.to_measure(rows, bm.MODELS, only=[KEYS[0]], fresh=False, amp="bf16")
+    assert keys(todo) == [f"{KEYS[0]}_bf16"]
+    assert keys(bm.to_measure({f"{KEYS[0]}_bf16": {}}, bm.MODELS, only=None, fresh=False, amp="bf16")) == \
+        [f"{k}_bf16" for k in KEYS[1:]]
+
+
+def test_dropped_modes_names_what_a_partial_run_replaces():
+    row = {"modes": {"native": {}, "tree": {}, "torch_deterministic": {}, "atomic": {}}}
+    assert bm.dropped_modes(row, ["native", "tree"]) == ["atomic", "torch_deterministic"]
+    assert bm.dropped_modes(row, list(bm.MODES)) == []
+    assert bm.dropped_modes(None, ["native"]) == []
+
+
+def test_a_run_with_only_keeps_the_other_rows_and_names_dropped_modes(tmp_path, monkeypatch, capsys):
+    # main() end to end with the GPU parts stood in for: the file's other rows survive --only --fresh, the
+    # re-measured row holds the new modes alone, and the run says which modes it dropped
+    import json
+
+    import torch
+
+    import nnrand.fingerprint
+
+    import sys
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # main() sets it; restored after the test
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(bm, "RESULTS", tmp_path / "models.json")
+    monkeypatch.setattr(bm, "REPORT", tmp_path / "models.md")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(nnrand.fingerprint, "fingerprint", lambda device: {"git_sha": "abc1234", "date": "d"})
+    monkeypatch.setattr(bm, "render", lambda data: "report\n")
+    measured = []
+
+    def fake_measure(case, args):
+        measured.append((case.key, tuple(args.modes)))
+        return {"case": {"key": case.key}, "modes": {m: {"ms": 1.0} for m in args.modes}}
+
+    monkeypatch.setattr(bm, "measure", fake_measure)
+    old = {"rows": {KEYS[0]: {"modes": {"native": {}, "atomic": {}}}, KEYS[1]: {"modes": {"native": {}}}}}
+    bm.RESULTS.write_text(json.dumps(old))
+    assert bm.main(["--only", KEYS[0], "--modes", "native", "tree", "--fresh"]) == 0
+    rows = json.loads(bm.RESULTS.read_text())["rows"]
+    assert measured == [(KEYS[0], ("native", "tree"))]
+    assert set(rows) == {KEYS[0], KEYS[1]} and rows[KEYS[1]]["modes"] == {"native": {}}
+    assert set(rows[KEYS[0]]["modes"]) == {"native", "tree"}
+    assert "atomic results are dropped" in capsys.readouterr().out
