@@ -274,8 +274,8 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
 
     Straight through the driver (cuLaunchKernel on torch's raw stream handle): a routed backward op
     launches a few kernels per call, so the host time of a launch is part of a training step's cost
-    (H200: cuLaunchKernel alone 3.3-3.8 us of host time, this function 6.8 us; no imports and no torch.cuda
-    Python wrappers on this path). Capturable in a CUDA graph like any launch on the capturing stream."""
+    (H200, bench/dev/launch_parts.py: cuLaunchKernel alone 3.3-3.8 us of host time, this function 6.8 us;
+    no imports and no torch.cuda Python wrappers on this path). Capturable in a CUDA graph like any launch on the capturing stream."""
     index = device.index
     current = torch._C._cuda_getDevice()
     if index is None:

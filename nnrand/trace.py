@@ -141,7 +141,8 @@ def fingerprint_cuda(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
 def _launch_fingerprint(t: torch.Tensor, out_ptr: int) -> None:
     """One fingerprint launch; the hot path of recording (one per recorded output), so no imports, no NumPy
-    scalars and no checks beyond contiguity here (H200: 8.2 us of host time per launch)."""
+    scalars and no checks beyond contiguity here (H200: 8.2 us of host time per launch,
+    bench/dev/launch_parts.py)."""
     if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
         t = t.contiguous()
     fn, dev, _, _, scratch = _fp_state(t.get_device())
