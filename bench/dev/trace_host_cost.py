@@ -56,9 +56,8 @@ class Split:
             t1 = time.perf_counter()
             split.op[th] = split.op.get(th, 0.0) + (t1 - t0)
             split.calls[th] = split.calls.get(th, 0) + 1
-            real = func
             try:
-                return rec_dispatch(self, _Done(real, out), types, args, kwargs)
+                return rec_dispatch(self, _Done(func, out), types, args, kwargs)
             finally:
                 split.add[th] = split.add.get(th, 0.0) + (time.perf_counter() - t1)
 
@@ -82,7 +81,7 @@ class _Done:
     """An op already called: the recorder's dispatch gets its output instead of calling it again."""
 
     def __init__(self, func, out):
-        self.func, self.out, self._overloadpacket = func, out, func._overloadpacket
+        self.out, self._overloadpacket = out, func._overloadpacket
 
     def __call__(self, *args, **kwargs):
         return self.out
