@@ -25,8 +25,9 @@ Order of the additions into one dx element:
   order are the same as summing (dy / kw) / kh on the spot (``_direct``, the fallback for shapes
   whose tile does not fit), so both give the same bits. Where the windows tile the input exactly
   (H and W multiples of OH and OW: 14->7, 7->1, 7->7) every element has one window and its sum is
-  +0.0 + share: ``_exact`` writes that straight from dy, one thread per element (four channels per
-  thread in channels_last), with no shared memory or tables; again the same bits.
+  +0.0 + share: ``_exact`` writes that straight from dy (four channels per thread in channels_last, two
+  or four elements of one row and one window per thread in NCHW where W and KW allow), with no shared
+  memory or tables; again the same bits.
 - ``atomic``: arrival order of the atomicAdds, from +0.0. With one or two contributions the sum does
   not depend on it (0 + a + b = 0 + b + a); from three on it can.
 

@@ -834,7 +834,7 @@ aug (one seed source per member each), atomic-<op> for each of conv_wgrad, conv_
 (on resnet20_maxpool when the model has no max-pool, with control@ and algo@resnet20_maxpool as its seed
 baselines), native, algo-bf16, impl-bf16. CUDA defaults: resnet20, synthetic 10k/10k, 20 epochs of batch 128
 in a CUDA graph, the test set evaluated every 5 epochs, 10 members per configuration, 8 workers per GPU
-under a private MPS daemon where one starts (17 min on one H200), then a ~1 min timing pass; ~20 MB of run files per member, ~0.45 MB without weights_epoch_*.pt and
+under a private MPS daemon where one starts (17 min on one H200), then a ~1 min timing pass; ~20 MB of run files per member, a few hundred kB without weights_epoch_*.pt and
 checkpoint.pt, which a configuration no longer needs once 'report' has collected it (weights_l2.json).
 CPU (--quick): small model, 128 training images, 2 epochs, 3 members. --smoke: 2 members of 2 steps each.
 outputs: reports/divergence.md (CUDA), reports/divergence_quick.md (CUDA --quick), reports/divergence_cpu.md
