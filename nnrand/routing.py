@@ -427,7 +427,7 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
     if dx is not None:
         dx = dx.contiguous(memory_format=out_fmt)
     if dw is not None:
-        dw = dw.contiguous(memory_format=out_fmt)
+        dw = _param_strides(dw.contiguous(memory_format=out_fmt), w)
     # what ran per asked gradient: a variant's name, or torch_det where the tuner chose torch's kernel
     tuned = s.conv_tuned if groups == 1 else s.conv_grouped_tuned
     ran = sorted({v.name if v is not None else "torch_det" for v, needed, t in zip(plan, (need[1], need[0], need[2]),
@@ -435,6 +435,18 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
                   if needed and (v is not None or t)})
     s.coverage.add(op, "+".join(ran) if ran else ORIGINAL, None if ran else "no routed gradient was asked for")
     return dx, dw, db
+
+
+def _param_strides(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``g`` (dense, ``p``'s shape) with ``p``'s own strides where the two differ only in dimensions of
+    size 1 (a 1x1 kernel's weight reads the same in either layout): the same bytes, a view. A parameter's
+    gradient with its strides is what DistributedDataParallel's buckets expect (it warns and copies
+    otherwise), and the layout contract still holds (it ignores the strides of size-1 dimensions)."""
+    if g.stride() == p.stride() or g.shape != p.shape:
+        return g
+    if all(gs == ps for gs, ps, n in zip(g.stride(), p.stride(), g.shape) if n != 1):
+        return g.as_strided(p.shape, p.stride())
+    return g
 
 
 def _maxpool_backward(s: "_Session", original, keyset, dy, x, kernel_size, stride, padding, dilation, ceil_mode,

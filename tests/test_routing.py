@@ -218,6 +218,26 @@ def test_conv_backward_is_the_variants_output(layout, family):
 
 
 @pytest.mark.parametrize("layout", list(FORMATS))
+@pytest.mark.parametrize("k", [1, 3])
+def test_conv_weight_gradient_has_the_parameters_strides(layout, k):
+    """A routed dW carries its weight's own strides (DDP's buckets are laid out like the parameters and
+    warn and copy otherwise): a 1x1 weight in channels_last has strides (C, 1, C, C) where a freshly
+    allocated contiguous tensor of its shape has (C, 1, 1, 1). The values are the variant's output."""
+    need_ops("conv_wgrad")
+    torch.manual_seed(0)
+    conv = nn.Conv2d(6, 4, k, padding=k // 2, bias=False).to(memory_format=FORMATS[layout])
+    x0, _ = batch(2, seed=31, fmt=FORMATS[layout], size=9)
+    x0 = torch.cat([x0, x0], 1).contiguous(memory_format=FORMATS[layout])  # 6 channels
+    with nnrand.use_kernels("tree"):
+        x, out, dy = _layer_inputs(conv, x0, seed=32)
+        out.backward(dy)
+    assert conv.weight.grad.stride() == conv.weight.stride()
+    want = kernels.get("conv_wgrad", "tree")(x.detach(), dy, kernel_size=(k, k), stride=(1, 1),
+                                             padding=(k // 2, k // 2), dilation=(1, 1))
+    assert torch.equal(conv.weight.grad, want)
+
+
+@pytest.mark.parametrize("layout", list(FORMATS))
 def test_maxpool_and_batchnorm_backward_are_the_variants_output(layout):
     need_ops("maxpool_bwd", "bias_grad")
     fmt = FORMATS[layout]

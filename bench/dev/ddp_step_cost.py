@@ -14,7 +14,8 @@ communication) or ``ddp``. TF32 off throughout. Columns, medians over the timed 
     thru_ms     wall time of ``--steps`` back-to-back steps between two synchronisations, per step
 
 ``thru_ms`` is what training sees. ``host_ms`` close to ``thru_ms`` means the step is host-bound.
-``--profile SETUP`` adds torch.profiler's top rows (self CPU time and CUDA time) for a few steps of SETUP.
+``--profile SETUP`` adds torch.profiler's top rows (self CPU time and CUDA time) for a few steps of SETUP
+and every rank's NCCL kernel durations in order. ``--bucket-mb`` and ``--grad-view`` set DDP's options.
 """
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ def build(mode: str, wrap: str, args, device):
     model = models.build_model(args.model).to(device, memory_format=fmt)
     net = model
     if wrap == "ddp":
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index],
+                                                        bucket_cap_mb=args.bucket_mb,
+                                                        gradient_as_bucket_view=args.grad_view)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     x = torch.randn(args.batch, 3, 32, 32, generator=g).to(device).contiguous(memory_format=fmt)
@@ -101,6 +104,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--setups", nargs="+", default=[f"{m}:{w}" for m in MODES for w in WRAPS])
     p.add_argument("--profile", help="SETUP to profile after the timing")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (its default: 25)")
+    p.add_argument("--grad-view", action="store_true", help="DDP's gradient_as_bucket_view")
     args = p.parse_args(argv)
 
     dist.init_process_group("nccl")
@@ -121,7 +126,8 @@ def main(argv=None) -> int:
                     rows[name][k] += v
     if rank == 0:
         print(f"{args.model}, {args.batch} images per rank, {dist.get_world_size()} ranks, "
-              f"{torch.cuda.get_device_name(device)}, fp32 (TF32 off); medians of {args.rounds} x {args.steps} steps")
+              f"{torch.cuda.get_device_name(device)}, fp32 (TF32 off); medians of {args.rounds} x {args.steps} steps; "
+              f"DDP bucket_cap_mb {args.bucket_mb:g}, gradient_as_bucket_view {args.grad_view}")
         print(f"{'setup':<20} {'host_ms':>8} {'gpu_ms':>8} {'thru_ms':>8}")
         for name, r in rows.items():
             print(f"{name:<20} {statistics.median(r['host']):8.2f} {statistics.median(r['gpu']):8.2f} "
@@ -140,6 +146,9 @@ def main(argv=None) -> int:
             print(avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
             print(f"\nprofile {args.profile}, 5 steps: by CUDA time")
             print(avg.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        # every NCCL kernel in launch order: a long one waited for the other rank
+        nccl = [round(e.time_range.elapsed_us()) for e in prof.events() if e.name.startswith("ncclDevKernel")]
+        print(f"rank {rank} NCCL kernel us, in order: {nccl}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0
