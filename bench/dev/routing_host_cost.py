@@ -2,15 +2,20 @@
 
     python3 bench/dev/routing_host_cost.py                                  # torchvision resnet18, 64 px
     python3 bench/dev/routing_host_cost.py --model resnet18 --size 32 --batch 128 --profile 40
+    python3 bench/dev/routing_host_cost.py --model resnet18 --size 32 --batch 128 --amp bf16 \
+        --modes native torch_deterministic fastest-deterministic tree --profile 30 --profile-mode fastest-deterministic
 
-For each mode (native, tree): the host time to enqueue one step (perf_counter around the step, no
-synchronisation inside it; the GPU runs behind) and the GPU-inclusive time per step (CUDA events), as
-medians over ``--steps`` steps after warm-up; then, with ``--profile N``, cProfile's top N functions by
-own time over those steps under ``tree``. A step whose enqueue time exceeds its GPU time is host-bound.
+For each mode (``--modes``: native, torch_deterministic, or a routing family such as tree): the host time
+to enqueue one step (perf_counter around the step, no synchronisation inside it; the GPU runs behind) and
+the GPU-inclusive time per step (CUDA events), as medians over ``--steps`` steps after warm-up; then, with
+``--profile N``, cProfile's top N functions by own time over those steps under ``--profile-mode``, and with
+``--torch-profile N`` torch.profiler's top N ops by self CPU time under each mode. A step whose enqueue
+time exceeds its GPU time is host-bound. ``--amp``: the forward under torch.autocast in that dtype.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
@@ -37,19 +42,42 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N under tree")
+    p.add_argument("--modes", nargs="+", default=["native", "tree"])
+    p.add_argument("--amp", choices=["bf16", "fp16"], default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N under --profile-mode")
+    p.add_argument("--profile-mode", default="tree")
+    p.add_argument("--torch-profile", type=int, default=0, metavar="N",
+                   help="print torch.profiler's top N ops by self CPU time, per mode")
     args = p.parse_args(argv)
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(args.batch, 3, args.size, args.size, device="cuda", generator=g).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (args.batch,), device="cuda", generator=g)
     torch.backends.cudnn.benchmark = True
 
+    @contextlib.contextmanager
+    def torch_deterministic():
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(False)
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+
+    def step(model, opt):
+        with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
     def run(mode: str, profile: bool):
         torch.manual_seed(0)
         model = models.build_model(args.model).cuda().to(memory_format=fmt)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        ctx = nnrand.use_kernels(mode) if mode != "native" else nnrand.use_kernels("native")
+        ctx = torch_deterministic() if mode == "torch_deterministic" else nnrand.use_kernels(mode)
         host, gpu = [], []
         prof = cProfile.Profile() if profile else None
         with ctx:
@@ -60,10 +88,7 @@ def main(argv=None) -> int:
                     prof.enable()
                 t = time.perf_counter()
                 a.record()
-                loss = F.cross_entropy(model(x), y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+                step(model, opt)
                 b.record()
                 dt = time.perf_counter() - t
                 if prof is not None:
@@ -72,14 +97,22 @@ def main(argv=None) -> int:
                 if i >= 5:
                     host.append(dt * 1e3)
                     gpu.append(a.elapsed_time(b))
+            if args.torch_profile:
+                torch.cuda.synchronize()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+                    for _ in range(5):
+                        step(model, opt)
+                    torch.cuda.synchronize()
+                print(f"torch.profiler, {mode}, 5 steps, by self CPU time:")
+                print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.torch_profile))
         return statistics.median(host), statistics.median(gpu), prof
 
     with noise.pinned_flags(tf32=False, cudnn_deterministic=False):
         torch.backends.cudnn.benchmark = True
-        for mode in ("native", "tree"):
-            h, gms, prof = run(mode, profile=args.profile > 0 and mode == "tree")
-            print(f"{args.model} {args.batch}x{args.size} {mode:<7} host enqueue {h:7.2f} ms/step, "
-                  f"events {gms:7.2f} ms/step (synchronised before each step)")
+        for mode in args.modes:
+            h, gms, prof = run(mode, profile=args.profile > 0 and mode == args.profile_mode)
+            print(f"{args.model} {args.batch}x{args.size} {args.amp or 'fp32'} {mode:<22} host enqueue {h:7.2f} "
+                  f"ms/step, events {gms:7.2f} ms/step (synchronised before each step)", flush=True)
             if prof is not None:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     return 0
