@@ -20,6 +20,7 @@ operations in the same order, so the ``tree`` variant's bits equal its model's.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from . import registry
 from .registry import Case, define_op
 from .runtime import (
     INT32_MAX,
+    MEMO_LIMIT,
     KernelArgumentError,
     act_defines,
     cdiv,
@@ -165,25 +167,68 @@ def _aligned(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=_memory_format(layout))
 
 
-def _launch(variant: str, dy, x, mean, invstd, weight):
+@dataclass(frozen=True)
+class _Setup:
+    """What a launch needs that only the call's signature (``_signature``) decides: validated once."""
+    layout: str
+    fmt: torch.memory_format
+    convert_dy: bool          # dy is not in x's layout
+    widen_stats: bool         # half activations: statistics and weight read as float32
+    param_dtype: torch.dtype  # dgamma's and dbeta's dtype
+    plan: dict
+    reduce: object            # the reduction kernel of the variant
+    dx: object                # the dx kernel
+
+
+_SETUPS: dict[tuple, _Setup] = {}
+
+
+def _signature(variant: str, dy, x, mean, invstd, weight) -> tuple | None:
+    """dtypes, devices, shapes and strides of every argument (None where one is not a tensor: checked in full)."""
+    try:
+        return (variant, x.dtype, x.device, x.shape, x.stride(), dy.dtype, dy.device, dy.shape, dy.stride(),
+                mean.dtype, mean.device, mean.shape, mean.stride(), invstd.dtype, invstd.device, invstd.shape,
+                invstd.stride(), None if weight is None else (weight.dtype, weight.device, weight.shape,
+                                                              weight.stride()))
+    except AttributeError:
+        return None
+
+
+def _setup(variant: str, dy, x, mean, invstd, weight) -> _Setup:
     half = registry.half_dtype(OP, (dy, x, mean, invstd, weight))
-    if half is not None and not (getattr(dy, "dtype", None) == getattr(x, "dtype", None) == half):
-        # half and float32 activations together: what the registry's widening call does, here too
-        args = (dy, x, mean, invstd, weight)
-        return registry.round_outputs(OP, _launch(variant, *registry.widen(args, half)), args)
-    dy, layout = _check(dy, x, mean, invstd, weight, True)
+    layout, convert = _check_all(dy, x, mean, invstd, weight, True)
     check_cuda(OP, "x", x)
+    dev, defines = x.device, act_defines(x.dtype)
+    plan = _plan(tuple(x.shape), layout) if x.numel() else {}
+    kind = plan.get("kind")
+    return _Setup(layout, _memory_format(layout), convert, half is not None,
+                  weight.dtype if weight is not None else torch.float32, plan,
+                  function(SOURCE, f"bn_bwd_{kind}_{variant}", dev, defines) if plan else None,
+                  function(SOURCE, f"bn_bwd_dx_{kind}", dev, defines) if plan else None)
+
+
+def _launch(variant: str, dy, x, mean, invstd, weight):
+    key = _signature(variant, dy, x, mean, invstd, weight)
+    st = _SETUPS.get(key) if key is not None else None
+    if st is None:
+        half = registry.half_dtype(OP, (dy, x, mean, invstd, weight))
+        if half is not None and not (getattr(dy, "dtype", None) == getattr(x, "dtype", None) == half):
+            # half and float32 activations together: what the registry's widening call does, here too
+            args = (dy, x, mean, invstd, weight)
+            return registry.round_outputs(OP, _launch(variant, *registry.widen(args, half)), args)
+        st = _setup(variant, dy, x, mean, invstd, weight)   # raises on anything the kernels do not take
+        if key is not None and len(_SETUPS) < MEMO_LIMIT:
+            _SETUPS[key] = st
+    if st.convert_dy:
+        dy = dy.contiguous(memory_format=st.fmt)
     c, dev = x.shape[1], x.device
-    fmt = _memory_format(layout)
-    param_dtype = weight.dtype if weight is not None else torch.float32
-    if half is not None:   # statistics and weight widened (exact); sums stay float32
+    if st.widen_stats:   # statistics and weight widened (exact); sums stay float32
         mean, invstd = mean.float(), invstd.float()
         weight = weight.float() if weight is not None else None
-    defines = act_defines(x.dtype)
-    if x.numel() == 0:
-        return (torch.empty(x.shape, device=dev, dtype=x.dtype, memory_format=fmt),
-                torch.zeros(c, device=dev, dtype=param_dtype), torch.zeros(c, device=dev, dtype=param_dtype))
-    plan = _plan(tuple(x.shape), layout)
+    if not st.plan:   # an empty batch
+        return (torch.empty(x.shape, device=dev, dtype=x.dtype, memory_format=st.fmt),
+                torch.zeros(c, device=dev, dtype=st.param_dtype), torch.zeros(c, device=dev, dtype=st.param_dtype))
+    plan, layout = st.plan, st.layout
     dy, x = _aligned(dy, layout), _aligned(x, layout)
     # held in locals until the launches are queued: a freed temporary's memory could be handed to dbeta
     mean, invstd = mean.contiguous(), invstd.contiguous()
@@ -192,25 +237,24 @@ def _launch(variant: str, dy, x, mean, invstd, weight):
     # atomic adds into zeros; tree writes every element itself
     alloc = torch.zeros if variant == "atomic" else torch.empty
     dbeta, dgamma = alloc(c, device=dev), alloc(c, device=dev)
-    dx = torch.empty(x.shape, device=dev, dtype=x.dtype, memory_format=fmt)
+    dx = torch.empty(x.shape, device=dev, dtype=x.dtype, memory_format=st.fmt)
     inputs = (ptr(dy), ptr(x), ptr(mean), ptr(invstd))
-    kind = plan["kind"]
     if variant == "atomic":
-        launch(function(SOURCE, f"bn_bwd_{kind}_atomic", dev, defines), plan["red_grid"], plan["red_block"],
-               inputs + plan["red_args"] + (ptr(dbeta), ptr(dgamma)), device=dev)
+        launch(st.reduce, plan["red_grid"], plan["red_block"], inputs + plan["red_args"] + (ptr(dbeta), ptr(dgamma)),
+               device=dev)
     else:
         workspace = counters = None
         if plan["p"] > 1:
             workspace = torch.empty(plan["workspace"], device=dev)
             counters = ticket_counters(dev, plan["counters"])
-        launch(function(SOURCE, f"bn_bwd_{kind}_tree", dev, defines), plan["red_grid"], plan["red_block"],
+        launch(st.reduce, plan["red_grid"], plan["red_block"],
                inputs + plan["red_args"] + (ptr(workspace) if workspace is not None else np.uint64(0),
                                             ptr(counters) if counters is not None else np.uint64(0),
                                             ptr(dbeta), ptr(dgamma)), device=dev)
-    launch(function(SOURCE, f"bn_bwd_dx_{kind}", dev, defines), plan["dx_grid"], plan["dx_block"],
+    launch(st.dx, plan["dx_grid"], plan["dx_block"],
            inputs + (w, ptr(dbeta), ptr(dgamma), plan["m"]) + plan["dx_args"] + (ptr(dx),), device=dev)
-    if param_dtype != torch.float32:   # a half weight's gradients, rounded once (out_like)
-        return dx, dgamma.to(param_dtype), dbeta.to(param_dtype)
+    if st.param_dtype != torch.float32:   # a half weight's gradients, rounded once (out_like)
+        return dx, dgamma.to(st.param_dtype), dbeta.to(st.param_dtype)
     return dx, dgamma, dbeta
 
 

@@ -81,6 +81,7 @@ warning is shown (a filter that ignores it hides it from the count too).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import re
@@ -375,66 +376,134 @@ def _tuned(s: "_Session", auto: Auto, grad: int, original, keyset, args: tuple, 
     return variants.get(name)
 
 
+@dataclass(frozen=True)
+class _ConvPlan:
+    """What ``_conv_backward`` does for one call signature, decided once: a reason to pass the call on,
+    or the variants per gradient (None: torch's kernel in ``native_mask``), the layouts, the label the
+    coverage counts. Everything here is a function of the signature ``_conv_key`` builds."""
+    why: str | None
+    fmt: torch.memory_format = torch.contiguous_format
+    w_fmt: torch.memory_format = torch.contiguous_format
+    out_fmt: torch.memory_format = torch.contiguous_format
+    dgrad: Callable | None = None
+    wgrad: Callable | None = None
+    bias: Callable | None = None
+    native_mask: list[bool] | None = None
+    dgrad_kw: dict | None = None
+    wgrad_kw: dict | None = None
+    label: str = ORIGINAL
+    reason: str | None = None
+
+
+def _variant_fn(v, s: "_Session", cuda: bool, half: bool) -> Callable:
+    """``_call`` bound for one signature: the CUDA launcher, or the registry's call with the session's
+    rng (CPU tensors; half tensors a launcher does not take itself)."""
+    if cuda and (v.half_native or not half):
+        return v.cuda
+    return functools.partial(v, rng=s.rng)
+
+
+def _conv_key(s: "_Session", dy, x, w, stride, padding, dilation, transposed, output_padding, groups, mask) -> tuple:
+    """A convolution_backward call's signature: everything its plan depends on (dtypes, device, shapes,
+    strides, geometry, mask, and whether torch's kernel may stand in as a deterministic one)."""
+    det_ok = None
+    if s.conv_auto:
+        det_ok = torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic \
+            and not torch.backends.cudnn.benchmark
+    return (dy.dtype, x.dtype, w.dtype, x.device, dy.shape, dy.stride(), x.shape, x.stride(), w.shape, w.stride(),
+            tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(output_padding), groups,
+            tuple(mask), det_ok)
+
+
+PLAN_LIMIT = 4096  # call signatures remembered per session (a model has a few dozen)
+
+
 def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, padding, dilation, transposed,
                    output_padding, groups, mask):
     op = "convolution_backward"
+    key = _conv_key(s, dy, x, w, stride, padding, dilation, transposed, output_padding, groups, mask)
+    plan = s.conv_plans.get(key)
+    if plan is None:
+        plan = _conv_plan(s, original, keyset, dy, x, w, bias_sizes, stride, padding, dilation, transposed,
+                          output_padding, groups, mask)
+        if len(s.conv_plans) < PLAN_LIMIT:
+            s.conv_plans[key] = plan
     args = (dy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups)
-    why = None
-    if transposed:
-        why = "transposed conv"
-    elif x.dim() != 4:
-        why = f"{x.dim() - 2}-D conv"
-    elif not _floating(dy, x, w):
-        why = f"dtype {x.dtype}"
-    plan = list(s.conv if groups == 1 else s.conv_grouped)  # (wgrad, dgrad, bias)
-    fmt = memory_format_of(x)
+    why = plan.why
     if why is None:
-        need = list(mask)
+        dx = dw = db = None
         try:
-            dx = dw = db = None
-            dy_ = dy.contiguous(memory_format=fmt)
-            x_ = x.contiguous(memory_format=fmt)
-            geom = dict(stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
-            if groups != 1:
-                geom["groups"] = int(groups)
-            dgrad_in = ((w.contiguous(memory_format=memory_format_of(w)), dy_),
-                        dict(input_size=tuple(x.shape[-2:]), **geom))
-            wgrad_in = ((x_, dy_), dict(kernel_size=tuple(w.shape[-2:]), **geom))
-            if need[0] and isinstance(plan[1], Auto):
-                plan[1] = _tuned(s, plan[1], 0, original, keyset, args, x, w, geom, fmt, *dgrad_in)
-            if need[1] and isinstance(plan[0], Auto):
-                plan[0] = _tuned(s, plan[0], 1, original, keyset, args, x, w, geom, fmt, *wgrad_in)
-            native_mask = [need[0] and plan[1] is None, need[1] and plan[0] is None, need[2] and plan[2] is None]
-            if need[0] and plan[1] is not None:
-                dx = _call(plan[1], s.rng, *dgrad_in[0], **dgrad_in[1])
-            if need[1] and plan[0] is not None:
-                dw = _call(plan[0], s.rng, *wgrad_in[0], **wgrad_in[1])
-            if need[2] and plan[2] is not None:
-                db = _call(plan[2], s.rng, dy_)
+            dy_ = dy.contiguous(memory_format=plan.fmt)
+            if plan.dgrad is not None:
+                dx = plan.dgrad(w.contiguous(memory_format=plan.w_fmt), dy_, **plan.dgrad_kw)
+            if plan.wgrad is not None:
+                dw = plan.wgrad(x.contiguous(memory_format=plan.fmt), dy_, **plan.wgrad_kw)
+            if plan.bias is not None:
+                db = plan.bias(dy_)
         except kernels.KernelArgumentError as e:
             why = str(e)
     if why is not None:
         s.coverage.add(op, ORIGINAL, why)
         return original.call_boxed(keyset, *args, mask)
-    if any(native_mask):
-        ndx, ndw, ndb = original.call_boxed(keyset, *args, native_mask)
-        dx = ndx if native_mask[0] else dx
-        dw = ndw if native_mask[1] else dw
-        db = ndb if native_mask[2] else db
-    # torch's layout contract for this op (its meta kernel, which torch.compile checks): dX and dW are
-    # channels_last when the input or the weight is, else contiguous
-    out_fmt = torch.channels_last if torch.channels_last in (fmt, memory_format_of(w)) else torch.contiguous_format
+    if plan.native_mask is not None:
+        ndx, ndw, ndb = original.call_boxed(keyset, *args, plan.native_mask)
+        dx = ndx if plan.native_mask[0] else dx
+        dw = ndw if plan.native_mask[1] else dw
+        db = ndb if plan.native_mask[2] else db
     if dx is not None:
-        dx = dx.contiguous(memory_format=out_fmt)
+        dx = dx.contiguous(memory_format=plan.out_fmt)
     if dw is not None:
-        dw = _param_strides(dw.contiguous(memory_format=out_fmt), w)
-    # what ran per asked gradient: a variant's name, or torch_det where the tuner chose torch's kernel
+        dw = _param_strides(dw.contiguous(memory_format=plan.out_fmt), w)
+    s.coverage.add(op, plan.label, plan.reason)
+    return dx, dw, db
+
+
+def _conv_plan(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, padding, dilation, transposed,
+               output_padding, groups, mask) -> _ConvPlan:
+    """The plan of one convolution_backward signature; runs the tuner on the first call of a configuration
+    routed ``auto``. A refusal a variant raises at run time is not part of it (counted per call)."""
+    if transposed:
+        return _ConvPlan("transposed conv")
+    if x.dim() != 4:
+        return _ConvPlan(f"{x.dim() - 2}-D conv")
+    if not _floating(dy, x, w):
+        return _ConvPlan(f"dtype {x.dtype}")
+    args = (dy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups)
+    plan = list(s.conv if groups == 1 else s.conv_grouped)  # (wgrad, dgrad, bias)
+    fmt, w_fmt = memory_format_of(x), memory_format_of(w)
+    need = [bool(m) for m in mask]
+    geom = dict(stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
+    if groups != 1:
+        geom["groups"] = int(groups)
+    dy_, x_ = dy.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt)
+    dgrad_kw = dict(input_size=tuple(x.shape[-2:]), **geom)
+    wgrad_kw = dict(kernel_size=tuple(w.shape[-2:]), **geom)
+    try:
+        if need[0] and isinstance(plan[1], Auto):
+            plan[1] = _tuned(s, plan[1], 0, original, keyset, args, x, w, geom, fmt,
+                             (w.contiguous(memory_format=w_fmt), dy_), dgrad_kw)
+        if need[1] and isinstance(plan[0], Auto):
+            plan[0] = _tuned(s, plan[0], 1, original, keyset, args, x, w, geom, fmt, (x_, dy_), wgrad_kw)
+    except kernels.KernelArgumentError as e:
+        return _ConvPlan(str(e))
+    native_mask = [need[0] and plan[1] is None, need[1] and plan[0] is None, need[2] and plan[2] is None]
+    cuda = x.is_cuda
+    half = any(t.dtype in kernels.HALF_DTYPES for t in (dy, x, w))
+    # what runs per asked gradient: a variant's name, or torch_det where the tuner chose torch's kernel
     tuned = s.conv_tuned if groups == 1 else s.conv_grouped_tuned
     ran = sorted({v.name if v is not None else "torch_det" for v, needed, t in zip(plan, (need[1], need[0], need[2]),
                                                                                     tuned)
                   if needed and (v is not None or t)})
-    s.coverage.add(op, "+".join(ran) if ran else ORIGINAL, None if ran else "no routed gradient was asked for")
-    return dx, dw, db
+    return _ConvPlan(
+        None, fmt=fmt, w_fmt=w_fmt,
+        # torch's layout contract for this op (its meta kernel, which torch.compile checks): dX and dW are
+        # channels_last when the input or the weight is, else contiguous
+        out_fmt=torch.channels_last if torch.channels_last in (fmt, w_fmt) else torch.contiguous_format,
+        dgrad=_variant_fn(plan[1], s, cuda, half) if need[0] and plan[1] is not None else None,
+        wgrad=_variant_fn(plan[0], s, cuda, half) if need[1] and plan[0] is not None else None,
+        bias=_variant_fn(plan[2], s, cuda, half) if need[2] and plan[2] is not None else None,
+        native_mask=native_mask if any(native_mask) else None, dgrad_kw=dgrad_kw, wgrad_kw=wgrad_kw,
+        label="+".join(ran) if ran else ORIGINAL, reason=None if ran else "no routed gradient was asked for")
 
 
 def _param_strides(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -806,6 +875,8 @@ class _Session:
         self.conv_grouped_tuned = tuple(isinstance(v, Auto) for v in self.conv_grouped)
         self.tuner = tuner if tuner is not None or not routing.tuned else _default_tuner()
         self.tuned_memo: dict[tuple, object] = {}   # conv call signature -> the tuner's variant (None: torch_det)
+        self.conv_auto = any(self.conv_tuned) or any(self.conv_grouped_tuned)
+        self.conv_plans: dict[tuple, _ConvPlan] = {}  # _conv_key -> what convolution_backward does there
         self.aap = routing.variant("adaptive_avg_pool2d_bwd")
         self.up = routing.variant("upsample_bilinear2d_bwd")
         self.emb = routing.variant("embedding_bwd")

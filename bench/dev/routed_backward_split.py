@@ -6,13 +6,15 @@ One conv (3x3 256->256, 14x14, batch 64) and a training-mode BatchNorm after it.
 PyTorch under cudnn.benchmark; PyTorch's deterministic mode with uninitialised-memory filling off, as the
 routing sets it; routed fastest-deterministic; routed tree), medians over --calls of perf_counter, in us:
 
-- direct: convolution_backward + native_batch_norm_backward called from Python, one after the other;
+- conv, bn: convolution_backward (dX and dW) and native_batch_norm_backward called from Python, each alone;
 - backward: torch.autograd.grad through both layers (the engine's own work included, graph retained);
 - handler: inside the routed ops' Python kernels during that backward (their entry to their return);
 - outside: backward - handler for routed modes: the engine, the dispatcher's trip into Python and back, and
   the unrouted ops of the backward (compare with the stock row's backward).
 
-The GPU runs behind: nothing synchronises inside a timed call (every 20 calls the queue is drained).
+The GPU runs behind: nothing synchronises inside a timed call (every 20 calls the queue is drained). The
+modes run in turn --rounds times; each figure is the smallest of its per-round medians (a shared host's
+noise only ever adds time).
 """
 from __future__ import annotations
 
@@ -93,6 +95,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
     p.add_argument("--layout", choices=["nchw", "channels_last"], default="channels_last")
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     dtype = AMP_DTYPES.get(args.dtype, torch.float32)
     fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
@@ -107,9 +110,12 @@ def main() -> None:
     xd, wd = x.detach(), w.detach()
 
     @torch.no_grad()
-    def direct():
+    def conv():
         torch.ops.aten.convolution_backward(dy, xd, wd, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
                                             [True, True, False])
+
+    @torch.no_grad()
+    def bn():
         torch.ops.aten.native_batch_norm_backward(dy, xd, gamma, None, None, mean, invstd, True, 1e-5,
                                                   [True, True, True])
 
@@ -118,23 +124,28 @@ def main() -> None:
         return lambda: torch.autograd.grad(out, (x, w, gamma, beta), dy, retain_graph=True)
 
     routing._bind_observed = _timed_bind_observed
-    rows = []
+    rows: dict[str, list] = {}
     try:
         modes = [("stock (cudnn.benchmark)", lambda: cudnn_flags(benchmark=True, deterministic=False)),
                  ("PyTorch deterministic mode", det_mode),
                  ("routed fastest-deterministic", lambda: nnrand.use_kernels("fastest-deterministic")),
                  ("routed tree", lambda: nnrand.use_kernels("tree"))]
-        for name, ctx in modes:
-            with ctx():
-                d, _ = timed(direct, args.calls)
-                b, h = timed(graph(), args.calls)
-            rows.append((name, d, b, h))
+        for _ in range(args.rounds):
+            for name, ctx in modes:
+                with ctx():
+                    c, _ = timed(conv, args.calls)
+                    n, _ = timed(bn, args.calls)
+                    b, h = timed(graph(), args.calls)
+                rows.setdefault(name, []).append((c, n, b, h))
     finally:
         routing._bind_observed = _ORIGINAL_BIND
-    print(f"host us per call, conv 3x3 256->256 14x14 batch 64 + BatchNorm, {args.dtype}, {args.layout}:")
-    print(f"  {'mode':<30} {'direct':>8} {'backward':>9} {'handler':>8} {'outside':>8}")
-    for name, d, b, h in rows:
-        print(f"  {name:<30} {d:8.1f} {b:9.1f} {h:8.1f} {b - h:8.1f}")
+    print(f"host us per call, conv 3x3 256->256 14x14 batch 64 + BatchNorm, {args.dtype}, {args.layout}, "
+          f"min over {args.rounds} rounds of the median of {args.calls} calls:")
+    print(f"  {'mode':<30} {'conv':>7} {'bn':>7} {'backward':>9} {'handler':>8} {'outside':>8}")
+    for name, per_round in rows.items():
+        c, n, b, h = (min(col) for col in zip(*per_round))
+        o = min(r[2] - r[3] for r in per_round)
+        print(f"  {name:<30} {c:7.1f} {n:7.1f} {b:9.1f} {h:8.1f} {o:8.1f}")
 
 
 if __name__ == "__main__":
