@@ -11,6 +11,10 @@ the GPU-inclusive time per step (CUDA events), as medians over ``--steps`` steps
 ``--profile N``, cProfile's top N functions by own time over those steps under ``--profile-mode``, and with
 ``--torch-profile N`` torch.profiler's top N ops by self CPU time under each mode. A step whose enqueue
 time exceeds its GPU time is host-bound. ``--amp``: the forward under torch.autocast in that dtype.
+
+``cpu`` is the process's CPU time per step (every thread: the autograd engine's included), which a shared
+host's other tenants disturb less than wall time. With ``--rounds R`` the modes run in turn R times, each
+with a fresh model, and every figure is the smallest of the R medians.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--modes", nargs="+", default=["native", "tree"])
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--amp", choices=["bf16", "fp16"], default=None)
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N under --profile-mode")
     p.add_argument("--profile-mode", default="tree")
@@ -78,7 +83,7 @@ def main(argv=None) -> int:
         model = models.build_model(args.model).cuda().to(memory_format=fmt)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         ctx = torch_deterministic() if mode == "torch_deterministic" else nnrand.use_kernels(mode)
-        host, gpu = [], []
+        host, gpu, cpu = [], [], []
         prof = cProfile.Profile() if profile else None
         with ctx:
             for i in range(args.steps + 5):
@@ -86,16 +91,17 @@ def main(argv=None) -> int:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 if prof is not None and i >= 5:
                     prof.enable()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 a.record()
                 step(model, opt)
                 b.record()
-                dt = time.perf_counter() - t
+                dt, dc = time.perf_counter() - t, time.process_time() - c
                 if prof is not None:
                     prof.disable()
                 torch.cuda.synchronize()
                 if i >= 5:
                     host.append(dt * 1e3)
+                    cpu.append(dc * 1e3)
                     gpu.append(a.elapsed_time(b))
             if args.torch_profile:
                 torch.cuda.synchronize()
@@ -105,16 +111,22 @@ def main(argv=None) -> int:
                     torch.cuda.synchronize()
                 print(f"torch.profiler, {mode}, 5 steps, by self CPU time:")
                 print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.torch_profile))
-        return statistics.median(host), statistics.median(gpu), prof
+        return statistics.median(host), statistics.median(cpu), statistics.median(gpu), prof
 
     with noise.pinned_flags(tf32=False, cudnn_deterministic=False):
         torch.backends.cudnn.benchmark = True
-        for mode in args.modes:
-            h, gms, prof = run(mode, profile=args.profile > 0 and mode == args.profile_mode)
+        results: dict[str, list] = {}
+        for r in range(args.rounds):
+            for mode in args.modes:
+                h, c, gms, prof = run(mode, profile=args.profile > 0 and mode == args.profile_mode and r == 0)
+                results.setdefault(mode, []).append((h, c, gms))
+                if prof is not None:
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+        for mode, per_round in results.items():
+            h, c, gms = (min(col) for col in zip(*per_round))
             print(f"{args.model} {args.batch}x{args.size} {args.amp or 'fp32'} {mode:<22} host enqueue {h:7.2f} "
-                  f"ms/step, events {gms:7.2f} ms/step (synchronised before each step)", flush=True)
-            if prof is not None:
-                pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+                  f"ms/step, cpu {c:7.2f} ms/step, events {gms:7.2f} ms/step (synchronised before each step; "
+                  f"min over {args.rounds} round(s) of the median of {args.steps} steps)", flush=True)
     return 0
 
 
