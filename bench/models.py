@@ -371,7 +371,10 @@ def render(data: dict) -> str:
            "(tree, per step): aten backward ops routed / passed to the original kernel / uncovered. Where a "
            "mode's graph time is far below its eager time, its eager step is host-bound: each routed op "
            "adds the Python cost of its dispatch and launches (`bench/dev/launch_cost.py`), which the graph "
-           "removes; where both are close, the GPU time of the kernels decides (`reports/kernels.md`).", ""]
+           "removes; where both are close, the GPU time of the kernels decides (`reports/kernels.md`). A "
+           "host-bound row's eager ratio follows the speed of the machine's CPU, which differs between machines "
+           "of one GPU type by tenths of the ratio: compare such rows through the graph column, or by a "
+           "same-machine A/B (`bench/dev/routing_host_cost.py --rounds`).", ""]
     head = ("| model | batch x px | mode | layout | ms/step | x native | distinct | graph ms | graph x native "
             "| coverage / note |")
     out += [head, "|---" * (head.count("|") - 1) + "|"]
