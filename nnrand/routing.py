@@ -393,6 +393,10 @@ class _ConvPlan:
     wgrad_kw: dict | None = None
     label: str = ORIGINAL
     reason: str | None = None
+    # half CUDA tensors for launchers that take float32: dgrad/wgrad/bias are the launchers, their inputs
+    # widened here (dy once for all of them) and each output rounded as the registry's call rounds it
+    wide: bool = False
+    ops: tuple[str, str, str] = ("", "", "")   # registry ops of (dgrad, wgrad, bias), for the rounding
 
 
 def _variant_fn(v, s: "_Session", cuda: bool, half: bool) -> Callable:
@@ -431,15 +435,8 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
     args = (dy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups)
     why = plan.why
     if why is None:
-        dx = dw = db = None
         try:
-            dy_ = dy.contiguous(memory_format=plan.fmt)
-            if plan.dgrad is not None:
-                dx = plan.dgrad(w.contiguous(memory_format=plan.w_fmt), dy_, **plan.dgrad_kw)
-            if plan.wgrad is not None:
-                dw = plan.wgrad(x.contiguous(memory_format=plan.fmt), dy_, **plan.wgrad_kw)
-            if plan.bias is not None:
-                db = plan.bias(dy_)
+            dx, dw, db = (_conv_widened if plan.wide else _conv_variants)(plan, dy, x, w)
         except kernels.KernelArgumentError as e:
             why = str(e)
     if why is not None:
@@ -455,6 +452,37 @@ def _conv_backward(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride
     if dw is not None:
         dw = _param_strides(dw.contiguous(memory_format=plan.out_fmt), w)
     s.coverage.add(op, plan.label, plan.reason)
+    return dx, dw, db
+
+
+def _conv_variants(plan: _ConvPlan, dy, x, w):
+    """The plan's variants on the inputs in the plan's layouts (None where a gradient is not routed)."""
+    dy_ = dy.contiguous(memory_format=plan.fmt)
+    dx = dw = db = None
+    if plan.dgrad is not None:
+        dx = plan.dgrad(w.contiguous(memory_format=plan.w_fmt), dy_, **plan.dgrad_kw)
+    if plan.wgrad is not None:
+        dw = plan.wgrad(x.contiguous(memory_format=plan.fmt), dy_, **plan.wgrad_kw)
+    if plan.bias is not None:
+        db = plan.bias(dy_)
+    return dx, dw, db
+
+
+def _conv_widened(plan: _ConvPlan, dy, x, w):
+    """The plan's variants on float32 copies of half inputs (exact), dy widened once for all of them; each
+    output rounded once to the dtype the registry's widening call gives it: the same bits as that call."""
+    round_outputs = kernels.registry.round_outputs
+    dy_ = dy.contiguous(memory_format=plan.fmt)
+    dyf = dy_.float()
+    dx = dw = db = None
+    if plan.dgrad is not None:
+        w_ = w.contiguous(memory_format=plan.w_fmt)
+        dx = round_outputs(plan.ops[0], plan.dgrad(w_.float(), dyf, **plan.dgrad_kw), (w_, dy_))
+    if plan.wgrad is not None:
+        x_ = x.contiguous(memory_format=plan.fmt)
+        dw = round_outputs(plan.ops[1], plan.wgrad(x_.float(), dyf, **plan.wgrad_kw), (x_, dy_))
+    if plan.bias is not None:
+        db = round_outputs(plan.ops[2], plan.bias(dyf), (dy_,))
     return dx, dw, db
 
 
@@ -489,6 +517,13 @@ def _conv_plan(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, pa
     native_mask = [need[0] and plan[1] is None, need[1] and plan[0] is None, need[2] and plan[2] is None]
     cuda = x.is_cuda
     half = any(t.dtype in kernels.HALF_DTYPES for t in (dy, x, w))
+    routed = [v for v, needed in zip((plan[1], plan[0], plan[2]), need) if needed and v is not None]
+    wide = cuda and half and bool(routed) and not any(v.half_native for v in routed)
+    if wide:
+        try:   # bf16 beside fp16 is refused, as the registry's call refuses it
+            kernels.registry.half_dtype("convolution_backward", (dy, x, w))
+        except kernels.KernelArgumentError as e:
+            return _ConvPlan(str(e))
     # what runs per asked gradient: a variant's name, or torch_det where the tuner chose torch's kernel
     tuned = s.conv_tuned if groups == 1 else s.conv_grouped_tuned
     ran = sorted({v.name if v is not None else "torch_det" for v, needed, t in zip(plan, (need[1], need[0], need[2]),
@@ -499,11 +534,12 @@ def _conv_plan(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, pa
         # torch's layout contract for this op (its meta kernel, which torch.compile checks): dX and dW are
         # channels_last when the input or the weight is, else contiguous
         out_fmt=torch.channels_last if torch.channels_last in (fmt, w_fmt) else torch.contiguous_format,
-        dgrad=_variant_fn(plan[1], s, cuda, half) if need[0] and plan[1] is not None else None,
-        wgrad=_variant_fn(plan[0], s, cuda, half) if need[1] and plan[0] is not None else None,
-        bias=_variant_fn(plan[2], s, cuda, half) if need[2] and plan[2] is not None else None,
+        dgrad=_variant_fn(plan[1], s, cuda, half and not wide) if need[0] and plan[1] is not None else None,
+        wgrad=_variant_fn(plan[0], s, cuda, half and not wide) if need[1] and plan[0] is not None else None,
+        bias=_variant_fn(plan[2], s, cuda, half and not wide) if need[2] and plan[2] is not None else None,
         native_mask=native_mask if any(native_mask) else None, dgrad_kw=dgrad_kw, wgrad_kw=wgrad_kw,
-        label="+".join(ran) if ran else ORIGINAL, reason=None if ran else "no routed gradient was asked for")
+        label="+".join(ran) if ran else ORIGINAL, reason=None if ran else "no routed gradient was asked for",
+        wide=wide, ops=tuple(v.op if v is not None and not isinstance(v, Auto) else "" for v in (plan[1], plan[0], plan[2])))
 
 
 def _param_strides(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -150,3 +150,30 @@ def test_batchnorm_half_x_with_float32_dy_equals_the_cpu_call():
     assert gpu[0].dtype == torch.float16
     for a, b, what in zip(gpu, cpu, ("dx", "dgamma", "dbeta")):
         assert_bitwise_equal(a, b, what)
+
+
+@pytest.mark.parametrize("groups", [1, 2], ids=["dense", "grouped"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_routed_half_conv_backward_equals_the_widening_calls(dtype, layout, groups):
+    """The routing widens a half dy once for dX, dW and the bias gradient; the bits must be those of each
+    variant's own widening call (registry), and the dtypes those autocast expects."""
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    g = torch.Generator(device="cuda").manual_seed(11)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+    x, w, dy = rand(4, 8, 10, 10), rand(16, 8 // groups, 3, 3), rand(4, 16, 5, 5)
+    geom = dict(stride=(2, 2), padding=(1, 1), dilation=(1, 1))
+    with nnrand.use_kernels("tree") as r:
+        dx, dw, db = torch.ops.aten.convolution_backward(dy, x, w, [16], [2, 2], [1, 1], [1, 1], False, [0, 0],
+                                                         groups, [True, True, True])
+    suffix = "" if groups == 1 else "_grouped"
+    extra = {} if groups == 1 else {"groups": groups}
+    want_dx = kernels.get(f"conv_dgrad{suffix}", "tree")(w, dy, input_size=(10, 10), **geom, **extra)
+    want_dw = kernels.get(f"conv_wgrad{suffix}", "tree")(x, dy, kernel_size=(3, 3), **geom, **extra)
+    want_db = kernels.get("bias_grad", "tree")(dy)
+    assert r.coverage["convolution_backward"].get("original", 0) == 0, r.coverage
+    for got, want in ((dx, want_dx), (dw, want_dw), (db, want_db)):
+        assert got.dtype == want.dtype == dtype
+        assert_bitwise_equal(got.contiguous(), want.contiguous())
