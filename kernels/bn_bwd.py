@@ -194,8 +194,7 @@ def _signature(variant: str, dy, x, mean, invstd, weight) -> tuple | None:
         return None
 
 
-def _setup(variant: str, dy, x, mean, invstd, weight) -> _Setup:
-    half = registry.half_dtype(OP, (dy, x, mean, invstd, weight))
+def _setup(variant: str, half: torch.dtype | None, dy, x, mean, invstd, weight) -> _Setup:
     layout, convert = _check_all(dy, x, mean, invstd, weight, True)
     check_cuda(OP, "x", x)
     dev, defines = x.device, act_defines(x.dtype)
@@ -216,7 +215,7 @@ def _launch(variant: str, dy, x, mean, invstd, weight):
             # half and float32 activations together: what the registry's widening call does, here too
             args = (dy, x, mean, invstd, weight)
             return registry.round_outputs(OP, _launch(variant, *registry.widen(args, half)), args)
-        st = _setup(variant, dy, x, mean, invstd, weight)   # raises on anything the kernels do not take
+        st = _setup(variant, half, dy, x, mean, invstd, weight)   # raises on anything the kernels do not take
         if key is not None and len(_SETUPS) < MEMO_LIMIT:
             _SETUPS[key] = st
     if st.convert_dy:

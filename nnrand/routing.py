@@ -337,10 +337,8 @@ def _floating(*ts) -> bool:
 def _call(v, rng, *args, **kwargs):
     """A variant on the tensors' device: the CUDA launcher, or the CPU model with ``rng``; half inputs
     through the registry's widening call."""
-    if args[0].is_cuda and (v.half_native or
-                            not any(isinstance(a, torch.Tensor) and a.dtype in kernels.HALF_DTYPES for a in args)):
-        return v.cuda(*args, **kwargs)
-    return v(*args, rng=rng, **kwargs)
+    half = any(isinstance(a, torch.Tensor) and a.dtype in kernels.HALF_DTYPES for a in args)
+    return _variant_fn(v, rng, args[0].is_cuda, half)(*args, **kwargs)
 
 
 def _tuned(s: "_Session", auto: Auto, grad: int, original, keyset, args: tuple, x, w, geom: dict, fmt,
@@ -399,12 +397,12 @@ class _ConvPlan:
     ops: tuple[str, str, str] = ("", "", "")   # registry ops of (dgrad, wgrad, bias), for the rounding
 
 
-def _variant_fn(v, s: "_Session", cuda: bool, half: bool) -> Callable:
-    """``_call`` bound for one signature: the CUDA launcher, or the registry's call with the session's
-    rng (CPU tensors; half tensors a launcher does not take itself)."""
+def _variant_fn(v, rng, cuda: bool, half: bool) -> Callable:
+    """What runs variant ``v`` on tensors of one kind (CUDA or not, half or not): the CUDA launcher, or the
+    registry's call with ``rng`` (CPU tensors; half tensors a launcher does not take itself)."""
     if cuda and (v.half_native or not half):
         return v.cuda
-    return functools.partial(v, rng=s.rng)
+    return functools.partial(v, rng=rng)
 
 
 def _conv_key(s: "_Session", dy, x, w, stride, padding, dilation, transposed, output_padding, groups, mask) -> tuple:
@@ -534,9 +532,9 @@ def _conv_plan(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, pa
         # torch's layout contract for this op (its meta kernel, which torch.compile checks): dX and dW are
         # channels_last when the input or the weight is, else contiguous
         out_fmt=torch.channels_last if torch.channels_last in (fmt, w_fmt) else torch.contiguous_format,
-        dgrad=_variant_fn(plan[1], s, cuda, half and not wide) if need[0] and plan[1] is not None else None,
-        wgrad=_variant_fn(plan[0], s, cuda, half and not wide) if need[1] and plan[0] is not None else None,
-        bias=_variant_fn(plan[2], s, cuda, half and not wide) if need[2] and plan[2] is not None else None,
+        dgrad=_variant_fn(plan[1], s.rng, cuda, half and not wide) if need[0] and plan[1] is not None else None,
+        wgrad=_variant_fn(plan[0], s.rng, cuda, half and not wide) if need[1] and plan[0] is not None else None,
+        bias=_variant_fn(plan[2], s.rng, cuda, half and not wide) if need[2] and plan[2] is not None else None,
         native_mask=native_mask if any(native_mask) else None, dgrad_kw=dgrad_kw, wgrad_kw=wgrad_kw,
         label="+".join(ran) if ran else ORIGINAL, reason=None if ran else "no routed gradient was asked for",
         wide=wide, ops=tuple(v.op if v is not None and not isinstance(v, Auto) else "" for v in (plan[1], plan[0], plan[2])))

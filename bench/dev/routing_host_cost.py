@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import nnrand  # noqa: E402
+from bench.timing import cudnn_flags  # noqa: E402
 from nnrand import models, noise  # noqa: E402
 
 
@@ -62,14 +63,13 @@ def main(argv=None) -> int:
     torch.backends.cudnn.benchmark = True
 
     @contextlib.contextmanager
-    def torch_deterministic():
+    def torch_deterministic():   # PyTorch's defaults otherwise (uninitialised memory filled)
         torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         try:
-            yield
+            with cudnn_flags(benchmark=False, deterministic=True):
+                yield
         finally:
             torch.use_deterministic_algorithms(False)
-            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
 
     def step(model, opt):
         with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
