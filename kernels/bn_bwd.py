@@ -285,6 +285,109 @@ def nchw_partials(terms: np.ndarray) -> np.ndarray:
     return block_tree(per_thread)
 
 
+@functools.lru_cache(maxsize=None)
+def _nchw_jit():
+    """Numba twins of :func:`nchw_partials` (terms formed on the fly) and of the dx formula: the same float32
+    operations in the same order, one pass over dy and x each instead of NumPy's transposed copies and
+    padded chunk arrays. Compiled on first use."""
+    import numba
+
+    @numba.njit(cache=False)
+    def tree32(v):
+        # halving tree over v[0:32] in place, as halving_tree / __shfl_down_sync
+        half = 16
+        while half >= 1:
+            for i in range(half):
+                v[i] = v[i] + v[i + half]
+            half //= 2
+        return v[0]
+
+    @numba.njit(cache=False)
+    def partials(d, v, m, istd, vec, p, e, threads):
+        # d, v (N, C, S) float32. Block (blk, ch) covers the channel's flattened n*S values [blk*e, blk*e + e);
+        # value j of it goes to slot q = (j - blk*e) % (threads*vec), i.e. thread q // vec, lane q % vec, in
+        # increasing j (the kernel's slot loop); values past the end are the model's +0.0 padding, skipped
+        # exactly. Runs of values that stay inside one image row and one slot sweep are added as vectors.
+        n, c, s = d.shape
+        length = n * s
+        tv = threads * vec
+        out = np.zeros((2, c, p), np.float32)
+        acc0 = np.zeros(tv, np.float32)
+        acc1 = np.zeros(tv, np.float32)
+        lanes = np.zeros(32, np.float32)
+        warps = np.zeros(32, np.float32)
+        for ch in range(c):
+            mc = m[ch]
+            ic = istd[ch]
+            for blk in range(p):
+                acc0[:] = np.float32(0.0)
+                acc1[:] = np.float32(0.0)
+                j = blk * e
+                hi = min(j + e, length)
+                ni = j // s
+                sp = j - ni * s
+                q = 0
+                while j < hi:
+                    run = min(s - sp, tv - q, hi - j)
+                    dr = d[ni, ch, sp:sp + run]
+                    vr = v[ni, ch, sp:sp + run]
+                    for u in range(run):
+                        dd = dr[u]
+                        xh = (vr[u] - mc) * ic
+                        acc0[q + u] = acc0[q + u] + dd
+                        acc1[q + u] = acc1[q + u] + dd * xh
+                    j += run
+                    q += run
+                    if q == tv:
+                        q = 0
+                    sp += run
+                    if sp == s:
+                        sp = 0
+                        ni += 1
+                for k in range(2):  # per thread (a0 + a1) + (a2 + a3), then block_tree
+                    acc = acc0 if k == 0 else acc1
+                    nw = threads // 32
+                    for w in range(nw):
+                        for i in range(32):
+                            b = (w * 32 + i) * vec
+                            if vec == 4:
+                                lanes[i] = (acc[b] + acc[b + 1]) + (acc[b + 2] + acc[b + 3])
+                            else:
+                                lanes[i] = acc[b]
+                        warps[w] = tree32(lanes)
+                    for w in range(nw, 32):
+                        warps[w] = np.float32(0.0)
+                    out[k, ch, blk] = tree32(warps)
+        return out
+
+    @numba.njit(cache=False)
+    def dx(d, v, m, istd, g, a, b):
+        # dx = (g * istd) * ((dy - a) - xhat * b), xhat = (x - mean) * istd, per element as the NumPy model
+        n, c, s = d.shape
+        out = np.empty((n, c, s), np.float32)
+        for ni in range(n):
+            for ch in range(c):
+                mc = m[ch]
+                ic = istd[ch]
+                k = g[ch] * ic
+                ac = a[ch]
+                bc = b[ch]
+                for sp in range(s):
+                    xh = (v[ni, ch, sp] - mc) * ic
+                    out[ni, ch, sp] = k * ((d[ni, ch, sp] - ac) - xh * bc)
+        return out
+
+    return partials, dx
+
+
+def nchw_partials_jit(d: np.ndarray, v: np.ndarray, m: np.ndarray, istd: np.ndarray) -> np.ndarray:
+    """:func:`nchw_partials` of the terms (dy, dy * xhat) straight from dy and x (N, C, S), mean and invstd
+    (C,): the same bits (tests/test_bn_bwd.py checks it), without materialising the terms."""
+    n, c, s = d.shape
+    vec, p, e = nchw_plan(n, c, s)
+    return _nchw_jit()[0](d, v, m, istd, vec, p, e, THREADS)
+
+
 def rows_partials(terms: np.ndarray) -> tuple[np.ndarray, int]:
     """Block partials [K, P, C] of the rows reduction of K term arrays [K, R, C], bit for bit, and TY:
     thread (tx, ty) adds rows r0 + ty, r0 + ty + TY, ... in order, then a halving tree over ty."""
@@ -320,10 +423,9 @@ def _cpu(variant: str, dy, x, mean, invstd, weight, rng):
     d, v, m, istd, g = _cpu_arrays(dy, x, mean, invstd, weight, layout)
     if x.numel() == 0:
         return torch.empty(shape, memory_format=_memory_format(layout)), torch.zeros(c), torch.zeros(c)
-    xhat = (v - m) * istd
-    terms = np.stack([d, d * xhat])  # the two sums' terms, as the kernels form them
     if layout == "nchw":
-        partials = nchw_partials(terms)  # [2, C, P]
+        d, v = np.ascontiguousarray(d), np.ascontiguousarray(v)
+        partials = nchw_partials_jit(d, v, m.reshape(c), istd.reshape(c))  # [2, C, P]
         if variant == "atomic":
             sums = arrival_sum(partials, rng)
         elif partials.shape[-1] == 1:
@@ -331,7 +433,8 @@ def _cpu(variant: str, dy, x, mean, invstd, weight, rng):
         else:
             sums = strided_reduce(partials, THREADS)
     else:
-        partials, ty = rows_partials(terms)  # [2, P, C]
+        xhat = (v - m) * istd
+        partials, ty = rows_partials(np.stack([d, d * xhat]))  # [2, P, C]: the two sums' terms, as the kernels
         if variant == "atomic":
             sums = arrival_sum(np.swapaxes(partials, 1, 2), rng)
         elif partials.shape[1] == 1:
@@ -343,11 +446,12 @@ def _cpu(variant: str, dy, x, mean, invstd, weight, rng):
     mf = np.float32(int(_plan(shape, layout)["m"]))  # one rounding of M, as __ll2float_rn
     chan = m.shape
     a, b = (sums[0] / mf).reshape(chan), (sums[1] / mf).reshape(chan)
-    k = g * istd
-    dx = k * ((d - a) - xhat * b)
     if layout == "nchw":
-        out = torch.from_numpy(np.ascontiguousarray(dx, dtype=F32).reshape(shape))
-    elif len(shape) == 2:
+        dx = _nchw_jit()[1](d, v, m.reshape(c), istd.reshape(c), g.reshape(c), a.reshape(c), b.reshape(c))
+        return (torch.from_numpy(dx.reshape(shape)), torch.from_numpy(np.ascontiguousarray(sums[1])),
+                torch.from_numpy(np.ascontiguousarray(sums[0])))
+    dx = (g * istd) * ((d - a) - xhat * b)
+    if len(shape) == 2:
         out = torch.from_numpy(np.ascontiguousarray(dx, dtype=F32))
     else:
         n, _, h, w = shape

@@ -22,7 +22,9 @@ import kernels
 from bench.metrics import VarianceTracker, reference_error
 from kernels import KernelArgumentError
 from kernels.bias_grad import THREADS, nchw_plan, rows_plan
+from kernels import bn_bwd
 from kernels.bn_bwd import DX_ROWS, partials_per_channel, reference_parts
+from kernels.order import strided_reduce
 from kernels.runtime import cdiv
 from kernels.shapes import bias_grad_shapes
 from tests.helpers import U32, assert_bitwise_equal, byte_hash, gamma
@@ -128,6 +130,28 @@ def test_model_exact_on_small_integers(variant, layout):
     got = variant(*args, rng=0)
     for part, want in zip(got, reference_parts(args, {})):
         assert torch.equal(part.double(), want)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.params["layout"] == "nchw"], ids=lambda c: c.name)
+def test_jitted_nchw_model_equals_the_numpy_formulation(case):
+    """The models' NCHW path (Numba, terms formed on the fly) against the array formulation of the same
+    order (nchw_partials of the stacked terms, then the dx formula), bit for bit: block partials and dx."""
+    dy, x, mean, invstd, weight = inputs(case)
+    n, c, h, w = x.shape
+    d, v = (t.numpy().reshape(n, c, h * w) for t in (dy, x))
+    m, istd = mean.numpy().reshape(1, c, 1), invstd.numpy().reshape(1, c, 1)
+    xhat = (v - m) * istd
+    want = bn_bwd.nchw_partials(np.stack([d, d * xhat]))
+    got = bn_bwd.nchw_partials_jit(d, v, mean.numpy(), invstd.numpy())
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    sums = want[..., 0] if want.shape[-1] == 1 else strided_reduce(want, THREADS)
+    mf = np.float32(n * h * w)
+    a, b = (sums[0] / mf).reshape(1, c, 1), (sums[1] / mf).reshape(1, c, 1)
+    g = np.ones((1, c, 1), np.float32) if weight is None else weight.numpy().reshape(1, c, 1)
+    dx = (g * istd) * ((d - a) - xhat * b)
+    got = TREE(dy, x, mean, invstd, weight)
+    for part, want_part in zip(got, (dx.reshape(x.shape), sums[1], sums[0])):  # bits, -0.0 and NaNs included
+        assert np.array_equal(part.numpy().view(np.uint32), np.ascontiguousarray(want_part).view(np.uint32))
 
 
 @pytest.mark.parametrize("case", CASES[::3], ids=lambda c: c.name)
