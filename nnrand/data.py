@@ -151,13 +151,17 @@ def _reflect(i: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def augment(x: torch.Tensor, generator: torch.Generator, *, pad: int = 4, mode: str = "reflect",
-            flip: bool = True) -> torch.Tensor:
+            flip: bool = True, shuffle_channels: bool = False) -> torch.Tensor:
     """Random crop (pad ``pad`` px with ``mode`` = "reflect" or "zero", crop back to H x W) and random
-    horizontal flip of a batch (N, C, H, W) of any dtype.
+    horizontal flip of a batch (N, C, H, W) of any dtype; with ``shuffle_channels``, each image's channels
+    also in a random order (one of the C! orders, uniformly): a colour cue such as the synthetic set's
+    background palette then says nothing about the class, and only shape and contrast remain.
 
-    The offsets and flips are drawn on the generator's device (3 draws per call, N values each) and moved
-    to x's device; the crop/flip/padding is one gather of flat pixel indices, so the output depends only on x and the
-    generator state (a CPU generator gives the same augmentation for CPU and CUDA batches).
+    The offsets and flips are drawn on the generator's device (3 draws per call, N values each; a 4th,
+    N x C uniforms ranked per image, for the channel orders) and moved to x's device; the crop/flip/padding
+    and the channel order are one gather of flat indices, so the output depends only on x and the generator
+    state (a CPU generator gives the same augmentation for CPU and CUDA batches). Without
+    ``shuffle_channels`` nothing more is drawn, so the generator's stream is that of a plain crop and flip.
     """
     _check_augment(x, pad, mode)
     n = x.shape[0]
@@ -165,7 +169,11 @@ def augment(x: torch.Tensor, generator: torch.Generator, *, pad: int = 4, mode: 
     oy = torch.randint(0, 2 * pad + 1, (n,), generator=generator, device=gdev)
     ox = torch.randint(0, 2 * pad + 1, (n,), generator=generator, device=gdev)
     fl = torch.randint(0, 2, (n,), generator=generator, device=gdev).bool()
-    return crop_flip(x, oy, ox, fl if flip else torch.zeros_like(fl), pad=pad, mode=mode)
+    channels = None
+    if shuffle_channels:
+        u = torch.rand((n, x.shape[1]), generator=generator, device=gdev)
+        channels = torch.argsort(u, dim=1, stable=True)
+    return crop_flip(x, oy, ox, fl if flip else torch.zeros_like(fl), pad=pad, mode=mode, channels=channels)
 
 
 # splitmix64: golden-ratio increment and finaliser multipliers, as signed int64 (torch has no uint64
@@ -208,13 +216,26 @@ def noise_key(seed: int, epoch: int) -> int:
     return int(np.random.SeedSequence([int(seed), int(epoch)]).generate_state(1, np.uint64)[0])
 
 
+def channel_orders(index: torch.Tensor, seed: int, epoch: int, channels: int) -> torch.Tensor:
+    """Each image's channel order keyed by its dataset index: (N, channels) int64, row i a permutation of
+    range(channels) (output channel j reads input channel row[j]). As :func:`sample_draws`, a pure
+    function of (seed, epoch, index): one splitmix64 word per (image, channel) from a key distinct from the
+    crop's, ranked per image (stable; a tie, probability ~2^-64, keeps channel order)."""
+    key = _signed(noise_key(seed, epoch)) ^ _GOLDEN
+    j = torch.arange(1, channels + 1, device=index.device, dtype=torch.int64)
+    h = _mix64((index.to(torch.int64)[:, None] * _GOLDEN ^ key) + j[None, :] * _MUL2)
+    return torch.argsort(h, dim=1, stable=True)
+
+
 def augment_indexed(x: torch.Tensor, index: torch.Tensor, seed: int, epoch: int, *, pad: int = 4,
-                    mode: str = "reflect", flip: bool = True) -> torch.Tensor:
-    """:func:`augment` with each image's crop and flip keyed by its dataset index (:func:`sample_draws`)."""
+                    mode: str = "reflect", flip: bool = True, shuffle_channels: bool = False) -> torch.Tensor:
+    """:func:`augment` with each image's crop, flip and (``shuffle_channels``) channel order keyed by its
+    dataset index (:func:`sample_draws`, :func:`channel_orders`)."""
     _check_augment(x, pad, mode)
     if index.shape != (x.shape[0],):
         raise ValueError(f"augment_indexed: index must have shape ({x.shape[0]},), got {tuple(index.shape)}")
-    return crop_flip(x, *sample_draws(index, seed, epoch, pad=pad, flip=flip), pad=pad, mode=mode)
+    channels = channel_orders(index, seed, epoch, x.shape[1]) if shuffle_channels else None
+    return crop_flip(x, *sample_draws(index, seed, epoch, pad=pad, flip=flip), pad=pad, mode=mode, channels=channels)
 
 
 def _check_augment(x: torch.Tensor, pad: int, mode: str) -> None:
@@ -227,8 +248,9 @@ def _check_augment(x: torch.Tensor, pad: int, mode: str) -> None:
 
 
 def crop_flip(x: torch.Tensor, oy: torch.Tensor, ox: torch.Tensor, fl: torch.Tensor, *, pad: int,
-              mode: str) -> torch.Tensor:
-    """Crop image i at offset (oy[i], ox[i]) of its padded copy, mirrored where fl[i]: one gather, per
+              mode: str, channels: torch.Tensor | None = None) -> torch.Tensor:
+    """Crop image i at offset (oy[i], ox[i]) of its padded copy, mirrored where fl[i], and with output
+    channel j read from input channel channels[i, j] where ``channels`` (N, C) is given: one gather, per
     image independent of the others."""
     n, c, h, w = x.shape
     oy, ox, fl = oy.to(x.device), ox.to(x.device), fl.to(x.device)
@@ -241,8 +263,12 @@ def crop_flip(x: torch.Tensor, oy: torch.Tensor, ox: torch.Tensor, fl: torch.Ten
     else:
         valid = ((rows >= 0) & (rows < h))[:, :, None] & ((cols >= 0) & (cols < w))[:, None, :]
         rows, cols = rows.clamp(0, h - 1), cols.clamp(0, w - 1)
-    src = (rows[:, :, None] * w + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
-    out = x.reshape(n, c, h * w).gather(2, src).view(n, c, h, w)
+    pix = (rows[:, :, None] * w + cols[:, None, :]).view(n, 1, h * w)
+    if channels is None:
+        out = x.reshape(n, c, h * w).gather(2, pix.expand(n, c, h * w)).view(n, c, h, w)
+    else:
+        src = channels.to(x.device)[:, :, None] * (h * w) + pix  # (N, C, H*W) flat indices into each image
+        out = x.reshape(n, c * h * w).gather(1, src.view(n, c * h * w)).view(n, c, h, w)
     if mode == "zero":
         out = out * valid[:, None].to(out.dtype)
     return out

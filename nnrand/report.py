@@ -103,6 +103,7 @@ def render(run_dir: str | Path) -> Path:
     lines += [f"model **{cfg['model']}**, dataset **{cfg['dataset']}** (n_train {cfg['n_train']}, "
               f"n_test {cfg['n_test']}), {cfg['epochs']} epochs of batch {cfg['batch_size']}, "
               f"lr {cfg['lr']}, momentum {cfg['momentum']}, weight decay {cfg['weight_decay']}, "
+              f"augmentation crop + flip{' + channel shuffle' if cfg.get('shuffle_channels') else ''}, "
               f"device {cfg['device']}, preset **{cfg['preset']}**.", ""]
     lines += ["## Routing of backward reductions", "", "| op | requested | used |", "|---|---|---|"]
     r = first["routing"]

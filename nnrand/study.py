@@ -307,7 +307,8 @@ def make_study(*, device: str | None = None, quick: bool | None = None, members:
         raise StudyError("--device cuda: no CUDA device is available here")
     quick = (backend != "cuda") if quick is None else quick
     size = "smoke" if smoke else "quick" if quick else "cuda"
-    base = dict(SIZES[size], device=device)
+    # the study's recipe keeps colour as a cue (its subgroups are defined by it); a grid's [sizes] may change it
+    base = dict(SIZES[size], device=device, shuffle_channels=False)
     spec = load_grid_file(grid_file) if grid_file else None
     if spec:
         base.update(spec["sizes"])

@@ -610,7 +610,8 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
                         break
                     rec.step()
                     with rec.phase("other"):  # the batch: gather, augmentation, normalisation
-                        x, y = train.train_batch(ds, order, i, cfg.batch_size, gen, fmt, cfg.image_size)
+                        x, y = train.train_batch(ds, order, i, cfg.batch_size, gen, fmt, cfg.image_size,
+                                                 cfg.shuffle_channels)
                     for group in opt.param_groups:
                         group["lr"] = train.lr_at(step, total, warmup, cfg.lr)
                     train.forward_backward(model, opt, x, y, functools.partial(train.autocast, cfg), scaler)

@@ -247,6 +247,34 @@ def test_augment_deterministic_and_varies(synth):
     assert (outs[0] != x).flatten(1).any(dim=1).double().mean() > 0.8
 
 
+@pytest.mark.parametrize("shape", [(64, 3, 32, 32), (9, 4, 7, 5)])
+def test_augment_shuffle_channels_permutes_each_image(shape):
+    """With shuffle_channels: the crop and flip of the plain call (the same first three draws), then each
+    image's channels in the order a 4th draw ranks, output channel j = input channel order[i, j]."""
+    n, c = shape[:2]
+    x = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(7), dtype=torch.int64).to(torch.uint8)
+    out = augment(x, torch.Generator().manual_seed(11), shuffle_channels=True)
+    plain = augment(x, torch.Generator().manual_seed(11))
+    g = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        torch.randint(0, 2, (n,), generator=g)  # the crop and flip draws (the ranges do not change the stream)
+    order = torch.argsort(torch.rand((n, c), generator=g), dim=1, stable=True)
+    want = torch.stack([plain[i, order[i]] for i in range(n)])
+    assert torch.equal(out, want)
+    assert all(sorted(row.tolist()) == list(range(c)) for row in order)
+    assert (order != torch.arange(c)).any(dim=1).double().mean() > 0.5  # most images reordered
+
+
+def test_augment_shuffle_channels_off_leaves_the_stream():
+    """Without the option nothing more is drawn: the next call sees the same generator state."""
+    x = torch.zeros(8, 3, 8, 8, dtype=torch.uint8)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    augment(x, g1)
+    for _ in range(3):
+        torch.randint(0, 2, (8,), generator=g2)
+    assert torch.equal(g1.get_state(), g2.get_state())
+
+
 def test_augment_float_and_identity():
     x = torch.randn(5, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     assert torch.equal(augment(x, torch.Generator().manual_seed(1), pad=0, flip=False), x)

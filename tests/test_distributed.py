@@ -188,6 +188,24 @@ def test_indexed_augmentation_does_not_depend_on_the_batch():
         data.augment_indexed(x, idx[:3], seed=5, epoch=2)
 
 
+def test_indexed_channel_orders_are_keyed_permutations():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 256, (16, 3, 8, 8), generator=g, dtype=torch.uint8)
+    idx = torch.randperm(1000, generator=g)[:16]
+    whole = data.augment_indexed(x, idx, seed=5, epoch=2, shuffle_channels=True)
+    plain = data.augment_indexed(x, idx, seed=5, epoch=2)
+    order = data.channel_orders(idx, 5, 2, 3)
+    assert torch.equal(whole, torch.stack([plain[i, order[i]] for i in range(16)]))
+    halves = [data.augment_indexed(x[s:s + 8], idx[s:s + 8], seed=5, epoch=2, shuffle_channels=True) for s in (0, 8)]
+    assert torch.equal(torch.cat(halves), whole)   # keyed by the index, not by the batch
+    orders = data.channel_orders(torch.arange(6000), 5, 2, 3)
+    assert torch.equal(orders.sort(dim=1).values, torch.arange(3).expand(6000, 3))
+    # the 6 orders about equally often: each count is Binomial(6000, 1/6), mean 1000, SD 28.9; +-150 is 5.2 SD
+    counts = torch.bincount(orders[:, 0] * 3 + orders[:, 1], minlength=9)
+    assert all(abs(int(counts[a * 3 + b]) - 1000) <= 150 for a in range(3) for b in range(3) if a != b)
+    assert (orders != data.channel_orders(torch.arange(6000), 5, 3, 3)).any(dim=1).double().mean() > 0.6
+
+
 def test_index_draws_are_splitmix64_of_the_index():
     """The signed-int64 torch arithmetic equals splitmix64 written in NumPy uint64."""
     idx = np.arange(0, 5_000_000, 997, dtype=np.uint64)

@@ -49,11 +49,28 @@ def test_help_shows_examples():
 
 def test_device_defaults_fill_only_what_is_unset():
     cpu = train.resolve(train.Config(device="cpu"))
-    assert (cpu.model, cpu.epochs, cpu.batch_size, cpu.lr) == ("small", 5, 64, 0.1)
+    assert (cpu.model, cpu.epochs, cpu.batch_size, cpu.lr, cpu.n_train) == ("small", 5, 64, 0.2, 8192)
     mine = train.resolve(train.Config(device="cpu", lr=0.3, batch_size=32))
     assert (mine.lr, mine.batch_size) == (0.3, 32)
     assert train.DEVICE_DEFAULTS["cuda"]["lr"] == 0.2
     assert set(train.DEVICE_DEFAULTS["cuda"]) == set(train.DEVICE_DEFAULTS["cpu"])   # every device fills the same fields
+    # colour is no cue on the CPU default (its short run must learn the shapes); CUDA keeps the study's recipe
+    assert cpu.shuffle_channels is True and train.DEVICE_DEFAULTS["cuda"]["shuffle_channels"] is False
+    assert train.resolve(train.Config(device="cpu", shuffle_channels=False)).shuffle_channels is False
+
+
+def test_shuffle_channels_in_the_run_record(tmp_path):
+    """A run with channel shuffling records it and trains other bits than one without; a run without it
+    has no key (its config reads as before the option existed, so such checkpoints resume)."""
+    on = train.main(tiny(tmp_path, "on", kernel="tree", shuffle_channels=True))
+    off = train.main(tiny(tmp_path, "off", kernel="tree", shuffle_channels=False))
+    meta_on = runio.read_json(tmp_path / "on" / "member_000" / "config.json")
+    meta_off = runio.read_json(tmp_path / "off" / "member_000" / "config.json")
+    assert meta_on["config"]["shuffle_channels"] is True and "shuffle_channels" not in meta_off["config"]
+    assert on["members"][0]["final_checksum"] != off["members"][0]["final_checksum"]
+    args = train.parser().parse_args(["--no-shuffle-channels"])
+    assert train.config_from_args(args).shuffle_channels is False
+    assert train.config_from_args(train.parser().parse_args([])).shuffle_channels is None
 
 
 @pytest.mark.parametrize("argv,message", [
