@@ -193,16 +193,23 @@ def measure_ceilings(device: torch.device, *, copy_bytes: int | None = None, mat
 
 @contextlib.contextmanager
 def cudnn_flags(benchmark: bool, deterministic: bool):
-    """cudnn.benchmark / cudnn.deterministic as given, TF32 off; the previous flags restored on exit."""
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = benchmark, deterministic
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    """cudnn.benchmark / cudnn.deterministic as given, TF32 off; the previous flags restored on exit. TF32
+    goes through torch's fp32_precision flags where this torch has them (reading the legacy allow_tf32
+    after those were set is an error in torch), else through allow_tf32."""
+    from nnrand.noise import _set_tf32, _tf32_flags
+
+    cudnn = torch.backends.cudnn
+    saved = (cudnn.benchmark, cudnn.deterministic, _tf32_flags())
+    cudnn.benchmark, cudnn.deterministic = benchmark, deterministic
+    if "conv" in saved[2]:
+        _set_tf32({"matmul": "ieee", "conv": "ieee", "rnn": "ieee"})
+    else:
+        _set_tf32({"matmul": False, "cudnn": False})
     try:
         yield
     finally:
-        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = saved
+        cudnn.benchmark, cudnn.deterministic = saved[:2]
+        _set_tf32(saved[2])
 
 
 def back_to_back_us(fn: Callable[[], object], *, calls: int, repeats: int, warmup: int = 0) -> float:
