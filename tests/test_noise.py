@@ -168,3 +168,15 @@ def test_gpu_tree_fixed_seeds_identical_atomic_differ(tmp_path):
     assert same_state(wa, wb) and pa.tobytes() == pb.tobytes()
     (wa, _, _), (wb, _, _) = _two_runs(tmp_path / "atomic", kernel="atomic", **kw)
     assert not same_state(wa, wb)
+
+
+@pytest.mark.gpu
+def test_gpu_shuffled_channels_runs_identical(tmp_path):
+    """--shuffle-channels on the GPU (the order drawn from the CUDA augmentation generator): two tree runs
+    with fixed seeds give the same bits, and other bits than a run without shuffling."""
+    need_all_ops()
+    kw = dict(device="cuda", model="resnet20", n_train=512, n_test=256, batch_size=128, epochs=1, kernel="tree")
+    (wa, pa, _), (wb, pb, _) = _two_runs(tmp_path / "on", shuffle_channels=True, **kw)
+    assert same_state(wa, wb) and pa.tobytes() == pb.tobytes()
+    train.main(tiny(tmp_path / "off", "a", shuffle_channels=False, **kw))
+    assert not same_state(wa, final_state(tmp_path / "off", "a")[0])
