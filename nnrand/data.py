@@ -23,7 +23,8 @@ augmentation and shuffling are batched tensor ops with their own seeds.
     palette[class]; in the minority (group 1) it is the palette colour of another, random class.
     The minority is MINORITY["train"] of the training set and MINORITY["test"] of the test set, so a
     model that leans on the background cue loses accuracy on group 1 and per-group accuracy is
-    measurable. Groups refer to the drawn shape; training labels are then flipped to a random other
+    measurable (training with ``augment(..., shuffle_channels=True)``, the CPU default of nnrand.train,
+    takes the cue away). Groups refer to the drawn shape; training labels are then flipped to a random other
     class for LABEL_NOISE of the training images (the test labels are clean). ``Dataset.extra`` keeps
     the clean training labels (``train_true_y``), the palette index of each background (``*_cue``) and
     the morph flags (``*_morph``).
