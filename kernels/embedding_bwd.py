@@ -201,6 +201,9 @@ TEST_TABLE = (
     ("infnan", dict(batch=2, seq=64, d=16, m=8, dup=0.3, special="infnan")),
     ("negzero", dict(batch=2, seq=64, d=16, m=8, special="negzero")),
     ("sparse_d128_scale", dict(batch=4, seq=60, d=128, m=2000, dup=0.2, scale=True, padding_idx=5)),
+    # sparse, five column slices (the last one partly idle), rows of one token among a hot one and the pad
+    ("sparse_d520_pad", dict(batch=3, seq=50, d=520, m=400, dup=0.1, padding_idx=200)),
+    ("sparse_d520_scale", dict(batch=3, seq=50, d=520, m=400, dup=0.1, scale=True)),
 )
 
 

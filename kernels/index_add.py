@@ -266,9 +266,10 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     module docstring). Four launches and torch.sort, no host synchronisation: keys (narrowed, bad ones
     to a sentinel), stable sort, row starts, sums. Dense (more contributions than destinations): the sums
     write every output row, so the output is never zero-filled. Sparse (fewer: an embedding's gradient,
-    most rows untouched): the output is zero-filled at full bandwidth and only the sorted positions get
-    tasks, so empty rows cost no warp; the same chunks and tree, so the same bits (``sparse`` forces
-    either; default: by the counts). Keys outside [0, rows) add nothing, or fail the keys kernel
+    most rows empty or of one contribution): the warp kernels take destination rows 32 at a time (zeros
+    for the empty ones, the rows of one contribution read lane-parallel; still no zero fill), the thread
+    kernel zero-fills the output and takes only sorted positions; the same chunks and tree, so the same
+    bits (``sparse`` forces either split; default: by the counts). Keys outside [0, rows) add nothing, or fail the keys kernel
     (``check`` device), or raise KernelArgumentError after the kernels are queued (``check`` sync:
     start[space], the count of valid keys, read back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits; for tests)."""
     d = src.shape[1]
@@ -289,9 +290,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
            (ptr(skey), np.int64(n), np.int64(space), np.int64(offset), ptr(start)), device=dev)
     if sparse is None:
         sparse = n < space
-    out = (torch.zeros if sparse else torch.empty)((rows, d), device=dev, dtype=torch.float32)
-    first = space if sparse else 0  # tasks before it (one per destination) are not launched
     scalar = elementwise or width < SCALAR_BELOW_D or force_scalar
+    out = (torch.zeros if sparse and scalar else torch.empty)((rows, d), device=dev, dtype=torch.float32)
     vec = 1 if scalar else _vec(src, width)
     slices = 1 if scalar else cdiv(width, 32 * vec)
     slots = max(1, 2 * (n // CHUNK_MIN))
@@ -300,12 +300,12 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
             np.uint64(int(ptr(counters)) + 4 * slots * slices), np.int64(n), np.int32(width), np.int64(skip),
             np.int32(scaled), np.int64(space), np.int64(offset), np.int32(sparse))
-    if scalar:  # a thread per destination and per sorted position
-        launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks(space - first + n),), (THREADS,), args,
-               device=dev)
-    else:  # a warp per destination and per 32 sorted positions; grid rows: column slices
-        warps = space - first + cdiv(n, 32)
-        launch(function(source, f"{prefix}_rows{vec}_{kname}", dev),
+    if scalar:  # a thread per destination (dense) and per sorted position
+        launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if sparse else space) + n),),
+               (THREADS,), args, device=dev)
+    else:  # a warp per destination (sparse: per 32 destinations) and per 32 sorted positions; grid rows: slices
+        warps = (cdiv(space, 32) if sparse else space) + cdiv(n, 32)
+        launch(function(source, f"{prefix}_rows{vec}{'_sparse' if sparse else ''}_{kname}", dev),
                (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)), min(slices, MAX_GRID_Y)), (THREADS,), args,
                device=dev)
     if check.sync and int(start[space]) != n:  # the one host synchronisation, after the work is queued
@@ -673,6 +673,8 @@ TEST_TABLE = (
     ("cancel_d32_dup100", dict(n=1500, d=32, m=4, dup=1.0, special="cancel")),
     ("sparse_d64", dict(n=300, d=64, m=1000)),          # fewer rows than destinations: most rows one term
     ("sparse_d6_dup30", dict(n=200, d=6, m=700, dup=0.3)),
+    ("sparse_d17_dup5", dict(n=500, d=17, m=3000, dup=0.05)),   # float lanes, rows of one term batched
+    ("sparse_d64_negzero", dict(n=300, d=64, m=1000, special="negzero")),  # a single -0.0 row becomes +0.0
 )
 
 

@@ -32,7 +32,10 @@
 //           Work split: one task per destination row (it writes the row, +0.0 where the row has no
 //           contribution, so the output needs no zero fill, and sums the row's chunk 0) and one task per
 //           32 sorted positions (it sums the chunks c >= 1 that start there: chunks are >= 32 long, so
-//           at most one per row per tile). Each chunk is summed by exactly one task.
+//           at most one per row per tile). Each chunk is summed by exactly one task. With fewer
+//           contributions than destinations (sparse) the warp kernels take destination rows 32 per task
+//           instead (empty rows written as zeros, rows of one contribution loaded several at once), and
+//           the thread kernel zero-fills the output and takes sorted positions only.
 //   fixed   order-independent fixed point, three launches and no sort: segsum_fixed_max finds the
 //           largest finite |src| (one atomicMax per block on the float's bits: an integer max, exact in any
 //           order), which with c = ceil(log2 N), N the source rows, fixes the shift s = 62 - c - E (E the
@@ -57,6 +60,7 @@
 #define SEG_MAX_CHUNKS 1024
 #define SEG_FAN 32
 #define SEG_WARPS 8  // warps per block of 256 threads
+
 
 // Chunk length of a row of k contributions (kernels/index_add.py: chunk_len).
 __device__ __forceinline__ long long seg_chunk_len(long long k) {
@@ -113,21 +117,35 @@ segsum_count(const long long* __restrict__ key, long long n, long long rows, uns
 // [0, rows) fails the kernel, seg_bad_index) and sets v (divided by the destination's count when counts
 // are given).
 template <typename I>
-__device__ __forceinline__ long long seg_contribution(const float* __restrict__ src, const long long* __restrict__ key,
-                                                      I e, int D, int elementwise, long long skip,
-                                                      const long long* __restrict__ counts, long long rows,
-                                                      const char* trap, float& v) {
-    const I i = elementwise ? e : e / D;
+__device__ __forceinline__ void seg_load(const float* __restrict__ src, const long long* __restrict__ key, I e, int D,
+                                         int elementwise, long long& m, float& v) {
+    m = key[elementwise ? e : e / D];
+    v = src[e];
+}
+
+// The destination of contribution e from its loaded key m (see seg_contribution); v divided by the count.
+template <typename I>
+__device__ __forceinline__ long long seg_resolve(I e, int D, long long m, long long skip,
+                                                 const long long* __restrict__ counts, long long rows,
+                                                 const char* trap, float& v) {
     const I d = e - (e / D) * D;
-    const long long m = key[i];
     if (m < 0 || m >= rows) {
         if (trap != nullptr) seg_bad_index(trap, m, rows);
         return -1;
     }
     if (m == skip) return -1;
-    v = src[e];
     if (counts != nullptr) v = __fdiv_rn(v, (float)counts[m]);
     return m * D + d;
+}
+
+template <typename I>
+__device__ __forceinline__ long long seg_contribution(const float* __restrict__ src, const long long* __restrict__ key,
+                                                      I e, int D, int elementwise, long long skip,
+                                                      const long long* __restrict__ counts, long long rows,
+                                                      const char* trap, float& v) {
+    long long m;
+    seg_load(src, key, e, D, elementwise, m, v);
+    return seg_resolve(e, D, m, skip, counts, rows, trap, v);
 }
 
 template <typename I>
@@ -312,47 +330,129 @@ __device__ __forceinline__ void seg_warp_chunk(const float* __restrict__ src, co
     }
 }
 
-// Task w < space: destination row w (zeros when empty or skipped; else its chunk 0). Task w >= space:
-// the tile of sorted positions 32 * (w - space) .. + 31 and the chunks c >= 1 that start in it. Grid
-// row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each.
-template <typename K, int VEC>
+// Sparse split: a tile's rows of one contribution (lanes in `singles`; lane h holds the row's
+// destination m and the contribution's source row r), U of them at once: U source rows loaded before any
+// is stored (independent loads in flight; taking them one after another left the warp waiting on two
+// dependent loads per row). Each is out[m] = +0.0 + value, the row's one chunk as seg_warp_chunk sums it
+// (so -0.0 still becomes +0.0), divided by its count 1 where scaled, as seg_value does.
+template <int VEC>
+__device__ __forceinline__ void seg_warp_singles(const float* __restrict__ src, float* __restrict__ out,
+                                                 unsigned singles, long long r, long long m, int D, int col,
+                                                 bool active, bool scaled) {
+    constexpr int U = VEC == 1 ? 8 : 16 / VEC;  // 8 to 16 floats per lane in flight
+    while (singles) {            // warp-uniform
+        long long dst[U];
+        float v[U][VEC];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            dst[u] = -1;
+            if (singles) {
+                const int h = __ffs(singles) - 1;
+                singles &= singles - 1;
+                const long long hr = __shfl_sync(SEG_FULL, r, h);
+                dst[u] = __shfl_sync(SEG_FULL, m, h);
+                if (active) SegVec<VEC>::load(src + hr * D + col, v[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (dst[u] < 0 || !active) continue;
+            float acc[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                acc[j] = 0.0f;
+                acc[j] += seg_value(v[u][j], scaled, 1.0f);
+            }
+            SegVec<VEC>::store(out + dst[u] * D + col, acc);
+        }
+    }
+}
+
+// A row's chunk 0 (k >= 1 contributions from sorted position s): to the row when it is the only chunk,
+// else to its partial slot and into the tree.
+template <int VEC>
+__device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ src, const long long* __restrict__ perm,
+                                                     float* __restrict__ out, float* part1, float* part2,
+                                                     unsigned* cnt1, unsigned* cnt2, long long m, long long s,
+                                                     long long k, int D, int col, bool active, int cb, int ce,
+                                                     bool scaled, long long slice, long long slices) {
+    float acc[VEC];
+    const long long L = seg_chunk_len(k), nc = (k + L - 1) / L;
+    seg_warp_chunk<VEC>(src, perm, s, (int)min(L, k), D, col, active, scaled, (float)k, acc);
+    if (nc == 1) {
+        if (active) SegVec<VEC>::store(out + m * D + col, acc);
+    } else {
+        const long long base = seg_slot(s);
+        if (active) SegVec<VEC>::store(part1 + base * D + col, acc);
+        seg_combine<32>(out, part1, part2, cnt1, cnt2, m, base, 0, nc, D, cb, ce, slice, slices);
+    }
+}
+
+// Destination tasks, then position tasks. Dense split (SPARSE false): task w < space is destination row
+// w (zeros when empty or skipped; else its chunk 0). Sparse split: task w < R = ceil(space / 32) is the
+// tile of destination rows 32 w .. + 31: one coalesced read of their starts, zeros for the empty and
+// skipped rows, the rows of one contribution through seg_warp_singles (their source rows read lane-
+// parallel, the values U at a time), then chunk 0 of each longer row, one after another (so a warp
+// spends no round trip on an empty row, the common case when there are fewer contributions than
+// destinations). Position task w >= space (or R): the tile of sorted positions 32 * (w - space or R)
+// .. + 31 and the chunks c >= 1 that start in it. Grid row y: column slices y, y + gridDim.y, ... of
+// 32 * VEC columns each. Either split sums the same chunks in the same order: the same bits.
+template <typename K, int VEC, bool SPARSE>
 __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, const K* __restrict__ skey,
                                               const long long* __restrict__ perm,
                                               const long long* __restrict__ start, float* __restrict__ out,
                                               float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
                                               long long n, int D, long long skip, int scaled, long long space,
-                                              long long offset, int sparse) {
+                                              long long offset) {
     const int lane = threadIdx.x & 31;
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
-    const long long first = sparse ? space : 0;  // sparse: no row tasks (the output is zero-filled)
-    const long long tasks = space + ((n + 31) >> 5);
+    const long long dtasks = SPARSE ? (space + 31) >> 5 : space;  // destination tasks
+    const long long tasks = dtasks + ((n + 31) >> 5);
     const long long warps = (long long)gridDim.x * SEG_WARPS;
     for (long long slice = blockIdx.y; slice < slices; slice += gridDim.y) {
         const int col = (int)slice * 32 * VEC + lane * VEC;
         const bool active = col < D;  // D is a multiple of VEC
         const int cb = active ? col : 0, ce = active ? col + VEC : 0;
-        for (long long w = first + (long long)blockIdx.x * SEG_WARPS + (threadIdx.x >> 5); w < tasks; w += warps) {
+        for (long long w = (long long)blockIdx.x * SEG_WARPS + (threadIdx.x >> 5); w < tasks; w += warps) {
             float acc[VEC];
-            if (w < space) {  // warp-uniform
-                const long long m = w, s = start[m], k = start[m + 1] - s;
-                if (k == 0 || m == skip) {
+            if (w < dtasks) {  // warp-uniform
+                if (!SPARSE) {
+                    const long long m = w, s = start[m], k = start[m + 1] - s;
+                    if (k == 0 || m == skip) {
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
-                    if (active) SegVec<VEC>::store(out + m * D + col, acc);
+                        for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+                        if (active) SegVec<VEC>::store(out + m * D + col, acc);
+                    } else {
+                        seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2, m, s, k, D, col, active,
+                                                  cb, ce, scaled, slice, slices);
+                    }
                     continue;
                 }
-                const long long L = seg_chunk_len(k), nc = (k + L - 1) / L;
-                seg_warp_chunk<VEC>(src, perm, s, (int)min(L, k), D, col, active, scaled, (float)k, acc);
-                if (nc == 1) {
-                    if (active) SegVec<VEC>::store(out + m * D + col, acc);
-                } else {
-                    const long long base = seg_slot(s);
-                    if (active) SegVec<VEC>::store(part1 + base * D + col, acc);
-                    seg_combine<32>(out, part1, part2, cnt1, cnt2, m, base, 0, nc, D, cb, ce, slice, slices);
+                const long long m = w * 32 + lane;
+                long long s = 0, k = 0, r = 0;
+                if (m < space) {
+                    s = start[m];
+                    k = m == skip ? 0 : start[m + 1] - s;
+                }
+                if (k == 1) r = perm[s];
+                const unsigned empty = __ballot_sync(SEG_FULL, m < space && k == 0);
+                const unsigned singles = __ballot_sync(SEG_FULL, k == 1);
+                unsigned longer = __ballot_sync(SEG_FULL, k > 1);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+                for (unsigned e = empty; e; e &= e - 1)
+                    if (active) SegVec<VEC>::store(out + (w * 32 + __ffs(e) - 1) * D + col, acc);
+                seg_warp_singles<VEC>(src, out, singles, r, m, D, col, active, scaled);
+                while (longer) {
+                    const int h = __ffs(longer) - 1;
+                    longer &= longer - 1;
+                    seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2, w * 32 + h,
+                                              __shfl_sync(SEG_FULL, s, h), __shfl_sync(SEG_FULL, k, h), D, col,
+                                              active, cb, ce, scaled, slice, slices);
                 }
                 continue;
             }
-            const long long tile = w - space, p = tile * 32 + lane;
+            const long long tile = w - dtasks, p = tile * 32 + lane;
             long long m = 0, s = 0, k = 0, L = 1;
             bool head = false;
             if (p < n) {
@@ -361,7 +461,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                     s = start[m];
                     k = start[m + 1] - s;
                     L = seg_chunk_len(k);
-                    head = (sparse || p != s) && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1 (sparse: c >= 0)
+                    head = p != s && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1
                 }
             }
             unsigned heads = __ballot_sync(SEG_FULL, head);
@@ -374,10 +474,6 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 const long long c = (hp - hs) / hL, nc = (hk + hL - 1) / hL, base = seg_slot(hs);
                 seg_warp_chunk<VEC>(src, perm, hp, (int)min(hL, hk - (hp - hs)), D, col, active, scaled,
                                     (float)hk, acc);
-                if (nc == 1) {  // sparse only: the row's one chunk
-                    if (active) SegVec<VEC>::store(out + hm * D + col, acc);
-                    continue;
-                }
                 if (active) SegVec<VEC>::store(part1 + (base + c) * D + col, acc);
                 seg_combine<32>(out, part1, part2, cnt1, cnt2, hm, base, c, nc, D, cb, ce, slice, slices);
             }
@@ -453,8 +549,23 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
         unsigned* cnt1, unsigned* cnt2, long long n, int D, long long skip, int scaled, long long space, \
         long long offset, int sparse
 
-// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>_<key>, PREFIX_scalar_<key> for key types
-// i16, i32, i64.
+#define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset
+
+// PREFIX_rows<VEC>_<key> (dense split) and PREFIX_rows<VEC>_sparse_<key>, separate kernels. The sparse
+// one is held to 80 registers (3 blocks per SM; spill-free at U = 16 / VEC): its warps wait on short
+// chains of dependent loads, so more of them per SM beat more loads in flight per warp (measured on the
+// H200 against 128 registers and 32 floats in flight, 2 blocks per SM).
+#define SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, VEC)                                                        \
+    extern "C" __global__ void __launch_bounds__(256) PREFIX##_rows##VEC##_##KEYNAME(SEG_SORTED_ARGS_T(KT)) { \
+        seg_rows_body<KT, VEC, false>(SEG_ROWS_PASS);                                                    \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 3)                                                 \
+    PREFIX##_rows##VEC##_sparse_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {                                       \
+        seg_rows_body<KT, VEC, true>(SEG_ROWS_PASS);                                                     \
+    }
+
+// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>[_sparse]_<key>, PREFIX_scalar_<key> for key
+// types i16, i32, i64.
 #define SEG_SORTED_FOR(PREFIX, KEYNAME, KT)                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                    \
     PREFIX##_keys_##KEYNAME(const long long* __restrict__ key, KT* __restrict__ out, long long total,    \
@@ -466,15 +577,9 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
                               long long* __restrict__ start) {                                           \
         seg_starts_body<KT>(skey, n, space, offset, start);                                              \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) PREFIX##_rows1_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {  \
-        seg_rows_body<KT, 1>(SEG_SORTED_PASS);                                                           \
-    }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) PREFIX##_rows2_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {  \
-        seg_rows_body<KT, 2>(SEG_SORTED_PASS);                                                           \
-    }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) PREFIX##_rows4_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {  \
-        seg_rows_body<KT, 4>(SEG_SORTED_PASS);                                                           \
-    }                                                                                                    \
+    SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, 1)                                                              \
+    SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, 2)                                                              \
+    SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, 4)                                                              \
     extern "C" __global__ void __launch_bounds__(256) PREFIX##_scalar_##KEYNAME(SEG_SORTED_ARGS_T(KT)) { \
         seg_scalar_body<KT>(SEG_SORTED_PASS);                                                            \
     }
@@ -486,6 +591,7 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
 #define SEG_FLAG_POS_INF 2u
 #define SEG_FLAG_NEG_INF 4u
 #define SEG_ABS_INF 0x7f800000u  // |x|'s bits at or above this: Inf or NaN
+#define SEG_FIXED_BATCH 4        // elements per thread loaded at once by segsum_fixed_add
 
 // The shift s: 62 - c - E with max |src| < 2^E (E = biased exponent - 126; -126 for a subnormal
 // maximum); 0 when every finite |src| is zero. s lies in [62 - 63 - 128, 62 + 126], so 2^s and 2^-s
@@ -542,29 +648,41 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
     // destination recurs: the thread holds one destination's running sum and adds it once. It replaces
     // a held destination met only once (a cold one) by the next; a destination met twice stays held.
     // Integer sums, so how the terms are grouped changes nothing.
+    // Elements are taken SEG_FIXED_BATCH at a time: their keys and values loaded before any is added
+    // (independent loads in flight; one at a time, the loop waited on every load).
     long long held = -1;
     unsigned long long part = 0ull;
     int seen = 0;
-    for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
-        float v;
-        const long long dst = seg_contribution(src, key, e, D, elementwise, skip, counts, rows, trap, v);
-        if (dst < 0) continue;
-        if ((__float_as_uint(v) & 0x7fffffffu) < SEG_ABS_INF) {
-            const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
-            if (dst == held) {
-                part += q;
-                ++seen;
-            } else if (seen <= 1) {
-                if (part != 0ull) atomicAdd(acc + held, part);  // exact: the order cannot matter
-                held = dst;
-                part = q;
-                seen = 1;
-            } else if (q != 0ull) {
-                atomicAdd(acc + dst, q);
+    for (I e0 = (I)blockIdx.x * blockDim.x + threadIdx.x; e0 < total; e0 += SEG_FIXED_BATCH * step) {
+        long long mb[SEG_FIXED_BATCH];
+        float vb[SEG_FIXED_BATCH];
+#pragma unroll
+        for (int b = 0; b < SEG_FIXED_BATCH; ++b)
+            if (e0 + b * step < total) seg_load(src, key, e0 + b * step, D, elementwise, mb[b], vb[b]);
+#pragma unroll
+        for (int b = 0; b < SEG_FIXED_BATCH; ++b) {
+            const I e = e0 + b * step;
+            if (e >= total) break;
+            float v = vb[b];
+            const long long dst = seg_resolve(e, D, mb[b], skip, counts, rows, trap, v);
+            if (dst < 0) continue;
+            if ((__float_as_uint(v) & 0x7fffffffu) < SEG_ABS_INF) {
+                const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
+                if (dst == held) {
+                    part += q;
+                    ++seen;
+                } else if (seen <= 1) {
+                    if (part != 0ull) atomicAdd(acc + held, part);  // exact: the order cannot matter
+                    held = dst;
+                    part = q;
+                    seen = 1;
+                } else if (q != 0ull) {
+                    atomicAdd(acc + dst, q);
+                }
+            } else {
+                const unsigned f = v != v ? SEG_FLAG_NAN : (v > 0.0f ? SEG_FLAG_POS_INF : SEG_FLAG_NEG_INF);
+                atomicOr(flags + (dst >> 3), f << (4 * (int)(dst & 7)));
             }
-        } else {
-            const unsigned f = v != v ? SEG_FLAG_NAN : (v > 0.0f ? SEG_FLAG_POS_INF : SEG_FLAG_NEG_INF);
-            atomicOr(flags + (dst >> 3), f << (4 * (int)(dst & 7)));
         }
     }
     if (part != 0ull) atomicAdd(acc + held, part);
@@ -577,7 +695,7 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
          const long long* __restrict__ counts, long long rows, const unsigned* __restrict__ maxbits,      \
          int log2n, int trap) {                                                                          \
         const char* op = trap ? OPNAME : nullptr;                                                        \
-        if (total + (long long)gridDim.x * blockDim.x <= 2147483647LL)                                   \
+        if (total + (long long)SEG_FIXED_BATCH * gridDim.x * blockDim.x <= 2147483647LL)                 \
             seg_fixed_add_body<int>(src, key, acc, flags, (int)total, D, elementwise, skip, counts, rows, \
                                     maxbits, log2n, op);                                                 \
         else                                                                                             \
