@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .bias_grad import THREADS, nchw_plan, rows_plan
-from .order import F32, arrival_sum, block_tree, halving_tree, pad_to, seq_sum, strided_reduce
+from .order import F32, arrival_sum, block_tree, halving32_jit, halving_tree, pad_to, seq_sum, strided_reduce
 from . import registry
 from .registry import Case, define_op
 from .runtime import (
@@ -292,15 +292,7 @@ def _nchw_jit():
     padded chunk arrays. Compiled on first use."""
     import numba
 
-    @numba.njit(cache=False)
-    def tree32(v):
-        # halving tree over v[0:32] in place, as halving_tree / __shfl_down_sync
-        half = 16
-        while half >= 1:
-            for i in range(half):
-                v[i] = v[i] + v[i + half]
-            half //= 2
-        return v[0]
+    tree32 = halving32_jit()
 
     @numba.njit(cache=False)
     def partials(d, v, m, istd, vec, p, e, threads):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .order import F32, rng_of
+from .order import F32, halving32_jit, rng_of
 from .registry import Case, define_op
 from .runtime import (
     KernelArgumentError,
@@ -328,15 +328,7 @@ def _jit():
         # float atomicAdd flushes subnormal operands and results to sign-preserving zero
         return x * F32(0.0) if abs(x) < tiny else x
 
-    @numba.njit(cache=False)
-    def node(v):
-        # halving tree over 32 values: v[i] += v[i + half], half = 16 .. 1
-        half = 16
-        while half >= 1:
-            for i in range(half):
-                v[i] = v[i] + v[i + half]
-            half //= 2
-        return v[0]
+    node = halving32_jit()   # a 32-ary tree node: halving tree over its 32 children
 
     @numba.njit(cache=False)
     def sorted_sum(keys, vals, order, skip, out):

@@ -9,6 +9,8 @@ The shared device-side building blocks these mirror live in ``kernels/common.cuh
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 F32 = np.float32
@@ -106,3 +108,21 @@ def strided_reduce(partials: np.ndarray, threads: int) -> np.ndarray:
     cols = pad_to(np.asarray(partials, dtype=F32), -1, threads)
     cols = cols.reshape(*cols.shape[:-1], -1, threads)
     return block_tree(seq_sum(cols, -2))
+
+
+@functools.lru_cache(maxsize=1)
+def halving32_jit():
+    """:func:`warp_tree` for the Numba-compiled models: a halving tree over v[0:32] in place (v[i] += v[i + half],
+    half = 16 .. 1), returning v[0]. Compiled on first use; njit callers call it like any function."""
+    import numba
+
+    @numba.njit(cache=False)
+    def halving32(v):
+        half = 16
+        while half >= 1:
+            for i in range(half):
+                v[i] = v[i] + v[i + half]
+            half //= 2
+        return v[0]
+
+    return halving32
