@@ -212,6 +212,24 @@ def cudnn_flags(benchmark: bool, deterministic: bool):
         _set_tf32(saved[2])
 
 
+@contextlib.contextmanager
+def deterministic_mode(fill_uninitialized_memory: bool = True):
+    """PyTorch's deterministic mode as a user turns it on (``use_deterministic_algorithms(True)``,
+    cudnn.deterministic, cudnn.benchmark off, TF32 off), optionally without torch's filling of uninitialised
+    outputs; everything put back on exit."""
+    from torch.utils import deterministic as det
+
+    before = det.fill_uninitialized_memory
+    det.fill_uninitialized_memory = fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    try:
+        with cudnn_flags(benchmark=False, deterministic=True):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+        det.fill_uninitialized_memory = before
+
+
 def back_to_back_us(fn: Callable[[], object], *, calls: int, repeats: int, warmup: int = 0) -> float:
     """Median device time per call, CUDA events around ``calls`` back-to-back calls: the host queues
     the next call while the GPU runs the previous one, so host time hides where the kernels are longer."""

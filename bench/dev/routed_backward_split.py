@@ -22,7 +22,6 @@ noise only ever adds time).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import nnrand  # noqa: E402
 from nnrand import routing  # noqa: E402
-from bench.timing import cudnn_flags  # noqa: E402
+from bench.timing import cudnn_flags, deterministic_mode  # noqa: E402
 from nnrand.train import AMP_DTYPES  # noqa: E402
 
 _HANDLER_NS = [0]
@@ -81,21 +80,6 @@ def timed(fn, calls: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(inside)
 
 
-@contextlib.contextmanager
-def det_mode():
-    from torch.utils import deterministic as det
-
-    before = det.fill_uninitialized_memory
-    det.fill_uninitialized_memory = False
-    torch.use_deterministic_algorithms(True)
-    try:
-        with cudnn_flags(benchmark=False, deterministic=True):
-            yield
-    finally:
-        torch.use_deterministic_algorithms(False)
-        det.fill_uninitialized_memory = before
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,7 +120,7 @@ def main() -> None:
     rows: dict[str, list] = {}
     try:
         modes = [("stock (cudnn.benchmark)", lambda: cudnn_flags(benchmark=True, deterministic=False)),
-                 ("PyTorch deterministic mode", det_mode),
+                 ("PyTorch deterministic mode", lambda: deterministic_mode(fill_uninitialized_memory=False)),
                  ("routed fastest-deterministic", lambda: nnrand.use_kernels("fastest-deterministic")),
                  ("routed tree", lambda: nnrand.use_kernels("tree"))]
         for _ in range(args.rounds):

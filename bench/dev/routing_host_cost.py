@@ -19,7 +19,6 @@ with a fresh model, and every figure is the smallest of the R medians.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import os
 import pstats
@@ -35,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import nnrand  # noqa: E402
-from bench.timing import cudnn_flags  # noqa: E402
+from bench.timing import deterministic_mode  # noqa: E402
 from nnrand import models, noise  # noqa: E402
 
 
@@ -62,14 +61,7 @@ def main(argv=None) -> int:
     y = torch.randint(0, 10, (args.batch,), device="cuda", generator=g)
     torch.backends.cudnn.benchmark = True
 
-    @contextlib.contextmanager
-    def torch_deterministic():   # PyTorch's defaults otherwise (uninitialised memory filled)
-        torch.use_deterministic_algorithms(True)
-        try:
-            with cudnn_flags(benchmark=False, deterministic=True):
-                yield
-        finally:
-            torch.use_deterministic_algorithms(False)
+    torch_deterministic = deterministic_mode   # PyTorch's defaults otherwise (uninitialised memory filled)
 
     def step(model, opt):
         with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
