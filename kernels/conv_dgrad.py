@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from .order import rng_of
-from .registry import Case, define_op
+from . import conv_mma
+from .registry import Case, define_op, round_outputs
 from .runtime import (
     INT32_MAX,
     KernelArgumentError,
@@ -115,8 +116,8 @@ def _check(w, dy, input_size, stride, padding, dilation) -> Geometry:
 
 
 def _check_all(w, dy, input_size, stride, padding, dilation) -> Geometry:
-    w = check_tensor(OP, "w", w, ndim=4)
-    dy = check_tensor(OP, "dy", dy, ndim=4, device=w.device)
+    w = check_tensor(OP, "w", w, ndim=4, half_ok=True)   # half: only the launchers that say so take it
+    dy = check_tensor(OP, "dy", dy, ndim=4, device=w.device, half_ok=True)
     layout_of(OP, "w", w)  # w may be NCHW or channels_last; the launchers repack it
     layout = layout_of(OP, "dy", dy)
     params = tuple(_hashable(v) for v in (input_size, stride, padding, dilation))
@@ -164,9 +165,17 @@ def _trivial(g: Geometry) -> bool:
 # CUDA launchers
 
 
-def _cuda_prologue(w, dy, input_size, stride, padding, dilation) -> Geometry:
+def _check_dtypes(w, dy, half_ok: bool) -> None:
+    for arg, t in (("w", w), ("dy", dy)):
+        if t.dtype != torch.float32 and not half_ok:
+            raise KernelArgumentError(OP, arg, f"expected dtype torch.float32, got {t.dtype} (this launcher "
+                                      "takes float32; bfloat16 and float16 through the registry's call)")
+
+
+def _cuda_prologue(w, dy, input_size, stride, padding, dilation, *, half_ok: bool = False) -> Geometry:
     g = _check(w, dy, input_size, stride, padding, dilation)
     check_cuda(OP, "dy", dy)
+    _check_dtypes(w, dy, half_ok)
     if g.kh > MAX_KERNEL or g.kw > MAX_KERNEL:
         raise KernelArgumentError(OP, "w", f"the CUDA kernels take kernels up to {MAX_KERNEL}x{MAX_KERNEL}, "
                                   f"got {g.kh}x{g.kw}")
@@ -312,7 +321,15 @@ def _run(plan_of, w, dy, input_size, stride, padding, dilation) -> torch.Tensor:
 
 
 def conv_dgrad_tree_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
-    return _run(tree_plan, w, dy, input_size, stride, padding, dilation)
+    if w.dtype == torch.float32 and dy.dtype == torch.float32:
+        return _run(tree_plan, w, dy, input_size, stride, padding, dilation)
+    # bf16 / fp16: the tensor-core kernel (conv_mma.py) where it takes the shape, else float32 copies
+    # through the float32 kernel, rounded once as the registry's widening call rounds (dx as w)
+    g = _cuda_prologue(w, dy, input_size, stride, padding, dilation, half_ok=True)
+    if not _trivial(g) and conv_mma.eligible(dy.dtype, g.cin, g.cout, w, dy):
+        return conv_mma.dgrad(w, dy, g)
+    kw = dict(input_size=input_size, stride=stride, padding=padding, dilation=dilation)
+    return round_outputs(OP, _run(tree_plan, w.float(), dy.float(), **kw), (w, dy))
 
 
 def conv_dgrad_atomic_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
@@ -325,6 +342,7 @@ def conv_dgrad_atomic_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1
 
 def _cpu_prologue(w, dy, input_size, stride, padding, dilation) -> Geometry:
     g = _check(w, dy, input_size, stride, padding, dilation)
+    _check_dtypes(w, dy, half_ok=False)
     if dy.device.type != "cpu":
         raise KernelArgumentError(OP, "dy", f"the CPU model needs CPU tensors, got one on {dy.device}")
     return g
@@ -498,6 +516,7 @@ define_op(
          "order, written once; FFMA, so not CPU bit-exact"),
     ],
     cpu_bitexact=False,
+    half_native=("tree",),  # bf16 / fp16 on tensor cores (conv_mma.py)
     make_inputs=_make_inputs,
     reference=_reference,
     test_cases=_test_cases,

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import conv_mma
 from .order import F32, arrival_sum, pad_to, seq_sum
 from .registry import Case, define_op
 from .runtime import (
@@ -180,8 +181,8 @@ def _check(x, dy, kernel_size, stride, padding, dilation) -> Geometry:
 
 
 def _check_all(x, dy, kernel_size, stride, padding, dilation) -> Geometry:
-    x = check_tensor(OP, "x", x, ndim=4)
-    dy = check_tensor(OP, "dy", dy, ndim=4)
+    x = check_tensor(OP, "x", x, ndim=4, half_ok=True)   # half: only the launchers that say so take it
+    dy = check_tensor(OP, "dy", dy, ndim=4, half_ok=True)
     if dy.device != x.device:
         raise KernelArgumentError(OP, "dy", f"expected a tensor on {x.device} (like x), got one on {dy.device}")
     kh, kw = _pair("kernel_size", kernel_size, 1)
@@ -247,14 +248,37 @@ def fused(g: Geometry, p: Plan) -> bool:
     return cdiv(g.m, p.tile) * cdiv(g.r, p.tile) >= FUSE_MIN_TILES and p.splits <= FUSE_MAX_SPLITS
 
 
-def _cuda_prologue(x, dy, kernel_size, stride, padding, dilation) -> Geometry:
+def _cuda_prologue(x, dy, kernel_size, stride, padding, dilation, *, half_ok: bool = False) -> Geometry:
     g = _check(x, dy, kernel_size, stride, padding, dilation)
     check_cuda(OP, "x", x)
+    _check_dtypes(x, dy, half_ok)
     return g
 
 
+def _check_dtypes(x, dy, half_ok: bool) -> None:
+    if not half_ok and x.dtype != torch.float32:
+        raise KernelArgumentError(OP, "x", f"expected dtype torch.float32, got {x.dtype} (this launcher takes "
+                                  "float32; bfloat16 and float16 through the registry's call)")
+    if dy.dtype != x.dtype:
+        raise KernelArgumentError(OP, "dy", f"expected dtype {x.dtype} (as x), got {dy.dtype}")
+
+
+def _half(x, dy, g: Geometry, kw: dict, *, atomic: bool) -> torch.Tensor:
+    """A bf16 / fp16 call of tree or atomic: the tensor-core kernels (conv_mma.py) where they take the
+    shape, else float32 copies through the float32 launcher, rounded once (the registry's widening call)."""
+    if _empty(g):
+        return torch.zeros(g.w_shape, device=x.device, dtype=x.dtype)
+    if conv_mma.eligible(x.dtype, g.cin, g.cout, x, dy):
+        return conv_mma.wgrad(x, dy, g, plan(g.m, g.r, g.k), atomic=atomic)
+    launcher = conv_wgrad_atomic_cuda if atomic else conv_wgrad_tree_cuda
+    return launcher(x.float(), dy.float(), **kw).to(x.dtype)
+
+
 def conv_wgrad_atomic_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
-    g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation)
+    g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation, half_ok=True)
+    if x.dtype != torch.float32:
+        return _half(x, dy, g, dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation),
+                     atomic=True)
     dw = torch.zeros(g.w_shape, device=x.device, dtype=torch.float32)
     if not _empty(g):
         _gemm("atomic", x, dy, dw, g, plan(g.m, g.r, g.k))
@@ -284,7 +308,10 @@ def _split_and_combine(x, dy, g: Geometry, p: Plan) -> torch.Tensor:
 
 
 def conv_wgrad_tree_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
-    g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation)
+    g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation, half_ok=True)
+    if x.dtype != torch.float32:
+        return _half(x, dy, g, dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation),
+                     atomic=False)
     if _empty(g):
         return torch.zeros(g.w_shape, device=x.device, dtype=torch.float32)
     return _split_and_combine(x, dy, g, plan(g.m, g.r, g.k))
@@ -343,6 +370,7 @@ def _cpu_prologue(x, dy, kernel_size, stride, padding, dilation) -> Geometry:
     g = _check(x, dy, kernel_size, stride, padding, dilation)
     if x.device.type != "cpu":
         raise KernelArgumentError(OP, "x", f"the CPU model needs CPU tensors, got one on {x.device}")
+    _check_dtypes(x, dy, half_ok=False)
     return g
 
 
@@ -456,6 +484,7 @@ define_op(
          "implicit GEMM without split-K: one block per output tile owns the whole reduction" + _FMA),
     ],
     cpu_bitexact=False,
+    half_native=("atomic", "tree"),  # bf16 / fp16 on tensor cores (conv_mma.py)
     make_inputs=_make_inputs,
     reference=_reference,
     test_cases=_test_cases,

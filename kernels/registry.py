@@ -13,7 +13,9 @@ and each output is rounded once, to nearest even, to the dtype autocast expects 
 the dtype of the argument it is the gradient of). The bits are a function of the float32 result, so a
 deterministic variant stays deterministic, its CPU model reproduces the GPU's bits wherever the float32
 model does (NaN payloads aside: a NaN stays a NaN), and an ``atomic`` variant keeps its run-to-run variation. The CPU models take float32
-only; a variant with ``half_native`` reads and writes half tensors in its CUDA launcher, with the same bits.
+only; a variant with ``half_native`` reads and writes half tensors in its CUDA launcher: with the same bits
+(bn_bwd, maxpool_bwd), or, for the convolution gradients, on tensor cores (kernels/conv_mma.py: the same
+split and combine order, a different rounding inside each chunk; those variants are not CPU bit-exact).
 """
 from __future__ import annotations
 
@@ -219,12 +221,12 @@ def spec(op: str) -> OpSpec:
 # One call per op file: its spec and its variants
 
 
-def define_op(op: str, variants: list[tuple], *, cpu_bitexact: bool = True, half_native: bool = False,
-              **spec_fields) -> OpSpec:
+def define_op(op: str, variants: list[tuple], *, cpu_bitexact: bool = True,
+              half_native: bool | tuple[str, ...] = False, **spec_fields) -> OpSpec:
     """Register op ``op``: its :class:`OpSpec` (``spec_fields``: ``make_inputs``, ``reference``, ...) and
     its variants, in the order given (the order of tests, benchmarks and reports). Each variant is a row
-    ``(name, deterministic, order_independent, cuda, cpu, note)``; ``cpu_bitexact`` and ``half_native`` hold
-    for all of them.
+    ``(name, deterministic, order_independent, cuda, cpu, note)``; ``cpu_bitexact`` holds for all of them,
+    ``half_native`` for all (a bool) or for the variants it names (a tuple of names).
 
     Without ``spec_fields`` it adds variants to an op whose spec another module registered. A variant
     that needs other fields is registered with :func:`register`.
@@ -234,7 +236,12 @@ def define_op(op: str, variants: list[tuple], *, cpu_bitexact: bool = True, half
                   make_inputs=_make_inputs, reference=_reference, test_cases=_test_cases,
                   bench_cases=_bench_cases, peers=_peers, bytes_moved=_bytes_moved)
     """
-    rows = [Variant(op, *row, cpu_bitexact=cpu_bitexact, half_native=half_native) for row in variants]
+    names = {row[0] for row in variants}
+    if not isinstance(half_native, bool) and not set(half_native) <= names:
+        raise ValueError(f"{op}: half_native names unknown variants {sorted(set(half_native) - names)}")
+    rows = [Variant(op, *row, cpu_bitexact=cpu_bitexact,
+                    half_native=half_native if isinstance(half_native, bool) else row[0] in half_native)
+            for row in variants]
     if spec_fields:
         register_op(OpSpec(op=op, **spec_fields))
     else:

@@ -1,0 +1,342 @@
+// conv_mma.cu: bf16 / fp16 convolution backward on tensor cores (mma.sync m16n8k16, float32 accumulation).
+// Launchers: kernels/conv_mma.py (used by conv_wgrad's and conv_dgrad's CUDA launchers for half inputs).
+// Compiled once per dtype: NNRAND_ACT 1 bfloat16, 2 float16 (common.cuh).
+//
+// Both gradients are implicit GEMMs over channels_last (NHWC) tensors whose channel counts are multiples of
+// 8, so that every 16-byte load holds 8 channels of one pixel and one tap:
+//   wgrad  dw[m, r'] = sum_k dy[k, m] * x[pixel(k, r'), ci(r')]    m = co, r' = (kh, kw, ci), k = (n, oh, ow)
+//   dgrad  dx[p, ci] = sum_q dy[pixel(p, q), co(q)] * w[q, ci]      p = (n, h, w), q = (kh, kw, co)
+// Out-of-range taps (padding, and dgrad's positions the stride skips) are loaded as zeros, which add
+// nothing. Block tiles BM x BN, K-step 32, 256 threads (8 warps as 2 x 4, each owning a (BM/2) x (BN/4)
+// sub-tile), two shared-memory stages filled by cp.async while the other is multiplied; rows padded by 8
+// halves so that ldmatrix reads are free of bank conflicts.
+//
+// Order of the arithmetic, and so determinism: every output element is accumulated by one thread's mma
+// sequence, K-step after K-step in index order, whatever the timing. Inside one mma the tensor core adds
+// 16 exact products to the accumulator with its own alignment and truncation, which no CPU reproduces
+// (cpu_bitexact = False): the CPU models keep the reduction structure, the GPU kernels are tested bitwise
+// against themselves and within a bound derived from that arithmetic (tests/test_conv_mma_gpu.py).
+//   wgrad_split   chunk s of the reduction (the split plan of conv_wgrad.py, a function of the shapes
+//                 only) stores its float32 partial tile to ws[s][m][r']; conv_mma_combine then adds the S
+//                 partials of each element in the fixed order of ordered_combine (the tree variant).
+//   wgrad_atomic  the same chunks, atomicAdd-ed into ws[m][r'] in arrival order: NONDETERMINISTIC (the
+//                 atomic twin), then conv_mma_combine with S = 1 rounds and permutes.
+//   dgrad         no split (P = N*H*W rows are plenty of tiles): deterministic.
+
+#ifndef NNRAND_ACT
+#define NNRAND_ACT 1  // bfloat16 unless told otherwise (kernels/conv_mma.py passes the dtype's define)
+#endif
+#include "common.cuh"  // act_t, narrow, ordered_combine
+
+#if NNRAND_ACT == 1
+#define MMA_AB "bf16"
+#elif NNRAND_ACT == 2
+#define MMA_AB "f16"
+#else
+#error "conv_mma.cu is compiled for half activations only (NNRAND_ACT 1 or 2)"
+#endif
+
+#define MM_THREADS 256
+#define MM_BK 32
+#define MM_PAD 8  // halves of padding per shared-memory row
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes from global to shared memory, or 16 zero bytes when !valid (src-size 0 reads nothing).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned r[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned r[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// c += a (16x16, row) * b (16x8, col), float32 accumulators.
+__device__ __forceinline__ void mma16816(float c[4], const unsigned a[4], const unsigned b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_AB "." MMA_AB ".f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+struct MmaConv {
+    int n, h, w, cin, oh, ow, cout, kh, kw, sh, sw, ph, pw, dh, dw;
+};
+// The geometry travels as 15 int arguments (kernels/runtime.launch passes one 8-byte slot per argument)
+#define MM_GEOMETRY int n, int h, int w, int cin, int oh, int ow, int cout, int kh, int kw, int sh, int sw, \
+                    int ph, int pw, int dh, int dw
+#define MM_CONV MmaConv{n, h, w, cin, oh, ow, cout, kh, kw, sh, sw, ph, pw, dh, dw}
+
+// One K-step (32) of a warp's (MI*16) x (NI*8) sub-tile. A_KMAJOR: the A tile is stored [k][m] (wgrad:
+// dy's channels run along m) and read with ldmatrix.trans; otherwise [m][k] (dgrad). B is always [k][n].
+template <int MI, int NI, bool A_KMAJOR, int APITCH, int BPITCH>
+__device__ __forceinline__ void warp_step(const act_t* As, const act_t* Bs, int wm0, int wn0, float (&acc)[MI][NI][4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int kk = 0; kk < MM_BK; kk += 16) {
+        unsigned af[MI][4], bf[NI][2];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+            if (A_KMAJOR) {  // matrix j = lane / 8: k + (j / 2) * 8, m + (j % 2) * 8
+                ldsm_x4_trans(af[mi], As + (kk + (lane >> 4) * 8 + (lane & 7)) * APITCH + wm0 + mi * 16 +
+                                          ((lane >> 3) & 1) * 8);
+            } else {         // matrix j: m + (j % 2) * 8, k + (j / 2) * 8
+                ldsm_x4(af[mi], As + (wm0 + mi * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * APITCH + kk +
+                                    (lane >> 4) * 8);
+            }
+        }
+#pragma unroll
+        for (int nj = 0; nj < NI / 2; ++nj) {  // matrix j: k + (j % 2) * 8, n + (j / 2) * 8
+            unsigned t[4];
+            ldsm_x4_trans(t, Bs + (kk + ((lane >> 3) & 1) * 8 + (lane & 7)) * BPITCH + wn0 + nj * 16 + (lane >> 4) * 8);
+            bf[2 * nj][0] = t[0]; bf[2 * nj][1] = t[1];
+            bf[2 * nj + 1][0] = t[2]; bf[2 * nj + 1][1] = t[3];
+        }
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) mma16816(acc[mi][ni], af[mi], bf[ni]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Weight gradient. Grid (R'/BN, M/BM, S); block z reduces k in [z*Kc, min(K, (z+1)*Kc)).
+// ATOMIC 0: out = ws[S][M][R'] (plain stores); 1: out = ws[M][R'] zeroed, atomicAdd.
+
+template <int BM, int BN, int ATOMIC>
+__device__ __forceinline__ void wgrad_body(const act_t* __restrict__ x, const act_t* __restrict__ dy,
+                                           float* __restrict__ out, const MmaConv& c, int K, int Kc) {
+    constexpr int APITCH = BM + MM_PAD, BPITCH = BN + MM_PAD;
+    constexpr int WM = BM / 2, WN = BN / 4, MI = WM / 16, NI = WN / 8;
+    constexpr int AG = MM_BK * BM / 8 / MM_THREADS, BG = MM_BK * BN / 8 / MM_THREADS;  // 16-byte loads each
+    static_assert(AG >= 1 && BG >= 1 && NI % 2 == 0, "tile too small for 256 threads");
+    __shared__ __align__(16) act_t As[2][MM_BK * APITCH];
+    __shared__ __align__(16) act_t Bs[2][MM_BK * BPITCH];
+
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int M = c.cout, R = c.kh * c.kw * c.cin;
+    const int kbeg = blockIdx.z * Kc, kend = min(K, kbeg + Kc);
+    const int ohw = c.oh * c.ow;
+
+    // A: row k = idx / (BM/8), 8 channels at column (idx % (BM/8)) * 8; the column is the same for every g
+    const int acol = (tid % (BM / 8)) * 8, arow = tid / (BM / 8);
+    const bool acol_ok = m0 + acol < M;
+    // B: column r' fixed per thread (its tap and channel), rows k vary
+    const int bcol = (tid % (BN / 8)) * 8, brow = tid / (BN / 8);
+    const int r = n0 + bcol;
+    const bool bcol_ok = r < R;
+    const int tap = bcol_ok ? r / c.cin : 0, ci = bcol_ok ? r - tap * c.cin : 0;
+    const int tkh = tap / c.kw, tkw = tap - tkh * c.kw;
+    const int offh = tkh * c.dh - c.ph, offw = tkw * c.dw - c.pw;
+
+    auto load = [&](int stage, int kb) {
+#pragma unroll
+        for (int g = 0; g < AG; ++g) {
+            const int k = kb + arow + g * (MM_THREADS / (BM / 8));
+            const bool ok = acol_ok && k < kend;
+            const act_t* src = ok ? dy + (size_t)k * M + m0 + acol : dy;
+            cp_async16(&As[stage][(arow + g * (MM_THREADS / (BM / 8))) * APITCH + acol], src, ok);
+        }
+#pragma unroll
+        for (int g = 0; g < BG; ++g) {
+            const int row = brow + g * (MM_THREADS / (BN / 8));
+            const int k = kb + row;
+            bool ok = bcol_ok && k < kend;
+            const act_t* src = x;
+            if (ok) {
+                const int nn = k / ohw, rem = k - nn * ohw;
+                const int yo = rem / c.ow, xo = rem - yo * c.ow;
+                const int ih = yo * c.sh + offh, iw = xo * c.sw + offw;
+                ok = ih >= 0 && ih < c.h && iw >= 0 && iw < c.w;
+                if (ok) src = x + (((size_t)nn * c.h + ih) * c.w + iw) * c.cin + ci;
+            }
+            cp_async16(&Bs[stage][row * BPITCH + bcol], src, ok);
+        }
+    };
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    const int steps = (kend - kbeg + MM_BK - 1) / MM_BK;
+    const int wm0 = (warp >> 2) * WM, wn0 = (warp & 3) * WN;
+    if (steps > 0) load(0, kbeg);
+    cp_async_commit();
+    for (int it = 0; it < steps; ++it) {
+        if (it + 1 < steps) load((it + 1) & 1, kbeg + (it + 1) * MM_BK);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        warp_step<MI, NI, true, APITCH, BPITCH>(As[it & 1], Bs[it & 1], wm0, wn0, acc);
+        __syncthreads();
+    }
+
+    const int lane = tid & 31, gr = lane >> 2, gc = (lane & 3) * 2;
+    float* base = ATOMIC ? out : out + (size_t)blockIdx.z * M * R;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+            const int col = n0 + wn0 + ni * 8 + gc;
+            if (col >= R) continue;  // R is a multiple of 8: col + 1 < R too
+#pragma unroll
+            for (int hlf = 0; hlf < 2; ++hlf) {
+                const int row = m0 + wm0 + mi * 16 + gr + hlf * 8;
+                if (row >= M) continue;
+                float* p = base + (size_t)row * R + col;
+                if (ATOMIC) {
+                    atomicAdd(p, acc[mi][ni][2 * hlf]);
+                    atomicAdd(p + 1, acc[mi][ni][2 * hlf + 1]);
+                } else {
+                    *reinterpret_cast<float2*>(p) = make_float2(acc[mi][ni][2 * hlf], acc[mi][ni][2 * hlf + 1]);
+                }
+            }
+        }
+}
+
+#define WGRAD_KERNEL(NAME, BM, BN, ATOMIC)                                                                \
+    extern "C" __global__ void __launch_bounds__(MM_THREADS)                                              \
+        NAME(const act_t* x, const act_t* dy, float* out, MM_GEOMETRY, int K, int Kc) {                   \
+        wgrad_body<BM, BN, ATOMIC>(x, dy, out, MM_CONV, K, Kc);                                           \
+    }
+WGRAD_KERNEL(conv_mma_wgrad_split_t128, 128, 128, 0)
+WGRAD_KERNEL(conv_mma_wgrad_split_t64, 64, 64, 0)
+WGRAD_KERNEL(conv_mma_wgrad_atomic_t128, 128, 128, 1)
+WGRAD_KERNEL(conv_mma_wgrad_atomic_t64, 64, 64, 1)
+
+// The S partials ws[s][m][r'] of every dw element added in ordered_combine's fixed order, rounded once to
+// act_t and stored at dw's (co, ci, kh, kw) position. S = 1 (atomic, or one chunk) only rounds and permutes.
+extern "C" __global__ void __launch_bounds__(256)
+    conv_mma_combine(const float* __restrict__ ws, int S, int M, int cin, int taps, act_t* __restrict__ dw) {
+    const int R = cin * taps;
+    const long long MR = (long long)M * R;
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= MR) return;
+    const int m = (int)(e / R), rp = (int)(e - (long long)m * R);
+    const int tap = rp / cin, ci = rp - tap * cin;
+    dw[(long long)m * R + (long long)ci * taps + tap] = narrow(ordered_combine(ws + e, S, MR));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Data gradient. Grid (Cin/BN, P/BM). wq: the weights packed as [kh][kw][co][ci] (row q, ci contiguous).
+
+template <int BM, int BN>
+__device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const act_t* __restrict__ dy,
+                                           act_t* __restrict__ dx, const MmaConv& c) {
+    constexpr int APITCH = MM_BK + MM_PAD, BPITCH = BN + MM_PAD;
+    constexpr int WM = BM / 2, WN = BN / 4, MI = WM / 16, NI = WN / 8;
+    constexpr int AG = BM * MM_BK / 8 / MM_THREADS, BG = MM_BK * BN / 8 / MM_THREADS;
+    static_assert(AG >= 1 && BG >= 1 && NI % 2 == 0, "tile too small for 256 threads");
+    __shared__ __align__(16) act_t As[2][BM * APITCH];
+    __shared__ __align__(16) act_t Bs[2][MM_BK * BPITCH];
+
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int P = c.n * c.h * c.w, Q = c.kh * c.kw * c.cout;
+
+    // A: rows p = m0 + tid / 4 + g * 64, 8 taps-channels at column (tid % 4) * 8 of the K-step
+    const int akg = (tid & 3) * 8, arow = tid >> 2;
+    int an[AG], ah[AG], aw[AG];
+    bool aok[AG];
+#pragma unroll
+    for (int g = 0; g < AG; ++g) {
+        const int p = m0 + arow + g * (MM_THREADS / 4);
+        aok[g] = p < P;
+        const int pp = aok[g] ? p : 0;
+        an[g] = pp / (c.h * c.w);
+        const int rem = pp - an[g] * c.h * c.w;
+        ah[g] = rem / c.w;
+        aw[g] = rem - ah[g] * c.w;
+    }
+    const int bcol = (tid % (BN / 8)) * 8, brow = tid / (BN / 8);
+    const bool bcol_ok = n0 + bcol < c.cin;
+
+    auto load = [&](int stage, int kb) {
+        const int q = kb + akg;
+        const bool qok = q < Q;
+        const int tap = qok ? q / c.cout : 0, co = qok ? q - tap * c.cout : 0;
+        const int tkh = tap / c.kw, tkw = tap - tkh * c.kw;
+#pragma unroll
+        for (int g = 0; g < AG; ++g) {
+            const int yn = ah[g] + c.ph - tkh * c.dh, xn = aw[g] + c.pw - tkw * c.dw;
+            bool ok = qok && aok[g] && yn >= 0 && xn >= 0;
+            int yo = yn, xo = xn;
+            if (c.sh != 1) { yo = yn / c.sh; ok = ok && yo * c.sh == yn; }
+            if (c.sw != 1) { xo = xn / c.sw; ok = ok && xo * c.sw == xn; }
+            ok = ok && yo < c.oh && xo < c.ow;
+            const act_t* src = ok ? dy + (((size_t)an[g] * c.oh + yo) * c.ow + xo) * c.cout + co : dy;
+            cp_async16(&As[stage][(arow + g * (MM_THREADS / 4)) * APITCH + akg], src, ok);
+        }
+#pragma unroll
+        for (int g = 0; g < BG; ++g) {
+            const int row = brow + g * (MM_THREADS / (BN / 8));
+            const bool ok = bcol_ok && kb + row < Q;
+            const act_t* src = ok ? wq + (size_t)(kb + row) * c.cin + n0 + bcol : wq;
+            cp_async16(&Bs[stage][row * BPITCH + bcol], src, ok);
+        }
+    };
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    const int steps = (Q + MM_BK - 1) / MM_BK;
+    const int wm0 = (warp >> 2) * WM, wn0 = (warp & 3) * WN;
+    load(0, 0);
+    cp_async_commit();
+    for (int it = 0; it < steps; ++it) {
+        if (it + 1 < steps) load((it + 1) & 1, (it + 1) * MM_BK);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        warp_step<MI, NI, false, APITCH, BPITCH>(As[it & 1], Bs[it & 1], wm0, wn0, acc);
+        __syncthreads();
+    }
+
+    const int lane = tid & 31, gr = lane >> 2, gc = (lane & 3) * 2;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+            const int col = n0 + wn0 + ni * 8 + gc;
+            if (col >= c.cin) continue;
+#pragma unroll
+            for (int hlf = 0; hlf < 2; ++hlf) {
+                const int row = m0 + wm0 + mi * 16 + gr + hlf * 8;
+                if (row >= P) continue;
+                const unsigned v = (unsigned)narrow(acc[mi][ni][2 * hlf]) |
+                                   ((unsigned)narrow(acc[mi][ni][2 * hlf + 1]) << 16);
+                *reinterpret_cast<unsigned*>(dx + (size_t)row * c.cin + col) = v;
+            }
+        }
+}
+
+#define DGRAD_KERNEL(NAME, BM, BN)                                                                        \
+    extern "C" __global__ void __launch_bounds__(MM_THREADS)                                              \
+        NAME(const act_t* wq, const act_t* dy, act_t* dx, MM_GEOMETRY) {                                  \
+        dgrad_body<BM, BN>(wq, dy, dx, MM_CONV);                                                          \
+    }
+DGRAD_KERNEL(conv_mma_dgrad_t128x128, 128, 128)
+DGRAD_KERNEL(conv_mma_dgrad_t128x64, 128, 64)

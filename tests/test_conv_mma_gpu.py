@@ -1,0 +1,158 @@
+"""bf16 / fp16 convolution gradients on tensor cores (kernels/conv_mma.py), as conv_wgrad's tree and atomic
+and conv_dgrad's tree run them for half inputs: within a bound derived from the tensor-core arithmetic of
+the exact float64 result, bitwise repeatable where deterministic, and the widening call's bits where a shape
+falls back to the float32 kernels.
+
+The bound. Inputs are half, so every product is exact in float32 (bf16: 8 + 8 significand bits, fp16: 11 +
+11, both <= 24). One mma.m16n8k16 adds 16 products to a float32 accumulator; the tensor core aligns the 17
+values to the largest and truncates, then normalises: each value loses less than one unit in the 24th bit
+of the largest (2^-23 relative to it, and so to the sum of magnitudes), the normalisation once more. So an
+instruction adds at most 18 * 2^-23 * (|acc| + sum |its products|) <= 18 * 2^-23 * T, T the sum over the
+element's terms of |term| (|acc| is at most the magnitudes so far, up to a factor 1 + 1e-2 that the
+totals below keep far from), and an element that goes through I instructions is off by at most
+I * 18 * 2^-23 * T. wgrad then adds its S chunk partials in float32 from +0.0 through at most S + 8
+additions (ordered_combine: groups, then the 8 group sums): (S + 8) * 2^-24 * T more. The output is
+rounded once to the half dtype (unit roundoff 2^-8 bf16, 2^-11 fp16, plus half of fp16's smallest
+subnormal, 2^-25, absolute).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import conv_dgrad, conv_mma, conv_wgrad
+from kernels.registry import round_outputs
+from kernels.shapes import ConvShape
+from tests.helpers import assert_bitwise_equal
+
+pytestmark = pytest.mark.gpu
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+SUBNORMAL = {torch.bfloat16: 0.0, torch.float16: 2.0 ** -25}
+MMA_ERR = 18 * 2.0 ** -23   # per tensor-core instruction, relative to the element's sum of magnitudes
+SLACK = 1.01                # |partial sums| <= (1 + small) * their exact magnitudes
+
+# Channel counts multiples of 8 (the tensor-core path), each shape exercising one edge: tiles that do not
+# divide M, R or the pixel count, K not a multiple of 32, stride and padding, dilation, an asymmetric
+# kernel, 1x1 outputs, 1x1 stride 2, and ResNet-50 shapes at a small batch.
+SHAPES = (
+    ConvShape("odd_s2", 2, 8, 24, 3, 2, 1, 15, 13),
+    ConvShape("k1_s2_odd", 3, 16, 40, 1, 2, 0, 7, 9),
+    ConvShape("dilation2_p2", 2, 16, 8, 3, 1, 2, 9, 11, 2),
+    ConvShape("pad_gt_half", 1, 8, 16, 3, 1, 3, 6, 5),
+    ConvShape("k5_s3", 2, 24, 16, 5, 3, 2, 19, 17),
+    ConvShape("spatial1x1", 5, 32, 16, 1, 1, 0, 1, 1),
+    ConvShape("r50_3x3_64_56", 2, 64, 64, 3, 1, 1, 56, 56),
+    ConvShape("r50_1x1_256-128_56", 2, 256, 128, 1, 1, 0, 56, 56),
+    ConvShape("r50_3x3s2_128_56", 4, 128, 128, 3, 2, 1, 56, 56),
+    ConvShape("r50_1x1s2_1024-2048_14", 4, 1024, 2048, 1, 2, 0, 14, 14),
+    ConvShape("r50_3x3_512_7", 16, 512, 512, 3, 1, 1, 7, 7),
+)
+LAYOUTS = ("nchw", "channels_last")
+
+
+def _tensors(s: ConvShape, dtype, layout, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(s.x_shape, generator=g).to(dtype)
+    w = torch.randn(s.w_shape, generator=g).to(dtype)
+    dy = torch.randn(s.y_shape, generator=g).to(dtype)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    return tuple(t.contiguous(memory_format=fmt).cuda() for t in (x, w, dy))
+
+
+def _geom(s: ConvShape) -> dict:
+    return dict(stride=s.stride, padding=s.pad, dilation=s.dilation)
+
+
+def _within(got: torch.Tensor, exact: torch.Tensor, mags: torch.Tensor, rel: float, dtype, what: str) -> None:
+    err_sum = rel * SLACK * mags
+    bound = UNIT[dtype] * (exact.abs() + err_sum) + err_sum + SUBNORMAL[dtype]
+    err = (got.double().cpu() - exact).abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"{what}: error exceeds the bound by {worst:.3g} (max error {err.max().item():.3g})"
+
+
+def _wgrad_ref(x, dy, s: ConvShape):
+    spec = kernels.spec("conv_wgrad")
+    kw = dict(kernel_size=s.k, **_geom(s))
+    return spec.reference((x, dy), kw), spec.reference((x.abs(), dy.abs()), kw)
+
+
+def _dgrad_ref(w, dy, s: ConvShape):
+    spec = kernels.spec("conv_dgrad")
+    kw = dict(input_size=(s.h, s.w), **_geom(s))
+    return spec.reference((w, dy), kw), spec.reference((w.abs(), dy.abs()), kw)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_wgrad_tensor_cores_within_bound_and_tree_repeats(shape, dtype, layout, cuda_sync):
+    x, _, dy = _tensors(shape, dtype, layout, seed=SHAPES.index(shape))
+    assert conv_mma.eligible(dtype, shape.cin, shape.cout, x, dy)
+    g = conv_wgrad._check(x, dy, shape.k, shape.stride, shape.pad, shape.dilation)
+    p = conv_wgrad.plan(g.m, g.r, g.k)
+    instructions = 2 * -(-p.chunk // 32)   # K-steps of 32 per chunk, two k16 instructions each
+    rel = instructions * MMA_ERR + (p.splits + 8) * 2.0 ** -24
+    exact, mags = _wgrad_ref(x, dy, shape)
+    kw = dict(kernel_size=shape.k, **_geom(shape))
+    tree = kernels.get("conv_wgrad", "tree")
+    runs = [tree(x, dy, **kw) for _ in range(4)]
+    assert runs[0].dtype == dtype and runs[0].shape == shape.w_shape and runs[0].is_contiguous()
+    for r in runs[1:]:
+        assert_bitwise_equal(runs[0], r, f"{shape.name} tree repeat")
+    _within(runs[0], exact, mags, rel, dtype, f"{shape.name} tree")
+    atomic = kernels.get("conv_wgrad", "atomic")(x, dy, **kw)
+    assert atomic.dtype == dtype
+    _within(atomic, exact, mags, rel, dtype, f"{shape.name} atomic")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_dgrad_tensor_cores_within_bound_and_repeat(shape, dtype, layout, cuda_sync):
+    _, w, dy = _tensors(shape, dtype, layout, seed=500 + SHAPES.index(shape))
+    assert conv_mma.eligible(dtype, shape.cin, shape.cout, w, dy)
+    q = shape.k * shape.k * shape.cout
+    rel = 2 * -(-q // 32) * MMA_ERR
+    exact, mags = _dgrad_ref(w, dy, shape)
+    kw = dict(input_size=(shape.h, shape.w), **_geom(shape))
+    tree = kernels.get("conv_dgrad", "tree")
+    runs = [tree(w, dy, **kw) for _ in range(4)]
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    assert runs[0].dtype == dtype and runs[0].shape == shape.x_shape
+    assert runs[0].is_contiguous(memory_format=fmt)   # dx in dy's layout
+    for r in runs[1:]:
+        assert_bitwise_equal(runs[0], r, f"{shape.name} tree repeat")
+    _within(runs[0], exact, mags, rel, dtype, f"{shape.name} dgrad tree")
+
+
+FALLBACK = (ConvShape("stem_c3", 2, 3, 16, 7, 2, 3, 17, 17), ConvShape("cout12", 2, 8, 12, 3, 1, 1, 9, 9))
+
+
+@pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
+@pytest.mark.parametrize("shape", FALLBACK, ids=lambda s: s.name)
+def test_channel_counts_off_the_tensor_core_path_get_the_widening_bits(shape, dtype, cuda_sync):
+    """Cin or Cout not a multiple of 8: float32 copies through the float32 kernel, rounded once."""
+    x, w, dy = _tensors(shape, dtype, "channels_last", seed=7)
+    assert not conv_mma.eligible(dtype, shape.cin, shape.cout, x, dy)
+    kw = dict(kernel_size=shape.k, **_geom(shape))
+    v = kernels.get("conv_wgrad", "tree")
+    assert_bitwise_equal(v(x, dy, **kw), v.cuda(x.float(), dy.float(), **kw).to(dtype), "wgrad tree")
+    dkw = dict(input_size=(shape.h, shape.w), **_geom(shape))
+    v = kernels.get("conv_dgrad", "tree")
+    want = round_outputs("conv_dgrad", v.cuda(w.float(), dy.float(), **dkw), (w, dy))
+    assert_bitwise_equal(v(w, dy, **dkw), want, "dgrad tree")
+
+
+def test_float32_launchers_refuse_half_they_do_not_read(cuda_sync):
+    s = SHAPES[0]
+    x, w, dy = _tensors(s, torch.bfloat16, "channels_last", seed=3)
+    with pytest.raises(kernels.KernelArgumentError, match="conv_wgrad.*x.*float32"):
+        conv_wgrad.conv_wgrad_nosplit_cuda(x, dy, kernel_size=s.k, **_geom(s))
+    with pytest.raises(kernels.KernelArgumentError, match="conv_dgrad.*w.*float32"):
+        conv_dgrad.conv_dgrad_atomic_cuda(w, dy, input_size=(s.h, s.w), **_geom(s))
+    with pytest.raises(kernels.KernelArgumentError, match="conv_wgrad.*dy.*bfloat16"):
+        kernels.get("conv_wgrad", "tree").cuda(x, dy.half(), kernel_size=s.k, **_geom(s))
