@@ -8,8 +8,9 @@
 //   dgrad  dx[p, ci] = sum_q dy[pixel(p, q), co(q)] * w[q, ci]      p = (n, h, w), q = (kh, kw, co)
 // Out-of-range taps (padding, and dgrad's positions the stride skips) are loaded as zeros, which add
 // nothing. Block tiles BM x BN, K-step 32, 256 threads (8 warps as 2 x 4, each owning a (BM/2) x (BN/4)
-// sub-tile), two shared-memory stages filled by cp.async while the other is multiplied; rows padded by 8
-// halves so that ldmatrix reads are free of bank conflicts.
+// sub-tile), four shared-memory stages filled by cp.async up to three K-steps ahead of the multiplication
+// (dynamic shared memory: the launcher raises the function's limit), rows padded by 8 halves so that
+// ldmatrix reads are free of bank conflicts.
 //
 // Order of the arithmetic, and so determinism: every output element is accumulated by one thread's mma
 // sequence, K-step after K-step in index order, whatever the timing. Inside one mma the tensor core adds
@@ -39,6 +40,28 @@
 #define MM_THREADS 256
 #define MM_BK 32
 #define MM_PAD 8  // halves of padding per shared-memory row
+#define MM_STAGES 4  // shared-memory stages: loads run up to three K-steps ahead of the multiplication
+
+// The K-loop of both GEMMs over `steps` K-steps: LOAD fills stage `st` with K-step `j` (cp.async, one
+// commit group per K-step, empty past the end), MULTIPLY consumes stage `cur`. One barrier per K-step: it
+// publishes K-step `it` and retires the stage the next load overwrites (multiplied at step it - 1).
+#define MM_PIPELINE(LOAD, MULTIPLY)                                                                     \
+    for (int j = 0; j < MM_STAGES - 1; ++j) {                                                           \
+        const int st = j;                                                                               \
+        if (j < steps) LOAD;                                                                            \
+        cp_async_commit();                                                                              \
+    }                                                                                                   \
+    for (int it = 0; it < steps; ++it) {                                                                \
+        cp_async_wait<MM_STAGES - 2>();                                                                 \
+        __syncthreads();                                                                                \
+        {                                                                                               \
+            const int j = it + MM_STAGES - 1, st = j % MM_STAGES;                                       \
+            if (j < steps) LOAD;                                                                        \
+            cp_async_commit();                                                                          \
+        }                                                                                               \
+        const int cur = it % MM_STAGES;                                                                 \
+        MULTIPLY;                                                                                       \
+    }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -123,8 +146,9 @@ __device__ __forceinline__ void wgrad_body(const act_t* __restrict__ x, const ac
     constexpr int WM = BM / 2, WN = BN / 4, MI = WM / 16, NI = WN / 8;
     constexpr int AG = MM_BK * BM / 8 / MM_THREADS, BG = MM_BK * BN / 8 / MM_THREADS;  // 16-byte loads each
     static_assert(AG >= 1 && BG >= 1 && NI % 2 == 0, "tile too small for 256 threads");
-    __shared__ __align__(16) act_t As[2][MM_BK * APITCH];
-    __shared__ __align__(16) act_t Bs[2][MM_BK * BPITCH];
+    extern __shared__ __align__(16) unsigned char mm_smem[];
+    act_t* const As = reinterpret_cast<act_t*>(mm_smem);                     // [MM_STAGES][MM_BK * APITCH]
+    act_t* const Bs = As + MM_STAGES * MM_BK * APITCH;                       // [MM_STAGES][MM_BK * BPITCH]
 
     const int tid = threadIdx.x, warp = tid >> 5;
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
@@ -149,7 +173,7 @@ __device__ __forceinline__ void wgrad_body(const act_t* __restrict__ x, const ac
             const int k = kb + arow + g * (MM_THREADS / (BM / 8));
             const bool ok = acol_ok && k < kend;
             const act_t* src = ok ? dy + (size_t)k * M + m0 + acol : dy;
-            cp_async16(&As[stage][(arow + g * (MM_THREADS / (BM / 8))) * APITCH + acol], src, ok);
+            cp_async16(As + stage * MM_BK * APITCH + (arow + g * (MM_THREADS / (BM / 8))) * APITCH + acol, src, ok);
         }
 #pragma unroll
         for (int g = 0; g < BG; ++g) {
@@ -164,7 +188,7 @@ __device__ __forceinline__ void wgrad_body(const act_t* __restrict__ x, const ac
                 ok = ih >= 0 && ih < c.h && iw >= 0 && iw < c.w;
                 if (ok) src = x + (((size_t)nn * c.h + ih) * c.w + iw) * c.cin + ci;
             }
-            cp_async16(&Bs[stage][row * BPITCH + bcol], src, ok);
+            cp_async16(Bs + stage * MM_BK * BPITCH + row * BPITCH + bcol, src, ok);
         }
     };
 
@@ -178,16 +202,9 @@ __device__ __forceinline__ void wgrad_body(const act_t* __restrict__ x, const ac
 
     const int steps = (kend - kbeg + MM_BK - 1) / MM_BK;
     const int wm0 = (warp >> 2) * WM, wn0 = (warp & 3) * WN;
-    if (steps > 0) load(0, kbeg);
-    cp_async_commit();
-    for (int it = 0; it < steps; ++it) {
-        if (it + 1 < steps) load((it + 1) & 1, kbeg + (it + 1) * MM_BK);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        warp_step<MI, NI, true, APITCH, BPITCH>(As[it & 1], Bs[it & 1], wm0, wn0, acc);
-        __syncthreads();
-    }
+    MM_PIPELINE(load(st, kbeg + (j) * MM_BK),
+                (warp_step<MI, NI, true, APITCH, BPITCH>(As + cur * MM_BK * APITCH, Bs + cur * MM_BK * BPITCH,
+                                                         wm0, wn0, acc)))
 
     const int lane = tid & 31, gr = lane >> 2, gc = (lane & 3) * 2;
     float* base = ATOMIC ? out : out + (size_t)blockIdx.z * M * R;
@@ -237,16 +254,20 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // ---------------------------------------------------------------------------------------------------
 // Data gradient. Grid (Cin/BN, P/BM). wq: the weights packed as [kh][kw][co][ci] (row q, ci contiguous).
+// dx pixel (n, y, x) of the launch's h x w grid is stored at dx + n*oxn + y*oxh + x*oxw (channels
+// contiguous): the whole NHWC dx, or one stride phase of it (the launcher runs a strided conv as one
+// stride-1 launch per phase, each over that phase's taps only, instead of loading zeros for the others).
 
 template <int BM, int BN>
 __device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const act_t* __restrict__ dy,
-                                           act_t* __restrict__ dx, const MmaConv& c) {
+                                           act_t* __restrict__ dx, const MmaConv& c, int oxn, int oxh, int oxw) {
     constexpr int APITCH = MM_BK + MM_PAD, BPITCH = BN + MM_PAD;
     constexpr int WM = BM / 2, WN = BN / 4, MI = WM / 16, NI = WN / 8;
     constexpr int AG = BM * MM_BK / 8 / MM_THREADS, BG = MM_BK * BN / 8 / MM_THREADS;
     static_assert(AG >= 1 && BG >= 1 && NI % 2 == 0, "tile too small for 256 threads");
-    __shared__ __align__(16) act_t As[2][BM * APITCH];
-    __shared__ __align__(16) act_t Bs[2][MM_BK * BPITCH];
+    extern __shared__ __align__(16) unsigned char mm_smem[];
+    act_t* const As = reinterpret_cast<act_t*>(mm_smem);                     // [MM_STAGES][BM * APITCH]
+    act_t* const Bs = As + MM_STAGES * BM * APITCH;                          // [MM_STAGES][MM_BK * BPITCH]
 
     const int tid = threadIdx.x, warp = tid >> 5;
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
@@ -283,14 +304,14 @@ __device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const a
             if (c.sw != 1) { xo = xn / c.sw; ok = ok && xo * c.sw == xn; }
             ok = ok && yo < c.oh && xo < c.ow;
             const act_t* src = ok ? dy + (((size_t)an[g] * c.oh + yo) * c.ow + xo) * c.cout + co : dy;
-            cp_async16(&As[stage][(arow + g * (MM_THREADS / 4)) * APITCH + akg], src, ok);
+            cp_async16(As + stage * BM * APITCH + (arow + g * (MM_THREADS / 4)) * APITCH + akg, src, ok);
         }
 #pragma unroll
         for (int g = 0; g < BG; ++g) {
             const int row = brow + g * (MM_THREADS / (BN / 8));
             const bool ok = bcol_ok && kb + row < Q;
             const act_t* src = ok ? wq + (size_t)(kb + row) * c.cin + n0 + bcol : wq;
-            cp_async16(&Bs[stage][row * BPITCH + bcol], src, ok);
+            cp_async16(Bs + stage * MM_BK * BPITCH + row * BPITCH + bcol, src, ok);
         }
     };
 
@@ -304,16 +325,9 @@ __device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const a
 
     const int steps = (Q + MM_BK - 1) / MM_BK;
     const int wm0 = (warp >> 2) * WM, wn0 = (warp & 3) * WN;
-    load(0, 0);
-    cp_async_commit();
-    for (int it = 0; it < steps; ++it) {
-        if (it + 1 < steps) load((it + 1) & 1, (it + 1) * MM_BK);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        warp_step<MI, NI, false, APITCH, BPITCH>(As[it & 1], Bs[it & 1], wm0, wn0, acc);
-        __syncthreads();
-    }
+    MM_PIPELINE(load(st, (j) * MM_BK),
+                (warp_step<MI, NI, false, APITCH, BPITCH>(As + cur * BM * APITCH, Bs + cur * MM_BK * BPITCH,
+                                                          wm0, wn0, acc)))
 
     const int lane = tid & 31, gr = lane >> 2, gc = (lane & 3) * 2;
 #pragma unroll
@@ -326,17 +340,19 @@ __device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const a
             for (int hlf = 0; hlf < 2; ++hlf) {
                 const int row = m0 + wm0 + mi * 16 + gr + hlf * 8;
                 if (row >= P) continue;
+                const int on = row / (c.h * c.w), orem = row - on * c.h * c.w;
+                const int oy = orem / c.w, ox = orem - oy * c.w;
                 const unsigned v = (unsigned)narrow(acc[mi][ni][2 * hlf]) |
                                    ((unsigned)narrow(acc[mi][ni][2 * hlf + 1]) << 16);
-                *reinterpret_cast<unsigned*>(dx + (size_t)row * c.cin + col) = v;
+                *reinterpret_cast<unsigned*>(dx + (size_t)on * oxn + (size_t)oy * oxh + (size_t)ox * oxw + col) = v;
             }
         }
 }
 
 #define DGRAD_KERNEL(NAME, BM, BN)                                                                        \
     extern "C" __global__ void __launch_bounds__(MM_THREADS)                                              \
-        NAME(const act_t* wq, const act_t* dy, act_t* dx, MM_GEOMETRY) {                                  \
-        dgrad_body<BM, BN>(wq, dy, dx, MM_CONV);                                                          \
+        NAME(const act_t* wq, const act_t* dy, act_t* dx, MM_GEOMETRY, int oxn, int oxh, int oxw) {       \
+        dgrad_body<BM, BN>(wq, dy, dx, MM_CONV, oxn, oxh, oxw);                                           \
     }
 DGRAD_KERNEL(conv_mma_dgrad_t128x128, 128, 128)
 DGRAD_KERNEL(conv_mma_dgrad_t128x64, 128, 64)

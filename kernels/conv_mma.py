@@ -13,16 +13,18 @@ inside a tensor-core instruction, so the bits are not those of the float32 kerne
 - dgrad ``tree``: one implicit GEMM over (kh, kw, co), every dx element owned by one thread. Deterministic.
 
 They take channels_last tensors whose channel counts are multiples of 8 (16-byte loads of 8 channels); an
-NCHW tensor is copied to channels_last first. Other shapes (a network stem's 3 input channels) take the
-widening path: float32 copies, the float32 kernel, the output rounded once, the bits of the registry's
-widening call.
+NCHW tensor is copied to channels_last first. wgrad pads other input channel counts (a network stem's 3)
+with zero channels. Other shapes take the widening path: float32 copies, the float32 kernel, the output
+rounded once, the bits of the registry's widening call.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .runtime import INT32_MAX, act_defines, cdiv, function, launch, ptr
 
@@ -34,24 +36,60 @@ HALF = (torch.bfloat16, torch.float16)
 def _cl(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous(memory_format=torch.channels_last)
 
-def eligible(dtype: torch.dtype, cin: int, cout: int, *tensors: torch.Tensor) -> bool:
+def eligible(dtype: torch.dtype, cin: int, cout: int, *tensors: torch.Tensor, pad_cin: bool = False) -> bool:
     """Whether the tensor-core kernels take this call: half dtype shared by the tensors, channel counts
-    multiples of 8, every tensor on CUDA and within 32-bit indexing."""
-    return (dtype in HALF and cin % ALIGN == 0 and cout % ALIGN == 0
+    multiples of 8 (``pad_cin``: any input channel count, padded with zero channels), every tensor on CUDA
+    and within 32-bit indexing."""
+    return (dtype in HALF and (pad_cin or cin % ALIGN == 0) and cout % ALIGN == 0
             and all(t.dtype == dtype and t.is_cuda and t.numel() <= INT32_MAX for t in tensors))
+
+
+def padded_geometry(g):
+    """conv_wgrad's Geometry with the input channels padded to a multiple of 8 (the weight gradient of
+    the zero channels is computed and dropped; it touches no other element's sums)."""
+    return dataclasses.replace(g, cin=cdiv(g.cin, ALIGN) * ALIGN)
+
 
 @functools.lru_cache(maxsize=1024)
 def _ints(*values: int) -> tuple:
     return tuple(np.int32(v) for v in values)
 
-def _fn(name: str, device: torch.device, dtype: torch.dtype):
-    return function(SOURCE, name, device, act_defines(dtype))
+STAGES, BK, PAD = 4, 32, 8   # as MM_STAGES, MM_BK, MM_PAD in conv_mma.cu
+_RAISED: set[int] = set()
 
-def wgrad(x: torch.Tensor, dy: torch.Tensor, g, p, *, atomic: bool) -> torch.Tensor:
-    """dw (Cout, Cin, KH, KW), contiguous, in x's dtype. ``g``: conv_wgrad.Geometry; ``p``: its Plan (tile,
-    splits, chunk); ``atomic``: partials added in arrival order instead of the fixed order."""
+
+def _fn(name: str, device: torch.device, dtype: torch.dtype, smem: int = 0):
+    """The kernel, its dynamic shared-memory limit raised to ``smem`` bytes (once per loaded function)."""
+    fn = function(SOURCE, name, device, act_defines(dtype))
+    if smem > 48 * 1024 and fn.ptr not in _RAISED:
+        from cupy.cuda import driver
+
+        driver.funcSetAttribute(fn.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        _RAISED.add(fn.ptr)
+    return fn
+
+
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+def wgrad_smem(tile: int) -> int:
+    return STAGES * BK * (tile + PAD) * 2 * 2          # A and B stages, [BK][tile + PAD] halves each
+
+
+def dgrad_smem(bn: int, bm: int = 128) -> int:
+    return STAGES * (bm * (BK + PAD) + BK * (bn + PAD)) * 2
+
+def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool) -> torch.Tensor:
+    """dw (Cout, Cin, KH, KW), contiguous, in x's dtype. ``g``: conv_wgrad.Geometry; ``plan_of``: its split
+    plan as a function of (M, R, K), taken on the padded geometry where Cin is not a multiple of 8;
+    ``atomic``: partials added in arrival order instead of the fixed order."""
     dev, dtype = x.device, x.dtype
     x, dy = _cl(x), _cl(dy)
+    cin = g.cin
+    if cin % ALIGN:
+        g = padded_geometry(g)
+        x = F.pad(x.permute(0, 2, 3, 1), (0, g.cin - cin)).permute(0, 3, 1, 2)   # NHWC, zero channels added
+    p = plan_of(g.m, g.r, g.k)
     m, r = g.m, g.r
     geom = _ints(g.n, g.h, g.w, g.cin, g.oh, g.ow, g.cout, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
                  g.k, p.chunk)
@@ -64,21 +102,53 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, g, p, *, atomic: bool) -> torch.Ten
         ws = torch.empty(p.splits * m * r, device=dev, dtype=torch.float32)
         splits = p.splits
     kind = "atomic" if atomic else "split"
-    launch(_fn(f"conv_mma_wgrad_{kind}_t{p.tile}", dev, dtype), grid, (THREADS,), (ptr(x), ptr(dy), ptr(ws), *geom),
-           device=dev)
+    smem = wgrad_smem(p.tile)
+    launch(_fn(f"conv_mma_wgrad_{kind}_t{p.tile}", dev, dtype, smem), grid, (THREADS,),
+           (ptr(x), ptr(dy), ptr(ws), *geom), device=dev, shared_mem=smem)
     launch(_fn("conv_mma_combine", dev, dtype), (cdiv(m * r, THREADS),), (THREADS,),
            (ptr(ws), *_ints(splits, m, g.cin, g.kh * g.kw), ptr(dw)), device=dev)
-    return dw
+    return dw if g.cin == cin else dw[:, :cin].contiguous()
+
 
 def dgrad(w: torch.Tensor, dy: torch.Tensor, g) -> torch.Tensor:
-    """dx (N, Cin, H, W) in dy's dtype and layout. ``g``: conv_dgrad.Geometry."""
+    """dx (N, Cin, H, W) in dy's dtype and layout. ``g``: conv_dgrad.Geometry.
+
+    A strided conv (dilation 1) runs as one stride-1 launch per stride phase (a, b): the dx pixels (a + i*sh,
+    b + j*sw) receive only the taps kh = (a + ph) mod sh, ... + sh, ... and kw likewise, at dy rows i + c0 - t
+    (t the tap's index among them, c0 = (a + ph - first tap) / sh): a stride-1 conv of those taps with padding
+    c0. Phases no tap reaches stay zero. With dilation and stride both above 1, one launch skips the taps
+    that miss (loads them as zeros)."""
     dev, dtype = dy.device, dy.dtype
-    wq = w.permute(2, 3, 0, 1).contiguous()   # [kh][kw][co][ci]: the GEMM's B rows q = (kh, kw, co)
     dy_cl = _cl(dy)
-    dx = torch.empty(g.dx_shape, device=dev, dtype=dtype, memory_format=torch.channels_last)
-    bn = 128 if g.cin >= 128 else 64
-    grid = (cdiv(g.cin, bn), cdiv(g.n * g.h * g.w, 128))
-    geom = _ints(g.n, g.h, g.w, g.cin, g.oh, g.ow, g.cout, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw)
-    launch(_fn(f"conv_mma_dgrad_t128x{bn}", dev, dtype), grid, (THREADS,), (ptr(wq), ptr(dy_cl), ptr(dx), *geom),
-           device=dev)
+    c = g.cin
+    phased = (g.sh > 1 or g.sw > 1) and g.dh == 1 and g.dw == 1
+    phases = []   # (dx offset, h, w, taps of w, padding (ph, pw), kernel (kh, kw))
+    if phased:
+        for a in range(min(g.sh, g.h)):
+            for b in range(min(g.sw, g.w)):
+                rh, rw = (a + g.ph) % g.sh, (b + g.pw) % g.sw
+                nkh, nkw = cdiv(g.kh - rh, g.sh) if rh < g.kh else 0, cdiv(g.kw - rw, g.sw) if rw < g.kw else 0
+                phases.append(((a * g.w + b) * c, cdiv(g.h - a, g.sh), cdiv(g.w - b, g.sw), (rh, rw),
+                               ((a + g.ph - rh) // g.sh, (b + g.pw - rw) // g.sw), (nkh, nkw)))
+    empty_phase = any(p[5][0] * p[5][1] == 0 for p in phases)
+    dx = (torch.zeros if empty_phase else torch.empty)(g.dx_shape, device=dev, dtype=dtype,
+                                                       memory_format=torch.channels_last)
+    bn = 128 if c >= 128 else 64
+    smem = dgrad_smem(bn)
+    fn = _fn(f"conv_mma_dgrad_t128x{bn}", dev, dtype, smem)
+    if not phased:
+        wq = w.permute(2, 3, 0, 1).contiguous()   # [kh][kw][co][ci]: the GEMM's B rows q = (kh, kw, co)
+        geom = _ints(g.n, g.h, g.w, c, g.oh, g.ow, g.cout, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
+                     g.h * g.w * c, g.w * c, c)
+        launch(fn, (cdiv(c, bn), cdiv(g.n * g.h * g.w, 128)), (THREADS,), (ptr(wq), ptr(dy_cl), ptr(dx), *geom),
+               device=dev, shared_mem=smem)
+    else:
+        for offset, hp, wp, (rh, rw), (c0h, c0w), (nkh, nkw) in phases:
+            if nkh * nkw == 0:
+                continue
+            wq = w[:, :, rh::g.sh, rw::g.sw].permute(2, 3, 0, 1).contiguous()
+            geom = _ints(g.n, hp, wp, c, g.oh, g.ow, g.cout, nkh, nkw, 1, 1, c0h, c0w, 1, 1,
+                         g.h * g.w * c, g.sh * g.w * c, g.sw * c)
+            launch(fn, (cdiv(c, bn), cdiv(g.n * hp * wp, 128)), (THREADS,),
+                   (ptr(wq), ptr(dy_cl), np.uint64(dx.data_ptr() + 2 * offset), *geom), device=dev, shared_mem=smem)
     return dx if g.layout == "channels_last" else dx.contiguous()

@@ -268,8 +268,8 @@ def _half(x, dy, g: Geometry, kw: dict, *, atomic: bool) -> torch.Tensor:
     shape, else float32 copies through the float32 launcher, rounded once (the registry's widening call)."""
     if _empty(g):
         return torch.zeros(g.w_shape, device=x.device, dtype=x.dtype)
-    if conv_mma.eligible(x.dtype, g.cin, g.cout, x, dy):
-        return conv_mma.wgrad(x, dy, g, plan(g.m, g.r, g.k), atomic=atomic)
+    if conv_mma.eligible(x.dtype, g.cin, g.cout, x, dy, pad_cin=True):
+        return conv_mma.wgrad(x, dy, g, plan, atomic=atomic)
     launcher = conv_wgrad_atomic_cuda if atomic else conv_wgrad_tree_cuda
     return launcher(x.float(), dy.float(), **kw).to(x.dtype)
 

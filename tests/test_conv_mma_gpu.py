@@ -49,7 +49,11 @@ SHAPES = (
     ConvShape("r50_3x3s2_128_56", 4, 128, 128, 3, 2, 1, 56, 56),
     ConvShape("r50_1x1s2_1024-2048_14", 4, 1024, 2048, 1, 2, 0, 14, 14),
     ConvShape("r50_3x3_512_7", 16, 512, 512, 3, 1, 1, 7, 7),
+    ConvShape("dilation2_s2", 2, 16, 16, 3, 2, 2, 13, 12, 2),
+    ConvShape("k2_s3_empty_phases", 2, 8, 16, 2, 3, 1, 10, 11),
 )
+# wgrad pads the input channels to a multiple of 8 (dgrad of these takes the widening path)
+PADDED = (ConvShape("stem7x7s2_c3", 2, 3, 64, 7, 2, 3, 33, 31), ConvShape("c5_k3", 3, 5, 16, 3, 1, 1, 9, 9))
 LAYOUTS = ("nchw", "channels_last")
 
 
@@ -88,11 +92,11 @@ def _dgrad_ref(w, dy, s: ConvShape):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("shape", SHAPES + PADDED, ids=lambda s: s.name)
 def test_wgrad_tensor_cores_within_bound_and_tree_repeats(shape, dtype, layout, cuda_sync):
-    x, _, dy = _tensors(shape, dtype, layout, seed=SHAPES.index(shape))
-    assert conv_mma.eligible(dtype, shape.cin, shape.cout, x, dy)
-    g = conv_wgrad._check(x, dy, shape.k, shape.stride, shape.pad, shape.dilation)
+    x, _, dy = _tensors(shape, dtype, layout, seed=(SHAPES + PADDED).index(shape))
+    assert conv_mma.eligible(dtype, shape.cin, shape.cout, x, dy, pad_cin=True)
+    g = conv_mma.padded_geometry(conv_wgrad._check(x, dy, shape.k, shape.stride, shape.pad, shape.dilation))
     p = conv_wgrad.plan(g.m, g.r, g.k)
     instructions = 2 * -(-p.chunk // 32)   # K-steps of 32 per chunk, two k16 instructions each
     rel = instructions * MMA_ERR + (p.splits + 8) * 2.0 ** -24
@@ -129,15 +133,15 @@ def test_dgrad_tensor_cores_within_bound_and_repeat(shape, dtype, layout, cuda_s
     _within(runs[0], exact, mags, rel, dtype, f"{shape.name} dgrad tree")
 
 
-FALLBACK = (ConvShape("stem_c3", 2, 3, 16, 7, 2, 3, 17, 17), ConvShape("cout12", 2, 8, 12, 3, 1, 1, 9, 9))
+FALLBACK = (ConvShape("cout12", 2, 8, 12, 3, 1, 1, 9, 9), ConvShape("cout4_c3", 2, 3, 4, 3, 2, 1, 9, 8))
 
 
 @pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
 @pytest.mark.parametrize("shape", FALLBACK, ids=lambda s: s.name)
 def test_channel_counts_off_the_tensor_core_path_get_the_widening_bits(shape, dtype, cuda_sync):
-    """Cin or Cout not a multiple of 8: float32 copies through the float32 kernel, rounded once."""
+    """Cout not a multiple of 8: float32 copies through the float32 kernel, rounded once."""
     x, w, dy = _tensors(shape, dtype, "channels_last", seed=7)
-    assert not conv_mma.eligible(dtype, shape.cin, shape.cout, x, dy)
+    assert not conv_mma.eligible(dtype, shape.cin, shape.cout, x, dy, pad_cin=True)
     kw = dict(kernel_size=shape.k, **_geom(shape))
     v = kernels.get("conv_wgrad", "tree")
     assert_bitwise_equal(v(x, dy, **kw), v.cuda(x.float(), dy.float(), **kw).to(dtype), "wgrad tree")
