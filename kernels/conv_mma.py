@@ -131,8 +131,9 @@ def dgrad(w: torch.Tensor, dy: torch.Tensor, g) -> torch.Tensor:
                 phases.append(((a * g.w + b) * c, cdiv(g.h - a, g.sh), cdiv(g.w - b, g.sw), (rh, rw),
                                ((a + g.ph - rh) // g.sh, (b + g.pw - rw) // g.sw), (nkh, nkw)))
     empty_phase = any(p[5][0] * p[5][1] == 0 for p in phases)
-    dx = (torch.zeros if empty_phase else torch.empty)(g.dx_shape, device=dev, dtype=dtype,
-                                                       memory_format=torch.channels_last)
+    dx = torch.empty(g.dx_shape, device=dev, dtype=dtype, memory_format=torch.channels_last)
+    if empty_phase:
+        dx.zero_()
     bn = 128 if c >= 128 else 64
     smem = dgrad_smem(bn)
     fn = _fn(f"conv_mma_dgrad_t128x{bn}", dev, dtype, smem)
