@@ -40,7 +40,9 @@
 #define MM_THREADS 256
 #define MM_BK 32
 #define MM_PAD 8  // halves of padding per shared-memory row
-#define MM_STAGES 4  // shared-memory stages: loads run up to three K-steps ahead of the multiplication
+#ifndef MM_STAGES
+#define MM_STAGES 4  // shared-memory stages: loads run up to MM_STAGES - 1 K-steps ahead of the multiplication
+#endif
 
 // The K-loop of both GEMMs over `steps` K-steps: LOAD fills stage `st` with K-step `j` (cp.async, one
 // commit group per K-step, empty past the end), MULTIPLY consumes stage `cur`. One barrier per K-step: it
@@ -234,10 +236,15 @@ __device__ __forceinline__ void wgrad_body(const act_t* __restrict__ x, const ac
         NAME(const act_t* x, const act_t* dy, float* out, MM_GEOMETRY, int K, int Kc) {                   \
         wgrad_body<BM, BN, ATOMIC>(x, dy, out, MM_CONV, K, Kc);                                           \
     }
-WGRAD_KERNEL(conv_mma_wgrad_split_t128, 128, 128, 0)
-WGRAD_KERNEL(conv_mma_wgrad_split_t64, 64, 64, 0)
-WGRAD_KERNEL(conv_mma_wgrad_atomic_t128, 128, 128, 1)
-WGRAD_KERNEL(conv_mma_wgrad_atomic_t64, 64, 64, 1)
+// Tile shapes never change the bits: every element's mma sequence is the same in any tile.
+WGRAD_KERNEL(conv_mma_wgrad_split_128x128, 128, 128, 0)
+WGRAD_KERNEL(conv_mma_wgrad_split_128x64, 128, 64, 0)
+WGRAD_KERNEL(conv_mma_wgrad_split_64x128, 64, 128, 0)
+WGRAD_KERNEL(conv_mma_wgrad_split_64x64, 64, 64, 0)
+WGRAD_KERNEL(conv_mma_wgrad_atomic_128x128, 128, 128, 1)
+WGRAD_KERNEL(conv_mma_wgrad_atomic_128x64, 128, 64, 1)
+WGRAD_KERNEL(conv_mma_wgrad_atomic_64x128, 64, 128, 1)
+WGRAD_KERNEL(conv_mma_wgrad_atomic_64x64, 64, 64, 1)
 
 // The S partials ws[s][m][r'] of every dw element added in ordered_combine's fixed order, rounded once to
 // act_t and stored at dw's (co, ci, kh, kw) position. S = 1 (atomic, or one chunk) only rounds and permutes.
@@ -330,6 +337,22 @@ __device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const a
                                                           wm0, wn0, acc)))
 
     const int lane = tid & 31, gr = lane >> 2, gc = (lane & 3) * 2;
+    // where each of the thread's output rows starts (dense NHWC: row * cin; a stride phase: its pixel)
+    const bool dense = oxw == c.cin && oxh == c.w * oxw && oxn == c.h * oxh;
+    size_t rowoff[MI][2];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int hlf = 0; hlf < 2; ++hlf) {
+            const int row = min(m0 + wm0 + mi * 16 + gr + hlf * 8, P - 1);
+            if (dense) {
+                rowoff[mi][hlf] = (size_t)row * c.cin;
+            } else {
+                const int on = row / (c.h * c.w), orem = row - on * c.h * c.w;
+                const int oy = orem / c.w, ox = orem - oy * c.w;
+                rowoff[mi][hlf] = (size_t)on * oxn + (size_t)oy * oxh + (size_t)ox * oxw;
+            }
+        }
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -340,11 +363,9 @@ __device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const a
             for (int hlf = 0; hlf < 2; ++hlf) {
                 const int row = m0 + wm0 + mi * 16 + gr + hlf * 8;
                 if (row >= P) continue;
-                const int on = row / (c.h * c.w), orem = row - on * c.h * c.w;
-                const int oy = orem / c.w, ox = orem - oy * c.w;
                 const unsigned v = (unsigned)narrow(acc[mi][ni][2 * hlf]) |
                                    ((unsigned)narrow(acc[mi][ni][2 * hlf + 1]) << 16);
-                *reinterpret_cast<unsigned*>(dx + (size_t)on * oxn + (size_t)oy * oxh + (size_t)ox * oxw + col) = v;
+                *reinterpret_cast<unsigned*>(dx + rowoff[mi][hlf] + col) = v;
             }
         }
 }

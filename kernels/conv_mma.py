@@ -60,7 +60,7 @@ _RAISED: set[int] = set()
 
 def _fn(name: str, device: torch.device, dtype: torch.dtype, smem: int = 0):
     """The kernel, its dynamic shared-memory limit raised to ``smem`` bytes (once per loaded function)."""
-    fn = function(SOURCE, name, device, act_defines(dtype))
+    fn = function(SOURCE, name, device, (*act_defines(dtype), f"-DMM_STAGES={STAGES}"))
     if smem > 48 * 1024 and fn.ptr not in _RAISED:
         from cupy.cuda import driver
 
@@ -72,17 +72,26 @@ def _fn(name: str, device: torch.device, dtype: torch.dtype, smem: int = 0):
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
-def wgrad_smem(tile: int) -> int:
-    return STAGES * BK * (tile + PAD) * 2 * 2          # A and B stages, [BK][tile + PAD] halves each
+def wgrad_smem(bm: int, bn: int) -> int:
+    return STAGES * BK * (bm + bn + 2 * PAD) * 2       # A and B stages, [BK][tile + PAD] halves each
+
+
+def wgrad_tile(m: int, r: int) -> tuple[int, int]:
+    """(BM, BN) of the weight-gradient kernels: 128 along each side that has at least 128, else 64. Any
+    choice gives the same bits (an element's mma sequence does not depend on its tile), so this is the
+    speed knob the split plan (conv_wgrad.plan, which fixes the bits) leaves free."""
+    return (128 if m >= 128 else 64), (128 if r >= 128 else 64)
 
 
 def dgrad_smem(bn: int, bm: int = 128) -> int:
     return STAGES * (bm * (BK + PAD) + BK * (bn + PAD)) * 2
 
-def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool) -> torch.Tensor:
+def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool,
+          tile: tuple[int, int] | None = None) -> torch.Tensor:
     """dw (Cout, Cin, KH, KW), contiguous, in x's dtype. ``g``: conv_wgrad.Geometry; ``plan_of``: its split
     plan as a function of (M, R, K), taken on the padded geometry where Cin is not a multiple of 8;
-    ``atomic``: partials added in arrival order instead of the fixed order."""
+    ``atomic``: partials added in arrival order instead of the fixed order; ``tile``: (BM, BN), each 64 or
+    128, instead of :func:`wgrad_tile`'s (the same bits)."""
     dev, dtype = x.device, x.dtype
     x, dy = _cl(x), _cl(dy)
     cin = g.cin
@@ -93,7 +102,8 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool) -> tor
     m, r = g.m, g.r
     geom = _ints(g.n, g.h, g.w, g.cin, g.oh, g.ow, g.cout, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
                  g.k, p.chunk)
-    grid = (cdiv(r, p.tile), cdiv(m, p.tile), p.splits)
+    bm, bn = tile or wgrad_tile(m, r)
+    grid = (cdiv(r, bn), cdiv(m, bm), p.splits)
     dw = torch.empty(g.w_shape, device=dev, dtype=dtype)
     if atomic:
         ws = torch.zeros(m * r, device=dev, dtype=torch.float32)
@@ -102,8 +112,8 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool) -> tor
         ws = torch.empty(p.splits * m * r, device=dev, dtype=torch.float32)
         splits = p.splits
     kind = "atomic" if atomic else "split"
-    smem = wgrad_smem(p.tile)
-    launch(_fn(f"conv_mma_wgrad_{kind}_t{p.tile}", dev, dtype, smem), grid, (THREADS,),
+    smem = wgrad_smem(bm, bn)
+    launch(_fn(f"conv_mma_wgrad_{kind}_{bm}x{bn}", dev, dtype, smem), grid, (THREADS,),
            (ptr(x), ptr(dy), ptr(ws), *geom), device=dev, shared_mem=smem)
     launch(_fn("conv_mma_combine", dev, dtype), (cdiv(m * r, THREADS),), (THREADS,),
            (ptr(ws), *_ints(splits, m, g.cin, g.kh * g.kw), ptr(dw)), device=dev)

@@ -160,3 +160,16 @@ def test_float32_launchers_refuse_half_they_do_not_read(cuda_sync):
         conv_dgrad.conv_dgrad_atomic_cuda(w, dy, input_size=(s.h, s.w), **_geom(s))
     with pytest.raises(kernels.KernelArgumentError, match="conv_wgrad.*dy.*bfloat16"):
         kernels.get("conv_wgrad", "tree").cuda(x, dy.half(), kernel_size=s.k, **_geom(s))
+
+
+@pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[8], PADDED[0]], ids=lambda s: s.name)
+def test_wgrad_tile_shape_does_not_change_the_bits(shape, dtype, cuda_sync):
+    """The tile is a speed knob only: each element's mma sequence is the same in every tile, so every
+    (BM, BN) gives the bits of the default choice."""
+    x, _, dy = _tensors(shape, dtype, "channels_last", seed=40)
+    g = conv_wgrad._check(x, dy, shape.k, shape.stride, shape.pad, shape.dilation)
+    want = conv_mma.wgrad(x, dy, g, conv_wgrad.plan, atomic=False)
+    for tile in ((64, 64), (64, 128), (128, 64), (128, 128)):
+        got = conv_mma.wgrad(x, dy, g, conv_wgrad.plan, atomic=False, tile=tile)
+        assert_bitwise_equal(got, want, f"{shape.name} tile {tile}")
