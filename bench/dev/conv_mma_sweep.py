@@ -9,12 +9,16 @@ depth never changes the bits (same accumulation order); this picks conv_mma.STAG
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-import kernels
-from bench.timing import cudnn_flags, graph_replay_us
-from kernels import conv_mma
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import kernels  # noqa: E402
+from bench.timing import cudnn_flags, graph_replay_us  # noqa: E402
+from kernels import conv_mma  # noqa: E402
 
 SHAPES = (  # (cin, cout, k, stride, pad, size): ResNet-50 at 224 px
     (64, 64, 3, 1, 1, 56), (64, 256, 1, 1, 0, 56), (256, 64, 1, 1, 0, 56), (128, 128, 3, 2, 1, 56),
