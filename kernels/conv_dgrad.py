@@ -1,9 +1,10 @@
-"""conv_dgrad: 2-D convolution data gradient (groups = 1, float32). CUDA launchers for ``conv_dgrad.cu``
+"""conv_dgrad: 2-D convolution data gradient (groups = 1). CUDA launchers for ``conv_dgrad.cu``
 and their CPU order models.
 
     dx = conv_dgrad(w, dy, input_size=(H, W), stride=1, padding=0, dilation=1)
 
 w: (Cout, Cin, KH, KW); dy: (N, Cout, OH, OW), NCHW or channels_last; dx: (N, Cin, H, W) in dy's layout.
+The tree CUDA launcher also takes bf16/fp16 w and dy (dx in w's dtype), on tensor cores (kernels/conv_mma.py).
 OH and OW must be the conv output sizes of (H, W). Each dx element sums the products of the taps
 (co, kh, kw) whose window covers it; where windows overlap (kernel extent > stride) several dy
 positions feed one dx element, and the order in which their contributions meet is what the variants

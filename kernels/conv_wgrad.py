@@ -2,6 +2,8 @@
 
     conv_wgrad(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> dw
     x (N, Cin, H, W), dy (N, Cout, OH, OW) float32, NCHW or channels_last; dw (Cout, Cin, KH, KW) contiguous.
+    The atomic and tree CUDA launchers also take bf16/fp16 x and dy (dw in their dtype): tensor cores with
+    the same split and combine order (kernels/conv_mma.py).
 
 Implicit GEMM dw[m, r] = sum_k dy[m, k] * col[r, k], m = co, r = (ci, kh, kw), k = (n, oh, ow). The
 reduction axis K = N*OH*OW is cut into S contiguous chunks of Kc by :func:`plan`, a function of the
