@@ -167,10 +167,9 @@ def _trivial(g: Geometry) -> bool:
 
 
 def _check_dtypes(w, dy, half_ok: bool) -> None:
-    for arg, t in (("w", w), ("dy", dy)):
-        if t.dtype != torch.float32 and not half_ok:
-            raise KernelArgumentError(OP, arg, f"expected dtype torch.float32, got {t.dtype} (this launcher "
-                                      "takes float32; bfloat16 and float16 through the registry's call)")
+    if not half_ok:
+        check_tensor(OP, "w", w)   # float32
+        check_tensor(OP, "dy", dy)
 
 
 def _cuda_prologue(w, dy, input_size, stride, padding, dilation, *, half_ok: bool = False) -> Geometry:

@@ -137,6 +137,16 @@ __device__ __forceinline__ void warp_step(const act_t* As, const act_t* Bs, int 
     }
 }
 
+template <int MI, int NI>
+__device__ __forceinline__ void zero_acc(float (&acc)[MI][NI][4]) {
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Weight gradient. Grid (R'/BN, M/BM, S); block z reduces k in [z*Kc, min(K, (z+1)*Kc)).
 // ATOMIC 0: out = ws[S][M][R'] (plain stores); 1: out = ws[M][R'] zeroed, atomicAdd.
@@ -195,12 +205,7 @@ __device__ __forceinline__ void wgrad_body(const act_t* __restrict__ x, const ac
     };
 
     float acc[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int j = 0; j < NI; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    zero_acc(acc);
 
     const int steps = (kend - kbeg + MM_BK - 1) / MM_BK;
     const int wm0 = (warp >> 2) * WM, wn0 = (warp & 3) * WN;
@@ -323,12 +328,7 @@ __device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const a
     };
 
     float acc[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int j = 0; j < NI; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    zero_acc(acc);
 
     const int steps = (Q + MM_BK - 1) / MM_BK;
     const int wm0 = (warp >> 2) * WM, wn0 = (warp & 3) * WN;

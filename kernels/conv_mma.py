@@ -55,6 +55,7 @@ def _ints(*values: int) -> tuple:
     return tuple(np.int32(v) for v in values)
 
 STAGES, BK, PAD = 4, 32, 8   # as MM_STAGES, MM_BK, MM_PAD in conv_mma.cu
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # the driver's CUfunction_attribute
 _RAISED: set[int] = set()
 
 
@@ -68,8 +69,6 @@ def _fn(name: str, device: torch.device, dtype: torch.dtype, smem: int = 0):
         _RAISED.add(fn.ptr)
     return fn
 
-
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 def wgrad_smem(bm: int, bn: int) -> int:

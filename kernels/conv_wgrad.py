@@ -258,9 +258,8 @@ def _cuda_prologue(x, dy, kernel_size, stride, padding, dilation, *, half_ok: bo
 
 
 def _check_dtypes(x, dy, half_ok: bool) -> None:
-    if not half_ok and x.dtype != torch.float32:
-        raise KernelArgumentError(OP, "x", f"expected dtype torch.float32, got {x.dtype} (this launcher takes "
-                                  "float32; bfloat16 and float16 through the registry's call)")
+    if not half_ok:
+        check_tensor(OP, "x", x)   # float32
     if dy.dtype != x.dtype:
         raise KernelArgumentError(OP, "dy", f"expected dtype {x.dtype} (as x), got {dy.dtype}")
 
