@@ -47,7 +47,10 @@
 // The K-loop of both GEMMs over `steps` K-steps: LOAD fills stage `st` with K-step `j` (cp.async, one
 // commit group per K-step, empty past the end), MULTIPLY consumes stage `cur`. One barrier per K-step: it
 // publishes K-step `it` and retires the stage the next load overwrites (multiplied at step it - 1).
-#define MM_PIPELINE(LOAD, MULTIPLY)                                                                     \
+#define MM_PIPELINE(LOAD, MULTIPLY) MM_PIPELINE_PUBLISH(LOAD, MULTIPLY, (void)0)
+// PUBLISH runs after this thread's copies of K-step `it` landed and before the barrier (wgmma: the fence
+// that hands shared memory written by cp.async to the async proxy the tensor cores read it through).
+#define MM_PIPELINE_PUBLISH(LOAD, MULTIPLY, PUBLISH)                                                    \
     for (int j = 0; j < MM_STAGES - 1; ++j) {                                                           \
         const int st = j;                                                                               \
         if (j < steps) LOAD;                                                                            \
@@ -55,6 +58,7 @@
     }                                                                                                   \
     for (int it = 0; it < steps; ++it) {                                                                \
         cp_async_wait<MM_STAGES - 2>();                                                                 \
+        PUBLISH;                                                                                        \
         __syncthreads();                                                                                \
         {                                                                                               \
             const int j = it + MM_STAGES - 1, st = j % MM_STAGES;                                       \
@@ -158,7 +162,7 @@ __device__ __forceinline__ void wgrad_body(const act_t* __restrict__ x, const ac
     constexpr int WM = BM / 2, WN = BN / 4, MI = WM / 16, NI = WN / 8;
     constexpr int AG = MM_BK * BM / 8 / MM_THREADS, BG = MM_BK * BN / 8 / MM_THREADS;  // 16-byte loads each
     static_assert(AG >= 1 && BG >= 1 && NI % 2 == 0, "tile too small for 256 threads");
-    extern __shared__ __align__(16) unsigned char mm_smem[];
+    extern __shared__ __align__(128) unsigned char mm_smem[];
     act_t* const As = reinterpret_cast<act_t*>(mm_smem);                     // [MM_STAGES][MM_BK * APITCH]
     act_t* const Bs = As + MM_STAGES * MM_BK * APITCH;                       // [MM_STAGES][MM_BK * BPITCH]
 
@@ -277,7 +281,7 @@ __device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const a
     constexpr int WM = BM / 2, WN = BN / 4, MI = WM / 16, NI = WN / 8;
     constexpr int AG = BM * MM_BK / 8 / MM_THREADS, BG = MM_BK * BN / 8 / MM_THREADS;
     static_assert(AG >= 1 && BG >= 1 && NI % 2 == 0, "tile too small for 256 threads");
-    extern __shared__ __align__(16) unsigned char mm_smem[];
+    extern __shared__ __align__(128) unsigned char mm_smem[];
     act_t* const As = reinterpret_cast<act_t*>(mm_smem);                     // [MM_STAGES][BM * APITCH]
     act_t* const Bs = As + MM_STAGES * BM * APITCH;                          // [MM_STAGES][MM_BK * BPITCH]
 
@@ -377,3 +381,298 @@ __device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const a
     }
 DGRAD_KERNEL(conv_mma_dgrad_t128x128, 128, 128)
 DGRAD_KERNEL(conv_mma_dgrad_t128x64, 128, 64)
+
+// ===================================================================================================
+// Hopper (sm_90a): the same two GEMMs on warpgroup MMAs (wgmma.mma_async m64nNk16, float32 accumulation),
+// both operands read by the tensor cores from shared memory. Built only when the module is compiled for
+// sm_90a (kernels/conv_mma.py does so on compute capability 9.0 and launches these there).
+//
+// Block: 256 threads = two warpgroups. BM 128: each warpgroup owns 64 rows x BN; BM 64: each owns all 64
+// rows x BN/2. K-step WG_BK. Shared memory holds each operand in 8 x 16-byte core matrices without swizzle,
+// K-major (dgrad: rows of 8 consecutive k) or MN-major (wgrad: rows of 8 consecutive m or n, as dy's and
+// x's channels lie in memory), and every 16-byte copy lands at 16 * (its chunk index): chunk c of a stage is
+// row (or k) c % 8 of core matrix c / 8, so eight consecutive threads fill one core matrix (128 bytes).
+//   K-major  [R rows][BK]: core (row / 8, k / 8) at ((row / 8) * (BK / 8) + k / 8) * 128
+//                          descriptor: LBO (next 8 k) 128 bytes, SBO (next 8 rows) BK * 16 bytes
+//   MN-major [BK][R rows]: core (k / 8, row / 8) at ((k / 8) * (R / 8) + row / 8) * 128
+//                          descriptor: LBO (next 8 k) R * 16 bytes, SBO (next 8 rows) 128 bytes
+// Order: every output element is accumulated by one thread, K-step after K-step in index order, each K-step
+// as WG_BK / 16 wgmma instructions in k order: deterministic, as the mma.sync kernels above.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+#ifndef WG_BK
+#define WG_BK 64
+#endif
+
+__device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((smem_addr(p) & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32);
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// d (64 x N, float32, the layout of wgmma's accumulator fragment) += A (64 x 16) * B (16 x N); TA / TB: A / B
+// MN-major (1) or K-major (0) in shared memory. One overload per N, chosen by the fragment's length N / 2.
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_tile(float (&d)[16], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32." MMA_AB "." MMA_AB " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
+}
+
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_tile(float (&d)[32], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_AB "." MMA_AB " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
+}
+
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_tile(float (&d)[64], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_AB "." MMA_AB " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
+}
+
+// One K-step of a warpgroup's 64 x TN tile. A_MN / B_MN: operand stored MN-major.
+template <int TN, int APITCH_ROWS, int BPITCH_ROWS, int A_MN, int B_MN>
+__device__ __forceinline__ void wg_step(const act_t* As, const act_t* Bs, int r0, int c0, float (&acc)[TN / 2]) {
+    // byte offsets of the warpgroup's first row (column) and of the next k16 step, per layout
+    constexpr unsigned A_LBO = A_MN ? APITCH_ROWS * 16 : 128, A_SBO = A_MN ? 128 : WG_BK * 16;
+    constexpr unsigned B_LBO = B_MN ? BPITCH_ROWS * 16 : 128, B_SBO = B_MN ? 128 : WG_BK * 16;
+    const unsigned char* a = reinterpret_cast<const unsigned char*>(As) + (r0 / 8) * (A_MN ? 128 : WG_BK * 16);
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(Bs) + (c0 / 8) * (B_MN ? 128 : WG_BK * 16);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < WG_BK / 16; ++kk)
+        wgmma_tile<A_MN, B_MN>(acc, wg_desc(a + kk * 2 * A_LBO, A_LBO, A_SBO), wg_desc(b + kk * 2 * B_LBO, B_LBO, B_SBO));
+    wgmma_commit();
+    wgmma_wait0();
+}
+
+// Weight gradient on warpgroup MMAs: grid, split and outputs as wgrad_body.
+template <int BM, int BN, int ATOMIC>
+__device__ __forceinline__ void wg_wgrad_body(const act_t* __restrict__ x, const act_t* __restrict__ dy,
+                                              float* __restrict__ out, const MmaConv& c, int K, int Kc) {
+    constexpr int WGM = BM / 64, TN = BN * WGM / 2;   // warpgroups along M; columns per warpgroup
+    constexpr int AG = WG_BK * BM / 8 / MM_THREADS, BG = WG_BK * BN / 8 / MM_THREADS;
+    static_assert(AG >= 1 && BG >= 1 && (BM == 64 || BM == 128), "tile too small for 256 threads");
+    extern __shared__ __align__(128) unsigned char mm_smem[];
+    act_t* const As = reinterpret_cast<act_t*>(mm_smem);            // [MM_STAGES][WG_BK * BM], MN-major
+    act_t* const Bs = As + MM_STAGES * WG_BK * BM;                  // [MM_STAGES][WG_BK * BN], MN-major
+
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int M = c.cout, R = c.kh * c.kw * c.cin;
+    const int kbeg = blockIdx.z * Kc, kend = min(K, kbeg + Kc);
+    const int ohw = c.oh * c.ow;
+
+    // chunk c = tid + g * 256: k = (c / rows) * 8 + c % 8, 8 channels at column ((c / 8) % (rows / 8)) * 8
+    const int acol = ((tid >> 3) % (BM / 8)) * 8;
+    const bool acol_ok = m0 + acol < M;
+    const int bcol = ((tid >> 3) % (BN / 8)) * 8;
+    const int r = n0 + bcol;
+    const bool bcol_ok = r < R;
+    const int tap = bcol_ok ? r / c.cin : 0, ci = bcol_ok ? r - tap * c.cin : 0;
+    const int tkh = tap / c.kw, tkw = tap - tkh * c.kw;
+    const int offh = tkh * c.dh - c.ph, offw = tkw * c.dw - c.pw;
+
+    auto load = [&](int stage, int kb) {
+#pragma unroll
+        for (int g = 0; g < AG; ++g) {
+            const int ch = tid + g * MM_THREADS, k = kb + (ch / BM) * 8 + (ch & 7);
+            const bool ok = acol_ok && k < kend;
+            cp_async16(As + stage * WG_BK * BM + ch * 8, ok ? dy + (size_t)k * M + m0 + acol : dy, ok);
+        }
+#pragma unroll
+        for (int g = 0; g < BG; ++g) {
+            const int ch = tid + g * MM_THREADS, k = kb + (ch / BN) * 8 + (ch & 7);
+            bool ok = bcol_ok && k < kend;
+            const act_t* src = x;
+            if (ok) {
+                const int nn = k / ohw, rem = k - nn * ohw;
+                const int yo = rem / c.ow, xo = rem - yo * c.ow;
+                const int ih = yo * c.sh + offh, iw = xo * c.sw + offw;
+                ok = ih >= 0 && ih < c.h && iw >= 0 && iw < c.w;
+                if (ok) src = x + (((size_t)nn * c.h + ih) * c.w + iw) * c.cin + ci;
+            }
+            cp_async16(Bs + stage * WG_BK * BN + ch * 8, src, ok);
+        }
+    };
+
+    float acc[TN / 2];
+#pragma unroll
+    for (int i = 0; i < TN / 2; ++i) acc[i] = 0.0f;
+    const int r0 = (wg % WGM) * 64, c0 = (wg / WGM) * TN;
+    const int steps = (kend - kbeg + WG_BK - 1) / WG_BK;
+    MM_PIPELINE_PUBLISH(load(st, kbeg + (j) * WG_BK),
+                        (wg_step<TN, BM, BN, 1, 1>(As + cur * WG_BK * BM, Bs + cur * WG_BK * BN, r0, c0, acc)),
+                        fence_proxy_async())
+
+    const int lane = tid & 31, gr = ((tid >> 5) & 3) * 16 + (lane >> 2), gc = (lane & 3) * 2;
+    float* base = ATOMIC ? out : out + (size_t)blockIdx.z * M * R;
+#pragma unroll
+    for (int i = 0; i < TN / 8; ++i) {
+        const int col = n0 + c0 + i * 8 + gc;
+        if (col >= R) continue;  // R is a multiple of 8: col + 1 < R too
+#pragma unroll
+        for (int hlf = 0; hlf < 2; ++hlf) {
+            const int row = m0 + r0 + gr + hlf * 8;
+            if (row >= M) continue;
+            float* p = base + (size_t)row * R + col;
+            if (ATOMIC) {
+                atomicAdd(p, acc[4 * i + 2 * hlf]);
+                atomicAdd(p + 1, acc[4 * i + 2 * hlf + 1]);
+            } else {
+                *reinterpret_cast<float2*>(p) = make_float2(acc[4 * i + 2 * hlf], acc[4 * i + 2 * hlf + 1]);
+            }
+        }
+    }
+}
+
+#define WG_WGRAD_KERNEL(NAME, BM, BN, ATOMIC)                                                             \
+    extern "C" __global__ void __launch_bounds__(MM_THREADS)                                              \
+        NAME(const act_t* x, const act_t* dy, float* out, MM_GEOMETRY, int K, int Kc) {                   \
+        wg_wgrad_body<BM, BN, ATOMIC>(x, dy, out, MM_CONV, K, Kc);                                        \
+    }
+WG_WGRAD_KERNEL(conv_wg_wgrad_split_128x128, 128, 128, 0)
+WG_WGRAD_KERNEL(conv_wg_wgrad_split_128x64, 128, 64, 0)
+WG_WGRAD_KERNEL(conv_wg_wgrad_split_64x128, 64, 128, 0)
+WG_WGRAD_KERNEL(conv_wg_wgrad_split_64x64, 64, 64, 0)
+WG_WGRAD_KERNEL(conv_wg_wgrad_atomic_128x128, 128, 128, 1)
+WG_WGRAD_KERNEL(conv_wg_wgrad_atomic_128x64, 128, 64, 1)
+WG_WGRAD_KERNEL(conv_wg_wgrad_atomic_64x128, 64, 128, 1)
+WG_WGRAD_KERNEL(conv_wg_wgrad_atomic_64x64, 64, 64, 1)
+
+// Data gradient on warpgroup MMAs: grid and outputs as dgrad_body, but the weights packed [ci][kh][kw][co]
+// (wt: row ci, q = (kh, kw, co) contiguous: the K-major B operand). BM 128.
+template <int BN>
+__device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, const act_t* __restrict__ dy,
+                                              act_t* __restrict__ dx, const MmaConv& c, int oxn, int oxh, int oxw) {
+    constexpr int BM = 128, TN = BN;
+    constexpr int AG = BM * WG_BK / 8 / MM_THREADS, BG = BN * WG_BK / 8 / MM_THREADS;
+    static_assert(AG >= 1 && BG >= 1, "tile too small for 256 threads");
+    extern __shared__ __align__(128) unsigned char mm_smem[];
+    act_t* const As = reinterpret_cast<act_t*>(mm_smem);            // [MM_STAGES][BM * WG_BK], K-major
+    act_t* const Bs = As + MM_STAGES * BM * WG_BK;                  // [MM_STAGES][BN * WG_BK], K-major
+
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int P = c.n * c.h * c.w, Q = c.kh * c.kw * c.cout;
+
+    // chunk c = tid + g * 256: row (c / WG_BK) * 8 + c % 8, 8 k at ((c / 8) % (WG_BK / 8)) * 8
+    const int akg = ((tid >> 3) % (WG_BK / 8)) * 8;
+    int an[AG], ah[AG], aw[AG];
+    bool aok[AG];
+#pragma unroll
+    for (int g = 0; g < AG; ++g) {
+        const int ch = tid + g * MM_THREADS, p = m0 + (ch / WG_BK) * 8 + (ch & 7);
+        aok[g] = p < P;
+        const int pp = aok[g] ? p : 0;
+        an[g] = pp / (c.h * c.w);
+        const int rem = pp - an[g] * c.h * c.w;
+        ah[g] = rem / c.w;
+        aw[g] = rem - ah[g] * c.w;
+    }
+
+    auto load = [&](int stage, int kb) {
+        const int q = kb + akg;
+        const bool qok = q < Q;
+        const int tap = qok ? q / c.cout : 0, co = qok ? q - tap * c.cout : 0;
+        const int tkh = tap / c.kw, tkw = tap - tkh * c.kw;
+#pragma unroll
+        for (int g = 0; g < AG; ++g) {
+            const int yn = ah[g] + c.ph - tkh * c.dh, xn = aw[g] + c.pw - tkw * c.dw;
+            bool ok = qok && aok[g] && yn >= 0 && xn >= 0;
+            int yo = yn, xo = xn;
+            if (c.sh != 1) { yo = yn / c.sh; ok = ok && yo * c.sh == yn; }
+            if (c.sw != 1) { xo = xn / c.sw; ok = ok && xo * c.sw == xn; }
+            ok = ok && yo < c.oh && xo < c.ow;
+            const act_t* src = ok ? dy + (((size_t)an[g] * c.oh + yo) * c.ow + xo) * c.cout + co : dy;
+            cp_async16(As + stage * BM * WG_BK + (tid + g * MM_THREADS) * 8, src, ok);
+        }
+#pragma unroll
+        for (int g = 0; g < BG; ++g) {
+            const int ch = tid + g * MM_THREADS, n = n0 + (ch / WG_BK) * 8 + (ch & 7);
+            const bool ok = n < c.cin && q < Q;
+            cp_async16(Bs + stage * BN * WG_BK + ch * 8, ok ? wt + (size_t)n * Q + q : wt, ok);
+        }
+    };
+
+    float acc[TN / 2];
+#pragma unroll
+    for (int i = 0; i < TN / 2; ++i) acc[i] = 0.0f;
+    const int r0 = wg * 64;
+    const int steps = (Q + WG_BK - 1) / WG_BK;
+    MM_PIPELINE_PUBLISH(load(st, (j) * WG_BK),
+                        (wg_step<TN, BM, BN, 0, 0>(As + cur * BM * WG_BK, Bs + cur * BN * WG_BK, r0, 0, acc)),
+                        fence_proxy_async())
+
+    const int lane = tid & 31, gr = ((tid >> 5) & 3) * 16 + (lane >> 2), gc = (lane & 3) * 2;
+    const bool dense = oxw == c.cin && oxh == c.w * oxw && oxn == c.h * oxh;
+    size_t rowoff[2];
+#pragma unroll
+    for (int hlf = 0; hlf < 2; ++hlf) {
+        const int row = min(m0 + r0 + gr + hlf * 8, P - 1);
+        if (dense) {
+            rowoff[hlf] = (size_t)row * c.cin;
+        } else {
+            const int on = row / (c.h * c.w), orem = row - on * c.h * c.w;
+            const int oy = orem / c.w, ox = orem - oy * c.w;
+            rowoff[hlf] = (size_t)on * oxn + (size_t)oy * oxh + (size_t)ox * oxw;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < TN / 8; ++i) {
+        const int col = n0 + i * 8 + gc;
+        if (col >= c.cin) continue;
+#pragma unroll
+        for (int hlf = 0; hlf < 2; ++hlf) {
+            if (m0 + r0 + gr + hlf * 8 >= P) continue;
+            const unsigned v = (unsigned)narrow(acc[4 * i + 2 * hlf]) | ((unsigned)narrow(acc[4 * i + 2 * hlf + 1]) << 16);
+            *reinterpret_cast<unsigned*>(dx + rowoff[hlf] + col) = v;
+        }
+    }
+}
+
+#define WG_DGRAD_KERNEL(NAME, BN)                                                                         \
+    extern "C" __global__ void __launch_bounds__(MM_THREADS)                                              \
+        NAME(const act_t* wt, const act_t* dy, act_t* dx, MM_GEOMETRY, int oxn, int oxh, int oxw) {       \
+        wg_dgrad_body<BN>(wt, dy, dx, MM_CONV, oxn, oxh, oxw);                                            \
+    }
+WG_DGRAD_KERNEL(conv_wg_dgrad_t128x128, 128)
+WG_DGRAD_KERNEL(conv_wg_dgrad_t128x64, 64)
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL

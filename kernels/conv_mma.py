@@ -55,13 +55,36 @@ def _ints(*values: int) -> tuple:
     return tuple(np.int32(v) for v in values)
 
 STAGES, BK, PAD = 4, 32, 8   # as MM_STAGES, MM_BK, MM_PAD in conv_mma.cu
+WG_BK = 64                   # the wgmma kernels' K-step (WG_BK in conv_mma.cu)
+ENGINES = ("wgmma", "mma")
+ENGINE: str | None = None    # the engine of calls that name none; None: default_engine (set by benchmarks)
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # the driver's CUfunction_attribute
 _RAISED: set[int] = set()
 
 
+def default_engine(device: torch.device) -> str:
+    """``"wgmma"`` (warpgroup MMAs, Hopper's tensor-core instructions) on compute capability 9.0, else
+    ``"mma"`` (mma.sync, any GPU from 8.0). A function of the device only: on one GPU model a call always
+    takes the same kernels, hence the same bits."""
+    return "wgmma" if torch.cuda.get_device_capability(device) == (9, 0) else "mma"
+
+
+def _engine(engine: str | None, device: torch.device) -> str:
+    engine = engine or ENGINE
+    if engine is None:
+        return default_engine(device)
+    if engine not in ENGINES:
+        raise ValueError(f"conv_mma: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "wgmma" and torch.cuda.get_device_capability(device) != (9, 0):
+        raise ValueError(f"conv_mma: engine 'wgmma' needs a compute capability 9.0 GPU, {device} is "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+    return engine
+
+
 def _fn(name: str, device: torch.device, dtype: torch.dtype, smem: int = 0):
     """The kernel, its dynamic shared-memory limit raised to ``smem`` bytes (once per loaded function)."""
-    fn = function(SOURCE, name, device, (*act_defines(dtype), f"-DMM_STAGES={STAGES}"))
+    fn = function(SOURCE, name, device, (*act_defines(dtype), f"-DMM_STAGES={STAGES}", f"-DWG_BK={WG_BK}"),
+                  arch_specific=True)
     if smem > 48 * 1024 and fn.ptr not in _RAISED:
         from cupy.cuda import driver
 
@@ -71,7 +94,9 @@ def _fn(name: str, device: torch.device, dtype: torch.dtype, smem: int = 0):
 
 
 
-def wgrad_smem(bm: int, bn: int) -> int:
+def wgrad_smem(bm: int, bn: int, engine: str = "mma") -> int:
+    if engine == "wgmma":
+        return STAGES * WG_BK * (bm + bn) * 2          # A and B stages, core matrices without padding
     return STAGES * BK * (bm + bn + 2 * PAD) * 2       # A and B stages, [BK][tile + PAD] halves each
 
 
@@ -82,16 +107,20 @@ def wgrad_tile(m: int, r: int) -> tuple[int, int]:
     return (128 if m >= 128 else 64), (128 if r >= 128 else 64)
 
 
-def dgrad_smem(bn: int, bm: int = 128) -> int:
+def dgrad_smem(bn: int, bm: int = 128, engine: str = "mma") -> int:
+    if engine == "wgmma":
+        return STAGES * WG_BK * (bm + bn) * 2
     return STAGES * (bm * (BK + PAD) + BK * (bn + PAD)) * 2
 
 def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool,
-          tile: tuple[int, int] | None = None) -> torch.Tensor:
+          tile: tuple[int, int] | None = None, engine: str | None = None) -> torch.Tensor:
     """dw (Cout, Cin, KH, KW), contiguous, in x's dtype. ``g``: conv_wgrad.Geometry; ``plan_of``: its split
     plan as a function of (M, R, K), taken on the padded geometry where Cin is not a multiple of 8;
     ``atomic``: partials added in arrival order instead of the fixed order; ``tile``: (BM, BN), each 64 or
-    128, instead of :func:`wgrad_tile`'s (the same bits)."""
+    128, instead of :func:`wgrad_tile`'s (the same bits); ``engine``: the tensor-core instructions
+    (:func:`default_engine` when None; the engines' bits may differ)."""
     dev, dtype = x.device, x.dtype
+    engine = _engine(engine, dev)
     x, dy = _cl(x), _cl(dy)
     cin = g.cin
     if cin % ALIGN:
@@ -111,16 +140,19 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool,
         ws = torch.empty(p.splits * m * r, device=dev, dtype=torch.float32)
         splits = p.splits
     kind = "atomic" if atomic else "split"
-    smem = wgrad_smem(bm, bn)
-    launch(_fn(f"conv_mma_wgrad_{kind}_{bm}x{bn}", dev, dtype, smem), grid, (THREADS,),
+    smem = wgrad_smem(bm, bn, engine)
+    prefix = "conv_wg" if engine == "wgmma" else "conv_mma"
+    launch(_fn(f"{prefix}_wgrad_{kind}_{bm}x{bn}", dev, dtype, smem), grid, (THREADS,),
            (ptr(x), ptr(dy), ptr(ws), *geom), device=dev, shared_mem=smem)
     launch(_fn("conv_mma_combine", dev, dtype), (cdiv(m * r, THREADS),), (THREADS,),
            (ptr(ws), *_ints(splits, m, g.cin, g.kh * g.kw), ptr(dw)), device=dev)
     return dw if g.cin == cin else dw[:, :cin].contiguous()
 
 
-def dgrad(w: torch.Tensor, dy: torch.Tensor, g) -> torch.Tensor:
-    """dx (N, Cin, H, W) in dy's dtype and layout. ``g``: conv_dgrad.Geometry.
+def dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = None) -> torch.Tensor:
+    """dx (N, Cin, H, W) in dy's dtype and layout. ``g``: conv_dgrad.Geometry; ``engine``: as in
+    :func:`wgrad`. The GEMM's B operand is the weights packed [kh][kw][co][ci] (mma: rows q = (kh, kw, co))
+    or [ci][kh][kw][co] (wgmma: K-major rows ci).
 
     A strided conv (dilation 1) runs as one stride-1 launch per stride phase (a, b): the dx pixels (a + i*sh,
     b + j*sw) receive only the taps kh = (a + ph) mod sh, ... + sh, ... and kw likewise, at dy rows i + c0 - t
@@ -128,6 +160,7 @@ def dgrad(w: torch.Tensor, dy: torch.Tensor, g) -> torch.Tensor:
     c0. Phases no tap reaches stay zero. With dilation and stride both above 1, one launch skips the taps
     that miss (loads them as zeros)."""
     dev, dtype = dy.device, dy.dtype
+    engine = _engine(engine, dev)
     dy_cl = _cl(dy)
     c = g.cin
     phased = (g.sh > 1 or g.sw > 1) and g.dh == 1 and g.dw == 1
@@ -144,10 +177,11 @@ def dgrad(w: torch.Tensor, dy: torch.Tensor, g) -> torch.Tensor:
     if empty_phase:
         dx.zero_()
     bn = 128 if c >= 128 else 64
-    smem = dgrad_smem(bn)
-    fn = _fn(f"conv_mma_dgrad_t128x{bn}", dev, dtype, smem)
+    smem = dgrad_smem(bn, engine=engine)
+    fn = _fn(f"{'conv_wg' if engine == 'wgmma' else 'conv_mma'}_dgrad_t128x{bn}", dev, dtype, smem)
+    order = (1, 2, 3, 0) if engine == "wgmma" else (2, 3, 0, 1)   # [ci][kh][kw][co] or [kh][kw][co][ci]
     if not phased:
-        wq = w.permute(2, 3, 0, 1).contiguous()   # [kh][kw][co][ci]: the GEMM's B rows q = (kh, kw, co)
+        wq = w.permute(*order).contiguous()
         geom = _ints(g.n, g.h, g.w, c, g.oh, g.ow, g.cout, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
                      g.h * g.w * c, g.w * c, c)
         launch(fn, (cdiv(c, bn), cdiv(g.n * g.h * g.w, 128)), (THREADS,), (ptr(wq), ptr(dy_cl), ptr(dx), *geom),
@@ -156,7 +190,7 @@ def dgrad(w: torch.Tensor, dy: torch.Tensor, g) -> torch.Tensor:
         for offset, hp, wp, (rh, rw), (c0h, c0w), (nkh, nkw) in phases:
             if nkh * nkw == 0:
                 continue
-            wq = w[:, :, rh::g.sh, rw::g.sw].permute(2, 3, 0, 1).contiguous()
+            wq = w[:, :, rh::g.sh, rw::g.sw].permute(*order).contiguous()
             geom = _ints(g.n, hp, wp, c, g.oh, g.ow, g.cout, nkh, nkw, 1, 1, c0h, c0w, 1, 1,
                          g.h * g.w * c, g.sh * g.w * c, g.sw * c)
             launch(fn, (cdiv(c, bn), cdiv(g.n * hp * wp, 128)), (THREADS,),

@@ -183,10 +183,15 @@ def act_defines(dtype: torch.dtype) -> tuple[str, ...]:
     return (f"-DNNRAND_ACT={kind}",) if kind else ()
 
 
+# Compute capabilities whose arch-specific target (sm_XXa) a source may ask for: 9.0's wgmma instructions
+ARCH_SPECIFIC = ("90",)
+
+
 @functools.lru_cache(maxsize=None)
-def _module(source: str, device_index: int, defines: tuple[str, ...] = ()):
+def _module(source: str, device_index: int, defines: tuple[str, ...] = (), arch_specific: bool = False):
     """Compile ``kernels/<source>`` for one device with NVRTC and load it (``defines``: extra ``-D`` options,
-    one module per set).
+    one module per set; ``arch_specific``: target sm_90a rather than sm_90 on a 9.0 device, which defines
+    ``__CUDA_ARCH_FEAT_SM90_ALL`` and admits wgmma; other devices get their plain target).
 
     NVRTC is called directly rather than through ``cupy.RawModule`` because CuPy appends ``-ftz=true``
     to every compilation: flushing subnormals to zero would make the kernels' float32 additions differ
@@ -197,7 +202,8 @@ def _module(source: str, device_index: int, defines: tuple[str, ...] = ()):
 
     code = (KERNEL_DIR / source).read_text()
     with cupy.cuda.Device(device_index) as dev:
-        arch = f"--gpu-architecture=sm_{dev.compute_capability}"
+        cc = dev.compute_capability
+        arch = f"--gpu-architecture=sm_{cc}{'a' if arch_specific and cc in ARCH_SPECIFIC else ''}"
         prog = nvrtc.createProgram(code, source, [], [])
         try:
             try:
@@ -213,14 +219,16 @@ def _module(source: str, device_index: int, defines: tuple[str, ...] = ()):
 
 
 @functools.lru_cache(maxsize=None)
-def _function(source: str, name: str, device_index: int, defines: tuple[str, ...] = ()):
-    return _module(source, device_index, defines).get_function(name)
+def _function(source: str, name: str, device_index: int, defines: tuple[str, ...] = (), arch_specific: bool = False):
+    return _module(source, device_index, defines, arch_specific).get_function(name)
 
 
-def function(source: str, name: str, device: torch.device, defines: tuple[str, ...] = ()):
-    """The kernel ``name`` from ``kernels/<source>``, compiled for ``device`` (cached per ``defines``)."""
+def function(source: str, name: str, device: torch.device, defines: tuple[str, ...] = (),
+             arch_specific: bool = False):
+    """The kernel ``name`` from ``kernels/<source>``, compiled for ``device`` (cached per ``defines`` and
+    ``arch_specific``, see ``_module``)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _function(source, name, index, defines)
+    return _function(source, name, index, defines, arch_specific)
 
 
 @functools.lru_cache(maxsize=64)

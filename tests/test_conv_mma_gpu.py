@@ -10,7 +10,8 @@ of the largest (2^-23 relative to it, and so to the sum of magnitudes), the norm
 instruction adds at most 18 * 2^-23 * (|acc| + sum |its products|) <= 18 * 2^-23 * T, T the sum over the
 element's terms of |term| (|acc| is at most the magnitudes so far, up to a factor 1 + 1e-2 that the
 totals below keep far from), and an element that goes through I instructions is off by at most
-I * 18 * 2^-23 * T. wgrad then adds its S chunk partials in float32 from +0.0 through at most S + 8
+I * 18 * 2^-23 * T (wgmma.m64nNk16 adds 16 products per instruction too, so the same bound per instruction;
+both engines are tested where the GPU has them). wgrad then adds its S chunk partials in float32 from +0.0 through at most S + 8
 additions (ordered_combine: groups, then the 8 group sums): (S + 8) * 2^-24 * T more. The output is
 rounded once to the half dtype (unit roundoff 2^-8 bf16, 2^-11 fp16, plus half of fp16's smallest
 subnormal, 2^-25, absolute).
@@ -57,6 +58,22 @@ PADDED = (ConvShape("stem7x7s2_c3", 2, 3, 64, 7, 2, 3, 33, 31), ConvShape("c5_k3
 LAYOUTS = ("nchw", "channels_last")
 
 
+@pytest.fixture(params=conv_mma.ENGINES)
+def engine(request, monkeypatch):
+    """Each tensor-core engine this GPU has, set as the one calls take (conv_mma.ENGINE)."""
+    if request.param == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs a compute capability 9.0 GPU")
+    monkeypatch.setattr(conv_mma, "ENGINE", request.param)
+    return request.param
+
+
+def _instructions(k: int, engine: str) -> int:
+    """k16 tensor-core instructions behind an element whose reduction has length k (K-steps of the
+    engine's length, the last padded with zeros)."""
+    step = conv_mma.WG_BK if engine == "wgmma" else conv_mma.BK
+    return -(-k // step) * (step // 16)
+
+
 def _tensors(s: ConvShape, dtype, layout, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(s.x_shape, generator=g).to(dtype)
@@ -93,13 +110,12 @@ def _dgrad_ref(w, dy, s: ConvShape):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
 @pytest.mark.parametrize("shape", SHAPES + PADDED, ids=lambda s: s.name)
-def test_wgrad_tensor_cores_within_bound_and_tree_repeats(shape, dtype, layout, cuda_sync):
+def test_wgrad_tensor_cores_within_bound_and_tree_repeats(shape, dtype, layout, engine, cuda_sync):
     x, _, dy = _tensors(shape, dtype, layout, seed=(SHAPES + PADDED).index(shape))
     assert conv_mma.eligible(dtype, shape.cin, shape.cout, x, dy, pad_cin=True)
     g = conv_mma.padded_geometry(conv_wgrad._check(x, dy, shape.k, shape.stride, shape.pad, shape.dilation))
     p = conv_wgrad.plan(g.m, g.r, g.k)
-    instructions = 2 * -(-p.chunk // 32)   # K-steps of 32 per chunk, two k16 instructions each
-    rel = instructions * MMA_ERR + (p.splits + 8) * 2.0 ** -24
+    rel = _instructions(p.chunk, engine) * MMA_ERR + (p.splits + 8) * 2.0 ** -24
     exact, mags = _wgrad_ref(x, dy, shape)
     kw = dict(kernel_size=shape.k, **_geom(shape))
     tree = kernels.get("conv_wgrad", "tree")
@@ -116,11 +132,10 @@ def test_wgrad_tensor_cores_within_bound_and_tree_repeats(shape, dtype, layout, 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-def test_dgrad_tensor_cores_within_bound_and_repeat(shape, dtype, layout, cuda_sync):
+def test_dgrad_tensor_cores_within_bound_and_repeat(shape, dtype, layout, engine, cuda_sync):
     _, w, dy = _tensors(shape, dtype, layout, seed=500 + SHAPES.index(shape))
     assert conv_mma.eligible(dtype, shape.cin, shape.cout, w, dy)
-    q = shape.k * shape.k * shape.cout
-    rel = 2 * -(-q // 32) * MMA_ERR
+    rel = _instructions(shape.k * shape.k * shape.cout, engine) * MMA_ERR
     exact, mags = _dgrad_ref(w, dy, shape)
     kw = dict(input_size=(shape.h, shape.w), **_geom(shape))
     tree = kernels.get("conv_dgrad", "tree")
@@ -164,7 +179,7 @@ def test_float32_launchers_refuse_half_they_do_not_read(cuda_sync):
 
 @pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[8], PADDED[0]], ids=lambda s: s.name)
-def test_wgrad_tile_shape_does_not_change_the_bits(shape, dtype, cuda_sync):
+def test_wgrad_tile_shape_does_not_change_the_bits(shape, dtype, engine, cuda_sync):
     """The tile is a speed knob only: each element's mma sequence is the same in every tile, so every
     (BM, BN) gives the bits of the default choice."""
     x, _, dy = _tensors(shape, dtype, "channels_last", seed=40)

@@ -1,10 +1,12 @@
-"""Tensor-core conv backward (kernels/conv_mma.py) per pipeline depth, beside cuDNN's fastest, bf16.
+"""Tensor-core conv backward (kernels/conv_mma.py) per engine and pipeline shape, beside cuDNN's fastest, bf16.
 
-    python bench/dev/conv_mma_sweep.py                    # a few ResNet-50 shapes, batch 64, channels_last
-    python bench/dev/conv_mma_sweep.py --stages 2 3 4
+    python bench/dev/conv_mma_sweep.py                                # a few ResNet-50 shapes, batch 64, CL
+    python bench/dev/conv_mma_sweep.py --configs wgmma:4:64 wgmma:4:32 mma:4
 
-Times are GPU microseconds per call (bench.timing.graph_replay_us: medians of CUDA-graph replays). The
-depth never changes the bits (same accumulation order); this picks conv_mma.STAGES.
+A config is ENGINE:STAGES[:BK] (BK: the wgmma K-step, conv_mma.WG_BK). Times are GPU microseconds per call
+(bench.timing.graph_replay_us: medians of CUDA-graph replays); `err` is the largest |difference| from cuDNN's
+float32 result on the widened tensors, over the largest |value| of that result, for each config. Stages
+and K-step never change the bits (same accumulation order); the engine may.
 """
 from __future__ import annotations
 
@@ -26,16 +28,23 @@ SHAPES = (  # (cin, cout, k, stride, pad, size): ResNet-50 at 224 px
 )
 
 
+def configure(config: str) -> None:
+    engine, stages, *bk = config.split(":")
+    conv_mma.ENGINE, conv_mma.STAGES = engine, int(stages)
+    if bk:
+        conv_mma.WG_BK = int(bk[0])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--configs", nargs="+", default=["wgmma:4:64", "wgmma:4:32", "mma:4"])
     p.add_argument("--batch", type=int, default=64)
     a = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     wgrad, dgrad = kernels.get("conv_wgrad", "tree"), kernels.get("conv_dgrad", "tree")
-    print("| shape | grad | cudnn_fastest | " + " | ".join(f"stages {s}" for s in a.stages) + " |")
-    print("|---|---|---|" + "---|" * len(a.stages))
+    print("| shape | grad | cudnn_fastest | " + " | ".join(a.configs) + " |")
+    print("|---|---|---|" + "---|" * len(a.configs))
     for cin, cout, k, s, pad, size in SHAPES:
         def rand(*shape):
             return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16).contiguous(
@@ -44,22 +53,29 @@ def main() -> None:
         o = (size + 2 * pad - k) // s + 1
         dy = rand(a.batch, cout, o, o)
         geom = dict(stride=s, padding=pad)
+        with cudnn_flags(benchmark=False, deterministic=True):
+            ref_dx, ref_dw, _ = torch.ops.aten.convolution_backward(
+                dy.float(), x.float(), w.float(), None, [s, s], [pad, pad], [1, 1], False, [0, 0], 1,
+                [True, True, False])
         calls = {
-            "dgrad": (lambda: dgrad(w, dy, input_size=(size, size), **geom), [True, False, False]),
-            "wgrad": (lambda: wgrad(x, dy, kernel_size=k, **geom), [False, True, False]),
+            "dgrad": (lambda: dgrad(w, dy, input_size=(size, size), **geom), [True, False, False], ref_dx),
+            "wgrad": (lambda: wgrad(x, dy, kernel_size=k, **geom), [False, True, False], ref_dw),
         }
-        for grad, (fn, mask) in calls.items():
+        for grad, (fn, mask, ref) in calls.items():
             if grad == "dgrad" and cin % 8:
                 continue
             with cudnn_flags(benchmark=True, deterministic=False):
-                ref = graph_replay_us(lambda: torch.ops.aten.convolution_backward(
+                t_ref = graph_replay_us(lambda: torch.ops.aten.convolution_backward(
                     dy, x, w, None, [s, s], [pad, pad], [1, 1], False, [0, 0], 1, mask), calls=5, replays=10)
             row = []
-            for st in a.stages:
-                conv_mma.STAGES = st
-                row.append(graph_replay_us(fn, calls=5, replays=10))
-            print(f"| {cin}->{cout} k{k} s{s} {size}px | {grad} | {ref:.1f} | "
-                  + " | ".join(f"{t:.1f} ({t / ref:.2f}x)" for t in row) + " |", flush=True)
+            for config in a.configs:
+                configure(config)
+                err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+                t = graph_replay_us(fn, calls=5, replays=10)
+                row.append(f"{t:.1f} ({t / t_ref:.2f}x, err {err:.1e})")
+            print(f"| {cin}->{cout} k{k} s{s} {size}px | {grad} | {t_ref:.1f} | " + " | ".join(row) + " |",
+                  flush=True)
+    conv_mma.ENGINE = None
 
 
 if __name__ == "__main__":
