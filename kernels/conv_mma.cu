@@ -47,10 +47,7 @@
 // The K-loop of both GEMMs over `steps` K-steps: LOAD fills stage `st` with K-step `j` (cp.async, one
 // commit group per K-step, empty past the end), MULTIPLY consumes stage `cur`. One barrier per K-step: it
 // publishes K-step `it` and retires the stage the next load overwrites (multiplied at step it - 1).
-#define MM_PIPELINE(LOAD, MULTIPLY) MM_PIPELINE_PUBLISH(LOAD, MULTIPLY, (void)0)
-// PUBLISH runs after this thread's copies of K-step `it` landed and before the barrier (wgmma: the fence
-// that hands shared memory written by cp.async to the async proxy the tensor cores read it through).
-#define MM_PIPELINE_PUBLISH(LOAD, MULTIPLY, PUBLISH)                                                    \
+#define MM_PIPELINE(LOAD, MULTIPLY)                                                                     \
     for (int j = 0; j < MM_STAGES - 1; ++j) {                                                           \
         const int st = j;                                                                               \
         if (j < steps) LOAD;                                                                            \
@@ -58,7 +55,6 @@
     }                                                                                                   \
     for (int it = 0; it < steps; ++it) {                                                                \
         cp_async_wait<MM_STAGES - 2>();                                                                 \
-        PUBLISH;                                                                                        \
         __syncthreads();                                                                                \
         {                                                                                               \
             const int j = it + MM_STAGES - 1, st = j % MM_STAGES;                                       \
@@ -162,7 +158,7 @@ __device__ __forceinline__ void wgrad_body(const act_t* __restrict__ x, const ac
     constexpr int WM = BM / 2, WN = BN / 4, MI = WM / 16, NI = WN / 8;
     constexpr int AG = MM_BK * BM / 8 / MM_THREADS, BG = MM_BK * BN / 8 / MM_THREADS;  // 16-byte loads each
     static_assert(AG >= 1 && BG >= 1 && NI % 2 == 0, "tile too small for 256 threads");
-    extern __shared__ __align__(128) unsigned char mm_smem[];
+    extern __shared__ __align__(1024) unsigned char mm_smem[];
     act_t* const As = reinterpret_cast<act_t*>(mm_smem);                     // [MM_STAGES][MM_BK * APITCH]
     act_t* const Bs = As + MM_STAGES * MM_BK * APITCH;                       // [MM_STAGES][MM_BK * BPITCH]
 
@@ -281,7 +277,7 @@ __device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const a
     constexpr int WM = BM / 2, WN = BN / 4, MI = WM / 16, NI = WN / 8;
     constexpr int AG = BM * MM_BK / 8 / MM_THREADS, BG = MM_BK * BN / 8 / MM_THREADS;
     static_assert(AG >= 1 && BG >= 1 && NI % 2 == 0, "tile too small for 256 threads");
-    extern __shared__ __align__(128) unsigned char mm_smem[];
+    extern __shared__ __align__(1024) unsigned char mm_smem[];
     act_t* const As = reinterpret_cast<act_t*>(mm_smem);                     // [MM_STAGES][BM * APITCH]
     act_t* const Bs = As + MM_STAGES * BM * APITCH;                          // [MM_STAGES][MM_BK * BPITCH]
 
@@ -388,30 +384,45 @@ DGRAD_KERNEL(conv_mma_dgrad_t128x64, 128, 64)
 // sm_90a (kernels/conv_mma.py does so on compute capability 9.0 and launches these there).
 //
 // Block: 256 threads = two warpgroups. BM 128: each warpgroup owns 64 rows x BN; BM 64: each owns all 64
-// rows x BN/2. K-step WG_BK. Shared memory holds each operand in 8 x 16-byte core matrices without swizzle,
-// K-major (dgrad: rows of 8 consecutive k) or MN-major (wgrad: rows of 8 consecutive m or n, as dy's and
-// x's channels lie in memory), and every 16-byte copy lands at 16 * (its chunk index): chunk c of a stage is
-// row (or k) c % 8 of core matrix c / 8, so eight consecutive threads fill one core matrix (128 bytes).
-//   K-major  [R rows][BK]: core (row / 8, k / 8) at ((row / 8) * (BK / 8) + k / 8) * 128
-//                          descriptor: LBO (next 8 k) 128 bytes, SBO (next 8 rows) BK * 16 bytes
-//   MN-major [BK][R rows]: core (k / 8, row / 8) at ((k / 8) * (R / 8) + row / 8) * 128
-//                          descriptor: LBO (next 8 k) R * 16 bytes, SBO (next 8 rows) 128 bytes
+// rows x BN/2. K-step 64. Shared memory holds each operand in wgmma's 128-byte-swizzled layout: atoms of
+// 8 lines x 128 bytes (1024 bytes, 1024-aligned), the 16-byte chunk j of line i stored at chunk j ^ i, so
+// that the tensor cores' reads, and the copies filling them, are free of bank conflicts.
+//   K-major (dgrad: lines are rows, 64 k each):   row r at (r / 8) * 1024 + (r % 8) * 128.
+//                                                 descriptor: SBO (next 8 rows) 1024; k16 step +32 bytes
+//   MN-major (wgrad: lines are k, 64 rows each):  k at (k / 8) * (R / 64) * 1024 + (k % 8) * 128, rows
+//                                                 r at (r / 64) * 1024 + (r % 64) * 2 (swizzled by chunk).
+//                                                 descriptor: LBO (next 64 rows) 1024, SBO (next 8 k)
+//                                                 (R / 64) * 1024; k16 step +2 SBO
+// Each thread copies 16-byte chunks; 8 consecutive threads fill one 128-byte line (one global segment).
 // Order: every output element is accumulated by one thread, K-step after K-step in index order, each K-step
-// as WG_BK / 16 wgmma instructions in k order: deterministic, as the mma.sync kernels above.
+// as 4 wgmma instructions in k order: deterministic, as the mma.sync kernels above.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-#ifndef WG_BK
-#define WG_BK 64
-#endif
+#define WG_BK 64        // k per K-step: one 128-byte line of a K-major operand
+#define WG_SW128 (1ull << 62)
 
+// Byte offsets in a swizzled operand tile. K-major: 8 k (chunk c) of row r. MN-major with R rows per line:
+// 8 rows from r (a multiple of 8) of line k.
+__device__ __forceinline__ int sw128_k(int r, int c) { return (r >> 3) * 1024 + (r & 7) * 128 + ((c ^ (r & 7)) << 4); }
+template <int R>
+__device__ __forceinline__ int sw128_mn(int k, int r) {
+    return ((k >> 3) * (R / 64) + (r >> 6)) * 1024 + (k & 7) * 128 + ((((r >> 3) & 7) ^ (k & 7)) << 4);
+}
 __device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned lbo, unsigned sbo) {
     return (unsigned long long)((smem_addr(p) & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-           ((unsigned long long)(sbo >> 4) << 32);
+           ((unsigned long long)(sbo >> 4) << 32) | WG_SW128;
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Pins the accumulators in their registers at this point (no copies that would read them mid-flight).
+template <int L>
+__device__ __forceinline__ void wg_fence_acc(float (&acc)[L]) {
+#pragma unroll
+    for (int i = 0; i < L; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
 // d (64 x N, float32, the layout of wgmma's accumulator fragment) += A (64 x 16) * B (16 x N); TA / TB: A / B
 // MN-major (1) or K-major (0) in shared memory. One overload per N, chosen by the fragment's length N / 2.
@@ -466,21 +477,49 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[64], unsigned long long da
         : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
 }
 
-// One K-step of a warpgroup's 64 x TN tile. A_MN / B_MN: operand stored MN-major.
-template <int TN, int APITCH_ROWS, int BPITCH_ROWS, int A_MN, int B_MN>
+// Issues one K-step of a warpgroup's 64 x TN tile (one commit group) from rows r0 of A and c0 of B. A_MN / B_MN: the operand is
+// MN-major (lines of k), with AROWS / BROWS rows per line run; else K-major.
+template <int TN, int AROWS, int BROWS, int A_MN, int B_MN>
 __device__ __forceinline__ void wg_step(const act_t* As, const act_t* Bs, int r0, int c0, float (&acc)[TN / 2]) {
-    // byte offsets of the warpgroup's first row (column) and of the next k16 step, per layout
-    constexpr unsigned A_LBO = A_MN ? APITCH_ROWS * 16 : 128, A_SBO = A_MN ? 128 : WG_BK * 16;
-    constexpr unsigned B_LBO = B_MN ? BPITCH_ROWS * 16 : 128, B_SBO = B_MN ? 128 : WG_BK * 16;
-    const unsigned char* a = reinterpret_cast<const unsigned char*>(As) + (r0 / 8) * (A_MN ? 128 : WG_BK * 16);
-    const unsigned char* b = reinterpret_cast<const unsigned char*>(Bs) + (c0 / 8) * (B_MN ? 128 : WG_BK * 16);
+    constexpr unsigned A_SBO = A_MN ? AROWS / 64 * 1024 : 1024, B_SBO = B_MN ? BROWS / 64 * 1024 : 1024;
+    constexpr unsigned A_K16 = A_MN ? 2 * A_SBO : 32, B_K16 = B_MN ? 2 * B_SBO : 32;   // bytes per k16 step
+    const unsigned char* a = reinterpret_cast<const unsigned char*>(As) +
+                             (A_MN ? (r0 / 64) * 1024 + (r0 % 64) * 2 : (r0 / 8) * 1024);
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(Bs) +
+                             (B_MN ? (c0 / 64) * 1024 + (c0 % 64) * 2 : (c0 / 8) * 1024);
+    wg_fence_acc(acc);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < WG_BK / 16; ++kk)
-        wgmma_tile<A_MN, B_MN>(acc, wg_desc(a + kk * 2 * A_LBO, A_LBO, A_SBO), wg_desc(b + kk * 2 * B_LBO, B_LBO, B_SBO));
+        wgmma_tile<A_MN, B_MN>(acc, wg_desc(a + kk * A_K16, 1024, A_SBO), wg_desc(b + kk * B_K16, 1024, B_SBO));
     wgmma_commit();
-    wgmma_wait0();
+    wg_fence_acc(acc);
 }
+
+// The K-loop of the wgmma GEMMs: as MM_PIPELINE, but the multiplication of K-step `it` (ISSUE: one commit
+// group of wgmma) is still running while step it + 1 waits for its copies, so loads run MM_STAGES - 2
+// steps ahead: the stage a load overwrites was read by step it - 2, which wait_group 1 retired.
+#define WG_PIPELINE(LOAD, ISSUE)                                                                        \
+    for (int j = 0; j < MM_STAGES - 2; ++j) {                                                           \
+        const int st = j;                                                                               \
+        if (j < steps) LOAD;                                                                            \
+        cp_async_commit();                                                                              \
+    }                                                                                                   \
+    for (int it = 0; it < steps; ++it) {                                                                \
+        cp_async_wait<MM_STAGES - 3>();                                                                 \
+        fence_proxy_async();                                                                            \
+        __syncthreads();                                                                                \
+        {                                                                                               \
+            const int j = it + MM_STAGES - 2, st = j % MM_STAGES;                                       \
+            if (j < steps) LOAD;                                                                        \
+            cp_async_commit();                                                                          \
+        }                                                                                               \
+        const int cur = it % MM_STAGES;                                                                 \
+        ISSUE;                                                                                          \
+        wgmma_wait<1>();                                                                                \
+    }                                                                                                   \
+    wgmma_wait<0>();                                                                                    \
+    wg_fence_acc(acc);
 
 // Weight gradient on warpgroup MMAs: grid, split and outputs as wgrad_body.
 template <int BM, int BN, int ATOMIC>
@@ -489,9 +528,9 @@ __device__ __forceinline__ void wg_wgrad_body(const act_t* __restrict__ x, const
     constexpr int WGM = BM / 64, TN = BN * WGM / 2;   // warpgroups along M; columns per warpgroup
     constexpr int AG = WG_BK * BM / 8 / MM_THREADS, BG = WG_BK * BN / 8 / MM_THREADS;
     static_assert(AG >= 1 && BG >= 1 && (BM == 64 || BM == 128), "tile too small for 256 threads");
-    extern __shared__ __align__(128) unsigned char mm_smem[];
-    act_t* const As = reinterpret_cast<act_t*>(mm_smem);            // [MM_STAGES][WG_BK * BM], MN-major
-    act_t* const Bs = As + MM_STAGES * WG_BK * BM;                  // [MM_STAGES][WG_BK * BN], MN-major
+    extern __shared__ __align__(1024) unsigned char mm_smem[];
+    act_t* const As = reinterpret_cast<act_t*>(mm_smem);            // [MM_STAGES][WG_BK * BM], MN-major, swizzled
+    act_t* const Bs = As + MM_STAGES * WG_BK * BM;                  // [MM_STAGES][WG_BK * BN], MN-major, swizzled
 
     const int tid = threadIdx.x, wg = tid >> 7;
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
@@ -499,10 +538,10 @@ __device__ __forceinline__ void wg_wgrad_body(const act_t* __restrict__ x, const
     const int kbeg = blockIdx.z * Kc, kend = min(K, kbeg + Kc);
     const int ohw = c.oh * c.ow;
 
-    // chunk c = tid + g * 256: k = (c / rows) * 8 + c % 8, 8 channels at column ((c / 8) % (rows / 8)) * 8
-    const int acol = ((tid >> 3) % (BM / 8)) * 8;
+    // chunk c = tid + g * 256: line k = c / (rows / 8), 8 channels at column (c % (rows / 8)) * 8
+    const int acol = (tid % (BM / 8)) * 8;
     const bool acol_ok = m0 + acol < M;
-    const int bcol = ((tid >> 3) % (BN / 8)) * 8;
+    const int bcol = (tid % (BN / 8)) * 8;
     const int r = n0 + bcol;
     const bool bcol_ok = r < R;
     const int tap = bcol_ok ? r / c.cin : 0, ci = bcol_ok ? r - tap * c.cin : 0;
@@ -512,13 +551,14 @@ __device__ __forceinline__ void wg_wgrad_body(const act_t* __restrict__ x, const
     auto load = [&](int stage, int kb) {
 #pragma unroll
         for (int g = 0; g < AG; ++g) {
-            const int ch = tid + g * MM_THREADS, k = kb + (ch / BM) * 8 + (ch & 7);
+            const int line = (tid + g * MM_THREADS) / (BM / 8), k = kb + line;
             const bool ok = acol_ok && k < kend;
-            cp_async16(As + stage * WG_BK * BM + ch * 8, ok ? dy + (size_t)k * M + m0 + acol : dy, ok);
+            cp_async16(reinterpret_cast<unsigned char*>(As + stage * WG_BK * BM) + sw128_mn<BM>(line, acol),
+                       ok ? dy + (size_t)k * M + m0 + acol : dy, ok);
         }
 #pragma unroll
         for (int g = 0; g < BG; ++g) {
-            const int ch = tid + g * MM_THREADS, k = kb + (ch / BN) * 8 + (ch & 7);
+            const int line = (tid + g * MM_THREADS) / (BN / 8), k = kb + line;
             bool ok = bcol_ok && k < kend;
             const act_t* src = x;
             if (ok) {
@@ -528,7 +568,7 @@ __device__ __forceinline__ void wg_wgrad_body(const act_t* __restrict__ x, const
                 ok = ih >= 0 && ih < c.h && iw >= 0 && iw < c.w;
                 if (ok) src = x + (((size_t)nn * c.h + ih) * c.w + iw) * c.cin + ci;
             }
-            cp_async16(Bs + stage * WG_BK * BN + ch * 8, src, ok);
+            cp_async16(reinterpret_cast<unsigned char*>(Bs + stage * WG_BK * BN) + sw128_mn<BN>(line, bcol), src, ok);
         }
     };
 
@@ -537,9 +577,8 @@ __device__ __forceinline__ void wg_wgrad_body(const act_t* __restrict__ x, const
     for (int i = 0; i < TN / 2; ++i) acc[i] = 0.0f;
     const int r0 = (wg % WGM) * 64, c0 = (wg / WGM) * TN;
     const int steps = (kend - kbeg + WG_BK - 1) / WG_BK;
-    MM_PIPELINE_PUBLISH(load(st, kbeg + (j) * WG_BK),
-                        (wg_step<TN, BM, BN, 1, 1>(As + cur * WG_BK * BM, Bs + cur * WG_BK * BN, r0, c0, acc)),
-                        fence_proxy_async())
+    WG_PIPELINE(load(st, kbeg + (j) * WG_BK),
+                (wg_step<TN, BM, BN, 1, 1>(As + cur * WG_BK * BM, Bs + cur * WG_BK * BN, r0, c0, acc)))
 
     const int lane = tid & 31, gr = ((tid >> 5) & 3) * 16 + (lane >> 2), gc = (lane & 3) * 2;
     float* base = ATOMIC ? out : out + (size_t)blockIdx.z * M * R;
@@ -584,21 +623,21 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
     constexpr int BM = 128, TN = BN;
     constexpr int AG = BM * WG_BK / 8 / MM_THREADS, BG = BN * WG_BK / 8 / MM_THREADS;
     static_assert(AG >= 1 && BG >= 1, "tile too small for 256 threads");
-    extern __shared__ __align__(128) unsigned char mm_smem[];
-    act_t* const As = reinterpret_cast<act_t*>(mm_smem);            // [MM_STAGES][BM * WG_BK], K-major
-    act_t* const Bs = As + MM_STAGES * BM * WG_BK;                  // [MM_STAGES][BN * WG_BK], K-major
+    extern __shared__ __align__(1024) unsigned char mm_smem[];
+    act_t* const As = reinterpret_cast<act_t*>(mm_smem);            // [MM_STAGES][BM * WG_BK], K-major, swizzled
+    act_t* const Bs = As + MM_STAGES * BM * WG_BK;                  // [MM_STAGES][BN * WG_BK], K-major, swizzled
 
     const int tid = threadIdx.x, wg = tid >> 7;
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     const int P = c.n * c.h * c.w, Q = c.kh * c.kw * c.cout;
 
-    // chunk c = tid + g * 256: row (c / WG_BK) * 8 + c % 8, 8 k at ((c / 8) % (WG_BK / 8)) * 8
-    const int akg = ((tid >> 3) % (WG_BK / 8)) * 8;
+    // copy g of a thread: row tid / 8 + 32 g, 8 k at (tid % 8) * 8 (8 threads read one row's 128 bytes)
+    const int akc = tid & 7, akg = akc * 8;
     int an[AG], ah[AG], aw[AG];
     bool aok[AG];
 #pragma unroll
     for (int g = 0; g < AG; ++g) {
-        const int ch = tid + g * MM_THREADS, p = m0 + (ch / WG_BK) * 8 + (ch & 7);
+        const int p = m0 + (tid >> 3) + g * (MM_THREADS / 8);
         aok[g] = p < P;
         const int pp = aok[g] ? p : 0;
         an[g] = pp / (c.h * c.w);
@@ -621,13 +660,15 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
             if (c.sw != 1) { xo = xn / c.sw; ok = ok && xo * c.sw == xn; }
             ok = ok && yo < c.oh && xo < c.ow;
             const act_t* src = ok ? dy + (((size_t)an[g] * c.oh + yo) * c.ow + xo) * c.cout + co : dy;
-            cp_async16(As + stage * BM * WG_BK + (tid + g * MM_THREADS) * 8, src, ok);
+            cp_async16(reinterpret_cast<unsigned char*>(As + stage * BM * WG_BK) +
+                           sw128_k((tid >> 3) + g * (MM_THREADS / 8), akc), src, ok);
         }
 #pragma unroll
         for (int g = 0; g < BG; ++g) {
-            const int ch = tid + g * MM_THREADS, n = n0 + (ch / WG_BK) * 8 + (ch & 7);
-            const bool ok = n < c.cin && q < Q;
-            cp_async16(Bs + stage * BN * WG_BK + ch * 8, ok ? wt + (size_t)n * Q + q : wt, ok);
+            const int row = (tid >> 3) + g * (MM_THREADS / 8), n = n0 + row;
+            const bool ok = n < c.cin && qok;
+            cp_async16(reinterpret_cast<unsigned char*>(Bs + stage * BN * WG_BK) + sw128_k(row, akc),
+                       ok ? wt + (size_t)n * Q + q : wt, ok);
         }
     };
 
@@ -636,9 +677,8 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
     for (int i = 0; i < TN / 2; ++i) acc[i] = 0.0f;
     const int r0 = wg * 64;
     const int steps = (Q + WG_BK - 1) / WG_BK;
-    MM_PIPELINE_PUBLISH(load(st, (j) * WG_BK),
-                        (wg_step<TN, BM, BN, 0, 0>(As + cur * BM * WG_BK, Bs + cur * BN * WG_BK, r0, 0, acc)),
-                        fence_proxy_async())
+    WG_PIPELINE(load(st, (j) * WG_BK),
+                (wg_step<TN, BM, BN, 0, 0>(As + cur * BM * WG_BK, Bs + cur * BN * WG_BK, r0, 0, acc)))
 
     const int lane = tid & 31, gr = ((tid >> 5) & 3) * 16 + (lane >> 2), gc = (lane & 3) * 2;
     const bool dense = oxw == c.cin && oxh == c.w * oxw && oxn == c.h * oxh;

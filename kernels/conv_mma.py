@@ -55,7 +55,7 @@ def _ints(*values: int) -> tuple:
     return tuple(np.int32(v) for v in values)
 
 STAGES, BK, PAD = 4, 32, 8   # as MM_STAGES, MM_BK, MM_PAD in conv_mma.cu
-WG_BK = 64                   # the wgmma kernels' K-step (WG_BK in conv_mma.cu)
+WG_BK = 64                   # the wgmma kernels' K-step (WG_BK in conv_mma.cu; they need STAGES >= 3)
 ENGINES = ("wgmma", "mma")
 ENGINE: str | None = None    # the engine of calls that name none; None: default_engine (set by benchmarks)
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # the driver's CUfunction_attribute
@@ -83,8 +83,7 @@ def _engine(engine: str | None, device: torch.device) -> str:
 
 def _fn(name: str, device: torch.device, dtype: torch.dtype, smem: int = 0):
     """The kernel, its dynamic shared-memory limit raised to ``smem`` bytes (once per loaded function)."""
-    fn = function(SOURCE, name, device, (*act_defines(dtype), f"-DMM_STAGES={STAGES}", f"-DWG_BK={WG_BK}"),
-                  arch_specific=True)
+    fn = function(SOURCE, name, device, (*act_defines(dtype), f"-DMM_STAGES={STAGES}"), arch_specific=True)
     if smem > 48 * 1024 and fn.ptr not in _RAISED:
         from cupy.cuda import driver
 
@@ -96,7 +95,7 @@ def _fn(name: str, device: torch.device, dtype: torch.dtype, smem: int = 0):
 
 def wgrad_smem(bm: int, bn: int, engine: str = "mma") -> int:
     if engine == "wgmma":
-        return STAGES * WG_BK * (bm + bn) * 2          # A and B stages, core matrices without padding
+        return STAGES * WG_BK * (bm + bn) * 2          # A and B stages, swizzled, no padding
     return STAGES * BK * (bm + bn + 2 * PAD) * 2       # A and B stages, [BK][tile + PAD] halves each
 
 

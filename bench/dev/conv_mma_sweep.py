@@ -1,12 +1,12 @@
 """Tensor-core conv backward (kernels/conv_mma.py) per engine and pipeline shape, beside cuDNN's fastest, bf16.
 
     python bench/dev/conv_mma_sweep.py                                # a few ResNet-50 shapes, batch 64, CL
-    python bench/dev/conv_mma_sweep.py --configs wgmma:4:64 wgmma:4:32 mma:4
+    python bench/dev/conv_mma_sweep.py --configs wgmma:3 wgmma:4 mma:4
 
-A config is ENGINE:STAGES[:BK] (BK: the wgmma K-step, conv_mma.WG_BK). Times are GPU microseconds per call
+A config is ENGINE:STAGES (wgmma needs 3 or more stages). Times are GPU microseconds per call
 (bench.timing.graph_replay_us: medians of CUDA-graph replays); `err` is the largest |difference| from cuDNN's
 float32 result on the widened tensors, over the largest |value| of that result, for each config. Stages
-and K-step never change the bits (same accumulation order); the engine may.
+never change the bits (same accumulation order); the engine may.
 """
 from __future__ import annotations
 
@@ -29,16 +29,14 @@ SHAPES = (  # (cin, cout, k, stride, pad, size): ResNet-50 at 224 px
 
 
 def configure(config: str) -> None:
-    engine, stages, *bk = config.split(":")
+    engine, stages = config.split(":")
     conv_mma.ENGINE, conv_mma.STAGES = engine, int(stages)
-    if bk:
-        conv_mma.WG_BK = int(bk[0])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", default=["wgmma:4:64", "wgmma:4:32", "mma:4"])
+    p.add_argument("--configs", nargs="+", default=["wgmma:3", "wgmma:4", "mma:4"])
     p.add_argument("--batch", type=int, default=64)
     a = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -75,7 +73,7 @@ def main() -> None:
                 row.append(f"{t:.1f} ({t / t_ref:.2f}x, err {err:.1e})")
             print(f"| {cin}->{cout} k{k} s{s} {size}px | {grad} | {t_ref:.1f} | " + " | ".join(row) + " |",
                   flush=True)
-    conv_mma.ENGINE = None
+    conv_mma.ENGINE, conv_mma.STAGES = None, 4
 
 
 if __name__ == "__main__":
