@@ -26,7 +26,9 @@
 //
 // Only divisions and additions, no contraction possible: the CPU models reproduce both bit for bit
 // (atomic: for the order the atomics happened to arrive in; float atomicAdd flushes subnormal
-// operands and results to signed zero, and its model does too). No #include: compiles alone under NVRTC.
+// operands and results to signed zero, and its model does too).
+
+#include "common.cuh"  // FastDiv
 
 #define AAP_THREADS 256
 #define AAP_INT32_MAX 2147483647LL
@@ -38,25 +40,6 @@ __device__ __forceinline__ int end_ind(int a, int b, int c) { return (int)(((lon
 // The share of one window's gradient that each of its elements receives.
 __device__ __forceinline__ float share(float g, int kw, int kh) {
     return __fdiv_rn(__fdiv_rn(g, (float)kw), (float)kh);
-}
-
-// n / d for 0 <= n < 2^31 and 1 <= d <= 2^31 by a high multiply, an add and a shift (the magic-number
-// divider of torch's IntDivider): m = 2^32 (2^s - d) / d + 1 with 2^s >= d > 2^(s-1).
-struct FastDiv {
-    unsigned d, m, s;
-};
-
-__device__ __forceinline__ FastDiv make_fastdiv(unsigned d) {
-    unsigned s = 0;
-    while (s < 31 && (1u << s) < d) ++s;
-    if ((1u << s) < d) s = 32;  // d > 2^31: not used here (tile sizes stay far below)
-    const unsigned long long m = ((1ull << 32) * ((1ull << s) - d)) / d + 1;
-    FastDiv f = {d, (unsigned)m, s};
-    return f;
-}
-
-__device__ __forceinline__ int fast_div(const FastDiv f, int n) {
-    return (int)((__umulhi((unsigned)n, f.m) + (unsigned)n) >> f.s);
 }
 
 struct Geom {

@@ -186,3 +186,24 @@ __device__ __forceinline__ void advance(Walk& w, int step_n, int step_s, int S) 
     w.s += step_s;
     if (w.s >= S) { w.s -= S; ++w.n; }
 }
+
+// ---------------------------------------------------------------------------------------------
+// n / d for 0 <= n < 2^31 and 1 <= d <= 2^31 by a high multiply, an add and a shift (the magic-number
+// divider of torch's IntDivider): m = 2^32 (2^s - d) / d + 1 with 2^s >= d > 2^(s-1).
+// kernels/adaptive_avg_pool2d_bwd.py: magic_divider is its host twin, tested exhaustively on small d.
+struct FastDiv {
+    unsigned d, m, s;
+};
+
+__device__ __forceinline__ FastDiv make_fastdiv(unsigned d) {
+    unsigned s = 0;
+    while (s < 31 && (1u << s) < d) ++s;
+    if ((1u << s) < d) s = 32;  // d > 2^31: not used here (tile sizes stay far below)
+    const unsigned long long m = ((1ull << 32) * ((1ull << s) - d)) / d + 1;
+    FastDiv f = {d, (unsigned)m, s};
+    return f;
+}
+
+__device__ __forceinline__ int fast_div(const FastDiv f, int n) {
+    return (int)((__umulhi((unsigned)n, f.m) + (unsigned)n) >> f.s);
+}

@@ -421,13 +421,20 @@ __device__ __forceinline__ void wg_fence_acc(float (&acc)[L]) {
 #pragma unroll
     for (int i = 0; i < L; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
+template <int L>
+__device__ __forceinline__ void wg_zero(float (&acc)[L]) {
+#pragma unroll
+    for (int i = 0; i < L; ++i) acc[i] = 0.0f;
+}
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
-// d (64 x N, float32, the layout of wgmma's accumulator fragment) += A (64 x 16) * B (16 x N); TA / TB: A / B
-// MN-major (1) or K-major (0) in shared memory. One overload per N, chosen by the fragment's length N / 2.
+// d (64 x N, float32, the layout of wgmma's accumulator fragment) = A (64 x 16) * B (16 x N) + (accumulate ?
+// d : 0); TA / TB: A / B MN-major (1) or K-major (0) in shared memory. One overload per N, chosen by the
+// fragment's length N / 2. The first instruction of a tile starts from 0 this way: the accumulators get no
+// other definition inside the pipeline (which would make ptxas serialize the wgmma).
 template <int TA, int TB>
-__device__ __forceinline__ void wgmma_tile(float (&d)[16], unsigned long long da, unsigned long long db) {
+__device__ __forceinline__ void wgmma_tile(float (&d)[16], unsigned long long da, unsigned long long db, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32." MMA_AB "." MMA_AB " {"
@@ -436,11 +443,11 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[16], unsigned long long da
         :
           "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
+        : "l"(da), "l"(db), "r"(accumulate), "n"(TA), "n"(TB));
 }
 
 template <int TA, int TB>
-__device__ __forceinline__ void wgmma_tile(float (&d)[32], unsigned long long da, unsigned long long db) {
+__device__ __forceinline__ void wgmma_tile(float (&d)[32], unsigned long long da, unsigned long long db, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_AB "." MMA_AB " {"
@@ -452,11 +459,11 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[32], unsigned long long da
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
+        : "l"(da), "l"(db), "r"(accumulate), "n"(TA), "n"(TB));
 }
 
 template <int TA, int TB>
-__device__ __forceinline__ void wgmma_tile(float (&d)[64], unsigned long long da, unsigned long long db) {
+__device__ __forceinline__ void wgmma_tile(float (&d)[64], unsigned long long da, unsigned long long db, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_AB "." MMA_AB " {"
@@ -474,26 +481,26 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[64], unsigned long long da
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
+        : "l"(da), "l"(db), "r"(accumulate), "n"(TA), "n"(TB));
 }
 
 // Issues one K-step of a warpgroup's 64 x TN tile (one commit group) from rows r0 of A and c0 of B. A_MN / B_MN: the operand is
 // MN-major (lines of k), with AROWS / BROWS rows per line run; else K-major.
 template <int TN, int AROWS, int BROWS, int A_MN, int B_MN>
-__device__ __forceinline__ void wg_step(const act_t* As, const act_t* Bs, int r0, int c0, float (&acc)[TN / 2]) {
+__device__ __forceinline__ void wg_step(const act_t* As, const act_t* Bs, int r0, int c0, float (&acc)[TN / 2],
+                                        bool first) {
     constexpr unsigned A_SBO = A_MN ? AROWS / 64 * 1024 : 1024, B_SBO = B_MN ? BROWS / 64 * 1024 : 1024;
     constexpr unsigned A_K16 = A_MN ? 2 * A_SBO : 32, B_K16 = B_MN ? 2 * B_SBO : 32;   // bytes per k16 step
     const unsigned char* a = reinterpret_cast<const unsigned char*>(As) +
                              (A_MN ? (r0 / 64) * 1024 + (r0 % 64) * 2 : (r0 / 8) * 1024);
     const unsigned char* b = reinterpret_cast<const unsigned char*>(Bs) +
                              (B_MN ? (c0 / 64) * 1024 + (c0 % 64) * 2 : (c0 / 8) * 1024);
-    wg_fence_acc(acc);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < WG_BK / 16; ++kk)
-        wgmma_tile<A_MN, B_MN>(acc, wg_desc(a + kk * A_K16, 1024, A_SBO), wg_desc(b + kk * B_K16, 1024, B_SBO));
+        wgmma_tile<A_MN, B_MN>(acc, wg_desc(a + kk * A_K16, 1024, A_SBO), wg_desc(b + kk * B_K16, 1024, B_SBO),
+                               !first || kk > 0);
     wgmma_commit();
-    wg_fence_acc(acc);
 }
 
 // The K-loop of the wgmma GEMMs: as MM_PIPELINE, but the multiplication of K-step `it` (ISSUE: one commit
@@ -519,7 +526,8 @@ __device__ __forceinline__ void wg_step(const act_t* As, const act_t* Bs, int r0
         wgmma_wait<1>();                                                                                \
     }                                                                                                   \
     wgmma_wait<0>();                                                                                    \
-    wg_fence_acc(acc);
+    wg_fence_acc(acc);                                                                                  \
+    if (steps == 0) wg_zero(acc);
 
 // Weight gradient on warpgroup MMAs: grid, split and outputs as wgrad_body.
 template <int BM, int BN, int ATOMIC>
@@ -547,6 +555,7 @@ __device__ __forceinline__ void wg_wgrad_body(const act_t* __restrict__ x, const
     const int tap = bcol_ok ? r / c.cin : 0, ci = bcol_ok ? r - tap * c.cin : 0;
     const int tkh = tap / c.kw, tkw = tap - tkh * c.kw;
     const int offh = tkh * c.dh - c.ph, offw = tkw * c.dw - c.pw;
+    const FastDiv div_ohw = make_fastdiv(ohw), div_ow = make_fastdiv(c.ow);   // the hot loop's divisions
 
     auto load = [&](int stage, int kb) {
 #pragma unroll
@@ -562,8 +571,8 @@ __device__ __forceinline__ void wg_wgrad_body(const act_t* __restrict__ x, const
             bool ok = bcol_ok && k < kend;
             const act_t* src = x;
             if (ok) {
-                const int nn = k / ohw, rem = k - nn * ohw;
-                const int yo = rem / c.ow, xo = rem - yo * c.ow;
+                const int nn = fast_div(div_ohw, k), rem = k - nn * ohw;
+                const int yo = fast_div(div_ow, rem), xo = rem - yo * c.ow;
                 const int ih = yo * c.sh + offh, iw = xo * c.sw + offw;
                 ok = ih >= 0 && ih < c.h && iw >= 0 && iw < c.w;
                 if (ok) src = x + (((size_t)nn * c.h + ih) * c.w + iw) * c.cin + ci;
@@ -572,13 +581,11 @@ __device__ __forceinline__ void wg_wgrad_body(const act_t* __restrict__ x, const
         }
     };
 
-    float acc[TN / 2];
-#pragma unroll
-    for (int i = 0; i < TN / 2; ++i) acc[i] = 0.0f;
+    float acc[TN / 2];   // defined by the first K-step's wgmma (or zeroed after the loop when there is none)
     const int r0 = (wg % WGM) * 64, c0 = (wg / WGM) * TN;
     const int steps = (kend - kbeg + WG_BK - 1) / WG_BK;
     WG_PIPELINE(load(st, kbeg + (j) * WG_BK),
-                (wg_step<TN, BM, BN, 1, 1>(As + cur * WG_BK * BM, Bs + cur * WG_BK * BN, r0, c0, acc)))
+                (wg_step<TN, BM, BN, 1, 1>(As + cur * WG_BK * BM, Bs + cur * WG_BK * BN, r0, c0, acc, it == 0)))
 
     const int lane = tid & 31, gr = ((tid >> 5) & 3) * 16 + (lane >> 2), gc = (lane & 3) * 2;
     float* base = ATOMIC ? out : out + (size_t)blockIdx.z * M * R;
@@ -646,11 +653,13 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
         aw[g] = rem - ah[g] * c.w;
     }
 
+    const FastDiv div_cout = make_fastdiv(c.cout), div_kw = make_fastdiv(c.kw);
+
     auto load = [&](int stage, int kb) {
         const int q = kb + akg;
         const bool qok = q < Q;
-        const int tap = qok ? q / c.cout : 0, co = qok ? q - tap * c.cout : 0;
-        const int tkh = tap / c.kw, tkw = tap - tkh * c.kw;
+        const int tap = qok ? fast_div(div_cout, q) : 0, co = qok ? q - tap * c.cout : 0;
+        const int tkh = fast_div(div_kw, tap), tkw = tap - tkh * c.kw;
 #pragma unroll
         for (int g = 0; g < AG; ++g) {
             const int yn = ah[g] + c.ph - tkh * c.dh, xn = aw[g] + c.pw - tkw * c.dw;
@@ -672,13 +681,11 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
         }
     };
 
-    float acc[TN / 2];
-#pragma unroll
-    for (int i = 0; i < TN / 2; ++i) acc[i] = 0.0f;
+    float acc[TN / 2];   // defined by the first K-step's wgmma (or zeroed after the loop when there is none)
     const int r0 = wg * 64;
     const int steps = (Q + WG_BK - 1) / WG_BK;
     WG_PIPELINE(load(st, (j) * WG_BK),
-                (wg_step<TN, BM, BN, 0, 0>(As + cur * BM * WG_BK, Bs + cur * BN * WG_BK, r0, 0, acc)))
+                (wg_step<TN, BM, BN, 0, 0>(As + cur * BM * WG_BK, Bs + cur * BN * WG_BK, r0, 0, acc, it == 0)))
 
     const int lane = tid & 31, gr = ((tid >> 5) & 3) * 16 + (lane >> 2), gc = (lane & 3) * 2;
     const bool dense = oxw == c.cin && oxh == c.w * oxw && oxn == c.h * oxh;
