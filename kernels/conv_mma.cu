@@ -1,5 +1,6 @@
 // conv_mma.cu: bf16 / fp16 convolution backward on tensor cores (mma.sync m16n8k16, float32 accumulation).
 // Launchers: kernels/conv_mma.py (used by conv_wgrad's and conv_dgrad's CUDA launchers for half inputs).
+// Two engines: the mma.sync kernels below (any GPU from 8.0) and, at the end, wgmma kernels for sm_90a.
 // Compiled once per dtype: NNRAND_ACT 1 bfloat16, 2 float16 (common.cuh).
 //
 // Both gradients are implicit GEMMs over channels_last (NHWC) tensors whose channel counts are multiples of
@@ -687,30 +688,36 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
     WG_PIPELINE(load(st, (j) * WG_BK),
                 (wg_step<TN, BM, BN, 0, 0>(As + cur * BM * WG_BK, Bs + cur * BN * WG_BK, r0, 0, acc, it == 0)))
 
+    // The tile, rounded, staged in shared memory (the pipeline's, every wgmma retired), then stored as 16-byte
+    // rows of 8 channels: whole sectors instead of 4-byte pieces.
+    constexpr int CPITCH = BN + 8;   // halves; rows 4 banks apart, so the fragment writes do not conflict
+    static_assert(BM * CPITCH <= MM_STAGES * (BM + BN) * WG_BK, "staging tile larger than the pipeline's memory");
+    act_t* const Cs = As;
+    __syncthreads();
     const int lane = tid & 31, gr = ((tid >> 5) & 3) * 16 + (lane >> 2), gc = (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < TN / 8; ++i)
+#pragma unroll
+        for (int hlf = 0; hlf < 2; ++hlf)
+            *reinterpret_cast<unsigned*>(Cs + (r0 + gr + hlf * 8) * CPITCH + i * 8 + gc) =
+                (unsigned)narrow(acc[4 * i + 2 * hlf]) | ((unsigned)narrow(acc[4 * i + 2 * hlf + 1]) << 16);
+    __syncthreads();
     const bool dense = oxw == c.cin && oxh == c.w * oxw && oxn == c.h * oxh;
-    size_t rowoff[2];
+    const FastDiv div_hw = make_fastdiv(c.h * c.w), div_w = make_fastdiv(c.w);
 #pragma unroll
-    for (int hlf = 0; hlf < 2; ++hlf) {
-        const int row = min(m0 + r0 + gr + hlf * 8, P - 1);
+    for (int g = 0; g < BM * BN / 8 / MM_THREADS; ++g) {
+        const int idx = tid + g * MM_THREADS, row = idx / (BN / 8), col = (idx % (BN / 8)) * 8;
+        const int pix = m0 + row;
+        if (pix >= P || n0 + col >= c.cin) continue;
+        size_t off;
         if (dense) {
-            rowoff[hlf] = (size_t)row * c.cin;
+            off = (size_t)pix * c.cin;
         } else {
-            const int on = row / (c.h * c.w), orem = row - on * c.h * c.w;
-            const int oy = orem / c.w, ox = orem - oy * c.w;
-            rowoff[hlf] = (size_t)on * oxn + (size_t)oy * oxh + (size_t)ox * oxw;
+            const int on = fast_div(div_hw, pix), orem = pix - on * c.h * c.w;
+            const int oy = fast_div(div_w, orem), ox = orem - oy * c.w;
+            off = (size_t)on * oxn + (size_t)oy * oxh + (size_t)ox * oxw;
         }
-    }
-#pragma unroll
-    for (int i = 0; i < TN / 8; ++i) {
-        const int col = n0 + i * 8 + gc;
-        if (col >= c.cin) continue;
-#pragma unroll
-        for (int hlf = 0; hlf < 2; ++hlf) {
-            if (m0 + r0 + gr + hlf * 8 >= P) continue;
-            const unsigned v = (unsigned)narrow(acc[4 * i + 2 * hlf]) | ((unsigned)narrow(acc[4 * i + 2 * hlf + 1]) << 16);
-            *reinterpret_cast<unsigned*>(dx + rowoff[hlf] + col) = v;
-        }
+        *reinterpret_cast<uint4*>(dx + off + n0 + col) = *reinterpret_cast<const uint4*>(Cs + row * CPITCH + col);
     }
 }
 

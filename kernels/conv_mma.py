@@ -12,6 +12,11 @@ inside a tensor-core instruction, so the bits are not those of the float32 kerne
 - wgrad ``atomic``: the same chunks, partials atomicAdd-ed in arrival order. Nondeterministic.
 - dgrad ``tree``: one implicit GEMM over (kh, kw, co), every dx element owned by one thread. Deterministic.
 
+Two engines run the same GEMMs in the same order: ``wgmma`` (Hopper's warpgroup MMAs reading 128-byte
+swizzled shared memory, compute capability 9.0 only) and ``mma`` (mma.sync, any GPU from 8.0). A device
+always takes the same one (:func:`default_engine`), so a call's bits are a function of the GPU model; the two
+engines' bits may differ (tensor-core rounding inside an instruction is not specified).
+
 They take channels_last tensors whose channel counts are multiples of 8 (16-byte loads of 8 channels); an
 NCHW tensor is copied to channels_last first. wgrad pads other input channel counts (a network stem's 3)
 with zero channels. Other shapes take the widening path: float32 copies, the float32 kernel, the output
@@ -54,8 +59,11 @@ def padded_geometry(g):
 def _ints(*values: int) -> tuple:
     return tuple(np.int32(v) for v in values)
 
-STAGES, BK, PAD = 4, 32, 8   # as MM_STAGES, MM_BK, MM_PAD in conv_mma.cu
-WG_BK = 64                   # the wgmma kernels' K-step (WG_BK in conv_mma.cu; they need STAGES >= 3)
+BK, PAD = 32, 8              # as MM_BK, MM_PAD in conv_mma.cu (the mma.sync kernels)
+WG_BK = 64                   # the wgmma kernels' K-step (WG_BK in conv_mma.cu)
+# shared-memory stages per engine (MM_STAGES; wgmma needs 3 or more): the fastest in
+# bench/dev/conv_mma_sweep.py on ResNet-50 shapes (H100), none of them changes the bits
+STAGES = {"wgmma": 3, "mma": 4}
 ENGINES = ("wgmma", "mma")
 ENGINE: str | None = None    # the engine of calls that name none; None: default_engine (set by benchmarks)
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # the driver's CUfunction_attribute
@@ -81,9 +89,10 @@ def _engine(engine: str | None, device: torch.device) -> str:
     return engine
 
 
-def _fn(name: str, device: torch.device, dtype: torch.dtype, smem: int = 0):
-    """The kernel, its dynamic shared-memory limit raised to ``smem`` bytes (once per loaded function)."""
-    fn = function(SOURCE, name, device, (*act_defines(dtype), f"-DMM_STAGES={STAGES}"), arch_specific=True)
+def _fn(name: str, device: torch.device, dtype: torch.dtype, engine: str, smem: int = 0):
+    """The kernel, compiled with the engine's stage count, its dynamic shared-memory limit raised to
+    ``smem`` bytes (once per loaded function)."""
+    fn = function(SOURCE, name, device, (*act_defines(dtype), f"-DMM_STAGES={STAGES[engine]}"), arch_specific=True)
     if smem > 48 * 1024 and fn.ptr not in _RAISED:
         from cupy.cuda import driver
 
@@ -95,8 +104,8 @@ def _fn(name: str, device: torch.device, dtype: torch.dtype, smem: int = 0):
 
 def wgrad_smem(bm: int, bn: int, engine: str = "mma") -> int:
     if engine == "wgmma":
-        return STAGES * WG_BK * (bm + bn) * 2          # A and B stages, swizzled, no padding
-    return STAGES * BK * (bm + bn + 2 * PAD) * 2       # A and B stages, [BK][tile + PAD] halves each
+        return STAGES[engine] * WG_BK * (bm + bn) * 2      # A and B stages, swizzled, no padding
+    return STAGES[engine] * BK * (bm + bn + 2 * PAD) * 2   # A and B stages, [BK][tile + PAD] halves each
 
 
 def wgrad_tile(m: int, r: int) -> tuple[int, int]:
@@ -108,8 +117,8 @@ def wgrad_tile(m: int, r: int) -> tuple[int, int]:
 
 def dgrad_smem(bn: int, bm: int = 128, engine: str = "mma") -> int:
     if engine == "wgmma":
-        return STAGES * WG_BK * (bm + bn) * 2
-    return STAGES * (bm * (BK + PAD) + BK * (bn + PAD)) * 2
+        return STAGES[engine] * WG_BK * (bm + bn) * 2
+    return STAGES[engine] * (bm * (BK + PAD) + BK * (bn + PAD)) * 2
 
 def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool,
           tile: tuple[int, int] | None = None, engine: str | None = None) -> torch.Tensor:
@@ -141,9 +150,9 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool,
     kind = "atomic" if atomic else "split"
     smem = wgrad_smem(bm, bn, engine)
     prefix = "conv_wg" if engine == "wgmma" else "conv_mma"
-    launch(_fn(f"{prefix}_wgrad_{kind}_{bm}x{bn}", dev, dtype, smem), grid, (THREADS,),
+    launch(_fn(f"{prefix}_wgrad_{kind}_{bm}x{bn}", dev, dtype, engine, smem), grid, (THREADS,),
            (ptr(x), ptr(dy), ptr(ws), *geom), device=dev, shared_mem=smem)
-    launch(_fn("conv_mma_combine", dev, dtype), (cdiv(m * r, THREADS),), (THREADS,),
+    launch(_fn("conv_mma_combine", dev, dtype, engine), (cdiv(m * r, THREADS),), (THREADS,),
            (ptr(ws), *_ints(splits, m, g.cin, g.kh * g.kw), ptr(dw)), device=dev)
     return dw if g.cin == cin else dw[:, :cin].contiguous()
 
@@ -177,7 +186,7 @@ def dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = None) ->
         dx.zero_()
     bn = 128 if c >= 128 else 64
     smem = dgrad_smem(bn, engine=engine)
-    fn = _fn(f"{'conv_wg' if engine == 'wgmma' else 'conv_mma'}_dgrad_t128x{bn}", dev, dtype, smem)
+    fn = _fn(f"{'conv_wg' if engine == 'wgmma' else 'conv_mma'}_dgrad_t128x{bn}", dev, dtype, engine, smem)
     order = (1, 2, 3, 0) if engine == "wgmma" else (2, 3, 0, 1)   # [ci][kh][kw][co] or [kh][kw][co][ci]
     if not phased:
         wq = w.permute(*order).contiguous()

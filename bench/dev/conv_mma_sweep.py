@@ -30,7 +30,8 @@ SHAPES = (  # (cin, cout, k, stride, pad, size): ResNet-50 at 224 px
 
 def configure(config: str) -> None:
     engine, stages = config.split(":")
-    conv_mma.ENGINE, conv_mma.STAGES = engine, int(stages)
+    conv_mma.ENGINE = engine
+    conv_mma.STAGES[engine] = int(stages)
 
 
 def main() -> None:
@@ -40,6 +41,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     a = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
+    defaults = dict(conv_mma.STAGES)
     wgrad, dgrad = kernels.get("conv_wgrad", "tree"), kernels.get("conv_dgrad", "tree")
     print("| shape | grad | cudnn_fastest | " + " | ".join(a.configs) + " |")
     print("|---|---|---|" + "---|" * len(a.configs))
@@ -73,7 +75,8 @@ def main() -> None:
                 row.append(f"{t:.1f} ({t / t_ref:.2f}x, err {err:.1e})")
             print(f"| {cin}->{cout} k{k} s{s} {size}px | {grad} | {t_ref:.1f} | " + " | ".join(row) + " |",
                   flush=True)
-    conv_mma.ENGINE, conv_mma.STAGES = None, 4
+    conv_mma.ENGINE = None
+    conv_mma.STAGES.update(defaults)
 
 
 if __name__ == "__main__":
