@@ -379,19 +379,6 @@ __device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const a
 DGRAD_KERNEL(conv_mma_dgrad_t128x128, 128, 128)
 DGRAD_KERNEL(conv_mma_dgrad_t128x64, 128, 64)
 
-// The S float32 partials ws[s][p][ci] of a split data gradient added in ordered_combine's fixed order,
-// rounded once and stored at pixel p of the launch's h x w grid (dx + n*oxn + y*oxh + x*oxw, as dgrad).
-extern "C" __global__ void __launch_bounds__(256)
-    conv_mma_dgrad_combine(const float* __restrict__ ws, int S, int P, int cin, int h, int w, int oxn, int oxh,
-                           int oxw, act_t* __restrict__ dx) {
-    const long long total = (long long)P * cin;
-    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= total) return;
-    const int p = (int)(e / cin), ci = (int)(e - (long long)p * cin);
-    const int n = p / (h * w), rem = p - n * h * w, y = rem / w, x = rem - y * w;
-    dx[(size_t)n * oxn + (size_t)y * oxh + (size_t)x * oxw + ci] = narrow(ordered_combine(ws + e, S, total));
-}
-
 // ===================================================================================================
 // Hopper (sm_90a): the same two GEMMs on warpgroup MMAs (wgmma.mma_async m64nNk16, float32 accumulation),
 // both operands read by the tensor cores from shared memory. Built only when the module is compiled for
@@ -638,13 +625,9 @@ WG_WGRAD_KERNEL(conv_wg_wgrad_atomic_64x64, 64, 64, 1)
 
 // Data gradient on warpgroup MMAs: grid and outputs as dgrad_body, but the weights packed [ci][kh][kw][co]
 // (wt: row ci, q = (kh, kw, co) contiguous: the K-major B operand). BM 128.
-// SPLIT: a GEMM with few output tiles splits its reduction: block z takes q in [z * Kc, (z + 1) * Kc) (Kc a
-// multiple of the K-step, a function of the shapes only) and stores its float32 partial tile to
-// ws[z][p][ci]; conv_mma_dgrad_combine then adds the partials in ordered_combine's fixed order.
-template <int BN, int SPLIT>
+template <int BN>
 __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, const act_t* __restrict__ dy,
-                                              act_t* __restrict__ dx, float* __restrict__ ws, const MmaConv& c,
-                                              int oxn, int oxh, int oxw, int Kc) {
+                                              act_t* __restrict__ dx, const MmaConv& c, int oxn, int oxh, int oxw) {
     constexpr int BM = 128, TN = BN;
     constexpr int AG = BM * WG_BK / 8 / MM_THREADS, BG = BN * WG_BK / 8 / MM_THREADS;
     static_assert(AG >= 1 && BG >= 1, "tile too small for 256 threads");
@@ -655,7 +638,6 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
     const int tid = threadIdx.x, wg = tid >> 7;
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     const int P = c.n * c.h * c.w, Q = c.kh * c.kw * c.cout;
-    const int kbeg = SPLIT ? blockIdx.z * Kc : 0, kend = SPLIT ? min(Q, kbeg + Kc) : Q;
 
     // copy g of a thread: row tid / 8 + 32 g, 8 k at (tid % 8) * 8 (8 threads read one row's 128 bytes)
     const int akc = tid & 7, akg = akc * 8;
@@ -676,7 +658,7 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
 
     auto load = [&](int stage, int kb) {
         const int q = kb + akg;
-        const bool qok = q < kend;
+        const bool qok = q < Q;
         const int tap = qok ? fast_div(div_cout, q) : 0, co = qok ? q - tap * c.cout : 0;
         const int tkh = fast_div(div_kw, tap), tkw = tap - tkh * c.kw;
 #pragma unroll
@@ -702,27 +684,10 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
 
     float acc[TN / 2];   // defined by the first K-step's wgmma (or zeroed after the loop when there is none)
     const int r0 = wg * 64;
-    const int steps = (kend - kbeg + WG_BK - 1) / WG_BK;
-    WG_PIPELINE(load(st, kbeg + (j) * WG_BK),
+    const int steps = (Q + WG_BK - 1) / WG_BK;
+    WG_PIPELINE(load(st, (j) * WG_BK),
                 (wg_step<TN, BM, BN, 0, 0>(As + cur * BM * WG_BK, Bs + cur * BN * WG_BK, r0, 0, acc, it == 0)))
 
-    if (SPLIT) {   // the float32 partial tile, [p][ci] rows of 8-byte pairs
-        const int lane = tid & 31, gr = ((tid >> 5) & 3) * 16 + (lane >> 2), gc = (lane & 3) * 2;
-        float* base = ws + (size_t)blockIdx.z * P * c.cin;
-#pragma unroll
-        for (int i = 0; i < TN / 8; ++i) {
-            const int col = n0 + i * 8 + gc;
-            if (col >= c.cin) continue;
-#pragma unroll
-            for (int hlf = 0; hlf < 2; ++hlf) {
-                const int row = m0 + r0 + gr + hlf * 8;
-                if (row < P)
-                    *reinterpret_cast<float2*>(base + (size_t)row * c.cin + col) =
-                        make_float2(acc[4 * i + 2 * hlf], acc[4 * i + 2 * hlf + 1]);
-            }
-        }
-        return;
-    }
     // The tile, rounded, staged in shared memory (the pipeline's, every wgmma retired), then stored as 16-byte
     // rows of 8 channels: whole sectors instead of 4-byte pieces.
     constexpr int CPITCH = BN + 8;   // halves; rows 4 banks apart, so the fragment writes do not conflict
@@ -756,15 +721,12 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
     }
 }
 
-#define WG_DGRAD_KERNEL(NAME, BN, SPLIT)                                                                  \
+#define WG_DGRAD_KERNEL(NAME, BN)                                                                         \
     extern "C" __global__ void __launch_bounds__(MM_THREADS)                                              \
-        NAME(const act_t* wt, const act_t* dy, act_t* dx, float* ws, MM_GEOMETRY, int oxn, int oxh, int oxw, \
-             int Kc) {                                                                                    \
-        wg_dgrad_body<BN, SPLIT>(wt, dy, dx, ws, MM_CONV, oxn, oxh, oxw, Kc);                            \
+        NAME(const act_t* wt, const act_t* dy, act_t* dx, MM_GEOMETRY, int oxn, int oxh, int oxw) {       \
+        wg_dgrad_body<BN>(wt, dy, dx, MM_CONV, oxn, oxh, oxw);                                            \
     }
-WG_DGRAD_KERNEL(conv_wg_dgrad_t128x128, 128, 0)
-WG_DGRAD_KERNEL(conv_wg_dgrad_t128x64, 64, 0)
-WG_DGRAD_KERNEL(conv_wg_dgrad_split_t128x128, 128, 1)
-WG_DGRAD_KERNEL(conv_wg_dgrad_split_t128x64, 64, 1)
+WG_DGRAD_KERNEL(conv_wg_dgrad_t128x128, 128)
+WG_DGRAD_KERNEL(conv_wg_dgrad_t128x64, 64)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -10,9 +10,7 @@ inside a tensor-core instruction, so the bits are not those of the float32 kerne
   a function of the shapes only), each chunk's partial tile on tensor cores, the partials added in the
   same fixed order (``conv_wgrad.tree_combine``), rounded once. Deterministic.
 - wgrad ``atomic``: the same chunks, partials atomicAdd-ed in arrival order. Nondeterministic.
-- dgrad ``tree``: one implicit GEMM over (kh, kw, co), every dx element owned by one thread; on the wgmma
-  engine a GEMM with few output tiles splits that reduction (:func:`dgrad_split`, a function of the shapes)
-  and adds the partials in ordered_combine's fixed order. Deterministic.
+- dgrad ``tree``: one implicit GEMM over (kh, kw, co), every dx element owned by one thread. Deterministic.
 
 Two engines run the same GEMMs in the same order: ``wgmma`` (Hopper's warpgroup MMAs reading 128-byte
 swizzled shared memory, compute capability 9.0 only) and ``mma`` (mma.sync, any GPU from 8.0). A device
@@ -122,25 +120,6 @@ def dgrad_smem(bn: int, bm: int = 128, engine: str = "mma") -> int:
         return STAGES[engine] * WG_BK * (bm + bn) * 2
     return STAGES[engine] * (bm * (BK + PAD) + BK * (bn + PAD)) * 2
 
-DGRAD_SPLIT_BLOCKS = 264    # a split data gradient aims at this many blocks (two per SM of an H100 / H200)
-DGRAD_SPLIT_MIN_STEPS = 4   # K-steps per chunk at least
-
-
-def dgrad_split(pixels: int, cin: int, q: int) -> tuple[int, int]:
-    """(S, Kc): the wgmma data gradient's split of its reduction over q = (kh, kw, co), a function of the
-    GEMM's shapes only (so of the call's shapes): GEMMs with fewer tiles than DGRAD_SPLIT_BLOCKS split their
-    reduction into S chunks of Kc (a multiple of the K-step) until they have about that many blocks; S = 1
-    when they already do. Splitting changes the order, so the bits, of the shapes it applies to; it is part
-    of the variant's definition, like conv_wgrad.plan."""
-    tiles = cdiv(pixels, 128) * cdiv(cin, 128 if cin >= 128 else 64)
-    steps = cdiv(q, WG_BK)
-    want = min(cdiv(DGRAD_SPLIT_BLOCKS, tiles), steps // DGRAD_SPLIT_MIN_STEPS)
-    if want < 2:
-        return 1, steps * WG_BK
-    kc = cdiv(steps, want) * WG_BK
-    return cdiv(q, kc), kc
-
-
 def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool,
           tile: tuple[int, int] | None = None, engine: str | None = None) -> torch.Tensor:
     """dw (Cout, Cin, KH, KW), contiguous, in x's dtype. ``g``: conv_wgrad.Geometry; ``plan_of``: its split
@@ -207,29 +186,21 @@ def dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = None) ->
         dx.zero_()
     bn = 128 if c >= 128 else 64
     smem = dgrad_smem(bn, engine=engine)
+    fn = _fn(f"{'conv_wg' if engine == 'wgmma' else 'conv_mma'}_dgrad_t128x{bn}", dev, dtype, engine, smem)
     order = (1, 2, 3, 0) if engine == "wgmma" else (2, 3, 0, 1)   # [ci][kh][kw][co] or [kh][kw][co][ci]
-    if phased:   # (weights of the phase's taps, dx offset, geometry of its stride-1 GEMM, dx strides)
-        launches = [(w[:, :, rh::g.sh, rw::g.sw], offset, (g.n, hp, wp, c, g.oh, g.ow, g.cout, nkh, nkw, 1, 1,
-                                                            c0h, c0w, 1, 1), (g.h * g.w * c, g.sh * g.w * c, g.sw * c))
-                    for offset, hp, wp, (rh, rw), (c0h, c0w), (nkh, nkw) in phases if nkh * nkw]
+    if not phased:
+        wq = w.permute(*order).contiguous()
+        geom = _ints(g.n, g.h, g.w, c, g.oh, g.ow, g.cout, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
+                     g.h * g.w * c, g.w * c, c)
+        launch(fn, (cdiv(c, bn), cdiv(g.n * g.h * g.w, 128)), (THREADS,), (ptr(wq), ptr(dy_cl), ptr(dx), *geom),
+               device=dev, shared_mem=smem)
     else:
-        launches = [(w, 0, (g.n, g.h, g.w, c, g.oh, g.ow, g.cout, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw),
-                     (g.h * g.w * c, g.w * c, c))]
-    for wsel, offset, geom, strides in launches:
-        wq = wsel.permute(*order).contiguous()
-        pixels, q = geom[0] * geom[1] * geom[2], geom[7] * geom[8] * geom[6]
-        out = np.uint64(dx.data_ptr() + 2 * offset)
-        grid = (cdiv(c, bn), cdiv(pixels, 128))
-        if engine == "mma":
-            launch(_fn(f"conv_mma_dgrad_t128x{bn}", dev, dtype, engine, smem), grid, (THREADS,),
-                   (ptr(wq), ptr(dy_cl), out, *_ints(*geom, *strides)), device=dev, shared_mem=smem)
-            continue
-        splits, kc = dgrad_split(pixels, c, q)
-        ws = torch.empty(splits * pixels * c if splits > 1 else 0, device=dev, dtype=torch.float32)
-        kind = "split_" if splits > 1 else ""
-        launch(_fn(f"conv_wg_dgrad_{kind}t128x{bn}", dev, dtype, engine, smem), (*grid, splits), (THREADS,),
-               (ptr(wq), ptr(dy_cl), out, ptr(ws), *_ints(*geom, *strides, kc)), device=dev, shared_mem=smem)
-        if splits > 1:
-            launch(_fn("conv_mma_dgrad_combine", dev, dtype, engine), (cdiv(pixels * c, THREADS),), (THREADS,),
-                   (ptr(ws), *_ints(splits, pixels, c, geom[1], geom[2], *strides), out), device=dev)
+        for offset, hp, wp, (rh, rw), (c0h, c0w), (nkh, nkw) in phases:
+            if nkh * nkw == 0:
+                continue
+            wq = w[:, :, rh::g.sh, rw::g.sw].permute(*order).contiguous()
+            geom = _ints(g.n, hp, wp, c, g.oh, g.ow, g.cout, nkh, nkw, 1, 1, c0h, c0w, 1, 1,
+                         g.h * g.w * c, g.sh * g.w * c, g.sw * c)
+            launch(fn, (cdiv(c, bn), cdiv(g.n * hp * wp, 128)), (THREADS,),
+                   (ptr(wq), ptr(dy_cl), np.uint64(dx.data_ptr() + 2 * offset), *geom), device=dev, shared_mem=smem)
     return dx if g.layout == "channels_last" else dx.contiguous()

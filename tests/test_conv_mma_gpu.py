@@ -133,14 +133,9 @@ def test_wgrad_tensor_cores_within_bound_and_tree_repeats(shape, dtype, layout, 
 @pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_dgrad_tensor_cores_within_bound_and_repeat(shape, dtype, layout, engine, cuda_sync):
-    """wgmma splits the reduction of GEMMs with few tiles (conv_mma.dgrad_split) and adds the partials like
-    wgrad: at most one chunk per K-step, so (S + 8) * 2^-24 * T more with S <= the K-step count."""
     _, w, dy = _tensors(shape, dtype, layout, seed=500 + SHAPES.index(shape))
     assert conv_mma.eligible(dtype, shape.cin, shape.cout, w, dy)
-    q = shape.k * shape.k * shape.cout
-    rel = _instructions(q, engine) * MMA_ERR
-    if engine == "wgmma":
-        rel += (-(-q // conv_mma.WG_BK) + 8) * 2.0 ** -24
+    rel = _instructions(shape.k * shape.k * shape.cout, engine) * MMA_ERR
     exact, mags = _dgrad_ref(w, dy, shape)
     kw = dict(input_size=(shape.h, shape.w), **_geom(shape))
     tree = kernels.get("conv_dgrad", "tree")
