@@ -308,7 +308,9 @@ def render(df: pd.DataFrame, out: pathlib.Path, plots: bool = True) -> str:
     if dtypes:
         lines.append(f"**Inputs in {', '.join(dtypes)}**: every float32 input of each case rounded to it before "
                      "anything runs, as under `torch.autocast`. nnrand's variants widen to float32, add in their "
-                     "fixed order and round each output once; peers run PyTorch's own half-precision kernels. "
+                     "fixed order and round each output once (the conv gradients' `tree` and `atomic`: tensor "
+                     "cores, float32 accumulation, kernels/conv_mma.py); peers run PyTorch's own half-precision "
+                     "kernels. "
                      "Errors are against the float64 sum of the half inputs (so they include that final "
                      "rounding); % BW counts each half tensor at 2 bytes per element; % FLOP is of the float32 "
                      "matmul ceiling (nnrand's kernels compute in float32).\n")
