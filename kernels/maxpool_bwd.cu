@@ -281,7 +281,7 @@ struct CellAxis {
 };
 
 // n / d for 0 <= n < 2^31 with a multiply-high: m and s from cell_divisor() in maxpool_bwd.py.
-struct FastDiv {
+struct CellDiv {
     unsigned m;
     int s, d;
     __device__ __forceinline__ int div(int n) const { return (int)((__umulhi((unsigned)n, m) + (unsigned)n) >> s); }
@@ -290,7 +290,7 @@ struct FastDiv {
 
 struct CellArgs {
     int C, H, W, OH, OW, BH, BW;
-    FastDiv byC, byBH, byBW;
+    CellDiv byC, byBH, byBW;
 };
 
 // Two horizontally adjacent dx elements in one store (p aligned to two elements).

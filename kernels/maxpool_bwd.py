@@ -272,7 +272,7 @@ def cell_plan(h: int, w: int, kh: int, kw: int, sh: int, sw: int, ph: int, pw: i
 
 @functools.lru_cache(maxsize=512)
 def cell_divisor(d: int) -> tuple[np.uint32, np.int32]:
-    """(m, s) with n // d == (((n * m) >> 32) + n) >> s for every 0 <= n < 2**31 (the kernels' FastDiv):
+    """(m, s) with n // d == (((n * m) >> 32) + n) >> s for every 0 <= n < 2**31 (the kernels' CellDiv):
     s = ceil(log2 d), m = floor(2**32 * (2**s - d) / d) + 1 < 2**32."""
     if not 1 <= d < 2**31:
         raise ValueError(f"divisor {d} outside [1, 2^31)")

@@ -33,7 +33,8 @@
 //
 // Products and additions are explicit _rn intrinsics, so nothing is contracted besides the source
 // index FMA, which the CPU model reproduces exactly (the product of two floats is exact in double).
-// No #include: compiles alone under NVRTC.
+
+#include "common.cuh"  // FastDiv, fast_div
 
 #define UBB_THREADS 256
 #define UBB_INT32_MAX 2147483647LL
@@ -209,23 +210,9 @@ upsample_bilinear2d_bwd_tree_direct(const float* __restrict__ dy, float* __restr
 
 // ---- tabled
 
-// n / d for 0 <= n < 2^31 and 1 <= d <= 2^31 by a high multiply, an add and a shift (the magic-number
-// divider of torch's IntDivider): m = 2^32 (2^s - d) / d + 1 with 2^s >= d > 2^(s-1).
-struct FastDiv {
-    unsigned d, m, s;
-};
-
-__device__ __forceinline__ FastDiv make_fastdiv(unsigned d) {
-    unsigned s = 0;
-    while (s < 31 && (1u << s) < d) ++s;
-    const unsigned long long m = ((1ull << 32) * ((1ull << s) - d)) / d + 1;
-    FastDiv f = {d, (unsigned)m, s};
-    return f;
-}
-
 // q = n / d, r = n - q * d: multiply-shift for the int path, plain division for the 64-bit one.
 __device__ __forceinline__ int divmod(const FastDiv f, int n, int& r) {
-    const int q = (int)((__umulhi((unsigned)n, f.m) + (unsigned)n) >> f.s);
+    const int q = fast_div(f, n);
     r = n - q * (int)f.d;
     return q;
 }
