@@ -70,11 +70,20 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # the driver's CUfunction_
 _RAISED: set[int] = set()
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)   # ~20 us a query: once per device
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def default_engine(device: torch.device) -> str:
     """``"wgmma"`` (warpgroup MMAs, Hopper's tensor-core instructions) on compute capability 9.0, else
     ``"mma"`` (mma.sync, any GPU from 8.0). A function of the device only: on one GPU model a call always
     takes the same kernels, hence the same bits."""
-    return "wgmma" if torch.cuda.get_device_capability(device) == (9, 0) else "mma"
+    return "wgmma" if capability(device) == (9, 0) else "mma"
 
 
 def _engine(engine: str | None, device: torch.device) -> str:
@@ -83,9 +92,9 @@ def _engine(engine: str | None, device: torch.device) -> str:
         return default_engine(device)
     if engine not in ENGINES:
         raise ValueError(f"conv_mma: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine == "wgmma" and torch.cuda.get_device_capability(device) != (9, 0):
+    if engine == "wgmma" and capability(device) != (9, 0):
         raise ValueError(f"conv_mma: engine 'wgmma' needs a compute capability 9.0 GPU, {device} is "
-                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+                         f"{'.'.join(map(str, capability(device)))}")
     return engine
 
 
