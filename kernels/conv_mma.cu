@@ -45,26 +45,31 @@
 #define MM_STAGES 4  // shared-memory stages: loads run up to MM_STAGES - 1 K-steps ahead of the multiplication
 #endif
 
-// The K-loop of both GEMMs over `steps` K-steps: LOAD fills stage `st` with K-step `j` (cp.async, one
-// commit group per K-step, empty past the end), MULTIPLY consumes stage `cur`. One barrier per K-step: it
-// publishes K-step `it` and retires the stage the next load overwrites (multiplied at step it - 1).
-#define MM_PIPELINE(LOAD, MULTIPLY)                                                                     \
-    for (int j = 0; j < MM_STAGES - 1; ++j) {                                                           \
+// The K-loop of the GEMMs over `steps` K-steps: LOAD fills stage `st` with K-step `j` (cp.async, one commit
+// group per K-step, empty past the end), MULTIPLY consumes stage `cur`; loads run AHEAD K-steps ahead. One
+// barrier per K-step: after this thread's copies of step `it` landed and PUBLISH ran, it publishes step `it`
+// and retires the stage the next load overwrites, which RETIRE (run after MULTIPLY) guarantees is no longer
+// read: mma.sync (MM_PIPELINE) reads its stage synchronously, AHEAD = MM_STAGES - 1.
+#define MM_PIPELINE_GENERIC(LOAD, MULTIPLY, AHEAD, PUBLISH, RETIRE)                                     \
+    for (int j = 0; j < (AHEAD); ++j) {                                                                 \
         const int st = j;                                                                               \
         if (j < steps) LOAD;                                                                            \
         cp_async_commit();                                                                              \
     }                                                                                                   \
     for (int it = 0; it < steps; ++it) {                                                                \
-        cp_async_wait<MM_STAGES - 2>();                                                                 \
+        cp_async_wait<(AHEAD) - 1>();                                                                   \
+        PUBLISH;                                                                                        \
         __syncthreads();                                                                                \
         {                                                                                               \
-            const int j = it + MM_STAGES - 1, st = j % MM_STAGES;                                       \
+            const int j = it + (AHEAD), st = j % MM_STAGES;                                             \
             if (j < steps) LOAD;                                                                        \
             cp_async_commit();                                                                          \
         }                                                                                               \
         const int cur = it % MM_STAGES;                                                                 \
         MULTIPLY;                                                                                       \
+        RETIRE;                                                                                         \
     }
+#define MM_PIPELINE(LOAD, MULTIPLY) MM_PIPELINE_GENERIC(LOAD, MULTIPLY, MM_STAGES - 1, (void)0, (void)0)
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -135,6 +140,17 @@ __device__ __forceinline__ void warp_step(const act_t* As, const act_t* Bs, int 
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni) mma16816(acc[mi][ni], af[mi], bf[ni]);
+    }
+}
+
+// Two adjacent float32 partials of a weight-gradient tile: stored (ATOMIC 0) or atomically added (ATOMIC 1).
+template <int ATOMIC>
+__device__ __forceinline__ void put_pair(float* p, float a, float b) {
+    if (ATOMIC) {
+        atomicAdd(p, a);
+        atomicAdd(p + 1, b);
+    } else {
+        *reinterpret_cast<float2*>(p) = make_float2(a, b);
     }
 }
 
@@ -226,13 +242,7 @@ __device__ __forceinline__ void wgrad_body(const act_t* __restrict__ x, const ac
             for (int hlf = 0; hlf < 2; ++hlf) {
                 const int row = m0 + wm0 + mi * 16 + gr + hlf * 8;
                 if (row >= M) continue;
-                float* p = base + (size_t)row * R + col;
-                if (ATOMIC) {
-                    atomicAdd(p, acc[mi][ni][2 * hlf]);
-                    atomicAdd(p + 1, acc[mi][ni][2 * hlf + 1]);
-                } else {
-                    *reinterpret_cast<float2*>(p) = make_float2(acc[mi][ni][2 * hlf], acc[mi][ni][2 * hlf + 1]);
-                }
+                put_pair<ATOMIC>(base + (size_t)row * R + col, acc[mi][ni][2 * hlf], acc[mi][ni][2 * hlf + 1]);
             }
         }
 }
@@ -242,15 +252,18 @@ __device__ __forceinline__ void wgrad_body(const act_t* __restrict__ x, const ac
         NAME(const act_t* x, const act_t* dy, float* out, MM_GEOMETRY, int K, int Kc) {                   \
         wgrad_body<BM, BN, ATOMIC>(x, dy, out, MM_CONV, K, Kc);                                           \
     }
-// Tile shapes never change the bits: every element's mma sequence is the same in any tile.
-WGRAD_KERNEL(conv_mma_wgrad_split_128x128, 128, 128, 0)
-WGRAD_KERNEL(conv_mma_wgrad_split_128x64, 128, 64, 0)
-WGRAD_KERNEL(conv_mma_wgrad_split_64x128, 64, 128, 0)
-WGRAD_KERNEL(conv_mma_wgrad_split_64x64, 64, 64, 0)
-WGRAD_KERNEL(conv_mma_wgrad_atomic_128x128, 128, 128, 1)
-WGRAD_KERNEL(conv_mma_wgrad_atomic_128x64, 128, 64, 1)
-WGRAD_KERNEL(conv_mma_wgrad_atomic_64x128, 64, 128, 1)
-WGRAD_KERNEL(conv_mma_wgrad_atomic_64x64, 64, 64, 1)
+// Every tile (BM, BN) in {64, 128}^2, split and atomic: PREFIX_{split|atomic}_{BM}x{BN}. Tile shapes never
+// change the bits: every element's instruction sequence is the same in any tile.
+#define WGRAD_TILES(KERNEL, PREFIX)                                                                       \
+    KERNEL(PREFIX##_split_128x128, 128, 128, 0)                                                           \
+    KERNEL(PREFIX##_split_128x64, 128, 64, 0)                                                             \
+    KERNEL(PREFIX##_split_64x128, 64, 128, 0)                                                             \
+    KERNEL(PREFIX##_split_64x64, 64, 64, 0)                                                               \
+    KERNEL(PREFIX##_atomic_128x128, 128, 128, 1)                                                          \
+    KERNEL(PREFIX##_atomic_128x64, 128, 64, 1)                                                            \
+    KERNEL(PREFIX##_atomic_64x128, 64, 128, 1)                                                            \
+    KERNEL(PREFIX##_atomic_64x64, 64, 64, 1)
+WGRAD_TILES(WGRAD_KERNEL, conv_mma_wgrad)
 
 // The S partials ws[s][m][r'] of every dw element added in ordered_combine's fixed order, rounded once to
 // act_t and stored at dw's (co, ci, kh, kw) position. S = 1 (atomic, or one chunk) only rounds and permutes.
@@ -504,28 +517,12 @@ __device__ __forceinline__ void wg_step(const act_t* As, const act_t* Bs, int r0
     wgmma_commit();
 }
 
-// The K-loop of the wgmma GEMMs: as MM_PIPELINE, but the multiplication of K-step `it` (ISSUE: one commit
-// group of wgmma) is still running while step it + 1 waits for its copies, so loads run MM_STAGES - 2
-// steps ahead: the stage a load overwrites was read by step it - 2, which wait_group 1 retired.
+// The K-loop of the wgmma GEMMs: the multiplication of K-step `it` (ISSUE: one commit group of wgmma) is
+// still running while step it + 1 waits for its copies, so loads run MM_STAGES - 2 steps ahead: the stage a
+// load overwrites was read by step it - 2, which wait_group 1 retired. PUBLISH hands the copies to the async
+// proxy the tensor cores read shared memory through.
 #define WG_PIPELINE(LOAD, ISSUE)                                                                        \
-    for (int j = 0; j < MM_STAGES - 2; ++j) {                                                           \
-        const int st = j;                                                                               \
-        if (j < steps) LOAD;                                                                            \
-        cp_async_commit();                                                                              \
-    }                                                                                                   \
-    for (int it = 0; it < steps; ++it) {                                                                \
-        cp_async_wait<MM_STAGES - 3>();                                                                 \
-        fence_proxy_async();                                                                            \
-        __syncthreads();                                                                                \
-        {                                                                                               \
-            const int j = it + MM_STAGES - 2, st = j % MM_STAGES;                                       \
-            if (j < steps) LOAD;                                                                        \
-            cp_async_commit();                                                                          \
-        }                                                                                               \
-        const int cur = it % MM_STAGES;                                                                 \
-        ISSUE;                                                                                          \
-        wgmma_wait<1>();                                                                                \
-    }                                                                                                   \
+    MM_PIPELINE_GENERIC(LOAD, ISSUE, MM_STAGES - 2, fence_proxy_async(), wgmma_wait<1>())               \
     wgmma_wait<0>();                                                                                    \
     wg_fence_acc(acc);                                                                                  \
     if (steps == 0) wg_zero(acc);
@@ -598,13 +595,7 @@ __device__ __forceinline__ void wg_wgrad_body(const act_t* __restrict__ x, const
         for (int hlf = 0; hlf < 2; ++hlf) {
             const int row = m0 + r0 + gr + hlf * 8;
             if (row >= M) continue;
-            float* p = base + (size_t)row * R + col;
-            if (ATOMIC) {
-                atomicAdd(p, acc[4 * i + 2 * hlf]);
-                atomicAdd(p + 1, acc[4 * i + 2 * hlf + 1]);
-            } else {
-                *reinterpret_cast<float2*>(p) = make_float2(acc[4 * i + 2 * hlf], acc[4 * i + 2 * hlf + 1]);
-            }
+            put_pair<ATOMIC>(base + (size_t)row * R + col, acc[4 * i + 2 * hlf], acc[4 * i + 2 * hlf + 1]);
         }
     }
 }
@@ -614,14 +605,7 @@ __device__ __forceinline__ void wg_wgrad_body(const act_t* __restrict__ x, const
         NAME(const act_t* x, const act_t* dy, float* out, MM_GEOMETRY, int K, int Kc) {                   \
         wg_wgrad_body<BM, BN, ATOMIC>(x, dy, out, MM_CONV, K, Kc);                                        \
     }
-WG_WGRAD_KERNEL(conv_wg_wgrad_split_128x128, 128, 128, 0)
-WG_WGRAD_KERNEL(conv_wg_wgrad_split_128x64, 128, 64, 0)
-WG_WGRAD_KERNEL(conv_wg_wgrad_split_64x128, 64, 128, 0)
-WG_WGRAD_KERNEL(conv_wg_wgrad_split_64x64, 64, 64, 0)
-WG_WGRAD_KERNEL(conv_wg_wgrad_atomic_128x128, 128, 128, 1)
-WG_WGRAD_KERNEL(conv_wg_wgrad_atomic_128x64, 128, 64, 1)
-WG_WGRAD_KERNEL(conv_wg_wgrad_atomic_64x128, 64, 128, 1)
-WG_WGRAD_KERNEL(conv_wg_wgrad_atomic_64x64, 64, 64, 1)
+WGRAD_TILES(WG_WGRAD_KERNEL, conv_wg_wgrad)
 
 // Data gradient on warpgroup MMAs: grid and outputs as dgrad_body, but the weights packed [ci][kh][kw][co]
 // (wt: row ci, q = (kh, kw, co) contiguous: the K-major B operand). BM 128.
