@@ -154,14 +154,15 @@ __device__ __forceinline__ void put_pair(float* p, float a, float b) {
     }
 }
 
+// Accumulators set to +0: a flat fragment (wgmma) or an [MI][NI][4] one (mma.sync).
+template <int L>
+__device__ __forceinline__ void zero_acc(float (&acc)[L]) {
+#pragma unroll
+    for (int i = 0; i < L; ++i) acc[i] = 0.0f;
+}
 template <int MI, int NI>
 __device__ __forceinline__ void zero_acc(float (&acc)[MI][NI][4]) {
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int j = 0; j < NI; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    zero_acc(reinterpret_cast<float (&)[MI * NI * 4]>(acc));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -435,11 +436,6 @@ __device__ __forceinline__ void wg_fence_acc(float (&acc)[L]) {
 #pragma unroll
     for (int i = 0; i < L; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
-template <int L>
-__device__ __forceinline__ void wg_zero(float (&acc)[L]) {
-#pragma unroll
-    for (int i = 0; i < L; ++i) acc[i] = 0.0f;
-}
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
@@ -525,7 +521,7 @@ __device__ __forceinline__ void wg_step(const act_t* As, const act_t* Bs, int r0
     MM_PIPELINE_GENERIC(LOAD, ISSUE, MM_STAGES - 2, fence_proxy_async(), wgmma_wait<1>())               \
     wgmma_wait<0>();                                                                                    \
     wg_fence_acc(acc);                                                                                  \
-    if (steps == 0) wg_zero(acc);
+    if (steps == 0) zero_acc(acc);
 
 // Weight gradient on warpgroup MMAs: grid, split and outputs as wgrad_body.
 template <int BM, int BN, int ATOMIC>

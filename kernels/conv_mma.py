@@ -65,6 +65,8 @@ WG_BK = 64                   # the wgmma kernels' K-step (WG_BK in conv_mma.cu)
 # bench/dev/conv_mma_sweep.py on ResNet-50 shapes (H100), none of them changes the bits
 STAGES = {"wgmma": 3, "mma": 4}
 ENGINES = ("wgmma", "mma")
+PREFIX = {"wgmma": "conv_wg", "mma": "conv_mma"}   # each engine's kernel names in conv_mma.cu
+WGMMA_CAPABILITY = (9, 0)                            # the sm_90a target the wgmma kernels are built for
 ENGINE: str | None = None    # the engine of calls that name none; None: default_engine (set by benchmarks)
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # the driver's CUfunction_attribute
 _RAISED: set[int] = set()
@@ -79,11 +81,15 @@ def capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def has_wgmma(device: torch.device) -> bool:
+    return capability(device) == WGMMA_CAPABILITY
+
+
 def default_engine(device: torch.device) -> str:
     """``"wgmma"`` (warpgroup MMAs, Hopper's tensor-core instructions) on compute capability 9.0, else
     ``"mma"`` (mma.sync, any GPU from 8.0). A function of the device only: on one GPU model a call always
     takes the same kernels, hence the same bits."""
-    return "wgmma" if capability(device) == (9, 0) else "mma"
+    return "wgmma" if has_wgmma(device) else "mma"
 
 
 def _engine(engine: str | None, device: torch.device) -> str:
@@ -92,7 +98,7 @@ def _engine(engine: str | None, device: torch.device) -> str:
         return default_engine(device)
     if engine not in ENGINES:
         raise ValueError(f"conv_mma: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine == "wgmma" and capability(device) != (9, 0):
+    if engine == "wgmma" and not has_wgmma(device):
         raise ValueError(f"conv_mma: engine 'wgmma' needs a compute capability 9.0 GPU, {device} is "
                          f"{'.'.join(map(str, capability(device)))}")
     return engine
@@ -158,8 +164,7 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool,
         splits = p.splits
     kind = "atomic" if atomic else "split"
     smem = wgrad_smem(bm, bn, engine)
-    prefix = "conv_wg" if engine == "wgmma" else "conv_mma"
-    launch(_fn(f"{prefix}_wgrad_{kind}_{bm}x{bn}", dev, dtype, engine, smem), grid, (THREADS,),
+    launch(_fn(f"{PREFIX[engine]}_wgrad_{kind}_{bm}x{bn}", dev, dtype, engine, smem), grid, (THREADS,),
            (ptr(x), ptr(dy), ptr(ws), *geom), device=dev, shared_mem=smem)
     launch(_fn("conv_mma_combine", dev, dtype, engine), (cdiv(m * r, THREADS),), (THREADS,),
            (ptr(ws), *_ints(splits, m, g.cin, g.kh * g.kw), ptr(dw)), device=dev)
@@ -195,7 +200,7 @@ def dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = None) ->
         dx.zero_()
     bn = 128 if c >= 128 else 64
     smem = dgrad_smem(bn, engine=engine)
-    fn = _fn(f"{'conv_wg' if engine == 'wgmma' else 'conv_mma'}_dgrad_t128x{bn}", dev, dtype, engine, smem)
+    fn = _fn(f"{PREFIX[engine]}_dgrad_t128x{bn}", dev, dtype, engine, smem)
     order = (1, 2, 3, 0) if engine == "wgmma" else (2, 3, 0, 1)   # [ci][kh][kw][co] or [kh][kw][co][ci]
     if not phased:
         wq = w.permute(*order).contiguous()

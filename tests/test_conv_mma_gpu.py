@@ -61,7 +61,7 @@ LAYOUTS = ("nchw", "channels_last")
 @pytest.fixture(params=conv_mma.ENGINES)
 def engine(request, monkeypatch):
     """Each tensor-core engine this GPU has, set as the one calls take (conv_mma.ENGINE)."""
-    if request.param == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+    if request.param == "wgmma" and not conv_mma.has_wgmma(torch.device("cuda")):
         pytest.skip("wgmma needs a compute capability 9.0 GPU")
     monkeypatch.setattr(conv_mma, "ENGINE", request.param)
     return request.param
