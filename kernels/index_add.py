@@ -44,6 +44,7 @@ from .runtime import (
     ptr,
     sm_count,
     ticket_counters,
+    zeros_beside,
 )
 
 OP = "index_add"
@@ -258,26 +259,49 @@ def _vec(src: torch.Tensor, d: int) -> int:
 MAX_GRID_Y = 65535
 
 
+SPLITS = ("rows", "tiles", "fill")
+
+
+def default_split(n: int, space: int, scalar: bool) -> str:
+    """The sorted kernels' task split for n contributions into ``space`` destinations (segsum.cuh):
+    ``fill`` where most destinations are empty (n < space), else ``rows``."""
+    return "fill" if n < space else "rows"
+
+
 def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
                        elementwise: bool = False, skip: int = -1, scaled: bool = False,
-                       force_scalar: bool = False, sparse: bool | None = None,
+                       force_scalar: bool = False, split: str | None = None,
                        check: RangeCheck = NO_CHECK) -> torch.Tensor:
     """out (rows, D): each destination's contributions in source order, chunked, fixed tree (see the
     module docstring). Four launches and torch.sort, no host synchronisation: keys (narrowed, bad ones
-    to a sentinel), stable sort, row starts, sums. Dense (more contributions than destinations): the sums
-    write every output row, so the output is never zero-filled. Sparse (fewer: an embedding's gradient,
-    most rows empty or of one contribution): the warp kernels take destination rows 32 at a time (zeros
-    for the empty ones, the rows of one contribution read lane-parallel; still no zero fill), the thread
-    kernel zero-fills the output and takes only sorted positions; the same chunks and tree, so the same
-    bits (``sparse`` forces either split; default: by the counts). Keys outside [0, rows) add nothing, or fail the keys kernel
-    (``check`` device), or raise KernelArgumentError after the kernels are queued (``check`` sync:
-    start[space], the count of valid keys, read back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits; for tests)."""
+    to a sentinel), stable sort, row starts, sums. Task splits (``split``, default: default_split; all
+    sum the same chunks in the same order, so give the same bits): ``rows``: a task per destination (it
+    writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp
+    kernels): a task per 32 destinations instead (zeros for the empty ones, rows of one contribution read
+    lane-parallel); ``fill``: the output is zero-filled on a second stream while the keys are sorted, and
+    the sums take only the tiles of 32 sorted positions (an embedding's gradient: most rows empty; the
+    fill overlaps the sort). The thread kernel knows ``rows`` and ``fill`` (``tiles`` runs as ``fill``).
+    Keys outside [0, rows) add nothing, or fail the keys kernel (``check`` device), or raise
+    KernelArgumentError after the kernels are queued (``check`` sync: start[space], the count of valid
+    keys, read back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits;
+    for tests)."""
     d = src.shape[1]
     dev = src.device
     n = key.numel()
     if n == 0 or d == 0:
         return torch.zeros((rows, d), device=dev, dtype=torch.float32)
     space, width = (rows * d, 1) if elementwise else (rows, d)
+    scalar = elementwise or width < SCALAR_BELOW_D or force_scalar
+    if split is None:
+        split = default_split(n, space, scalar)
+    elif split not in SPLITS:
+        raise KernelArgumentError(prefix, "split", f"expected one of {SPLITS}, got {split!r}")
+    if scalar and split == "tiles":
+        split = "fill"
+    if split == "fill":
+        out, join = zeros_beside((rows, d), dev)
+    else:
+        out, join = torch.empty((rows, d), device=dev, dtype=torch.float32), None
     ktype, kname, offset = _key_dtype(space)
     keys = torch.empty(n, device=dev, dtype=ktype)
     # element form: destination of src[i, j] is flat row key[i, j] * D + j of a (rows * D, 1) output
@@ -288,26 +312,25 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     start = torch.empty(space + 1, device=dev, dtype=torch.int64)
     launch(function(source, f"{prefix}_starts_{kname}", dev), (_blocks(space + 1),), (THREADS,),
            (ptr(skey), np.int64(n), np.int64(space), np.int64(offset), ptr(start)), device=dev)
-    if sparse is None:
-        sparse = n < space
-    scalar = elementwise or width < SCALAR_BELOW_D or force_scalar
-    out = (torch.zeros if sparse and scalar else torch.empty)((rows, d), device=dev, dtype=torch.float32)
     vec = 1 if scalar else _vec(src, width)
     slices = 1 if scalar else cdiv(width, 32 * vec)
     slots = max(1, 2 * (n // CHUNK_MIN))
     part = torch.empty((2, slots, width), device=dev, dtype=torch.float32)
     counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
+    fill = split == "fill"
     args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
             np.uint64(int(ptr(counters)) + 4 * slots * slices), np.int64(n), np.int32(width), np.int64(skip),
-            np.int32(scaled), np.int64(space), np.int64(offset), np.int32(sparse))
-    if scalar:  # a thread per destination (dense) and per sorted position
-        launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if sparse else space) + n),),
+            np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill))
+    if join is not None:
+        join()
+    if scalar:  # a thread per destination (rows) and per sorted position
+        launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if fill else space) + n),),
                (THREADS,), args, device=dev)
-    else:  # a warp per destination (sparse: per 32 destinations) and per 32 sorted positions; grid rows: slices
-        warps = (cdiv(space, 32) if sparse else space) + cdiv(n, 32)
-        launch(function(source, f"{prefix}_rows{vec}{'_sparse' if sparse else ''}_{kname}", dev),
-               (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)), min(slices, MAX_GRID_Y)), (THREADS,), args,
-               device=dev)
+    else:  # a warp per destination (or 32 of them; or none) and per 32 sorted positions; grid rows: slices
+        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32)
+        kernel = f"{prefix}_rows{vec}{'' if split == 'rows' else '_' + split}_{kname}"
+        launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
+                                               min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)
     if check.sync and int(start[space]) != n:  # the one host synchronisation, after the work is queued
         check_index_range(check.op, check.arg, key, rows)
     return out

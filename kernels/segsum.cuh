@@ -32,10 +32,11 @@
 //           Work split: one task per destination row (it writes the row, +0.0 where the row has no
 //           contribution, so the output needs no zero fill, and sums the row's chunk 0) and one task per
 //           32 sorted positions (it sums the chunks c >= 1 that start there: chunks are >= 32 long, so
-//           at most one per row per tile). Each chunk is summed by exactly one task. With fewer
-//           contributions than destinations (sparse) the warp kernels take destination rows 32 per task
-//           instead (empty rows written as zeros, rows of one contribution loaded several at once), and
-//           the thread kernel zero-fills the output and takes sorted positions only.
+//           at most one per row per tile). Each chunk is summed by exactly one task. Other splits: the
+//           warp kernels may take destination rows 32 per task instead (empty rows written as zeros,
+//           rows of one contribution loaded several at once), or, over an output zero-filled on a second
+//           stream while the keys are sorted, sorted positions only (a tile of 32 also takes chunk 0 of
+//           the rows that start in it); the thread kernel too (`fill`).
 //   fixed   order-independent fixed point, three launches and no sort: segsum_fixed_max finds the
 //           largest finite |src| (one atomicMax per block on the float's bits: an integer max, exact in any
 //           order), which with c = ceil(log2 N), N the source rows, fixes the shift s = 62 - c - E (E the
@@ -388,16 +389,22 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
     }
 }
 
-// Destination tasks, then position tasks. Dense split (SPARSE false): task w < space is destination row
-// w (zeros when empty or skipped; else its chunk 0). Sparse split: task w < R = ceil(space / 32) is the
-// tile of destination rows 32 w .. + 31: one coalesced read of their starts, zeros for the empty and
-// skipped rows, the rows of one contribution through seg_warp_singles (their source rows read lane-
-// parallel, the values U at a time), then chunk 0 of each longer row, one after another (so a warp
-// spends no round trip on an empty row, the common case when there are fewer contributions than
-// destinations). Position task w >= space (or R): the tile of sorted positions 32 * (w - space or R)
-// .. + 31 and the chunks c >= 1 that start in it. Grid row y: column slices y, y + gridDim.y, ... of
-// 32 * VEC columns each. Either split sums the same chunks in the same order: the same bits.
-template <typename K, int VEC, bool SPARSE>
+// Task splits (SPLIT): SEG_SPLIT_ROWS: task w < space is destination row w (zeros when empty or skipped;
+// else its chunk 0). SEG_SPLIT_TILES: task w < R = ceil(space / 32) is the tile of destination rows
+// 32 w .. + 31: one coalesced read of their starts, zeros for the empty and skipped rows, the rows of one
+// contribution through seg_warp_singles (their source rows read lane-parallel, the values U at a time),
+// then chunk 0 of each longer row, one after another (so a warp spends no round trip on an empty row).
+// Then, in both, position task w >= space (or R): the tile of sorted positions 32 * (w - space or R)
+// .. + 31 and the chunks c >= 1 that start in it. SEG_SPLIT_FILL: position tasks only, over an output
+// already zero-filled (the launcher fills it on a second stream while the keys are sorted); a position
+// tile also takes the rows that start in it: those of one contribution through seg_warp_singles, then
+// chunk 0 of each longer row. Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each.
+// Every split sums the same chunks in the same order: the same bits.
+#define SEG_SPLIT_ROWS 0
+#define SEG_SPLIT_TILES 1
+#define SEG_SPLIT_FILL 2
+
+template <typename K, int VEC, int SPLIT>
 __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, const K* __restrict__ skey,
                                               const long long* __restrict__ perm,
                                               const long long* __restrict__ start, float* __restrict__ out,
@@ -406,7 +413,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                                               long long offset) {
     const int lane = threadIdx.x & 31;
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
-    const long long dtasks = SPARSE ? (space + 31) >> 5 : space;  // destination tasks
+    const long long dtasks = SPLIT == SEG_SPLIT_ROWS ? space : SPLIT == SEG_SPLIT_TILES ? (space + 31) >> 5 : 0;
     const long long tasks = dtasks + ((n + 31) >> 5);
     const long long warps = (long long)gridDim.x * SEG_WARPS;
     for (long long slice = blockIdx.y; slice < slices; slice += gridDim.y) {
@@ -416,7 +423,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
         for (long long w = (long long)blockIdx.x * SEG_WARPS + (threadIdx.x >> 5); w < tasks; w += warps) {
             float acc[VEC];
             if (w < dtasks) {  // warp-uniform
-                if (!SPARSE) {
+                if (SPLIT == SEG_SPLIT_ROWS) {
                     const long long m = w, s = start[m], k = start[m + 1] - s;
                     if (k == 0 || m == skip) {
 #pragma unroll
@@ -454,14 +461,26 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
             }
             const long long tile = w - dtasks, p = tile * 32 + lane;
             long long m = 0, s = 0, k = 0, L = 1;
-            bool head = false;
+            bool head = false, first = false;
             if (p < n) {
                 m = (long long)skey[p] + offset;
                 if (m < space && m != skip) {
                     s = start[m];
                     k = start[m + 1] - s;
                     L = seg_chunk_len(k);
-                    head = p != s && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1
+                    first = p == s;
+                    head = !first && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1
+                }
+            }
+            if (SPLIT == SEG_SPLIT_FILL) {  // the rows starting in this tile
+                const bool single = first && k == 1;
+                const long long r = single ? perm[p] : 0;
+                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single), r, m, D, col, active, scaled);
+                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1); longer; longer &= longer - 1) {
+                    const int h = __ffs(longer) - 1;
+                    seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2, __shfl_sync(SEG_FULL, m, h),
+                                              tile * 32 + h, __shfl_sync(SEG_FULL, k, h), D, col, active, cb, ce,
+                                              scaled, slice, slices);
                 }
             }
             unsigned heads = __ballot_sync(SEG_FULL, head);
@@ -485,7 +504,8 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
 // sorted: thread tasks (element form, and row form with D < 4)
 
 // Task t < space: destination t (zeros when empty or skipped; else its chunk 0). Task t >= space:
-// sorted position p = t - space, the chunk c >= 1 that starts there if one does. Column by column:
+// sorted position p = t - space, the chunk c >= 1 that starts there if one does. With `fill` (the output
+// is zero-filled): position tasks only, each also taking chunk 0 of a row that starts there. Column by column:
 // perm[q] * D + d is the value of contribution q in column d (element form: D = 1, perm[q] is the
 // flat src element); 8 contributions loaded at once, added in order.
 template <typename K>
@@ -494,10 +514,10 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
                                                 const long long* __restrict__ start, float* __restrict__ out,
                                                 float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
                                                 long long n, int D, long long skip, int scaled, long long space,
-                                                long long offset, int sparse) {
+                                                long long offset, int fill) {
     constexpr int U = 8;
     const long long step = (long long)gridDim.x * blockDim.x;
-    const long long first = sparse ? space : 0;  // sparse: no destination tasks (the output is zero-filled)
+    const long long first = fill ? space : 0;  // no destination tasks over a zero-filled output
     for (long long t = first + (long long)blockIdx.x * blockDim.x + threadIdx.x; t < space + n; t += step) {
         long long m, s, k, p;
         if (t < space) {
@@ -515,7 +535,7 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
             if (m >= space || m == skip) continue;
             s = start[m];
             k = start[m + 1] - s;
-            if ((p == s && !sparse) || ((p - s) & (seg_chunk_len(k) - 1)) != 0) continue;
+            if ((p == s && !fill) || ((p - s) & (seg_chunk_len(k) - 1)) != 0) continue;
         }
         const long long L = seg_chunk_len(k);
         const long long c = (p - s) / L, end = p + min(L, k - (p - s)), nc = (k + L - 1) / L;
@@ -541,30 +561,34 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
     }
 }
 
-#define SEG_SORTED_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset, sparse
+#define SEG_SORTED_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset, fill
 
 #define SEG_SORTED_ARGS_T(KT)                                                                            \
     const float* __restrict__ src, const KT* __restrict__ skey, const long long* __restrict__ perm,     \
         const long long* __restrict__ start, float* __restrict__ out, float* part1, float* part2,       \
         unsigned* cnt1, unsigned* cnt2, long long n, int D, long long skip, int scaled, long long space, \
-        long long offset, int sparse
+        long long offset, int fill
 
 #define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset
 
-// PREFIX_rows<VEC>_<key> (dense split) and PREFIX_rows<VEC>_sparse_<key>, separate kernels. The sparse
-// one is held to 80 registers (3 blocks per SM; spill-free at U = 16 / VEC): its warps wait on short
-// chains of dependent loads, so more of them per SM beat more loads in flight per warp (measured on the
-// H200 against 128 registers and 32 floats in flight, 2 blocks per SM).
+// PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key> and PREFIX_rows<VEC>_fill_<key>,
+// separate kernels. The last two are held to 80 registers (3 blocks per SM; spill-free at U = 16 / VEC):
+// their warps wait on short chains of dependent loads, so more of them per SM beat more loads in flight
+// per warp (measured on the H200 against 128 registers and 32 floats in flight, 2 blocks per SM).
 #define SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, VEC)                                                        \
     extern "C" __global__ void __launch_bounds__(256) PREFIX##_rows##VEC##_##KEYNAME(SEG_SORTED_ARGS_T(KT)) { \
-        seg_rows_body<KT, VEC, false>(SEG_ROWS_PASS);                                                    \
+        seg_rows_body<KT, VEC, SEG_SPLIT_ROWS>(SEG_ROWS_PASS);                                           \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(256, 3)                                                 \
-    PREFIX##_rows##VEC##_sparse_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {                                       \
-        seg_rows_body<KT, VEC, true>(SEG_ROWS_PASS);                                                     \
+    PREFIX##_rows##VEC##_tiles_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {                                        \
+        seg_rows_body<KT, VEC, SEG_SPLIT_TILES>(SEG_ROWS_PASS);                                          \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 3)                                                 \
+    PREFIX##_rows##VEC##_fill_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {                                         \
+        seg_rows_body<KT, VEC, SEG_SPLIT_FILL>(SEG_ROWS_PASS);                                           \
     }
 
-// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>[_sparse]_<key>, PREFIX_scalar_<key> for key
+// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>[_tiles|_fill]_<key>, PREFIX_scalar_<key> for key
 // types i16, i32, i64.
 #define SEG_SORTED_FOR(PREFIX, KEYNAME, KT)                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                    \

@@ -134,6 +134,11 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
         assert same_bits(first, SORTED(*args, **kw)).size == 0
     diff = same_bits(first, SORTED(*cpu_args, **kw))
     assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"
+    key, g, rows, skip = eb._prologue(*args, kw["num_weights"], kw["padding_idx"], kw["scale_grad_by_freq"])
+    for split in ia.SPLITS:  # every task split: the same chunks and tree
+        out = ia.segsum_sorted_cuda(eb.SOURCE, OP, key, g, rows, skip=skip, scaled=kw["scale_grad_by_freq"],
+                                    split=split)
+        assert same_bits(out, first).size == 0, split
 
 
 @pytest.mark.gpu

@@ -259,11 +259,11 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     scalar = ia.index_add_sorted_scalar_cuda(*args, **kw)  # the one-thread-per-chunk kernel: same bits
     assert same_bits(scalar, model).size == 0
     index, src = args
-    for force_scalar in (False, True):  # both task splits (row tasks + tiles; tiles over a zero fill)
-        for sparse in (False, True):
+    for force_scalar in (False, True):  # every task split of both kernels: the same chunks and tree
+        for split in ia.SPLITS:
             out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src.contiguous(), kw["num_rows"],
-                                        force_scalar=force_scalar, sparse=sparse)
-            assert same_bits(out, model).size == 0, (force_scalar, sparse)
+                                        force_scalar=force_scalar, split=split)
+            assert same_bits(out, model).size == 0, (force_scalar, split)
 
 
 @pytest.mark.gpu

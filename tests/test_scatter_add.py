@@ -128,9 +128,9 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     diff = same_bits(first, SORTED(*cpu_args, **kw))
     assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"
     key, src, rows, elementwise = sa._prologue(*args, kw["num_rows"])
-    for sparse in (False, True):  # both task splits: the same chunks and tree
-        out = ia.segsum_sorted_cuda(sa.SOURCE, OP, key, src, rows, elementwise=elementwise, sparse=sparse)
-        assert same_bits(out, first).size == 0, sparse
+    for split in ia.SPLITS:  # every task split: the same chunks and tree
+        out = ia.segsum_sorted_cuda(sa.SOURCE, OP, key, src, rows, elementwise=elementwise, split=split)
+        assert same_bits(out, first).size == 0, split
 
 
 @pytest.mark.gpu

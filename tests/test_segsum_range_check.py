@@ -119,12 +119,15 @@ def test_gpu_device_check_never_synchronises_and_keeps_the_bits(op, variant, ext
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op,variant", [("index_add", "sorted"), ("index_add", "fixed"), ("scatter_add", "fixed"),
-                                        ("embedding_bwd", "sorted")])
-def test_gpu_device_check_is_captured_by_a_cuda_graph(op, variant, cuda_sync):
-    """Captured once, replayed on new source values written into the captured input: eager's bits."""
+@pytest.mark.parametrize("op,variant,rows", [("index_add", "sorted", 50), ("index_add", "fixed", 50),
+                                             ("scatter_add", "fixed", 50), ("embedding_bwd", "sorted", 50),
+                                             ("embedding_bwd", "sorted", 20000), ("index_add", "sorted", 8000)])
+def test_gpu_device_check_is_captured_by_a_cuda_graph(op, variant, rows, cuda_sync):
+    """Captured once, replayed on new source values written into the captured input: eager's bits.
+    20000 and 8000 rows (more than the 3000 source rows): the sorted sums' ``fill`` split, whose zero fill
+    runs on a second stream (forked and joined inside the capture)."""
     fn = kernels.get(op, variant)
-    args, kw = inputs(op, CUDA)
+    args, kw = inputs(op, CUDA, rows=rows)
     src_pos = 0 if op == "embedding_bwd" else 1
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -1,5 +1,5 @@
 """The scatter sums (index_add, scatter_add, embedding_bwd) on a CUDA machine, phase by phase: every
-bench case's variants (sorted both task splits, fixed, atomic) timed per call (CUDA events, L2 flushed,
+bench case's variants (sorted in each task split, fixed, atomic) timed per call (CUDA events, L2 flushed,
 median of 30), eagerly and as a CUDA-graph replay (no host work: what the GPU alone takes), and each
 kernel's share from torch.profiler (CUPTI sees CuPy's launches too).
 
@@ -23,14 +23,14 @@ from kernels import index_add as ia  # noqa: E402
 OPS = ("index_add", "scatter_add", "embedding_bwd")
 
 
-def sorted_split(op: str, sparse: bool):
+def sorted_split(op: str, split: str):
     """The op's sorted variant with the task split forced (same bits)."""
     variant = kernels.get(op, "sorted")
     module = sys.modules[variant.cuda.__module__]
     original = ia.segsum_sorted_cuda
 
     def forced(*a, **k):
-        return original(*a, **{**k, "sparse": sparse})
+        return original(*a, **{**k, "split": split})
 
     def run(*args, **kw):
         with mock.patch.object(module, "segsum_sorted_cuda", forced):
@@ -80,8 +80,8 @@ def main() -> None:
             args, kw = spec.make_inputs(case, dev)
             kw = {**kw, **dict(spec.bench_kwargs)}  # as benchmarked and routed: no host synchronisation
             subjects = {"atomic": lambda: kernels.get(op, "atomic")(*args, **kw),
-                        "sorted_dense": lambda: sorted_split(op, False)(*args, **kw),
-                        "sorted_sparse": lambda: sorted_split(op, True)(*args, **kw),
+                        **{f"sorted_{split}": (lambda split=split: sorted_split(op, split)(*args, **kw))
+                           for split in ia.SPLITS},
                         "fixed": lambda: kernels.get(op, "fixed")(*args, **kw)}
             print(f"\n{op} {case.name}")
             for name, fn in subjects.items():
