@@ -44,7 +44,7 @@ from .runtime import (
     ptr,
     sm_count,
     ticket_counters,
-    zeros_beside,
+    fork,
 )
 
 OP = "index_add"
@@ -260,6 +260,7 @@ MAX_GRID_Y = 65535
 
 
 SPLITS = ("rows", "tiles", "fill")
+ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 
 
 def default_split(n: int, space: int, scalar: bool) -> str:
@@ -298,10 +299,13 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
         raise KernelArgumentError(prefix, "split", f"expected one of {SPLITS}, got {split!r}")
     if scalar and split == "tiles":
         split = "fill"
-    if split == "fill":
-        out, join = zeros_beside((rows, d), dev)
-    else:
-        out, join = torch.empty((rows, d), device=dev, dtype=torch.float32), None
+    out, join = torch.empty((rows, d), device=dev, dtype=torch.float32), None
+    if split == "fill":  # zeros beside the keys' sort (segsum_zero: a grid that leaves room for it)
+        side, join = fork(dev)
+        with torch.cuda.stream(side):
+            launch(function(source, "segsum_zero", dev), (max(1, min(cdiv(out.numel(), 4 * THREADS),
+                                                                    ZERO_BLOCKS_PER_SM * sm_count(dev))),),
+                   (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
     ktype, kname, offset = _key_dtype(space)
     keys = torch.empty(n, device=dev, dtype=ktype)
     # element form: destination of src[i, j] is flat row key[i, j] * D + j of a (rows * D, 1) output

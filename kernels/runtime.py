@@ -323,22 +323,18 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
 _SIDE: dict[int, "torch.cuda.Stream"] = {}
 
 
-def zeros_beside(shape, device: torch.device, dtype: torch.dtype = torch.float32):
-    """(out, join): a zeroed tensor whose fill kernel runs on a second stream of ``device``, overlapping
-    whatever the caller queues meanwhile on its current stream (a sort, say: latency-bound, while the fill
-    is bandwidth-bound). The fill starts after the work already queued on the current stream (the memory
-    may be freshly freed by it); ``join()`` makes the current stream wait for the fill and must come before
-    anything there touches ``out``. Works under CUDA-graph capture (an event fork and join)."""
+def fork(device: torch.device):
+    """(side, join): a second stream of ``device`` that waits for the work already queued on the current
+    stream, so that work queued on it next overlaps what the caller queues meanwhile on the current one;
+    ``join()`` makes the current stream wait for the side stream's work, and must come before anything
+    there touches what the side stream wrote. Works under CUDA-graph capture (an event fork and join)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     side = _SIDE.get(index)
     if side is None:
         side = _SIDE[index] = torch.cuda.Stream(device=index)
     current = torch.cuda.current_stream(index)
-    out = torch.empty(shape, device=device, dtype=dtype)
     side.wait_stream(current)
-    with torch.cuda.stream(side):
-        out.zero_()
-    return out, lambda: current.wait_stream(side)
+    return side, lambda: current.wait_stream(side)
 
 
 @functools.lru_cache(maxsize=None)

@@ -112,6 +112,20 @@ segsum_count(const long long* __restrict__ key, long long n, long long rows, uns
     }
 }
 
+// out[0 .. n) = +0.0 (16-byte stores; out from torch's allocator, 16-byte aligned). Launched with a few
+// blocks per SM on a second stream beside the sort of the `fill` split (kernels/index_add.py): a grid of
+// that size leaves room on every SM for the sort's kernels, which a fill over the whole GPU would keep
+// waiting until its last wave (stores need no warps waiting on them, so a few blocks still saturate
+// the memory's write bandwidth).
+extern "C" __global__ void __launch_bounds__(256)
+segsum_zero(float* __restrict__ out, long long n) {
+    const long long step = (long long)gridDim.x * blockDim.x;
+    const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (long long i = i0; i < (n >> 2); i += step) reinterpret_cast<float4*>(out)[i] = z;
+    for (long long i = ((n >> 2) << 2) + i0; i < n; i += step) out[i] = 0.0f;
+}
+
 // Row form: e = i * D + d, value src[e] into out[key[i] * D + d]. Element form (scatter_add, D = the
 // rows' width): e is the contribution, value src[e] into out[key[e] * D + e % D]. Returns the flat
 // destination (-1: the skip row or a key outside [0, rows), nothing to add; with `trap` set a key outside
