@@ -68,8 +68,6 @@ ENGINES = ("wgmma", "mma")
 PREFIX = {"wgmma": "conv_wg", "mma": "conv_mma"}   # each engine's kernel names in conv_mma.cu
 WGMMA_CAPABILITY = (9, 0)                            # the sm_90a target the wgmma kernels are built for
 ENGINE: str | None = None    # the engine of calls that name none; None: default_engine (set by benchmarks)
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # the driver's CUfunction_attribute
-_RAISED: set[int] = set()
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,13 +105,8 @@ def _engine(engine: str | None, device: torch.device) -> str:
 def _fn(name: str, device: torch.device, dtype: torch.dtype, engine: str, smem: int = 0):
     """The kernel, compiled with the engine's stage count, its dynamic shared-memory limit raised to
     ``smem`` bytes (once per loaded function)."""
-    fn = function(SOURCE, name, device, (*act_defines(dtype), f"-DMM_STAGES={STAGES[engine]}"), arch_specific=True)
-    if smem > 48 * 1024 and fn.ptr not in _RAISED:
-        from cupy.cuda import driver
-
-        driver.funcSetAttribute(fn.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-        _RAISED.add(fn.ptr)
-    return fn
+    return function(SOURCE, name, device, (*act_defines(dtype), f"-DMM_STAGES={STAGES[engine]}"),
+                    arch_specific=True, smem=smem)
 
 
 

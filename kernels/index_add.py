@@ -259,14 +259,61 @@ def _vec(src: torch.Tensor, d: int) -> int:
 MAX_GRID_Y = 65535
 
 
+SORT_MAX = 16384          # SEG_SORT_MAX: up to this many keys (int16 ones), one block sorts them
+SORT_THREADS = 1024
+SORT_SMEM = (2 * SORT_MAX + 256 * 32 + 32) * 4   # SEG_SORT_SMEM
 SPLITS = ("rows", "tiles", "fill")
 ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 
 
+TILES_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take tiles
+
+
 def default_split(n: int, space: int, scalar: bool) -> str:
-    """The sorted kernels' task split for n contributions into ``space`` destinations (segsum.cuh):
-    ``fill`` where most destinations are empty (n < space), else ``rows``."""
-    return "fill" if n < space else "rows"
+    """The sorted kernels' task split for n contributions into ``space`` destinations (segsum.cuh), from
+    bench/dev/segsum_phases.py and the sweep in its --splits mode on the H200: ``fill`` where most
+    destinations are empty (n < space: an embedding's gradient, 50000 x 512 from 16384 tokens, 94 us
+    against 99 for tiles and 155 for rows); the warp kernels' ``tiles`` up to TILES_UP_TO contributions
+    per destination (1e6 x 64 into 1e5 rows: 228 us, fill 256, rows 268); beyond, ``rows`` (1e6 x 64
+    into 1000 rows: tiles 453 us, each warp summing 32 rows' first chunks one after another; rows 221,
+    fill 217, without fill's zero pass)."""
+    if n < space:
+        return "fill"
+    return "tiles" if not scalar and n <= TILES_UP_TO * space else "rows"
+
+
+def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: int = 0,
+              check: RangeCheck = NO_CHECK, one_block: bool | None = None):
+    """(skey, perm, key type name, offset): the destinations of ``key`` (row form, ``width`` 0: key[e];
+    element form: key[e] * width + e % width; ``rows * max(width, 1)`` for a key outside [0, rows), or a
+    device-side assertion with a ``check`` device), narrowed to the smallest key type (_key_dtype: stored
+    as destination - offset), sorted stably: perm[p] is the element at sorted position p. Up to SORT_MAX
+    int16 keys: one block does it all (PREFIX_sort_i16, one launch); more: the keys kernel, then
+    torch.sort(stable=True). Both give the same skey and perm (``one_block`` forces either; for tests)."""
+    n = key.numel()
+    dev = key.device
+    space = rows * width if width else rows
+    ktype, kname, offset = _key_dtype(space)
+    if one_block is None:
+        one_block = kname == "i16" and n <= SORT_MAX
+    elif one_block and not (kname == "i16" and n <= SORT_MAX):
+        raise KernelArgumentError(prefix, "one_block", f"{n} keys into {space} destinations: the one-block sort "
+                                                       f"takes up to {SORT_MAX} keys into at most 65535")
+    if one_block:
+        skey = torch.empty(n, device=dev, dtype=ktype)
+        perm = torch.empty(n, device=dev, dtype=torch.int64)
+        if n:
+            launch(function(source, f"{prefix}_sort_i16", dev, smem=SORT_SMEM), (1,), (SORT_THREADS,),
+                   (ptr(key), ptr(skey), ptr(perm), np.int32(n), np.int64(width), np.int64(rows), np.int64(offset),
+                    np.int32(1 if space <= 255 else 2), check.trap), device=dev, shared_mem=SORT_SMEM)
+        return skey, perm, kname, offset
+    keys = torch.empty(n, device=dev, dtype=ktype)
+    if n:
+        launch(function(source, f"{prefix}_keys_{kname}", dev), (_blocks(n),), (THREADS,),
+               (ptr(key), ptr(keys), np.int64(n), np.int64(width), np.int64(rows), np.int64(offset), check.trap),
+               device=dev)
+    skey, perm = torch.sort(keys, stable=True)
+    return skey, perm, kname, offset
 
 
 def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
@@ -274,8 +321,9 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
                        force_scalar: bool = False, split: str | None = None,
                        check: RangeCheck = NO_CHECK) -> torch.Tensor:
     """out (rows, D): each destination's contributions in source order, chunked, fixed tree (see the
-    module docstring). Four launches and torch.sort, no host synchronisation: keys (narrowed, bad ones
-    to a sentinel), stable sort, row starts, sums. Task splits (``split``, default: default_split; all
+    module docstring). No host synchronisation: keys (narrowed, bad ones to a sentinel) and their stable
+    sort (sort_keys: one launch for up to SORT_MAX int16 keys, else a launch and torch.sort), row starts,
+    sums. Task splits (``split``, default: default_split; all
     sum the same chunks in the same order, so give the same bits): ``rows``: a task per destination (it
     writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp
     kernels): a task per 32 destinations instead (zeros for the empty ones, rows of one contribution read
@@ -306,13 +354,7 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
             launch(function(source, "segsum_zero", dev), (max(1, min(cdiv(out.numel(), 4 * THREADS),
                                                                     ZERO_BLOCKS_PER_SM * sm_count(dev))),),
                    (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
-    ktype, kname, offset = _key_dtype(space)
-    keys = torch.empty(n, device=dev, dtype=ktype)
-    # element form: destination of src[i, j] is flat row key[i, j] * D + j of a (rows * D, 1) output
-    launch(function(source, f"{prefix}_keys_{kname}", dev), (_blocks(n),), (THREADS,),
-           (ptr(key), ptr(keys), np.int64(n), np.int64(d if elementwise else 0), np.int64(rows), np.int64(offset),
-            check.trap), device=dev)
-    skey, perm = torch.sort(keys, stable=True)
+    skey, perm, kname, offset = sort_keys(source, prefix, key, rows, width=d if elementwise else 0, check=check)
     start = torch.empty(space + 1, device=dev, dtype=torch.int64)
     launch(function(source, f"{prefix}_starts_{kname}", dev), (_blocks(space + 1),), (THREADS,),
            (ptr(skey), np.int64(n), np.int64(space), np.int64(offset), ptr(start)), device=dev)

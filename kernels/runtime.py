@@ -223,12 +223,23 @@ def _function(source: str, name: str, device_index: int, defines: tuple[str, ...
     return _module(source, device_index, defines, arch_specific).get_function(name)
 
 
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # the driver's CUfunction_attribute
+_SMEM_RAISED: dict[int, int] = {}
+
+
 def function(source: str, name: str, device: torch.device, defines: tuple[str, ...] = (),
-             arch_specific: bool = False):
+             arch_specific: bool = False, smem: int = 0):
     """The kernel ``name`` from ``kernels/<source>``, compiled for ``device`` (cached per ``defines`` and
-    ``arch_specific``, see ``_module``)."""
+    ``arch_specific``, see ``_module``), its dynamic shared-memory limit raised to ``smem`` bytes where
+    that is over the default 48 KiB (once per loaded function and size)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _function(source, name, index, defines, arch_specific)
+    fn = _function(source, name, index, defines, arch_specific)
+    if smem > 48 * 1024 and _SMEM_RAISED.get(fn.ptr, 0) < smem:
+        from cupy.cuda import driver
+
+        driver.funcSetAttribute(fn.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        _SMEM_RAISED[fn.ptr] = smem
+    return fn
 
 
 @functools.lru_cache(maxsize=64)

@@ -281,6 +281,43 @@ def test_gpu_atomic_is_some_order_and_peers_within_bound(case, cuda_sync):
     check_bound(ia.torch_index_add(*args, **kw), ref, count, abs_sum)
 
 
+# (n, rows, width, dup, bad): sizes around the one-block sort's rounds (32 * ceil(n / 1024) per warp)
+# and limits (16384 keys, 65535 destinations, one digit pass up to 255); width > 0: the element form;
+# bad: indices outside [0, rows) (the sentinel, sorted last)
+ONE_BLOCK_SORTS = (
+    (1, 10, 0, 0.0, 0), (31, 3, 0, 0.0, 0), (1000, 255, 0, 0.3, 0), (1025, 256, 0, 0.0, 0),
+    (5000, 65535, 0, 0.01, 0), (16384, 50000, 0, 0.5, 0), (16384, 65535, 0, 1.0, 0), (16383, 300, 0, 0.0, 40),
+    (2048, 100, 8, 0.2, 0), (16384, 40, 16, 0.0, 7), (12000, 254, 0, 0.0, 25),
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,rows,width,dup,bad", ONE_BLOCK_SORTS)
+def test_gpu_one_block_sort_is_torch_sort(n, rows, width, dup, bad, cuda_sync):
+    """The one-block stable sort gives torch.sort(stable=True)'s keys and permutation exactly, and the
+    same on every call."""
+    g = torch.Generator().manual_seed(n + rows)
+    shape = (n // width, width) if width else (n,)
+    index = ia.draw_index(g, shape, rows, dup)
+    if bad:
+        flat = index.view(-1)
+        where = torch.randperm(flat.numel(), generator=g)[:bad]
+        flat[where] = torch.where(torch.arange(bad) % 2 == 0, rows + torch.arange(bad), -1 - torch.arange(bad))
+    index = index.to(CUDA)
+    want = ia.sort_keys(ia.SOURCE, OP, index, rows, width=width, one_block=False)
+    for _ in range(5):
+        got = ia.sort_keys(ia.SOURCE, OP, index, rows, width=width, one_block=True)
+        assert got[2:] == want[2:] == ("i16", 2**15)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_one_block_sort_refuses_what_it_cannot_sort():
+    with pytest.raises(KernelArgumentError, match="one_block.*16385 keys"):
+        ia.sort_keys(ia.SOURCE, OP, torch.zeros(16385, dtype=torch.int64), 10, one_block=True)
+    with pytest.raises(KernelArgumentError, match="one_block.*at most 65535"):
+        ia.sort_keys(ia.SOURCE, OP, torch.zeros(10, dtype=torch.int64), 70000, one_block=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dup", [0.01, 0.5, 1.0])
 def test_gpu_bench_size_sorted_repeatable_atomic_varies(dup, cuda_sync):

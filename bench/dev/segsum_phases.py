@@ -4,6 +4,11 @@ median of 30), eagerly and as a CUDA-graph replay (no host work: what the GPU al
 kernel's share from torch.profiler (CUPTI sees CuPy's launches too).
 
     PYTHONPATH=. python bench/dev/segsum_phases.py [--ops index_add scatter_add] [--reps 20]
+    PYTHONPATH=. python bench/dev/segsum_phases.py --splits   # index_add's sorted sums per task split
+
+``--splits`` times index_add's sorted variant in each task split (and atomic) over shapes beyond the
+bench cases: heavy rows, narrow and wide rows, as many rows as sources, mostly empty outputs (what
+kernels/index_add.py's default_split is chosen from), checking the splits' bits agree.
 """
 from __future__ import annotations
 
@@ -67,13 +72,42 @@ def graph_of(fn):
     return graph.replay
 
 
+# (n, D, rows): contributions per destination from 0.05 to 10000
+SPLIT_SHAPES = ((1_000_000, 64, 1000), (1_000_000, 64, 100), (200_000, 256, 5000), (1_000_000, 64, 100_000),
+                (100_000, 16, 1_000_000), (1_000_000, 8, 100_000), (50_000, 128, 50_000), (1_000_000, 2, 1000),
+                (1_000_000, 2, 2_000_000), (16384, 512, 50_000))
+
+
+def split_sweep(dev: torch.device, flush) -> None:
+    for n, d, m in SPLIT_SHAPES:
+        g = torch.Generator().manual_seed(1)
+        idx = ia.draw_index(g, (n,), m, 0.0).to(dev)
+        src = torch.randn(n, d, generator=g).to(dev)
+        row, first = [f"n {n:8d} D {d:4d} rows {m:8d}"], None
+        for split in ia.SPLITS:
+            def fn(split=split):
+                return ia.segsum_sorted_cuda(ia.SOURCE, "index_add", idx, src, m, split=split)
+            out = fn()
+            first = out if first is None else first
+            assert torch.equal(out.view(torch.int32), first.view(torch.int32)), split
+            row.append(f"{split} {median(cuda_event_times(fn, 30, dev, flush=flush)) * 1e6:7.1f}")
+        default = ia.default_split(n, m, d < ia.SCALAR_BELOW_D)
+        t = median(cuda_event_times(lambda: ia.segsum_atomic_cuda(ia.SOURCE, "index_add", idx, src, m), 30, dev,
+                                    flush=flush)) * 1e6
+        print("  ".join(row) + f"  atomic {t:7.1f} us  (default: {default})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--splits", action="store_true", help="index_add's sorted sums per task split, then stop")
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
+    if a.splits:
+        split_sweep(dev, flush)
+        return
     for op in a.ops:
         spec = kernels.spec(op)
         for case in spec.bench_cases("gpu"):
