@@ -219,7 +219,7 @@ __device__ __forceinline__ void seg_keys_body(const long long* __restrict__ key,
 // pass a stable counting sort: warp w holds elements [P w, P w + P) (P = 32 * ceil(n / 1024), the last
 // ones padding of destination 0xffff, which sorts after every real element, the sentinel included,
 // because a stable sort keeps them after it); walk 1 counts each digit per warp (lanes of one digit
-// found by __match_any_sync, their highest lane adding their number), an exclusive scan over (digit,
+// found by eight ballots, seg_same_digit; their highest lane adds their number), an exclusive scan over (digit,
 // warp) in that order gives each warp's first slot per digit, walk 2 writes every element at its
 // warp's running slot for its digit plus its rank among the lower lanes of the same digit. Counting
 // sorts place equal digits in input order, so the result is torch.sort(stable=True)'s: the same skey
@@ -268,6 +268,18 @@ __device__ __forceinline__ void seg_sort_scan(unsigned* a, unsigned* scratch) {
     }
 }
 
+// The lanes whose 8-bit digit equals this lane's: eight ballots, one per bit (constant time, where
+// __match_any_sync takes longer the more distinct values a warp holds).
+__device__ __forceinline__ unsigned seg_same_digit(unsigned d) {
+    unsigned peers = SEG_FULL;
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+        const unsigned ones = __ballot_sync(SEG_FULL, (d >> b) & 1u);
+        peers &= ((d >> b) & 1u) ? ones : ~ones;
+    }
+    return peers;
+}
+
 template <typename K>
 __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key, K* __restrict__ skey,
                                               long long* __restrict__ perm, int n, long long width, long long rows,
@@ -278,10 +290,20 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int per = 32 * ((n + SEG_SORT_THREADS - 1) / SEG_SORT_THREADS);  // elements per warp
     const long long space = width ? rows * width : rows;
-    for (int e = threadIdx.x; e < SEG_SORT_WARPS * per; e += SEG_SORT_THREADS) {
+    constexpr int LOADS = SEG_SORT_MAX / SEG_SORT_THREADS;
+    long long idx[LOADS];  // every load in flight before any is used (one SM reads all the keys)
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {
+        const int e = j * SEG_SORT_THREADS + threadIdx.x;
+        idx[j] = e < n ? key[e] : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {
+        const int e = j * SEG_SORT_THREADS + threadIdx.x;
+        if (e >= SEG_SORT_WARPS * per) break;
         unsigned m = 0xffffu;  // padding
         if (e < n) {
-            const long long i = key[e];
+            const long long i = idx[j];
             long long d = space;
             if (i >= 0 && i < rows) d = width ? i * width + e % width : i;
             else if (trap != nullptr) seg_bad_index(trap, i, rows);
@@ -298,7 +320,7 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
         __syncthreads();
         for (int r = 0; r < per; r += 32) {  // walk 1: each digit's count per warp
             const unsigned d = (in[warp * per + r + lane] >> shift) & 0xffu;
-            const unsigned peers = __match_any_sync(SEG_FULL, d);
+            const unsigned peers = seg_same_digit(d);
             if (lane == 31 - __clz(peers)) hist[d * SEG_SORT_WARPS + warp] += __popc(peers);
             __syncwarp();
         }
@@ -308,7 +330,7 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
         for (int r = 0; r < per; r += 32) {  // walk 2: place, in input order within each digit
             const unsigned v = in[warp * per + r + lane];
             const unsigned d = (v >> shift) & 0xffu;
-            const unsigned peers = __match_any_sync(SEG_FULL, d);
+            const unsigned peers = seg_same_digit(d);
             const unsigned slot = hist[d * SEG_SORT_WARPS + warp];
             out[slot + __popc(peers & below)] = v;
             __syncwarp();
