@@ -261,7 +261,7 @@ MAX_GRID_Y = 65535
 
 SORT_MAX = 16384          # SEG_SORT_MAX: up to this many keys (int16 ones), one block sorts them
 SORT_THREADS = 1024
-SORT_SMEM = (2 * SORT_MAX + 256 * 32 + 32) * 4   # SEG_SORT_SMEM
+SORT_SMEM = (2 * SORT_MAX + 257 * 32 + 32) * 4   # SEG_SORT_SMEM
 SPLITS = ("rows", "tiles", "fill")
 ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 

@@ -228,17 +228,27 @@ __device__ __forceinline__ void seg_keys_body(const long long* __restrict__ key,
 #define SEG_SORT_THREADS 1024
 #define SEG_SORT_WARPS 32
 #define SEG_SORT_DIGITS 256
-#define SEG_SORT_SMEM ((2 * SEG_SORT_MAX + SEG_SORT_DIGITS * SEG_SORT_WARPS + SEG_SORT_WARPS) * 4)
+#define SEG_SORT_HSTRIDE (SEG_SORT_DIGITS + 1)  // hist[warp * 257 + digit]: see seg_sort_scan
+#define SEG_SORT_SMEM ((2 * SEG_SORT_MAX + SEG_SORT_HSTRIDE * SEG_SORT_WARPS + SEG_SORT_WARPS) * 4)
 
-// Exclusive prefix sum, in place, of a[0 .. SEG_SORT_DIGITS * SEG_SORT_WARPS) by the whole block (8 values
-// per thread; scratch: SEG_SORT_WARPS words).
-__device__ __forceinline__ void seg_sort_scan(unsigned* a, unsigned* scratch) {
+// The counts hist[w * SEG_SORT_HSTRIDE + d] of digit d in warp w: a warp's lanes touch their own
+// digits' words, in different banks unless the digits are equal mod 32 (with the digit-major layout
+// [d][w] every lane of a warp hit one bank). Exclusive prefix sum, in place, in (digit, warp) order by the
+// whole block: thread t takes the 8 consecutive (d, w) = (t / 4, 8 (t % 4) + i), the words w * 257 + d
+// of 32 different banks across a warp for each i (scratch: SEG_SORT_WARPS words).
+__device__ __forceinline__ unsigned* seg_hist(unsigned* hist, unsigned d, int w) {
+    return hist + w * SEG_SORT_HSTRIDE + d;
+}
+
+__device__ __forceinline__ void seg_sort_scan(unsigned* hist, unsigned* scratch) {
     constexpr int PER = SEG_SORT_DIGITS * SEG_SORT_WARPS / SEG_SORT_THREADS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned d = threadIdx.x / (SEG_SORT_WARPS / PER);
+    const int w0 = (threadIdx.x % (SEG_SORT_WARPS / PER)) * PER;
     unsigned v[PER], total = 0;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
-        v[i] = a[threadIdx.x * PER + i];
+        v[i] = *seg_hist(hist, d, w0 + i);
         total += v[i];
     }
     unsigned incl = total;  // inclusive scan of the threads' totals within the warp
@@ -263,7 +273,7 @@ __device__ __forceinline__ void seg_sort_scan(unsigned* a, unsigned* scratch) {
     unsigned run = scratch[warp] + incl - total;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
-        a[threadIdx.x * PER + i] = run;
+        *seg_hist(hist, d, w0 + i) = run;
         run += v[i];
     }
 }
@@ -285,8 +295,8 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
                                               long long* __restrict__ perm, int n, long long width, long long rows,
                                               long long offset, int passes, const char* trap) {
     extern __shared__ unsigned seg_sort_smem[];
-    unsigned* hist = seg_sort_smem + 2 * SEG_SORT_MAX;  // [digit][warp]
-    unsigned* scratch = hist + SEG_SORT_DIGITS * SEG_SORT_WARPS;
+    unsigned* hist = seg_sort_smem + 2 * SEG_SORT_MAX;  // seg_hist
+    unsigned* scratch = hist + SEG_SORT_HSTRIDE * SEG_SORT_WARPS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int per = 32 * ((n + SEG_SORT_THREADS - 1) / SEG_SORT_THREADS);  // elements per warp
     const long long space = width ? rows * width : rows;
@@ -316,12 +326,12 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
         const unsigned* in = seg_sort_smem + (pass & 1) * SEG_SORT_MAX;  // two buffers, alternating
         unsigned* out = seg_sort_smem + ((pass + 1) & 1) * SEG_SORT_MAX;
         const int shift = 16 + 8 * pass;
-        for (int i = threadIdx.x; i < SEG_SORT_DIGITS * SEG_SORT_WARPS; i += SEG_SORT_THREADS) hist[i] = 0u;
+        for (int i = threadIdx.x; i < SEG_SORT_HSTRIDE * SEG_SORT_WARPS; i += SEG_SORT_THREADS) hist[i] = 0u;
         __syncthreads();
         for (int r = 0; r < per; r += 32) {  // walk 1: each digit's count per warp
             const unsigned d = (in[warp * per + r + lane] >> shift) & 0xffu;
             const unsigned peers = seg_same_digit(d);
-            if (lane == 31 - __clz(peers)) hist[d * SEG_SORT_WARPS + warp] += __popc(peers);
+            if (lane == 31 - __clz(peers)) *seg_hist(hist, d, warp) += __popc(peers);
             __syncwarp();
         }
         __syncthreads();
@@ -331,10 +341,10 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
             const unsigned v = in[warp * per + r + lane];
             const unsigned d = (v >> shift) & 0xffu;
             const unsigned peers = seg_same_digit(d);
-            const unsigned slot = hist[d * SEG_SORT_WARPS + warp];
+            const unsigned slot = *seg_hist(hist, d, warp);
             out[slot + __popc(peers & below)] = v;
             __syncwarp();
-            if (lane == 31 - __clz(peers)) hist[d * SEG_SORT_WARPS + warp] = slot + __popc(peers);
+            if (lane == 31 - __clz(peers)) *seg_hist(hist, d, warp) = slot + __popc(peers);
             __syncwarp();
         }
         __syncthreads();
