@@ -287,15 +287,19 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
     """(skey, perm, key type name, offset): the destinations of ``key`` (row form, ``width`` 0: key[e];
     element form: key[e] * width + e % width; ``rows * max(width, 1)`` for a key outside [0, rows), or a
     device-side assertion with a ``check`` device), narrowed to the smallest key type (_key_dtype: stored
-    as destination - offset), sorted stably: perm[p] is the element at sorted position p. Up to SORT_MAX
-    int16 keys: one block does it all (PREFIX_sort_i16, one launch); more: the keys kernel, then
-    torch.sort(stable=True). Both give the same skey and perm (``one_block`` forces either; for tests)."""
+    as destination - offset), sorted stably: perm[p] is the element at sorted position p. Either one
+    block does it all (PREFIX_sort_i16, one launch; int16 keys, up to SORT_MAX of them), or the keys
+    kernel, then torch.sort(stable=True); both give the same skey and perm. The one block is
+    instruction-bound (~1.2 ns per key and digit pass on the H200, ~7 us fixed; torch's path 34-40 us
+    at these sizes, bench/dev/segsum_phases.py --splits), so it is taken for n * passes <= SORT_MAX;
+    ``one_block`` forces either (tests)."""
     n = key.numel()
     dev = key.device
     space = rows * width if width else rows
     ktype, kname, offset = _key_dtype(space)
-    if one_block is None:
-        one_block = kname == "i16" and n <= SORT_MAX
+    passes = 1 if space <= 255 else 2  # 8-bit digits of the destination (the sentinel, space, included)
+    if one_block is None:  # where it beats the keys kernel + torch.sort (segsum_phases --splits)
+        one_block = kname == "i16" and n * passes <= SORT_MAX
     elif one_block and not (kname == "i16" and n <= SORT_MAX):
         raise KernelArgumentError(prefix, "one_block", f"{n} keys into {space} destinations: the one-block sort "
                                                        f"takes up to {SORT_MAX} keys into at most 65535")
@@ -305,7 +309,7 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
         if n:
             launch(function(source, f"{prefix}_sort_i16", dev, smem=SORT_SMEM), (1,), (SORT_THREADS,),
                    (ptr(key), ptr(skey), ptr(perm), np.int32(n), np.int64(width), np.int64(rows), np.int64(offset),
-                    np.int32(1 if space <= 255 else 2), check.trap), device=dev, shared_mem=SORT_SMEM)
+                    np.int32(passes), check.trap), device=dev, shared_mem=SORT_SMEM)
         return skey, perm, kname, offset
     keys = torch.empty(n, device=dev, dtype=ktype)
     if n:
