@@ -271,12 +271,12 @@ TILES_UP_TO = 16  # contributions per destination, on average, up to which the w
 
 def default_split(n: int, space: int, scalar: bool) -> str:
     """The sorted kernels' task split for n contributions into ``space`` destinations (segsum.cuh), from
-    bench/dev/segsum_phases.py and the sweep in its --splits mode on the H200: ``fill`` where most
-    destinations are empty (n < space: an embedding's gradient, 50000 x 512 from 16384 tokens, 94 us
-    against 99 for tiles and 155 for rows); the warp kernels' ``tiles`` up to TILES_UP_TO contributions
-    per destination (1e6 x 64 into 1e5 rows: 228 us, fill 256, rows 268); beyond, ``rows`` (1e6 x 64
-    into 1000 rows: tiles 453 us, each warp summing 32 rows' first chunks one after another; rows 221,
-    fill 217, without fill's zero pass)."""
+    ``bench/dev/segsum_phases.py --splits`` on the H200 (index_add, times per call): ``fill`` where most
+    destinations are empty (n < space; 1e5 x 16 into 1e6 rows: 128 us, tiles 158, rows 449; an
+    embedding's 16384 x 512 into 50000 rows: fill 97, tiles 93, within run-to-run noise, rows 142); the
+    warp kernels' ``tiles`` up to TILES_UP_TO contributions per destination (1e6 x 64 into 1e5 rows: 242
+    us, fill 268, rows 280); beyond, ``rows``, which needs no zero pass (1e6 x 64 into 1000 rows: rows 219
+    us, fill 215, tiles 445, each warp summing 32 rows' first chunks one after another)."""
     if n < space:
         return "fill"
     return "tiles" if not scalar and n <= TILES_UP_TO * space else "rows"
