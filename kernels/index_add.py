@@ -38,13 +38,13 @@ from .runtime import (
     check_cuda,
     check_size,
     check_tensor,
+    fork,
     function,
     launch,
     memo_check,
     ptr,
     sm_count,
     ticket_counters,
-    fork,
 )
 
 OP = "index_add"
@@ -358,6 +358,22 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
             launch(function(source, "segsum_zero", dev), (max(1, min(cdiv(out.numel(), 4 * THREADS),
                                                                     ZERO_BLOCKS_PER_SM * sm_count(dev))),),
                    (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
+    try:
+        return _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join)
+    except BaseException:
+        if join is not None:  # an error before the sums (out of memory, say): out must not be freed
+            join()            # while the side stream may still be filling it
+        raise
+
+
+def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join):
+    """segsum_sorted_cuda after its checks and zero fill: sort, row starts, sums into ``out`` (``join``:
+    the current stream waits for the fill on the side stream before the sums, None without one)."""
+    d = src.shape[1]
+    dev = src.device
+    n = key.numel()
+    rows = out.shape[0]
+    space, width = (rows * d, 1) if elementwise else (rows, d)
     skey, perm, kname, offset = sort_keys(source, prefix, key, rows, width=d if elementwise else 0, check=check)
     start = torch.empty(space + 1, device=dev, dtype=torch.int64)
     launch(function(source, f"{prefix}_starts_{kname}", dev), (_blocks(space + 1),), (THREADS,),

@@ -7,6 +7,9 @@ term passes through at most k - 1 roundings, so |out - exact| <= gamma(k - 1) * 
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -309,6 +312,19 @@ def test_gpu_one_block_sort_is_torch_sort(n, rows, width, dup, bad, cuda_sync):
         got = ia.sort_keys(ia.SOURCE, OP, index, rows, width=width, one_block=True)
         assert got[2:] == want[2:] == ("i16", 2**15)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_launcher_constants_match_segsum_cuh():
+    """The host's copies of segsum.cuh's sizes (chunking, tree fan-out, the one-block sort's launch)."""
+    text = (Path(ia.__file__).parent / "segsum.cuh").read_text()
+    define = dict(re.findall(r"^#define (SEG_\w+) (\d+)\b", text, re.M))
+    assert int(define["SEG_CHUNK_MIN"]) == ia.CHUNK_MIN and int(define["SEG_MAX_CHUNKS"]) == ia.MAX_CHUNKS
+    assert int(define["SEG_FAN"]) == ia.FAN
+    assert int(define["SEG_SORT_MAX"]) == ia.SORT_MAX and int(define["SEG_SORT_THREADS"]) == ia.SORT_THREADS
+    digits, warps = int(define["SEG_SORT_DIGITS"]), int(define["SEG_SORT_WARPS"])
+    assert warps * 32 == ia.SORT_THREADS
+    assert ia.SORT_SMEM == (2 * ia.SORT_MAX + (digits + 1) * warps + warps) * 4  # SEG_SORT_SMEM
+    assert ia.SORT_SMEM <= 227 * 1024  # an H100/H200 block's shared-memory limit
 
 
 def test_one_block_sort_refuses_what_it_cannot_sort():
