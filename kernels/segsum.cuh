@@ -191,6 +191,15 @@ __device__ __forceinline__ void seg_atomic_body(const float* __restrict__ src, c
 // ------------------------------------------------------------------------------------------------
 // sorted: keys and row starts
 
+// The destination of element e with index i (row form, width 0: i; element form: i * width + e % width),
+// or `space` for an index outside [0, rows) (with `trap` set, that fails the kernel: seg_bad_index).
+__device__ __forceinline__ long long seg_destination(long long i, long long e, long long width, long long rows,
+                                                     long long space, const char* trap) {
+    if (i >= 0 && i < rows) return width ? i * width + e % width : i;
+    if (trap != nullptr) seg_bad_index(trap, i, rows);
+    return space;
+}
+
 // skey_in[e] = destination - offset, or space - offset for an index outside [0, rows). Row form
 // (width 0): destination key[e]; element form: key[e] * width + e % width. One pass replaces the
 // range check's reduction and the cast (with `trap` set, a bad index fails the kernel instead).
@@ -199,13 +208,8 @@ __device__ __forceinline__ void seg_keys_body(const long long* __restrict__ key,
                                               long long width, long long rows, long long offset, const char* trap) {
     const long long space = width ? rows * width : rows;
     const long long step = (long long)gridDim.x * blockDim.x;
-    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
-        const long long i = key[e];
-        long long m = space;
-        if (i >= 0 && i < rows) m = width ? i * width + e % width : i;
-        else if (trap != nullptr) seg_bad_index(trap, i, rows);
-        out[e] = (K)(m - offset);
-    }
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step)
+        out[e] = (K)(seg_destination(key[e], e, width, rows, space, trap) - offset);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -214,7 +218,7 @@ __device__ __forceinline__ void seg_keys_body(const long long* __restrict__ key,
 // For n <= SEG_SORT_MAX contributions into space < 2^16 destinations, one block of 1024 threads replaces
 // the keys kernel and torch.sort (a device radix sort: five launches, ~30 us on the H200 at n = 16384,
 // the whole cost of an embedding gradient's sort). Each element is packed as (destination << 16) | e
-// (space for an index outside [0, rows), as seg_keys_body; e < 2^14) in shared memory, and sorted by its
+// (seg_destination: space for an index outside [0, rows); e < 2^14) in shared memory, and sorted by its
 // destination, least significant 8-bit digit first (`passes` of them: 1 when space <= 255, else 2), each
 // pass a stable counting sort: warp w holds elements [P w, P w + P) (P = 32 * ceil(n / 1024), the last
 // ones padding of destination 0xffff, which sorts after every real element, the sentinel included,
@@ -290,8 +294,7 @@ __device__ __forceinline__ unsigned seg_same_digit(unsigned d) {
     return peers;
 }
 
-template <typename K>
-__device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key, K* __restrict__ skey,
+__device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key, short* __restrict__ skey,
                                               long long* __restrict__ perm, int n, long long width, long long rows,
                                               long long offset, int passes, const char* trap) {
     extern __shared__ unsigned seg_sort_smem[];
@@ -311,14 +314,8 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
     for (int j = 0; j < LOADS; ++j) {
         const int e = j * SEG_SORT_THREADS + threadIdx.x;
         if (e >= SEG_SORT_WARPS * per) break;
-        unsigned m = 0xffffu;  // padding
-        if (e < n) {
-            const long long i = idx[j];
-            long long d = space;
-            if (i >= 0 && i < rows) d = width ? i * width + e % width : i;
-            else if (trap != nullptr) seg_bad_index(trap, i, rows);
-            m = (unsigned)d;
-        }
+        const unsigned m = e < n ? (unsigned)seg_destination(idx[j], e, width, rows, space, trap)
+                                 : 0xffffu;  // padding
         seg_sort_smem[e] = (m << 16) | (unsigned)e;
     }
     const unsigned below = (1u << lane) - 1u;
@@ -352,7 +349,7 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
     const unsigned* sorted = seg_sort_smem + (passes & 1) * SEG_SORT_MAX;
     for (int p = threadIdx.x; p < n; p += SEG_SORT_THREADS) {
         const unsigned v = sorted[p];
-        skey[p] = (K)((long long)(v >> 16) - offset);
+        skey[p] = (short)((long long)(v >> 16) - offset);
         perm[p] = (long long)(v & 0xffffu);
     }
 }
@@ -361,7 +358,7 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
     extern "C" __global__ void __launch_bounds__(SEG_SORT_THREADS, 1)                                    \
     PREFIX##_sort_i16(const long long* __restrict__ key, short* __restrict__ skey, long long* __restrict__ perm, \
                       int n, long long width, long long rows, long long offset, int passes, int trap) {  \
-        seg_sort_body<short>(key, skey, perm, n, width, rows, offset, passes, trap ? #PREFIX : nullptr); \
+        seg_sort_body(key, skey, perm, n, width, rows, offset, passes, trap ? #PREFIX : nullptr);        \
     }
 
 // start[m] = first sorted position with key >= m, for m = 0 .. space (start[space] = valid keys).
