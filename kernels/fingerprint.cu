@@ -5,13 +5,15 @@
 //         arithmetic: integer addition is associative, so this is exact whatever the order
 //   l2  = sqrt(sum_i x_i^2), x_i the words read as float32, accumulated in double
 //   mx  = max_i |x_i| (NaN if any x_i is NaN)
-// One launch per tensor (a recorded step fingerprints hundreds of outputs, so the host cost of a record
-// is mostly its launches). Deterministic: every sum is added in an order fixed by n and the launch shape.
+// A recorded step fingerprints hundreds of outputs, so the host cost of a record is mostly its launch:
+// `fingerprint` takes one tensor, `fingerprint_batch` up to FP_BATCH tensors that are alive together (the
+// outputs of one op, a snapshot of the parameters). A tensor of n words gets B = clamp(ceil(n / (T * 16)),
+// 1, 1024) blocks (nnrand/trace.py: fp_blocks) in either kernel, and its result depends on n and B only:
 //   block b reduces words [b * chunk, (b + 1) * chunk): thread t adds words t, t + T, ... in order, then a
-//   shared-memory halving tree over the T threads; the block's partial goes to scratch and the last
-//   block to arrive (common.cuh: arrive_last) adds the B partials the same way, thread t taking partials
-//   t, t + T, ..., and writes (fp, l2, mx) as three 8-byte values (fp's bits stored in a double's slot).
-//   Which block arrives last changes nothing but who does the fixed-order combine.
+//   shared-memory halving tree over the T threads; the block's partial goes to scratch and the tensor's
+//   last block to arrive (common.cuh: arrive_last) adds the B partials the same way, thread t taking
+//   partials t, t + T, ..., and writes (fp, l2, mx) as three 8-byte values (fp's bits stored in a double's
+//   slot). Which block arrives last changes nothing but who does the fixed-order combine.
 #include "common.cuh"
 
 #define FP_THREADS 256
@@ -45,12 +47,13 @@ __device__ __forceinline__ void fp_write(const FpPart& p, double* out) {
     out[2] = p.nan ? __longlong_as_double(0x7ff8000000000000ll) : (double)p.mx;
 }
 
-extern "C" __global__ void __launch_bounds__(FP_THREADS)
-fingerprint(const unsigned int* __restrict__ w, long long n, long long chunk, unsigned long long* part_fp,
-            double* part_sq, float* part_mx, int* part_nan, unsigned int* counter, double* out) {
-    __shared__ FpPart s[FP_THREADS];
-    __shared__ bool last;
-    const long long begin = (long long)blockIdx.x * chunk;
+// Block b of B of one tensor: its partial, and where B > 1 the fixed-order combine by the last block.
+// part_* and counter are the tensor's own: scratch from its first block's index on, its ticket counter.
+__device__ __forceinline__ void fp_block(const unsigned int* __restrict__ w, long long n, long long chunk, int b,
+                                         int blocks, unsigned long long* part_fp, double* part_sq,
+                                         float* part_mx, int* part_nan, unsigned int* counter, double* out,
+                                         FpPart* s, bool* last) {
+    const long long begin = (long long)b * chunk;
     const long long end = begin + chunk < n ? begin + chunk : n;
     FpPart p = {0ull, 0.0, 0.0f, 0};
     for (long long i = begin + threadIdx.x; i < end; i += FP_THREADS) {
@@ -63,27 +66,72 @@ fingerprint(const unsigned int* __restrict__ w, long long n, long long chunk, un
     }
     fp_tree(p, s);
     // the combine of one partial would add it to zeros: the same bits
-    if (gridDim.x == 1) {
+    if (blocks == 1) {
         if (threadIdx.x == 0) fp_write(p, out);
         return;
     }
     if (threadIdx.x == 0) {
-        part_fp[blockIdx.x] = p.fp;
-        part_sq[blockIdx.x] = p.sq;
-        part_mx[blockIdx.x] = p.mx;
-        part_nan[blockIdx.x] = p.nan;
-        last = arrive_last(counter, gridDim.x);
+        part_fp[b] = p.fp;
+        part_sq[b] = p.sq;
+        part_mx[b] = p.mx;
+        part_nan[b] = p.nan;
+        *last = arrive_last(counter, blocks);
     }
     __syncthreads();   // also: every thread has read s[0] before the combine's tree writes s again
-    if (!last) return;
+    if (!*last) return;
     __threadfence();
     FpPart q = {0ull, 0.0, 0.0f, 0};
-    for (int b = threadIdx.x; b < (int)gridDim.x; b += FP_THREADS) {
-        q.fp += __ldcg(part_fp + b);
-        q.sq += __ldcg(part_sq + b);
-        q.mx = fmaxf(q.mx, __ldcg(part_mx + b));
-        q.nan |= __ldcg(part_nan + b);
+    for (int k = threadIdx.x; k < blocks; k += FP_THREADS) {
+        q.fp += __ldcg(part_fp + k);
+        q.sq += __ldcg(part_sq + k);
+        q.mx = fmaxf(q.mx, __ldcg(part_mx + k));
+        q.nan |= __ldcg(part_nan + k);
     }
     fp_tree(q, s);
     if (threadIdx.x == 0) fp_write(q, out);
+}
+
+extern "C" __global__ void __launch_bounds__(FP_THREADS)
+fingerprint(const unsigned int* __restrict__ w, long long n, long long chunk, unsigned long long* part_fp,
+            double* part_sq, float* part_mx, int* part_nan, unsigned int* counter, double* out) {
+    __shared__ FpPart s[FP_THREADS];
+    __shared__ bool last;
+    fp_block(w, n, chunk, blockIdx.x, gridDim.x, part_fp, part_sq, part_mx, part_nan, counter, out, s, &last);
+}
+
+// Up to FP_BATCH descriptors passed by value: the parameter block is 3848 bytes of batch and 40 of
+// pointers, under the 4 KB every CUDA 12 driver takes. Descriptor j owns the launch's blocks [first_j,
+// first_j + blocks_j) (in descriptor order, first_0 = 0), the scratch partials at the same indices and
+// ticket counter j.
+#define FP_BATCH 96
+
+struct FpDesc {
+    const unsigned int* w;
+    long long n;
+    long long chunk;
+    double* out;
+    int first;
+    int blocks;
+};
+
+struct FpBatch {
+    long long count;
+    FpDesc d[FP_BATCH];
+};
+
+extern "C" __global__ void __launch_bounds__(FP_THREADS)
+fingerprint_batch(const FpBatch batch, unsigned long long* part_fp, double* part_sq, float* part_mx,
+                  int* part_nan, unsigned int* counters) {
+    __shared__ FpPart s[FP_THREADS];
+    __shared__ bool last;
+    // this block's tensor: the last j with first_j <= blockIdx.x
+    int lo = 0, hi = (int)batch.count - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (batch.d[mid].first <= (int)blockIdx.x) lo = mid;
+        else hi = mid - 1;
+    }
+    const FpDesc& d = batch.d[lo];
+    fp_block(d.w, d.n, d.chunk, (int)blockIdx.x - d.first, d.blocks, part_fp + d.first, part_sq + d.first,
+             part_mx + d.first, part_nan + d.first, counters + lo, d.out, s, &last);
 }

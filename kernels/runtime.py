@@ -288,8 +288,9 @@ def _driver():
 
 
 def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, device: torch.device,
-           shared_mem: int = 0) -> None:
-    """Launch ``fn`` on torch's current stream of ``device``.
+           shared_mem: int = 0, struct: array.array | None = None) -> None:
+    """Launch ``fn`` on torch's current stream of ``device``. ``struct``: the bytes of a struct the kernel
+    takes by value as its first parameter (``args`` are the parameters after it).
 
     Straight through the driver (cuLaunchKernel on torch's raw stream handle): a routed backward op
     launches a few kernels per call, so the host time of a launch is part of a training step's cost
@@ -301,15 +302,17 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
         index = current
     elif current != index:  # the driver launches into the current context
         with torch.cuda.device(index):
-            return launch(fn, grid, block, args, device=device, shared_mem=shared_mem)
+            return launch(fn, grid, block, args, device=device, shared_mem=shared_mem, struct=struct)
     slots, addresses = _param_block(args)
+    if struct is not None:
+        addresses.insert(0, struct.buffer_info()[0])
     n = len(grid)
     gx, gy, gz = grid if n == 3 else (grid[0], grid[1], 1) if n == 2 else (grid[0], 1, 1)
     n = len(block)
     bx, by, bz = block if n == 3 else (block[0], block[1], 1) if n == 2 else (block[0], 1, 1)
     (_DRIVER or _driver()).launchKernel(fn.ptr, gx, gy, gz, bx, by, bz, int(shared_mem),
                                          torch._C._cuda_getCurrentRawStream(index), addresses.buffer_info()[0], 0)
-    del slots  # the parameter slots lived until the launch had copied them
+    del slots, struct  # the parameters lived until the launch had copied them
 
 
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}

@@ -22,7 +22,8 @@ output number, shape, dtype, a fingerprint of the output's bytes and two summari
 The fingerprint is an exact position-weighted sum of the output's bit patterns, sum_i (i + 1) * bits_i in
 wrapping int64 arithmetic, computed on the tensor's device; integer addition is associative, so it does
 not depend on how the device adds, and two outputs with different bytes almost surely differ in it. On a
-GPU, float32 outputs are fingerprinted and summarised by one pass of ``kernels/fingerprint.cu``. The
+GPU, float32 outputs are fingerprinted and summarised by one pass of ``kernels/fingerprint.cu``, the
+outputs of one op (and the tensors of one ``snapshot``) in one launch. The
 per-op values stay on the device until the step ends (one transfer per step, no synchronisation per op).
 
 Module paths: the forward op runs inside a module's ``forward`` (a global module hook keeps the stack;
@@ -39,6 +40,7 @@ endian, no pickles: portable across machines. Written atomically.
 from __future__ import annotations
 
 import argparse
+import array
 import contextlib
 import functools
 import io
@@ -101,26 +103,45 @@ def summaries(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 FP_THREADS = 256           # FP_THREADS in kernels/fingerprint.cu
 FP_WORDS_PER_THREAD = 16   # at least this many words per thread before another block is added
-FP_MAX_BLOCKS = 1024
+FP_MAX_BLOCKS = 1024       # blocks of one tensor at most
+FP_BATCH = 96              # FP_BATCH in kernels/fingerprint.cu: tensors per fingerprint_batch launch
+FP_SCRATCH_BLOCKS = 16 * FP_MAX_BLOCKS   # block partials per stream: the blocks of one launch at most
+_FP_BATCH_SLOTS = 1 + 5 * FP_BATCH       # int64 slots of the kernel's FpBatch (count, then 5 per tensor)
 
-# per (device index, raw stream): the kernel, its block-partials scratch (FP_MAX_BLOCKS of each: fp u64 |
-# sq f64 | mx f32, nan i32) and its arrival counter. Launches on one stream run in order, so they share one.
-_FP_STATE: dict[tuple[int, int], tuple] = {}
+
+def fp_blocks(n: int) -> int:
+    """The blocks a tensor of ``n`` words is fingerprinted by (in either kernel); its result depends on n
+    and this count only."""
+    return max(1, min(FP_MAX_BLOCKS, -(-n // (FP_THREADS * FP_WORDS_PER_THREAD))))
 
 
-def _fp_state(index: int) -> tuple:
+@dataclass(frozen=True)
+class _FpState:
+    one: object          # kernels/fingerprint.cu: fingerprint
+    batch: object        # fingerprint_batch
+    dev: torch.device
+    scratch: torch.Tensor   # FP_SCRATCH_BLOCKS block partials of each: fp u64 | sq f64 | mx f32, nan i32
+    counters: torch.Tensor  # FP_BATCH ticket counters (runtime.ticket_counters: reset by their last block)
+    parts: tuple[int, ...]  # the four partial arrays' addresses, as plain ints (cheaper to pack per launch)
+
+
+# per (device index, raw stream): launches on one stream run in order, so they share scratch and counters
+_FP_STATE: dict[tuple[int, int], _FpState] = {}
+
+
+def _fp_state(index: int) -> _FpState:
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     st = _FP_STATE.get(key)
     if st is None:
         from kernels import runtime
 
         dev = torch.device("cuda", index)
-        scratch = torch.empty(3 * FP_MAX_BLOCKS, dtype=torch.int64, device=dev)
-        base, b = scratch.data_ptr(), FP_MAX_BLOCKS
-        counter = runtime.ticket_counters(dev, 1)
-        # plain ints: the launch packs them into 8-byte slots (np.uint64 scalars cost more per launch)
-        st = (runtime.function("fingerprint.cu", "fingerprint", dev), dev, scratch, counter,
-              (base, base + 8 * b, base + 16 * b, base + 20 * b, counter.data_ptr()))
+        b = FP_SCRATCH_BLOCKS
+        scratch = torch.empty(3 * b, dtype=torch.int64, device=dev)
+        base = scratch.data_ptr()
+        st = _FpState(runtime.function("fingerprint.cu", "fingerprint", dev),
+                      runtime.function("fingerprint.cu", "fingerprint_batch", dev), dev, scratch,
+                      runtime.ticket_counters(dev, FP_BATCH), (base, base + 8 * b, base + 16 * b, base + 20 * b))
         _FP_STATE[key] = st
     return st
 
@@ -140,16 +161,56 @@ def fingerprint_cuda(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
 
 def _launch_fingerprint(t: torch.Tensor, out_ptr: int) -> None:
-    """One fingerprint launch; the hot path of recording (one per recorded output), so no imports, no NumPy
-    scalars and no checks beyond contiguity here (H200: 8.2 us of host time per launch,
-    bench/dev/launch_parts.py)."""
+    """One fingerprint launch for one tensor: no imports, no NumPy scalars and no checks beyond contiguity
+    on this path (H200: 8.2 us of host time per launch, bench/dev/launch_parts.py)."""
     if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
         t = t.contiguous()
-    fn, dev, _, _, scratch = _fp_state(t.get_device())
+    st = _fp_state(t.get_device())
     n = t.numel()
-    blocks = max(1, min(FP_MAX_BLOCKS, -(-n // (FP_THREADS * FP_WORDS_PER_THREAD))))
-    _runtime().launch(fn, (blocks,), (FP_THREADS,), (t.data_ptr(), n, -(-n // blocks), *scratch, out_ptr),
-                      device=dev)
+    blocks = fp_blocks(n)
+    _runtime().launch(st.one, (blocks,), (FP_THREADS,), (t.data_ptr(), n, -(-n // blocks), *st.parts,
+                                                         st.counters.data_ptr(), out_ptr), device=st.dev)
+
+
+def _launch_fingerprints(ts: list[torch.Tensor], out_ptrs: list[int]) -> None:
+    """Fingerprints of tensors alive together on one CUDA device (an op's outputs, a snapshot): up to
+    FP_BATCH per launch of ``fingerprint_batch``, each with the bits ``_launch_fingerprint`` gives it."""
+    if len(ts) == 1:
+        _launch_fingerprint(ts[0], out_ptrs[0])
+        return
+    st = _fp_state(ts[0].get_device())
+    desc, copies, first = [], [], 0
+    for t, out in zip(ts, out_ptrs):
+        if not t.is_contiguous():
+            t = t.contiguous()
+            copies.append(t)   # alive until its launch is enqueued (stream order protects it after that)
+        n = t.numel()
+        blocks = fp_blocks(n)
+        if len(desc) == 5 * FP_BATCH or first + blocks > FP_SCRATCH_BLOCKS:
+            _launch_batch(st, desc, first)
+            desc, first = [], 0
+        desc += (t.data_ptr(), n, -(-n // blocks), out, first | blocks << 32)   # int first, blocks; little-endian
+        first += blocks
+    _launch_batch(st, desc, first)
+    del copies
+
+
+def _launch_batch(st: _FpState, desc: list[int], blocks: int) -> None:
+    batch = array.array("q", (len(desc) // 5,))
+    batch.extend(desc)
+    batch.extend(_ZEROS[:_FP_BATCH_SLOTS - len(batch)])
+    _runtime().launch(st.batch, (blocks,), (FP_THREADS,), (*st.parts, st.counters.data_ptr()), device=st.dev,
+                      struct=batch)
+
+
+_ZEROS = array.array("q", bytes(8 * _FP_BATCH_SLOTS))
+
+
+def _launch(batch: list) -> None:
+    """Launch a recorder's pending batch ([device index, tensors, slot addresses]) and empty it."""
+    if batch:
+        _launch_fingerprints(batch[1], batch[2])
+        batch.clear()
 
 
 @functools.lru_cache(maxsize=1)
@@ -261,8 +322,10 @@ class Recorder(TorchDispatchMode):
     def _post(self, m, args, out):
         path = self.stack.pop() if self.stack else self._module_name(m)
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                t.grad_fn.metadata.setdefault("nnrand_module", path)
+            if isinstance(t, torch.Tensor):
+                node = t.grad_fn   # a new Python object per read
+                if node is not None:
+                    node.metadata.setdefault("nnrand_module", path)
 
     def __enter__(self):
         from torch.nn.modules import module as mm
@@ -297,43 +360,61 @@ class Recorder(TorchDispatchMode):
         node = torch._C._current_autograd_node()
         phase, module = ("backward", node.metadata.get("nnrand_module", "")) if node is not None else \
             (self._phase, self.stack[-1] if self.stack else "")
-        for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.numel() and not t.is_sparse:
-                self._add(t, op, module, phase, k)
-        self.index += 1
+        self._add_outputs(out, op, module, phase)
 
     def snapshot(self, named: Iterator[tuple[str, torch.Tensor]], op: str = "parameter") -> None:
         """One record per named tensor (phase "other", aten op field ``op``, module field the name): the
         weights at the end of a step, say, which in-place optimizer updates do not show as op outputs."""
         self._quiet = True  # the ops computing the fingerprints are not records themselves
         try:
-            for name, t in named:
-                self._add(t, op, name, "other", 0)   # read only: no detach (one dispatched op less)
+            batch: list = []
+            code, phase = self._code("ops", op), _PHASE["other"]
+            for name, t in named:   # read only: no detach (one dispatched op less)
+                self._add(t, code, self._code("modules", name), phase, 0, batch)
                 self.index += 1
+            _launch(batch)
         finally:
             self._quiet = False
 
     # -- the records
-    def _add(self, t: torch.Tensor, op: str, module: str, phase: str, k: int) -> None:
-        step = max(self.step_no, 0)
-        rec = len(self.rows)
+    def _add_outputs(self, out, op: str, module: str, phase: str) -> None:
+        """The records of one op's outputs (tensors, or a tuple/list of them; others skipped), their
+        fingerprints launched together."""
+        batch: list = []
+        codes = None   # coded at the first record: an op without tensor outputs adds no table entries
+        for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.numel() and not t.is_sparse:
+                if codes is None:
+                    codes = (self._code("ops", op), self._code("modules", module), _PHASE[phase])
+                self._add(t, *codes, k, batch)
+        _launch(batch)
+        self.index += 1
+
+    def _add(self, t: torch.Tensor, op: int, module: int, phase: int, k: int, batch: list) -> None:
+        """Record ``t`` (codes of its op and module, phase index): its fingerprint computed now, or where
+        the kernel takes it, added to ``batch`` ([device index, tensors, slot addresses], see ``_launch``)."""
+        step = self.step_no if self.step_no > 0 else 0
         shape = self._shapes.get(t.shape)
         if shape is None:
             shape = self._shapes[t.shape] = self._code("shapes", "x".join(map(str, t.shape)))
         dtype = self._dtypes.get(t.dtype)
         if dtype is None:
             dtype = self._dtypes[t.dtype] = self._code("dtypes", str(t.dtype).replace("torch.", ""))
-        self.rows.append((step, _PHASE[phase], self.index, self._code("ops", op), self._code("modules", module),
-                          k, shape, dtype))
+        self.rows.append((step, phase, self.index, op, module, k, shape, dtype))
         if _fused(t):
-            index = t.device.index
+            index = t.get_device()
             slots = self.slots.get(index) or self.slots.setdefault(index, _Slots(t.device))
-            _launch_fingerprint(t, slots.next_ptr())
+            if batch and batch[0] != index:   # one device per launch
+                _launch(batch)
+            if not batch:
+                batch += (index, [], [])
+            batch[1].append(t)
+            batch[2].append(slots.next_ptr())
             self.pending.append((index, slots.used - 1))
         else:
             self.pending.append(record_values(t))
-        if (step, phase, self.index) in self.keep:
-            self.tensors[rec] = t.detach().cpu().numpy().copy()
+        if self.keep and (step, PHASES[phase], self.index) in self.keep:
+            self.tensors[len(self.rows) - 1] = t.detach().cpu().numpy().copy()
 
     def _code(self, table: str, value: str) -> int:
         t = self.tables[table]
@@ -341,19 +422,14 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = func._overloadpacket.__name__
-        if self._quiet or (self.ops == "routed" and name not in ROUTED_ATEN):
+        if self._quiet:
             return out
         node = torch._C._current_autograd_node()
         if node is not None:
             phase, module = "backward", node.metadata.get("nnrand_module", "")
         else:
             phase, module = self._phase, (self.stack[-1] if self.stack else "")
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        for k, t in enumerate(outs):
-            if isinstance(t, torch.Tensor) and t.numel() and not t.is_sparse:
-                self._add(t, name, module, phase, k)
-        self.index += 1
+        self._add_outputs(out, func._overloadpacket.__name__, module, phase)
         return out
 
     def _flush(self) -> None:
@@ -703,11 +779,11 @@ def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUN
             ctx = record(path, ops=mode, model=model) if mode != "none" else contextlib.nullcontext()
             with routing.use_kernels(cfg.kernel, cfg.kernel_ops, strict=cfg.strict), ctx as rec:
                 for i in range(steps + warm):
-                    if rec is not None:
-                        rec.step()
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     t = time.perf_counter()
+                    if rec is not None:   # moves the last step's values to the host: part of the cost
+                        rec.step()
                     loss = F.cross_entropy(model(x), y)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
@@ -784,8 +860,9 @@ def render_report(data: dict, out: str | Path) -> Path:
     c = data["cost"]
     base = c["none"]["ms_per_step"]
     timed = c["none"].get("steps_timed")
-    how = (f"median of {timed} steps per mode, the modes taking turns in {COST_ROUNDS} rounds" if timed else
-           "median step time")
+    how = (f"median of {timed} steps per mode, the modes taking turns in {COST_ROUNDS} rounds; a step is the "
+           "recorder's per-step transfer, forward, backward, optimizer and parameter snapshot, synchronised" if timed
+           else "median step time")
     lines += ["", f"Recording cost (same model, tree kernels, {how}; host-bound steps vary by several tenths of "
               "the ratio between runs on one machine):", ""]
     for mode in ("routed", "all"):

@@ -219,22 +219,29 @@ def test_kernel_written_rows_come_back_in_record_order(monkeypatch):
                 rec.step()
                 y = torch.relu(x @ x.T).double().sum(0).float()   # float64 records between float32 ones
                 (x * 2 + y.mean()).tanh().sum()
+                torch.std_mean(x, 0)                                 # an op of two float32 outputs
                 rec.snapshot([("x", x), ("y", y)])
         return rec.arrays()
 
-    def stand_in(t: torch.Tensor, ptr: int) -> None:
-        l2, mx = trace.summaries(t)
-        row = torch.stack((trace.fingerprint(t).view(torch.float64), l2, mx)).numpy()
-        ctypes.memmove(ptr, row.ctypes.data, 24)
+    launches = []
+
+    def stand_in(ts: list[torch.Tensor], ptrs: list[int]) -> None:
+        launches.append(len(ts))
+        for t, ptr in zip(ts, ptrs):
+            l2, mx = trace.summaries(t)
+            row = torch.stack((trace.fingerprint(t).view(torch.float64), l2, mx)).numpy()
+            ctypes.memmove(ptr, row.ctypes.data, 24)
 
     want = run()
     monkeypatch.setattr(trace, "_fused", lambda t: t.dtype == torch.float32)
-    monkeypatch.setattr(trace, "_launch_fingerprint", stand_in)
+    monkeypatch.setattr(trace, "_launch_fingerprints", stand_in)
     monkeypatch.setattr(trace._Slots, "ROWS", 3)     # several chunks per step
     got = run()
     assert sorted(got) == sorted(want) and len(want["fp"]) > 3 * 3
     for k in want:
         assert np.array_equal(got[k], want[k]), k
+    # the outputs of one op and the tensors of one snapshot go to the kernel in one launch
+    assert launches.count(2) == 2 * 3 and set(launches) == {1, 2}
 
 
 def test_report_marks_ops_the_model_never_calls(tmp_path):

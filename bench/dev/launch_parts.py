@@ -23,8 +23,10 @@ def bench(name, f, n=20000):
 dev = torch.device("cuda", 0)
 t = torch.randn(512, device=dev)
 out = torch.zeros(3, dtype=torch.float64, device=dev)
-fn, _, _, _, scratch = trace._fp_state(0)
-args = (np.uint64(t.data_ptr()), np.int64(512), np.int64(512), *scratch, np.uint64(out.data_ptr()))
+st = trace._fp_state(0)
+fn = st.one
+args = (np.uint64(t.data_ptr()), np.int64(512), np.int64(512), *st.parts, st.counters.data_ptr(),
+        np.uint64(out.data_ptr()))
 slots, addresses = runtime._param_block(args)
 addr = addresses.buffer_info()[0]
 stream = torch._C._cuda_getCurrentRawStream(0)
@@ -36,6 +38,9 @@ bench("driver.launchKernel (params prebuilt)", lambda: driver.launchKernel(fn.pt
 bench("fn.ptr", lambda: fn.ptr)
 bench("runtime.launch", lambda: runtime.launch(fn, (1,), (256,), args, device=dev))
 bench("trace._launch_fingerprint", lambda: trace._launch_fingerprint(t, out.data_ptr()))
+outs = torch.zeros(62, 3, dtype=torch.float64, device=dev)
+ts, ptrs = [t] * 62, [outs[i].data_ptr() for i in range(62)]
+bench("trace._launch_fingerprints, 62 tensors (one launch)", lambda: trace._launch_fingerprints(ts, ptrs), n=2000)
 bench("t.zero_() (torch launch)", lambda: t.zero_())
 cuda = ctypes.CDLL("libcuda.so.1")
 cu = cuda.cuLaunchKernel
