@@ -43,6 +43,7 @@ import argparse
 import array
 import contextlib
 import functools
+import gc
 import io
 import json
 import sys
@@ -440,23 +441,32 @@ class Recorder(TorchDispatchMode):
         self._quiet = True
         try:
             pending, self.pending = self.pending, []
-            vals = np.zeros((len(pending), 3))
-            tensors: dict[torch.device, list[int]] = {}
-            slotted: dict[int, tuple[list[int], list[int]]] = {}
-            for i, v in enumerate(pending):  # records of CPU tensors may sit between those of GPU tensors
-                if isinstance(v, tuple):
-                    at = slotted.setdefault(v[0], ([], []))
-                    at[0].append(i)
-                    at[1].append(v[1])
-                else:
-                    tensors.setdefault(v.device, []).append(i)
-            for index, (recs, rows) in slotted.items():
-                vals[recs] = self.slots[index].take()[rows]
-            for idx in tensors.values():
-                vals[idx] = torch.stack([pending[i] for i in idx]).cpu().numpy()
+            busy = [slots for slots in self.slots.values() if slots.used]
+            if len(busy) == 1 and busy[0].used == len(pending):
+                vals = busy[0].take()   # every record of the step a row of one device's slots, in order
+            else:
+                vals = self._gather(pending)
         finally:
             self._quiet = False
         self.values.append((vals[:, 0].view(np.int64).copy(), vals[:, 1].copy(), vals[:, 2].copy()))
+
+    def _gather(self, pending: list) -> np.ndarray:
+        """The values of records of several devices, or some of them tensors (see ``pending``)."""
+        vals = np.zeros((len(pending), 3))
+        tensors: dict[torch.device, list[int]] = {}
+        slotted: dict[int, tuple[list[int], list[int]]] = {}
+        for i, v in enumerate(pending):  # records of CPU tensors may sit between those of GPU tensors
+            if isinstance(v, tuple):
+                at = slotted.setdefault(v[0], ([], []))
+                at[0].append(i)
+                at[1].append(v[1])
+            else:
+                tensors.setdefault(v.device, []).append(i)
+        for index, (recs, rows) in slotted.items():
+            vals[recs] = self.slots[index].take()[rows]
+        for idx in tensors.values():
+            vals[idx] = torch.stack([pending[i] for i in idx]).cpu().numpy()
+        return vals
 
     # -- output
     def arrays(self) -> dict[str, np.ndarray]:
@@ -769,6 +779,7 @@ def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUN
     y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
     modes = ("none", "routed", "all")
     built = {mode: train.build(cfg, seeds, 10, fmt) for mode in modes}
+    gc.collect()   # the garbage of whatever ran before (the report's lockstep runs) is not collected in a mode
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     out = {}
     for r in range(rounds):

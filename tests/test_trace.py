@@ -211,13 +211,15 @@ def test_kernel_written_rows_come_back_in_record_order(monkeypatch):
     every value a tensor."""
     import ctypes
 
-    def run() -> dict:
+    def run(mixed: bool) -> dict:
         g = torch.Generator().manual_seed(3)
         x = torch.randn(4, 5, generator=g)
         with trace.record(None) as rec:
             for _ in range(3):
                 rec.step()
-                y = torch.relu(x @ x.T).double().sum(0).float()   # float64 records between float32 ones
+                y = torch.relu(x @ x.T)
+                # float64 records between float32 ones; without them, every value of a step is a slot row
+                y = y.double().sum(0).float() if mixed else y.sum(0)
                 (x * 2 + y.mean()).tanh().sum()
                 torch.std_mean(x, 0)                                 # an op of two float32 outputs
                 rec.snapshot([("x", x), ("y", y)])
@@ -232,16 +234,23 @@ def test_kernel_written_rows_come_back_in_record_order(monkeypatch):
             row = torch.stack((trace.fingerprint(t).view(torch.float64), l2, mx)).numpy()
             ctypes.memmove(ptr, row.ctypes.data, 24)
 
-    want = run()
-    monkeypatch.setattr(trace, "_fused", lambda t: t.dtype == torch.float32)
-    monkeypatch.setattr(trace, "_launch_fingerprints", stand_in)
-    monkeypatch.setattr(trace._Slots, "ROWS", 3)     # several chunks per step
-    got = run()
-    assert sorted(got) == sorted(want) and len(want["fp"]) > 3 * 3
-    for k in want:
-        assert np.array_equal(got[k], want[k]), k
-    # the outputs of one op and the tensors of one snapshot go to the kernel in one launch
-    assert launches.count(2) == 2 * 3 and set(launches) == {1, 2}
+    for mixed in (True, False):
+        want = run(mixed)
+        with monkeypatch.context() as m:
+            m.setattr(trace, "_fused", lambda t: t.dtype == torch.float32)
+            m.setattr(trace, "_launch_fingerprints", stand_in)
+            m.setattr(trace._Slots, "ROWS", 3)     # several chunks per step
+            launches.clear()
+            gathered = []
+            gather = trace.Recorder._gather
+            m.setattr(trace.Recorder, "_gather", lambda self, p: gathered.append(len(p)) or gather(self, p))
+            got = run(mixed)
+        assert bool(gathered) == mixed   # one device's rows alone come back without the per-record gather
+        assert sorted(got) == sorted(want) and len(want["fp"]) > 3 * 3
+        for k in want:
+            assert np.array_equal(got[k], want[k]), (mixed, k)
+        # the outputs of one op and the tensors of one snapshot go to the kernel in one launch
+        assert launches.count(2) == 2 * 3 and set(launches) == {1, 2}
 
 
 def test_report_marks_ops_the_model_never_calls(tmp_path):
