@@ -339,8 +339,9 @@ def targets(data: dict) -> list[str]:
             for row in rows.values() if _best(row, "tree") and not _best(row, "tree").get("refused_strict")]
     one = all(_best(r, "tree")["distinct"] == 1 for r in rows.values()
               if _best(r, "tree") and not _best(r, "tree").get("refused_strict"))
+    verdict_1 = "no model measured" if not full else "1 everywhere: met" if one else "NOT 1 everywhere"
     out.append(f"- distinct final-weight hashes under tree where the coverage is full: {', '.join(full)} "
-               f"({'1 everywhere: met' if one else 'NOT 1 everywhere'})")
+               f"({verdict_1})")
     return out
 
 

@@ -72,3 +72,14 @@ def test_a_run_with_only_keeps_the_other_rows_and_names_dropped_modes(tmp_path, 
     assert set(rows) == {KEYS[0], KEYS[1]} and rows[KEYS[1]]["modes"] == {"native": {}}
     assert set(rows[KEYS[0]]["modes"]) == {"native", "tree"}
     assert "atomic results are dropped" in capsys.readouterr().out
+
+
+def test_a_model_whose_every_mode_failed_renders_its_errors_and_no_verdict():
+    case = {"model": "torchvision:foo", "batch": 8, "size": 32, "classes": 10, "key": "foo"}
+    failed = {"layouts": {"contiguous": {"error": "RuntimeError: boom", "wall_s": 1.0}}, "layout": None}
+    data = {"rows": {"foo": {"case": case, "modes": {m: dict(failed) for m in bm.MODES}, "amp": None}},
+            "fingerprint": {}}
+    text = bm.render(data)
+    assert text.count("| runs no step: RuntimeError: boom |") == len(bm.MODES)
+    # no tree run measured: the repeatability target has nothing to be met by
+    assert "where the coverage is full:  (no model measured)" in text and "met" not in text.split("## Targets")[1]
