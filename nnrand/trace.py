@@ -365,17 +365,20 @@ class Recorder(TorchDispatchMode):
 
     def snapshot(self, named: Iterator[tuple[str, torch.Tensor]], op: str = "parameter") -> None:
         """One record per named tensor (phase "other", aten op field ``op``, module field the name): the
-        weights at the end of a step, say, which in-place optimizer updates do not show as op outputs."""
+        weights at the end of a step, say, which in-place optimizer updates do not show as op outputs. The
+        tensors are fingerprinted together once ``named`` is exhausted: each must still hold the value it
+        had when yielded (``named_parameters()`` yields distinct tensors)."""
         self._quiet = True  # the ops computing the fingerprints are not records themselves
+        batch: list = []
         try:
-            batch: list = []
-            code, phase = self._code("ops", op), _PHASE["other"]
             for name, t in named:   # read only: no detach (one dispatched op less)
-                self._add(t, code, self._code("modules", name), phase, 0, batch)
+                self._add(t, self._code("ops", op), self._code("modules", name), _PHASE["other"], 0, batch)
                 self.index += 1
-            _launch(batch)
         finally:
-            self._quiet = False
+            try:
+                _launch(batch)   # the rows reserved so far are written even if a later record failed
+            finally:
+                self._quiet = False
 
     # -- the records
     def _add_outputs(self, out, op: str, module: str, phase: str) -> None:
@@ -383,12 +386,14 @@ class Recorder(TorchDispatchMode):
         fingerprints launched together."""
         batch: list = []
         codes = None   # coded at the first record: an op without tensor outputs adds no table entries
-        for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.numel() and not t.is_sparse:
-                if codes is None:
-                    codes = (self._code("ops", op), self._code("modules", module), _PHASE[phase])
-                self._add(t, *codes, k, batch)
-        _launch(batch)
+        try:
+            for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.numel() and not t.is_sparse:
+                    if codes is None:
+                        codes = (self._code("ops", op), self._code("modules", module), _PHASE[phase])
+                    self._add(t, *codes, k, batch)
+        finally:
+            _launch(batch)   # the rows reserved so far are written even if a later record failed
         self.index += 1
 
     def _add(self, t: torch.Tensor, op: int, module: int, phase: int, k: int, batch: list) -> None:

@@ -278,3 +278,25 @@ def test_recording_cost_times_every_mode_in_each_round(tmp_path):
     assert all(cost[m]["ms_per_step"] > 0 for m in cost)
     assert cost["all"]["records_per_step"] > cost["routed"]["records_per_step"] > 0
     assert "records_per_step" not in cost["none"]
+
+
+def test_a_record_failing_midway_still_launches_the_rows_reserved_before_it(monkeypatch):
+    """An op's outputs are fingerprinted in one launch after all their rows are reserved: when a later
+    output's record raises, the rows reserved before it are still written (launched), not left unset."""
+    launched = []
+    monkeypatch.setattr(trace, "_fused", lambda t: t.dtype == torch.float32)
+    monkeypatch.setattr(trace, "_launch_fingerprints", lambda ts, ptrs: launched.append(len(ts)))
+
+    def refuse(t):
+        raise RuntimeError("no values for this output")
+
+    monkeypatch.setattr(trace, "record_values", refuse)
+    rec = trace.Recorder()
+    rec.step()
+    out = (torch.ones(3), torch.ones(2), torch.ones(2, dtype=torch.float64), torch.ones(4))
+    with pytest.raises(RuntimeError, match="no values"):
+        rec._add_outputs(out, "op", "m", "forward")
+    assert launched == [2]    # the two float32 outputs before the failing float64 one
+    with pytest.raises(RuntimeError, match="no values"):
+        rec.snapshot([("a", torch.ones(2)), ("b", torch.ones(2, dtype=torch.float64))])
+    assert launched == [2, 1]

@@ -33,20 +33,17 @@ def test_fused_fingerprint_matches_the_formula(n):
 def test_batched_fingerprints_equal_one_launch_each():
     """fingerprint_batch gives every tensor the bits of its own launch: sizes from one word to the 1024-block
     cap, a non-contiguous one, more tensors than one launch takes (FP_BATCH) and more blocks than the
-    scratch holds (FP_SCRATCH_BLOCKS), every result the same in 10 repeats."""
+    scratch holds (FP_SCRATCH_BLOCKS), bit for bit in each of 10 repeats."""
     g = torch.Generator(device="cuda").manual_seed(5)
     sizes = [1, 255, 4096, 4097, 1 << 20, (1 << 22) + 3] + [37 * k for k in range(1, 121)] + [1 << 22] * 17
     ts = [torch.randn(n, device="cuda", generator=g) for n in sizes]
     ts.append(torch.randn(300, 70, device="cuda", generator=g).T)   # read in logical order, like one launch
     assert len(ts) > trace.FP_BATCH and sum(trace.fp_blocks(t.numel()) for t in ts) > trace.FP_SCRATCH_BLOCKS
     want = torch.stack([trace.fingerprint_cuda(t) for t in ts])
-    reps = set()
     for _ in range(10):
         got = torch.zeros(len(ts), 3, dtype=torch.float64, device="cuda")
         trace._launch_fingerprints(ts, [got[i].data_ptr() for i in range(len(ts))])
         assert torch.equal(got.view(torch.int64), want.view(torch.int64))
-        reps.add(got.cpu().numpy().tobytes())
-    assert len(reps) == 1
 
 
 def test_two_tree_runs_record_identical_traces(tmp_path, monkeypatch):
