@@ -123,7 +123,8 @@ class _FpState:
     dev: torch.device
     scratch: torch.Tensor   # FP_SCRATCH_BLOCKS block partials of each: fp u64 | sq f64 | mx f32, nan i32
     counters: torch.Tensor  # FP_BATCH ticket counters (runtime.ticket_counters: reset by their last block)
-    parts: tuple[int, ...]  # the four partial arrays' addresses, as plain ints (cheaper to pack per launch)
+    parts: tuple[int, ...]  # the four partial arrays' and the counters' addresses, as plain ints (packed
+                            # per launch: cheaper than NumPy scalars or data_ptr() calls)
 
 
 # per (device index, raw stream): launches on one stream run in order, so they share scratch and counters
@@ -140,9 +141,10 @@ def _fp_state(index: int) -> _FpState:
         b = FP_SCRATCH_BLOCKS
         scratch = torch.empty(3 * b, dtype=torch.int64, device=dev)
         base = scratch.data_ptr()
+        counters = runtime.ticket_counters(dev, FP_BATCH)
         st = _FpState(runtime.function("fingerprint.cu", "fingerprint", dev),
-                      runtime.function("fingerprint.cu", "fingerprint_batch", dev), dev, scratch,
-                      runtime.ticket_counters(dev, FP_BATCH), (base, base + 8 * b, base + 16 * b, base + 20 * b))
+                      runtime.function("fingerprint.cu", "fingerprint_batch", dev), dev, scratch, counters,
+                      (base, base + 8 * b, base + 16 * b, base + 20 * b, counters.data_ptr()))
         _FP_STATE[key] = st
     return st
 
@@ -169,8 +171,8 @@ def _launch_fingerprint(t: torch.Tensor, out_ptr: int) -> None:
     st = _fp_state(t.get_device())
     n = t.numel()
     blocks = fp_blocks(n)
-    _runtime().launch(st.one, (blocks,), (FP_THREADS,), (t.data_ptr(), n, -(-n // blocks), *st.parts,
-                                                         st.counters.data_ptr(), out_ptr), device=st.dev)
+    _runtime().launch(st.one, (blocks,), (FP_THREADS,), (t.data_ptr(), n, -(-n // blocks), *st.parts, out_ptr),
+                      device=st.dev)
 
 
 def _launch_fingerprints(ts: list[torch.Tensor], out_ptrs: list[int]) -> None:
@@ -200,8 +202,7 @@ def _launch_batch(st: _FpState, desc: list[int], blocks: int) -> None:
     batch = array.array("q", (len(desc) // 5,))
     batch.extend(desc)
     batch.extend(_ZEROS[:_FP_BATCH_SLOTS - len(batch)])
-    _runtime().launch(st.batch, (blocks,), (FP_THREADS,), (*st.parts, st.counters.data_ptr()), device=st.dev,
-                      struct=batch)
+    _runtime().launch(st.batch, (blocks,), (FP_THREADS,), st.parts, device=st.dev, struct=batch)
 
 
 _ZEROS = array.array("q", bytes(8 * _FP_BATCH_SLOTS))

@@ -25,8 +25,7 @@ t = torch.randn(512, device=dev)
 out = torch.zeros(3, dtype=torch.float64, device=dev)
 st = trace._fp_state(0)
 fn = st.one
-args = (np.uint64(t.data_ptr()), np.int64(512), np.int64(512), *st.parts, st.counters.data_ptr(),
-        np.uint64(out.data_ptr()))
+args = (np.uint64(t.data_ptr()), np.int64(512), np.int64(512), *st.parts, np.uint64(out.data_ptr()))
 slots, addresses = runtime._param_block(args)
 addr = addresses.buffer_info()[0]
 stream = torch._C._cuda_getCurrentRawStream(0)
