@@ -282,42 +282,75 @@ def default_split(n: int, space: int, scalar: bool) -> str:
     return "tiles" if not scalar and n <= TILES_UP_TO * space else "rows"
 
 
+MSORT_TILE = 2048     # SEG_MSORT_TILE: keys per block of the tile sort
+MSORT_THREADS = 1024  # SEG_MSORT_THREADS
+MSORT_MAX = 65536     # SEG_MSORT_MAX: the merge sort takes up to this many keys
+SORTS = ("merge", "one_block", "torch")
+
+
+def default_sort(n: int, kname: str) -> str:
+    """The key sort for n keys of type ``kname``: ``merge`` for int16 and int32 keys up to MSORT_MAX,
+    else ``torch``."""
+    return "merge" if kname in ("i16", "i32") and n <= MSORT_MAX else "torch"
+
+
 def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: int = 0,
-              check: RangeCheck = NO_CHECK, one_block: bool | None = None):
-    """(skey, perm, key type name, offset): the destinations of ``key`` (row form, ``width`` 0: key[e];
-    element form: key[e] * width + e % width; ``rows * max(width, 1)`` for a key outside [0, rows), or a
-    device-side assertion with a ``check`` device), narrowed to the smallest key type (_key_dtype: stored
-    as destination - offset), sorted stably: perm[p] is the element at sorted position p. Either one
-    block does it all (PREFIX_sort_i16, one launch; int16 keys, up to SORT_MAX of them), or the keys
-    kernel, then torch.sort(stable=True); both give the same skey and perm. The one block is
-    instruction-bound (~1.2 ns per key and digit pass on the H200, ~7 us fixed; torch's path 34-40 us
-    at these sizes, bench/dev/segsum_phases.py --splits), so it is taken for n * passes <= SORT_MAX;
-    ``one_block`` forces either (tests)."""
+              check: RangeCheck = NO_CHECK, method: str | None = None):
+    """(skey, perm, start, key type name, offset): the destinations of ``key`` (row form, ``width`` 0:
+    key[e]; element form: key[e] * width + e % width; ``rows * max(width, 1)`` for a key outside [0, rows),
+    or a device-side assertion with a ``check`` device), narrowed to the smallest key type (_key_dtype:
+    stored as destination - offset), sorted stably: perm[p] is the element at sorted position p; and
+    start[m], the first sorted position with a destination >= m, for m = 0 .. space (start[space]: the
+    valid keys). ``method`` (default: default_sort): ``merge``, a tile sort and a merge by rank that also
+    writes the starts (segsum.cuh; two launches); ``one_block``, one block sorts up to SORT_MAX int16
+    keys; ``torch``, the keys kernel then torch.sort(stable=True). Then the starts kernel for the last two.
+    All give the same skey, perm and start."""
     n = key.numel()
     dev = key.device
     space = rows * width if width else rows
     ktype, kname, offset = _key_dtype(space)
-    passes = 1 if space <= 255 else 2  # 8-bit digits of the destination (the sentinel, space, included)
-    if one_block is None:  # where it beats the keys kernel + torch.sort (segsum_phases --splits)
-        one_block = kname == "i16" and n * passes <= SORT_MAX
-    elif one_block and not (kname == "i16" and n <= SORT_MAX):
-        raise KernelArgumentError(prefix, "one_block", f"{n} keys into {space} destinations: the one-block sort "
-                                                       f"takes up to {SORT_MAX} keys into at most 65535")
-    if one_block:
+    if method is None:
+        method = default_sort(n, kname)
+    elif method not in SORTS:
+        raise KernelArgumentError(prefix, "method", f"expected one of {SORTS}, got {method!r}")
+    if method == "merge" and not (kname in ("i16", "i32") and n <= MSORT_MAX):
+        raise KernelArgumentError(prefix, "method", f"{n} keys into {space} destinations: the merge sort takes "
+                                                    f"up to {MSORT_MAX} keys into at most {2**32 - 1}")
+    if method == "one_block" and not (kname == "i16" and n <= SORT_MAX):
+        raise KernelArgumentError(prefix, "method", f"{n} keys into {space} destinations: the one-block sort "
+                                                    f"takes up to {SORT_MAX} keys into at most 65535")
+    start = torch.empty(space + 1, device=dev, dtype=torch.int64)
+    if method == "merge":
+        skey = torch.empty(n, device=dev, dtype=ktype)
+        perm = torch.empty(n, device=dev, dtype=torch.int64)
+        tiles = cdiv(n, MSORT_TILE)
+        scratch = torch.empty((2, max(1, tiles) * MSORT_TILE), device=dev, dtype=torch.int32)
+        if n:
+            launch(function(source, f"{prefix}_msort_tile_{kname}", dev), (tiles,), (MSORT_THREADS,),
+                   (ptr(key), ptr(scratch[0]), ptr(scratch[1]), np.int64(n), np.int64(width), np.int64(rows),
+                    check.trap), device=dev)
+        launch(function(source, f"{prefix}_msort_merge_{kname}", dev), (_blocks(n + space + 1),), (THREADS,),
+               (ptr(scratch[0]), ptr(scratch[1]), np.int64(n), np.int64(space), np.int64(offset), ptr(skey),
+                ptr(perm), ptr(start)), device=dev)
+        return skey, perm, start, kname, offset
+    if method == "one_block":
+        passes = 1 if space <= 255 else 2  # 8-bit digits of the destination (the sentinel, space, included)
         skey = torch.empty(n, device=dev, dtype=ktype)
         perm = torch.empty(n, device=dev, dtype=torch.int64)
         if n:
             launch(function(source, f"{prefix}_sort_i16", dev, smem=SORT_SMEM), (1,), (SORT_THREADS,),
                    (ptr(key), ptr(skey), ptr(perm), np.int32(n), np.int64(width), np.int64(rows), np.int64(offset),
                     np.int32(passes), check.trap), device=dev, shared_mem=SORT_SMEM)
-        return skey, perm, kname, offset
-    keys = torch.empty(n, device=dev, dtype=ktype)
-    if n:
-        launch(function(source, f"{prefix}_keys_{kname}", dev), (_blocks(n),), (THREADS,),
-               (ptr(key), ptr(keys), np.int64(n), np.int64(width), np.int64(rows), np.int64(offset), check.trap),
-               device=dev)
-    skey, perm = torch.sort(keys, stable=True)
-    return skey, perm, kname, offset
+    else:
+        keys = torch.empty(n, device=dev, dtype=ktype)
+        if n:
+            launch(function(source, f"{prefix}_keys_{kname}", dev), (_blocks(n),), (THREADS,),
+                   (ptr(key), ptr(keys), np.int64(n), np.int64(width), np.int64(rows), np.int64(offset), check.trap),
+                   device=dev)
+        skey, perm = torch.sort(keys, stable=True)
+    launch(function(source, f"{prefix}_starts_{kname}", dev), (_blocks(space + 1),), (THREADS,),
+           (ptr(skey), np.int64(n), np.int64(space), np.int64(offset), ptr(start)), device=dev)
+    return skey, perm, start, kname, offset
 
 
 def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
@@ -374,10 +407,8 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     n = key.numel()
     rows = out.shape[0]
     space, width = (rows * d, 1) if elementwise else (rows, d)
-    skey, perm, kname, offset = sort_keys(source, prefix, key, rows, width=d if elementwise else 0, check=check)
-    start = torch.empty(space + 1, device=dev, dtype=torch.int64)
-    launch(function(source, f"{prefix}_starts_{kname}", dev), (_blocks(space + 1),), (THREADS,),
-           (ptr(skey), np.int64(n), np.int64(space), np.int64(offset), ptr(start)), device=dev)
+    skey, perm, start, kname, offset = sort_keys(source, prefix, key, rows, width=d if elementwise else 0,
+                                                 check=check)
     vec = 1 if scalar else _vec(src, width)
     slices = 1 if scalar else cdiv(width, 32 * vec)
     slots = max(1, 2 * (n // CHUNK_MIN))

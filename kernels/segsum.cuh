@@ -361,6 +361,115 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
         seg_sort_body(key, skey, perm, n, width, rows, offset, passes, trap ? #PREFIX : nullptr);        \
     }
 
+// ------------------------------------------------------------------------------------------------
+// sorted: tile sort and merge by rank (up to SEG_MSORT_MAX keys of int16 or int32)
+
+// Two launches replace the keys kernel, torch.sort and segsum_starts where n is small (torch.sort is a
+// chain of device radix-sort launches whose fixed cost dominates an embedding gradient's sort). Tile
+// pass: block b sorts the keys [T b, T b + T) (T = SEG_MSORT_TILE) in shared memory, each packed as
+// (destination << DSHIFT) | position in the tile (unique, so a bitonic network, which is not stable,
+// sorts them in a stable order), padding all ones (after every key, the sentinel included); it stores
+// the tile's sorted destinations (0xffffffff for padding) and the source positions. Merge pass: a key
+// at rank r of tile c goes to sorted position r + (keys <= it in the tiles before c) + (keys < it in
+// the tiles after c), counted by binary searches in those tiles: the position a stable sort gives it,
+// so skey and perm are torch.sort(stable=True)'s. The same pass's threads beyond the keys write
+// start[m] = (keys < m in every tile) for m = 0 .. space. DETERMINISTIC: no atomics.
+#define SEG_MSORT_TILE 2048
+#define SEG_MSORT_THREADS 1024
+#define SEG_MSORT_MAX 65536
+
+// The packed keys of one tile in ascending order (bitonic network over SEG_MSORT_TILE words).
+template <typename P>
+__device__ __forceinline__ void seg_bitonic(P* s) {
+    for (int k = 2; k <= SEG_MSORT_TILE; k <<= 1)
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int t = threadIdx.x; t < SEG_MSORT_TILE / 2; t += blockDim.x) {
+                const int i = 2 * t - (t & (j - 1));  // bit j of i clear; partner i + j
+                const P a = s[i], b = s[i + j];
+                if ((a > b) == ((i & k) == 0)) {
+                    s[i] = b;
+                    s[i + j] = a;
+                }
+            }
+            __syncthreads();
+        }
+}
+
+template <typename P, int DSHIFT>
+__device__ __forceinline__ void seg_msort_tile_body(const long long* __restrict__ key, unsigned* __restrict__ tkey,
+                                                    int* __restrict__ tpos, long long n, long long width,
+                                                    long long rows, const char* trap) {
+    __shared__ P s[SEG_MSORT_TILE];
+    const long long base = (long long)blockIdx.x * SEG_MSORT_TILE;
+    const long long space = width ? rows * width : rows;
+    for (int i = threadIdx.x; i < SEG_MSORT_TILE; i += blockDim.x) {
+        const long long e = base + i;
+        s[i] = e < n ? ((P)seg_destination(key[e], e, width, rows, space, trap) << DSHIFT) | (P)i : ~(P)0;
+    }
+    __syncthreads();
+    seg_bitonic(s);
+    for (int i = threadIdx.x; i < SEG_MSORT_TILE; i += blockDim.x) {
+        const P v = s[i];
+        tkey[base + i] = v == ~(P)0 ? 0xffffffffu : (unsigned)(v >> DSHIFT);
+        tpos[base + i] = (int)(base + (long long)(v & (P)(SEG_MSORT_TILE - 1)));
+    }
+}
+
+// How many of a tile's sorted destinations a[0 .. T) are < x (or <= x with `le`): binary search, a fixed
+// log2(T) + 1 loads.
+__device__ __forceinline__ int seg_tile_rank(const unsigned* __restrict__ a, unsigned x, bool le) {
+    int lo = 0;
+#pragma unroll
+    for (int s = SEG_MSORT_TILE / 2; s > 0; s >>= 1) {
+        const unsigned v = a[lo + s - 1];
+        if (v < x || (le && v == x)) lo += s;
+    }
+    const unsigned v = a[lo];
+    return lo + (v < x || (le && v == x));
+}
+
+template <typename K>
+__device__ __forceinline__ void seg_msort_merge_body(const unsigned* __restrict__ tkey, const int* __restrict__ tpos,
+                                                     long long n, long long space, long long offset,
+                                                     K* __restrict__ skey, long long* __restrict__ perm,
+                                                     long long* __restrict__ start) {
+    const int tiles = (int)((n + SEG_MSORT_TILE - 1) / SEG_MSORT_TILE);
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n + space + 1; t += step) {
+        const bool is_key = t < n;  // else start[t - n]
+        const unsigned x = is_key ? tkey[t] : (unsigned)(t - n);
+        const int c = is_key ? (int)(t / SEG_MSORT_TILE) : tiles;
+        long long pos = is_key ? t - (long long)c * SEG_MSORT_TILE : 0;
+        for (int c0 = 0; c0 < tiles; c0 += 4) {  // four independent searches in flight
+            int r[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                r[q] = c0 + q < tiles && c0 + q != c
+                           ? seg_tile_rank(tkey + (long long)(c0 + q) * SEG_MSORT_TILE, x, c0 + q < c) : 0;
+            pos += r[0] + r[1] + r[2] + r[3];
+        }
+        if (is_key) {
+            skey[pos] = (K)((long long)x - offset);
+            perm[pos] = tpos[t];
+        } else {
+            start[t - n] = pos;
+        }
+    }
+}
+
+#define SEG_MSORT_FOR(PREFIX, KEYNAME, KT, PT, DSHIFT)                                                    \
+    extern "C" __global__ void __launch_bounds__(SEG_MSORT_THREADS)                                      \
+    PREFIX##_msort_tile_##KEYNAME(const long long* __restrict__ key, unsigned* __restrict__ tkey,        \
+                                  int* __restrict__ tpos, long long n, long long width, long long rows, int trap) { \
+        seg_msort_tile_body<PT, DSHIFT>(key, tkey, tpos, n, width, rows, trap ? #PREFIX : nullptr);      \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256)                                                    \
+    PREFIX##_msort_merge_##KEYNAME(const unsigned* __restrict__ tkey, const int* __restrict__ tpos, long long n, \
+                                   long long space, long long offset, KT* __restrict__ skey,             \
+                                   long long* __restrict__ perm, long long* __restrict__ start) {        \
+        seg_msort_merge_body<KT>(tkey, tpos, n, space, offset, skey, perm, start);                       \
+    }
+
 // start[m] = first sorted position with key >= m, for m = 0 .. space (start[space] = valid keys).
 template <typename K>
 __device__ __forceinline__ void seg_starts_body(const K* __restrict__ skey, long long n, long long space,
@@ -932,6 +1041,8 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
 #define SEG_KERNELS(PREFIX)                        \
     SEG_ATOMIC_KERNEL(PREFIX##_atomic, #PREFIX)    \
     SEG_SORT_KERNEL(PREFIX)                        \
+    SEG_MSORT_FOR(PREFIX, i16, short, unsigned, 16) \
+    SEG_MSORT_FOR(PREFIX, i32, int, unsigned long long, 32) \
     SEG_FIXED_ADD_KERNEL(PREFIX##_fixed_add, #PREFIX) \
     SEG_SORTED_FOR(PREFIX, i16, short)             \
     SEG_SORTED_FOR(PREFIX, i32, int)               \

@@ -285,20 +285,24 @@ def test_gpu_atomic_is_some_order_and_peers_within_bound(case, cuda_sync):
 
 
 # (n, rows, width, dup, bad): sizes around the one-block sort's rounds (32 * ceil(n / 1024) per warp)
-# and limits (16384 keys, 65535 destinations, one digit pass up to 255); width > 0: the element form;
-# bad: indices outside [0, rows) (the sentinel, sorted last)
-ONE_BLOCK_SORTS = (
+# and limits (16384 keys, 65535 destinations, one digit pass up to 255), the merge sort's tiles (2048
+# keys) and limits (65536 keys; int32 keys beyond 65535 destinations); width > 0: the element form; bad:
+# indices outside [0, rows) (the sentinel, sorted last)
+SORTS = (
     (1, 10, 0, 0.0, 0), (31, 3, 0, 0.0, 0), (1000, 255, 0, 0.3, 0), (1025, 256, 0, 0.0, 0),
     (5000, 65535, 0, 0.01, 0), (16384, 50000, 0, 0.5, 0), (16384, 65535, 0, 1.0, 0), (16383, 300, 0, 0.0, 40),
     (2048, 100, 8, 0.2, 0), (16384, 40, 16, 0.0, 7), (12000, 254, 0, 0.0, 25),
+    (2047, 50000, 0, 0.01, 0), (2049, 50000, 0, 0.01, 3), (4097, 7, 0, 0.0, 0), (65536, 50000, 0, 0.01, 0),
+    (65535, 65535, 0, 1.0, 9), (40000, 1_000_000, 0, 0.01, 11), (3000, 70000, 0, 0.5, 0),
+    (65536, 20000, 4, 0.01, 5), (30000, 3, 0, 0.0, 0),
 )
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,rows,width,dup,bad", ONE_BLOCK_SORTS)
-def test_gpu_one_block_sort_is_torch_sort(n, rows, width, dup, bad, cuda_sync):
-    """The one-block stable sort gives torch.sort(stable=True)'s keys and permutation exactly, and the
-    same on every call."""
+@pytest.mark.parametrize("n,rows,width,dup,bad", SORTS)
+def test_gpu_key_sorts_are_torch_sort(n, rows, width, dup, bad, cuda_sync):
+    """The merge sort and the one-block sort (where each applies) give torch.sort(stable=True)'s keys and
+    permutation and the starts kernel's row starts exactly, and the same on every call."""
     g = torch.Generator().manual_seed(n + rows)
     shape = (n // width, width) if width else (n,)
     index = ia.draw_index(g, shape, rows, dup)
@@ -307,11 +311,15 @@ def test_gpu_one_block_sort_is_torch_sort(n, rows, width, dup, bad, cuda_sync):
         where = torch.randperm(flat.numel(), generator=g)[:bad]
         flat[where] = torch.where(torch.arange(bad) % 2 == 0, rows + torch.arange(bad), -1 - torch.arange(bad))
     index = index.to(CUDA)
-    want = ia.sort_keys(ia.SOURCE, OP, index, rows, width=width, one_block=False)
-    for _ in range(5):
-        got = ia.sort_keys(ia.SOURCE, OP, index, rows, width=width, one_block=True)
-        assert got[2:] == want[2:] == ("i16", 2**15)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    want = ia.sort_keys(ia.SOURCE, OP, index, rows, width=width, method="torch")
+    kname = want[3]
+    methods = ["merge"] + (["one_block"] if kname == "i16" and n <= ia.SORT_MAX else [])
+    assert kname == ("i16" if rows * max(width, 1) < 2**16 else "i32")
+    for method in methods:
+        for _ in range(5):
+            got = ia.sort_keys(ia.SOURCE, OP, index, rows, width=width, method=method)
+            assert got[3:] == want[3:]
+            assert all(torch.equal(x, y) for x, y in zip(got[:3], want[:3])), method
 
 
 def test_launcher_constants_match_segsum_cuh():
@@ -325,13 +333,27 @@ def test_launcher_constants_match_segsum_cuh():
     assert warps * 32 == ia.SORT_THREADS
     assert ia.SORT_SMEM == (2 * ia.SORT_MAX + (digits + 1) * warps + warps) * 4  # SEG_SORT_SMEM
     assert ia.SORT_SMEM <= 227 * 1024  # an H100/H200 block's shared-memory limit
+    assert int(define["SEG_MSORT_TILE"]) == ia.MSORT_TILE and int(define["SEG_MSORT_MAX"]) == ia.MSORT_MAX
+    assert int(define["SEG_MSORT_THREADS"]) == ia.MSORT_THREADS
 
 
-def test_one_block_sort_refuses_what_it_cannot_sort():
-    with pytest.raises(KernelArgumentError, match="one_block.*16385 keys"):
-        ia.sort_keys(ia.SOURCE, OP, torch.zeros(16385, dtype=torch.int64), 10, one_block=True)
-    with pytest.raises(KernelArgumentError, match="one_block.*at most 65535"):
-        ia.sort_keys(ia.SOURCE, OP, torch.zeros(10, dtype=torch.int64), 70000, one_block=True)
+def test_key_sorts_refuse_what_they_cannot_sort():
+    with pytest.raises(KernelArgumentError, match="method.*16385 keys.*one-block"):
+        ia.sort_keys(ia.SOURCE, OP, torch.zeros(16385, dtype=torch.int64), 10, method="one_block")
+    with pytest.raises(KernelArgumentError, match="method.*one-block.*at most 65535"):
+        ia.sort_keys(ia.SOURCE, OP, torch.zeros(10, dtype=torch.int64), 70000, method="one_block")
+    with pytest.raises(KernelArgumentError, match="method.*65537 keys.*merge"):
+        ia.sort_keys(ia.SOURCE, OP, torch.zeros(65537, dtype=torch.int64), 10, method="merge")
+    with pytest.raises(KernelArgumentError, match="method.*8589934592 destinations.*merge"):
+        ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 2**31, width=4, method="merge")
+    with pytest.raises(KernelArgumentError, match="method.*expected one of"):
+        ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 10, method="radix")
+
+
+def test_default_sort():
+    """merge for int16 and int32 keys up to MSORT_MAX of them, torch.sort beyond or for int64 keys."""
+    assert ia.default_sort(1, "i16") == ia.default_sort(ia.MSORT_MAX, "i32") == "merge"
+    assert ia.default_sort(ia.MSORT_MAX + 1, "i16") == ia.default_sort(5, "i64") == "torch"
 
 
 @pytest.mark.gpu

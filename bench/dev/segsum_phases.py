@@ -6,8 +6,8 @@ kernel's share from torch.profiler (CUPTI sees CuPy's launches too).
     PYTHONPATH=. python bench/dev/segsum_phases.py [--ops index_add scatter_add] [--reps 20]
     PYTHONPATH=. python bench/dev/segsum_phases.py --splits   # index_add's sorted sums per task split
 
-``--splits`` times the one-block key sort against torch.sort's path (kernels/index_add.py's sort_keys),
-then index_add's sorted variant in each task split (and atomic) over shapes beyond the
+``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, torch.sort),
+checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
 bench cases: heavy rows, narrow and wide rows, as many rows as sources, mostly empty outputs (what
 kernels/index_add.py's default_split is chosen from), checking the splits' bits agree.
 """
@@ -79,20 +79,28 @@ SPLIT_SHAPES = ((1_000_000, 64, 1000), (1_000_000, 64, 100), (200_000, 256, 5000
                 (1_000_000, 2, 2_000_000), (16384, 512, 50_000))
 
 
-# (n, rows): the one-block sort against the keys kernel + torch.sort, one and two digit passes
-SORT_SHAPES = ((1024, 50_000), (4096, 50_000), (8192, 50_000), (12288, 50_000), (16384, 50_000), (16384, 200))
+# (n, rows): the key sorts (sort_keys' methods), one and two digit passes, int16 and int32 keys
+SORT_SHAPES = ((1024, 50_000), (4096, 50_000), (8192, 50_000), (12288, 50_000), (16384, 50_000), (16384, 200),
+               (32768, 50_000), (65536, 50_000), (16384, 1_000_000), (65536, 1_000_000))
 
 
 def sort_sweep(dev: torch.device, flush) -> None:
     for n, m in SORT_SHAPES:
         g = torch.Generator().manual_seed(2)
         idx = ia.draw_index(g, (n,), m, 0.01).to(dev)
-        row = [f"sort n {n:6d} rows {m:6d}"]
-        for one_block in (True, False):
-            def fn(one_block=one_block):
-                return ia.sort_keys(ia.SOURCE, "index_add", idx, m, one_block=one_block)
-            row.append(f"{'one block' if one_block else 'torch.sort'} "
-                       f"{median(cuda_event_times(fn, 30, dev, flush=flush)) * 1e6:6.1f} us")
+        row, first = [f"sort n {n:6d} rows {m:7d}"], None
+        for method in ia.SORTS:
+            if method == "one_block" and (n > ia.SORT_MAX or m > 2**16 - 1):
+                continue
+            if method == "merge" and n > ia.MSORT_MAX:
+                continue
+
+            def fn(method=method):
+                return ia.sort_keys(ia.SOURCE, "index_add", idx, m, method=method)
+            out = fn()
+            first = out if first is None else first
+            assert all(torch.equal(a, b) for a, b in zip(out[:3], first[:3])), method
+            row.append(f"{method} {median(cuda_event_times(fn, 30, dev, flush=flush)) * 1e6:6.1f} us")
         print("  ".join(row), flush=True)
 
 
