@@ -378,20 +378,26 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
 #define SEG_MSORT_THREADS 1024
 #define SEG_MSORT_MAX 65536
 
-// The packed keys of one tile in ascending order (bitonic network over SEG_MSORT_TILE words).
+// The packed keys of one tile in ascending order: a bitonic network over SEG_MSORT_TILE words, thread t
+// comparing the pair (i, i + j), i = 2 t - (t mod j). Where j <= 32 a warp's pairs lie in its own 64
+// words, so a stage that neither follows nor precedes one with j >= 64 waits for its warp only (51 of
+// the 66 stages).
 template <typename P>
 __device__ __forceinline__ void seg_bitonic(P* s) {
+    static_assert(SEG_MSORT_TILE == 2 * SEG_MSORT_THREADS, "one pair per thread");
+    const int t = threadIdx.x;
+#pragma unroll 1
     for (int k = 2; k <= SEG_MSORT_TILE; k <<= 1)
+#pragma unroll 1
         for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int t = threadIdx.x; t < SEG_MSORT_TILE / 2; t += blockDim.x) {
-                const int i = 2 * t - (t & (j - 1));  // bit j of i clear; partner i + j
-                const P a = s[i], b = s[i + j];
-                if ((a > b) == ((i & k) == 0)) {
-                    s[i] = b;
-                    s[i + j] = a;
-                }
+            const int i = 2 * t - (t & (j - 1));  // bit j of i clear
+            const P a = s[i], b = s[i + j];
+            if ((a > b) == ((i & k) == 0)) {
+                s[i] = b;
+                s[i + j] = a;
             }
-            __syncthreads();
+            if (j >= 64 || (j == 1 && k >= 64)) __syncthreads();  // this stage or the next (2k, k) spans warps
+            else __syncwarp();
         }
 }
 
@@ -438,7 +444,7 @@ __device__ __forceinline__ void seg_msort_merge_body(const unsigned* __restrict_
     for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n + space + 1; t += step) {
         const bool is_key = t < n;  // else start[t - n]
         const unsigned x = is_key ? tkey[t] : (unsigned)(t - n);
-        const int c = is_key ? (int)(t / SEG_MSORT_TILE) : tiles;
+        const int c = is_key ? (int)(t / SEG_MSORT_TILE) : -1;  // a start counts keys < m in every tile
         long long pos = is_key ? t - (long long)c * SEG_MSORT_TILE : 0;
         for (int c0 = 0; c0 < tiles; c0 += 4) {  // four independent searches in flight
             int r[4];
