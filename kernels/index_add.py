@@ -282,9 +282,12 @@ def default_split(n: int, space: int, scalar: bool) -> str:
     return "tiles" if not scalar and n <= TILES_UP_TO * space else "rows"
 
 
-MSORT_TILE = 2048     # SEG_MSORT_TILE: keys per block of the tile sort
-MSORT_THREADS = 1024  # SEG_MSORT_THREADS
-MSORT_MAX = 65536     # SEG_MSORT_MAX: the merge sort takes up to this many keys
+MSORT_TILE = 2048            # SEG_MSORT_TILE: keys per block of the tile sort
+MSORT_THREADS = 256          # SEG_MSORT_THREADS
+MSORT_MAX = 32768            # SEG_MSORT_MAX: the merge sort takes up to this many keys
+MSORT_MERGE_THREADS = 1024   # SEG_MSORT_MERGE_THREADS
+MSORT_STARTS_FUSED = 2**21   # the merge writes the starts where (space + 1) * tiles is at most this
+SMEM_PER_SM = 227 * 1024     # an H100/H200 SM's shared memory for blocks
 SORTS = ("merge", "one_block", "torch")
 
 
@@ -302,9 +305,9 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
     stored as destination - offset), sorted stably: perm[p] is the element at sorted position p; and
     start[m], the first sorted position with a destination >= m, for m = 0 .. space (start[space]: the
     valid keys). ``method`` (default: default_sort): ``merge``, a tile sort and a merge by rank that also
-    writes the starts (segsum.cuh; two launches); ``one_block``, one block sorts up to SORT_MAX int16
-    keys; ``torch``, the keys kernel then torch.sort(stable=True). Then the starts kernel for the last two.
-    All give the same skey, perm and start."""
+    writes the starts where they are few enough (segsum.cuh; two launches); ``one_block``, one block sorts
+    up to SORT_MAX int16 keys; ``torch``, the keys kernel then torch.sort(stable=True). The starts kernel
+    after each but a fused merge. All give the same skey, perm and start."""
     n = key.numel()
     dev = key.device
     space = rows * width if width else rows
@@ -329,11 +332,16 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
             launch(function(source, f"{prefix}_msort_tile_{kname}", dev), (tiles,), (MSORT_THREADS,),
                    (ptr(key), ptr(scratch[0]), ptr(scratch[1]), np.int64(n), np.int64(width), np.int64(rows),
                     check.trap), device=dev)
-        launch(function(source, f"{prefix}_msort_merge_{kname}", dev), (_blocks(n + space + 1),), (THREADS,),
-               (ptr(scratch[0]), ptr(scratch[1]), np.int64(n), np.int64(space), np.int64(offset), ptr(skey),
-                ptr(perm), ptr(start)), device=dev)
-        return skey, perm, start, kname, offset
-    if method == "one_block":
+        fused = (space + 1) * tiles <= MSORT_STARTS_FUSED
+        smem = 4 * tiles * MSORT_TILE  # every tile's destinations
+        per_sm = max(1, min(2048 // MSORT_MERGE_THREADS, SMEM_PER_SM // max(smem, 1)))
+        blocks = max(1, min(cdiv(n + (space + 1 if fused else 0), MSORT_MERGE_THREADS), per_sm * sm_count(dev)))
+        launch(function(source, f"{prefix}_msort_merge_{kname}", dev, smem=smem), (blocks,), (MSORT_MERGE_THREADS,),
+               (ptr(scratch[0]), ptr(scratch[1]), np.int64(n), np.int64(space), np.int64(offset), np.int32(fused),
+                ptr(skey), ptr(perm), ptr(start)), device=dev, shared_mem=smem)
+        if fused:
+            return skey, perm, start, kname, offset
+    elif method == "one_block":
         passes = 1 if space <= 255 else 2  # 8-bit digits of the destination (the sentinel, space, included)
         skey = torch.empty(n, device=dev, dtype=ktype)
         perm = torch.empty(n, device=dev, dtype=torch.int64)
@@ -341,7 +349,7 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
             launch(function(source, f"{prefix}_sort_i16", dev, smem=SORT_SMEM), (1,), (SORT_THREADS,),
                    (ptr(key), ptr(skey), ptr(perm), np.int32(n), np.int64(width), np.int64(rows), np.int64(offset),
                     np.int32(passes), check.trap), device=dev, shared_mem=SORT_SMEM)
-    else:
+    else:  # torch
         keys = torch.empty(n, device=dev, dtype=ktype)
         if n:
             launch(function(source, f"{prefix}_keys_{kname}", dev), (_blocks(n),), (THREADS,),

@@ -366,64 +366,127 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
 
 // Two launches replace the keys kernel, torch.sort and segsum_starts where n is small (torch.sort is a
 // chain of device radix-sort launches whose fixed cost dominates an embedding gradient's sort). Tile
-// pass: block b sorts the keys [T b, T b + T) (T = SEG_MSORT_TILE) in shared memory, each packed as
-// (destination << DSHIFT) | position in the tile (unique, so a bitonic network, which is not stable,
-// sorts them in a stable order), padding all ones (after every key, the sentinel included); it stores
-// the tile's sorted destinations (0xffffffff for padding) and the source positions. Merge pass: a key
-// at rank r of tile c goes to sorted position r + (keys <= it in the tiles before c) + (keys < it in
-// the tiles after c), counted by binary searches in those tiles: the position a stable sort gives it,
-// so skey and perm are torch.sort(stable=True)'s. The same pass's threads beyond the keys write
-// start[m] = (keys < m in every tile) for m = 0 .. space. DETERMINISTIC: no atomics.
+// pass: block b sorts the keys [T b, T b + T) (T = SEG_MSORT_TILE), each packed as (destination <<
+// DSHIFT) | position in the tile (unique, so a bitonic network, which is not stable, sorts them in a
+// stable order), padding all ones (after every key, the sentinel included); it stores the tile's sorted
+// destinations (0xffffffff for padding) and the source positions. Merge pass: a key at rank r of tile c
+// goes to sorted position r + (keys <= it in the tiles before c) + (keys < it in the tiles after c),
+// counted by binary searches in those tiles (staged in shared memory): the position a stable sort gives
+// it, so skey and perm are torch.sort(stable=True)'s. With `with_starts`, the same pass's threads beyond
+// the keys write start[m] = (keys < m in every tile) for m = 0 .. space (else the launcher runs
+// segsum_starts: cheaper where the destinations far outnumber the keys). DETERMINISTIC: no atomics.
 #define SEG_MSORT_TILE 2048
-#define SEG_MSORT_THREADS 1024
-#define SEG_MSORT_MAX 65536
+#define SEG_MSORT_THREADS 256
+#define SEG_MSORT_PER 8  // keys per thread of the tile pass
+#define SEG_MSORT_MAX 32768
+#define SEG_MSORT_MERGE_THREADS 1024
 
-// The packed keys of one tile in ascending order: a bitonic network over SEG_MSORT_TILE words, thread t
-// comparing the pair (i, i + j), i = 2 t - (t mod j). Where j <= 32 a warp's pairs lie in its own 64
-// words, so a stage that neither follows nor precedes one with j >= 64 waits for its warp only (51 of
-// the 66 stages).
-template <typename P>
-__device__ __forceinline__ void seg_bitonic(P* s) {
-    static_assert(SEG_MSORT_TILE == 2 * SEG_MSORT_THREADS, "one pair per thread");
-    const int t = threadIdx.x;
-#pragma unroll 1
-    for (int k = 2; k <= SEG_MSORT_TILE; k <<= 1)
-#pragma unroll 1
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            const int i = 2 * t - (t & (j - 1));  // bit j of i clear
-            const P a = s[i], b = s[i + j];
-            if ((a > b) == ((i & k) == 0)) {
-                s[i] = b;
-                s[i + j] = a;
+// One bitonic stage of distance J (< SEG_MSORT_PER) on a thread's keys v[q] = s[i0 + q]: in registers.
+template <int J, typename P>
+__device__ __forceinline__ void seg_bitonic_regs(P (&v)[SEG_MSORT_PER], int i0, int k) {
+#pragma unroll
+    for (int q = 0; q < SEG_MSORT_PER; ++q)
+        if ((q & J) == 0) {
+            const P a = v[q], b = v[q + J];
+            if ((a > b) == (((i0 + q) & k) == 0)) {
+                v[q] = b;
+                v[q + J] = a;
             }
-            if (j >= 64 || (j == 1 && k >= 64)) __syncthreads();  // this stage or the next (2k, k) spans warps
-            else __syncwarp();
         }
+}
+
+// A thread's SEG_MSORT_PER keys to and from shared memory s[i0 ..], 16 bytes per access (one word per
+// access would be an 8-way bank conflict: the threads' runs are 8 words apart).
+__device__ __forceinline__ void seg_put(unsigned* s, const unsigned (&v)[SEG_MSORT_PER]) {
+#pragma unroll
+    for (int q = 0; q < SEG_MSORT_PER; q += 4)
+        *reinterpret_cast<uint4*>(s + q) = make_uint4(v[q], v[q + 1], v[q + 2], v[q + 3]);
+}
+__device__ __forceinline__ void seg_get(const unsigned* s, unsigned (&v)[SEG_MSORT_PER]) {
+#pragma unroll
+    for (int q = 0; q < SEG_MSORT_PER; q += 4) {
+        const uint4 w = *reinterpret_cast<const uint4*>(s + q);
+        v[q] = w.x, v[q + 1] = w.y, v[q + 2] = w.z, v[q + 3] = w.w;
+    }
+}
+__device__ __forceinline__ void seg_put(unsigned long long* s, const unsigned long long (&v)[SEG_MSORT_PER]) {
+#pragma unroll
+    for (int q = 0; q < SEG_MSORT_PER; q += 2) *reinterpret_cast<ulonglong2*>(s + q) = make_ulonglong2(v[q], v[q + 1]);
+}
+__device__ __forceinline__ void seg_get(const unsigned long long* s, unsigned long long (&v)[SEG_MSORT_PER]) {
+#pragma unroll
+    for (int q = 0; q < SEG_MSORT_PER; q += 2) {
+        const ulonglong2 w = *reinterpret_cast<const ulonglong2*>(s + q);
+        v[q] = w.x, v[q + 1] = w.y;
+    }
+}
+
+// The packed keys of one tile in ascending order: a bitonic network over SEG_MSORT_TILE words. Thread t
+// holds words [8 t, 8 t + 8) in registers, where the stages of distance j < 8 run (30 of the 66); the
+// others run in shared memory, each thread comparing the pairs (i, i + j), i = 2 p - (p mod j), for
+// p = t + 256 q. Shared memory's bandwidth bounds the stages there, so fewer of them is what counts.
+template <typename P>
+__device__ __forceinline__ void seg_bitonic(P (&v)[SEG_MSORT_PER], P* s) {
+    static_assert(SEG_MSORT_TILE == SEG_MSORT_PER * SEG_MSORT_THREADS, "a tile is the block's registers");
+    const int t = threadIdx.x, i0 = SEG_MSORT_PER * t;
+#pragma unroll 1
+    for (int k = 2; k <= SEG_MSORT_TILE; k <<= 1) {
+        if (k > SEG_MSORT_PER) {
+            __syncthreads();  // every thread's reads of the previous round are done
+            seg_put(s + i0, v);
+            __syncthreads();
+#pragma unroll 1
+            for (int j = k >> 1; j >= SEG_MSORT_PER; j >>= 1) {
+#pragma unroll
+                for (int q = 0; q < SEG_MSORT_PER / 2; ++q) {
+                    const int p = t + SEG_MSORT_THREADS * q;
+                    const int i = 2 * p - (p & (j - 1));  // bit j of i clear
+                    const P a = s[i], b = s[i + j];
+                    if ((a > b) == ((i & k) == 0)) {
+                        s[i] = b;
+                        s[i + j] = a;
+                    }
+                }
+                __syncthreads();
+            }
+            seg_get(s + i0, v);
+        }
+        if (k >= 8) seg_bitonic_regs<4>(v, i0, k);
+        if (k >= 4) seg_bitonic_regs<2>(v, i0, k);
+        seg_bitonic_regs<1>(v, i0, k);
+    }
 }
 
 template <typename P, int DSHIFT>
 __device__ __forceinline__ void seg_msort_tile_body(const long long* __restrict__ key, unsigned* __restrict__ tkey,
                                                     int* __restrict__ tpos, long long n, long long width,
                                                     long long rows, const char* trap) {
-    __shared__ P s[SEG_MSORT_TILE];
-    const long long base = (long long)blockIdx.x * SEG_MSORT_TILE;
+    __shared__ __align__(16) P s[SEG_MSORT_TILE];
+    const long long base = (long long)blockIdx.x * SEG_MSORT_TILE + SEG_MSORT_PER * threadIdx.x;
     const long long space = width ? rows * width : rows;
-    for (int i = threadIdx.x; i < SEG_MSORT_TILE; i += blockDim.x) {
-        const long long e = base + i;
-        s[i] = e < n ? ((P)seg_destination(key[e], e, width, rows, space, trap) << DSHIFT) | (P)i : ~(P)0;
+    long long idx[SEG_MSORT_PER];
+#pragma unroll
+    for (int q = 0; q < SEG_MSORT_PER; ++q) idx[q] = base + q < n ? key[base + q] : 0;  // all loads in flight
+    P v[SEG_MSORT_PER];
+#pragma unroll
+    for (int q = 0; q < SEG_MSORT_PER; ++q) {
+        const long long e = base + q;
+        v[q] = e < n ? ((P)seg_destination(idx[q], e, width, rows, space, trap) << DSHIFT) |
+                           (P)(SEG_MSORT_PER * threadIdx.x + q)
+                     : ~(P)0;
     }
-    __syncthreads();
-    seg_bitonic(s);
-    for (int i = threadIdx.x; i < SEG_MSORT_TILE; i += blockDim.x) {
-        const P v = s[i];
-        tkey[base + i] = v == ~(P)0 ? 0xffffffffu : (unsigned)(v >> DSHIFT);
-        tpos[base + i] = (int)(base + (long long)(v & (P)(SEG_MSORT_TILE - 1)));
+    seg_bitonic(v, s);
+    const long long tile = (long long)blockIdx.x * SEG_MSORT_TILE;
+#pragma unroll
+    for (int q = 0; q < SEG_MSORT_PER; ++q) {
+        tkey[base + q] = v[q] == ~(P)0 ? 0xffffffffu : (unsigned)(v[q] >> DSHIFT);
+        tpos[base + q] = (int)(tile + (long long)(v[q] & (P)(SEG_MSORT_TILE - 1)));
     }
 }
 
 // How many of a tile's sorted destinations a[0 .. T) are < x (or <= x with `le`): binary search, a fixed
-// log2(T) + 1 loads.
-__device__ __forceinline__ int seg_tile_rank(const unsigned* __restrict__ a, unsigned x, bool le) {
+// log2(T) + 1 reads.
+__device__ __forceinline__ int seg_tile_rank(const unsigned* a, unsigned x, bool le) {
     int lo = 0;
 #pragma unroll
     for (int s = SEG_MSORT_TILE / 2; s > 0; s >>= 1) {
@@ -436,14 +499,19 @@ __device__ __forceinline__ int seg_tile_rank(const unsigned* __restrict__ a, uns
 
 template <typename K>
 __device__ __forceinline__ void seg_msort_merge_body(const unsigned* __restrict__ tkey, const int* __restrict__ tpos,
-                                                     long long n, long long space, long long offset,
+                                                     long long n, long long space, long long offset, int with_starts,
                                                      K* __restrict__ skey, long long* __restrict__ perm,
                                                      long long* __restrict__ start) {
+    extern __shared__ unsigned seg_msort_smem[];  // every tile's destinations
     const int tiles = (int)((n + SEG_MSORT_TILE - 1) / SEG_MSORT_TILE);
+    for (int i = threadIdx.x; i < tiles * (SEG_MSORT_TILE / 4); i += blockDim.x)
+        reinterpret_cast<uint4*>(seg_msort_smem)[i] = reinterpret_cast<const uint4*>(tkey)[i];
+    __syncthreads();
+    const long long total = n + (with_starts ? space + 1 : 0);
     const long long step = (long long)gridDim.x * blockDim.x;
-    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n + space + 1; t += step) {
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < total; t += step) {
         const bool is_key = t < n;  // else start[t - n]
-        const unsigned x = is_key ? tkey[t] : (unsigned)(t - n);
+        const unsigned x = is_key ? seg_msort_smem[t] : (unsigned)(t - n);
         const int c = is_key ? (int)(t / SEG_MSORT_TILE) : -1;  // a start counts keys < m in every tile
         long long pos = is_key ? t - (long long)c * SEG_MSORT_TILE : 0;
         for (int c0 = 0; c0 < tiles; c0 += 4) {  // four independent searches in flight
@@ -451,7 +519,7 @@ __device__ __forceinline__ void seg_msort_merge_body(const unsigned* __restrict_
 #pragma unroll
             for (int q = 0; q < 4; ++q)
                 r[q] = c0 + q < tiles && c0 + q != c
-                           ? seg_tile_rank(tkey + (long long)(c0 + q) * SEG_MSORT_TILE, x, c0 + q < c) : 0;
+                           ? seg_tile_rank(seg_msort_smem + (c0 + q) * SEG_MSORT_TILE, x, c0 + q < c) : 0;
             pos += r[0] + r[1] + r[2] + r[3];
         }
         if (is_key) {
@@ -469,11 +537,11 @@ __device__ __forceinline__ void seg_msort_merge_body(const unsigned* __restrict_
                                   int* __restrict__ tpos, long long n, long long width, long long rows, int trap) { \
         seg_msort_tile_body<PT, DSHIFT>(key, tkey, tpos, n, width, rows, trap ? #PREFIX : nullptr);      \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256)                                                    \
+    extern "C" __global__ void __launch_bounds__(SEG_MSORT_MERGE_THREADS)                                \
     PREFIX##_msort_merge_##KEYNAME(const unsigned* __restrict__ tkey, const int* __restrict__ tpos, long long n, \
-                                   long long space, long long offset, KT* __restrict__ skey,             \
+                                   long long space, long long offset, int with_starts, KT* __restrict__ skey, \
                                    long long* __restrict__ perm, long long* __restrict__ start) {        \
-        seg_msort_merge_body<KT>(tkey, tpos, n, space, offset, skey, perm, start);                       \
+        seg_msort_merge_body<KT>(tkey, tpos, n, space, offset, with_starts, skey, perm, start);          \
     }
 
 // start[m] = first sorted position with key >= m, for m = 0 .. space (start[space] = valid keys).

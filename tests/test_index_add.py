@@ -286,15 +286,16 @@ def test_gpu_atomic_is_some_order_and_peers_within_bound(case, cuda_sync):
 
 # (n, rows, width, dup, bad): sizes around the one-block sort's rounds (32 * ceil(n / 1024) per warp)
 # and limits (16384 keys, 65535 destinations, one digit pass up to 255), the merge sort's tiles (2048
-# keys) and limits (65536 keys; int32 keys beyond 65535 destinations); width > 0: the element form; bad:
-# indices outside [0, rows) (the sentinel, sorted last)
+# keys), limits (32768 keys; int32 keys beyond 65535 destinations) and starts (fused into the merge, or
+# the starts kernel for 30000 keys into 10^6 rows); width > 0: the element form; bad: indices outside
+# [0, rows) (the sentinel, sorted last)
 SORTS = (
     (1, 10, 0, 0.0, 0), (31, 3, 0, 0.0, 0), (1000, 255, 0, 0.3, 0), (1025, 256, 0, 0.0, 0),
     (5000, 65535, 0, 0.01, 0), (16384, 50000, 0, 0.5, 0), (16384, 65535, 0, 1.0, 0), (16383, 300, 0, 0.0, 40),
     (2048, 100, 8, 0.2, 0), (16384, 40, 16, 0.0, 7), (12000, 254, 0, 0.0, 25),
-    (2047, 50000, 0, 0.01, 0), (2049, 50000, 0, 0.01, 3), (4097, 7, 0, 0.0, 0), (65536, 50000, 0, 0.01, 0),
-    (65535, 65535, 0, 1.0, 9), (40000, 1_000_000, 0, 0.01, 11), (3000, 70000, 0, 0.5, 0),
-    (65536, 20000, 4, 0.01, 5), (30000, 3, 0, 0.0, 0),
+    (2047, 50000, 0, 0.01, 0), (2049, 50000, 0, 0.01, 3), (4097, 7, 0, 0.0, 0), (32768, 50000, 0, 0.01, 0),
+    (32767, 65535, 0, 1.0, 9), (30000, 1_000_000, 0, 0.01, 11), (3000, 70000, 0, 0.5, 0),
+    (32768, 20000, 4, 0.01, 5), (30000, 3, 0, 0.0, 0),
 )
 
 
@@ -335,6 +336,9 @@ def test_launcher_constants_match_segsum_cuh():
     assert ia.SORT_SMEM <= 227 * 1024  # an H100/H200 block's shared-memory limit
     assert int(define["SEG_MSORT_TILE"]) == ia.MSORT_TILE and int(define["SEG_MSORT_MAX"]) == ia.MSORT_MAX
     assert int(define["SEG_MSORT_THREADS"]) == ia.MSORT_THREADS
+    assert int(define["SEG_MSORT_MERGE_THREADS"]) == ia.MSORT_MERGE_THREADS
+    assert ia.MSORT_TILE == int(define["SEG_MSORT_PER"]) * ia.MSORT_THREADS
+    assert 4 * ia.MSORT_MAX <= ia.SMEM_PER_SM  # the merge stages every tile's destinations
 
 
 def test_key_sorts_refuse_what_they_cannot_sort():
@@ -342,8 +346,8 @@ def test_key_sorts_refuse_what_they_cannot_sort():
         ia.sort_keys(ia.SOURCE, OP, torch.zeros(16385, dtype=torch.int64), 10, method="one_block")
     with pytest.raises(KernelArgumentError, match="method.*one-block.*at most 65535"):
         ia.sort_keys(ia.SOURCE, OP, torch.zeros(10, dtype=torch.int64), 70000, method="one_block")
-    with pytest.raises(KernelArgumentError, match="method.*65537 keys.*merge"):
-        ia.sort_keys(ia.SOURCE, OP, torch.zeros(65537, dtype=torch.int64), 10, method="merge")
+    with pytest.raises(KernelArgumentError, match="method.*32769 keys.*merge"):
+        ia.sort_keys(ia.SOURCE, OP, torch.zeros(32769, dtype=torch.int64), 10, method="merge")
     with pytest.raises(KernelArgumentError, match="method.*8589934592 destinations.*merge"):
         ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 2**31, width=4, method="merge")
     with pytest.raises(KernelArgumentError, match="method.*expected one of"):
