@@ -437,16 +437,22 @@ __device__ __forceinline__ void seg_bitonic(P (&v)[SEG_MSORT_PER], P* s) {
             __syncthreads();
 #pragma unroll 1
             for (int j = k >> 1; j >= SEG_MSORT_PER; j >>= 1) {
+                constexpr int PAIRS = SEG_MSORT_PER / 2;
+                int i[PAIRS];
+                P a[PAIRS], b[PAIRS];
 #pragma unroll
-                for (int q = 0; q < SEG_MSORT_PER / 2; ++q) {
+                for (int q = 0; q < PAIRS; ++q) {  // disjoint pairs: every read before any write
                     const int p = t + SEG_MSORT_THREADS * q;
-                    const int i = 2 * p - (p & (j - 1));  // bit j of i clear
-                    const P a = s[i], b = s[i + j];
-                    if ((a > b) == ((i & k) == 0)) {
-                        s[i] = b;
-                        s[i + j] = a;
-                    }
+                    i[q] = 2 * p - (p & (j - 1));  // bit j of i clear
+                    a[q] = s[i[q]];
+                    b[q] = s[i[q] + j];
                 }
+#pragma unroll
+                for (int q = 0; q < PAIRS; ++q)
+                    if ((a[q] > b[q]) == ((i[q] & k) == 0)) {
+                        s[i[q]] = b[q];
+                        s[i[q] + j] = a[q];
+                    }
                 __syncthreads();
             }
             seg_get(s + i0, v);
