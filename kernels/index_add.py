@@ -291,9 +291,18 @@ SMEM_PER_SM = 227 * 1024     # an H100/H200 SM's shared memory for blocks
 SORTS = ("merge", "one_block", "torch")
 
 
-def default_sort(n: int, kname: str) -> str:
-    """The key sort for n keys of type ``kname``: ``merge`` for int16 and int32 keys up to MSORT_MAX,
-    else ``torch``."""
+ONE_BLOCK_UP_TO = 4096  # keys times digit passes up to which the one-block sort is the default
+
+
+def default_sort(n: int, kname: str, passes: int) -> str:
+    """The key sort for n keys of type ``kname`` sorted in ``passes`` 8-bit digits, from
+    ``bench/dev/segsum_phases.py --splits`` on the H200 (n keys into 50000 rows, us per call incl. the row
+    starts): ``one_block`` up to ONE_BLOCK_UP_TO keys times passes (1024 keys: 13.5, merge 17.2, torch
+    26.9); ``merge`` for int16 and int32 keys up to MSORT_MAX (4096: 18.3, one block 21.2; 16384: 22.8,
+    one block 50.2, torch 43.8; 32768: 27.6, torch 44.5; 16384 keys into 10^6 rows: 46.2, torch 76.2);
+    ``torch`` beyond."""
+    if kname == "i16" and n * passes <= ONE_BLOCK_UP_TO:
+        return "one_block"
     return "merge" if kname in ("i16", "i32") and n <= MSORT_MAX else "torch"
 
 
@@ -312,8 +321,9 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
     dev = key.device
     space = rows * width if width else rows
     ktype, kname, offset = _key_dtype(space)
+    passes = 1 if space <= 255 else 2  # the one-block sort's 8-bit digits (the sentinel, space, included)
     if method is None:
-        method = default_sort(n, kname)
+        method = default_sort(n, kname, passes)
     elif method not in SORTS:
         raise KernelArgumentError(prefix, "method", f"expected one of {SORTS}, got {method!r}")
     if method == "merge" and not (kname in ("i16", "i32") and n <= MSORT_MAX):
@@ -342,7 +352,6 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
         if fused:
             return skey, perm, start, kname, offset
     elif method == "one_block":
-        passes = 1 if space <= 255 else 2  # 8-bit digits of the destination (the sentinel, space, included)
         skey = torch.empty(n, device=dev, dtype=ktype)
         perm = torch.empty(n, device=dev, dtype=torch.int64)
         if n:
@@ -367,7 +376,7 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
                        check: RangeCheck = NO_CHECK) -> torch.Tensor:
     """out (rows, D): each destination's contributions in source order, chunked, fixed tree (see the
     module docstring). No host synchronisation: keys (narrowed, bad ones to a sentinel) and their stable
-    sort (sort_keys: one launch for up to SORT_MAX int16 keys, else a launch and torch.sort), row starts,
+    sort (sort_keys: one block, or a tile sort and a merge by rank, else a launch and torch.sort), row starts,
     sums. Task splits (``split``, default: default_split; all
     sum the same chunks in the same order, so give the same bits): ``rows``: a task per destination (it
     writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp

@@ -16,9 +16,10 @@
 //           operands and results to sign-preserving zero (PTX atom.add.f32).
 //   sorted  segsum_keys narrows the keys to the smallest sortable type (int16 for up to 65535
 //           destinations, stored as key - 32768; int32 as key - 2^31; else int64), out-of-range keys
-//           becoming the sentinel `space`; the launcher sorts them stably (torch.sort(stable=True): a
-//           radix sort, deterministic), so each row's contributions lie together in source order;
-//           segsum_starts finds where each row begins (start[space] = the number of valid keys, which is
+//           becoming the sentinel `space`, and sorts them stably (few keys: one block, or a tile sort
+//           and a merge by rank; else torch.sort(stable=True), a radix sort; all deterministic, all the
+//           same result), so each row's contributions lie together in source order; segsum_starts (or
+//           the merge) finds where each row begins (start[space] = the number of valid keys, which is
 //           the range check). A row of k contributions is cut into chunks of L = 32 * 2^e (smallest e
 //           with ceil(k / L) <= 1024) consecutive contributions, each summed in source order from +0.0
 //           by one warp (lanes = columns, one column slice of 32 * VEC per grid row y) or one thread
@@ -216,8 +217,9 @@ __device__ __forceinline__ void seg_keys_body(const long long* __restrict__ key,
 // sorted: one-block stable sort of few keys
 
 // For n <= SEG_SORT_MAX contributions into space < 2^16 destinations, one block of 1024 threads replaces
-// the keys kernel and torch.sort (a device radix sort: five launches, ~30 us on the H200 at n = 16384,
-// the whole cost of an embedding gradient's sort). Each element is packed as (destination << 16) | e
+// the keys kernel and torch.sort (a device radix sort: five launches, ~30 us on the H200 at n = 16384).
+// It is instruction-bound on one SM, so the launcher takes it for the fewest keys only (else the merge
+// sort below). Each element is packed as (destination << 16) | e
 // (seg_destination: space for an index outside [0, rows); e < 2^14) in shared memory, and sorted by its
 // destination, least significant 8-bit digit first (`passes` of them: 1 when space <= 255, else 2), each
 // pass a stable counting sort: warp w holds elements [P w, P w + P) (P = 32 * ceil(n / 1024), the last
@@ -386,12 +388,12 @@ template <int J, typename P>
 __device__ __forceinline__ void seg_bitonic_regs(P (&v)[SEG_MSORT_PER], int i0, int k) {
 #pragma unroll
     for (int q = 0; q < SEG_MSORT_PER; ++q)
-        if ((q & J) == 0) {
+        if ((q & J) == 0) {  // selects, no branch
             const P a = v[q], b = v[q + J];
-            if ((a > b) == (((i0 + q) & k) == 0)) {
-                v[q] = b;
-                v[q + J] = a;
-            }
+            const P lo = a < b ? a : b, hi = a < b ? b : a;
+            const bool up = ((i0 + q) & k) == 0;
+            v[q] = up ? lo : hi;
+            v[q + J] = up ? hi : lo;
         }
 }
 

@@ -355,9 +355,14 @@ def test_key_sorts_refuse_what_they_cannot_sort():
 
 
 def test_default_sort():
-    """merge for int16 and int32 keys up to MSORT_MAX of them, torch.sort beyond or for int64 keys."""
-    assert ia.default_sort(1, "i16") == ia.default_sort(ia.MSORT_MAX, "i32") == "merge"
-    assert ia.default_sort(ia.MSORT_MAX + 1, "i16") == ia.default_sort(5, "i64") == "torch"
+    """one_block up to ONE_BLOCK_UP_TO keys times passes, merge for int16 and int32 keys up to MSORT_MAX,
+    torch.sort beyond or for int64 keys."""
+    assert ia.default_sort(ia.ONE_BLOCK_UP_TO // 2, "i16", 2) == ia.default_sort(ia.ONE_BLOCK_UP_TO, "i16", 1)
+    assert ia.default_sort(ia.ONE_BLOCK_UP_TO, "i16", 1) == "one_block"
+    assert ia.default_sort(ia.ONE_BLOCK_UP_TO // 2 + 1, "i16", 2) == ia.default_sort(10, "i32", 2) == "merge"
+    assert ia.default_sort(ia.MSORT_MAX, "i32", 2) == ia.default_sort(ia.MSORT_MAX, "i16", 1) == "merge"
+    assert ia.default_sort(ia.MSORT_MAX + 1, "i16", 2) == ia.default_sort(5, "i64", 2) == "torch"
+    assert ia.ONE_BLOCK_UP_TO <= ia.SORT_MAX
 
 
 @pytest.mark.gpu
