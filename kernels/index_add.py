@@ -214,26 +214,6 @@ def fixed_shift(max_abs: float, n: int) -> int:
     return 62 - fixed_log2n(n) - (-126 if be == 0 else be - 126)
 
 
-FIXED_PRIVATE_THREADS = 512  # SEG_FIXED_PRIVATE_THREADS
-SMEM_PER_SM = 227 * 1024     # an H100/H200 SM's shared memory for blocks
-FIXED_PRIVATE_MAX_ROWS = (SMEM_PER_SM // 2 - 1024) // 8  # a column in half an SM's shared memory (1 KiB each
-                                                         # block's reserve)
-FIXED_PRIVATE_RATIO = 4      # source rows per output row a chunk needs at least
-
-
-def fixed_private_chunks(n: int, d: int, rows: int, sms: int) -> int:
-    """Chunks of source rows for the fixed variant's private split (segsum.cuh, seg_fixed_private_body:
-    blocks (column, chunk), each summing its part of a column in shared memory), or 0 for the global split
-    (one int64 atomic per element). Private where a column of ``rows`` int64 words fits in half an SM's
-    shared memory (two blocks per SM), each chunk holds at least FIXED_PRIVATE_RATIO source rows per output
-    row (a block adds each of its column's rows into the output once: those atomics must be few beside the
-    elements), and the d * chunks blocks fill the GPU once (up to twice)."""
-    if rows > FIXED_PRIVATE_MAX_ROWS:
-        return 0
-    chunks = min(cdiv(2 * sms, d), n // (FIXED_PRIVATE_RATIO * max(rows, 1)))
-    return chunks if chunks >= 1 and d * chunks >= sms else 0
-
-
 def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
                       elementwise: bool = False, skip: int = -1, counts: torch.Tensor | None = None,
                       check: RangeCheck = NO_CHECK) -> torch.Tensor:
@@ -255,18 +235,11 @@ def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Te
     log2n = np.int32(fixed_log2n(n_rows))
     launch(function(source, "segsum_fixed_max", dev), (max(1, min(cdiv(total, 4 * THREADS), FIXED_MAX_BLOCKS)),),
            (THREADS,), (ptr(src), np.int64(total), maxbits), device=dev)
-    tail = (np.uint64(0) if counts is None else ptr(counts), np.int64(rows), maxbits, log2n, check.trap)
-    chunks = fixed_private_chunks(n_rows, d, rows, sm_count(dev))
-    if chunks:  # blocks (column, chunk of source rows), a column in shared memory
-        smem = 8 * rows
-        launch(function(source, f"{prefix}_fixed_private", dev, smem=smem), (d, chunks), (FIXED_PRIVATE_THREADS,),
-               (ptr(src), ptr(key), acc, flags, np.int64(n_rows), np.int32(d), np.int32(elementwise),
-                np.int64(skip)) + tail, device=dev, shared_mem=smem)
-    else:  # a wave of 8 blocks per SM: each thread then adds several elements of one column (see the kernel)
-        blocks = max(1, min(cdiv(total, THREADS), 8 * sm_count(dev)))
-        launch(function(source, f"{prefix}_fixed_add", dev), (blocks,), (THREADS,),
-               (ptr(src), ptr(key), acc, flags, np.int64(total), np.int32(d), np.int32(elementwise),
-                np.int64(skip)) + tail, device=dev)
+    # a wave of 8 blocks per SM: each thread then adds several elements of one column (see the kernel)
+    blocks = max(1, min(cdiv(total, THREADS), 8 * sm_count(dev)))
+    launch(function(source, f"{prefix}_fixed_add", dev), (blocks,), (THREADS,),
+           (ptr(src), ptr(key), acc, flags, np.int64(total), np.int32(d), np.int32(elementwise), np.int64(skip),
+            np.uint64(0) if counts is None else ptr(counts), np.int64(rows), maxbits, log2n, check.trap), device=dev)
     out = torch.empty((rows, d), device=dev, dtype=torch.float32)
     launch(function(source, "segsum_fixed_out", dev), (_blocks(words),), (THREADS,),
            (acc, flags, ptr(out), np.int64(space), maxbits, log2n), device=dev)
@@ -314,6 +287,7 @@ MSORT_THREADS = 256          # SEG_MSORT_THREADS
 MSORT_MAX = 32768            # SEG_MSORT_MAX: the merge sort takes up to this many keys
 MSORT_MERGE_THREADS = 1024   # SEG_MSORT_MERGE_THREADS
 MSORT_STARTS_FUSED = 2**21   # the merge writes the starts where (space + 1) * tiles is at most this
+SMEM_PER_SM = 227 * 1024     # an H100/H200 SM's shared memory for blocks
 SORTS = ("merge", "one_block", "torch")
 
 

@@ -46,9 +46,7 @@
 //           adds it into an int64 accumulator per output element: |q| <= 2^(62 - c) and an element has at
 //           most N terms, so no sum can overflow, and integer addition is associative, so the sum does not
 //           depend on the order of arrival (nor on how a thread groups the terms it holds for a hot
-//           destination before adding them; nor on the split: where an output column fits in shared
-//           memory, segsum_fixed_private sums a column's terms per block there first and adds each row's
-//           integer into the output once). A non-finite term sets a flag instead (NaN, +Inf, -Inf; four
+//           destination before adding them). A non-finite term sets a flag instead (NaN, +Inf, -Inf; four
 //           bits per element, eight elements per word). segsum_fixed_out rounds each integer to float32
 //           (__ll2float_rn, to nearest even), scales it by 2^-s in double (exact) and narrows
 //           (exact unless the result is subnormal or overflows); flagged elements become NaN (a NaN, or
@@ -1087,88 +1085,6 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
                                           maxbits, log2n, op);                                           \
     }
 
-// The private split of segsum_fixed_add, for outputs of few rows: block (j, c) sums column j of the
-// source rows in chunk c into a shared-memory copy of the column (rows int64 words), then adds each
-// nonzero word into acc once: one global atomic per (block, row) instead of one per element. Blocks of
-// one chunk are launched together (j varies fastest), so a row's 32-byte sector, read by each block of
-// its columns, is fetched once into L2 for all of them. Same integers as segsum_fixed_add (exact sums
-// in any grouping), so the same bits.
-template <typename I>
-__device__ __forceinline__ void seg_fixed_private_body(const float* __restrict__ src, const long long* __restrict__ key,
-                                                       unsigned long long* __restrict__ acc,
-                                                       unsigned* __restrict__ flags, I n, int D, int elementwise,
-                                                       long long skip, const long long* __restrict__ counts,
-                                                       long long rows, const unsigned* __restrict__ maxbits,
-                                                       int log2n, const char* trap) {
-    extern __shared__ unsigned long long seg_col[];
-    const int j = blockIdx.x;
-    for (long long m = threadIdx.x; m < rows; m += blockDim.x) seg_col[m] = 0ull;
-    __syncthreads();
-    const double scale = seg_pow2(seg_fixed_shift(*maxbits, log2n));
-    const I per = (n + gridDim.y - 1) / gridDim.y;  // source rows per chunk
-    const I i1 = min(n, per * (I)(blockIdx.y + 1));
-    long long held = -1;  // a hot row recurs: held as in seg_fixed_add_body
-    unsigned long long part = 0ull;
-    int seen = 0;
-    for (I i0 = per * (I)blockIdx.y + threadIdx.x; i0 < i1; i0 += SEG_FIXED_BATCH * (I)blockDim.x) {
-        long long mb[SEG_FIXED_BATCH];
-        float vb[SEG_FIXED_BATCH];
-#pragma unroll
-        for (int b = 0; b < SEG_FIXED_BATCH; ++b) {
-            const I i = i0 + b * (I)blockDim.x;
-            if (i < i1) seg_load(src, key, i * D + j, D, elementwise, mb[b], vb[b]);
-        }
-#pragma unroll
-        for (int b = 0; b < SEG_FIXED_BATCH; ++b) {
-            const I i = i0 + b * (I)blockDim.x;
-            if (i >= i1) break;
-            float v = vb[b];
-            const long long dst = seg_resolve(i * D + j, D, mb[b], skip, counts, rows, trap, v);
-            if (dst < 0) continue;
-            const long long m = mb[b];  // dst = m * D + j
-            if ((__float_as_uint(v) & 0x7fffffffu) < SEG_ABS_INF) {
-                const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
-                if (m == held) {
-                    part += q;
-                    ++seen;
-                } else if (seen <= 1) {
-                    if (part != 0ull) atomicAdd(seg_col + held, part);
-                    held = m;
-                    part = q;
-                    seen = 1;
-                } else if (q != 0ull) {
-                    atomicAdd(seg_col + m, q);
-                }
-            } else {
-                const unsigned f = v != v ? SEG_FLAG_NAN : (v > 0.0f ? SEG_FLAG_POS_INF : SEG_FLAG_NEG_INF);
-                atomicOr(flags + (dst >> 3), f << (4 * (int)(dst & 7)));
-            }
-        }
-    }
-    if (part != 0ull) atomicAdd(seg_col + held, part);
-    __syncthreads();
-    for (long long m = threadIdx.x; m < rows; m += blockDim.x) {
-        const unsigned long long w = seg_col[m];
-        if (w != 0ull) atomicAdd(acc + m * D + j, w);
-    }
-}
-
-#define SEG_FIXED_PRIVATE_THREADS 512
-#define SEG_FIXED_PRIVATE_KERNEL(NAME, OPNAME)                                                           \
-    extern "C" __global__ void __launch_bounds__(SEG_FIXED_PRIVATE_THREADS, 2)                           \
-    NAME(const float* __restrict__ src, const long long* __restrict__ key, unsigned long long* __restrict__ acc, \
-         unsigned* __restrict__ flags, long long n, int D, int elementwise, long long skip,               \
-         const long long* __restrict__ counts, long long rows, const unsigned* __restrict__ maxbits,      \
-         int log2n, int trap) {                                                                          \
-        const char* op = trap ? OPNAME : nullptr;                                                        \
-        if ((n + (long long)SEG_FIXED_BATCH * blockDim.x) * D <= 2147483647LL)                           \
-            seg_fixed_private_body<int>(src, key, acc, flags, (int)n, D, elementwise, skip, counts, rows, \
-                                        maxbits, log2n, op);                                             \
-        else                                                                                             \
-            seg_fixed_private_body<long long>(src, key, acc, flags, n, D, elementwise, skip, counts, rows, \
-                                              maxbits, log2n, op);                                       \
-    }
-
 __device__ __forceinline__ float seg_fixed_value(long long a, unsigned f, double unscale) {
     if (f == 0u) return __double2float_rn((double)__ll2float_rn(a) * unscale);
     if ((f & SEG_FLAG_NAN) || f == (SEG_FLAG_POS_INF | SEG_FLAG_NEG_INF)) return __int_as_float(0x7fc00000);
@@ -1210,7 +1126,6 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
     SEG_MSORT_FOR(PREFIX, i16, short, unsigned, 16) \
     SEG_MSORT_FOR(PREFIX, i32, int, unsigned long long, 32) \
     SEG_FIXED_ADD_KERNEL(PREFIX##_fixed_add, #PREFIX) \
-    SEG_FIXED_PRIVATE_KERNEL(PREFIX##_fixed_private, #PREFIX) \
     SEG_SORTED_FOR(PREFIX, i16, short)             \
     SEG_SORTED_FOR(PREFIX, i32, int)               \
     SEG_SORTED_FOR(PREFIX, i64, long long)

@@ -245,69 +245,6 @@ def test_gpu_bitwise_repeatable_and_equals_model(op, case, cuda_sync):
     assert diff.size == 0, f"CUDA fixed differs from its CPU model at {diff[:10]}"
 
 
-def test_fixed_private_chunks():
-    """The private split where a column fits two blocks per SM, chunks keep 4 source rows per output row
-    and the blocks fill the GPU once; else the global split (0)."""
-    assert ia.fixed_private_chunks(262144, 32, 10000, 132) == 6   # scatter_add's element-form bench case
-    assert ia.fixed_private_chunks(10**6, 1, 1000, 132) == 250    # one column: as many chunks as 4:1 allows
-    assert ia.fixed_private_chunks(10**6, 64, 100000, 132) == 0   # a column over half an SM
-    assert ia.fixed_private_chunks(16384, 512, 50000, 132) == 0
-    assert ia.fixed_private_chunks(1000, 32, 1000, 132) == 0      # fewer than 4 source rows per output row
-    assert ia.fixed_private_chunks(40000, 16, 10000, 132) == 0    # 16 x 1 blocks do not fill the GPU
-    rows = ia.FIXED_PRIVATE_MAX_ROWS
-    assert ia.fixed_private_chunks(10**7, 64, rows, 132) == 5 and ia.fixed_private_chunks(10**7, 64, rows + 1, 132) == 0
-    assert 2 * (8 * rows + 1024) <= ia.SMEM_PER_SM
-
-
-def force_private(monkeypatch, chunks: int) -> list:
-    """Every fixed call takes the private split with ``chunks`` chunks where a column fits (else the
-    global split); returns the list of the rows of the calls that took it."""
-    took = []
-
-    def forced(n, d, rows, sms):
-        if rows > ia.FIXED_PRIVATE_MAX_ROWS:
-            return 0
-        took.append(rows)
-        return chunks
-    monkeypatch.setattr(ia, "fixed_private_chunks", forced)
-    return took
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("chunks", [1, 3])
-@pytest.mark.parametrize("op,case", CASES, ids=CASE_IDS)
-def test_gpu_private_split_equals_model(op, case, chunks, monkeypatch, cuda_sync):
-    """The private split (blocks per column and chunk of source rows, the column in shared memory) gives
-    the CPU model's bits on every test case, on each of 10 calls."""
-    took = force_private(monkeypatch, chunks)
-    spec = kernels.spec(op)
-    fixed = kernels.get(op, "fixed")
-    args, kw = spec.make_inputs(case, CUDA)
-    cpu_args, _ = spec.make_inputs(case, CPU)
-    want = fixed(*cpu_args, **kw)
-    for _ in range(10):
-        diff = same_bits(fixed(*args, **kw), want)
-        assert diff.size == 0, f"private split differs from the CPU model at {diff[:10]}"
-    assert took, "no call took the private split"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dup", [0.01, 0.5])
-def test_gpu_private_split_is_the_global_split_at_bench_size(dup, monkeypatch, cuda_sync):
-    """scatter_add's element-form bench case takes the private split by default; the global split (one
-    atomic per element) gives the same bits, both over 10 calls."""
-    spec = kernels.spec("scatter_add")
-    case = next(c for c in spec.bench_cases("gpu") if c.name.startswith("elem") and c.params.get("dup") == dup)
-    args, kw = spec.make_inputs(case, CUDA)
-    n, d = args[1].shape
-    assert ia.fixed_private_chunks(n, d, kw["num_rows"], ia.sm_count(CUDA)) > 0
-    fixed = kernels.get("scatter_add", "fixed")
-    private = {bits(fixed(*args, **kw)).tobytes() for _ in range(10)}
-    monkeypatch.setattr(ia, "fixed_private_chunks", lambda *a: 0)
-    global_ = {bits(fixed(*args, **kw)).tobytes() for _ in range(10)}
-    assert len(private) == 1 and private == global_
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 def test_gpu_bench_size_repeatable_order_free_and_equals_model(op, cuda_sync):
