@@ -333,41 +333,47 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
         raise KernelArgumentError(prefix, "method", f"{n} keys into {space} destinations: the one-block sort "
                                                     f"takes up to {SORT_MAX} keys into at most 65535")
     start = torch.empty(space + 1, device=dev, dtype=torch.int64)
-    if method == "merge":
-        skey = torch.empty(n, device=dev, dtype=ktype)
-        perm = torch.empty(n, device=dev, dtype=torch.int64)
-        tiles = cdiv(n, MSORT_TILE)
-        scratch = torch.empty((2, max(1, tiles) * MSORT_TILE), device=dev, dtype=torch.int32)
-        if n:
-            launch(function(source, f"{prefix}_msort_tile_{kname}", dev), (tiles,), (MSORT_THREADS,),
-                   (ptr(key), ptr(scratch[0]), ptr(scratch[1]), np.int64(n), np.int64(width), np.int64(rows),
-                    check.trap), device=dev)
-        fused = (space + 1) * tiles <= MSORT_STARTS_FUSED
-        smem = 4 * tiles * MSORT_TILE  # every tile's destinations
-        per_sm = max(1, min(2048 // MSORT_MERGE_THREADS, SMEM_PER_SM // max(smem, 1)))
-        blocks = max(1, min(cdiv(n + (space + 1 if fused else 0), MSORT_MERGE_THREADS), per_sm * sm_count(dev)))
-        launch(function(source, f"{prefix}_msort_merge_{kname}", dev, smem=smem), (blocks,), (MSORT_MERGE_THREADS,),
-               (ptr(scratch[0]), ptr(scratch[1]), np.int64(n), np.int64(space), np.int64(offset), np.int32(fused),
-                ptr(skey), ptr(perm), ptr(start)), device=dev, shared_mem=smem)
-        if fused:
-            return skey, perm, start, kname, offset
-    elif method == "one_block":
-        skey = torch.empty(n, device=dev, dtype=ktype)
-        perm = torch.empty(n, device=dev, dtype=torch.int64)
-        if n:
-            launch(function(source, f"{prefix}_sort_i16", dev, smem=SORT_SMEM), (1,), (SORT_THREADS,),
-                   (ptr(key), ptr(skey), ptr(perm), np.int32(n), np.int64(width), np.int64(rows), np.int64(offset),
-                    np.int32(passes), check.trap), device=dev, shared_mem=SORT_SMEM)
-    else:  # torch
+    if method == "torch":
         keys = torch.empty(n, device=dev, dtype=ktype)
         if n:
             launch(function(source, f"{prefix}_keys_{kname}", dev), (_blocks(n),), (THREADS,),
                    (ptr(key), ptr(keys), np.int64(n), np.int64(width), np.int64(rows), np.int64(offset), check.trap),
                    device=dev)
         skey, perm = torch.sort(keys, stable=True)
+    else:
+        skey = torch.empty(n, device=dev, dtype=ktype)
+        perm = torch.empty(n, device=dev, dtype=torch.int64)
+        if method == "merge" and _merge_sort(source, prefix, kname, key, skey, perm, start, width, rows, offset, check):
+            return skey, perm, start, kname, offset
+        if method == "one_block" and n:
+            launch(function(source, f"{prefix}_sort_i16", dev, smem=SORT_SMEM), (1,), (SORT_THREADS,),
+                   (ptr(key), ptr(skey), ptr(perm), np.int32(n), np.int64(width), np.int64(rows), np.int64(offset),
+                    np.int32(passes), check.trap), device=dev, shared_mem=SORT_SMEM)
     launch(function(source, f"{prefix}_starts_{kname}", dev), (_blocks(space + 1),), (THREADS,),
            (ptr(skey), np.int64(n), np.int64(space), np.int64(offset), ptr(start)), device=dev)
     return skey, perm, start, kname, offset
+
+
+def _merge_sort(source, prefix, kname, key, skey, perm, start, width, rows, offset, check) -> bool:
+    """sort_keys' merge: the tile sort, then the merge by rank into skey and perm; True where the merge
+    also wrote the starts ((space + 1) * tiles <= MSORT_STARTS_FUSED)."""
+    n = key.numel()
+    dev = key.device
+    space = rows * width if width else rows
+    tiles = cdiv(n, MSORT_TILE)
+    scratch = torch.empty((2, max(1, tiles) * MSORT_TILE), device=dev, dtype=torch.int32)  # destinations, positions
+    if n:
+        launch(function(source, f"{prefix}_msort_tile_{kname}", dev), (tiles,), (MSORT_THREADS,),
+               (ptr(key), ptr(scratch[0]), ptr(scratch[1]), np.int64(n), np.int64(width), np.int64(rows), check.trap),
+               device=dev)
+    fused = (space + 1) * tiles <= MSORT_STARTS_FUSED
+    smem = 4 * tiles * MSORT_TILE  # every tile's destinations
+    per_sm = max(1, min(2048 // MSORT_MERGE_THREADS, SMEM_PER_SM // max(smem, 1)))
+    blocks = max(1, min(cdiv(n + (space + 1 if fused else 0), MSORT_MERGE_THREADS), per_sm * sm_count(dev)))
+    launch(function(source, f"{prefix}_msort_merge_{kname}", dev, smem=smem), (blocks,),
+           (MSORT_MERGE_THREADS,), (ptr(scratch[0]), ptr(scratch[1]), np.int64(n), np.int64(space), np.int64(offset),
+                                    np.int32(fused), ptr(skey), ptr(perm), ptr(start)), device=dev, shared_mem=smem)
+    return fused
 
 
 def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
