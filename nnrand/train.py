@@ -206,9 +206,9 @@ def _resolve_world(cfg: Config, dev: torch.device) -> None:
         raise ConfigError(str(e)) from None
     if not math.isfinite(cfg.dist_timeout) or cfg.dist_timeout <= 0:
         raise ConfigError(f"--dist-timeout must be a number of seconds > 0, got {cfg.dist_timeout}")
-    if (world.distributed or cfg.world_invariant) and cfg.cuda_graph:
-        raise ConfigError("--cuda-graph runs one process with one batch per step; it cannot be combined with "
-                          "several processes or --world-invariant")
+    if cfg.world_invariant and cfg.cuda_graph:
+        raise ConfigError("--cuda-graph cannot be combined with --world-invariant (its step runs several "
+                          "micro-batches and an all_gather whose sizes the host decides per step)")
     if dev.type == "cuda" and world.distributed and world.local_rank >= torch.cuda.device_count():
         raise ConfigError(f"rank {world.rank}: LOCAL_RANK {world.local_rank} but only "
                           f"{torch.cuda.device_count()} CUDA devices are visible")
@@ -456,6 +456,10 @@ class _Interrupt:
         return False
 
 
+# eager DistributedDataParallel steps before a capture (PyTorch's CUDA-graph notes ask for at least 11)
+DDP_WARMUP = 11
+
+
 class GraphStep:
     """Forward, loss and backward captured once in a CUDA graph and replayed every step.
 
@@ -464,34 +468,47 @@ class GraphStep:
     eager: SGD reads its per-step learning rate as a host float. The kernels are the ones eager runs,
     in the same order, so a replay gives eager's bits (tested for tree on the GPU). Lazy work (kernel
     compilation, cuDNN plans) is done first by a forward and backward of a copy of the model on a side
-    stream, so the model's own state (weights, BatchNorm statistics) only changes on replay."""
+    stream, so the model's own state (weights, BatchNorm statistics) only changes on replay.
+
+    Under DistributedDataParallel (``ddp``) the capture holds the gradient all-reduces too, and every rank
+    replays its own graph. DDP's reducer settles during its first iterations (its buckets are rebuilt after
+    the first), so the warm-up runs :data:`DDP_WARMUP` steps of ``ddp`` itself and puts the model's buffers
+    back afterwards; warm-up and capture run on ``stream``, the stream DDP was built on (the gradient
+    accumulators DDP holds belong to it)."""
 
     def __init__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision=float32_forward,
-                 scaler=None):
+                 scaler=None, ddp=None, stream: torch.cuda.Stream | None = None):
         """``precision(cache=...)``: the forward's autocast context; ``scaler``: fp16's GradScaler (its scale is
-        a device tensor the replay reads, so its updates between steps reach the captured backward)."""
+        a device tensor the replay reads, so its updates between steps reach the captured backward);
+        ``ddp``: ``model`` wrapped in DistributedDataParallel, built on ``stream``."""
         import copy
 
+        if ddp is not None and stream is None:
+            raise ValueError("GraphStep: a DistributedDataParallel step needs the stream DDP was built on")
         self.x, self.y = x.clone(), y.clone()
         if scaler is not None:   # its scale tensor exists before the capture, outside the graph's pool
             scaler.scale(torch.ones((), device=x.device))
-        side = torch.cuda.Stream()
+        side = stream or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        saved = [b.detach().clone() for b in model.buffers()] if ddp is not None else None
         # the warm-up's random draws (dropout, stochastic depth) must not move the run's generators
         with torch.random.fork_rng(devices=[x.device]), torch.cuda.stream(side):
-            scratch = copy.deepcopy(model)
-            for _ in range(2):
+            warm = copy.deepcopy(model) if ddp is None else ddp
+            for _ in range(2 if ddp is None else DDP_WARMUP):
                 with precision(cache=False):
-                    loss = F.cross_entropy(scratch(self.x), self.y)
+                    loss = F.cross_entropy(warm(self.x), self.y)
                 backward(loss, scaler)
-            del scratch
+            del warm, loss
+            if saved is not None:   # BatchNorm statistics as they were (rank 0's, which DDP broadcasts)
+                for b, v in zip(model.buffers(), saved):
+                    b.copy_(v)
         torch.cuda.current_stream().wait_stream(side)
         for p in model.parameters():
             p.grad = None
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=stream):
             with precision(cache=False):
-                self.logits = model(self.x)
+                self.logits = (ddp or model)(self.x)
                 self.loss = F.cross_entropy(self.logits, self.y)
             backward(self.loss, scaler)
 
@@ -602,14 +619,20 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
 
     ddp = None
     step_fn = None
+    capture_stream = None   # a captured DDP step: DDP is built, warmed up and captured on this one stream
     if cfg.world_invariant:
         step_fn = distributed.InvariantStep(model, group, batch=cfg.batch_size, micro=cfg.micro_batch,
                                             seed=seeds.aug)
     elif world.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
-        with group.guard("DistributedDataParallel start-up"):
+        if cfg.cuda_graph:
+            capture_stream = torch.cuda.Stream()
+            capture_stream.wait_stream(torch.cuda.current_stream())
+        with group.guard("DistributedDataParallel start-up"), torch.cuda.stream(capture_stream):
             ddp = DistributedDataParallel(model, device_ids=[world.local_rank] if device.type == "cuda" else None)
+        if capture_stream is not None:
+            torch.cuda.current_stream().wait_stream(capture_stream)
 
     def save_checkpoint(gen: torch.Generator | None):
         gen_state = None if gen is None else gen.get_state()
@@ -675,12 +698,13 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                     x, y = local_batch(ds, batch_idx[world.rank * local:(world.rank + 1) * local], gen, fmt,
                                        cfg.image_size, cfg.shuffle_channels)
                     if cfg.cuda_graph and graph is None:
-                        graph = GraphStep(model, x, y, precision, scaler)
+                        with group.guard("DistributedDataParallel capture", only_collectives=True):
+                            graph = GraphStep(model, x, y, precision, scaler, ddp=ddp, stream=capture_stream)
                     start = timer.start()
-                    if graph is not None:
-                        logits, loss = graph(x, y)
-                    else:
-                        with group.guard("DistributedDataParallel step", only_collectives=True):
+                    with group.guard("DistributedDataParallel step", only_collectives=True):
+                        if graph is not None:
+                            logits, loss = graph(x, y)
+                        else:
                             logits, loss = forward_backward(ddp or model, opt, x, y, precision, scaler)
                     optimizer_step(opt, scaler)
                     timer.stop(start)
@@ -876,6 +900,7 @@ EPILOG = """examples:
   python -m nnrand.train --kernel fastest-deterministic --autotune-plan runs/X/member_000/config.json
                                     the same per-shape choices as run X, without timing
   torchrun --nproc_per_node 2 -m nnrand.train --kernel tree          DistributedDataParallel over 2 GPUs
+  torchrun --nproc_per_node 2 -m nnrand.train --kernel tree --cuda-graph   the DDP step (all-reduces too) as one replay
   torchrun --nproc_per_node 4 -m nnrand.train --kernel tree --world-invariant --micro-batch 32
                                     the same bits as 1 or 2 processes with the same --batch-size and --micro-batch
 presets: control (fixed seeds, tree), algo (per-member init/order/aug, tree), impl (fixed seeds,
@@ -936,7 +961,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--channels-last", action="store_true")
     g.add_argument("--cuda-graph", action="store_true",
-                   help="capture forward + backward once and replay it each step (CUDA; same bits as eager)")
+                   help="capture forward + backward once and replay it each step (CUDA; eager's bits in one process; "
+                   "under torchrun the capture holds DDP's all-reduces, see README)")
     g.add_argument("--tf32", action="store_true", help="allow TF32 in matmul/conv (default off)")
     g.add_argument("--amp", choices=list(AMP_DTYPES), help="forward under torch.autocast in this dtype, its backward "
                    "ops routed in it (half inputs accumulate in float32); fp16 adds a GradScaler. Default: float32")

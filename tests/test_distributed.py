@@ -248,6 +248,19 @@ def test_bad_launch_fails_clearly_before_training(monkeypatch, capsys, tmp_path,
     assert not list(tmp_path.iterdir())      # nothing was written
 
 
+def test_cuda_graph_with_ranks_is_accepted_and_with_world_invariant_refused(monkeypatch):
+    """A DDP step may be captured (the capture holds its all-reduces; the GPU test compares it with eager);
+    a --world-invariant step may not (its micro-batch loop and all_gather are driven by the host)."""
+    for k, v in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = train.Config(cuda_graph=True, batch_size=64)
+    train._resolve_world(cfg, torch.device("cuda"))
+    with pytest.raises(train.ConfigError, match="--cuda-graph cannot be combined with --world-invariant"):
+        train._resolve_world(train.Config(cuda_graph=True, world_invariant=True, batch_size=64),
+                             torch.device("cuda"))
+
+
 # --------------------------------------------------------------------------------------------------
 # torchrun on the CPU
 

@@ -1,10 +1,11 @@
 """Several GPUs (NCCL): --world-invariant gives the bits of one GPU on two; DDP with tree kernels repeats
-bitwise. Skipped on machines with fewer than two GPUs."""
+bitwise, eager or captured in a CUDA graph. Skipped on machines with fewer than two GPUs."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from nnrand import runio
 from tests.test_distributed import result_of, torchrun
 
 pytestmark = [pytest.mark.gpu,
@@ -23,10 +24,16 @@ def test_world_invariant_on_one_and_two_gpus(tmp_path):
     assert runs[1]["logits_hash"] == runs[2]["logits_hash"]
 
 
-def test_ddp_with_tree_kernels_repeats(tmp_path):
-    sums = []
-    for i in range(2):
-        r = torchrun(2, tmp_path / f"r{i}", *GPU)
+def test_ddp_with_tree_kernels_repeats_and_its_cuda_graph_gives_the_same_bits(tmp_path):
+    """Two eager DDP runs and two whose step is one captured graph (DDP's all-reduces inside): one
+    checksum and one logits hash. On two ranks every all-reduced element is one addition of two terms,
+    so DDP's bucket layout (rebuilt after its first step, before the capture) cannot change a bit."""
+    runs = {}
+    for name, extra in (("eager0", []), ("eager1", []), ("graph0", ["--cuda-graph"]), ("graph1", ["--cuda-graph"])):
+        r = torchrun(2, tmp_path / name, *GPU, *extra)
         assert r.returncode == 0, r.stderr[-3000:]
-        sums.append(result_of(tmp_path / f"r{i}")["final_checksum"])
-    assert sums[0] == sums[1]
+        runs[name] = result_of(tmp_path / name)
+        meta = runio.read_json(runio.member_dir(tmp_path / name, "run", 0) / "config.json")
+        assert meta["config"]["cuda_graph"] is bool(extra) and runs[name]["world_size"] == 2
+    assert len({r["final_checksum"] for r in runs.values()}) == 1, runs
+    assert len({r["logits_hash"] for r in runs.values()}) == 1, runs
