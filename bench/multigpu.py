@@ -12,8 +12,8 @@ section with atomic writes, so an interrupted run keeps what it finished):
                 ``--repeats`` times on the same inputs, per NCCL_ALGO (default, Ring, Tree): distinct
                 results (SHA-256 of the bytes) and median time
     ddp         ``torchrun -m nnrand.train`` of ResNet-18 (CIFAR, synthetic data) with DDP on N GPUs,
-                ``--runs`` runs each with ``--kernel native`` and ``--kernel tree``: distinct final-weight
-                checksums, median step time
+                ``--runs`` rounds of ``--kernel native`` and ``--kernel tree``, each eager and with
+                ``--cuda-graph``: distinct final-weight checksums, median step time
     invariant   ``--world-invariant`` on 1 and N GPUs at the same global batch, with micro-batches of
                 B/N (one per rank on N GPUs) and B/4: final-weight checksum and logits hash per world size,
                 step time; and the one-process tree run without micro-batches, for the cost of each piece
@@ -36,6 +36,10 @@ REPORT = ROOT / "reports" / "multigpu.md"
 SECTIONS = ("allreduce", "ddp", "invariant")
 ALGOS = ("default", "Ring", "Tree")
 SIZES = (2**10, 2**16, 2**20, 2**24, 25_000_000)
+# the DDP section's modes: kernels, and the step eager or one CUDA-graph replay (all-reduces captured)
+DDP_MODES = {"native": ["--kernel", "native"], "tree": ["--kernel", "tree"],
+             "native_graph": ["--kernel", "native", "--cuda-graph"], "tree_graph": ["--kernel", "tree", "--cuda-graph"]}
+DDP_LABELS = {"native": "native", "tree": "tree", "native_graph": "native, CUDA graph", "tree_graph": "tree, CUDA graph"}
 # ResNet-18 (CIFAR variant) on the synthetic set: 1 epoch of 40 steps at batch 128
 TRAIN = ["--model", "resnet18", "--epochs", "1", "--n-train", "5120", "--n-test", "1000", "--batch-size", "128",
          "--no-progress", "--no-report", "--no-resume", "--dist-timeout", "120"]
@@ -114,11 +118,21 @@ def run_allreduce(n: int, scratch: Path, args) -> dict:
 
 
 def run_ddp(n: int, scratch: Path, args) -> dict:
-    out = {}
-    for kernel in ("native", "tree"):
-        runs = [_train(n, scratch, f"ddp_{kernel}_{i}", ["--kernel", kernel]) for i in range(args.runs)]
-        out[kernel] = runs
-        print(f"ddp {kernel}: {[r['final_checksum'] for r in runs]}", flush=True)
+    """``--runs`` rounds of every mode in DDP_MODES, the modes interleaved within a round (so a drift of
+    the machine's speed reaches every mode alike)."""
+    out = {mode: [] for mode in DDP_MODES}
+    for i in range(args.runs):
+        for mode, extra in DDP_MODES.items():
+            if isinstance(out[mode], dict):   # failed in an earlier round
+                continue
+            try:
+                r = _train(n, scratch, f"ddp_{mode}_{i}", extra)
+            except RuntimeError as e:
+                out[mode] = {"error": str(e).split("): ", 1)[-1][:400]}
+                print(f"ddp {mode} run {i} failed: {out[mode]['error']}", flush=True)
+                continue
+            out[mode].append(r)
+            print(f"ddp {mode} run {i}: {r['final_checksum']} {r['step_time_ms']:.2f} ms", flush=True)
     return out
 
 
@@ -192,19 +206,27 @@ def render(data: dict) -> str:
             lines += ["", f"NCCL_ALGO={a} failed: `{e}`"]
         lines.append("")
     ddp = data.get("ddp")
+    medians = {}
     if ddp:
         lines += ["## DDP at a fixed world size: native kernels vs nnrand `tree`",
                   "",
                   f"`torchrun --nproc_per_node {n} -m nnrand.train {' '.join(data.get('train_args', TRAIN))}` "
-                  "(ResNet-18, CIFAR-sized synthetic set), each run from the same seeds.",
+                  "(ResNet-18, CIFAR-sized synthetic set), each run from the same seeds; `CUDA graph` adds "
+                  "`--cuda-graph` (the forward, backward and DDP's all-reduces captured once, replayed every step).",
                   "",
                   "| kernels | runs | distinct final weights | median step ms |",
                   "|---|---:|---:|---:|"]
-        for k in ("native", "tree"):
-            runs = ddp.get(k) or []
-            if runs:
-                ms = statistics.median(r["step_time_ms"] for r in runs)
-                lines.append(f"| {k} | {len(runs)} | {_distinct(runs)} | {ms:.2f} |")
+        for mode, label in DDP_LABELS.items():
+            runs = ddp.get(mode) or []
+            if isinstance(runs, dict):
+                lines.append(f"| {label} | failed: `{runs['error']}` | - | - |")
+            elif runs:
+                medians[mode] = statistics.median(r["step_time_ms"] for r in runs)
+                lines.append(f"| {label} | {len(runs)} | {_distinct(runs)} | {medians[mode]:.2f} |")
+        if isinstance(ddp.get("tree"), list) and isinstance(ddp.get("tree_graph"), list) and ddp["tree_graph"]:
+            both = ddp["tree"] + ddp["tree_graph"]
+            lines += ["", f"`tree` eager and `tree` with a CUDA graph together: {_distinct(both)} distinct final "
+                      f"weights and {_distinct(both, 'logits_hash')} distinct logits hashes in {len(both)} runs."]
         lines.append("")
     inv = data.get("invariant")
     if inv:
@@ -230,26 +252,34 @@ def render(data: dict) -> str:
         if single:
             lines.append(f"- one process, no micro-batches (`--kernel tree`): {single['step_time_ms']:.2f} ms/step.")
         lines.append("")
-        if ddp and ddp.get("tree") and ddp.get("native"):
-            tree_ms = statistics.median(r["step_time_ms"] for r in ddp["tree"])
-            native_ms = statistics.median(r["step_time_ms"] for r in ddp["native"])
-            lines += ["## Cost", "",
-                      "| comparison | ratio | target |", "|---|---:|---:|",
-                      f"| DDP `tree` / DDP native ({n} GPUs) | {tree_ms / native_ms:.3f} | <= 1.10 |"]
+    trees = [m for m in ("tree", "tree_graph") if m in medians]
+    natives = [m for m in ("native", "native_graph") if m in medians]
+    if trees and natives:
+        lines += ["## Cost", "", "| comparison | ratio | target |", "|---|---:|---:|"]
+        for tree, native, what in (("tree", "native", f"eager ({n} GPUs)"),
+                                   ("tree_graph", "native_graph", "both CUDA graph")):
+            if tree in medians and native in medians:
+                lines.append(f"| DDP `tree` / DDP native, {what} | {medians[tree] / medians[native]:.3f} | - |")
+        fastest_tree, fastest_native = min(trees, key=medians.get), min(natives, key=medians.get)
+        lines.append(f"| fastest DDP `tree` ({DDP_LABELS[fastest_tree]}) / fastest DDP native "
+                     f"({DDP_LABELS[fastest_native]}) | {medians[fastest_tree] / medians[fastest_native]:.3f} | "
+                     "<= 1.10 |")
+        if inv:
             for key, r in inv.items():
-                if key != "single_tree" and r["world_size"] == n and n > 1:
-                    lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']} / DDP `tree` ({n} GPUs) | "
-                                 f"{r['step_time_ms'] / tree_ms:.3f} | <= 1.15 |")
-            if single:
+                if key != "single_tree" and r["world_size"] == n and n > 1 and "tree" in medians:
+                    lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']} / DDP `tree`, eager ({n} GPUs) | "
+                                 f"{r['step_time_ms'] / medians['tree']:.3f} | <= 1.15 |")
+            if inv.get("single_tree"):
                 for key, r in inv.items():
                     if key != "single_tree" and r["world_size"] == 1:
                         lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']} / plain `tree`, one GPU | "
-                                     f"{r['step_time_ms'] / single['step_time_ms']:.3f} | - |")
+                                     f"{r['step_time_ms'] / inv['single_tree']['step_time_ms']:.3f} | - |")
             lines += ["",
                       "With one micro-batch per rank the extra work over DDP is the copy of the flat gradient, one "
                       "all_gather of every rank's gradient and BatchNorm statistics, and the fixed-order additions "
                       "on every rank; smaller micro-batches add their own forward and backward passes (smaller "
-                      "kernels, more launches). On one GPU the same pieces cost what the last rows show.", ""]
+                      "kernels, more launches). On one GPU the same pieces cost what the last rows show."]
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -263,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--gpus", type=int, help="GPUs to use (default: all visible)")
     p.add_argument("--repeats", type=int, default=30, help="all-reduce repeats per size (default 30)")
-    p.add_argument("--runs", type=int, default=3, help="DDP runs per kernel family (default 3)")
+    p.add_argument("--runs", type=int, default=3, help="DDP runs per mode (default 3)")
     p.add_argument("--scratch", default="runs/multigpu", help="where the child runs write (default %(default)s)")
     p.add_argument("--render", action="store_true", help="only re-render the report from the results file")
     args = p.parse_args(argv)
