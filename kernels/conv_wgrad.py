@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import conv_mma
 from .order import F32, arrival_sum, pad_to, seq_sum
@@ -333,17 +332,20 @@ def im2col(x: torch.Tensor, g: Geometry) -> torch.Tensor:
     """col[k, r'] as a (K, R) float32 tensor, k = (n, oh, ow), r' = (kh, kw, ci): a strided window view
     of the padded channels-last x, copied once (F.unfold is several times slower on the CPU). r' is a
     permutation of dw's r = (ci, kh, kw); :func:`chunk_partials` puts r back in order."""
-    xp = F.pad(x.detach().to(torch.float32), (g.pw, g.pw, g.ph, g.ph)).permute(0, 2, 3, 1).contiguous()
+    xp = x.new_zeros((g.n, g.h + 2 * g.ph, g.w + 2 * g.pw, g.cin), dtype=torch.float32)
+    xp[:, g.ph:g.ph + g.h, g.pw:g.pw + g.w] = x.detach().permute(0, 2, 3, 1)   # padded in one copy
     sn, sh, sw, _ = xp.stride()
     win = xp.as_strided((g.n, g.oh, g.ow, g.kh, g.kw, g.cin),
                         (sn, sh * g.sh, sw * g.sw, sh * g.dh, sw * g.dw, 1))
     return win.reshape(g.k, g.r)
 
 
-def chunk_partials(x: torch.Tensor, dy: torch.Tensor, g: Geometry, p: Plan) -> np.ndarray:
+def chunk_partials(x: torch.Tensor, dy: torch.Tensor, g: Geometry, p: Plan, *, gemm_order: bool = False) -> np.ndarray:
     """The S chunk partials, shape (S, M*R), each a float32 matmul over its (at most Kc) reduction terms:
     one batched float32 BLAS call for the full chunks, one matmul for a shorter last chunk (the kernel
-    reads its missing terms as +0.0, which adds nothing)."""
+    reads its missing terms as +0.0, which adds nothing). Columns in dw's order (m, ci, kh, kw), or with
+    ``gemm_order`` in the GEMM's (m, kh, kw, ci): a combine that adds each column alone can run first and
+    :func:`weight_order` move the one combined row instead of S."""
     a = dy.detach().permute(0, 2, 3, 1).reshape(g.k, g.m)   # [k, m]
     b = im2col(x, g)                                        # [k, r']
     full = g.k // p.chunk
@@ -354,8 +356,15 @@ def chunk_partials(x: torch.Tensor, dy: torch.Tensor, g: Geometry, p: Plan) -> n
                   out=out[:full])
     if full < p.splits:
         torch.mm(a[full * p.chunk:].T, b[full * p.chunk:], out=out[full])
-    out = out.reshape(p.splits, g.m, g.kh, g.kw, g.cin).permute(0, 1, 4, 2, 3)
-    return out.reshape(p.splits, g.m * g.r).numpy()
+    out = out.reshape(p.splits, g.m * g.r).numpy()
+    return out if gemm_order else weight_order(out, g)
+
+
+def weight_order(cols: np.ndarray, g: Geometry) -> np.ndarray:
+    """Rows of (m, kh, kw, ci) columns, (..., M*R), as (..., M*R) in dw's order (m, ci, kh, kw)."""
+    lead = cols.shape[:-1]
+    out = cols.reshape(*lead, g.m, g.kh, g.kw, g.cin)
+    return np.ascontiguousarray(np.moveaxis(out, -1, -3)).reshape(*lead, g.m * g.r)
 
 
 def tree_combine(partials: np.ndarray) -> np.ndarray:
@@ -387,16 +396,16 @@ def conv_wgrad_tree_cpu(x, dy, *, kernel_size, stride=1, padding=0, dilation=1, 
     g = _cpu_prologue(x, dy, kernel_size, stride, padding, dilation)
     if _empty(g):
         return torch.zeros(g.w_shape)
-    partials = chunk_partials(x, dy, g, plan(g.m, g.r, g.k))
-    return torch.from_numpy(tree_combine(partials).reshape(g.w_shape))
+    partials = chunk_partials(x, dy, g, plan(g.m, g.r, g.k), gemm_order=True)
+    return torch.from_numpy(weight_order(tree_combine(partials), g).reshape(g.w_shape))
 
 
 def conv_wgrad_nosplit_cpu(x, dy, *, kernel_size, stride=1, padding=0, dilation=1, rng=None) -> torch.Tensor:
     g = _cpu_prologue(x, dy, kernel_size, stride, padding, dilation)
     if _empty(g):
         return torch.zeros(g.w_shape)
-    partials = chunk_partials(x, dy, g, plan(g.m, g.r, g.k, split=False))
-    return torch.from_numpy(tree_combine(partials).reshape(g.w_shape))
+    partials = chunk_partials(x, dy, g, plan(g.m, g.r, g.k, split=False), gemm_order=True)
+    return torch.from_numpy(weight_order(tree_combine(partials), g).reshape(g.w_shape))
 
 
 # --------------------------------------------------------------------------------------------------
