@@ -207,8 +207,8 @@ def _resolve_world(cfg: Config, dev: torch.device) -> None:
     if not math.isfinite(cfg.dist_timeout) or cfg.dist_timeout <= 0:
         raise ConfigError(f"--dist-timeout must be a number of seconds > 0, got {cfg.dist_timeout}")
     if cfg.world_invariant and cfg.cuda_graph:
-        raise ConfigError("--cuda-graph cannot be combined with --world-invariant (its step runs several "
-                          "micro-batches and an all_gather whose sizes the host decides per step)")
+        raise ConfigError("--cuda-graph cannot be combined with --world-invariant (its step is not captured: "
+                          "per micro-batch the host reseeds the random layers and resets the gradients)")
     if dev.type == "cuda" and world.distributed and world.local_rank >= torch.cuda.device_count():
         raise ConfigError(f"rank {world.rank}: LOCAL_RANK {world.local_rank} but only "
                           f"{torch.cuda.device_count()} CUDA devices are visible")
