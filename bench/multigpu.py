@@ -14,7 +14,7 @@ section with atomic writes, so an interrupted run keeps what it finished):
     ddp         ``torchrun -m nnrand.train`` of ResNet-18 (CIFAR, synthetic data) with DDP on N GPUs,
                 ``--runs`` rounds of ``--kernel native`` and ``--kernel tree``, each eager and with
                 ``--cuda-graph``: distinct final-weight checksums, median step time
-    invariant   ``--world-invariant`` on 1 and N GPUs at the same global batch, with micro-batches of
+    invariant   ``--world-invariant`` on 1, 2, 4 ... N GPUs at the same global batch, with micro-batches of
                 B/N (one per rank on N GPUs) and B/4: final-weight checksum and logits hash per world size,
                 step time; and the one-process tree run without micro-batches, for the cost of each piece
 """
@@ -136,16 +136,32 @@ def run_ddp(n: int, scratch: Path, args) -> dict:
     return out
 
 
+def invariant_layouts(batch: int, n: int) -> list[tuple[int, int]]:
+    """(micro-batch, world size) pairs of the invariant section: micro-batches of B/n (one per rank on n
+    GPUs) and B/4, each on every power-of-two world size up to n that the layout allows (1, 2, 4 on four
+    GPUs)."""
+    from nnrand import distributed
+
+    out = []
+    for micro in sorted({batch // n, batch // 4}, reverse=True):
+        for world in (w for w in (2 ** i for i in range(n.bit_length())) if w <= n):
+            try:
+                distributed.check_invariant_layout(batch, micro, world)
+            except ValueError:
+                continue
+            out.append((micro, world))
+    return out
+
+
 def run_invariant(n: int, scratch: Path, args) -> dict:
     batch = int(TRAIN[TRAIN.index("--batch-size") + 1])
     out = {"single_tree": _train(1, scratch, "single_tree", ["--kernel", "tree"])}
-    for micro in sorted({batch // n, batch // 4}, reverse=True):
-        for world in sorted({1, n}):
-            key = f"m{micro}_w{world}"
-            out[key] = _train(world, scratch, f"inv_{key}", ["--kernel", "tree", "--world-invariant",
-                                                             "--micro-batch", str(micro)])
-            out[key]["micro_batch"] = micro
-            print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
+    for micro, world in invariant_layouts(batch, n):
+        key = f"m{micro}_w{world}"
+        out[key] = _train(world, scratch, f"inv_{key}", ["--kernel", "tree", "--world-invariant",
+                                                         "--micro-batch", str(micro)])
+        out[key]["micro_batch"] = micro
+        print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
     return out
 
 

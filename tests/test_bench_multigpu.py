@@ -71,3 +71,11 @@ def test_run_ddp_records_a_failing_mode_and_runs_the_others(monkeypatch, tmp_pat
     assert out["tree_graph"] == {"error": "RuntimeError: capture failed"}
     assert [len(out[m]) for m in ("native", "tree", "native_graph")] == [2, 2, 2]
     assert calls.count("ddp_tree_graph_0") == 1 and "ddp_tree_graph_1" not in calls
+
+
+def test_invariant_layouts_cover_every_power_of_two_world_the_batch_allows():
+    # batch 128: micro-batches of B/n and B/4; a world must be a power of two dividing the micro-batch count
+    assert multigpu.invariant_layouts(128, 2) == [(64, 1), (64, 2), (32, 1), (32, 2)]
+    assert multigpu.invariant_layouts(128, 4) == [(32, 1), (32, 2), (32, 4)]
+    assert multigpu.invariant_layouts(128, 8) == [(32, 1), (32, 2), (32, 4), (16, 1), (16, 2), (16, 4), (16, 8)]
+    assert multigpu.invariant_layouts(128, 1) == [(128, 1), (32, 1)]
