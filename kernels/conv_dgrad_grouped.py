@@ -25,13 +25,14 @@ import torch
 
 from .conv_wgrad_grouped import (
     HOSTILE,
-    MODEL_LAYERS,
     GroupedConv,
     _next_pow2,
-    _small,
+    bytes_moved,
     channels_inner,
     check_groups,
     conv_params,
+    flops,
+    grouped_bench_cases,
     pair_of,
 )
 from .order import rng_of
@@ -363,26 +364,7 @@ def _test_cases() -> list[Case]:
 
 
 def _bench_cases(scale: str) -> list[Case]:
-    if scale == "cpu":
-        picks = [MODEL_LAYERS[i] for i in (0, 10, 14, 16)]
-        return [_case(_small(layer, 2, 4), 6200 + i, suffix="_small") for i, layer in enumerate(picks)]
-    if scale == "quick":
-        return [_case(MODEL_LAYERS[i], 6300 + i) for i in (0, 6, 14, 18)]
-    return [_case(layer, 6400 + 100 * j + i, layout) for j, layout in enumerate(("nchw", "channels_last"))
-            for i, layer in enumerate(MODEL_LAYERS)]
-
-
-def _bytes_moved(case: Case) -> int:
-    p = case.params
-    kh, kw, _, _, _, oh, ow = conv_params(p)
-    return 4 * (p["n"] * p["cin"] * p["h"] * p["w"] + p["n"] * p["cout"] * oh * ow
-                + p["cout"] * (p["cin"] // p["groups"]) * kh * kw)
-
-
-def _flops(case: Case) -> int:
-    p = case.params
-    kh, kw, _, _, _, oh, ow = conv_params(p)
-    return 2 * p["n"] * p["cout"] * oh * ow * (p["cin"] // p["groups"]) * kh * kw
+    return grouped_bench_cases(_case, scale, 6000)
 
 
 define_op(
@@ -399,6 +381,6 @@ define_op(
     test_cases=_test_cases,
     bench_cases=_bench_cases,
     peers=lambda: {"torch": torch_dgrad, "cudnn_default": _torch_dgrad_default},
-    bytes_moved=_bytes_moved,
-    flops=_flops,
+    bytes_moved=bytes_moved,
+    flops=flops,
 )

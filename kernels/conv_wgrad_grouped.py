@@ -523,27 +523,35 @@ def _small(layer: GroupedConv, n: int, hw_div: int) -> GroupedConv:
     return replace(layer, n=n, h=max(1, layer.h // hw_div), w=max(1, layer.w // hw_div))
 
 
-def _bench_cases(scale: str) -> list[Case]:
+def grouped_bench_cases(case, scale: str, base: int) -> list[Case]:
+    """A grouped-conv op's benchmark cases from ``case(layer, seed, layout="nchw", suffix="")``, seeds from
+    ``base``: a few scaled-down layers for the CPU models, four layers (quick), or every layer in both
+    layouts."""
     if scale == "cpu":  # the Numba models on a few scaled-down layers
         picks = [MODEL_LAYERS[i] for i in (0, 10, 14, 16)]
-        return [_case(_small(layer, 2, 4), 5200 + i, suffix="_small") for i, layer in enumerate(picks)]
+        return [case(_small(layer, 2, 4), base + 200 + i, suffix="_small") for i, layer in enumerate(picks)]
     if scale == "quick":
-        return [_case(MODEL_LAYERS[i], 5300 + i) for i in (0, 6, 14, 18)]
-    return [_case(layer, 5400 + 100 * j + i, layout) for j, layout in enumerate(("nchw", "channels_last"))
+        return [case(MODEL_LAYERS[i], base + 300 + i) for i in (0, 6, 14, 18)]
+    return [case(layer, base + 400 + 100 * j + i, layout) for j, layout in enumerate(("nchw", "channels_last"))
             for i, layer in enumerate(MODEL_LAYERS)]
 
 
-def _bytes_moved(case: Case) -> int:
+def bytes_moved(case: Case) -> int:
+    """x, dy and the weights once each, float32 (both grouped-conv gradients)."""
     p = case.params
     kh, kw, _, _, _, oh, ow = conv_params(p)
     return 4 * (p["n"] * p["cin"] * p["h"] * p["w"] + p["n"] * p["cout"] * oh * ow
                 + p["cout"] * (p["cin"] // p["groups"]) * kh * kw)
 
 
-def _flops(case: Case) -> int:
+def flops(case: Case) -> int:
     p = case.params
     kh, kw, _, _, _, oh, ow = conv_params(p)
     return 2 * p["n"] * p["cout"] * oh * ow * (p["cin"] // p["groups"]) * kh * kw
+
+
+def _bench_cases(scale: str) -> list[Case]:
+    return grouped_bench_cases(_case, scale, 5000)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -563,6 +571,6 @@ define_op(
     test_cases=_test_cases,
     bench_cases=_bench_cases,
     peers=lambda: {"torch": _torch_wgrad, "cudnn_default": _torch_wgrad_default},
-    bytes_moved=_bytes_moved,
-    flops=_flops,
+    bytes_moved=bytes_moved,
+    flops=flops,
 )
