@@ -73,15 +73,16 @@ NEG_ZERO = F32(-0.0)  # x + (-0.0) == x for every x: the neutral padding of a ma
 # Argument checks (shared by the CUDA launchers and the CPU models)
 
 
-def _size_pair(v) -> tuple[int, int]:
+def size_pair(op: str, v) -> tuple[int, int]:
+    """``input_size`` as (H, W), or a KernelArgumentError of ``op`` that says what was wrong."""
     try:
         vals = tuple(v)
     except TypeError:
-        raise KernelArgumentError(OP, "input_size", f"expected a pair of ints (H, W), got {v!r}") from None
+        raise KernelArgumentError(op, "input_size", f"expected a pair of ints (H, W), got {v!r}") from None
     if len(vals) != 2 or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in vals):
-        raise KernelArgumentError(OP, "input_size", f"expected a pair of ints (H, W), got {v!r}")
+        raise KernelArgumentError(op, "input_size", f"expected a pair of ints (H, W), got {v!r}")
     if min(vals) < 1:
-        raise KernelArgumentError(OP, "input_size", f"expected sizes >= 1, got {v!r}")
+        raise KernelArgumentError(op, "input_size", f"expected sizes >= 1, got {v!r}")
     return int(vals[0]), int(vals[1])
 
 
@@ -105,7 +106,7 @@ def _check_all(dy, input_size):
     dy = check_tensor(OP, "dy", dy, ndim=4)
     if dy.numel() == 0:
         raise KernelArgumentError(OP, "dy", f"expected a non-empty tensor, got shape {tuple(dy.shape)}")
-    h, w = _size_pair(input_size)
+    h, w = size_pair(OP, input_size)
     n, c, oh, ow = dy.shape
     if h * w > INT32_MAX or oh * ow > INT32_MAX:
         raise KernelArgumentError(OP, "input_size", f"H * W and OH * OW must be below 2^31, got {(h, w)}, {(oh, ow)}")
@@ -314,7 +315,8 @@ def _cpu_prologue(dy, input_size):
     return dy, h, w, layout
 
 
-def _out(dx: np.ndarray, layout: str) -> torch.Tensor:
+def dx_tensor(dx: np.ndarray, layout: str) -> torch.Tensor:
+    """A CPU model's (N, C, H, W) result as a tensor in ``layout``."""
     return torch.from_numpy(np.ascontiguousarray(dx)).contiguous(memory_format=memory_format(layout))
 
 
@@ -324,12 +326,12 @@ def adaptive_avg_pool2d_bwd_tree_cpu(dy, *, input_size, rng=None) -> torch.Tenso
     acc = np.zeros(parts.shape[:-1], dtype=F32)
     for k in range(parts.shape[-1]):  # +0.0, then each window in row-major order
         acc = acc + parts[..., k]
-    return _out(acc, layout)
+    return dx_tensor(acc, layout)
 
 
 def adaptive_avg_pool2d_bwd_atomic_cpu(dy, *, input_size, rng=None) -> torch.Tensor:
     dy, h, w, layout = _cpu_prologue(dy, input_size)
-    return _out(arrival_sum(contributions(dy, h, w), rng), layout)
+    return dx_tensor(arrival_sum(contributions(dy, h, w), rng), layout)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -338,7 +340,7 @@ def adaptive_avg_pool2d_bwd_atomic_cpu(dy, *, input_size, rng=None) -> torch.Ten
 
 def reference(dy: torch.Tensor, *, input_size) -> torch.Tensor:
     """Exact dx in float64 (NCHW): every element of a window receives dy / (kh * kw)."""
-    h, w = _size_pair(input_size)
+    h, w = size_pair(OP, input_size)
     g = dy.detach().cpu().double().contiguous().numpy()
     _, _, oh, ow = g.shape
     kh, rows, rvalid = axis_table(h, oh)
@@ -383,7 +385,7 @@ def _x_like(dy: torch.Tensor, h: int, w: int, requires_grad: bool = False) -> to
 def torch_backward(dy, *, input_size) -> torch.Tensor:
     """aten's ``_adaptive_avg_pool2d_backward`` (what autograd calls for a non-(1, 1) output); it reads
     only the shape and memory format of the forward input."""
-    h, w = _size_pair(input_size)
+    h, w = size_pair(OP, input_size)
     return torch.ops.aten._adaptive_avg_pool2d_backward(dy, _x_like(dy, h, w))
 
 
@@ -393,7 +395,7 @@ _GRAPHS: dict = {}
 def torch_autograd_backward(dy, *, input_size) -> torch.Tensor:
     """The backward of ``F.adaptive_avg_pool2d`` through autograd, on a graph built once per shape,
     layout and deterministic mode (the forward is not timed): to (1, 1) that is ``mean``'s backward."""
-    h, w = _size_pair(input_size)
+    h, w = size_pair(OP, input_size)
     key = (tuple(dy.shape), suggest_layout(dy), dy.device, h, w, torch.are_deterministic_algorithms_enabled())
     graph = _GRAPHS.get(key)
     if graph is None:

@@ -39,7 +39,7 @@ import functools
 import numpy as np
 import torch
 
-from .adaptive_avg_pool2d_bwd import make_dy, memory_format, suggest_layout
+from .adaptive_avg_pool2d_bwd import dx_tensor, make_dy, memory_format, size_pair, suggest_layout
 from .order import F32, arrival_sum
 from .registry import Case, define_op
 from .runtime import (
@@ -67,25 +67,13 @@ NEG_ZERO = F32(-0.0)  # x + (-0.0) == x for every x: the neutral padding of a ma
 # Argument checks (shared by the CUDA launchers and the CPU models)
 
 
-def _size_pair(v) -> tuple[int, int]:
-    try:
-        vals = tuple(v)
-    except TypeError:
-        raise KernelArgumentError(OP, "input_size", f"expected a pair of ints (H, W), got {v!r}") from None
-    if len(vals) != 2 or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in vals):
-        raise KernelArgumentError(OP, "input_size", f"expected a pair of ints (H, W), got {v!r}")
-    if min(vals) < 1:
-        raise KernelArgumentError(OP, "input_size", f"expected sizes >= 1, got {v!r}")
-    return int(vals[0]), int(vals[1])
-
-
 def _check_all(dy, input_size, align_corners):
     dy = check_tensor(OP, "dy", dy, ndim=4)
     if dy.numel() == 0:
         raise KernelArgumentError(OP, "dy", f"expected a non-empty tensor, got shape {tuple(dy.shape)}")
     if not isinstance(align_corners, bool):
         raise KernelArgumentError(OP, "align_corners", f"expected a bool, got {align_corners!r}")
-    h, w = _size_pair(input_size)
+    h, w = size_pair(OP, input_size)
     n, c, oh, ow = dy.shape
     if max(h, w, oh, ow) >= 2**23:  # o + 0.5 and the source index must be exact in float32
         raise KernelArgumentError(OP, "input_size", f"sizes must be below 2^23, got {(h, w)} -> {(oh, ow)}")
@@ -258,10 +246,6 @@ def _cpu_prologue(dy, input_size, align_corners):
     return dy, h, w, layout
 
 
-def _out(dx: np.ndarray, layout: str) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(dx)).contiguous(memory_format=memory_format(layout))
-
-
 def upsample_bilinear2d_bwd_tree_cpu(dy, *, input_size, align_corners=False, rng=None) -> torch.Tensor:
     dy, h, w, layout = _cpu_prologue(dy, input_size, align_corners)
     if tuple(dy.shape[2:]) == (h, w):
@@ -270,14 +254,14 @@ def upsample_bilinear2d_bwd_tree_cpu(dy, *, input_size, align_corners=False, rng
     acc = np.zeros(parts.shape[:-1], dtype=F32)
     for k in range(parts.shape[-1]):  # +0.0, then each product in tree's order
         acc = acc + parts[..., k]
-    return _out(acc, layout)
+    return dx_tensor(acc, layout)
 
 
 def upsample_bilinear2d_bwd_atomic_cpu(dy, *, input_size, align_corners=False, rng=None) -> torch.Tensor:
     dy, h, w, layout = _cpu_prologue(dy, input_size, align_corners)
     if tuple(dy.shape[2:]) == (h, w):
         return dy.clone(memory_format=memory_format(layout))
-    return _out(arrival_sum(products(dy, h, w, align_corners), rng), layout)
+    return dx_tensor(arrival_sum(products(dy, h, w, align_corners), rng), layout)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,7 +293,7 @@ def _scatter_into(out, d, h, w, hs, ws):
 
 def reference(dy: torch.Tensor, *, input_size, align_corners=False) -> torch.Tensor:
     """Exact dx in float64 (NCHW) for the op's float32 weights; dy itself where the sizes agree."""
-    h, w = _size_pair(input_size)
+    h, w = size_pair(OP, input_size)
     d = dy.detach().cpu().double().contiguous().numpy()
     if d.shape[2:] == (h, w):
         return torch.from_numpy(d.copy())
@@ -343,7 +327,7 @@ def error_bound(dy: torch.Tensor, h: int, w: int, align_corners: bool) -> np.nda
 
 def torch_backward(dy, *, input_size, align_corners=False) -> torch.Tensor:
     """aten's ``upsample_bilinear2d_backward`` (what autograd of the aten forward calls)."""
-    h, w = _size_pair(input_size)
+    h, w = size_pair(OP, input_size)
     n, c, oh, ow = dy.shape
     return torch.ops.aten.upsample_bilinear2d_backward(dy, [oh, ow], [n, c, h, w], align_corners, None, None)
 
@@ -355,7 +339,7 @@ def torch_autograd_backward(dy, *, input_size, align_corners=False) -> torch.Ten
     """The backward of ``F.interpolate(..., mode="bilinear")`` through autograd, on a graph built once
     per shape, layout and deterministic mode (the forward is not timed). In deterministic mode on a GPU
     F.interpolate takes its decomposition, whose backward is ``index_put_`` with accumulate."""
-    h, w = _size_pair(input_size)
+    h, w = size_pair(OP, input_size)
     key = (tuple(dy.shape), suggest_layout(dy), dy.device, h, w, align_corners,
            torch.are_deterministic_algorithms_enabled())
     graph = _GRAPHS.get(key)
