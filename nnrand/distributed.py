@@ -132,12 +132,16 @@ class Group:
 
     def any(self, flag: bool) -> bool:
         """True on every rank if it is true on any (host-side; no device sync)."""
+        return self.any_each([flag])[0]
+
+    def any_each(self, flags: list[bool]) -> list[bool]:
+        """Element by element, true on every rank where true on any (one host-side all_reduce)."""
         if not self.world.distributed:
-            return bool(flag)
-        t = torch.tensor([int(bool(flag))], dtype=torch.int32)
+            return [bool(f) for f in flags]
+        t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
         with self.guard("agreement"):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
-        return bool(t.item())
+        return [bool(v) for v in t.tolist()]
 
     def barrier(self) -> None:
         if self.world.distributed:
@@ -211,12 +215,14 @@ def batchnorms(model: torch.nn.Module) -> list[torch.nn.Module]:
 class InvariantStep:
     """Forward and backward of this rank's micro-batches, then the world's gradient sum in a fixed tree
     (module docstring, 2-6). After a call every parameter's ``.grad`` holds the gradient of the global
-    batch's mean loss, and the BatchNorm running statistics have moved one step: the same bits on every
-    rank and on every world size the layout allows.
+    batch's mean loss (None for a parameter no micro-batch gave a gradient, as after a plain backward),
+    and the BatchNorm running statistics have moved one step: the same bits on every rank and on every
+    world size the layout allows.
 
     Cost, on top of the micro-batches' forward and backward: one copy of the flat gradient per micro-
     batch (kept until the step ends: k x the parameter bytes), k - 1 + W - 1 vector additions, one
-    ``all_gather`` of W x (parameters + BatchNorm statistics) floats, and one copy back into ``.grad``."""
+    ``all_gather`` of W x (parameters + BatchNorm statistics) floats, one copy back into ``.grad``, and a
+    host-side all_reduce of one flag per parameter (which ones got a gradient)."""
 
     def __init__(self, model: torch.nn.Module, group: Group, *, batch: int, micro: int, seed: int):
         self.model = model
@@ -255,6 +261,7 @@ class InvariantStep:
         for m in self.bns:
             m.momentum = 1.0     # the running statistics become this micro-batch's, exactly
         grads, stats, metrics = [], [], []
+        used = [False] * len(self.params)   # whether a parameter got a gradient in any micro-batch
         done = False
         try:
             for jj, (x, y) in enumerate(batches):
@@ -264,6 +271,7 @@ class InvariantStep:
                 logits = self.model(x)
                 ce = F.cross_entropy(logits, y, reduction="sum")
                 (ce / self.batch).backward()
+                used = [u or p.grad is not None for u, p in zip(used, self.params)]
                 grads.append(self._flat_grad())
                 if self.bns:
                     stats.append(torch.cat([t.reshape(-1).float() for t in stat_tensors]))
@@ -284,7 +292,7 @@ class InvariantStep:
         metric = tree_sum(metrics)
         if self.group.world.distributed:
             grad, stat, metric = self._combine(grad, stat, metric)
-        self._write_grads(grad)
+        self._write_grads(grad, self.group.any_each(used))
         if stat is not None:
             self._update_running(stat_tensors, saved, stat)
         return metric
@@ -300,9 +308,11 @@ class InvariantStep:
         metric = tree_sum([p[n_g + n_s:].clone().view(torch.float64) for p in parts])  # clone: 8-byte aligned
         return grad, stat, metric
 
-    def _write_grads(self, flat: torch.Tensor) -> None:
-        for p, g in zip(self.params, flat.split(self.sizes)):
-            p.grad = g.view(p.shape).to(p.dtype)
+    def _write_grads(self, flat: torch.Tensor, used: list[bool]) -> None:
+        """Each parameter's slice of the summed gradient; None for one that no micro-batch on any rank gave
+        a gradient (``used``): the optimizer then leaves it alone, as after a plain backward."""
+        for p, g, u in zip(self.params, flat.split(self.sizes), used):
+            p.grad = g.view(p.shape).to(p.dtype) if u else None
 
     @torch.no_grad()
     def _update_running(self, targets: list[torch.Tensor], saved: torch.Tensor, total: torch.Tensor) -> None:

@@ -166,6 +166,77 @@ def test_invariant_step_running_statistics_move_once_per_step():
     assert not torch.equal(model4[1].running_var, bn.running_var)   # ghost BatchNorm: other statistics
 
 
+class _Gated(torch.nn.Module):
+    """A linear layer, plus ``extra`` only for inputs whose first feature is positive (data-dependent use),
+    and ``idle`` never."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 3)
+        self.extra = torch.nn.Parameter(torch.ones(3))
+        self.idle = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        out = self.lin(x)
+        return out + self.extra if bool(x[0, 0] > 0) else out
+
+
+def _gated_batches():
+    """Four micro-batches of 2; only the last one switches ``extra`` on."""
+    g = torch.Generator().manual_seed(3)
+    x = -torch.rand(8, 4, generator=g)
+    x[6, 0] = 1.0
+    return [(x[j:j + 2], torch.tensor([0, 1])) for j in range(0, 8, 2)]
+
+
+def _gated_step(group):
+    model = _Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    step = distributed.InvariantStep(model, group, batch=8, micro=2, seed=0)
+    mine = _gated_batches()[step.first_micro():step.first_micro() + step.local]
+    step(mine, step=0)
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_invariant_step_leaves_parameters_without_a_gradient_alone():
+    """A parameter no micro-batch uses keeps grad None, so weight decay and momentum do not move it (as
+    after a plain backward); one that a single micro-batch uses gets that micro-batch's gradient."""
+    grads, after = _gated_step(distributed.Group(distributed.World(), torch.device("cpu")))
+    assert grads["idle"] is None and torch.equal(after["idle"], torch.ones(3))
+    assert grads["extra"] is not None and not torch.equal(after["extra"], torch.ones(3))
+    assert all(grads[n] is not None for n in ("lin.weight", "lin.bias"))
+
+
+def _gated_rank(rank: int, size: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    group = distributed.Group(distributed.World(rank=rank, size=size, timeout_s=60), torch.device("cpu"))
+    try:
+        torch.save(_gated_step(group), f"{out}/rank{rank}.pt")
+    finally:
+        group.close()
+
+
+def test_invariant_step_agrees_on_used_parameters_across_ranks(tmp_path):
+    """On 2 processes only rank 1's micro-batches use ``extra``: both ranks still give it the summed
+    gradient, and every parameter and gradient has one process's bits on both."""
+    import torch.multiprocessing as mp
+
+    one_grads, one_after = _gated_step(distributed.Group(distributed.World(), torch.device("cpu")))
+    mp.spawn(_gated_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        grads, after = torch.load(tmp_path / f"rank{rank}.pt")
+        assert grads["idle"] is None and grads["extra"] is not None
+        for n in one_grads:
+            assert (grads[n] is None) == (one_grads[n] is None)
+            if grads[n] is not None:
+                assert torch.equal(grads[n], one_grads[n]), (rank, n)
+            assert torch.equal(after[n], one_after[n]), (rank, n)
+
+
 # --------------------------------------------------------------------------------------------------
 # Augmentation keyed by the image's index
 
