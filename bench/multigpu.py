@@ -144,7 +144,7 @@ def invariant_layouts(batch: int, n: int) -> list[tuple[int, int]]:
 
     out = []
     for micro in sorted({batch // n, batch // 4}, reverse=True):
-        for world in (w for w in (2 ** i for i in range(n.bit_length())) if w <= n):
+        for world in (2 ** i for i in range(n.bit_length())):   # 1, 2, 4 ... up to n
             try:
                 distributed.check_invariant_layout(batch, micro, world)
             except ValueError:
