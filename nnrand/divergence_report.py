@@ -510,6 +510,17 @@ def link_section(res: dict, stem: str, have_plot: bool) -> list[str]:
     return out
 
 
+def wall_line(w: dict) -> str:
+    """One sentence for ``wall_summary``'s dict (status and the report)."""
+    gpus = "/".join(str(g) for g in w["gpus"])
+    parts = "" if w["parts"] == 1 else f" over {w['parts']} runs ({', '.join(f'{x:.0f}' for x in w['part_s'])} s)"
+    where = "the CPU" if w["gpus"] == [0] else f"{gpus} GPU{'s' if w['gpus'] != [1] else ''}"
+    hosts = "" if len(w["hosts"]) == 1 else f" on {len(w['hosts'])} machines"
+    return (f"{w['trained']} members trained in {w['total_s']:.0f} s of wall time{parts}, on {where}{hosts}, "
+            f"{'/'.join(str(j) for j in w['jobs'])} at a time" + (", under MPS" if w["mps"] == [True] else "")
+            + (f"; {w['interrupted']} run(s) interrupted" if w["interrupted"] else ""))
+
+
 def cost_section(res: dict) -> list[str]:
     out = ["## Cost of determinism at the training level", ""]
     t = res.get("timing")
@@ -534,6 +545,10 @@ def cost_section(res: dict) -> list[str]:
                        f"{num(r.get('x_torch_deterministic'), 3)} |")
     else:
         out.append("No timing pass in these results (it runs once every member is done; `--no-timing` skips it).")
+    wall = res.get("train_wall")
+    if wall:
+        out += ["", f"Study wall time (`{wall.get('ledger')}` beside the run directories; worker start-up and training, not the "
+                f"collection or the timing pass): {wall_line(wall)}."]
     members = [(n, c) for n, c in res["configs"].items() if _ok(c.get("step_time_ms"))]
     if members:
         out += ["", "From the members' own metrics (median over members of each member's median step_time_ms, "

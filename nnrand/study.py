@@ -38,6 +38,7 @@ import json
 import math
 import multiprocessing
 import os
+import platform
 import signal
 import statistics
 import subprocess
@@ -404,6 +405,57 @@ def run(study: Study, *, time_budget: float | None = None, progress: bool = True
     return {"trained": trained, "stopped": False, "remaining": 0}
 
 
+# --------------------------------------------------------------------------------------------------
+# Wall time: one ledger entry per `run` call that trained, so a study finished in parts (time budgets,
+# interruptions) still states its total training time and on how many GPUs it ran
+
+WALL_LEDGER = "study_runs.json"
+
+
+def ledger_path(study: Study) -> Path:
+    return study.runs_dir / WALL_LEDGER
+
+
+def read_ledger(study: Study) -> list[dict]:
+    """The ledger's entries, oldest first; [] when there is none yet. A damaged ledger raises a
+    ``StudyError`` naming the file (training never depends on it: delete it to start over)."""
+    path = ledger_path(study)
+    if not path.exists():
+        return []
+    try:
+        entries = runio.read_json(path)["runs"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise StudyError(f"{path}: unreadable study ledger ({type(e).__name__}: {e}); delete it to start a "
+                         "new one (members are not affected)") from None
+    return list(entries)
+
+
+def record_run(study: Study, *, started: str, wall_s: float, jobs: int, outcome: dict, interrupted: bool = False,
+               mps_on: bool = False) -> dict:
+    """Append one `run` call to the ledger (atomic rewrite): when it started, its wall time (worker start-up,
+    MPS and every member it trained or resumed; not the collection or the timing pass), the members it
+    finished, and what it ran on. Returns the entry."""
+    gpus = worker_gpus(study)
+    entry = {"started": started, "wall_s": round(float(wall_s), 3), "trained": int(outcome.get("trained", 0)),
+             "stopped": bool(outcome.get("stopped", False)), "interrupted": bool(interrupted), "jobs": int(jobs),
+             "backend": study.backend, "gpus": len(gpus) if gpus else int(study.backend == "cuda"),
+             "gpu_ids": gpus or None, "mps": bool(mps_on), "host": platform.node()}
+    runio.write_json(ledger_path(study), {"runs": [*read_ledger(study), entry]})
+    return entry
+
+
+def wall_summary(entries: list[dict]) -> dict | None:
+    """Total training wall time over the ledger's entries, with the GPU counts they ran on (a study
+    resumed on another machine, or with another GPU count, says so: its total is then no one machine's)."""
+    if not entries:
+        return None
+    return {"ledger": WALL_LEDGER, "parts": len(entries), "total_s": round(sum(e["wall_s"] for e in entries), 3),
+            "trained": sum(e["trained"] for e in entries), "gpus": sorted({e["gpus"] for e in entries}),
+            "hosts": sorted({e.get("host") or "?" for e in entries}), "jobs": sorted({e["jobs"] for e in entries}),
+            "mps": sorted({bool(e.get("mps")) for e in entries}),
+            "part_s": [e["wall_s"] for e in entries], "interrupted": sum(bool(e.get("interrupted")) for e in entries)}
+
+
 def worker_gpus(study: Study) -> list[str]:
     """The ``CUDA_VISIBLE_DEVICES`` value of each GPU that workers spread over: one entry per visible GPU
     when the study runs on ``cuda`` (no index) and more than one GPU is visible, else none (the workers
@@ -765,6 +817,14 @@ def _test_images(setup: dict, indices: list[int]) -> tuple[np.ndarray | None, li
     return ds.test_x[indices].numpy(), list(ds.classes), None
 
 
+def _wall_or_none(study: Study) -> dict | None:
+    try:
+        return wall_summary(read_ledger(study))
+    except StudyError as e:   # the report still renders; it says nothing of the wall time
+        print(f"study: {e}", file=sys.stderr)
+        return None
+
+
 def collect(study: Study, timing: dict | None = None) -> dict:
     """Read every configuration's run directory; write ``<stem>.json`` and ``<stem>_examples.npz``."""
     configs, arrays, logits = {}, {}, {}
@@ -797,7 +857,7 @@ def collect(study: Study, timing: dict | None = None) -> dict:
         "missing": [c["name"] for c in configs.values() if c["done"] < study.members],
         "classes": classes, "images_note": why_no_images,
         "fingerprint": fp, "kernel_noise": kernel_noise(study.backend, REPO / "reports"), "timing": timing,
-        "command": study.command,
+        "command": study.command, "train_wall": _wall_or_none(study),
     }
     runio.write_text(study.results_path, json.dumps(_clean(res), indent=1) + "\n")
     # kept in the repository beside the report: class labels and subgroups fit 16 and 8 bits, and the
@@ -956,6 +1016,11 @@ def cli(argv: list[str] | None = None) -> int:
     study.command = " ".join(["python -m nnrand.study", *[a for a in argv if a not in ("report", "--report-only")]])
     if args.command == "status":
         print("\n".join(status_lines(study)))
+        wall = _wall_or_none(study)
+        if wall:
+            from nnrand.divergence_report import wall_line
+
+            print(wall_line(wall))
         return 0
     if args.command == "timing" and not run_timing(study, quick_steps=study.backend == "cpu"):
         return 1
@@ -974,8 +1039,22 @@ def cli(argv: list[str] | None = None) -> int:
         except mps.MPSError as e:
             p.exit(2, f"{p.prog}: error: --mps: {e}\n")
         try:
+            read_ledger(study)   # a damaged ledger stops the run before it trains, not after
+        except StudyError as e:
+            p.exit(2, f"{p.prog}: error: {e}\n")
+        todo = sum(not member_done(study, q, m) for q in study.plan for m in range(study.members))
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        t0 = time.monotonic()
+        ledger = dict(started=started, jobs=jobs, mps_on=False)
+        try:
             with stack:
+                ledger["mps_on"] = "CUDA_MPS_PIPE_DIRECTORY" in os.environ
                 outcome = run(study, time_budget=args.time_budget, progress=args.progress, jobs=jobs)
+            if todo:
+                entry = record_run(study, wall_s=time.monotonic() - t0, outcome=outcome, **ledger)
+                print(f"trained {entry['trained']} member(s) in {entry['wall_s']:.1f} s on "
+                      + (f"{entry['gpus']} GPU(s)" if study.backend == "cuda" else "the CPU")
+                      + f", {jobs} at a time")
         except user_errors as e:
             p.exit(2, f"{p.prog}: error: {e}\n")
         except MemberError as e:   # from a worker: the usage errors above exit the same way
@@ -983,6 +1062,11 @@ def cli(argv: list[str] | None = None) -> int:
                 p.exit(2, f"{p.prog}: error: {e}\n")
             raise
         except KeyboardInterrupt as e:
+            if todo:   # the members it finished, and the time it took, still count
+                done_now = sum(member_done(study, q, m) for q in study.plan for m in range(study.members))
+                total = len(study.plan) * study.members
+                record_run(study, wall_s=time.monotonic() - t0, interrupted=True,
+                           outcome={"trained": done_now - (total - todo), "stopped": True}, **ledger)
             print(f"\n{str(e) or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
             return 130
         if not outcome["stopped"] and args.timing and not study.smoke and not study.timing_path.exists():

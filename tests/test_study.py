@@ -320,6 +320,75 @@ def test_cli_passes_jobs_and_records_them(tmp_path, monkeypatch, capsys):
     assert "error: configuration 'seeds' member 1: ConfigError: --batch-size 99" in capsys.readouterr().err
 
 
+def test_wall_ledger_sums_the_runs_of_a_study(tmp_path, monkeypatch, capsys):
+    """Every `run` call that has members to train appends one ledger entry (also when it is interrupted);
+    collect sums them, status and the report say the total, on how many GPUs and in how many parts. A
+    damaged ledger stops the run before anything trains, with one line naming it."""
+    argv = ["--device", "cpu", "--grid", str(tiny_grid(tmp_path)), "--runs-dir", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "rep" / "div.md"), "--no-timing", "--no-progress"]
+    outcomes = iter([{"trained": 1, "stopped": True, "remaining": 3}, {"trained": 3, "stopped": False, "remaining": 0}])
+    calls = []
+
+    def fake_run(s, **kw):
+        calls.append(kw)
+        return next(outcomes)
+
+    monkeypatch.setattr(study, "run", fake_run)
+    assert study.cli(argv) == 0
+    assert "trained 1 member(s) in" in capsys.readouterr().out
+    assert study.cli(argv) == 0
+
+    def interrupted_run(s, **kw):
+        raise KeyboardInterrupt("stopped at step 3")
+
+    monkeypatch.setattr(study, "run", interrupted_run)
+    assert study.cli(argv) == 130
+    s = make(tmp_path)
+    entries = study.read_ledger(s)
+    assert [(e["trained"], e["stopped"], e["interrupted"]) for e in entries] == [(1, True, False), (3, False, False),
+                                                                                 (0, True, True)]
+    assert all(e["backend"] == "cpu" and e["gpus"] == 0 and e["jobs"] == 1 and not e["mps"] and e["wall_s"] >= 0
+               for e in entries)
+    w = study.wall_summary(entries)
+    assert w["parts"] == 3 and w["trained"] == 4 and w["gpus"] == [0] and w["interrupted"] == 1
+    assert w["total_s"] == pytest.approx(sum(e["wall_s"] for e in entries), abs=1e-9)
+
+    capsys.readouterr()
+    assert study.cli([*argv, "status"]) == 0
+    assert "4 members trained in" in capsys.readouterr().out
+    assert study.cli([*argv, "report"]) == 0
+    res = json.loads((tmp_path / "rep" / "results" / "div.json").read_text())
+    assert res["train_wall"] == w
+    assert "Study wall time (`study_runs.json`" in (tmp_path / "rep" / "div.md").read_text()
+
+    study.ledger_path(s).write_text("{not json")
+    monkeypatch.setattr(study, "run", fake_run)
+    with pytest.raises(SystemExit) as e:
+        study.cli(argv)
+    assert e.value.code == 2 and len(calls) == 2                     # nothing trained
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m nnrand.study: error:") and str(study.ledger_path(s)) in err
+    assert "unreadable study ledger" in err and len(err.splitlines()) == 1
+
+
+def test_wall_line():
+    """The sentence status and the report print, on hand-made ledgers."""
+    from nnrand.divergence_report import wall_line
+
+    gpu = {"started": "t", "trained": 80, "stopped": True, "interrupted": False, "jobs": 16, "backend": "cuda",
+           "gpus": 2, "gpu_ids": ["0", "1"], "mps": True, "host": "a"}
+    w = study.wall_summary([dict(gpu, wall_s=300.4), dict(gpu, wall_s=200.2, trained=90, stopped=False)])
+    assert w["total_s"] == pytest.approx(500.6) and w["part_s"] == [300.4, 200.2]
+    assert wall_line(w) == ("170 members trained in 501 s of wall time over 2 runs (300, 200 s), on 2 GPUs, "
+                            "16 at a time, under MPS")
+    one = study.wall_summary([dict(gpu, wall_s=1011.0, gpus=1, jobs=8, host="b"), dict(gpu, wall_s=10.0)])
+    assert wall_line(one) == ("160 members trained in 1021 s of wall time over 2 runs (1011, 10 s), on 1/2 GPUs "
+                              "on 2 machines, 8/16 at a time, under MPS")
+    cpu = study.wall_summary([dict(gpu, wall_s=30.0, gpus=0, jobs=1, mps=False, backend="cpu", interrupted=True)])
+    assert wall_line(cpu) == "80 members trained in 30 s of wall time, on the CPU, 1 at a time; 1 run(s) interrupted"
+    assert study.wall_summary([]) is None
+
+
 def test_worker_gpus(monkeypatch):
     """Planning only: which GPU each worker pins itself to (nothing runs on a device)."""
     import multiprocessing
