@@ -1071,14 +1071,16 @@ def cli(argv: list[str] | None = None) -> int:
             return 130
         if not outcome["stopped"] and args.timing and not study.smoke and not study.timing_path.exists():
             run_timing(study, quick_steps=study.backend == "cpu")
+    t_collect = time.monotonic()
     if args.command == "report" and not study.runs_dir.exists():
         if not study.results_path.exists():
             p.exit(2, f"{p.prog}: error: neither {study.runs_dir} nor {study.results_path} exists\n")
         res = json.loads(study.results_path.read_text())   # render from the results file alone
     else:
         res = collect(study)
+    t_render = time.monotonic()
     path = divergence_report.render(res, study.report_path, study.examples_path)
-    print(f"report: {path}")
+    print(f"report: {path} (collected in {t_render - t_collect:.1f} s, rendered in {time.monotonic() - t_render:.1f} s)")
     if outcome["stopped"]:
         print(f"time budget reached after {outcome['trained']} members; {outcome['remaining']} remain: "
               f"resume with the same command")
