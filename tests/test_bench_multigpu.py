@@ -75,7 +75,55 @@ def test_run_ddp_records_a_failing_mode_and_runs_the_others(monkeypatch, tmp_pat
 
 def test_invariant_layouts_cover_every_power_of_two_world_the_batch_allows():
     # batch 128: micro-batches of B/n and B/4; a world must be a power of two dividing the micro-batch count
-    assert multigpu.invariant_layouts(128, 2) == [(64, 1), (64, 2), (32, 1), (32, 2)]
-    assert multigpu.invariant_layouts(128, 4) == [(32, 1), (32, 2), (32, 4)]
-    assert multigpu.invariant_layouts(128, 8) == [(32, 1), (32, 2), (32, 4), (16, 1), (16, 2), (16, 4), (16, 8)]
     assert multigpu.invariant_layouts(128, 1) == [(128, 1), (32, 1)]
+    assert multigpu.invariant_layouts(128, 2) == [(64, 1), (64, 2), (32, 1), (32, 2)]
+    assert multigpu.invariant_layouts(128, 4) == [(64, 1), (64, 2), (32, 1), (32, 2), (32, 4)]
+    assert multigpu.invariant_layouts(128, 8) == [(64, 1), (64, 2), (32, 1), (32, 2), (32, 4), (16, 1), (16, 2),
+                                                  (16, 4), (16, 8)]
+
+
+def _inv(micro: int, world: int, ms: float, checksum: int = 5) -> dict:
+    return dict(_run(checksum, ms), world_size=world, world_invariant=True, micro_batch=micro)
+
+
+def test_sections_on_different_gpu_counts_say_so_and_the_cost_uses_the_ddp_count():
+    """DDP measured on 2 GPUs of a 4-GPU host and the invariant section on all 4: each section names its
+    count, and the invariant rows are compared with DDP at 2 GPUs (14 ms eager tree) only."""
+    inv = {"single_tree": dict(_run(9, 10.0), world_size=1), "m64_w1": _inv(64, 1, 20.0), "m64_w2": _inv(64, 2, 14.7),
+           "m32_w1": _inv(32, 1, 30.0), "m32_w2": _inv(32, 2, 16.1), "m32_w4": _inv(32, 4, 9.0)}
+    sha = {"git_sha": "abc1234", "date": "d", "host": "h"}
+    data = {"visible": 4, "ddp": _ddp(graph=False), "invariant": inv,
+            "measured": {"ddp": dict(sha, gpus=2), "invariant": dict(sha, gpus=4)}}
+    text = multigpu.render(data)
+    assert "on 4 x ? of one host" in text and "GPUs per section: ddp on 2; invariant on 4." in text
+    assert "`torchrun --nproc_per_node 2 -m nnrand.train" in text
+    assert "## `--world-invariant`: the same bits on 1 to 4 GPUs" in text
+    assert "- micro-batch 32: identical bits on 1, 2, 4 GPUs." in text
+    assert "| `--world-invariant` micro-batch 64 / DDP `tree`, eager (2 GPUs) | 1.050 | <= 1.15 |" in text  # 14.7 / 14
+    assert "| `--world-invariant` micro-batch 32 / DDP `tree`, eager (2 GPUs) | 1.150 | <= 1.15 |" in text  # 16.1 / 14
+    assert "micro-batch 32 / DDP `tree`, eager (4 GPUs)" not in text                         # no DDP run on 4
+    assert "Sections measured separately" not in text                                        # one commit, one host
+    inv["m32_w4"] = _inv(32, 4, 9.0, checksum=6)
+    assert "- micro-batch 32: DIFFERENT bits on 1, 2, 4 GPUs." in multigpu.render(data)
+    data["measured"]["invariant"]["host"] = "other"
+    text = multigpu.render(data)
+    assert "Sections measured separately: ddp at git abc1234 on h (d); invariant at git abc1234 on other (d)." in text
+    assert "compare machines as well as modes" in text
+
+
+def test_results_written_before_per_section_counts_render_with_the_file_count():
+    data = {"gpus": 2, "ddp": _ddp(graph=False), "measured": {"ddp": {"git_sha": "abc1234", "date": "d"}}}
+    text = multigpu.render(data)
+    assert "on 2 x ? of one host" in text and "GPUs per section" not in text
+    assert "`torchrun --nproc_per_node 2 -m nnrand.train" in text
+    assert multigpu.section_gpus(data, "ddp") == 2
+
+
+def test_a_new_measurement_keeps_the_sections_of_the_same_gpu_model_only():
+    old = {"gpus": 2, "fingerprint": {"gpu": "NVIDIA H200"}, "ddp": _ddp(graph=False),
+           "measured": {"ddp": {"git_sha": "abc1234", "date": "d"}}}
+    kept = multigpu.carry_over(old, "NVIDIA H200")
+    assert "gpus" not in kept and kept["measured"]["ddp"]["gpus"] == 2 and kept["ddp"] == old["ddp"]
+    assert old["gpus"] == 2 and "gpus" not in old["measured"]["ddp"]            # the loaded file is not changed
+    assert multigpu.carry_over(old, "NVIDIA H100 80GB HBM3") == {}
+    assert multigpu.carry_over({}, "NVIDIA H200") == {}
