@@ -95,9 +95,20 @@ def _torchrun(nproc: int, module_args: list[str], env: dict | None = None, timeo
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **(env or {})),
                        timeout=timeout)
     if r.returncode != 0:
-        errors = [ln.strip() for ln in r.stderr.splitlines() if "Error" in ln or "error:" in ln]
-        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {errors[-1] if errors else r.stderr[-500:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {child_error(r.stderr)}")
     return time.perf_counter() - t0
+
+
+# torchrun's own lines around a failed child; the child's exception is the line worth keeping
+LAUNCHER_ERRORS = ("ChildFailedError", "torch.distributed.elastic")
+
+
+def child_error(stderr: str) -> str:
+    """The last error line of a failed ``torchrun`` that is not the launcher's own summary (the child's
+    exception, e.g. ``FileNotFoundError: ...``); the tail of stderr when there is none."""
+    errors = [ln.strip() for ln in stderr.splitlines() if "Error" in ln or "error:" in ln]
+    own = [ln for ln in errors if not any(k in ln for k in LAUNCHER_ERRORS)]
+    return (own or errors or [stderr[-500:]])[-1]
 
 
 def _train(nproc: int, out: Path, name: str, extra: list[str]) -> dict:
@@ -112,6 +123,7 @@ def _train(nproc: int, out: Path, name: str, extra: list[str]) -> dict:
 
 
 def run_allreduce(n: int, scratch: Path, args) -> dict:
+    scratch.mkdir(parents=True, exist_ok=True)   # rank 0 writes its result file there
     out = {}
     for algo in ALGOS:
         env = {} if algo == "default" else {"NCCL_ALGO": algo}

@@ -2,6 +2,8 @@
 the cost ratios against the fastest native mode."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench import multigpu
 
 
@@ -127,3 +129,31 @@ def test_a_new_measurement_keeps_the_sections_of_the_same_gpu_model_only():
     assert old["gpus"] == 2 and "gpus" not in old["measured"]["ddp"]            # the loaded file is not changed
     assert multigpu.carry_over(old, "NVIDIA H100 80GB HBM3") == {}
     assert multigpu.carry_over({}, "NVIDIA H200") == {}
+
+
+def test_a_failed_child_is_named_by_its_own_exception_not_the_launchers():
+    stderr = "\n".join([
+        "[rank0]: Traceback (most recent call last):",
+        "[rank0]: FileNotFoundError: [Errno 2] No such file or directory: 'runs/multigpu/allreduce_default.json'",
+        "E1126 05:08:20 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1)",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+        "bench.multigpu FAILED"])
+    assert multigpu.child_error(stderr) == ("[rank0]: FileNotFoundError: [Errno 2] No such file or directory: "
+                                            "'runs/multigpu/allreduce_default.json'")
+    assert multigpu.child_error("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:") == \
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"
+    assert multigpu.child_error("killed") == "killed"
+
+
+def test_the_allreduce_section_makes_its_scratch_directory(monkeypatch, tmp_path):
+    seen = []
+
+    def fake_torchrun(nproc, module_args, env=None, timeout=900):
+        path = Path(module_args[module_args.index("--result") + 1])
+        seen.append(path.parent.is_dir())
+        path.write_text("[]")
+        return 0.0
+
+    monkeypatch.setattr(multigpu, "_torchrun", fake_torchrun)
+    out = multigpu.run_allreduce(2, tmp_path / "fresh" / "scratch", type("A", (), {"repeats": 3})())
+    assert seen == [True, True, True] and out == {a: [] for a in multigpu.ALGOS}
