@@ -16,8 +16,9 @@ section with atomic writes, so an interrupted run keeps what it finished):
                 ``--cuda-graph``: distinct final-weight checksums, median step time
     invariant   ``--world-invariant`` on 1, 2, 4 ... N GPUs at the same global batch, with micro-batches of
                 B/W (one per rank on W GPUs) for each of those world sizes W > 1, and B/4 (the default):
-                final-weight checksum and logits hash per world size, step time; and the one-process tree run
-                without micro-batches, for the cost of each piece
+                final-weight checksum and logits hash per world size, step time; the default micro-batch
+                again with ``--cuda-graph`` (each micro-batch a graph replay) on every world size; and the
+                one-process tree run without micro-batches, for the cost of each piece
 
 ``--gpus N`` limits the sections of that call to N GPUs; sections measured with other GPU counts on the
 same GPU model are kept, and each says how many it used, so the DDP cost is measured on two GPUs of a
@@ -184,6 +185,20 @@ def run_invariant(n: int, scratch: Path, args) -> dict:
                                                          "--micro-batch", str(micro)])
         out[key]["micro_batch"] = micro
         print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
+    for micro, world in invariant_layouts(batch, n):
+        if micro != batch // 4:   # the default micro-batch only
+            continue
+        key = f"m{micro}_w{world}_graph"
+        try:
+            out[key] = _train(world, scratch, f"inv_{key}", ["--kernel", "tree", "--world-invariant", "--micro-batch",
+                                                             str(micro), "--cuda-graph"])
+        except RuntimeError as e:
+            out[key] = {"error": str(e).split("): ", 1)[-1][:400], "micro_batch": micro, "world_size": world,
+                        "graph": True}
+            print(f"invariant {key} failed: {out[key]['error']}", flush=True)
+            continue
+        out[key].update(micro_batch=micro, graph=True)
+        print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
     return out
 
 
@@ -241,7 +256,8 @@ def render(data: dict) -> str:
     hosts = {m.get("host") for m in measured.values()}
     if len({m.get("git_sha") for m in measured.values()}) > 1 or len(hosts) > 1:
         lines += ["Sections measured separately: " + "; ".join(
-            f"{k} at git {str(m.get('git_sha'))[:7]}" + (f" on {m.get('host')}" if len(hosts) > 1 else "")
+            f"{k} at git {str(m.get('git_sha'))[:7]}" + (f" on {m.get('host') or 'an unrecorded host'}" if len(hosts) > 1
+                                                       else "")
             + f" ({m.get('date')})" for k, m in measured.items()) + "."
             + (" Ratios between sections measured on different hosts compare machines as well as modes."
                if len(hosts) > 1 else ""), ""]
@@ -301,19 +317,23 @@ def render(data: dict) -> str:
                   "Same global batch, seeds and kernels (`tree`) as above; micro-batches of M images (BatchNorm's "
                   "virtual batch). Equal checksums and logits hashes across world sizes are the claim.",
                   "",
-                  "| micro-batch | GPUs | final-weight checksum | logits hash | test top-1 | median step ms |",
-                  "|---:|---:|---|---|---:|---:|"]
+                  "| micro-batch | GPUs | step | final-weight checksum | logits hash | test top-1 | median step ms |",
+                  "|---:|---:|---|---|---|---:|---:|"]
         for key, r in inv.items():
             if key == "single_tree":
                 continue
-            lines.append(f"| {r['micro_batch']} | {r['world_size']} | {r['final_checksum']} | {r['logits_hash']} | "
+            how = "CUDA graph" if r.get("graph") else "eager"
+            if "error" in r:
+                lines.append(f"| {r['micro_batch']} | {r['world_size']} | {how} | failed: `{r['error']}` | - | - | - |")
+                continue
+            lines.append(f"| {r['micro_batch']} | {r['world_size']} | {how} | {r['final_checksum']} | {r['logits_hash']} | "
                          f"{r['test_top1']:.4f} | {r['step_time_ms']:.2f} |")
         lines.append("")
         for micro in sorted({r["micro_batch"] for k, r in inv.items() if k != "single_tree"}, reverse=True):
-            rows = [r for k, r in inv.items() if k != "single_tree" and r["micro_batch"] == micro]
+            rows = [r for k, r in inv.items() if k != "single_tree" and r["micro_batch"] == micro and "error" not in r]
             same = len({(r["final_checksum"], r["logits_hash"]) for r in rows}) == 1
-            lines.append(f"- micro-batch {micro}: {'identical' if same else 'DIFFERENT'} bits on "
-                         f"{', '.join(str(r['world_size']) for r in rows)} GPUs.")
+            where = ", ".join(f"{r['world_size']}{' (graph)' if r.get('graph') else ''}" for r in rows)
+            lines.append(f"- micro-batch {micro}: {'identical' if same else 'DIFFERENT'} bits on {where} GPUs.")
         if single:
             lines.append(f"- one process, no micro-batches (`--kernel tree`): {single['step_time_ms']:.2f} ms/step.")
         lines.append("")
@@ -330,15 +350,21 @@ def render(data: dict) -> str:
                      f"({DDP_LABELS[fastest_native]}) | {medians[fastest_tree] / medians[fastest_native]:.3f} | "
                      "<= 1.10 |")
         if inv:   # against DDP at the DDP section's GPU count (n)
-            for key, r in inv.items():
-                if key != "single_tree" and r["world_size"] == n and n > 1 and "tree" in medians:
-                    lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']} / DDP `tree`, eager ({n} GPUs) | "
-                                 f"{r['step_time_ms'] / medians['tree']:.3f} | <= 1.15 |")
+            rows = {k: r for k, r in inv.items() if k != "single_tree" and "error" not in r}
+            for key, r in rows.items():
+                if r["world_size"] == n and n > 1 and "tree" in medians:
+                    what = ", CUDA graph" if r.get("graph") else ""
+                    lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']}{what} / DDP `tree`, eager ({n} "
+                                 f"GPUs) | {r['step_time_ms'] / medians['tree']:.3f} | <= 1.15 |")
+                    if r.get("graph") and "tree_graph" in medians:
+                        lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']}, CUDA graph / DDP `tree`, "
+                                     f"CUDA graph ({n} GPUs) | {r['step_time_ms'] / medians['tree_graph']:.3f} | - |")
             if inv.get("single_tree"):
-                for key, r in inv.items():
-                    if key != "single_tree" and r["world_size"] == 1:
-                        lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']} / plain `tree`, one GPU | "
-                                     f"{r['step_time_ms'] / inv['single_tree']['step_time_ms']:.3f} | - |")
+                for key, r in rows.items():
+                    if r["world_size"] == 1:
+                        what = ", CUDA graph" if r.get("graph") else ""
+                        lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']}{what} / plain `tree`, one "
+                                     f"GPU | {r['step_time_ms'] / inv['single_tree']['step_time_ms']:.3f} | - |")
             lines += ["",
                       "With one micro-batch per rank the extra work over DDP is the copy of the flat gradient, one "
                       "all_gather of every rank's gradient and BatchNorm statistics, and the fixed-order additions "

@@ -30,6 +30,12 @@
      ``a + b`` and ``b + a`` have the same bits; the order that matters is the grouping, fixed here.)
   6. dropout and other random layers draw from a generator seeded per (step, micro-batch).
 
+With ``--cuda-graph`` one micro-batch's forward, backward and the copies of its gradient, statistics and
+metrics are captured once in a CUDA graph and replayed for every micro-batch (the host reseeds before
+each replay, as before each eager micro-batch); the all_gather, the top of the tree and the optimizer
+stay eager. The replay runs the eager kernels in the eager order, so the bits are the same as eager on
+every world size (tested on the GPU).
+
 Collectives time out after ``--dist-timeout`` seconds, and a rank whose peer exits sees its next
 collective fail: :class:`RankFailure` names the rank and the step, and the process exits non-zero.
 """
@@ -212,6 +218,20 @@ def batchnorms(model: torch.nn.Module) -> list[torch.nn.Module]:
             and m.track_running_stats and m.running_mean is not None]
 
 
+@dataclass
+class _Captured:
+    """One captured micro-batch: its graph, static inputs, the outputs every replay rewrites, and which
+    parameters it gives a gradient (agreed over the ranks at the capture)."""
+
+    graph: "torch.cuda.CUDAGraph"
+    x: torch.Tensor
+    y: torch.Tensor
+    flat: torch.Tensor
+    stat: torch.Tensor | None
+    metric: torch.Tensor
+    used: list[bool]
+
+
 class InvariantStep:
     """Forward and backward of this rank's micro-batches, then the world's gradient sum in a fixed tree
     (module docstring, 2-6). After a call every parameter's ``.grad`` holds the gradient of the global
@@ -222,9 +242,15 @@ class InvariantStep:
     Cost, on top of the micro-batches' forward and backward: one copy of the flat gradient per micro-
     batch (kept until the step ends: k x the parameter bytes), k - 1 + W - 1 vector additions, one
     ``all_gather`` of W x (parameters + BatchNorm statistics) floats, one copy back into ``.grad``, and a
-    host-side all_reduce of one flag per parameter (which ones got a gradient)."""
+    host-side all_reduce of one flag per parameter (which ones got a gradient).
 
-    def __init__(self, model: torch.nn.Module, group: Group, *, batch: int, micro: int, seed: int):
+    ``graph=True`` (CUDA): the first micro-batch is captured (after two warm-up passes of a copy of the
+    model on a side stream, for lazy initialisation) and every micro-batch replays the capture; which
+    parameters get a gradient is settled once, at the capture. Python work per micro-batch drops to the
+    input copies, the reseed and one replay."""
+
+    def __init__(self, model: torch.nn.Module, group: Group, *, batch: int, micro: int, seed: int,
+                 graph: bool = False):
         self.model = model
         self.group = group
         self.batch = batch
@@ -236,6 +262,10 @@ class InvariantStep:
         self.sizes = [p.numel() for p in self.params]
         self.bns = batchnorms(model)
         self.stat_sizes = [2 * m.running_mean.numel() for m in self.bns]
+        if graph and group.device.type != "cuda":
+            raise ValueError(f"InvariantStep: graph=True captures CUDA work; the device is {group.device}")
+        self.graph = graph
+        self.captured: _Captured | None = None
 
     def first_micro(self) -> int:
         """Global index of this rank's first micro-batch."""
@@ -249,6 +279,52 @@ class InvariantStep:
     def _flat_grad(self) -> torch.Tensor:
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
                           for p in self.params])
+
+    def _micro_batch(self, x: torch.Tensor, y: torch.Tensor, stat_tensors: list[torch.Tensor]):
+        """Forward and backward of one micro-batch with its share of the global mean loss: (flat gradient,
+        BatchNorm statistics or None, [summed loss, correct], which parameters got a gradient)."""
+        logits = self.model(x)
+        ce = F.cross_entropy(logits, y, reduction="sum")
+        (ce / self.batch).backward()
+        used = [p.grad is not None for p in self.params]
+        flat = self._flat_grad()
+        stat = torch.cat([t.reshape(-1).float() for t in stat_tensors]) if self.bns else None
+        with torch.no_grad():
+            metric = torch.stack([ce.detach().double(), (logits.argmax(1) == y).sum().double()])
+        return flat, stat, metric, used
+
+    def _capture(self, x: torch.Tensor, y: torch.Tensor, stat_tensors: list[torch.Tensor]) -> _Captured:
+        """Capture one micro-batch (BatchNorm momentum is 1 here, as in every micro-batch). Lazy work
+        (kernel compilation, cuDNN plans) runs first on a copy of the model on a side stream, so the
+        model's weights and statistics change only on replay; its random draws do not move the run's
+        generators."""
+        import copy
+
+        side = torch.cuda.Stream(device=x.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.random.fork_rng(devices=[x.device]), torch.cuda.stream(side):
+            warm = copy.deepcopy(self.model)
+            for _ in range(2):
+                (F.cross_entropy(warm(x), y, reduction="sum") / self.batch).backward()
+            del warm
+        torch.cuda.current_stream().wait_stream(side)
+        xs, ys = x.clone(), y.clone()
+        for p in self.params:
+            p.grad = None    # the capture allocates the gradients it writes on every replay
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            flat, stat, metric, used = self._micro_batch(xs, ys, stat_tensors)
+        return _Captured(g, xs, ys, flat, stat, metric, self.group.any_each(used))
+
+    def _replay(self, x: torch.Tensor, y: torch.Tensor, stat_tensors: list[torch.Tensor]):
+        if self.captured is None:
+            self.captured = self._capture(x, y, stat_tensors)
+        c = self.captured
+        c.x.copy_(x)
+        c.y.copy_(y)
+        c.graph.replay()
+        # the capture's outputs are overwritten by the next replay: keep copies for the tree
+        return c.flat.clone(), None if c.stat is None else c.stat.clone(), c.metric.clone(), c.used
 
     def __call__(self, batches, step: int) -> torch.Tensor:
         """``batches``: this rank's (x, y) micro-batches in order. Returns the global batch's
@@ -266,18 +342,17 @@ class InvariantStep:
         try:
             for jj, (x, y) in enumerate(batches):
                 self._seed_random_layers(noise.derive(self.seed, step, self.first_micro() + jj))
-                for p in self.params:
-                    p.grad = None
-                logits = self.model(x)
-                ce = F.cross_entropy(logits, y, reduction="sum")
-                (ce / self.batch).backward()
-                used = [u or p.grad is not None for u, p in zip(used, self.params)]
-                grads.append(self._flat_grad())
-                if self.bns:
-                    stats.append(torch.cat([t.reshape(-1).float() for t in stat_tensors]))
-                with torch.no_grad():
-                    metrics.append(torch.stack([ce.detach().double(),
-                                                (logits.argmax(1) == y).sum().double()]))
+                if self.graph:
+                    flat, stat, metric, got = self._replay(x, y, stat_tensors)
+                else:
+                    for p in self.params:
+                        p.grad = None
+                    flat, stat, metric, got = self._micro_batch(x, y, stat_tensors)
+                used = [u or g for u, g in zip(used, got)]
+                grads.append(flat)
+                if stat is not None:
+                    stats.append(stat)
+                metrics.append(metric)
             done = True
         finally:
             for m, momentum in zip(self.bns, momenta):
@@ -292,7 +367,8 @@ class InvariantStep:
         metric = tree_sum(metrics)
         if self.group.world.distributed:
             grad, stat, metric = self._combine(grad, stat, metric)
-        self._write_grads(grad, self.group.any_each(used))
+        # captured: the flags were agreed at the capture (a replay cannot change which parameters get one)
+        self._write_grads(grad, used if self.graph else self.group.any_each(used))
         if stat is not None:
             self._update_running(stat_tensors, saved, stat)
         return metric

@@ -206,9 +206,6 @@ def _resolve_world(cfg: Config, dev: torch.device) -> None:
         raise ConfigError(str(e)) from None
     if not math.isfinite(cfg.dist_timeout) or cfg.dist_timeout <= 0:
         raise ConfigError(f"--dist-timeout must be a number of seconds > 0, got {cfg.dist_timeout}")
-    if cfg.world_invariant and cfg.cuda_graph:
-        raise ConfigError("--cuda-graph cannot be combined with --world-invariant (its step is not captured: "
-                          "per micro-batch the host reseeds the random layers and resets the gradients)")
     if dev.type == "cuda" and world.distributed and world.local_rank >= torch.cuda.device_count():
         raise ConfigError(f"rank {world.rank}: LOCAL_RANK {world.local_rank} but only "
                           f"{torch.cuda.device_count()} CUDA devices are visible")
@@ -622,7 +619,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     capture_stream = None   # a captured DDP step: DDP is built, warmed up and captured on this one stream
     if cfg.world_invariant:
         step_fn = distributed.InvariantStep(model, group, batch=cfg.batch_size, micro=cfg.micro_batch,
-                                            seed=seeds.aug)
+                                            seed=seeds.aug, graph=cfg.cuda_graph)
     elif world.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -903,6 +900,8 @@ EPILOG = """examples:
   torchrun --nproc_per_node 2 -m nnrand.train --kernel tree --cuda-graph   the DDP step (all-reduces too) as one replay
   torchrun --nproc_per_node 4 -m nnrand.train --kernel tree --world-invariant --micro-batch 32
                                     the same bits as 1 or 2 processes with the same --batch-size and --micro-batch
+  torchrun --nproc_per_node 2 -m nnrand.train --kernel tree --world-invariant --cuda-graph
+                                    every micro-batch one graph replay: the same bits, less host time per step
 presets: control (fixed seeds, tree), algo (per-member init/order/aug, tree), impl (fixed seeds,
 atomic), algo+impl (both). Explicit flags override the preset.
 outputs: <out>/<name>/member_XXX/{config.json,metrics.csv,checksums.csv,predictions.npz,result.json},
@@ -962,7 +961,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--channels-last", action="store_true")
     g.add_argument("--cuda-graph", action="store_true",
                    help="capture forward + backward once and replay it each step (CUDA; eager's bits in one process; "
-                   "under torchrun the capture holds DDP's all-reduces, see README)")
+                   "under torchrun the capture holds DDP's all-reduces; with --world-invariant one micro-batch is "
+                   "captured and replayed for each, eager's bits on every world size; see README)")
     g.add_argument("--tf32", action="store_true", help="allow TF32 in matmul/conv (default off)")
     g.add_argument("--amp", choices=list(AMP_DTYPES), help="forward under torch.autocast in this dtype, its backward "
                    "ops routed in it (half inputs accumulate in float32); fp16 adds a GradScaler. Default: float32")

@@ -157,3 +157,31 @@ def test_the_allreduce_section_makes_its_scratch_directory(monkeypatch, tmp_path
     monkeypatch.setattr(multigpu, "_torchrun", fake_torchrun)
     out = multigpu.run_allreduce(2, tmp_path / "fresh" / "scratch", type("A", (), {"repeats": 3})())
     assert seen == [True, True, True] and out == {a: [] for a in multigpu.ALGOS}
+
+
+def test_invariant_graph_rows_join_the_bit_check_and_the_cost(monkeypatch, tmp_path):
+    """run_invariant adds --cuda-graph runs of the default micro-batch (B/4) on every world size; the report
+    puts them in the same bit check as the eager rows and compares them with DDP tree eager and captured."""
+    calls = []
+
+    def fake_train(n, out, name, extra):
+        calls.append((name, n, "--cuda-graph" in extra))
+        if name == "inv_m32_w4_graph":
+            raise RuntimeError("torchrun ... failed (1): RuntimeError: capture failed")
+        return dict(_run(5, 8.0 if "--cuda-graph" in extra else 16.0), world_size=n, world_invariant=True)
+
+    monkeypatch.setattr(multigpu, "_train", fake_train)
+    inv = multigpu.run_invariant(4, tmp_path, None)
+    graphs = [(name, n) for name, n, g in calls if g]
+    assert graphs == [("inv_m32_w1_graph", 1), ("inv_m32_w2_graph", 2), ("inv_m32_w4_graph", 4)]
+    assert inv["m32_w4_graph"]["error"] == "RuntimeError: capture failed" and inv["m32_w2_graph"]["graph"] is True
+    sha = {"git_sha": "abc1234", "date": "d", "host": "h"}
+    text = multigpu.render({"visible": 4, "ddp": _ddp(graph=True), "invariant": inv,
+                            "measured": {"ddp": dict(sha, gpus=2), "invariant": dict(sha, gpus=4)}})
+    assert "| 32 | 2 | CUDA graph | 5 | aa | 0.5000 | 8.00 |" in text
+    assert "| 32 | 4 | CUDA graph | failed: `RuntimeError: capture failed` | - | - | - |" in text
+    assert "- micro-batch 32: identical bits on 1, 2, 4, 1 (graph), 2 (graph) GPUs." in text
+    # DDP tree: 14 ms eager, 8.8 ms captured (medians of _ddp)
+    assert "| `--world-invariant` micro-batch 32, CUDA graph / DDP `tree`, eager (2 GPUs) | 0.571 | <= 1.15 |" in text
+    assert "| `--world-invariant` micro-batch 32, CUDA graph / DDP `tree`, CUDA graph (2 GPUs) | 0.909 | - |" in text
+    assert "| `--world-invariant` micro-batch 32 / DDP `tree`, eager (2 GPUs) | 1.143 | <= 1.15 |" in text

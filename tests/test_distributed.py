@@ -319,17 +319,20 @@ def test_bad_launch_fails_clearly_before_training(monkeypatch, capsys, tmp_path,
     assert not list(tmp_path.iterdir())      # nothing was written
 
 
-def test_cuda_graph_with_ranks_is_accepted_and_with_world_invariant_refused(monkeypatch):
-    """A DDP step may be captured (the capture holds its all-reduces; the GPU test compares it with eager);
-    a --world-invariant step may not (its micro-batch loop and all_gather are driven by the host)."""
+def test_cuda_graph_with_ranks_is_accepted_with_and_without_world_invariant(monkeypatch):
+    """A DDP step may be captured (the capture holds its all-reduces), and so may a --world-invariant
+    micro-batch (one capture replayed per micro-batch); the GPU tests compare both with eager. On the CPU
+    the invariant step refuses a graph, naming the device."""
     for k, v in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    cfg = train.Config(cuda_graph=True, batch_size=64)
+    train._resolve_world(train.Config(cuda_graph=True, batch_size=64), torch.device("cuda"))
+    cfg = train.Config(cuda_graph=True, world_invariant=True, batch_size=64)
     train._resolve_world(cfg, torch.device("cuda"))
-    with pytest.raises(train.ConfigError, match="--cuda-graph cannot be combined with --world-invariant"):
-        train._resolve_world(train.Config(cuda_graph=True, world_invariant=True, batch_size=64),
-                             torch.device("cuda"))
+    assert cfg.micro_batch == 16
+    group = distributed.Group(distributed.World(), torch.device("cpu"))
+    with pytest.raises(ValueError, match="graph=True captures CUDA work; the device is cpu"):
+        distributed.InvariantStep(torch.nn.Linear(2, 2), group, batch=4, micro=2, seed=0, graph=True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Several GPUs (NCCL): --world-invariant gives the bits of one GPU on two (and on four where the machine
-has them); DDP with tree kernels repeats bitwise, eager or captured in a CUDA graph. Skipped on machines
+has them), eager or with each micro-batch a graph replay; DDP with tree kernels repeats bitwise, eager or captured in a CUDA graph. Skipped on machines
 with fewer than two GPUs."""
 from __future__ import annotations
 
@@ -15,13 +15,18 @@ pytestmark = [pytest.mark.gpu,
 GPU = ["--device", "cuda", "--model", "resnet18", "--n-train", "1024", "--n-test", "256", "--batch-size", "64"]
 
 
-def test_world_invariant_on_one_two_and_four_gpus(tmp_path):
-    """The same bits on 1, 2 and (where the machine has them) 4 GPUs: 4 micro-batches of 16 per step."""
+def test_world_invariant_on_one_two_and_four_gpus_eager_and_captured(tmp_path):
+    """The same bits on 1, 2 and (where the machine has them) 4 GPUs: 4 micro-batches of 16 per step,
+    each micro-batch run eagerly or as a replay of one captured graph (--cuda-graph)."""
     runs = {}
     for n in (w for w in (1, 2, 4) if w <= torch.cuda.device_count()):
-        r = torchrun(n, tmp_path / f"w{n}", *GPU, "--world-invariant", "--micro-batch", "16")
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs[n] = result_of(tmp_path / f"w{n}")
+        for mode, extra in (("eager", []), ("graph", ["--cuda-graph"])):
+            out = tmp_path / f"w{n}_{mode}"
+            r = torchrun(n, out, *GPU, "--world-invariant", "--micro-batch", "16", *extra)
+            assert r.returncode == 0, r.stderr[-3000:]
+            runs[n, mode] = result_of(out)
+            meta = runio.read_json(runio.member_dir(out, "run", 0) / "config.json")
+            assert meta["config"]["cuda_graph"] is bool(extra) and runs[n, mode]["world_size"] == n
     assert len({r["final_checksum"] for r in runs.values()}) == 1, runs
     assert len({r["logits_hash"] for r in runs.values()}) == 1, runs
 
