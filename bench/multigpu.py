@@ -303,7 +303,8 @@ def render(data: dict) -> str:
                 lines.append(f"| {label} | failed: `{runs['error']}` | - | - |")
             elif runs:
                 medians[mode] = statistics.median(r["step_time_ms"] for r in runs)
-                lines.append(f"| {label} | {len(runs)} | {_distinct(runs)} | {medians[mode]:.2f} |")
+                distinct = _distinct(runs) if len(runs) > 1 else "- (one run)"
+                lines.append(f"| {label} | {len(runs)} | {distinct} | {medians[mode]:.2f} |")
         if isinstance(ddp.get("tree"), list) and isinstance(ddp.get("tree_graph"), list) and ddp["tree_graph"]:
             both = ddp["tree"] + ddp["tree_graph"]
             lines += ["", f"`tree` eager and `tree` with a CUDA graph together: {_distinct(both)} distinct final "

@@ -185,3 +185,10 @@ def test_invariant_graph_rows_join_the_bit_check_and_the_cost(monkeypatch, tmp_p
     assert "| `--world-invariant` micro-batch 32, CUDA graph / DDP `tree`, eager (2 GPUs) | 0.571 | <= 1.15 |" in text
     assert "| `--world-invariant` micro-batch 32, CUDA graph / DDP `tree`, CUDA graph (2 GPUs) | 0.909 | - |" in text
     assert "| `--world-invariant` micro-batch 32 / DDP `tree`, eager (2 GPUs) | 1.143 | <= 1.15 |" in text
+
+
+def test_a_mode_with_one_run_claims_no_repeatability():
+    ddp = {m: runs[:1] for m, runs in _ddp(graph=True).items()}
+    text = multigpu.render({"gpus": 2, "ddp": ddp})
+    assert "| native | 1 | - (one run) | 10.00 |" in text and "| tree | 1 | - (one run) | 14.00 |" in text
+    assert "together: 1 distinct final weights and 1 distinct logits hashes in 2 runs" in text
