@@ -83,7 +83,8 @@ MEMBERS = {"cuda": 10, "quick": 3, "smoke": 2}   # members per configuration by 
 # checkpoint and start-up time). Under MPS (the default where it starts, nnrand/mps.py) the default study,
 # 17 configurations x 10 members at 20 epochs, took 1011 s on one H200 (three parts: 60 members in 407 s,
 # 60 in 377 s, 50 in 227 s, each including the collection; 15 epochs: 771 s), against 7.8 s per member
-# at 15 epochs without it.
+# at 15 epochs without it. On two H200s of one host (16 workers): 462 s of training in two runs (the
+# wall-time ledger, study_runs.json) plus 44 s of collecting and rendering, 0.50x the one-GPU time.
 JOBS_PER_GPU = 8
 POOL_MODEL = {"resnet18": "resnet18_imagenet", "resnet20": "resnet20_maxpool"}  # model -> its max-pool sibling
 TOP_FLIPS = 8  # most-disagreed test images kept per configuration
@@ -895,7 +896,7 @@ aug (one seed source per member each), atomic-<op> for each of conv_wgrad, conv_
 (on resnet20_maxpool when the model has no max-pool, with control@ and algo@resnet20_maxpool as its seed
 baselines), native, algo-bf16, impl-bf16. CUDA defaults: resnet20, synthetic 10k/10k, 20 epochs of batch 128
 in a CUDA graph, the test set evaluated every 5 epochs, 10 members per configuration, 8 workers per GPU
-under a private MPS daemon where one starts (17 min on one H200), then a ~1 min timing pass; ~20 MB of run files per member, a few hundred kB without weights_epoch_*.pt and
+under a private MPS daemon where one starts (17 min on one H200, 8.5 min on two), then a ~1 min timing pass; ~20 MB of run files per member, a few hundred kB without weights_epoch_*.pt and
 checkpoint.pt, which a configuration no longer needs once 'report' has collected it (weights_l2.json).
 CPU (--quick): small model, 128 training images, 2 epochs, 3 members. --smoke: 2 members of 2 steps each.
 outputs: reports/divergence.md (CUDA), reports/divergence_quick.md (CUDA --quick), reports/divergence_cpu.md
