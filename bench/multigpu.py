@@ -12,8 +12,10 @@ section with atomic writes, so an interrupted run keeps what it finished):
                 ``--repeats`` times on the same inputs, per NCCL_ALGO (default, Ring, Tree): distinct
                 results (SHA-256 of the bytes) and median time
     ddp         ``torchrun -m nnrand.train`` of ResNet-18 (CIFAR, synthetic data) with DDP on N GPUs,
-                ``--runs`` rounds of ``--kernel native`` and ``--kernel tree``, each eager and with
-                ``--cuda-graph``: distinct final-weight checksums, median step time
+                ``--runs`` rounds of ``--kernel native``, ``--kernel tree`` and ``--kernel
+                fastest-deterministic`` (per-shape conv choices planned by one process on the per-rank
+                batch), each eager and with ``--cuda-graph``: distinct final-weight checksums, median
+                step time
     invariant   ``--world-invariant`` on 1, 2, 4 ... N GPUs at the same global batch, with micro-batches of
                 B/W (one per rank on W GPUs) for each of those world sizes W > 1, and B/4 (the default):
                 final-weight checksum and logits hash per world size, step time; the default micro-batch
@@ -49,7 +51,13 @@ SIZES = (2**10, 2**16, 2**20, 2**24, 25_000_000)
 # the DDP section's modes: kernels, and the step eager or one CUDA-graph replay (all-reduces captured)
 DDP_MODES = {"native": ["--kernel", "native"], "tree": ["--kernel", "tree"],
              "native_graph": ["--kernel", "native", "--cuda-graph"], "tree_graph": ["--kernel", "tree", "--cuda-graph"]}
-DDP_LABELS = {"native": "native", "tree": "tree", "native_graph": "native, CUDA graph", "tree_graph": "tree, CUDA graph"}
+DDP_MODES.update({"fastdet": ["--kernel", "fastest-deterministic"],
+                  "fastdet_graph": ["--kernel", "fastest-deterministic", "--cuda-graph"]})
+DDP_LABELS = {"native": "native", "tree": "tree", "native_graph": "native, CUDA graph", "tree_graph": "tree, CUDA graph",
+              "fastdet": "fastest-deterministic", "fastdet_graph": "fastest-deterministic, CUDA graph"}
+# modes that run with the per-shape conv choices of a one-process planning run (several processes must
+# share one plan: --autotune-plan)
+PLANNED = ("fastdet", "fastdet_graph")
 # ResNet-18 (CIFAR variant) on the synthetic set: 1 epoch of 40 steps at batch 128
 TRAIN = ["--model", "resnet18", "--epochs", "1", "--n-train", "5120", "--n-test", "1000", "--batch-size", "128",
          "--no-progress", "--no-report", "--no-resume", "--dist-timeout", "120"]
@@ -141,10 +149,23 @@ def run_allreduce(n: int, scratch: Path, args) -> dict:
 
 def run_ddp(n: int, scratch: Path, args) -> dict:
     """``--runs`` rounds of every mode in DDP_MODES, the modes interleaved within a round (so a drift of
-    the machine's speed reaches every mode alike)."""
-    out = {mode: [] for mode in DDP_MODES}
+    the machine's speed reaches every mode alike). The ``PLANNED`` modes first get their per-shape conv
+    choices from one process training the per-rank batch (``--kernel fastest-deterministic``, timing
+    each deterministic candidate once); every rank of their DDP runs then uses that plan."""
+    out: dict = {mode: [] for mode in DDP_MODES}
+    extras = dict(DDP_MODES)
+    try:
+        plan = _plan(n, scratch)
+    except RuntimeError as e:
+        for mode in PLANNED:
+            out[mode] = {"error": "planning run: " + str(e).split("): ", 1)[-1][:380]}
+        print(f"ddp planning run failed: {out[PLANNED[0]]['error']}", flush=True)
+    else:
+        out["plan"] = plan
+        for mode in PLANNED:
+            extras[mode] = [*DDP_MODES[mode], "--autotune-plan", plan["path"]]
     for i in range(args.runs):
-        for mode, extra in DDP_MODES.items():
+        for mode, extra in extras.items():
             if isinstance(out[mode], dict):   # failed in an earlier round
                 continue
             try:
@@ -156,6 +177,18 @@ def run_ddp(n: int, scratch: Path, args) -> dict:
             out[mode].append(r)
             print(f"ddp {mode} run {i}: {r['final_checksum']} {r['step_time_ms']:.2f} ms", flush=True)
     return out
+
+
+def _plan(n: int, scratch: Path) -> dict:
+    """One process of ``--kernel fastest-deterministic`` on the per-rank batch (B/n): its config.json is
+    the plan; returns its path and the choice per conv configuration."""
+    batch = int(TRAIN[TRAIN.index("--batch-size") + 1])
+    _torchrun(1, ["-m", "nnrand.train", *TRAIN, "--out", str(scratch), "--name", "ddp_plan", "--kernel",
+                  "fastest-deterministic", "--batch-size", str(batch // n)])
+    path = scratch / "ddp_plan" / "member_000" / "config.json"
+    record = json.loads(path.read_text()).get("autotune") or {}
+    choices = {k: (v["choice"] if isinstance(v, dict) else v) for k, v in record.get("choices", {}).items()}
+    return {"path": str(path), "batch": batch // n, "choices": choices}
 
 
 def invariant_layouts(batch: int, n: int) -> list[tuple[int, int]]:
@@ -305,10 +338,19 @@ def render(data: dict) -> str:
                 medians[mode] = statistics.median(r["step_time_ms"] for r in runs)
                 distinct = _distinct(runs) if len(runs) > 1 else "- (one run)"
                 lines.append(f"| {label} | {len(runs)} | {distinct} | {medians[mode]:.2f} |")
-        if isinstance(ddp.get("tree"), list) and isinstance(ddp.get("tree_graph"), list) and ddp["tree_graph"]:
-            both = ddp["tree"] + ddp["tree_graph"]
-            lines += ["", f"`tree` eager and `tree` with a CUDA graph together: {_distinct(both)} distinct final "
-                      f"weights and {_distinct(both, 'logits_hash')} distinct logits hashes in {len(both)} runs."]
+        for eager, graph in (("tree", "tree_graph"), ("fastdet", "fastdet_graph")):
+            if isinstance(ddp.get(eager), list) and isinstance(ddp.get(graph), list) and ddp[eager] and ddp[graph]:
+                both = ddp[eager] + ddp[graph]
+                lines += ["", f"`{DDP_LABELS[eager]}` eager and with a CUDA graph together: {_distinct(both)} "
+                          f"distinct final weights and {_distinct(both, 'logits_hash')} distinct logits hashes in "
+                          f"{len(both)} runs."]
+        plan = ddp.get("plan")
+        if plan:
+            picks = sorted(set(plan["choices"].values()))
+            lines += ["", f"`fastest-deterministic`: per-shape conv choices from one process training {plan['batch']} "
+                      f"images per step (`--kernel fastest-deterministic`), passed to every rank with "
+                      f"`--autotune-plan`: {len(plan['choices'])} conv configurations, choices "
+                      f"{', '.join(f'`{c}`' for c in picks) or 'none'}."]
         lines.append("")
     inv = data.get("invariant")
     if inv:
@@ -350,6 +392,11 @@ def render(data: dict) -> str:
         lines.append(f"| fastest DDP `tree` ({DDP_LABELS[fastest_tree]}) / fastest DDP native "
                      f"({DDP_LABELS[fastest_native]}) | {medians[fastest_tree] / medians[fastest_native]:.3f} | "
                      "<= 1.10 |")
+        dets = [m for m in ("tree", "tree_graph", *PLANNED) if m in medians]
+        if any(m in medians for m in PLANNED):
+            best = min(dets, key=medians.get)
+            lines.append(f"| fastest deterministic DDP, any nnrand routing ({DDP_LABELS[best]}) / fastest DDP native "
+                         f"({DDP_LABELS[fastest_native]}) | {medians[best] / medians[fastest_native]:.3f} | - |")
         if inv:   # against DDP at the DDP section's GPU count (n)
             rows = {k: r for k, r in inv.items() if k != "single_tree" and "error" not in r}
             for key, r in rows.items():

@@ -69,6 +69,7 @@ def test_run_ddp_records_a_failing_mode_and_runs_the_others(monkeypatch, tmp_pat
         return _run(len(calls), 10.0)
 
     monkeypatch.setattr(multigpu, "_train", fake_train)
+    monkeypatch.setattr(multigpu, "_plan", lambda n, scratch: {"path": "plan.json", "batch": 64, "choices": {}})
     out = multigpu.run_ddp(2, tmp_path, type("A", (), {"runs": 2})())
     assert out["tree_graph"] == {"error": "RuntimeError: capture failed"}
     assert [len(out[m]) for m in ("native", "tree", "native_graph")] == [2, 2, 2]
@@ -192,3 +193,49 @@ def test_a_mode_with_one_run_claims_no_repeatability():
     text = multigpu.render({"gpus": 2, "ddp": ddp})
     assert "| native | 1 | - (one run) | 10.00 |" in text and "| tree | 1 | - (one run) | 14.00 |" in text
     assert "together: 1 distinct final weights and 1 distinct logits hashes in 2 runs" in text
+
+
+def test_planned_modes_use_one_plan_and_a_failed_plan_fails_them_only(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_train(n, out, name, extra):
+        calls.append((name, extra))
+        return _run(1, 10.0)
+
+    monkeypatch.setattr(multigpu, "_train", fake_train)
+    monkeypatch.setattr(multigpu, "_plan", lambda n, scratch: {"path": str(scratch / "p.json"), "batch": 64,
+                                                                 "choices": {"k": "winograd"}})
+    out = multigpu.run_ddp(2, tmp_path, type("A", (), {"runs": 1})())
+    planned = {name: extra for name, extra in calls if "fastest-deterministic" in extra}
+    assert sorted(planned) == ["ddp_fastdet_0", "ddp_fastdet_graph_0"]
+    assert all(extra[-2:] == ["--autotune-plan", str(tmp_path / "p.json")] for extra in planned.values())
+    assert all("--autotune-plan" not in extra for name, extra in calls if name not in planned)
+    assert out["plan"]["choices"] == {"k": "winograd"}
+
+    def no_plan(n, scratch):
+        raise RuntimeError("torchrun ... failed (1): AutotuneError: no deterministic candidate")
+
+    calls.clear()
+    monkeypatch.setattr(multigpu, "_plan", no_plan)
+    out = multigpu.run_ddp(2, tmp_path, type("A", (), {"runs": 1})())
+    assert out["fastdet"] == out["fastdet_graph"] == {"error": "planning run: AutotuneError: no deterministic candidate"}
+    assert [name for name, _ in calls] == ["ddp_native_0", "ddp_tree_0", "ddp_native_graph_0", "ddp_tree_graph_0"]
+    text = multigpu.render({"gpus": 2, "ddp": out})
+    assert "| fastest-deterministic | failed: `planning run: AutotuneError: no deterministic candidate` | - | - |" in text
+    assert "any nnrand routing" not in text
+
+
+def test_planned_modes_in_the_tables():
+    ddp = _ddp(graph=True)
+    ddp["fastdet"] = [_run(8, 12.0), _run(8, 11.0), _run(8, 12.5)]
+    ddp["fastdet_graph"] = [_run(8, 8.4), _run(8, 8.2), _run(8, 8.3)]
+    ddp["plan"] = {"path": "p", "batch": 64, "choices": {"a": "winograd", "b": "tree", "c": "torch_det"}}
+    text = multigpu.render({"gpus": 2, "ddp": ddp})
+    assert "| fastest-deterministic | 3 | 1 | 12.00 |" in text
+    assert "| fastest-deterministic, CUDA graph | 3 | 1 | 8.30 |" in text
+    assert "`fastest-deterministic` eager and with a CUDA graph together: 1 distinct final weights" in text
+    assert "3 conv configurations, choices `torch_det`, `tree`, `winograd`." in text
+    # the tree target row is unchanged; the planned mode has its own row (8.3 / 8.0)
+    assert "| fastest DDP `tree` (tree, CUDA graph) / fastest DDP native (native, CUDA graph) | 1.100 | <= 1.10 |" in text
+    assert ("| fastest deterministic DDP, any nnrand routing (fastest-deterministic, CUDA graph) / fastest DDP "
+            "native (native, CUDA graph) | 1.038 | - |") in text
