@@ -34,7 +34,8 @@ With ``--cuda-graph`` one micro-batch's forward, backward and the copies of its 
 metrics are captured once in a CUDA graph and replayed for every micro-batch (the host reseeds before
 each replay, as before each eager micro-batch); the all_gather, the top of the tree and the optimizer
 stay eager. The replay runs the eager kernels in the eager order, so the bits are the same as eager on
-every world size (tested on the GPU).
+every world size (tests/test_distributed_gpu.py: ResNet-18 on 1, 2 and 4 GPUs; tests/test_invariant_graph_gpu.py:
+dropout and a parameter without a gradient, one GPU).
 
 Collectives time out after ``--dist-timeout`` seconds, and a rank whose peer exits sees its next
 collective fail: :class:`RankFailure` names the rank and the step, and the process exits non-zero.

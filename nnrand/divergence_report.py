@@ -515,10 +515,11 @@ def wall_line(w: dict) -> str:
     gpus = "/".join(str(g) for g in w["gpus"])
     parts = "" if w["parts"] == 1 else f" over {w['parts']} runs ({', '.join(f'{x:.0f}' for x in w['part_s'])} s)"
     where = "the CPU" if w["gpus"] == [0] else f"{gpus} GPU{'s' if w['gpus'] != [1] else ''}"
-    hosts = "" if len(w["hosts"]) == 1 else f" on {len(w['hosts'])} machines"
+    hosts = "" if len(w["hosts"]) == 1 else f" on {len(w['hosts'])} hosts (by host name)"
     return (f"{w['trained']} members trained in {w['total_s']:.0f} s of wall time{parts}, on {where}{hosts}, "
             f"{'/'.join(str(j) for j in w['jobs'])} at a time" + (", under MPS" if w["mps"] == [True] else "")
-            + (f"; {w['interrupted']} run(s) interrupted" if w["interrupted"] else ""))
+            + (f"; {w['interrupted']} run(s) interrupted" if w["interrupted"] else "")
+            + (f"; {w['failed']} run(s) ended by an error" if w.get("failed") else ""))
 
 
 def cost_section(res: dict) -> list[str]:

@@ -357,6 +357,10 @@ def member_done(study: Study, p: Planned, member: int) -> bool:
     return runio.is_finished(runio.member_dir(study.runs_dir, p.name, member))
 
 
+def done_count(study: Study) -> int:
+    return sum(member_done(study, p, m) for p in study.plan for m in range(study.members))
+
+
 class MemberError(RuntimeError):
     """A member failed in a worker process (``--jobs``); the message names its configuration and member,
     ``__cause__`` is the worker's exception (with the worker's traceback as its own cause)."""
@@ -425,22 +429,44 @@ def read_ledger(study: Study) -> list[dict]:
         return []
     try:
         entries = runio.read_json(path)["runs"]
+        if not isinstance(entries, list):
+            raise TypeError(f"'runs' is a {type(entries).__name__}, not a list")
+        for i, e in enumerate(entries):
+            bad = [k for k in LEDGER_NUMBERS if not isinstance(e, dict) or isinstance(e.get(k), bool)
+                   or not isinstance(e.get(k), (int, float))]
+            if bad:
+                raise ValueError(f"entry {i} lacks a number for {', '.join(bad)}")
     except (ValueError, KeyError, TypeError) as e:
         raise StudyError(f"{path}: unreadable study ledger ({type(e).__name__}: {e}); delete it to start a "
                          "new one (members are not affected)") from None
-    return list(entries)
+    return entries
 
 
-def record_run(study: Study, *, started: str, wall_s: float, jobs: int, outcome: dict, interrupted: bool = False,
-               mps_on: bool = False) -> dict:
-    """Append one `run` call to the ledger (atomic rewrite): when it started, its wall time (worker start-up,
-    MPS and every member it trained or resumed; not the collection or the timing pass), the members it
-    finished, and what it ran on. Returns the entry."""
+LEDGER_NUMBERS = ("wall_s", "trained", "jobs", "gpus")   # what every entry must hold
+ENDS = ("finished", "stopped", "interrupted", "failed")    # how a run call ended: all members done, at the time
+                                                           # budget, by Ctrl-C, by an error
+
+
+def gpus_used(study: Study, jobs: int) -> int:
+    """GPUs a run call's members ran on: 0 on the CPU; with workers, one per visible GPU up to the worker
+    count (worker i takes GPU i mod count); one when members run in this process or one GPU is visible."""
+    if study.backend != "cuda":
+        return 0
     gpus = worker_gpus(study)
-    entry = {"started": started, "wall_s": round(float(wall_s), 3), "trained": int(outcome.get("trained", 0)),
-             "stopped": bool(outcome.get("stopped", False)), "interrupted": bool(interrupted), "jobs": int(jobs),
-             "backend": study.backend, "gpus": len(gpus) if gpus else int(study.backend == "cuda"),
-             "gpu_ids": gpus or None, "mps": bool(mps_on), "host": platform.node()}
+    return min(jobs, len(gpus)) if jobs > 1 and gpus else 1
+
+
+def record_run(study: Study, *, started: str, wall_s: float, jobs: int, trained: int, end: str,
+               mps_on: bool = False) -> dict:
+    """Append one `run` call to the ledger (atomic rewrite): when it started, its wall time (the MPS
+    daemon's start, worker start-up and every member it trained or resumed; not the collection or the
+    timing pass), the members it finished, how it ended (``ENDS``) and what it ran on. Returns the entry."""
+    if end not in ENDS:
+        raise ValueError(f"end must be one of {', '.join(ENDS)}, got {end!r}")
+    gpus = worker_gpus(study)
+    entry = {"started": started, "wall_s": round(float(wall_s), 3), "trained": int(trained), "end": end,
+             "jobs": int(jobs), "backend": study.backend, "gpus": gpus_used(study, jobs),
+             "gpu_ids": gpus[:jobs] if jobs > 1 and gpus else None, "mps": bool(mps_on), "host": platform.node()}
     runio.write_json(ledger_path(study), {"runs": [*read_ledger(study), entry]})
     return entry
 
@@ -454,7 +480,9 @@ def wall_summary(entries: list[dict]) -> dict | None:
             "trained": sum(e["trained"] for e in entries), "gpus": sorted({e["gpus"] for e in entries}),
             "hosts": sorted({e.get("host") or "?" for e in entries}), "jobs": sorted({e["jobs"] for e in entries}),
             "mps": sorted({bool(e.get("mps")) for e in entries}),
-            "part_s": [e["wall_s"] for e in entries], "interrupted": sum(bool(e.get("interrupted")) for e in entries)}
+            "part_s": [e["wall_s"] for e in entries],
+            "interrupted": sum(e.get("end") == "interrupted" or bool(e.get("interrupted")) for e in entries),
+            "failed": sum(e.get("end") == "failed" for e in entries)}
 
 
 def worker_gpus(study: Study) -> list[str]:
@@ -1036,26 +1064,23 @@ def cli(argv: list[str] | None = None) -> int:
             p.exit(2, f"{p.prog}: error: --mps: MPS shares a GPU between worker processes; it needs the cuda "
                       f"device and --jobs > 1 (here: {study.backend}, {jobs} job{'s' * (jobs != 1)})\n")
         try:
+            read_ledger(study)   # a damaged ledger stops the run before it trains, not after
+        except StudyError as e:
+            p.exit(2, f"{p.prog}: error: {e}\n")
+        done_before = done_count(study)
+        todo = len(study.plan) * study.members - done_before
+        ledger = dict(started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                      jobs=jobs, mps_on=False, end="failed")
+        t0 = time.monotonic()
+        try:
             stack = worker_mps(args.mps if workers else False)
         except mps.MPSError as e:
             p.exit(2, f"{p.prog}: error: --mps: {e}\n")
         try:
-            read_ledger(study)   # a damaged ledger stops the run before it trains, not after
-        except StudyError as e:
-            p.exit(2, f"{p.prog}: error: {e}\n")
-        todo = sum(not member_done(study, q, m) for q in study.plan for m in range(study.members))
-        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        t0 = time.monotonic()
-        ledger = dict(started=started, jobs=jobs, mps_on=False)
-        try:
             with stack:
                 ledger["mps_on"] = "CUDA_MPS_PIPE_DIRECTORY" in os.environ
                 outcome = run(study, time_budget=args.time_budget, progress=args.progress, jobs=jobs)
-            if todo:
-                entry = record_run(study, wall_s=time.monotonic() - t0, outcome=outcome, **ledger)
-                print(f"trained {entry['trained']} member(s) in {entry['wall_s']:.1f} s on "
-                      + (f"{entry['gpus']} GPU(s)" if study.backend == "cuda" else "the CPU")
-                      + f", {jobs} at a time")
+            ledger["end"] = "stopped" if outcome["stopped"] else "finished"
         except user_errors as e:
             p.exit(2, f"{p.prog}: error: {e}\n")
         except MemberError as e:   # from a worker: the usage errors above exit the same way
@@ -1063,13 +1088,17 @@ def cli(argv: list[str] | None = None) -> int:
                 p.exit(2, f"{p.prog}: error: {e}\n")
             raise
         except KeyboardInterrupt as e:
-            if todo:   # the members it finished, and the time it took, still count
-                done_now = sum(member_done(study, q, m) for q in study.plan for m in range(study.members))
-                total = len(study.plan) * study.members
-                record_run(study, wall_s=time.monotonic() - t0, interrupted=True,
-                           outcome={"trained": done_now - (total - todo), "stopped": True}, **ledger)
+            ledger["end"] = "interrupted"
             print(f"\n{str(e) or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
             return 130
+        finally:
+            if todo:   # every call with members to train, however it ended: its finished members and time count
+                entry = record_run(study, wall_s=time.monotonic() - t0, trained=done_count(study) - done_before,
+                                   **ledger)
+                if ledger["end"] in ("stopped", "finished"):
+                    print(f"trained {entry['trained']} member(s) in {entry['wall_s']:.1f} s on "
+                          + (f"{entry['gpus']} GPU(s)" if study.backend == "cuda" else "the CPU")
+                          + f", {jobs} at a time")
         if not outcome["stopped"] and args.timing and not study.smoke and not study.timing_path.exists():
             run_timing(study, quick_steps=study.backend == "cpu")
     t_collect = time.monotonic()

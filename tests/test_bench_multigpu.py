@@ -102,16 +102,28 @@ def test_sections_on_different_gpu_counts_say_so_and_the_cost_uses_the_ddp_count
     assert "`torchrun --nproc_per_node 2 -m nnrand.train" in text
     assert "## `--world-invariant`: the same bits on 1 to 4 GPUs" in text
     assert "- micro-batch 32: identical bits on 1, 2, 4 GPUs." in text
-    assert "| `--world-invariant` micro-batch 64 / DDP `tree`, eager (2 GPUs) | 1.050 | <= 1.15 |" in text  # 14.7 / 14
-    assert "| `--world-invariant` micro-batch 32 / DDP `tree`, eager (2 GPUs) | 1.150 | <= 1.15 |" in text  # 16.1 / 14
-    assert "micro-batch 32 / DDP `tree`, eager (4 GPUs)" not in text                         # no DDP run on 4
+    assert "| `--world-invariant` micro-batch 64, eager / DDP `tree`, eager (2 GPUs) | 1.050 | - |" in text  # 14.7 / 14
+    assert "| `--world-invariant` micro-batch 32, eager / DDP `tree`, eager (2 GPUs) | 1.150 | - |" in text  # 16.1 / 14
+    # the target row: the fastest invariant mode against the fastest DDP tree mode (eager only here: 14 ms)
+    assert ("| fastest `--world-invariant` micro-batch 32 (eager) / fastest DDP `tree` (tree), 2 GPUs | 1.150 | "
+            "<= 1.15 |") in text
+    assert "(4 GPUs)" not in text and "4 GPUs |" not in text                                # no DDP run on 4
     assert "Sections measured separately" not in text                                        # one commit, one host
     inv["m32_w4"] = _inv(32, 4, 9.0, checksum=6)
     assert "- micro-batch 32: DIFFERENT bits on 1, 2, 4 GPUs." in multigpu.render(data)
     data["measured"]["invariant"]["host"] = "other"
     text = multigpu.render(data)
-    assert "Sections measured separately: ddp at git abc1234 on h (d); invariant at git abc1234 on other (d)." in text
-    assert "compare machines as well as modes" in text
+    assert ("Sections measured separately: ddp at git abc1234 on host h (d); invariant at git abc1234 on host other "
+            "(d).") in text
+    assert "compare machines as well as modes" in text and "on ? GPUs of 2 machines" in text
+    # the GPUs' UUIDs tell machines apart where host names do not (every device machine is "vm")
+    data["measured"]["ddp"].update(host="vm", machine="aaaa", visible=2)
+    data["measured"]["invariant"].update(host="vm", machine="bbbb", visible=4)
+    text = multigpu.render(data)
+    assert "ddp at git abc1234 on GPUs aaaa (d); invariant at git abc1234 on GPUs bbbb (d)" in text
+    data["measured"]["ddp"]["machine"] = "bbbb"
+    text = multigpu.render(data)
+    assert "on 4 x ? of one host" in text and "Sections measured separately" not in text
 
 
 def test_results_written_before_per_section_counts_render_with_the_file_count():
@@ -144,6 +156,13 @@ def test_a_failed_child_is_named_by_its_own_exception_not_the_launchers():
     assert multigpu.child_error("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:") == \
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"
     assert multigpu.child_error("killed") == "killed"
+    two_ranks = "\n".join([
+        "[rank1]: nnrand.distributed.RankFailure: rank 1: out of memory at step 3",
+        "[rank0]: torch.distributed.DistBackendError: Connection closed by peer",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"])
+    assert multigpu.child_error(two_ranks) == "[rank1]: nnrand.distributed.RankFailure: rank 1: out of memory at step 3"
+    assert multigpu.child_error("python -m nnrand.train: error: --batch-size 63 is not divisible") == \
+        "python -m nnrand.train: error: --batch-size 63 is not divisible"
 
 
 def test_the_allreduce_section_makes_its_scratch_directory(monkeypatch, tmp_path):
@@ -182,10 +201,12 @@ def test_invariant_graph_rows_join_the_bit_check_and_the_cost(monkeypatch, tmp_p
     assert "| 32 | 2 | CUDA graph | 5 | aa | 0.5000 | 8.00 |" in text
     assert "| 32 | 4 | CUDA graph | failed: `RuntimeError: capture failed` | - | - | - |" in text
     assert "- micro-batch 32: identical bits on 1, 2, 4, 1 (graph), 2 (graph) GPUs." in text
-    # DDP tree: 14 ms eager, 8.8 ms captured (medians of _ddp)
-    assert "| `--world-invariant` micro-batch 32, CUDA graph / DDP `tree`, eager (2 GPUs) | 0.571 | <= 1.15 |" in text
+    # DDP tree: 14 ms eager, 8.8 ms captured (medians of _ddp); like for like, and fastest against fastest
     assert "| `--world-invariant` micro-batch 32, CUDA graph / DDP `tree`, CUDA graph (2 GPUs) | 0.909 | - |" in text
-    assert "| `--world-invariant` micro-batch 32 / DDP `tree`, eager (2 GPUs) | 1.143 | <= 1.15 |" in text
+    assert "| `--world-invariant` micro-batch 32, eager / DDP `tree`, eager (2 GPUs) | 1.143 | - |" in text
+    assert "CUDA graph / DDP `tree`, eager" not in text and "eager / DDP `tree`, CUDA graph" not in text
+    assert ("| fastest `--world-invariant` micro-batch 32 (CUDA graph) / fastest DDP `tree` (tree, CUDA graph), 2 GPUs "
+            "| 0.909 | <= 1.15 |") in text
 
 
 def test_a_mode_with_one_run_claims_no_repeatability():

@@ -321,54 +321,94 @@ def test_cli_passes_jobs_and_records_them(tmp_path, monkeypatch, capsys):
 
 
 def test_wall_ledger_sums_the_runs_of_a_study(tmp_path, monkeypatch, capsys):
-    """Every `run` call that has members to train appends one ledger entry (also when it is interrupted);
-    collect sums them, status and the report say the total, on how many GPUs and in how many parts. A
-    damaged ledger stops the run before anything trains, with one line naming it."""
+    """Every `run` call that has members to train appends one ledger entry however it ends (time budget,
+    Ctrl-C, an error, done), counting the members it finished; a call with nothing to train adds none.
+    collect sums the entries; status and the report say the total. A damaged ledger (unreadable, or
+    entries without their numbers) stops the run before anything trains, with one line naming it."""
     argv = ["--device", "cpu", "--grid", str(tiny_grid(tmp_path)), "--runs-dir", str(tmp_path / "runs"),
             "--out", str(tmp_path / "rep" / "div.md"), "--no-timing", "--no-progress"]
-    outcomes = iter([{"trained": 1, "stopped": True, "remaining": 3}, {"trained": 3, "stopped": False, "remaining": 0}])
-    calls = []
-
-    def fake_run(s, **kw):
-        calls.append(kw)
-        return next(outcomes)
-
-    monkeypatch.setattr(study, "run", fake_run)
-    assert study.cli(argv) == 0
-    assert "trained 1 member(s) in" in capsys.readouterr().out
-    assert study.cli(argv) == 0
-
-    def interrupted_run(s, **kw):
-        raise KeyboardInterrupt("stopped at step 3")
-
-    monkeypatch.setattr(study, "run", interrupted_run)
-    assert study.cli(argv) == 130
     s = make(tmp_path)
-    entries = study.read_ledger(s)
-    assert [(e["trained"], e["stopped"], e["interrupted"]) for e in entries] == [(1, True, False), (3, False, False),
-                                                                                 (0, True, True)]
-    assert all(e["backend"] == "cpu" and e["gpus"] == 0 and e["jobs"] == 1 and not e["mps"] and e["wall_s"] >= 0
-               for e in entries)
-    w = study.wall_summary(entries)
-    assert w["parts"] == 3 and w["trained"] == 4 and w["gpus"] == [0] and w["interrupted"] == 1
-    assert w["total_s"] == pytest.approx(sum(e["wall_s"] for e in entries), abs=1e-9)
+    members = [(p.name, m) for p in s.plan for m in range(s.members)]      # 4 members
 
-    capsys.readouterr()
+    def finish(k):
+        for name, m in members[:k]:
+            d = runio.member_dir(s.runs_dir, name, m)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "result.json").write_text("{}")
+
+    def ends(k, then=None):
+        def fake_run(st, **kw):
+            finish(k)
+            if then is not None:
+                raise then
+            return {"trained": 0, "stopped": k < 4, "remaining": 4 - k}
+        return fake_run
+
+    collected = []
+    monkeypatch.setattr(study, "collect", lambda st, timing=None: collected.append(study._wall_or_none(st)) or {})
+    from nnrand import divergence_report
+    monkeypatch.setattr(divergence_report, "render", lambda res, md, ex: md)
+    failing = study.member_error("seeds", 1, train.ConfigError("--batch-size 99 exceeds the 64 training images"))
+    for fake, code in ((ends(1), 0), (ends(2, KeyboardInterrupt("stopped at step 3")), 130),
+                       (ends(3, failing), 2), (ends(4), 0), (ends(4), 0)):
+        monkeypatch.setattr(study, "run", fake)
+        try:
+            assert study.cli(argv) == code
+        except SystemExit as e:
+            assert e.code == code == 2
+    entries = study.read_ledger(s)
+    assert [(e["trained"], e["end"]) for e in entries] == [(1, "stopped"), (1, "interrupted"), (1, "failed"),
+                                                           (1, "finished")]   # the fifth call trained nothing
+    assert all(e["backend"] == "cpu" and e["gpus"] == 0 and e["jobs"] == 1 and not e["mps"] for e in entries)
+    w = study.wall_summary(entries)
+    assert (w["parts"], w["trained"], w["gpus"], w["interrupted"], w["failed"]) == (4, 4, [0], 1, 1)
+    assert w["total_s"] == pytest.approx(sum(e["wall_s"] for e in entries), abs=1e-9)
+    assert collected[-1] == w
+    out = capsys.readouterr().out
+    assert out.count("trained 1 member(s) in") == 2                     # the stopped and the finished call
+
     assert study.cli([*argv, "status"]) == 0
     assert "4 members trained in" in capsys.readouterr().out
-    assert study.cli([*argv, "report"]) == 0
-    res = json.loads((tmp_path / "rep" / "results" / "div.json").read_text())
-    assert res["train_wall"] == w
-    assert "Study wall time (`study_runs.json`" in (tmp_path / "rep" / "div.md").read_text()
 
-    study.ledger_path(s).write_text("{not json")
-    monkeypatch.setattr(study, "run", fake_run)
-    with pytest.raises(SystemExit) as e:
-        study.cli(argv)
-    assert e.value.code == 2 and len(calls) == 2                     # nothing trained
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("python -m nnrand.study: error:") and str(study.ledger_path(s)) in err
-    assert "unreadable study ledger" in err and len(err.splitlines()) == 1
+    for bad in ("{not json", '{"runs": 5}', '{"runs": [{}]}', '{"runs": [{"wall_s": "3", "trained": 1, "jobs": 1, '
+                '"gpus": 0}]}'):
+        study.ledger_path(s).write_text(bad)
+        for name, m in members:                                          # members to train again
+            (runio.member_dir(s.runs_dir, name, m) / "result.json").unlink(missing_ok=True)
+        calls = []
+        monkeypatch.setattr(study, "run", lambda st, **kw: calls.append(kw))
+        with pytest.raises(SystemExit) as e:
+            study.cli(argv)
+        assert e.value.code == 2 and calls == []                         # nothing trained
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("python -m nnrand.study: error:") and str(study.ledger_path(s)) in err
+        assert "unreadable study ledger" in err and len(err.splitlines()) == 1
+
+
+def test_the_report_states_the_ledger(tmp_path, monkeypatch):
+    s = make(tmp_path)
+    study.record_run(s, started="t", wall_s=12.5, jobs=1, trained=2, end="stopped")
+    study.record_run(s, started="t", wall_s=3.0, jobs=1, trained=2, end="finished")
+    with pytest.raises(ValueError, match="end must be one of"):
+        study.record_run(s, started="t", wall_s=1.0, jobs=1, trained=0, end="done")
+    assert study.cli(["--device", "cpu", "--grid", str(tiny_grid(tmp_path)), "--runs-dir", str(tmp_path / "runs"),
+                      "--out", str(tmp_path / "reports" / "div.md"), "report"]) == 0
+    res = json.loads((tmp_path / "reports" / "results" / "div.json").read_text())
+    assert res["train_wall"]["total_s"] == 15.5 and res["train_wall"]["part_s"] == [12.5, 3.0]
+    assert ("Study wall time (`study_runs.json` beside the run directories; worker start-up and training, not the "
+            "collection or the timing pass): 4 members trained in 16 s of wall time over 2 runs (12, 3 s), on the "
+            "CPU, 1 at a time.") in (tmp_path / "reports" / "div.md").read_text()
+
+
+def test_gpus_used(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    s = study.make_study(configs=["control"])
+    assert [study.gpus_used(s, j) for j in (1, 2, 4, 32)] == [1, 2, 4, 4]   # in this process: one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert study.gpus_used(s, 8) == 1
+    assert study.gpus_used(study.make_study(device="cpu", configs=["control"]), 2) == 0
 
 
 def test_wall_line():
@@ -383,9 +423,13 @@ def test_wall_line():
                             "16 at a time, under MPS")
     one = study.wall_summary([dict(gpu, wall_s=1011.0, gpus=1, jobs=8, host="b"), dict(gpu, wall_s=10.0)])
     assert wall_line(one) == ("160 members trained in 1021 s of wall time over 2 runs (1011, 10 s), on 1/2 GPUs "
-                              "on 2 machines, 8/16 at a time, under MPS")
-    cpu = study.wall_summary([dict(gpu, wall_s=30.0, gpus=0, jobs=1, mps=False, backend="cpu", interrupted=True)])
-    assert wall_line(cpu) == "80 members trained in 30 s of wall time, on the CPU, 1 at a time; 1 run(s) interrupted"
+                              "on 2 hosts (by host name), 8/16 at a time, under MPS")
+    cpu = study.wall_summary([dict(gpu, wall_s=30.0, gpus=0, jobs=1, mps=False, backend="cpu", end="interrupted"),
+                              dict(gpu, wall_s=1.0, gpus=0, jobs=1, mps=False, backend="cpu", end="failed", trained=0)])
+    assert wall_line(cpu) == ("80 members trained in 31 s of wall time over 2 runs (30, 1 s), on the CPU, 1 at a "
+                              "time; 1 run(s) interrupted; 1 run(s) ended by an error")
+    old = study.wall_summary([dict(gpu, wall_s=5.0, interrupted=True)])   # entries written before "end" existed
+    assert old["interrupted"] == 1 and old["failed"] == 0
     assert study.wall_summary([]) is None
 
 
