@@ -60,7 +60,8 @@ DDP_LABELS = {"native": "native", "tree": "tree", "native_graph": "native, CUDA 
 # share one plan: --autotune-plan)
 PLANNED = ("fastdet", "fastdet_graph")
 # ResNet-18 (CIFAR variant) on the synthetic set: 1 epoch of 40 steps at batch 128
-TRAIN = ["--model", "resnet18", "--epochs", "1", "--n-train", "5120", "--n-test", "1000", "--batch-size", "128",
+BATCH = 128
+TRAIN = ["--model", "resnet18", "--epochs", "1", "--n-train", "5120", "--n-test", "1000", "--batch-size", str(BATCH),
          "--no-progress", "--no-report", "--no-resume", "--dist-timeout", "120"]
 
 
@@ -126,6 +127,11 @@ def child_error(stderr: str) -> str:
     return own[0] if own else (errors or [stderr[-500:]])[-1]
 
 
+def failure(e: RuntimeError, limit: int = 400) -> str:
+    """A failed ``_torchrun``'s cause for the results: its child's error, without the command line."""
+    return str(e).split("): ", 1)[-1][:limit]
+
+
 def _train(nproc: int, out: Path, name: str, extra: list[str]) -> dict:
     _torchrun(nproc, ["-m", "nnrand.train", *TRAIN, "--out", str(out), "--name", name, *extra])
     r = json.loads((out / name / "member_000" / "result.json").read_text())
@@ -148,7 +154,7 @@ def run_allreduce(n: int, scratch: Path, args) -> dict:
                       env=env)
             out[algo] = json.loads(path.read_text())
         except RuntimeError as e:
-            out[algo] = {"error": str(e).split("): ", 1)[-1][:400]}
+            out[algo] = {"error": failure(e)}
         print(f"allreduce {algo}: {out[algo]}", flush=True)
     return out
 
@@ -164,7 +170,7 @@ def run_ddp(n: int, scratch: Path, args) -> dict:
         plan = _plan(n, scratch)
     except RuntimeError as e:
         for mode in PLANNED:
-            out[mode] = {"error": "planning run: " + str(e).split("): ", 1)[-1][:380]}
+            out[mode] = {"error": "planning run: " + failure(e, 380)}
         print(f"ddp planning run failed: {out[PLANNED[0]]['error']}", flush=True)
     else:
         out["plan"] = plan
@@ -177,7 +183,7 @@ def run_ddp(n: int, scratch: Path, args) -> dict:
             try:
                 r = _train(n, scratch, f"ddp_{mode}_{i}", extra)
             except RuntimeError as e:
-                out[mode] = {"error": str(e).split("): ", 1)[-1][:400]}
+                out[mode] = {"error": failure(e)}
                 print(f"ddp {mode} run {i} failed: {out[mode]['error']}", flush=True)
                 continue
             out[mode].append(r)
@@ -188,13 +194,12 @@ def run_ddp(n: int, scratch: Path, args) -> dict:
 def _plan(n: int, scratch: Path) -> dict:
     """One process of ``--kernel fastest-deterministic`` on the per-rank batch (B/n): its config.json is
     the plan; returns its path and the choice per conv configuration."""
-    batch = int(TRAIN[TRAIN.index("--batch-size") + 1])
     _torchrun(1, ["-m", "nnrand.train", *TRAIN, "--out", str(scratch), "--name", "ddp_plan", "--kernel",
-                  "fastest-deterministic", "--batch-size", str(batch // n)])
+                  "fastest-deterministic", "--batch-size", str(BATCH // n)])
     path = scratch / "ddp_plan" / "member_000" / "config.json"
     record = json.loads(path.read_text()).get("autotune") or {}
     choices = {k: (v["choice"] if isinstance(v, dict) else v) for k, v in record.get("choices", {}).items()}
-    return {"path": str(path), "batch": batch // n, "choices": choices}
+    return {"path": str(path), "batch": BATCH // n, "choices": choices}
 
 
 def invariant_layouts(batch: int, n: int) -> list[tuple[int, int]]:
@@ -216,23 +221,23 @@ def invariant_layouts(batch: int, n: int) -> list[tuple[int, int]]:
 
 
 def run_invariant(n: int, scratch: Path, args) -> dict:
-    batch = int(TRAIN[TRAIN.index("--batch-size") + 1])
+    layouts = invariant_layouts(BATCH, n)
     out = {"single_tree": _train(1, scratch, "single_tree", ["--kernel", "tree"])}
-    for micro, world in invariant_layouts(batch, n):
+    for micro, world in layouts:
         key = f"m{micro}_w{world}"
         out[key] = _train(world, scratch, f"inv_{key}", ["--kernel", "tree", "--world-invariant",
                                                          "--micro-batch", str(micro)])
         out[key]["micro_batch"] = micro
         print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
-    for micro, world in invariant_layouts(batch, n):
-        if micro != batch // 4:   # the default micro-batch only
+    for micro, world in layouts:
+        if micro != BATCH // 4:   # the default micro-batch only
             continue
         key = f"m{micro}_w{world}_graph"
         try:
             out[key] = _train(world, scratch, f"inv_{key}", ["--kernel", "tree", "--world-invariant", "--micro-batch",
                                                              str(micro), "--cuda-graph"])
         except RuntimeError as e:
-            out[key] = {"error": str(e).split("): ", 1)[-1][:400], "micro_batch": micro, "world_size": world,
+            out[key] = {"error": failure(e), "micro_batch": micro, "world_size": world,
                         "graph": True}
             print(f"invariant {key} failed: {out[key]['error']}", flush=True)
             continue

@@ -219,6 +219,18 @@ def batchnorms(model: torch.nn.Module) -> list[torch.nn.Module]:
             and m.track_running_stats and m.running_mean is not None]
 
 
+@contextmanager
+def warm_up_stream(device: torch.device, stream: torch.cuda.Stream | None = None):
+    """A side stream (``stream``, or a new one) for the lazy work before a CUDA-graph capture (kernel
+    compilation, cuDNN plans): it waits for the current stream, random draws inside do not move the run's
+    generators, and the current stream waits for it afterwards. Yields the stream."""
+    side = stream or torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.random.fork_rng(devices=[device]), torch.cuda.stream(side):
+        yield side
+    torch.cuda.current_stream().wait_stream(side)
+
+
 @dataclass
 class _Captured:
     """One captured micro-batch: its graph, static inputs, the outputs every replay rewrites, and which
@@ -301,14 +313,11 @@ class InvariantStep:
         generators."""
         import copy
 
-        side = torch.cuda.Stream(device=x.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.random.fork_rng(devices=[x.device]), torch.cuda.stream(side):
+        with warm_up_stream(x.device):
             warm = copy.deepcopy(self.model)
             for _ in range(2):
                 (F.cross_entropy(warm(x), y, reduction="sum") / self.batch).backward()
             del warm
-        torch.cuda.current_stream().wait_stream(side)
         xs, ys = x.clone(), y.clone()
         for p in self.params:
             p.grad = None    # the capture allocates the gradients it writes on every replay

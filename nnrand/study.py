@@ -447,12 +447,13 @@ ENDS = ("finished", "stopped", "interrupted", "failed")    # how a run call ende
                                                            # budget, by Ctrl-C, by an error
 
 
-def gpus_used(study: Study, jobs: int) -> int:
+def gpus_used(study: Study, jobs: int, gpus: list[str] | None = None) -> int:
     """GPUs a run call's members ran on: 0 on the CPU; with workers, one per visible GPU up to the worker
-    count (worker i takes GPU i mod count); one when members run in this process or one GPU is visible."""
+    count (worker i takes GPU i mod count); one when members run in this process or one GPU is visible.
+    ``gpus``: ``worker_gpus(study)`` when the caller has it."""
     if study.backend != "cuda":
         return 0
-    gpus = worker_gpus(study)
+    gpus = worker_gpus(study) if gpus is None else gpus
     return min(jobs, len(gpus)) if jobs > 1 and gpus else 1
 
 
@@ -465,7 +466,7 @@ def record_run(study: Study, *, started: str, wall_s: float, jobs: int, trained:
         raise ValueError(f"end must be one of {', '.join(ENDS)}, got {end!r}")
     gpus = worker_gpus(study)
     entry = {"started": started, "wall_s": round(float(wall_s), 3), "trained": int(trained), "end": end,
-             "jobs": int(jobs), "backend": study.backend, "gpus": gpus_used(study, jobs),
+             "jobs": int(jobs), "backend": study.backend, "gpus": gpus_used(study, jobs, gpus),
              "gpu_ids": gpus[:jobs] if jobs > 1 and gpus else None, "mps": bool(mps_on), "host": platform.node()}
     runio.write_json(ledger_path(study), {"runs": [*read_ledger(study), entry]})
     return entry

@@ -485,11 +485,9 @@ class GraphStep:
         self.x, self.y = x.clone(), y.clone()
         if scaler is not None:   # its scale tensor exists before the capture, outside the graph's pool
             scaler.scale(torch.ones((), device=x.device))
-        side = stream or torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         saved = [b.detach().clone() for b in model.buffers()] if ddp is not None else None
-        # the warm-up's random draws (dropout, stochastic depth) must not move the run's generators
-        with torch.random.fork_rng(devices=[x.device]), torch.cuda.stream(side):
+        # the warm-up's random draws (dropout, stochastic depth) do not move the run's generators
+        with distributed.warm_up_stream(x.device, stream):
             warm = copy.deepcopy(model) if ddp is None else ddp
             for _ in range(2 if ddp is None else DDP_WARMUP):
                 with precision(cache=False):
@@ -499,7 +497,6 @@ class GraphStep:
             if saved is not None:   # BatchNorm statistics as they were (rank 0's, which DDP broadcasts)
                 for b, v in zip(model.buffers(), saved):
                     b.copy_(v)
-        torch.cuda.current_stream().wait_stream(side)
         for p in model.parameters():
             p.grad = None
         self.graph = torch.cuda.CUDAGraph()
