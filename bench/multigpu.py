@@ -12,15 +12,17 @@ section with atomic writes, so an interrupted run keeps what it finished):
                 ``--repeats`` times on the same inputs, per NCCL_ALGO (default, Ring, Tree): distinct
                 results (SHA-256 of the bytes) and median time
     ddp         ``torchrun -m nnrand.train`` of ResNet-18 (CIFAR, synthetic data) with DDP on N GPUs,
-                ``--runs`` rounds of ``--kernel native``, ``--kernel tree`` and ``--kernel
+                ``--runs`` rounds of ``--kernel native`` (also with ``--cudnn-benchmark``, NCHW and
+                channels_last: the fastest native configuration), ``--kernel tree`` and ``--kernel
                 fastest-deterministic`` (per-shape conv choices planned by one process on the per-rank
                 batch), each eager and with ``--cuda-graph``: distinct final-weight checksums, median
                 step time
     invariant   ``--world-invariant`` on 1, 2, 4 ... N GPUs at the same global batch, with micro-batches of
                 B/W (one per rank on W GPUs) for each of those world sizes W > 1, and B/4 (the default):
-                final-weight checksum and logits hash per world size, step time; the default micro-batch
-                again with ``--cuda-graph`` (each micro-batch a graph replay) on every world size; and the
-                one-process tree run without micro-batches, for the cost of each piece
+                final-weight checksum and logits hash per world size, step time, with ``tree`` eager and
+                with ``--cuda-graph`` (each micro-batch a graph replay); per micro-batch size, a
+                one-process ``fastest-deterministic`` planning run and every world size captured with its
+                plan; and the one-process tree run without micro-batches, for the cost of each piece
 
 ``--gpus N`` limits the sections of that call to N GPUs; sections measured with other GPU counts on the
 same GPU model are kept, and each says how many it used, so the DDP cost is measured on two GPUs of a
@@ -49,16 +51,31 @@ REPORT = ROOT / "reports" / "multigpu.md"
 SECTIONS = ("allreduce", "ddp", "invariant")
 ALGOS = ("default", "Ring", "Tree")
 SIZES = (2**10, 2**16, 2**20, 2**24, 25_000_000)
-# the DDP section's modes: kernels, and the step eager or one CUDA-graph replay (all-reduces captured)
+# the DDP section's modes: kernels, and the step eager or one CUDA-graph replay (all-reduces captured).
+# native also as the fastest configuration a user runs: cuDNN choosing by timing (cudnn.benchmark), in
+# NCHW and channels_last
 DDP_MODES = {"native": ["--kernel", "native"], "tree": ["--kernel", "tree"],
              "native_graph": ["--kernel", "native", "--cuda-graph"], "tree_graph": ["--kernel", "tree", "--cuda-graph"]}
 DDP_MODES.update({"fastdet": ["--kernel", "fastest-deterministic"],
                   "fastdet_graph": ["--kernel", "fastest-deterministic", "--cuda-graph"]})
+DDP_MODES.update({"native_bench": ["--kernel", "native", "--cudnn-benchmark"],
+                  "native_bench_graph": ["--kernel", "native", "--cudnn-benchmark", "--cuda-graph"],
+                  "native_bench_cl": ["--kernel", "native", "--cudnn-benchmark", "--channels-last"],
+                  "native_bench_cl_graph": ["--kernel", "native", "--cudnn-benchmark", "--channels-last",
+                                            "--cuda-graph"]})
 DDP_LABELS = {"native": "native", "tree": "tree", "native_graph": "native, CUDA graph", "tree_graph": "tree, CUDA graph",
-              "fastdet": "fastest-deterministic", "fastdet_graph": "fastest-deterministic, CUDA graph"}
+              "fastdet": "fastest-deterministic", "fastdet_graph": "fastest-deterministic, CUDA graph",
+              "native_bench": "native, cudnn.benchmark", "native_bench_graph": "native, cudnn.benchmark, CUDA graph",
+              "native_bench_cl": "native, cudnn.benchmark, channels_last",
+              "native_bench_cl_graph": "native, cudnn.benchmark, channels_last, CUDA graph"}
+NATIVE_MODES = tuple(m for m in DDP_MODES if m.startswith("native"))
+TREE_MODES = ("tree", "tree_graph")
 # modes that run with the per-shape conv choices of a one-process planning run (several processes must
 # share one plan: --autotune-plan)
 PLANNED = ("fastdet", "fastdet_graph")
+# the world-invariant section's kernel families: tree, and fastest-deterministic with one plan per micro-batch
+# size (a one-process --world-invariant run: every micro-batch has that shape on any world size)
+INV_KERNELS = {"tree": ["--kernel", "tree"], "fastdet": ["--kernel", "fastest-deterministic"]}
 # ResNet-18 (CIFAR variant) on the synthetic set: 1 epoch of 40 steps at batch 128
 BATCH = 128
 TRAIN = ["--model", "resnet18", "--epochs", "1", "--n-train", "5120", "--n-test", "1000", "--batch-size", str(BATCH),
@@ -192,14 +209,22 @@ def run_ddp(n: int, scratch: Path, args) -> dict:
 
 
 def _plan(n: int, scratch: Path) -> dict:
-    """One process of ``--kernel fastest-deterministic`` on the per-rank batch (B/n): its config.json is
-    the plan; returns its path and the choice per conv configuration."""
-    _torchrun(1, ["-m", "nnrand.train", *TRAIN, "--out", str(scratch), "--name", "ddp_plan", "--kernel",
-                  "fastest-deterministic", "--batch-size", str(BATCH // n)])
-    path = scratch / "ddp_plan" / "member_000" / "config.json"
-    record = json.loads(path.read_text()).get("autotune") or {}
+    """The DDP modes' plan: one process of ``--kernel fastest-deterministic`` on the per-rank batch (B/n)."""
+    return plan_run(scratch, "ddp_plan", ["--batch-size", str(BATCH // n)]) | {"batch": BATCH // n}
+
+
+def plan_run(scratch: Path, name: str, extra: list[str]) -> dict:
+    """One process of ``--kernel fastest-deterministic`` (timing each deterministic candidate once per conv
+    configuration): its config.json is the plan. Returns its path, the choice per conv configuration, and
+    the run's final checksum and logits hash (runs that follow the plan on one process give these bits)."""
+    _torchrun(1, ["-m", "nnrand.train", *TRAIN, "--out", str(scratch), "--name", name, "--kernel",
+                  "fastest-deterministic", *extra])
+    member = scratch / name / "member_000"
+    record = json.loads((member / "config.json").read_text()).get("autotune") or {}
     choices = {k: (v["choice"] if isinstance(v, dict) else v) for k, v in record.get("choices", {}).items()}
-    return {"path": str(path), "batch": BATCH // n, "choices": choices}
+    result = json.loads((member / "result.json").read_text())
+    return {"path": str(member / "config.json"), "choices": choices, "final_checksum": result["final_checksum"],
+            "logits_hash": result["logits_hash"]}
 
 
 def invariant_layouts(batch: int, n: int) -> list[tuple[int, int]]:
@@ -221,28 +246,37 @@ def invariant_layouts(batch: int, n: int) -> list[tuple[int, int]]:
 
 
 def run_invariant(n: int, scratch: Path, args) -> dict:
+    """Every layout eager and captured with ``tree``; then, per micro-batch size, a one-process
+    ``fastest-deterministic`` planning run and every layout captured with its plan."""
     layouts = invariant_layouts(BATCH, n)
     out = {"single_tree": _train(1, scratch, "single_tree", ["--kernel", "tree"])}
-    for micro, world in layouts:
-        key = f"m{micro}_w{world}"
-        out[key] = _train(world, scratch, f"inv_{key}", ["--kernel", "tree", "--world-invariant",
-                                                         "--micro-batch", str(micro)])
-        out[key]["micro_batch"] = micro
-        print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
-    for micro, world in layouts:
-        if micro != BATCH // 4:   # the default micro-batch only
-            continue
-        key = f"m{micro}_w{world}_graph"
+
+    def one(key: str, micro: int, world: int, kernels: str, extra: list[str], graph: bool) -> None:
+        flags = [*INV_KERNELS[kernels], "--world-invariant", "--micro-batch", str(micro), *extra]
         try:
-            out[key] = _train(world, scratch, f"inv_{key}", ["--kernel", "tree", "--world-invariant", "--micro-batch",
-                                                             str(micro), "--cuda-graph"])
+            out[key] = _train(world, scratch, f"inv_{key}", flags + (["--cuda-graph"] if graph else []))
         except RuntimeError as e:
-            out[key] = {"error": failure(e), "micro_batch": micro, "world_size": world,
-                        "graph": True}
+            out[key] = {"error": failure(e), "world_size": world}
             print(f"invariant {key} failed: {out[key]['error']}", flush=True)
+        else:
+            print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
+        out[key].update(micro_batch=micro, graph=graph, kernels=kernels)
+
+    for graph in (False, True):
+        for micro, world in layouts:
+            one(f"m{micro}_w{world}" + ("_graph" if graph else ""), micro, world, "tree", [], graph)
+    for micro in sorted({m for m, _ in layouts}, reverse=True):
+        try:
+            plan = out[f"plan_m{micro}"] = plan_run(scratch, f"inv_plan_m{micro}",
+                                                    ["--world-invariant", "--micro-batch", str(micro)])
+        except RuntimeError as e:
+            out[f"plan_m{micro}"] = {"error": "planning run: " + failure(e, 380)}
+            print(f"invariant plan m{micro} failed: {out[f'plan_m{micro}']['error']}", flush=True)
             continue
-        out[key].update(micro_batch=micro, graph=True)
-        print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
+        for m, world in layouts:
+            if m == micro:
+                one(f"m{micro}_w{world}_fastdet_graph", micro, world, "fastdet", ["--autotune-plan", plan["path"]],
+                    True)
     return out
 
 
@@ -293,6 +327,24 @@ def machine_id() -> str | None:
     except (AttributeError, RuntimeError):
         return None
     return hashlib.sha256(",".join(ids).encode()).hexdigest()[:12] if ids else None
+
+
+def invariant_rows(inv: dict) -> list[dict]:
+    """The world-invariant section's training runs (not the one-process reference or the plans), in order."""
+    return [r for k, r in inv.items() if k != "single_tree" and not k.startswith("plan_")]
+
+
+def _kernels(r: dict) -> str:
+    """A world-invariant row's kernel family (rows written before the section had several: tree)."""
+    return {"fastdet": "fastest-deterministic"}.get(r.get("kernels", "tree"), r.get("kernels", "tree"))
+
+
+def _choices(plan: dict) -> str:
+    """A plan's choices: how many conv configurations chose each candidate."""
+    counts: dict[str, int] = {}
+    for c in plan["choices"].values():
+        counts[c] = counts.get(c, 0) + 1
+    return ", ".join(f"`{c}` x{k}" for c, k in sorted(counts.items())) or "none"
 
 
 def _how(r: dict) -> str:
@@ -388,35 +440,50 @@ def render(data: dict) -> str:
                       f"{', '.join(f'`{c}`' for c in picks) or 'none'}."]
         lines.append("")
     inv = data.get("invariant")
+    rows = invariant_rows(inv or {})
     if inv:
         single = inv.get("single_tree")
         lines += [f"## `--world-invariant`: the same bits on 1 to {counts.get('invariant')} GPUs",
                   "",
-                  "Same global batch, seeds and kernels (`tree`) as above; micro-batches of M images (BatchNorm's "
-                  "virtual batch). Equal checksums and logits hashes across world sizes are the claim.",
+                  "Same global batch and seeds as above; micro-batches of M images (BatchNorm's virtual batch). "
+                  "kernels `tree`, or `fastest-deterministic` with the per-shape conv choices of one process "
+                  "training micro-batches of M (`--autotune-plan`: every rank runs micro-batches of that shape on "
+                  "any world size). Equal checksums and logits hashes across world sizes are the claim.",
                   "",
-                  "| micro-batch | GPUs | step | final-weight checksum | logits hash | test top-1 | median step ms |",
-                  "|---:|---:|---|---|---|---:|---:|"]
-        for key, r in inv.items():
-            if key == "single_tree":
-                continue
+                  "| micro-batch | kernels | GPUs | step | final-weight checksum | logits hash | test top-1 | "
+                  "median step ms |",
+                  "|---:|---|---:|---|---|---|---:|---:|"]
+        for r in rows:
             how = "CUDA graph" if r.get("graph") else "eager"
+            head = f"| {r['micro_batch']} | {_kernels(r)} | {r['world_size']} | {how} |"
             if "error" in r:
-                lines.append(f"| {r['micro_batch']} | {r['world_size']} | {how} | failed: `{r['error']}` | - | - | - |")
+                lines.append(f"{head} failed: `{r['error']}` | - | - | - |")
                 continue
-            lines.append(f"| {r['micro_batch']} | {r['world_size']} | {how} | {r['final_checksum']} | {r['logits_hash']} | "
-                         f"{r['test_top1']:.4f} | {r['step_time_ms']:.2f} |")
+            lines.append(f"{head} {r['final_checksum']} | {r['logits_hash']} | {r['test_top1']:.4f} | "
+                         f"{r['step_time_ms']:.2f} |")
         lines.append("")
-        for micro in sorted({r["micro_batch"] for k, r in inv.items() if k != "single_tree"}, reverse=True):
-            rows = [r for k, r in inv.items() if k != "single_tree" and r["micro_batch"] == micro and "error" not in r]
-            same = len({(r["final_checksum"], r["logits_hash"]) for r in rows}) == 1
-            where = ", ".join(f"{r['world_size']}{' (graph)' if r.get('graph') else ''}" for r in rows)
-            lines.append(f"- micro-batch {micro}: {'identical' if same else 'DIFFERENT'} bits on {where} GPUs.")
+        for micro, kernels in dict.fromkeys((r["micro_batch"], _kernels(r)) for r in rows):
+            same = [r for r in rows if r["micro_batch"] == micro and _kernels(r) == kernels and "error" not in r]
+            if not same:
+                continue
+            bits = {(r["final_checksum"], r["logits_hash"]) for r in same}
+            where = ", ".join(f"{r['world_size']}{' (graph)' if r.get('graph') else ''}" for r in same)
+            verdict = "identical" if len(bits) == 1 else "DIFFERENT"
+            line = f"- micro-batch {micro}, `{kernels}`: {verdict} bits on {where} GPUs"
+            plan = inv.get(f"plan_m{micro}") if kernels == "fastest-deterministic" else None
+            if plan and "error" not in plan:
+                agree = bits == {(plan["final_checksum"], plan["logits_hash"])}
+                line += (f"; the planning run (one GPU, timing each candidate) gave {'the same' if agree else 'OTHER'} "
+                         f"bits; its choices: {_choices(plan)}")
+            lines.append(line + ".")
+        for key, plan in inv.items():
+            if key.startswith("plan_m") and "error" in plan:
+                lines.append(f"- micro-batch {key[6:]}, `fastest-deterministic`: {plan['error']}")
         if single:
             lines.append(f"- one process, no micro-batches (`--kernel tree`): {single['step_time_ms']:.2f} ms/step.")
         lines.append("")
-    trees = [m for m in ("tree", "tree_graph") if m in medians]
-    natives = [m for m in ("native", "native_graph") if m in medians]
+    trees = [m for m in TREE_MODES if m in medians]
+    natives = [m for m in NATIVE_MODES if m in medians]
     if trees and natives:
         lines += ["## Cost", "", "| comparison | ratio | target |", "|---|---:|---:|"]
         for tree, native, what in (("tree", "native", f"eager ({n} GPUs)"),
@@ -427,30 +494,38 @@ def render(data: dict) -> str:
         lines.append(f"| fastest DDP `tree` ({DDP_LABELS[fastest_tree]}) / fastest DDP native "
                      f"({DDP_LABELS[fastest_native]}) | {medians[fastest_tree] / medians[fastest_native]:.3f} | "
                      "<= 1.10 |")
-        dets = [m for m in ("tree", "tree_graph", *PLANNED) if m in medians]
+        dets = [m for m in (*TREE_MODES, *PLANNED) if m in medians]
+        best_det = min(dets, key=medians.get)
         if any(m in medians for m in PLANNED):
-            best = min(dets, key=medians.get)
-            lines.append(f"| fastest deterministic DDP, any nnrand routing ({DDP_LABELS[best]}) / fastest DDP native "
-                         f"({DDP_LABELS[fastest_native]}) | {medians[best] / medians[fastest_native]:.3f} | - |")
-        if inv:   # against DDP at the DDP section's GPU count (n)
-            rows = {k: r for k, r in inv.items() if k != "single_tree" and "error" not in r}
-            at_n = [r for r in rows.values() if r["world_size"] == n and n > 1]
-            for micro in sorted({r["micro_batch"] for r in at_n}, reverse=True):
-                same = [r for r in at_n if r["micro_batch"] == micro]
-                for r in same:   # like for like: eager against eager DDP, captured against captured
-                    ddp_mode = "tree_graph" if r.get("graph") else "tree"
-                    if ddp_mode in medians:
-                        lines.append(f"| `--world-invariant` micro-batch {micro}{_how(r)} / DDP `tree`{_how(r)} ({n} "
-                                     f"GPUs) | {r['step_time_ms'] / medians[ddp_mode]:.3f} | - |")
-                best = min(same, key=lambda r: r["step_time_ms"])
-                lines.append(f"| fastest `--world-invariant` micro-batch {micro} ({'CUDA graph' if best.get('graph') else 'eager'}) "
-                             f"/ fastest DDP `tree` ({DDP_LABELS[fastest_tree]}), {n} GPUs | "
-                             f"{best['step_time_ms'] / medians[fastest_tree]:.3f} | <= 1.15 |")
-            if inv.get("single_tree"):
-                for key, r in rows.items():
-                    if r["world_size"] == 1:
-                        lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']}{_how(r)} / plain `tree`, eager, one "
-                                     f"GPU | {r['step_time_ms'] / inv['single_tree']['step_time_ms']:.3f} | - |")
+            lines.append(f"| fastest deterministic DDP, any nnrand routing ({DDP_LABELS[best_det]}) / fastest DDP "
+                         f"native ({DDP_LABELS[fastest_native]}) | {medians[best_det] / medians[fastest_native]:.3f} | - |")
+        at_n = [r for r in rows if r["world_size"] == n and n > 1 and "error" not in r]
+        for micro in sorted({r["micro_batch"] for r in at_n}, reverse=True):
+            same = [r for r in at_n if r["micro_batch"] == micro]
+            for r in same:   # like for like: the same kernels, eager against eager DDP, captured against captured
+                ddp_mode = {"tree": "tree", "fastest-deterministic": "fastdet"}[_kernels(r)] + (
+                    "_graph" if r.get("graph") else "")
+                if ddp_mode in medians:
+                    lines.append(f"| `--world-invariant` micro-batch {micro}, `{_kernels(r)}`{_how(r)} / DDP "
+                                 f"`{_kernels(r)}`{_how(r)} ({n} GPUs) | {r['step_time_ms'] / medians[ddp_mode]:.3f} | - |")
+            tree_rows = [r for r in same if _kernels(r) == "tree"]
+            if tree_rows:
+                best = min(tree_rows, key=lambda r: r["step_time_ms"])
+                lines.append(f"| fastest `--world-invariant` micro-batch {micro}, `tree` "
+                             f"({'CUDA graph' if best.get('graph') else 'eager'}) / fastest DDP `tree` "
+                             f"({DDP_LABELS[fastest_tree]}), {n} GPUs | {best['step_time_ms'] / medians[fastest_tree]:.3f} "
+                             "| <= 1.15 |")
+            best = min(same, key=lambda r: r["step_time_ms"])
+            if best not in tree_rows:
+                lines.append(f"| fastest `--world-invariant` micro-batch {micro}, any nnrand routing (`{_kernels(best)}`"
+                             f"{_how(best)}) / fastest deterministic DDP ({DDP_LABELS[best_det]}), {n} GPUs | "
+                             f"{best['step_time_ms'] / medians[best_det]:.3f} | - |")
+        if inv and inv.get("single_tree"):
+            for r in rows:
+                if r["world_size"] == 1 and _kernels(r) == "tree" and "error" not in r:
+                    lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']}{_how(r)} / plain `tree`, eager, "
+                                 f"one GPU | {r['step_time_ms'] / inv['single_tree']['step_time_ms']:.3f} | - |")
+        if inv:
             lines += ["",
                       "With one micro-batch per rank the extra work over DDP is the copy of the flat gradient, one "
                       "all_gather of every rank's gradient and BatchNorm statistics, and the fixed-order additions "

@@ -166,9 +166,12 @@ def _set_tf32(flags: dict[str, object]) -> None:
 
 
 @contextlib.contextmanager
-def pinned_flags(*, tf32: bool, cudnn_deterministic: bool) -> Iterator[dict]:
-    """Set TF32, cuDNN benchmark (off) and cuDNN deterministic for the duration; yield the flags set,
-    for the config; put the previous values back on exit."""
+def pinned_flags(*, tf32: bool, cudnn_deterministic: bool, cudnn_benchmark: bool = False) -> Iterator[dict]:
+    """Set TF32, cuDNN benchmark (off unless asked: it picks convolution algorithms by timing, per
+    process) and cuDNN deterministic for the duration; yield the flags set, for the config; put the
+    previous values back on exit."""
+    if cudnn_benchmark and cudnn_deterministic:
+        raise ValueError("cudnn_benchmark chooses algorithms by timing, run to run: not with cudnn_deterministic")
     b = torch.backends
     before = (_tf32_flags(), b.cudnn.benchmark, b.cudnn.deterministic)
     want = "tf32" if tf32 else "ieee"
@@ -176,11 +179,11 @@ def pinned_flags(*, tf32: bool, cudnn_deterministic: bool) -> Iterator[dict]:
         _set_tf32({"matmul": want, "conv": want, "rnn": want})
     else:
         _set_tf32({"matmul": tf32, "cudnn": tf32})
-    b.cudnn.benchmark = False
+    b.cudnn.benchmark = cudnn_benchmark
     b.cudnn.deterministic = cudnn_deterministic
     try:
         yield {"tf32": tf32, "tf32_flags": {k: str(v) for k, v in _tf32_flags().items()},
-               "cudnn_benchmark": False, "cudnn_deterministic": cudnn_deterministic,
+               "cudnn_benchmark": cudnn_benchmark, "cudnn_deterministic": cudnn_deterministic,
                "cudnn_enabled": bool(b.cudnn.enabled)}
     finally:
         _set_tf32(before[0])

@@ -81,6 +81,7 @@ class Config:
     channels_last: bool = False         # model and activations in channels_last
     cuda_graph: bool = False            # capture forward + backward once, replay it every step (CUDA only)
     tf32: bool = False                  # TF32 for matmul and cuDNN conv (off: fp32 arithmetic)
+    cudnn_benchmark: bool = False       # native/atomic only: cuDNN picks conv algorithms by timing (fastest native)
     amp: str | None = None              # "bf16" | "fp16": forward under torch.autocast (fp16 with a GradScaler)
     resume: bool = True                 # continue an unfinished member from its checkpoint
     save_epoch_weights: bool = False    # weights_epoch_XXX.pt per epoch
@@ -162,6 +163,11 @@ def resolve(cfg: Config) -> Config:
         raise ConfigError("--amp is not supported with --world-invariant (its micro-batch step runs float32)")
     if cfg.cuda_graph and dev.type != "cuda":
         raise ConfigError("--cuda-graph needs --device cuda (CUDA graphs capture GPU work only)")
+    claims = routing.resolve(cfg.kernel, cfg.kernel_ops).claims_determinism
+    if cfg.cudnn_benchmark and (cfg.world_invariant or claims):
+        what = "--world-invariant" if cfg.world_invariant else f"--kernel {cfg.kernel}"
+        raise ConfigError(f"--cudnn-benchmark picks cuDNN's convolution algorithms by timing, per process, so two "
+                          f"runs can differ: it applies to --kernel native or atomic runs, not to {what}")
     if cfg.dataset not in data.DATASETS:
         raise ConfigError(f"unknown dataset {cfg.dataset!r}; valid: {', '.join(data.DATASETS)}")
     for key, low in (("epochs", 1), ("batch_size", 2), ("members", 1), ("n_train", 2), ("n_test", 1),
@@ -533,8 +539,9 @@ def member_config(cfg: Config, member: int, seeds: noise.MemberSeeds, route: rou
     hp = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_CHANGES}
     if hp.get("amp") is None:
         hp.pop("amp", None)   # float32 runs' configs read as before --amp existed (their checkpoints resume)
-    if not hp.get("shuffle_channels"):
-        hp.pop("shuffle_channels", None)   # as before the option existed (such runs' checkpoints resume)
+    for key in ("shuffle_channels", "cudnn_benchmark"):
+        if not hp.get(key):
+            hp.pop(key, None)   # off: as before the option existed (such runs' checkpoints resume)
     if world.distributed and not cfg.world_invariant:
         hp["world_size"] = world.size   # plain DDP: another world size is another run
     return {"member": member, "config": hp, "seeds": seeds.as_dict(), "routing": route.describe(),
@@ -853,7 +860,8 @@ def main(config: Config | dict) -> dict:
         torch.set_num_threads(1)
     group = distributed.Group(world, torch.device(cfg.device))
     try:
-        with noise.pinned_flags(tf32=cfg.tf32, cudnn_deterministic=deterministic) as flags:
+        with noise.pinned_flags(tf32=cfg.tf32, cudnn_deterministic=deterministic,
+                                cudnn_benchmark=cfg.cudnn_benchmark) as flags:
             for member in range(cfg.first_member, cfg.first_member + cfg.members):
                 results.append(train_member(cfg, member, ds, route, flags, group, log))
     except BaseException as e:
@@ -961,6 +969,9 @@ def parser() -> argparse.ArgumentParser:
                    "under torchrun the capture holds DDP's all-reduces; with --world-invariant one micro-batch is "
                    "captured and replayed for each, eager's bits on every world size; see README)")
     g.add_argument("--tf32", action="store_true", help="allow TF32 in matmul/conv (default off)")
+    g.add_argument("--cudnn-benchmark", action="store_true", help="--kernel native or atomic: cuDNN times its "
+                   "convolution algorithms and keeps the fastest (the fastest native configuration; not repeatable "
+                   "run to run). Default off")
     g.add_argument("--amp", choices=list(AMP_DTYPES), help="forward under torch.autocast in this dtype, its backward "
                    "ops routed in it (half inputs accumulate in float32); fp16 adds a GradScaler. Default: float32")
     g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,

@@ -101,16 +101,16 @@ def test_sections_on_different_gpu_counts_say_so_and_the_cost_uses_the_ddp_count
     assert "on 4 x ? of one host" in text and "GPUs per section: ddp on 2; invariant on 4." in text
     assert "`torchrun --nproc_per_node 2 -m nnrand.train" in text
     assert "## `--world-invariant`: the same bits on 1 to 4 GPUs" in text
-    assert "- micro-batch 32: identical bits on 1, 2, 4 GPUs." in text
-    assert "| `--world-invariant` micro-batch 64, eager / DDP `tree`, eager (2 GPUs) | 1.050 | - |" in text  # 14.7 / 14
-    assert "| `--world-invariant` micro-batch 32, eager / DDP `tree`, eager (2 GPUs) | 1.150 | - |" in text  # 16.1 / 14
+    assert "- micro-batch 32, `tree`: identical bits on 1, 2, 4 GPUs." in text
+    assert "| `--world-invariant` micro-batch 64, `tree`, eager / DDP `tree`, eager (2 GPUs) | 1.050 | - |" in text  # 14.7/14
+    assert "| `--world-invariant` micro-batch 32, `tree`, eager / DDP `tree`, eager (2 GPUs) | 1.150 | - |" in text  # 16.1/14
     # the target row: the fastest invariant mode against the fastest DDP tree mode (eager only here: 14 ms)
-    assert ("| fastest `--world-invariant` micro-batch 32 (eager) / fastest DDP `tree` (tree), 2 GPUs | 1.150 | "
+    assert ("| fastest `--world-invariant` micro-batch 32, `tree` (eager) / fastest DDP `tree` (tree), 2 GPUs | 1.150 | "
             "<= 1.15 |") in text
     assert "(4 GPUs)" not in text and "4 GPUs |" not in text                                # no DDP run on 4
     assert "Sections measured separately" not in text                                        # one commit, one host
     inv["m32_w4"] = _inv(32, 4, 9.0, checksum=6)
-    assert "- micro-batch 32: DIFFERENT bits on 1, 2, 4 GPUs." in multigpu.render(data)
+    assert "- micro-batch 32, `tree`: DIFFERENT bits on 1, 2, 4 GPUs." in multigpu.render(data)
     data["measured"]["invariant"]["host"] = "other"
     text = multigpu.render(data)
     assert ("Sections measured separately: ddp at git abc1234 on host h (d); invariant at git abc1234 on host other "
@@ -180,33 +180,61 @@ def test_the_allreduce_section_makes_its_scratch_directory(monkeypatch, tmp_path
 
 
 def test_invariant_graph_rows_join_the_bit_check_and_the_cost(monkeypatch, tmp_path):
-    """run_invariant adds --cuda-graph runs of the default micro-batch (B/4) on every world size; the report
-    puts them in the same bit check as the eager rows and compares them with DDP tree eager and captured."""
+    """run_invariant runs every layout eager and captured with tree, then per micro-batch size one planning
+    run and every layout captured with its plan; the report puts each kernel family's rows in one bit check,
+    compares them with DDP of the same family like for like, and names a failed run or plan."""
     calls = []
 
     def fake_train(n, out, name, extra):
-        calls.append((name, n, "--cuda-graph" in extra))
+        calls.append((name, n, "--cuda-graph" in extra, extra))
         if name == "inv_m32_w4_graph":
             raise RuntimeError("torchrun ... failed (1): RuntimeError: capture failed")
-        return dict(_run(5, 8.0 if "--cuda-graph" in extra else 16.0), world_size=n, world_invariant=True)
+        fast = "fastest-deterministic" in extra
+        return dict(_run(6 if fast else 5, (7.0 if fast else 8.0) if "--cuda-graph" in extra else 16.0),
+                    world_size=n, world_invariant=True)
+
+    def fake_plan(scratch, name, extra):
+        if name == "inv_plan_m64":
+            raise RuntimeError("torchrun ... failed (1): AutotuneError: no deterministic candidate")
+        return {"path": f"{name}.json", "choices": {"a": "winograd", "b": "winograd", "c": "tree"},
+                "final_checksum": 6, "logits_hash": "aa"}
 
     monkeypatch.setattr(multigpu, "_train", fake_train)
+    monkeypatch.setattr(multigpu, "plan_run", fake_plan)
     inv = multigpu.run_invariant(4, tmp_path, None)
-    graphs = [(name, n) for name, n, g in calls if g]
-    assert graphs == [("inv_m32_w1_graph", 1), ("inv_m32_w2_graph", 2), ("inv_m32_w4_graph", 4)]
+    assert [(name, n) for name, n, g, _ in calls if g] == [
+        ("inv_m64_w1_graph", 1), ("inv_m64_w2_graph", 2), ("inv_m32_w1_graph", 1), ("inv_m32_w2_graph", 2),
+        ("inv_m32_w4_graph", 4), ("inv_m32_w1_fastdet_graph", 1), ("inv_m32_w2_fastdet_graph", 2),
+        ("inv_m32_w4_fastdet_graph", 4)]
+    planned = [extra for name, _, _, extra in calls if "fastdet" in name]
+    assert all(e[e.index("--autotune-plan") + 1] == "inv_plan_m32.json" and e[e.index("--micro-batch") + 1] == "32"
+               for e in planned)
     assert inv["m32_w4_graph"]["error"] == "RuntimeError: capture failed" and inv["m32_w2_graph"]["graph"] is True
+    assert inv["plan_m64"] == {"error": "planning run: AutotuneError: no deterministic candidate"}
     sha = {"git_sha": "abc1234", "date": "d", "host": "h"}
-    text = multigpu.render({"visible": 4, "ddp": _ddp(graph=True), "invariant": inv,
+    ddp = _ddp(graph=True)
+    ddp["fastdet"] = [_run(8, 12.0)]
+    ddp["fastdet_graph"] = [_run(8, 8.4)]
+    text = multigpu.render({"visible": 4, "ddp": ddp, "invariant": inv,
                             "measured": {"ddp": dict(sha, gpus=2), "invariant": dict(sha, gpus=4)}})
-    assert "| 32 | 2 | CUDA graph | 5 | aa | 0.5000 | 8.00 |" in text
-    assert "| 32 | 4 | CUDA graph | failed: `RuntimeError: capture failed` | - | - | - |" in text
-    assert "- micro-batch 32: identical bits on 1, 2, 4, 1 (graph), 2 (graph) GPUs." in text
-    # DDP tree: 14 ms eager, 8.8 ms captured (medians of _ddp); like for like, and fastest against fastest
-    assert "| `--world-invariant` micro-batch 32, CUDA graph / DDP `tree`, CUDA graph (2 GPUs) | 0.909 | - |" in text
-    assert "| `--world-invariant` micro-batch 32, eager / DDP `tree`, eager (2 GPUs) | 1.143 | - |" in text
+    assert "| 32 | tree | 2 | CUDA graph | 5 | aa | 0.5000 | 8.00 |" in text
+    assert "| 32 | fastest-deterministic | 4 | CUDA graph | 6 | aa | 0.5000 | 7.00 |" in text
+    assert "| 32 | tree | 4 | CUDA graph | failed: `RuntimeError: capture failed` | - | - | - |" in text
+    assert "- micro-batch 32, `tree`: identical bits on 1, 2, 4, 1 (graph), 2 (graph) GPUs." in text
+    assert ("- micro-batch 32, `fastest-deterministic`: identical bits on 1 (graph), 2 (graph), 4 (graph) GPUs; the "
+            "planning run (one GPU, timing each candidate) gave the same bits; its choices: `tree` x1, `winograd` x2.") in text
+    assert "- micro-batch 64, `fastest-deterministic`: planning run: AutotuneError: no deterministic candidate" in text
+    # DDP tree: 14 ms eager, 8.8 ms captured; fastest-deterministic 8.4 captured: like for like, and fastest
+    # against fastest
+    assert "| `--world-invariant` micro-batch 32, `tree`, CUDA graph / DDP `tree`, CUDA graph (2 GPUs) | 0.909 | - |" in text
+    assert "| `--world-invariant` micro-batch 32, `tree`, eager / DDP `tree`, eager (2 GPUs) | 1.143 | - |" in text
+    assert ("| `--world-invariant` micro-batch 32, `fastest-deterministic`, CUDA graph / DDP `fastest-deterministic`, "
+            "CUDA graph (2 GPUs) | 0.833 | - |") in text                                      # 7 / 8.4
     assert "CUDA graph / DDP `tree`, eager" not in text and "eager / DDP `tree`, CUDA graph" not in text
-    assert ("| fastest `--world-invariant` micro-batch 32 (CUDA graph) / fastest DDP `tree` (tree, CUDA graph), 2 GPUs "
-            "| 0.909 | <= 1.15 |") in text
+    assert ("| fastest `--world-invariant` micro-batch 32, `tree` (CUDA graph) / fastest DDP `tree` (tree, CUDA graph), "
+            "2 GPUs | 0.909 | <= 1.15 |") in text
+    assert ("| fastest `--world-invariant` micro-batch 32, any nnrand routing (`fastest-deterministic`, CUDA graph) / "
+            "fastest deterministic DDP (fastest-deterministic, CUDA graph), 2 GPUs | 0.833 | - |") in text
 
 
 def test_a_mode_with_one_run_claims_no_repeatability():
@@ -240,7 +268,7 @@ def test_planned_modes_use_one_plan_and_a_failed_plan_fails_them_only(monkeypatc
     monkeypatch.setattr(multigpu, "_plan", no_plan)
     out = multigpu.run_ddp(2, tmp_path, type("A", (), {"runs": 1})())
     assert out["fastdet"] == out["fastdet_graph"] == {"error": "planning run: AutotuneError: no deterministic candidate"}
-    assert [name for name, _ in calls] == ["ddp_native_0", "ddp_tree_0", "ddp_native_graph_0", "ddp_tree_graph_0"]
+    assert [name for name, _ in calls] == [f"ddp_{m}_0" for m in multigpu.DDP_MODES if m not in multigpu.PLANNED]
     text = multigpu.render({"gpus": 2, "ddp": out})
     assert "| fastest-deterministic | failed: `planning run: AutotuneError: no deterministic candidate` | - | - |" in text
     assert "any nnrand routing" not in text
@@ -260,3 +288,17 @@ def test_planned_modes_in_the_tables():
     assert "| fastest DDP `tree` (tree, CUDA graph) / fastest DDP native (native, CUDA graph) | 1.100 | <= 1.10 |" in text
     assert ("| fastest deterministic DDP, any nnrand routing (fastest-deterministic, CUDA graph) / fastest DDP "
             "native (native, CUDA graph) | 1.038 | - |") in text
+
+
+def test_the_fastest_native_mode_includes_cudnn_benchmark_in_either_layout():
+    """The target ratio is taken against the fastest native configuration a user runs: a cudnn.benchmark
+    channels_last captured step faster than the others becomes the denominator."""
+    ddp = _ddp(graph=True)
+    ddp["native_bench"] = [_run(9, 9.5)]
+    ddp["native_bench_cl_graph"] = [_run(9, 7.5)]
+    text = multigpu.render({"gpus": 2, "ddp": ddp})
+    assert "| native, cudnn.benchmark | 1 | - (one run) | 9.50 |" in text
+    assert "| native, cudnn.benchmark, channels_last, CUDA graph | 1 | - (one run) | 7.50 |" in text
+    assert ("| fastest DDP `tree` (tree, CUDA graph) / fastest DDP native (native, cudnn.benchmark, channels_last, "
+            "CUDA graph) | 1.173 | <= 1.10 |") in text                                          # 8.8 / 7.5
+    assert "| DDP `tree` / DDP native, both CUDA graph | 1.100 | - |" in text                     # same flags: 8.8 / 8

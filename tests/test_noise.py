@@ -93,6 +93,13 @@ def test_pinned_flags_restore_previous_state():
     with noise.pinned_flags(tf32=True, cudnn_deterministic=False) as flags:
         assert all(v in ("tf32", "True") for v in flags["tf32_flags"].values())
     assert (noise._tf32_flags(), b.cudnn.benchmark, b.cudnn.deterministic) == before
+    with noise.pinned_flags(tf32=False, cudnn_deterministic=False, cudnn_benchmark=True) as flags:
+        assert b.cudnn.benchmark and flags["cudnn_benchmark"] is True
+    assert (noise._tf32_flags(), b.cudnn.benchmark, b.cudnn.deterministic) == before
+    with pytest.raises(ValueError, match="cudnn_benchmark"):   # timing-chosen algorithms are not deterministic
+        with noise.pinned_flags(tf32=False, cudnn_deterministic=True, cudnn_benchmark=True):
+            pass
+    assert (noise._tf32_flags(), b.cudnn.benchmark, b.cudnn.deterministic) == before
 
 
 # --------------------------------------------------------------------------------------------------

@@ -199,6 +199,22 @@ def test_resume_with_another_config_is_refused(tmp_path):
         train.main(tiny(tmp_path, "cfg", kernel="native", epochs=2, lr=0.05))
 
 
+def test_cudnn_benchmark_is_for_nondeterministic_routings_only(tmp_path):
+    """--cudnn-benchmark (cuDNN's algorithms chosen by timing: the fastest native configuration) runs
+    and is recorded under native kernels; with a routing that claims determinism, or --world-invariant,
+    it is a config error naming the option; off, a run's config reads as before the option existed."""
+    out = train.main(tiny(tmp_path, "bench", kernel="native", cudnn_benchmark=True))
+    meta = runio.read_json(runio.member_dir(tmp_path, "bench", 0) / "config.json")
+    assert meta["config"]["cudnn_benchmark"] is True and meta["flags"]["cudnn_benchmark"] is True
+    assert out["members"][0]["final_checksum"] is not None
+    train.main(tiny(tmp_path, "plain", kernel="native"))
+    meta = runio.read_json(runio.member_dir(tmp_path, "plain", 0) / "config.json")
+    assert "cudnn_benchmark" not in meta["config"] and meta["flags"]["cudnn_benchmark"] is False
+    for kw in (dict(kernel="tree"), dict(kernel="fastest-deterministic"), dict(kernel="native", world_invariant=True)):
+        with pytest.raises(train.ConfigError, match="--cudnn-benchmark"):
+            train.resolve(train.Config(**tiny(tmp_path, "bad", cudnn_benchmark=True, **kw)))
+
+
 def test_unreadable_checkpoint_is_a_one_line_cli_error(tmp_path):
     """A truncated or overwritten checkpoint.pt stops the resume with exit code 2 and one line naming the
     file and the two ways out; --no-resume then starts the member again."""
