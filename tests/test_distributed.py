@@ -357,6 +357,22 @@ def test_world_invariant_bits_on_1_2_and_4_processes(tmp_path):
         assert (a / "checksums.csv").read_bytes() == (b / "checksums.csv").read_bytes()
 
 
+def test_world_invariant_with_one_plan_of_per_shape_choices(tmp_path):
+    """--kernel fastest-deterministic under --world-invariant: one process times the candidates on
+    micro-batches of 8 and records its choices; two processes following that plan (every rank meets only
+    micro-batches of 8) give the planning run's bits."""
+    fast = ["--kernel", "fastest-deterministic", "--world-invariant", "--micro-batch", "8"]
+    r = torchrun(1, tmp_path / "plan", *fast)
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = runio.member_dir(tmp_path / "plan", "run", 0) / "config.json"
+    choices = runio.read_json(plan)["autotune"]["choices"]
+    assert choices and all(" x=8x" in key for key in choices), list(choices)[:3]   # shapes of micro-batches
+    r = torchrun(2, tmp_path / "two", *fast, "--autotune-plan", str(plan))
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = result_of(tmp_path / "plan"), result_of(tmp_path / "two")
+    assert b["world_size"] == 2 and (a["final_checksum"], a["logits_hash"]) == (b["final_checksum"], b["logits_hash"])
+
+
 def test_plain_data_parallel_bits_depend_on_the_world_size(tmp_path):
     """Negative control: the same global batch without --world-invariant gives other weights on 1, 2
     and 4 processes (other local batch shapes, BatchNorm statistics, all-reduce order)."""
