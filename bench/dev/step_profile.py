@@ -1,5 +1,5 @@
 """Where a training step's GPU time goes, per mode: torch.profiler over a few steps of a model, CUDA time
-summed per kernel name (top rows), for native vs routed modes side by side.
+summed per kernel name (top rows), for native vs routed modes side by side. TF32 off unless ``--tf32``.
 
     python bench/dev/step_profile.py --model torchvision:resnet50 --batch 64 --size 224 --amp bf16 \
         --modes native fastest_deterministic --layout channels_last
@@ -17,7 +17,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 
 from bench.models import Mode, precision  # noqa: E402
-from nnrand import models  # noqa: E402
+from nnrand import models, noise  # noqa: E402
 from nnrand.train import GraphStep, forward_backward, optimizer_step  # noqa: E402
 
 
@@ -96,9 +96,13 @@ def main() -> None:
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="also cProfile the steps: top N functions")
     p.add_argument("--graph", action="store_true", help="forward+backward as a CUDA graph (nnrand.train.GraphStep)")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--tf32", action="store_true", help="allow TF32 in cuDNN convs and matmuls (default off, as "
+                   "nnrand.train and bench.models run fp32)")
     args = p.parse_args()
-    for mode in args.modes:
-        profile(mode, args)
+    # PyTorch's default lets cuDNN convolutions use TF32: pinned as the suite's own runs pin it
+    with noise.pinned_flags(tf32=args.tf32, cudnn_deterministic=False):
+        for mode in args.modes:
+            profile(mode, args)
 
 
 if __name__ == "__main__":
