@@ -75,7 +75,9 @@ TREE_MODES = ("tree", "tree_graph")
 PLANNED = ("fastdet", "fastdet_graph")
 # the world-invariant section's kernel families: tree, and fastest-deterministic with one plan per micro-batch
 # size (a one-process --world-invariant run: every micro-batch has that shape on any world size)
-INV_KERNELS = {"tree": ["--kernel", "tree"], "fastdet": ["--kernel", "fastest-deterministic"]}
+# (its name in the report, its flags, the DDP mode of the same kernels)
+INV_KERNELS = {"tree": ("tree", ["--kernel", "tree"], "tree"),
+               "fastdet": ("fastest-deterministic", ["--kernel", "fastest-deterministic"], "fastdet")}
 # ResNet-18 (CIFAR variant) on the synthetic set: 1 epoch of 40 steps at batch 128
 BATCH = 128
 TRAIN = ["--model", "resnet18", "--epochs", "1", "--n-train", "5120", "--n-test", "1000", "--batch-size", str(BATCH),
@@ -120,8 +122,11 @@ def allreduce_worker(args) -> int:
 def _torchrun(nproc: int, module_args: list[str], env: dict | None = None, timeout: int = 900):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *module_args]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **(env or {})),
-                       timeout=timeout)
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **(env or {})),
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{' '.join(cmd)} failed (timeout): TimeoutError: no exit after {timeout} s") from None
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {child_error(r.stderr)}")
     return time.perf_counter() - t0
@@ -220,9 +225,12 @@ def plan_run(scratch: Path, name: str, extra: list[str]) -> dict:
     _torchrun(1, ["-m", "nnrand.train", *TRAIN, "--out", str(scratch), "--name", name, "--kernel",
                   "fastest-deterministic", *extra])
     member = scratch / name / "member_000"
-    record = json.loads((member / "config.json").read_text()).get("autotune") or {}
-    choices = {k: (v["choice"] if isinstance(v, dict) else v) for k, v in record.get("choices", {}).items()}
-    result = json.loads((member / "result.json").read_text())
+    try:
+        record = json.loads((member / "config.json").read_text()).get("autotune") or {}
+        choices = {k: (v["choice"] if isinstance(v, dict) else v) for k, v in record.get("choices", {}).items()}
+        result = json.loads((member / "result.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError) as e:   # a run that exited 0 without its files
+        raise RuntimeError(f"{name} failed (output): {type(e).__name__}: {e}") from None
     return {"path": str(member / "config.json"), "choices": choices, "final_checksum": result["final_checksum"],
             "logits_hash": result["logits_hash"]}
 
@@ -249,19 +257,26 @@ def run_invariant(n: int, scratch: Path, args) -> dict:
     """Every layout eager and captured with ``tree``; then, per micro-batch size, a one-process
     ``fastest-deterministic`` planning run and every layout captured with its plan."""
     layouts = invariant_layouts(BATCH, n)
-    out = {"single_tree": _train(1, scratch, "single_tree", ["--kernel", "tree"])}
+    out: dict = {}
 
-    def one(key: str, micro: int, world: int, kernels: str, extra: list[str], graph: bool) -> None:
-        flags = [*INV_KERNELS[kernels], "--world-invariant", "--micro-batch", str(micro), *extra]
+    def run(key: str, world: int, flags: list[str]) -> bool:
         try:
-            out[key] = _train(world, scratch, f"inv_{key}", flags + (["--cuda-graph"] if graph else []))
+            out[key] = _train(world, scratch, f"inv_{key}" if key[0] == "m" else key, flags)
         except RuntimeError as e:
             out[key] = {"error": failure(e), "world_size": world}
             print(f"invariant {key} failed: {out[key]['error']}", flush=True)
-        else:
-            print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
+            return False
+        print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
+        return True
+
+    def one(key: str, micro: int, world: int, kernels: str, extra: list[str], graph: bool) -> None:
+        run(key, world, [*INV_KERNELS[kernels][1], "--world-invariant", "--micro-batch", str(micro), *extra]
+            + (["--cuda-graph"] if graph else []))
         out[key].update(micro_batch=micro, graph=graph, kernels=kernels)
 
+    # the one-process references without micro-batches, eager and captured
+    run("single_tree", 1, ["--kernel", "tree"])
+    run("single_tree_graph", 1, ["--kernel", "tree", "--cuda-graph"])
     for graph in (False, True):
         for micro, world in layouts:
             one(f"m{micro}_w{world}" + ("_graph" if graph else ""), micro, world, "tree", [], graph)
@@ -330,13 +345,38 @@ def machine_id() -> str | None:
 
 
 def invariant_rows(inv: dict) -> list[dict]:
-    """The world-invariant section's training runs (not the one-process reference or the plans), in order."""
-    return [r for k, r in inv.items() if k != "single_tree" and not k.startswith("plan_")]
+    """The world-invariant section's training runs (not the one-process references or the plans), in order."""
+    return [r for k, r in inv.items() if not k.startswith(("single_tree", "plan_"))]
 
 
 def _kernels(r: dict) -> str:
-    """A world-invariant row's kernel family (rows written before the section had several: tree)."""
-    return {"fastdet": "fastest-deterministic"}.get(r.get("kernels", "tree"), r.get("kernels", "tree"))
+    """A world-invariant row's kernel family as the report names it (rows written before the section had
+    several: tree)."""
+    return INV_KERNELS[r.get("kernels", "tree")][0]
+
+
+def _ddp_mode(r: dict) -> str:
+    """The DDP mode with a world-invariant row's kernels and step (eager or captured)."""
+    return INV_KERNELS[r.get("kernels", "tree")][2] + ("_graph" if r.get("graph") else "")
+
+
+def _bit_check(inv: dict, rows: list[dict], micro: int, family: str, kernels: str) -> list[str]:
+    """The bullet saying whether one micro-batch size and kernel family gave one set of bits everywhere (and,
+    for a planned family, whether its planning run gave them too), or why it has no rows."""
+    plan = inv.get(f"plan_m{micro}") if family == "fastdet" else None
+    if plan and "error" in plan:
+        return [f"- micro-batch {micro}, `{kernels}`: failed: `{plan['error']}`."]
+    same = [r for r in rows if r["micro_batch"] == micro and _kernels(r) == kernels and "error" not in r]
+    if not same:
+        return []
+    bits = {(r["final_checksum"], r["logits_hash"]) for r in same}
+    where = ", ".join(f"{r['world_size']}{' (graph)' if r.get('graph') else ''}" for r in same)
+    line = f"- micro-batch {micro}, `{kernels}`: {'identical' if len(bits) == 1 else 'DIFFERENT'} bits on {where} GPUs"
+    if plan:
+        agree = bits == {(plan["final_checksum"], plan["logits_hash"])}
+        line += (f"; the planning run (one GPU, eager, timing each candidate) gave {'the same' if agree else 'OTHER'} "
+                 f"bits; its choices: {_choices(plan)}")
+    return [line + "."]
 
 
 def _choices(plan: dict) -> str:
@@ -347,8 +387,12 @@ def _choices(plan: dict) -> str:
     return ", ".join(f"`{c}` x{k}" for c, k in sorted(counts.items())) or "none"
 
 
+def _step(r: dict) -> str:
+    return "CUDA graph" if r.get("graph") else "eager"
+
+
 def _how(r: dict) -> str:
-    return ", CUDA graph" if r.get("graph") else ", eager"
+    return ", " + _step(r)
 
 
 def section_gpus(data: dict, section: str) -> int | None:
@@ -413,7 +457,9 @@ def render(data: dict) -> str:
                   "",
                   f"`torchrun --nproc_per_node {n} -m nnrand.train {' '.join(data.get('train_args', TRAIN))}` "
                   "(ResNet-18, CIFAR-sized synthetic set), each run from the same seeds; `CUDA graph` adds "
-                  "`--cuda-graph` (the forward, backward and DDP's all-reduces captured once, replayed every step).",
+                  "`--cuda-graph` (the forward, backward and DDP's all-reduces captured once, replayed every step), "
+                  "`cudnn.benchmark` adds `--cudnn-benchmark` (cuDNN picks its algorithms by timing: the fastest "
+                  "native configuration, with `channels_last` adding `--channels-last`).",
                   "",
                   "| kernels | runs | distinct final weights | median step ms |",
                   "|---|---:|---:|---:|"]
@@ -433,20 +479,17 @@ def render(data: dict) -> str:
                           f"{len(both)} runs."]
         plan = ddp.get("plan")
         if plan:
-            picks = sorted(set(plan["choices"].values()))
             lines += ["", f"`fastest-deterministic`: per-shape conv choices from one process training {plan['batch']} "
                       f"images per step (`--kernel fastest-deterministic`), passed to every rank with "
-                      f"`--autotune-plan`: {len(plan['choices'])} conv configurations, choices "
-                      f"{', '.join(f'`{c}`' for c in picks) or 'none'}."]
+                      f"`--autotune-plan`: {len(plan['choices'])} conv configurations, choices {_choices(plan)}."]
         lines.append("")
     inv = data.get("invariant")
     rows = invariant_rows(inv or {})
     if inv:
-        single = inv.get("single_tree")
         lines += [f"## `--world-invariant`: the same bits on 1 to {counts.get('invariant')} GPUs",
                   "",
                   "Same global batch and seeds as above; micro-batches of M images (BatchNorm's virtual batch). "
-                  "kernels `tree`, or `fastest-deterministic` with the per-shape conv choices of one process "
+                  "Kernels `tree`, or `fastest-deterministic` with the per-shape conv choices of one process "
                   "training micro-batches of M (`--autotune-plan`: every rank runs micro-batches of that shape on "
                   "any world size). Equal checksums and logits hashes across world sizes are the claim.",
                   "",
@@ -454,33 +497,21 @@ def render(data: dict) -> str:
                   "median step ms |",
                   "|---:|---|---:|---|---|---|---:|---:|"]
         for r in rows:
-            how = "CUDA graph" if r.get("graph") else "eager"
-            head = f"| {r['micro_batch']} | {_kernels(r)} | {r['world_size']} | {how} |"
+            head = f"| {r['micro_batch']} | {_kernels(r)} | {r['world_size']} | {_step(r)} |"
             if "error" in r:
                 lines.append(f"{head} failed: `{r['error']}` | - | - | - |")
                 continue
             lines.append(f"{head} {r['final_checksum']} | {r['logits_hash']} | {r['test_top1']:.4f} | "
                          f"{r['step_time_ms']:.2f} |")
         lines.append("")
-        for micro, kernels in dict.fromkeys((r["micro_batch"], _kernels(r)) for r in rows):
-            same = [r for r in rows if r["micro_batch"] == micro and _kernels(r) == kernels and "error" not in r]
-            if not same:
-                continue
-            bits = {(r["final_checksum"], r["logits_hash"]) for r in same}
-            where = ", ".join(f"{r['world_size']}{' (graph)' if r.get('graph') else ''}" for r in same)
-            verdict = "identical" if len(bits) == 1 else "DIFFERENT"
-            line = f"- micro-batch {micro}, `{kernels}`: {verdict} bits on {where} GPUs"
-            plan = inv.get(f"plan_m{micro}") if kernels == "fastest-deterministic" else None
-            if plan and "error" not in plan:
-                agree = bits == {(plan["final_checksum"], plan["logits_hash"])}
-                line += (f"; the planning run (one GPU, timing each candidate) gave {'the same' if agree else 'OTHER'} "
-                         f"bits; its choices: {_choices(plan)}")
-            lines.append(line + ".")
-        for key, plan in inv.items():
-            if key.startswith("plan_m") and "error" in plan:
-                lines.append(f"- micro-batch {key[6:]}, `fastest-deterministic`: {plan['error']}")
-        if single:
-            lines.append(f"- one process, no micro-batches (`--kernel tree`): {single['step_time_ms']:.2f} ms/step.")
+        for micro in sorted({r["micro_batch"] for r in rows}, reverse=True):
+            for family, (kernels, _, _) in INV_KERNELS.items():
+                lines += _bit_check(inv, rows, micro, family, kernels)
+        for key, label in (("single_tree", "eager"), ("single_tree_graph", "CUDA graph")):
+            r = inv.get(key)
+            if r:
+                figure = f"failed: `{r['error']}`" if "error" in r else f"{r['step_time_ms']:.2f} ms/step"
+                lines.append(f"- one process, no micro-batches (`--kernel tree`, {label}): {figure}.")
         lines.append("")
     trees = [m for m in TREE_MODES if m in medians]
     natives = [m for m in NATIVE_MODES if m in medians]
@@ -503,34 +534,33 @@ def render(data: dict) -> str:
         for micro in sorted({r["micro_batch"] for r in at_n}, reverse=True):
             same = [r for r in at_n if r["micro_batch"] == micro]
             for r in same:   # like for like: the same kernels, eager against eager DDP, captured against captured
-                ddp_mode = {"tree": "tree", "fastest-deterministic": "fastdet"}[_kernels(r)] + (
-                    "_graph" if r.get("graph") else "")
-                if ddp_mode in medians:
+                if _ddp_mode(r) in medians:
                     lines.append(f"| `--world-invariant` micro-batch {micro}, `{_kernels(r)}`{_how(r)} / DDP "
-                                 f"`{_kernels(r)}`{_how(r)} ({n} GPUs) | {r['step_time_ms'] / medians[ddp_mode]:.3f} | - |")
+                                 f"`{_kernels(r)}`{_how(r)} ({n} GPUs) | "
+                                 f"{r['step_time_ms'] / medians[_ddp_mode(r)]:.3f} | - |")
             tree_rows = [r for r in same if _kernels(r) == "tree"]
             if tree_rows:
                 best = min(tree_rows, key=lambda r: r["step_time_ms"])
-                lines.append(f"| fastest `--world-invariant` micro-batch {micro}, `tree` "
-                             f"({'CUDA graph' if best.get('graph') else 'eager'}) / fastest DDP `tree` "
-                             f"({DDP_LABELS[fastest_tree]}), {n} GPUs | {best['step_time_ms'] / medians[fastest_tree]:.3f} "
-                             "| <= 1.15 |")
+                lines.append(f"| fastest `--world-invariant` micro-batch {micro}, `tree` ({_step(best)}) / fastest "
+                             f"DDP `tree` ({DDP_LABELS[fastest_tree]}), {n} GPUs | "
+                             f"{best['step_time_ms'] / medians[fastest_tree]:.3f} | <= 1.15 |")
             best = min(same, key=lambda r: r["step_time_ms"])
-            if best not in tree_rows:
-                lines.append(f"| fastest `--world-invariant` micro-batch {micro}, any nnrand routing (`{_kernels(best)}`"
-                             f"{_how(best)}) / fastest deterministic DDP ({DDP_LABELS[best_det]}), {n} GPUs | "
-                             f"{best['step_time_ms'] / medians[best_det]:.3f} | - |")
-        if inv and inv.get("single_tree"):
-            for r in rows:
-                if r["world_size"] == 1 and _kernels(r) == "tree" and "error" not in r:
-                    lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']}{_how(r)} / plain `tree`, eager, "
-                                 f"one GPU | {r['step_time_ms'] / inv['single_tree']['step_time_ms']:.3f} | - |")
+            if best not in tree_rows and _ddp_mode(best) != best_det:   # else a like-for-like row above
+                lines.append(f"| fastest `--world-invariant` micro-batch {micro}, any nnrand routing "
+                             f"(`{_kernels(best)}`{_how(best)}) / fastest deterministic DDP ({DDP_LABELS[best_det]}), "
+                             f"{n} GPUs | {best['step_time_ms'] / medians[best_det]:.3f} | - |")
+        for r in rows:   # one GPU: against the one-process tree step, eager against eager, captured against captured
+            single = inv.get("single_tree_graph" if r.get("graph") else "single_tree") or {"error": "not run"}
+            if r["world_size"] == 1 and _kernels(r) == "tree" and "error" not in r and "error" not in single:
+                lines.append(f"| `--world-invariant` micro-batch {r['micro_batch']}, `tree`{_how(r)} / plain `tree`"
+                             f"{_how(r)}, one GPU | {r['step_time_ms'] / single['step_time_ms']:.3f} | - |")
         if inv:
             lines += ["",
-                      "With one micro-batch per rank the extra work over DDP is the copy of the flat gradient, one "
-                      "all_gather of every rank's gradient and BatchNorm statistics, and the fixed-order additions "
-                      "on every rank; smaller micro-batches add their own forward and backward passes (smaller "
-                      "kernels, more launches). On one GPU the same pieces cost what the last rows show."]
+                      "With one micro-batch per rank the world-invariant step adds to DDP's work a copy of the flat "
+                      "gradient, one all_gather of every rank's gradient and BatchNorm statistics, and the "
+                      "fixed-order additions on every rank; smaller micro-batches add their own forward and backward "
+                      "passes (smaller kernels, more launches). Eager steps are partly host-bound (DDP's eager step "
+                      "can be the slower one), so the captured rows give the cost of these pieces."]
         lines.append("")
     return "\n".join(lines) + "\n"
 

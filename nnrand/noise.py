@@ -18,7 +18,8 @@ or an integer. Presets:
     impl       all seeds fixed, atomic kernels
     algo+impl  both
 
-Everything else is pinned by ``pinned_flags`` and recorded: TF32 off unless asked, cuDNN benchmark off,
+Everything else is pinned by ``pinned_flags`` and recorded: TF32 off unless asked, cuDNN benchmark off
+(unless asked, for routings that claim no determinism: ``--cudnn-benchmark``),
 cuDNN deterministic when the routing is deterministic (so ops left native add in a fixed order too).
 On the CPU the bits also depend on torch's thread count: CPU BLAS splits a matmul's sums by thread (the
 linear layer's weight gradient; conv_wgrad's CPU models on 1x1 spatial inputs), so runs compared bit for

@@ -165,9 +165,11 @@ def resolve(cfg: Config) -> Config:
         raise ConfigError("--cuda-graph needs --device cuda (CUDA graphs capture GPU work only)")
     claims = routing.resolve(cfg.kernel, cfg.kernel_ops).claims_determinism
     if cfg.cudnn_benchmark and (cfg.world_invariant or claims):
-        what = "--world-invariant" if cfg.world_invariant else f"--kernel {cfg.kernel}"
+        what = "--world-invariant" if cfg.world_invariant else "the deterministic routing --kernel " + cfg.kernel + \
+            "".join(f" --kernel-op {op}={v}" for op, v in sorted(cfg.kernel_ops.items()))
         raise ConfigError(f"--cudnn-benchmark picks cuDNN's convolution algorithms by timing, per process, so two "
-                          f"runs can differ: it applies to --kernel native or atomic runs, not to {what}")
+                          f"runs can differ: it applies to runs that claim no determinism (--kernel native or "
+                          f"atomic), not to {what}")
     if cfg.dataset not in data.DATASETS:
         raise ConfigError(f"unknown dataset {cfg.dataset!r}; valid: {', '.join(data.DATASETS)}")
     for key, low in (("epochs", 1), ("batch_size", 2), ("members", 1), ("n_train", 2), ("n_test", 1),

@@ -64,9 +64,12 @@ def test_run_ddp_records_a_failing_mode_and_runs_the_others(monkeypatch, tmp_pat
 
     def fake_train(n, out, name, extra):
         calls.append(name)
+        flags[name] = extra
         if "--cuda-graph" in extra and "tree" in extra:
             raise RuntimeError("torchrun ... failed (1): RuntimeError: capture failed")
         return _run(len(calls), 10.0)
+
+    flags = {}
 
     monkeypatch.setattr(multigpu, "_train", fake_train)
     monkeypatch.setattr(multigpu, "_plan", lambda n, scratch: {"path": "plan.json", "batch": 64, "choices": {}})
@@ -74,6 +77,10 @@ def test_run_ddp_records_a_failing_mode_and_runs_the_others(monkeypatch, tmp_pat
     assert out["tree_graph"] == {"error": "RuntimeError: capture failed"}
     assert [len(out[m]) for m in ("native", "tree", "native_graph")] == [2, 2, 2]
     assert calls.count("ddp_tree_graph_0") == 1 and "ddp_tree_graph_1" not in calls
+    # the native configurations a user chasing speed runs: cuDNN's timed choice, in either layout
+    assert flags["ddp_native_bench_0"] == ["--kernel", "native", "--cudnn-benchmark"]
+    assert flags["ddp_native_bench_cl_graph_1"] == ["--kernel", "native", "--cudnn-benchmark", "--channels-last",
+                                                     "--cuda-graph"]
 
 
 def test_invariant_layouts_cover_every_power_of_two_world_the_batch_allows():
@@ -203,7 +210,8 @@ def test_invariant_graph_rows_join_the_bit_check_and_the_cost(monkeypatch, tmp_p
     monkeypatch.setattr(multigpu, "plan_run", fake_plan)
     inv = multigpu.run_invariant(4, tmp_path, None)
     assert [(name, n) for name, n, g, _ in calls if g] == [
-        ("inv_m64_w1_graph", 1), ("inv_m64_w2_graph", 2), ("inv_m32_w1_graph", 1), ("inv_m32_w2_graph", 2),
+        ("single_tree_graph", 1), ("inv_m64_w1_graph", 1), ("inv_m64_w2_graph", 2), ("inv_m32_w1_graph", 1),
+        ("inv_m32_w2_graph", 2),
         ("inv_m32_w4_graph", 4), ("inv_m32_w1_fastdet_graph", 1), ("inv_m32_w2_fastdet_graph", 2),
         ("inv_m32_w4_fastdet_graph", 4)]
     planned = [extra for name, _, _, extra in calls if "fastdet" in name]
@@ -222,8 +230,10 @@ def test_invariant_graph_rows_join_the_bit_check_and_the_cost(monkeypatch, tmp_p
     assert "| 32 | tree | 4 | CUDA graph | failed: `RuntimeError: capture failed` | - | - | - |" in text
     assert "- micro-batch 32, `tree`: identical bits on 1, 2, 4, 1 (graph), 2 (graph) GPUs." in text
     assert ("- micro-batch 32, `fastest-deterministic`: identical bits on 1 (graph), 2 (graph), 4 (graph) GPUs; the "
-            "planning run (one GPU, timing each candidate) gave the same bits; its choices: `tree` x1, `winograd` x2.") in text
-    assert "- micro-batch 64, `fastest-deterministic`: planning run: AutotuneError: no deterministic candidate" in text
+            "planning run (one GPU, eager, timing each candidate) gave the same bits; its choices: `tree` x1, "
+            "`winograd` x2.") in text
+    assert ("- micro-batch 64, `fastest-deterministic`: failed: `planning run: AutotuneError: no deterministic "
+            "candidate`.") in text
     # DDP tree: 14 ms eager, 8.8 ms captured; fastest-deterministic 8.4 captured: like for like, and fastest
     # against fastest
     assert "| `--world-invariant` micro-batch 32, `tree`, CUDA graph / DDP `tree`, CUDA graph (2 GPUs) | 0.909 | - |" in text
@@ -233,8 +243,24 @@ def test_invariant_graph_rows_join_the_bit_check_and_the_cost(monkeypatch, tmp_p
     assert "CUDA graph / DDP `tree`, eager" not in text and "eager / DDP `tree`, CUDA graph" not in text
     assert ("| fastest `--world-invariant` micro-batch 32, `tree` (CUDA graph) / fastest DDP `tree` (tree, CUDA graph), "
             "2 GPUs | 0.909 | <= 1.15 |") in text
+    # the fastest invariant step against the fastest deterministic DDP step: here the like-for-like pair above
+    assert "any nnrand routing (`fastest-deterministic`" not in text
+    # one GPU: eager against the eager one-process step (16 / 16), captured against the captured one (8 / 8)
+    assert "| `--world-invariant` micro-batch 32, `tree`, eager / plain `tree`, eager, one GPU | 1.000 | - |" in text
+    assert ("| `--world-invariant` micro-batch 32, `tree`, CUDA graph / plain `tree`, CUDA graph, one GPU | 1.000 "
+            "| - |") in text
+    # a planning run whose bits the planned runs do not reproduce is called out
+    inv["plan_m32"]["logits_hash"] = "bb"
+    text = multigpu.render({"visible": 4, "ddp": ddp, "invariant": inv,
+                            "measured": {"ddp": dict(sha, gpus=2), "invariant": dict(sha, gpus=4)}})
+    assert "(graph) GPUs; the planning run (one GPU, eager, timing each candidate) gave OTHER bits" in text
+    # a fastest-deterministic invariant step that is faster than every DDP step of its own kind gets the row
+    # against the fastest deterministic DDP mode (tree, captured: 8.8 ms)
+    ddp["fastdet_graph"] = [_run(8, 9.5)]
+    text = multigpu.render({"visible": 4, "ddp": ddp, "invariant": inv,
+                            "measured": {"ddp": dict(sha, gpus=2), "invariant": dict(sha, gpus=4)}})
     assert ("| fastest `--world-invariant` micro-batch 32, any nnrand routing (`fastest-deterministic`, CUDA graph) / "
-            "fastest deterministic DDP (fastest-deterministic, CUDA graph), 2 GPUs | 0.833 | - |") in text
+            "fastest deterministic DDP (tree, CUDA graph), 2 GPUs | 0.795 | - |") in text          # 7 / 8.8
 
 
 def test_a_mode_with_one_run_claims_no_repeatability():
@@ -283,7 +309,7 @@ def test_planned_modes_in_the_tables():
     assert "| fastest-deterministic | 3 | 1 | 12.00 |" in text
     assert "| fastest-deterministic, CUDA graph | 3 | 1 | 8.30 |" in text
     assert "`fastest-deterministic` eager and with a CUDA graph together: 1 distinct final weights" in text
-    assert "3 conv configurations, choices `torch_det`, `tree`, `winograd`." in text
+    assert "3 conv configurations, choices `torch_det` x1, `tree` x1, `winograd` x1." in text
     # the tree target row is unchanged; the planned mode has its own row (8.3 / 8.0)
     assert "| fastest DDP `tree` (tree, CUDA graph) / fastest DDP native (native, CUDA graph) | 1.100 | <= 1.10 |" in text
     assert ("| fastest deterministic DDP, any nnrand routing (fastest-deterministic, CUDA graph) / fastest DDP "

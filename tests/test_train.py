@@ -210,9 +210,16 @@ def test_cudnn_benchmark_is_for_nondeterministic_routings_only(tmp_path):
     train.main(tiny(tmp_path, "plain", kernel="native"))
     meta = runio.read_json(runio.member_dir(tmp_path, "plain", 0) / "config.json")
     assert "cudnn_benchmark" not in meta["config"] and meta["flags"]["cudnn_benchmark"] is False
-    for kw in (dict(kernel="tree"), dict(kernel="fastest-deterministic"), dict(kernel="native", world_invariant=True)):
-        with pytest.raises(train.ConfigError, match="--cudnn-benchmark"):
+    for kw, named in ((dict(kernel="tree"), "--kernel tree$"),
+                      (dict(kernel="fastest-deterministic"), "--kernel fastest-deterministic$"),
+                      (dict(kernel="native", kernel_ops={"conv_wgrad": "tree"}),
+                       "--kernel native --kernel-op conv_wgrad=tree$"),
+                      (dict(kernel="native", world_invariant=True), "not to --world-invariant$")):
+        with pytest.raises(train.ConfigError, match=f"^--cudnn-benchmark .*{named}"):
             train.resolve(train.Config(**tiny(tmp_path, "bad", cudnn_benchmark=True, **kw)))
+    # a per-op override that is itself nondeterministic keeps the routing nondeterministic: allowed
+    train.resolve(train.Config(**tiny(tmp_path, "ok", kernel="native", kernel_ops={"conv_wgrad": "atomic"},
+                                      cudnn_benchmark=True)))
 
 
 def test_unreadable_checkpoint_is_a_one_line_cli_error(tmp_path):
