@@ -81,11 +81,14 @@ def kernels_hash() -> str:
 
 def environment(device: torch.device) -> dict:
     """What a timing depends on besides the configuration (TF32 and cuDNN flags included: they change
-    what torch's kernel computes)."""
+    what torch's kernel computes; so does ``NVIDIA_TF32_OVERRIDE``, which turns TF32 off inside cuDNN and
+    cuBLAS whatever torch's flags say, and is recorded when set)."""
     from .noise import _tf32_flags
 
     env = {"torch": torch.__version__, "kernels": kernels_hash(),
            "tf32": {k: str(v) for k, v in _tf32_flags().items()}, "cudnn_enabled": bool(torch.backends.cudnn.enabled)}
+    if os.environ.get("NVIDIA_TF32_OVERRIDE") is not None:   # absent: the key of caches written before it counted
+        env["tf32_override"] = os.environ["NVIDIA_TF32_OVERRIDE"]
     if device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(idx)

@@ -109,6 +109,12 @@ def test_disk_cache_is_reused_per_environment(tmp_path, monkeypatch):
     assert other.choose("k", torch.device("cpu"), {"a": lambda: 1.0, "b": lambda: 2.0}) == "a"
     entries = json.loads(path.read_text())["entries"]
     assert len(entries) == 2 and all([v["choice"] for v in e.values()] in (["a"], ["b"]) for e in entries.values())
+    # NVIDIA_TF32_OVERRIDE changes what torch's kernels compute without changing torch's flags: its own key
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+    third = autotune.Tuner(cache=path, timer=lambda fn, dev: fn())
+    assert third.choose("k", torch.device("cpu"), {"a": lambda: 2.0, "b": lambda: 1.0}) == "b"
+    assert third.record()["choices"]["k"]["source"] == "timed" and third.record()["env"]["tf32_override"] == "0"
+    assert len(json.loads(path.read_text())["entries"]) == 3
 
 
 @pytest.mark.parametrize("text", ["{not json", "[]", "null", '{"version": 1, "entries": {}}'])
