@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,24 +260,23 @@ def run_invariant(n: int, scratch: Path, args) -> dict:
     layouts = invariant_layouts(BATCH, n)
     out: dict = {}
 
-    def run(key: str, world: int, flags: list[str]) -> bool:
+    def run(key: str, name: str, world: int, flags: list[str]) -> None:
         try:
-            out[key] = _train(world, scratch, f"inv_{key}" if key[0] == "m" else key, flags)
+            out[key] = _train(world, scratch, name, flags)
         except RuntimeError as e:
             out[key] = {"error": failure(e), "world_size": world}
             print(f"invariant {key} failed: {out[key]['error']}", flush=True)
-            return False
-        print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
-        return True
+        else:
+            print(f"invariant {key}: {out[key]['final_checksum']} {out[key]['step_time_ms']:.2f} ms", flush=True)
 
     def one(key: str, micro: int, world: int, kernels: str, extra: list[str], graph: bool) -> None:
-        run(key, world, [*INV_KERNELS[kernels][1], "--world-invariant", "--micro-batch", str(micro), *extra]
-            + (["--cuda-graph"] if graph else []))
+        run(key, f"inv_{key}", world, [*INV_KERNELS[kernels][1], "--world-invariant", "--micro-batch", str(micro),
+                                       *extra] + (["--cuda-graph"] if graph else []))
         out[key].update(micro_batch=micro, graph=graph, kernels=kernels)
 
     # the one-process references without micro-batches, eager and captured
-    run("single_tree", 1, ["--kernel", "tree"])
-    run("single_tree_graph", 1, ["--kernel", "tree", "--cuda-graph"])
+    run("single_tree", "single_tree", 1, ["--kernel", "tree"])
+    run("single_tree_graph", "single_tree_graph", 1, ["--kernel", "tree", "--cuda-graph"])
     for graph in (False, True):
         for micro, world in layouts:
             one(f"m{micro}_w{world}" + ("_graph" if graph else ""), micro, world, "tree", [], graph)
@@ -360,9 +360,11 @@ def _ddp_mode(r: dict) -> str:
     return INV_KERNELS[r.get("kernels", "tree")][2] + ("_graph" if r.get("graph") else "")
 
 
-def _bit_check(inv: dict, rows: list[dict], micro: int, family: str, kernels: str) -> list[str]:
-    """The bullet saying whether one micro-batch size and kernel family gave one set of bits everywhere (and,
-    for a planned family, whether its planning run gave them too), or why it has no rows."""
+def _bit_check(inv: dict, rows: list[dict], micro: int, family: str) -> list[str]:
+    """The bullet saying whether one micro-batch size and kernel family (a key of INV_KERNELS) gave one set of
+    bits everywhere (and, for the planned family, whether its planning run gave them too), or why it has no
+    rows."""
+    kernels = INV_KERNELS[family][0]
     plan = inv.get(f"plan_m{micro}") if family == "fastdet" else None
     if plan and "error" in plan:
         return [f"- micro-batch {micro}, `{kernels}`: failed: `{plan['error']}`."]
@@ -381,9 +383,7 @@ def _bit_check(inv: dict, rows: list[dict], micro: int, family: str, kernels: st
 
 def _choices(plan: dict) -> str:
     """A plan's choices: how many conv configurations chose each candidate."""
-    counts: dict[str, int] = {}
-    for c in plan["choices"].values():
-        counts[c] = counts.get(c, 0) + 1
+    counts = Counter(plan["choices"].values())
     return ", ".join(f"`{c}` x{k}" for c, k in sorted(counts.items())) or "none"
 
 
@@ -505,8 +505,8 @@ def render(data: dict) -> str:
                          f"{r['step_time_ms']:.2f} |")
         lines.append("")
         for micro in sorted({r["micro_batch"] for r in rows}, reverse=True):
-            for family, (kernels, _, _) in INV_KERNELS.items():
-                lines += _bit_check(inv, rows, micro, family, kernels)
+            for family in INV_KERNELS:
+                lines += _bit_check(inv, rows, micro, family)
         for key, label in (("single_tree", "eager"), ("single_tree_graph", "CUDA graph")):
             r = inv.get(key)
             if r:
