@@ -1,0 +1,90 @@
+"""Forward convolution per network shape: what cuDNN's timed choice (cudnn.benchmark) gains over its
+heuristic choice under PyTorch's deterministic mode (what every deterministic routing runs), per layout,
+and what nnrand's deterministic data-gradient kernel gives when it computes the forward of a stride-1
+conv (y = conv(x, w, p) is the data gradient of a conv with weights flip(w)^T and padding k-1-p).
+
+    python bench/dev/conv_fwd_cost.py --model resnet18 --batch 64 --size 32
+    python bench/dev/conv_fwd_cost.py --model torchvision:resnet50 --batch 64 --size 224 --classes 1000
+
+GPU time per call, median of CUDA-graph replays (bench.timing.graph_replay_us), fp32 with TF32 off. The
+heuristic column also names the kernels it launches (torch.profiler), to see the algorithm cuDNN took.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from bench.conv_shapes import conv_shapes, shape_name  # noqa: E402
+from bench.timing import cudnn_flags, graph_replay_us  # noqa: E402
+from nnrand import noise  # noqa: E402
+
+
+def kernel_names(fn) -> str:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return " + ".join(n[:60] for n in dict.fromkeys(names))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--size", type=int, default=32)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--replays", type=int, default=20)
+    args = p.parse_args()
+    tree = kernels.get("conv_dgrad", "tree")
+    totals: dict[str, float] = {}
+    with noise.pinned_flags(tf32=False, cudnn_deterministic=False):
+        for s in conv_shapes(args.model, args.batch, args.size, args.classes):
+            row = {}
+            for layout in ("nchw", "channels_last"):
+                fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+                g = torch.Generator(device="cuda").manual_seed(0)
+                x = torch.randn(*s["x"], device="cuda", generator=g).contiguous(memory_format=fmt)
+                w = torch.randn(*s["w"], device="cuda", generator=g).contiguous(memory_format=fmt)
+
+                def fwd():
+                    return torch.nn.functional.conv2d(x, w, None, s["stride"], s["padding"], s["dilation"],
+                                                      s["groups"])
+                with cudnn_flags(benchmark=True, deterministic=False):
+                    row[f"{layout} fastest"] = graph_replay_us(fwd, calls=args.calls, replays=args.replays)
+                with cudnn_flags(benchmark=True, deterministic=True):
+                    row[f"{layout} det_timed"] = graph_replay_us(fwd, calls=args.calls, replays=args.replays)
+                with cudnn_flags(benchmark=False, deterministic=True):
+                    row[f"{layout} heuristic"] = graph_replay_us(fwd, calls=args.calls, replays=args.replays)
+                    names = kernel_names(fwd)
+                    ref = fwd().double()
+                k = s["w"][-1]
+                if s["stride"] == [1, 1] and s["groups"] == 1 and s["dilation"] == [1, 1]:
+                    wt = w.flip(-1, -2).transpose(0, 1).contiguous(memory_format=fmt)
+                    pad = k - 1 - s["padding"][0]
+                    out_hw = tuple(h + 2 * s["padding"][0] - k + 1 for h in s["x"][-2:])
+
+                    def ours():
+                        return tree(wt, x, input_size=out_hw, padding=pad)
+                    err = (ours().double() - ref).abs().max().item()
+                    row[f"{layout} tree_dgrad"] = graph_replay_us(ours, calls=args.calls, replays=args.replays)
+                    row[f"{layout} tree_err"] = err
+                print(f"{shape_name(s):<22} x{s['count']} {layout:<13} fastest {row[f'{layout} fastest']:7.1f}  "
+                      f"det_timed {row[f'{layout} det_timed']:7.1f}  heuristic {row[f'{layout} heuristic']:7.1f}  "
+                      f"tree_dgrad {row.get(f'{layout} tree_dgrad', float('nan')):7.1f}  [{names}]", flush=True)
+            for key, v in row.items():
+                if not key.endswith("_err"):
+                    totals[key] = totals.get(key, 0.0) + v * s["count"]
+    print("totals (us, count-weighted; tree_dgrad over stride-1 shapes only):")
+    for key, v in totals.items():
+        print(f"  {key:<26} {v:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
