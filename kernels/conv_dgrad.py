@@ -337,6 +337,45 @@ def conv_dgrad_atomic_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1
 
 
 # --------------------------------------------------------------------------------------------------
+# A stride-1 forward conv as a data gradient: y = conv2d(x, w, padding=p) (dilation 1, groups 1) is the
+# data gradient of the conv whose weights are w with Cin and Cout swapped and both spatial axes flipped,
+# w'[ci, co, r, s] = w[co, ci, KH-1-r, KW-1-s], at padding KH-1-p (the taps that read x at offset r - p
+# are the taps that a dy pixel at the same place scatters to). So the tree kernel computes it, with its
+# fixed order: each y element one FMA chain over (kh, kw, ci), kh and kw descending. The routing's
+# fastest-deterministic family offers it to its tuner beside torch's own forward conv.
+
+
+def forward_args(x: torch.Tensor, w: torch.Tensor, padding) -> dict:
+    """The data-gradient arguments that compute ``conv2d(x, w, padding=padding)`` (stride 1, dilation 1):
+    ``input_size`` is y's size, the padding KH-1-p per axis (a padding above KH-1 has no such form)."""
+    check_tensor(OP, "x", x, ndim=4, half_ok=True)
+    check_tensor(OP, "w", w, ndim=4, device=x.device, half_ok=True)
+    kh, kw = int(w.shape[-2]), int(w.shape[-1])
+    ph, pw = _pair("padding", padding, 0)
+    if ph > kh - 1 or pw > kw - 1:
+        raise KernelArgumentError(OP, "padding", f"the forward form takes padding <= kernel size - 1, got {(ph, pw)} "
+                                  f"for a {kh}x{kw} kernel")
+    return dict(input_size=(int(x.shape[-2]) + 2 * ph - kh + 1, int(x.shape[-1]) + 2 * pw - kw + 1),
+                padding=(kh - 1 - ph, kw - 1 - pw))
+
+
+def forward_weights(w: torch.Tensor) -> torch.Tensor:
+    """w' of the forward form: (Cin, Cout, KH, KW), w's spatial axes flipped, contiguous."""
+    return w.flip(-2, -1).transpose(0, 1).contiguous()
+
+
+def conv_forward_tree_cuda(x, w, *, padding=0) -> torch.Tensor:
+    """``conv2d(x, w, padding=padding)``, stride 1, by the tree data-gradient launcher on w' (y in x's
+    layout; bf16/fp16 on tensor cores where conv_mma takes the shape, as the data gradient does)."""
+    return conv_dgrad_tree_cuda(forward_weights(w), x, **forward_args(x, w, padding))
+
+
+def conv_forward_tree_cpu(x, w, *, padding=0, rng=None) -> torch.Tensor:
+    """The CPU order model of :func:`conv_forward_tree_cuda`: the tree data gradient's model on w'."""
+    return conv_dgrad_tree_cpu(forward_weights(w), x, **forward_args(x, w, padding))
+
+
+# --------------------------------------------------------------------------------------------------
 # CPU order models
 
 

@@ -6,7 +6,8 @@
         loss.backward()
     print(routing.coverage)
 
-Forward passes stay torch's. While the context is open, the aten backward ops that carry the
+Forward passes stay torch's, except forward convs where conv_dgrad is routed ``auto`` (below). While the
+context is open, the aten backward ops that carry the
 nondeterministic reductions run the registry's variants, whoever calls them: any ``nn.Module`` (a subclass
 too), a functional call, torchvision/timm models, a ``torch.compile``d model (inductor calls
 ``convolution_backward`` as an extern kernel) and CUDA-graph captured steps. The door is a
@@ -40,7 +41,10 @@ The family ``tree`` means each op's fixed-order variant: ``sorted`` for the thre
 family ``fastest-deterministic`` is ``tree`` except on the conv ops, which it routes ``auto``: per conv
 configuration, the fastest of the deterministic candidates (the registry's deterministic variants and
 torch's own kernel under PyTorch's deterministic mode, ``torch_det``), timed once and cached on disk by
-``nnrand.autotune``; the coverage names what ran, ``routing.tuner.record()`` every choice. Its
+``nnrand.autotune``; the coverage names what ran, ``routing.tuner.record()`` every choice. With conv_dgrad
+routed ``auto`` the forward convs are tuned too (aten::convolution, tuner key ``conv_fwd``): a stride-1
+forward conv is conv_dgrad's ``tree`` on flipped, transposed weights, the tuner's other candidate is torch's
+own forward (whose algorithm cuDNN's heuristic picks with cudnn.benchmark off, not always its fastest). Its
 scatter_add with a full index (each element its own destination row, not one index per row broadcast
 along it) runs ``fixed``, which needs no sort of the N * D keys (unless scatter_add is set to another
 variant); the coverage counts it as ``fixed``.
@@ -540,6 +544,82 @@ def _conv_plan(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, pa
         wide=wide, ops=tuple(v.op if v is not None and not isinstance(v, Auto) else "" for v in (plan[1], plan[0], plan[2])))
 
 
+# --------------------------------------------------------------------------------------------------
+# Forward convolutions under ``auto``. Forward convs are deterministic in torch under its deterministic
+# mode, but with cudnn.benchmark off (as that mode needs) cuDNN's heuristic sometimes picks a slow algorithm
+# (FFT for 3x3 64->64 at 32x32 on an H200, 4x its implicit GEMM). A stride-1 forward conv is the data
+# gradient of the conv with flipped, transposed weights (kernels/conv_dgrad.py, "forward form"), so when
+# conv_dgrad is routed ``auto`` the tuner also picks, per forward configuration, between that form of
+# conv_dgrad's ``tree`` and torch's own forward (``torch_det``): key op ``conv_fwd``.
+
+FORWARD_ATEN = "convolution"
+FORWARD_KEY = "conv_fwd"
+
+
+@dataclass(frozen=True)
+class _ForwardPlan:
+    """What ``_conv_forward`` does for one call signature: ``fn(x, w) -> y`` (the forward form of
+    conv_dgrad's tree), or None for torch's kernel, with the label and reason the coverage counts."""
+    fn: Callable | None
+    label: str
+    reason: str | None = None
+
+
+def _forward_plan(s: "_Session", original, keyset, args: tuple) -> _ForwardPlan:
+    from . import autotune
+
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
+    det_ok = torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic \
+        and not torch.backends.cudnn.benchmark
+    why = None
+    if not det_ok:
+        why = "torch's deterministic mode is off"
+    elif transposed or x.dim() != 4 or groups != 1:
+        why = "transposed, grouped or not 2-D"
+    elif _pair(stride) != (1, 1) or _pair(dilation) != (1, 1):
+        why = "stride or dilation other than 1"
+    elif not _floating(x, w, bias) or w.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        why = f"dtype {x.dtype}"
+    elif _pair(padding)[0] > w.shape[-2] - 1 or _pair(padding)[1] > w.shape[-1] - 1:
+        why = "padding wider than the kernel"
+    if why is not None:
+        return _ForwardPlan(None, ORIGINAL, why)
+    pad = _pair(padding)
+    fmt = memory_format_of(x)
+    fn = kernels.conv_dgrad.conv_forward_tree_cuda if x.is_cuda else kernels.conv_dgrad.conv_forward_tree_cpu
+    x_ = x.contiguous(memory_format=fmt)
+    candidates = {"tree": lambda: fn(x_, w, padding=pad), autotune.TORCH_DET: lambda: original.call_boxed(keyset, *args)}
+    key = autotune.conv_key(FORWARD_KEY, x, w, (1, 1), pad, (1, 1), 1,
+                            "channels_last" if fmt == torch.channels_last else "nchw")
+    if s.tuner.choose(key, x.device, candidates) == "tree":
+        return _ForwardPlan(functools.partial(fn, padding=pad), "tree")
+    return _ForwardPlan(None, autotune.TORCH_DET)
+
+
+def _conv_forward(s: "_Session", original, keyset, x, w, bias, stride, padding, dilation, transposed,
+                  output_padding, groups):
+    args = (x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
+    key = (x.dtype, w.dtype, None if bias is None else bias.dtype, x.device, x.shape, x.stride(), w.shape, w.stride(),
+           tuple(stride), tuple(padding), tuple(dilation), bool(transposed), groups,
+           torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+           torch.backends.cudnn.benchmark)
+    plan = s.fwd_plans.get(key)
+    if plan is None:
+        plan = _forward_plan(s, original, keyset, args)
+        if len(s.fwd_plans) < PLAN_LIMIT:
+            s.fwd_plans[key] = plan
+    s.coverage.add(FORWARD_ATEN, plan.label, plan.reason)
+    if plan.fn is None:
+        return original.call_boxed(keyset, *args)
+    fmt = memory_format_of(x)
+    y = plan.fn(x.contiguous(memory_format=fmt), w)
+    if bias is not None:
+        y.add_(bias.view(1, -1, 1, 1))
+    # torch's layout contract: channels_last when the input or the weight is
+    return y.contiguous(memory_format=torch.channels_last if torch.channels_last in (fmt, memory_format_of(w))
+                        else torch.contiguous_format)
+
+
 def _param_strides(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``g`` (dense, ``p``'s shape) with ``p``'s own strides where the two differ only in dimensions of
     size 1 (a 1x1 kernel's weight reads the same in either layout): the same bytes, a view. A parameter's
@@ -911,6 +991,9 @@ class _Session:
         self.tuned_memo: dict[tuple, object] = {}   # conv call signature -> the tuner's variant (None: torch_det)
         self.conv_auto = any(self.conv_tuned) or any(self.conv_grouped_tuned)
         self.conv_plans: dict[tuple, _ConvPlan] = {}  # _conv_key -> what convolution_backward does there
+        # conv_dgrad routed auto: forward convs tuned too (their forward form, see _conv_forward)
+        self.conv_fwd_auto = isinstance(self.conv[1], Auto)
+        self.fwd_plans: dict[tuple, _ForwardPlan] = {}
         self.aap = routing.variant("adaptive_avg_pool2d_bwd")
         self.up = routing.variant("upsample_bilinear2d_bwd")
         self.emb = routing.variant("embedding_bwd")
@@ -1093,8 +1176,11 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
             routes = [r for r in ATEN_OPS if any(routing.used[o] != NATIVE for o in r.routed)]
             guarded = tuple(g for g in UNCOVERED_OPS if g.routed_by is None or routing.used[g.routed_by] == NATIVE) \
                 if routing.claims_determinism else ()
-            if routes or guarded:
+            forward = session.conv_fwd_auto
+            if routes or guarded or forward:
                 originals = {(r.op, k): _load_original(r.op, k) for r in routes for k in r.keys}
+                if forward:
+                    originals.update({(FORWARD_ATEN, k): _load_original(FORWARD_ATEN, k) for k in ("CPU", "CUDA")})
                 originals.update({(g.op, k): _load_original(g.op, k) for g in guarded for k in ("CPU", "CUDA")})
                 lib = torch.library.Library("aten", "IMPL")
                 with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
@@ -1110,6 +1196,12 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
                             if originals[g.op, k] is not None:
                                 lib.impl(g.op, _bind(_guarded_forward, session, originals[g.op, k], g), k,
                                          with_keyset=True)
+                    if forward:
+                        for k in ("CPU", "CUDA"):
+                            if originals[FORWARD_ATEN, k] is not None:
+                                lib.impl(FORWARD_ATEN, _bind(_conv_forward, session, originals[FORWARD_ATEN, k]), k,
+                                         with_keyset=True)
+                        session.overridden.append(FORWARD_ATEN)
             if routing.claims_determinism:
                 stack.enter_context(_deterministic_mode(strict))
                 if not strict:

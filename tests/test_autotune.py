@@ -17,14 +17,16 @@ from .test_distributed import RUN, torchrun
 from .test_train import tiny
 
 
-def ranked_timer(order: list[str], seen: list | None = None):
+def ranked_timer(order: list[str], seen: list | None = None, forward: list[str] | None = None):
     """A timer that ranks candidates by their position in ``order`` (first = fastest), without running
-    them; ``seen`` collects the names asked for."""
+    them; ``forward``: the order for forward convs (``conv_fwd`` keys), ``order`` when None; ``seen``
+    collects the names asked for."""
     def timer(fn, device):
         name = fn.__nnrand_name__
         if seen is not None:
             seen.append(name)
-        return float(order.index(name) + 1) if name in order else 1e9
+        rank = forward if forward is not None and fn.__nnrand_key__.startswith(routing.FORWARD_KEY + " ") else order
+        return float(rank.index(name) + 1) if name in rank else 1e9
     return timer
 
 
@@ -36,7 +38,7 @@ def _named_candidates(monkeypatch):
 
     def tagged(self, key, device, candidates):
         for name, fn in candidates.items():
-            fn.__nnrand_name__ = name
+            fn.__nnrand_name__, fn.__nnrand_key__ = name, key
         return real(self, key, device, candidates)
     monkeypatch.setattr(autotune.Tuner, "_time", tagged)
 
@@ -190,10 +192,14 @@ def test_torch_kernel_is_no_candidate_outside_deterministic_mode():
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
 def test_routed_bits_are_the_chosen_candidates(layout):
     tree, _ = grads("tree", layout=layout)
-    auto_tree, r = grads(tuner=autotune.Tuner(cache=None, timer=ranked_timer(["tree"])), layout=layout)
+    # the forward convs torch's, as under tree
+    auto_tree, r = grads(tuner=autotune.Tuner(cache=None, timer=ranked_timer(["tree"], forward=[autotune.TORCH_DET])),
+                         layout=layout)
     for a, b in zip(tree, auto_tree):
         assert torch.equal(a, b)
     assert r.coverage["convolution_backward"] == {"tree": 3}
+    # the stride-1 ungrouped conv is the one forward the tuner chose for; the others are not its to take
+    assert r.coverage["convolution"] == {"torch_det": 1, "original": 2}
     # torch's kernel chosen everywhere: the gradients are torch's (its CPU conv backward), the channel
     # reductions still tree's
     native, _ = grads("tree", ops={op: "native" for op in routing.TUNABLE}, layout=layout)
@@ -205,6 +211,47 @@ def test_routed_bits_are_the_chosen_candidates(layout):
     assert any(k.startswith("conv_dgrad_grouped ") and " g=2 " in k for k in keys)
     want = "channels_last" if layout == torch.channels_last else "nchw"
     assert all(k.endswith(f" {want} float32") for k in keys)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+def test_forward_conv_runs_the_chosen_candidate(layout):
+    """conv_dgrad routed auto tunes the stride-1 forward convs too: with its tree form chosen, the first
+    conv's output is bitwise the forward form's (conv_dgrad's tree model on flipped, transposed weights)
+    plus the bias, in torch's layout, within the float32 bound of torch's own conv; gradients still flow."""
+    m = net().to(memory_format=layout)
+    x = torch.randn(4, 3, 12, 12, generator=torch.Generator().manual_seed(1)).to(memory_format=layout)
+    x.requires_grad_(True)
+    seen = {}
+    m[0].register_forward_hook(lambda mod, inp, out: seen.update(y=out.detach().clone()))   # returns None
+    tuner = autotune.Tuner(cache=None, timer=ranked_timer([autotune.TORCH_DET], forward=["tree"]))
+    with nnrand.use_kernels("fastest-deterministic", tuner=tuner) as r:
+        m(x).square().sum().backward()
+        assert "convolution" in r.aten_ops
+    assert r.coverage["convolution"] == {"tree": 1, "original": 2}
+    (key,) = [k for k in tuner.record()["choices"] if k.startswith("conv_fwd ")]
+    want_layout = "channels_last" if layout == torch.channels_last else "nchw"
+    assert key == f"conv_fwd x=4x3x12x12 w=8x3x3x3 s=1x1 p=1x1 d=1x1 g=1 {want_layout} float32"
+    w, b = m[0].weight.detach(), m[0].bias.detach()
+    expect = kernels.conv_dgrad.conv_forward_tree_cpu(x.detach(), w, padding=1) + b.view(1, -1, 1, 1)
+    y = seen["y"]
+    assert torch.equal(y, expect)
+    assert y.is_contiguous(memory_format=layout)
+    # the tree model sums the Cin = 3 products of a tap in a float32 matmul, then adds the 9 taps into +0.0:
+    # k = Cin + KH*KW + 1 roundings per product, |error| <= gamma_k * sum |x||w| (gamma_k = k u / (1 - k u),
+    # u = 2^-24); plus the bias addition's one rounding, <= u |y|
+    k, u = 3 + 9 + 1, 2.0 ** -24
+    mag = torch.nn.functional.conv2d(x.detach().double().abs(), w.double().abs(), None, 1, 1)
+    ref = torch.nn.functional.conv2d(x.detach().double(), w.double(), b.double(), 1, 1)
+    bound = k * u / (1 - k * u) * mag + u * ref.abs()
+    assert ((y.double() - ref).abs() <= bound).all()
+    assert x.grad is not None and all(p.grad is not None for p in m.parameters())
+
+
+def test_forward_conv_is_not_tuned_outside_deterministic_mode():
+    """conv_dgrad=auto under atomic: torch's forward keeps its own algorithm choice, nothing is timed for it."""
+    _, r = grads("atomic", autotune.Tuner(cache=None, timer=ranked_timer(["tree"])), ops={"conv_dgrad": "auto"})
+    assert not any(k.startswith("conv_fwd ") for k in r.tuner.record()["choices"])
+    assert r.coverage["convolution"] == {"original": 3}
 
 
 def test_same_choices_same_bits_across_tuners(tmp_path):

@@ -432,3 +432,47 @@ def test_cuda_matches_model_within_bound():
     mag = SPEC.reference((w.cpu().abs(), dy.cpu().abs()), kw)
     k = (64 * 9 + 1) + (64 + 9 + 1)
     assert ((gpu.double() - cpu.double()).abs() <= gamma(k) * mag).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_forward_form(dtype):
+    """A stride-1 forward conv as the tree data gradient on flipped, transposed weights (what the routing's
+    tuner offers for forward convs): bitwise the data-gradient launcher's result on those weights, 10
+    repeats one result, within the tree bound of float64 conv2d (k = Cin*KH*KW + 1 FFMA roundings; bf16:
+    the larger of that and the tensor-core bound of tests/test_conv_mma_gpu.py, 18 * 2^-23 per 16-product
+    instruction, relative to the sum of magnitudes, then one rounding to bf16). Shapes: 3x3 "same", 1x1,
+    5x5 with padding 1, 3x3 without, a 16 -> 3 conv (the stem kernel: 3 output channels), both layouts."""
+    u = 2.0 ** -24
+    for i, (n, cin, cout, k, p, h) in enumerate([(4, 64, 64, 3, 1, 16), (4, 32, 128, 1, 0, 8), (2, 8, 16, 5, 1, 11),
+                                               (3, 16, 24, 3, 0, 9), (2, 16, 3, 3, 1, 12)]):
+        for layout in (torch.contiguous_format, torch.channels_last):
+            g = torch.Generator(device="cuda").manual_seed(900 + i)
+            x = torch.randn(n, cin, h, h, device="cuda", generator=g).to(dtype).contiguous(memory_format=layout)
+            w = torch.randn(cout, cin, k, k, device="cuda", generator=g).to(dtype).contiguous(memory_format=layout)
+            y = cd.conv_forward_tree_cuda(x, w, padding=p)
+            same = TREE(cd.forward_weights(w), x, **cd.forward_args(x, w, p))
+            assert_bitwise_equal(y, same, f"forward {i} {layout}")
+            assert len({cd.conv_forward_tree_cuda(x, w, padding=p).cpu().float().numpy().tobytes()
+                        for _ in range(10)}) == 1
+            ref = torch.nn.functional.conv2d(x.double(), w.double(), None, 1, p)
+            mag = torch.nn.functional.conv2d(x.double().abs(), w.double().abs(), None, 1, p)
+            kk = cin * k * k + 1
+            bound = kk * u / (1 - kk * u) * mag
+            if dtype == torch.bfloat16:   # tensor cores where conv_mma takes the shape, else the float32 kernel
+                bound = torch.maximum(bound, -(-(cin * k * k) // 16) * 18 * 2.0 ** -23 * mag)
+                bound = bound + 2.0 ** -8 * (ref.abs() + bound)
+            assert y.shape == ref.shape and y.dtype == dtype
+            assert ((y.double() - ref).abs() <= bound).all(), f"forward {i} {layout}"
+    torch.cuda.synchronize()
+
+
+def test_forward_form_arguments_and_refusal():
+    """conv2d(x, w, padding=p) at stride 1 is the data gradient at padding K-1-p with y's size as the
+    input size; a padding wider than K-1 has no such form and is refused, naming the argument."""
+    x, w = torch.zeros(2, 3, 10, 12), torch.zeros(5, 3, 3, 5)
+    assert cd.forward_args(x, w, (1, 2)) == {"input_size": (10, 12), "padding": (1, 2)}
+    assert cd.forward_args(x, w, 0) == {"input_size": (8, 8), "padding": (2, 4)}
+    with pytest.raises(KernelArgumentError, match=r"conv_dgrad.*padding.*<= kernel size - 1"):
+        cd.forward_args(x, w, (3, 0))
+    assert cd.forward_weights(w).shape == (3, 5, 3, 5) and cd.forward_weights(w).is_contiguous()
