@@ -12,6 +12,10 @@
 //           visits only the taps that can hit its pixels (1 of 4 for a 3x3 stride-2 pixel on an even
 //           row and column). Each dx element is one thread's FMA chain in a fixed order (taps with kh
 //           then kw ascending, co ascending inside a tap) and is written once: DETERMINISTIC.
+//           Split K (stride 1, few blocks: small images, deep layers): the launcher splits that chain
+//           into ksplit contiguous ranges of (tap, co chunk) slices, a function of the shape alone;
+//           each range is one FMA chain written as a partial, and conv_dgrad_split_sum adds the
+//           partials in split order: still one fixed order per element.
 //           Cin <= 4 with dilation 1 (network stems) runs tree_stem instead: a few pixels per
 //           thread, dy patch and weights staged in shared memory, its own fixed order.
 //
@@ -52,7 +56,8 @@ __device__ __forceinline__ void dgrad_gemm(
     int N, int Cin, int H, int W, int Cout, int OH, int OW, int KH, int KW,
     int sh, int sw, int ph, int pw, int dh, int dw,
     long long dy_sn, long long dy_sc, long long dy_sh, long long dy_sw,
-    long long dx_sn, long long dx_sc, long long dx_sh, long long dx_sw, int skip_empty) {
+    long long dx_sn, long long dx_sc, long long dx_sh, long long dx_sw, int skip_empty,
+    int ksplit, float* __restrict__ part) {
     __shared__ __align__(16) float smem[DG_BN * DG_LDA];  // operands while looping, C tile after
     __shared__ int s_kh[DG_MAXK], s_oh[DG_MAXK], s_kw[DG_MAXK], s_ow[DG_MAXK];
     __shared__ int s_nkh, s_nkw;
@@ -77,8 +82,11 @@ __device__ __forceinline__ void dgrad_gemm(
     // atomic: one 1-D grid with the column tile fastest, so the blocks holding the taps of one dy tile
     // (and so the overlapping contributions to one dx region) run side by side and race for real.
     const int ctiles = (ncols + DG_BN - 1) / DG_BN;
+    // tree, split K: grid y is (column tile, split) with the split fastest; split ks reduces its own
+    // contiguous range of the (tap, co chunk) slices and writes a partial tile (see the epilogue)
+    const int ks = SCATTER ? 0 : (int)blockIdx.y % ksplit;
     const int m0 = (SCATTER ? (int)(blockIdx.x / ctiles) : (int)blockIdx.x) * DG_BM;
-    const int c0 = (SCATTER ? (int)(blockIdx.x % ctiles) : (int)blockIdx.y) * DG_BN;
+    const int c0 = (SCATTER ? (int)(blockIdx.x % ctiles) : (int)blockIdx.y / ksplit) * DG_BN;
     if (m0 >= M) return;  // uniform over the block (phases differ in size)
 
     int ntaps = 1;
@@ -118,6 +126,7 @@ __device__ __forceinline__ void dgrad_gemm(
     }
     const int cochunks = (Cout + DG_BK - 1) / DG_BK;
     const int KT = ntaps * cochunks;
+    const int kt0 = (int)((long long)KT * ks / ksplit), kt1 = (int)((long long)KT * (ks + 1) / ksplit);
 
     // A loads: NCHW -> each thread one pixel, 4 consecutive k (lanes run along pixels);
     //          CL   -> each thread 4 pixels, one k (lanes run along channels).
@@ -139,7 +148,7 @@ __device__ __forceinline__ void dgrad_gemm(
         a_ok[p] = a_in[p];
         a_off[p] = (long long)a_n[p] * dy_sn + (long long)a_i[p] * dy_sh + (long long)a_j[p] * dy_sw;
     }
-    int tap = 0, co0 = 0, wrow = 0;  // wrow: first B row of the current tap
+    int tap = kt0 / cochunks, co0 = (kt0 - tap * cochunks) * DG_BK, wrow = 0;  // wrow: first B row of the tap
     auto set_tap = [&](int tp) {
         if (SCATTER) return;
         const int a = tp / s_nkw, b = tp - a * s_nkw;
@@ -188,14 +197,14 @@ __device__ __forceinline__ void dgrad_gemm(
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
 
-    if (KT > 0) {
-        set_tap(0);
+    if (kt1 > kt0) {
+        set_tap(tap);
         load_tile();
         store_tile(0);
         __syncthreads();
-        for (int kt = 0; kt < KT; ++kt) {
-            const int buf = kt & 1;
-            const bool more = kt + 1 < KT;
+        for (int kt = kt0; kt < kt1; ++kt) {
+            const int buf = (kt - kt0) & 1;
+            const bool more = kt + 1 < kt1;
             if (more) {  // fetch the next slice into registers while this one is multiplied
                 co0 += DG_BK;
                 if (co0 >= Cout) { co0 = 0; set_tap(++tap); }
@@ -244,8 +253,10 @@ __device__ __forceinline__ void dgrad_gemm(
             if (h < 0 || h >= H || w < 0 || w >= W) continue;
             atomicAdd(dx + (long long)n * dx_sn + (long long)ci * dx_sc + (long long)h * dx_sh + (long long)w * dx_sw, v);
         } else {
+            // split K: partial ks goes to part + ks * (the dense dx's size), at dx's offsets
+            float* out = ksplit > 1 ? part + (long long)ks * N * Cin * H * W : dx;
             const int h = rh + sh * i, w = rw + sw * j;
-            dx[(long long)n * dx_sn + (long long)gc * dx_sc + (long long)h * dx_sh + (long long)w * dx_sw] = v;
+            out[(long long)n * dx_sn + (long long)gc * dx_sc + (long long)h * dx_sh + (long long)w * dx_sw] = v;
         }
     }
 }
@@ -259,17 +270,30 @@ __device__ __forceinline__ void dgrad_gemm(
     dy, wmat, dx, N, Cin, H, W, Cout, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, dy_sn, dy_sc, dy_sh, \
         dy_sw, dx_sn, dx_sc, dx_sh, dx_sw, skip_empty
 
-extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_nchw(DG_ARGS) {
-    dgrad_gemm<false, false>(DG_PASS);
+// The GEMM kernels also take the split: ksplit (1 for atomic) and the partials' buffer (null unless ksplit > 1).
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_nchw(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm<false, false>(DG_PASS, ksplit, part);
 }
-extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_cl(DG_ARGS) {
-    dgrad_gemm<false, true>(DG_PASS);
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_cl(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm<false, true>(DG_PASS, ksplit, part);
 }
-extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_atomic_nchw(DG_ARGS) {
-    dgrad_gemm<true, false>(DG_PASS);
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_atomic_nchw(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm<true, false>(DG_PASS, 1, nullptr);
 }
-extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_atomic_cl(DG_ARGS) {
-    dgrad_gemm<true, true>(DG_PASS);
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_atomic_cl(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm<true, true>(DG_PASS, 1, nullptr);
+}
+
+// The split-K combine: dx[i] = ((part[0][i] + part[1][i]) + part[2][i]) + ..., in split order, one thread
+// per element (grid-stride). Fixed order, one write: deterministic.
+extern "C" __global__ void conv_dgrad_split_sum(const float* __restrict__ part, float* __restrict__ dx,
+                                                long long numel, int ksplit) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < numel;
+         i += (long long)gridDim.x * blockDim.x) {
+        float s = part[i];
+        for (int k = 1; k < ksplit; ++k) s += part[(long long)k * numel + i];
+        dx[i] = s;
+    }
 }
 
 // tree_stem: Cin <= 4 (network stems), dilation 1. A 64-column GEMM tile would waste 15/16 of its work

@@ -187,7 +187,8 @@ def _cuda_prologue(w, dy, input_size, stride, padding, dilation, *, half_ok: boo
 class LaunchPlan(NamedTuple):
     """Everything about one launch that depends only on the geometry (cached): the kernel, its grid,
     block and dynamic shared memory, the scalar arguments after the three pointers, whether dx is
-    zero-filled first, and how w is repacked ('stem', 'tap_major' or 'channels_last')."""
+    zero-filled first, how w is repacked ('stem', 'tap_major' or 'channels_last'), and the GEMM
+    kernels' split of the reduction (None: the stem kernel, which takes no split arguments)."""
 
     kernel: str
     grid: tuple[int, int, int]
@@ -196,6 +197,7 @@ class LaunchPlan(NamedTuple):
     scalars: tuple
     zero_fill: bool
     packing: str
+    ksplit: int | None = None
 
 
 def _geometry_args(g: Geometry, dy_stride: tuple[int, ...]) -> tuple:
@@ -263,6 +265,23 @@ def _stem_plan(g: Geometry, dy_stride: tuple[int, ...]) -> tuple | None:
 EMPTY_ZEROS = "auto"
 
 
+# Split K of the tree GEMM: a stride-1 shape whose launch has fewer blocks than SPLIT_TARGET splits each
+# element's reduction into ksplit = min(SPLIT_TARGET // blocks, SPLIT_MAX, slices // SPLIT_MIN_SLICES)
+# ranges (partials, then a fixed-order sum). SPLIT_TARGET is two resident blocks on each of 132 SMs (H100,
+# H200): a constant, not read from the device, so a shape's bits are the same on every GPU.
+SPLIT_TARGET = 264
+SPLIT_MAX = 8
+SPLIT_MIN_SLICES = 16   # (tap, 8 output channels) slices per range, at least
+
+
+def tree_split(g: Geometry, blocks: int) -> int:
+    """How many ranges the tree GEMM splits each dx element's reduction into (1: no split)."""
+    if g.sh != 1 or g.sw != 1 or blocks >= SPLIT_TARGET:
+        return 1
+    slices = g.kh * g.kw * cdiv(g.cout, 8)
+    return max(1, min(SPLIT_TARGET // blocks, SPLIT_MAX, slices // SPLIT_MIN_SLICES))
+
+
 def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     if EMPTY_ZEROS not in ("auto", "memset", "kernel"):
         raise ValueError(f"{OP}: EMPTY_ZEROS must be 'auto', 'memset' or 'kernel', got {EMPTY_ZEROS!r}")
@@ -282,8 +301,10 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str) -> Lau
     if empty_zeros == "auto":
         empty_zeros = "kernel" if g.layout == "channels_last" and g.cin % 4 == 0 else "memset"
     fill = empty and empty_zeros == "memset"
-    return LaunchPlan(kernel, (cdiv(rows, BM), cdiv(g.cin, BN), g.sh * g.sw), (THREADS,), 0,
-                      (*head[:-1], np.int32(fill)), fill, "tap_major")
+    grid = (cdiv(rows, BM), cdiv(g.cin, BN), g.sh * g.sw)
+    ksplit = tree_split(g, grid[0] * grid[1] * grid[2])
+    return LaunchPlan(kernel, (grid[0], grid[1] * ksplit, grid[2]), (THREADS,), 0,
+                      (*head[:-1], np.int32(fill), np.int32(ksplit)), fill, "tap_major", ksplit)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -293,8 +314,8 @@ def atomic_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
         raise KernelArgumentError(OP, "dy", f"{blocks} blocks exceed the launch grid")
     kernel = "conv_dgrad_atomic_cl" if g.layout == "channels_last" else "conv_dgrad_atomic_nchw"
     # the scatter accumulates into zeros
-    return LaunchPlan(kernel, (blocks, 1, 1), (THREADS,), 0, (*_geometry_args(g, dy_stride), np.int32(0)),
-                      True, "channels_last")
+    return LaunchPlan(kernel, (blocks, 1, 1), (THREADS,), 0,
+                      (*_geometry_args(g, dy_stride), np.int32(0), np.int32(1)), True, "channels_last", 1)
 
 
 def _pack_weights(w: torch.Tensor, g: Geometry, packing: str) -> torch.Tensor:
@@ -315,8 +336,17 @@ def _run(plan_of, w, dy, input_size, stride, padding, dilation) -> torch.Tensor:
     kernel = plan.kernel
     if plan.packing == "stem" and dy.data_ptr() % 16 and not kernel.endswith("_scalar"):
         kernel = kernel.rsplit("_", 1)[0] + "_scalar"  # vector loads need a 16-byte aligned dy
-    launch(function(SOURCE, kernel, dy.device), plan.grid, plan.block,
-           (ptr(dy), ptr(wmat), ptr(dx), *plan.scalars), device=dy.device, shared_mem=plan.shared)
+    args = (ptr(dy), ptr(wmat), ptr(dx), *plan.scalars)
+    part = None
+    if plan.ksplit is not None:   # the GEMM kernels: the partials' buffer (null without a split)
+        part = torch.empty(plan.ksplit * dx.numel(), dtype=torch.float32, device=dy.device) if plan.ksplit > 1 else None
+        args = (*args, ptr(part) if part is not None else np.uint64(0))
+    launch(function(SOURCE, kernel, dy.device), plan.grid, plan.block, args, device=dy.device,
+           shared_mem=plan.shared)
+    if part is not None:
+        n = dx.numel()
+        launch(function(SOURCE, "conv_dgrad_split_sum", dy.device), (min(cdiv(n, 256), 4096), 1, 1), (256,),
+               (ptr(part), ptr(dx), np.int64(n), np.int32(plan.ksplit)), device=dy.device)
     return dx
 
 

@@ -11,6 +11,8 @@ computed in float64. Roundings per product:
 - CUDA atomic: an FFMA chain over Cout (Cout roundings), then <= KH*KW atomic additions into +0.0:
   k = Cout + KH*KW (Cout + KH*KW + 1 is used, the same bound as the models).
 - CUDA tree: one FFMA chain over every (tap, co) of the element: k = Cout*KH*KW (+1 kept for symmetry).
+  Split K (S ranges, each at least 16 slices of 8 products) cuts the chain into S chains added in order
+  afterwards: a product meets at most K/S + 8 roundings in its chain and S - 1 in the sum, <= K + 1.
 """
 from __future__ import annotations
 
@@ -476,3 +478,34 @@ def test_forward_form_arguments_and_refusal():
     with pytest.raises(KernelArgumentError, match=r"conv_dgrad.*padding.*<= kernel size - 1"):
         cd.forward_args(x, w, (3, 0))
     assert cd.forward_weights(w).shape == (3, 5, 3, 5) and cd.forward_weights(w).is_contiguous()
+
+
+@pytest.mark.gpu
+def test_cuda_tree_split_k():
+    """Deep layers at small batches split each element's reduction (partials, then a sum in split order):
+    the plan splits 512->512 at 4x4 (8 blocks), not a stride-2 conv; split and unsplit results are both
+    within the tree bound of float64, 10 split repeats give one result, and both layouts the same bits."""
+    s = ConvShape("c512_4", 4, 512, 512, 3, 1, 1, 4, 4)
+    w, dy, kw = inputs(make_case(s, "nchw", 950), "cuda")
+    g = cd._check(w, dy, kw["input_size"], kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
+    assert cd.tree_plan(g, tuple(dy.stride())).ksplit == cd.SPLIT_MAX
+    g2 = cd._check(w, dy[..., ::2, ::2].contiguous(), kw["input_size"], 2, 1, 1)
+    assert cd.tree_plan(g2, tuple(dy[..., ::2, ::2].contiguous().stride())).ksplit == 1
+    split = TREE(w, dy, **kw)
+    assert distinct([TREE(w, dy, **kw) for _ in range(10)]) == 1
+    assert_bitwise_equal(TREE(w, dy.contiguous(memory_format=torch.channels_last), **kw).contiguous(), split,
+                         "split, channels_last")
+    cd._tree_plan.cache_clear()
+    try:
+        cd.SPLIT_TARGET, target = 0, cd.SPLIT_TARGET
+        unsplit = TREE(w, dy, **kw)
+    finally:
+        cd.SPLIT_TARGET = target
+        cd._tree_plan.cache_clear()
+    exact = SPEC.reference((w.cpu().double(), dy.cpu().double()), kw)
+    mag = SPEC.reference((w.cpu().abs().double(), dy.cpu().abs().double()), kw)
+    bound = gamma(512 * 9 + 1) * mag
+    for got in (split, unsplit):
+        assert ((got.cpu().double() - exact).abs() <= bound).all()
+    assert not torch.equal(split, unsplit)   # the split is a different order: bits differ somewhere
+    torch.cuda.synchronize()
