@@ -6,8 +6,8 @@ accumulation is float32, as under the widening call; what differs is the order a
 inside a tensor-core instruction, so the bits are not those of the float32 kernels on widened tensors
 (those variants are not CPU bit-exact either). What each keeps:
 
-- wgrad ``tree``: the split of the reduction of the float32 variant (``conv_wgrad.plan``: the same chunks,
-  a function of the shapes only), each chunk's partial tile on tensor cores, the partials added in the
+- wgrad ``tree``: the split of the reduction of the float32 variant (``conv_wgrad.plan`` without its
+  refit to whole waves: chunks that are a function of the shapes only), each chunk's partial tile on tensor cores, the partials added in the
   same fixed order (``conv_wgrad.tree_combine``), rounded once. Deterministic.
 - wgrad ``atomic``: the same chunks, partials atomicAdd-ed in arrival order. Nondeterministic.
 - dgrad ``tree``: one implicit GEMM over (kh, kw, co), every dx element owned by one thread. Deterministic.

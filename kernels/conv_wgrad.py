@@ -69,6 +69,20 @@ MIN_SPLITS = 8
 # s2: 100.9 / 96.4 as 2 tiles x 16 splits, 43.8 / 41.1 as 8 tiles x 32; 256->512 1x1 s2 8x8: 57.8 /
 # 58.5 as 8 x 8, 41.4 / 41.9 as 32 x 8.
 MIN_BLOCKS = 256
+# Waves. Where the plan above gives at most WAVE_PLAN_MAX blocks (few waves, so the last one's tail
+# counts), the split is redone to fill whole waves of WAVE_BLOCKS blocks (2 per SM on 132 SMs, a
+# constant): one wave up to ONE_WAVE_TILES output tiles, two above (a third of a wave per split step is
+# too coarse there). Fewer, longer chunks also leave fewer partials to combine. H200, fp32, NCHW, tree,
+# us per call before / after (bench/dev/conv_split_waves.py, ResNet-18 CIFAR shapes): batch 64:
+# 128->128 3x3 16x16 213.1 / 156.2, 256->256 3x3 8x8 214.5 / 162.0, 512->512 3x3 4x4 213.8 / 205.5,
+# 64->128 1x1 s2 37.3 / 17.5, 256->512 3x3 s2 129.0 / 115.8; batch 128: 64->128 3x3 s2 262.8 / 171.9,
+# 128->256 3x3 s2 224.5 / 162.0, 256->256 3x3 8x8 354.6 / 309.6. Plans with more blocks (64->64 3x3
+# 32x32: 1152 and 2052 blocks, 512->512 3x3 4x4 at batch 128: 1152) measured faster as they are. The
+# tensor-core wgrad (conv_mma.py) keeps the plan without this step.
+WAVE_BLOCKS = 264
+WAVE_PLAN_MAX = 4 * WAVE_BLOCKS
+ONE_WAVE_TILES = 48
+WAVE_MIN_CHUNK = 128   # the 64->128 1x1 s2 time above is with chunks of 128 terms
 # Where the GEMM keeps its per-row load constants: "s" shared memory (channels_last inputs get their
 # own load mapping), "r" registers (the first version; kept for comparison in the dev script). On the
 # H200 "s" was 5-15% faster than "r" on NCHW inputs and 25-40% faster for atomic on channels_last, with
@@ -133,14 +147,15 @@ class Plan:
     chunk: int  # Kc: reduction length per chunk (a multiple of BK); the last chunk may be shorter
 
 
-def plan(m: int, r: int, k: int, *, split: bool = True) -> Plan:
+def plan(m: int, r: int, k: int, *, split: bool = True, waves: bool = True) -> Plan:
     """Tile size and split of the reduction for an (M x R, reduction K) weight gradient. Depends only on
-    the shapes: the same inputs are cut the same way on every GPU and on the CPU."""
-    return _plan(m, r, k, split, TARGET_BLOCKS, CHUNK, MIN_CHUNK, MIN_SPLITS, MIN_BLOCKS)
+    the shapes: the same inputs are cut the same way on every GPU and on the CPU. ``waves``: refit a
+    plan of few blocks to whole waves (above; the float32 kernels)."""
+    return _plan(m, r, k, split, TARGET_BLOCKS, CHUNK, MIN_CHUNK, MIN_SPLITS, MIN_BLOCKS, waves)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(m, r, k, split, target_blocks, chunk_len, min_chunk, min_splits, min_blocks) -> Plan:
+def _plan(m, r, k, split, target_blocks, chunk_len, min_chunk, min_splits, min_blocks, waves=False) -> Plan:
     tile = 128 if m >= 128 and r >= 128 else 64
     if not split:
         return Plan(tile, 1, max(BK, cdiv(k, BK) * BK))
@@ -150,6 +165,11 @@ def _plan(m, r, k, split, target_blocks, chunk_len, min_chunk, min_splits, min_b
         tile, tiles = 64, cdiv(m, 64) * cdiv(r, 64)
         splits, chunk = split_for(tiles, k, target_blocks, chunk_len, min_chunk,
                                   max(min_splits, cdiv(min_blocks, tiles)))
+    if waves and tiles * splits <= WAVE_PLAN_MAX:
+        fit = min((1 if tiles <= ONE_WAVE_TILES else 2) * WAVE_BLOCKS // tiles, max(1, k // WAVE_MIN_CHUNK))
+        if fit >= 1:
+            chunk = cdiv(cdiv(k, fit), BK) * BK
+            splits = cdiv(k, chunk)
     return Plan(tile, splits, chunk)
 
 
@@ -269,7 +289,7 @@ def _half(x, dy, g: Geometry, kw: dict, *, atomic: bool) -> torch.Tensor:
     if _empty(g):
         return torch.zeros(g.w_shape, device=x.device, dtype=x.dtype)
     if conv_mma.eligible(x.dtype, g.cin, g.cout, x, dy, pad_cin=True):
-        return conv_mma.wgrad(x, dy, g, plan, atomic=atomic)
+        return conv_mma.wgrad(x, dy, g, functools.partial(plan, waves=False), atomic=atomic)
     launcher = conv_wgrad_atomic_cuda if atomic else conv_wgrad_tree_cuda
     return launcher(x.float(), dy.float(), **kw).to(x.dtype)
 

@@ -17,7 +17,7 @@ layout, dtype), the first call times the deterministic candidates once and keeps
 
 A nondeterministic candidate is never timed, so never chosen. The choice is cached on disk
 (``$NNRAND_CACHE_DIR/autotune.json``, default ``~/.cache/nnrand``), keyed by the environment (device
-name and compute capability, torch, cuDNN and CuPy versions, a hash of the kernels' CUDA sources; CPU
+name and compute capability, torch, cuDNN and CuPy versions, a hash of the kernels' CUDA and Python sources; CPU
 model and thread count on the CPU) and the configuration, so the next process on the same machine makes
 the same choices without timing. Writes are atomic and merge with what other processes wrote.
 
@@ -68,11 +68,12 @@ _SOURCES_HASH: str | None = None
 
 
 def kernels_hash() -> str:
-    """SHA-1 (12 hex digits) of the kernels' CUDA sources: a changed kernel invalidates the cache."""
+    """SHA-1 (12 hex digits) of the kernels' sources, CUDA and Python (the launchers' plans, such as a
+    split of the reduction, decide a variant's speed too): a changed kernel or plan invalidates the cache."""
     global _SOURCES_HASH
     if _SOURCES_HASH is None:
         h = hashlib.sha1()
-        for p in sorted([*KERNELS_DIR.glob("*.cu"), *KERNELS_DIR.glob("*.cuh")]):
+        for p in sorted([*KERNELS_DIR.glob("*.cu"), *KERNELS_DIR.glob("*.cuh"), *KERNELS_DIR.glob("*.py")]):
             h.update(p.name.encode())
             h.update(p.read_bytes())
         _SOURCES_HASH = h.hexdigest()[:12]

@@ -30,7 +30,7 @@ import torch
 import kernels
 from kernels import KernelArgumentError
 from kernels import conv_wgrad_winograd as wino
-from kernels.conv_wgrad import BK, GROUPS, MIN_CHUNK, Geometry, Plan, _check, chunk_partials, plan, tree_combine
+from kernels.conv_wgrad import BK, GROUPS, MIN_CHUNK, WAVE_MIN_CHUNK, Geometry, Plan, _check, chunk_partials, plan, tree_combine
 from kernels.runtime import KERNEL_DIR
 from kernels.shapes import HOSTILE_CONV, RESNET18_CONV
 from tests.helpers import assert_bitwise_equal, byte_hash, distinct, gamma
@@ -113,8 +113,8 @@ def test_plan_covers_the_reduction(shape, batch):
         assert p.chunk % BK == 0 and p.splits >= 1
         assert (p.splits - 1) * p.chunk < k <= p.splits * p.chunk, p  # no empty chunk, nothing left over
         assert p.splits < 65536  # gridDim.z
-        if split and p.splits > 1:
-            assert p.chunk >= MIN_CHUNK
+        if split and p.splits > 1:   # the refit to whole waves takes chunks down to WAVE_MIN_CHUNK
+            assert p.chunk >= min(MIN_CHUNK, WAVE_MIN_CHUNK)
         if not split:
             assert p.splits == 1
 
@@ -127,9 +127,33 @@ def test_plan_takes_smaller_tiles_when_blocks_are_few():
     assert plan(512, 256, 128 * 4 * 4) == Plan(64, 8, 256)   # 1x1 s2 256->512: 32 tiles x 8
     assert plan(512, 4608, 2048) == Plan(128, 8, 256)         # 512->512 3x3 4x4: 144 tiles x 8, unchanged
     for s in RESNET18_CONV:
-        p = plan(s.cout, s.cin * s.k * s.k, s.n * s.y_shape[2] * s.y_shape[3])
+        p = plan(s.cout, s.cin * s.k * s.k, s.n * s.y_shape[2] * s.y_shape[3], waves=False)
         tiles = -(-s.cout // p.tile) * -(-(s.cin * s.k * s.k) // p.tile)
         assert p.tile == 64 or tiles * p.splits >= MIN_BLOCKS, (s.name, p)
+
+
+@pytest.mark.parametrize("batch", [64, 128])
+def test_plan_refits_few_blocks_to_whole_waves(batch):
+    """A base plan of at most WAVE_PLAN_MAX blocks is re-split to fill one wave (up to ONE_WAVE_TILES
+    tiles) or two, with chunks of at least WAVE_MIN_CHUNK terms; a plan with more blocks is kept; the tile
+    size is the base plan's."""
+    from kernels.conv_wgrad import ONE_WAVE_TILES, WAVE_BLOCKS, WAVE_PLAN_MAX
+
+    refit = 0
+    for s in RESNET18_CONV:
+        s = s.with_batch(batch)
+        m, r, k = s.cout, s.cin * s.k * s.k, batch * s.y_shape[2] * s.y_shape[3]
+        base, p = plan(m, r, k, waves=False), plan(m, r, k)
+        tiles = -(-m // base.tile) * -(-r // base.tile)
+        assert p.tile == base.tile
+        if tiles * base.splits > WAVE_PLAN_MAX:
+            assert p == base, s.name
+            continue
+        waves = 1 if tiles <= ONE_WAVE_TILES else 2
+        assert tiles * p.splits <= waves * WAVE_BLOCKS, (s.name, p)
+        assert p.splits == 1 or p.chunk >= WAVE_MIN_CHUNK, (s.name, p)
+        refit += p != base
+    assert refit >= 3   # the deep layers at these batches do change
 
 
 def test_tree_combine_is_the_documented_order():
@@ -228,13 +252,13 @@ def test_models_do_not_depend_on_layout(variant):
 
 
 def test_atomic_model_varies_across_arrival_orders():
-    """Negative control: the 3->64 stem at batch 8 splits K = 8192 into 16 chunks, so each element
-    adds 16 partials, and their arrival order shows in the bits."""
+    """Negative control: the 3->64 stem at batch 8 splits K = 8192 into 64 chunks (one wave of its one
+    tile), so each element adds 64 partials, and their arrival order shows in the bits."""
     shape = RESNET18_CONV[0].with_batch(8)
     gen = torch.Generator().manual_seed(5)
     x, dy = torch.randn(shape.x_shape, generator=gen), torch.randn(shape.y_shape, generator=gen)
     kw = {"kernel_size": 3, "padding": 1}
-    assert plan(64, 27, 8 * 32 * 32).splits == 16
+    assert plan(64, 27, 8 * 32 * 32).splits == 64
     outs = [ATOMIC(x, dy, rng=seed, **kw) for seed in range(5)]
     assert distinct(outs) > 1
     assert_bitwise_equal(ATOMIC(x, dy, rng=3, **kw), outs[3], "a seeded arrival order is reproducible")
