@@ -591,6 +591,10 @@ def _forward_plan(s: "_Session", original, keyset, args: tuple) -> _ForwardPlan:
     candidates = {"tree": lambda: fn(x_, w, padding=pad), autotune.TORCH_DET: lambda: original.call_boxed(keyset, *args)}
     key = autotune.conv_key(FORWARD_KEY, x, w, (1, 1), pad, (1, 1), 1,
                             "channels_last" if fmt == torch.channels_last else "nchw")
+    if s.tuner.pinned_only and key not in s.tuner.pinned:
+        # a plan from a run whose forward convs were not tuned (or met other shapes: an evaluation
+        # batch): torch's forward, which every process following the plan takes alike, never a timing
+        return _ForwardPlan(None, autotune.TORCH_DET, "not in the pinned plan")
     if s.tuner.choose(key, x.device, candidates) == "tree":
         return _ForwardPlan(functools.partial(fn, padding=pad), "tree")
     return _ForwardPlan(None, autotune.TORCH_DET)

@@ -247,6 +247,21 @@ def test_forward_conv_runs_the_chosen_candidate(layout):
     assert x.grad is not None and all(p.grad is not None for p in m.parameters())
 
 
+def test_forward_conv_missing_from_a_pinned_plan_runs_torch():
+    """A pinned-only record without forward keys (a plan made before forward convs were tuned, or an
+    evaluation batch it never met): the forward runs torch's kernel, untimed, and backward keys still pin."""
+    first, r = grads(tuner=autotune.Tuner(cache=None, timer=ranked_timer(["tree"], forward=["tree"])))
+    backward_only = {k: v for k, v in r.tuner.record()["choices"].items() if not k.startswith("conv_fwd ")}
+    assert len(backward_only) < len(r.tuner.record()["choices"])
+    seen: list[str] = []
+    again, r2 = grads(tuner=autotune.Tuner(cache=None, pinned={"choices": backward_only}, pinned_only=True,
+                                           timer=ranked_timer(["tree"], seen)))
+    assert seen == []
+    assert r2.coverage["convolution"] == {"torch_det": 1, "original": 2}
+    reference, _ = grads(tuner=autotune.Tuner(cache=None, timer=ranked_timer(["tree"], forward=[autotune.TORCH_DET])))
+    assert all(torch.equal(a, b) for a, b in zip(again, reference))
+
+
 def test_forward_conv_is_not_tuned_outside_deterministic_mode():
     """conv_dgrad=auto under atomic: torch's forward keeps its own algorithm choice, nothing is timed for it."""
     _, r = grads("atomic", autotune.Tuner(cache=None, timer=ranked_timer(["tree"])), ops={"conv_dgrad": "auto"})
