@@ -12,7 +12,13 @@ differ in:
 
 - ``atomic``: every dy position's contributions are atomicAdd-ed into dx (the scatter of cuDNN's
   ALGO_0): the arrival order is the scheduler's.
-- ``tree``: every dx element gathers its contributions in one thread, in a fixed order.
+- ``tree``: every dx element gathers its contributions in one thread, in a fixed order. Where a stride-1
+  launch would have few blocks (deep layers at small batches) the launcher splits that order into at most
+  ``SPLIT_MAX`` contiguous ranges, each one FMA chain written as a partial, and adds the partials in range
+  order (``tree_split``: a function of the shape alone, so the bits are the same on every GPU).
+
+A stride-1 forward conv is this op on flipped, transposed weights (``conv_forward_tree_cuda``, the
+"forward form" below); the routing's ``fastest-deterministic`` offers it to its tuner for forward convs.
 
 Both kernels multiply-add with FFMA (one rounding per product and sum), which NumPy/torch on the CPU do
 not reproduce; so ``cpu_bitexact`` is False, and the CPU models follow each variant's reduction
