@@ -18,6 +18,11 @@ gradient (dX: data, dW: weight), on seeded random tensors, fp32 with TF32 off:
     auto            what ``use_kernels("fastest-deterministic")`` chose for the shape (a fresh tuner,
                     timing as in training); its time is the chosen column's
 
+The forward conv of each shape gets the same columns in a table of its own: ``cudnn_fastest`` (timed
+choice), ``cudnn_det`` (cuDNN's heuristic under deterministic mode, what ``tree`` and ``torch_det`` run),
+``tree`` (conv_dgrad's tree on flipped, transposed weights: stride-1 ungrouped shapes only) and ``auto``
+(what ``fastest-deterministic`` chose: it tunes forward convs too).
+
 Each time is the median GPU time per call over ``--replays`` replays of a CUDA graph of ``--calls``
 back-to-back calls (``bench.timing.graph_replay_us``: no launch gaps, no host time). Network totals
 weight each shape by how often it occurs. Results: ``reports/results/conv_shapes.json`` (written after
@@ -147,7 +152,53 @@ def measure_shape(s: dict, layout: str, args) -> dict:
         out[grad] = {"times_us": times, "auto": choice, "auto_column": "cudnn_det" if choice == autotune.TORCH_DET
                      else choice, "tuner_times_us": entry["times_us"],
                      "deterministic": {v.name: v.deterministic for v in kernels.variants(op)}}
+    out["fwd"] = _measure_forward(s, x, w, args)
     return out
+
+
+def _measure_forward(s: dict, x, w, args) -> dict:
+    """The forward conv of one shape: cuDNN's timed and heuristic choices, the tree forward form where the
+    shape has one, and what fastest-deterministic's tuner chose (a fresh tuner, no disk cache)."""
+    import torch
+
+    import nnrand
+    from bench.timing import cudnn_flags, graph_replay_us
+    from kernels import conv_dgrad
+    from nnrand import autotune, routing
+
+    def fwd():
+        return torch.nn.functional.conv2d(x, w, None, s["stride"], s["padding"], s["dilation"], s["groups"])
+    times: dict[str, float | None] = {}
+    # cudnn.deterministic is part of torch's cuDNN plan cache key and cudnn.benchmark is not: the timed
+    # choice (deterministic off) and the heuristic one (on) are two plans, and the tuner's torch_det the latter
+    with cudnn_flags(benchmark=True, deterministic=False):
+        times["cudnn_fastest"] = graph_replay_us(fwd, calls=args.calls, replays=args.replays)
+    with cudnn_flags(benchmark=False, deterministic=True):
+        from torch.utils import deterministic as det
+
+        fill = det.fill_uninitialized_memory
+        torch.use_deterministic_algorithms(True)
+        det.fill_uninitialized_memory = False
+        try:
+            times["cudnn_det"] = graph_replay_us(fwd, calls=args.calls, replays=args.replays)
+        finally:
+            torch.use_deterministic_algorithms(False)
+            det.fill_uninitialized_memory = fill
+    k = s["w"][-2:]
+    formable = s["stride"] == [1, 1] and s["dilation"] == [1, 1] and s["groups"] == 1 and \
+        all(p <= kk - 1 for p, kk in zip(s["padding"], k))
+    times["tree"] = graph_replay_us(lambda: conv_dgrad.conv_forward_tree_cuda(x, w, padding=tuple(s["padding"])),
+                                    calls=args.calls, replays=args.replays) if formable else None
+    tuner = autotune.Tuner(cache=None)
+    with cudnn_flags(benchmark=False, deterministic=False), \
+            nnrand.use_kernels("fastest-deterministic", {o: "tree" for o in routing.TUNABLE if o != "conv_dgrad"},
+                               tuner=tuner):
+        fwd()
+    torch.cuda.synchronize()
+    entries = list(tuner.record()["choices"].values())
+    choice = entries[0]["choice"] if entries else autotune.TORCH_DET   # not tuned: torch's forward runs
+    return {"times_us": times, "auto": choice, "auto_column": "cudnn_det" if choice == autotune.TORCH_DET else choice,
+            "tuner_times_us": entries[0]["times_us"] if entries else {}, "deterministic": {"tree": True}}
 
 
 def measure(args) -> dict:
@@ -226,6 +277,17 @@ def totals(net: dict, layout: str) -> dict:
         out["sum"][grad] = sums
         out["worst"][grad] = worst
     out["sum"]["both"] = {c: out["sum"]["dgrad"][c] + out["sum"]["wgrad"][c] for c in out["sum"]["dgrad"]}
+    if rows and all("fwd" in r for r in rows):   # results measured before forward convs were: none
+        sums = dict.fromkeys(("cudnn_fastest", "cudnn_det", "tree_or_det", "auto"), 0.0)
+        for r, n in zip(rows, counts):
+            t = r["fwd"]["times_us"]
+            # the tree column's total takes torch's heuristic forward where a shape has no tree form
+            vals = {"cudnn_fastest": t["cudnn_fastest"], "cudnn_det": t["cudnn_det"],
+                    "tree_or_det": t["tree"] if t.get("tree") is not None else t["cudnn_det"],
+                    "auto": _auto_time(r, "fwd")}
+            for c, v in vals.items():
+                sums[c] += n * v
+        out["sum"]["fwd"] = sums
     return out
 
 
@@ -278,6 +340,8 @@ def render_section(data: dict) -> str:
                 out.append(f"| {label} | {f:.0f} | {t['cudnn_det']:.0f} ({t['cudnn_det'] / f:.2f}x) | "
                            f"{t['tree']:.0f} ({t['tree'] / f:.2f}x) | {t['auto']:.0f} ({t['auto'] / f:.2f}x) | "
                            f"{t['best_det']:.0f} ({t['best_det'] / f:.2f}x) |")
+            if "fwd" in tot["sum"]:
+                out += _forward_table(rows, net["shapes"], tot["sum"]["fwd"])
             both = tot["sum"]["both"]
             total_ratio = both["auto"] / both["cudnn_fastest"]
             out += ["", f"Targets: autotuned total {total_ratio:.2f}x cuDNN fastest (target <= {TARGET_TOTAL:.2f}x: "
@@ -287,6 +351,22 @@ def render_section(data: dict) -> str:
                     ("met" if all(tot["worst"][g][0] <= target_shape for g in GRADS) else "NOT met") + ").", ""]
     out.append(END)
     return "\n".join(out) + "\n"
+
+
+def _forward_table(rows: list[dict], shapes: list[dict], t: dict) -> list[str]:
+    """The forward conv table of one network and layout, and its count-weighted total."""
+    out = ["", "Forward convs (`tree`: the forward form of conv_dgrad's tree, stride-1 ungrouped shapes):", "",
+           "| shape | ×n | fwd cudnn_fastest | fwd cudnn_det | fwd tree | fwd auto |", "|---|---|---|---|---|---|"]
+    for r, s in zip(rows, shapes):
+        f = r["fwd"]
+        cells = [r["shape"], str(s["count"])] + [_fmt(f["times_us"].get(c)) for c in (*PEERS, "tree")]
+        cells.append(f"{f['auto']} ({_auto_time(r, 'fwd') / f['times_us']['cudnn_fastest']:.2f}x)")
+        out.append("| " + " | ".join(cells) + " |")
+    fast = t["cudnn_fastest"]
+    out += ["", f"Forward total (us, count-weighted): cuDNN fastest {fast:.0f}, cuDNN det {t['cudnn_det']:.0f} "
+            f"({t['cudnn_det'] / fast:.2f}x), tree where it applies and cuDNN det elsewhere {t['tree_or_det']:.0f} "
+            f"({t['tree_or_det'] / fast:.2f}x), autotuned {t['auto']:.0f} ({t['auto'] / fast:.2f}x)."]
+    return out
 
 
 def splice(markdown: str, section: str) -> str:

@@ -37,7 +37,32 @@ def test_totals_weight_by_count_and_ignore_nondeterministic_for_best():
     assert t["worst"]["wgrad"] == (pytest.approx(1.2), "a")
     text = cs.render_section({"networks": {"m": net}, "fingerprint": {"gpu": "G"}})
     assert text.startswith(cs.BEGIN) and text.rstrip().endswith(cs.END)
-    assert "autotuned total 1.20x" in text  # (3*12 + 6) / (3*10 + 5) and "NOT met" in text and "tree (1.20x)" in text
+    # (3*12 + 6) / (3*10 + 5) = 1.2 > 1.05; shape a's auto (tree) 12 against cuDNN fastest 10
+    assert "autotuned total 1.20x" in text and "NOT met" in text and "tree (1.20x)" in text
+    assert "Forward convs" not in text   # results measured before the forward table have no fwd entries
+
+
+def _fwd(fastest, det, tree, auto):
+    return {"times_us": {"cudnn_fastest": fastest, "cudnn_det": det, "tree": tree}, "auto": auto,
+            "auto_column": "cudnn_det" if auto == "torch_det" else auto, "tuner_times_us": {},
+            "deterministic": {"tree": True}}
+
+
+def test_forward_table_and_total():
+    """Forward rows: a shape with no tree form (None) counts cuDNN det in the tree total; auto its chosen
+    column; the backward totals and targets are unchanged by the forward rows."""
+    rows = [_row("a", 10.0, 20.0, 12.0, 1.0, "tree") | {"fwd": _fwd(4.0, 8.0, 5.0, "tree")},
+            _row("b", 5.0, 6.0, 9.0, 1.0, "torch_det") | {"fwd": _fwd(2.0, 3.0, None, "torch_det")}]
+    net = {"model": "m", "batch": 2, "size": 8, "shapes": [{"count": 3}, {"count": 1}],
+           "layouts": {"nchw": {"rows": rows, "measured": {}}}}
+    t = cs.totals(net, "nchw")
+    assert t["sum"]["fwd"] == {"cudnn_fastest": 3 * 4 + 2, "cudnn_det": 3 * 8 + 3, "tree_or_det": 3 * 5 + 3,
+                               "auto": 3 * 5 + 3}
+    assert t["sum"]["dgrad"]["auto"] == 3 * 12 + 6
+    text = cs.render_section({"networks": {"m": net}, "fingerprint": {"gpu": "G"}})
+    assert "| a | 3 | 4.0 | 8.0 | 5.0 | tree (1.25x) |" in text
+    assert "| b | 1 | 2.0 | 3.0 | – | torch_det (1.50x) |" in text
+    assert "autotuned 18 (1.29x)" in text and "autotuned total 1.20x" in text
 
 
 def test_splice_replaces_only_the_section():
