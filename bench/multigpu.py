@@ -382,9 +382,18 @@ def _bit_check(inv: dict, rows: list[dict], micro: int, family: str) -> list[str
 
 
 def _choices(plan: dict) -> str:
-    """A plan's choices: how many conv configurations chose each candidate."""
-    counts = Counter(plan["choices"].values())
-    return ", ".join(f"`{c}` x{k}" for c, k in sorted(counts.items())) or "none"
+    """A plan's choices: how many conv configurations chose each candidate, per op where the keys name one
+    (``conv_dgrad x=...``: the tuner's keys; forward convs are ``conv_fwd``)."""
+    ops: dict[str, Counter] = {}
+    for key, choice in plan["choices"].items():
+        op, sep, _ = key.partition(" ")
+        ops.setdefault(op if sep else "", Counter())[choice] += 1
+
+    def one(counts: Counter) -> str:
+        return ", ".join(f"`{c}` x{k}" for c, k in sorted(counts.items()))
+    if set(ops) <= {""}:
+        return one(ops.get("", Counter())) or "none"
+    return "; ".join(f"{op or 'other'}: {one(c)}" for op, c in sorted(ops.items()))
 
 
 def _step(r: dict) -> str:

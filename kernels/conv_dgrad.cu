@@ -11,7 +11,8 @@
 //           over Cout*KH*KW), one launch-grid slice per stride phase (h mod sh, w mod sw) so a block
 //           visits only the taps that can hit its pixels (1 of 4 for a 3x3 stride-2 pixel on an even
 //           row and column). Each dx element is one thread's FMA chain in a fixed order (taps with kh
-//           then kw ascending, co ascending inside a tap) and is written once: DETERMINISTIC.
+//           then kw ascending, co ascending inside a tap) and is written once (or, split, its
+//           ranges' partials are, then their sum): DETERMINISTIC.
 //           Split K (stride 1, few blocks: small images, deep layers): the launcher splits that chain
 //           into ksplit contiguous ranges of (tap, co chunk) slices, a function of the shape alone;
 //           each range is one FMA chain written as a partial, and conv_dgrad_split_sum adds the
@@ -46,7 +47,8 @@ __device__ __forceinline__ int phase_taps(int r, int pad, int stride, int dil, i
 
 // One template, two operand loaders and two epilogues:
 //   SCATTER = false (tree): rows are the dx pixels of one stride phase; A[m, (tap, co)] gathers dy at
-//     the tap's position (zero outside dy); B[(tap, co), ci] = wt[kh][kw][co][ci]; C is stored to dx.
+//     the tap's position (zero outside dy); B[(tap, co), ci] = wt[kh][kw][co][ci]; C is stored to dx
+//     (split K: to the split's partial buffer).
 //   SCATTER = true (atomic): rows are dy pixels; A[m, co] = dy; B[co, (tap, ci)] = w_cl[co][kh][kw][ci];
 //     C[m, (tap, ci)] is atomicAdd-ed into dx[n, ci, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw].
 //   CL picks coalesced thread mappings for channels_last tensors (channel fastest in memory).

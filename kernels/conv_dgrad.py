@@ -308,7 +308,9 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str) -> Lau
         empty_zeros = "kernel" if g.layout == "channels_last" and g.cin % 4 == 0 else "memset"
     fill = empty and empty_zeros == "memset"
     grid = (cdiv(rows, BM), cdiv(g.cin, BN), g.sh * g.sw)
-    ksplit = tree_split(g, grid[0] * grid[1] * grid[2])
+    # never with phases no tap reaches: their zeros go to dx, which the split's sum would overwrite
+    # (tree_split splits stride 1 only, where every phase has taps)
+    ksplit = tree_split(g, grid[0] * grid[1] * grid[2]) if not empty else 1
     return LaunchPlan(kernel, (grid[0], grid[1] * ksplit, grid[2]), (THREADS,), 0,
                       (*head[:-1], np.int32(fill), np.int32(ksplit)), fill, "tap_major", ksplit)
 
@@ -377,7 +379,8 @@ def conv_dgrad_atomic_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1
 # data gradient of the conv whose weights are w with Cin and Cout swapped and both spatial axes flipped,
 # w'[ci, co, r, s] = w[co, ci, KH-1-r, KW-1-s], at padding KH-1-p (the taps that read x at offset r - p
 # are the taps that a dy pixel at the same place scatters to). So the tree kernel computes it, with its
-# fixed order: each y element one FMA chain over (kh, kw, ci), kh and kw descending. The routing's
+# fixed order (float32 GEMM: each y element's FMA chain over (kh, kw, ci), kh and kw descending, cut into
+# ranges by the split for deep layers; its stem kernel where Cout <= 4; bf16/fp16 on tensor cores). The routing's
 # fastest-deterministic family offers it to its tuner beside torch's own forward conv.
 
 
@@ -588,7 +591,8 @@ define_op(
          "into dx; overlapping windows arrive in any order; FFMA, so not CPU bit-exact"),
         ("tree", True, False, conv_dgrad_tree_cuda, conv_dgrad_tree_cpu,
          "gather: implicit GEMM per stride phase, each dx element one FMA chain in (kh, kw, co) "
-         "order, written once; FFMA, so not CPU bit-exact"),
+         "order (split into fixed ranges summed in order for stride-1 shapes of few blocks), written "
+         "once; FFMA, so not CPU bit-exact"),
     ],
     cpu_bitexact=False,
     half_native=("tree",),  # bf16 / fp16 on tensor cores (conv_mma.py)

@@ -119,7 +119,7 @@ def wgrad_smem(bm: int, bn: int, engine: str = "mma") -> int:
 def wgrad_tile(m: int, r: int) -> tuple[int, int]:
     """(BM, BN) of the weight-gradient kernels: 128 along each side that has at least 128, else 64. Any
     choice gives the same bits (an element's mma sequence does not depend on its tile), so this is the
-    speed knob the split plan (conv_wgrad.plan, which fixes the bits) leaves free."""
+    speed knob the split plan (conv_wgrad.plan without the refit to waves, which fixes the bits) leaves free."""
     return (128 if m >= 128 else 64), (128 if r >= 128 else 64)
 
 

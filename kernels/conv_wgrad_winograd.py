@@ -52,7 +52,8 @@ def tiles(g: Geometry) -> tuple[int, int, int]:
 
 def plan(k_out: int, c_in: int, t: int) -> Plan:
     """Output tile and split of the tile axis for the 16 GEMMs (Cout x Cin each, reduction over T); the
-    direct kernels' rule (conv_wgrad.plan) with 16 times as many output tiles. Shapes only."""
+    direct kernels' base rule (conv_wgrad.split_for, without their refit to whole waves) with 16 times as
+    many output tiles. Shapes only."""
     tile = 128 if k_out >= 128 and c_in >= 128 else 64
     splits, chunk = direct.split_for(XI * cdiv(k_out, tile) * cdiv(c_in, tile), t, max_splits=MAX_SPLITS)
     return Plan(tile, splits, chunk)

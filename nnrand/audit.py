@@ -931,7 +931,7 @@ def _route(entry: Entry, phase: str) -> str:
     (refused or warned about as uncovered), or empty; read from the routing's own tables."""
     from nnrand import routing
 
-    if phase == "forward":
+    if phase == "forward":   # (fastest-deterministic's tuned forward convs are deterministic either way)
         return "guarded" if entry.aten in {u.op for u in routing.UNCOVERED_OPS} else ""
     hit = NNRAND_OPS.get((entry.family, phase))
     routed_regs = {r for regs in routing.REGISTRY_OPS.values() for r in regs}

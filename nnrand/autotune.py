@@ -1,11 +1,12 @@
-"""Per-shape choice of the fastest deterministic conv backward: ``--kernel fastest-deterministic``.
+"""Per-shape choice of the fastest deterministic conv backward (and forward): ``--kernel fastest-deterministic``.
 
     with nnrand.use_kernels("fastest-deterministic") as routed:
         loss.backward()
     print(routed.tuner.record())        # what each conv shape ran, and every candidate's time
 
 For each conv backward configuration met at run time (op, shapes, stride, padding, dilation, groups,
-layout, dtype), the first call times the deterministic candidates once and keeps the fastest:
+layout, dtype), the first call times the deterministic candidates once and keeps the fastest (the routing
+also offers the forward convs of training steps, key op ``conv_fwd``: see nnrand/routing.py):
 
 * every registry variant of the op that is deterministic (``tree``; for conv_wgrad also ``nosplit`` and
   ``winograd`` where the shape allows them);
@@ -25,7 +26,8 @@ A run records its choices (``record()``: the environment and, per configuration,
 times); passing that record back as ``pinned`` makes a later run (a resume, a rerun on another day)
 use exactly those choices. With ``pinned_only`` a configuration missing from the record is an error
 instead of a new timing: what multi-process runs use, since ranks timing on their own could choose
-differently.
+differently. (The routing does not ask for a forward configuration the record lacks: it runs torch's
+forward there, the same in every process.)
 
 Timing: a warm-up call (compilation, cuDNN plans), then ``REPEATS`` repeats of ``CALLS`` back-to-back
 calls between CUDA events; the median per call. On the CPU, ``time.perf_counter`` around each call.
@@ -114,7 +116,8 @@ def _dims(t) -> str:
 
 
 def conv_key(op: str, x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, groups: int, layout: str) -> str:
-    """The configuration of one conv backward call, as the cache and the run record name it."""
+    """The configuration of one conv call (a backward gradient, or ``conv_fwd``), as the cache and the run
+    record name it."""
     return (f"{op} x={_dims(x.shape)} w={_dims(w.shape)} s={_dims(stride)} p={_dims(padding)} "
             f"d={_dims(dilation)} g={int(groups)} {layout} {str(x.dtype).removeprefix('torch.')}")
 

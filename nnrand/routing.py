@@ -11,7 +11,8 @@ context is open, the aten backward ops that carry the
 nondeterministic reductions run the registry's variants, whoever calls them: any ``nn.Module`` (a subclass
 too), a functional call, torchvision/timm models, a ``torch.compile``d model (inductor calls
 ``convolution_backward`` as an extern kernel) and CUDA-graph captured steps. The door is a
-``torch.library`` override at the CPU and CUDA dispatch keys of each aten op in ``ATEN_OPS``; the kernel
+``torch.library`` override at the CPU and CUDA dispatch keys of each aten op in ``ATEN_OPS`` (and of
+aten::convolution where forward convs are tuned); the kernel
 that was there (``torch.library.get_kernel``) stays callable and runs every configuration no variant
 covers (grouped or transposed convs, float64, eval-mode BatchNorm, ...).
 
@@ -53,8 +54,9 @@ The routed scatter sums never synchronise with the host: an index out of range f
 device-side assertion that names the op and the index (as torch's own CUDA kernels do), so CUDA graphs
 can capture them.
 
-Under ``torch.compile`` only ``convolution_backward`` reaches the override: inductor generates its own
-max-pool and BatchNorm backward code (fixed-order gathers and reductions). The coverage says what ran.
+Under ``torch.compile`` only ``convolution_backward`` (and, where forward convs are tuned, ``convolution``,
+which inductor also calls as an extern kernel) reaches the override: inductor generates its own max-pool
+and BatchNorm backward code (fixed-order gathers and reductions). The coverage says what ran.
 
 Determinism is never claimed falsely. When the routing is deterministic (``tree`` everywhere, or any mix
 of deterministic variants), the context also:
@@ -551,18 +553,41 @@ def _conv_plan(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, pa
 # gradient of the conv with flipped, transposed weights (kernels/conv_dgrad.py, "forward form"), so when
 # conv_dgrad is routed ``auto`` the tuner also picks, per forward configuration, between that form of
 # conv_dgrad's ``tree`` and torch's own forward (``torch_det``): key op ``conv_fwd``.
+#
+# Only forwards that record a backward are tuned (grad enabled, an input or the weight requiring it): a
+# training step's. Evaluation under no_grad runs torch's forward, so its bits never depend on whether a
+# run's record already held the evaluation's shapes (a resume from a checkpoint written before the first
+# evaluation) or on whether it ran inside the routing at all (a final evaluation after the training loop).
 
 FORWARD_ATEN = "convolution"
 FORWARD_KEY = "conv_fwd"
+_NO_GRAD = "no backward recorded (evaluation, no_grad): torch's forward"
 
 
 @dataclass(frozen=True)
 class _ForwardPlan:
-    """What ``_conv_forward`` does for one call signature: ``fn(x, w) -> y`` (the forward form of
-    conv_dgrad's tree), or None for torch's kernel, with the label and reason the coverage counts."""
+    """What ``_conv_forward`` does for one call signature: ``fn(x, w, bias) -> y`` (the forward form of
+    conv_dgrad's tree, bias added, in torch's output layout), or None for torch's kernel, with the label
+    and reason the coverage counts."""
     fn: Callable | None
     label: str
     reason: str | None = None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _forward_form(x, w, bias, pad):
+    """The forward form with torch's conv contract: bias added, the output channels_last when the input
+    or the weight is (both dense in one of the two layouts: ``_forward_plan`` checks)."""
+    fmt, w_fmt = memory_format_of(x), memory_format_of(w)
+    fn = kernels.conv_dgrad.conv_forward_tree_cuda if x.is_cuda else kernels.conv_dgrad.conv_forward_tree_cpu
+    y = fn(x, w, padding=pad)
+    if bias is not None:
+        y.add_(bias.view(1, -1, 1, 1))
+    return y.contiguous(memory_format=torch.channels_last if torch.channels_last in (fmt, w_fmt)
+                        else torch.contiguous_format)
 
 
 def _forward_plan(s: "_Session", original, keyset, args: tuple) -> _ForwardPlan:
@@ -582,27 +607,32 @@ def _forward_plan(s: "_Session", original, keyset, args: tuple) -> _ForwardPlan:
         why = f"dtype {x.dtype}"
     elif _pair(padding)[0] > w.shape[-2] - 1 or _pair(padding)[1] > w.shape[-1] - 1:
         why = "padding wider than the kernel"
+    elif not (_dense(x) and _dense(w)):   # a channel slice, say: torch's layout rules for those are its own
+        why = "input or weight not dense in NCHW or channels_last"
     if why is not None:
         return _ForwardPlan(None, ORIGINAL, why)
     pad = _pair(padding)
-    fmt = memory_format_of(x)
-    fn = kernels.conv_dgrad.conv_forward_tree_cuda if x.is_cuda else kernels.conv_dgrad.conv_forward_tree_cpu
-    x_ = x.contiguous(memory_format=fmt)
-    candidates = {"tree": lambda: fn(x_, w, padding=pad), autotune.TORCH_DET: lambda: original.call_boxed(keyset, *args)}
-    key = autotune.conv_key(FORWARD_KEY, x, w, (1, 1), pad, (1, 1), 1,
-                            "channels_last" if fmt == torch.channels_last else "nchw")
+    layout = "channels_last" if memory_format_of(x) == torch.channels_last else "nchw"
+    if memory_format_of(w) == torch.channels_last and layout == "nchw":
+        layout = "nchw/w:channels_last"   # the output is channels_last: another configuration
+    key = autotune.conv_key(FORWARD_KEY, x, w, (1, 1), pad, (1, 1), 1, layout)
     if s.tuner.pinned_only and key not in s.tuner.pinned:
-        # a plan from a run whose forward convs were not tuned (or met other shapes: an evaluation
-        # batch): torch's forward, which every process following the plan takes alike, never a timing
+        # a plan from a run whose forward convs were not tuned: torch's forward, which every process
+        # following the plan takes alike, never a timing
         return _ForwardPlan(None, autotune.TORCH_DET, "not in the pinned plan")
+    candidates = {"tree": lambda: _forward_form(x, w, bias, pad),
+                  autotune.TORCH_DET: lambda: original.call_boxed(keyset, *args)}
     if s.tuner.choose(key, x.device, candidates) == "tree":
-        return _ForwardPlan(functools.partial(fn, padding=pad), "tree")
+        return _ForwardPlan(functools.partial(_forward_form, pad=pad), "tree")
     return _ForwardPlan(None, autotune.TORCH_DET)
 
 
 def _conv_forward(s: "_Session", original, keyset, x, w, bias, stride, padding, dilation, transposed,
                   output_padding, groups):
     args = (x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
+    if not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        s.coverage.add(FORWARD_ATEN, ORIGINAL, _NO_GRAD)
+        return original.call_boxed(keyset, *args)
     key = (x.dtype, w.dtype, None if bias is None else bias.dtype, x.device, x.shape, x.stride(), w.shape, w.stride(),
            tuple(stride), tuple(padding), tuple(dilation), bool(transposed), groups,
            torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
@@ -612,16 +642,16 @@ def _conv_forward(s: "_Session", original, keyset, x, w, bias, stride, padding, 
         plan = _forward_plan(s, original, keyset, args)
         if len(s.fwd_plans) < PLAN_LIMIT:
             s.fwd_plans[key] = plan
+    if plan.fn is not None:
+        try:
+            y = plan.fn(x, w, bias)
+        except kernels.KernelArgumentError as e:   # a call the launcher refuses: torch's, counted with why
+            s.coverage.add(FORWARD_ATEN, ORIGINAL, str(e))
+            return original.call_boxed(keyset, *args)
+        s.coverage.add(FORWARD_ATEN, plan.label)
+        return y
     s.coverage.add(FORWARD_ATEN, plan.label, plan.reason)
-    if plan.fn is None:
-        return original.call_boxed(keyset, *args)
-    fmt = memory_format_of(x)
-    y = plan.fn(x.contiguous(memory_format=fmt), w)
-    if bias is not None:
-        y.add_(bias.view(1, -1, 1, 1))
-    # torch's layout contract: channels_last when the input or the weight is
-    return y.contiguous(memory_format=torch.channels_last if torch.channels_last in (fmt, memory_format_of(w))
-                        else torch.contiguous_format)
+    return original.call_boxed(keyset, *args)
 
 
 def _param_strides(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -1203,8 +1233,8 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
                     if forward:
                         for k in ("CPU", "CUDA"):
                             if originals[FORWARD_ATEN, k] is not None:
-                                lib.impl(FORWARD_ATEN, _bind(_conv_forward, session, originals[FORWARD_ATEN, k]), k,
-                                         with_keyset=True)
+                                lib.impl(FORWARD_ATEN, _bind_observed(_conv_forward, session, FORWARD_ATEN,
+                                                                      originals[FORWARD_ATEN, k]), k, with_keyset=True)
                         session.overridden.append(FORWARD_ATEN)
             if routing.claims_determinism:
                 stack.enter_context(_deterministic_mode(strict))

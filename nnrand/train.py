@@ -614,7 +614,8 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     if route.tuned:   # per-shape conv choices: the checkpoint's on resume, else the plan's, else timed
         pinned = (ckpt or {}).get("autotune") or (autotune.read_record(cfg.autotune_plan) if cfg.autotune_plan
                                                  else None)
-        # a record given is the whole plan: a shape outside it is an error, never a silent new timing
+        # a record given is the whole plan: a backward shape outside it is an error, never a silent new
+        # timing (a forward shape outside it runs torch's forward, as in every process that follows it)
         tuner = autotune.Tuner(pinned=pinned, pinned_only=bool(pinned and pinned.get("choices")) or world.distributed)
         meta["autotune"] = tuner.record()
     if main_rank:
@@ -900,7 +901,8 @@ EPILOG = """examples:
   python -m nnrand.train --model torchvision:resnet50 --image-size 224 --channels-last --amp bf16 --kernel fastest-deterministic
                                     bf16 autocast, deterministic backward (add --cuda-graph: bf16 steps are host-bound eager)
   python -m nnrand.train --kernel fastest-deterministic   per conv shape, the fastest deterministic backward
-                                    (timed once, cached on disk, recorded in <member>/config.json)
+                                    and stride-1 forward (timed once, cached on disk, recorded in
+                                    <member>/config.json)
   python -m nnrand.train --kernel fastest-deterministic --autotune-plan runs/X/member_000/config.json
                                     the same per-shape choices as run X, without timing
   torchrun --nproc_per_node 2 -m nnrand.train --kernel tree          DistributedDataParallel over 2 GPUs
@@ -945,7 +947,8 @@ def parser() -> argparse.ArgumentParser:
                    "(default: the preset's; native = stock PyTorch/cuDNN)")
     g.add_argument("--kernel-op", action="append", metavar="OP=VARIANT",
                    help=f"per-op override, repeatable; ops: {ops}; variants from the registry, native, or "
-                   "auto (conv ops: the fastest deterministic candidate per shape)")
+                   "auto (conv ops: the fastest deterministic candidate per shape; conv_dgrad=auto also tunes "
+                   "the training step's stride-1 forward convs)")
     g.add_argument("--autotune-plan", metavar="CONFIG_JSON",
                    help="fastest-deterministic: reuse the per-shape choices recorded in a run's "
                    "<member>/config.json instead of timing (needed with several processes)")

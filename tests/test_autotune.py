@@ -262,6 +262,39 @@ def test_forward_conv_missing_from_a_pinned_plan_runs_torch():
     assert all(torch.equal(a, b) for a, b in zip(again, reference))
 
 
+def test_forward_conv_tuning_leaves_evaluation_strided_inputs_and_refusals_to_torch():
+    """Only forwards that record a backward are tuned: under no_grad (evaluation) torch's forward runs,
+    untimed. A channel slice of a channels_last tensor (dense in neither layout) goes to torch. A pinned
+    tree choice the launcher refuses (bf16 on the CPU, which the CPU model does not take) runs torch's
+    forward, counted with the reason. The output follows torch's layout rule: channels_last when the
+    weight is, even for an NCHW input."""
+    conv = nn.Conv2d(4, 6, 3, padding=1)
+    x = torch.randn(2, 4, 7, 7, generator=torch.Generator().manual_seed(3))
+    seen: list[str] = []
+    tuner = autotune.Tuner(cache=None, timer=ranked_timer(["tree"], seen))
+    with nnrand.use_kernels("fastest-deterministic", tuner=tuner) as r:
+        with torch.no_grad():
+            plain = conv(x)
+        sliced = torch.randn(2, 8, 7, 7).to(memory_format=torch.channels_last)[:, :4]
+        assert not sliced.is_contiguous() and not sliced.is_contiguous(memory_format=torch.channels_last)
+        conv(sliced)
+        conv_cl = nn.Conv2d(4, 6, 3, padding=1).to(memory_format=torch.channels_last)
+        y = conv_cl(x)
+    assert seen == ["tree", autotune.TORCH_DET]   # the one tuned call: conv_cl's, with grad
+    cov = r.coverage.as_dict()["convolution"]
+    assert cov == {"original": 2, "tree": 1}
+    assert torch.equal(plain, torch.nn.functional.conv2d(x, conv.weight, conv.bias, 1, 1))
+    assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+    half = nn.Conv2d(8, 8, 3, padding=1).to(torch.bfloat16)
+    xb = torch.randn(2, 8, 6, 6).to(torch.bfloat16)
+    key = autotune.conv_key("conv_fwd", xb, half.weight, (1, 1), (1, 1), (1, 1), 1, "nchw")
+    with nnrand.use_kernels("fastest-deterministic", tuner=autotune.Tuner(cache=None, pinned={key: "tree"})) as r2:
+        yb = half(xb)
+    assert r2.coverage.as_dict()["convolution"] == {"original": 1}
+    assert any(why.startswith("conv_dgrad") for why in r2.coverage.reasons["convolution"]), r2.coverage.reasons
+    assert torch.equal(yb, torch.nn.functional.conv2d(xb, half.weight, half.bias, 1, 1))
+
+
 def test_forward_conv_is_not_tuned_outside_deterministic_mode():
     """conv_dgrad=auto under atomic: torch's forward keeps its own algorithm choice, nothing is timed for it."""
     _, r = grads("atomic", autotune.Tuner(cache=None, timer=ranked_timer(["tree"])), ops={"conv_dgrad": "auto"})

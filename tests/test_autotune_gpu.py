@@ -3,6 +3,7 @@ give bitwise repeatable training, across tuners that share the cache as across p
 replays eager's bits, and cuDNN's nondeterministic dW algorithm is shown to vary (the negative control)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -60,3 +61,44 @@ def test_torch_det_choice_repeats_bitwise_and_atomic_varies():
         for _ in range(20):
             varied.add(dw().cpu().numpy().tobytes())
     assert len(varied) > 1, "the atomic dW gave one result in 20: no negative control on this shape"
+
+
+class _Forward(autotune.Tuner):
+    """Picks ``choice`` (``tree``: the forward form, or ``torch_det``) for every forward conv configuration,
+    times the rest as usual."""
+
+    def __init__(self, choice: str, pinned: dict | None = None):
+        super().__init__(cache=None, pinned=pinned)
+        self.forward_choice = choice
+
+    def _time(self, key, device, candidates):
+        if key.startswith("conv_fwd ") and self.forward_choice in candidates:
+            return {"choice": self.forward_choice, "times_us": {}}
+        return super()._time(key, device, candidates)
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_routed_forward_form_trains_repeatably_and_graph_equals_eager(layout, amp):
+    """Every stride-1 forward conv on the forward form (the routing's override of aten::convolution, bias,
+    layout contract, autocast's bf16): eager twice (and, in float32, a CUDA graph) give the same weights and
+    buffers, with the forward convs counted as tree. Negative control: torch's forward everywhere instead,
+    the backward choices the same, gives other bits, so the forward form really ran."""
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    torch.manual_seed(0)
+    base = models.build_model("resnet18_imagenet").cuda().to(memory_format=fmt)
+    batches = _batches(3, 16, 32, seed=11)
+    cast = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else contextlib.nullcontext
+    runs = []
+    tuner = _Forward("tree")   # one tuner: the backward choices it times are made once, for every run
+    for graph in ((False, False, True) if amp is None else (False, False)):   # GraphStep captures float32
+        with nnrand.use_kernels("fastest-deterministic", tuner=tuner) as r, cast():
+            runs.append(_train(copy.deepcopy(base), batches, graph=graph, fmt=fmt))
+        assert r.coverage.as_dict()["convolution"].get("tree", 0) > 0, r.coverage
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    backward = {k: c["choice"] for k, c in tuner.record()["choices"].items() if not k.startswith("conv_fwd ")}
+    with nnrand.use_kernels("fastest-deterministic", tuner=_Forward(autotune.TORCH_DET, backward)) as r, cast():
+        torch_forward = _train(copy.deepcopy(base), batches, fmt=fmt)
+    assert "tree" not in r.coverage.as_dict()["convolution"]
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0], torch_forward))

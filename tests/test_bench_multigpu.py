@@ -310,6 +310,12 @@ def test_planned_modes_in_the_tables():
     assert "| fastest-deterministic, CUDA graph | 3 | 1 | 8.30 |" in text
     assert "`fastest-deterministic` eager and with a CUDA graph together: 1 distinct final weights" in text
     assert "3 conv configurations, choices `torch_det` x1, `tree` x1, `winograd` x1." in text
+    # the tuner's keys name their op: counted per op
+    ddp["plan"]["choices"] = {"conv_fwd x=1": "tree", "conv_dgrad x=1": "tree", "conv_dgrad x=2": "torch_det",
+                              "conv_wgrad x=1": "winograd"}
+    text = multigpu.render({"gpus": 2, "ddp": ddp})
+    assert ("4 conv configurations, choices conv_dgrad: `torch_det` x1, `tree` x1; conv_fwd: `tree` x1; "
+            "conv_wgrad: `winograd` x1.") in text
     # the tree target row is unchanged; the planned mode has its own row (8.3 / 8.0)
     assert "| fastest DDP `tree` (tree, CUDA graph) / fastest DDP native (native, CUDA graph) | 1.100 | <= 1.10 |" in text
     assert ("| fastest deterministic DDP, any nnrand routing (fastest-deterministic, CUDA graph) / fastest DDP "

@@ -440,32 +440,61 @@ def test_cuda_matches_model_within_bound():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_forward_form(dtype):
     """A stride-1 forward conv as the tree data gradient on flipped, transposed weights (what the routing's
-    tuner offers for forward convs): bitwise the data-gradient launcher's result on those weights, 10
-    repeats one result, within the tree bound of float64 conv2d (k = Cin*KH*KW + 1 FFMA roundings; bf16:
-    the larger of that and the tensor-core bound of tests/test_conv_mma_gpu.py, 18 * 2^-23 per 16-product
-    instruction, relative to the sum of magnitudes, then one rounding to bf16). Shapes: 3x3 "same", 1x1,
-    5x5 with padding 1, 3x3 without, a 16 -> 3 conv (the stem kernel: 3 output channels), both layouts."""
+    tuner offers for forward convs): 10 repeats one result, within the tree bound of float64 conv2d (k =
+    Cin*KH*KW + 1 FFMA roundings; bf16: the larger of that and the tensor-core bound of
+    tests/test_conv_mma_gpu.py, 18 * 2^-23 per 16-product instruction over the reduction padded to the
+    engine's K-step, relative to the sum of magnitudes, then one rounding to bf16); float32: the same bits for NCHW and channels_last inputs and for an NCHW
+    input with channels_last weights (one FMA order per element in every layout). Shapes: 3x3 "same", 1x1,
+    5x5 with padding 1, 3x3 without, a 16 -> 3 conv (the stem kernel: 3 output channels)."""
     u = 2.0 ** -24
+    cl = torch.channels_last
     for i, (n, cin, cout, k, p, h) in enumerate([(4, 64, 64, 3, 1, 16), (4, 32, 128, 1, 0, 8), (2, 8, 16, 5, 1, 11),
                                                (3, 16, 24, 3, 0, 9), (2, 16, 3, 3, 1, 12)]):
-        for layout in (torch.contiguous_format, torch.channels_last):
-            g = torch.Generator(device="cuda").manual_seed(900 + i)
-            x = torch.randn(n, cin, h, h, device="cuda", generator=g).to(dtype).contiguous(memory_format=layout)
-            w = torch.randn(cout, cin, k, k, device="cuda", generator=g).to(dtype).contiguous(memory_format=layout)
-            y = cd.conv_forward_tree_cuda(x, w, padding=p)
-            same = TREE(cd.forward_weights(w), x, **cd.forward_args(x, w, p))
-            assert_bitwise_equal(y, same, f"forward {i} {layout}")
-            assert len({cd.conv_forward_tree_cuda(x, w, padding=p).cpu().float().numpy().tobytes()
-                        for _ in range(10)}) == 1
-            ref = torch.nn.functional.conv2d(x.double(), w.double(), None, 1, p)
-            mag = torch.nn.functional.conv2d(x.double().abs(), w.double().abs(), None, 1, p)
-            kk = cin * k * k + 1
-            bound = kk * u / (1 - kk * u) * mag
-            if dtype == torch.bfloat16:   # tensor cores where conv_mma takes the shape, else the float32 kernel
-                bound = torch.maximum(bound, -(-(cin * k * k) // 16) * 18 * 2.0 ** -23 * mag)
-                bound = bound + 2.0 ** -8 * (ref.abs() + bound)
+        g = torch.Generator(device="cuda").manual_seed(900 + i)
+        x = torch.randn(n, cin, h, h, device="cuda", generator=g).to(dtype)
+        w = torch.randn(cout, cin, k, k, device="cuda", generator=g).to(dtype)
+        ref = torch.nn.functional.conv2d(x.double(), w.double(), None, 1, p)
+        mag = torch.nn.functional.conv2d(x.double().abs(), w.double().abs(), None, 1, p)
+        kk = cin * k * k + 1
+        bound = kk * u / (1 - kk * u) * mag
+        if dtype == torch.bfloat16:   # tensor cores where conv_mma takes the shape, else the float32 kernel
+            from tests.test_conv_mma_gpu import MMA_ERR, _instructions
+
+            steps = max(_instructions(cin * k * k, engine) for engine in ("wgmma", "mma"))
+            bound = torch.maximum(bound, steps * MMA_ERR * mag)
+            bound = bound + 2.0 ** -8 * (ref.abs() + bound)
+        outs = {}
+        for name, (xf, wf) in {"nchw": (torch.contiguous_format,) * 2, "channels_last": (cl, cl),
+                               "nchw, w channels_last": (torch.contiguous_format, cl)}.items():
+            xl, wl = x.contiguous(memory_format=xf), w.contiguous(memory_format=wf)
+            y = cd.conv_forward_tree_cuda(xl, wl, padding=p)
+            assert len({cd.conv_forward_tree_cuda(xl, wl, padding=p).cpu().float().numpy().tobytes()
+                        for _ in range(10)}) == 1, f"forward {i} {name}"
             assert y.shape == ref.shape and y.dtype == dtype
-            assert ((y.double() - ref).abs() <= bound).all(), f"forward {i} {layout}"
+            assert ((y.double() - ref).abs() <= bound).all(), f"forward {i} {name}"
+            outs[name] = y.contiguous()
+        if dtype == torch.float32:
+            for name, y in outs.items():
+                assert_bitwise_equal(y, outs["nchw"], f"forward {i}: {name} against nchw")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_cuda_tree_split_k_awkward_shape():
+    """Split K where nothing divides evenly: 70 -> 61 channels (dgrad: 61 output channels in 8-wide slices,
+    70 columns over two tiles), 3x3 with dilation 2, 6x6, batch 1, both layouts: the plan splits, the
+    result is within the tree bound of float64, 10 repeats give one result, and both layouts the same bits."""
+    s = ConvShape("awk", 1, 70, 61, 3, 1, 2, 6, 6, dilation=2)
+    results = {}
+    for layout in ("nchw", "channels_last"):
+        w, dy, kw = inputs(make_case(s, layout, 960), "cuda")
+        g = cd._check(w, dy, kw["input_size"], kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
+        assert cd.tree_plan(g, tuple(dy.stride())).ksplit > 1
+        got = TREE(w, dy, **kw)
+        assert distinct([TREE(w, dy, **kw) for _ in range(10)]) == 1
+        assert_within_bound(got, w, dy, kw, 61 * 9 + 1, f"split {layout}")
+        results[layout] = got.contiguous()
+    assert_bitwise_equal(results["channels_last"], results["nchw"], "split, layouts")
     torch.cuda.synchronize()
 
 

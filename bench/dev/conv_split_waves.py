@@ -1,5 +1,7 @@
 """Split-K against waves, per ResNet-18 (CIFAR) conv shape at batches 64 and 128: conv_wgrad tree with its
-default plan against plans whose block count fits whole waves of 264 blocks (2 per SM on 132 SMs), and
+base plan (``plan(..., waves=False)``; the rows printed at git 4c278d4 were taken before the refit
+existed, when the base plan was the default) against plans whose block count fits whole waves of 264
+blocks (2 per SM on 132 SMs), and
 conv_dgrad tree with its split-K target at 0 (no split), 264 and 528 blocks. GPU time per call, median
 of CUDA-graph replays (bench.timing.graph_replay_us), fp32, NCHW.
 
@@ -40,7 +42,7 @@ def main() -> None:
             geom = dict(stride=tuple(s["stride"]), padding=tuple(s["padding"]))
             k = tuple(s["w"][-2:])
             gw = cw._check(x, dy, k, geom["stride"], geom["padding"], 1)
-            p0 = plan0(gw.m, gw.r, gw.k)
+            p0 = plan0(gw.m, gw.r, gw.k, waves=False)
             tiles = cdiv(gw.m, p0.tile) * cdiv(gw.r, p0.tile)
             row = [f"b{batch} {shape_name(s):<22} wgrad tiles {tiles} S {p0.splits} ({tiles * p0.splits} blocks) "
                    f"{graph_replay_us(lambda: wtree(x, dy, kernel_size=k, **geom), calls=10, replays=20):7.1f}"]
@@ -50,7 +52,7 @@ def main() -> None:
                     continue
                 chunk = cdiv(cdiv(gw.k, s2), 16) * 16
                 alt = cw.Plan(p0.tile, cdiv(gw.k, chunk), chunk)
-                cw.plan = lambda m, r, kk, split=True, alt=alt: alt
+                cw.plan = lambda m, r, kk, split=True, waves=True, alt=alt: alt
                 try:
                     t = graph_replay_us(lambda: wtree(x, dy, kernel_size=k, **geom), calls=10, replays=20)
                 finally:
