@@ -115,19 +115,7 @@ def measure_shape(s: dict, layout: str, args) -> dict:
         op = f"conv_{grad}" + ("_grouped" if s["groups"] > 1 else "")
         mask = [slot == 0, slot == 1, False]
         times: dict[str, float | None] = {}
-        with cudnn_flags(benchmark=True, deterministic=False):
-            times["cudnn_fastest"] = graph_replay_us(aten(mask), calls=args.calls, replays=args.replays)
-        with cudnn_flags(benchmark=False, deterministic=True):
-            from torch.utils import deterministic as det
-
-            fill = det.fill_uninitialized_memory
-            torch.use_deterministic_algorithms(True)
-            det.fill_uninitialized_memory = False   # as the routing runs it: no fill of every new output
-            try:
-                times["cudnn_det"] = graph_replay_us(aten(mask), calls=args.calls, replays=args.replays)
-            finally:
-                torch.use_deterministic_algorithms(False)
-                det.fill_uninitialized_memory = fill
+        times["cudnn_fastest"], times["cudnn_det"] = _cudnn_times(aten(mask), args)
         for v in kernels.variants(op):
             # through the registry's call: half tensors widened to float32, the result rounded back
             if grad == "dgrad":
@@ -156,6 +144,30 @@ def measure_shape(s: dict, layout: str, args) -> dict:
     return out
 
 
+def _cudnn_times(fn, args) -> tuple[float, float]:
+    """GPU us per call of torch's ``fn`` with cuDNN's fastest algorithms (cudnn.benchmark on, deterministic
+    off) and under PyTorch's deterministic mode with cudnn.benchmark off (``cudnn_det``). cudnn.deterministic
+    is part of torch's cuDNN plan cache key and cudnn.benchmark is not: the two are two plans, and the
+    tuner's torch_det candidate the latter."""
+    import torch
+    from torch.utils import deterministic as det
+
+    from bench.timing import cudnn_flags, graph_replay_us
+
+    with cudnn_flags(benchmark=True, deterministic=False):
+        fastest = graph_replay_us(fn, calls=args.calls, replays=args.replays)
+    with cudnn_flags(benchmark=False, deterministic=True):
+        fill = det.fill_uninitialized_memory
+        torch.use_deterministic_algorithms(True)
+        det.fill_uninitialized_memory = False   # as the routing runs it: no fill of every new output
+        try:
+            deterministic = graph_replay_us(fn, calls=args.calls, replays=args.replays)
+        finally:
+            torch.use_deterministic_algorithms(False)
+            det.fill_uninitialized_memory = fill
+    return fastest, deterministic
+
+
 def _measure_forward(s: dict, x, w, args) -> dict:
     """The forward conv of one shape: cuDNN's timed and heuristic choices, the tree forward form where the
     shape has one, and what fastest-deterministic's tuner chose (a fresh tuner, no disk cache)."""
@@ -169,21 +181,7 @@ def _measure_forward(s: dict, x, w, args) -> dict:
     def fwd():
         return torch.nn.functional.conv2d(x, w, None, s["stride"], s["padding"], s["dilation"], s["groups"])
     times: dict[str, float | None] = {}
-    # cudnn.deterministic is part of torch's cuDNN plan cache key and cudnn.benchmark is not: the timed
-    # choice (deterministic off) and the heuristic one (on) are two plans, and the tuner's torch_det the latter
-    with cudnn_flags(benchmark=True, deterministic=False):
-        times["cudnn_fastest"] = graph_replay_us(fwd, calls=args.calls, replays=args.replays)
-    with cudnn_flags(benchmark=False, deterministic=True):
-        from torch.utils import deterministic as det
-
-        fill = det.fill_uninitialized_memory
-        torch.use_deterministic_algorithms(True)
-        det.fill_uninitialized_memory = False
-        try:
-            times["cudnn_det"] = graph_replay_us(fwd, calls=args.calls, replays=args.replays)
-        finally:
-            torch.use_deterministic_algorithms(False)
-            det.fill_uninitialized_memory = fill
+    times["cudnn_fastest"], times["cudnn_det"] = _cudnn_times(fwd, args)
     k = s["w"][-2:]
     formable = s["stride"] == [1, 1] and s["dilation"] == [1, 1] and s["groups"] == 1 and \
         all(p <= kk - 1 for p, kk in zip(s["padding"], k))

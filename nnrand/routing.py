@@ -340,6 +340,14 @@ def _floating(*ts) -> bool:
     return all(t is None or t.dtype in ROUTED_DTYPES for t in ts)
 
 
+def _torch_det_ok() -> bool:
+    """Whether torch's own conv kernels are deterministic now: PyTorch's deterministic mode, which a
+    deterministic routing turns on (cuDNN's deterministic algorithms, picked by its heuristic with
+    cudnn.benchmark off). Only then may they be a tuner candidate (``torch_det``)."""
+    return torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic \
+        and not torch.backends.cudnn.benchmark
+
+
 def _call(v, rng, *args, **kwargs):
     """A variant on the tensors' device: the CUDA launcher, or the CPU model with ``rng``; half inputs
     through the registry's widening call."""
@@ -353,9 +361,7 @@ def _tuned(s: "_Session", auto: Auto, grad: int, original, keyset, args: tuple, 
     ``grad``: 0 for dX, 1 for dW (the slot in convolution_backward's output mask)."""
     from . import autotune
 
-    # torch's kernel is deterministic only under the deterministic mode a deterministic routing turns on
-    det_ok = torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic \
-        and not torch.backends.cudnn.benchmark
+    det_ok = _torch_det_ok()
     # the tuner's choice for a configuration among one candidate set never changes once made: remember it
     # per call signature, so a step's later calls skip building the candidates and the key (host time)
     memo_key = (auto.op, grad, x.shape, w.shape, x.dtype, x.device, fmt, geom["stride"], geom["padding"],
@@ -416,8 +422,7 @@ def _conv_key(s: "_Session", dy, x, w, stride, padding, dilation, transposed, ou
     strides, geometry, mask, and whether torch's kernel may stand in as a deterministic one)."""
     det_ok = None
     if s.conv_auto:
-        det_ok = torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic \
-            and not torch.backends.cudnn.benchmark
+        det_ok = _torch_det_ok()
     return (dy.dtype, x.dtype, w.dtype, x.device, dy.shape, dy.stride(), x.shape, x.stride(), w.shape, w.stride(),
             tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(output_padding), groups,
             tuple(mask), det_ok)
@@ -578,26 +583,22 @@ def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
 
 
-def _forward_form(x, w, bias, pad):
-    """The forward form with torch's conv contract: bias added, the output channels_last when the input
-    or the weight is (both dense in one of the two layouts: ``_forward_plan`` checks)."""
-    fmt, w_fmt = memory_format_of(x), memory_format_of(w)
+def _forward_form(x, w, bias, pad, out_fmt):
+    """The forward form with torch's conv contract: bias added, the output in ``out_fmt`` (channels_last
+    when the input or the weight is; both dense in one of the two layouts: ``_forward_plan`` checks)."""
     fn = kernels.conv_dgrad.conv_forward_tree_cuda if x.is_cuda else kernels.conv_dgrad.conv_forward_tree_cpu
     y = fn(x, w, padding=pad)
     if bias is not None:
         y.add_(bias.view(1, -1, 1, 1))
-    return y.contiguous(memory_format=torch.channels_last if torch.channels_last in (fmt, w_fmt)
-                        else torch.contiguous_format)
+    return y.contiguous(memory_format=out_fmt)
 
 
 def _forward_plan(s: "_Session", original, keyset, args: tuple) -> _ForwardPlan:
     from . import autotune
 
     x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
-    det_ok = torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic \
-        and not torch.backends.cudnn.benchmark
     why = None
-    if not det_ok:
+    if not _torch_det_ok():
         why = "torch's deterministic mode is off"
     elif transposed or x.dim() != 4 or groups != 1:
         why = "transposed, grouped or not 2-D"
@@ -612,18 +613,20 @@ def _forward_plan(s: "_Session", original, keyset, args: tuple) -> _ForwardPlan:
     if why is not None:
         return _ForwardPlan(None, ORIGINAL, why)
     pad = _pair(padding)
-    layout = "channels_last" if memory_format_of(x) == torch.channels_last else "nchw"
-    if memory_format_of(w) == torch.channels_last and layout == "nchw":
+    fmt, w_fmt = memory_format_of(x), memory_format_of(w)
+    out_fmt = torch.channels_last if torch.channels_last in (fmt, w_fmt) else torch.contiguous_format
+    layout = "channels_last" if fmt == torch.channels_last else "nchw"
+    if w_fmt == torch.channels_last and layout == "nchw":
         layout = "nchw/w:channels_last"   # the output is channels_last: another configuration
     key = autotune.conv_key(FORWARD_KEY, x, w, (1, 1), pad, (1, 1), 1, layout)
     if s.tuner.pinned_only and key not in s.tuner.pinned:
         # a plan from a run whose forward convs were not tuned: torch's forward, which every process
         # following the plan takes alike, never a timing
         return _ForwardPlan(None, autotune.TORCH_DET, "not in the pinned plan")
-    candidates = {"tree": lambda: _forward_form(x, w, bias, pad),
+    candidates = {"tree": lambda: _forward_form(x, w, bias, pad, out_fmt),
                   autotune.TORCH_DET: lambda: original.call_boxed(keyset, *args)}
     if s.tuner.choose(key, x.device, candidates) == "tree":
-        return _ForwardPlan(functools.partial(_forward_form, pad=pad), "tree")
+        return _ForwardPlan(functools.partial(_forward_form, pad=pad, out_fmt=out_fmt), "tree")
     return _ForwardPlan(None, autotune.TORCH_DET)
 
 
@@ -634,9 +637,7 @@ def _conv_forward(s: "_Session", original, keyset, x, w, bias, stride, padding, 
         s.coverage.add(FORWARD_ATEN, ORIGINAL, _NO_GRAD)
         return original.call_boxed(keyset, *args)
     key = (x.dtype, w.dtype, None if bias is None else bias.dtype, x.device, x.shape, x.stride(), w.shape, w.stride(),
-           tuple(stride), tuple(padding), tuple(dilation), bool(transposed), groups,
-           torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-           torch.backends.cudnn.benchmark)
+           tuple(stride), tuple(padding), tuple(dilation), bool(transposed), groups, _torch_det_ok())
     plan = s.fwd_plans.get(key)
     if plan is None:
         plan = _forward_plan(s, original, keyset, args)

@@ -268,14 +268,16 @@ def test_forward_conv_tuning_leaves_evaluation_strided_inputs_and_refusals_to_to
     tree choice the launcher refuses (bf16 on the CPU, which the CPU model does not take) runs torch's
     forward, counted with the reason. The output follows torch's layout rule: channels_last when the
     weight is, even for an NCHW input."""
+    torch.manual_seed(4)   # the convs' initial weights
     conv = nn.Conv2d(4, 6, 3, padding=1)
-    x = torch.randn(2, 4, 7, 7, generator=torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 4, 7, 7, generator=gen)
     seen: list[str] = []
     tuner = autotune.Tuner(cache=None, timer=ranked_timer(["tree"], seen))
     with nnrand.use_kernels("fastest-deterministic", tuner=tuner) as r:
         with torch.no_grad():
             plain = conv(x)
-        sliced = torch.randn(2, 8, 7, 7).to(memory_format=torch.channels_last)[:, :4]
+        sliced = torch.randn(2, 8, 7, 7, generator=gen).to(memory_format=torch.channels_last)[:, :4]
         assert not sliced.is_contiguous() and not sliced.is_contiguous(memory_format=torch.channels_last)
         conv(sliced)
         conv_cl = nn.Conv2d(4, 6, 3, padding=1).to(memory_format=torch.channels_last)
@@ -286,7 +288,7 @@ def test_forward_conv_tuning_leaves_evaluation_strided_inputs_and_refusals_to_to
     assert torch.equal(plain, torch.nn.functional.conv2d(x, conv.weight, conv.bias, 1, 1))
     assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
     half = nn.Conv2d(8, 8, 3, padding=1).to(torch.bfloat16)
-    xb = torch.randn(2, 8, 6, 6).to(torch.bfloat16)
+    xb = torch.randn(2, 8, 6, 6, generator=gen).to(torch.bfloat16)
     key = autotune.conv_key("conv_fwd", xb, half.weight, (1, 1), (1, 1), (1, 1), 1, "nchw")
     with nnrand.use_kernels("fastest-deterministic", tuner=autotune.Tuner(cache=None, pinned={key: "tree"})) as r2:
         yb = half(xb)
