@@ -188,12 +188,17 @@ def _measure_forward(s: dict, x, w, args) -> dict:
     times["tree"] = graph_replay_us(lambda: conv_dgrad.conv_forward_tree_cuda(x, w, padding=tuple(s["padding"])),
                                     calls=args.calls, replays=args.replays) if formable else None
     tuner = autotune.Tuner(cache=None)
+    # the routing tunes only forwards that record a backward (as in training: the weight requires grad)
+    wg = w.detach().requires_grad_()
     with cudnn_flags(benchmark=False, deterministic=False), \
             nnrand.use_kernels("fastest-deterministic", {o: "tree" for o in routing.TUNABLE if o != "conv_dgrad"},
                                tuner=tuner):
-        fwd()
+        torch.nn.functional.conv2d(x, wg, None, s["stride"], s["padding"], s["dilation"], s["groups"])
     torch.cuda.synchronize()
     entries = list(tuner.record()["choices"].values())
+    if formable and not entries:
+        raise RuntimeError(f"forward conv {shape_name(s)}: the routing did not tune a shape its forward form "
+                           "covers; the auto column would not be the tuner's choice")
     choice = entries[0]["choice"] if entries else autotune.TORCH_DET   # not tuned: torch's forward runs
     return {"times_us": times, "auto": choice, "auto_column": "cudnn_det" if choice == autotune.TORCH_DET else choice,
             "tuner_times_us": entries[0]["times_us"] if entries else {}, "deterministic": {"tree": True}}
