@@ -63,6 +63,7 @@ __device__ __forceinline__ void dgrad_gemm(
     __shared__ __align__(16) float smem[DG_BN * DG_LDA];  // operands while looping, C tile after
     __shared__ int s_kh[DG_MAXK], s_oh[DG_MAXK], s_kw[DG_MAXK], s_ow[DG_MAXK];
     __shared__ int s_nkh, s_nkw;
+    __shared__ long long s_row[DG_BM];      // tree: each tile row's dx offset (-1 past the last row)
     float* As = smem;                        // [2][BK][LDA], A transposed (k-major)
     float* Bs = smem + 2 * DG_BK * DG_LDA;   // [2][BK][BN]
 
@@ -149,6 +150,11 @@ __device__ __forceinline__ void dgrad_gemm(
         a_j[p] = r - a_i[p] * Wq;
         a_ok[p] = a_in[p];
         a_off[p] = (long long)a_n[p] * dy_sn + (long long)a_i[p] * dy_sh + (long long)a_j[p] * dy_sw;
+        // the epilogue's row decode, once per row here instead of once per stored element there
+        if (!SCATTER && (CL ? (t & 7) == 0 : t < DG_BM))
+            s_row[ml] = a_in[p] ? (long long)a_n[p] * dx_sn + (long long)(rh + sh * a_i[p]) * dx_sh +
+                                      (long long)(rw + sw * a_j[p]) * dx_sw
+                                : -1;
     }
     int tap = kt0 / cochunks, co0 = (kt0 - tap * cochunks) * DG_BK, wrow = 0;  // wrow: first B row of the tap
     auto set_tap = [&](int tp) {
@@ -240,25 +246,32 @@ __device__ __forceinline__ void dgrad_gemm(
         *reinterpret_cast<float4*>(Cs + col * DG_LDA + 64 + tm * 4) = make_float4(acc[4][j], acc[5][j], acc[6][j], acc[7][j]);
     }
     __syncthreads();
+    if (SCATTER) {
 #pragma unroll 4
-    for (int e = 0; e < (DG_BM * DG_BN) / DG_THREADS; ++e) {
-        const int idx = e * DG_THREADS + t;
-        const int ml = CL ? idx / DG_BN : idx % DG_BM;
-        const int col = CL ? idx % DG_BN : idx / DG_BM;
-        const int m = m0 + ml, gc = c0 + col;
-        if (m >= M || gc >= ncols) continue;
-        const float v = Cs[col * DG_LDA + ml];
-        const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - (r / Wq) * Wq;
-        if (SCATTER) {
+        for (int e = 0; e < (DG_BM * DG_BN) / DG_THREADS; ++e) {
+            const int idx = e * DG_THREADS + t;
+            const int ml = CL ? idx / DG_BN : idx % DG_BM;
+            const int col = CL ? idx % DG_BN : idx / DG_BM;
+            const int m = m0 + ml, gc = c0 + col;
+            if (m >= M || gc >= ncols) continue;
+            const float v = Cs[col * DG_LDA + ml];
+            const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
             const int tp = gc / Cin, ci = gc - tp * Cin, kh = tp / KW, kw = tp - kh * KW;
             const int h = i * sh - ph + kh * dh, w = j * sw - pw + kw * dw;
             if (h < 0 || h >= H || w < 0 || w >= W) continue;
             atomicAdd(dx + (long long)n * dx_sn + (long long)ci * dx_sc + (long long)h * dx_sh + (long long)w * dx_sw, v);
-        } else {
-            // split K: partial ks goes to part + ks * (the dense dx's size), at dx's offsets
-            float* out = ksplit > 1 ? part + (long long)ks * N * Cin * H * W : dx;
-            const int h = rh + sh * i, w = rw + sw * j;
-            out[(long long)n * dx_sn + (long long)gc * dx_sc + (long long)h * dx_sh + (long long)w * dx_sw] = v;
+        }
+    } else {
+        // split K: partial ks goes to part + ks * (the dense dx's size), at dx's offsets
+        float* out = ksplit > 1 ? part + (long long)ks * N * Cin * H * W : dx;
+#pragma unroll 4
+        for (int e = 0; e < (DG_BM * DG_BN) / DG_THREADS; ++e) {
+            const int idx = e * DG_THREADS + t;
+            const int ml = CL ? idx / DG_BN : idx % DG_BM;
+            const int col = CL ? idx % DG_BN : idx / DG_BM;
+            const long long row = s_row[ml];
+            if (row < 0 || c0 + col >= ncols) continue;
+            out[row + (long long)(c0 + col) * dx_sc] = Cs[col * DG_LDA + ml];
         }
     }
 }
@@ -397,6 +410,7 @@ __device__ __forceinline__ void stem_body(DG_ARGS, int tj_log2, int TI, int tile
     extern __shared__ __align__(16) float4 ws[];  // [ntaps][CW]
     __shared__ int s_kh[DG_MAXK], s_oh[DG_MAXK], s_kw[DG_MAXK], s_ow[DG_MAXK];
     __shared__ int s_nkh, s_nkw;
+    __shared__ long long s_row[DG_BM];      // tree: each tile row's dx offset (-1 past the last row)
     const int t = threadIdx.x, nthreads = blockDim.x;
     const int TJ = 1 << tj_log2;
     const int z = gridDim.z - 1 - blockIdx.z;  // longest phases first, as in dgrad_gemm
