@@ -96,9 +96,16 @@ def main() -> None:
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="also cProfile the steps: top N functions")
     p.add_argument("--graph", action="store_true", help="forward+backward as a CUDA graph (nnrand.train.GraphStep)")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--no-gc", action="store_true", help="Python's cyclic garbage collector off while steps run "
+                   "(whether its pauses are part of the host time)")
     p.add_argument("--tf32", action="store_true", help="allow TF32 in cuDNN convs and matmuls (default off, as "
                    "nnrand.train and bench.models run fp32)")
     args = p.parse_args()
+    if args.no_gc:
+        import gc
+
+        gc.collect()
+        gc.disable()
     # PyTorch's default lets cuDNN convolutions use TF32: pinned as the suite's own runs pin it
     with noise.pinned_flags(tf32=args.tf32, cudnn_deterministic=False):
         for mode in args.modes:

@@ -1,0 +1,75 @@
+"""GPU time of conv_dgrad's ``tree`` kernel (the data gradient, and the forward form a stride-1 forward conv
+runs as) per network shape and layout, with a checksum of each result, so that two checkouts of the kernel
+can be compared in one session: same shapes, same seeded tensors, bit-identical results expected where a
+change keeps the accumulation order.
+
+    python bench/dev/conv_tree_gemm.py --model torchvision:resnet50 --batch 64 --size 224 --classes 1000
+    python bench/dev/conv_tree_gemm.py --model resnet18 --batch 128 --size 32 --json out.json
+
+GPU time per call: median of CUDA-graph replays (bench.timing.graph_replay_us), fp32, TF32 off.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from bench.conv_shapes import conv_shapes, shape_name  # noqa: E402
+from bench.timing import graph_replay_us  # noqa: E402
+from kernels import conv_dgrad  # noqa: E402
+from nnrand import noise  # noqa: E402
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()[:12]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--size", type=int, default=32)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args()
+    rows = []
+    totals: dict[str, float] = {}
+    with noise.pinned_flags(tf32=False, cudnn_deterministic=False):
+        for s in conv_shapes(args.model, args.batch, args.size, args.classes):
+            if s["groups"] != 1 or s["dilation"] != [1, 1]:
+                continue
+            for layout in ("nchw", "channels_last"):
+                fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+                g = torch.Generator(device="cuda").manual_seed(0)
+                x = torch.randn(*s["x"], device="cuda", generator=g).contiguous(memory_format=fmt)
+                w = torch.randn(*s["w"], device="cuda", generator=g).contiguous(memory_format=fmt)
+                y = torch.nn.functional.conv2d(x, w, None, s["stride"], s["padding"])
+                dy = torch.randn(y.shape, device="cuda", generator=g).contiguous(memory_format=fmt)
+                geom = dict(input_size=tuple(s["x"][-2:]), stride=tuple(s["stride"]), padding=tuple(s["padding"]))
+                calls = {"dgrad": lambda: conv_dgrad.conv_dgrad_tree_cuda(w, dy, **geom)}
+                k = s["w"][-2:]
+                if s["stride"] == [1, 1] and all(q <= kk - 1 for q, kk in zip(s["padding"], k)):
+                    calls["fwd"] = lambda: conv_dgrad.conv_forward_tree_cuda(x, w, padding=tuple(s["padding"]))
+                row = {"shape": shape_name(s), "count": s["count"], "layout": layout}
+                for name, fn in calls.items():
+                    row[f"{name}_us"] = graph_replay_us(fn, calls=args.calls, replays=args.replays)
+                    row[f"{name}_sha"] = digest(fn())
+                    totals[f"{layout} {name}"] = totals.get(f"{layout} {name}", 0.0) + row[f"{name}_us"] * s["count"]
+                rows.append(row)
+                print(f"{row['shape']:<24} x{s['count']:<2} {layout:<13} " +
+                      "  ".join(f"{n} {row[f'{n}_us']:8.1f} us {row[f'{n}_sha']}" for n in calls), flush=True)
+    print("totals (us, count-weighted): " + ", ".join(f"{k} {v:.0f}" for k, v in totals.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "totals": totals}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
