@@ -24,10 +24,13 @@
 // Self-contained: no shared header (the reductions here are GEMM accumulators, not common.cuh trees).
 
 #define DG_BM 128            // block tile rows (pixels)
-#define DG_BN 64             // block tile columns (Cin for tree, KH*KW*Cin for atomic)
+#define DG_BN 64             // block tile columns (Cin for tree, KH*KW*Cin for atomic); tree_*_wide: 128
 #define DG_BK 8              // reduction slice per stage (output channels)
-#define DG_THREADS 256       // 16 x 16 threads, each an 8 x 4 register tile
+#define DG_THREADS 256       // 16 x 16 threads, each an 8 x TN register tile (TN = 4; tree_*_wide: 8)
 #define DG_LDA (DG_BM + 4)   // shared row pitch: conflict-free transposed stores, float4 aligned
+#ifndef DG_WIDE_BLOCKS
+#define DG_WIDE_BLOCKS 2     // tree_*_wide: resident blocks per SM the register budget is set for
+#endif
 #define DG_MAXK 32           // largest kernel extent per axis (taps are listed in shared memory)
 #define DG_STEM_MAX_THREADS 256  // tree_stem block, at most
 #define DG_STEM_SPLIT 4          // tree_stem: lanes that split one pixel group's output channels
@@ -52,7 +55,9 @@ __device__ __forceinline__ int phase_taps(int r, int pad, int stride, int dil, i
 //   SCATTER = true (atomic): rows are dy pixels; A[m, co] = dy; B[co, (tap, ci)] = w_cl[co][kh][kw][ci];
 //     C[m, (tap, ci)] is atomicAdd-ed into dx[n, ci, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw].
 //   CL picks coalesced thread mappings for channels_last tensors (channel fastest in memory).
-template <bool SCATTER, bool CL>
+//   TN: columns per thread, 4 (a 128 x 64 tile) or 8 (tree only: 128 x 128, twice the FMAs per shared
+//     load, for Cin >= 128). Each C element is the same FMA chain either way: the same bits.
+template <bool SCATTER, bool CL, int TN = 4>
 __device__ __forceinline__ void dgrad_gemm(
     const float* __restrict__ dy, const float* __restrict__ wmat, float* __restrict__ dx,
     int N, int Cin, int H, int W, int Cout, int OH, int OW, int KH, int KW,
@@ -65,7 +70,10 @@ __device__ __forceinline__ void dgrad_gemm(
     __shared__ int s_nkh, s_nkw;
     __shared__ long long s_row[DG_BM];      // tree: each tile row's dx offset (-1 past the last row)
     float* As = smem;                        // [2][BK][LDA], A transposed (k-major)
+    constexpr int BN = 16 * TN;              // block tile columns
     float* Bs = smem + 2 * DG_BK * DG_LDA;   // [2][BK][BN]
+    static_assert(2 * DG_BK * (DG_LDA + BN) <= DG_BN * DG_LDA, "operands fit the C tile's buffer");
+    static_assert(!SCATTER || TN == 4, "the scatter's tile is 128 x 64");
 
     const int t = threadIdx.x;
     int rh = 0, rw = 0, Hq, Wq;  // stride phase and the pixel grid of that phase
@@ -84,12 +92,12 @@ __device__ __forceinline__ void dgrad_gemm(
     const int ncols = SCATTER ? KH * KW * Cin : Cin;
     // atomic: one 1-D grid with the column tile fastest, so the blocks holding the taps of one dy tile
     // (and so the overlapping contributions to one dx region) run side by side and race for real.
-    const int ctiles = (ncols + DG_BN - 1) / DG_BN;
+    const int ctiles = (ncols + BN - 1) / BN;
     // tree, split K: grid y is (column tile, split) with the split fastest; split ks reduces its own
     // contiguous range of the (tap, co chunk) slices and writes a partial tile (see the epilogue)
     const int ks = SCATTER ? 0 : (int)blockIdx.y % ksplit;
     const int m0 = (SCATTER ? (int)(blockIdx.x / ctiles) : (int)blockIdx.x) * DG_BM;
-    const int c0 = (SCATTER ? (int)(blockIdx.x % ctiles) : (int)blockIdx.y / ksplit) * DG_BN;
+    const int c0 = (SCATTER ? (int)(blockIdx.x % ctiles) : (int)blockIdx.y / ksplit) * BN;
     if (m0 >= M) return;  // uniform over the block (phases differ in size)
 
     int ntaps = 1;
@@ -107,13 +115,14 @@ __device__ __forceinline__ void dgrad_gemm(
             // write the zeros here, straight (the C-tile epilogue's index arithmetic per element costs
             // more than the stores): NCHW: a thread keeps one pixel and walks channels;
             // channels_last: 16 threads cover 64 consecutive channels of a pixel with float4 stores.
-            const int nc = min(DG_BN, ncols - c0);
+            for (int cb = c0; cb < min(c0 + BN, ncols); cb += DG_BN) {
+            const int nc = min(DG_BN, ncols - cb);
             if (CL && (nc & 3) == 0 && (dx_sc == 1) && ((dx_sw & 3) == 0) && ((dx_sh & 3) == 0) && ((dx_sn & 3) == 0)) {
                 for (int ml = t >> 4; ml < DG_BM; ml += DG_THREADS >> 4) {
                     const int m = m0 + ml, q = (t & 15) * 4;
                     if (m >= M || q >= nc) continue;
                     const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
-                    float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * i) * dx_sh + (long long)(rw + sw * j) * dx_sw + c0 + q;
+                    float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * i) * dx_sh + (long long)(rw + sw * j) * dx_sw + cb + q;
                     *reinterpret_cast<float4*>(o) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 }
             } else {
@@ -121,8 +130,9 @@ __device__ __forceinline__ void dgrad_gemm(
                 if (m < M) {
                     const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
                     float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * i) * dx_sh + (long long)(rw + sw * j) * dx_sw;
-                    for (int col = t / DG_BM; col < nc; col += DG_THREADS / DG_BM) o[(long long)(c0 + col) * dx_sc] = 0.0f;
+                    for (int col = t / DG_BM; col < nc; col += DG_THREADS / DG_BM) o[(long long)(cb + col) * dx_sc] = 0.0f;
                 }
+            }
             }
             return;
         }
@@ -170,7 +180,7 @@ __device__ __forceinline__ void dgrad_gemm(
         }
     };
 
-    float ra[4], rb[2];
+    float ra[4], rb[TN / 2];
     auto load_tile = [&]() {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -180,30 +190,31 @@ __device__ __forceinline__ void dgrad_gemm(
         }
         const int co = co0 + (t >> 5);
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
+        for (int e = 0; e < TN / 2; ++e) {
             const int gc = c0 + (t & 31) + 32 * e;
             rb[e] = (co < Cout && gc < ncols) ? __ldg(wmat + (long long)(wrow + co) * ncols + gc) : 0.0f;
         }
     };
     auto store_tile = [&](int buf) {
         float* A = As + buf * DG_BK * DG_LDA;
-        float* B = Bs + buf * DG_BK * DG_BN;
+        float* B = Bs + buf * DG_BK * BN;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             if (CL) A[a_k * DG_LDA + (t >> 3) + 32 * e] = ra[e];
             else A[(a_k + e) * DG_LDA + (t & 127)] = ra[e];
         }
 #pragma unroll
-        for (int e = 0; e < 2; ++e) B[(t >> 5) * DG_BN + (t & 31) + 32 * e] = rb[e];
+        for (int e = 0; e < TN / 2; ++e) B[(t >> 5) * BN + (t & 31) + 32 * e] = rb[e];
     };
 
-    // Thread (tm, tn) owns rows tm*4 + {0..3} and 64 + tm*4 + {0..3}, columns tn*4 + {0..3}.
+    // Thread (tm, tn) owns rows tm*4 + {0..3} and 64 + tm*4 + {0..3}, columns tn*4 + {0..3} (and, TN = 8,
+    // 64 + tn*4 + {0..3}).
     const int tm = t & 15, tn = t >> 4;
-    float acc[8][4];
+    float acc[8][TN];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+        for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
 
     if (kt1 > kt0) {
         set_tap(tap);
@@ -219,59 +230,69 @@ __device__ __forceinline__ void dgrad_gemm(
                 load_tile();
             }
             const float* A = As + buf * DG_BK * DG_LDA;
-            const float* B = Bs + buf * DG_BK * DG_BN;
+            const float* B = Bs + buf * DG_BK * BN;
 #pragma unroll
             for (int kk = 0; kk < DG_BK; ++kk) {
                 const float4 a0 = *reinterpret_cast<const float4*>(A + kk * DG_LDA + tm * 4);
                 const float4 a1 = *reinterpret_cast<const float4*>(A + kk * DG_LDA + 64 + tm * 4);
-                const float4 b = *reinterpret_cast<const float4*>(B + kk * DG_BN + tn * 4);
                 const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                const float bv[4] = {b.x, b.y, b.z, b.w};
+                float bv[TN];
+#pragma unroll
+                for (int h = 0; h < TN / 4; ++h) {
+                    const float4 b = *reinterpret_cast<const float4*>(B + kk * BN + 64 * h + tn * 4);
+                    bv[4 * h] = b.x; bv[4 * h + 1] = b.y; bv[4 * h + 2] = b.z; bv[4 * h + 3] = b.w;
+                }
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+                    for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
             }
             if (more) store_tile(buf ^ 1);
             __syncthreads();
         }
     }
 
-    // Epilogue through shared memory, Cs[col][row], so that lanes write along the fastest dx axis.
+    // Epilogue through shared memory, Cs[col][row], so that lanes write along the fastest dx axis; 64
+    // columns at a time (TN = 8: two rounds).
     float* Cs = smem;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int col = tn * 4 + j;
-        *reinterpret_cast<float4*>(Cs + col * DG_LDA + tm * 4) = make_float4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]);
-        *reinterpret_cast<float4*>(Cs + col * DG_LDA + 64 + tm * 4) = make_float4(acc[4][j], acc[5][j], acc[6][j], acc[7][j]);
-    }
-    __syncthreads();
-    if (SCATTER) {
-#pragma unroll 4
-        for (int e = 0; e < (DG_BM * DG_BN) / DG_THREADS; ++e) {
-            const int idx = e * DG_THREADS + t;
-            const int ml = CL ? idx / DG_BN : idx % DG_BM;
-            const int col = CL ? idx % DG_BN : idx / DG_BM;
-            const int m = m0 + ml, gc = c0 + col;
-            if (m >= M || gc >= ncols) continue;
-            const float v = Cs[col * DG_LDA + ml];
-            const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
-            const int tp = gc / Cin, ci = gc - tp * Cin, kh = tp / KW, kw = tp - kh * KW;
-            const int h = i * sh - ph + kh * dh, w = j * sw - pw + kw * dw;
-            if (h < 0 || h >= H || w < 0 || w >= W) continue;
-            atomicAdd(dx + (long long)n * dx_sn + (long long)ci * dx_sc + (long long)h * dx_sh + (long long)w * dx_sw, v);
+    for (int hc = 0; hc < TN / 4; ++hc) {
+        if (hc > 0) __syncthreads();   // the previous round has read Cs
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int col = tn * 4 + j, q = 4 * hc + j;
+            *reinterpret_cast<float4*>(Cs + col * DG_LDA + tm * 4) = make_float4(acc[0][q], acc[1][q], acc[2][q], acc[3][q]);
+            *reinterpret_cast<float4*>(Cs + col * DG_LDA + 64 + tm * 4) = make_float4(acc[4][q], acc[5][q], acc[6][q], acc[7][q]);
         }
-    } else {
-        // split K: partial ks goes to part + ks * (the dense dx's size), at dx's offsets
-        float* out = ksplit > 1 ? part + (long long)ks * N * Cin * H * W : dx;
+        __syncthreads();
+        const int cb = c0 + DG_BN * hc;   // this round's first column
+        if (SCATTER) {
 #pragma unroll 4
-        for (int e = 0; e < (DG_BM * DG_BN) / DG_THREADS; ++e) {
-            const int idx = e * DG_THREADS + t;
-            const int ml = CL ? idx / DG_BN : idx % DG_BM;
-            const int col = CL ? idx % DG_BN : idx / DG_BM;
-            const long long row = s_row[ml];
-            if (row < 0 || c0 + col >= ncols) continue;
-            out[row + (long long)(c0 + col) * dx_sc] = Cs[col * DG_LDA + ml];
+            for (int e = 0; e < (DG_BM * DG_BN) / DG_THREADS; ++e) {
+                const int idx = e * DG_THREADS + t;
+                const int ml = CL ? idx / DG_BN : idx % DG_BM;
+                const int col = CL ? idx % DG_BN : idx / DG_BM;
+                const int m = m0 + ml, gc = cb + col;
+                if (m >= M || gc >= ncols) continue;
+                const float v = Cs[col * DG_LDA + ml];
+                const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
+                const int tp = gc / Cin, ci = gc - tp * Cin, kh = tp / KW, kw = tp - kh * KW;
+                const int h = i * sh - ph + kh * dh, w = j * sw - pw + kw * dw;
+                if (h < 0 || h >= H || w < 0 || w >= W) continue;
+                atomicAdd(dx + (long long)n * dx_sn + (long long)ci * dx_sc + (long long)h * dx_sh + (long long)w * dx_sw, v);
+            }
+        } else {
+            // split K: partial ks goes to part + ks * (the dense dx's size), at dx's offsets
+            float* out = ksplit > 1 ? part + (long long)ks * N * Cin * H * W : dx;
+#pragma unroll 4
+            for (int e = 0; e < (DG_BM * DG_BN) / DG_THREADS; ++e) {
+                const int idx = e * DG_THREADS + t;
+                const int ml = CL ? idx / DG_BN : idx % DG_BM;
+                const int col = CL ? idx % DG_BN : idx / DG_BM;
+                const long long row = s_row[ml];
+                if (row < 0 || cb + col >= ncols) continue;
+                out[row + (long long)(cb + col) * dx_sc] = Cs[col * DG_LDA + ml];
+            }
         }
     }
 }
@@ -291,6 +312,13 @@ extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_nchw
 }
 extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_cl(DG_ARGS, int ksplit, float* part) {
     dgrad_gemm<false, true>(DG_PASS, ksplit, part);
+}
+// Wide tiles (128 x 128) for Cin >= 128: the same per-element chains, fewer shared loads per FMA.
+extern "C" __global__ void __launch_bounds__(DG_THREADS, DG_WIDE_BLOCKS) conv_dgrad_tree_nchw_wide(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm<false, false, 8>(DG_PASS, ksplit, part);
+}
+extern "C" __global__ void __launch_bounds__(DG_THREADS, DG_WIDE_BLOCKS) conv_dgrad_tree_cl_wide(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm<false, true, 8>(DG_PASS, ksplit, part);
 }
 extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_atomic_nchw(DG_ARGS, int ksplit, float* part) {
     dgrad_gemm<true, false>(DG_PASS, 1, nullptr);
@@ -410,7 +438,6 @@ __device__ __forceinline__ void stem_body(DG_ARGS, int tj_log2, int TI, int tile
     extern __shared__ __align__(16) float4 ws[];  // [ntaps][CW]
     __shared__ int s_kh[DG_MAXK], s_oh[DG_MAXK], s_kw[DG_MAXK], s_ow[DG_MAXK];
     __shared__ int s_nkh, s_nkw;
-    __shared__ long long s_row[DG_BM];      // tree: each tile row's dx offset (-1 past the last row)
     const int t = threadIdx.x, nthreads = blockDim.x;
     const int TJ = 1 << tj_log2;
     const int z = gridDim.z - 1 - blockIdx.z;  // longest phases first, as in dgrad_gemm

@@ -288,14 +288,21 @@ def tree_split(g: Geometry, blocks: int) -> int:
     return max(1, min(SPLIT_TARGET // blocks, SPLIT_MAX, slices // SPLIT_MIN_SLICES))
 
 
+# The tree GEMM's wide tiles (128 x 128, kernels conv_dgrad_tree_*_wide) for Cin >= WIDE_MIN_CIN: each
+# thread holds 8 x 8 accumulators instead of 8 x 4, so a shared-memory load feeds twice the FMAs. Every
+# dx element is the same FMA chain in either width and the split is reckoned on the narrow grid, so the
+# width never changes a bit; a shape with fewer columns keeps the 128 x 64 tile.
+WIDE_MIN_CIN = 128
+
+
 def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     if EMPTY_ZEROS not in ("auto", "memset", "kernel"):
         raise ValueError(f"{OP}: EMPTY_ZEROS must be 'auto', 'memset' or 'kernel', got {EMPTY_ZEROS!r}")
-    return _tree_plan(g, dy_stride, EMPTY_ZEROS)
+    return _tree_plan(g, dy_stride, EMPTY_ZEROS, WIDE_MIN_CIN)
 
 
 @functools.lru_cache(maxsize=1024)
-def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str) -> LaunchPlan:
+def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_min_cin: int) -> LaunchPlan:
     empty = not all(phase_offsets(g.kh, g.sh, g.ph, g.dh)) or not all(phase_offsets(g.kw, g.sw, g.pw, g.dw))
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
     stem = _stem_plan(g, dy_stride) if g.cin <= STEM_MAX_CIN else None
@@ -311,6 +318,9 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str) -> Lau
     # never with phases no tap reaches: their zeros go to dx, which the split's sum would overwrite
     # (tree_split splits stride 1 only, where every phase has taps)
     ksplit = tree_split(g, grid[0] * grid[1] * grid[2]) if not empty else 1
+    if g.cin >= wide_min_cin:
+        kernel += "_wide"
+        grid = (grid[0], cdiv(g.cin, 2 * BN), grid[2])
     return LaunchPlan(kernel, (grid[0], grid[1] * ksplit, grid[2]), (THREADS,), 0,
                       (*head[:-1], np.int32(fill), np.int32(ksplit)), fill, "tap_major", ksplit)
 

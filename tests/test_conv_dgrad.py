@@ -538,3 +538,56 @@ def test_cuda_tree_split_k():
         assert ((got.cpu().double() - exact).abs() <= bound).all()
     assert not torch.equal(split, unsplit)   # the split is a different order: bits differ somewhere
     torch.cuda.synchronize()
+
+
+WIDE_SHAPES = [
+    ConvShape("w128", 2, 128, 64, 3, 1, 1, 9, 11),         # one wide column tile, no split
+    ConvShape("w200", 3, 200, 72, 3, 1, 1, 7, 7),          # a partial second tile (72 of 128 columns)
+    ConvShape("w130s", 1, 130, 256, 3, 1, 1, 4, 4),        # split K on a wide tile
+    ConvShape("w160s2", 2, 160, 96, 1, 2, 0, 10, 10),      # stride 2, 1x1: phases no tap reaches
+    ConvShape("w144s2k3", 2, 144, 40, 3, 2, 1, 9, 8),      # stride 2, 3x3
+]
+
+
+def test_tree_plan_wide_tiles():
+    """Cin >= WIDE_MIN_CIN takes the 128 x 128 tile (an existing kernel, half the column tiles) with the
+    split the 128 x 64 grid would have; fewer channels keep the narrow tile."""
+    source = (KERNEL_DIR / SOURCE).read_text()
+    for s in WIDE_SHAPES + [ConvShape("n64", 2, 64, 64, 3, 1, 1, 9, 9), ConvShape("n127", 2, 127, 8, 1, 1, 0, 5, 5)]:
+        for layout in ("nchw", "channels_last"):
+            w, dy, kw = inputs(make_case(s, layout, 1), "cpu")
+            g = cd._check(w, dy, kw["input_size"], kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
+            plan = cd.tree_plan(g, tuple(dy.stride()))
+            narrow = cd._tree_plan(g, tuple(dy.stride()), cd.EMPTY_ZEROS, 1 << 30)
+            assert re.search(rf"__global__ void __launch_bounds__\([^)]*\) {plan.kernel}\(", source), plan.kernel
+            assert plan.ksplit == narrow.ksplit and plan.scalars == narrow.scalars, s.name
+            if s.cin >= cd.WIDE_MIN_CIN:
+                assert plan.kernel == narrow.kernel + "_wide", s.name
+                assert plan.grid == (narrow.grid[0], -(-s.cin // (2 * cd.BN)) * plan.ksplit, narrow.grid[2])
+            else:
+                assert plan == narrow, s.name
+
+
+@pytest.mark.gpu
+def test_cuda_tree_wide_tiles_same_bits():
+    """The 128 x 128 tile computes every dx element as the 128 x 64 tile does: the same bits, in both
+    layouts, with and without split K, partial column tiles, and stride-2 phases no tap reaches (their
+    zeros stored by the wide kernel or zero-filled before it); 5 repeats give one result."""
+    for i, s in enumerate(WIDE_SHAPES):
+        for layout in ("nchw", "channels_last"):
+            w, dy, kw = inputs(make_case(s, layout, 970 + i), "cuda")
+            g = cd._check(w, dy, kw["input_size"], kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
+            assert cd.tree_plan(g, tuple(dy.stride())).kernel.endswith("_wide")
+            wide = TREE(w, dy, **kw)
+            assert distinct([TREE(w, dy, **kw) for _ in range(5)]) == 1, f"{s.name} {layout}"
+            cd._tree_plan.cache_clear()
+            try:
+                cd.WIDE_MIN_CIN, wide_min = 1 << 30, cd.WIDE_MIN_CIN
+                assert not cd.tree_plan(g, tuple(dy.stride())).kernel.endswith("_wide")
+                narrow = TREE(w, dy, **kw)
+            finally:
+                cd.WIDE_MIN_CIN = wide_min
+                cd._tree_plan.cache_clear()
+            assert_bitwise_equal(wide, narrow, f"{s.name} {layout}: wide against narrow tiles")
+            assert_within_bound(wide, w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1, f"{s.name} {layout}")
+    torch.cuda.synchronize()
