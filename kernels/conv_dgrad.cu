@@ -28,9 +28,6 @@
 #define DG_BK 8              // reduction slice per stage (output channels)
 #define DG_THREADS 256       // 16 x 16 threads, each an 8 x TN register tile (TN = 4; tree_*_wide: 8)
 #define DG_LDA (DG_BM + 4)   // shared row pitch: conflict-free transposed stores, float4 aligned
-#ifndef DG_WIDE_BLOCKS
-#define DG_WIDE_BLOCKS 2     // tree_*_wide: resident blocks per SM the register budget is set for
-#endif
 #define DG_MAXK 32           // largest kernel extent per axis (taps are listed in shared memory)
 #define DG_STEM_MAX_THREADS 256  // tree_stem block, at most
 #define DG_STEM_SPLIT 4          // tree_stem: lanes that split one pixel group's output channels
@@ -313,11 +310,19 @@ extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_nchw
 extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_cl(DG_ARGS, int ksplit, float* part) {
     dgrad_gemm<false, true>(DG_PASS, ksplit, part);
 }
-// Wide tiles (128 x 128) for Cin >= 128: the same per-element chains, fewer shared loads per FMA.
-extern "C" __global__ void __launch_bounds__(DG_THREADS, DG_WIDE_BLOCKS) conv_dgrad_tree_nchw_wide(DG_ARGS, int ksplit, float* part) {
+// Wide tiles (128 x 128) for Cin >= 128: the same per-element chains, fewer shared loads per FMA. Two
+// register budgets: 128 a thread, two resident blocks per SM (grids of more blocks than SMs), and ~170,
+// one block (fewer; no spills on channels_last, where 128 spills).
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_nchw_wide(DG_ARGS, int ksplit, float* part) {
     dgrad_gemm<false, false, 8>(DG_PASS, ksplit, part);
 }
-extern "C" __global__ void __launch_bounds__(DG_THREADS, DG_WIDE_BLOCKS) conv_dgrad_tree_cl_wide(DG_ARGS, int ksplit, float* part) {
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_cl_wide(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm<false, true, 8>(DG_PASS, ksplit, part);
+}
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 1) conv_dgrad_tree_nchw_wide1(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm<false, false, 8>(DG_PASS, ksplit, part);
+}
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 1) conv_dgrad_tree_cl_wide1(DG_ARGS, int ksplit, float* part) {
     dgrad_gemm<false, true, 8>(DG_PASS, ksplit, part);
 }
 extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_atomic_nchw(DG_ARGS, int ksplit, float* part) {

@@ -288,21 +288,30 @@ def tree_split(g: Geometry, blocks: int) -> int:
     return max(1, min(SPLIT_TARGET // blocks, SPLIT_MAX, slices // SPLIT_MIN_SLICES))
 
 
-# The tree GEMM's wide tiles (128 x 128, kernels conv_dgrad_tree_*_wide) for Cin >= WIDE_MIN_CIN: each
+# The tree GEMM's wide tiles (128 x 128, kernels conv_dgrad_tree_*_wide[1]) for Cin >= WIDE_MIN_CIN: each
 # thread holds 8 x 8 accumulators instead of 8 x 4, so a shared-memory load feeds twice the FMAs. Every
 # dx element is the same FMA chain in either width and the split is reckoned on the narrow grid, so the
-# width never changes a bit; a shape with fewer columns keeps the 128 x 64 tile.
+# width never changes a bit. Halving the blocks costs where there are few: the wide tile is taken where
+# the blocks that have taps fill the SMs once (WAVE_SMS) or each split range is a long chain
+# (WIDE_MIN_SLICES slices of 8 output channels); a grid of at most WAVE_SMS blocks runs the one-block-
+# per-SM register budget (_wide1), a larger one the two-block budget (_wide). Measured on an H100
+# (bench/dev/conv_tree_gemm.py, fp32, ResNet-50 224 px batch 64 and ResNet-18 CIFAR batch 128 shapes):
+# two-block wide tiles cut NCHW 1x1 256->64 56x56 from 338 to 266 us, the one-block budget 3x3 512->512
+# 7x7 channels_last from 723 (two-block, spilling) to 579 us (narrow 715); 1x1 stride-2 256->512 at 8x8,
+# batch 128 (32 wide blocks with taps, 64-slice chains) stays narrow: 56 us against 73 wide.
 WIDE_MIN_CIN = 128
+WAVE_SMS = 132            # SMs of an H100 / H200: a constant, so a plan is the same on every GPU
+WIDE_MIN_SLICES = 128
 
 
 def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     if EMPTY_ZEROS not in ("auto", "memset", "kernel"):
         raise ValueError(f"{OP}: EMPTY_ZEROS must be 'auto', 'memset' or 'kernel', got {EMPTY_ZEROS!r}")
-    return _tree_plan(g, dy_stride, EMPTY_ZEROS, WIDE_MIN_CIN)
+    return _tree_plan(g, dy_stride, EMPTY_ZEROS, (WIDE_MIN_CIN, WAVE_SMS, WIDE_MIN_SLICES))
 
 
 @functools.lru_cache(maxsize=1024)
-def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_min_cin: int) -> LaunchPlan:
+def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_rule: tuple[int, int, int]) -> LaunchPlan:
     empty = not all(phase_offsets(g.kh, g.sh, g.ph, g.dh)) or not all(phase_offsets(g.kw, g.sw, g.pw, g.dw))
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
     stem = _stem_plan(g, dy_stride) if g.cin <= STEM_MAX_CIN else None
@@ -318,9 +327,15 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_m
     # never with phases no tap reaches: their zeros go to dx, which the split's sum would overwrite
     # (tree_split splits stride 1 only, where every phase has taps)
     ksplit = tree_split(g, grid[0] * grid[1] * grid[2]) if not empty else 1
+    wide_min_cin, wave_sms, wide_min_slices = wide_rule
     if g.cin >= wide_min_cin:
-        kernel += "_wide"
-        grid = (grid[0], cdiv(g.cin, 2 * BN), grid[2])
+        wide = (grid[0], cdiv(g.cin, 2 * BN), grid[2])
+        phases = sum(map(bool, phase_offsets(g.kh, g.sh, g.ph, g.dh))) * \
+            sum(map(bool, phase_offsets(g.kw, g.sw, g.pw, g.dw)))
+        working = wide[0] * wide[1] * ksplit * phases   # blocks of the phases that have taps
+        if working >= wave_sms or g.kh * g.kw * cdiv(g.cout, 8) // ksplit >= wide_min_slices:
+            kernel += "_wide" if working > wave_sms else "_wide1"
+            grid = wide
     return LaunchPlan(kernel, (grid[0], grid[1] * ksplit, grid[2]), (THREADS,), 0,
                       (*head[:-1], np.int32(fill), np.int32(ksplit)), fill, "tap_major", ksplit)
 

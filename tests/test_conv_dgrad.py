@@ -549,20 +549,42 @@ WIDE_SHAPES = [
 ]
 
 
+def _plan(s: ConvShape, layout: str, device: str = "cpu", seed: int = 1):
+    if device == "cpu":   # the plan reads shapes and strides only
+        w = torch.empty(s.w_shape)
+        dy = torch.empty(s.n, s.cout, (s.h + 2 * s.pad - s.dilation * (s.k - 1) - 1) // s.stride + 1,
+                         (s.w + 2 * s.pad - s.dilation * (s.k - 1) - 1) // s.stride + 1)
+        if layout == "channels_last":
+            w, dy = (t.contiguous(memory_format=torch.channels_last) for t in (w, dy))
+        kw = {"input_size": (s.h, s.w), "stride": s.stride, "padding": s.pad, "dilation": s.dilation}
+    else:
+        w, dy, kw = inputs(make_case(s, layout, seed), device)
+    g = cd._check(w, dy, kw["input_size"], kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
+    return g, tuple(dy.stride()), (w, dy, kw)
+
+
 def test_tree_plan_wide_tiles():
     """Cin >= WIDE_MIN_CIN takes the 128 x 128 tile (an existing kernel, half the column tiles) with the
-    split the 128 x 64 grid would have; fewer channels keep the narrow tile."""
+    split the 128 x 64 grid would have, where its blocks fill the SMs or its chains are long, in the
+    register budget its grid size asks for; otherwise the narrow tile, as for fewer channels."""
     source = (KERNEL_DIR / SOURCE).read_text()
-    for s in WIDE_SHAPES + [ConvShape("n64", 2, 64, 64, 3, 1, 1, 9, 9), ConvShape("n127", 2, 127, 8, 1, 1, 0, 5, 5)]:
+    expect = {  # network shapes (dgrad: Cin is the gradient's channels) and the kernel suffix they get
+        ConvShape("r50_1x1_256_64", 64, 256, 64, 1, 1, 0, 56, 56): "_wide",
+        ConvShape("r50_3x3_512_7", 64, 512, 512, 3, 1, 1, 7, 7): "_wide1",
+        ConvShape("r18_3x3_512_4", 128, 512, 512, 3, 1, 1, 4, 4): "_wide1",
+        ConvShape("r18_1x1s2_256_512_8", 128, 256, 512, 1, 2, 0, 8, 8): "",
+        ConvShape("r18_3x3_64", 128, 64, 64, 3, 1, 1, 32, 32): "",
+        ConvShape("n127", 2, 127, 8, 1, 1, 0, 5, 5): "",
+    }
+    for s, suffix in expect.items():
         for layout in ("nchw", "channels_last"):
-            w, dy, kw = inputs(make_case(s, layout, 1), "cpu")
-            g = cd._check(w, dy, kw["input_size"], kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
-            plan = cd.tree_plan(g, tuple(dy.stride()))
-            narrow = cd._tree_plan(g, tuple(dy.stride()), cd.EMPTY_ZEROS, 1 << 30)
+            g, stride, _ = _plan(s, layout)
+            plan = cd.tree_plan(g, stride)
+            narrow = cd._tree_plan(g, stride, cd.EMPTY_ZEROS, (1 << 30, 0, 0))
             assert re.search(rf"__global__ void __launch_bounds__\([^)]*\) {plan.kernel}\(", source), plan.kernel
+            assert plan.kernel == narrow.kernel + suffix, (s.name, layout, plan.kernel)
             assert plan.ksplit == narrow.ksplit and plan.scalars == narrow.scalars, s.name
-            if s.cin >= cd.WIDE_MIN_CIN:
-                assert plan.kernel == narrow.kernel + "_wide", s.name
+            if suffix:
                 assert plan.grid == (narrow.grid[0], -(-s.cin // (2 * cd.BN)) * plan.ksplit, narrow.grid[2])
             else:
                 assert plan == narrow, s.name
@@ -570,24 +592,27 @@ def test_tree_plan_wide_tiles():
 
 @pytest.mark.gpu
 def test_cuda_tree_wide_tiles_same_bits():
-    """The 128 x 128 tile computes every dx element as the 128 x 64 tile does: the same bits, in both
-    layouts, with and without split K, partial column tiles, and stride-2 phases no tap reaches (their
-    zeros stored by the wide kernel or zero-filled before it); 5 repeats give one result."""
+    """The 128 x 128 tile, in both register budgets, computes every dx element as the 128 x 64 tile does:
+    the same bits, in both layouts, with and without split K, partial column tiles, and stride-2 phases no
+    tap reaches (their zeros stored by the wide kernel or zero-filled before it); 5 repeats give one result."""
+    rules = {"narrow": (1 << 30, 0, 0), "_wide": (cd.WIDE_MIN_CIN, 0, 0), "_wide1": (cd.WIDE_MIN_CIN, 1 << 30, 0)}
     for i, s in enumerate(WIDE_SHAPES):
         for layout in ("nchw", "channels_last"):
-            w, dy, kw = inputs(make_case(s, layout, 970 + i), "cuda")
-            g = cd._check(w, dy, kw["input_size"], kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
-            assert cd.tree_plan(g, tuple(dy.stride())).kernel.endswith("_wide")
-            wide = TREE(w, dy, **kw)
-            assert distinct([TREE(w, dy, **kw) for _ in range(5)]) == 1, f"{s.name} {layout}"
-            cd._tree_plan.cache_clear()
-            try:
-                cd.WIDE_MIN_CIN, wide_min = 1 << 30, cd.WIDE_MIN_CIN
-                assert not cd.tree_plan(g, tuple(dy.stride())).kernel.endswith("_wide")
-                narrow = TREE(w, dy, **kw)
-            finally:
-                cd.WIDE_MIN_CIN = wide_min
+            g, stride, (w, dy, kw) = _plan(s, layout, "cuda", 970 + i)
+            outs = {}
+            for name, rule in rules.items():
                 cd._tree_plan.cache_clear()
-            assert_bitwise_equal(wide, narrow, f"{s.name} {layout}: wide against narrow tiles")
-            assert_within_bound(wide, w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1, f"{s.name} {layout}")
+                saved = cd.WIDE_MIN_CIN, cd.WAVE_SMS, cd.WIDE_MIN_SLICES
+                try:
+                    cd.WIDE_MIN_CIN, cd.WAVE_SMS, cd.WIDE_MIN_SLICES = rule
+                    kernel = cd.tree_plan(g, stride).kernel
+                    assert kernel.endswith(name) if name != "narrow" else "_wide" not in kernel
+                    outs[name] = TREE(w, dy, **kw)
+                    assert distinct([TREE(w, dy, **kw) for _ in range(5)]) == 1, f"{s.name} {layout} {name}"
+                finally:
+                    cd.WIDE_MIN_CIN, cd.WAVE_SMS, cd.WIDE_MIN_SLICES = saved
+                    cd._tree_plan.cache_clear()
+            for name in ("_wide", "_wide1"):
+                assert_bitwise_equal(outs[name], outs["narrow"], f"{s.name} {layout}: {name} against narrow tiles")
+            assert_within_bound(outs["narrow"], w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1, f"{s.name} {layout}")
     torch.cuda.synchronize()
