@@ -12,7 +12,8 @@
 //           visits only the taps that can hit its pixels (1 of 4 for a 3x3 stride-2 pixel on an even
 //           row and column). Each dx element is one thread's FMA chain in a fixed order (taps with kh
 //           then kw ascending, co ascending inside a tap) and is written once (or, split, its
-//           ranges' partials are, then their sum): DETERMINISTIC.
+//           ranges' partials are, then their sum): DETERMINISTIC. Tiles of 128 pixels x 64 channels,
+//           or 128 x 128 (tree_*_wide[1], Cin >= 128): the same chains, so the same bits, either width.
 //           Split K (stride 1, few blocks: small images, deep layers): the launcher splits that chain
 //           into ksplit contiguous ranges of (tap, co chunk) slices, a function of the shape alone;
 //           each range is one FMA chain written as a partial, and conv_dgrad_split_sum adds the
