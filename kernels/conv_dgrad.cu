@@ -114,23 +114,23 @@ __device__ __forceinline__ void dgrad_gemm(
             // more than the stores): NCHW: a thread keeps one pixel and walks channels;
             // channels_last: 16 threads cover 64 consecutive channels of a pixel with float4 stores.
             for (int cb = c0; cb < min(c0 + BN, ncols); cb += DG_BN) {
-            const int nc = min(DG_BN, ncols - cb);
-            if (CL && (nc & 3) == 0 && (dx_sc == 1) && ((dx_sw & 3) == 0) && ((dx_sh & 3) == 0) && ((dx_sn & 3) == 0)) {
-                for (int ml = t >> 4; ml < DG_BM; ml += DG_THREADS >> 4) {
-                    const int m = m0 + ml, q = (t & 15) * 4;
-                    if (m >= M || q >= nc) continue;
-                    const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
-                    float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * i) * dx_sh + (long long)(rw + sw * j) * dx_sw + cb + q;
-                    *reinterpret_cast<float4*>(o) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const int nc = min(DG_BN, ncols - cb);
+                if (CL && (nc & 3) == 0 && (dx_sc == 1) && ((dx_sw & 3) == 0) && ((dx_sh & 3) == 0) && ((dx_sn & 3) == 0)) {
+                    for (int ml = t >> 4; ml < DG_BM; ml += DG_THREADS >> 4) {
+                        const int m = m0 + ml, q = (t & 15) * 4;
+                        if (m >= M || q >= nc) continue;
+                        const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
+                        float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * i) * dx_sh + (long long)(rw + sw * j) * dx_sw + cb + q;
+                        *reinterpret_cast<float4*>(o) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    }
+                } else {
+                    const int ml = t & (DG_BM - 1), m = m0 + ml;
+                    if (m < M) {
+                        const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
+                        float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * i) * dx_sh + (long long)(rw + sw * j) * dx_sw;
+                        for (int col = t / DG_BM; col < nc; col += DG_THREADS / DG_BM) o[(long long)(cb + col) * dx_sc] = 0.0f;
+                    }
                 }
-            } else {
-                const int ml = t & (DG_BM - 1), m = m0 + ml;
-                if (m < M) {
-                    const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
-                    float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * i) * dx_sh + (long long)(rw + sw * j) * dx_sw;
-                    for (int col = t / DG_BM; col < nc; col += DG_THREADS / DG_BM) o[(long long)(cb + col) * dx_sc] = 0.0f;
-                }
-            }
             }
             return;
         }
