@@ -293,12 +293,14 @@ def tree_split(g: Geometry, blocks: int) -> int:
 # dx element is the same FMA chain in either width and the split is reckoned on the narrow grid, so the
 # width never changes a bit. Halving the blocks costs where there are few: the wide tile is taken where
 # the blocks that have taps fill the SMs once (WAVE_SMS) or each split range is a long chain
-# (WIDE_MIN_SLICES slices of 8 output channels); a grid of at most WAVE_SMS blocks runs the one-block-
-# per-SM register budget (_wide1), a larger one the two-block budget (_wide). Measured on an H100
+# (WIDE_MIN_SLICES slices of 8 output channels, counting every tap: an upper bound at stride 2); at most
+# WAVE_SMS blocks with taps run the one-block-per-SM register budget (_wide1), more the two-block budget
+# (_wide; on channels_last it spills 88 bytes and still gains). Measured on an H100
 # (bench/dev/conv_tree_gemm.py, fp32, ResNet-50 224 px batch 64 and ResNet-18 CIFAR batch 128 shapes):
-# two-block wide tiles cut NCHW 1x1 256->64 56x56 from 338 to 266 us, the one-block budget 3x3 512->512
-# 7x7 channels_last from 723 (two-block, spilling) to 579 us (narrow 715); 1x1 stride-2 256->512 at 8x8,
-# batch 128 (32 wide blocks with taps, 64-slice chains) stays narrow: 56 us against 73 wide.
+# two-block wide tiles cut 1x1 256->64 56x56 from 338 to 266 us (NCHW) and from 370 to 295 us
+# (channels_last), the one-block budget 3x3 512->512 7x7 channels_last from 723 (two-block, spilling) to
+# 579 us (narrow 715); 1x1 stride-2 256->512 at 8x8, batch 128 (32 wide blocks with taps, 64-slice
+# chains) stays narrow: 56 us against 73 wide.
 WIDE_MIN_CIN = 128
 WAVE_SMS = 132            # SMs of an H100 / H200: a constant, so a plan is the same on every GPU
 WIDE_MIN_SLICES = 128

@@ -540,12 +540,12 @@ def test_cuda_tree_split_k():
     torch.cuda.synchronize()
 
 
-WIDE_SHAPES = [
-    ConvShape("w128", 2, 128, 64, 3, 1, 1, 9, 11),         # one wide column tile, no split
+WIDE_SHAPES = [   # the plans split every stride-1 one here (few blocks); none of them splits at stride 2
+    ConvShape("w128", 2, 128, 64, 3, 1, 1, 9, 11),         # one wide column tile, split 4
     ConvShape("w200", 3, 200, 72, 3, 1, 1, 7, 7),          # a partial second tile (72 of 128 columns)
-    ConvShape("w130s", 1, 130, 256, 3, 1, 1, 4, 4),        # split K on a wide tile
+    ConvShape("w130s", 1, 130, 256, 3, 1, 1, 4, 4),        # split 8, a 2-column second tile
     ConvShape("w160s2", 2, 160, 96, 1, 2, 0, 10, 10),      # stride 2, 1x1: phases no tap reaches
-    ConvShape("w144s2k3", 2, 144, 40, 3, 2, 1, 9, 8),      # stride 2, 3x3
+    ConvShape("w144s2k3", 2, 144, 40, 3, 2, 1, 9, 8),      # stride 2, 3x3: every phase has taps, no split
 ]
 
 
@@ -594,25 +594,42 @@ def test_tree_plan_wide_tiles():
 def test_cuda_tree_wide_tiles_same_bits():
     """The 128 x 128 tile, in both register budgets, computes every dx element as the 128 x 64 tile does:
     the same bits, in both layouts, with and without split K, partial column tiles, and stride-2 phases no
-    tap reaches (their zeros stored by the wide kernel or zero-filled before it); 5 repeats give one result."""
+    tap reaches (their zeros stored by the kernel or a memset before it); 5 repeats give one result. Run
+    in PyTorch's deterministic mode, so every buffer the launcher takes from torch.empty (dx, the split's
+    partials) starts as NaN: an element a kernel does not write shows, whatever an earlier run left."""
     rules = {"narrow": (1 << 30, 0, 0), "_wide": (cd.WIDE_MIN_CIN, 0, 0), "_wide1": (cd.WIDE_MIN_CIN, 1 << 30, 0)}
-    for i, s in enumerate(WIDE_SHAPES):
-        for layout in ("nchw", "channels_last"):
-            g, stride, (w, dy, kw) = _plan(s, layout, "cuda", 970 + i)
-            outs = {}
-            for name, rule in rules.items():
-                cd._tree_plan.cache_clear()
-                saved = cd.WIDE_MIN_CIN, cd.WAVE_SMS, cd.WIDE_MIN_SLICES
-                try:
-                    cd.WIDE_MIN_CIN, cd.WAVE_SMS, cd.WIDE_MIN_SLICES = rule
-                    kernel = cd.tree_plan(g, stride).kernel
-                    assert kernel.endswith(name) if name != "narrow" else "_wide" not in kernel
-                    outs[name] = TREE(w, dy, **kw)
-                    assert distinct([TREE(w, dy, **kw) for _ in range(5)]) == 1, f"{s.name} {layout} {name}"
-                finally:
-                    cd.WIDE_MIN_CIN, cd.WAVE_SMS, cd.WIDE_MIN_SLICES = saved
-                    cd._tree_plan.cache_clear()
-            for name in ("_wide", "_wide1"):
-                assert_bitwise_equal(outs[name], outs["narrow"], f"{s.name} {layout}: {name} against narrow tiles")
-            assert_within_bound(outs["narrow"], w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1, f"{s.name} {layout}")
+    from torch.utils import deterministic
+
+    assert deterministic.fill_uninitialized_memory
+    det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for i, s in enumerate(WIDE_SHAPES):
+            for layout in ("nchw", "channels_last"):
+                g, stride, (w, dy, kw) = _plan(s, layout, "cuda", 970 + i)
+                plan = cd.tree_plan(g, stride)
+                assert (plan.ksplit > 1) == (s.stride == 1), s.name
+                outs = {}
+                for zeros in ("memset", "kernel"):
+                    for name, rule in rules.items():
+                        cd._tree_plan.cache_clear()
+                        saved = cd.WIDE_MIN_CIN, cd.WAVE_SMS, cd.WIDE_MIN_SLICES, cd.EMPTY_ZEROS
+                        try:
+                            cd.WIDE_MIN_CIN, cd.WAVE_SMS, cd.WIDE_MIN_SLICES = rule
+                            cd.EMPTY_ZEROS = zeros
+                            kernel = cd.tree_plan(g, stride).kernel
+                            assert kernel.endswith(name) if name != "narrow" else "_wide" not in kernel
+                            got = TREE(w, dy, **kw)
+                            assert not torch.isnan(got).any(), f"{s.name} {layout} {name} {zeros}: unwritten dx"
+                            assert distinct([TREE(w, dy, **kw) for _ in range(5)]) == 1, f"{s.name} {layout} {name}"
+                            outs[name, zeros] = got
+                        finally:
+                            cd.WIDE_MIN_CIN, cd.WAVE_SMS, cd.WIDE_MIN_SLICES, cd.EMPTY_ZEROS = saved
+                            cd._tree_plan.cache_clear()
+                ref = outs["narrow", "memset"]
+                for key, got in outs.items():
+                    assert_bitwise_equal(got, ref, f"{s.name} {layout}: {key} against narrow tiles, memset")
+                assert_within_bound(ref, w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1, f"{s.name} {layout}")
+    finally:
+        torch.use_deterministic_algorithms(det)
     torch.cuda.synchronize()
