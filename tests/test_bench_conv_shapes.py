@@ -42,6 +42,25 @@ def test_totals_weight_by_count_and_ignore_nondeterministic_for_best():
     assert "Forward convs" not in text   # results measured before the forward table have no fwd entries
 
 
+def test_first_conv_dgrad_named_as_never_trained():
+    """The first conv reads the images: when its dX is the worst shape, the verdict still counts it, and
+    the line adds the worst among the convs whose dX a training step computes; a first configuration that
+    occurs more than once (shared with later convs) is not set apart."""
+    rows = [_row("stem", 10.0, 20.0, 15.0, 1.0, "tree"), _row("b", 5.0, 6.0, 6.0, 1.0, "torch_det"),
+            _row("c", 4.0, 5.0, 4.4, 1.0, "tree")]
+    net = {"model": "m", "batch": 2, "size": 8, "shapes": [{"count": 1}, {"count": 2}, {"count": 1}],
+           "layouts": {"nchw": {"rows": rows, "measured": {}}}}
+    t = cs.totals(net, "nchw")
+    assert t["worst"]["dgrad"] == (pytest.approx(1.5), "stem")
+    assert t["worst_trained"] == (pytest.approx(1.2), "b")
+    text = cs.render_section({"networks": {"m": net}, "fingerprint": {"gpu": "G"}})
+    assert "dgrad 1.50x (stem)" in text and "NOT met" in text
+    assert "the worst dgrad among the others is 1.20x (b)" in text
+    net["shapes"][0]["count"] = 2
+    assert cs.totals(net, "nchw")["worst_trained"] is None
+    assert "among the others" not in cs.render_section({"networks": {"m": net}, "fingerprint": {"gpu": "G"}})
+
+
 def _fwd(fastest, det, tree, auto):
     return {"times_us": {"cudnn_fastest": fastest, "cudnn_det": det, "tree": tree}, "auto": auto,
             "auto_column": "cudnn_det" if auto == "torch_det" else auto, "tuner_times_us": {},
