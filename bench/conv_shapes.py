@@ -76,6 +76,17 @@ def conv_shapes(model_name: str, batch: int, size: int, classes: int) -> list[di
              "groups": k[5], "count": n} for k, n in seen.items()]
 
 
+def network_arguments(p, *, batch: int, calls: int, replays: int) -> None:
+    """The options of a script that times one network's conv shapes: --model, --batch, --size, --classes
+    (as ``conv_shapes`` takes them) and the CUDA-graph timing's --calls and --replays."""
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--size", type=int, default=32)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--calls", type=int, default=calls)
+    p.add_argument("--replays", type=int, default=replays)
+
+
 def shape_name(s: dict) -> str:
     n, c, h, w = s["x"]
     co, _, kh, kw = s["w"]

@@ -314,7 +314,8 @@ def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
 
 @functools.lru_cache(maxsize=1024)
 def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_rule: tuple[int, int, int]) -> LaunchPlan:
-    empty = not all(phase_offsets(g.kh, g.sh, g.ph, g.dh)) or not all(phase_offsets(g.kw, g.sw, g.pw, g.dw))
+    rows_taps, cols_taps = phase_offsets(g.kh, g.sh, g.ph, g.dh), phase_offsets(g.kw, g.sw, g.pw, g.dw)
+    empty = not all(rows_taps) or not all(cols_taps)
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
     stem = _stem_plan(g, dy_stride) if g.cin <= STEM_MAX_CIN else None
     if stem is not None:
@@ -332,9 +333,8 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_r
     wide_min_cin, wave_sms, wide_min_slices = wide_rule
     if g.cin >= wide_min_cin:
         wide = (grid[0], cdiv(g.cin, 2 * BN), grid[2])
-        phases = sum(map(bool, phase_offsets(g.kh, g.sh, g.ph, g.dh))) * \
-            sum(map(bool, phase_offsets(g.kw, g.sw, g.pw, g.dw)))
-        working = wide[0] * wide[1] * ksplit * phases   # blocks of the phases that have taps
+        phases = sum(map(bool, rows_taps)) * sum(map(bool, cols_taps))   # the phases that have taps
+        working = wide[0] * wide[1] * ksplit * phases   # their blocks
         if working >= wave_sms or g.kh * g.kw * cdiv(g.cout, 8) // ksplit >= wide_min_slices:
             kernel += "_wide" if working > wave_sms else "_wide1"
             grid = wide

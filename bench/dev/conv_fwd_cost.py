@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-from bench.conv_shapes import conv_shapes, shape_name  # noqa: E402
+from bench.conv_shapes import conv_shapes, network_arguments, shape_name  # noqa: E402
 from bench.timing import cudnn_flags, graph_replay_us  # noqa: E402
 from nnrand import noise  # noqa: E402
 
@@ -36,12 +36,7 @@ def kernel_names(fn) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="resnet18")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--size", type=int, default=32)
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--calls", type=int, default=10)
-    p.add_argument("--replays", type=int, default=20)
+    network_arguments(p, batch=64, calls=10, replays=20)
     args = p.parse_args()
     tree = kernels.get("conv_dgrad", "tree")
     totals: dict[str, float] = {}

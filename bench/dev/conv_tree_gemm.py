@@ -11,7 +11,6 @@ GPU time per call: median of CUDA-graph replays (bench.timing.graph_replay_us), 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -20,24 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from bench.conv_shapes import conv_shapes, shape_name  # noqa: E402
+from bench.conv_shapes import conv_shapes, network_arguments, shape_name  # noqa: E402
+from bench.metrics import byte_hash  # noqa: E402
 from bench.timing import graph_replay_us  # noqa: E402
 from kernels import conv_dgrad  # noqa: E402
 from nnrand import noise  # noqa: E402
 
 
-def digest(t: torch.Tensor) -> str:
-    return hashlib.sha1(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()[:12]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="resnet18")
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--size", type=int, default=32)
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--calls", type=int, default=5)
-    p.add_argument("--replays", type=int, default=10)
+    network_arguments(p, batch=128, calls=5, replays=10)
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     rows = []
@@ -61,7 +52,7 @@ def main() -> None:
                 row = {"shape": shape_name(s), "count": s["count"], "layout": layout}
                 for name, fn in calls.items():
                     row[f"{name}_us"] = graph_replay_us(fn, calls=args.calls, replays=args.replays)
-                    row[f"{name}_sha"] = digest(fn())
+                    row[f"{name}_sha"] = byte_hash(fn())[:12]
                     totals[f"{layout} {name}"] = totals.get(f"{layout} {name}", 0.0) + row[f"{name}_us"] * s["count"]
                 rows.append(row)
                 print(f"{row['shape']:<24} x{s['count']:<2} {layout:<13} " +
