@@ -300,7 +300,7 @@ def tree_split(g: Geometry, blocks: int) -> int:
 # two-block wide tiles cut 1x1 256->64 56x56 from 338 to 266 us (NCHW) and from 370 to 295 us
 # (channels_last), the one-block budget 3x3 512->512 7x7 channels_last from 723 (two-block, spilling) to
 # 579 us (narrow 715); 1x1 stride-2 256->512 at 8x8, batch 128 (32 wide blocks with taps, 64-slice
-# chains) stays narrow: 56 us against 73 wide.
+# chains) stays narrow: 56 us against 76 wide (two-block).
 WIDE_MIN_CIN = 128
 WAVE_SMS = 132            # SMs of an H100 / H200: a constant, so a plan is the same on every GPU
 WIDE_MIN_SLICES = 128
