@@ -4,6 +4,8 @@
     python -m bench.multigpu                      # every section on all visible GPUs (a few minutes)
     python -m bench.multigpu --only allreduce     # one section
     python -m bench.multigpu --render             # the report from reports/results/multigpu.json only
+    python -m bench.multigpu --only ddp --results reports/results/multigpu_h100.json \
+        --report reports/multigpu_h100.md          # another GPU model: its own results and report
 
 Sections (each launches ``torchrun`` child processes; results are merged into the JSON file section by
 section with atomic writes, so an interrupted run keeps what it finished):
@@ -299,14 +301,14 @@ def run_invariant(n: int, scratch: Path, args) -> dict:
 # Results and report
 
 
-def load() -> dict:
-    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+def load(path: Path = RESULTS) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
-def save(data: dict) -> None:
+def save(data: dict, path: Path = RESULTS) -> None:
     from nnrand import runio
 
-    runio.write_json(RESULTS, data)
+    runio.write_json(path, data)
 
 
 def carry_over(data: dict, gpu: str | None) -> dict:
@@ -588,10 +590,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="DDP runs per mode (default 3)")
     p.add_argument("--scratch", default="runs/multigpu", help="where the child runs write (default %(default)s)")
     p.add_argument("--render", action="store_true", help="only re-render the report from the results file")
+    p.add_argument("--results", type=Path, default=RESULTS, help="the results file (default %(default)s); a "
+                   "measurement on another GPU model replaces its sections, so keep each model in its own file")
+    p.add_argument("--replace", action="store_true", help="let a measurement on another GPU model drop the "
+                   "results file's sections (without it, that is an error)")
+    p.add_argument("--report", type=Path, default=REPORT, help="the report rendered from it (default %(default)s)")
     args = p.parse_args(argv)
     if args.cmd == "_allreduce":
         return allreduce_worker(args)
-    data = load()
+    data = load(args.results)
     if not args.render:
         import torch
 
@@ -605,6 +612,10 @@ def main(argv: list[str] | None = None) -> int:
             p.exit(2, f"{p.prog}: error: --gpus {n}: expected 1 to the {visible} visible GPUs\n")
         env = fingerprint("cuda")
         machine = machine_id()
+        held = data.get("fingerprint", {}).get("gpu")
+        if held and held != env.get("gpu") and not args.replace:
+            p.exit(2, f"{p.prog}: error: {args.results} holds sections measured on {held}, this is {env.get('gpu')}: "
+                      "write this GPU model's results to their own file (--results, --report), or pass --replace\n")
         data = carry_over(data, env.get("gpu"))
         nccl = torch.cuda.nccl.version()
         data.update(visible=visible, fingerprint=env, train_args=TRAIN,
@@ -615,13 +626,13 @@ def main(argv: list[str] | None = None) -> int:
                 n, scratch, args)
             data.setdefault("measured", {})[section] = {**{k: env.get(k) for k in ("git_sha", "date", "host")},
                                                         "gpus": n, "visible": visible, "machine": machine}
-            save(data)
+            save(data, args.results)
     if not data:
-        p.exit(2, f"{p.prog}: error: no results in {RESULTS}; run without --render first\n")
+        p.exit(2, f"{p.prog}: error: no results in {args.results}; run without --render first\n")
     from nnrand import runio
 
-    runio.write_text(REPORT, render(data))
-    print(f"report: {REPORT}")
+    runio.write_text(args.report, render(data))
+    print(f"report: {args.report}")
     return 0
 
 

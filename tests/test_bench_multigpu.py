@@ -334,3 +334,51 @@ def test_the_fastest_native_mode_includes_cudnn_benchmark_in_either_layout():
     assert ("| fastest DDP `tree` (tree, CUDA graph) / fastest DDP native (native, cudnn.benchmark, channels_last, "
             "CUDA graph) | 1.173 | <= 1.10 |") in text                                          # 8.8 / 7.5
     assert "| DDP `tree` / DDP native, both CUDA graph | 1.100 | - |" in text                     # same flags: 8.8 / 8
+
+
+def _fake_machine(monkeypatch, gpu: str) -> None:
+    """bench.multigpu's main on a CPU machine that calls itself a host of two ``gpu``s."""
+    import torch
+
+    import nnrand.fingerprint
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
+    monkeypatch.setattr(nnrand.fingerprint, "fingerprint", lambda device: {"gpu": gpu, "git_sha": "abc"})
+    monkeypatch.setattr(multigpu, "machine_id", lambda: "m")
+
+
+def test_a_measurement_on_another_gpu_model_never_drops_the_file_s_sections(monkeypatch, tmp_path, capsys):
+    import json
+
+    import pytest
+
+    results, report = tmp_path / "r.json", tmp_path / "r.md"
+    held = {"fingerprint": {"gpu": "GPU A"}, "ddp": _ddp(graph=True), "measured": {"ddp": {"gpus": 2}}}
+    results.write_text(json.dumps(held))
+    _fake_machine(monkeypatch, "GPU B")
+    ran = []
+    monkeypatch.setattr(multigpu, "run_ddp", lambda n, scratch, args: ran.append(n) or _ddp(graph=False))
+    argv = ["--only", "ddp", "--results", str(results), "--report", str(report), "--scratch", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+        multigpu.main(argv)
+    assert e.value.code == 2 and ran == []
+    err = capsys.readouterr().err
+    assert "GPU A" in err and "GPU B" in err and "--results" in err
+    assert json.loads(results.read_text()) == held and not report.exists()
+    # --replace lets it start the file afresh, on the new model
+    assert multigpu.main([*argv, "--replace"]) == 0
+    data = json.loads(results.read_text())
+    assert ran == [2] and data["fingerprint"]["gpu"] == "GPU B" and "native_graph" not in data["ddp"]
+    assert report.read_text() == multigpu.render(data)
+
+
+def test_render_reads_and_writes_the_files_it_is_given(tmp_path):
+    import json
+
+    results, report = tmp_path / "h100.json", tmp_path / "h100.md"
+    data = {"fingerprint": {"gpu": "GPU B"}, "gpus": 2, "ddp": _ddp(graph=True)}
+    results.write_text(json.dumps(data))
+    assert multigpu.main(["--render", "--results", str(results), "--report", str(report)]) == 0
+    assert report.read_text() == multigpu.render(data)
