@@ -15,10 +15,10 @@ section with atomic writes, so an interrupted run keeps what it finished):
                 results (SHA-256 of the bytes) and median time
     ddp         ``torchrun -m nnrand.train`` of ResNet-18 (CIFAR, synthetic data) with DDP on N GPUs,
                 ``--runs`` rounds of ``--kernel native`` (also with ``--cudnn-benchmark``, NCHW and
-                channels_last: the fastest native configuration), ``--kernel tree`` and ``--kernel
-                fastest-deterministic`` (per-shape conv choices planned by one process on the per-rank
-                batch), each eager and with ``--cuda-graph``: distinct final-weight checksums, median
-                step time
+                channels_last: the fastest native configuration), ``--kernel tree`` (also with
+                ``--cudnn-heuristic b``) and ``--kernel fastest-deterministic`` (per-shape conv choices
+                planned by one process on the per-rank batch), each eager and with ``--cuda-graph``:
+                distinct final-weight checksums, median step time; ``--ddp-modes`` runs a subset
     invariant   ``--world-invariant`` on 1, 2, 4 ... N GPUs at the same global batch, with micro-batches of
                 B/W (one per rank on W GPUs) for each of those world sizes W > 1, and B/4 (the default):
                 final-weight checksum and logits hash per world size, step time, with ``tree`` eager and
@@ -59,6 +59,9 @@ SIZES = (2**10, 2**16, 2**20, 2**24, 25_000_000)
 # NCHW and channels_last
 DDP_MODES = {"native": ["--kernel", "native"], "tree": ["--kernel", "tree"],
              "native_graph": ["--kernel", "native", "--cuda-graph"], "tree_graph": ["--kernel", "tree", "--cuda-graph"]}
+# tree with cuDNN's heuristic mode b for the convs it leaves to torch (the forward convs: nnrand.noise)
+DDP_MODES.update({"tree_hb": ["--kernel", "tree", "--cudnn-heuristic", "b"],
+                  "tree_hb_graph": ["--kernel", "tree", "--cudnn-heuristic", "b", "--cuda-graph"]})
 DDP_MODES.update({"fastdet": ["--kernel", "fastest-deterministic"],
                   "fastdet_graph": ["--kernel", "fastest-deterministic", "--cuda-graph"]})
 DDP_MODES.update({"native_bench": ["--kernel", "native", "--cudnn-benchmark"],
@@ -67,12 +70,13 @@ DDP_MODES.update({"native_bench": ["--kernel", "native", "--cudnn-benchmark"],
                   "native_bench_cl_graph": ["--kernel", "native", "--cudnn-benchmark", "--channels-last",
                                             "--cuda-graph"]})
 DDP_LABELS = {"native": "native", "tree": "tree", "native_graph": "native, CUDA graph", "tree_graph": "tree, CUDA graph",
+              "tree_hb": "tree, cuDNN heuristic b", "tree_hb_graph": "tree, cuDNN heuristic b, CUDA graph",
               "fastdet": "fastest-deterministic", "fastdet_graph": "fastest-deterministic, CUDA graph",
               "native_bench": "native, cudnn.benchmark", "native_bench_graph": "native, cudnn.benchmark, CUDA graph",
               "native_bench_cl": "native, cudnn.benchmark, channels_last",
               "native_bench_cl_graph": "native, cudnn.benchmark, channels_last, CUDA graph"}
 NATIVE_MODES = tuple(m for m in DDP_MODES if m.startswith("native"))
-TREE_MODES = ("tree", "tree_graph")
+TREE_MODES = ("tree", "tree_graph", "tree_hb", "tree_hb_graph")
 # modes that run with the per-shape conv choices of a one-process planning run (several processes must
 # share one plan: --autotune-plan)
 PLANNED = ("fastdet", "fastdet_graph")
@@ -185,21 +189,25 @@ def run_allreduce(n: int, scratch: Path, args) -> dict:
 
 
 def run_ddp(n: int, scratch: Path, args) -> dict:
-    """``--runs`` rounds of every mode in DDP_MODES, the modes interleaved within a round (so a drift of
-    the machine's speed reaches every mode alike). The ``PLANNED`` modes first get their per-shape conv
-    choices from one process training the per-rank batch (``--kernel fastest-deterministic``, timing
-    each deterministic candidate once); every rank of their DDP runs then uses that plan."""
-    out: dict = {mode: [] for mode in DDP_MODES}
-    extras = dict(DDP_MODES)
+    """``--runs`` rounds of every mode in DDP_MODES (or those of ``--ddp-modes``), the modes interleaved
+    within a round (so a drift of the machine's speed reaches every mode alike). The ``PLANNED`` modes first
+    get their per-shape conv choices from one process training the per-rank batch (``--kernel
+    fastest-deterministic``, timing each deterministic candidate once); every rank of their DDP runs then
+    uses that plan."""
+    modes = getattr(args, "ddp_modes", None) or list(DDP_MODES)
+    out: dict = {mode: [] for mode in modes}
+    extras = {mode: DDP_MODES[mode] for mode in modes}
+    planned = [mode for mode in PLANNED if mode in extras]
     try:
-        plan = _plan(n, scratch)
+        plan = _plan(n, scratch) if planned else None
     except RuntimeError as e:
-        for mode in PLANNED:
+        for mode in planned:
             out[mode] = {"error": "planning run: " + failure(e, 380)}
-        print(f"ddp planning run failed: {out[PLANNED[0]]['error']}", flush=True)
+        print(f"ddp planning run failed: {out[planned[0]]['error']}", flush=True)
     else:
-        out["plan"] = plan
-        for mode in PLANNED:
+        if plan is not None:
+            out["plan"] = plan
+        for mode in planned:
             extras[mode] = [*DDP_MODES[mode], "--autotune-plan", plan["path"]]
     for i in range(args.runs):
         for mode, extra in extras.items():
@@ -470,7 +478,9 @@ def render(data: dict) -> str:
                   "(ResNet-18, CIFAR-sized synthetic set), each run from the same seeds; `CUDA graph` adds "
                   "`--cuda-graph` (the forward, backward and DDP's all-reduces captured once, replayed every step), "
                   "`cudnn.benchmark` adds `--cudnn-benchmark` (cuDNN picks its algorithms by timing: the fastest "
-                  "native configuration, with `channels_last` adding `--channels-last`).",
+                  "native configuration, with `channels_last` adding `--channels-last`), `cuDNN heuristic b` adds "
+                  "`--cudnn-heuristic b` (cuDNN's heuristic mode B picks the algorithms of the convs `tree` leaves "
+                  "to torch: no timing, so runs repeat).",
                   "",
                   "| kernels | runs | distinct final weights | median step ms |",
                   "|---|---:|---:|---:|"]
@@ -482,7 +492,7 @@ def render(data: dict) -> str:
                 medians[mode] = statistics.median(r["step_time_ms"] for r in runs)
                 distinct = _distinct(runs) if len(runs) > 1 else "- (one run)"
                 lines.append(f"| {label} | {len(runs)} | {distinct} | {medians[mode]:.2f} |")
-        for eager, graph in (("tree", "tree_graph"), ("fastdet", "fastdet_graph")):
+        for eager, graph in (("tree", "tree_graph"), ("tree_hb", "tree_hb_graph"), ("fastdet", "fastdet_graph")):
             if isinstance(ddp.get(eager), list) and isinstance(ddp.get(graph), list) and ddp[eager] and ddp[graph]:
                 both = ddp[eager] + ddp[graph]
                 lines += ["", f"`{DDP_LABELS[eager]}` eager and with a CUDA graph together: {_distinct(both)} "
@@ -588,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                    "measured earlier with another count on the same GPU model are kept, each with its count")
     p.add_argument("--repeats", type=int, default=30, help="all-reduce repeats per size (default 30)")
     p.add_argument("--runs", type=int, default=3, help="DDP runs per mode (default 3)")
+    p.add_argument("--ddp-modes", nargs="+", choices=list(DDP_MODES), metavar="MODE",
+                   help=f"the ddp section's modes (default all: {', '.join(DDP_MODES)})")
     p.add_argument("--scratch", default="runs/multigpu", help="where the child runs write (default %(default)s)")
     p.add_argument("--render", action="store_true", help="only re-render the report from the results file")
     p.add_argument("--results", type=Path, default=RESULTS, help="the results file (default %(default)s); a "

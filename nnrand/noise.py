@@ -21,6 +21,8 @@ or an integer. Presets:
 Everything else is pinned by ``pinned_flags`` and recorded: TF32 off unless asked, cuDNN benchmark off
 (unless asked, for routings that claim no determinism: ``--cudnn-benchmark``),
 cuDNN deterministic when the routing is deterministic (so ops left native add in a fixed order too).
+With cuDNN benchmark off, cuDNN's heuristic picks each conv's algorithm; ``set_cudnn_heuristic`` chooses
+which heuristic (``--cudnn-heuristic``), a choice without timing, so runs repeat under either.
 On the CPU the bits also depend on torch's thread count: CPU BLAS splits a matmul's sums by thread (the
 linear layer's weight gradient; conv_wgrad's CPU models on 1x1 spatial inputs), so runs compared bit for
 bit must use the same count (recorded as ``cpu_threads`` in the fingerprint). Measured: `small`, batch
@@ -29,6 +31,7 @@ bit must use the same count (recorded as ``cpu_threads`` in the fingerprint). Me
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
@@ -164,6 +167,41 @@ def _set_tf32(flags: dict[str, object]) -> None:
     else:
         b.cuda.matmul.allow_tf32 = flags["matmul"]
         b.cudnn.allow_tf32 = flags["cudnn"]
+
+
+# cuDNN's heuristic for the algorithms of torch's convs with cudnn.benchmark off (PyTorch's deterministic mode,
+# and so every routing that claims determinism, for the convs it leaves to torch): ``instant``, PyTorch's
+# default, or cuDNN's mode B (torch reads HEURISTIC_ENV once, at the process's first cuDNN convolution).
+# Neither times anything, so the choice repeats run to run; they pick different algorithms, so different
+# bits. H100, fp32, graph replays of a training step (bench/dev/step_profile.py --graph, mode b with the
+# variable set in its environment): ResNet-18 (CIFAR) at batch
+# 64, where the instant heuristic gives 3x3 64->64 32x32 forward convs an FFT algorithm, `tree` 10.92 ms
+# (instant) against 9.31 ms (b), PyTorch's deterministic mode 15.17 against 11.18; batch 128 and
+# torchvision resnet50 (224 px, batch 64) within 0.5%.
+CUDNN_HEURISTICS = ("instant", "b")
+HEURISTIC_ENV = "TORCH_CUDNN_USE_HEURISTIC_MODE_B"
+_ENV_TRUE = ("1", "on", "yes", "true", "y")
+
+
+def cudnn_heuristic_now() -> str:
+    """The heuristic this process's environment asks torch for: ``b`` where HEURISTIC_ENV reads true."""
+    return "b" if os.environ.get(HEURISTIC_ENV, "").strip().lower() in _ENV_TRUE else "instant"
+
+
+def set_cudnn_heuristic(mode: str) -> None:
+    """Make torch's cuDNN convs in this process use heuristic ``mode`` (CUDNN_HEURISTICS). Torch reads the
+    variable once, at its first cuDNN convolution, so a change is only made before CUDA is in use; a
+    process that already uses CUDA and runs another mode is refused (ValueError), never half-switched."""
+    if mode not in CUDNN_HEURISTICS:
+        raise ValueError(f"--cudnn-heuristic must be one of {', '.join(CUDNN_HEURISTICS)}, got {mode!r}")
+    now = cudnn_heuristic_now()
+    if now == mode:
+        return
+    if torch.cuda.is_initialized():
+        raise ValueError(f"--cudnn-heuristic {mode}: this process already uses CUDA under cuDNN heuristic {now} "
+                         f"(torch reads {HEURISTIC_ENV} once, at its first convolution); start it with "
+                         f"{HEURISTIC_ENV}={'1' if mode == 'b' else '0'}")
+    os.environ[HEURISTIC_ENV] = "1" if mode == "b" else "0"
 
 
 @contextlib.contextmanager

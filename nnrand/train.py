@@ -82,6 +82,7 @@ class Config:
     cuda_graph: bool = False            # capture forward + backward once, replay it every step (CUDA only)
     tf32: bool = False                  # TF32 for matmul and cuDNN conv (off: fp32 arithmetic)
     cudnn_benchmark: bool = False       # native/atomic only: cuDNN picks conv algorithms by timing (fastest native)
+    cudnn_heuristic: str | None = None  # CUDA: "instant" | "b", cuDNN's heuristic with benchmark off (None: the env's)
     amp: str | None = None              # "bf16" | "fp16": forward under torch.autocast (fp16 with a GradScaler)
     resume: bool = True                 # continue an unfinished member from its checkpoint
     save_epoch_weights: bool = False    # weights_epoch_XXX.pt per epoch
@@ -182,6 +183,14 @@ def resolve(cfg: Config) -> Config:
             raise ConfigError(f"--{key.replace('_', '-')} must be a finite number >= 0")
     if cfg.first_member < 0 or cfg.perturb_index < 0:
         raise ConfigError("--first-member and --perturb-index must be >= 0")
+    if cfg.cudnn_heuristic not in (None, *noise.CUDNN_HEURISTICS):
+        raise ConfigError(f"--cudnn-heuristic must be one of {', '.join(noise.CUDNN_HEURISTICS)}, "
+                          f"got {cfg.cudnn_heuristic!r}")
+    if dev.type != "cuda" and cfg.cudnn_heuristic not in (None, "instant"):
+        raise ConfigError(f"--cudnn-heuristic {cfg.cudnn_heuristic} picks cuDNN's convolution algorithms: it applies "
+                          "to --device cuda")
+    if cfg.cudnn_heuristic is None:
+        cfg.cudnn_heuristic = noise.cudnn_heuristic_now() if dev.type == "cuda" else "instant"
     _resolve_world(cfg, dev)
     _resolve_autotune(cfg)
     if cfg.name is None:
@@ -544,10 +553,13 @@ def member_config(cfg: Config, member: int, seeds: noise.MemberSeeds, route: rou
     for key in ("shuffle_channels", "cudnn_benchmark"):
         if not hp.get(key):
             hp.pop(key, None)   # off: as before the option existed (such runs' checkpoints resume)
+    if hp.get("cudnn_heuristic") == "instant":
+        hp.pop("cudnn_heuristic")   # PyTorch's default: as before the option existed
     if world.distributed and not cfg.world_invariant:
         hp["world_size"] = world.size   # plain DDP: another world size is another run
     return {"member": member, "config": hp, "seeds": seeds.as_dict(), "routing": route.describe(),
             "flags": dict(flags, channels_last=cfg.channels_last, nesterov=NESTEROV, world_size=world.size,
+                          cudnn_heuristic=cfg.cudnn_heuristic,
                           world_invariant=cfg.world_invariant, micro_batch=cfg.micro_batch),
             "fingerprint": fingerprint(cfg.device)}
 
@@ -843,6 +855,11 @@ def main(config: Config | dict) -> dict:
     """Train members ``first_member .. first_member + members - 1`` of the run; returns
     ``{"run_dir", "members": [result per member], "report"}``. Finished members are read, not rerun."""
     cfg = resolve(Config(**config) if isinstance(config, dict) else config)
+    if torch.device(cfg.device).type == "cuda":
+        try:   # before this process's first convolution, or refused
+            noise.set_cudnn_heuristic(cfg.cudnn_heuristic)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     route = routing.resolve(cfg.kernel, cfg.kernel_ops)
     world = dataclasses.replace(distributed.world_from_env(), timeout_s=cfg.dist_timeout)
     if world.is_main:
@@ -977,6 +994,13 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--cudnn-benchmark", action="store_true", help="--kernel native or atomic: cuDNN times its "
                    "convolution algorithms and keeps the fastest (the fastest native configuration; not repeatable "
                    "run to run). Default off")
+    g.add_argument("--cudnn-heuristic", choices=list(noise.CUDNN_HEURISTICS),
+                   help="CUDA: which cuDNN heuristic picks the algorithms of torch's convs where cudnn.benchmark is "
+                   "off (deterministic routings, for the convs they leave to torch): instant (PyTorch's default) or b "
+                   "(cuDNN's mode B, " + noise.HEURISTIC_ENV + "). Neither times anything, so runs repeat under "
+                   "either, with different bits; on an H100 b took ResNet-18's 3x3 64->64 forward at batch 64 off "
+                   "an FFT algorithm. Read once per process, before CUDA is in use. Default: the environment's "
+                   "(instant unless that variable is set)")
     g.add_argument("--amp", choices=list(AMP_DTYPES), help="forward under torch.autocast in this dtype, its backward "
                    "ops routed in it (half inputs accumulate in float32); fp16 adds a GradScaler. Default: float32")
     g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,

@@ -382,3 +382,23 @@ def test_render_reads_and_writes_the_files_it_is_given(tmp_path):
     results.write_text(json.dumps(data))
     assert multigpu.main(["--render", "--results", str(results), "--report", str(report)]) == 0
     assert report.read_text() == multigpu.render(data)
+
+
+def test_ddp_modes_runs_a_subset_and_plans_only_for_planned_modes(monkeypatch, tmp_path):
+    calls, planned = [], []
+    monkeypatch.setattr(multigpu, "_train", lambda n, out, name, extra: calls.append((name, extra)) or _run(1, 9.0))
+    monkeypatch.setattr(multigpu, "_plan", lambda n, scratch: planned.append(n) or {"path": "p.json", "batch": 64,
+                                                                                   "choices": {}})
+    args = type("A", (), {"runs": 2, "ddp_modes": ["native_bench_graph", "tree_hb_graph"]})()
+    out = multigpu.run_ddp(2, tmp_path, args)
+    assert set(out) == {"native_bench_graph", "tree_hb_graph"} and planned == []
+    assert [name for name, _ in calls] == ["ddp_native_bench_graph_0", "ddp_tree_hb_graph_0",
+                                           "ddp_native_bench_graph_1", "ddp_tree_hb_graph_1"]
+    assert calls[1][1] == ["--kernel", "tree", "--cudnn-heuristic", "b", "--cuda-graph"]
+    # the heuristic-b rows count as tree rows: the cost line takes the fastest of them
+    ddp = {"native_bench_graph": [_run(1, 10.0), _run(2, 10.0)], "tree_graph": [_run(7, 13.0), _run(7, 13.0)],
+           "tree_hb_graph": [_run(8, 10.5), _run(8, 10.5)]}
+    text = multigpu.render({"gpus": 2, "ddp": ddp})
+    assert "| tree, cuDNN heuristic b, CUDA graph | 2 | 1 | 10.50 |" in text
+    assert ("| fastest DDP `tree` (tree, cuDNN heuristic b, CUDA graph) / fastest DDP native (native, cudnn.benchmark, "
+            "CUDA graph) | 1.050 | <= 1.10 |") in text

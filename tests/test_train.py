@@ -378,3 +378,42 @@ def test_small_ints_keeps_every_value_in_the_narrowest_type(values, dtype):
     a = np.array(values, dtype=np.int64)
     out = runio.small_ints(a)
     assert out.dtype == dtype and np.array_equal(out.astype(np.int64), a)
+
+
+def test_cudnn_heuristic_is_chosen_before_cuda_and_recorded(tmp_path, monkeypatch):
+    """--cudnn-heuristic: torch reads the variable once per process, so it is set only while CUDA is unused
+    and a process already on CUDA under another mode is refused, never half-switched; a CPU run records
+    PyTorch's default and refuses mode b; the default mode leaves a run's config as before the option."""
+    from nnrand import noise
+
+    monkeypatch.delenv(noise.HEURISTIC_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert noise.cudnn_heuristic_now() == "instant"
+    noise.set_cudnn_heuristic("b")
+    assert os.environ[noise.HEURISTIC_ENV] == "1" and noise.cudnn_heuristic_now() == "b"
+    noise.set_cudnn_heuristic("instant")
+    assert os.environ[noise.HEURISTIC_ENV] == "0" and noise.cudnn_heuristic_now() == "instant"
+    with pytest.raises(ValueError, match="must be one of instant, b"):
+        noise.set_cudnn_heuristic("a")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    noise.set_cudnn_heuristic("instant")   # the mode it runs: nothing to change
+    with pytest.raises(ValueError, match=f"already uses CUDA under cuDNN heuristic instant.*{noise.HEURISTIC_ENV}=1"):
+        noise.set_cudnn_heuristic("b")
+    assert noise.cudnn_heuristic_now() == "instant"
+
+    with pytest.raises(train.ConfigError, match="--cudnn-heuristic b .* applies to --device cuda"):
+        train.resolve(train.Config(**tiny(tmp_path, "b", cudnn_heuristic="b")))
+    with pytest.raises(train.ConfigError, match="--cudnn-heuristic must be one of instant, b"):
+        train.resolve(train.Config(**tiny(tmp_path, "x", cudnn_heuristic="x")))
+    monkeypatch.setenv(noise.HEURISTIC_ENV, "1")   # a CPU run ignores the variable: cuDNN is not in it
+    assert train.resolve(train.Config(**tiny(tmp_path, "cpu"))).cudnn_heuristic == "instant"
+    train.main(tiny(tmp_path, "cpu", kernel="tree"))
+    meta = runio.read_json(runio.member_dir(tmp_path, "cpu", 0) / "config.json")
+    assert "cudnn_heuristic" not in meta["config"] and meta["flags"]["cudnn_heuristic"] == "instant"
+    # mode b is part of a run's config: a checkpoint resumes only under it
+    cfg = train.resolve(train.Config(**tiny(tmp_path, "cpu")))
+    cfg.cudnn_heuristic = "b"
+    seeds = noise.member_seeds({src: getattr(cfg, f"{src}_seed") for src in noise.SOURCES}, cfg.seed, 0)
+    rec = train.member_config(cfg, 0, seeds, routing.resolve("tree"), {})
+    assert rec["config"]["cudnn_heuristic"] == "b" and rec["flags"]["cudnn_heuristic"] == "b"
+    assert train.parser().parse_args(["--cudnn-heuristic", "b"]).cudnn_heuristic == "b"
