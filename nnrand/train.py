@@ -209,6 +209,12 @@ def _resolve_autotune(cfg: Config) -> None:
             autotune.read_record(cfg.autotune_plan)
         except autotune.AutotuneError as e:
             raise ConfigError(str(e)) from None
+        # a plan's torch_det choices ran the algorithms of its process's cuDNN heuristic: following it under
+        # the other one would run other algorithms (other bits) than the run that made it
+        made = (runio.read_json(cfg.autotune_plan).get("flags") or {}).get("cudnn_heuristic")
+        if made is not None and made != cfg.cudnn_heuristic:
+            raise ConfigError(f"--autotune-plan {cfg.autotune_plan} was made under --cudnn-heuristic {made}; this "
+                              f"run has {cfg.cudnn_heuristic}: pass --cudnn-heuristic {made} to follow it")
     elif tuned and distributed.world_from_env().distributed:
         raise ConfigError("per-shape conv choices (--kernel fastest-deterministic or OP=auto) with several "
                           "processes need --autotune-plan: ranks "
