@@ -969,6 +969,7 @@ def cli(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv[1:])
     try:
         cfg = train.resolve(train.config_from_args(args))
+        train.apply_cudnn_heuristic(cfg)
         if args.steps < 1:
             raise train.ConfigError("--steps must be >= 1")
         if argv[0] == "report":

@@ -857,15 +857,21 @@ def preflight(cfg: Config, ds, route: routing.Routing) -> None:
     runio.check_free_space(Path(cfg.out) / cfg.name, need * cfg.members)
 
 
+def apply_cudnn_heuristic(cfg: Config) -> None:
+    """A resolved config's ``--cudnn-heuristic`` for this process (CUDA runs): set before its first convolution,
+    or a ConfigError where CUDA is already in use under the other one (nnrand.noise.set_cudnn_heuristic)."""
+    if torch.device(cfg.device).type == "cuda":
+        try:
+            noise.set_cudnn_heuristic(cfg.cudnn_heuristic)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def main(config: Config | dict) -> dict:
     """Train members ``first_member .. first_member + members - 1`` of the run; returns
     ``{"run_dir", "members": [result per member], "report"}``. Finished members are read, not rerun."""
     cfg = resolve(Config(**config) if isinstance(config, dict) else config)
-    if torch.device(cfg.device).type == "cuda":
-        try:   # before this process's first convolution, or refused
-            noise.set_cudnn_heuristic(cfg.cudnn_heuristic)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    apply_cudnn_heuristic(cfg)
     route = routing.resolve(cfg.kernel, cfg.kernel_ops)
     world = dataclasses.replace(distributed.world_from_env(), timeout_s=cfg.dist_timeout)
     if world.is_main:
