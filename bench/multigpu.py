@@ -130,7 +130,13 @@ def _torchrun(nproc: int, module_args: list[str], env: dict | None = None, timeo
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *module_args]
     t0 = time.perf_counter()
     try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **(env or {})),
+        # every child starts under PyTorch's default cuDNN heuristic: a mode that wants another passes
+        # --cudnn-heuristic (an inherited TORCH_CUDNN_USE_HEURISTIC_MODE_B would change rows' algorithms
+        # under labels that do not say so)
+        from nnrand.noise import HEURISTIC_ENV
+
+        base = {k: v for k, v in os.environ.items() if k != HEURISTIC_ENV}
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(base, **(env or {})),
                            timeout=timeout)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{' '.join(cmd)} failed (timeout): TimeoutError: no exit after {timeout} s") from None
@@ -625,9 +631,14 @@ def main(argv: list[str] | None = None) -> int:
         env = fingerprint("cuda")
         machine = machine_id()
         held = data.get("fingerprint", {}).get("gpu")
-        if held and held != env.get("gpu") and not args.replace:
-            p.exit(2, f"{p.prog}: error: {args.results} holds sections measured on {held}, this is {env.get('gpu')}: "
+        if data and held != env.get("gpu") and not args.replace:
+            p.exit(2, f"{p.prog}: error: {args.results} holds sections measured on {held or 'an unrecorded GPU'}, "
+                      f"this is {env.get('gpu')}: "
                       "write this GPU model's results to their own file (--results, --report), or pass --replace\n")
+        if args.ddp_modes and "ddp" in args.only and data.get("ddp") and not args.replace:
+            p.exit(2, f"{p.prog}: error: --ddp-modes would replace the ddp section of {args.results} (modes "
+                      f"{', '.join(m for m in data['ddp'] if m in DDP_MODES)}) with a subset: write it to its own "
+                      "file (--results, --report), or pass --replace\n")
         data = carry_over(data, env.get("gpu"))
         nccl = torch.cuda.nccl.version()
         data.update(visible=visible, fingerprint=env, train_args=TRAIN,

@@ -85,7 +85,8 @@ def kernels_hash() -> str:
 def environment(device: torch.device) -> dict:
     """What a timing depends on besides the configuration (TF32 and cuDNN flags included: they change
     what torch's kernel computes; so does ``NVIDIA_TF32_OVERRIDE``, which turns TF32 off inside cuDNN and
-    cuBLAS whatever torch's flags say, and is recorded when set)."""
+    cuBLAS whatever torch's flags say, and is recorded when set; and on CUDA, cuDNN's heuristic mode B,
+    which picks torch_det's algorithms: nnrand.noise)."""
     from .noise import _tf32_flags
 
     env = {"torch": torch.__version__, "kernels": kernels_hash(),
@@ -97,6 +98,10 @@ def environment(device: torch.device) -> dict:
         major, minor = torch.cuda.get_device_capability(idx)
         env.update(device=torch.cuda.get_device_name(idx), capability=f"{major}.{minor}",
                    cudnn=str(torch.backends.cudnn.version()), cuda=str(torch.version.cuda))
+        from .noise import cudnn_heuristic_now
+
+        if cudnn_heuristic_now() == "b":   # torch_det runs mode B's algorithms (absent: caches written before)
+            env["cudnn_heuristic"] = "b"
         try:
             import cupy
             env["cupy"] = cupy.__version__

@@ -180,12 +180,28 @@ def _set_tf32(flags: dict[str, object]) -> None:
 # torchvision resnet50 (224 px, batch 64) within 0.5%.
 CUDNN_HEURISTICS = ("instant", "b")
 HEURISTIC_ENV = "TORCH_CUDNN_USE_HEURISTIC_MODE_B"
-_ENV_TRUE = ("1", "on", "yes", "true", "y")
+_ENV_VALUES = {None: "instant", "": "instant", "0": "instant", "1": "b"}   # torch reads "0" or "1", nothing else
+
+
+def _heuristic_of(value: str | None) -> str:
+    if value not in _ENV_VALUES:
+        raise ValueError(f"{HEURISTIC_ENV}={value!r}: torch reads 0 or 1 there and ignores anything else")
+    return _ENV_VALUES[value]
+
+
+# what the process was started with: the default of a run that names no heuristic (never what an earlier
+# run in this process asked for, see set_cudnn_heuristic)
+_AT_START = os.environ.get(HEURISTIC_ENV)
+
+
+def default_cudnn_heuristic() -> str:
+    """The heuristic of the environment this process started in (``instant`` unless HEURISTIC_ENV=1)."""
+    return _heuristic_of(_AT_START)
 
 
 def cudnn_heuristic_now() -> str:
-    """The heuristic this process's environment asks torch for: ``b`` where HEURISTIC_ENV reads true."""
-    return "b" if os.environ.get(HEURISTIC_ENV, "").strip().lower() in _ENV_TRUE else "instant"
+    """The heuristic the environment asks torch for now (what its first cuDNN convolution reads)."""
+    return _heuristic_of(os.environ.get(HEURISTIC_ENV))
 
 
 def set_cudnn_heuristic(mode: str) -> None:

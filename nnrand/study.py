@@ -335,6 +335,11 @@ def make_study(*, device: str | None = None, quick: bool | None = None, members:
             plan.append(Planned(name, cfg, e.note, e.name, float(cfg["lr"])))
     if len({p.name for p in plan}) != len(plan):
         raise StudyError("configuration names must be unique")
+    heuristics = {p.config.get("cudnn_heuristic") for p in plan}
+    if len(heuristics) > 1:   # members share processes (jobs 1, pool workers); torch reads the mode once in each
+        raise StudyError(f"--grid: configurations ask for cuDNN heuristics {sorted(map(str, heuristics))}; a study "
+                         "trains members in shared processes, where torch reads the heuristic once: set "
+                         "cudnn_heuristic once, in [sizes]")
     for p in plan if trains else ():  # the harness's validation, before anything trains
         try:
             train.resolve(train.Config(**member_config(p, 0, runs_dir=Path("runs"), progress=False)))

@@ -190,7 +190,10 @@ def resolve(cfg: Config) -> Config:
         raise ConfigError(f"--cudnn-heuristic {cfg.cudnn_heuristic} picks cuDNN's convolution algorithms: it applies "
                           "to --device cuda")
     if cfg.cudnn_heuristic is None:
-        cfg.cudnn_heuristic = noise.cudnn_heuristic_now() if dev.type == "cuda" else "instant"
+        try:
+            cfg.cudnn_heuristic = noise.default_cudnn_heuristic() if dev.type == "cuda" else "instant"
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     _resolve_world(cfg, dev)
     _resolve_autotune(cfg)
     if cfg.name is None:
@@ -209,17 +212,23 @@ def _resolve_autotune(cfg: Config) -> None:
             autotune.read_record(cfg.autotune_plan)
         except autotune.AutotuneError as e:
             raise ConfigError(str(e)) from None
-        # a plan's torch_det choices ran the algorithms of its process's cuDNN heuristic: following it under
-        # the other one would run other algorithms (other bits) than the run that made it
-        made = (runio.read_json(cfg.autotune_plan).get("flags") or {}).get("cudnn_heuristic")
-        if made is not None and made != cfg.cudnn_heuristic:
-            raise ConfigError(f"--autotune-plan {cfg.autotune_plan} was made under --cudnn-heuristic {made}; this "
-                              f"run has {cfg.cudnn_heuristic}: pass --cudnn-heuristic {made} to follow it")
+        if torch.device(cfg.device).type == "cuda":
+            check_plan_heuristic(cfg.autotune_plan, cfg.cudnn_heuristic)
     elif tuned and distributed.world_from_env().distributed:
         raise ConfigError("per-shape conv choices (--kernel fastest-deterministic or OP=auto) with several "
                           "processes need --autotune-plan: ranks "
                           "timing on their own could choose differently; run one process first and pass its "
                           "member's config.json")
+
+
+def check_plan_heuristic(plan: str, mode: str) -> None:
+    """A plan's torch_det choices ran the algorithms of its process's cuDNN heuristic (CUDA runs): following it
+    under the other one would run other algorithms, other bits, than the run that made it. A plan written
+    before runs recorded the heuristic is taken as it is."""
+    made = (runio.read_json(plan).get("flags") or {}).get("cudnn_heuristic")
+    if made is not None and made != mode:
+        raise ConfigError(f"--autotune-plan {plan} was made under --cudnn-heuristic {made}; this run has {mode}: "
+                          f"pass --cudnn-heuristic {made} to follow it")
 
 
 def _resolve_world(cfg: Config, dev: torch.device) -> None:
@@ -1011,8 +1020,8 @@ def parser() -> argparse.ArgumentParser:
                    "off (deterministic routings, for the convs they leave to torch): instant (PyTorch's default) or b "
                    "(cuDNN's mode B, " + noise.HEURISTIC_ENV + "). Neither times anything, so runs repeat under "
                    "either, with different bits; on an H100 b took ResNet-18's 3x3 64->64 forward at batch 64 off "
-                   "an FFT algorithm. Read once per process, before CUDA is in use. Default: the environment's "
-                   "(instant unless that variable is set)")
+                   "an FFT algorithm. Read once per process, before CUDA is in use. Default: the environment the "
+                   "process started in (instant unless that variable is 1)")
     g.add_argument("--amp", choices=list(AMP_DTYPES), help="forward under torch.autocast in this dtype, its backward "
                    "ops routed in it (half inputs accumulate in float32); fp16 adds a GradScaler. Default: float32")
     g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,

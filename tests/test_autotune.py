@@ -400,18 +400,18 @@ def test_no_choice_during_graph_capture(monkeypatch):
 
 
 def test_a_plan_made_under_another_cudnn_heuristic_is_refused(tmp_path):
-    """A plan's torch_det choices ran its process's cuDNN heuristic: a run under the other one would not run
-    the planning run's algorithms, so --autotune-plan names the heuristic to pass."""
+    """A plan's torch_det choices ran its process's cuDNN heuristic: a CUDA run under the other one would not
+    run the planning run's algorithms, so --autotune-plan names the heuristic to pass."""
     record = {"autotune": {"choices": {"conv_dgrad k": {"choice": "tree"}}}}
     for name, flags in (("b", {"cudnn_heuristic": "b"}), ("instant", {"cudnn_heuristic": "instant"}), ("old", {})):
         (tmp_path / f"{name}.json").write_text(json.dumps({**record, "flags": flags}))
-
-    def cfg(plan: str) -> train.Config:
-        return train.Config(**tiny(tmp_path, "r", kernel="fastest-deterministic", autotune_plan=str(tmp_path / plan)))
-
     with pytest.raises(train.ConfigError, match=r"made under --cudnn-heuristic b; this run has instant: pass "
-                                                r"--cudnn-heuristic b"):
-        train.resolve(cfg("b.json"))
-    # the same heuristic, or a plan from before runs recorded it: followed
-    assert train.resolve(cfg("instant.json")).autotune_plan.endswith("instant.json")
-    assert train.resolve(cfg("old.json")).autotune_plan.endswith("old.json")
+                                                r"--cudnn-heuristic b to follow it$"):
+        train.check_plan_heuristic(str(tmp_path / "b.json"), "instant")
+    train.check_plan_heuristic(str(tmp_path / "b.json"), "b")
+    train.check_plan_heuristic(str(tmp_path / "instant.json"), "instant")
+    for mode in ("instant", "b"):   # a plan from before runs recorded the heuristic: followed as it is
+        train.check_plan_heuristic(str(tmp_path / "old.json"), mode)
+    # a CPU run has no cuDNN: its plan check does not look at the heuristic
+    cfg = train.Config(**tiny(tmp_path, "r", kernel="fastest-deterministic", autotune_plan=str(tmp_path / "b.json")))
+    assert train.resolve(cfg).autotune_plan.endswith("b.json")

@@ -402,3 +402,35 @@ def test_ddp_modes_runs_a_subset_and_plans_only_for_planned_modes(monkeypatch, t
     assert "| tree, cuDNN heuristic b, CUDA graph | 2 | 1 | 10.50 |" in text
     assert ("| fastest DDP `tree` (tree, cuDNN heuristic b, CUDA graph) / fastest DDP native (native, cudnn.benchmark, "
             "CUDA graph) | 1.050 | <= 1.10 |") in text
+
+
+def test_a_subset_of_ddp_modes_never_replaces_a_full_section(monkeypatch, tmp_path, capsys):
+    import json
+
+    import pytest
+
+    results = tmp_path / "r.json"
+    held = {"fingerprint": {"gpu": "GPU A"}, "ddp": _ddp(graph=True), "measured": {"ddp": {"gpus": 2}}}
+    results.write_text(json.dumps(held))
+    _fake_machine(monkeypatch, "GPU A")
+    monkeypatch.setattr(multigpu, "run_ddp", lambda n, scratch, args: pytest.fail("measured despite the refusal"))
+    with pytest.raises(SystemExit) as e:
+        multigpu.main(["--only", "ddp", "--ddp-modes", "tree_hb_graph", "--results", str(results), "--report",
+                       str(tmp_path / "r.md"), "--scratch", str(tmp_path)])
+    assert e.value.code == 2 and "with a subset" in capsys.readouterr().err
+    assert json.loads(results.read_text()) == held
+
+
+def test_children_start_under_the_default_cudnn_heuristic(monkeypatch, tmp_path):
+    """An inherited TORCH_CUDNN_USE_HEURISTIC_MODE_B would change the algorithms of rows whose labels do not
+    say so: the children never see it; a mode that wants heuristic b passes --cudnn-heuristic."""
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen.update(kw["env"])
+        return type("R", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setenv("TORCH_CUDNN_USE_HEURISTIC_MODE_B", "1")
+    monkeypatch.setattr(multigpu.subprocess, "run", fake_run)
+    multigpu._torchrun(2, ["-m", "nnrand.train"], env={"EXTRA": "x"})
+    assert "TORCH_CUDNN_USE_HEURISTIC_MODE_B" not in seen and seen["EXTRA"] == "x"

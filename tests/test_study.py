@@ -145,6 +145,17 @@ def test_bad_grid_file(tmp_path):
         study.make_study(device="cpu", grid_file=str(bad))
 
 
+def test_a_grid_mixing_cudnn_heuristics_is_refused(tmp_path):
+    """Members share processes, where torch reads cuDNN's heuristic once: one heuristic per study."""
+    grid = tmp_path / "g.json"
+    grid.write_text(json.dumps({"config": [{"name": "a", "preset": "control"},
+                                           {"name": "b", "preset": "control", "cudnn_heuristic": "b"}]}))
+    with pytest.raises(study.StudyError, match=r"cuDNN heuristics \['None', 'b'\].*in \[sizes\]"):
+        study.make_study(device="cpu", grid_file=str(grid), trains=False)
+    grid.write_text(json.dumps({"config": [{"name": "a", "preset": "control"}, {"name": "b", "preset": "impl"}]}))
+    assert len(study.make_study(device="cpu", grid_file=str(grid), trains=False).plan) == 2
+
+
 def test_perturbed_members_move_different_weights(tmp_path):
     s = study.make_study(device="cpu", configs=["ulp"])
     p = s.plan[0]

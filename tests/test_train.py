@@ -386,7 +386,8 @@ def test_cudnn_heuristic_is_chosen_before_cuda_and_recorded(tmp_path, monkeypatc
     PyTorch's default and refuses mode b; the default mode leaves a run's config as before the option."""
     from nnrand import noise
 
-    monkeypatch.delenv(noise.HEURISTIC_ENV, raising=False)
+    monkeypatch.setenv(noise.HEURISTIC_ENV, "0")   # recorded, so the test puts back what it found
+    monkeypatch.delenv(noise.HEURISTIC_ENV)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert noise.cudnn_heuristic_now() == "instant"
     noise.set_cudnn_heuristic("b")
@@ -400,6 +401,17 @@ def test_cudnn_heuristic_is_chosen_before_cuda_and_recorded(tmp_path, monkeypatc
     with pytest.raises(ValueError, match=f"already uses CUDA under cuDNN heuristic instant.*{noise.HEURISTIC_ENV}=1"):
         noise.set_cudnn_heuristic("b")
     assert noise.cudnn_heuristic_now() == "instant"
+    # torch reads exactly 0 or 1 and ignores anything else: another value is an error, never taken for b
+    monkeypatch.setenv(noise.HEURISTIC_ENV, "true")
+    with pytest.raises(ValueError, match="TORCH_CUDNN_USE_HEURISTIC_MODE_B='true': torch reads 0 or 1"):
+        noise.cudnn_heuristic_now()
+    monkeypatch.setattr(noise, "_AT_START", "yes")
+    with pytest.raises(ValueError, match="'yes': torch reads 0 or 1"):
+        noise.default_cudnn_heuristic()
+    monkeypatch.setattr(noise, "_AT_START", None)   # the default is the environment the process started in
+    monkeypatch.setenv(noise.HEURISTIC_ENV, "1")
+    assert noise.default_cudnn_heuristic() == "instant" and noise.cudnn_heuristic_now() == "b"
+    monkeypatch.setenv(noise.HEURISTIC_ENV, "0")
 
     with pytest.raises(train.ConfigError, match="--cudnn-heuristic b .* applies to --device cuda"):
         train.resolve(train.Config(**tiny(tmp_path, "b", cudnn_heuristic="b")))
