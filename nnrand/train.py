@@ -82,7 +82,7 @@ class Config:
     cuda_graph: bool = False            # capture forward + backward once, replay it every step (CUDA only)
     tf32: bool = False                  # TF32 for matmul and cuDNN conv (off: fp32 arithmetic)
     cudnn_benchmark: bool = False       # native/atomic only: cuDNN picks conv algorithms by timing (fastest native)
-    cudnn_heuristic: str | None = None  # CUDA: "instant" | "b", cuDNN's heuristic with benchmark off (None: the env's)
+    cudnn_heuristic: str | None = None  # CUDA: "instant" | "b", cuDNN's heuristic, benchmark off (None: as started)
     amp: str | None = None              # "bf16" | "fp16": forward under torch.autocast (fp16 with a GradScaler)
     resume: bool = True                 # continue an unfinished member from its checkpoint
     save_epoch_weights: bool = False    # weights_epoch_XXX.pt per epoch
