@@ -83,3 +83,49 @@ def test_a_model_whose_every_mode_failed_renders_its_errors_and_no_verdict():
     assert text.count("| runs no step: RuntimeError: boom |") == len(bm.MODES)
     # no tree run measured: the repeatability target has nothing to be met by
     assert "where the coverage is full:  (no model measured)" in text and "met" not in text.split("## Targets")[1]
+
+
+def test_heuristic_b_rows_have_their_own_keys_and_labels():
+    rows = {KEYS[0]: {"modes": {}}}   # a row under PyTorch's default heuristic does not stand in for a b row
+    assert keys(bm.to_measure(rows, bm.MODELS, only=[KEYS[0]], fresh=False, amp=None, heuristic="b")) == \
+        [f"{KEYS[0]}_hb"]
+    assert keys(bm.to_measure(rows, bm.MODELS, only=[KEYS[0]], fresh=False, amp="bf16", heuristic="b")) == \
+        [f"{KEYS[0]}_bf16_hb"]
+    assert bm.row_key(KEYS[0], None, "instant") == KEYS[0]
+    case = {"model": "torchvision:resnet50"}
+    label = bm._label({"case": case, "amp": "bf16", "cudnn_heuristic": "b"})
+    assert label == "torchvision:resnet50 (bf16, heuristic b)"
+    assert bm._label({"case": case, "amp": None}) == "torchvision:resnet50"
+
+
+def test_main_sets_the_heuristic_before_cuda_and_keys_its_rows(tmp_path, monkeypatch):
+    import json
+    import os
+    import sys
+
+    import torch
+
+    import nnrand.fingerprint
+    from nnrand import noise
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setenv(noise.HEURISTIC_ENV, "0")   # recorded, so the test puts back what it found
+    monkeypatch.delenv(noise.HEURISTIC_ENV)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(bm, "RESULTS", tmp_path / "models.json")
+    monkeypatch.setattr(bm, "REPORT", tmp_path / "models.md")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(nnrand.fingerprint, "fingerprint", lambda device: {"git_sha": "abc1234", "date": "d"})
+    monkeypatch.setattr(bm, "render", lambda data: "report\n")
+    seen = []
+    monkeypatch.setattr(bm, "measure", lambda case, args: seen.append(os.environ.get(noise.HEURISTIC_ENV)) or
+                        {"case": {"key": case.key}, "modes": {}})
+    assert bm.main(["--only", KEYS[0], "--cudnn-heuristic", "b"]) == 0
+    rows = json.loads(bm.RESULTS.read_text())["rows"]
+    assert seen == ["1"] and set(rows) == {f"{KEYS[0]}_hb"} and rows[f"{KEYS[0]}_hb"]["cudnn_heuristic"] == "b"
+    # the default runs PyTorch's heuristic whatever the environment says, and keys rows as before
+    monkeypatch.setenv(noise.HEURISTIC_ENV, "1")
+    assert bm.main(["--only", KEYS[0]]) == 0
+    rows = json.loads(bm.RESULTS.read_text())["rows"]
+    assert seen == ["1", "0"] and "cudnn_heuristic" not in rows[KEYS[0]]
