@@ -127,15 +127,15 @@ def allreduce_worker(args) -> int:
 
 
 def _torchrun(nproc: int, module_args: list[str], env: dict | None = None, timeout: int = 900):
+    from nnrand.noise import HEURISTIC_ENV
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *module_args]
+    # every child starts under PyTorch's default cuDNN heuristic: a mode that wants another passes
+    # --cudnn-heuristic (an inherited TORCH_CUDNN_USE_HEURISTIC_MODE_B would change rows' algorithms under
+    # labels that do not say so)
+    base = {k: v for k, v in os.environ.items() if k != HEURISTIC_ENV}
     t0 = time.perf_counter()
     try:
-        # every child starts under PyTorch's default cuDNN heuristic: a mode that wants another passes
-        # --cudnn-heuristic (an inherited TORCH_CUDNN_USE_HEURISTIC_MODE_B would change rows' algorithms
-        # under labels that do not say so)
-        from nnrand.noise import HEURISTIC_ENV
-
-        base = {k: v for k, v in os.environ.items() if k != HEURISTIC_ENV}
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(base, **(env or {})),
                            timeout=timeout)
     except subprocess.TimeoutExpired:
