@@ -42,12 +42,30 @@ def host_us(fn, calls: int) -> float:
     return statistics.median(times)
 
 
+def profile(conv, bn, args) -> None:
+    """cProfile ``--calls`` rounds of the routed conv and BatchNorm backward calls: the top functions by own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        conv()
+        bn()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"cProfile, {args.cprofile_family}, {args.calls} rounds of one conv and one BatchNorm backward:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
     p.add_argument("--layout", choices=["nchw", "channels_last"], default="channels_last")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="cProfile the routed calls: top N")
+    p.add_argument("--cprofile-family", choices=["fastest-deterministic", "tree"], default="fastest-deterministic",
+                   help="the routing whose conv and BatchNorm backward calls --cprofile profiles")
     args = p.parse_args()
     dtype = AMP_DTYPES.get(args.dtype, torch.float32)
     fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
@@ -77,20 +95,13 @@ def main() -> None:
         rows.append(("conv routed fastest-deterministic", host_us(conv, args.calls)))
         rows.append(("bn routed tree", host_us(bn, args.calls)))
         print("tuner:", r.tuner.counts())
-        if args.cprofile:
-            import cProfile
-            import pstats
-
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.calls):
-                conv()
-                bn()
-            prof.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
+        if args.cprofile and args.cprofile_family == "fastest-deterministic":
+            profile(conv, bn, args)
     with nnrand.use_kernels("tree"):
         rows.append(("conv routed tree", host_us(conv, args.calls)))
+        rows.append(("bn routed tree (tree family)", host_us(bn, args.calls)))
+        if args.cprofile and args.cprofile_family == "tree":
+            profile(conv, bn, args)
     print(f"host us per call, {args.dtype}, {args.layout}:")
     for name, us in rows:
         print(f"  {name:<36} {us:8.1f}")
