@@ -20,7 +20,8 @@ rows keyed ``<case>_<amp>``; each in NCHW and channels_last, the faster layout i
     atomic               nnrand.use_kernels("atomic")
 
 Per model and mode, ``--runs`` runs (default 3) of ``--steps`` SGD steps (default 20) from the same
-initial weights on the same seeded batches. ms/step is the median over the steps after ``--warmup``
+initial weights on the same seeded batches, in rounds: each round runs every mode and layout once, so a
+drift of the machine's speed during a case hits all of them alike. ms/step is the median over the steps after ``--warmup``
 of every run, each step timed with CUDA events (host enqueue gaps included, so host-bound steps show).
 Repeatability: distinct SHA-1 hashes of the final weights over the runs. Native, tree, tree_winograd and
 fastest_deterministic also run as a CUDA graph (``nnrand.train.GraphStep``: forward and backward captured
@@ -134,8 +135,9 @@ def precision(amp: str | None):
     return functools.partial(autocast_for, "cuda", amp), functools.partial(scaler_for, "cuda", amp)
 
 
-def run_mode(case: ModelCase, mode: str, layout: str, batches, args, *, strict: bool = True) -> dict:
-    """``args.runs`` runs of ``args.steps`` steps; returns times, hashes and the coverage of one run."""
+def run_once(case: ModelCase, mode: str, layout: str, batches, args, *, strict: bool = True) -> dict:
+    """One run of ``args.steps`` SGD steps from the seeded initial weights: the step times after the
+    warm-up (ms), the final weights' hash and the routing's coverage per step."""
     import torch
 
     from nnrand import models
@@ -143,31 +145,79 @@ def run_mode(case: ModelCase, mode: str, layout: str, batches, args, *, strict: 
 
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     autocast, make_scaler = precision(getattr(args, "amp", None))
-    times, hashes, coverage = [], [], None
-    for _ in range(args.runs):
-        torch.manual_seed(0)
-        model = models.build_model(case.model, case.classes).cuda().to(memory_format=fmt)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
-        scaler = make_scaler()
-        events = []
-        with Mode(mode, strict) as m:
-            for step, (x, y) in enumerate(batches[:args.steps]):
-                x = x.contiguous(memory_format=fmt)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                forward_backward(model, opt, x, y, autocast, scaler)
-                optimizer_step(opt, scaler)
-                b.record()
-                events.append((step, a, b))
-            torch.cuda.synchronize()
-            if m.routing is not None:
-                coverage = {op: {k: v // args.steps for k, v in c.items()}
-                            for op, c in m.routing.coverage.as_dict().items()}
-        times += [a.elapsed_time(b) for step, a, b in events if step >= args.warmup]
-        hashes.append(weights_hash(model))
-        del model, opt
-    return {"ms": statistics.median(times), "distinct": len(set(hashes)), "runs": len(hashes),
-            "coverage": coverage}
+    coverage = None
+    torch.manual_seed(0)
+    model = models.build_model(case.model, case.classes).cuda().to(memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    scaler = make_scaler()
+    events = []
+    with Mode(mode, strict) as m:
+        for step, (x, y) in enumerate(batches[:args.steps]):
+            x = x.contiguous(memory_format=fmt)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            forward_backward(model, opt, x, y, autocast, scaler)
+            optimizer_step(opt, scaler)
+            b.record()
+            events.append((step, a, b))
+        torch.cuda.synchronize()
+        if m.routing is not None:
+            coverage = {op: {k: v // args.steps for k, v in c.items()}
+                        for op, c in m.routing.coverage.as_dict().items()}
+    return {"times": [a.elapsed_time(b) for step, a, b in events if step >= args.warmup],
+            "hash": weights_hash(model), "coverage": coverage}
+
+
+def summary(runs: list[dict]) -> dict:
+    """A mode's figures from its runs: the median step time over every run, distinct final hashes."""
+    return {"ms": statistics.median(t for r in runs for t in r["times"]),
+            "distinct": len({r["hash"] for r in runs}), "runs": len(runs), "coverage": runs[-1]["coverage"]}
+
+
+def run_mode(case: ModelCase, mode: str, layout: str, batches, args, *, strict: bool = True) -> dict:
+    """``args.runs`` runs of one mode in a row (``measure`` interleaves the modes instead)."""
+    return summary([run_once(case, mode, layout, batches, args, strict=strict) for _ in range(args.runs)])
+
+
+def interleaved(jobs: list, runs: int) -> list[tuple[int, object]]:
+    """The order of the runs: round r runs every job once, in the same order every round, so a drift of
+    the machine's speed during a case (a host-bound eager step follows the CPU's) hits every mode alike
+    instead of whichever ran last."""
+    return [(r, job) for r in range(runs) for job in jobs]
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def run_interleaved(case: ModelCase, jobs: list[tuple[str, str]], batches, args, run=None) -> dict:
+    """Every (mode, layout) job's ``args.runs`` runs in ``interleaved`` rounds: per job its ``summary``
+    with ``wall_s``, or ``error`` for a mode that runs no step. A routed ``tree*`` mode that nnrand refuses
+    under strict=True runs with strict=False from then on, the refusal noted (``refused_strict``)."""
+    run = run or run_once
+    runs = {job: [] for job in jobs}
+    notes = {job: {"wall_s": 0.0} for job in jobs}
+    strict = {job: True for job in jobs}
+    for r, job in interleaved(jobs, args.runs):
+        mode, layout = job
+        if "error" in notes[job]:
+            continue
+        t0 = time.perf_counter()
+        try:
+            try:
+                runs[job].append(run(case, mode, layout, batches, args, strict=strict[job]))
+            except Exception as e:
+                if not (strict[job] and mode.startswith("tree") and "nnrand" in type(e).__module__):
+                    raise
+                strict[job] = False
+                notes[job]["refused_strict"] = _error(e)
+                runs[job].append(run(case, mode, layout, batches, args, strict=False))
+        except Exception as e:   # a mode that runs no step is a result: note the error
+            notes[job] = {"error": _error(e), "wall_s": notes[job]["wall_s"]}
+        notes[job]["wall_s"] = round(notes[job]["wall_s"] + time.perf_counter() - t0, 1)
+        done = f"{statistics.median(runs[job][-1]['times']):8.2f} ms" if "error" not in notes[job] else "error"
+        print(f"  {case.key:<32} round {r + 1}/{args.runs} {mode:<20} {layout:<14} {done}", flush=True)
+    return {job: notes[job] if "error" in notes[job] else dict(summary(runs[job]), **notes[job]) for job in jobs}
 
 
 def run_graph(case: ModelCase, mode: str, layout: str, batches, args, *, strict: bool = True) -> dict:
@@ -204,21 +254,15 @@ def measure(case: ModelCase, args) -> dict:
                 torch.randint(0, case.classes, (case.batch,), device="cuda", generator=g))
                for _ in range(args.steps)]
     row = {"case": asdict(case), "modes": {}, "amp": getattr(args, "amp", None)}
+    modes = [m for m in args.modes if m != "atomic"]
+    results = run_interleaved(case, [(m, lay) for m in modes for lay in LAYOUTS], batches, args)
+    if "atomic" in args.modes:   # a reference, in tree's faster layout: after the others
+        tree = {lay: results[m, lay] for m, lay in results if m == "tree" and "ms" in results[m, lay]}
+        lay = min(tree, key=lambda k: tree[k]["ms"]) if tree else "channels_last"
+        results.update(run_interleaved(case, [("atomic", lay)], batches, args))
     for mode in args.modes:
-        per_layout = {}
-        for layout in LAYOUTS if mode != "atomic" else ("best",):
-            lay = layout if layout != "best" else row["modes"].get("tree", {}).get("layout", "channels_last")
-            t0 = time.perf_counter()
-            try:
-                res = run_mode(case, mode, lay, batches, args)
-            except Exception as e:  # a refused model is a result: note the error
-                if mode.startswith("tree") and "nnrand" in type(e).__module__:
-                    res = run_mode(case, mode, lay, batches, args, strict=False)
-                    res["refused_strict"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-                else:
-                    res = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
-            res["wall_s"] = round(time.perf_counter() - t0, 1)
-            per_layout[lay] = res
+        per_layout = {lay: res for (m, lay), res in results.items() if m == mode}
+        for lay, res in per_layout.items():
             print(f"  {case.key:<32} {mode:<20} {lay:<14} " +
                   (f"{res['ms']:8.2f} ms  {res['distinct']}/{res['runs']} distinct" if "ms" in res
                    else res["error"]), flush=True)
@@ -233,7 +277,7 @@ def measure(case: ModelCase, args) -> dict:
                     strict = not per_layout[lay].get("refused_strict")
                     graphs[lay] = run_graph(case, mode, lay, batches, args, strict=strict)
                 except Exception as e:
-                    graphs[lay] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+                    graphs[lay] = {"error": _error(e)}
                 print(f"  {case.key:<32} {mode:<20} {'graph ' + lay:<14} {graphs[lay]}", flush=True)
             timed = {k: v for k, v in graphs.items() if "ms" in v}
             g_best = min(timed, key=lambda k: timed[k]["ms"]) if timed else best

@@ -129,3 +129,52 @@ def test_main_sets_the_heuristic_before_cuda_and_keys_its_rows(tmp_path, monkeyp
     assert bm.main(["--only", KEYS[0]]) == 0
     rows = json.loads(bm.RESULTS.read_text())["rows"]
     assert seen == ["1", "0"] and "cudnn_heuristic" not in rows[KEYS[0]]
+
+
+def test_runs_are_interleaved_in_rounds_and_summarised_per_mode():
+    """Round r runs every (mode, layout) once in a fixed order; each job's figures are the median over all
+    its runs' steps and its distinct final hashes; the coverage is its last run's."""
+    import types
+
+    jobs = [("native", "nchw"), ("tree", "nchw"), ("tree", "channels_last")]
+    assert bm.interleaved(jobs, 2) == [(0, jobs[0]), (0, jobs[1]), (0, jobs[2]),
+                                       (1, jobs[0]), (1, jobs[1]), (1, jobs[2])]
+    order = []
+
+    def fake_run(case, mode, layout, batches, args, strict=True):
+        r = sum(1 for j in order if j == (mode, layout))
+        order.append((mode, layout))
+        # native's runs hash alike; tree's differ per run; times are whole numbers, so medians are exact
+        return {"times": [10.0 * (r + 1), 10.0 * (r + 1) + 2.0], "hash": "same" if mode == "native" else f"h{r}",
+                "coverage": {"convolution_backward": {"tree": r}} if mode == "tree" else None}
+    case = types.SimpleNamespace(key="case")
+    out = bm.run_interleaved(case, jobs, None, types.SimpleNamespace(runs=3), run=fake_run)
+    assert order == [job for _, job in bm.interleaved(jobs, 3)]
+    assert out[jobs[0]]["ms"] == 21.0 and out[jobs[0]]["distinct"] == 1 and out[jobs[0]]["runs"] == 3
+    assert out[jobs[1]]["distinct"] == 3 and out[jobs[1]]["coverage"] == {"convolution_backward": {"tree": 2}}
+    assert "error" not in out[jobs[2]] and "refused_strict" not in out[jobs[2]]
+
+
+def test_a_refused_tree_mode_continues_unstrict_and_a_failing_mode_is_an_error():
+    """nnrand's refusal under strict=True: that run and the later ones run with strict=False, the refusal
+    noted; any other exception makes the job an error row and its later rounds are skipped."""
+    import types
+
+    from nnrand.routing import RoutingError
+
+    calls = []
+
+    def fake_run(case, mode, layout, batches, args, strict=True):
+        calls.append((mode, strict))
+        if mode == "tree" and strict:
+            raise RoutingError("uncovered nondeterministic op aten::foo\nsecond line")
+        if mode == "torch_deterministic":
+            raise RuntimeError("no deterministic implementation")
+        return {"times": [1.0], "hash": "h", "coverage": None}
+    jobs = [("tree", "nchw"), ("torch_deterministic", "nchw")]
+    out = bm.run_interleaved(types.SimpleNamespace(key="case"), jobs, None, types.SimpleNamespace(runs=2),
+                             run=fake_run)
+    assert calls == [("tree", True), ("tree", False), ("torch_deterministic", True), ("tree", False)]
+    assert out[jobs[0]]["refused_strict"] == "RoutingError: uncovered nondeterministic op aten::foo"
+    assert out[jobs[0]]["runs"] == 2
+    assert out[jobs[1]]["error"] == "RuntimeError: no deterministic implementation" and "ms" not in out[jobs[1]]
