@@ -169,9 +169,24 @@ def run_once(case: ModelCase, mode: str, layout: str, batches, args, *, strict: 
 
 
 def summary(runs: list[dict]) -> dict:
-    """A mode's figures from its runs: the median step time over every run, distinct final hashes."""
+    """A mode's figures from its runs: the median step time over every run, each run's own median (the
+    spread between runs that a comparison has to clear), distinct final hashes."""
     return {"ms": statistics.median(t for r in runs for t in r["times"]),
+            "run_ms": [round(statistics.median(r["times"]), 3) for r in runs],
             "distinct": len({r["hash"] for r in runs}), "runs": len(runs), "coverage": runs[-1]["coverage"]}
+
+
+def compare(a: dict, b: dict) -> str:
+    """``a`` against ``b`` by step time: "below", "above", or "overlap" where the per-run medians of the two
+    overlap (the difference is inside the spread between runs). Rows measured before per-run medians were
+    kept compare by their medians alone."""
+    if a.get("run_ms") and b.get("run_ms"):
+        if max(a["run_ms"]) < min(b["run_ms"]):
+            return "below"
+        if min(a["run_ms"]) > max(b["run_ms"]):
+            return "above"
+        return "overlap"
+    return "below" if a["ms"] < b["ms"] else "above"
 
 
 def run_mode(case: ModelCase, mode: str, layout: str, batches, args, *, strict: bool = True) -> dict:
@@ -368,7 +383,7 @@ def targets(data: dict) -> list[str]:
                 out.append(f"- {_label(rows[key])} (batch {rows[key]['case']['batch']}, 224 px), {mode} "
                            f"in its faster layout: {verdict(_ratio(rows[key], mode), limit)} of the fastest native"
                            + (f"; CUDA graph {verdict(graph, limit)} of native's graph" if graph is not None else ""))
-    below, above, refused = [], [], []
+    found, refused = {"below": [], "above": [], "overlap": []}, []
     for key, row in rows.items():
         t, d = _best(row, "tree"), _best(row, "torch_deterministic")
         if t is None:
@@ -376,10 +391,12 @@ def targets(data: dict) -> list[str]:
         if d is None:
             refused.append(_label(row))
         else:
-            (below if t["ms"] < d["ms"] else above).append(
-                f"{_label(row)} {row['case']['size']} px ({t['ms']:.2f} vs {d['ms']:.2f} ms)")
-    out.append(f"- tree below PyTorch's deterministic mode: {'; '.join(below) or 'none'}")
-    out.append(f"- tree NOT below it: {'; '.join(above) or 'none'}")
+            found[compare(t, d)].append(f"{_label(row)} {row['case']['size']} px ({t['ms']:.2f} vs {d['ms']:.2f} ms)")
+    out.append(f"- tree below PyTorch's deterministic mode: {'; '.join(found['below']) or 'none'}")
+    out.append(f"- tree NOT below it: {'; '.join(found['above']) or 'none'}")
+    if found["overlap"]:
+        out.append(f"- tree and PyTorch's deterministic mode within the spread of their runs (each run's median "
+                   f"step overlaps the other mode's): {'; '.join(found['overlap'])}")
     if refused:
         out.append(f"- PyTorch's deterministic mode runs no step: {', '.join(refused)}")
     full = [_label(row) + (f" ({_best(row, 'tree')['distinct']}/{_best(row, 'tree')['runs']})")
@@ -458,12 +475,14 @@ def render(data: dict) -> str:
                 note = f"strict: refused ({op}); run with strict=False: {note}"
             out.append(f"| {_label(row)} | {case['batch']} x {case['size']} | {mode} | {b['layout']} | "
                        f"{b['ms']:.2f} | {ratio:.2f} | {b['distinct']}/{b['runs']} | {gms} | {gx} | {note} |")
-    out += ["", *targets(data), "", "Every layout measured (ms/step, distinct/runs):", ""]
+    out += ["", *targets(data), "", "Every layout measured (ms/step, distinct/runs; each run's median where "
+            "kept):", ""]
     for key, row in rows:
         cells = []
         for mode, m in row["modes"].items():
             for lay, r in m["layouts"].items():
-                cells.append(f"{mode}/{lay} " + (f"{r['ms']:.2f} ({r['distinct']}/{r['runs']})" if "ms" in r
+                runs = f"; runs {'/'.join(f'{v:.2f}' for v in r['run_ms'])}" if r.get("run_ms") else ""
+                cells.append(f"{mode}/{lay} " + (f"{r['ms']:.2f} ({r['distinct']}/{r['runs']}{runs})" if "ms" in r
                                                   else "error"))
         out.append(f"- {_label(row)} ({row['case']['batch']} x {row['case']['size']}): " + "; ".join(cells))
     return "\n".join(out) + "\n"

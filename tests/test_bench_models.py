@@ -151,6 +151,7 @@ def test_runs_are_interleaved_in_rounds_and_summarised_per_mode():
     out = bm.run_interleaved(case, jobs, None, types.SimpleNamespace(runs=3), run=fake_run)
     assert order == [job for _, job in bm.interleaved(jobs, 3)]
     assert out[jobs[0]]["ms"] == 21.0 and out[jobs[0]]["distinct"] == 1 and out[jobs[0]]["runs"] == 3
+    assert out[jobs[0]]["run_ms"] == [11.0, 21.0, 31.0]
     assert out[jobs[1]]["distinct"] == 3 and out[jobs[1]]["coverage"] == {"convolution_backward": {"tree": 2}}
     assert "error" not in out[jobs[2]] and "refused_strict" not in out[jobs[2]]
 
@@ -178,3 +179,28 @@ def test_a_refused_tree_mode_continues_unstrict_and_a_failing_mode_is_an_error()
     assert out[jobs[0]]["refused_strict"] == "RoutingError: uncovered nondeterministic op aten::foo"
     assert out[jobs[0]]["runs"] == 2
     assert out[jobs[1]]["error"] == "RuntimeError: no deterministic implementation" and "ms" not in out[jobs[1]]
+
+
+def test_tree_is_called_below_deterministic_mode_only_clear_of_the_runs_spread():
+    """compare: per-run medians that overlap are neither below nor above; rows without them (measured
+    before they were kept) compare by their medians; the targets list the overlapping cases apart."""
+    assert bm.compare({"ms": 9.0, "run_ms": [8.5, 9.0, 9.4]}, {"ms": 10.0, "run_ms": [9.5, 10.0, 11.0]}) == "below"
+    assert bm.compare({"ms": 12.0, "run_ms": [11.5, 12.0, 17.0]}, {"ms": 10.0, "run_ms": [9.5, 10.0, 11.0]}) \
+        == "above"
+    assert bm.compare({"ms": 11.0, "run_ms": [9.0, 11.0, 17.0]}, {"ms": 10.0, "run_ms": [9.5, 10.0, 12.0]}) \
+        == "overlap"
+    assert bm.compare({"ms": 9.0}, {"ms": 10.0, "run_ms": [10.0]}) == "below"
+    assert bm.compare({"ms": 11.0}, {"ms": 10.0}) == "above"
+
+    def row(tree, det, size):
+        case = {"batch": 64, "classes": 10, "key": f"m{size}", "model": "resnet18", "size": size}
+        return {"case": case, "amp": None, "modes": {
+            "tree": {"layout": "nchw", "layouts": {"nchw": dict(tree, distinct=1, runs=3)}},
+            "torch_deterministic": {"layout": "nchw", "layouts": {"nchw": dict(det, distinct=1, runs=3)}}}}
+    rows = {"a": row({"ms": 9.0, "run_ms": [8.9, 9.0, 9.1]}, {"ms": 10.0, "run_ms": [9.9, 10.0, 10.1]}, 32),
+            "b": row({"ms": 11.0, "run_ms": [9.0, 11.0, 17.0]}, {"ms": 10.0, "run_ms": [9.5, 10.0, 12.0]}, 64)}
+    lines = bm.targets({"rows": rows})
+    assert "- tree below PyTorch's deterministic mode: resnet18 32 px (9.00 vs 10.00 ms)" in lines
+    assert "- tree NOT below it: none" in lines
+    assert any(line.startswith("- tree and PyTorch's deterministic mode within the spread") and
+               line.endswith("resnet18 64 px (11.00 vs 10.00 ms)") for line in lines)
