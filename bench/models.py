@@ -21,7 +21,8 @@ rows keyed ``<case>_<amp>``; each in NCHW and channels_last, the faster layout i
 
 Per model and mode, ``--runs`` runs (default 3) of ``--steps`` SGD steps (default 20) from the same
 initial weights on the same seeded batches, in rounds: each round runs every mode and layout once, so a
-drift of the machine's speed during a case hits all of them alike. ms/step is the median over the steps after ``--warmup``
+drift of the machine's speed during a case hits all of them alike (atomic, a reference, runs afterwards
+in tree's faster layout). ms/step is the median over the steps after ``--warmup``
 of every run, each step timed with CUDA events (host enqueue gaps included, so host-bound steps show).
 Repeatability: distinct SHA-1 hashes of the final weights over the runs. Native, tree, tree_winograd and
 fastest_deterministic also run as a CUDA graph (``nnrand.train.GraphStep``: forward and backward captured
@@ -164,8 +165,11 @@ def run_once(case: ModelCase, mode: str, layout: str, batches, args, *, strict: 
         if m.routing is not None:
             coverage = {op: {k: v // args.steps for k, v in c.items()}
                         for op, c in m.routing.coverage.as_dict().items()}
-    return {"times": [a.elapsed_time(b) for step, a, b in events if step >= args.warmup],
-            "hash": weights_hash(model), "coverage": coverage}
+    out = {"times": [a.elapsed_time(b) for step, a, b in events if step >= args.warmup],
+           "hash": weights_hash(model), "coverage": coverage}
+    del model, opt
+    torch.cuda.empty_cache()   # every run, whichever mode ran before it, starts from an empty allocator cache
+    return out
 
 
 def summary(runs: list[dict]) -> dict:
@@ -189,11 +193,6 @@ def compare(a: dict, b: dict) -> str:
     return "below" if a["ms"] < b["ms"] else "above"
 
 
-def run_mode(case: ModelCase, mode: str, layout: str, batches, args, *, strict: bool = True) -> dict:
-    """``args.runs`` runs of one mode in a row (``measure`` interleaves the modes instead)."""
-    return summary([run_once(case, mode, layout, batches, args, strict=strict) for _ in range(args.runs)])
-
-
 def interleaved(jobs: list, runs: int) -> list[tuple[int, object]]:
     """The order of the runs: round r runs every job once, in the same order every round, so a drift of
     the machine's speed during a case (a host-bound eager step follows the CPU's) hits every mode alike
@@ -207,11 +206,14 @@ def _error(e: BaseException) -> str:
 
 def run_interleaved(case: ModelCase, jobs: list[tuple[str, str]], batches, args, run=None) -> dict:
     """Every (mode, layout) job's ``args.runs`` runs in ``interleaved`` rounds: per job its ``summary``
-    with ``wall_s``, or ``error`` for a mode that runs no step. A routed ``tree*`` mode that nnrand refuses
-    under strict=True runs with strict=False from then on, the refusal noted (``refused_strict``)."""
+    with ``wall_s``, or ``error`` for a mode that runs no step (its later rounds skipped). A routed
+    ``tree*`` mode that nnrand refuses under strict=True runs with strict=False from then on, the refusal
+    noted (``refused_strict``); runs it kept under strict=True before are dropped, so one setting makes a
+    job's figures."""
     run = run or run_once
     runs = {job: [] for job in jobs}
-    notes = {job: {"wall_s": 0.0} for job in jobs}
+    notes = {job: {} for job in jobs}
+    wall = {job: 0.0 for job in jobs}
     strict = {job: True for job in jobs}
     for r, job in interleaved(jobs, args.runs):
         mode, layout = job
@@ -220,19 +222,22 @@ def run_interleaved(case: ModelCase, jobs: list[tuple[str, str]], batches, args,
         t0 = time.perf_counter()
         try:
             try:
-                runs[job].append(run(case, mode, layout, batches, args, strict=strict[job]))
+                res = run(case, mode, layout, batches, args, strict=strict[job])
             except Exception as e:
                 if not (strict[job] and mode.startswith("tree") and "nnrand" in type(e).__module__):
                     raise
                 strict[job] = False
                 notes[job]["refused_strict"] = _error(e)
-                runs[job].append(run(case, mode, layout, batches, args, strict=False))
+                runs[job].clear()
+                res = run(case, mode, layout, batches, args, strict=False)
+            done = f"{statistics.median(res['times']):8.2f} ms"
+            runs[job].append(res)
         except Exception as e:   # a mode that runs no step is a result: note the error
-            notes[job] = {"error": _error(e), "wall_s": notes[job]["wall_s"]}
-        notes[job]["wall_s"] = round(notes[job]["wall_s"] + time.perf_counter() - t0, 1)
-        done = f"{statistics.median(runs[job][-1]['times']):8.2f} ms" if "error" not in notes[job] else "error"
+            notes[job]["error"] = done = _error(e)
+        wall[job] += time.perf_counter() - t0
         print(f"  {case.key:<32} round {r + 1}/{args.runs} {mode:<20} {layout:<14} {done}", flush=True)
-    return {job: notes[job] if "error" in notes[job] else dict(summary(runs[job]), **notes[job]) for job in jobs}
+    return {job: dict(notes[job] if "error" in notes[job] else dict(summary(runs[job]), **notes[job]),
+                      wall_s=round(wall[job], 1)) for job in jobs}
 
 
 def run_graph(case: ModelCase, mode: str, layout: str, batches, args, *, strict: bool = True) -> dict:
@@ -532,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
                    "--only cases are always measured); rows of cases not measured stay in the file")
     p.add_argument("--render", action="store_true", help="only render reports/models.md from the result file")
     args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error(f"--runs must be >= 1, got {args.runs}")
+    args.modes = list(dict.fromkeys(args.modes))   # a mode named twice runs once per round
     if args.render:
         REPORT.write_text(render(load()))
         print(f"report: {REPORT}")
@@ -555,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in data["rows"].values():   # rows from an earlier run keep that run's commit and date
         row.setdefault("measured", {k: data.get("fingerprint", {}).get(k) for k in ("git_sha", "date")})
     data["fingerprint"] = fingerprint("cuda")
-    data["settings"] = {"runs": args.runs, "steps": args.steps, "warmup": args.warmup}
+    data["settings"] = {"runs": args.runs, "steps": args.steps, "warmup": args.warmup, "order": "rounds"}
     todo = to_measure(data["rows"], MODELS, only=args.only, fresh=args.fresh, amp=args.amp,
                       heuristic=args.cudnn_heuristic)
     for key in sorted({row_key(c.key, args.amp, args.cudnn_heuristic) for c in MODELS} - {k for _, k in todo}):

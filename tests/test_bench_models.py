@@ -145,13 +145,14 @@ def test_runs_are_interleaved_in_rounds_and_summarised_per_mode():
         r = sum(1 for j in order if j == (mode, layout))
         order.append((mode, layout))
         # native's runs hash alike; tree's differ per run; times are whole numbers, so medians are exact
-        return {"times": [10.0 * (r + 1), 10.0 * (r + 1) + 2.0], "hash": "same" if mode == "native" else f"h{r}",
+        # 3 steps per run, one slow: the median over all 9 steps (30.0) is not that of the runs' (12, 22, 32)
+        return {"times": [10.0 * (r + 1), 10.0 * (r + 1) + 2.0, 100.0], "hash": "same" if mode == "native" else f"h{r}",
                 "coverage": {"convolution_backward": {"tree": r}} if mode == "tree" else None}
     case = types.SimpleNamespace(key="case")
     out = bm.run_interleaved(case, jobs, None, types.SimpleNamespace(runs=3), run=fake_run)
     assert order == [job for _, job in bm.interleaved(jobs, 3)]
-    assert out[jobs[0]]["ms"] == 21.0 and out[jobs[0]]["distinct"] == 1 and out[jobs[0]]["runs"] == 3
-    assert out[jobs[0]]["run_ms"] == [11.0, 21.0, 31.0]
+    assert out[jobs[0]]["ms"] == 30.0 and out[jobs[0]]["distinct"] == 1 and out[jobs[0]]["runs"] == 3
+    assert out[jobs[0]]["run_ms"] == [12.0, 22.0, 32.0]
     assert out[jobs[1]]["distinct"] == 3 and out[jobs[1]]["coverage"] == {"convolution_backward": {"tree": 2}}
     assert "error" not in out[jobs[2]] and "refused_strict" not in out[jobs[2]]
 
@@ -204,3 +205,44 @@ def test_tree_is_called_below_deterministic_mode_only_clear_of_the_runs_spread()
     assert "- tree NOT below it: none" in lines
     assert any(line.startswith("- tree and PyTorch's deterministic mode within the spread") and
                line.endswith("resnet18 64 px (11.00 vs 10.00 ms)") for line in lines)
+
+
+def test_only_nnrands_refusal_of_a_tree_mode_is_retried_and_a_failed_retry_keeps_the_refusal():
+    """A tree mode failing with another exception, and another mode refused by nnrand, are errors with no
+    retry; a tree mode whose strict=False retry fails too is an error that still names the refusal."""
+    import types
+
+    from nnrand.routing import RoutingError
+
+    calls = []
+
+    def fake_run(case, mode, layout, batches, args, strict=True):
+        calls.append((mode, layout, strict))
+        if mode == "tree" and layout == "nchw":
+            raise RuntimeError("CUDA out of memory")
+        if mode == "native":
+            raise RoutingError("not a routed mode")
+        raise RoutingError("refused" if strict else "refused again")
+    jobs = [("tree", "nchw"), ("native", "nchw"), ("tree", "channels_last")]
+    out = bm.run_interleaved(types.SimpleNamespace(key="case"), jobs, None, types.SimpleNamespace(runs=2),
+                             run=fake_run)
+    assert calls == [("tree", "nchw", True), ("native", "nchw", True), ("tree", "channels_last", True),
+                     ("tree", "channels_last", False)]
+    assert out[jobs[0]]["error"] == "RuntimeError: CUDA out of memory" and "refused_strict" not in out[jobs[0]]
+    assert out[jobs[1]]["error"] == "RoutingError: not a routed mode"
+    assert out[jobs[2]] == {"error": "RoutingError: refused again", "refused_strict": "RoutingError: refused",
+                            "wall_s": out[jobs[2]]["wall_s"]}
+
+
+def test_equal_run_medians_at_the_edges_overlap():
+    """The slowest run of one mode equal to the fastest of the other is not a separation."""
+    assert bm.compare({"ms": 9.0, "run_ms": [8.0, 10.0]}, {"ms": 11.0, "run_ms": [10.0, 12.0]}) == "overlap"
+    assert bm.compare({"ms": 11.0, "run_ms": [10.0, 12.0]}, {"ms": 9.0, "run_ms": [8.0, 10.0]}) == "overlap"
+
+
+def test_runs_below_one_are_refused(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        bm.main(["--runs", "0"])
+    assert e.value.code == 2 and "--runs must be >= 1, got 0" in capsys.readouterr().err

@@ -2,11 +2,15 @@
 cost the routing adds to an eager step (the GPU runs behind; nothing synchronises inside the timed loop).
 
     python bench/dev/routed_call_host_cost.py [--dtype bf16] [--layout channels_last] [--calls 200]
+    python bench/dev/routed_call_host_cost.py --dtype fp32 --layout nchw --cprofile 40 --cprofile-family tree
 
 Rows: convolution_backward (dX+dW of a 3x3 256->256 14x14 conv, batch 64) under cuDNN benchmark, under
 PyTorch's deterministic mode, and routed by fastest-deterministic (torch_det chosen) and tree; BatchNorm
-backward (the conv's output) native and routed tree. Each figure is the median over --calls calls of
-perf_counter around the call alone, in microseconds.
+backward (the conv's output) native and routed by each of the two families (both run its tree variant).
+Each figure is the median over --calls calls of perf_counter around the call alone, in microseconds.
+``--cprofile N`` adds the top N functions by own time over --calls rounds of the two routed calls, under
+``--cprofile-family``; that loop does not synchronise, so the launches' own time includes waiting on a
+full launch queue.
 """
 from __future__ import annotations
 
@@ -93,13 +97,13 @@ def main() -> None:
         torch.use_deterministic_algorithms(False)
     with nnrand.use_kernels("fastest-deterministic") as r:
         rows.append(("conv routed fastest-deterministic", host_us(conv, args.calls)))
-        rows.append(("bn routed tree", host_us(bn, args.calls)))
+        rows.append(("bn routed (fastest-deterministic)", host_us(bn, args.calls)))
         print("tuner:", r.tuner.counts())
         if args.cprofile and args.cprofile_family == "fastest-deterministic":
             profile(conv, bn, args)
     with nnrand.use_kernels("tree"):
         rows.append(("conv routed tree", host_us(conv, args.calls)))
-        rows.append(("bn routed tree (tree family)", host_us(bn, args.calls)))
+        rows.append(("bn routed (tree)", host_us(bn, args.calls)))
         if args.cprofile and args.cprofile_family == "tree":
             profile(conv, bn, args)
     print(f"host us per call, {args.dtype}, {args.layout}:")
