@@ -5,6 +5,7 @@ and the autotuner's choice, as GPU time from CUDA-graph replays.
     python -m bench.conv_shapes --only resnet18_cifar --layouts channels_last
     python -m bench.conv_shapes --render                 # the section of reports/kernels.md from the result file
     python -m bench.conv_shapes --only resnet50_224 --dtype bf16   # bf16 tensors (autocast's), keys <net>_bf16
+    python -m bench.conv_shapes --cudnn-heuristic b      # cudnn_det under cuDNN's heuristic mode B, keys <net>_hb
 
 Per network, the distinct conv configurations of one forward (counted: ResNet-50's 53 convs are 23
 shapes) are found by forward hooks on the meta device. For each shape, layout (NCHW, channels_last), and
@@ -228,9 +229,12 @@ def measure(args) -> dict:
     for name in args.only or list(NETWORKS):
         model_name, batch, size, classes = NETWORKS[name]
         shapes = conv_shapes(model_name, batch, size, classes)
-        key = name if dtype == "fp32" else f"{name}_{dtype}"
+        heuristic = getattr(args, "cudnn_heuristic", "instant")
+        key = network_key(name, dtype, heuristic)
         net = data["networks"].setdefault(key, {"model": model_name, "batch": batch, "size": size, "layouts": {},
                                                 "dtype": dtype})
+        if heuristic == "b":
+            net["cudnn_heuristic"] = "b"
         net["shapes"] = shapes
         for layout in args.layouts:
             rows = []
@@ -247,6 +251,12 @@ def measure(args) -> dict:
             runio.write_json(RESULTS, data)
             torch.cuda.empty_cache()
     return data
+
+
+def network_key(name: str, dtype: str = "fp32", heuristic: str = "instant") -> str:
+    """A network's key in the result file: ``<net>``, ``_<dtype>`` for half tensors, ``_hb`` measured under
+    cuDNN's heuristic mode B (a process runs one heuristic, so its rows never replace the default's)."""
+    return name + ("" if dtype == "fp32" else f"_{dtype}") + ("_hb" if heuristic == "b" else "")
 
 
 def load() -> dict:
@@ -338,8 +348,10 @@ def render_section(data: dict) -> str:
             m = lay.get("measured", {})
             half = net.get("dtype", "fp32") != "fp32"
             target_shape = TARGET_SHAPE_HALF if half else TARGET_SHAPE
+            hb = (", cuDNN heuristic b (`--cudnn-heuristic b`: `cudnn_det`, `torch_det` and torch's forward run "
+                  "the algorithms of cuDNN's heuristic mode B)") if net.get("cudnn_heuristic") == "b" else ""
             out += [f"### {net['model']}, batch {net['batch']}, {net['size']} px, {layout}, "
-                    f"{net.get('dtype', 'fp32')}", "",
+                    f"{net.get('dtype', 'fp32')}{hb}", "",
                     f"Measured at git {str(m.get('git_sha'))[:7]} on {m.get('date')}.", ""]
             head = (["shape", "×n"] + [f"dX {c}" for c in (*PEERS, *variants)] + ["dX auto"] +
                     [f"dW {c}" for c in (*PEERS, *wvariants)] + ["dW auto"])
@@ -418,12 +430,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=5, help="calls per captured graph (default %(default)s)")
     p.add_argument("--replays", type=int, default=10, help="graph replays per time (default %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help="the tensors' dtype (default %(default)s)")
+    p.add_argument("--cudnn-heuristic", choices=["instant", "b"], default="instant",
+                   help="the cuDNN heuristic of the convs torch runs with cudnn.benchmark off (cudnn_det, the "
+                        "tuner's torch_det, torch's forward; nnrand.noise): one per process (rows <net>_hb for b; "
+                        "default instant, PyTorch's, whatever the environment says)")
     p.add_argument("--fresh", action="store_true", help="drop earlier results from the file")
     p.add_argument("--render", action="store_true", help="only render the report section from the result file")
     args = p.parse_args(argv)
     if not args.render:
         import torch
 
+        from nnrand import noise
+
+        try:   # before anything touches CUDA: torch reads it at its first convolution
+            noise.set_cudnn_heuristic(args.cudnn_heuristic)
+        except ValueError as e:
+            p.error(str(e))
         if not torch.cuda.is_available():
             p.error("measuring needs a CUDA GPU (use --render to re-render the report)")
         data = measure(args)   # TF32 off inside (bench.timing.cudnn_flags)

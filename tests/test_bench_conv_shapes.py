@@ -90,3 +90,40 @@ def test_splice_replaces_only_the_section():
     assert once.startswith(doc.rstrip("\n")) and "old" in once
     twice = cs.splice(once + "\ntail\n", f"{cs.BEGIN}\nnew\n{cs.END}\n")
     assert "old" not in twice and "new" in twice and twice.endswith("tail\n") and twice.count(cs.BEGIN) == 1
+
+
+def test_heuristic_b_rows_are_keyed_apart_headed_and_set_before_cuda(monkeypatch):
+    """--cudnn-heuristic b: the variable is set before measuring (torch reads it at its first conv), the
+    network's rows take the ``_hb`` key (beside ``_<dtype>``) and their headings say so; the default
+    forces PyTorch's heuristic whatever the environment says."""
+    import os
+    import sys
+
+    import torch
+
+    from nnrand import noise
+
+    assert cs.network_key("resnet18_cifar") == "resnet18_cifar"
+    assert cs.network_key("resnet50_224", "bf16", "b") == "resnet50_224_bf16_hb"
+    assert cs.network_key("resnet50_224", "fp32", "b") == "resnet50_224_hb"
+    row = _row("a", 10.0, 20.0, 12.0, 1.0, "tree")
+    net = {"model": "m", "batch": 2, "size": 8, "shapes": [{"count": 1}], "cudnn_heuristic": "b",
+           "layouts": {"nchw": {"rows": [row], "measured": {}}}}
+    text = cs.render_section({"networks": {"m_hb": net}, "fingerprint": {"gpu": "G"}})
+    assert "### m, batch 2, 8 px, nchw, fp32, cuDNN heuristic b (" in text
+    net.pop("cudnn_heuristic")
+    assert "heuristic b" not in cs.render_section({"networks": {"m": net}, "fingerprint": {"gpu": "G"}})
+
+    monkeypatch.setenv(noise.HEURISTIC_ENV, "0")   # recorded, so the test puts back what it found
+    monkeypatch.delenv(noise.HEURISTIC_ENV)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    seen = []
+    monkeypatch.setattr(cs, "measure", lambda args: seen.append((os.environ.get(noise.HEURISTIC_ENV),
+                                                                 args.cudnn_heuristic)) or {"networks": {}})
+    monkeypatch.setattr(cs, "write_report", lambda data: "kernels.md")
+    assert cs.main(["--cudnn-heuristic", "b"]) == 0
+    monkeypatch.setenv(noise.HEURISTIC_ENV, "1")
+    assert cs.main([]) == 0
+    assert seen == [("1", "b"), ("0", "instant")]
