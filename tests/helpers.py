@@ -24,18 +24,35 @@ def gamma(depth: int) -> float:
     return depth * U32 / (1 - depth * U32)
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element: the same bit pattern (so +0.0 and -0.0 differ), or NaN in both (NaN payloads may differ
+    between CPU and GPU). Same shape and dtype assumed."""
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    if not a.is_floating_point():
+        return a == b
+    same = a.view(_BITS[a.element_size()]) == b.view(_BITS[b.element_size()])
+    return same | (torch.isnan(a) & torch.isnan(b))
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits in every element (NaN payloads aside). Unlike ``torch.equal``, -0.0 is
+    not +0.0."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(_same_bits(a, b).all())
+
+
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     a, b = a.detach().cpu(), b.detach().cpu()
-    if torch.equal(a, b) or (a.shape == b.shape and byte_hash(a) == byte_hash(b)):
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise AssertionError(f"{what}: not bitwise equal: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")
+    diff = ~_same_bits(a, b)
+    if not bool(diff.any()):
         return
-    if a.shape == b.shape and torch.equal(torch.isnan(a), torch.isnan(b)) and \
-            torch.equal(a[~torch.isnan(a)], b[~torch.isnan(b)]):
-        return  # NaN payloads may differ between CPU and GPU; every non-NaN value is bit-equal
-    diff = (a != b) & ~(torch.isnan(a) & torch.isnan(b))
-    idx = diff.nonzero()[:10].tolist() if a.shape == b.shape else "shapes differ"
-    raise AssertionError(f"{what}: not bitwise equal; first mismatches at {idx}: "
-                         f"{a[diff][:5].tolist() if a.shape == b.shape else (a.shape, b.shape)} vs "
-                         f"{b[diff][:5].tolist() if a.shape == b.shape else ''}")
+    idx = diff.nonzero()[:10].tolist()
+    raise AssertionError(f"{what}: not bitwise equal; {int(diff.sum())} elements differ, first at {idx}: "
+                         f"{a[diff][:5].tolist()} vs {b[diff][:5].tolist()}")
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
