@@ -270,8 +270,8 @@ def crop_flip(x: torch.Tensor, oy: torch.Tensor, ox: torch.Tensor, fl: torch.Ten
     else:
         src = channels.to(x.device)[:, :, None] * (h * w) + pix  # (N, C, H*W) flat indices into each image
         out = x.reshape(n, c * h * w).gather(1, src.view(n, c * h * w)).view(n, c, h, w)
-    if mode == "zero":
-        out = out * valid[:, None].to(out.dtype)
+    if mode == "zero":   # +0 (a product with the mask would give -0.0 for negative float pixels)
+        out = out.masked_fill(~valid[:, None], 0)
     return out
 
 
