@@ -14,6 +14,7 @@ import torch
 import kernels
 from kernels import KernelArgumentError
 from kernels import adaptive_avg_pool2d_bwd as aap
+from tests.helpers import bitwise_equal
 
 OP = aap.OP
 SPEC = kernels.spec(OP)
@@ -195,7 +196,7 @@ def test_special_values():
     dx = TREE(dy, **kw)
     ref = aap.torch_backward(dy, **kw)
     assert torch.isnan(dx).any() and torch.isinf(dx).any()
-    assert torch.equal(torch.isnan(dx), torch.isnan(ref)) and torch.equal(torch.isinf(dx), torch.isinf(ref))
+    assert bitwise_equal(torch.isnan(dx), torch.isnan(ref)) and bitwise_equal(torch.isinf(dx), torch.isinf(ref))
     one = torch.from_numpy(element_counts(dy, kw) == 1)
     # a lone -0.0 gradient: +0.0 + (-0.0 / kw / kh) = +0.0
     z = torch.zeros(1, 1, 3, 3)
@@ -307,7 +308,7 @@ def test_gpu_tree_bitwise_repeatable_and_equals_model(case, cuda_sync):
     first = TREE(*args, **kw)
     assert layout_ok(first, args[0])
     for _ in range(REPEATS):
-        assert torch.equal(bits_t(TREE(*args, **kw)), bits_t(first))
+        assert bitwise_equal(bits_t(TREE(*args, **kw)), bits_t(first))
     diff = same_bits(first, TREE(*cpu_args, **kw))
     assert diff.size == 0, f"CUDA tree differs from its CPU model at {diff[:10]}"
     direct = aap.adaptive_avg_pool2d_bwd_tree_direct_cuda(*args, **kw)  # shares computed on the spot
@@ -334,7 +335,7 @@ def test_gpu_exact_kernel_all_widths_equal_tiled(c, offset, cuda_sync):
         for x in (dy, dy.contiguous()):
             out = TREE(x, input_size=(h, w))
             ref = aap.adaptive_avg_pool2d_bwd_tree_tiled_cuda(x, input_size=(h, w))
-            assert torch.equal(bits_t(out), bits_t(ref)), (c, offset, h, w, x.is_contiguous())
+            assert bitwise_equal(bits_t(out), bits_t(ref)), (c, offset, h, w, x.is_contiguous())
             diff = same_bits(out, TREE(x.cpu(), input_size=(h, w)))
             assert diff.size == 0, f"exact kernel differs from the CPU model at {diff[:10]}"
 

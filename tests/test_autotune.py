@@ -12,6 +12,7 @@ import torch.nn as nn
 import kernels
 import nnrand
 from nnrand import autotune, routing, runio, train
+from tests.helpers import bitwise_equal
 
 from .test_distributed import RUN, torchrun
 from .test_train import tiny
@@ -196,7 +197,7 @@ def test_routed_bits_are_the_chosen_candidates(layout):
     auto_tree, r = grads(tuner=autotune.Tuner(cache=None, timer=ranked_timer(["tree"], forward=[autotune.TORCH_DET])),
                          layout=layout)
     for a, b in zip(tree, auto_tree):
-        assert torch.equal(a, b)
+        assert bitwise_equal(a, b)
     assert r.coverage["convolution_backward"] == {"tree": 3}
     # the stride-1 ungrouped conv is the one forward the tuner chose for; the others are not its to take
     assert r.coverage["convolution"] == {"torch_det": 1, "original": 2}
@@ -205,7 +206,7 @@ def test_routed_bits_are_the_chosen_candidates(layout):
     native, _ = grads("tree", ops={op: "native" for op in routing.TUNABLE}, layout=layout)
     auto_torch, r = grads(tuner=autotune.Tuner(cache=None, timer=ranked_timer([autotune.TORCH_DET])), layout=layout)
     for a, b in zip(native, auto_torch):
-        assert torch.equal(a, b)
+        assert bitwise_equal(a, b)
     assert r.coverage["convolution_backward"] == {"torch_det+tree": 3}  # every conv has a bias: tree
     keys = list(r.tuner.record()["choices"])
     assert any(k.startswith("conv_dgrad_grouped ") and " g=2 " in k for k in keys)
@@ -234,7 +235,7 @@ def test_forward_conv_runs_the_chosen_candidate(layout):
     w, b = m[0].weight.detach(), m[0].bias.detach()
     expect = kernels.conv_dgrad.conv_forward_tree_cpu(x.detach(), w, padding=1) + b.view(1, -1, 1, 1)
     y = seen["y"]
-    assert torch.equal(y, expect)
+    assert bitwise_equal(y, expect)
     assert y.is_contiguous(memory_format=layout)
     # the tree model sums the Cin = 3 products of a tap in a float32 matmul, then adds the 9 taps into +0.0:
     # k = Cin + KH*KW + 1 roundings per product, |error| <= gamma_k * sum |x||w| (gamma_k = k u / (1 - k u),
@@ -259,7 +260,7 @@ def test_forward_conv_missing_from_a_pinned_plan_runs_torch():
     assert seen == []
     assert r2.coverage["convolution"] == {"torch_det": 1, "original": 2}
     reference, _ = grads(tuner=autotune.Tuner(cache=None, timer=ranked_timer(["tree"], forward=[autotune.TORCH_DET])))
-    assert all(torch.equal(a, b) for a, b in zip(again, reference))
+    assert all(bitwise_equal(a, b) for a, b in zip(again, reference))
 
 
 def test_forward_conv_tuning_leaves_evaluation_strided_inputs_and_refusals_to_torch():
@@ -285,7 +286,7 @@ def test_forward_conv_tuning_leaves_evaluation_strided_inputs_and_refusals_to_to
     assert seen == ["tree", autotune.TORCH_DET]   # the one tuned call: conv_cl's, with grad
     cov = r.coverage.as_dict()["convolution"]
     assert cov == {"original": 2, "tree": 1}
-    assert torch.equal(plain, torch.nn.functional.conv2d(x, conv.weight, conv.bias, 1, 1))
+    assert bitwise_equal(plain, torch.nn.functional.conv2d(x, conv.weight, conv.bias, 1, 1))
     assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
     half = nn.Conv2d(8, 8, 3, padding=1).to(torch.bfloat16)
     xb = torch.randn(2, 8, 6, 6, generator=gen).to(torch.bfloat16)
@@ -294,7 +295,7 @@ def test_forward_conv_tuning_leaves_evaluation_strided_inputs_and_refusals_to_to
         yb = half(xb)
     assert r2.coverage.as_dict()["convolution"] == {"original": 1}
     assert any(why.startswith("conv_dgrad") for why in r2.coverage.reasons["convolution"]), r2.coverage.reasons
-    assert torch.equal(yb, torch.nn.functional.conv2d(xb, half.weight, half.bias, 1, 1))
+    assert bitwise_equal(yb, torch.nn.functional.conv2d(xb, half.weight, half.bias, 1, 1))
 
 
 def test_forward_conv_is_not_tuned_outside_deterministic_mode():
@@ -310,7 +311,7 @@ def test_same_choices_same_bits_across_tuners(tmp_path):
     first, _ = grads(tuner=autotune.Tuner(cache=path, timer=ranked_timer(["winograd", "tree", autotune.TORCH_DET])))
     second, r = grads(tuner=autotune.Tuner(cache=path, timer=ranked_timer([autotune.TORCH_DET])))
     for a, b in zip(first, second):
-        assert torch.equal(a, b)
+        assert bitwise_equal(a, b)
     assert {c["source"] for c in r.tuner.record()["choices"].values()} == {"cache"}
 
 

@@ -30,7 +30,7 @@ from kernels import conv_dgrad as cd
 from kernels.conv_dgrad import OP, SOURCE, conv_dgrad_tree_cpu
 from kernels.runtime import KERNEL_DIR
 from kernels.shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape
-from tests.helpers import assert_bitwise_equal, distinct, gamma
+from tests.helpers import assert_bitwise_equal, bitwise_equal, distinct, gamma
 
 VARIANTS = kernels.variants(OP)
 TREE = kernels.get(OP, "tree")
@@ -279,7 +279,7 @@ def test_cuda_tree_bitwise_deterministic(case):
     first = TREE(w, dy, **kw)
     for _ in range(REPEATS - 1):
         again = TREE(w, dy, **kw)
-        assert torch.equal(again, first), f"tree {case.name}: results differ between repeats"
+        assert bitwise_equal(again, first), f"tree {case.name}: results differ between repeats"
     torch.cuda.synchronize()
 
 
@@ -298,7 +298,7 @@ def test_cuda_stem_kernel():
             torch.cuda.synchronize()
             assert_within_bound(first.cpu(), w.cpu(), dy.cpu(), kw, _cuda_bound_depth(TREE, case), case.name)
             for o in outs:
-                assert torch.equal(o, first), f"{case.name}: repeats differ"
+                assert bitwise_equal(o, first), f"{case.name}: repeats differ"
             assert_bitwise_equal(cl.contiguous(), first, f"{case.name} channels_last")
 
 
@@ -369,7 +369,7 @@ def test_cuda_empty_phases_zeroed_either_way(monkeypatch):
                 monkeypatch.undo()
             assert_bitwise_equal(got["kernel"], got["memset"], f"{s.name} {layout}")
             assert not torch.isnan(got["kernel"]).any()
-            assert torch.equal(got["kernel"].cpu() == 0, want == 0), s.name  # zeros exactly where expected
+            assert bitwise_equal(got["kernel"].cpu() == 0, want == 0), s.name  # zeros exactly where expected
     torch.cuda.synchronize()
 
 
@@ -386,7 +386,7 @@ def test_cuda_tree_layout_independent():
 def _distinct_on_device(outs: list[torch.Tensor]) -> int:
     seen: list[torch.Tensor] = []
     for o in outs:
-        if not any(torch.equal(o, s) for s in seen):
+        if not any(bitwise_equal(o, s) for s in seen):
             seen.append(o)
     return len(seen)
 

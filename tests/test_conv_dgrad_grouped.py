@@ -17,7 +17,7 @@ import kernels
 from kernels import KernelArgumentError
 from kernels import conv_dgrad_grouped as cd
 from kernels import conv_wgrad_grouped as cw
-from tests.helpers import assert_bitwise_equal, distinct, gamma
+from tests.helpers import assert_bitwise_equal, bitwise_equal, distinct, gamma
 
 OP = "conv_dgrad_grouped"
 SPEC = kernels.spec(OP)
@@ -68,7 +68,7 @@ def test_models_within_bound_and_exact_on_integers(case):
         assert_within_bound(got, args, kw, v, terms, f"{v.key} {case.name}")
     ai, kwi = integer_inputs(case)
     for v in (TREE, ATOMIC):
-        assert torch.equal(v(*ai, **kwi, rng=1).double(), SPEC.reference(ai, kwi)), f"{v.key} {case.name}"
+        assert bitwise_equal(v(*ai, **kwi, rng=1).double(), SPEC.reference(ai, kwi)), f"{v.key} {case.name}"
 
 
 def documented_order(w, dy, kw) -> torch.Tensor:
@@ -137,9 +137,9 @@ def test_nonfinite_and_negative_zero():
     ref = SPEC.reference((w, dy), kw)
     for v in (TREE, ATOMIC):
         got = v(w, dy, **kw, rng=4).double()
-        assert torch.equal(torch.isnan(got), torch.isnan(ref)), v.key
-        assert torch.equal(got[torch.isinf(ref)], ref[torch.isinf(ref)]), v.key
-        assert torch.equal(torch.isinf(got), torch.isinf(ref)), v.key
+        assert bitwise_equal(torch.isnan(got), torch.isnan(ref)), v.key
+        assert bitwise_equal(got[torch.isinf(ref)], ref[torch.isinf(ref)]), v.key
+        assert bitwise_equal(torch.isinf(got), torch.isinf(ref)), v.key
     for v in (TREE, ATOMIC):  # sums start at +0.0: -0.0 products give +0.0
         got = v(torch.full_like(w, -0.0), dy.nan_to_num().abs(), **kw)
         assert (got.view(torch.int32) == 0).all(), v.key
@@ -206,7 +206,7 @@ def test_gpu_tree_equals_its_model_and_atomic_within_bound(case):
     ai, kwi = integer_inputs(case, "cuda")
     ref = SPEC.reference(tuple(a.cpu() for a in ai), kwi)
     for v in (TREE, ATOMIC):
-        assert torch.equal(v(*ai, **kwi).double().cpu(), ref), f"{v.key} {case.name} integers"
+        assert bitwise_equal(v(*ai, **kwi).double().cpu(), ref), f"{v.key} {case.name} integers"
 
 
 @pytest.mark.gpu
@@ -218,7 +218,7 @@ def test_gpu_tree_deterministic_over_repeats(index, layout):
     outs = [TREE(*args, **kw) for _ in range(50)]
     torch.cuda.synchronize()
     for i, o in enumerate(outs):
-        assert torch.equal(o, first), f"repeat {i} differs"
+        assert bitwise_equal(o, first), f"repeat {i} differs"
 
 
 @pytest.mark.gpu
@@ -258,4 +258,4 @@ def test_cudnn_default_peer_runs_under_the_benchmarks_flags(op):
     with torch_mode("fast"):
         out = spec.peers()["cudnn_default"](*args, **kw)
         assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
-    assert torch.equal(out, spec.peers()["torch"](*args, **kw))
+    assert bitwise_equal(out, spec.peers()["torch"](*args, **kw))

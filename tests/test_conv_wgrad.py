@@ -33,7 +33,7 @@ from kernels import conv_wgrad_winograd as wino
 from kernels.conv_wgrad import BK, GROUPS, MIN_CHUNK, WAVE_MIN_CHUNK, Geometry, Plan, _check, chunk_partials, plan, tree_combine
 from kernels.runtime import KERNEL_DIR
 from kernels.shapes import HOSTILE_CONV, RESNET18_CONV
-from tests.helpers import assert_bitwise_equal, byte_hash, distinct, gamma
+from tests.helpers import assert_bitwise_equal, bitwise_equal, byte_hash, distinct, gamma
 
 OP = "conv_wgrad"
 SPEC = kernels.spec(OP)
@@ -215,7 +215,7 @@ def test_model_against_float64(variant, case):
 def test_model_exact_on_small_integers(variant, case):
     args, kw = small_integer_inputs(case)
     got = variant(*args, rng=1, **kw)
-    assert torch.equal(got.double(), SPEC.reference(args, kw)), f"{variant.key} {case.name}"
+    assert bitwise_equal(got.double(), SPEC.reference(args, kw)), f"{variant.key} {case.name}"
 
 
 def test_bound_rejects_a_wrong_model():
@@ -269,7 +269,7 @@ def test_empty_batch_gives_zeros(variant):
     x, dy = torch.randn(0, 4, 6, 6), torch.randn(0, 5, 6, 6)
     got = variant(x, dy, kernel_size=3, padding=1)
     ref = torch.nn.grad.conv2d_weight(x, (5, 4, 3, 3), dy, padding=1)
-    assert got.shape == (5, 4, 3, 3) and torch.equal(got, ref)
+    assert got.shape == (5, 4, 3, 3) and bitwise_equal(got, ref)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,7 +359,7 @@ def test_winograd_path_on_small_and_hostile_shapes(shape, monkeypatch):
     cl = WINOGRAD(x.to(memory_format=torch.channels_last), dy.to(memory_format=torch.channels_last), **kw)
     assert_bitwise_equal(cl, got, f"{shape.name} channels_last")
     xi, dyi = torch.randint(-3, 4, x.shape, generator=gen).float(), torch.randint(-3, 4, dy.shape, generator=gen).float()
-    assert torch.equal(WINOGRAD(xi, dyi, **kw).double(), SPEC.reference((xi, dyi), kw)), shape.name
+    assert bitwise_equal(WINOGRAD(xi, dyi, **kw).double(), SPEC.reference((xi, dyi), kw)), shape.name
 
 
 @pytest.mark.gpu
@@ -375,10 +375,10 @@ def test_gpu_winograd_path_on_small_and_hostile_shapes(shape, monkeypatch):
     torch.cuda.synchronize()
     assert_within_bound(got.cpu(), SPEC.reference((x, dy), kw), error_bound(WINOGRAD, (x, dy), kw), shape.name)
     for a in again:
-        assert torch.equal(a, got), shape.name
+        assert bitwise_equal(a, got), shape.name
     assert_bitwise_equal(cl, got, f"{shape.name} channels_last")
     xi, dyi = torch.randint(-3, 4, x.shape, generator=gen).float(), torch.randint(-3, 4, dy.shape, generator=gen).float()
-    assert torch.equal(WINOGRAD(xi.cuda(), dyi.cuda(), **kw).double().cpu(), SPEC.reference((xi, dyi), kw)), shape.name
+    assert bitwise_equal(WINOGRAD(xi.cuda(), dyi.cuda(), **kw).double().cpu(), SPEC.reference((xi, dyi), kw)), shape.name
 
 
 def test_winograd_bound_rejects_a_wrong_model():
@@ -538,7 +538,7 @@ def test_gpu_exact_on_small_integers(case):
     for v in VARIANTS:
         got = v(*args, **kw)
         torch.cuda.synchronize()
-        assert torch.equal(got.double().cpu(), ref), f"{v.key} {case.name}"
+        assert bitwise_equal(got.double().cpu(), ref), f"{v.key} {case.name}"
 
 
 @pytest.mark.gpu
@@ -550,7 +550,7 @@ def test_gpu_deterministic_over_repeats(variant, shape):
     outs = [variant(*args, **kw) for _ in range(50)]
     torch.cuda.synchronize()
     for i, o in enumerate(outs):
-        assert torch.equal(o, first), f"{variant.key} {shape.name}: repeat {i} differs"
+        assert bitwise_equal(o, first), f"{variant.key} {shape.name}: repeat {i} differs"
 
 
 @pytest.mark.gpu
@@ -581,7 +581,7 @@ def test_gpu_side_stream(variant):
     ref, mag = gpu_reference(args, kw)
     assert_within_bound(other_copy, ref, gpu_bound(variant, args, kw, mag), f"{variant.key} side stream")
     if variant.deterministic:
-        assert torch.equal(base, other_copy)
+        assert bitwise_equal(base, other_copy)
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from nnrand import data, distributed, runio, train
+from tests.helpers import bitwise_equal
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,7 +71,7 @@ def test_tree_sum_of_rank_subtrees_is_the_whole_tree(world, per_rank):
              for _ in range(world * per_rank)]
     whole = distributed.tree_sum(parts)
     runs = [distributed.tree_sum(parts[r * per_rank:(r + 1) * per_rank]) for r in range(world)]
-    assert torch.equal(distributed.tree_sum(runs), whole)
+    assert bitwise_equal(distributed.tree_sum(runs), whole)
 
 
 def test_tree_sum_grouping_matters():
@@ -205,7 +206,7 @@ def test_invariant_step_leaves_parameters_without_a_gradient_alone():
     """A parameter no micro-batch uses keeps grad None, so weight decay and momentum do not move it (as
     after a plain backward); one that a single micro-batch uses gets that micro-batch's gradient."""
     grads, after = _gated_step(distributed.Group(distributed.World(), torch.device("cpu")))
-    assert grads["idle"] is None and torch.equal(after["idle"], torch.ones(3))
+    assert grads["idle"] is None and bitwise_equal(after["idle"], torch.ones(3))
     assert grads["extra"] is not None and not torch.equal(after["extra"], torch.ones(3))
     assert all(grads[n] is not None for n in ("lin.weight", "lin.bias"))
 
@@ -233,8 +234,8 @@ def test_invariant_step_agrees_on_used_parameters_across_ranks(tmp_path):
         for n in one_grads:
             assert (grads[n] is None) == (one_grads[n] is None)
             if grads[n] is not None:
-                assert torch.equal(grads[n], one_grads[n]), (rank, n)
-            assert torch.equal(after[n], one_after[n]), (rank, n)
+                assert bitwise_equal(grads[n], one_grads[n]), (rank, n)
+            assert bitwise_equal(after[n], one_after[n]), (rank, n)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,7 +250,7 @@ def test_indexed_augmentation_does_not_depend_on_the_batch():
     # the same images in another grouping and order get the same crops and flips
     perm = torch.randperm(16, generator=g)
     halves = [data.augment_indexed(x[perm[s:s + 8]], idx[perm[s:s + 8]], seed=5, epoch=2) for s in (0, 8)]
-    assert torch.equal(torch.cat(halves), whole[perm])
+    assert bitwise_equal(torch.cat(halves), whole[perm])
     oy, ox, fl = data.sample_draws(torch.arange(4096), seed=5, epoch=2)
     assert oy.min() == 0 and oy.max() == 8 and ox.min() == 0 and ox.max() == 8
     assert 0.45 < fl.float().mean() < 0.55     # 4096 fair coins: 0.05 is 6.4 standard deviations
@@ -266,11 +267,11 @@ def test_indexed_channel_orders_are_keyed_permutations():
     whole = data.augment_indexed(x, idx, seed=5, epoch=2, shuffle_channels=True)
     plain = data.augment_indexed(x, idx, seed=5, epoch=2)
     order = data.channel_orders(idx, 5, 2, 3)
-    assert torch.equal(whole, torch.stack([plain[i, order[i]] for i in range(16)]))
+    assert bitwise_equal(whole, torch.stack([plain[i, order[i]] for i in range(16)]))
     halves = [data.augment_indexed(x[s:s + 8], idx[s:s + 8], seed=5, epoch=2, shuffle_channels=True) for s in (0, 8)]
-    assert torch.equal(torch.cat(halves), whole)   # keyed by the index, not by the batch
+    assert bitwise_equal(torch.cat(halves), whole)   # keyed by the index, not by the batch
     orders = data.channel_orders(torch.arange(6000), 5, 2, 3)
-    assert torch.equal(orders.sort(dim=1).values, torch.arange(3).expand(6000, 3))
+    assert bitwise_equal(orders.sort(dim=1).values, torch.arange(3).expand(6000, 3))
     # the 6 orders about equally often: each count is Binomial(6000, 1/6), mean 1000, SD 28.9; +-150 is 5.2 SD
     counts = torch.bincount(orders[:, 0] * 3 + orders[:, 1], minlength=9)
     assert all(abs(int(counts[a * 3 + b]) - 1000) <= 150 for a in range(3) for b in range(3) if a != b)
@@ -430,9 +431,8 @@ def test_a_killed_rank_makes_the_others_fail_within_the_timeout(tmp_path):
             time.sleep(0.2)
         time.sleep(1.0)
         procs[1].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
+        # a rank 0 that hangs past its --dist-timeout (and a margin for its exit) fails the test here
         _, err = procs[0].communicate(timeout=timeout + 30)
-        waited = time.monotonic() - killed
     finally:
         for p in procs:
             if p.poll() is None:
@@ -440,5 +440,4 @@ def test_a_killed_rank_makes_the_others_fail_within_the_timeout(tmp_path):
                 p.communicate()
     assert procs[0].returncode == 4, err[-3000:]
     assert "rank 0 of 2" in err and "failed at step" in err
-    assert waited < timeout + 30
     assert "stopped: RankFailure" in (tmp_path / "run" / "logs" / "rank0.log").read_text()

@@ -1,4 +1,9 @@
-"""Divergence metrics against cases computed by hand: all agree, all disagree, two members, ties."""
+"""Divergence metrics against cases computed by hand: all agree, all disagree, two members, ties.
+
+Tolerances, with u = 2^-53 (float64 round to nearest): a result that is one rounded operation on exact
+values is compared with ``==``; ratios of small integers and means of a few exact values take at most a
+handful of roundings (rel 1e-15, about 9u); a correlation, a log-softmax or a standard deviation of a few
+values, a few tens (rel 1e-14, about 90u, or a bound stated beside the check)."""
 from __future__ import annotations
 
 import json
@@ -105,10 +110,14 @@ def test_cross_entropy_by_hand():
 
 
 def test_sd_is_sample_sd():
-    assert metrics.sd([0.5, 0.6, 0.7]) == pytest.approx(0.1, rel=1e-12)   # ddof=1
+    assert metrics.sd([0.5, 0.6, 0.7]) == pytest.approx(0.1, rel=64 * 2.0**-53)   # ddof=1; bound as below
     assert math.isnan(metrics.sd([0.5]))
     s = metrics.spread([0.5, 0.6, 0.7])
-    assert s["mean"] == pytest.approx(0.6) and s["n"] == 3 and s["sd"] == pytest.approx(0.1)
+    u = 2.0**-53
+    # the mean: three values each within u of their decimal, two additions, one division (4u); the SD:
+    # centring cancels fewer than 3 bits of each deviation (0.6 / 0.1 < 2^3), then squares, a sum, a
+    # division and a square root add a few u each: 2^6 u
+    assert s["mean"] == pytest.approx(0.6, rel=4 * u) and s["n"] == 3 and s["sd"] == pytest.approx(0.1, rel=64 * u)
 
 
 def test_bootstrap_se():
@@ -174,7 +183,9 @@ def test_hardness():
     labels = np.array([0, 1])
     logits = np.log(np.array([[[0.8, 0.2], [0.7, 0.3]], [[0.6, 0.4], [0.1, 0.9]]]))
     h = metrics.hardness(logits, labels)
-    assert h["confidence"] == pytest.approx([0.7, 0.8], rel=1e-12)
+    # exp of log p: within |log p| u + u of p (2u here); the softmax's sum and division, and the mean of two,
+    # a few u more: 16u
+    assert h["confidence"] == pytest.approx([0.7, 0.8], rel=16 * 2.0**-53)
     assert h["wrong"].tolist() == [0.0, 0.5]
 
 
@@ -199,6 +210,8 @@ def test_summarize_differing_members():
     # pairs (0,1): 1 of 4 differ, (0,2): 1, (1,2): 2 -> 4/12
     assert s["disagreement"] == pytest.approx(1 / 3, rel=1e-15)
     assert s["frac_not_all_equal"] == 0.5
-    assert s["accuracy"]["mean"] == pytest.approx(10 / 12) and s["accuracy"]["sd"] == pytest.approx(
-        np.std([1.0, 0.75, 0.75], ddof=1))
-    assert s["groups"]["minority"]["disagreement"] == pytest.approx(1 / 3)   # example 3: 2 of 3 pairs; example 2: 0
+    # accuracies 1, 0.75, 0.75 are exact, their sum too: the mean is one rounded division, 5/6; the SD is
+    # numpy's of the same three values
+    assert s["accuracy"]["mean"] == 5 / 6 and s["accuracy"]["sd"] == np.std([1.0, 0.75, 0.75], ddof=1)
+    # example 3: 2 of 3 pairs; example 2: 0; a ratio of small integers, at most two roundings
+    assert s["groups"]["minority"]["disagreement"] == pytest.approx(1 / 3, rel=2 * 2.0**-53)

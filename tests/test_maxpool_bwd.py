@@ -20,6 +20,7 @@ import kernels
 from kernels import KernelArgumentError
 from kernels import maxpool_bwd as mp
 from kernels.runtime import KERNEL_DIR
+from tests.helpers import bitwise_equal
 
 OP = "maxpool_bwd"
 SPEC = kernels.spec(OP)
@@ -113,7 +114,7 @@ def test_tree_model_within_bound_and_equals_torch_cpu(case):
     assert layout_ok(dx, args[0])
     count = check_bound(dx, args, kw)
     if count.max() <= 1:  # no window shares an argmax: every dx element is a single dy value
-        assert torch.equal(dx, SPEC.reference(args, kw).float())
+        assert bitwise_equal(dx, SPEC.reference(args, kw).float())
     # torch's CPU backward adds a plane's windows in (oh, ow) row-major order, as tree does: same bits.
     torch_dx = mp.torch_backward(*args, **kw)
     diff = np.nonzero(bits(dx) != bits(torch_dx))[0]
@@ -125,7 +126,7 @@ def test_non_overlapping_pool_is_exact():
     args, kw = SPEC.make_inputs(case, CPU)
     ref = SPEC.reference(args, kw)
     for v in (TREE, ATOMIC):
-        assert torch.equal(v(*args, **kw, rng=3), ref.float()), v.key
+        assert bitwise_equal(v(*args, **kw, rng=3), ref.float()), v.key
 
 
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
@@ -188,7 +189,7 @@ def test_ties_indices_hold_the_window_maximum():
     p = case.params
     x = torch.randint(-1, 3, (p["n"], p["c"], p["h"], p["w"]), generator=g).float()
     y = torch.nn.functional.max_pool2d(x, p["k"], p["stride"], p["pad"], p["dilation"])
-    assert torch.equal(x.reshape(x.shape[0], x.shape[1], -1).gather(2, idx.reshape(idx.shape[0], idx.shape[1], -1)),
+    assert bitwise_equal(x.reshape(x.shape[0], x.shape[1], -1).gather(2, idx.reshape(idx.shape[0], idx.shape[1], -1)),
                        y.reshape(y.shape[0], y.shape[1], -1))
 
 
@@ -238,7 +239,7 @@ def test_subnormals_flush_only_in_atomic():
     exact = SPEC.reference((dy, idx), kw).float()  # k2s2: one gradient per element, exact
     assert np.array_equal(bits(TREE(dy, idx, **kw)), bits(exact))
     assert np.array_equal(bits(ATOMIC(dy, idx, **kw, rng=0)), bits(SPEC.reference((flushed, idx), kw).float()))
-    assert torch.equal(mp.torch_backward(dy, idx, **kw), exact)
+    assert bitwise_equal(mp.torch_backward(dy, idx, **kw), exact)
     # two normal gradients cancelling to a subnormal sum: kept by tree, flushed to zero by atomic
     dy2 = torch.tensor([1.5 * 2.0**-126, -1.0 * 2.0**-126]).view(1, 1, 1, 2)
     idx2 = torch.tensor([1, 1]).view(1, 1, 1, 2)
@@ -253,7 +254,7 @@ def test_stride_defaults_to_kernel():
     a = TREE(*args, input_size=(8, 8), kernel_size=2)
     b = TREE(*args, input_size=(8, 8), kernel_size=2, stride=2)
     c = TREE(*args, input_size=(8, 8), kernel_size=(2, 2), stride=[])
-    assert torch.equal(a, b) and torch.equal(a, c)
+    assert bitwise_equal(a, b) and bitwise_equal(a, c)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -563,7 +564,7 @@ def test_half_launchers_read_and_return_half(case_name, dtype, define, monkeypat
             sums.view(out.shape[0], out.shape[2], out.shape[3], out.shape[1]).permute(0, 3, 1, 2)
         if kernels.get(OP, name.split("_")[0]).deterministic:
             assert out.dtype == dtype
-            assert torch.equal(sums.to(dtype).view(torch.int16), tree.view(torch.int16)), name
+            assert bitwise_equal(sums.to(dtype).view(torch.int16), tree.view(torch.int16)), name
         else:  # the launcher rounded the emulated float32 buffer; some arrival order of float32 sums
             assert out.dtype == dtype
             check_some_order(sums, TREE(args[0].float(), *args[1:], **kw), (args[0].float(), *args[1:]), kw)
@@ -648,7 +649,7 @@ def test_gpu_deterministic_bitwise_repeatable_and_equals_model(case, variant, cu
     first = variant(*args, **kw)
     assert layout_ok(first, args[0])
     for _ in range(REPEATS):
-        assert torch.equal(variant(*args, **kw), first)
+        assert bitwise_equal(variant(*args, **kw), first)
     model = variant(*cpu_args, **kw)
     diff = np.nonzero(bits(first) != bits(model))[0]
     assert diff.size == 0, f"CUDA {variant.key} differs from its CPU model at {diff[:10]}"
@@ -718,9 +719,9 @@ def test_gpu_half_dy_read_natively_equals_the_widening_call(case, dtype, cuda_sy
     for name, launch in HALF_LAUNCHERS.items():
         first = launch(*args, **kw)
         assert first.dtype == dtype and layout_ok(first, args[0]), name
-        assert torch.equal(first.cpu().view(torch.int16), want.view(torch.int16)), f"{case.name} {name}"
+        assert bitwise_equal(first.cpu().view(torch.int16), want.view(torch.int16)), f"{case.name} {name}"
         for _ in range(3):
-            assert torch.equal(launch(*args, **kw).view(torch.int16), first.view(torch.int16)), name
+            assert bitwise_equal(launch(*args, **kw).view(torch.int16), first.view(torch.int16)), name
     out = ATOMIC.cuda(*args, **kw)
     assert out.dtype == dtype and layout_ok(out, args[0])
     # Elements with <= 2 contributions have one float32 sum in every order (0 + a + b = 0 + b + a): tree's.

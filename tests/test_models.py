@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nnrand.models import MODELS, build_model, param_count
+from tests.helpers import bitwise_equal
 
 ALLOWED = (nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.MaxPool2d, nn.AdaptiveAvgPool2d, nn.Linear)
 # Containers that hold layers but compute nothing themselves.
@@ -114,7 +115,7 @@ def test_stage_resolutions(name, spatial):
 def test_construction_is_deterministic(name):
     a, b, c = _build(name, 0).state_dict(), _build(name, 0).state_dict(), _build(name, 1).state_dict()
     assert list(a) == list(b)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(bitwise_equal(a[k], b[k]) for k in a)
     convs = [k for k in a if k.endswith("weight") and a[k].ndim == 4]
     assert convs and all(not torch.equal(a[k], c[k]) for k in convs)
 
@@ -123,8 +124,8 @@ def test_init():
     net = _build("resnet18")
     for m in net.modules():
         if isinstance(m, nn.BatchNorm2d):
-            assert torch.equal(m.weight, torch.ones_like(m.weight))
-            assert torch.equal(m.bias, torch.zeros_like(m.bias))
+            assert bitwise_equal(m.weight, torch.ones_like(m.weight))
+            assert bitwise_equal(m.bias, torch.zeros_like(m.bias))
     # kaiming normal, fan_out, ReLU gain: std sqrt(2 / (cout * k * k)) over the 512x512x3x3 weights
     w = net.stages[3][1].conv2.weight
     expected = (2.0 / (512 * 9)) ** 0.5

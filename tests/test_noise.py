@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nnrand import models, noise, routing, runio, train
+from tests.helpers import bitwise_equal
 
 
 def tiny(tmp_path, name: str, **kw) -> dict:
@@ -26,7 +27,7 @@ def final_state(tmp_path, name: str, member: int = 0):
 
 
 def same_state(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -60,7 +61,7 @@ def test_seed_specs():
 
 def test_epoch_generator_is_a_function_of_seed_and_epoch():
     draw = lambda s, e: torch.rand(5, generator=noise.epoch_generator(s, e, torch.device("cpu")))  # noqa: E731
-    assert torch.equal(draw(3, 1), draw(3, 1))
+    assert bitwise_equal(draw(3, 1), draw(3, 1))
     assert not torch.equal(draw(3, 1), draw(3, 2)) and not torch.equal(draw(3, 1), draw(4, 1))
 
 

@@ -16,6 +16,7 @@ import kernels
 from kernels import KernelArgumentError
 from kernels.registry import Case
 from kernels import upsample_bilinear2d_bwd as ub
+from tests.helpers import bitwise_equal
 
 OP = ub.OP
 SPEC = kernels.spec(OP)
@@ -76,7 +77,7 @@ def test_tree_model_within_bound(case):
     assert layout_ok(dx, args[0])
     check_bound(dx, args, kw)
     # NaN exactly where torch's backward puts it (zero weights times Inf included)
-    assert torch.equal(torch.isnan(dx), torch.isnan(ub.torch_backward(*args, **kw)))
+    assert bitwise_equal(torch.isnan(dx), torch.isnan(ub.torch_backward(*args, **kw)))
 
 
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
@@ -258,7 +259,7 @@ def test_gpu_tree_bitwise_repeatable_and_equals_model(case, cuda_sync):
     first = TREE(*args, **kw)
     assert layout_ok(first, args[0])
     for _ in range(REPEATS):
-        assert torch.equal(bits_t(TREE(*args, **kw)), bits_t(first))
+        assert bitwise_equal(bits_t(TREE(*args, **kw)), bits_t(first))
     model = TREE(*cpu_args, **kw)
     assert same_bits(first, model).size == 0, "CUDA tree differs from its CPU model"
     direct = ub.upsample_bilinear2d_bwd_tree_direct_cuda(*args, **kw)  # weights without the tables
@@ -369,4 +370,4 @@ def test_gpu_torch_deterministic_mode():
             ub.torch_backward(dy, input_size=(8, 8), align_corners=False)
         a = ub.torch_autograd_backward(dy, input_size=(8, 8), align_corners=False)
         b = ub.torch_autograd_backward(dy, input_size=(8, 8), align_corners=False)
-    assert torch.equal(a, b)
+    assert bitwise_equal(a, b)
