@@ -63,3 +63,14 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
     if a.numel() == 0:
         return 0
     return int(np.max(np.abs(ordered(a) - ordered(b))))
+
+
+def entropy_from_seeds(monkeypatch, first: int = 0) -> None:
+    """For the rest of a test, ``np.random.default_rng(None)`` (fresh OS entropy: a CPU order model's
+    ``rng=None``) takes the seeds first, first + 1, ... instead: a check that ``rng=None`` gives each call a
+    new arrival order then has the same outcome every run."""
+    import itertools
+
+    seeds = itertools.count(first)
+    real = np.random.default_rng
+    monkeypatch.setattr(np.random, "default_rng", lambda seed=None: real(next(seeds) if seed is None else seed))
