@@ -56,9 +56,10 @@ def test_daemon_starts_private_pipe_children_inherit_and_quit_on_exit(fake_contr
 
 
 def test_start_returns_while_the_forked_daemon_holds_its_output(fake_control):
-    # read through a pipe, the start would wait for the child's 30 s and hit the 2 s start timeout
+    # read through a pipe, the start would wait for the child's 30 s and hit the start timeout; 20 s is well
+    # below that and leaves a loaded machine time to start the fake control script
     fake_control(linger="1")
-    with mps.daemon(start_timeout_s=2.0) as pipe:
+    with mps.daemon(start_timeout_s=20.0) as pipe:
         assert (pipe / "control").exists()
 
 

@@ -255,8 +255,8 @@ def test_jobs_match_the_sequential_run_and_stop_at_the_budget(tmp_path):
 
 def flaky_trainer(cfg: dict) -> dict:
     """A worker-side stand-in for train.main (module level: pickled by reference into spawned workers).
-    Records what the worker saw; member 0 of 'seeds' fails at once, every other member ends a second after
-    that failure (so the parent has seen it before a worker is free again)."""
+    Records what the worker saw; member 0 of 'seeds' fails at once, every other member ends once the parent
+    has taken that failure in (the marker the test's ``member_error`` writes), so no worker is free before."""
     import time
 
     name, member = cfg["name"], cfg["first_member"]
@@ -266,16 +266,24 @@ def flaky_trainer(cfg: dict) -> dict:
     if (name, member) == ("seeds", 0):
         raise ValueError("no luck")
     deadline = time.monotonic() + 60
-    while not (Path(cfg["out"]) / "seeds-0.json").exists() and time.monotonic() < deadline:
+    while not (Path(cfg["out"]) / PARENT_SAW_FAILURE).exists() and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(1.0)
     return {}
+
+
+PARENT_SAW_FAILURE = "parent-saw-failure"
 
 
 def test_jobs_failing_member_is_named_and_stops_submission(tmp_path, monkeypatch):
     s = make(tmp_path)
     s.runs_dir.mkdir(parents=True)
     monkeypatch.setattr(study, "worker_gpus", lambda _: ["5", "7"])       # as if two GPUs were visible
+    real_member_error = study.member_error
+
+    def member_error(name, member, exc):   # the parent's side: the failure is taken in, submission stops
+        (s.runs_dir / PARENT_SAW_FAILURE).touch()
+        return real_member_error(name, member, exc)
+    monkeypatch.setattr(study, "member_error", member_error)
     with pytest.raises(study.MemberError, match=r"configuration 'seeds' member 0: ValueError: no luck") as err:
         study.run(s, progress=False, jobs=2, trainer=flaky_trainer)
     assert isinstance(err.value.__cause__, ValueError)
