@@ -226,10 +226,10 @@ def measure(args) -> dict:
     data["fingerprint"] = fingerprint("cuda")
     data["settings"] = {"calls": args.calls, "replays": args.replays}
     dtype = getattr(args, "dtype", "fp32")
+    heuristic = getattr(args, "cudnn_heuristic", "instant")
     for name in args.only or list(NETWORKS):
         model_name, batch, size, classes = NETWORKS[name]
         shapes = conv_shapes(model_name, batch, size, classes)
-        heuristic = getattr(args, "cudnn_heuristic", "instant")
         key = network_key(name, dtype, heuristic)
         net = data["networks"].setdefault(key, {"model": model_name, "batch": batch, "size": size, "layouts": {},
                                                 "dtype": dtype})
@@ -255,8 +255,11 @@ def measure(args) -> dict:
 
 def network_key(name: str, dtype: str = "fp32", heuristic: str = "instant") -> str:
     """A network's key in the result file: ``<net>``, ``_<dtype>`` for half tensors, ``_hb`` measured under
-    cuDNN's heuristic mode B (a process runs one heuristic, so its rows never replace the default's)."""
-    return name + ("" if dtype == "fp32" else f"_{dtype}") + ("_hb" if heuristic == "b" else "")
+    cuDNN's heuristic mode B (a process runs one heuristic, so its rows never replace the default's): keyed
+    as bench.models keys its rows."""
+    from bench.models import row_key
+
+    return row_key(name, None if dtype == "fp32" else dtype, heuristic)
 
 
 def load() -> dict:
