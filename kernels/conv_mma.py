@@ -6,9 +6,10 @@ accumulation is float32, as under the widening call; what differs is the order a
 inside a tensor-core instruction, so the bits are not those of the float32 kernels on widened tensors
 (those variants are not CPU bit-exact either). What each keeps:
 
-- wgrad ``tree``: the split of the reduction of the float32 variant (``conv_wgrad.plan`` without its
-  refit to whole waves: chunks that are a function of the shapes only), each chunk's partial tile on tensor cores, the partials added in the
-  same fixed order (``conv_wgrad.tree_combine``), rounded once. Deterministic.
+- wgrad ``tree``: the reduction cut into chunks by ``conv_wgrad.half_plan`` (a function of the shapes
+  only, longer chunks than the float32 kernels' plan), each chunk's partial tile on tensor cores, the
+  partials added in the fixed order of the float32 variant (``conv_wgrad.tree_combine``), rounded once.
+  Deterministic.
 - wgrad ``atomic``: the same chunks, partials atomicAdd-ed in arrival order. Nondeterministic.
 - dgrad ``tree``: one implicit GEMM over (kh, kw, co), every dx element owned by one thread. Deterministic.
 
@@ -119,7 +120,7 @@ def wgrad_smem(bm: int, bn: int, engine: str = "mma") -> int:
 def wgrad_tile(m: int, r: int) -> tuple[int, int]:
     """(BM, BN) of the weight-gradient kernels: 128 along each side that has at least 128, else 64. Any
     choice gives the same bits (an element's mma sequence does not depend on its tile), so this is the
-    speed knob the split plan (conv_wgrad.plan without the refit to waves, which fixes the bits) leaves free."""
+    speed knob the split plan (conv_wgrad.half_plan, which fixes the bits) leaves free."""
     return (128 if m >= 128 else 64), (128 if r >= 128 else 64)
 
 

@@ -173,6 +173,36 @@ def _plan(m, r, k, split, target_blocks, chunk_len, min_chunk, min_splits, min_b
     return Plan(tile, splits, chunk)
 
 
+# The tensor-core kernels' split (conv_mma.py). A block there runs a K-step of 64 terms in a few hundred
+# cycles, against thousands for the FFMA kernels, so the float32 rule above (up to 2048 blocks, chunks from
+# 256 terms) cut their reductions into so many chunks that storing and combining the partials took longer
+# than the products: 228 chunks of 896 terms for ResNet-50's 3x3 64->64 at 56x56, batch 64, a 33.6 MB
+# workspace for a 73 KB weight gradient. Here: about HALF_TARGET_BLOCKS blocks of the kernel's own tiles
+# (conv_mma.wgrad_tile), chunks of at least HALF_MIN_CHUNK terms. Constants, not the device's SM count:
+# the chunks, and so the bits, stay a function of the shapes. bench/dev/conv_mma_split_sweep.py (H100, bf16,
+# channels_last, every ResNet-50 shape at batch 64, count-weighted): 3663 us in all against 4560 with the
+# float32 rule (cuDNN's fastest: 2003); 264 blocks gave the same total, 512- and 4096-term chunks 3998 and 4959.
+HALF_TARGET_BLOCKS = 528
+HALF_MIN_CHUNK = 1024
+HALF_STEP = 64       # chunks are whole K-steps of either engine (conv_mma: WG_BK 64, BK 32)
+
+
+def half_plan(m: int, r: int, k: int) -> Plan:
+    """The split of an (M x R, reduction K) weight gradient on tensor cores (above); ``tile`` is the
+    plan's bookkeeping only (the kernels pick their tiles by conv_mma.wgrad_tile, which never changes
+    the bits)."""
+    return _half_plan(m, r, k, HALF_TARGET_BLOCKS, HALF_MIN_CHUNK)
+
+
+@functools.lru_cache(maxsize=1024)
+def _half_plan(m: int, r: int, k: int, target_blocks: int, min_chunk: int) -> Plan:
+    bm, bn = conv_mma.wgrad_tile(m, r)
+    tiles = cdiv(m, bm) * cdiv(r, bn)
+    s = max(1, min(cdiv(target_blocks, tiles), k // min_chunk))
+    chunk = max(HALF_STEP, cdiv(cdiv(k, s), HALF_STEP) * HALF_STEP)
+    return Plan(max(bm, bn), cdiv(k, chunk), chunk)
+
+
 def split_for(tiles: int, k: int, target_blocks: int = TARGET_BLOCKS, chunk_len: int = CHUNK,
               min_chunk: int = MIN_CHUNK, min_splits: int = MIN_SPLITS, max_splits: int | None = None) -> tuple[int, int]:
     """(S, Kc): the split of a length-k reduction shared by ``tiles`` output tiles (the rule above)."""
@@ -289,7 +319,7 @@ def _half(x, dy, g: Geometry, kw: dict, *, atomic: bool) -> torch.Tensor:
     if _empty(g):
         return torch.zeros(g.w_shape, device=x.device, dtype=x.dtype)
     if conv_mma.eligible(x.dtype, g.cin, g.cout, x, dy, pad_cin=True):
-        return conv_mma.wgrad(x, dy, g, functools.partial(plan, waves=False), atomic=atomic)
+        return conv_mma.wgrad(x, dy, g, half_plan, atomic=atomic)
     launcher = conv_wgrad_atomic_cuda if atomic else conv_wgrad_tree_cuda
     return launcher(x.float(), dy.float(), **kw).to(x.dtype)
 

@@ -18,7 +18,6 @@ subnormal, 2^-25, absolute).
 """
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -116,7 +115,7 @@ def test_wgrad_tensor_cores_within_bound_and_tree_repeats(shape, dtype, layout, 
     x, _, dy = _tensors(shape, dtype, layout, seed=(SHAPES + PADDED).index(shape))
     assert conv_mma.eligible(dtype, shape.cin, shape.cout, x, dy, pad_cin=True)
     g = conv_mma.padded_geometry(conv_wgrad._check(x, dy, shape.k, shape.stride, shape.pad, shape.dilation))
-    p = conv_wgrad.plan(g.m, g.r, g.k, waves=False)   # the plan conv_mma's wgrad runs
+    p = conv_wgrad.half_plan(g.m, g.r, g.k)   # the plan conv_mma's wgrad runs
     rel = _instructions(p.chunk, engine) * MMA_ERR + (p.splits + 8) * 2.0 ** -24
     exact, mags = _wgrad_ref(x, dy, shape)
     kw = dict(kernel_size=shape.k, **_geom(shape))
@@ -186,7 +185,7 @@ def test_wgrad_tile_shape_does_not_change_the_bits(shape, dtype, engine, cuda_sy
     (BM, BN) gives the bits of the default choice."""
     x, _, dy = _tensors(shape, dtype, "channels_last", seed=40)
     g = conv_wgrad._check(x, dy, shape.k, shape.stride, shape.pad, shape.dilation)
-    plan = functools.partial(conv_wgrad.plan, waves=False)   # what conv_wgrad hands conv_mma
+    plan = conv_wgrad.half_plan   # what conv_wgrad hands conv_mma
     want = conv_mma.wgrad(x, dy, g, plan, atomic=False)
     for tile in ((64, 64), (64, 128), (128, 64), (128, 128)):
         got = conv_mma.wgrad(x, dy, g, plan, atomic=False, tile=tile)

@@ -132,6 +132,38 @@ def test_plan_takes_smaller_tiles_when_blocks_are_few():
         assert p.tile == 64 or tiles * p.splits >= MIN_BLOCKS, (s.name, p)
 
 
+@pytest.mark.parametrize("shape", RESNET18_CONV + HOSTILE_CONV, ids=lambda s: s.name)
+@pytest.mark.parametrize("batch", [1, 2, 64, 128])
+def test_half_plan_covers_the_reduction_in_whole_steps(shape, batch):
+    """The tensor-core split: whole K-steps of either engine, no empty chunk, nothing left over, chunks of
+    at least HALF_MIN_CHUNK terms where the reduction is cut at all, about HALF_TARGET_BLOCKS blocks of the
+    kernels' own tiles at most (fewer where the chunks would get shorter)."""
+    from kernels import conv_mma
+    from kernels.conv_wgrad import HALF_MIN_CHUNK, HALF_STEP, HALF_TARGET_BLOCKS, half_plan
+
+    s = shape.with_batch(batch)
+    m, r, k = s.cout, s.cin * s.k * s.k, batch * s.y_shape[2] * s.y_shape[3]
+    p = half_plan(m, r, k)
+    assert HALF_STEP % conv_mma.WG_BK == 0 and HALF_STEP % conv_mma.BK == 0
+    assert p.chunk % HALF_STEP == 0 and p.splits >= 1
+    assert (p.splits - 1) * p.chunk < k <= p.splits * p.chunk, p
+    assert p.splits == 1 or p.chunk >= HALF_MIN_CHUNK, p
+    bm, bn = conv_mma.wgrad_tile(m, r)
+    tiles = -(-m // bm) * -(-r // bn)
+    assert p.splits <= max(1, -(-HALF_TARGET_BLOCKS // tiles)), p
+
+
+def test_half_plan_cuts_long_reductions_into_fewer_chunks_than_the_float32_plan():
+    """ResNet-50's 3x3 64->64 at 56x56, batch 64: 105 chunks of 1920 terms on tensor cores against the
+    float32 rule's 224 of 896; a deep 3x3 512->512 at 7x7: 3 chunks against 8."""
+    from kernels.conv_wgrad import half_plan
+
+    assert half_plan(64, 576, 64 * 56 * 56) == Plan(128, 105, 1920)
+    assert plan(64, 576, 64 * 56 * 56, waves=False).splits == 224
+    assert half_plan(512, 4608, 64 * 7 * 7) == Plan(128, 3, 1088)
+    assert plan(512, 4608, 64 * 7 * 7, waves=False).splits == 8
+
+
 @pytest.mark.parametrize("batch", [64, 128])
 def test_plan_refits_few_blocks_to_whole_waves(batch):
     """A base plan of at most WAVE_PLAN_MAX blocks is re-split to fill one wave (up to ONE_WAVE_TILES
