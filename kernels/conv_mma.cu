@@ -18,12 +18,13 @@
 // 16 exact products to the accumulator with its own alignment and truncation, which no CPU reproduces
 // (cpu_bitexact = False): the CPU models keep the reduction structure, the GPU kernels are tested bitwise
 // against themselves and within a bound derived from that arithmetic (tests/test_conv_mma_gpu.py).
-//   wgrad_split   chunk s of the reduction (the split plan of conv_wgrad.py, a function of the shapes
+//   wgrad_split   chunk s of the reduction (conv_wgrad.half_plan, a function of the shapes
 //                 only) stores its float32 partial tile to ws[s][m][r']; conv_mma_combine then adds the S
 //                 partials of each element in the fixed order of ordered_combine (the tree variant).
 //   wgrad_atomic  the same chunks, atomicAdd-ed into ws[m][r'] in arrival order: NONDETERMINISTIC (the
 //                 atomic twin), then conv_mma_combine with S = 1 rounds and permutes.
-//   dgrad         no split (P = N*H*W rows are plenty of tiles): deterministic.
+//   dgrad         no split (P = N*H*W rows are plenty of tiles; 64-row tiles on wgmma where 128-row
+//                 ones are few): deterministic.
 
 #ifndef NNRAND_ACT
 #define NNRAND_ACT 1  // bfloat16 unless told otherwise (kernels/conv_mma.py passes the dtype's define)
@@ -604,13 +605,15 @@ __device__ __forceinline__ void wg_wgrad_body(const act_t* __restrict__ x, const
 WGRAD_TILES(WG_WGRAD_KERNEL, conv_wg_wgrad)
 
 // Data gradient on warpgroup MMAs: grid and outputs as dgrad_body, but the weights packed [ci][kh][kw][co]
-// (wt: row ci, q = (kh, kw, co) contiguous: the K-major B operand). BM 128.
-template <int BN>
+// (wt: row ci, q = (kh, kw, co) contiguous: the K-major B operand). BM 128: each warpgroup owns 64 rows x
+// BN; BM 64 (grids of few pixels: more, smaller blocks): each owns all 64 rows x BN/2. Either way an
+// element's sum is the same sequence of k16 instructions, so the tile never changes the bits.
+template <int BM, int BN>
 __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, const act_t* __restrict__ dy,
                                               act_t* __restrict__ dx, const MmaConv& c, int oxn, int oxh, int oxw) {
-    constexpr int BM = 128, TN = BN;
+    constexpr int WGM = BM / 64, TN = BN * WGM / 2;   // warpgroups along M; columns per warpgroup
     constexpr int AG = BM * WG_BK / 8 / MM_THREADS, BG = BN * WG_BK / 8 / MM_THREADS;
-    static_assert(AG >= 1 && BG >= 1, "tile too small for 256 threads");
+    static_assert(AG >= 1 && BG >= 1 && (BM == 64 || BM == 128), "tile too small for 256 threads");
     extern __shared__ __align__(1024) unsigned char mm_smem[];
     act_t* const As = reinterpret_cast<act_t*>(mm_smem);            // [MM_STAGES][BM * WG_BK], K-major, swizzled
     act_t* const Bs = As + MM_STAGES * BM * WG_BK;                  // [MM_STAGES][BN * WG_BK], K-major, swizzled
@@ -663,10 +666,10 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
     };
 
     float acc[TN / 2];   // defined by the first K-step's wgmma (or zeroed after the loop when there is none)
-    const int r0 = wg * 64;
+    const int r0 = (wg % WGM) * 64, c0 = (wg / WGM) * TN;
     const int steps = (Q + WG_BK - 1) / WG_BK;
     WG_PIPELINE(load(st, (j) * WG_BK),
-                (wg_step<TN, BM, BN, 0, 0>(As + cur * BM * WG_BK, Bs + cur * BN * WG_BK, r0, 0, acc, it == 0)))
+                (wg_step<TN, BM, BN, 0, 0>(As + cur * BM * WG_BK, Bs + cur * BN * WG_BK, r0, c0, acc, it == 0)))
 
     // The tile, rounded, staged in shared memory (the pipeline's, every wgmma retired), then stored as 16-byte
     // rows of 8 channels: whole sectors instead of 4-byte pieces.
@@ -679,7 +682,7 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
     for (int i = 0; i < TN / 8; ++i)
 #pragma unroll
         for (int hlf = 0; hlf < 2; ++hlf)
-            *reinterpret_cast<unsigned*>(Cs + (r0 + gr + hlf * 8) * CPITCH + i * 8 + gc) =
+            *reinterpret_cast<unsigned*>(Cs + (r0 + gr + hlf * 8) * CPITCH + c0 + i * 8 + gc) =
                 (unsigned)narrow(acc[4 * i + 2 * hlf]) | ((unsigned)narrow(acc[4 * i + 2 * hlf + 1]) << 16);
     __syncthreads();
     const bool dense = oxw == c.cin && oxh == c.w * oxw && oxn == c.h * oxh;
@@ -701,12 +704,14 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
     }
 }
 
-#define WG_DGRAD_KERNEL(NAME, BN)                                                                         \
+#define WG_DGRAD_KERNEL(NAME, BM, BN)                                                                     \
     extern "C" __global__ void __launch_bounds__(MM_THREADS)                                              \
         NAME(const act_t* wt, const act_t* dy, act_t* dx, MM_GEOMETRY, int oxn, int oxh, int oxw) {       \
-        wg_dgrad_body<BN>(wt, dy, dx, MM_CONV, oxn, oxh, oxw);                                            \
+        wg_dgrad_body<BM, BN>(wt, dy, dx, MM_CONV, oxn, oxh, oxw);                                        \
     }
-WG_DGRAD_KERNEL(conv_wg_dgrad_t128x128, 128)
-WG_DGRAD_KERNEL(conv_wg_dgrad_t128x64, 64)
+WG_DGRAD_KERNEL(conv_wg_dgrad_t128x128, 128, 128)
+WG_DGRAD_KERNEL(conv_wg_dgrad_t128x64, 128, 64)
+WG_DGRAD_KERNEL(conv_wg_dgrad_t64x128, 64, 128)
+WG_DGRAD_KERNEL(conv_wg_dgrad_t64x64, 64, 64)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

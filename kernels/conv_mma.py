@@ -103,10 +103,10 @@ def _engine(engine: str | None, device: torch.device) -> str:
     return engine
 
 
-def _fn(name: str, device: torch.device, dtype: torch.dtype, engine: str, smem: int = 0):
-    """The kernel, compiled with the engine's stage count, its dynamic shared-memory limit raised to
-    ``smem`` bytes (once per loaded function)."""
-    return function(SOURCE, name, device, (*act_defines(dtype), f"-DMM_STAGES={STAGES[engine]}"),
+def _fn(name: str, device: torch.device, dtype: torch.dtype, engine: str, smem: int = 0, stages: int | None = None):
+    """The kernel, compiled with ``stages`` shared-memory stages (default: the engine's, STAGES), its dynamic
+    shared-memory limit raised to ``smem`` bytes (once per loaded function)."""
+    return function(SOURCE, name, device, (*act_defines(dtype), f"-DMM_STAGES={stages or STAGES[engine]}"),
                     arch_specific=True, smem=smem)
 
 
@@ -124,10 +124,11 @@ def wgrad_tile(m: int, r: int) -> tuple[int, int]:
     return (128 if m >= 128 else 64), (128 if r >= 128 else 64)
 
 
-def dgrad_smem(bn: int, bm: int = 128, engine: str = "mma") -> int:
+def dgrad_smem(bn: int, bm: int = 128, engine: str = "mma", stages: int | None = None) -> int:
+    stages = stages or STAGES[engine]
     if engine == "wgmma":
-        return STAGES[engine] * WG_BK * (bm + bn) * 2
-    return STAGES[engine] * (bm * (BK + PAD) + BK * (bn + PAD)) * 2
+        return stages * WG_BK * (bm + bn) * 2
+    return stages * (bm * (BK + PAD) + BK * (bn + PAD)) * 2
 
 def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool,
           tile: tuple[int, int] | None = None, engine: str | None = None) -> torch.Tensor:
@@ -165,10 +166,26 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool,
     return dw if g.cin == cin else dw[:, :cin].contiguous()
 
 
-def dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = None) -> torch.Tensor:
+DGRAD_SMALL_GRID = 264   # 128-row blocks below which a wgmma dgrad launch takes 64-row tiles
+
+
+def dgrad_tile(p: int, c: int, engine: str) -> tuple[int, int]:
+    """(BM, BN) of a data-gradient launch over ``p`` pixels and ``c`` input channels: BN 128 where c is at
+    least 128, else 64; BM 128, or 64 on the wgmma engine where 128-row tiles would give fewer than
+    DGRAD_SMALL_GRID blocks (ResNet-50's deep layers at 7x7 and 14x14: 100 to 196 blocks on 132 SMs). Each
+    element's sum is the same sequence of instructions in every tile: a speed knob, never the bits."""
+    bn = 128 if c >= 128 else 64
+    if engine == "wgmma" and cdiv(c, bn) * cdiv(p, 128) < DGRAD_SMALL_GRID:
+        return 64, bn
+    return 128, bn
+
+
+def dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = None,
+          tile: tuple[int, int] | None = None, stages: int | None = None) -> torch.Tensor:
     """dx (N, Cin, H, W) in dy's dtype and layout. ``g``: conv_dgrad.Geometry; ``engine``: as in
-    :func:`wgrad`. The GEMM's B operand is the weights packed [kh][kw][co][ci] (mma: rows q = (kh, kw, co))
-    or [ci][kh][kw][co] (wgmma: K-major rows ci).
+    :func:`wgrad`; ``tile``: (BM, BN) of every launch instead of :func:`dgrad_tile`'s (BN 64 or 128; BM
+    128, or 64 on the wgmma engine; the same bits). The GEMM's B operand is the weights packed
+    [kh][kw][co][ci] (mma: rows q = (kh, kw, co)) or [ci][kh][kw][co] (wgmma: K-major rows ci).
 
     A strided conv (dilation 1) runs as one stride-1 launch per stride phase (a, b): the dx pixels (a + i*sh,
     b + j*sw) receive only the taps kh = (a + ph) mod sh, ... + sh, ... and kw likewise, at dy rows i + c0 - t
@@ -189,26 +206,28 @@ def dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = None) ->
                 phases.append(((a * g.w + b) * c, cdiv(g.h - a, g.sh), cdiv(g.w - b, g.sw), (rh, rw),
                                ((a + g.ph - rh) // g.sh, (b + g.pw - rw) // g.sw), (nkh, nkw)))
     empty_phase = any(p[5][0] * p[5][1] == 0 for p in phases)
+    if tile is not None and not (tile[1] in (64, 128) and tile[0] in ((64, 128) if engine == "wgmma" else (128,))):
+        raise ValueError(f"conv_mma.dgrad: tile {tile} is not one the {engine} engine has")
     dx = torch.empty(g.dx_shape, device=dev, dtype=dtype, memory_format=torch.channels_last)
     if empty_phase:
         dx.zero_()
-    bn = 128 if c >= 128 else 64
-    smem = dgrad_smem(bn, engine=engine)
-    fn = _fn(f"{PREFIX[engine]}_dgrad_t128x{bn}", dev, dtype, engine, smem)
+
+    def run(wq, p: int, geom: tuple, out: np.uint64) -> None:
+        bm, bn = tile or dgrad_tile(p, c, engine)
+        smem = dgrad_smem(bn, bm, engine, stages)
+        launch(_fn(f"{PREFIX[engine]}_dgrad_t{bm}x{bn}", dev, dtype, engine, smem, stages), (cdiv(c, bn), cdiv(p, bm)),
+               (THREADS,), (ptr(wq), ptr(dy_cl), out, *geom), device=dev, shared_mem=smem)
+
     order = (1, 2, 3, 0) if engine == "wgmma" else (2, 3, 0, 1)   # [ci][kh][kw][co] or [kh][kw][co][ci]
     if not phased:
-        wq = w.permute(*order).contiguous()
-        geom = _ints(g.n, g.h, g.w, c, g.oh, g.ow, g.cout, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
-                     g.h * g.w * c, g.w * c, c)
-        launch(fn, (cdiv(c, bn), cdiv(g.n * g.h * g.w, 128)), (THREADS,), (ptr(wq), ptr(dy_cl), ptr(dx), *geom),
-               device=dev, shared_mem=smem)
+        run(w.permute(*order).contiguous(), g.n * g.h * g.w,
+            _ints(g.n, g.h, g.w, c, g.oh, g.ow, g.cout, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
+                  g.h * g.w * c, g.w * c, c), ptr(dx))
     else:
         for offset, hp, wp, (rh, rw), (c0h, c0w), (nkh, nkw) in phases:
             if nkh * nkw == 0:
                 continue
-            wq = w[:, :, rh::g.sh, rw::g.sw].permute(*order).contiguous()
-            geom = _ints(g.n, hp, wp, c, g.oh, g.ow, g.cout, nkh, nkw, 1, 1, c0h, c0w, 1, 1,
-                         g.h * g.w * c, g.sh * g.w * c, g.sw * c)
-            launch(fn, (cdiv(c, bn), cdiv(g.n * hp * wp, 128)), (THREADS,),
-                   (ptr(wq), ptr(dy_cl), np.uint64(dx.data_ptr() + 2 * offset), *geom), device=dev, shared_mem=smem)
+            run(w[:, :, rh::g.sh, rw::g.sw].permute(*order).contiguous(), g.n * hp * wp,
+                _ints(g.n, hp, wp, c, g.oh, g.ow, g.cout, nkh, nkw, 1, 1, c0h, c0w, 1, 1,
+                      g.h * g.w * c, g.sh * g.w * c, g.sw * c), np.uint64(dx.data_ptr() + 2 * offset))
     return dx if g.layout == "channels_last" else dx.contiguous()

@@ -190,3 +190,18 @@ def test_wgrad_tile_shape_does_not_change_the_bits(shape, dtype, engine, cuda_sy
     for tile in ((64, 64), (64, 128), (128, 64), (128, 128)):
         got = conv_mma.wgrad(x, dy, g, plan, atomic=False, tile=tile)
         assert_bitwise_equal(got, want, f"{shape.name} tile {tile}")
+
+
+@pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_dgrad_tile_shape_does_not_change_the_bits(shape, dtype, engine, cuda_sync):
+    """The data gradient's tile is a speed knob only (conv_mma.dgrad_tile): every (BM, BN) the engine has
+    gives the bits of 128-row tiles, strided shapes (a launch per stride phase) and dilation included."""
+    _, w, dy = _tensors(shape, dtype, "channels_last", seed=60)
+    g = conv_dgrad._check(w, dy, (shape.h, shape.w), shape.stride, shape.pad, shape.dilation)
+    want = conv_mma.dgrad(w, dy, g, tile=(128, 128))
+    tiles = ((128, 64), (64, 128), (64, 64)) if engine == "wgmma" else ((128, 64),)
+    for tile in (*tiles, None):
+        assert_bitwise_equal(conv_mma.dgrad(w, dy, g, tile=tile), want, f"{shape.name} tile {tile}")
+    with pytest.raises(ValueError, match="tile"):
+        conv_mma.dgrad(w, dy, g, tile=(32, 64))

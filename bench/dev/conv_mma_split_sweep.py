@@ -46,7 +46,8 @@ def main() -> None:
     print("|---|---|---|" + "---|" * len(plans))
     for s in shapes:
         def rand(*shape):
-            return torch.randn(*shape, device="cuda", generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+            t = torch.randn(*shape, device="cuda", generator=g).to(dtype)
+            return t.contiguous(memory_format=torch.channels_last)
         x, w = rand(*s["x"]), rand(*s["w"])
         k, st, pad = s["w"][2], s["stride"], s["padding"]
         oh = (s["x"][2] + 2 * pad[0] - k) // st[0] + 1
