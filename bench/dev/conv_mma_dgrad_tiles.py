@@ -10,8 +10,8 @@ bench.timing.graph_replay_us), weight repacking included; the totals weight each
 one forward. ``same`` says whether every tile gave the bits of 128-row tiles (it must: the tile is a
 speed knob).
 
-H100 at git f54cdb3, every ResNet-50 shape: BM 128 (BN by the channels, as before) 3118 us in all, dgrad_tile's rule 3072,
-cuDNN's fastest 1577; 4 or 6 stages slower for every tile (3716-5022).
+H100 at git f54cdb3, every ResNet-50 shape: BM 128 (BN by the channels, as before) 3118 us in all,
+dgrad_tile's rule 3072, cuDNN's fastest 1577; 4 or 6 stages slower for every tile (3716-5022).
 """
 from __future__ import annotations
 
