@@ -45,6 +45,7 @@
 #ifndef MM_STAGES
 #define MM_STAGES 4  // shared-memory stages: loads run up to MM_STAGES - 1 K-steps ahead of the multiplication
 #endif
+static_assert(MM_STAGES >= 2, "the pipelines load at least one K-step ahead: at least 2 stages");
 
 // The K-loop of the GEMMs over `steps` K-steps: LOAD fills stage `st` with K-step `j` (cp.async, one commit
 // group per K-step, empty past the end), MULTIPLY consumes stage `cur`; loads run AHEAD K-steps ahead. One
@@ -281,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Data gradient. Grid (Cin/BN, P/BM). wq: the weights packed as [kh][kw][co][ci] (row q, ci contiguous).
+// Data gradient. Grid (Cin/BN * P/BM) blocks, channel tiles fastest. wq: the weights packed as [kh][kw][co][ci] (row q, ci contiguous).
 // dx pixel (n, y, x) of the launch's h x w grid is stored at dx + n*oxn + y*oxh + x*oxw (channels
 // contiguous): the whole NHWC dx, or one stride phase of it (the launcher runs a strided conv as one
 // stride-1 launch per phase, each over that phase's taps only, instead of loading zeros for the others).
@@ -298,7 +299,9 @@ __device__ __forceinline__ void dgrad_body(const act_t* __restrict__ wq, const a
     act_t* const Bs = As + MM_STAGES * BM * APITCH;                          // [MM_STAGES][MM_BK * BPITCH]
 
     const int tid = threadIdx.x, warp = tid >> 5;
-    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    // one grid dimension (pixel tiles can pass gridDim.y's 65535), channel tiles fastest
+    const int nct = (c.cin + BN - 1) / BN;
+    const int m0 = (int)(blockIdx.x / nct) * BM, n0 = (int)(blockIdx.x % nct) * BN;
     const int P = c.n * c.h * c.w, Q = c.kh * c.kw * c.cout;
 
     // A: rows p = m0 + tid / 4 + g * 64, 8 taps-channels at column (tid % 4) * 8 of the K-step
@@ -415,6 +418,7 @@ DGRAD_KERNEL(conv_mma_dgrad_t128x64, 128, 64)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 #define WG_BK 64        // k per K-step: one 128-byte line of a K-major operand
+static_assert(MM_STAGES >= 3, "the wgmma pipeline loads MM_STAGES - 2 K-steps ahead: at least 3 stages");
 #define WG_SW128 (1ull << 62)
 
 // Byte offsets in a swizzled operand tile. K-major: 8 k (chunk c) of row r. MN-major with R rows per line:
@@ -607,7 +611,8 @@ WGRAD_TILES(WG_WGRAD_KERNEL, conv_wg_wgrad)
 // Data gradient on warpgroup MMAs: grid and outputs as dgrad_body, but the weights packed [ci][kh][kw][co]
 // (wt: row ci, q = (kh, kw, co) contiguous: the K-major B operand). BM 128: each warpgroup owns 64 rows x
 // BN; BM 64 (grids of few pixels: more, smaller blocks): each owns all 64 rows x BN/2. Either way an
-// element's sum is the same sequence of k16 instructions, so the tile never changes the bits.
+// element gets the same k16 steps in the same order, by wgmma instructions of width TN; that an element's
+// arithmetic does not depend on the width is the hardware's (test_dgrad_tile_shape_does_not_change_the_bits).
 template <int BM, int BN>
 __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, const act_t* __restrict__ dy,
                                               act_t* __restrict__ dx, const MmaConv& c, int oxn, int oxh, int oxw) {
@@ -619,7 +624,9 @@ __device__ __forceinline__ void wg_dgrad_body(const act_t* __restrict__ wt, cons
     act_t* const Bs = As + MM_STAGES * BM * WG_BK;                  // [MM_STAGES][BN * WG_BK], K-major, swizzled
 
     const int tid = threadIdx.x, wg = tid >> 7;
-    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    // one grid dimension (pixel tiles can pass gridDim.y's 65535), channel tiles fastest
+    const int nct = (c.cin + BN - 1) / BN;
+    const int m0 = (int)(blockIdx.x / nct) * BM, n0 = (int)(blockIdx.x % nct) * BN;
     const int P = c.n * c.h * c.w, Q = c.kh * c.kw * c.cout;
 
     // copy g of a thread: row tid / 8 + 32 g, 8 k at (tid % 8) * 8 (8 threads read one row's 128 bytes)

@@ -65,6 +65,9 @@ WG_BK = 64                   # the wgmma kernels' K-step (WG_BK in conv_mma.cu)
 # shared-memory stages per engine (MM_STAGES; wgmma needs 3 or more): the fastest in
 # bench/dev/conv_mma_sweep.py on ResNet-50 shapes (H100), none of them changes the bits
 STAGES = {"wgmma": 3, "mma": 4}
+MIN_STAGES = {"wgmma": 3, "mma": 2}   # loads run STAGES - 2 (wgmma) or STAGES - 1 (mma) K-steps ahead
+MAX_STAGES = 8
+SMEM_MAX = 227 * 1024                  # the most shared memory a block may opt into (9.0; less elsewhere)
 ENGINES = ("wgmma", "mma")
 PREFIX = {"wgmma": "conv_wg", "mma": "conv_mma"}   # each engine's kernel names in conv_mma.cu
 WGMMA_CAPABILITY = (9, 0)                            # the sm_90a target the wgmma kernels are built for
@@ -208,15 +211,23 @@ def dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = None,
     empty_phase = any(p[5][0] * p[5][1] == 0 for p in phases)
     if tile is not None and not (tile[1] in (64, 128) and tile[0] in ((64, 128) if engine == "wgmma" else (128,))):
         raise ValueError(f"conv_mma.dgrad: tile {tile} is not one the {engine} engine has")
+    if stages is not None and not MIN_STAGES[engine] <= stages <= MAX_STAGES:
+        raise ValueError(f"conv_mma.dgrad: stages must be {MIN_STAGES[engine]} to {MAX_STAGES} on the {engine} "
+                         f"engine, got {stages}")
     dx = torch.empty(g.dx_shape, device=dev, dtype=dtype, memory_format=torch.channels_last)
     if empty_phase:
         dx.zero_()
 
     def run(wq, p: int, geom: tuple, out: np.uint64) -> None:
         bm, bn = tile or dgrad_tile(p, c, engine)
-        smem = dgrad_smem(bn, bm, engine, stages)
-        launch(_fn(f"{PREFIX[engine]}_dgrad_t{bm}x{bn}", dev, dtype, engine, smem, stages), (cdiv(c, bn), cdiv(p, bm)),
-               (THREADS,), (ptr(wq), ptr(dy_cl), out, *geom), device=dev, shared_mem=smem)
+        smem = dgrad_smem(bn=bn, bm=bm, engine=engine, stages=stages)
+        if smem > SMEM_MAX:
+            raise ValueError(f"conv_mma.dgrad: {stages} stages of {bm}x{bn} tiles need {smem} bytes of shared "
+                             f"memory, over the {SMEM_MAX} a block may have")
+        # one grid dimension, channel tiles fastest (the kernel splits it): pixel tiles past 65535 fit
+        launch(_fn(f"{PREFIX[engine]}_dgrad_t{bm}x{bn}", dev, dtype, engine, smem, stages),
+               (cdiv(c, bn) * cdiv(p, bm),), (THREADS,), (ptr(wq), ptr(dy_cl), out, *geom), device=dev,
+               shared_mem=smem)
 
     order = (1, 2, 3, 0) if engine == "wgmma" else (2, 3, 0, 1)   # [ci][kh][kw][co] or [kh][kw][co][ci]
     if not phased:

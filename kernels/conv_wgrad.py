@@ -2,14 +2,15 @@
 
     conv_wgrad(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> dw
     x (N, Cin, H, W), dy (N, Cout, OH, OW) float32, NCHW or channels_last; dw (Cout, Cin, KH, KW) contiguous.
-    The atomic and tree CUDA launchers also take bf16/fp16 x and dy (dw in their dtype): tensor cores with
-    the same split and combine order (kernels/conv_mma.py).
+    The atomic and tree CUDA launchers also take bf16/fp16 x and dy (dw in their dtype): tensor cores, the
+    reduction split by :func:`half_plan` (longer chunks), the same combine order (kernels/conv_mma.py).
 
 Implicit GEMM dw[m, r] = sum_k dy[m, k] * col[r, k], m = co, r = (ci, kh, kw), k = (n, oh, ow). The
 reduction axis K = N*OH*OW is cut into S contiguous chunks of Kc by :func:`plan`, a function of the
-shapes only (never of the device), so every variant, the CPU models and every GPU split the reduction
-the same way. Each chunk's partial tile is computed in float32 (FFMA on the GPU, a float32 BLAS matmul
-on the CPU); the variants differ in how the S partials of an element are combined:
+shapes only (never of the device), so every float32 variant, the CPU models and every GPU split the
+reduction the same way (half inputs on tensor cores: :func:`half_plan`, also of the shapes only). Each
+chunk's partial tile is computed in float32 (FFMA on the GPU, a float32 BLAS matmul on the CPU); the
+variants differ in how the S partials of an element are combined:
 
     atomic   atomicAdd in arrival order                      (model: random order per element)
     tree     workspace + fixed order: 8 strided groups, each sequential, then the 8 group sums in order
@@ -78,7 +79,7 @@ MIN_BLOCKS = 256
 # 64->128 1x1 s2 37.3 / 17.5, 256->512 3x3 s2 129.0 / 115.8; batch 128: 64->128 3x3 s2 262.8 / 171.9,
 # 128->256 3x3 s2 224.5 / 162.0, 256->256 3x3 8x8 354.6 / 309.6. Plans with more blocks (64->64 3x3
 # 32x32: 1152 and 2052 blocks, 512->512 3x3 4x4 at batch 128: 1152) measured faster as they are. The
-# tensor-core wgrad (conv_mma.py) keeps the plan without this step.
+# tensor-core wgrad (conv_mma.py) has a rule of its own (half_plan, below).
 WAVE_BLOCKS = 264
 WAVE_PLAN_MAX = 4 * WAVE_BLOCKS
 ONE_WAVE_TILES = 48
@@ -142,7 +143,8 @@ class Geometry:
 
 @dataclass(frozen=True)
 class Plan:
-    tile: int   # 128 (128x128 tiles, 8x8 per thread) or 64 (64x64, 4x4 per thread)
+    tile: int   # 128 (128x128 tiles, 8x8 per thread) or 64 (64x64, 4x4 per thread); half_plan: the larger
+                # side of conv_mma.wgrad_tile's tile, bookkeeping only (the tensor-core kernels pick their own)
     splits: int  # S: chunks of the reduction, = partials combined per output element
     chunk: int  # Kc: reduction length per chunk (a multiple of BK); the last chunk may be shorter
 
@@ -176,7 +178,7 @@ def _plan(m, r, k, split, target_blocks, chunk_len, min_chunk, min_splits, min_b
 # The tensor-core kernels' split (conv_mma.py). A block there runs a K-step of 64 terms in a few hundred
 # cycles, against thousands for the FFMA kernels, so the float32 rule above (up to 2048 blocks, chunks from
 # 256 terms) cut their reductions into so many chunks that storing and combining the partials took longer
-# than the products: 228 chunks of 896 terms for ResNet-50's 3x3 64->64 at 56x56, batch 64, a 33.6 MB
+# than the products: 224 chunks of 896 terms for ResNet-50's 3x3 64->64 at 56x56, batch 64, a 33.0 MB
 # workspace for a 73 KB weight gradient. Here: about HALF_TARGET_BLOCKS blocks of the kernel's own tiles
 # (conv_mma.wgrad_tile), chunks of at least HALF_MIN_CHUNK terms. Constants, not the device's SM count:
 # the chunks, and so the bits, stay a function of the shapes. bench/dev/conv_mma_split_sweep.py (H100, bf16,
@@ -200,7 +202,7 @@ def _half_plan(m: int, r: int, k: int, target_blocks: int, min_chunk: int) -> Pl
     tiles = cdiv(m, bm) * cdiv(r, bn)
     s = max(1, min(cdiv(target_blocks, tiles), k // min_chunk))
     chunk = max(HALF_STEP, cdiv(cdiv(k, s), HALF_STEP) * HALF_STEP)
-    return Plan(max(bm, bn), cdiv(k, chunk), chunk)
+    return Plan(max(bm, bn), max(1, cdiv(k, chunk)), chunk)
 
 
 def split_for(tiles: int, k: int, target_blocks: int = TARGET_BLOCKS, chunk_len: int = CHUNK,

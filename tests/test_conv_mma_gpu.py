@@ -195,13 +195,41 @@ def test_wgrad_tile_shape_does_not_change_the_bits(shape, dtype, engine, cuda_sy
 @pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_dgrad_tile_shape_does_not_change_the_bits(shape, dtype, engine, cuda_sync):
-    """The data gradient's tile is a speed knob only (conv_mma.dgrad_tile): every (BM, BN) the engine has
-    gives the bits of 128-row tiles, strided shapes (a launch per stride phase) and dilation included."""
+    """The data gradient's tile and pipeline depth are speed knobs only (conv_mma.dgrad_tile): every (BM, BN)
+    the engine has, and more shared-memory stages, give the bits of 128-row tiles, strided shapes (a launch
+    per stride phase) and dilation included. (On wgmma the rule takes 64-row tiles for every test shape, so
+    128-row tiles are checked here, bit for bit, rather than against the bound above.)"""
     _, w, dy = _tensors(shape, dtype, "channels_last", seed=60)
     g = conv_dgrad._check(w, dy, (shape.h, shape.w), shape.stride, shape.pad, shape.dilation)
     want = conv_mma.dgrad(w, dy, g, tile=(128, 128))
     tiles = ((128, 64), (64, 128), (64, 64)) if engine == "wgmma" else ((128, 64),)
     for tile in (*tiles, None):
         assert_bitwise_equal(conv_mma.dgrad(w, dy, g, tile=tile), want, f"{shape.name} tile {tile}")
+    for tile in ((128, 128), (64, 64)) if engine == "wgmma" else ((128, 128),):
+        got = conv_mma.dgrad(w, dy, g, tile=tile, stages=conv_mma.STAGES[engine] + 1)
+        assert_bitwise_equal(got, want, f"{shape.name} tile {tile}, one stage more")
     with pytest.raises(ValueError, match="tile"):
         conv_mma.dgrad(w, dy, g, tile=(32, 64))
+    with pytest.raises(ValueError, match="stages must be"):   # a pipeline too short to load ahead
+        conv_mma.dgrad(w, dy, g, stages=conv_mma.MIN_STAGES[engine] - 1)
+    if conv_mma.dgrad_smem(bn=128, bm=128, engine=engine, stages=conv_mma.MAX_STAGES) > conv_mma.SMEM_MAX:
+        with pytest.raises(ValueError, match="shared memory"):   # wgmma: 8 x 64 x 256 halves, 256 KiB
+            conv_mma.dgrad(w, dy, g, tile=(128, 128), stages=conv_mma.MAX_STAGES)
+
+
+@pytest.mark.parametrize("tile", [None, (64, 64)])
+def test_dgrad_takes_more_pixel_tiles_than_a_grid_row_holds(tile, engine, cuda_sync):
+    """2 x 8 x 2100 x 2100 pixels are 68907 tiles of 128 rows (137813 of 64): more than gridDim.y's 65535,
+    fine in the one grid dimension the launch uses. The result equals the float32 kernel's on widened
+    tensors within the bound of the tests above (one tap, 8 output channels: a single instruction)."""
+    if tile is not None and engine != "wgmma":
+        pytest.skip("64-row tiles are the wgmma engine's")
+    s = ConvShape("huge_1x1", 2, 8, 8, 1, 1, 0, 2100, 2100)
+    _, w, dy = _tensors(s, torch.bfloat16, "channels_last", seed=61)
+    g = conv_dgrad._check(w, dy, (s.h, s.w), s.stride, s.pad, s.dilation)
+    assert -(-s.n * s.h * s.w // 128) > 65535
+    got = conv_mma.dgrad(w, dy, g, tile=tile)
+    assert_bitwise_equal(got, conv_mma.dgrad(w, dy, g, tile=(128, 64)), "tiles")
+    exact = torch.einsum("oi,nohw->nihw", w[:, :, 0, 0].double(), dy.double())
+    mags = torch.einsum("oi,nohw->nihw", w[:, :, 0, 0].double().abs(), dy.double().abs())
+    _within(got, exact.cpu(), mags.cpu(), _instructions(s.cout, engine) * MMA_ERR, torch.bfloat16, "huge dgrad")

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.conv_shapes import NETWORKS, conv_shapes  # noqa: E402
 from bench.timing import cudnn_flags, graph_replay_us  # noqa: E402
 from kernels import conv_dgrad, conv_mma  # noqa: E402
+from kernels.shapes import conv_out  # noqa: E402
 
 
 def main() -> None:
@@ -52,8 +53,7 @@ def main() -> None:
             return t.contiguous(memory_format=torch.channels_last)
         x, w = rand(*s["x"]), rand(*s["w"])
         st, pad, dil = tuple(s["stride"]), tuple(s["padding"]), tuple(s["dilation"])
-        oh = (s["x"][2] + 2 * pad[0] - s["w"][2]) // st[0] + 1
-        ow = (s["x"][3] + 2 * pad[1] - s["w"][3]) // st[1] + 1
+        oh, ow = (conv_out(s["x"][2 + i], s["w"][2 + i], st[i], pad[i], dil[i]) for i in (0, 1))
         dy = rand(s["x"][0], s["w"][0], oh, ow)
         geo = conv_dgrad._check(w, dy, tuple(s["x"][2:]), st, pad, dil)
         if not conv_mma.eligible(dtype, geo.cin, geo.cout, w, dy):

@@ -6,9 +6,9 @@ per ResNet-50 conv shape (224 px, batch 64, channels_last, bf16), beside cuDNN's
 
 A candidate is TARGET_BLOCKS:MIN_CHUNK; ``fp32rule`` is the float32 kernels' plan without the refit to waves
 (what the tensor-core kernels ran before half_plan). Times are GPU microseconds per call (CUDA-graph replays,
-bench.timing.graph_replay_us); the totals weight each shape by its count in one forward. Each candidate's
-result is checked against the fp32rule result within the bound of tests/test_conv_mma_gpu.py's kind (printed
-as the largest |difference| over the largest |value|): a split changes the rounding, not the sum.
+bench.timing.graph_replay_us); the totals weight each shape by its count in one forward. Beside each time:
+the candidate's split S and its largest |difference| from the fp32rule result over the largest |value|
+(printed, not checked: a split changes the rounding, not the sum; tests/test_conv_mma_gpu.py bounds it).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.conv_shapes import NETWORKS, conv_shapes  # noqa: E402
 from bench.timing import cudnn_flags, graph_replay_us  # noqa: E402
 from kernels import conv_mma, conv_wgrad  # noqa: E402
+from kernels.shapes import conv_out  # noqa: E402
 
 
 def main() -> None:
@@ -50,8 +51,8 @@ def main() -> None:
             return t.contiguous(memory_format=torch.channels_last)
         x, w = rand(*s["x"]), rand(*s["w"])
         k, st, pad = s["w"][2], s["stride"], s["padding"]
-        oh = (s["x"][2] + 2 * pad[0] - k) // st[0] + 1
-        ow = (s["x"][3] + 2 * pad[1] - s["w"][3]) // st[1] + 1
+        dil = s["dilation"]
+        oh, ow = (conv_out(s["x"][2 + i], s["w"][2 + i], st[i], pad[i], dil[i]) for i in (0, 1))
         dy = rand(s["x"][0], s["w"][0], oh, ow)
         geo = conv_wgrad._check(x, dy, (k, s["w"][3]), tuple(st), tuple(pad), tuple(s["dilation"]))
         if not conv_mma.eligible(dtype, geo.cin, geo.cout, x, dy, pad_cin=True):
