@@ -277,11 +277,13 @@ class Coverage:
     def __init__(self):
         self.counts: dict[str, Counter] = defaultdict(Counter)
         self.reasons: dict[str, set[str]] = defaultdict(set)
+        self._lock = threading.Lock()   # backward passes of several devices count from their own threads
 
     def add(self, op: str, where: str, reason: str | None = None) -> None:
-        self.counts[op][where] += 1
-        if reason:
-            self.reasons[op].add(reason)
+        with self._lock:
+            self.counts[op][where] += 1
+            if reason:
+                self.reasons[op].add(reason)
 
     @property
     def uncovered(self) -> list[str]:
@@ -768,8 +770,12 @@ def _embedding_backward(s: "_Session", original, keyset, grad, indices, num_weig
 
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """``t`` with ``dim`` first and the other dims flattened: (t.shape[dim], rest)."""
-    return t.movedim(dim, 0).reshape(t.shape[dim], -1)
+    """``t`` with ``dim`` first and the other dims flattened: (t.shape[dim], rest); the rest's size is
+    spelled out, since reshape cannot infer it from zero elements (an empty index)."""
+    rest = 1
+    for k, n in enumerate(t.shape):
+        rest *= n if k != dim else 1
+    return t.movedim(dim, 0).reshape(t.shape[dim], rest)
 
 
 def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
@@ -795,6 +801,9 @@ def _scatter_sum(s: "_Session", variant, op, original, keyset, inplace: bool, se
             why = "index smaller than src or self outside the scattered dim"
         elif op == "index_add" and index.dim() > 1:
             why = "multi-dimensional index"
+        elif op == "index_add" and (src.dim() != self_.dim() or index.numel() != src.shape[d] or
+                                    any(src.shape[k] != self_.shape[k] for k in range(self_.dim()) if k != d)):
+            why = "source shape does not match self and index"   # torch's kernel raises its own error
     if why is None:
         try:
             source = src if alpha == 1 else src * alpha
@@ -813,7 +822,10 @@ def _scatter_sum(s: "_Session", variant, op, original, keyset, inplace: bool, se
         s.coverage.add(op, ORIGINAL, why)
         return original.call_boxed(keyset, self_, dim, index, src, **kw)
     s.coverage.add(op, variant.name)
-    return self_.add_(total) if inplace else self_ + total
+    if inplace:
+        return self_.add_(total)
+    # torch's kernel (and its meta) returns a contiguous result whatever self's strides
+    return self_.clone(memory_format=torch.contiguous_format).add_(total)
 
 
 def _bn_route(s: "_Session", dy, x, weight, save_mean, save_invstd, train: bool):
@@ -948,7 +960,9 @@ UNCOVERED_OPS = (
     Uncovered("grid_sampler_2d", "grid_sampler_2d_backward"),
     Uncovered("grid_sampler_3d", "grid_sampler_3d_backward"),
     Uncovered("_ctc_loss", "_ctc_loss_backward"),
-    Uncovered("nll_loss2d_forward", "nll_loss2d_forward", forward=True),
+    # reduction "none" (0) is elementwise: PyTorch's CUDA kernel alerts only for the reductions
+    Uncovered("nll_loss2d_forward", "nll_loss2d_forward", lambda x, target, weight, reduction, *rest: reduction != 0,
+              forward=True),
     Uncovered("max_unpool2d", "max_unpool2d", forward=True),
     Uncovered("max_unpool3d", "max_unpool3d", forward=True),
 )
@@ -1084,27 +1098,53 @@ _LOCK = threading.Lock()
 _ACTIVE: _Session | None = None
 
 
-def _load_original(op: str, key: str):
+# Per thread, how many original kernels are running: an original kernel may call other overridden aten ops
+# through the dispatcher (torch's CPU index_add runs scatter_add_), and those calls are its own business:
+# they go straight to their original kernels, uncounted (else one user call would count twice).
+_INSIDE = threading.local()
+
+
+class _Original:
+    """A kernel registered before the override (``torch.library.get_kernel``), whose calls mark the thread
+    as inside an original kernel."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def call_boxed(self, keyset, *args, **kwargs):
+        _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
+        try:
+            return self.handle.call_boxed(keyset, *args, **kwargs)
+        finally:
+            _INSIDE.depth -= 1
+
+
+def _load_original(op: str, key: str) -> _Original | None:
     """The kernel registered now for ``aten::op`` at ``key``; None where this build has none (the CUDA
     key of a CPU-only torch), so there is nothing to override there."""
     try:
-        return torch.library.get_kernel(f"aten::{op}", key)
+        return _Original(torch.library.get_kernel(f"aten::{op}", key))
     except RuntimeError as e:
         if "no kernel for" in str(e):
             return None
         raise RoutingError(f"cannot read the {key} kernel of aten::{op} from torch {torch.__version__}: {e}") from None
 
 
-def _bind(fn, *bound):
+def _bind(fn, session: "_Session", original: _Original, *bound):
+    """A guarded op's kernel (``fn(session, original, *bound, keyset, ...)``)."""
     def kernel(keyset, *args, **kwargs):
-        return fn(*bound, keyset, *args, **kwargs)
+        if getattr(_INSIDE, "depth", 0):
+            return original.handle.call_boxed(keyset, *args, **kwargs)
+        return fn(session, original, *bound, keyset, *args, **kwargs)
     return kernel
 
 
-def _bind_observed(fn, session: "_Session", op: str, *bound):
+def _bind_observed(fn, session: "_Session", op: str, original: _Original):
     """A routed op's kernel: the handler, then the session's observers (``observe``) with its outputs."""
     def kernel(keyset, *args, **kwargs):
-        out = fn(session, *bound, keyset, *args, **kwargs)
+        if getattr(_INSIDE, "depth", 0):
+            return original.handle.call_boxed(keyset, *args, **kwargs)
+        out = fn(session, original, keyset, *args, **kwargs)
         for f in session.observers:
             f(op, out)
         return out

@@ -756,3 +756,79 @@ def test_grouped_and_depthwise_conv_backward_give_their_variants_bits():
         geom = dict(stride=(2, 2), padding=(1, 1), dilation=(1, 1), groups=groups)
         assert bitwise_equal(w.grad, _variant("conv_wgrad_grouped")(x.detach(), dy, kernel_size=(3, 3), **geom))
         assert bitwise_equal(x.grad, _variant("conv_dgrad_grouped")(w.detach(), dy, input_size=(9, 9), **geom))
+
+
+def test_index_add_and_scatter_add_with_an_empty_index_return_self():
+    """No contributions (an expert that got no tokens, a graph without edges, a gather of zero columns):
+    the result is self, as in eager, and the call counts as routed."""
+    need_ops("index_add", "scatter_add")
+    g = torch.Generator().manual_seed(8)
+    base = torch.randn(8, 16, generator=g)
+    x = torch.randn(4, 5, generator=g, requires_grad=True)
+    with nnrand.use_kernels("tree") as r:
+        out = base.index_add(0, torch.zeros(0, dtype=torch.long), torch.zeros(0, 16))
+        torch.gather(x, 1, torch.zeros(4, 0, dtype=torch.long)).sum().backward()   # its backward: scatter_add
+    assert bitwise_equal(out, base + 0.0)   # self plus an all-zero sum: -0.0 becomes +0.0, as the routing adds
+    assert bitwise_equal(x.grad, torch.zeros(4, 5))
+    assert r.coverage["index_add"] == {"sorted": 1} and r.coverage["scatter_add"] == {"sorted": 1}
+
+
+def test_out_of_place_index_add_is_contiguous_like_torchs():
+    """torch's index_add and scatter_add (and their meta kernels, which torch.compile checks) return a
+    contiguous result whatever self's strides; the routed ones too, with the same values."""
+    need_ops("index_add", "scatter_add")
+    g = torch.Generator().manual_seed(9)
+    self_t = torch.randn(5, 6, generator=g).t()                     # (6, 5), strides (1, 6)
+    self_cl = torch.randn(2, 3, 4, 4, generator=g).contiguous(memory_format=torch.channels_last)
+    idx, src = torch.tensor([0, 2, 2]), torch.randn(3, 5, generator=g)
+    sidx, ssrc = torch.randint(0, 2, (2, 3, 4, 4), generator=g), torch.randn(2, 3, 4, 4, generator=g)
+    want = (torch.index_add(self_t, 0, idx, src), torch.scatter_add(self_cl, 0, sidx, ssrc))
+    with nnrand.use_kernels("tree") as r:
+        got = (torch.index_add(self_t, 0, idx, src), torch.scatter_add(self_cl, 0, sidx, ssrc))
+        got[0].view(-1)   # a view of the flat result, as eager allows
+    assert r.coverage["index_add"] == {"sorted": 1} and r.coverage["scatter_add"] == {"sorted": 1}
+    # the same sums in another order: each path rounds at most 3 additions (3 contributions at most per
+    # element), each by at most 2^-24 times a partial of at most 4 terms under 8 in magnitude
+    assert max(t.abs().max().item() for t in (self_t, self_cl, src, ssrc)) < 8
+    for a, b in zip(got, want):
+        assert a.is_contiguous() and a.stride() == b.stride()
+        assert torch.allclose(a, b, rtol=0, atol=2 * 3 * 2.0**-24 * (4 * 8))
+
+
+def test_index_add_with_a_mismatched_source_raises_torchs_error():
+    """A source whose shape does not fit self and the index goes to torch's kernel, which refuses it
+    (the flattened rows would otherwise line up silently when the element counts agree)."""
+    need_ops("index_add")
+    with nnrand.use_kernels("tree") as r:
+        with pytest.raises(RuntimeError, match="source"):
+            torch.zeros(4, 2, 3).index_add(0, torch.tensor([0, 1]), torch.ones(2, 3, 2))
+    assert r.coverage["index_add"] == {routing.ORIGINAL: 1}
+
+
+def test_ops_an_original_kernel_calls_are_not_routed_or_counted_again():
+    """torch's CPU index_add runs scatter_add_ through the dispatcher: a float64 index_add (not routed,
+    passed to the original kernel) counts once, as index_add, and its inner scatter_add_ goes straight
+    to torch's kernel."""
+    need_ops("index_add", "scatter_add")
+    g = torch.Generator().manual_seed(10)
+    base, src = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)
+    idx = torch.tensor([0, 3, 3, 5, 1])
+    with nnrand.use_kernels("tree") as r:
+        for _ in range(3):
+            out = base.index_add(0, idx, src)
+    assert r.coverage.as_dict() == {"index_add": {routing.ORIGINAL: 3}}
+    assert bitwise_equal(out, base.index_add(0, idx, src))
+
+
+def test_per_pixel_cross_entropy_is_not_refused():
+    """nll_loss2d with reduction "none" is elementwise (PyTorch's CUDA kernel alerts only for the
+    reductions): strict routing runs it; a reduced 2-D loss is still refused."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(2, 5, 4, 4, generator=g, requires_grad=True)
+    target = torch.randint(0, 5, (2, 4, 4), generator=g)
+    with nnrand.use_kernels("tree", strict=True) as r:
+        F.cross_entropy(logits, target, reduction="none").mean().backward()
+    assert r.deterministic and not r.coverage.uncovered
+    with pytest.raises(routing.NondeterministicOpError, match="nll_loss2d_forward"):
+        with nnrand.use_kernels("tree", strict=True):
+            F.cross_entropy(logits, target)
