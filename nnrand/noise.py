@@ -125,6 +125,10 @@ def seed_torch(seed: int) -> None:
 # One-ULP perturbation
 
 
+class PerturbIndexError(ValueError):
+    """``--perturb-index`` past the model's parameters."""
+
+
 def perturb_one_ulp(model: torch.nn.Module, index: int, direction: float = np.inf) -> dict:
     """Move element ``index`` of the flat parameter vector (parameters in ``model.parameters()`` order,
     each flattened) to the next float32 toward ``direction``. Returns what changed, for the config."""
@@ -143,7 +147,7 @@ def perturb_one_ulp(model: torch.nn.Module, index: int, direction: float = np.in
                     "old_bits": f"{int(old.cpu().view(torch.int32)) & 0xFFFFFFFF:08x}",
                     "new_bits": f"{int(new.cpu().view(torch.int32)) & 0xFFFFFFFF:08x}"}
         offset += n
-    raise ValueError(f"--perturb-index {index} is past the model's {offset} parameters")
+    raise PerturbIndexError(f"--perturb-index {index} is past the model's {offset} parameters")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,8 +27,11 @@ outputs of one op (and the tensors of one ``snapshot``) in one launch. The
 per-op values stay on the device until the step ends (one transfer per step, no synchronisation per op).
 
 Module paths: the forward op runs inside a module's ``forward`` (a global module hook keeps the stack;
-names come from ``model`` when given); a backward op is attributed to the module whose forward made the
-autograd node it belongs to (set on the node when that module returns).
+names come from ``model`` when given); a backward op is attributed to the module whose forward returned
+the tensor whose autograd node it runs in (set on the node when that module returns). The backward of an
+op inside a module's forward whose result the module does not return (an intermediate sum, the weight
+transpose of a linear layer) has no module: an empty path, as have the loss and the optimizer's ops
+outside any module.
 
 File format (``FORMAT``, version ``VERSION``): a NumPy ``.npz`` archive with a JSON ``header`` (format,
 version, metadata such as the routing and seeds), one column per record field (``step`` int32, ``phase``
@@ -48,6 +51,7 @@ import io
 import json
 import sys
 import zipfile
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,13 +96,18 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous().reshape(-1)
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
+    elif t.is_complex():   # the same bytes as (real, imaginary) pairs
+        t = torch.view_as_real(t).reshape(-1)
     bits = t.view(_INT_VIEW[t.element_size()]).to(torch.int64)
     return (bits * _weights(bits.numel(), bits.device)).sum()
 
 
 def summaries(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L2 norm, max |x|) in float64 on the device."""
-    x = t.detach().reshape(-1).to(torch.float64)
+    """(L2 norm, max |x|) in float64 on the device (complex: of the moduli)."""
+    x = t.detach().reshape(-1)
+    if x.is_complex():
+        return torch.linalg.vector_norm(torch.view_as_real(x).to(torch.float64)), x.abs().to(torch.float64).max()
+    x = x.to(torch.float64)
     return torch.linalg.vector_norm(x), x.abs().max()
 
 
@@ -222,6 +231,13 @@ def _runtime():
     return runtime
 
 
+def _recordable(t) -> bool:
+    """An output with bytes to fingerprint: a dense (strided) tensor with elements, on a real device;
+    not sparse, nested, quantized or meta (those are skipped, not recorded)."""
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested and not t.is_quantized
+            and t.device.type != "meta" and t.numel() > 0)
+
+
 def _fused(t: torch.Tensor) -> bool:
     """Whether ``fingerprint_cuda`` takes this tensor (CUDA, 4-byte elements, kernels compiled here)."""
     return t.is_cuda and t.element_size() == 4 and t.dtype != torch.bool and _kernels_here()
@@ -240,6 +256,22 @@ def record_values(t: torch.Tensor) -> torch.Tensor:
         return fingerprint_cuda(t)
     l2, mx = summaries(t)
     return torch.stack((fingerprint(t).view(torch.float64), l2, mx))
+
+
+def kept_array(t: torch.Tensor) -> np.ndarray:
+    """A record's tensor as kept in a trace: its values as a host array, bfloat16 as its int16 bit patterns
+    (NumPy has no bfloat16; ``kept_values`` reads them back)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.cpu().numpy().copy()
+
+
+def kept_values(a: np.ndarray, dtype: str) -> np.ndarray:
+    """A kept array's values as NumPy floats (``dtype``: the record's dtype name)."""
+    if dtype == "bfloat16":
+        return (a.astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return a
 
 
 class _Slots:
@@ -297,10 +329,12 @@ class Recorder(TorchDispatchMode):
 
     # -- control
     def step(self) -> None:
-        """Start the next step (the first call starts step 0; ops before it count as step 0)."""
+        """Start the next step (the first call starts step 0; ops before it count as step 0, their indices
+        continued by the step's)."""
         self._flush()
         self.step_no += 1
-        self.index = 0
+        if self.step_no > 0:
+            self.index = 0
         self._phase = "forward"
 
     @contextlib.contextmanager
@@ -334,8 +368,11 @@ class Recorder(TorchDispatchMode):
 
         from nnrand import routing
 
+        if self._hooks:
+            raise RuntimeError("nnrand.trace: this Recorder is already recording; a Recorder is entered once")
+        # always_call: a forward that raises still pops its module off the stack
         self._hooks = [mm.register_module_forward_pre_hook(self._pre),
-                       mm.register_module_forward_hook(self._post)]
+                       mm.register_module_forward_hook(self._post, always_call=True)]
         if self.ops == "routed":  # only the routed ops, from the routing's own overrides: no dispatch mode
             self._observing = routing.observe(self._observe)
             try:
@@ -347,11 +384,15 @@ class Recorder(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        self._remove_hooks()
-        self._flush()
-        if self.ops == "routed":
-            return self._observing.__exit__(*exc)
-        return super().__exit__(*exc)
+        try:
+            self._remove_hooks()
+            self._flush()
+        finally:   # the dispatch mode (or the observer) goes whatever the flush did
+            if self.ops == "routed":
+                self._observing.__exit__(*exc)
+            else:
+                super().__exit__(*exc)
+        return False
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:
@@ -389,7 +430,7 @@ class Recorder(TorchDispatchMode):
         codes = None   # coded at the first record: an op without tensor outputs adds no table entries
         try:
             for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor) and t.numel() and not t.is_sparse:
+                if _recordable(t):
                     if codes is None:
                         codes = (self._code("ops", op), self._code("modules", module), _PHASE[phase])
                     self._add(t, *codes, k, batch)
@@ -407,7 +448,12 @@ class Recorder(TorchDispatchMode):
         dtype = self._dtypes.get(t.dtype)
         if dtype is None:
             dtype = self._dtypes[t.dtype] = self._code("dtypes", str(t.dtype).replace("torch.", ""))
-        self.rows.append((step, phase, self.index, op, module, k, shape, dtype))
+        row = (step, phase, self.index, op, module, k, shape, dtype)
+        kept = None
+        if self.keep and (step, PHASES[phase], self.index) in self.keep:
+            kept = kept_array(t)
+        # the row is added once its value is certain: a record that fails adds nothing (rows and values
+        # stay aligned for an op whose error the caller catches)
         if _fused(t):
             index = t.get_device()
             slots = self.slots.get(index) or self.slots.setdefault(index, _Slots(t.device))
@@ -415,13 +461,15 @@ class Recorder(TorchDispatchMode):
                 _launch(batch)
             if not batch:
                 batch += (index, [], [])
+            ptr = slots.next_ptr()
             batch[1].append(t)
-            batch[2].append(slots.next_ptr())
+            batch[2].append(ptr)
             self.pending.append((index, slots.used - 1))
         else:
             self.pending.append(record_values(t))
-        if self.keep and (step, PHASES[phase], self.index) in self.keep:
-            self.tensors[len(self.rows) - 1] = t.detach().cpu().numpy().copy()
+        self.rows.append(row)
+        if kept is not None:
+            self.tensors[len(self.rows) - 1] = kept
 
     def _code(self, table: str, value: str) -> int:
         t = self.tables[table]
@@ -543,10 +591,16 @@ class Trace:
 def load(path: str | Path) -> Trace:
     path = Path(path)
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with contextlib.ExitStack() as stack:
+            z = np.load(path, allow_pickle=False)
+            if not isinstance(z, np.lib.npyio.NpzFile):   # a plain .npy array
+                raise TraceFormatError(f"{path}: not an nnrand trace (a NumPy array file, not an archive)")
+            stack.enter_context(z)
             if "header" not in z.files:
                 raise TraceFormatError(f"{path}: not an nnrand trace (no header)")
             header = json.loads(bytes(z["header"]).decode())
+            if not isinstance(header, dict):
+                raise TraceFormatError(f"{path}: not an nnrand trace (its header is not a JSON object)")
             if header.get("format") != FORMAT:
                 raise TraceFormatError(f"{path}: not an nnrand trace (format {header.get('format')!r})")
             if header.get("version") != VERSION:
@@ -558,21 +612,50 @@ def load(path: str | Path) -> Trace:
         raise
     except FileNotFoundError:
         raise
-    except (zipfile.BadZipFile, EOFError, KeyError, ValueError, OSError, json.JSONDecodeError) as e:
+    except (zipfile.BadZipFile, zlib.error, EOFError, KeyError, ValueError, OSError, TypeError,
+            json.JSONDecodeError) as e:
         raise TraceFormatError(f"{path}: not a complete nnrand trace ({type(e).__name__}: {e}); truncated or "
                                "not written by nnrand.trace") from None
     n = len(cols["fp"])
     if any(len(v) != n for v in cols.values()) or header.get("records") != n:
         raise TraceFormatError(f"{path}: columns of different lengths: the file is damaged")
+    for col, size in (("op", _table_len(header, "ops")), ("module", _table_len(header, "modules")),
+                      ("shape", _table_len(header, "shapes")), ("dtype", _table_len(header, "dtypes")),
+                      ("phase", len(PHASES))):
+        if size is None:
+            raise TraceFormatError(f"{path}: the header has no {col} table: the file is damaged")
+        if n and (int(cols[col].min()) < 0 or int(cols[col].max()) >= size):
+            raise TraceFormatError(f"{path}: {col} codes outside their table ({size} entries): the file is damaged")
     return Trace(header, cols, tensors, str(path))
 
 
-def ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
-    """Largest distance in units in the last place between two float32 arrays (ordered bit patterns)."""
-    def ordered(x):
-        i = np.ascontiguousarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
-        return np.where(i < 0, -(i & 0x7FFFFFFF), i)
-    return int(np.max(np.abs(ordered(a) - ordered(b)))) if a.size else 0
+def _table_len(header: dict, name: str) -> int | None:
+    t = header.get(name)
+    return len(t) if isinstance(t, list) else None
+
+
+_ULP_INT = {"float16": np.int16, "bfloat16": np.int16, "float32": np.int32, "float64": np.int64}
+
+
+def ulp_distance(a: np.ndarray, b: np.ndarray, dtype: str = "float32") -> int:
+    """Largest distance in units in the last place between two arrays of floating dtype ``dtype``
+    (float16, bfloat16 as kept: its int16 bit patterns, float32, float64), over ordered bit patterns:
+    -0.0 and +0.0 are 0 apart, the smallest subnormals of either sign 2."""
+    if dtype not in _ULP_INT:
+        raise ValueError(f"ulp_distance: dtype must be one of {', '.join(_ULP_INT)}, got {dtype!r}")
+    it = _ULP_INT[dtype]
+    bits = np.iinfo(it).bits
+
+    def ordered(x):   # the bit patterns as unsigned keys in the order of the values: 2^63 -+ magnitude
+        x = np.ascontiguousarray(x)
+        i = (x if dtype == "bfloat16" else x.astype(dtype, copy=False)).view(it).astype(np.int64)
+        magnitude = (i & ((1 << (bits - 1)) - 1)).astype(np.uint64)
+        middle = np.uint64(1 << 63)
+        return np.where(i < 0, middle - magnitude, middle + magnitude)
+    if not a.size:
+        return 0
+    ka, kb = ordered(a), ordered(b)
+    return int(np.max(np.where(ka > kb, ka - kb, kb - ka)))
 
 
 def diff(a: Trace, b: Trace) -> dict:
@@ -595,19 +678,26 @@ def diff(a: Trace, b: Trace) -> dict:
            "l2": (float(a.cols["l2"][first]), float(b.cols["l2"][first])),
            "maxabs": (float(a.cols["maxabs"][first]), float(b.cols["maxabs"][first]))}
     if first in a.tensors and first in b.tensors:
+        dtype = a.header["dtypes"][a.cols["dtype"][first]]
         ta, tb = a.tensors[first], b.tensors[first]
-        if ta.dtype == np.float32:
-            out["max_ulp"] = ulp_distance(ta, tb)
-        ref = float(np.linalg.norm(tb.astype(np.float64)))
-        out["rel_l2"] = float(np.linalg.norm(ta.astype(np.float64) - tb.astype(np.float64)) / ref) if ref else None
+        if dtype in _ULP_INT and ta.shape == tb.shape:
+            out["max_ulp"] = ulp_distance(ta, tb, dtype)
+        va, vb = kept_values(ta, dtype).astype(np.float64), kept_values(tb, dtype).astype(np.float64)
+        ref = float(np.linalg.norm(vb))
+        out["rel_l2"] = float(np.linalg.norm(va - vb) / ref) if ref and np.isfinite(ref) else None
     steps = a.cols["step"]
     per_step = []
     for s in np.unique(steps):
         sel = steps == s
         l2a, l2b = a.cols["l2"][sel], b.cols["l2"][sel]
-        rel = np.abs(l2a - l2b) / np.maximum(np.abs(l2b), np.finfo(np.float64).tiny)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rel = np.abs(l2a - l2b) / np.maximum(np.abs(l2b), np.finfo(np.float64).tiny)
+        # records with equal bytes count 0 (an Inf or NaN summary of equal outputs is no difference);
+        # a relative difference that is not finite is left out (None where no record has a finite one)
+        rel = rel[differ[sel] & np.isfinite(rel)]
         per_step.append({"step": int(s), "records": int(sel.sum()), "differ": int(differ[sel].sum()),
-                         "max_rel_l2_summary": float(rel.max()) if rel.size else 0.0})
+                         "max_rel_l2_summary": float(rel.max()) if rel.size else (0.0 if not differ[sel].any()
+                                                                                  else None)})
     out["per_step"] = per_step
     params = np.array([a.header["ops"][i] == "parameter" for i in a.cols["op"]], dtype=bool)
     if params.any():
@@ -643,7 +733,9 @@ def format_diff(d: dict) -> str:
                  "of an L2 summary")
     for s in d["per_step"]:
         w = f"{s['params_differ']:>4} / {s['params']:<4}" if "params" in s else "-"
-        lines.append(f"    step {s['step']:>4}: {s['differ']:>6} / {s['records']:<6} {w} {s['max_rel_l2_summary']:.3g}")
+        rel = s["max_rel_l2_summary"]
+        lines.append(f"    step {s['step']:>4}: {s['differ']:>6} / {s['records']:<6} {w} "
+                     f"{'-' if rel is None else format(rel, '.3g')}")
     return "\n".join(lines)
 
 
@@ -657,7 +749,8 @@ def plot(d: dict, path: str | Path) -> Path:
     steps = [s["step"] for s in d.get("per_step", [])]
     ax[0].plot(steps, [s["differ"] / max(1, s["records"]) for s in d.get("per_step", [])], marker="o")
     ax[0].set(xlabel="step", ylabel="fraction of records differing", ylim=(0, 1.02))
-    ax[1].semilogy(steps, [max(s["max_rel_l2_summary"], 1e-18) for s in d.get("per_step", [])], marker="o")
+    rel = [s["max_rel_l2_summary"] for s in d.get("per_step", [])]
+    ax[1].semilogy(steps, [np.nan if r is None else max(r, 1e-18) for r in rel], marker="o")
     ax[1].set(xlabel="step", ylabel="largest relative L2 summary difference")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -924,7 +1017,7 @@ lockstep runs two replicas that differ on one axis (kernel, init, order, aug or 
 
 
 def cli(argv: list[str] | None = None) -> int:
-    from nnrand import routing, train
+    from nnrand import autotune, data, noise, routing, runio, train
 
     argv = list(sys.argv[1:] if argv is None else argv)
     top = argparse.ArgumentParser(prog="python -m nnrand.trace", description=__doc__.splitlines()[0],
@@ -982,8 +1075,11 @@ def cli(argv: list[str] | None = None) -> int:
             d = lockstep(cfg, args.vary, args.steps, args.out_dir, ops=args.ops, keep=args.keep)
         else:
             path = record_training(cfg, args.steps, args.output, ops=args.ops)
-    except (train.ConfigError, routing.RoutingError) as e:
+    except (train.ConfigError, routing.RoutingError, runio.DiskSpaceError, runio.CheckpointError, data.DatasetError,
+            autotune.AutotuneError, noise.PerturbIndexError) as e:   # as nnrand.train's command line
         p.exit(2, f"{p.prog}: error: {e}\n")
+    except routing.NondeterministicOpError as e:
+        p.exit(3, f"{p.prog}: error: {e}\n")
     if argv[0] == "lockstep":
         print(f"replicas differing in {args.vary}: {d['traces'][0]} vs {d['traces'][1]}")
         print(format_diff(d))

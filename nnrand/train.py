@@ -1061,7 +1061,7 @@ def cli(argv: list[str] | None = None) -> int:
         cfg = resolve(config_from_args(args))
         out = main(cfg)
     except (ConfigError, routing.RoutingError, runio.DiskSpaceError, runio.CheckpointError, data.DatasetError,
-            autotune.AutotuneError) as e:
+            autotune.AutotuneError, noise.PerturbIndexError) as e:
         p.exit(2, f"{p.prog}: error{who}: {e}\n")
     except routing.NondeterministicOpError as e:
         p.exit(3, f"{p.prog}: error{who}: {e}\n")

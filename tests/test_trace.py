@@ -300,3 +300,158 @@ def test_a_record_failing_midway_still_launches_the_rows_reserved_before_it(monk
     with pytest.raises(RuntimeError, match="no values"):
         rec.snapshot([("a", torch.ones(2)), ("b", torch.ones(2, dtype=torch.float64))])
     assert launched == [2, 1]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")   # torch's beta/prototype notes for CSR, nested, quantized
+def test_outputs_without_dense_bytes_are_skipped_and_complex_ones_recorded():
+    """Sparse CSR, nested, quantized and meta outputs are not recorded (the user's op runs as without the
+    recorder); complex outputs are fingerprinted as (real, imaginary) pairs, their L2 and max over the
+    moduli."""
+    with trace.Recorder() as rec:
+        rec.step()
+        torch.eye(3).to_sparse_csr()
+        torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+        torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8)
+        torch.empty(3, device="meta") + 1
+        z = torch.tensor([3 + 4j, 0j], dtype=torch.complex128) * 1
+    arrays = rec.arrays()
+    ops = json.loads(bytes(arrays["header"]).decode())["ops"]
+    recorded_ops = [ops[i] for i in arrays["op"]]
+    assert "mul" in recorded_ops and len(arrays["fp"]) == len(arrays["step"])
+    k = len(recorded_ops) - 1 - recorded_ops[::-1].index("mul")
+    assert arrays["l2"][k] == 5.0 and arrays["maxabs"][k] == 5.0
+    assert arrays["fp"][k] == int(trace.fingerprint(z))
+    assert int(trace.fingerprint(z)) == int(trace.fingerprint(torch.view_as_real(z)))
+
+
+def test_a_failing_record_leaves_rows_and_values_aligned(monkeypatch, tmp_path):
+    """An output whose record raises adds no row: when the caller catches the error and goes on, the
+    trace still saves and loads with every row's values."""
+    real = trace.record_values
+
+    def picky(t):
+        if t.dtype == torch.float64:
+            raise RuntimeError("no values for this output")
+        return real(t)
+
+    monkeypatch.setattr(trace, "record_values", picky)
+    with trace.Recorder() as rec:
+        rec.step()
+        torch.ones(3) * 2
+        with pytest.raises(RuntimeError, match="no values"):
+            torch.ones(3, dtype=torch.float64) * 2   # the float64 ones: its record fails, so does the op
+        torch.ones(2) + 1
+    t = trace.load(rec.save(tmp_path / "t.trace"))
+    assert len(t) == 4   # ones, mul, ones, add: the float32 records, each with its values
+    assert {t.header["dtypes"][i] for i in t.cols["dtype"]} == {"float32"}
+    assert t.cols["l2"][1] == float(torch.linalg.vector_norm(torch.full((3,), 2.0, dtype=torch.float64)))
+
+
+def test_exit_leaves_no_dispatch_mode_behind_when_the_flush_fails(monkeypatch):
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    rec = trace.Recorder()
+
+    def broken():
+        raise RuntimeError("transfer failed")
+
+    with pytest.raises(RuntimeError, match="transfer failed"):
+        with rec:
+            rec.step()
+            torch.ones(2) * 2
+            monkeypatch.setattr(rec, "_flush", broken)
+    assert not _get_current_dispatch_mode_stack() and not rec._hooks
+    with pytest.raises(RuntimeError, match="entered once"):
+        monkeypatch.undo()
+        with rec:
+            with rec:
+                pass
+    assert not _get_current_dispatch_mode_stack() and not rec._hooks
+
+
+def test_a_module_whose_forward_raises_is_left_off_the_path():
+    class Bad(torch.nn.Module):
+        def forward(self, x):
+            torch.ones(1) * 3
+            raise ValueError("bad input")
+
+    lin = torch.nn.Linear(2, 2)
+    with trace.Recorder() as rec:
+        rec.step()
+        with pytest.raises(ValueError, match="bad input"):
+            Bad()(torch.ones(2))
+        rec.step()
+        lin(torch.ones(1, 2)).sum()
+    arrays = rec.arrays()
+    modules = json.loads(bytes(arrays["header"]).decode())["modules"]
+    step1 = [modules[m] for m, s in zip(arrays["module"], arrays["step"]) if s == 1]
+    assert step1 and "Bad" not in " ".join(step1) and "Linear" in step1
+
+
+def test_ops_before_the_first_step_keep_their_own_indices():
+    with trace.Recorder() as rec:
+        torch.ones(2) * 2            # before step(): step 0
+        rec.step()
+        torch.ones(2) * 3
+    arrays = rec.arrays()
+    pairs = list(zip(arrays["step"].tolist(), arrays["index"].tolist()))
+    assert len(set(pairs)) == len(pairs) and {s for s, _ in pairs} == {0}
+
+
+def test_kept_bfloat16_and_ulps_of_every_float_dtype():
+    x = torch.tensor([1.0, -2.0, 0.0], dtype=torch.bfloat16)
+    kept = trace.kept_array(x)
+    assert kept.dtype == np.int16 and np.array_equal(trace.kept_values(kept, "bfloat16"), [1.0, -2.0, 0.0])
+    up = trace.kept_array(torch.nextafter(x, torch.full_like(x, 10.0)))
+    assert trace.ulp_distance(kept, up, "bfloat16") == 1
+    assert trace.ulp_distance(np.array([1.0]), np.array([np.nextafter(1.0, 2.0)]), "float64") == 1
+    assert trace.ulp_distance(np.array([-0.0], np.float16), np.array([0.0], np.float16), "float16") == 0
+    tiny = np.float32(1e-45)
+    assert trace.ulp_distance(np.array([-tiny]), np.array([tiny]), "float32") == 2
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        trace.ulp_distance(np.zeros(1), np.zeros(1), "int32")
+
+
+def test_foreign_and_damaged_files_fail_as_trace_format_errors(tmp_path):
+    np.save(tmp_path / "plain.npy", np.zeros(3))
+    with pytest.raises(trace.TraceFormatError, match="NumPy array file"):
+        trace.load(tmp_path / "plain.npy")
+    arrays = _arrays(5, seed=4)
+    arrays["header"] = np.frombuffer(json.dumps([1, 2]).encode(), dtype=np.uint8)
+    with pytest.raises(trace.TraceFormatError, match="not a JSON object"):
+        trace.load(_write(tmp_path / "list.trace", arrays))
+    arrays = _arrays(5, seed=4)
+    arrays["op"][2] = 7   # past the two-entry op table
+    with pytest.raises(trace.TraceFormatError, match="op codes outside"):
+        trace.load(_write(tmp_path / "codes.trace", arrays))
+    arrays = _arrays(5, seed=4)
+    hdr = json.loads(bytes(arrays["header"]).decode())
+    del hdr["modules"]
+    arrays["header"] = np.frombuffer(json.dumps(hdr).encode(), dtype=np.uint8)
+    with pytest.raises(trace.TraceFormatError, match="no module table"):
+        trace.load(_write(tmp_path / "tables.trace", arrays))
+    # a corrupted byte inside a compressed member: zlib's error, as a format error
+    good = _write(tmp_path / "good.trace", _arrays(200, seed=5)).read_bytes()
+    at = good.index(b"fp.npy") + 200
+    (tmp_path / "flip.trace").write_bytes(good[:at] + bytes([good[at] ^ 0xFF]) + good[at + 1:])
+    with pytest.raises(trace.TraceFormatError):
+        trace.load(tmp_path / "flip.trace")
+
+
+def test_infinite_summaries_of_equal_outputs_do_not_hide_the_spread(tmp_path):
+    a = _arrays(4, seed=6)
+    a["l2"][0] = np.inf            # the same Inf in both runs
+    b = {k: v.copy() for k, v in a.items()}
+    b["fp"][2] += 1
+    b["l2"][2] = a["l2"][2] * 2    # the one real difference: relative 0.5
+    d = trace.diff(trace.load(_write(tmp_path / "a.trace", a)), trace.load(_write(tmp_path / "b.trace", b)))
+    assert d["per_step"][0]["max_rel_l2_summary"] == 0.5
+    json.loads(json.dumps(d, allow_nan=False))   # valid JSON: no NaN or Inf in the comparison
+
+
+def test_cli_refuses_a_perturb_index_past_the_parameters(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        trace.cli(["record", "--device", "cpu", "--model", "small", "--n-train", "32", "--n-test", "16",
+                   "--batch-size", "16", "--steps", "1", "--perturb-ulp", "--perturb-index", "999999999",
+                   "--no-progress", "-o", str(tmp_path / "p.trace")])
+    assert e.value.code == 2
