@@ -49,6 +49,15 @@ def member_dir(out: str | os.PathLike, name: str, member: int) -> Path:
 # Atomic writes
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()   # what open() would give a new file under the process's umask
+
+
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,6 +67,8 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+            if hasattr(os, "fchmod"):   # mkstemp gives 0600, which would keep the run from the user's group
+                os.fchmod(f.fileno(), _FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         with _suppress():

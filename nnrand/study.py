@@ -359,7 +359,17 @@ def make_study(*, device: str | None = None, quick: bool | None = None, members:
 
 
 def member_done(study: Study, p: Planned, member: int) -> bool:
-    return runio.is_finished(runio.member_dir(study.runs_dir, p.name, member))
+    """Whether the member is finished. One finished under another config (the study's epochs or sizes
+    changed, its runs directory kept) is an error, not a result of this study."""
+    d = runio.member_dir(study.runs_dir, p.name, member)
+    if not runio.is_finished(d):
+        return False
+    cfg = train.resolve(train.Config(**member_config(p, member, runs_dir=study.runs_dir, progress=False)))
+    differ = train.finished_config_diff(d, cfg)
+    if differ:
+        raise train.ConfigError(f"{d} holds a finished member run under another config (differs in: "
+                                f"{', '.join(differ)}); use another --runs-dir, or remove that directory")
+    return True
 
 
 def done_count(study: Study) -> int:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import math
 import os
@@ -114,7 +115,7 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NESTEROV = True
 # Config fields that may differ between a run and its resumption.
 RESUMABLE_CHANGES = ("out", "resume", "progress", "report", "interrupt_at_step", "members", "first_member",
-                     "data_dir", "download", "dist_timeout", "eval_every")
+                     "data_dir", "download", "dist_timeout", "eval_every", "name", "save_epoch_weights")
 # Micro-batches per global batch when --world-invariant has no --micro-batch: runs on 1, 2 and 4
 # processes then give the same bits.
 DEFAULT_MICRO_BATCHES = 4
@@ -183,6 +184,13 @@ def resolve(cfg: Config) -> Config:
             raise ConfigError(f"--{key.replace('_', '-')} must be a finite number >= 0")
     if cfg.first_member < 0 or cfg.perturb_index < 0:
         raise ConfigError("--first-member and --perturb-index must be >= 0")
+    for key in ("seed", "data_seed"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(cfg, key)}")
+    if cfg.momentum >= 1:
+        raise ConfigError(f"--momentum must be below 1, got {cfg.momentum}")
+    if cfg.name is not None and (not cfg.name or cfg.name in (".", "..") or "/" in cfg.name or "\\" in cfg.name):
+        raise ConfigError(f"--name must be a plain directory name (no '/', not '.' or '..'), got {cfg.name!r}")
     if cfg.cudnn_heuristic not in (None, *noise.CUDNN_HEURISTICS):
         raise ConfigError(f"--cudnn-heuristic must be one of {', '.join(noise.CUDNN_HEURISTICS)}, "
                           f"got {cfg.cudnn_heuristic!r}")
@@ -562,6 +570,18 @@ def _set_rng_states(states: dict, kernel_rng) -> None:
 def member_config(cfg: Config, member: int, seeds: noise.MemberSeeds, route: routing.Routing,
                   flags: dict, world: distributed.World | None = None) -> dict:
     world = world or distributed.World()
+    return {"member": member, "config": config_record(cfg, world), "seeds": seeds.as_dict(),
+            "routing": route.describe(),
+            "flags": dict(flags, channels_last=cfg.channels_last, nesterov=NESTEROV, world_size=world.size,
+                          cudnn_heuristic=cfg.cudnn_heuristic,
+                          world_invariant=cfg.world_invariant, micro_batch=cfg.micro_batch),
+            "fingerprint": fingerprint(cfg.device)}
+
+
+def config_record(cfg: Config, world: distributed.World | None = None) -> dict:
+    """The config fields a member's results depend on (``config.json``'s "config"; a resume, or a finished
+    member taken as this run's, must match them)."""
+    world = world or distributed.World()
     hp = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_CHANGES}
     if hp.get("amp") is None:
         hp.pop("amp", None)   # float32 runs' configs read as before --amp existed (their checkpoints resume)
@@ -572,11 +592,37 @@ def member_config(cfg: Config, member: int, seeds: noise.MemberSeeds, route: rou
         hp.pop("cudnn_heuristic")   # PyTorch's default: as before the option existed
     if world.distributed and not cfg.world_invariant:
         hp["world_size"] = world.size   # plain DDP: another world size is another run
-    return {"member": member, "config": hp, "seeds": seeds.as_dict(), "routing": route.describe(),
-            "flags": dict(flags, channels_last=cfg.channels_last, nesterov=NESTEROV, world_size=world.size,
-                          cudnn_heuristic=cfg.cudnn_heuristic,
-                          world_invariant=cfg.world_invariant, micro_batch=cfg.micro_batch),
-            "fingerprint": fingerprint(cfg.device)}
+    return hp
+
+
+def finished_config_diff(directory: Path, cfg: Config) -> list[str]:
+    """The fields in which the finished member in ``directory`` ran under another config than ``cfg``
+    (empty: the same, or no record to tell)."""
+    path = Path(directory) / "config.json"
+    done = runio.read_json(path).get("config") if path.exists() else None
+    return _config_diff(done, config_record(cfg)) if done is not None else []
+
+
+# Fingerprint fields under which the same code may give other bits (a resume across them is recorded)
+BIT_AFFECTING = ("torch", "numpy", "numba", "cuda", "cudnn", "cupy", "device", "gpu", "cpu_threads")
+
+
+def _config_diff(a: dict, b: dict) -> list[str]:
+    """The fields where two member configs differ, compared as their JSON forms (a config read back from
+    config.json has lists where the running one has tuples)."""
+    a, b = (json.loads(json.dumps(c, default=runio._json_default)) for c in (a, b))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def merge_coverage(*parts: dict) -> dict[str, dict[str, int]]:
+    """Coverage counts (``Coverage.as_dict()`` form) of several processes of one run, added up."""
+    out: dict[str, dict[str, int]] = {}
+    for part in parts:
+        for op, counts in part.items():
+            into = out.setdefault(op, {})
+            for where, n in counts.items():
+                into[where] = into.get(where, 0) + n
+    return {op: dict(sorted(c.items())) for op, c in sorted(out.items())}
 
 
 def _rank_seed(seed: int, world: distributed.World) -> int:
@@ -595,7 +641,17 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     main_rank = world.is_main
     log = log or logging.getLogger("nnrand.train")
     d = runio.member_dir(cfg.out, cfg.name, member)
+    specs = {s: getattr(cfg, f"{s}_seed") for s in noise.SOURCES}
+    seeds = noise.member_seeds(specs, cfg.seed, member)
+    meta = member_config(cfg, member, seeds, route, flags, world)
     if cfg.resume and runio.is_finished(d):
+        # a finished member is this run's only if its config is (a changed --epochs or --lr under the same
+        # --name would otherwise return the old result as the new one's)
+        done = runio.read_json(d / "config.json").get("config") if (d / "config.json").exists() else None
+        differ = _config_diff(done, meta["config"]) if done is not None else []
+        if differ:
+            raise ConfigError(f"{d} holds a finished run with a different config (differs in: {', '.join(differ)}); "
+                              "use another --name or --no-resume")
         return runio.read_json(d / "result.json")
     if not cfg.resume and main_rank:
         for f in ("checkpoint.pt", "result.json"):
@@ -603,8 +659,6 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     group.barrier()
     device = torch.device(cfg.device)
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    specs = {s: getattr(cfg, f"{s}_seed") for s in noise.SOURCES}
-    seeds = noise.member_seeds(specs, cfg.seed, member)
     model, opt = build(cfg, seeds, ds.num_classes, fmt)
     precision = functools.partial(autocast, cfg)
     scaler = grad_scaler(cfg)
@@ -616,17 +670,16 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     warmup = max(1, min(int(cfg.warmup_epochs * steps), total // 2))
     local = cfg.batch_size // world.size
 
-    meta = member_config(cfg, member, seeds, route, flags, world)
     ckpt = runio.load_checkpoint(d) if cfg.resume else None
     if ckpt is None:
         meta["perturb"] = noise.perturb_one_ulp(model, cfg.perturb_index) if cfg.perturb_ulp else None
         state = {"epoch": 0, "i": 0, "step": 0, "metrics": [], "checksums": [], "acc": None,
-                 "aug_state": None, "perturb": meta["perturb"]}
+                 "aug_state": None, "perturb": meta["perturb"], "fingerprint": meta["fingerprint"],
+                 "coverage": {}}
         state["checksums"].append({"step": 0, "epoch": 0, "checksum": int(checksum(model))})
     else:
         if ckpt["config"] != meta["config"]:
-            diff = sorted(k for k in set(meta["config"]) | set(ckpt["config"])
-                          if ckpt["config"].get(k) != meta["config"].get(k))
+            diff = _config_diff(ckpt["config"], meta["config"])
             raise ConfigError(f"{d} holds a run with a different config (differs in: {', '.join(diff)}); "
                               "use another --name or --no-resume")
         model.load_state_dict(ckpt["model"])
@@ -637,6 +690,14 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
         state = ckpt["state"]
         meta["perturb"] = state["perturb"]
         meta["resumed_from"] = {"epoch": state["epoch"], "i": state["i"], "step": state["step"]}
+        first = state.setdefault("fingerprint", None)   # None: a checkpoint written before it was kept
+        changed = {k: [first.get(k), meta["fingerprint"].get(k)] for k in BIT_AFFECTING
+                   if first is not None and first.get(k) != meta["fingerprint"].get(k)}
+        if changed:   # the run goes on, recorded: these change the bits from the resume on
+            meta["resumed_from"]["fingerprint_changes"] = changed
+            log.warning("member %d resumes where %s differ%s from the start of the run (old, new: %s): the bits "
+                        "from here on may differ from an uninterrupted run's", member, ", ".join(changed),
+                        "s" if len(changed) == 1 else "", changed)
     tuner = None
     if route.tuned:   # per-shape conv choices: the checkpoint's on resume, else the plan's, else timed
         pinned = (ckpt or {}).get("autotune") or (autotune.read_record(cfg.autotune_plan) if cfg.autotune_plan
@@ -670,6 +731,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
         if ddp is not None and gen is not None:   # every rank's augmentation stream (none at an epoch's end)
             gen_state = group.gather_objects(gen_state)
         state["aug_state"] = gen_state
+        state["coverage"] = coverage_so_far()
         if main_rank:
             record = None
             if tuner is not None:   # the choices made so far, in the checkpoint and the run's config.json
@@ -679,6 +741,11 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                 "config": meta["config"], "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "rng": _rng_states(kernel_rng), "state": state, "autotune": record,
                 "scaler": None if scaler is None else scaler.state_dict()})
+
+    before = state.setdefault("coverage", {})   # the routing's counts of the processes before this one
+
+    def coverage_so_far() -> dict:
+        return merge_coverage(before, routed.coverage.as_dict())
 
     def step_metrics(loss_sum, correct):
         if ddp is not None:   # every rank's share of the global batch
@@ -798,7 +865,8 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
               "final_checksum": final, "logits_hash": logits_hash(logits),
               "step_time_ms": statistics.median(m["step_time_ms"] for m in state["metrics"]),
               "train_time_s": sum(m["epoch_time_s"] for m in state["metrics"]),
-              "coverage": routed.coverage.as_dict(), "uncovered": routed.coverage.uncovered,
+              "coverage": (cov := coverage_so_far()), "uncovered": sorted(op for op, c in cov.items()
+                                                                          if c.get(routing.UNCOVERED)),
               "world_size": world.size, "world_invariant": cfg.world_invariant,
               "fingerprint": meta["fingerprint"]}
     if tuner is not None:
@@ -1068,7 +1136,8 @@ def cli(argv: list[str] | None = None) -> int:
     except distributed.RankFailure as e:
         p.exit(4, f"{p.prog}: error: {e}\n")
     except KeyboardInterrupt as e:
-        print(f"\n{e or 'interrupted'}{who}; rerun the same command to resume", file=sys.stderr)
+        how = "rerun the same command to resume" if args.resume else "rerun it without --no-resume to resume"
+        print(f"\n{e or 'interrupted'}{who}; {how}", file=sys.stderr)
         return 130
     if not world.is_main:
         return 0

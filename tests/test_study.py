@@ -231,6 +231,21 @@ def member_bits(s: study.Study) -> dict:
     return out
 
 
+def test_finished_members_of_another_config_are_an_error_not_a_result(tmp_path):
+    """The same runs directory after the grid's sizes changed: members finished under the old epochs are
+    refused, naming the field, instead of being mixed with new ones in the study's results."""
+    s = study.make_study(device="cpu", grid_file=str(tiny_grid(tmp_path, configs=("fixed",))),
+                         runs_dir=str(tmp_path / "runs"), out=str(tmp_path / "reports" / "div.md"))
+    assert study.run(s, progress=False)["trained"] == 2
+    grid = json.loads((tmp_path / "grid.json").read_text())
+    grid["sizes"] = {**grid["sizes"], "epochs": grid["sizes"].get("epochs", 1) + 1}
+    (tmp_path / "grid.json").write_text(json.dumps(grid))
+    changed = study.make_study(device="cpu", grid_file=str(tmp_path / "grid.json"), runs_dir=str(tmp_path / "runs"),
+                               out=str(tmp_path / "reports" / "div.md"))
+    with pytest.raises(train.ConfigError, match=r"another config \(differs in: epochs\)"):
+        study.run(changed, progress=False)
+
+
 def test_jobs_match_the_sequential_run_and_stop_at_the_budget(tmp_path):
     (tmp_path / "seq").mkdir()
     (tmp_path / "par").mkdir()

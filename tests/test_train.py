@@ -193,6 +193,24 @@ def test_finished_members_are_skipped(tmp_path):
     assert (d / "result.json").stat().st_mtime_ns == stamp
 
 
+def test_a_finished_member_of_another_config_is_refused(tmp_path):
+    """A finished member is the run's result only under its own config: the same --name with another
+    --epochs or --lr is refused, naming the fields, instead of returning the old result."""
+    train.main(tiny(tmp_path, "done", kernel="native"))
+    with pytest.raises(train.ConfigError, match=r"finished run with a different config \(differs in: epochs, lr\)"):
+        train.main(tiny(tmp_path, "done", kernel="native", epochs=2, lr=0.05))
+    train.main(tiny(tmp_path, "done", kernel="native", report=True))   # a harmless change: the same result
+
+
+def test_bad_seeds_names_and_momentum_are_config_errors(tmp_path):
+    for kw, named in ((dict(seed=-1), "--seed must be >= 0"), (dict(data_seed=-2), "--data-seed must be >= 0"),
+                      (dict(momentum=1.0), "--momentum must be below 1"),
+                      (dict(name="../elsewhere"), "--name must be a plain directory name"),
+                      (dict(name="a/b"), "--name must be a plain directory name")):
+        with pytest.raises(train.ConfigError, match=named):
+            train.resolve(train.Config(**{**tiny(tmp_path, "x"), **kw}))
+
+
 def test_resume_with_another_config_is_refused(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         train.main(tiny(tmp_path, "cfg", kernel="native", epochs=2, interrupt_at_step=3))
@@ -297,6 +315,25 @@ def test_resume_is_bitwise_identical(tmp_path, interrupt_at):
         for col in ("epoch", "step", "train_loss", "train_top1", "test_loss", "test_top1", "test_top5"):
             assert ra[col] == rb[col], col
     assert runio.read_json(b / "config.json")["resumed_from"]["step"] == interrupt_at
+    # the routing's counts cover both processes: as many routed calls as the uninterrupted run's
+    ra, rb = runio.read_json(a / "result.json"), runio.read_json(b / "result.json")
+    assert rb["coverage"] == ra["coverage"] and ra["coverage"] and rb["uncovered"] == ra["uncovered"]
+
+
+def test_a_resume_under_other_cpu_threads_is_recorded(tmp_path):
+    """The thread count changes a CPU run's bits: a resume under another one goes on, with the change
+    recorded in config.json (old and new) beside the step it resumed at."""
+    kw = dict(epochs=2, kernel="native")
+    threads = torch.get_num_threads()
+    with pytest.raises(KeyboardInterrupt):
+        train.main(tiny(tmp_path, "threads", interrupt_at_step=3, **kw))
+    torch.set_num_threads(threads + 1)
+    try:
+        train.main(tiny(tmp_path, "threads", **kw))
+    finally:
+        torch.set_num_threads(threads)
+    resumed = runio.read_json(runio.member_dir(tmp_path, "threads", 0) / "config.json")["resumed_from"]
+    assert resumed["fingerprint_changes"] == {"cpu_threads": [threads, threads + 1]}
 
 
 def test_atomic_resume_with_seeded_cpu_order_is_identical(tmp_path):
@@ -430,3 +467,20 @@ def test_cudnn_heuristic_is_chosen_before_cuda_and_recorded(tmp_path, monkeypatc
     rec = train.member_config(cfg, 0, seeds, routing.resolve("tree"), {})
     assert rec["config"]["cudnn_heuristic"] == "b" and rec["flags"]["cudnn_heuristic"] == "b"
     assert train.parser().parse_args(["--cudnn-heuristic", "b"]).cudnn_heuristic == "b"
+
+
+def test_atomic_writes_get_the_permissions_of_a_plain_open(tmp_path):
+    """Files a run writes through the atomic temp-and-rename path are readable as open() would make them
+    under the umask (mkstemp's own 0600 would hide a run from the user's group on a shared machine)."""
+    import os
+    import stat
+
+    mask = os.umask(0o022)
+    try:
+        runio.write_json(tmp_path / "r.json", {"a": 1})
+        (tmp_path / "plain.txt").write_text("x")
+    finally:
+        os.umask(mask)
+    want = stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode)
+    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == want == 0o644
+    assert not list(tmp_path.glob(".*.tmp"))
