@@ -129,6 +129,17 @@ def _col(w: pd.DataFrame, name: str) -> pd.Series:
     return w[name] if name in w.columns else pd.Series(math.nan, index=w.index)
 
 
+def _repeated(w: pd.DataFrame, op: str) -> bool:
+    """Whether ``op`` has measured distinct-result rows, each from at least two repeats (one run cannot
+    show a second result)."""
+    g = w[w["op"] == op]
+    if g.empty or "distinct_results" not in g:
+        return False
+    d = _col(g, "distinct_results")
+    n = _col(g, "n")[~d.isna()]
+    return bool(len(n)) and bool((n >= 2).all())
+
+
 def summary_rows(w: pd.DataFrame, ops: list[str], df: pd.DataFrame | None = None) -> tuple[list[list[str]], list[str]]:
     rows, nondet_ops = [], []
     for op in ops:
@@ -324,9 +335,11 @@ def render(df: pd.DataFrame, out: pathlib.Path, plots: bool = True) -> str:
     srows, nondet = summary_rows(w, ops, df)
     lines.append("## Summary\n")
     if nondet:
+        # deterministic only where something was measured, each time more than once
+        det = [o for o in ops if o not in nondet and _repeated(w, o)]
         lines.append(f"Nondeterministic on this backend (more than one distinct result on one input): "
                      f"**{', '.join(nondet)}**. Deterministic everywhere measured: "
-                     f"{', '.join(o for o in ops if o not in nondet) or 'none'}.\n")
+                     f"{', '.join(det) or 'none'}.\n")
     else:
         lines.append("No subject gave more than one distinct result on this backend.\n")
     lines.append(md_table(["op", "cases", "nondeterministic here (max distinct / repeats)",

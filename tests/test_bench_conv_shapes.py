@@ -2,6 +2,8 @@
 verdicts of the report, and the splice into reports/kernels.md that keeps the rest of the file."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bench import conv_shapes as cs
@@ -127,3 +129,19 @@ def test_heuristic_b_rows_are_keyed_apart_headed_and_set_before_cuda(monkeypatch
     monkeypatch.setenv(noise.HEURISTIC_ENV, "1")
     assert cs.main([]) == 0
     assert seen == [("1", "b"), ("0", "instant")]
+
+
+def test_a_shape_without_a_time_fails_the_shape_target_and_close_ratios_print_their_deciding_digits():
+    """A shape whose autotuned time is missing (NaN) is the worst shape, never skipped into a "met"; a
+    ratio that rounds onto its target prints the digits that decide it (1.304 against 1.3 reads 1.304)."""
+    rows = [_row("a", 10.0, 20.0, 11.0, 1.0, "tree"), _row("b", 5.0, 6.0, float("nan"), 1.0, "tree")]
+    net = {"model": "m", "batch": 2, "size": 8, "shapes": [{"count": 1}, {"count": 1}],
+           "layouts": {"nchw": {"rows": rows, "measured": {}}}}
+    t = cs.totals(net, "nchw")
+    assert t["worst"]["dgrad"] == (math.inf, "b")
+    assert "(target <= 1.3x each: NOT met)" in cs.render_section({"networks": {"m": net}, "fingerprint": {}})
+    rows = [_row("a", 10.0, 20.0, 13.04, 1.0, "tree")]
+    net = {"model": "m", "batch": 2, "size": 8, "shapes": [{"count": 1}],
+           "layouts": {"nchw": {"rows": rows, "measured": {}}}}
+    text = cs.render_section({"networks": {"m": net}, "fingerprint": {}})
+    assert "dgrad 1.304x (a)" in text and "(target <= 1.3x each: NOT met)" in text

@@ -246,3 +246,11 @@ def test_runs_below_one_are_refused(capsys):
     with pytest.raises(SystemExit) as e:
         bm.main(["--runs", "0"])
     assert e.value.code == 2 and "--runs must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_verdicts_print_the_digits_that_decide_them():
+    """A ratio that rounds onto its target is printed with the digits that decide the verdict (16.610 /
+    15.748 against 1.05: 1.055, NOT met), never as "1.05x (target <= 1.05x: NOT met)"."""
+    assert bm.decisive(16.610 / 15.748, 1.05) == "1.055"
+    assert bm.decisive(1.10, 1.10) == "1.10" and bm.decisive(1.04, 1.05) == "1.04"
+    assert bm.decisive(1.0499, 1.05) == "1.0499"   # met, and printed below the target

@@ -201,3 +201,13 @@ def test_paths_keep_cpu_results_apart(monkeypatch):
     assert results.stem("cpu", partial=True) == "kernels_cpu_partial"
     assert results.csv_path("kernels_cpu").name == "kernels_cpu.csv"
     assert results.report_path("kernels").name == "kernels.md"
+
+
+def test_only_ops_measured_more_than_once_are_called_deterministic():
+    """"Deterministic everywhere measured" needs distinct-result rows of two repeats or more: an op with
+    nothing measured, or measured once, is not claimed."""
+    import pandas as pd
+
+    w = pd.DataFrame({"op": ["a", "a", "b", "c"], "distinct_results": [1, 1, 1, math.nan], "n": [30, 30, 1, 30]})
+    assert report._repeated(w, "a") and not report._repeated(w, "b") and not report._repeated(w, "c")
+    assert not report._repeated(w, "d")
