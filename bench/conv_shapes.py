@@ -359,7 +359,8 @@ def render_section(data: dict) -> str:
                   "the algorithms of cuDNN's heuristic mode B)") if net.get("cudnn_heuristic") == "b" else ""
             out += [f"### {net['model']}, batch {net['batch']}, {net['size']} px, {layout}, "
                     f"{net.get('dtype', 'fp32')}{hb}", "",
-                    f"Measured at git {str(m.get('git_sha'))[:7]} on {m.get('date')}.", ""]
+                    f"Measured at git {str(m.get('git_sha'))[:7]} on {m.get('date')}"
+                    + (f", on {m['gpu']}" if m.get("gpu") and m["gpu"] != env.get("gpu") else "") + ".", ""]
             head = (["shape", "×n"] + [f"dX {c}" for c in (*PEERS, *variants)] + ["dX auto"] +
                     [f"dW {c}" for c in (*PEERS, *wvariants)] + ["dW auto"])
             out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -425,16 +425,25 @@ def targets(data: dict) -> list[str]:
     return out
 
 
+MEASURED = ("git_sha", "date", "gpu")   # what each row keeps of the run that measured it
+
+
 def _measured_line(data: dict) -> list[str]:
-    """Where rows come from runs at different commits, which row was measured when."""
+    """Which row was measured when and on which GPU, wherever that is not simply the header's run (rows
+    from several runs, or all from a run before the header's). A row that predates the GPU's record counts
+    as the header's GPU."""
+    env = data.get("fingerprint", {})
     by = {}
     for key, row in data.get("rows", {}).items():
         m = row.get("measured") or {}
-        by.setdefault((str(m.get("git_sha"))[:7], m.get("date")), []).append(key)
-    if len(by) < 2:
+        by.setdefault((str(m.get("git_sha"))[:7], m.get("date"), m.get("gpu") or env.get("gpu")), []).append(key)
+    header = (str(env.get("git_sha"))[:7], env.get("gpu"))
+    if not by or (len(by) == 1 and next(iter(by))[::2] == header):
         return []
-    return ["Rows measured in separate runs: " + "; ".join(f"{', '.join(keys)} at git {sha} ({date})"
-                                                           for (sha, date), keys in by.items()) + ".", ""]
+    gpus = len({g for _, _, g in by} | {env.get("gpu")}) > 1
+    return ["Rows measured in separate runs: " + "; ".join(
+        f"{', '.join(keys)} at git {sha}{f' on {gpu}' if gpus else ''} ({date})"
+        for (sha, date, gpu), keys in by.items()) + ".", ""]
 
 
 def render(data: dict) -> str:
@@ -571,9 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup >= args.steps:
         p.error("--warmup must be smaller than --steps")
     data = load()
-    for row in data["rows"].values():   # rows from an earlier run keep that run's commit and date
-        row.setdefault("measured", {k: data.get("fingerprint", {}).get(k) for k in ("git_sha", "date")})
-    data["fingerprint"] = fingerprint("cuda")
+    before = data.get("fingerprint", {})
+    for row in data["rows"].values():   # rows from an earlier run keep that run's commit, date and GPU
+        m = row.setdefault("measured", {k: before.get(k) for k in MEASURED})
+        m.setdefault("gpu", before.get("gpu"))
+    env = fingerprint("cuda")   # the header's once this run measures a row (else the file's stays)
     data["settings"] = {"runs": args.runs, "steps": args.steps, "warmup": args.warmup, "order": "rounds"}
     todo = to_measure(data["rows"], MODELS, only=args.only, fresh=args.fresh, amp=args.amp,
                       heuristic=args.cudnn_heuristic)
@@ -587,13 +598,14 @@ def main(argv: list[str] | None = None) -> int:
             if lost:
                 print(f"  {key}: the row's {', '.join(lost)} results are dropped (a row's ratios come from one "
                       "run: measure every mode to keep them)", flush=True)
+            data["fingerprint"] = env
             try:
                 data["rows"][key] = measure(case, args)
-                data["rows"][key]["measured"] = {k: data["fingerprint"].get(k) for k in ("git_sha", "date")}
             except Exception as e:  # a model that cannot be built here (missing package) is noted, not fatal
                 data["rows"][key] = {"case": asdict(case), "modes": {}, "error": f"{type(e).__name__}: {e}",
                                      "amp": args.amp}
                 print(f"  {key}: {e}", flush=True)
+            data["rows"][key]["measured"] = {k: env.get(k) for k in MEASURED}
             if args.cudnn_heuristic == "b":
                 data["rows"][key]["cudnn_heuristic"] = "b"
             save(data)

@@ -145,3 +145,13 @@ def test_a_shape_without_a_time_fails_the_shape_target_and_close_ratios_print_th
            "layouts": {"nchw": {"rows": rows, "measured": {}}}}
     text = cs.render_section({"networks": {"m": net}, "fingerprint": {}})
     assert "dgrad 1.304x (a)" in text and "(target <= 1.3x each: NOT met)" in text
+
+
+def test_a_layout_measured_on_another_gpu_names_it():
+    net = {"model": "m", "batch": 2, "size": 8, "shapes": [{"count": 1}],
+           "layouts": {"nchw": {"rows": [_row("a", 10.0, 20.0, 11.0, 1.0, "tree")],
+                                "measured": {"git_sha": "abcdef123", "date": "d", "gpu": "H200"}}}}
+    assert "Measured at git abcdef1 on d, on H200." in cs.render_section({"networks": {"m": net},
+                                                                          "fingerprint": {"gpu": "H100"}})
+    assert "Measured at git abcdef1 on d." in cs.render_section({"networks": {"m": net},
+                                                                 "fingerprint": {"gpu": "H200"}})

@@ -254,3 +254,17 @@ def test_verdicts_print_the_digits_that_decide_them():
     assert bm.decisive(16.610 / 15.748, 1.05) == "1.055"
     assert bm.decisive(1.10, 1.10) == "1.10" and bm.decisive(1.04, 1.05) == "1.04"
     assert bm.decisive(1.0499, 1.05) == "1.0499"   # met, and printed below the target
+
+
+def test_rows_from_another_gpu_or_an_earlier_run_are_labelled():
+    """The header names the last run; rows measured on another GPU, or all at a commit before the
+    header's, say where they come from (rows recorded before the GPU was kept count as the header's)."""
+    env = {"gpu": "H100", "git_sha": "bbbbbbbccc", "date": "d2"}
+    rows = {"x": {"measured": {"git_sha": "aaaaaaa111", "date": "d1", "gpu": "H200"}},
+            "y": {"measured": {"git_sha": "bbbbbbbccc", "date": "d2", "gpu": "H100"}}}
+    line = " ".join(bm._measured_line({"fingerprint": env, "rows": rows}))
+    assert "x at git aaaaaaa on H200 (d1)" in line and "y at git bbbbbbb on H100 (d2)" in line
+    only_old = {"x": {"measured": {"git_sha": "aaaaaaa111", "date": "d1"}}}
+    line = " ".join(bm._measured_line({"fingerprint": env, "rows": only_old}))
+    assert "x at git aaaaaaa (d1)" in line and " on " not in line
+    assert bm._measured_line({"fingerprint": env, "rows": {"y": rows["y"]}}) == []
