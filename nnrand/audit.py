@@ -130,7 +130,10 @@ def _device_hash(t: torch.Tensor) -> torch.Tensor:
         t = t.to(torch.uint8)
     if t.is_complex():
         t = torch.view_as_real(t)
-    words = t.contiguous().reshape(-1).view(_INT_VIEW[t.element_size()]).to(torch.int64)
+    t = t.contiguous().reshape(-1)
+    if t.element_size() == 8:   # two 4-byte halves: a product of a 64-bit word wraps away its high bits
+        t = t.view(torch.int32)
+    words = t.view(_INT_VIEW[t.element_size()]).to(torch.int64)
     w1, w2 = _weights(words.numel(), words.device)
     return torch.stack(((words * w1).sum(), (words * w2).sum()))
 
@@ -236,6 +239,10 @@ def torch_flags(mode: str, *, cudnn_benchmark: bool = False) -> Iterator[None]:
         cudnn.deterministic = det
         cudnn.benchmark = False if det else cudnn_benchmark
         _set_algorithms(det, False)
+        if det:   # PyTorch's default in its deterministic mode, whatever the caller set (restored on exit)
+            from torch.utils import deterministic as det_flags
+
+            det_flags.fill_uninitialized_memory = True
         yield
     finally:
         _restore(saved)
@@ -858,7 +865,8 @@ def _registry_op(entry: Entry, phase: str) -> tuple[str, Callable] | None:
     return hit
 
 
-def _nnrand(entry: Entry, phase: str, p: dict, repeats: int, device: torch.device, default_s: float) -> dict:
+def _nnrand(entry: Entry, phase: str, p: dict, repeats: int, device: torch.device, default_s: float,
+            cudnn_benchmark: bool = False) -> dict:
     """The fastest deterministic registry variant for the phase: each tried once (an argument error or a
     missing CUDA runtime counts as not applicable), timed, the fastest hashed over ``repeats`` calls."""
     import kernels
@@ -875,24 +883,27 @@ def _nnrand(entry: Entry, phase: str, p: dict, repeats: int, device: torch.devic
     kwargs = {**dict(kernels.spec(reg).bench_kwargs), **kwargs}  # as the routing runs them
     det = [v for v in kernels.variants(reg) if v.deterministic]
     timed, notes = [], []
-    for v in det:
-        fn = (lambda v=v: v(*args, **kwargs))
-        try:
-            fn()
-            _sync(device)
-            if device.type == "cuda":
-                t = statistics.median(_cuda_times(fn, NNRAND_SELECT_CALLS, device))
-            else:
-                t = statistics.median(_host_times(fn, NNRAND_SELECT_CALLS))
-        except (kernels.KernelArgumentError, kernels.KernelUnavailableError, TypeError, ValueError) as e:
-            notes.append(f"{v.name}: {_first_line(e, 120)}")
-            continue
-        timed.append((t, v))
-    if not timed:
-        row["nnrand_note"] = "; ".join(notes) or "no deterministic variant"
-        return row
-    _, best = min(timed, key=lambda tv: tv[0])
-    m = measure(lambda: best(*args, **kwargs), repeats, device)
+    # every variant under default mode's flags (TF32 off, the run's cudnn.benchmark), as the ratio's
+    # denominator ran; a variant that fails is noted by name and the others still run
+    with torch_flags("default", cudnn_benchmark=cudnn_benchmark):
+        for v in det:
+            fn = (lambda v=v: v(*args, **kwargs))
+            try:
+                fn()
+                _sync(device)
+                if device.type == "cuda":
+                    t = statistics.median(_cuda_times(fn, NNRAND_SELECT_CALLS, device))
+                else:
+                    t = statistics.median(_host_times(fn, NNRAND_SELECT_CALLS))
+            except Exception as e:   # an argument it does not take, no CUDA runtime, out of memory, ...
+                notes.append(f"{v.name}: {type(e).__name__}: {_first_line(e, 120)}")
+                continue
+            timed.append((t, v))
+        if not timed:
+            row["nnrand_note"] = "; ".join(notes) or "no deterministic variant"
+            return row
+        _, best = min(timed, key=lambda tv: tv[0])
+        m = measure(lambda: best(*args, **kwargs), repeats, device)
     row.update(nnrand_variant=best.name, nnrand_distinct=m.distinct, nnrand_hash=m.first,
                nnrand_ms=_ms(m.median_s), nnrand_ratio=_ratio(m.median_s, default_s),
                nnrand_note="; ".join(notes))
@@ -945,6 +956,8 @@ def audit_phase(entry: Entry, phase: str, *, repeats: int, device: torch.device,
     """One CSV row: default mode, deterministic mode and nnrand's best deterministic variant. An error
     in default mode ends the row with ``error`` naming the entry, phase and aten op (``fail_fast``:
     raised as :class:`AuditError`); the global flags are restored in every case."""
+    if repeats < 2:
+        raise ValueError(f"repeats must be at least 2 to compare results, got {repeats}")
     row: dict = {"entry": entry.name, "phase": phase, "family": entry.family,
                  "aten_op": entry.aten if phase == "forward" else (entry.aten_backward or entry.aten),
                  "shape": entry.shape, "pytorch_flag": _doc_flag(entry, phase, device),
@@ -983,7 +996,7 @@ def audit_phase(entry: Entry, phase: str, *, repeats: int, device: torch.device,
             row.update(det_status="error", det_message=msg)
 
     try:
-        row.update(_nnrand(entry, phase, p, repeats, device, base.median_s))
+        row.update(_nnrand(entry, phase, p, repeats, device, base.median_s, cudnn_benchmark))
     except Exception as e:  # noqa: BLE001
         msg = f"{_where(entry, phase)}: nnrand {row.get('nnrand_op', '')}: {type(e).__name__}: {_first_line(e)}"
         if fail_fast:
@@ -997,6 +1010,7 @@ def audit_phase(entry: Entry, phase: str, *, repeats: int, device: torch.device,
 
 
 KEY = ("entry", "phase", "scale", "device", "git_sha")
+SETTINGS = ("repeats", "cudnn_benchmark")   # a row measured under other settings is measured again
 COLUMNS = ("entry", "phase", "family", "aten_op", "shape", "scale", "device", "git_sha", "pytorch_flag",
            "nnrand_route", "repeats", "cudnn_benchmark", "default_distinct", "default_ms", "default_hash",
            "det_status", "det_message", "det_distinct", "det_ms", "det_ratio", "det_hash", "nnrand_op",
@@ -1057,10 +1071,11 @@ def run_audit(entries: Sequence[Entry], *, device: torch.device | str = "cpu", r
     md_path = Path(md_path) if md_path is not None else default_md(csv_path)
     rows = read_rows(csv_path)
     dev, sha = device_name(device), envfp.git_sha()
-    done = {_key(r) for r in rows if not r.get("error")}
+    done = {_key(r) + tuple(str(r.get(k, "")) for k in SETTINGS) for r in rows if not r.get("error")}
     todo = [(e, ph) for e in entries for ph in e.phases()]
-    if not rerun:
-        todo = [(e, ph) for e, ph in todo if (e.name, ph, scale, dev, sha) not in done]
+    if not rerun:   # a row measured with other repeats or cudnn.benchmark is measured again, not reused
+        todo = [(e, ph) for e, ph in todo
+                if tuple(map(str, (e.name, ph, scale, dev, sha, repeats, cudnn_benchmark))) not in done]
     new: list[dict] = []
     bar = tqdm(todo, desc="audit", unit="phase", disable=not progress, dynamic_ncols=True)
     for entry, phase in bar:
@@ -1078,9 +1093,10 @@ def run_audit(entries: Sequence[Entry], *, device: torch.device | str = "cpu", r
             rows[at] = row
         new.append(row)
         runio.write_csv(csv_path, COLUMNS, ({c: r.get(c, "") for c in COLUMNS} for r in rows))
+        render(csv_path, md_path)   # the report follows the CSV row by row: an interrupted run leaves both
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if rows:
+    if rows and not new:
         render(csv_path, md_path)
     return new
 
@@ -1302,16 +1318,28 @@ def _render_parser() -> argparse.ArgumentParser:
 def cli(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["render"]:
-        a = _render_parser().parse_args(argv[1:])
+        rp = _render_parser()
+        a = rp.parse_args(argv[1:])
         csv_path = Path(a.out) if a.out else next(
             (p for p in (REPO / "reports/results/audit.csv", REPO / "reports/results/audit_cpu.csv") if p.exists()),
             REPO / "reports/results/audit.csv")
-        print(render(csv_path, a.md))
+        try:
+            print(render(csv_path, a.md))
+        except FileNotFoundError as e:
+            rp.error(str(e))
         return 0
-    a = _parser().parse_args(argv)
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ap = _parser()
+    a = ap.parse_args(argv)
+    if a.repeats < 2:
+        ap.error(f"--repeats must be at least 2 to compare results, got {a.repeats}")
+    if a.ops is not None and not [p for p in a.ops.split(",") if p.strip()]:
+        ap.error(f"--ops {a.ops!r} names no op")
+    try:
+        device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        entries = select(audit_entries(a.scale or ("full" if device.type == "cuda" else "quick")), a.ops)
+    except (AuditError, RuntimeError) as e:   # an unknown --ops pattern, a device torch does not know
+        ap.error(str(e))
     scale = a.scale or ("full" if device.type == "cuda" else "quick")
-    entries = select(audit_entries(scale), a.ops)
     if a.list:
         for e in entries:
             print(f"{e.name:45s} {e.shape:55s} {', '.join(e.phases())}")

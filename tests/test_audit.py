@@ -329,3 +329,50 @@ def test_cli_help_and_list(capsys):
     assert "examples:" in out and "--scale quick --repeats 5" in out
     assert audit.cli(["--list", "--device", "cpu", "--ops", "cumsum"]) == 0
     assert "cumsum.rows" in capsys.readouterr().out
+
+
+def test_digest_sees_the_sign_of_8_byte_values():
+    """A float64 sign flip (or -0.0 against +0.0) changes the top bit of a 64-bit word, which a product
+    with an even weight wraps away: 8-byte values are hashed as two 4-byte halves."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, generator=g, dtype=torch.float64)
+    for i in range(16):
+        y = x.clone()
+        y[i] = -y[i]
+        assert audit.digest(y) != audit.digest(x), i
+    assert audit.digest(torch.tensor([0.0], dtype=torch.float64)) != audit.digest(torch.tensor([-0.0],
+                                                                                          dtype=torch.float64))
+
+
+def test_deterministic_mode_fills_uninitialised_memory_as_pytorchs_default():
+    from torch.utils import deterministic as det
+
+    before = det.fill_uninitialized_memory
+    det.fill_uninitialized_memory = False
+    try:
+        with audit.torch_flags("deterministic"):
+            assert det.fill_uninitialized_memory is True
+        assert det.fill_uninitialized_memory is False
+    finally:
+        det.fill_uninitialized_memory = before
+
+
+def test_one_repeat_is_refused_everywhere(tmp_path, capsys):
+    with pytest.raises(ValueError, match="at least 2"):
+        audit.audit_phase(_seq_sum_entry(), "forward", repeats=1, device=CPU)
+    for argv, said in ((["--repeats", "1", "--ops", "cumsum"], "at least 2"),
+                       (["--ops", "nosuch", "--out", str(tmp_path / "a.csv")], "matches no audit entry"),
+                       (["--ops", ",", "--out", str(tmp_path / "a.csv")], "names no op"),
+                       (["render", "--out", str(tmp_path / "missing.csv")], "no audit results")):
+        with pytest.raises(SystemExit) as e:
+            audit.cli(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err, argv
+
+
+def test_rows_of_other_repeats_are_measured_again_and_replaced(tmp_path):
+    counted = _Counting(_seq_sum_entry())
+    csv, _, _ = _run([counted.entry], tmp_path)
+    first = counted.calls
+    _run([counted.entry], tmp_path, repeats=3)   # the first run had 4
+    rows = audit.read_rows(csv)
+    assert counted.calls > first and len(rows) == 1 and rows[0]["repeats"] == "3"
