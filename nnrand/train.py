@@ -595,12 +595,12 @@ def config_record(cfg: Config, world: distributed.World | None = None) -> dict:
     return hp
 
 
-def finished_config_diff(directory: Path, cfg: Config) -> list[str]:
+def finished_config_diff(directory: Path, cfg: Config, world: distributed.World | None = None) -> list[str]:
     """The fields in which the finished member in ``directory`` ran under another config than ``cfg``
     (empty: the same, or no record to tell)."""
     path = Path(directory) / "config.json"
     done = runio.read_json(path).get("config") if path.exists() else None
-    return _config_diff(done, config_record(cfg)) if done is not None else []
+    return _config_diff(done, config_record(cfg, world)) if done is not None else []
 
 
 # Fingerprint fields under which the same code may give other bits (a resume across them is recorded)
@@ -647,8 +647,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     if cfg.resume and runio.is_finished(d):
         # a finished member is this run's only if its config is (a changed --epochs or --lr under the same
         # --name would otherwise return the old result as the new one's)
-        done = runio.read_json(d / "config.json").get("config") if (d / "config.json").exists() else None
-        differ = _config_diff(done, meta["config"]) if done is not None else []
+        differ = finished_config_diff(d, cfg, world)
         if differ:
             raise ConfigError(f"{d} holds a finished run with a different config (differs in: {', '.join(differ)}); "
                               "use another --name or --no-resume")

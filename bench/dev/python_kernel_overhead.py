@@ -14,9 +14,9 @@ Rows, microseconds of host time per call (median of --rounds rounds of --calls c
                                       that calls the original (what the routing does), so the autograd
                                       engine enters Python once per backward
 
-On a 2-core CPU machine (torch 2.13, four runs): the C++ and Python kernels within noise of each other
-(1.2-3.2 and 1.7-2.0 us); a relu step 19.3-22.2 us native, 24.7-24.9 with the Python backward kernel (+2.6 to
-+5.6). The trampoline costs a few microseconds; a routed conv backward's 100-odd microseconds of host time
+On a 2-core CPU machine (torch 2.13, three runs of this script): the C++ and Python kernels within noise of
+each other (2.23-3.24 and 2.00-2.02 us); a relu step 19.61-22.19 us native, 24.70-24.92 with the Python
+backward kernel (+2.57 to +5.32). The trampoline costs a few microseconds; a routed conv backward's 100-odd microseconds of host time
 over native (bench/dev/routed_call_host_cost.py) are the handler's own Python, allocations and launches.
 """
 from __future__ import annotations
