@@ -32,7 +32,6 @@
 #define DG_MAXK 32           // largest kernel extent per axis (taps are listed in shared memory)
 #define DG_STEM_MAX_THREADS 256  // tree_stem block, at most
 #define DG_STEM_SPLIT 4          // tree_stem: lanes that split one pixel group's output channels
-#define DG_STEM_PIXELS 4         // tree_stem: dx pixels per lane group
 
 // The taps of one axis that reach stride phase r: k with (r + pad - k*dil) divisible by the stride,
 // in increasing k, each with its dy offset (exact division, also for negative numerators). Returns
@@ -347,13 +346,15 @@ extern "C" __global__ void conv_dgrad_split_sum(const float* __restrict__ part, 
 
 // tree_stem: Cin <= 4 (network stems), dilation 1. A 64-column GEMM tile would waste 15/16 of its work
 // on 3 input channels, so a group of KS adjacent lanes owns PX consecutive dx pixels of one row of one
-// stride phase, all their channels (padded to 4): 4 * PX accumulators per lane, the lanes of a group
-// splitting the output channels (lane ks takes the groups of four ks, ks + KS, ...). With dilation 1 the
-// taps of a phase reach consecutive dy rows and columns (tap column b+1 reads one dy column left of tap
-// column b), so for one tap row and one output channel a lane reads a single dy row segment of
-// PX + T - 1 values (T >= the taps of the phase along W) straight from global memory (L1-cached: the
-// neighbouring groups read the same rows) and multiplies every tap column against it. How the segments
-// are loaded (the only difference between the kernels):
+// stride phase and NC of their channels (4, or 3 where Cin <= 3: no products for a padding channel):
+// NC * PX accumulators per lane, the lanes of a group splitting the output channels (lane ks takes the
+// groups of four ks, ks + KS, ...). With dilation 1 the taps of a phase reach consecutive dy rows and
+// columns (tap column b+1 reads one dy column left of tap column b), so for one tap row and one output
+// channel a lane reads a single dy row segment of PX + T - 1 values (T >= the taps of the phase along W)
+// straight from global memory (L1-cached: the neighbouring groups read the same rows) and multiplies
+// every tap column against it: more pixels per group, fewer loads per product (PX = 8 reads 11 values
+// for 8 pixels' products, PX = 4 reads 7 for 4). How the segments are loaded (the only difference
+// between the load kernels):
 //   STEM_CL:     channels_last dy, Cout % 4 == 0: four output channels of a column are one float4;
 //   STEM_ROWS:   NCHW dy, OW % 4 == 0, 16-byte aligned rows, PX % 4 == 0: aligned float4 chunks of the
 //                row (each wholly inside or outside it), the segment cut out at a shift SFT that is the
@@ -363,9 +364,11 @@ extern "C" __global__ void conv_dgrad_split_sum(const float* __restrict__ part, 
 // at a time. Each lane's accumulators are FMA chains in a fixed order (weight chunks, tap rows
 // ascending, its output channels ascending, tap columns descending); the group's partial sums then meet
 // in a fixed butterfly, (s0 + s1) + (s2 + s3), which gives every lane the same bits. One write per
-// element: deterministic, and the same order in every layout. Positions outside dy read as 0 (their
-// products add +-0). Dynamic shared memory: 16 * ntaps_max * CW bytes (the launcher keeps it <= 46 KiB);
-// CW is a multiple of 4.
+// element: deterministic, and the same order in every layout, pixel count PX and channel count NC (a
+// dx element's chain does not depend on which other pixels or channels its lane holds). Positions
+// outside dy read as 0 (their products add +-0). Dynamic shared memory: 16 * ntaps_max * CW bytes (the
+// launcher keeps it <= 46 KiB); CW is a multiple of 4. A block is TI rows of TJ groups (any TJ <= 32:
+// the launcher fits TJ * PX to the phase's width, so few lanes idle past its right edge).
 enum StemLoad { STEM_SCALAR = 0, STEM_CL = 1, STEM_ROWS = 2 };
 
 struct StemTile {
@@ -374,8 +377,8 @@ struct StemTile {
     const float* dyn;   // dy of this image, advanced to column ow0 (STEM_ROWS: to the aligned chunk below it)
 };
 
-template <int PX, int T, int KS, int LOAD, int SFT>
-__device__ __forceinline__ void stem_taps(float (&acc)[PX][4], const StemTile& S, const float4* ws, const int* s_oh,
+template <int PX, int T, int KS, int LOAD, int NC, int SFT>
+__device__ __forceinline__ void stem_taps(float (&acc)[PX][NC], const StemTile& S, const float4* ws, const int* s_oh,
                                           int OH, int OW, long long dy_sc, long long dy_sh, long long dy_sw) {
     constexpr int SEG = PX + T - 1;               // dy columns a lane reads per (tap row, co)
     constexpr int CHUNKS = (SFT + SEG + 3) / 4;   // STEM_ROWS: aligned float4 chunks covering them
@@ -428,9 +431,9 @@ __device__ __forceinline__ void stem_taps(float (&acc)[PX][4], const StemTile& S
                         for (int p = 0; p < PX; ++p) {
                             const float v = seg[p + k][u];
                             acc[p][0] = fmaf(v, q.x, acc[p][0]);
-                            acc[p][1] = fmaf(v, q.y, acc[p][1]);
-                            acc[p][2] = fmaf(v, q.z, acc[p][2]);
-                            acc[p][3] = fmaf(v, q.w, acc[p][3]);
+                            if (NC > 1) acc[p][1 % NC] = fmaf(v, q.y, acc[p][1 % NC]);
+                            if (NC > 2) acc[p][2 % NC] = fmaf(v, q.z, acc[p][2 % NC]);
+                            if (NC > 3) acc[p][3 % NC] = fmaf(v, q.w, acc[p][3 % NC]);
                         }
                     }
                 }
@@ -439,13 +442,12 @@ __device__ __forceinline__ void stem_taps(float (&acc)[PX][4], const StemTile& S
     }
 }
 
-template <int PX, int T, int KS, int LOAD>
-__device__ __forceinline__ void stem_body(DG_ARGS, int tj_log2, int TI, int tiles_i, int tiles_j, int CW) {
+template <int PX, int T, int KS, int LOAD, int NC>
+__device__ __forceinline__ void stem_body(DG_ARGS, int TJ, int TI, int tiles_i, int tiles_j, int CW) {
     extern __shared__ __align__(16) float4 ws[];  // [ntaps][CW]
     __shared__ int s_kh[DG_MAXK], s_oh[DG_MAXK], s_kw[DG_MAXK], s_ow[DG_MAXK];
     __shared__ int s_nkh, s_nkw;
     const int t = threadIdx.x, nthreads = blockDim.x;
-    const int TJ = 1 << tj_log2;
     const int z = gridDim.z - 1 - blockIdx.z;  // longest phases first, as in dgrad_gemm
     const int rh = z / sw, rw = z % sw;
     const int Hq = rh < H ? (H - rh + sh - 1) / sh : 0;
@@ -469,12 +471,14 @@ __device__ __forceinline__ void stem_body(DG_ARGS, int tj_log2, int TI, int tile
     if (ntaps == 0 && skip_empty) return;
     S.ks = t & (KS - 1);
     const int g = t / KS;
-    S.i = i0 + (g >> tj_log2);
-    S.j = j0 + (g & (TJ - 1)) * PX;  // this group's first pixel
+    S.i = i0 + g / TJ;
+    S.j = j0 + (g % TJ) * PX;  // this group's first pixel
     S.CW = CW;
-    float acc[PX][4];
+    float acc[PX][NC];
 #pragma unroll
-    for (int p = 0; p < PX; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.0f;
+    for (int p = 0; p < PX; ++p)
+#pragma unroll
+        for (int u = 0; u < NC; ++u) acc[p][u] = 0.0f;
     if (ntaps > 0) {
         // tap column nkw-1-k of pixel p reads dy column ow0 + p + k
         S.ow0 = S.j + s_ow[S.nkw - 1];
@@ -495,13 +499,13 @@ __device__ __forceinline__ void stem_body(DG_ARGS, int tj_log2, int TI, int tile
             __syncthreads();
             if (LOAD == STEM_ROWS) {
                 switch (sft) {
-                    case 0: stem_taps<PX, T, KS, LOAD, 0>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw); break;
-                    case 1: stem_taps<PX, T, KS, LOAD, 1>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw); break;
-                    case 2: stem_taps<PX, T, KS, LOAD, 2>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw); break;
-                    default: stem_taps<PX, T, KS, LOAD, 3>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw); break;
+                    case 0: stem_taps<PX, T, KS, LOAD, NC, 0>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw); break;
+                    case 1: stem_taps<PX, T, KS, LOAD, NC, 1>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw); break;
+                    case 2: stem_taps<PX, T, KS, LOAD, NC, 2>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw); break;
+                    default: stem_taps<PX, T, KS, LOAD, NC, 3>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw); break;
                 }
             } else {
-                stem_taps<PX, T, KS, LOAD, 0>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw);
+                stem_taps<PX, T, KS, LOAD, NC, 0>(acc, S, ws, s_oh, OH, OW, dy_sc, dy_sh, dy_sw);
             }
         }
     }
@@ -512,30 +516,33 @@ __device__ __forceinline__ void stem_body(DG_ARGS, int tj_log2, int TI, int tile
 #pragma unroll
         for (int p = 0; p < PX; ++p)
 #pragma unroll
-            for (int u = 0; u < 4; ++u) acc[p][u] += __shfl_xor_sync(group, acc[p][u], m);
+            for (int u = 0; u < NC; ++u) acc[p][u] += __shfl_xor_sync(group, acc[p][u], m);
     if (S.i >= Hq) return;
 #pragma unroll
     for (int p = 0; p < PX; ++p) {
         if (S.j + p >= Wq || p % KS != S.ks) continue;  // the group's lanes share the stores
         float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * S.i) * dx_sh + (long long)(rw + sw * (S.j + p)) * dx_sw;
-        o[0] = acc[p][0];
-        if (Cin > 1) o[dx_sc] = acc[p][1];
-        if (Cin > 2) o[2 * dx_sc] = acc[p][2];
-        if (Cin > 3) o[3 * dx_sc] = acc[p][3];
+#pragma unroll
+        for (int u = 0; u < NC; ++u)
+            if (u < Cin) o[u * dx_sc] = acc[p][u];
     }
 }
 
-// conv_dgrad_tree_stem_t<T>_<load>: PX = 4 pixels per group; the launcher picks T >= the most taps of
-// any phase along W, and the load mode its checks allow (see above).
-#define DG_STEM_ONE(T, NAME, LOAD)                                                                      \
-    extern "C" __global__ void __launch_bounds__(DG_STEM_MAX_THREADS, 1) conv_dgrad_tree_stem_t##T##_##NAME( \
-        DG_ARGS, int tj_log2, int TI, int tiles_i, int tiles_j, int CW) {                               \
-        stem_body<DG_STEM_PIXELS, T, DG_STEM_SPLIT, LOAD>(DG_PASS, tj_log2, TI, tiles_i, tiles_j, CW);   \
+// conv_dgrad_tree_stem_p<PX>_t<T>_c<NC>_<load>: the launcher picks PX (4 or 8 pixels per group), T >=
+// the most taps of any phase along W, NC (3 where Cin <= 3, else 4) and the load mode its checks allow.
+#define DG_STEM_ONE(PX, T, NC, NAME, LOAD)                                                              \
+    extern "C" __global__ void __launch_bounds__(DG_STEM_MAX_THREADS, 1)                                \
+        conv_dgrad_tree_stem_p##PX##_t##T##_c##NC##_##NAME(DG_ARGS, int TJ, int TI, int tiles_i, int tiles_j, \
+                                                          int CW) {                                     \
+        stem_body<PX, T, DG_STEM_SPLIT, LOAD, NC>(DG_PASS, TJ, TI, tiles_i, tiles_j, CW);               \
     }
-#define DG_STEM_KERNEL(T)                  \
-    DG_STEM_ONE(T, scalar, STEM_SCALAR)    \
-    DG_STEM_ONE(T, cl, STEM_CL)            \
-    DG_STEM_ONE(T, rows, STEM_ROWS)
+#define DG_STEM_LOADS(PX, T, NC)                     \
+    DG_STEM_ONE(PX, T, NC, scalar, STEM_SCALAR)      \
+    DG_STEM_ONE(PX, T, NC, cl, STEM_CL)              \
+    DG_STEM_ONE(PX, T, NC, rows, STEM_ROWS)
+#define DG_STEM_KERNEL(T)                            \
+    DG_STEM_LOADS(4, T, 3) DG_STEM_LOADS(4, T, 4)    \
+    DG_STEM_LOADS(8, T, 3) DG_STEM_LOADS(8, T, 4)
 DG_STEM_KERNEL(2)
 DG_STEM_KERNEL(4)
 DG_STEM_KERNEL(7)

@@ -220,26 +220,39 @@ def phase_offsets(k: int, s: int, p: int, d: int) -> list[list[int]]:
 
 
 STEM_TAPS = (2, 4, 7)       # tree_stem kernels: most taps of a phase along W each one takes
-STEM_PIXELS = 4             # dx pixels per lane group (DG_STEM_PIXELS in conv_dgrad.cu)
+STEM_PIXELS = (4, 8)        # tree_stem kernels: dx pixels per lane group each one takes
+STEM_WIDE_PIXELS = 8        # pixels per group where a phase row is at least STEM_WIDE_MIN pixels wide
+STEM_WIDE_MIN = 32
+STEM_MAX_TJ = 32            # lane groups along a phase row per block, at most
 STEM_BLOCK = 256            # threads per block, about
 STEM_SPLIT = 4              # lanes per pixel group, splitting Cout (DG_STEM_SPLIT in conv_dgrad.cu)
 
 
-def _stem_load(g: Geometry, dy_stride: tuple[int, ...]) -> str:
+def _stem_load(g: Geometry, dy_stride: tuple[int, ...], pixels: int) -> str:
     """How tree_stem loads dy (see conv_dgrad.cu): 'cl' (float4 over four output channels), 'rows'
     (aligned float4 chunks of NCHW rows) or 'scalar'. The caller also checks dy's address (16 bytes)."""
     if g.layout == "channels_last" and g.cout % 4 == 0 and dy_stride[1] == 1 and \
             all(dy_stride[d] % 4 == 0 for d in (0, 2, 3)):
         return "cl"
-    if g.layout == "nchw" and STEM_PIXELS % 4 == 0 and g.ow % 4 == 0 and dy_stride[3] == 1 and \
+    if g.layout == "nchw" and pixels % 4 == 0 and g.ow % 4 == 0 and dy_stride[3] == 1 and \
             all(s % 4 == 0 for s in dy_stride[:3]):
         return "rows"
     return "scalar"
 
 
-def _stem_plan(g: Geometry, dy_stride: tuple[int, ...]) -> tuple | None:
+def stem_pixels(g: Geometry) -> int:
+    """Pixels per lane group of tree_stem: 8 on phase rows of STEM_WIDE_MIN pixels or more (11 dy values
+    loaded per tap row and output channel feed 8 pixels' products, where 4 pixels take 7), else 4 (more
+    groups for narrow images). Never changes a bit: a dx element's FMA chain is the same either way."""
+    return STEM_WIDE_PIXELS if -(-g.w // g.sw) >= STEM_WIDE_MIN else 4
+
+
+def _stem_plan(g: Geometry, dy_stride: tuple[int, ...], pixels: int | None = None,
+               channels: int | None = None) -> tuple | None:
     """(kernel, grid, block, shared bytes, extra scalars) of tree_stem, or None when it does not apply
-    (dilation, more than 7 taps of a phase along W: the GEMM runs)."""
+    (dilation, more than 7 taps of a phase along W: the GEMM runs). ``pixels``: per lane group (one of
+    STEM_PIXELS; default ``stem_pixels``); ``channels``: dx channels a lane computes (3 or 4, at least
+    Cin; default the fewest). Neither changes a bit of dx."""
     if g.dh != 1 or g.dw != 1:
         return None
     offs_h = phase_offsets(g.kh, g.sh, g.ph, g.dh)
@@ -248,16 +261,20 @@ def _stem_plan(g: Geometry, dy_stride: tuple[int, ...]) -> tuple | None:
     t = next((t for t in STEM_TAPS if t >= max(len(o) for o in offs_w)), None)
     if t is None:
         return None
-    px = STEM_PIXELS
+    px = stem_pixels(g) if pixels is None else pixels
+    if px not in STEM_PIXELS:
+        raise ValueError(f"{OP}: tree_stem takes {STEM_PIXELS} pixels per lane group, not {px}")
     hq, wq = cdiv(g.h, g.sh), cdiv(g.w, g.sw)  # pixels per image of the largest phase (0, 0)
-    tj_log2 = min(5, max(0, (cdiv(wq, px) - 1).bit_length()))
-    tj = 1 << tj_log2
+    tj = min(STEM_MAX_TJ, cdiv(wq, px))          # groups along a row: the row's width where it fits
     ti = max(1, min(STEM_BLOCK // (tj * STEM_SPLIT), hq))
     cw = min(cdiv(g.cout, 4) * 4, STEM_SMEM_FLOATS // (4 * max(taps, 1)) // 4 * 4)
     tiles_i, tiles_j = cdiv(hq, ti), cdiv(wq, tj * px)
     grid = (g.n * tiles_i * tiles_j, 1, g.sh * g.sw)
-    kernel = f"conv_dgrad_tree_stem_t{t}_{_stem_load(g, dy_stride)}"
-    extra = tuple(np.int32(v) for v in (tj_log2, ti, tiles_i, tiles_j, cw))
+    nc = (3 if g.cin <= 3 else 4) if channels is None else channels
+    if nc not in (3, 4) or nc < g.cin:
+        raise ValueError(f"{OP}: tree_stem computes 3 or 4 (>= Cin = {g.cin}) channels per lane, not {nc}")
+    kernel = f"conv_dgrad_tree_stem_p{px}_t{t}_c{nc}_{_stem_load(g, dy_stride, px)}"
+    extra = tuple(np.int32(v) for v in (tj, ti, tiles_i, tiles_j, cw))
     return kernel, grid, (ti * tj * STEM_SPLIT,), 16 * max(taps, 1) * cw, extra
 
 
@@ -317,10 +334,9 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_r
     rows_taps, cols_taps = phase_offsets(g.kh, g.sh, g.ph, g.dh), phase_offsets(g.kw, g.sw, g.pw, g.dw)
     empty = not all(rows_taps) or not all(cols_taps)
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
-    stem = _stem_plan(g, dy_stride) if g.cin <= STEM_MAX_CIN else None
+    stem = stem_launch_plan(g, dy_stride) if g.cin <= STEM_MAX_CIN else None
     if stem is not None:
-        kernel, grid, block, shared, extra = stem
-        return LaunchPlan(kernel, grid, block, shared, (*head, *extra), empty, "stem")
+        return stem
     rows = g.n * cdiv(g.h, g.sh) * cdiv(g.w, g.sw)  # pixels of the largest phase (0, 0)
     kernel = "conv_dgrad_tree_cl" if g.layout == "channels_last" else "conv_dgrad_tree_nchw"
     if empty_zeros == "auto":
@@ -340,6 +356,20 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_r
             grid = wide
     return LaunchPlan(kernel, (grid[0], grid[1] * ksplit, grid[2]), (THREADS,), 0,
                       (*head[:-1], np.int32(fill), np.int32(ksplit)), fill, "tap_major", ksplit)
+
+
+def stem_launch_plan(g: Geometry, dy_stride: tuple[int, ...], pixels: int | None = None,
+                     channels: int | None = None) -> LaunchPlan | None:
+    """tree_stem's launch for Cin <= STEM_MAX_CIN (``_stem_plan``'s choices, or the given ones), None where
+    it does not apply."""
+    stem = _stem_plan(g, dy_stride, pixels, channels)
+    if stem is None:
+        return None
+    rows_taps, cols_taps = phase_offsets(g.kh, g.sh, g.ph, g.dh), phase_offsets(g.kw, g.sw, g.pw, g.dw)
+    empty = not all(rows_taps) or not all(cols_taps)
+    kernel, grid, block, shared, extra = stem
+    return LaunchPlan(kernel, grid, block, shared, (*_geometry_args(g, dy_stride), np.int32(empty), *extra), empty,
+                      "stem")
 
 
 @functools.lru_cache(maxsize=1024)

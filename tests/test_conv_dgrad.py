@@ -303,12 +303,13 @@ def test_cuda_stem_kernel():
 
 
 def test_stem_plan_covers_every_phase_pixel():
-    """tree_stem's launch shape for every stem-like shape (and batch/layout variants): an existing kernel,
-    whole lane groups, shared memory within the cap, tiles covering the largest phase; the GEMM serves
-    dilation and wider kernels."""
+    """tree_stem's launch shape for every stem-like shape (and batch/layout variants), at its default and
+    at every pixel count per lane group: an existing kernel, whole lane groups, shared memory within the
+    cap, tiles covering the largest phase; the GEMM serves dilation and wider kernels."""
     source = (KERNEL_DIR / SOURCE).read_text()
     shapes = [s for s in RESNET18_CONV + HOSTILE_CONV if s.cin <= 4]
-    shapes += [ConvShape("k11", 2, 3, 8, 11, 4, 2, 40, 37), ConvShape("k5s1", 1, 2, 5, 5, 1, 2, 9, 9)]
+    shapes += [ConvShape("k11", 2, 3, 8, 11, 4, 2, 40, 37), ConvShape("k5s1", 1, 2, 5, 5, 1, 2, 9, 9),
+               ConvShape("stem7x7s2_224", 2, 3, 64, 7, 2, 3, 224, 224), ConvShape("c4", 2, 4, 8, 3, 1, 1, 40, 40)]
     for s in shapes:
         for layout in ("nchw", "channels_last"):
             w, dy, kw = inputs(make_case(s.with_batch(3), layout, 1), "cpu")
@@ -317,17 +318,52 @@ def test_stem_plan_covers_every_phase_pixel():
             if s.dilation != 1:
                 assert plan.kernel.startswith("conv_dgrad_tree_") and plan.packing != "stem", s.name
                 continue
-            taps, load = re.fullmatch(r"conv_dgrad_tree_stem_t(\d+)_(scalar|cl|rows)", plan.kernel).groups()
-            assert plan.packing == "stem" and f"DG_STEM_KERNEL({taps})" in source
-            tj_log2, ti, tiles_i, tiles_j, cw = (int(v) for v in plan.scalars[-5:])
-            assert plan.block == (ti * (1 << tj_log2) * cd.STEM_SPLIT,) and plan.block[0] <= 256
-            assert 0 < plan.shared <= 4 * cd.STEM_SMEM_FLOATS and cw % 4 == 0
-            assert ti * tiles_i >= -(-g.h // g.sh) and (1 << tj_log2) * cd.STEM_PIXELS * tiles_j >= -(-g.w // g.sw)
-            assert plan.grid == (g.n * tiles_i * tiles_j, 1, g.sh * g.sw)
+            assert plan == cd.stem_launch_plan(g, tuple(dy.stride()))
+            for px in (None, *cd.STEM_PIXELS):
+                plan = cd.stem_launch_plan(g, tuple(dy.stride()), pixels=px)
+                pixels, taps, nc, load = re.fullmatch(r"conv_dgrad_tree_stem_p(\d+)_t(\d+)_c(\d)_(scalar|cl|rows)",
+                                                      plan.kernel).groups()
+                assert int(pixels) == (px or cd.stem_pixels(g)) and int(pixels) in cd.STEM_PIXELS
+                assert int(nc) == (3 if g.cin <= 3 else 4)
+                assert plan.packing == "stem" and f"DG_STEM_KERNEL({taps})" in source
+                assert f"DG_STEM_LOADS({pixels}, T, {nc})" in source
+                tj, ti, tiles_i, tiles_j, cw = (int(v) for v in plan.scalars[-5:])
+                assert plan.block == (ti * tj * cd.STEM_SPLIT,) and plan.block[0] <= 256 and tj <= cd.STEM_MAX_TJ
+                assert 0 < plan.shared <= 4 * cd.STEM_SMEM_FLOATS and cw % 4 == 0
+                hq, wq = -(-g.h // g.sh), -(-g.w // g.sw)
+                assert ti * tiles_i >= hq and tj * int(pixels) * tiles_j >= wq
+                # no tile row past the phase's width where the row fits one tile
+                assert tiles_j > 1 or tj * int(pixels) < wq + int(pixels)
+                assert plan.grid == (g.n * tiles_i * tiles_j, 1, g.sh * g.sw)
+    w, dy, kw = inputs(make_case(shapes[-2].with_batch(1), "nchw", 1), "cpu")
+    g = cd._check(w, dy, kw["input_size"], kw["stride"], kw["padding"], 1)
+    assert cd.stem_launch_plan(g, tuple(dy.stride())).kernel == "conv_dgrad_tree_stem_p8_t4_c3_rows"
+    with pytest.raises(ValueError, match="pixels per lane group"):
+        cd.stem_launch_plan(g, tuple(dy.stride()), pixels=6)
+    with pytest.raises(ValueError, match="channels per lane"):
+        cd.stem_launch_plan(g, tuple(dy.stride()), channels=2)
     dil = ConvShape("dil", 1, 3, 4, 3, 1, 2, 9, 9, 2)
     w, dy, kw = inputs(make_case(dil, "nchw", 1), "cpu")
     g = cd._check(w, dy, kw["input_size"], kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
     assert cd.tree_plan(g, tuple(dy.stride())).packing == "tap_major"
+
+
+@pytest.mark.gpu
+def test_cuda_stem_pixels_and_channels_keep_bits():
+    """tree_stem at 4 or 8 pixels per lane group, computing 3 or 4 channels per lane: the same bits (a dx
+    element's FMA chain does not depend on which other pixels or channels its lane holds), in both
+    layouts, on the ResNet stems at two batches and a 224 px image."""
+    shapes = [s for s in RESNET18_CONV if s.cin <= 4] + [ConvShape("stem7x7s2_224", 2, 3, 64, 7, 2, 3, 224, 224)]
+    for i, s in enumerate(shapes):
+        for layout in ("nchw", "channels_last"):
+            w, dy, kw = inputs(make_case(s.with_batch(2), layout, 880 + i), "cuda")
+            first = TREE(w, dy, **kw)
+            for px in cd.STEM_PIXELS:
+                for nc in (3, 4):
+                    plan = lambda g, st: cd.stem_launch_plan(g, st, pixels=px, channels=nc)  # noqa: E731
+                    got = cd._run(plan, w, dy, kw["input_size"], kw["stride"], kw["padding"], 1)
+                    assert_bitwise_equal(got, first, f"{s.name} {layout} {px} pixels, {nc} channels")
+    torch.cuda.synchronize()
 
 
 @pytest.mark.gpu
@@ -338,7 +374,7 @@ def test_cuda_stem_load_modes_agree():
         w, dy, kw = inputs(make_case(s.with_batch(4), "nchw", 700 + i), "cuda")
         def mode(d):
             g = cd._check(w, d, kw["input_size"], kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
-            return cd._stem_load(g, tuple(d.stride()))
+            return cd._stem_load(g, tuple(d.stride()), cd.stem_pixels(g))
 
         first = TREE(w, dy, **kw)
         cl = dy.contiguous(memory_format=torch.channels_last)
