@@ -30,7 +30,9 @@ differently. (The routing does not ask for a forward configuration the record la
 forward there, the same in every process.)
 
 Timing: a warm-up call (compilation, cuDNN plans), then ``REPEATS`` repeats of ``CALLS`` back-to-back
-calls between CUDA events; the median per call. On the CPU, ``time.perf_counter`` around each call.
+calls between CUDA events, queued behind a sleep kernel so that the events time the GPU's work alone
+(the choice follows the kernels, as a CUDA-graph step and the per-shape reports see them, not the speed
+at which the host queues them); the median per call. On the CPU, ``time.perf_counter`` around each call.
 Times are in microseconds. No choice is made while a CUDA graph is being captured: a configuration first
 met during capture raises :class:`AutotuneError` (run one eager step first, as ``GraphStep`` does).
 """
@@ -128,7 +130,10 @@ def conv_key(op: str, x: torch.Tensor, w: torch.Tensor, stride, padding, dilatio
 
 
 def time_us(fn: Callable[[], object], device: torch.device, calls: int = CALLS, repeats: int = REPEATS) -> float:
-    """Median time per call of ``fn`` in microseconds, after one warm-up call."""
+    """Median time per call of ``fn`` in microseconds, after one warm-up call: on CUDA the GPU's time alone
+    (``events_us`` with the calls queued behind a sleep), so the choice follows the kernels and not the
+    host's speed at queueing them (which a CUDA-graph step does not pay, and which, on a small shape,
+    would otherwise decide the timing: a candidate of three launches from Python against one from C++)."""
     fn()
     if device.type != "cuda":
         times = []
@@ -137,21 +142,40 @@ def time_us(fn: Callable[[], object], device: torch.device, calls: int = CALLS, 
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
         return statistics.median(times)
-    return events_us(fn, device, calls, repeats)
+    return events_us(fn, device, calls, repeats, queued=True)
 
 
-def events_us(fn: Callable[[], object], device: torch.device, calls: int, repeats: int) -> float:
-    """Median device time per call in microseconds: CUDA events around ``calls`` back-to-back calls (the
-    host queues the next call while the GPU runs the previous one), ``repeats`` times."""
+SLEEP_CYCLES = 1 << 21          # GPU clock cycles the queued timing first sleeps (about 1 ms)
+SLEEP_CYCLES_MAX = 1 << 26      # about 40 ms: no conv candidate takes the host that long to queue
+_sleep_cycles: dict[int, int] = {}
+
+
+def events_us(fn: Callable[[], object], device: torch.device, calls: int, repeats: int, *,
+              queued: bool = False) -> float:
+    """Median device time per call in microseconds: CUDA events around ``calls`` back-to-back calls,
+    ``repeats`` times. Unqueued, the host queues the next call while the GPU runs the previous one, so host
+    time shows wherever it exceeds the kernels'. ``queued``: the stream first sleeps (torch.cuda._sleep)
+    while the host queues every call, so the events time the GPU's work alone; where the sleep ended before
+    the last call was queued (the start event had already completed), it is doubled and the repeat run again
+    (up to SLEEP_CYCLES_MAX, after which the time is taken as it is)."""
     torch.cuda.synchronize(device)
     times = []
     with torch.cuda.device(device):
+        idx = torch.cuda.current_device()
         for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(calls):
-                fn()
-            b.record()
+            while True:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                cycles = _sleep_cycles.get(idx, SLEEP_CYCLES)
+                if queued:
+                    torch.cuda._sleep(cycles)
+                a.record()
+                for _ in range(calls):
+                    fn()
+                b.record()
+                if not queued or not a.query() or cycles >= SLEEP_CYCLES_MAX:
+                    break
+                b.synchronize()   # the GPU woke before the host was done: sleep longer
+                _sleep_cycles[idx] = min(2 * cycles, SLEEP_CYCLES_MAX)
             b.synchronize()
             times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times)

@@ -103,3 +103,28 @@ def test_routed_forward_form_trains_repeatably_and_graph_equals_eager(layout, am
         torch_forward = _train(copy.deepcopy(base), batches, fmt=fmt)
     assert "tree" not in r.coverage.as_dict()["convolution"]
     assert not all(bitwise_equal(a, b) for a, b in zip(runs[0], torch_forward))
+
+
+def test_queued_timing_counts_the_gpu_and_lengthens_its_sleep_for_a_slow_host(monkeypatch):
+    """The tuner's timer queues the calls behind a sleep so that only the GPU's work is timed. A call whose
+    host part (a 2 ms busy wait) outlasts the first sleep (2^16 cycles) makes the timer sleep longer until
+    the host is done first. Bounds, not speeds: the call's kernel spins 2^18 cycles (under 2 ms at any SM
+    clock above 131 MHz), so the queued time per call is below 2 ms, while the unqueued events, recorded
+    around calls that each keep the host 2 ms before queueing anything, cannot be below it."""
+    import time as _time
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setattr(autotune, "SLEEP_CYCLES", 1 << 16)
+    monkeypatch.setattr(autotune, "_sleep_cycles", {})
+
+    def call():
+        t0 = _time.perf_counter()
+        while _time.perf_counter() - t0 < 2e-3:
+            pass
+        torch.cuda._sleep(1 << 18)
+
+    call()
+    queued = autotune.events_us(call, dev, calls=3, repeats=3, queued=True)
+    assert autotune._sleep_cycles[dev.index] > 1 << 16
+    unqueued = autotune.events_us(call, dev, calls=3, repeats=3)
+    assert queued < 2000.0 <= unqueued, (queued, unqueued)
