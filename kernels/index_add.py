@@ -386,8 +386,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     sums. Task splits (``split``, default: default_split; all
     sum the same chunks in the same order, so give the same bits): ``rows``: a task per destination (it
     writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp
-    kernels): a task per 32 destinations instead (zeros for the empty ones, rows of up to 32 contributions
-    summed as one stream of sorted positions, read lane-parallel); ``fill``: the output is zero-filled on a second stream while the keys are sorted, and
+    kernels): a task per 32 destinations instead (zeros for the empty ones, rows of one contribution read
+    lane-parallel); ``fill``: the output is zero-filled on a second stream while the keys are sorted, and
     the sums take only the tiles of 32 sorted positions (an embedding's gradient: most rows empty; the
     fill overlaps the sort). The thread kernel knows ``rows`` and ``fill`` (``tiles`` runs as ``fill``).
     Keys outside [0, rows) add nothing, or fail the keys kernel (``check`` device), or raise

@@ -35,7 +35,7 @@
 //           32 sorted positions (it sums the chunks c >= 1 that start there: chunks are >= 32 long, so
 //           at most one per row per tile). Each chunk is summed by exactly one task. Other splits: the
 //           warp kernels may take destination rows 32 per task instead (empty rows written as zeros,
-//           the rows of one chunk summed as one stream of sorted positions), or, over an output zero-filled on a second
+//           rows of one contribution loaded several at once), or, over an output zero-filled on a second
 //           stream while the keys are sorted, sorted positions only (a tile of 32 also takes chunk 0 of
 //           the rows that start in it); the thread kernel too (`fill`).
 //   fixed   order-independent fixed point, three launches and no sort: segsum_fixed_max finds the
@@ -727,76 +727,6 @@ __device__ __forceinline__ void seg_warp_singles(const float* __restrict__ src, 
     }
 }
 
-// A tile's rows of 1 to 32 contributions (one chunk each; lane h holds row mbase + h, its first sorted
-// position s and count k, 0 for a row not taken here), summed as one stream of sorted positions: the rows
-// lie one after another in the sorted order, so item v of the stream (v < the total of the k) is position
-// s_h + v - (k_0 + .. + k_{h-1}) of the row h whose prefix holds it. Each batch of 32 items reads its perm
-// entries lane-parallel (the next batch's read issued before this one's sums), then U source rows at a time
-// go into the running sum of their row, which is stored (and restarted from +0.0) where the next row's
-// items begin. A row's items come in source order, each added to a sum that starts at +0.0: seg_warp_chunk's
-// order, so the same bits; but the loads of consecutive rows share round trips, where a row at a time paid
-// a dependent perm read and a partly filled group of loads for every row.
-template <int VEC>
-__device__ __forceinline__ void seg_warp_stream(const float* __restrict__ src, const long long* __restrict__ perm,
-                                                float* __restrict__ out, long long s, int k, long long mbase,
-                                                int D, int col, bool active, bool scaled) {
-    constexpr int U = VEC == 1 ? 8 : 16 / VEC;
-    const int lane = threadIdx.x & 31;
-    int incl = k;  // inclusive prefix sum of the counts over the lanes
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(SEG_FULL, incl, o);
-        if (lane >= o) incl += t;
-    }
-    const int total = __shfl_sync(SEG_FULL, incl, 31), excl = incl - k;
-    // item v's row: the smallest lane h with incl_h > v (31 past the end); its perm entry
-    auto locate = [&](int v, int& h, long long& r) {
-        h = 0;
-#pragma unroll
-        for (int st = 16; st >= 1; st >>= 1)
-            if (__shfl_sync(SEG_FULL, incl, h + st - 1) <= v) h += st;
-        const long long q = __shfl_sync(SEG_FULL, s, h) + (v - __shfl_sync(SEG_FULL, excl, h));
-        r = v < total ? perm[q] : 0;
-    };
-    int h, cur = -1;
-    long long r;
-    locate(lane, h, r);
-    float acc[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
-    for (int b = 0; b < total; b += 32) {
-        int hn;
-        long long rn;
-        locate(b + 32 + lane, hn, rn);  // the next batch's perm reads in flight during this batch's sums
-        const int kh = __shfl_sync(SEG_FULL, k, h);  // the count of this lane's item's row (scaled)
-        const int nb = min(32, total - b);
-        for (int t = 0; t < nb; t += U) {  // t + u < 32: U divides 32
-            float v[U][VEC];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const long long row = __shfl_sync(SEG_FULL, r, t + u);
-                if (active && t + u < nb) SegVec<VEC>::load(src + row * D + col, v[u]);
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int hu = __shfl_sync(SEG_FULL, h, t + u), ku = __shfl_sync(SEG_FULL, kh, t + u);
-                if (t + u >= nb) continue;  // warp-uniform
-                if (hu != cur) {
-                    if (cur >= 0 && active) SegVec<VEC>::store(out + (mbase + cur) * D + col, acc);
-                    cur = hu;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
-                }
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) acc[j] += seg_value(v[u][j], scaled, (float)ku);
-            }
-        }
-        h = hn;
-        r = rn;
-    }
-    if (cur >= 0 && active) SegVec<VEC>::store(out + (mbase + cur) * D + col, acc);
-}
-
 // A row's chunk 0 (k >= 1 contributions from sorted position s): to the row when it is the only chunk,
 // else to its partial slot and into the tree.
 template <int VEC>
@@ -819,12 +749,11 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
 
 // Task splits (SPLIT): SEG_SPLIT_ROWS: task w < space is destination row w (zeros when empty or skipped;
 // else its chunk 0). SEG_SPLIT_TILES: task w < R = ceil(space / 32) is the tile of destination rows
-// 32 w .. + 31: one coalesced read of their starts, zeros for the empty and skipped rows, the rows of 1 to
-// 32 contributions (one chunk) as one stream of sorted positions (seg_warp_stream: perm read lane-parallel,
-// source rows U at a time across row boundaries), then chunk 0 of each longer row, one after another (so a
-// warp spends no round trip on an empty row). Then, in both, position task w >= space (or R): the tile of
-// sorted positions 32 * (w - space or R) .. + 31 and the chunks c >= 1 that start in it (a tile whose keys
-// all differ from the keys 32 positions back has none: one read). SEG_SPLIT_FILL: position tasks only, over an output
+// 32 w .. + 31: one coalesced read of their starts, zeros for the empty and skipped rows, the rows of one
+// contribution through seg_warp_singles (their source rows read lane-parallel, the values U at a time),
+// then chunk 0 of each longer row, one after another (so a warp spends no round trip on an empty row).
+// Then, in both, position task w >= space (or R): the tile of sorted positions 32 * (w - space or R)
+// .. + 31 and the chunks c >= 1 that start in it. SEG_SPLIT_FILL: position tasks only, over an output
 // already zero-filled (the launcher fills it on a second stream while the keys are sorted); a position
 // tile also takes the rows that start in it: those of one contribution through seg_warp_singles, then
 // chunk 0 of each longer row. Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each.
@@ -865,20 +794,20 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                     continue;
                 }
                 const long long m = w * 32 + lane;
-                long long s = 0, k = 0;
+                long long s = 0, k = 0, r = 0;
                 if (m < space) {
                     s = start[m];
                     k = m == skip ? 0 : start[m + 1] - s;
                 }
+                if (k == 1) r = perm[s];
                 const unsigned empty = __ballot_sync(SEG_FULL, m < space && k == 0);
-                const bool one_chunk = k >= 1 && k <= SEG_CHUNK_MIN;  // chunk_len(k) >= SEG_CHUNK_MIN
-                unsigned longer = __ballot_sync(SEG_FULL, k > SEG_CHUNK_MIN);
+                const unsigned singles = __ballot_sync(SEG_FULL, k == 1);
+                unsigned longer = __ballot_sync(SEG_FULL, k > 1);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
                 for (unsigned e = empty; e; e &= e - 1)
                     if (active) SegVec<VEC>::store(out + (w * 32 + __ffs(e) - 1) * D + col, acc);
-                if (__ballot_sync(SEG_FULL, one_chunk))
-                    seg_warp_stream<VEC>(src, perm, out, s, one_chunk ? (int)k : 0, w * 32, D, col, active, scaled);
+                seg_warp_singles<VEC>(src, out, singles, r, m, D, col, active, scaled);
                 while (longer) {
                     const int h = __ffs(longer) - 1;
                     longer &= longer - 1;
@@ -891,15 +820,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
             const long long tile = w - dtasks, p = tile * 32 + lane;
             long long m = 0, s = 0, k = 0, L = 1;
             bool head = false, first = false;
-            // A chunk c >= 1 starts at least SEG_CHUNK_MIN positions after its row's first, so only where the
-            // key that many positions back is the same: one coalesced read decides most tiles (the fill
-            // split also takes the rows that start here, and reads every start)
-            bool maybe = SPLIT == SEG_SPLIT_FILL;
-            if (SPLIT != SEG_SPLIT_FILL) {
-                maybe = p < n && p >= SEG_CHUNK_MIN && skey[p] == skey[p - SEG_CHUNK_MIN];
-                if (!__ballot_sync(SEG_FULL, maybe)) continue;  // warp-uniform
-            }
-            if (p < n && maybe) {
+            if (p < n) {
                 m = (long long)skey[p] + offset;
                 if (m < space && m != skip) {
                     s = start[m];
