@@ -83,9 +83,25 @@ def _m(c: dict | None, *path):
     return v
 
 
-def _first(configs: dict, names) -> tuple[str | None, dict | None]:
-    for n in names:
-        c = configs.get(n)
+def _lrs(configs: dict) -> list:
+    """The learning rates of the study's configurations, ascending ([None] for results without them)."""
+    lrs = sorted({c.get("lr") for c in configs.values() if c.get("lr") is not None})
+    return lrs or [None]
+
+
+def _by_entry(configs: dict, entry: str, lr=None) -> tuple[str | None, dict | None]:
+    """The configuration of grid entry ``entry`` (at ``lr`` where given): its name is the entry's, or
+    ``<entry>_lr<lr>`` in a study over several learning rates."""
+    for n, c in configs.items():
+        if c.get("entry", n) == entry and (lr is None or c.get("lr") in (None, lr)):
+            return n, c
+    return None, None
+
+
+def _first(configs: dict, names, lr=None) -> tuple[str | None, dict | None]:
+    """The first of the entries ``names`` (at ``lr``) with a disagreement figure."""
+    for e in names:
+        n, c = _by_entry(configs, e, lr)
         if c and _m(c, "disagreement") is not None:
             return n, c
     return None, None
@@ -178,12 +194,15 @@ def plot_link(link: list[dict], refs: dict, path: Path) -> bool:
     pts = [r for r in link if _ok(r.get("median_max_ulp")) and _ok(r.get("disagreement"))]
     if not pts:
         return False
+    models = [r.get("model") for r in pts]
+    main = max(set(models), key=models.count)   # ops on another model are labelled with it
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
     for r in pts:
         x = max(r["median_max_ulp"], 0.5)
         ax.errorbar(x, 100 * r["disagreement"], yerr=100 * (r.get("disagreement_se") or 0), fmt="o", capsize=3)
-        ax.annotate(r["op"], (x, 100 * r["disagreement"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        label = r["op"] + (f" ({r['model']})" if r.get("model") and r["model"] != main else "")
+        ax.annotate(label, (x, 100 * r["disagreement"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
     for (name, v), style in zip(refs.items(), ("--", ":", "-.")):
         if _ok(v):
             ax.axhline(100 * v, ls=style, color="grey", lw=1, label=f"`{name}` (all ops / seeds): {100 * v:.2f}%")
@@ -264,7 +283,8 @@ def link_rows(res: dict) -> list[dict]:
         if c.get("entry", n).startswith(OP_PREFIX):
             op = c.get("entry", n)[len(OP_PREFIX):]
             k = (kn.get("ops") or {}).get(op, {}).get("atomic", {})
-            rows.append({"op": op, "config": n, "disagreement": _m(c, "disagreement"),
+            rows.append({"op": op, "config": n, "model": (c.get("setup") or {}).get("model"), "lr": c.get("lr"),
+                         "disagreement": _m(c, "disagreement"),
                          "disagreement_se": _m(c, "disagreement_se"), "frac_not_all_equal": _m(c, "frac_not_all_equal"),
                          "acc": _m(c, "accuracy"), "steps": _steps(c) if c["done"] >= 2 else "-", **k})
     return rows
@@ -283,11 +303,35 @@ def comparison(res: dict, a: str | None, b: str | None) -> dict | None:
     return None
 
 
-def headline(res: dict) -> list[str]:
+def _relative_to_algo(link: list[dict], cfg: dict) -> list[dict]:
+    """The single-op rows that can be ranked: each op's disagreement over its own model's ``algo``
+    baseline (``algo@<model>`` where the grid has it, see study.baseline_for; an op on another model than
+    ``algo``'s must never be compared with ``algo`` itself), with its member-bootstrap interval divided
+    by that baseline. Rows whose baseline is missing or never disagreed are left out."""
+    out = []
+    for r in link:
+        base, bc = _by_entry(cfg, f"algo@{r['model']}", r["lr"])
+        if bc is None:
+            base, bc = _by_entry(cfg, "algo", r["lr"])
+        bd = _m(bc, "disagreement") if bc else None
+        if bc and r["model"] and (bc.get("setup") or {}).get("model") not in (None, r["model"]):
+            continue
+        if not bd:
+            continue
+        ci = _m(cfg[r["config"]], "ci", "disagreement") or {}
+        lo, hi = ci.get("lo"), ci.get("hi")
+        out.append({**r, "base": base, "ratio": r["disagreement"] / bd,
+                    "ratio_lo": lo / bd if _ok(lo) else math.nan, "ratio_hi": hi / bd if _ok(hi) else math.nan})
+    return out
+
+
+def _impl_vs_algo(res: dict, lr, several: bool) -> list[str]:
+    """The headline's first answer at learning rate ``lr`` (said where the study has ``several``)."""
     cfg = res["configs"]
-    out = ["## Answers first", ""]
-    iname, impl = _first(cfg, HEADLINE_IMPL)
-    aname, algo = _first(cfg, HEADLINE_ALGO)
+    out = []
+    at = f" at lr {lr:g}" if several and lr is not None else ""
+    iname, impl = _first(cfg, HEADLINE_IMPL, lr)
+    aname, algo = _first(cfg, HEADLINE_ALGO, lr)
     if impl and algo:
         di, da = _m(impl, "disagreement"), _m(algo, "disagreement")
         se = math.hypot(_m(impl, "disagreement_se") or 0, _m(algo, "disagreement_se") or 0)
@@ -306,32 +350,53 @@ def headline(res: dict) -> list[str]:
             verdict = "**yes, more**"
         else:
             verdict = f"**no: less**, {di / da:.2f} of it" if da > 0 else "**no**"
-        out.append(f"- **Implementation noise alone vs random seeds.** With every seed fixed and only the "
+        out.append(f"- **Implementation noise alone vs random seeds{at}.** With every seed fixed and only the "
                    f"reduction order free (`{iname}`), members disagree on {pct(di, _m(impl, 'disagreement_se'))} of "
                    f"test images (pairwise; {pct(_m(impl, 'frac_not_all_equal'))} not all equal); with random "
                    f"init/order/augmentation (`{aname}`), {pct(da, _m(algo, 'disagreement_se'))} "
                    f"({pct(_m(algo, 'frac_not_all_equal'))}). Accuracy SD: {sd_se(_m(impl, 'accuracy'), 100, unit=' pt')} "
                    f"vs {sd_se(_m(algo, 'accuracy'), 100, unit=' pt')}. As much? {verdict}.")
     else:
-        out.append("- Implementation noise vs random seeds: not answerable yet (`impl` or `algo` lacks two "
+        out.append(f"- Implementation noise vs random seeds{at}: not answerable yet (`impl` or `algo` lacks two "
                    "finished members).")
+    return out
+
+
+def headline(res: dict) -> list[str]:
+    cfg = res["configs"]
+    out = ["## Answers first", ""]
+    lrs = _lrs(cfg)
+    for lr in lrs:
+        out += _impl_vs_algo(res, lr, len(lrs) > 1)
+    iname, impl = _first(cfg, HEADLINE_IMPL, lrs[0])
+    aname, algo = _first(cfg, HEADLINE_ALGO, lrs[0])
     link = [r for r in link_rows(res) if r["disagreement"] is not None]
-    if link:
-        top = max(link, key=lambda r: r["disagreement"])
+    ranked = _relative_to_algo(link, cfg)
+    if ranked:
+        top = max(ranked, key=lambda r: r["ratio"])
         if top["disagreement"] > 0:
-            others = ", ".join(f"{r['op']} {pct(r['disagreement'])}" for r in link if r is not top)
-            tied = [r["op"] for r in link if r is not top and top["disagreement"] - r["disagreement"] <=
-                    2 * math.hypot(top["disagreement_se"] or 0, r["disagreement_se"] or 0)]
-            caveat = (f"; not clearly ahead: {', '.join(tied)} within 2 bootstrap SE" if tied else
-                      "; ahead of every other op by more than 2 bootstrap SE")
+            def rel(r):
+                return f"{r['op']} {pct(r['disagreement'])} ({r['ratio']:.2f}x `{r['base']}`)"
+            others = ", ".join(rel(r) for r in ranked if r is not top)
+            # ahead only where the member-bootstrap intervals, each divided by its own baseline, do not overlap
+            tied = [r["op"] for r in ranked if r is not top and not (_ok(top["ratio_lo"]) and _ok(r["ratio_hi"])
+                                                                      and top["ratio_lo"] > r["ratio_hi"])]
+            caveat = (f"; not clearly ahead of {', '.join(tied)} (their member-bootstrap intervals, relative to "
+                      "their baselines, overlap or are missing)" if tied else
+                      "; ahead of every other op (member-bootstrap intervals relative to their baselines apart)")
             vs = [c for c in res.get("comparisons") or [] if c["a"] == top["config"] and c["b"].startswith("control")]
             test = (f"; against `{vs[0]['b']}` (its model's fixed-seed baseline) difference "
                     f"{ci_txt(vs[0]['disagreement']['diff'], unit=' pt')}, permutation p = {p_txt(vs[0]['disagreement'])}"
                     if vs else "")
-            out.append(f"- **Op contributing most:** `{top['op']}` atomic alone gives {pct(top['disagreement'], top['disagreement_se'])} "
-                       f"pairwise disagreement" + (f" (others: {others})" if others else "") + caveat + test + ".")
+            out.append(f"- **Op contributing most** (relative to random seeds on the op's own model, `algo` or "
+                       f"`algo@<model>`): `{top['op']}` atomic alone gives "
+                       f"{pct(top['disagreement'], top['disagreement_se'])} pairwise disagreement, {top['ratio']:.2f}x "
+                       f"`{top['base']}`" + (f" (others: {others})" if others else "") + caveat + test + ".")
         else:
             out.append("- **Op contributing most:** none: no single-op atomic configuration changed a prediction.")
+    elif link:
+        out.append("- Op contributing most: not answerable yet (no op's model has an `algo` baseline with two "
+                   "finished members and some disagreement to compare with).")
     else:
         out.append("- Op contributing most: not answerable yet (no `atomic-<op>` configuration with two finished members).")
     wname, who = (iname, impl) if impl else (aname, algo)
@@ -465,7 +530,9 @@ def groups_table(res: dict) -> list[str]:
                    f"{cc('misclassified_by_most')} | {cc('lowest_confidence_quartile')} | {cc('minority')} |")
     out.append("")
     classes = res.get("classes") or []
-    show = [n for n in ("control", "algo", "impl", "native") if _m(res["configs"].get(n), "per_class")]
+    lr0 = _lrs(res["configs"])[0]
+    show = [n for n, c in (_by_entry(res["configs"], e, lr0) for e in ("control", "algo", "impl", "native"))
+            if _m(c, "per_class")]
     if show:
         out += ["Per class: accuracy SD across members (pt) / pairwise disagreement.", "",
                 "| class | " + " | ".join(f"`{n}`" for n in show) + " |", "|---|" + "---|" * len(show)]
@@ -573,11 +640,15 @@ def published_section(res: dict) -> list[str]:
            "They report that each source alone, down to a one-bit change of one initial weight, gives nearly the "
            "variability of all sources together.", ""]
     cfg = res["configs"]
-    iname, impl = _first(cfg, HEADLINE_IMPL)
-    aname, algo = _first(cfg, HEADLINE_ALGO)
+    lr0 = _lrs(cfg)[0]
+    iname, impl = _first(cfg, HEADLINE_IMPL, lr0)
+    aname, algo = _first(cfg, HEADLINE_ALGO, lr0)
     setup = next((c["setup"] for c in cfg.values() if c.get("setup")), None)
-    if not (impl and algo and setup) or not _m(algo, "disagreement"):
+    if not (impl and algo and setup):
         return out + ["Not comparable yet: `impl` or `algo` lacks two finished members.", ""]
+    if not _m(algo, "disagreement"):
+        return out + [f"Not comparable: `{aname}` never disagreed (0 of the test images), so the ratio to it is "
+                      "undefined.", ""]
     di, da = _m(impl, "disagreement"), _m(algo, "disagreement")
     ratio, ref = di / da, PUBLISHED["impl"] / PUBLISHED["algo"]
     test = comparison(res, iname, aname)
@@ -638,7 +709,7 @@ def render(res: dict | str | Path, md_path: str | Path, examples_path: str | Pat
     png = lambda name: md_path.parent / f"{stem}_{name}.png"  # noqa: E731
     have = {"disagreement": plot_disagreement(cfg, png("disagreement")), "l2": plot_l2(cfg, png("l2")),
             "groups": plot_groups(cfg, png("groups")), "flips": plot_flips(res, arrays, png("flips"))}
-    refs = {n: _m(cfg.get(n), "disagreement") for n in ("algo", "impl", "native")}
+    refs = {e: _m(_by_entry(cfg, e, _lrs(cfg)[0])[1], "disagreement") for e in ("algo", "impl", "native")}
     have["link"] = plot_link(link_rows(res), refs, png("link"))
 
     setup = next((c["setup"] for c in cfg.values() if c.get("setup")), None)

@@ -215,7 +215,9 @@ def concentration(flips: np.ndarray, mask: np.ndarray) -> dict:
     outside = float(f[~m].mean()) if (~m).any() else math.nan
     total = float(f.sum())
     return {"rate_in": inside, "rate_out": outside,
-            "ratio": inside / outside if outside and outside > 0 else (math.inf if inside and inside > 0 else math.nan),
+            # no example outside (NaN rate): no ratio; none flipping outside while some inside: infinite
+            "ratio": (math.nan if math.isnan(outside) else inside / outside if outside > 0 else
+                      math.inf if inside > 0 else math.nan),
             "share_of_flips": float(f[m].sum()) / total if total > 0 else math.nan,
             "share_of_examples": float(m.mean()) if len(m) else math.nan, "n_in": int(m.sum())}
 

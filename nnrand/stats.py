@@ -16,9 +16,11 @@ understate the spread. Instead the members are resampled and the mean is recompu
 with its own copy is left out, as the pair statistic of a member with itself is 0 by construction and
 would bias the mean towards 0). A resample with a single distinct member has no pair and is dropped.
 
-**Intervals** are percentile intervals (``LEVEL``, default 95%) of ``BOOT`` resamples. With few members
-they are coarse (2 members: every resample with a pair is the same pair, so the interval collapses to
-the point): read them as "at least this uncertain". A percentile interval can miss its own point
+**Intervals** are percentile intervals (``LEVEL``, default 95%) of ``BOOT`` resamples, given only where
+every configuration involved has at least ``MIN_CI_MEMBERS`` (3) members (with 2, every resample with a
+pair is the same pair, so an interval would collapse to the point and read as certainty: its bounds are
+NaN instead, and reports show the point alone). With few members they are coarse: read them as "at least
+this uncertain". A percentile interval can miss its own point
 estimate when the statistic is biased under resampling (an SD of few members shrinks); it is then
 extended to the point and marked ``extended``.
 
@@ -54,6 +56,7 @@ PERM_SEED = 0
 # Two statistics closer than this (relative) are ties in a permutation test: equal disagreement rates
 # computed through different pair orders may differ in the last bits of a float64 mean.
 TIE_RTOL = 1e-12
+MIN_CI_MEMBERS = 3   # members per configuration below which no interval is given (see the module doc)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -175,7 +178,10 @@ def member_ci(values, stat: Callable[[np.ndarray], np.ndarray] = sd_rows, n_boot
     v = np.asarray(values, dtype=np.float64)
     if len(v) < 2:
         return interval(math.nan, [], level)
-    return interval(float(stat(v[None])[0]), stat(v[resamples(len(v), n_boot, seed)]), level)
+    point = float(stat(v[None])[0])
+    if len(v) < MIN_CI_MEMBERS:
+        return interval(point, [], level)
+    return interval(point, stat(v[resamples(len(v), n_boot, seed)]), level)
 
 
 def pair_ci(mat: np.ndarray, n_boot: int = BOOT, seed: int = BOOT_SEED, level: float = LEVEL) -> dict:
@@ -183,6 +189,8 @@ def pair_ci(mat: np.ndarray, n_boot: int = BOOT, seed: int = BOOT_SEED, level: f
     m = len(mat)
     if m < 2:
         return interval(math.nan, [], level)
+    if m < MIN_CI_MEMBERS:
+        return interval(pair_mean(mat), [], level)
     return interval(pair_mean(mat), pair_means(mat, resamples(m, n_boot, seed)), level)
 
 
@@ -225,7 +233,8 @@ def permutation_test(stat: Callable[[np.ndarray, np.ndarray], np.ndarray], n_a: 
 
 def _compare(stat, n_a: int, n_b: int, n_boot: int, n_perm: int, seed: int, level: float) -> dict:
     test = permutation_test(stat, n_a, n_b, n_perm, seed)
-    boot = stat(resamples(n_a, n_boot, seed), resamples(n_b, n_boot, seed + 1) + n_a)
+    boot = stat(resamples(n_a, n_boot, seed), resamples(n_b, n_boot, seed + 1) + n_a) \
+        if min(n_a, n_b) >= MIN_CI_MEMBERS else []
     return {"diff": interval(test["stat"], boot, level), **{k: test[k] for k in ("p_value", "splits", "exact")}}
 
 

@@ -100,7 +100,8 @@ def test_full_results_answer_the_questions(tmp_path):
     text = md.read_text()
     first_screen = text.split("## Divergence per configuration")[0]
     assert "Implementation noise alone vs random seeds" in first_screen and "As much?" in first_screen
-    assert "Op contributing most:** `conv_wgrad`" in first_screen         # bias_grad's members are identical
+    assert "Op contributing most** (relative to random seeds on the op's own model" in first_screen
+    assert "`algo@<model>`): `conv_wgrad` atomic alone" in first_screen     # bias_grad's members are identical
     assert "Who pays** (`impl`)" in first_screen and "minority subgroup" in first_screen
     assert "## Missing" not in text
     assert "| `control` | control note | 3/3 | 100.00% | 0 (SE 0) |" in text
@@ -176,3 +177,53 @@ def test_published_reference_verdict_follows_the_ratio(tmp_path):
         assert "small rather than ResNet-14; 2 epochs rather than 500; 3 members" in text
     del res["configs"]["impl"]
     assert "Not comparable yet" in "\n".join(divergence_report.published_section(res))
+
+
+def _headline(res) -> str:
+    return "\n".join(divergence_report.headline(res))
+
+
+def test_op_ranking_compares_each_op_with_its_own_model(tmp_path):
+    """An op studied on another architecture (the max-pool variant of the model) is ranked by its
+    disagreement over that model's own `algo@<model>`, never against `algo` of the main model: a larger raw
+    disagreement on a model that diverges more does not make it the op contributing most. Without its
+    model's baseline the op is not ranked at all."""
+    res = json.loads(build(tmp_path, partial=False).read_text())
+    cfg = res["configs"]
+    rng = np.random.default_rng(4)
+    labels = rng.integers(0, 4, 24)
+    noisy = lambda p: np.where(rng.random((3, 24)) < p, rng.integers(0, 4, (3, 24)), labels[None])  # noqa: E731
+    for name, flip in (("atomic-maxpool_bwd", 0.45), ("algo@small_maxpool", 0.9)):
+        cfg[name] = config_result(name, noisy(flip), labels, None)
+        cfg[name]["setup"]["model"] = "small_maxpool"
+    wg, mp, base = (cfg[n]["metrics"]["disagreement"] for n in ("atomic-conv_wgrad", "atomic-maxpool_bwd",
+                                                                "algo@small_maxpool"))
+    assert mp > wg and mp / base < wg / cfg["algo"]["metrics"]["disagreement"]    # the draw sets the case up
+    text = _headline(res)
+    assert "`conv_wgrad` atomic alone" in text and "x `algo`" in text and "x `algo@small_maxpool`)" in text
+    del cfg["algo@small_maxpool"]
+    text = _headline(res)
+    assert "`conv_wgrad` atomic alone" in text and "maxpool_bwd" not in text.split("Op contributing most")[1].split("\n")[0]
+
+
+def test_learning_rate_grid_answers_per_rate(tmp_path):
+    """With several learning rates the configurations are named `<entry>_lr<lr>`: the report finds them by
+    their grid entry and answers impl vs algo once per rate."""
+    res = json.loads(build(tmp_path, partial=False).read_text())
+    cfg = {}
+    for lr in (0.1, 0.2):
+        for name, c in res["configs"].items():
+            cfg[f"{name}_lr{lr:g}"] = dict(c, name=f"{name}_lr{lr:g}", entry=name, lr=lr)
+    res["configs"] = cfg
+    text = _headline(res)
+    assert "Implementation noise alone vs random seeds at lr 0.1.**" in text
+    assert "Implementation noise alone vs random seeds at lr 0.2.**" in text and "not answerable" not in text
+    assert "(`impl_lr0.1`)" in text and "Who pays** (`impl_lr0.1`)" in text
+    assert "Not comparable" not in "\n".join(divergence_report.published_section(res))
+
+
+def test_algo_without_disagreement_is_said_so(tmp_path):
+    res = json.loads(build(tmp_path, partial=False).read_text())
+    res["configs"]["algo"]["metrics"]["disagreement"] = 0.0
+    text = "\n".join(divergence_report.published_section(res))
+    assert "`algo` never disagreed" in text and "lacks two finished members" not in text

@@ -211,3 +211,34 @@ def test_compare_needs_pairs_and_equal_test_sets():
         stats.compare_configs(z[:1], z, np.zeros(5, int))
     with pytest.raises(ValueError, match="test sets differ"):
         stats.compare_configs(z, np.zeros((2, 6, 3)), np.zeros(5, int))
+
+
+def test_pair_interval_bounds_by_enumeration_of_three_members():
+    """The bootstrap of 3 members can be enumerated: 27 equally likely resamples (i, j, k). Their pair
+    means over distinct members are: one value for the 3 resamples of a single member (no pair: dropped),
+    the pair's value for the 18 resamples of two distinct members (each pair 6 times: the pairs of
+    a multiset {a, a, b} are (a, b) twice and (a, a) left out), the mean of all three pairs for the 6
+    permutations. With pair values 0.1, 0.2, 0.6 the 24 kept values are 0.1 x6, 0.2 x6, 0.6 x6, 0.3 x6,
+    so the 2.5% and 97.5% quantiles of enough resamples are 0.1 and 0.6, and the interval has width."""
+    mat = np.array([[0, 0.1, 0.2], [0.1, 0, 0.6], [0.2, 0.6, 0]])
+    ci = stats.pair_ci(mat, n_boot=20000, seed=3)
+    assert ci["value"] == pytest.approx(0.3, rel=1e-15)          # (0.1 + 0.2 + 0.6) / 3: two roundings
+    assert (ci["lo"], ci["hi"]) == (pytest.approx(0.1, rel=1e-15), pytest.approx(0.6, rel=1e-15))
+    idx = np.array([[0, 0, 1], [0, 1, 2], [2, 2, 2]])
+    assert np.allclose(stats.pair_means(mat, idx)[:2], [0.1, 0.3], rtol=1e-15) and math.isnan(stats.pair_means(mat, idx)[2])
+
+
+def test_two_members_give_no_interval():
+    """With 2 members every resample with a pair is that pair: no interval (NaN bounds), the point kept;
+    a comparison of 2 against 2 keeps its permutation p-value but gives no interval of the difference."""
+    mat = np.array([[0, 0.4], [0.4, 0]])
+    ci = stats.pair_ci(mat)
+    assert ci["value"] == 0.4 and math.isnan(ci["lo"]) and math.isnan(ci["hi"])
+    sd = stats.member_ci([0.5, 0.7])
+    assert sd["value"] == pytest.approx(np.std([0.5, 0.7], ddof=1), rel=1e-15) and math.isnan(sd["lo"])
+    pooled = np.array([[0, .1, .5, .5], [.1, 0, .5, .5], [.5, .5, 0, .4], [.5, .5, .4, 0]])
+    c = stats.compare_pairwise(pooled, 2, 2)
+    assert c["diff"]["value"] == pytest.approx(-0.3, rel=1e-15) and math.isnan(c["diff"]["lo"])
+    assert c["splits"] == 6 and 0 < c["p_value"] <= 1
+    three = stats.compare_pairwise(np.pad(pooled, ((0, 2), (0, 2)), constant_values=0.3), 3, 3)
+    assert math.isfinite(three["diff"]["lo"]) and math.isfinite(three["diff"]["hi"])
