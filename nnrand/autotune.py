@@ -147,7 +147,6 @@ def time_us(fn: Callable[[], object], device: torch.device, calls: int = CALLS, 
 
 SLEEP_CYCLES = 1 << 21          # GPU clock cycles the queued timing first sleeps (about 1 ms)
 SLEEP_CYCLES_MAX = 1 << 26      # about 40 ms: no conv candidate takes the host that long to queue
-_sleep_cycles: dict[int, int] = {}
 
 
 def events_us(fn: Callable[[], object], device: torch.device, calls: int, repeats: int, *,
@@ -156,26 +155,34 @@ def events_us(fn: Callable[[], object], device: torch.device, calls: int, repeat
     ``repeats`` times. Unqueued, the host queues the next call while the GPU runs the previous one, so host
     time shows wherever it exceeds the kernels'. ``queued``: the stream first sleeps (torch.cuda._sleep)
     while the host queues every call, so the events time the GPU's work alone; where the sleep ended before
-    the last call was queued (the start event had already completed), it is doubled and the repeat run again
-    (up to SLEEP_CYCLES_MAX, after which the time is taken as it is)."""
+    the last call was queued (the start event had already completed), the repeat is run again with twice
+    the sleep, from SLEEP_CYCLES at every call of this function (a slow moment of the host lengthens one
+    timing's sleeps, not the later ones'). A ``fn`` that waits for the GPU itself can never be queued
+    behind a sleep: past SLEEP_CYCLES_MAX its repeats are timed unqueued, with a warning that its time
+    includes the host's."""
     torch.cuda.synchronize(device)
     times = []
+    cycles = max(1, SLEEP_CYCLES)
     with torch.cuda.device(device):
-        idx = torch.cuda.current_device()
         for _ in range(repeats):
             while True:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                cycles = _sleep_cycles.get(idx, SLEEP_CYCLES)
                 if queued:
                     torch.cuda._sleep(cycles)
                 a.record()
                 for _ in range(calls):
                     fn()
                 b.record()
-                if not queued or not a.query() or cycles >= SLEEP_CYCLES_MAX:
+                if not queued or not a.query():
                     break
                 b.synchronize()   # the GPU woke before the host was done: sleep longer
-                _sleep_cycles[idx] = min(2 * cycles, SLEEP_CYCLES_MAX)
+                if cycles >= SLEEP_CYCLES_MAX:
+                    warnings.warn(f"nnrand autotune: a candidate ({getattr(fn, '__name__', fn)!r}) waits for the GPU "
+                                  "while it is queued, so it is timed with the host's time included, unlike the "
+                                  "others", RuntimeWarning, stacklevel=3)
+                    queued = False
+                    continue
+                cycles = min(2 * cycles, SLEEP_CYCLES_MAX)
             b.synchronize()
             times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times)

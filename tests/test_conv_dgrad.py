@@ -352,14 +352,17 @@ def test_stem_plan_covers_every_phase_pixel():
 def test_cuda_stem_pixels_and_channels_keep_bits():
     """tree_stem at 4 or 8 pixels per lane group, computing 3 or 4 channels per lane: the same bits (a dx
     element's FMA chain does not depend on which other pixels or channels its lane holds), in both
-    layouts, on the ResNet stems at two batches and a 224 px image."""
-    shapes = [s for s in RESNET18_CONV if s.cin <= 4] + [ConvShape("stem7x7s2_224", 2, 3, 64, 7, 2, 3, 224, 224)]
+    layouts, on the ResNet stems (batch 2), a 224 px image, and Cin = 1, 2, 4 on widths whose tiles leave
+    lanes idle past the phase's edge (25, 35 and 66 pixels)."""
+    shapes = [s for s in RESNET18_CONV if s.cin <= 4] + [
+        ConvShape("stem7x7s2_224", 2, 3, 64, 7, 2, 3, 224, 224), ConvShape("c1_w50", 2, 1, 8, 5, 2, 2, 50, 50),
+        ConvShape("c4_w70", 2, 4, 16, 7, 2, 3, 70, 70), ConvShape("c2_w66", 2, 2, 8, 3, 1, 1, 66, 66)]
     for i, s in enumerate(shapes):
         for layout in ("nchw", "channels_last"):
             w, dy, kw = inputs(make_case(s.with_batch(2), layout, 880 + i), "cuda")
             first = TREE(w, dy, **kw)
             for px in cd.STEM_PIXELS:
-                for nc in (3, 4):
+                for nc in (3, 4) if s.cin <= 3 else (4,):
                     plan = lambda g, st: cd.stem_launch_plan(g, st, pixels=px, channels=nc)  # noqa: E731
                     got = cd._run(plan, w, dy, kw["input_size"], kw["stride"], kw["padding"], 1)
                     assert_bitwise_equal(got, first, f"{s.name} {layout} {px} pixels, {nc} channels")
