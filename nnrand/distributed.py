@@ -56,6 +56,11 @@ class RankFailure(RuntimeError):
     """A collective failed: another rank exited, or did not answer within the timeout."""
 
 
+class InvariantModelError(ValueError):
+    """A model whose state --world-invariant cannot keep the same on every world size: running statistics
+    of another kind than BatchNorm's, or a BatchNorm module that runs other than once per forward."""
+
+
 class LaunchError(ValueError):
     """The torchrun environment is malformed."""
 
@@ -275,6 +280,16 @@ class InvariantStep:
         self.sizes = [p.numel() for p in self.params]
         self.bns = batchnorms(model)
         self.stat_sizes = [2 * m.running_mean.numel() for m in self.bns]
+        norm_base = torch.nn.modules.batchnorm._NormBase
+        others = [(n, m) for n, m in model.named_modules() if isinstance(m, norm_base)
+                  and not isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        if others:
+            name, m = others[0]
+            raise InvariantModelError(
+                f"--world-invariant: {name or 'the model'} ({type(m).__name__}) keeps running statistics, which "
+                "only BatchNorm's are combined across micro-batches and ranks; they would differ between world "
+                "sizes (build it with track_running_stats=False, or train without --world-invariant)")
+        self.bn_calls_checked = False
         if graph and group.device.type != "cuda":
             raise ValueError(f"InvariantStep: graph=True captures CUDA work; the device is {group.device}")
         self.graph = graph
@@ -336,10 +351,43 @@ class InvariantStep:
         # the capture's outputs are overwritten by the next replay: keep copies for the tree
         return c.flat.clone(), None if c.stat is None else c.stat.clone(), c.metric.clone(), c.used
 
+    def check_batchnorm_calls(self, x: torch.Tensor) -> None:
+        """Every tracked BatchNorm must run exactly once per forward: its running statistics are taken as
+        the micro-batch's own (momentum 1) and its batch count corrected by one per micro-batch, which a
+        module run twice (shared) or never would break. Counted once, on a copy of the model (forward
+        only, the run's random generators untouched)."""
+        import copy
+
+        if self.bn_calls_checked or not self.bns:
+            return
+        warm = copy.deepcopy(self.model)
+        names = {id(m): n for n, m in self.model.named_modules()}
+        copies = dict(zip((id(m) for m in batchnorms(warm)), self.bns))
+        calls = {k: 0 for k in copies}
+        hooks = [m.register_forward_pre_hook(lambda mod, _: calls.__setitem__(id(mod), calls[id(mod)] + 1))
+                 for m in batchnorms(warm)]
+        devices = [x.device] if x.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                warm(x)
+        finally:
+            for h in hooks:
+                h.remove()
+        bad = [(names[id(copies[k])], n) for k, n in calls.items() if n != 1]
+        if bad:
+            name, n = bad[0]
+            raise InvariantModelError(f"--world-invariant: BatchNorm {name} runs {n} times per forward (expected "
+                                      "once: its running statistics are combined per micro-batch)")
+        self.bn_calls_checked = True
+
     def __call__(self, batches, step: int) -> torch.Tensor:
         """``batches``: this rank's (x, y) micro-batches in order. Returns the global batch's
         [summed loss, correct predictions] (float64, on the device)."""
         from nnrand import noise
+
+        batches = list(batches)
+        if batches:
+            self.check_batchnorm_calls(batches[0][0])
 
         stat_tensors = [t for m in self.bns for t in (m.running_mean, m.running_var)]
         saved = torch.cat([t.reshape(-1).float() for t in stat_tensors]) if self.bns else None

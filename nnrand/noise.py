@@ -137,11 +137,11 @@ def perturb_one_ulp(model: torch.nn.Module, index: int, direction: float = np.in
         n = p.numel()
         if index < offset + n:
             with torch.no_grad():
-                flat = p.view(-1)
                 i = index - offset
-                old = flat[i].detach().clone()
+                at = tuple(int(k) for k in np.unravel_index(i, tuple(p.shape)))  # logical order, any memory layout
+                old = p[at].detach().clone()
                 new = torch.nextafter(old, torch.tensor(direction, dtype=old.dtype, device=old.device))
-                flat[i] = new
+                p[at] = new
             return {"param": name, "element": i, "flat_index": index,
                     "old": float(old), "new": float(new),
                     "old_bits": f"{int(old.cpu().view(torch.int32)) & 0xFFFFFFFF:08x}",

@@ -256,8 +256,9 @@ def _resolve_world(cfg: Config, dev: torch.device) -> None:
             raise ConfigError(f"--batch-size {cfg.batch_size} (the global batch) is not divisible by the world "
                               f"size {world.size}")
         return
-    if cfg.micro_batch is None:
-        cfg.micro_batch = next(cfg.batch_size // k for k in (DEFAULT_MICRO_BATCHES, 2, 1) if cfg.batch_size % k == 0)
+    if cfg.micro_batch is None:   # the most micro-batches of 2 images or more, up to DEFAULT_MICRO_BATCHES
+        cfg.micro_batch = next((cfg.batch_size // k for k in (DEFAULT_MICRO_BATCHES, 2, 1)
+                                if cfg.batch_size % k == 0 and cfg.batch_size // k >= 2), cfg.batch_size)
     if cfg.micro_batch < 2:
         raise ConfigError(f"--micro-batch must be >= 2 (BatchNorm needs two images), got {cfg.micro_batch}")
     try:
@@ -562,7 +563,10 @@ def _rng_states(kernel_rng) -> dict:
 def _set_rng_states(states: dict, kernel_rng) -> None:
     torch.set_rng_state(states["torch"])
     if states["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        # one state per GPU the writing process saw; a resume that sees fewer GPUs (a 2-GPU run resumed under
+        # CUDA_VISIBLE_DEVICES=0) restores those it has
+        for i, state in enumerate(list(states["cuda"])[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, i)
     if kernel_rng is not None and states["numpy_kernel"] is not None:
         kernel_rng.bit_generator.state = states["numpy_kernel"]
 
@@ -744,7 +748,9 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     before = state.setdefault("coverage", {})   # the routing's counts of the processes before this one
 
     def coverage_so_far() -> dict:
-        return merge_coverage(before, routed.coverage.as_dict())
+        """The counts of the processes before this one and of every rank now (a collective: every rank calls
+        it, where each saves a checkpoint and once at the end)."""
+        return merge_coverage(before, *group.gather_objects(routed.coverage.as_dict()))
 
     def step_metrics(loss_sum, correct):
         if ddp is not None:   # every rank's share of the global batch
@@ -850,6 +856,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
     if state["epoch"] < cfg.epochs or not state["metrics"]:
         raise RuntimeError(f"{d}: training ended at epoch {state['epoch']} of {cfg.epochs}")
     final = int(state["checksums"][-1]["checksum"])
+    cov = coverage_so_far()
     if not main_rank:
         group.barrier()   # rank 0 evaluates and writes the member's files
         log.info("member %d done: final checksum %d", member, final)
@@ -864,7 +871,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
               "final_checksum": final, "logits_hash": logits_hash(logits),
               "step_time_ms": statistics.median(m["step_time_ms"] for m in state["metrics"]),
               "train_time_s": sum(m["epoch_time_s"] for m in state["metrics"]),
-              "coverage": (cov := coverage_so_far()), "uncovered": sorted(op for op, c in cov.items()
+              "coverage": cov, "uncovered": sorted(op for op, c in cov.items()
                                                                           if c.get(routing.UNCOVERED)),
               "world_size": world.size, "world_invariant": cfg.world_invariant,
               "fingerprint": meta["fingerprint"]}
@@ -1104,7 +1111,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the same bits on any power-of-two number of processes that divides the micro-batches: "
                    "fixed-size micro-batches, ghost BatchNorm, per-image augmentation, one fixed summation tree")
     g.add_argument("--micro-batch", type=int, metavar="M", help="--world-invariant: images per micro-batch, also "
-                   f"BatchNorm's virtual batch size (default: --batch-size / {DEFAULT_MICRO_BATCHES})")
+                   f"BatchNorm's virtual batch size (default: --batch-size / {DEFAULT_MICRO_BATCHES}, else / 2, "
+                   "whichever divides it into micro-batches of 2 images or more)")
     g.add_argument("--dist-timeout", type=float, default=Config.dist_timeout, metavar="S",
                    help="seconds a rank waits in a collective before failing (default %(default)s)")
     return p
@@ -1128,7 +1136,7 @@ def cli(argv: list[str] | None = None) -> int:
         cfg = resolve(config_from_args(args))
         out = main(cfg)
     except (ConfigError, routing.RoutingError, runio.DiskSpaceError, runio.CheckpointError, data.DatasetError,
-            autotune.AutotuneError, noise.PerturbIndexError) as e:
+            autotune.AutotuneError, noise.PerturbIndexError, distributed.InvariantModelError) as e:
         p.exit(2, f"{p.prog}: error{who}: {e}\n")
     except routing.NondeterministicOpError as e:
         p.exit(3, f"{p.prog}: error{who}: {e}\n")

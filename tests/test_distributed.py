@@ -331,6 +331,12 @@ def test_cuda_graph_with_ranks_is_accepted_with_and_without_world_invariant(monk
     cfg = train.Config(cuda_graph=True, world_invariant=True, batch_size=64)
     train._resolve_world(cfg, torch.device("cuda"))
     assert cfg.micro_batch == 16
+    for k, v in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    for batch, micro in ((4, 2), (6, 3), (2, 2)):   # the most micro-batches of 2 images or more, up to 4
+        cfg = train.Config(world_invariant=True, batch_size=batch)
+        train._resolve_world(cfg, torch.device("cpu"))
+        assert cfg.micro_batch == micro, batch
     group = distributed.Group(distributed.World(), torch.device("cpu"))
     with pytest.raises(ValueError, match="graph=True captures CUDA work; the device is cpu"):
         distributed.InvariantStep(torch.nn.Linear(2, 2), group, batch=4, micro=2, seed=0, graph=True)
@@ -353,6 +359,7 @@ def test_world_invariant_bits_on_1_2_and_4_processes(tmp_path):
         assert runs[n]["final_checksum"] == runs[1]["final_checksum"], n
         assert runs[n]["logits_hash"] == runs[1]["logits_hash"], n
         assert runs[n]["train_loss"] == runs[1]["train_loss"], n
+        assert runs[n]["coverage"] == runs[1]["coverage"] and runs[1]["coverage"], n   # every rank's calls counted
         a = runio.member_dir(tmp_path / "inv1", "run", 0)
         b = runio.member_dir(tmp_path / f"inv{n}", "run", 0)
         assert (a / "checksums.csv").read_bytes() == (b / "checksums.csv").read_bytes()
@@ -441,3 +448,43 @@ def test_a_killed_rank_makes_the_others_fail_within_the_timeout(tmp_path):
     assert procs[0].returncode == 4, err[-3000:]
     assert "rank 0 of 2" in err and "failed at step" in err
     assert "stopped: RankFailure" in (tmp_path / "run" / "logs" / "rank0.log").read_text()
+
+
+def test_invariant_step_refuses_state_it_cannot_make_world_invariant():
+    """Running statistics other than BatchNorm's (InstanceNorm tracking them) are refused when the step is
+    built; a BatchNorm run twice per forward (shared) at the first step, before anything changed."""
+    group = distributed.Group(distributed.World(), torch.device("cpu"))
+    inorm = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.InstanceNorm2d(4, track_running_stats=True))
+    with pytest.raises(distributed.InvariantModelError, match=r"1 \(InstanceNorm2d\) keeps running statistics"):
+        distributed.InvariantStep(inorm, group, batch=8, micro=2, seed=0)
+    distributed.InvariantStep(torch.nn.Sequential(torch.nn.InstanceNorm2d(4)), group, batch=8, micro=2, seed=0)
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.fc = torch.nn.Conv2d(3, 3, 3, padding=1), torch.nn.BatchNorm2d(3), torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.fc(self.bn(self.conv(self.bn(x))).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = Shared()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = distributed.InvariantStep(model, group, batch=4, micro=2, seed=0)
+    x, y = torch.randn(4, 3, 5, 5), torch.tensor([0, 1, 0, 1])
+    with pytest.raises(distributed.InvariantModelError, match="BatchNorm bn runs 2 times per forward"):
+        step([(x[:2], y[:2]), (x[2:], y[2:])], step=0)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())   # nothing moved
+
+
+def test_resume_restores_the_cuda_generators_it_has(monkeypatch):
+    """A checkpoint written by a process that saw two GPUs, resumed by one that sees one
+    (CUDA_VISIBLE_DEVICES=0): the first state is restored, the other left out (it had crashed with an
+    IndexError in torch.cuda.set_rng_state_all)."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((device, state)))
+    s0, s1 = torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8)
+    train._set_rng_states({"torch": torch.get_rng_state(), "cuda": [s0, s1], "numpy_kernel": None}, None)
+    assert len(restored) == 1 and restored[0][0] == 0 and torch.equal(restored[0][1], s0)

@@ -3,6 +3,8 @@ with deterministic kernels and fixed seeds two runs end bitwise identical while 
 them differ (negative control)."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -80,6 +82,13 @@ def test_perturb_moves_one_weight_by_one_ulp():
     assert info["flat_index"] == index and info["old_bits"] != info["new_bits"]
     with pytest.raises(ValueError, match="past the model"):
         noise.perturb_one_ulp(model, before.numel())
+    # channels_last weights (--channels-last): the same logical element moves
+    torch.manual_seed(0)
+    ref = models.build_model("small")
+    cl = copy.deepcopy(ref).to(memory_format=torch.channels_last)
+    noise.perturb_one_ulp(ref, index)
+    assert noise.perturb_one_ulp(cl, index)["element"] == info["element"]
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), cl.parameters()))
 
 
 def test_pinned_flags_restore_previous_state():
