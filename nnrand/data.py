@@ -74,6 +74,8 @@ import numpy as np
 import torch
 
 DATASETS = ("synthetic", "cifar10", "cifar100", "digits")
+# Training and test images of the fixed datasets (the synthetic one draws as many as asked)
+SPLIT_SIZES = {"cifar10": (50_000, 10_000), "cifar100": (50_000, 10_000), "digits": (1437, 360)}
 
 
 class DatasetError(RuntimeError):

@@ -62,8 +62,8 @@ def check_spec(source: str, spec: object) -> str | int:
     """Normalise a seed spec; raise ValueError naming the valid forms."""
     allowed = ("fixed", "member", "fresh") if source == "kernel" else ("fixed", "member")
     if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
-        if spec < 0:
-            raise ValueError(f"--{source}-seed must be >= 0, got {spec}")
+        if spec < 0 or spec >= 2**63:   # torch.manual_seed takes up to 2**64 - 1; derive's keys are int64
+            raise ValueError(f"--{source}-seed must be >= 0 and < 2**63, got {spec}")
         return int(spec)
     if isinstance(spec, str):
         if spec in allowed:
@@ -233,6 +233,13 @@ def pinned_flags(*, tf32: bool, cudnn_deterministic: bool, cudnn_benchmark: bool
         raise ValueError("cudnn_benchmark chooses algorithms by timing, run to run: not with cudnn_deterministic")
     b = torch.backends
     before = (_tf32_flags(), b.cudnn.benchmark, b.cudnn.deterministic)
+    # the CPU's oneDNN float32 precision: torch.set_float32_matmul_precision("medium") makes its matmuls
+    # bf16 ("none" follows that global setting); float32 products stay float32 here
+    onednn = [getattr(b.mkldnn, k, None) for k in ("matmul", "conv", "rnn")]
+    onednn = [o for o in onednn if o is not None and hasattr(o, "fp32_precision")]
+    onednn_before = [o.fp32_precision for o in onednn]
+    for o in onednn:
+        o.fp32_precision = "ieee"
     want = "tf32" if tf32 else "ieee"
     if "conv" in before[0]:
         _set_tf32({"matmul": want, "conv": want, "rnn": want})
@@ -247,3 +254,5 @@ def pinned_flags(*, tf32: bool, cudnn_deterministic: bool, cudnn_benchmark: bool
     finally:
         _set_tf32(before[0])
         b.cudnn.benchmark, b.cudnn.deterministic = before[1], before[2]
+        for o, v in zip(onednn, onednn_before):
+            o.fp32_precision = v

@@ -789,13 +789,12 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
             while step < steps:
                 epoch = step // per_epoch
                 order = data.epoch_order(n, epoch, seeds.order)
-                gen = noise.epoch_generator(seeds.aug, epoch, torch.device(cfg.device))
                 for i in range(per_epoch):
                     if step == steps:
                         break
                     rec.step()
                     with rec.phase("other"):  # the batch: gather, augmentation, normalisation
-                        x, y = train.train_batch(ds, order, i, cfg.batch_size, gen, fmt, cfg.image_size,
+                        x, y = train.train_batch(ds, order, i, cfg.batch_size, seeds.aug, epoch, fmt, cfg.image_size,
                                                  cfg.shuffle_channels)
                     for group in opt.param_groups:
                         group["lr"] = train.lr_at(step, total, warmup, cfg.lr)

@@ -179,6 +179,13 @@ def resolve(cfg: Config) -> Config:
         v = getattr(cfg, key)
         if v is not None and v < low:
             raise ConfigError(f"--{key.replace('_', '-')} must be >= {low}, got {v}")
+    # a dataset smaller than asked serves all it has, and the config records what is used: a run asking for
+    # more than the dataset holds is the same run as one asking for exactly that (it matches and resumes it)
+    for key, have in zip(("n_train", "n_test"), data.SPLIT_SIZES.get(cfg.dataset, (None, None))):
+        if have is not None and getattr(cfg, key) is not None and getattr(cfg, key) > have:
+            logging.getLogger("nnrand.train").warning("--%s %d: --dataset %s has %d; using %d", key.replace("_", "-"),
+                                                      getattr(cfg, key), cfg.dataset, have, have)
+            setattr(cfg, key, have)
     for key in ("lr", "momentum", "weight_decay", "warmup_epochs"):
         if not math.isfinite(getattr(cfg, key)) or getattr(cfg, key) < 0:
             raise ConfigError(f"--{key.replace('_', '-')} must be a finite number >= 0")
@@ -296,23 +303,17 @@ def resize(x: torch.Tensor, size: int | None) -> torch.Tensor:
     return F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=False)
 
 
-def train_batch(ds, order: torch.Tensor, i: int, batch: int, gen: torch.Generator, fmt, size: int | None = None,
+def train_batch(ds, order: torch.Tensor, i: int, batch: int, aug_seed: int, epoch: int, fmt, size: int | None = None,
                 shuffle_channels: bool = False):
-    return local_batch(ds, order[i * batch:(i + 1) * batch], gen, fmt, size, shuffle_channels)
-
-
-def local_batch(ds, idx: torch.Tensor, gen: torch.Generator, fmt, size: int | None = None,
-                shuffle_channels: bool = False):
-    """The images at dataset indices ``idx``, augmented with draws from ``gen``."""
-    idx = idx.to(ds.train_x.device)
-    x = data.augment(ds.train_x[idx], gen, shuffle_channels=shuffle_channels)
-    x = resize(data.normalize(x, ds), size).contiguous(memory_format=fmt)
-    return x, ds.train_y[idx]
+    """Batch ``i`` of an epoch's ``order``."""
+    return indexed_batch(ds, order[i * batch:(i + 1) * batch], aug_seed, epoch, fmt, size, shuffle_channels)
 
 
 def indexed_batch(ds, idx: torch.Tensor, aug_seed: int, epoch: int, fmt, size: int | None = None,
                   shuffle_channels: bool = False):
-    """The images at dataset indices ``idx``, each augmented by its own index (world-invariant runs)."""
+    """The images at dataset indices ``idx``, each augmented by its own index, the augmentation seed and the
+    epoch (data.augment_indexed): an image's augmentation does not depend on the batch order, the batch
+    size, the rank or the number of processes, so the order seed varies the order alone."""
     x = data.augment_indexed(ds.train_x[idx.to(ds.train_x.device)], idx, aug_seed, epoch,
                              shuffle_channels=shuffle_channels)
     x = resize(data.normalize(x, ds), size).contiguous(memory_format=fmt)
@@ -596,6 +597,10 @@ def config_record(cfg: Config, world: distributed.World | None = None) -> dict:
         hp.pop("cudnn_heuristic")   # PyTorch's default: as before the option existed
     if world.distributed and not cfg.world_invariant:
         hp["world_size"] = world.size   # plain DDP: another world size is another run
+    if not cfg.world_invariant:
+        # every image's augmentation keyed by its index (world-invariant runs always were): a run or
+        # checkpoint of the positional draws that came before differs in this field and is not resumed
+        hp["augmentation"] = "indexed"
     return hp
 
 
@@ -627,11 +632,6 @@ def merge_coverage(*parts: dict) -> dict[str, dict[str, int]]:
             for where, n in counts.items():
                 into[where] = into.get(where, 0) + n
     return {op: dict(sorted(c.items())) for op, c in sorted(out.items())}
-
-
-def _rank_seed(seed: int, world: distributed.World) -> int:
-    """Plain DDP: each rank's augmentation stream (one process keeps the run's own seed)."""
-    return seed if not world.distributed else noise.derive(seed, 1_000_003, world.rank)
 
 
 def logits_hash(logits: torch.Tensor) -> str:
@@ -729,11 +729,8 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
         if capture_stream is not None:
             torch.cuda.current_stream().wait_stream(capture_stream)
 
-    def save_checkpoint(gen: torch.Generator | None):
-        gen_state = None if gen is None else gen.get_state()
-        if ddp is not None and gen is not None:   # every rank's augmentation stream (none at an epoch's end)
-            gen_state = group.gather_objects(gen_state)
-        state["aug_state"] = gen_state
+    def save_checkpoint():
+        state["aug_state"] = None   # augmentation is keyed by image index: no generator to carry over
         state["coverage"] = coverage_so_far()
         if main_rank:
             record = None
@@ -771,10 +768,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
             _Interrupt(distributed=world.distributed) as interrupt:
         for epoch in epochs:
             order = data.epoch_order(n, epoch, seeds.order).to(device)  # batches slice it on the device
-            gen = None if step_fn is not None else noise.epoch_generator(_rank_seed(seeds.aug, world), epoch, device)
             acc = state["acc"] or {"loss": 0.0, "correct": 0, "seen": 0, "time_s": 0.0, "step_ms": []}
-            if state["aug_state"] is not None and gen is not None:
-                gen.set_state(state["aug_state"][world.rank] if ddp is not None else state["aug_state"])
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -798,8 +792,8 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                     loss_sum += out[0]
                     correct += out[1].to(torch.int64)
                 else:
-                    x, y = local_batch(ds, batch_idx[world.rank * local:(world.rank + 1) * local], gen, fmt,
-                                       cfg.image_size, cfg.shuffle_channels)
+                    x, y = indexed_batch(ds, batch_idx[world.rank * local:(world.rank + 1) * local], seeds.aug, epoch,
+                                         fmt, cfg.image_size, cfg.shuffle_channels)
                     if cfg.cuda_graph and graph is None:
                         with group.guard("DistributedDataParallel capture", only_collectives=True):
                             graph = GraphStep(model, x, y, precision, scaler, ddp=ddp, stream=capture_stream)
@@ -822,7 +816,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                 if stop and state["i"] < steps:
                     _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch, step_metrics)
                     state["acc"] = acc
-                    save_checkpoint(gen)
+                    save_checkpoint()
                     raise KeyboardInterrupt(f"interrupted at step {state['step']}; checkpoint saved in {d}")
             _flush(acc, loss_sum, correct, timer, t0, device, state, pending_sums, epoch, step_metrics)
             ev = {}
@@ -846,7 +840,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
             if main_rank:
                 runio.write_csv(d / "metrics.csv", runio.METRICS_COLUMNS, state["metrics"])
                 runio.write_csv(d / "checksums.csv", runio.CHECKSUM_COLUMNS, state["checksums"])
-            save_checkpoint(None)
+            save_checkpoint()
             if ev:
                 epochs.set_postfix(top1=f"{ev['test_top1']:.3f}")
             stop = group.any(interrupt.requested or state["step"] == cfg.interrupt_at_step)

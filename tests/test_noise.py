@@ -197,3 +197,26 @@ def test_gpu_shuffled_channels_runs_identical(tmp_path):
     assert same_state(wa, wb) and pa.tobytes() == pb.tobytes()
     train.main(tiny(tmp_path / "off", "a", shuffle_channels=False, **kw))
     assert not same_state(wa, final_state(tmp_path / "off", "a")[0])
+
+
+def test_pinned_flags_pin_the_cpu_float32_precision():
+    """torch.set_float32_matmul_precision("medium") makes oneDNN's CPU matmuls bf16; inside pinned_flags
+    float32 stays float32 (a 64x64 product equals the one under "highest" bit for bit), and the setting
+    comes back on exit."""
+    onednn = getattr(torch.backends.mkldnn, "matmul", None)
+    if onednn is None or not hasattr(onednn, "fp32_precision"):
+        pytest.skip("this torch has no oneDNN fp32_precision flags")
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        exact = a @ b
+        torch.set_float32_matmul_precision("medium")
+        outside = onednn.fp32_precision
+        with noise.pinned_flags(tf32=False, cudnn_deterministic=True):
+            assert onednn.fp32_precision == "ieee"
+            assert bitwise_equal(a @ b, exact)
+        assert onednn.fp32_precision == outside
+    finally:
+        torch.set_float32_matmul_precision(before)

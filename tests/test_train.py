@@ -206,7 +206,8 @@ def test_bad_seeds_names_and_momentum_are_config_errors(tmp_path):
     for kw, named in ((dict(seed=-1), "--seed must be >= 0"), (dict(data_seed=-2), "--data-seed must be >= 0"),
                       (dict(momentum=1.0), "--momentum must be below 1"),
                       (dict(name="../elsewhere"), "--name must be a plain directory name"),
-                      (dict(name="a/b"), "--name must be a plain directory name")):
+                      (dict(name="a/b"), "--name must be a plain directory name"),
+                      (dict(init_seed=2**64), "--init-seed must be >= 0 and < 2\\*\\*63")):
         with pytest.raises(train.ConfigError, match=named):
             train.resolve(train.Config(**{**tiny(tmp_path, "x"), **kw}))
 
@@ -484,3 +485,40 @@ def test_atomic_writes_get_the_permissions_of_a_plain_open(tmp_path):
     want = stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode)
     assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == want == 0o644
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_augmentation_is_keyed_by_image_not_by_order_or_batch():
+    """Every run augments each image by its dataset index, the augmentation seed and the epoch: another
+    order seed, batch size or batch position gives every image the same pixels (the order seed varies the
+    order alone), another augmentation seed other ones. Old positional runs are told apart by the config."""
+    from nnrand import data
+
+    ds = data.synthetic(n_train=64, n_test=8, seed=0)
+    def pixels(order_seed, batch, aug_seed=5):
+        order = data.epoch_order(64, 0, order_seed)
+        got = {}
+        for i in range(64 // batch):
+            x, _ = train.train_batch(ds, order, i, batch, aug_seed, 0, torch.contiguous_format)
+            for k, j in enumerate(order[i * batch:(i + 1) * batch].tolist()):
+                got[j] = x[k]
+        return got
+    ref = pixels(1, 16)
+    for other in (pixels(2, 16), pixels(1, 32), pixels(3, 8)):
+        assert all(bitwise_equal(ref[j], other[j]) for j in range(64))
+    moved = pixels(1, 16, aug_seed=6)
+    assert sum(not torch.equal(ref[j], moved[j]) for j in range(64)) > 32
+    assert train.config_record(train.Config())["augmentation"] == "indexed"
+    assert "augmentation" not in train.config_record(train.Config(world_invariant=True, micro_batch=8))
+
+
+def test_requests_beyond_a_fixed_dataset_use_what_it_holds():
+    """--n-train/--n-test above a fixed dataset's split sizes resolve to those sizes (the config records
+    what the run uses), and the sizes are the loader's."""
+    from nnrand import data
+
+    cfg = train.resolve(train.Config(device="cpu", dataset="digits", n_train=5000, n_test=1000))
+    assert (cfg.n_train, cfg.n_test) == data.SPLIT_SIZES["digits"]
+    assert train.resolve(train.Config(device="cpu", dataset="digits", n_train=100)).n_train == 100
+    pytest.importorskip("sklearn", reason="--dataset digits needs scikit-learn (extra nnrand[data])")
+    ds = data.load_dataset("digits")
+    assert (len(ds.train_y), len(ds.test_y)) == data.SPLIT_SIZES["digits"]
