@@ -484,7 +484,7 @@ _LAYOUT = {
 
 
 def default_data_dir() -> Path:
-    return Path(os.environ.get(DATA_DIR_ENV) or Path.home() / ".cache" / "nnrand")
+    return Path(os.environ.get(DATA_DIR_ENV) or Path.home() / ".cache" / "nnrand").expanduser()
 
 
 def archive_url(name: str, url: str | None = None) -> str:
@@ -504,7 +504,7 @@ def download_archive(name: str, data_dir: str | os.PathLike | None = None, url: 
     """Fetch the archive of ``name`` into data_dir: streamed to a temporary file beside the target, md5
     checked, then renamed into place, so an interrupted or corrupt download never leaves a file under
     the archive's name. The URL is ``url``, else $NNRAND_CIFAR_URL, else the Toronto original."""
-    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    data_dir = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
     target = data_dir / ARCHIVES[name]
     src = archive_url(name, url)
@@ -581,13 +581,13 @@ def _subset(n_total: int, n: int | None, seed: int, split: int) -> torch.Tensor 
 
 def load_cifar(name: str, *, data_dir=None, seed: int = 0, n_train: int | None = None,
                n_test: int | None = None, download: bool = False, url: str | None = None) -> Dataset:
-    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    data_dir = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     path = data_dir / ARCHIVES[name]
     if not path.is_file():
         if not download:
             raise DatasetError(
                 f"{name}: {path} not found. Put {ARCHIVES[name]} (md5 {MD5[name]}, from "
-                f"{archive_url(name)}) in {data_dir}, or pass download=True "
+                f"{archive_url(name)}) in {data_dir}, or download it (--download; download=True from Python) "
                 f"(data_dir defaults to ${DATA_DIR_ENV} or ~/.cache/nnrand).")
         download_archive(name, data_dir, url)
     digest = md5sum(path)

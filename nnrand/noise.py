@@ -3,7 +3,8 @@
 Sources (Zhuang et al. 2021, "Randomness in neural network training"):
     init     weight initialisation (torch's global RNG, seeded just before the model is built)
     order    the batch order of each epoch (``data.epoch_order(n, epoch, seed)``)
-    aug      augmentation (a torch.Generator on the data's device, reseeded per epoch)
+    aug      augmentation: each image's crop, flip (and channel order) keyed by its dataset index, the aug
+             seed and the epoch (``data.augment_indexed``), so no other source moves it
     kernel   the backward reductions: ``atomic`` variants add in the order partials arrive. On a GPU that
              order is the hardware's and no seed reaches it; the CPU order models draw it from the
              kernel seed ("fresh": new entropy every call, as a GPU behaves)
@@ -106,14 +107,6 @@ def member_seeds(specs: dict, base: int, member: int) -> MemberSeeds:
 def kernel_rng(seed: int | None) -> np.random.Generator | None:
     """The random source handed to CPU order models of atomic variants (None: fresh per call)."""
     return None if seed is None else np.random.default_rng(seed)
-
-
-def epoch_generator(aug_seed: int, epoch: int, device: torch.device) -> torch.Generator:
-    """Augmentation draws of one epoch: a function of (aug seed, epoch) only, so a run resumed at an
-    epoch boundary draws what an uninterrupted one would."""
-    g = torch.Generator(device=device)
-    g.manual_seed(derive(aug_seed, epoch))
-    return g
 
 
 def seed_torch(seed: int) -> None:

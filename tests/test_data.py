@@ -429,8 +429,16 @@ def test_cifar_missing(tmp_path):
     with pytest.raises(DatasetError) as e:
         load_dataset("cifar10", data_dir=tmp_path)
     msg = str(e.value)
-    assert str(tmp_path / "cifar-10-python.tar.gz") in msg and "download=True" in msg
+    assert str(tmp_path / "cifar-10-python.tar.gz") in msg and "--download" in msg and "download=True" in msg
     assert data.MD5["cifar10"] in msg and "cs.toronto.edu" in msg
+
+
+def test_data_dir_expands_the_home_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(data.DATA_DIR_ENV, "~/datasets")
+    assert data.default_data_dir() == tmp_path / "datasets"
+    with pytest.raises(DatasetError, match=str(tmp_path / "elsewhere")):
+        load_dataset("cifar10", data_dir="~/elsewhere")
 
 
 def test_cifar_real_md5_table():

@@ -61,12 +61,6 @@ def test_seed_specs():
     assert noise.check_spec("aug", "12") == 12
 
 
-def test_epoch_generator_is_a_function_of_seed_and_epoch():
-    draw = lambda s, e: torch.rand(5, generator=noise.epoch_generator(s, e, torch.device("cpu")))  # noqa: E731
-    assert bitwise_equal(draw(3, 1), draw(3, 1))
-    assert not torch.equal(draw(3, 1), draw(3, 2)) and not torch.equal(draw(3, 1), draw(4, 1))
-
-
 def test_perturb_moves_one_weight_by_one_ulp():
     torch.manual_seed(0)
     model = models.build_model("small")
