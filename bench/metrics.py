@@ -39,7 +39,8 @@ def joined(out) -> torch.Tensor:
     """A result as one tensor: a tensor itself; the parts of a tuple flattened and concatenated in order,
     so that comparing the joined bits compares every part. Parts of different floating dtypes of at most
     32 bits (a bf16 dx beside float32 dgamma, dbeta) are widened to float32 first: exact and one to one
-    (NaN payloads aside), so distinct results stay distinct; their ULPs are then float32's."""
+    (NaN payloads aside), so distinct results stay distinct (VarianceTracker measures such a result's ULPs
+    part by part, each in its own dtype)."""
     ps = parts(out)
     if isinstance(out, torch.Tensor):
         return out
@@ -156,7 +157,11 @@ class VarianceTracker:
         self._ever |= b != self._first_bits
         if self._float:
             self.max_abs_diff = max(self.max_abs_diff, float(abs_difference(out, self._first_joined).max()))
-            self.max_ulp = max(self.max_ulp, float(ulp_distance(out, self._first_joined).max()))
+            if single or len({t.dtype for t in ps}) == 1:
+                self.max_ulp = max(self.max_ulp, float(ulp_distance(out, self._first_joined).max()))
+            else:   # parts of several dtypes: each part's ULPs in its own dtype (a bf16 ULP is not 65536)
+                self.max_ulp = max(self.max_ulp, *(float(ulp_distance(t.detach(), f).max()) for t, f in
+                                                   zip(ps, self._first) if t.numel()))
         else:
             self.max_abs_diff = self.max_ulp = math.nan
         if any(torch.equal(b, s) for s in self._stored[1:]):

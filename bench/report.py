@@ -49,7 +49,11 @@ def fmt_ratio(x) -> str:
 
 
 def fmt_pct(x) -> str:
-    return DASH if _isnan(x) else f"{100 * float(x):.0f}%"
+    """A share in percent; a nonzero share that rounds to 0% shows as "<1%" (some elements did differ)."""
+    if _isnan(x):
+        return DASH
+    x = float(x)
+    return "<1%" if 0 < x < 0.005 else f"{100 * x:.0f}%"
 
 
 def fmt_err(x) -> str:
@@ -163,18 +167,36 @@ def summary_rows(w: pd.DataFrame, ops: list[str], df: pd.DataFrame | None = None
             n = gg.loc[gg["distinct_results"].idxmax(), "n"]
             names.append(f"{name} ({int(d)}/{int(n) if not _isnan(n) else '?'})")
         det_vars = g[(g["kind"] == "variant") & (g["deterministic"] == True)]  # noqa: E712
-        best, best_ratio = None, math.inf
-        for name, gg in det_vars.groupby("variant", sort=False):
-            r = geomean(_col(gg, "ratio_atomic"))
-            if _isnan(r):
-                r = geomean(_col(gg, "ratio_fastest_peer")) * 1e6  # rank after those with an atomic twin
-            if not _isnan(r) and r < best_ratio:
-                best, best_ratio = name, r
+        # a candidate must have held one result wherever it was measured, and is ranked only over the cases
+        # every candidate has a ratio on (a variant that failed on the slow cases is not ranked on the rest)
+        held = {name for name, gg in det_vars.groupby("variant", sort=False)
+                if not (_col(gg, "distinct_results") > 1).any()}
+        det_vars = det_vars[det_vars["variant"].isin(held)]
+        best, best_ratio, shared = None, math.inf, None
+        for column in ("ratio_atomic", "ratio_fastest_peer"):   # by the atomic twin where there is one
+            per = {name: gg.set_index("case")[column].dropna() for name, gg in det_vars.groupby("variant", sort=False)}
+            per = {name: r[r.astype(float).notna()] for name, r in per.items()}
+            every = set().union(*(set(r.index) for r in per.values())) if per else set()
+            cases = every if any(set(r.index) >= every for r in per.values()) else None
+            if cases is None:   # no candidate ran every case: compare them where all of them ran
+                for r in per.values():
+                    if len(r):
+                        cases = set(r.index) if cases is None else cases & set(r.index)
+            if cases:
+                for name, r in per.items():
+                    m = geomean(r[r.index.isin(cases)].astype(float)) if set(cases) <= set(r.index) else math.nan
+                    if not _isnan(m) and m < best_ratio:
+                        best, best_ratio, shared = name, m, cases
+            if best is not None:
+                break
         if best is None and len(det_vars):
             best = det_vars["variant"].iloc[0]
         if best is not None:
             b = det_vars[det_vars["variant"] == best]
             vs_atomic, vs_peer = fmt_spread(_col(b, "ratio_atomic")), fmt_spread(_col(b, "ratio_fastest_peer"))
+            total = g["case"].nunique()
+            if shared is not None and len(shared) < total:
+                notes.append(f"best variant ranked on the {len(shared)} of {total} cases the candidates share")
         else:
             best, vs_atomic, vs_peer = DASH, DASH, DASH
         tdet = g[(g["kind"] == "peer") & g["variant"].str.endswith("_deterministic")]
@@ -188,7 +210,9 @@ def summary_rows(w: pd.DataFrame, ops: list[str], df: pd.DataFrame | None = None
         bad = g[(g["deterministic"] == True) & (distinct > 1)]  # noqa: E712
         if len(bad):
             notes.insert(0, "claimed-deterministic subject varied: " + ", ".join(sorted(set(bad["variant"]))))
-        rows.append([op, str(g["case"].nunique()), ", ".join(names) if names else "none",
+        # "none" only where every measured row repeated: one run cannot show a second result
+        rows.append([op, str(g["case"].nunique()),
+                     ", ".join(names) if names else ("none" if _repeated(w, op) else "not repeated"),
                      best, vs_atomic, vs_peer, fmt_spread(torch_cost), "; ".join(notes)])
     return rows, nondet_ops
 
@@ -340,8 +364,11 @@ def render(df: pd.DataFrame, out: pathlib.Path, plots: bool = True) -> str:
         lines.append(f"Nondeterministic on this backend (more than one distinct result on one input): "
                      f"**{', '.join(nondet)}**. Deterministic everywhere measured: "
                      f"{', '.join(det) or 'none'}.\n")
-    else:
+    elif all(_repeated(w, o) for o in ops if (w["op"] == o).any()):
         lines.append("No subject gave more than one distinct result on this backend.\n")
+    else:
+        lines.append("No subject gave more than one distinct result on this backend, but some were measured "
+                     "only once (\"not repeated\" below): one run cannot show a second result.\n")
     lines.append(md_table(["op", "cases", "nondeterministic here (max distinct / repeats)",
                            "best deterministic variant", "its latency ÷ atomic (geomean, range)",
                            "its latency ÷ fastest peer", "torch deterministic ÷ torch", "note"], srows))

@@ -230,5 +230,10 @@ def test_mixed_half_and_float32_parts_are_joined_exactly_and_told_apart():
     flipped = (dx.view(torch.int16) ^ 1).view(torch.bfloat16)
     t.add((flipped, dgamma, dbeta))
     assert t.distinct == 2
+    assert t.max_ulp == 1.0   # one bf16 ULP, measured in bf16 (widened to float32 it would read 65536)
+    moved = dgamma.clone()
+    moved[2] = torch.nextafter(torch.nextafter(moved[2], torch.tensor(math.inf)), torch.tensor(math.inf))
+    t.add((dx, moved, dbeta))
+    assert t.max_ulp == 2.0 and t.distinct == 3
     with pytest.raises(ValueError, match="share one dtype"):
         joined((dgamma.double(), dbeta))

@@ -211,3 +211,38 @@ def test_only_ops_measured_more_than_once_are_called_deterministic():
     w = pd.DataFrame({"op": ["a", "a", "b", "c"], "distinct_results": [1, 1, 1, math.nan], "n": [30, 30, 1, 30]})
     assert report._repeated(w, "a") and not report._repeated(w, "b") and not report._repeated(w, "c")
     assert not report._repeated(w, "d")
+
+
+def _summary_cells(md: str, op: str) -> list[str]:
+    head = md.split("## Per op")[0]
+    (line,) = [x for x in head.splitlines() if x.startswith(f"| {op} ")]
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_best_variant_held_one_result_and_ran_every_case(tmp_path):
+    """The best deterministic variant is one that gave one result wherever it ran (a claimed-deterministic
+    variant that varied is not a candidate, however fast), and that ran every case: one that failed on
+    the slow cases is not ranked on the fast one it kept."""
+    rows = ceiling_rows()
+    for case, scale in (("a", 1.0), ("b", 10.0), ("c", 100.0)):
+        rows += subject_rows("toyop", case, "atomic", "variant", 10e-6 * scale, distinct=7, det=False)
+        rows += subject_rows("toyop", case, "tree", "variant", 9e-6 * scale, det=True)
+        rows += subject_rows("toyop", case, "fastbuggy", "variant", 5e-6 * scale, distinct=4, det=True)
+    rows += subject_rows("toyop", "a", "fixed", "variant", 8e-6, det=True)   # failed on b and c
+    cells = _summary_cells(report.render(results.frame(rows), tmp_path / "k.md", plots=False), "toyop")
+    assert cells[3] == "tree" and cells[4] == "0.90x (0.90x–0.90x)"
+    assert "claimed-deterministic subject varied: fastbuggy" in cells[7]
+
+
+def test_single_runs_are_not_called_free_of_variation(tmp_path):
+    rows = ceiling_rows()
+    rows += subject_rows("one", "a", "atomic", "variant", 10e-6, det=False, n=1)
+    rows += subject_rows("one", "a", "tree", "variant", 9e-6, det=True, n=1)
+    md = report.render(results.frame(rows), tmp_path / "k.md", plots=False)
+    assert _summary_cells(md, "one")[2] == "not repeated"
+    assert "some were measured only once" in md and "No subject gave more than one distinct result on this backend.\n" not in md
+
+
+def test_small_nonzero_shares_are_not_printed_as_zero():
+    assert report.fmt_pct(0.00021929) == "<1%" and report.fmt_pct(0.0) == "0%" and report.fmt_pct(0.25) == "25%"
+    assert report.fmt_pct(0.006) == "1%" and report.fmt_pct(math.nan) == report.DASH
