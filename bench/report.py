@@ -174,8 +174,11 @@ def summary_rows(w: pd.DataFrame, ops: list[str], df: pd.DataFrame | None = None
         det_vars = det_vars[det_vars["variant"].isin(held)]
         best, best_ratio, shared = None, math.inf, None
         for column in ("ratio_atomic", "ratio_fastest_peer"):   # by the atomic twin where there is one
-            per = {name: gg.set_index("case")[column].dropna() for name, gg in det_vars.groupby("variant", sort=False)}
-            per = {name: r[r.astype(float).notna()] for name, r in per.items()}
+            per = {}
+            for name, gg in det_vars.groupby("variant", sort=False):   # a case is (case, layout)
+                keys = list(zip(gg["case"], gg["layout"] if "layout" in gg else [""] * len(gg)))
+                r = pd.Series(_col(gg, column).to_numpy(dtype=float), index=pd.Index(keys, tupleize_cols=False))
+                per[name] = r[r.notna()]
             every = set().union(*(set(r.index) for r in per.values())) if per else set()
             cases = every if any(set(r.index) >= every for r in per.values()) else None
             if cases is None:   # no candidate ran every case: compare them where all of them ran
@@ -184,7 +187,7 @@ def summary_rows(w: pd.DataFrame, ops: list[str], df: pd.DataFrame | None = None
                         cases = set(r.index) if cases is None else cases & set(r.index)
             if cases:
                 for name, r in per.items():
-                    m = geomean(r[r.index.isin(cases)].astype(float)) if set(cases) <= set(r.index) else math.nan
+                    m = geomean(r[r.index.isin(list(cases))]) if set(cases) <= set(r.index) else math.nan
                     if not _isnan(m) and m < best_ratio:
                         best, best_ratio, shared = name, m, cases
             if best is not None:
@@ -194,7 +197,7 @@ def summary_rows(w: pd.DataFrame, ops: list[str], df: pd.DataFrame | None = None
         if best is not None:
             b = det_vars[det_vars["variant"] == best]
             vs_atomic, vs_peer = fmt_spread(_col(b, "ratio_atomic")), fmt_spread(_col(b, "ratio_fastest_peer"))
-            total = g["case"].nunique()
+            total = len(set(zip(g["case"], g["layout"] if "layout" in g else [""] * len(g))))
             if shared is not None and len(shared) < total:
                 notes.append(f"best variant ranked on the {len(shared)} of {total} cases the candidates share")
         else:
