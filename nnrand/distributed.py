@@ -269,6 +269,11 @@ class InvariantStep:
 
     def __init__(self, model: torch.nn.Module, group: Group, *, batch: int, micro: int, seed: int,
                  graph: bool = False):
+        lazy = [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.lazy.LazyModuleMixin)
+                and m.has_uninitialized_params()]
+        if lazy:
+            raise InvariantModelError(f"--world-invariant: {lazy[0]} is a lazy module not yet initialised; run one "
+                                      "forward before building the step")
         self.model = model
         self.group = group
         self.batch = batch
@@ -373,6 +378,12 @@ class InvariantStep:
         finally:
             for h in hooks:
                 h.remove()
+        frozen = [names[id(m)] for m in self.bns if not m.training]
+        if frozen:   # its statistics stay, but the step would still correct a batch count it never moved
+            raise InvariantModelError(f"--world-invariant: BatchNorm {frozen[0]} is in eval mode while training; "
+                                      "only BatchNorms in training mode are combined per micro-batch (put the "
+                                      "model in training mode, or build the frozen ones with "
+                                      "track_running_stats=False)")
         bad = [(names[id(copies[k])], n) for k, n in calls.items() if n != 1]
         if bad:
             name, n = bad[0]

@@ -362,15 +362,9 @@ def _impl_vs_algo(res: dict, lr, several: bool) -> list[str]:
     return out
 
 
-def headline(res: dict) -> list[str]:
-    cfg = res["configs"]
-    out = ["## Answers first", ""]
-    lrs = _lrs(cfg)
-    for lr in lrs:
-        out += _impl_vs_algo(res, lr, len(lrs) > 1)
-    iname, impl = _first(cfg, HEADLINE_IMPL, lrs[0])
-    aname, algo = _first(cfg, HEADLINE_ALGO, lrs[0])
-    link = [r for r in link_rows(res) if r["disagreement"] is not None]
+def _op_ranking(link: list[dict], cfg: dict, res: dict, at: str) -> list[str]:
+    """The headline's "op contributing most" over the single-op rows ``link`` of one learning rate."""
+    out = []
     ranked = _relative_to_algo(link, cfg)
     if ranked:
         top = max(ranked, key=lambda r: r["ratio"])
@@ -388,17 +382,33 @@ def headline(res: dict) -> list[str]:
             test = (f"; against `{vs[0]['b']}` (its model's fixed-seed baseline) difference "
                     f"{ci_txt(vs[0]['disagreement']['diff'], unit=' pt')}, permutation p = {p_txt(vs[0]['disagreement'])}"
                     if vs else "")
-            out.append(f"- **Op contributing most** (relative to random seeds on the op's own model, `algo` or "
+            out.append(f"- **Op contributing most{at}** (relative to random seeds on the op's own model, `algo` or "
                        f"`algo@<model>`): `{top['op']}` atomic alone gives "
                        f"{pct(top['disagreement'], top['disagreement_se'])} pairwise disagreement, {top['ratio']:.2f}x "
                        f"`{top['base']}`" + (f" (others: {others})" if others else "") + caveat + test + ".")
         else:
-            out.append("- **Op contributing most:** none: no single-op atomic configuration changed a prediction.")
+            out.append(f"- **Op contributing most{at}:** none: no single-op atomic configuration changed a prediction.")
     elif link:
-        out.append("- Op contributing most: not answerable yet (no op's model has an `algo` baseline with two "
+        out.append(f"- Op contributing most{at}: not answerable yet (no op's model has an `algo` baseline with two "
                    "finished members and some disagreement to compare with).")
     else:
-        out.append("- Op contributing most: not answerable yet (no `atomic-<op>` configuration with two finished members).")
+        out.append(f"- Op contributing most{at}: not answerable yet (no `atomic-<op>` configuration with two "
+                   "finished members).")
+    return out
+
+
+def headline(res: dict) -> list[str]:
+    cfg = res["configs"]
+    out = ["## Answers first", ""]
+    lrs = _lrs(cfg)
+    for lr in lrs:
+        out += _impl_vs_algo(res, lr, len(lrs) > 1)
+    iname, impl = _first(cfg, HEADLINE_IMPL, lrs[0])
+    aname, algo = _first(cfg, HEADLINE_ALGO, lrs[0])
+    link = [r for r in link_rows(res) if r["disagreement"] is not None]
+    for lr in lrs:   # each learning rate ranks its own ops
+        at = f" at lr {lr:g}" if len(lrs) > 1 and lr is not None else ""
+        out += _op_ranking([r for r in link if lr is None or r["lr"] in (None, lr)], cfg, res, at)
     wname, who = (iname, impl) if impl else (aname, algo)
     if who:
         parts = []
@@ -653,7 +663,7 @@ def published_section(res: dict) -> list[str]:
     ratio, ref = di / da, PUBLISHED["impl"] / PUBLISHED["algo"]
     test = comparison(res, iname, aname)
     same = abs(ratio - ref) <= AGREE
-    ulp = _m(cfg.get("ulp"), "disagreement") if cfg.get("ulp") else None
+    ulp = _m(_by_entry(cfg, "ulp", lr0)[1], "disagreement")
     line = (f"**Does nnrand agree?** Implementation noise alone (`{iname}`) gives {ratio:.2f} of the disagreement of "
             f"random seeds (`{aname}`: {pct(di)} vs {pct(da)}); published {ref:.2f}. ")
     resolved = test is not None and _ok(test["disagreement"].get("p_value")) and test["disagreement"]["p_value"] < ALPHA

@@ -231,16 +231,16 @@ def pinned_flags(*, tf32: bool, cudnn_deterministic: bool, cudnn_benchmark: bool
     onednn = [getattr(b.mkldnn, k, None) for k in ("matmul", "conv", "rnn")]
     onednn = [o for o in onednn if o is not None and hasattr(o, "fp32_precision")]
     onednn_before = [o.fp32_precision for o in onednn]
-    for o in onednn:
-        o.fp32_precision = "ieee"
     want = "tf32" if tf32 else "ieee"
-    if "conv" in before[0]:
-        _set_tf32({"matmul": want, "conv": want, "rnn": want})
-    else:
-        _set_tf32({"matmul": tf32, "cudnn": tf32})
-    b.cudnn.benchmark = cudnn_benchmark
-    b.cudnn.deterministic = cudnn_deterministic
     try:
+        for o in onednn:
+            o.fp32_precision = "ieee"
+        if "conv" in before[0]:
+            _set_tf32({"matmul": want, "conv": want, "rnn": want})
+        else:
+            _set_tf32({"matmul": tf32, "cudnn": tf32})
+        b.cudnn.benchmark = cudnn_benchmark
+        b.cudnn.deterministic = cudnn_deterministic
         yield {"tf32": tf32, "tf32_flags": {k: str(v) for k, v in _tf32_flags().items()},
                "cudnn_benchmark": cudnn_benchmark, "cudnn_deterministic": cudnn_deterministic,
                "cudnn_enabled": bool(b.cudnn.enabled)}

@@ -238,6 +238,63 @@ def test_invariant_step_agrees_on_used_parameters_across_ranks(tmp_path):
             assert bitwise_equal(after[n], one_after[n]), (rank, n)
 
 
+class _Dropped(torch.nn.Module):
+    """Dropout between a BatchNorm'd layer and the head: its masks must be drawn per micro-batch, the same
+    on any number of processes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16)
+        self.drop, self.head = torch.nn.Dropout(0.5), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.drop(torch.relu(self.bn(self.lin(x)))))
+
+
+def _dropped_steps(group, steps: int = 3, seed: int = 11):
+    torch.manual_seed(4)
+    model = _Dropped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = distributed.InvariantStep(model, group, batch=8, micro=2, seed=seed)
+    g = torch.Generator().manual_seed(5)
+    for k in range(steps):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        micro = [(x[j:j + 2], y[j:j + 2]) for j in range(0, 8, 2)]
+        step(micro[step.first_micro():step.first_micro() + step.local], step=k)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _dropped_rank(rank: int, size: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    group = distributed.Group(distributed.World(rank=rank, size=size, timeout_s=60), torch.device("cpu"))
+    try:
+        torch.save(_dropped_steps(group), f"{out}/rank{rank}.pt")
+    finally:
+        group.close()
+
+
+def test_invariant_step_with_dropout_and_batchnorm_is_world_invariant(tmp_path):
+    """Three steps of a model with dropout and BatchNorm on 1 and on 2 processes: the weights and running
+    statistics of every rank have the one-process run's bits. The dropout is live (a negative control:
+    another seed gives other weights), so equal bits are not equal because nothing was dropped."""
+    import torch.multiprocessing as mp
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as every rank: BLAS blocks products by thread count
+    try:
+        one = _dropped_steps(distributed.Group(distributed.World(), torch.device("cpu")))
+        other = _dropped_steps(distributed.Group(distributed.World(), torch.device("cpu")), seed=12)
+    finally:
+        torch.set_num_threads(threads)
+    mp.spawn(_dropped_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert all(bitwise_equal(got[k], one[k]) for k in one), rank
+    assert not torch.equal(other["lin.weight"], one["lin.weight"])
+
+
 # --------------------------------------------------------------------------------------------------
 # Augmentation keyed by the image's index
 
@@ -475,6 +532,15 @@ def test_invariant_step_refuses_state_it_cannot_make_world_invariant():
     with pytest.raises(distributed.InvariantModelError, match="BatchNorm bn runs 2 times per forward"):
         step([(x[:2], y[:2]), (x[2:], y[2:])], step=0)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())   # nothing moved
+
+    frozen = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3), torch.nn.BatchNorm2d(3), torch.nn.Flatten(),
+                                 torch.nn.LazyLinear(2))
+    with pytest.raises(distributed.InvariantModelError, match="3 is a lazy module not yet initialised"):
+        distributed.InvariantStep(frozen, group, batch=4, micro=2, seed=0)
+    frozen(x[:2])
+    frozen[1].eval()   # a frozen BatchNorm keeps its statistics but would have its batch count corrected
+    with pytest.raises(distributed.InvariantModelError, match="BatchNorm 1 is in eval mode"):
+        distributed.InvariantStep(frozen, group, batch=4, micro=2, seed=0).check_batchnorm_calls(x[:2])
 
 
 def test_resume_restores_the_cuda_generators_it_has(monkeypatch):

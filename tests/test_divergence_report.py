@@ -219,7 +219,14 @@ def test_learning_rate_grid_answers_per_rate(tmp_path):
     assert "Implementation noise alone vs random seeds at lr 0.1.**" in text
     assert "Implementation noise alone vs random seeds at lr 0.2.**" in text and "not answerable" not in text
     assert "(`impl_lr0.1`)" in text and "Who pays** (`impl_lr0.1`)" in text
-    assert "Not comparable" not in "\n".join(divergence_report.published_section(res))
+    # the op ranking too, each rate against its own baseline, an op never listed beside itself
+    for lr in ("0.1", "0.2"):
+        (line,) = [x for x in text.splitlines() if x.startswith(f"- **Op contributing most at lr {lr}**")]
+        assert f"x `algo_lr{lr}`" in line and line.count("conv_wgrad") == 1
+        assert f"algo_lr{'0.2' if lr == '0.1' else '0.1'}" not in line
+    cfg["ulp_lr0.1"] = dict(cfg["impl_lr0.1"], name="ulp_lr0.1", entry="ulp")
+    published = "\n".join(divergence_report.published_section(res))
+    assert "Not comparable" not in published and "One ULP" in published
 
 
 def test_algo_without_disagreement_is_said_so(tmp_path):
