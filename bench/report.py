@@ -133,6 +133,11 @@ def _col(w: pd.DataFrame, name: str) -> pd.Series:
     return w[name] if name in w.columns else pd.Series(math.nan, index=w.index)
 
 
+def _case_keys(w: pd.DataFrame) -> list[tuple]:
+    """Each row's case as (case, layout): one case name may run in several layouts."""
+    return list(zip(w["case"], w["layout"] if "layout" in w else [""] * len(w)))
+
+
 def _repeated(w: pd.DataFrame, op: str) -> bool:
     """Whether ``op`` has measured distinct-result rows, each from at least two repeats (one run cannot
     show a second result)."""
@@ -176,7 +181,7 @@ def summary_rows(w: pd.DataFrame, ops: list[str], df: pd.DataFrame | None = None
         for column in ("ratio_atomic", "ratio_fastest_peer"):   # by the atomic twin where there is one
             per = {}
             for name, gg in det_vars.groupby("variant", sort=False):   # a case is (case, layout)
-                keys = list(zip(gg["case"], gg["layout"] if "layout" in gg else [""] * len(gg)))
+                keys = _case_keys(gg)
                 r = pd.Series(_col(gg, column).to_numpy(dtype=float), index=pd.Index(keys, tupleize_cols=False))
                 per[name] = r[r.notna()]
             every = set().union(*(set(r.index) for r in per.values())) if per else set()
@@ -197,7 +202,7 @@ def summary_rows(w: pd.DataFrame, ops: list[str], df: pd.DataFrame | None = None
         if best is not None:
             b = det_vars[det_vars["variant"] == best]
             vs_atomic, vs_peer = fmt_spread(_col(b, "ratio_atomic")), fmt_spread(_col(b, "ratio_fastest_peer"))
-            total = len(set(zip(g["case"], g["layout"] if "layout" in g else [""] * len(g))))
+            total = len(set(_case_keys(g)))
             if shared is not None and len(shared) < total:
                 notes.append(f"best variant ranked on the {len(shared)} of {total} cases the candidates share")
         else:

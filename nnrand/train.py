@@ -720,9 +720,10 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
                                             seed=seeds.aug, graph=cfg.cuda_graph)
         # before the routing is on: the check's forward is neither counted in the coverage nor draws from
         # the kernels' generator (any micro-batch of images serves to count BatchNorm calls)
-        probe, _ = indexed_batch(ds, torch.arange(cfg.micro_batch), seeds.aug, 0, fmt, cfg.image_size,
-                                 cfg.shuffle_channels)
-        step_fn.check_batchnorm_calls(probe)
+        if step_fn.bns:
+            probe, _ = indexed_batch(ds, torch.arange(cfg.micro_batch), seeds.aug, 0, fmt, cfg.image_size,
+                                     cfg.shuffle_channels)
+            step_fn.check_batchnorm_calls(probe)
     elif world.distributed:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -211,12 +211,13 @@ def test_invariant_step_leaves_parameters_without_a_gradient_alone():
     assert all(grads[n] is not None for n in ("lin.weight", "lin.bias"))
 
 
-def _gated_rank(rank: int, size: int, port: int, out: str) -> None:
+def _rank(rank: int, size: int, port: int, out: str, steps) -> None:
+    """One spawned process of ``size``: ``steps(group)``'s result saved as ``out/rank<rank>.pt``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     group = distributed.Group(distributed.World(rank=rank, size=size, timeout_s=60), torch.device("cpu"))
     try:
-        torch.save(_gated_step(group), f"{out}/rank{rank}.pt")
+        torch.save(steps(group), f"{out}/rank{rank}.pt")
     finally:
         group.close()
 
@@ -227,7 +228,7 @@ def test_invariant_step_agrees_on_used_parameters_across_ranks(tmp_path):
     import torch.multiprocessing as mp
 
     one_grads, one_after = _gated_step(distributed.Group(distributed.World(), torch.device("cpu")))
-    mp.spawn(_gated_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), str(tmp_path), _gated_step), nprocs=2, join=True)
     for rank in range(2):
         grads, after = torch.load(tmp_path / f"rank{rank}.pt")
         assert grads["idle"] is None and grads["extra"] is not None
@@ -265,16 +266,6 @@ def _dropped_steps(group, steps: int = 3, seed: int = 11):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _dropped_rank(rank: int, size: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    group = distributed.Group(distributed.World(rank=rank, size=size, timeout_s=60), torch.device("cpu"))
-    try:
-        torch.save(_dropped_steps(group), f"{out}/rank{rank}.pt")
-    finally:
-        group.close()
-
-
 def test_invariant_step_with_dropout_and_batchnorm_is_world_invariant(tmp_path):
     """Three steps of a model with dropout and BatchNorm on 1 and on 2 processes: the weights and running
     statistics of every rank have the one-process run's bits. The dropout is live (a negative control:
@@ -288,7 +279,7 @@ def test_invariant_step_with_dropout_and_batchnorm_is_world_invariant(tmp_path):
         other = _dropped_steps(distributed.Group(distributed.World(), torch.device("cpu")), seed=12)
     finally:
         torch.set_num_threads(threads)
-    mp.spawn(_dropped_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), str(tmp_path), _dropped_steps), nprocs=2, join=True)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert all(bitwise_equal(got[k], one[k]) for k in one), rank
