@@ -100,6 +100,10 @@ KERNEL_STYLE = "s"
 FUSE = "auto"
 FUSE_MIN_TILES = 128
 FUSE_MAX_SPLITS = 8
+# Tap tiles (conv_wgrad.cu, TAPK): where Cin is a multiple of the tile width, every tile of the r' column
+# order holds one tap, and walks only the k whose pixel for that tap is not padding. Same bits as the
+# full walk on finite inputs (tests/test_conv_wgrad.py compares them); with the "s" style only.
+TAP_TILES = True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,16 +282,22 @@ def _int_args(g: Geometry, sx: tuple, sd: tuple, p: Plan) -> tuple:
 
 def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, g: Geometry, p: Plan,
           extra: tuple = ()) -> str:
-    """Launch one GEMM kernel; returns the style it ran ("cl": a split workspace is in r' order)."""
+    """Launch one GEMM kernel; returns the style it ran ("cl", "tc", "ts": a split workspace is in r'
+    order)."""
     ints = _int_args(g, x.stride(), dy.stride(), p)
     grid = (cdiv(g.r, p.tile), cdiv(g.m, p.tile), p.splits)
     style = KERNEL_STYLE
     if style == "s" and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() \
             and dy.is_contiguous(memory_format=torch.channels_last) and not dy.is_contiguous():
         style = "cl"  # same bits, loads along channels
+    if style != "r" and TAP_TILES and g.cin % p.tile == 0:
+        style = "tc" if style == "cl" else "ts"  # same bits, padding terms skipped
     fn = function(SOURCE, f"conv_wgrad_{name}_t{p.tile}_{style}", x.device)
     launch(fn, grid, (THREADS,), (ptr(x), ptr(dy), ptr(out), *extra, *ints), device=x.device)
     return style
+
+
+R_PRIME_STYLES = ("cl", "tc", "ts")   # kernel styles whose tile columns run in r' = (kh, kw, ci) order
 
 
 def fused(g: Geometry, p: Plan) -> bool:
@@ -352,9 +362,10 @@ def _split_and_combine(x, dy, g: Geometry, p: Plan) -> torch.Tensor:
     partials = torch.empty((p.splits, mr), device=x.device, dtype=torch.float32)
     style = _gemm("split", x, dy, partials, g, p)
     args = (ptr(partials), np.int32(p.splits), np.int32(mr), ptr(dw))
-    if style == "cl":  # the workspace is in the GEMM's column order r' = (kh, kw, ci)
+    r_prime = style in R_PRIME_STYLES
+    if r_prime:  # the workspace is in the GEMM's column order r' = (kh, kw, ci)
         args += (np.int32(g.r), np.int32(g.cin), np.int32(g.kh * g.kw))
-    launch(function(SOURCE, "conv_wgrad_reduce_cl" if style == "cl" else "conv_wgrad_reduce", x.device),
+    launch(function(SOURCE, "conv_wgrad_reduce_cl" if r_prime else "conv_wgrad_reduce", x.device),
            (cdiv(mr, 32),), (32 * GROUPS,), args, device=x.device)
     return dw
 
@@ -374,6 +385,32 @@ def conv_wgrad_nosplit_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilation
     if _empty(g):
         return torch.zeros(g.w_shape, device=x.device, dtype=torch.float32)
     return _split_and_combine(x, dy, g, plan(g.m, g.r, g.k, split=False))
+
+
+def tap_walk(g: Geometry, tap: int, kbeg: int, kend: int) -> np.ndarray:
+    """The k a tap tile of ``tap`` (= kh*KW + kw) walks in the chunk [kbeg, kend), in walk order: the
+    kernel's index arithmetic (wgrad_tile, TAPK) step by step, for tests on machines without a GPU."""
+    th = tap // g.kw
+    tih, tiw = th * g.dh - g.ph, (tap - th * g.kw) * g.dw - g.pw
+    ohlo = 0 if tih >= 0 else (g.sh - 1 - tih) // g.sh
+    owlo = 0 if tiw >= 0 else (g.sw - 1 - tiw) // g.sw
+    ohhi = 0 if g.h - 1 - tih < 0 else min(g.oh, (g.h - 1 - tih) // g.sh + 1)
+    owhi = 0 if g.w - 1 - tiw < 0 else min(g.ow, (g.w - 1 - tiw) // g.sw + 1)
+    hv, wvalid = max(0, ohhi - ohlo), max(0, owhi - owlo)
+    ohw = g.oh * g.ow
+
+    def before(k: int) -> int:
+        n, l = divmod(k, ohw)
+        oh, ow = divmod(l, g.ow)
+        rows = min(max(oh - ohlo, 0), hv)
+        cols = min(max(ow - owlo, 0), wvalid) if ohlo <= oh < ohlo + hv else 0
+        return n * hv * wvalid + rows * wvalid + cols
+
+    wv, nv = max(wvalid, 1), max(hv * wvalid, 1)
+    j = np.arange(before(kbeg), before(kend))
+    n, l = np.divmod(j, nv)
+    oh, ow = np.divmod(l, wv)
+    return n * ohw + (oh + ohlo) * g.ow + ow + owlo
 
 
 # --------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from kernels import KernelArgumentError
 from kernels import conv_wgrad_winograd as wino
 from kernels.conv_wgrad import BK, GROUPS, MIN_CHUNK, WAVE_MIN_CHUNK, Geometry, Plan, _check, chunk_partials, plan, tree_combine
 from kernels.runtime import KERNEL_DIR
-from kernels.shapes import HOSTILE_CONV, RESNET18_CONV
+from kernels.shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape
 from tests.helpers import assert_bitwise_equal, bitwise_equal, byte_hash, distinct, gamma
 
 OP = "conv_wgrad"
@@ -43,6 +43,17 @@ ATOMIC = kernels.get(OP, "atomic")
 TREE = kernels.get(OP, "tree")
 WINOGRAD = kernels.get(OP, "winograd")
 CASES = SPEC.test_cases()
+
+# Tap tiles apply where Cin is a multiple of the tile width (64 or 128): the ResNet-18 shapes from
+# 64 channels, and small hostile ones that reach every clamp of the valid rectangle: stride 2 on odd
+# sizes, padding wider than the kernel, and a dilated kernel whose outer taps never meet the image; the
+# first two split their reductions at chunk boundaries inside an image row.
+TAP_SHAPES = [RESNET18_CONV[i] for i in (1, 3, 4, 5, 7, 10)] + [
+    ConvShape("tap_odd_s2", 48, 128, 40, 3, 2, 1, 9, 9),
+    ConvShape("tap_pad_gt_kernel", 32, 64, 24, 3, 1, 3, 6, 7),
+    ConvShape("tap_dead_taps", 2, 64, 16, 3, 1, 4, 3, 3, 4),
+    ConvShape("tap_k5_s2_batch1", 1, 64, 72, 5, 2, 2, 7, 11),
+]
 
 
 def case_params(cases):
@@ -186,6 +197,29 @@ def test_plan_refits_few_blocks_to_whole_waves(batch):
         assert p.splits == 1 or p.chunk >= WAVE_MIN_CHUNK, (s.name, p)
         refit += p != base
     assert refit >= 3   # the deep layers at these batches do change
+
+
+@pytest.mark.parametrize("shape", HOSTILE_CONV + tuple(TAP_SHAPES), ids=lambda s: s.name)
+def test_tap_walk_visits_the_valid_terms_of_its_chunk_in_order(shape):
+    """A tap tile's compacted walk (the kernel's index arithmetic, mirrored by ``tap_walk``) visits, for
+    every tap and every chunk of the plan (and chunks cut at odd places), exactly the k of the chunk
+    whose input pixel for that tap is inside the image, in ascending order: the terms it skips are the
+    padding's zeros and nothing else."""
+    from kernels.conv_wgrad import tap_walk
+
+    s = shape.with_batch(3)
+    g = Geometry(s.n, s.cin, s.h, s.w, s.cout, *s.y_shape[2:], s.k, s.k, s.stride, s.stride, s.pad, s.pad,
+                 s.dilation, s.dilation)
+    k = np.arange(g.k)
+    oh, ow = (k % (g.oh * g.ow)) // g.ow, k % g.ow
+    p = plan(g.m, g.r, g.k)
+    cuts = sorted({0, g.k, *range(0, g.k, p.chunk), *range(0, g.k, 13)})
+    for tap in range(g.kh * g.kw):
+        ih, iw = oh * g.sh + (tap // g.kw) * g.dh - g.ph, ow * g.sw + (tap % g.kw) * g.dw - g.pw
+        valid = (ih >= 0) & (ih < g.h) & (iw >= 0) & (iw < g.w)
+        for a, b in zip(cuts, cuts[1:]):
+            want = k[a:b][valid[a:b]]
+            assert np.array_equal(tap_walk(g, tap, a, b), want), (shape.name, tap, a, b)
 
 
 def test_tree_combine_is_the_documented_order():
@@ -642,6 +676,38 @@ def test_gpu_kernel_styles_give_the_same_bits(variant, monkeypatch):
             shipped = variant(*args, **kw)
             monkeypatch.setattr(conv_wgrad, "KERNEL_STYLE", "r")
             assert_bitwise_equal(variant(*args, **kw), shipped, f"{variant.key} {shape.name} {layout}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_gpu_tap_tiles_give_the_same_bits(layout, monkeypatch):
+    """Tap tiles skip exactly the padding terms (+-0 into a sum that is never -0): on finite inputs every
+    deterministic variant gives the bits of the full walk, through the fused and separate combines and
+    the unsplit store; atomic on small integers (exact in any order) gives the same sums. A spy checks
+    that the tap kernels ran, so the comparison cannot pass by running the same kernel twice."""
+    from kernels import conv_wgrad
+
+    ran = []
+    real = conv_wgrad.function
+    monkeypatch.setattr(conv_wgrad, "function", lambda src, name, dev, *a, **k: (ran.append(name), real(
+        src, name, dev, *a, **k))[1])
+    for i, shape in enumerate(TAP_SHAPES):
+        case = conv_wgrad._case(shape, 4100 + i, layout)
+        args, kw = SPEC.make_inputs(case, torch.device("cuda"))
+        exact, _ = small_integer_inputs(case, "cuda")
+        for name, variant, inputs in [(v.name, v, args) for v in DETERMINISTIC] + [("atomic", ATOMIC, exact)]:
+            for fuse in (("separate", "fused") if name == "tree" else ("auto",)):
+                monkeypatch.setattr(conv_wgrad, "FUSE", fuse)
+                monkeypatch.setattr(conv_wgrad, "TAP_TILES", False)
+                full = variant(*inputs, **kw)
+                monkeypatch.setattr(conv_wgrad, "TAP_TILES", True)
+                ran.clear()
+                tapped = variant(*inputs, **kw)
+                torch.cuda.synchronize()
+                what = f"{name} {fuse} {case.name}"
+                if name != "winograd" or not wino.applies(geometry(inputs, kw)):
+                    assert any(n.endswith(("_ts", "_tc")) for n in ran), f"{what}: no tap kernel ran ({ran})"
+                assert_bitwise_equal(tapped, full, what)
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 timings beside cuDNN, on every ResNet-18 conv shape at batch 128.
 
     python3 bench/dev/conv_wgrad_check.py [--quick] [--repeats 20] [--csv out.csv] [--graph]
-                                          [--targets 1024,4096] [--styles r,s]
+                                          [--targets 1024,4096] [--styles r,s] [--taps on,off]
 
 --quick: NCHW only (the full run adds channels_last). cuDNN runs with cudnn.benchmark on and TF32 off
 ("cudnn", its fastest weight-gradient algorithm) and in deterministic mode ("cudnn_det"); the flags are
@@ -11,11 +11,12 @@ divided by 10 (launch overhead that the GPU hides is not counted); "err/bound" i
 |dw - dw_float64| over the element's own bound gamma_(Kc+S+9) * sum |x*dy| (tests/test_conv_wgrad.py
 derives it; <= 1 passes; cuDNN is held to the atomic variant's bound; winograd, where F(3,2) applies, to
 its own bound over the magnitude of its own expression). --graph adds "gpu_us": the same
-10 calls replayed from a CUDA graph (no host launch cost at all). --targets / --styles time tree and
-atomic under other split targets (TARGET_BLOCKS) and kernel styles (KERNEL_STYLE: "r" row constants in
-registers, "s" in shared memory) and check that tree keeps the bits of the shipped configuration
-wherever the split is the same (the style never changes the arithmetic); the main table always uses the
-shipped configuration.
+10 calls replayed from a CUDA graph (no host launch cost at all). --targets / --styles / --taps time tree and
+atomic under other split targets (TARGET_BLOCKS), kernel styles (KERNEL_STYLE: "r" row constants in
+registers, "s" in shared memory) and with tap tiles on or off (TAP_TILES: padding terms skipped where Cin
+is a multiple of the tile width) and check that tree keeps the bits of the shipped configuration
+wherever the split is the same (neither changes the arithmetic); the main table always uses the shipped
+configuration.
 """
 from __future__ import annotations
 
@@ -40,13 +41,13 @@ U32 = 2.0**-24
 
 
 @contextlib.contextmanager
-def configuration(blocks: int, style: str):
-    saved = conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE
-    conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE = blocks, style
+def configuration(blocks: int, style: str, tap: bool):
+    saved = conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE, conv_wgrad.TAP_TILES
+    conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE, conv_wgrad.TAP_TILES = blocks, style, tap
     try:
         yield
     finally:
-        conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE = saved
+        conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE, conv_wgrad.TAP_TILES = saved
 
 
 @contextlib.contextmanager
@@ -98,6 +99,7 @@ def main() -> int:
     ap.add_argument("--graph", action="store_true", help="also time from CUDA-graph replays")
     ap.add_argument("--targets", default="", help="comma-separated TARGET_BLOCKS values to time tree/atomic at")
     ap.add_argument("--styles", default="", help="comma-separated KERNEL_STYLE values to time tree/atomic with")
+    ap.add_argument("--taps", default="", help="comma-separated TAP_TILES settings (on, off) to time tree/atomic with")
     args = ap.parse_args()
     if not kernels.cuda_available():
         print("conv_wgrad_check: needs a CUDA device and CuPy", file=sys.stderr)
@@ -108,11 +110,12 @@ def main() -> int:
     peer = spec.peers()["torch"]
     targets = [int(t) for t in args.targets.split(",") if t] or [conv_wgrad.TARGET_BLOCKS]
     styles = [st for st in args.styles.split(",") if st] or [conv_wgrad.KERNEL_STYLE]
-    combos = [(t, st) for t in targets for st in styles
-              if (t, st) != (conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE)]
+    taps = [{"on": True, "off": False}[t] for t in args.taps.split(",") if t] or [conv_wgrad.TAP_TILES]
+    shipped = (conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE, conv_wgrad.TAP_TILES)
+    combos = [(t, st, tap) for t in targets for st in styles for tap in taps if (t, st, tap) != shipped]
     print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
           f"cuDNN {torch.backends.cudnn.version()}, TARGET_BLOCKS {conv_wgrad.TARGET_BLOCKS}, "
-          f"KERNEL_STYLE {conv_wgrad.KERNEL_STYLE}")
+          f"KERNEL_STYLE {conv_wgrad.KERNEL_STYLE}, TAP_TILES {conv_wgrad.TAP_TILES}")
     rows, sweep, failures = [], [], 0
     for case in spec.bench_cases("quick" if args.quick else "gpu"):
         (x, dy), kw = spec.make_inputs(case, dev)
@@ -163,22 +166,22 @@ def main() -> int:
             print(f"    {row['variant']:<13} {row['us']:>8} us  x cudnn {row['vs_cudnn']:<5} "
                   f"x atomic {row['tree_vs_atomic'] or '-':<5} distinct {row['distinct']} err/bound "
                   f"{row['err_over_bound']}", flush=True)
-        for t, st in combos:
-            with configuration(t, st):
+        for t, st, tap in combos:
+            with configuration(t, st, tap):
                 tp = plan(m, r, k)
                 atomic, tree = kernels.get(OP, "atomic"), kernels.get(OP, "tree")
                 same = torch.equal(tree(x, dy, **kw), res["tree"]["out"]) if tp == pl else ""
                 failures += same is False
                 ta = back_to_back_us(lambda: atomic(x, dy, **kw), calls=10, repeats=args.repeats, warmup=3)
                 tt = back_to_back_us(lambda: tree(x, dy, **kw), calls=10, repeats=args.repeats, warmup=3)
-            sweep.append(dict(case=case.name, target=t, style=st, plan=f"t{tp.tile} S{tp.splits} Kc{tp.chunk}",
+            sweep.append(dict(case=case.name, target=t, style=st, tap="on" if tap else "off", plan=f"t{tp.tile} S{tp.splits} Kc{tp.chunk}",
                               atomic_us=round(ta, 1), tree_us=round(tt, 1),
                               tree_vs_cudnn=round(tt / res["cudnn"]["us"], 2), tree_same_bits=same))
         print(f"  done {case.name} ({pl})", flush=True)
     torch.cuda.synchronize()
     for table, head in ((rows, ["case", "plan", "variant", "us", "gpu_us", "tflops", "vs_cudnn", "tree_vs_atomic",
                                 "distinct", "err_over_bound"]),
-                        (sweep, ["case", "target", "style", "plan", "atomic_us", "tree_us", "tree_vs_cudnn",
+                        (sweep, ["case", "target", "style", "tap", "plan", "atomic_us", "tree_us", "tree_vs_cudnn",
                                  "tree_same_bits"])):
         if not table:
             continue
