@@ -429,6 +429,9 @@ def render(df: pd.DataFrame, out: pathlib.Path, plots: bool = True) -> str:
             lines.append("No measurements.\n")
         else:
             lines.append(md_table(header, op_rows(g, has_flops)) + "\n")
+            remarks = latency_remarks(df, op)
+            if remarks:
+                lines.append("Latency remarks:\n\n" + "\n".join(remarks) + "\n")
         for metric, title in (("failed", "**Failed** (errors raised while measuring):"), ("skipped", "Skipped here:")):
             sk = df[(df["op"] == op) & (df["metric"] == metric)]
             if len(sk):
@@ -443,6 +446,26 @@ def render(df: pd.DataFrame, out: pathlib.Path, plots: bool = True) -> str:
             lines.append(f"- {r['op']}: {r['note']}")
         lines.append("")
     return "\n".join(lines)
+
+
+def latency_remarks(df: pd.DataFrame, op: str) -> list[str]:
+    """Bullets of what the latency notes of ``op``'s rows add after how they were timed (the arguments a
+    variant was benchmarked with, a timing that includes host time), per subject, with the cases they
+    apply to."""
+    lat = df[(df["op"] == op) & (df["metric"] == "latency")]
+    seen: dict[tuple[str, str], list[str]] = {}
+    for _, r in lat.iterrows():
+        note = r.get("note")
+        if not isinstance(note, str):
+            continue
+        for remark in note.split(results.NOTE_SEP)[1:]:
+            seen.setdefault((r["variant"], remark), []).append(str(r["case"]))
+    total = lat["case"].nunique()
+    out = []
+    for (name, remark), cases in seen.items():
+        where = "every case" if len(set(cases)) == total else ", ".join(dict.fromkeys(cases))
+        out.append(f"- {name}: {remark} ({where})")
+    return out
 
 
 def render_file(csv: pathlib.Path, out: pathlib.Path, plots: bool = True) -> pathlib.Path:

@@ -121,6 +121,7 @@ def read(path: pathlib.Path) -> pd.DataFrame:
 
 DERIVED = ("bandwidth_frac", "flop_frac", "ratio_fastest_peer", "ratio_atomic")
 ATOMIC = "atomic"  # each op's nondeterministic baseline variant (the "atomic twin" of every row)
+NOTE_SEP = "; "    # a latency row's note: how it was timed, then remarks the report lists under the op's table
 
 
 def ceiling(df: pd.DataFrame, metric: str) -> float:

@@ -37,7 +37,7 @@ from nnrand.fingerprint import row_fingerprint
 
 from . import results
 from .metrics import VarianceTracker, parts, reference_error
-from .timing import Ceilings, L2Flush, cuda_event_times, host_times, measure_ceilings, median, synced, \
+from .timing import Ceilings, L2Flush, host_times, measure_ceilings, median, queued_event_times, synced, \
     synchronize, torch_mode
 
 # --------------------------------------------------------------------------------------------------
@@ -117,6 +117,7 @@ class Subject:
     fn: Callable[..., torch.Tensor]
     mode: str                       # torch_mode() it runs under
     deterministic: bool | None      # the registry's claim for variants; peers: True in deterministic mode
+    extra: tuple[tuple[str, object], ...] = ()   # keyword arguments fn adds to every call (the spec's)
 
     def __call__(self, args: tuple, kwargs: dict) -> torch.Tensor:
         return self.fn(*args, **kwargs)
@@ -125,9 +126,11 @@ class Subject:
 def subjects(op: str) -> list[Subject]:
     """The op's variants (registration order), then its peers."""
     spec = kernels.spec(op)
-    extra = dict(spec.bench_kwargs)
-    out = [Subject(op, v.name, "variant", functools.partial(v, **extra) if extra else v, "fast", v.deterministic)
-           for v in kernels.variants(op)]
+    out = []
+    for v in kernels.variants(op):
+        extra = spec.bench_kwargs_of(v.name)
+        out.append(Subject(op, v.name, "variant", functools.partial(v, **extra) if extra else v, "fast",
+                           v.deterministic, tuple(extra.items())))
     peers = spec.peers()
     for name, fn in peers.items():
         det = name.endswith("deterministic")
@@ -312,8 +315,10 @@ class Session:
 
             # latency
             if dev.type == "cuda":
-                times = cuda_event_times(call, s.event_rounds, dev, flush=self.flush())
+                times, host_included = queued_event_times(call, s.event_rounds, dev, flush=self.flush())
                 latency, how = median(times), f"CUDA events, median of {len(times)} (L2 flushed)"
+                if host_included:
+                    how += f"{results.NOTE_SEP}includes host time (the call waits for the GPU)"
             else:
                 times = []
                 latency, how = math.nan, ""
@@ -336,6 +341,8 @@ class Session:
             base["case_bytes"] = half_bytes(base["case_bytes"], (args, kwargs), out_parts)
         add = lambda metric, value, **kw: rows.append(  # noqa: E731
             {**base, "metric": metric, "value": float(value), "unit": results.UNITS[metric], **kw})
+        if sub.extra:
+            how += results.NOTE_SEP + "called with " + ", ".join(f"{k}={v!r}" for k, v in sub.extra)
         add("latency", latency, note=how)
         add("latency_host", host, note=f"pytest-benchmark/host clock, each call synchronized, median of {rounds}")
         if base["case_bytes"] and latency > 0:

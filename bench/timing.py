@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -114,21 +115,45 @@ class L2Flush:
 
 def cuda_event_times(fn: Callable[[], object], n: int, device: torch.device, flush: L2Flush | None = None,
                      host_ahead_s: float = 200e-6) -> list[float]:
-    """Seconds per call of ``fn`` from CUDA events, ``n`` calls queued behind a spin kernel."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    torch.cuda.synchronize(device)
+    """Seconds per call of ``fn`` from CUDA events, ``n`` calls queued behind a spin kernel (see
+    :func:`queued_event_times`; a timing that includes host time warns)."""
+    times, host_included = queued_event_times(fn, n, device, flush, host_ahead_s)
+    if host_included:
+        warnings.warn(f"cuda_event_times: {getattr(fn, '__name__', fn)!r} waits for the GPU while it is queued, "
+                      "so its times include the host's", RuntimeWarning, stacklevel=2)
+    return times
+
+
+SPIN_DOUBLINGS = 3   # a spin that ended too early is retried this many times, twice as long each time
+
+
+def queued_event_times(fn: Callable[[], object], n: int, device: torch.device, flush: L2Flush | None = None,
+                       host_ahead_s: float = 200e-6) -> tuple[list[float], bool]:
+    """(seconds per call of ``fn`` from CUDA events, whether they include host time). The stream first
+    spins (torch.cuda._sleep, ``host_ahead_s`` of a ~2 GHz clock per call) while the host queues all ``n``
+    calls, so each call's events time its GPU work alone. Where the spin ended before the host was done
+    queueing (the first start event already complete), a call may have waited for the host between its
+    events: the whole timing runs again with twice the spin, up to SPIN_DOUBLINGS times; past that
+    (a ``fn`` that waits for the GPU itself, as a host read-back does) the times are returned with
+    ``True``: they include host time. Without torch.cuda._sleep the times are taken unqueued (``True``)."""
     spin = getattr(torch.cuda, "_sleep", None)
-    if spin is not None:  # ~2 GHz SM clock; 200 us of host time per call covers a launch through CuPy or torch
-        spin(int(2e9 * host_ahead_s * n))
-    for s, e in zip(starts, ends):
-        if flush is not None:
-            flush()
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize(device)
-    return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
+    for attempt in range(SPIN_DOUBLINGS + 1):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        torch.cuda.synchronize(device)
+        if spin is not None:
+            spin(int(2e9 * host_ahead_s * n * 2**attempt))
+        for s, e in zip(starts, ends):
+            if flush is not None:
+                flush()
+            s.record()
+            fn()
+            e.record()
+        outlasted = spin is None or starts[0].query()
+        torch.cuda.synchronize(device)
+        if not outlasted:
+            break
+    return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)], outlasted
 
 
 def host_times(fn: Callable[[], object], n: int, device: torch.device) -> list[float]:

@@ -198,6 +198,12 @@ class OpSpec:
     half_inputs: tuple[int, ...] | None = None
     # Keyword arguments the benchmarks add to every variant call (the mode the routing runs them in)
     bench_kwargs: tuple[tuple[str, object], ...] = ()
+    # ... and to one variant's calls: (variant name, its keyword arguments), over bench_kwargs
+    variant_bench_kwargs: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
+
+    def bench_kwargs_of(self, variant: str) -> dict:
+        """The keyword arguments the benchmarks add to calls of ``variant``."""
+        return {**dict(self.bench_kwargs), **dict(dict(self.variant_bench_kwargs).get(variant, ()))}
 
 
 _SPECS: dict[str, OpSpec] = {}

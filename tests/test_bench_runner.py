@@ -89,6 +89,30 @@ def test_one_tiny_case_per_registered_op(tmp_path):
         assert f"### {op}" in md
 
 
+def test_variant_bench_kwargs_reach_that_variant_only_and_the_report(tmp_path):
+    """A spec's per-variant benchmark arguments are added to that variant's calls over the op-wide ones,
+    named in its latency note, and listed under the op's table; the other variants are called as
+    before."""
+    spec = kernels.spec("sum")
+    assert spec.bench_kwargs_of("exact") == {"check_range": False}
+    assert spec.bench_kwargs_of("tree") == {}
+    index_add = kernels.spec("index_add")
+    assert index_add.bench_kwargs_of("sorted") == dict(index_add.bench_kwargs) != {}
+    subs = {s.name: s for s in subjects("sum")}
+    assert subs["exact"].extra == (("check_range", False),) and subs["tree"].extra == ()
+    session = Session(tiny_settings())
+    case = smallest_case("sum")
+    for name in ("atomic", "exact", "tree"):
+        session.measure(Item("sum", case, subs[name]))
+    df = session.table()
+    notes = df[(df["metric"] == "latency")].set_index("variant")["note"]
+    assert notes["exact"].endswith(f"{results.NOTE_SEP}called with check_range=False")
+    assert results.NOTE_SEP not in notes["tree"]
+    md = report.render(df, tmp_path / "kernels_cpu.md", plots=False)
+    assert "- exact: called with check_range=False (every case)" in md
+    assert "- tree:" not in md
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_half_inputs_one_tiny_case_per_registered_op(tmp_path, dtype):
     """``--bench-dtype``: every variant runs on half inputs (a variant that cannot is a failure, raised),
@@ -197,6 +221,20 @@ def test_benchmark_only_session_writes_table_json_and_report(tmp_path):
     assert (tmp_path / "results" / "kernels_cpu_partial_benchmark.json").stat().st_size > 0
     md = (tmp_path / "kernels_cpu_partial.md").read_text()
     assert "CPU order models" in md and f"### {op}" in md
+
+
+@pytest.mark.gpu
+def test_queued_event_times_tell_a_call_that_waits_for_the_gpu():
+    """Calls queued behind the spin are timed as GPU work alone; a call that reads a result back (a host
+    synchronisation) can never be queued, and its times are flagged as including host time."""
+    from bench.timing import queued_event_times
+
+    dev = torch.device("cuda")
+    x = torch.ones(1 << 20, device=dev)
+    times, host = queued_event_times(lambda: x.sum(), 10, dev)
+    assert not host and len(times) == 10
+    times, host = queued_event_times(lambda: x.sum().item(), 10, dev)
+    assert host and len(times) == 10
 
 
 @pytest.mark.gpu
