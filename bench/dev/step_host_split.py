@@ -1,0 +1,108 @@
+"""Where an eager training step's host time goes, per mode: forward, backward and optimizer phases timed
+on the host clock (no synchronisation inside a step, so on a host-bound step each phase's wall time is
+its host time), then torch.profiler's CPU time per aten op summed over a few steps, modes side by side.
+
+    python bench/dev/step_host_split.py --model torchvision:resnet18 --batch 64 --size 64 \
+        --modes native torch_deterministic tree --steps 30 --top 25
+
+The question it answers: of a routed mode's extra milliseconds per eager step, how many are spent in
+the routed backward ops and how many elsewhere. Profiled times include the profiler's own cost.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.models import Mode  # noqa: E402
+from nnrand import models  # noqa: E402
+
+
+def run(mode: str, args) -> tuple[dict, dict]:
+    fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
+    torch.manual_seed(0)
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    model = models.build_model(args.model, 10).to(dev, memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(args.batch, 3, args.size, args.size, device=dev, generator=g).contiguous(memory_format=fmt)
+    y = torch.randint(0, 10, (args.batch,), device=dev, generator=g)
+    phases = {"forward": [], "backward": [], "optimizer": [], "step (synchronised)": []}
+    with Mode(mode):
+        def step(record: bool):
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(model(x), y)
+            t1 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            sync()
+            t4 = time.perf_counter()
+            if record:
+                for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t0)):
+                    phases[k].append(v * 1e3)
+
+        for _ in range(args.warmup):
+            step(False)
+        for _ in range(args.steps):
+            step(True)
+        ops: dict[str, float] = {}
+        if args.top:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(args.profile_steps):
+                    step(False)
+            for e in prof.key_averages():
+                ops[e.key] = (e.cpu_time_total / 1e3 / args.profile_steps, e.count / args.profile_steps)
+    return {k: statistics.median(v) for k, v in phases.items()}, ops
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="torchvision:resnet18")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--layout", choices=["nchw", "channels_last"], default="nchw")
+    p.add_argument("--modes", nargs="+", default=["native", "torch_deterministic", "tree"])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--top", type=int, default=25, help="aten ops listed by CPU time (0: no profile)")
+    p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--device", default="cuda", help="cuda, or cpu (the CPU order models: a smoke test)")
+    args = p.parse_args()
+    results = {m: run(m, args) for m in args.modes}
+    print(f"{args.model}, batch {args.batch}, {args.size} px, {args.layout}: host ms per step, median of "
+          f"{args.steps} steps")
+    print(f"  {'phase':<22}" + "".join(f"{m:>22}" for m in args.modes))
+    for k in results[args.modes[0]][0]:
+        print(f"  {k:<22}" + "".join(f"{results[m][0][k]:22.2f}" for m in args.modes))
+    if args.top:
+        keys = set()
+        for m in args.modes:
+            keys |= set(results[m][1])
+        base = args.modes[0]
+        rows = []
+        for k in keys:
+            vals = [results[m][1].get(k, (0.0, 0.0)) for m in args.modes]
+            rows.append((max(v[0] for v in vals) - min(v[0] for v in vals), k, vals))
+        rows.sort(reverse=True)
+        print(f"\nprofiled CPU ms per step (calls per step), the {args.top} ops whose time differs most between "
+              f"modes (first: {base}):")
+        for _, k, vals in rows[:args.top]:
+            print(f"  {k[:48]:<48}" + "".join(f"{v[0]:12.3f} ({v[1]:5.0f})" for v in vals))
+
+
+if __name__ == "__main__":
+    main()
