@@ -23,10 +23,12 @@
 //              512->512 3x3 4x4 (144 tiles, S = 8), 11-14% slower with 36-72 tiles, 1.5-3.7x slower
 //              on the stems (1-3 tiles, 64-256 splits); the launcher picks (FUSE in conv_wgrad.py).
 //            - two launches: workspace [S][M][R], then conv_wgrad_reduce (32 elements a block); under
-//              the channels_last mapping the workspace keeps the GEMM's column order r' and
-//              conv_wgrad_reduce_cl puts each sum at its r (the stores were scattered per partial).
-//   nosplit  S = 1: one block owns the whole reduction of its tile and stores it. Deterministic, but
-//            small-M*R shapes leave most SMs idle (the reason split-K exists).
+//              the r' column order (channels_last mapping, tap tiles) the workspace keeps the GEMM's
+//              column order and conv_wgrad_reduce_cl puts each sum at its r (the stores were
+//              scattered per partial).
+//   nosplit  S = 1: one block owns the whole reduction of its tile and stores it (plus +0.0, as every
+//            combine starts from +0.0: a -0.0 sum is stored as +0.0 whatever the walk). Deterministic,
+//            but small-M*R shapes leave most SMs idle (the reason split-K exists).
 // All variants use FFMA, so the CPU models reproduce the chunking and the combine order but not the
 // rounding inside a chunk (cpu_bitexact = False).
 //
@@ -40,10 +42,11 @@
 // column of a tile has the same tap (kh, kw), so the k whose input pixel for that tap lies in the zero
 // padding are the same for the whole tile. Such a tile walks only the other k, in ascending order (a
 // closed-form compaction of (n, oh, ow) onto the tap's valid output rectangle): it skips exactly the
-// products col = 0 would contribute. Each skipped term would have added +-0 to a running sum that is
-// never -0 before the combine (sums start at +0.0, and the combine adds partials from +0.0), so the
-// bits are those of the full walk for finite inputs; a padded product with an infinite or NaN dy would
-// have made the element NaN, and a skipped one does not. On 3x3 pad-1 convs this drops 8% of the FMAs
+// products col = 0 would contribute. A skipped term would have added +-0 to the running sum, which
+// changes no value but turns a -0.0 sum (a negative product that underflows) into +0.0; every way out
+// of the GEMM adds the sums to +0.0 (the combines start from +0.0, the atomic adds go into zeros, the
+// unsplit store adds +0.0 itself), so the bits are those of the full walk for finite inputs. A padded
+// product with an infinite or NaN dy would have made the element NaN, and a skipped one does not. On 3x3 pad-1 convs this drops 8% of the FMAs
 // at 16x16, 16% at 8x8 and 31% at 4x4, and the loads need no bounds test.
 
 #include "common.cuh"  // arrive_last, ordered_combine, fma_step
@@ -60,14 +63,15 @@ struct ConvArgs {
 };
 
 // Load-side options (template flags; every combination gives the same bits, since each output
-// element still accumulates its k terms in chunk order with FFMA):
+// element still accumulates its k terms in chunk order with FFMA; TAPK's skipped terms are zeros):
 //   SROWS  per-row constants of the tile (input offset, tap offsets, true column index) live in shared
 //          memory, computed once per block, instead of in registers (frees ~32 registers: no spills
 //          under the two-blocks-per-SM cap).
 //   CL     channels_last inputs: 16 consecutive threads load 16 consecutive channels of one k (NCHW:
 //          16 consecutive k of one row), and the tile's columns run over r' = (kh, kw, ci) so that
 //          consecutive columns are consecutive channels; the epilogue maps r' back to dw's r when it
-//          writes dw (atomic, S = 1, fused combine). Scattered workspace stores made tree up to 1.4x
+//          writes dw (atomic, S = 1, fused combine). Tap tiles (TAPK, below) use r' on either load
+//          mapping. Scattered workspace stores made tree up to 1.4x
 //          its atomic twin on channels_last (H200, 512->512 3x3 4x4, batch 128), against 1.12x on
 //          NCHW, so split workspaces stay in r' order (conv_wgrad_reduce_cl maps them); with that,
 //          tree / atomic on channels_last measured 0.89-1.00 on the 3x3 shapes from 8x8 down.
@@ -278,10 +282,11 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         for (int j = 0; j < TN; ++j) {
             const int col = (j / 4) * GN + tx * 4 + (j % 4);
             if (r0 + col >= R) continue;
-            // channels_last with S > 1: the workspace keeps the tile's r' order (coalesced stores);
+            // r' columns with S > 1: the workspace keeps the tile's r' order (coalesced stores);
             // conv_wgrad_reduce_cl maps r' to r once per element instead of once per partial.
             const int r = RP && (MODE == 0 || gridDim.z == 1) ? dw_column(col) : r0 + col;
             if (MODE == 0) atomicAdd(dst + m * R + r, acc[i][j]);  // arrival order decides the rounding
+            else if (gridDim.z == 1) dst[m * R + r] = acc[i][j] + 0.0f;  // the sign of a zero as a combine
             else dst[m * R + r] = acc[i][j];
         }
     }
@@ -345,7 +350,7 @@ WG_FUSED_KERNEL(conv_wgrad_fused_t64_tc, 64, 64, 4, 4, true, true, true, 3)
 // Fixed-order combine of the S chunk partials of each element: a block covers 32 elements (lanes) with
 // 8 warps; warp g adds partials s = g, g + 8, g + 16, ... in that order, then lane e of warp 0 adds the
 // 8 group sums in index order. Nothing depends on timing, so the result is bitwise reproducible.
-// CL_ORDER: the partials hold element m*R + r' with r' = (kh*KW + kw)*Cin + ci (the channels_last GEMM's
+// CL_ORDER: the partials hold element m*R + r' with r' = (kh*KW + kw)*Cin + ci (the r' order GEMM's
 // column order); the sum goes to dw's m*R + ci*KH*KW + kh*KW + kw. Same additions, same order.
 template <bool CL_ORDER>
 __device__ __forceinline__ void reduce_body(const float* partials, int S, int MR, float* dw, int R, int cin,

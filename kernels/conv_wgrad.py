@@ -389,7 +389,9 @@ def conv_wgrad_nosplit_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilation
 
 def tap_walk(g: Geometry, tap: int, kbeg: int, kend: int) -> np.ndarray:
     """The k a tap tile of ``tap`` (= kh*KW + kw) walks in the chunk [kbeg, kend), in walk order: the
-    kernel's index arithmetic (wgrad_tile, TAPK) step by step, for tests on machines without a GPU."""
+    kernel's compaction (wgrad_tile, TAPK: the valid rectangle, ``before``, the position-to-k map) line
+    for line, for tests on machines without a GPU. The loads' address arithmetic is not mirrored here;
+    the GPU tests compare the tap kernels' bits with the full walk's."""
     th = tap // g.kw
     tih, tiw = th * g.dh - g.ph, (tap - th * g.kw) * g.dw - g.pw
     ohlo = 0 if tih >= 0 else (g.sh - 1 - tih) // g.sh
@@ -459,8 +461,8 @@ def weight_order(cols: np.ndarray, g: Geometry) -> np.ndarray:
 def tree_combine(partials: np.ndarray) -> np.ndarray:
     """``conv_wgrad_reduce``: group j adds partials j, j + 8, ... in order; then the 8 group sums in order."""
     s = partials.shape[0]
-    if s == 1:  # the GEMM stored its single partial directly
-        return np.asarray(partials[0], dtype=F32)
+    if s == 1:  # the GEMM stored its single partial plus +0.0 (a -0.0 sum stored as +0.0, as a combine would)
+        return np.asarray(partials[0], dtype=F32) + F32(0)
     grouped = pad_to(np.asarray(partials, dtype=F32), 0, GROUPS).reshape(-1, GROUPS, partials.shape[1])
     return seq_sum(seq_sum(grouped, 0), 0)
 

@@ -205,11 +205,27 @@ def test_tap_walk_visits_the_valid_terms_of_its_chunk_in_order(shape):
     every tap and every chunk of the plan (and chunks cut at odd places), exactly the k of the chunk
     whose input pixel for that tap is inside the image, in ascending order: the terms it skips are the
     padding's zeros and nothing else."""
-    from kernels.conv_wgrad import tap_walk
-
     s = shape.with_batch(3)
     g = Geometry(s.n, s.cin, s.h, s.w, s.cout, *s.y_shape[2:], s.k, s.k, s.stride, s.stride, s.pad, s.pad,
                  s.dilation, s.dilation)
+    _check_tap_walk(g)
+
+
+# (N, H, W, KH, KW, SH, SW, PH, PW, DH, DW): every pair differs between the two axes, so a walk that
+# mixed them up (a kh where a kw belongs, a stride of the other axis) would visit the wrong k
+ASYMMETRIC = [(2, 7, 11, 3, 5, 1, 2, 2, 1, 2, 1), (3, 9, 4, 1, 3, 2, 1, 0, 3, 1, 2), (1, 5, 13, 5, 2, 3, 1, 4, 0, 1, 3)]
+
+
+@pytest.mark.parametrize("dims", ASYMMETRIC, ids=str)
+def test_tap_walk_keeps_the_two_axes_apart(dims):
+    n, h, w, kh, kw, sh, sw, ph, pw, dh, dw = dims
+    oh, ow = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    _check_tap_walk(Geometry(n, 64, h, w, 64, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw))
+
+
+def _check_tap_walk(g: Geometry) -> None:
+    from kernels.conv_wgrad import tap_walk
+
     k = np.arange(g.k)
     oh, ow = (k % (g.oh * g.ow)) // g.ow, k % g.ow
     p = plan(g.m, g.r, g.k)
@@ -219,7 +235,7 @@ def test_tap_walk_visits_the_valid_terms_of_its_chunk_in_order(shape):
         valid = (ih >= 0) & (ih < g.h) & (iw >= 0) & (iw < g.w)
         for a, b in zip(cuts, cuts[1:]):
             want = k[a:b][valid[a:b]]
-            assert np.array_equal(tap_walk(g, tap, a, b), want), (shape.name, tap, a, b)
+            assert np.array_equal(tap_walk(g, tap, a, b), want), (g, tap, a, b)
 
 
 def test_tree_combine_is_the_documented_order():
@@ -665,8 +681,9 @@ def test_gpu_layouts_give_the_same_bits(variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", DETERMINISTIC, ids=lambda v: v.name)
 def test_gpu_kernel_styles_give_the_same_bits(variant, monkeypatch):
-    """Row constants in registers ("r") or shared memory ("s", and "cl" for channels_last inputs) move
-    loads around, never the arithmetic of an output element."""
+    """Row constants in registers ("r") or shared memory ("s", and "cl" for channels_last inputs; tap tiles
+    where Cin is a multiple of the tile, whose skipped terms are zeros) move loads around, never the
+    arithmetic of an output element."""
     from kernels import conv_wgrad
 
     for shape in (RESNET18_CONV[0], RESNET18_CONV[4], RESNET18_CONV[8]):
@@ -681,10 +698,11 @@ def test_gpu_kernel_styles_give_the_same_bits(variant, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_gpu_tap_tiles_give_the_same_bits(layout, monkeypatch):
-    """Tap tiles skip exactly the padding terms (+-0 into a sum that is never -0): on finite inputs every
-    deterministic variant gives the bits of the full walk, through the fused and separate combines and
-    the unsplit store; atomic on small integers (exact in any order) gives the same sums. A spy checks
-    that the tap kernels ran, so the comparison cannot pass by running the same kernel twice."""
+    """Tap tiles skip exactly the padding terms (+-0, which only a -0.0 sum would notice, and every way out
+    of the GEMM adds +0.0): on finite inputs every deterministic variant gives the bits of the full walk,
+    through the fused and separate combines and the unsplit store; atomic on small integers (exact in any
+    order) gives the same sums. A spy checks that the full walk ran no tap kernel and the tap run did, so
+    the comparison cannot pass by running the same kernel twice."""
     from kernels import conv_wgrad
 
     ran = []
@@ -698,16 +716,38 @@ def test_gpu_tap_tiles_give_the_same_bits(layout, monkeypatch):
         for name, variant, inputs in [(v.name, v, args) for v in DETERMINISTIC] + [("atomic", ATOMIC, exact)]:
             for fuse in (("separate", "fused") if name == "tree" else ("auto",)):
                 monkeypatch.setattr(conv_wgrad, "FUSE", fuse)
+                what = f"{name} {fuse} {case.name}"
+                direct = name != "winograd" or not wino.applies(geometry(inputs, kw))
                 monkeypatch.setattr(conv_wgrad, "TAP_TILES", False)
+                ran.clear()
                 full = variant(*inputs, **kw)
+                assert not any(n.endswith(("_ts", "_tc")) for n in ran), f"{what}: a tap kernel ran ({ran})"
+                assert ran or not direct, f"{what}: no GEMM kernel ran"
                 monkeypatch.setattr(conv_wgrad, "TAP_TILES", True)
                 ran.clear()
                 tapped = variant(*inputs, **kw)
                 torch.cuda.synchronize()
-                what = f"{name} {fuse} {case.name}"
-                if name != "winograd" or not wino.applies(geometry(inputs, kw)):
+                if direct:
                     assert any(n.endswith(("_ts", "_tc")) for n in ran), f"{what}: no tap kernel ran ({ran})"
                 assert_bitwise_equal(tapped, full, what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tap", [False, True], ids=["full", "tap"])
+def test_gpu_unsplit_store_never_writes_negative_zero(tap, monkeypatch):
+    """A sum of negative products that underflow is -0.0 in the FMA chain: x = 2^-80, dy = -2^-80 give
+    products of -2^-160, below the smallest subnormal. The full walk's trailing padded zeros would turn it
+    into +0.0 and a tap tile's walk keeps it; the unsplit store adds +0.0, as every combine does, so both
+    walks write +0.0 and the same bits."""
+    from kernels import conv_wgrad
+
+    monkeypatch.setattr(conv_wgrad, "TAP_TILES", tap)
+    x = torch.full((1, 64, 5, 5), 2.0**-80, device="cuda")
+    kw = dict(kernel_size=3, padding=1)
+    for variant in (kernels.get(OP, "nosplit"), TREE):
+        dw = variant(x, -x, **kw)
+        assert plan_of(variant, (x, -x), kw).splits == 1
+        assert torch.equal(dw, torch.zeros_like(dw)) and not torch.signbit(dw).any(), variant.name
 
 
 @pytest.mark.gpu

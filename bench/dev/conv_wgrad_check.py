@@ -15,8 +15,8 @@ its own bound over the magnitude of its own expression). --graph adds "gpu_us": 
 atomic under other split targets (TARGET_BLOCKS), kernel styles (KERNEL_STYLE: "r" row constants in
 registers, "s" in shared memory) and with tap tiles on or off (TAP_TILES: padding terms skipped where Cin
 is a multiple of the tile width) and check that tree keeps the bits of the shipped configuration
-wherever the split is the same (neither changes the arithmetic); the main table always uses the shipped
-configuration.
+wherever the split is the same (styles move loads, tap tiles skip only the padding's zero terms: the same
+bits on finite inputs); the main table always uses the shipped configuration.
 """
 from __future__ import annotations
 
