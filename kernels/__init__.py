@@ -11,11 +11,11 @@ import importlib
 import pathlib
 
 from .registry import HALF_DTYPES, Case, OpSpec, Variant, define_op, get, ops, register, register_op, spec, table, variants
-from .runtime import KernelArgumentError, KernelUnavailableError, cuda_available, cupy_available
+from .runtime import KernelArgumentError, KernelCompileError, KernelUnavailableError, cuda_available, cupy_available
 
 __all__ = [
     "HALF_DTYPES", "Case", "OpSpec", "Variant", "define_op", "get", "ops", "register", "register_op", "spec", "table", "variants",
-    "KernelArgumentError", "KernelUnavailableError", "cuda_available", "cupy_available",
+    "KernelArgumentError", "KernelCompileError", "KernelUnavailableError", "cuda_available", "cupy_available",
     "OP_MODULES",
 ]
 

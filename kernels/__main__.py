@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import argparse
 
-from . import cuda_available, table
+from . import cuda_available, ops, table
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kernels",
-        description="List every registered kernel variant (op, variant, determinism, note).",
+        description="List every registered kernel variant (op, variant, determinism, order independence, "
+                    "whether the CPU model is bit-exact, note).",
         epilog="example: python -m kernels --op sum",
     )
-    parser.add_argument("--op", help="only this op")
+    parser.add_argument("--op", choices=ops(), metavar="OP", help=f"only this op (one of: {', '.join(ops())})")
     args = parser.parse_args(argv)
     rows = [r for r in table() if args.op is None or r["op"] == args.op]
     if not rows:

@@ -53,7 +53,8 @@ def halving_tree(v: np.ndarray) -> np.ndarray:
     This is ``__shfl_down_sync`` with offsets 16, 8, 4, 2, 1 (lane 0 holds the result), and equally a
     shared-memory tree ``s[i] += s[i + half]``."""
     n = v.shape[-1]
-    assert n & (n - 1) == 0, "halving tree needs a power of two"
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"halving_tree: the last axis must have a power-of-two length, got {n}")
     half = n // 2
     while half >= 1:
         v = v[..., :half] + v[..., half : 2 * half]

@@ -19,6 +19,8 @@ split and combine order, a different rounding inside each chunk; those variants 
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -54,30 +56,55 @@ class Variant:
         return f"{self.op}/{self.name}"
 
     def __call__(self, *args, rng=None, **kwargs) -> torch.Tensor:
-        half = half_dtype(self.op, (*args, *kwargs.values()))
-        if half is not None and not (self.half_native and args[0].device.type == "cuda"):
+        half = half_dtype(self.op, args, kwargs)
+        if half is not None and not (self.half_native and _on_cuda(args, kwargs)):
             wide_kw = dict(zip(kwargs, widen(tuple(kwargs.values()), half)))
-            return round_outputs(self.op, self._run(widen(args, half), rng, wide_kw), args, kwargs)
+            out = self._run(widen(args, half), rng, wide_kw)
+            return round_outputs(self.op, out, _as_positional(self.cpu, args, kwargs), kwargs)
         return self._run(args, rng, kwargs)
 
     def _run(self, args: tuple, rng, kwargs: dict):
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is not None and first.device.type == "cuda":
+        if _on_cuda(args, kwargs):
             return self.cuda(*args, **kwargs)
         # Overflow to Inf and Inf - Inf = NaN are results here, as on the GPU, not numerical accidents.
         with np.errstate(over="ignore", invalid="ignore"):
             return self.cpu(*args, rng=rng, **kwargs)
 
 
-def half_dtype(op: str, args: tuple) -> torch.dtype | None:
-    """The half dtype among ``args`` (None: none is half); bfloat16 and float16 together are an error."""
-    found: dict[torch.dtype, int] = {}
-    for i, a in enumerate(args):
+@functools.lru_cache(maxsize=None)
+def _positional_names(fn: Callable) -> tuple[str, ...]:
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds)
+
+
+def _as_positional(fn: Callable, args: tuple, kwargs: dict) -> tuple:
+    """``args`` extended by the keyword arguments that fill ``fn``'s next positional parameters, in order
+    (what ``OpSpec.out_like``'s positions refer to, however the caller passed them)."""
+    out = list(args)
+    for name in _positional_names(fn)[len(args):]:
+        if name not in kwargs:
+            break
+        out.append(kwargs[name])
+    return tuple(out)
+
+
+def _on_cuda(args: tuple, kwargs: dict) -> bool:
+    """Whether the first tensor argument, positional or keyword, is on a CUDA device."""
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    return first is not None and first.device.type == "cuda"
+
+
+def half_dtype(op: str, args: tuple, kwargs: dict | None = None) -> torch.dtype | None:
+    """The half dtype among ``args`` and ``kwargs`` (None: none is half); bfloat16 and float16 together
+    are an error that names both arguments (``#i`` by position, else by keyword)."""
+    found: dict[torch.dtype, str] = {}
+    named = [(f"#{i}", a) for i, a in enumerate(args)] + list((kwargs or {}).items())
+    for name, a in named:
         if isinstance(a, torch.Tensor) and a.dtype in HALF_DTYPES:
-            found.setdefault(a.dtype, i)
+            found.setdefault(a.dtype, name)
     if len(found) > 1:
-        (d1, i1), (d2, i2) = sorted(found.items(), key=lambda kv: kv[1])[:2]
-        raise KernelArgumentError(op, f"#{i2}", f"is {d2} while argument #{i1} is {d1}; "
+        (d1, n1), (d2, n2) = list(found.items())[:2]
+        raise KernelArgumentError(op, n2, f"is {d2} while argument {n1} is {d1}; "
                                   "half-precision inputs must share one dtype")
     return next(iter(found), None)
 
@@ -243,8 +270,16 @@ def define_op(op: str, variants: list[tuple], *, cpu_bitexact: bool = True,
                   bench_cases=_bench_cases, peers=_peers, bytes_moved=_bytes_moved)
     """
     names = {row[0] for row in variants}
+    if len(names) != len(variants):
+        raise ValueError(f"{op}: a variant name is given twice in {[row[0] for row in variants]}")
     if not isinstance(half_native, bool) and not set(half_native) <= names:
         raise ValueError(f"{op}: half_native names unknown variants {sorted(set(half_native) - names)}")
+    tuned = {name for name, _ in spec_fields.get("variant_bench_kwargs", ())}
+    if not tuned <= names:
+        raise ValueError(f"{op}: variant_bench_kwargs names unknown variants {sorted(tuned - names)}")
+    taken = [row[0] for row in variants if (op, row[0]) in _REGISTRY]
+    if taken or (spec_fields and op in _SPECS):
+        raise ValueError(f"{op}: registered twice ({', '.join(taken) or 'its spec'})")
     rows = [Variant(op, *row, cpu_bitexact=cpu_bitexact,
                     half_native=half_native if isinstance(half_native, bool) else row[0] in half_native)
             for row in variants]

@@ -4,8 +4,8 @@ Every launcher in ``kernels/`` goes through three steps:
 
 1. ``check_*``: validate device, dtype, layout, emptiness and size *before* anything launches, raising
    :class:`KernelArgumentError`, whose message names the op, the argument and what was expected.
-2. ``function(source, name)``: the compiled kernel for the tensor's device (NVRTC through
-   ``cupy.RawModule``; compiled once per (source, device) and cached).
+2. ``function(source, name)``: the compiled kernel for the tensor's device (NVRTC called directly, the
+   cubin loaded through CuPy's driver module; compiled once per (source, device, defines) and cached).
 3. ``launch(fn, grid, block, args)``: launch on ``torch.cuda.current_stream()``. Tensors travel as raw
    device pointers (zero-copy); outputs are allocated by torch.
 
@@ -81,6 +81,8 @@ def check_tensor(
         if t.dim() not in allowed:
             want = " or ".join(f"{d}-D" for d in allowed)
             raise KernelArgumentError(op, arg, f"expected a {want} tensor, got shape {tuple(t.shape)}")
+    if t.layout != torch.strided:
+        raise KernelArgumentError(op, arg, f"expected a dense (strided) tensor, got layout {t.layout}")
     if t.dtype != dtype and not (half_ok and t.dtype in ACT_KINDS):
         raise KernelArgumentError(
             op, arg, f"expected dtype {dtype}, got {t.dtype} (the kernels take float32; bfloat16 and float16 "
@@ -137,6 +139,8 @@ def check_key(*items) -> tuple | None:
     key = []
     for v in items:
         if isinstance(v, torch.Tensor):
+            if v.layout != torch.strided:   # strides say nothing of a sparse tensor: check it fully
+                return None
             key.append((v.dtype, v.device, v.shape, v.stride()))
         elif isinstance(v, tuple):
             key.append((v, tuple(type(e) for e in v)))
@@ -218,9 +222,14 @@ def _module(source: str, device_index: int, defines: tuple[str, ...] = (), arch_
     return module
 
 
+_NAMES: dict[int, str] = {}   # loaded function handle -> "source:name", for launch errors
+
+
 @functools.lru_cache(maxsize=None)
 def _function(source: str, name: str, device_index: int, defines: tuple[str, ...] = (), arch_specific: bool = False):
-    return _module(source, device_index, defines, arch_specific).get_function(name)
+    fn = _module(source, device_index, defines, arch_specific).get_function(name)
+    _NAMES[fn.ptr] = f"{source}:{name}"
+    return fn
 
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # the driver's CUfunction_attribute
@@ -310,12 +319,20 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
     gx, gy, gz = grid if n == 3 else (grid[0], grid[1], 1) if n == 2 else (grid[0], 1, 1)
     n = len(block)
     bx, by, bz = block if n == 3 else (block[0], block[1], 1) if n == 2 else (block[0], 1, 1)
-    (_DRIVER or _driver()).launchKernel(fn.ptr, gx, gy, gz, bx, by, bz, int(shared_mem),
-                                         torch._C._cuda_getCurrentRawStream(index), addresses.buffer_info()[0], 0)
+    try:
+        (_DRIVER or _driver()).launchKernel(fn.ptr, gx, gy, gz, bx, by, bz, int(shared_mem),
+                                             torch._C._cuda_getCurrentRawStream(index), addresses.buffer_info()[0],
+                                             0)
+    except Exception as e:  # a driver error (grid, block, shared memory): say which launch
+        raise RuntimeError(f"launching kernel {_NAMES.get(fn.ptr, hex(fn.ptr))} with grid {(gx, gy, gz)}, block "
+                           f"{(bx, by, bz)}, {int(shared_mem)} bytes of dynamic shared memory failed: {e}") from e
     del slots, struct  # the parameters lived until the launch had copied them
 
 
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}
+# Every counter buffer ever handed out on a stream stays alive: a CUDA graph captured with one holds its
+# address, and replays after the buffer was outgrown must not count in memory reused for something else.
+_RETIRED: list[torch.Tensor] = []
 
 
 def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
@@ -324,13 +341,21 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
     Single-pass deterministic kernels find their last block by drawing tickets; that block resets its
     counter to zero before it exits, so the buffer is zero again for the next launch on the same stream
     and no memset kernel is needed per call. Launches on one stream are ordered, so they can share it;
-    every other stream gets its own buffer."""
+    every other stream gets its own buffer. A buffer outgrown by a larger request is kept alive, not
+    freed (a graph may hold it). During a CUDA-graph capture that finds no buffer large enough, the
+    counters come from the graph's own pool, zeroed by a memset node of that graph, and are not shared
+    with later launches (outside the graph they would be uninitialised until its first replay)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     buf = _TICKETS.get(key)
     if buf is None or buf.numel() < count:
-        buf = torch.zeros(max(count, 1024), dtype=torch.int32, device=torch.device("cuda", index))
-        _TICKETS[key] = buf
+        size = max(count, 1024, 2 * buf.numel() if buf is not None else 0)
+        fresh = torch.zeros(size, dtype=torch.int32, device=torch.device("cuda", index))
+        if torch.cuda.is_current_stream_capturing():
+            return fresh[:count]
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _TICKETS[key] = fresh
     return buf[:count]
 
 

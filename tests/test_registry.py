@@ -55,8 +55,65 @@ def test_define_op_registers_spec_and_variants_in_order(monkeypatch):
     with pytest.raises(KeyError, match="no op spec for 'nope'"):
         registry.define_op("nope", variants=[("tree", True, False, cuda, cpu, "t")])
     assert "nope" not in kernels.ops()
-    with pytest.raises(ValueError, match="scratch/tree is registered twice"):
+    with pytest.raises(ValueError, match="scratch: registered twice \\(tree\\)"):
         registry.define_op("scratch", variants=[("tree", True, False, cuda, cpu, "t")])
+
+
+def test_define_op_refuses_before_registering_anything(monkeypatch):
+    """A duplicate variant name, a benchmark argument for an unknown variant or a second registration is
+    refused before anything is added: the registry is as it was."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
+    base = kernels.spec("sum")
+    fields = {f: getattr(base, f) for f in ("make_inputs", "reference", "test_cases", "bench_cases", "peers",
+                                            "bytes_moved")}
+    cuda, cpu = kernels.get("sum", "tree").cuda, kernels.get("sum", "tree").cpu
+    before = (dict(registry._REGISTRY), dict(registry._SPECS))
+    with pytest.raises(ValueError, match="given twice"):
+        registry.define_op("scratch", variants=[("tree", True, False, cuda, cpu, "t"),
+                                                ("tree", True, False, cuda, cpu, "t")], **fields)
+    with pytest.raises(ValueError, match=r"variant_bench_kwargs names unknown variants \['exakt'\]"):
+        registry.define_op("scratch", variants=[("tree", True, False, cuda, cpu, "t")],
+                           variant_bench_kwargs=(("exakt", (("check_range", False),)),), **fields)
+    with pytest.raises(ValueError, match="sum: registered twice \\(its spec\\)"):
+        registry.define_op("sum", variants=[("other", True, False, cuda, cpu, "o")], **fields)
+    assert (registry._REGISTRY, registry._SPECS) == before
+
+
+def test_keyword_tensors_choose_the_backend_and_are_widened():
+    """Tensors given by keyword count like positional ones: a half call by keyword goes through the
+    widening call (no IndexError for a missing args[0]) and gives the positional call's results; bfloat16
+    beside float16 is refused naming both arguments, keywords by name."""
+    g = torch.Generator().manual_seed(5)
+    dy, x = (torch.randn(2, 3, 4, 4, generator=g).bfloat16() for _ in range(2))
+    mean, invstd, w = torch.randn(3, generator=g), torch.rand(3, generator=g) + 0.5, torch.randn(3, generator=g)
+    tree = kernels.get("bn_bwd", "tree")
+    by_position = tree(dy, x, mean, invstd, w)
+    by_keyword = tree(dy=dy, x=x, mean=mean, invstd=invstd, weight=w)
+    for a, b in zip(by_position, by_keyword):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert by_keyword[0].dtype == torch.bfloat16
+    with pytest.raises(KernelArgumentError, match=r"bn_bwd: argument 'x': is torch.float16 while argument #0"):
+        tree(dy, x=x.half(), mean=mean, invstd=invstd)
+
+
+def test_halving_tree_needs_a_nonempty_power_of_two():
+    from kernels.order import halving_tree
+
+    assert halving_tree(np.arange(8, dtype=np.float32)) == 28
+    for n in (0, 3, 6):
+        with pytest.raises(ValueError, match=f"power-of-two length, got {n}"):
+            halving_tree(np.ones(n, dtype=np.float32))
+
+
+def test_sparse_tensors_are_refused_by_name_and_never_memoised():
+    from kernels.runtime import check_key, check_tensor
+
+    sp = torch.eye(3).to_sparse()
+    with pytest.raises(KernelArgumentError, match="^op: argument 'src': expected a dense \\(strided\\) tensor"):
+        check_tensor("op", "src", sp)
+    assert check_key(sp, 1) is None
+    assert check_key(torch.zeros(3, 3), 1) is not None
 
 
 def test_cli_prints_every_variant():
@@ -120,3 +177,53 @@ def test_launch_passes_dims_stream_and_parameter_slots(monkeypatch, grid, block,
     (call, values), = fake.calls
     assert call == (0x1234, *dims, 48, 0xABC0, 0)
     assert values == [2**40 + 8, -5, -7, 2**62]
+
+
+def test_a_failed_launch_names_the_kernel_and_its_dimensions(monkeypatch):
+    from kernels import runtime
+
+    class Refusing:
+        def launchKernel(self, *a):
+            raise RuntimeError("CUDA_ERROR_INVALID_VALUE")
+
+    monkeypatch.setattr(runtime, "_DRIVER", Refusing())
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setitem(runtime._NAMES, 0x99, "sum.cu:sum_tree")
+
+    class Fn:
+        ptr = 0x99
+
+    with pytest.raises(RuntimeError, match=r"kernel sum.cu:sum_tree with grid \(70000, 1, 1\), block \(2048, 1, 1\), "
+                                           r"0 bytes .*CUDA_ERROR_INVALID_VALUE"):
+        runtime.launch(Fn, (70000,), (2048,), (), device=torch.device("cuda", 0))
+
+
+@pytest.mark.gpu
+def test_ticket_counters_keep_outgrown_buffers_and_captures_get_their_own():
+    """An outgrown counter buffer stays alive (a graph captured with it keeps its address); a capture
+    that finds no buffer large enough gets counters zeroed by its own memset node, shared with nothing
+    outside it."""
+    from kernels import runtime
+
+    dev = torch.device("cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        small = runtime.ticket_counters(dev, 10)
+        big = runtime.ticket_counters(dev, small.untyped_storage().nbytes() // 4 + 1)
+        assert any(r.data_ptr() == small.data_ptr() for r in runtime._RETIRED)
+        assert runtime.ticket_counters(dev, big.numel()).data_ptr() == big.data_ptr()
+    torch.cuda.synchronize()
+    assert not small.any() and not big.any()
+    graph = torch.cuda.CUDAGraph()
+    need = 1 << 22   # more than any buffer this process made
+    with torch.cuda.graph(graph):
+        stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+        captured = runtime.ticket_counters(dev, need)
+        captured.add_(1)   # dirty it inside the graph: the memset node must run first on every replay
+    cached = runtime._TICKETS.get((torch.cuda.current_device(), stream))
+    assert cached is None or cached.numel() < need
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(captured.max()) == 1 and int(captured.min()) == 1
