@@ -572,7 +572,8 @@ def _bytes_moved(case: Case) -> int:
 # --------------------------------------------------------------------------------------------------
 # Registry: the op's spec and its variants (tests, benchmarks and reports list them in this order)
 
-_FMA = "; FFMA inside a chunk, so not CPU bit-exact (the model keeps chunking and combine order)"
+_FMA = ("; FFMA inside a chunk, so not CPU bit-exact (the model keeps chunking and combine order); where Cin is a "
+        "multiple of the tile, padding terms are skipped (an Inf or NaN dy at a padded tap gives no NaN)")
 define_op(
     OP,
     variants=[
