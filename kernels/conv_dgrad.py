@@ -321,16 +321,22 @@ def tree_split(g: Geometry, blocks: int) -> int:
 WIDE_MIN_CIN = 128
 WAVE_SMS = 132            # SMs of an H100 / H200: a constant, so a plan is the same on every GPU
 WIDE_MIN_SLICES = 128
+# Deep stages (kernels conv_dgrad_tree_*_deep): the 128 x 64 tile's unsplit launches load 16 output
+# channels per stage instead of 8, so a block waits at half as many barriers and has twice the FMAs
+# between a stage's loads and their use. The same chains, so the same bits (tests/test_conv_dgrad.py).
+# Split launches keep stages of 8 (their ranges are counted in them, tree_split).
+DEEP_SLICES = True
 
 
 def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     if EMPTY_ZEROS not in ("auto", "memset", "kernel"):
         raise ValueError(f"{OP}: EMPTY_ZEROS must be 'auto', 'memset' or 'kernel', got {EMPTY_ZEROS!r}")
-    return _tree_plan(g, dy_stride, EMPTY_ZEROS, (WIDE_MIN_CIN, WAVE_SMS, WIDE_MIN_SLICES))
+    return _tree_plan(g, dy_stride, EMPTY_ZEROS, (WIDE_MIN_CIN, WAVE_SMS, WIDE_MIN_SLICES), DEEP_SLICES)
 
 
 @functools.lru_cache(maxsize=1024)
-def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_rule: tuple[int, int, int]) -> LaunchPlan:
+def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_rule: tuple[int, int, int],
+               deep: bool = False) -> LaunchPlan:
     rows_taps, cols_taps = phase_offsets(g.kh, g.sh, g.ph, g.dh), phase_offsets(g.kw, g.sw, g.pw, g.dw)
     empty = not all(rows_taps) or not all(cols_taps)
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
@@ -354,6 +360,8 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_r
         if working >= wave_sms or g.kh * g.kw * cdiv(g.cout, 8) // ksplit >= wide_min_slices:
             kernel += "_wide" if working > wave_sms else "_wide1"
             grid = wide
+    if deep and ksplit == 1 and grid[1] == cdiv(g.cin, BN):   # narrow tiles, unsplit
+        kernel += "_deep"
     return LaunchPlan(kernel, (grid[0], grid[1] * ksplit, grid[2]), (THREADS,), 0,
                       (*head[:-1], np.int32(fill), np.int32(ksplit)), fill, "tap_major", ksplit)
 
