@@ -613,7 +613,7 @@ def test_tree_plan_wide_tiles():
         ConvShape("r18_3x3_512_4", 128, 512, 512, 3, 1, 1, 4, 4): "_wide1",
         ConvShape("r18_1x1s2_256_512_8", 128, 256, 512, 1, 2, 0, 8, 8): "_deep",   # narrow and unsplit
         ConvShape("r18_3x3_64", 128, 64, 64, 3, 1, 1, 32, 32): "_deep",
-        ConvShape("n127", 2, 127, 8, 1, 1, 0, 5, 5): "_deep",
+        ConvShape("n127", 2, 127, 8, 1, 1, 0, 5, 5): "",   # Cout 8: one stage of 8, not half a stage of 16
         ConvShape("r18_3x3_64_b8", 8, 64, 64, 3, 1, 1, 32, 32): "",     # narrow, split: stages of 8
     }
     for s, suffix in expect.items():
@@ -626,16 +626,16 @@ def test_tree_plan_wide_tiles():
             assert plan.ksplit == narrow.ksplit and plan.scalars == narrow.scalars, s.name
             if suffix.startswith("_wide"):
                 assert plan.grid == (narrow.grid[0], -(-s.cin // (2 * cd.BN)) * plan.ksplit, narrow.grid[2])
-            else:   # deep stages exactly where a narrow launch is unsplit
-                assert (plan.ksplit == 1) == (suffix == "_deep"), s.name
+            else:   # deep stages exactly where a narrow launch is unsplit and Cout fills stages of 16 as of 8
+                assert (plan.ksplit == 1 and -(-s.cout // 8) % 2 == 0) == (suffix == "_deep"), s.name
                 assert plan._replace(kernel=narrow.kernel) == narrow, s.name
 
 
-DEEP_SHAPES = [   # unsplit narrow launches: many pixels, or stride 2
+DEEP_SHAPES = [   # unsplit narrow launches (many pixels, or stride 2), Cout an even number of stages of 8
     ConvShape("d64", 64, 64, 64, 3, 1, 1, 32, 32),           # stages of 16 fill every tap
-    ConvShape("d40_co", 64, 64, 40, 3, 1, 1, 32, 32),        # Cout 40: a tap's last stage half empty
-    ConvShape("d100_ci", 48, 100, 24, 3, 1, 1, 24, 24),      # a partial column tile, Cout 24
-    ConvShape("d72s2", 16, 72, 136, 3, 2, 1, 17, 15),        # stride-2 phases, odd sizes, Cout 136
+    ConvShape("d44_co", 64, 64, 44, 3, 1, 1, 32, 32),        # Cout 44: a tap's last stage holds 12 of 16
+    ConvShape("d100_ci", 48, 100, 28, 3, 1, 1, 24, 24),      # a partial column tile, Cout 28
+    ConvShape("d72s2", 16, 72, 140, 3, 2, 1, 17, 15),        # stride-2 phases, odd sizes, Cout 140
     ConvShape("d64dil2", 32, 64, 48, 3, 1, 2, 28, 28, 2),   # dilation 2
 ]
 
