@@ -81,6 +81,11 @@ def _setup_env() -> None:
     sys.path.insert(0, str(ROOT))
 
 
+def _rank(order: tuple, key: str) -> tuple[int, str]:
+    """Sort key: ``key``'s place in ``order`` (unknown keys last, by name)."""
+    return (order.index(key), "") if key in order else (len(order), key)
+
+
 def weights_hash(model) -> str:
     h = hashlib.sha1()
     for p in model.parameters():
@@ -504,8 +509,9 @@ def render(data: dict) -> str:
             "kept):", ""]
     for key, row in rows:
         cells = []
-        for mode, m in row["modes"].items():
-            for lay, r in m["layouts"].items():
+        # in MODES and LAYOUTS order, as the file is read back (its keys sorted) and as it was measured
+        for mode, m in sorted(row["modes"].items(), key=lambda kv: _rank(MODES, kv[0])):
+            for lay, r in sorted(m["layouts"].items(), key=lambda kv: _rank(LAYOUTS, kv[0])):
                 runs = f"; runs {'/'.join(f'{v:.2f}' for v in r['run_ms'])}" if r.get("run_ms") else ""
                 cells.append(f"{mode}/{lay} " + (f"{r['ms']:.2f} ({r['distinct']}/{r['runs']}{runs})" if "ms" in r
                                                   else "error"))

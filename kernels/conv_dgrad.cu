@@ -296,7 +296,8 @@ __device__ __forceinline__ void dgrad_gemm(
                 const long long row = s_row[ml];
                 if (row < 0 || cb + col >= ncols) continue;
                 // unsplit, the sum's own store: +0.0 added, as a sum from +0.0 would (see BK above)
-                out[row + (long long)(cb + col) * dx_sc] = ksplit > 1 ? Cs[col * DG_LDA + ml] : Cs[col * DG_LDA + ml] + 0.0f;
+                const float v = Cs[col * DG_LDA + ml];
+                out[row + (long long)(cb + col) * dx_sc] = ksplit > 1 ? v : v + 0.0f;
             }
         }
     }

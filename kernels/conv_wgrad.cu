@@ -43,11 +43,12 @@
 // padding are the same for the whole tile. Such a tile walks only the other k, in ascending order (a
 // closed-form compaction of (n, oh, ow) onto the tap's valid output rectangle): it skips exactly the
 // products col = 0 would contribute. A skipped term would have added +-0 to the running sum, which
-// changes no value but turns a -0.0 sum (a negative product that underflows) into +0.0; every way out
+// changes no value but can turn a -0.0 sum (negative products that underflow) into +0.0; every way out
 // of the GEMM adds the sums to +0.0 (the combines start from +0.0, the atomic adds go into zeros, the
 // unsplit store adds +0.0 itself), so the bits are those of the full walk for finite inputs. A padded
-// product with an infinite or NaN dy would have made the element NaN, and a skipped one does not. On 3x3 pad-1 convs this drops 8% of the FMAs
-// at 16x16, 16% at 8x8 and 31% at 4x4, and the loads need no bounds test.
+// product with an infinite or NaN dy would have made the element NaN, and a skipped one does not. On
+// 3x3 pad-1 convs this drops 8% of the FMAs at 16x16, 16% at 8x8 and 31% at 4x4, and the loads need no
+// bounds test.
 
 #include "common.cuh"  // arrive_last, ordered_combine, fma_step
 

@@ -102,7 +102,8 @@ FUSE_MIN_TILES = 128
 FUSE_MAX_SPLITS = 8
 # Tap tiles (conv_wgrad.cu, TAPK): where Cin is a multiple of the tile width, every tile of the r' column
 # order holds one tap, and walks only the k whose pixel for that tap is not padding. Same bits as the
-# full walk on finite inputs (tests/test_conv_wgrad.py compares them); with the "s" style only.
+# full walk on finite inputs (tests/test_conv_wgrad.py compares them); every KERNEL_STYLE but "r" ("s"
+# becomes "ts", channels_last's "cl" "tc"). Float32 only: the tensor-core path (conv_mma) has no tap tiles.
 TAP_TILES = True
 
 
@@ -572,8 +573,8 @@ def _bytes_moved(case: Case) -> int:
 # --------------------------------------------------------------------------------------------------
 # Registry: the op's spec and its variants (tests, benchmarks and reports list them in this order)
 
-_FMA = ("; FFMA inside a chunk, so not CPU bit-exact (the model keeps chunking and combine order); where Cin is a "
-        "multiple of the tile, padding terms are skipped (an Inf or NaN dy at a padded tap gives no NaN)")
+_FMA = ("; FFMA inside a chunk, so not CPU bit-exact (the model keeps chunking and combine order); float32 "
+        "with Cin a multiple of the tile skips padding terms (an Inf or NaN dy at a padded tap gives no NaN)")
 define_op(
     OP,
     variants=[

@@ -79,9 +79,14 @@ def _positional_names(fn: Callable) -> tuple[str, ...]:
 
 def _as_positional(fn: Callable, args: tuple, kwargs: dict) -> tuple:
     """``args`` extended by the keyword arguments that fill ``fn``'s next positional parameters, in order
-    (what ``OpSpec.out_like``'s positions refer to, however the caller passed them)."""
+    up to the first one not given (what ``OpSpec.out_like``'s positions refer to, however the caller passed
+    them; an ``out_like`` entry past such a gap names its keyword)."""
+    try:
+        names = _positional_names(fn)
+    except (TypeError, ValueError):   # a callable without a signature: positions as given
+        return args
     out = list(args)
-    for name in _positional_names(fn)[len(args):]:
+    for name in names[len(args):]:
         if name not in kwargs:
             break
         out.append(kwargs[name])
@@ -225,7 +230,8 @@ class OpSpec:
     half_inputs: tuple[int, ...] | None = None
     # Keyword arguments the benchmarks add to every variant call (the mode the routing runs them in)
     bench_kwargs: tuple[tuple[str, object], ...] = ()
-    # ... and to one variant's calls: (variant name, its keyword arguments), over bench_kwargs
+    # ... and to one variant's calls: (variant name, its keyword arguments), over bench_kwargs; the names
+    # are checked against the variants registered with the spec (define_op), not ones added later
     variant_bench_kwargs: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
 
     def bench_kwargs_of(self, variant: str) -> dict:

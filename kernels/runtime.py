@@ -343,16 +343,18 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
     and no memset kernel is needed per call. Launches on one stream are ordered, so they can share it;
     every other stream gets its own buffer. A buffer outgrown by a larger request is kept alive, not
     freed (a graph may hold it). During a CUDA-graph capture that finds no buffer large enough, the
-    counters come from the graph's own pool, zeroed by a memset node of that graph, and are not shared
-    with later launches (outside the graph they would be uninitialised until its first replay)."""
+    counters come from the graph's own pool, zeroed by a fill kernel node of that graph on every replay
+    (one per such launch), and are not shared with later launches (outside the graph they would be
+    uninitialised until its first replay)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     buf = _TICKETS.get(key)
     if buf is None or buf.numel() < count:
+        with torch.cuda.device(index):   # the stream the key names: the current one of that device
+            if torch.cuda.is_current_stream_capturing():
+                return torch.zeros(max(count, 1024), dtype=torch.int32, device=torch.device("cuda", index))[:count]
         size = max(count, 1024, 2 * buf.numel() if buf is not None else 0)
         fresh = torch.zeros(size, dtype=torch.int32, device=torch.device("cuda", index))
-        if torch.cuda.is_current_stream_capturing():
-            return fresh[:count]
         if buf is not None:
             _RETIRED.append(buf)
         buf = _TICKETS[key] = fresh

@@ -223,6 +223,46 @@ def test_benchmark_only_session_writes_table_json_and_report(tmp_path):
     assert "CPU order models" in md and f"### {op}" in md
 
 
+class _FakeEvent:
+    """A CUDA event stand-in: ``query`` answers what the test says the GPU had reached."""
+
+    reached = False
+
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self):
+        pass
+
+    def query(self):
+        return _FakeEvent.reached
+
+    def elapsed_time(self, other):
+        return 2.0   # ms
+
+
+@pytest.mark.parametrize("reached, sleep, attempts, flagged", [
+    (False, True, 1, False),   # the spin outlasted the queueing: one timing, GPU time alone
+    (True, True, 4, True),     # the GPU always caught up: three doublings, then flagged
+    (False, False, 1, True),   # no spin kernel: one unqueued timing, flagged
+])
+def test_queued_event_times_retry_and_flag(monkeypatch, reached, sleep, attempts, flagged):
+    from bench import timing
+
+    spins, calls = [], []
+    monkeypatch.setattr(_FakeEvent, "reached", reached)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    if sleep:
+        monkeypatch.setattr(torch.cuda, "_sleep", spins.append, raising=False)
+    else:
+        monkeypatch.delattr(torch.cuda, "_sleep", raising=False)
+    times, host = timing.queued_event_times(lambda: calls.append(1), 5, torch.device("cpu"), host_ahead_s=1e-4)
+    assert times == [2e-3] * 5 and host == flagged
+    assert len(calls) == 5 * attempts
+    assert spins == ([int(2e9 * 1e-4 * 5 * 2**a) for a in range(attempts)] if sleep else [])
+
+
 @pytest.mark.gpu
 def test_queued_event_times_tell_a_call_that_waits_for_the_gpu():
     """Calls queued behind the spin are timed as GPU work alone; a call that reads a result back (a host

@@ -736,9 +736,9 @@ def test_gpu_tap_tiles_give_the_same_bits(layout, monkeypatch):
 @pytest.mark.parametrize("tap", [False, True], ids=["full", "tap"])
 def test_gpu_unsplit_store_never_writes_negative_zero(tap, monkeypatch):
     """A sum of negative products that underflow is -0.0 in the FMA chain: x = 2^-80, dy = -2^-80 give
-    products of -2^-160, below the smallest subnormal. The full walk's trailing padded zeros would turn it
-    into +0.0 and a tap tile's walk keeps it; the unsplit store adds +0.0, as every combine does, so both
-    walks write +0.0 and the same bits."""
+    products of -2^-160, below the smallest subnormal. The full walk's zero fill past the chunk's end
+    (0 * 0 = +0.0) would turn it into +0.0, and a tap tile whose valid terms fill its K-steps exactly keeps
+    it; the unsplit store adds +0.0, as every combine does, so both walks write +0.0 and the same bits."""
     from kernels import conv_wgrad
 
     monkeypatch.setattr(conv_wgrad, "TAP_TILES", tap)
@@ -748,6 +748,29 @@ def test_gpu_unsplit_store_never_writes_negative_zero(tap, monkeypatch):
         dw = variant(x, -x, **kw)
         assert plan_of(variant, (x, -x), kw).splits == 1
         assert torch.equal(dw, torch.zeros_like(dw)) and not torch.signbit(dw).any(), variant.name
+
+
+@pytest.mark.gpu
+def test_gpu_tap_tiles_skip_a_padded_infinite_product(monkeypatch):
+    """The documented difference on non-finite inputs: an infinite dy at an output position whose pixel is
+    padding for some taps makes those taps' weights NaN in the full walk (Inf * 0), while tap tiles never
+    form that product (there the other terms sum to 0); the taps whose pixel is inside give Inf either
+    way."""
+    from kernels import conv_wgrad
+
+    x = torch.ones(1, 64, 6, 6, device="cuda")
+    dy = torch.zeros(1, 64, 6, 6, device="cuda")
+    dy[0, :, 0, 0] = float("inf")   # position (0, 0): its pixel is padding for every tap with kh or kw 0
+    kw = dict(kernel_size=3, padding=1)
+    monkeypatch.setattr(conv_wgrad, "TAP_TILES", False)
+    full = TREE(x, dy, **kw)
+    monkeypatch.setattr(conv_wgrad, "TAP_TILES", True)
+    tapped = TREE(x, dy, **kw)
+    padded = torch.zeros(3, 3, dtype=torch.bool)
+    padded[0, :] = padded[:, 0] = True
+    assert torch.isnan(full[:, :, padded]).all() and torch.isinf(full[:, :, ~padded]).all()
+    assert torch.equal(tapped[:, :, padded], torch.zeros_like(tapped[:, :, padded]))
+    assert torch.equal(tapped[:, :, ~padded], full[:, :, ~padded])
 
 
 @pytest.mark.gpu

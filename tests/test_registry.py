@@ -201,27 +201,42 @@ def test_a_failed_launch_names_the_kernel_and_its_dimensions(monkeypatch):
 
 @pytest.mark.gpu
 def test_ticket_counters_keep_outgrown_buffers_and_captures_get_their_own():
-    """An outgrown counter buffer stays alive (a graph captured with it keeps its address); a capture
-    that finds no buffer large enough gets counters zeroed by its own memset node, shared with nothing
-    outside it."""
+    """A graph captured with a stream's counter buffer still replays right after that buffer was outgrown
+    and memory churned (the outgrown buffer stays alive: a freed one could be handed to a tensor the
+    replays then count in); a capture that finds no buffer large enough gets counters of its own, zeroed
+    on every replay and never handed out again."""
     from kernels import runtime
 
     dev = torch.device("cuda")
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        small = runtime.ticket_counters(dev, 10)
-        big = runtime.ticket_counters(dev, small.untyped_storage().nbytes() // 4 + 1)
-        assert any(r.data_ptr() == small.data_ptr() for r in runtime._RETIRED)
-        assert runtime.ticket_counters(dev, big.numel()).data_ptr() == big.data_ptr()
-    torch.cuda.synchronize()
-    assert not small.any() and not big.any()
-    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    dy = torch.randn(64, 256, 4, 4, device=dev, generator=g)
+    x = torch.randn(64, 256, 4, 4, device=dev, generator=g)
+    tree = kernels.get("conv_wgrad", "tree")   # its fused combine draws tickets (144 tiles of 64, 3 splits)
+    with torch.cuda.stream(stream):
+        want = tree(x, dy, kernel_size=3, padding=1)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            got = tree(x, dy, kernel_size=3, padding=1)
+        key = (torch.cuda.current_device(), stream.cuda_stream)
+        used = runtime._TICKETS[key]
+        runtime.ticket_counters(dev, used.numel() + 1)   # outgrown
+        assert runtime._TICKETS[key].data_ptr() != used.data_ptr()
+        assert any(r.data_ptr() == used.data_ptr() for r in runtime._RETIRED)
+    del used
+    churn = [torch.full((1 << k,), 7, dtype=torch.int32, device=dev) for k in range(8, 16) for _ in range(8)]
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    del churn
     need = 1 << 22   # more than any buffer this process made
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+        raw = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
         captured = runtime.ticket_counters(dev, need)
-        captured.add_(1)   # dirty it inside the graph: the memset node must run first on every replay
-    cached = runtime._TICKETS.get((torch.cuda.current_device(), stream))
+        captured.add_(1)   # dirty it inside the graph: its zeroing must run first on every replay
+    cached = runtime._TICKETS.get((torch.cuda.current_device(), raw))
     assert cached is None or cached.numel() < need
     for _ in range(2):
         graph.replay()

@@ -36,7 +36,9 @@ def main() -> None:
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--deep", default="", help="comma-separated DEEP_SLICES settings to time (on, off)")
     args = p.parse_args()
-    deeps = [{"on": True, "off": False}[d] for d in args.deep.split(",") if d] or [conv_dgrad.DEEP_SLICES]
+    if not set(args.deep.split(",")) <= {"", "on", "off"}:
+        p.error(f"--deep: expected a comma-separated list of on and off, got {args.deep!r}")
+    deeps = [d == "on" for d in args.deep.split(",") if d] or [conv_dgrad.DEEP_SLICES]
     mismatches = 0
     rows = []
     totals: dict[str, float] = {}

@@ -110,7 +110,9 @@ def main() -> int:
     peer = spec.peers()["torch"]
     targets = [int(t) for t in args.targets.split(",") if t] or [conv_wgrad.TARGET_BLOCKS]
     styles = [st for st in args.styles.split(",") if st] or [conv_wgrad.KERNEL_STYLE]
-    taps = [{"on": True, "off": False}[t] for t in args.taps.split(",") if t] or [conv_wgrad.TAP_TILES]
+    if not set(args.taps.split(",")) <= {"", "on", "off"}:
+        ap.error(f"--taps: expected a comma-separated list of on and off, got {args.taps!r}")
+    taps = [t == "on" for t in args.taps.split(",") if t] or [conv_wgrad.TAP_TILES]
     shipped = (conv_wgrad.TARGET_BLOCKS, conv_wgrad.KERNEL_STYLE, conv_wgrad.TAP_TILES)
     combos = [(t, st, tap) for t in targets for st in styles for tap in taps if (t, st, tap) != shipped]
     print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
@@ -174,7 +176,8 @@ def main() -> int:
                 failures += same is False
                 ta = back_to_back_us(lambda: atomic(x, dy, **kw), calls=10, repeats=args.repeats, warmup=3)
                 tt = back_to_back_us(lambda: tree(x, dy, **kw), calls=10, repeats=args.repeats, warmup=3)
-            sweep.append(dict(case=case.name, target=t, style=st, tap="on" if tap else "off", plan=f"t{tp.tile} S{tp.splits} Kc{tp.chunk}",
+            sweep.append(dict(case=case.name, target=t, style=st, tap="on" if tap else "off",
+                              plan=f"t{tp.tile} S{tp.splits} Kc{tp.chunk}",
                               atomic_us=round(ta, 1), tree_us=round(tt, 1),
                               tree_vs_cudnn=round(tt / res["cudnn"]["us"], 2), tree_same_bits=same))
         print(f"  done {case.name} ({pl})", flush=True)

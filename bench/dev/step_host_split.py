@@ -6,7 +6,8 @@ its host time), then torch.profiler's CPU time per aten op summed over a few ste
         --modes native torch_deterministic tree --steps 30 --top 25
 
 The question it answers: of a routed mode's extra milliseconds per eager step, how many are spent in
-the routed backward ops and how many elsewhere. Profiled times include the profiler's own cost.
+the routed backward ops and how many elsewhere. Profiled times include the profiler's own cost, and an
+op's time includes the ops it calls (so autograd's nodes and the aten ops inside them both count it).
 """
 from __future__ import annotations
 
@@ -40,10 +41,10 @@ def run(mode: str, args) -> tuple[dict, dict]:
     phases = {"forward": [], "backward": [], "optimizer": [], "step (synchronised)": []}
     with Mode(mode):
         def step(record: bool):
+            opt.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             loss = F.cross_entropy(model(x), y)
             t1 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
             loss.backward()
             t2 = time.perf_counter()
             opt.step()
@@ -58,7 +59,7 @@ def run(mode: str, args) -> tuple[dict, dict]:
             step(False)
         for _ in range(args.steps):
             step(True)
-        ops: dict[str, float] = {}
+        ops: dict[str, tuple[float, float]] = {}   # aten op -> (CPU ms, calls) per step
         if args.top:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for _ in range(args.profile_steps):
