@@ -14,16 +14,20 @@ identical inputs and records, one CSV row per (entry, phase):
   ``cudnn.benchmark`` as ``--cudnn-benchmark`` says, off by default): distinct output hashes and the
   median time per call.
 * **deterministic**: ``torch.use_deterministic_algorithms(True)`` (``warn_only=False``, PyTorch's default
-  filling of uninitialised memory), ``cudnn.deterministic=True``, ``cudnn.benchmark=False`` and
-  ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` where unset: whether PyTorch raises (first line of its message),
-  warns, or runs, and then distinct hashes and the time ratio to default.
+  filling of uninitialised memory), ``cudnn.deterministic=True``, ``cudnn.benchmark=False``: whether
+  PyTorch raises (first line of its message), warns, or runs, and then distinct hashes and the time ratio to
+  default. A backward phase runs only its backward in this mode, on the graph default mode built (a forward
+  that refuses is the forward row's verdict, not its gradients').
 * **nnrand**: where the kernel registry has a deterministic variant for the phase (``NNRAND_OPS``, which
   also names registry ops not written yet; those are skipped until they exist), the fastest of them on
   this device, its distinct hashes and its time ratio to PyTorch's default.
 
-TF32 is off in every mode (float32 means float32). A backward phase builds the forward graph once per
-mode and repeats ``torch.autograd.grad`` with a fixed, seeded upstream gradient (``retain_graph``), so it
-measures the backward alone. Inputs are drawn on the CPU from the entry's seed and moved to the device,
+TF32 is off in every mode (float32 means float32). ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (PyTorch's
+reproducibility notes) is set where unset before CUDA initialises, for the whole run: cuBLAS and torch read
+it once, at the first cuBLAS call, so setting it for deterministic mode alone would come too late; the value
+is recorded in every row. A backward phase builds the forward graph once and repeats
+``torch.autograd.grad`` with a fixed, seeded upstream gradient (``retain_graph``), so it measures the
+backward alone. Inputs are drawn on the CPU from the entry's seed and moved to the device,
 so they are bitwise the same on every device.
 
 Hashes: :func:`digest` reduces each output on its device to two 64-bit universal hashes of its bytes
@@ -32,12 +36,18 @@ associative, so the hash itself is exact and order-free) and hashes those, with 
 BLAKE2 on the host: one transfer and one sync per repeat, the same digest on any device for the same bits.
 
 Timing: on CUDA, CUDA events around each of up to 20 calls queued back to back behind a spin kernel
-after 3 warm-up calls, median; on the CPU, the wall clock of the hashed repeats, median.
+after 3 warm-up calls, median (where the GPU reached a call before the host was done queueing it, the spin
+is retried longer; past that the row notes that its times may include host time); on the CPU, the wall
+clock of the hashed repeats, median.
 
-Resumable: rows already in the CSV for this (entry, phase, scale, device, git SHA) are not rerun (rows
-with an error are); the CSV and the markdown are written atomically after every row. The markdown is
+Resumable: rows already in the CSV for this (entry, phase, scale, device, git SHA) measured under the same
+repeats, ``cudnn.benchmark``, torch, CUDA, cuDNN, driver and NVRTC versions (on the CPU: torch, its thread
+count and CPU capability) are not rerun; rows with an error (in default mode, deterministic mode or nnrand's
+part) are. After every row the CSV is re-read, merged and written atomically under a lock (two audits
+writing one CSV keep each other's rows), then the markdown is rendered from it. The markdown is
 rendered from the CSV only (``render``), including its summary of surprises: ops PyTorch flags that
-were repeatable here, and ops it does not flag that were not.
+were repeatable here, and ops it does not flag that were not. Its *route* column is the one column computed
+at rendering: what ``nnrand.use_kernels("tree")`` does with the phase in the rendering code (:func:`route`).
 
 Outputs (``--out`` for the CSV; the markdown goes to ``reports/<stem>.md`` beside ``reports/results``):
 ``reports/results/audit.csv`` and ``reports/audit.md`` on a GPU at full scale, ``audit_quick.*`` on a
@@ -48,13 +58,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import functools
 import hashlib
 import math
 import os
+import re
 import statistics
 import sys
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
@@ -252,21 +265,123 @@ def torch_flags(mode: str, *, cudnn_benchmark: bool = False) -> Iterator[None]:
 # Entries: an aten op on one realistic shape
 
 
-# PyTorch's documentation of torch.use_deterministic_algorithms (2.13): which ops raise in deterministic
-# mode and which switch to a deterministic alternative, on which device, in which pass.
+# PyTorch's documentation of torch.use_deterministic_algorithms: which ops raise in deterministic mode and
+# which switch to a deterministic alternative, on which device, in which pass. The entries' flags are that
+# documentation as of this torch version (each row records it); tests check them against the installed
+# torch's docstring through DOC_ITEMS.
+DOC_FLAGS_TORCH = "2.13"
 RAISES, DET_ALT = "raises", "det-alt"
 
 
 @dataclass(frozen=True)
 class DocFlag:
     kind: str                  # RAISES or DET_ALT
-    device: str = "cuda"       # "cuda" or "any"
+    device: str = "cuda"       # "cuda", "cpu" or "any"
     passes: str = "backward"   # "forward", "backward" or "both"
 
     def applies(self, device_type: str, phase: str) -> bool:
         dev = self.device == "any" or self.device == device_type
         pas = self.passes == "both" or (phase == "forward") == (self.passes == "forward")
         return dev and pas
+
+
+# What each entry is in that docstring: (the class or function a bullet names, a phrase of the bullet's
+# condition that the entry's call meets; "" for any bullet of that name). Keyed by entry name, else family.
+DOC_ITEMS: dict[str, tuple[str, str]] = {
+    "conv2d": ("torch.nn.Conv2d", ""), "conv2d_grouped": ("torch.nn.Conv2d", ""),
+    "conv_transpose2d": ("torch.nn.ConvTranspose2d", ""), "linear": ("torch.nn.Linear", ""),
+    "bmm": ("torch.bmm", "dense-dense"),   # the documented bmm is sparse-dense
+    "sdpa": ("torch.nn.functional.scaled_dot_product_attention", ""), "softmax": ("torch.softmax", ""),
+    "log_softmax": ("torch.log_softmax", ""), "layer_norm": ("torch.nn.LayerNorm", ""),
+    "batch_norm": ("torch.nn.BatchNorm2d", ""), "group_norm": ("torch.nn.GroupNorm", ""),
+    "cross_entropy": ("torch.nn.NLLLoss", ""), "cross_entropy2d": ("torch.nn.NLLLoss", ""),  # log_softmax + NLL
+    "ctc_loss": ("torch.nn.CTCLoss", ""), "sum": ("torch.sum", ""), "mean": ("torch.mean", ""),
+    "vector_norm": ("torch.linalg.vector_norm", ""), "cumsum": ("torch.cumsum", ""), "sort": ("torch.sort", ""),
+    "topk": ("torch.topk", ""), "median": ("torch.median", "indices"), "histc": ("torch.histc", ""),
+    "bincount": ("torch.bincount", "weights"), "embedding": ("torch.nn.Embedding", ""),
+    "embedding_bag.recsys_sum": ("torch.nn.EmbeddingBag", "mode='sum'"),
+    "embedding_bag.recsys_max": ("torch.nn.EmbeddingBag", "mode='max'"),
+    "index_add": ("torch.index_add", ""), "scatter_add": ("torch.Tensor.scatter_add_", ""),
+    "scatter_reduce_sum": ("torch.Tensor.scatter_reduce", "'sum'"),
+    "scatter_reduce_mean": ("torch.Tensor.scatter_reduce", "'mean'"),
+    "scatter_reduce_prod": ("torch.Tensor.scatter_reduce", "'prod'"),
+    "scatter_reduce_amax": ("torch.Tensor.scatter_reduce", "'amax'"),
+    "scatter": ("torch.Tensor.scatter", "src"), "index_select": ("torch.index_select", ""),
+    "getitem_tensor": ("torch.Tensor.__getitem__", ""), "gather": ("torch.gather", ""),
+    "index_put_accumulate": ("torch.Tensor.index_put", "accumulate=True"),
+    "index_put": ("torch.Tensor.index_put", "accumulate=False"), "index_copy": ("torch.Tensor.index_copy", ""),
+    "put.flat_acc1": ("torch.Tensor.put_", "accumulate=True"),
+    "put.flat_acc0": ("torch.Tensor.put_", "accumulate=False"),
+    "repeat_interleave": ("torch.repeat_interleave", ""), "max_pool2d": ("torch.nn.MaxPool2d", ""),
+    "avg_pool2d": ("torch.nn.AvgPool2d", ""), "max_pool3d": ("torch.nn.MaxPool3d", ""),
+    "avg_pool3d": ("torch.nn.AvgPool3d", ""), "adaptive_avg_pool2d": ("torch.nn.AdaptiveAvgPool2d", ""),
+    "adaptive_avg_pool3d": ("torch.nn.AdaptiveAvgPool3d", ""),
+    "adaptive_max_pool2d": ("torch.nn.AdaptiveMaxPool2d", ""),
+    "adaptive_max_pool3d": ("torch.nn.AdaptiveMaxPool3d", ""),
+    "fractional_max_pool2d": ("torch.nn.FractionalMaxPool2d", ""),
+    "fractional_max_pool3d": ("torch.nn.FractionalMaxPool3d", ""),
+    "max_unpool2d": ("torch.nn.MaxUnpool2d", ""), "max_unpool3d": ("torch.nn.MaxUnpool3d", ""),
+    "interpolate_bilinear": ("torch.nn.functional.interpolate", "``bilinear``"),
+    "interpolate_bilinear_aa": ("torch.nn.functional.interpolate", "``bilinear``"),   # antialias is mode bilinear
+    "interpolate_bicubic": ("torch.nn.functional.interpolate", "``bicubic``"),
+    "interpolate_linear": ("torch.nn.functional.interpolate", "``linear``"),
+    "interpolate_trilinear": ("torch.nn.functional.interpolate", "``trilinear``"),
+    "interpolate_nearest": ("torch.nn.functional.interpolate", "``nearest``"),
+    "reflection_pad1d": ("torch.nn.ReflectionPad1d", ""), "reflection_pad2d": ("torch.nn.ReflectionPad2d", ""),
+    "reflection_pad3d": ("torch.nn.ReflectionPad3d", ""), "replication_pad2d": ("torch.nn.ReplicationPad2d", ""),
+    "grid_sample": ("torch.nn.functional.grid_sample", ""), "grid_sample3d": ("torch.nn.functional.grid_sample", ""),
+    "unfold": ("torch.nn.functional.unfold", ""),
+}
+
+
+@dataclass(frozen=True)
+class DocBullet:
+    kind: str       # RAISES or DET_ALT
+    name: str       # torch.nn.Conv2d, torch.Tensor.put_, ...
+    text: str       # the condition, whitespace collapsed
+
+
+def documented_flags(doc: str | None = None) -> list[DocBullet]:
+    """The bullets of ``torch.use_deterministic_algorithms``'s docstring (the installed torch's by default):
+    the ops that switch to a deterministic algorithm (DET_ALT) and those that raise (RAISES)."""
+    text = " ".join((doc if doc is not None else torch.use_deterministic_algorithms.__doc__ or "").split())
+    alt = text.partition("will act deterministically when ``mode=True``:")[2]
+    raises = alt.partition("will throw a :class:`RuntimeError` when ``mode=True``:")[2].partition("In addition")[0]
+    alt = alt.partition("The following normally-nondeterministic")[0]
+    out = []
+    for kind, part in ((DET_ALT, alt), (RAISES, raises)):
+        for item in re.split(r"(?:^|\s)\*\s(?=:(?:class|func):)", part)[1:]:
+            m = re.match(r":(?:class|func):`([^`]+)`\s*(.*)", item.strip())
+            if m:
+                out.append(DocBullet(kind, m.group(1), m.group(2)))
+    return out
+
+
+def _doc_bullet_flag(b: DocBullet) -> tuple[str, str, str]:
+    """(kind, device, pass) a bullet says: ``backward`` where it names differentiation, ``called`` (the
+    forward, and a table's ``both``) where it names the call."""
+    t = b.text
+    device = "any" if "CPU or CUDA" in t else "cuda" if "CUDA" in t else "cpu" if "CPU" in t else "any"
+    return b.kind, device, "backward" if "differentiate" in t or "requires grad" in t else "called"
+
+
+def doc_flag_mismatches(entries: Sequence[Entry], doc: str | None = None) -> list[str]:
+    """Entries whose flags differ from what the docstring's bullets say of them (DOC_ITEMS says which
+    bullets are theirs), and entries DOC_ITEMS does not place; one line each."""
+    bullets = documented_flags(doc)
+    out = []
+    for e in entries:
+        item = DOC_ITEMS.get(e.name) or DOC_ITEMS.get(e.family)
+        if item is None:
+            out.append(f"{e.name}: not in DOC_ITEMS")
+            continue
+        said = {_doc_bullet_flag(b) for b in bullets if b.name == item[0] and item[1] in b.text}
+        flags = e.flag if isinstance(e.flag, tuple) else (e.flag,) if e.flag else ()
+        have = {(f.kind, f.device, "backward" if f.passes == "backward" else "called") for f in flags}
+        if said != have:
+            out.append(f"{e.name} ({item[0]}{' ' + item[1] if item[1] else ''}): the table says "
+                       f"{sorted(have) or 'nothing'}, the documentation {sorted(said) or 'nothing'}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -660,19 +775,21 @@ def audit_entries(scale: str = "full") -> list[Entry]:
         "avg_pool3d_backward", DocFlag(RAISES))
     ac, ahw = S(32, 2048), S(14, 28)
     for name, out in (("pspnet_6x6", (6, 6)), ("pspnet_3x3", (3, 3)), ("head_1x1", (1, 1))):
-        add(name, "adaptive_avg_pool2d", "_adaptive_avg_pool2d", f"N={S(2, 16)} {ac}ch {ahw}x{ahw} -> {out[0]}x{out[1]}",
+        one = out == (1, 1)   # torch computes a 1x1 output as mean() over H and W, not with _adaptive_avg_pool2d
+        add(name, "adaptive_avg_pool2d", "mean" if one else "_adaptive_avg_pool2d",
+            f"N={S(2, 16)} {ac}ch {ahw}x{ahw} -> {out[0]}x{out[1]}",
             lambda g: dict(x=_randn(g, S(2, 16), ac, ahw, ahw)),
-            lambda p, out=out: F.adaptive_avg_pool2d(p["x"], out), {"dX": ("x",)}, "_adaptive_avg_pool2d_backward",
-            DocFlag(RAISES))
+            lambda p, out=out: F.adaptive_avg_pool2d(p["x"], out), {"dX": ("x",)},
+            "mean_backward" if one else "_adaptive_avg_pool2d_backward", DocFlag(RAISES))
     add("video_2x7x7", "adaptive_avg_pool3d", "_adaptive_avg_pool3d", f"{vshape} -> 2x7x7",
         lambda g: dict(x=_randn(g, *vid)), lambda p: F.adaptive_avg_pool3d(p["x"], (2, 7, 7)), {"dX": ("x",)},
         "_adaptive_avg_pool3d_backward", DocFlag(RAISES))
     add("roi_7x7", "adaptive_max_pool2d", "adaptive_max_pool2d", f"N={S(2, 16)} {S(32, 512)}ch {ahw}x{ahw} -> 7x7",
         lambda g: dict(x=_randn(g, S(2, 16), S(32, 512), ahw, ahw)), lambda p: F.adaptive_max_pool2d(p["x"], 7),
         {"dX": ("x",)}, "adaptive_max_pool2d_backward", DocFlag(RAISES))
-    add("video_2x7x7", "adaptive_max_pool3d", "adaptive_max_pool3d", f"{vshape} -> 2x7x7",
+    add("video_2x7x7", "adaptive_max_pool3d", "adaptive_max_pool3d", f"{vshape} -> 2x7x7",   # not documented
         lambda g: dict(x=_randn(g, *vid)), lambda p: F.adaptive_max_pool3d(p["x"], (2, 7, 7)), {"dX": ("x",)},
-        "adaptive_max_pool3d_backward", DocFlag(RAISES))
+        "adaptive_max_pool3d_backward")
     fc, fhw = S(8, 64), S(16, 56)
     add("ratio_0.7", "fractional_max_pool2d", "fractional_max_pool2d", f"N={n} {fc}ch {fhw}x{fhw} k3 ratio 0.7",
         lambda g: dict(x=_randn(g, n, fc, fhw, fhw), u=torch.rand(n, fc, 2, generator=g)),
@@ -795,21 +912,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cuda_times(fn: Callable[[], object], n: int, device: torch.device) -> list[float]:
-    """Seconds per call from CUDA events, ``n`` calls queued behind a spin kernel so that host launch
-    cost does not leak into device time."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    torch.cuda.synchronize(device)
+SPIN_S_PER_CALL = 200e-6   # host time per queued call the spin kernel covers, at a ~2 GHz SM clock
+SPIN_DOUBLINGS = 3         # a spin that ended before the calls were queued is retried this often, twice as long
+
+
+def _cuda_times(fn: Callable[[], object], n: int, device: torch.device) -> tuple[list[float], bool]:
+    """(seconds per call from CUDA events, whether they may include host time): ``n`` calls queued behind a
+    spin kernel so that host launch cost does not leak into device time (bench.timing.queued_event_times'
+    check; nnrand does not import bench, which imports nnrand). Where the GPU had already reached a call's
+    start event when the host returned from queueing that call, the call may have waited for the host
+    between its events: the timing runs again with twice the spin, up to SPIN_DOUBLINGS times; past that (a
+    ``fn`` that waits for the GPU itself) the times are returned with ``True``. Without torch.cuda._sleep the
+    calls are timed once, unqueued (``True``)."""
     spin = getattr(torch.cuda, "_sleep", None)
-    if spin is not None:
-        spin(int(2e9 * 200e-6 * n))  # ~200 us of host time per call at a ~2 GHz SM clock
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize(device)
-    return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
+    for attempt in range(SPIN_DOUBLINGS + 1 if spin is not None else 1):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        torch.cuda.synchronize(device)
+        if spin is not None:
+            spin(int(2e9 * SPIN_S_PER_CALL * n * 2**attempt))
+        caught_up = spin is None
+        for s, e in zip(starts, ends):
+            s.record()
+            fn()
+            e.record()
+            caught_up = caught_up or s.query()   # the GPU was at this call before the host was done with it
+        torch.cuda.synchronize(device)
+        if not caught_up:
+            break
+    return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)], caught_up
 
 
 @dataclass
@@ -817,6 +948,7 @@ class Measured:
     distinct: int
     first: str
     median_s: float
+    host_included: bool = False   # CUDA event times that include host time (see _cuda_times)
 
 
 def measure(fn: Callable[[], object], repeats: int, device: torch.device) -> Measured:
@@ -834,9 +966,10 @@ def measure(fn: Callable[[], object], repeats: int, device: torch.device) -> Mea
         times.append(time.perf_counter() - t0)
         hashes.append(digest(out))
         del out
+    host = False
     if cuda:
-        times = _cuda_times(fn, max(5, min(repeats, CUDA_TIMED_CALLS)), device)
-    return Measured(len(set(hashes)), hashes[0], statistics.median(times))
+        times, host = _cuda_times(fn, max(5, min(repeats, CUDA_TIMED_CALLS)), device)
+    return Measured(len(set(hashes)), hashes[0], statistics.median(times), host)
 
 
 _REFUSAL_MARKERS = ("does not have a deterministic implementation", "deterministic", "CUBLAS_WORKSPACE_CONFIG")
@@ -866,48 +999,50 @@ def _registry_op(entry: Entry, phase: str) -> tuple[str, Callable] | None:
 
 
 def _nnrand(entry: Entry, phase: str, p: dict, repeats: int, device: torch.device, default_s: float,
-            cudnn_benchmark: bool = False) -> dict:
-    """The fastest deterministic registry variant for the phase: each tried once (an argument error or a
-    missing CUDA runtime counts as not applicable), timed, the fastest hashed over ``repeats`` calls."""
+            cudnn_benchmark: bool = False) -> tuple[dict, bool]:
+    """(row fields, whether its CUDA times include host time) of the fastest deterministic registry variant
+    for the phase: each tried once (an argument error or a missing CUDA runtime counts as not applicable),
+    timed, the fastest hashed over ``repeats`` calls. Each variant gets the keyword arguments the benchmarks
+    give it (``bench_kwargs_of``: the mode the routing runs it in), under the adapter's."""
     import kernels
 
     hit = _registry_op(entry, phase)
     if hit is None:
-        return {}
+        return {}, False
     reg, adapter = hit
     row = {"nnrand_op": reg}
     with torch_flags("default"):
         _, y, g = phase_call(entry, phase, p) if phase != "forward" else (None, None, None)
         with torch.no_grad():
             args, kwargs = adapter(p, y, g)
-    kwargs = {**dict(kernels.spec(reg).bench_kwargs), **kwargs}  # as the routing runs them
+    spec = kernels.spec(reg)
     det = [v for v in kernels.variants(reg) if v.deterministic]
     timed, notes = [], []
     # every variant under default mode's flags (TF32 off, the run's cudnn.benchmark), as the ratio's
     # denominator ran; a variant that fails is noted by name and the others still run
     with torch_flags("default", cudnn_benchmark=cudnn_benchmark):
         for v in det:
-            fn = (lambda v=v: v(*args, **kwargs))
+            fn = functools.partial(v, *args, **{**spec.bench_kwargs_of(v.name), **kwargs})
             try:
                 fn()
                 _sync(device)
                 if device.type == "cuda":
-                    t = statistics.median(_cuda_times(fn, NNRAND_SELECT_CALLS, device))
+                    t = statistics.median(_cuda_times(fn, NNRAND_SELECT_CALLS, device)[0])
                 else:
                     t = statistics.median(_host_times(fn, NNRAND_SELECT_CALLS))
             except Exception as e:   # an argument it does not take, no CUDA runtime, out of memory, ...
                 notes.append(f"{v.name}: {type(e).__name__}: {_first_line(e, 120)}")
                 continue
-            timed.append((t, v))
+            timed.append((t, v, fn))
         if not timed:
             row["nnrand_note"] = "; ".join(notes) or "no deterministic variant"
-            return row
-        _, best = min(timed, key=lambda tv: tv[0])
-        m = measure(lambda: best(*args, **kwargs), repeats, device)
+            return row, False
+        _, best, fn = min(timed, key=lambda t: t[0])
+        m = measure(fn, repeats, device)
     row.update(nnrand_variant=best.name, nnrand_distinct=m.distinct, nnrand_hash=m.first,
                nnrand_ms=_ms(m.median_s), nnrand_ratio=_ratio(m.median_s, default_s),
                nnrand_note="; ".join(notes))
-    return row
+    return row, m.host_included
 
 
 def _host_times(fn: Callable[[], object], n: int) -> list[float]:
@@ -937,37 +1072,116 @@ def _doc_flag(entry: Entry, phase: str, device: torch.device) -> str:
     return next((f.kind for f in flags if f.applies(device.type, phase)), "")
 
 
-def _route(entry: Entry, phase: str) -> str:
-    """How ``nnrand.use_kernels`` treats the phase: ``routed`` (a registry variant runs it), ``guarded``
-    (refused or warned about as uncovered), or empty; read from the routing's own tables."""
+# --------------------------------------------------------------------------------------------------
+# Route: what nnrand.use_kernels("tree") does with a phase
+
+
+ROUTE_FAMILY = "tree"
+
+
+@functools.lru_cache(maxsize=None)
+def _quick_entries() -> dict[str, Entry]:
+    return {e.name: e for e in audit_entries("quick")}
+
+
+def _routed(entry: Entry, phase: str) -> str:
+    """``<registry op>/<variant>`` where the tree routing runs one for the phase, else empty: the aten op the
+    phase dispatches (``aten`` for the forward, else ``aten_backward``; an in-place twin such as index_add_,
+    which index_select's backward calls, runs its functional op's route) is overridden for a routed op
+    (ROUTED_OPS, registry ops as REGISTRY_OPS names them, or itself) whose registry op is NNRAND_OPS's for
+    the phase, and ``routing.resolve`` gives that routed op a variant. The conv families' NNRAND_OPS rows
+    carry the handler's split (grouped convs to the grouped ops, transposed convs to none)."""
     from nnrand import routing
 
-    if phase == "forward":   # (fastest-deterministic's tuned forward convs are deterministic either way)
-        return "guarded" if entry.aten in {u.op for u in routing.UNCOVERED_OPS} else ""
     hit = NNRAND_OPS.get((entry.family, phase))
-    routed_regs = {r for regs in routing.REGISTRY_OPS.values() for r in regs}
-    if hit and hit[0] in routed_regs and entry.aten_backward in {r.op for r in routing.ATEN_OPS}:
-        return "routed"
-    return "guarded" if entry.aten in {u.op for u in routing.UNCOVERED_OPS} else ""
+    aten = entry.aten if phase == "forward" else entry.aten_backward
+    if hit is None or aten is None:
+        return ""
+    tree = routing.resolve(ROUTE_FAMILY)
+    for r in routing.ATEN_OPS:
+        if r.op.rstrip("_") != aten.rstrip("_"):
+            continue
+        for op in r.routed:
+            if hit[0] in routing.REGISTRY_OPS.get(op, (op,)) and tree.used[op] != routing.NATIVE:
+                return f"{hit[0]}/{tree.used[op]}"
+    return ""
+
+
+def _guard_runs(pairs: Sequence[tuple[Entry, str]]) -> dict[tuple[str, str], bool]:
+    """Per (entry, phase): whether use_kernels("tree")'s guard refuses a call that phase makes, from the
+    guard itself: the forward (a backward phase's graph build, where the guard looks) run on the CPU under
+    ``use_kernels(ROUTE_FAMILY, strict=False)``, its ``uncovered`` count read. The guard's ``applies``
+    predicates read the call's arguments (a 1x1 adaptive pool, the loss reduction, which input needs a
+    gradient), ``routed_by`` the routing, and it judges every device by the CUDA backward alike."""
+    from nnrand import routing
+
+    ops = {u.backward for u in routing.UNCOVERED_OPS}
+    out: dict[tuple[str, str], bool] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # deterministic mode's warn-only alerts: PyTorch's, not the guard's
+        with routing.use_kernels(ROUTE_FAMILY, strict=False) as ctx:
+            for entry, phase in pairs:
+                before = sum(ctx.coverage[op].get(routing.UNCOVERED, 0) for op in ops)
+                fn, _, _ = phase_call(entry, phase, entry.make(torch.Generator().manual_seed(entry.seed)))
+                if phase == "forward":
+                    fn()
+                del fn
+                out[entry.name, phase] = sum(ctx.coverage[op].get(routing.UNCOVERED, 0) for op in ops) > before
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _quick_guards() -> dict[tuple[str, str], bool]:
+    from nnrand import routing
+
+    guarded = {u.op for u in routing.UNCOVERED_OPS}
+    return _guard_runs([(e, ph) for e in _quick_entries().values() if e.aten in guarded for ph in e.phases()])
+
+
+def _guarded(entry: Entry, phase: str) -> bool:
+    """Whether the guard refuses the phase (see _guard_runs). Only entries whose forward aten op is one the
+    guard watches are run; an audit entry runs as its quick-scale twin (its forward's arguments are those of
+    every scale but the sizes), once per process for all of them."""
+    from nnrand import routing
+
+    if entry.aten not in {u.op for u in routing.UNCOVERED_OPS}:
+        return False
+    if entry.name in _quick_entries():
+        return _quick_guards().get((entry.name, phase), False)
+    return _guard_runs([(entry, phase)])[entry.name, phase]
+
+
+def route(entry: Entry, phase: str) -> str:
+    """What ``nnrand.use_kernels("tree")`` does with the phase: ``routed <registry op>/<variant>``, ``guarded``
+    (refused as uncovered at the forward call that creates it; strict=False counts it uncovered), or empty
+    (torch's kernel runs, under PyTorch's deterministic mode). It names the phase's own aten call: torch's CPU
+    embedding_bag kernels call index_add_ through the dispatcher, so on the CPU part of their work is routed
+    too, which the CUDA kernels' is not."""
+    routed = _routed(entry, phase)
+    if routed:
+        return f"routed {routed}"
+    return "guarded" if _guarded(entry, phase) else ""
 
 
 def audit_phase(entry: Entry, phase: str, *, repeats: int, device: torch.device,
                 cudnn_benchmark: bool = False, fail_fast: bool = False) -> dict:
     """One CSV row: default mode, deterministic mode and nnrand's best deterministic variant. An error
     in default mode ends the row with ``error`` naming the entry, phase and aten op (``fail_fast``:
-    raised as :class:`AuditError`); the global flags are restored in every case."""
+    raised as :class:`AuditError`); the global flags are restored in every case. A backward phase's graph
+    is built once, under default mode's flags, and both modes repeat its backward: deterministic mode's
+    verdict on a backward phase is its backward's (a forward PyTorch refuses is the forward row's)."""
     if repeats < 2:
         raise ValueError(f"repeats must be at least 2 to compare results, got {repeats}")
     row: dict = {"entry": entry.name, "phase": phase, "family": entry.family,
                  "aten_op": entry.aten if phase == "forward" else (entry.aten_backward or entry.aten),
                  "shape": entry.shape, "pytorch_flag": _doc_flag(entry, phase, device),
-                 "nnrand_route": _route(entry, phase), "repeats": repeats}
+                 "nnrand_route": route(entry, phase), "repeats": repeats}
+    host = []   # modes whose CUDA event times include host time
     try:
         p = _to_device(entry.make(torch.Generator().manual_seed(entry.seed)), device)
         with torch_flags("default", cudnn_benchmark=cudnn_benchmark):
             fn, _, _ = phase_call(entry, phase, p)
             base = measure(fn, repeats, device)
-            del fn
     except Exception as e:  # noqa: BLE001 - recorded in the row with the op named, or raised so
         msg = f"{_where(entry, phase)}: default mode: {type(e).__name__}: {_first_line(e)}"
         if fail_fast:
@@ -975,17 +1189,17 @@ def audit_phase(entry: Entry, phase: str, *, repeats: int, device: torch.device,
         row["error"] = msg
         return row
     row.update(default_distinct=base.distinct, default_hash=base.first, default_ms=_ms(base.median_s))
+    host += ["default"] if base.host_included else []
 
     try:
         with torch_flags("deterministic"), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            fn, _, _ = phase_call(entry, phase, p)
             det = measure(fn, repeats, device)
-            del fn
         warned = _det_warnings(caught)
         row.update(det_status="warns" if warned else "runs", det_message=warned[0] if warned else "",
                    det_distinct=det.distinct, det_hash=det.first, det_ms=_ms(det.median_s),
                    det_ratio=_ratio(det.median_s, base.median_s))
+        host += ["det"] if det.host_included else []
     except Exception as e:  # noqa: BLE001
         if _is_refusal(e):
             row.update(det_status="raises", det_message=_first_line(e))
@@ -994,14 +1208,21 @@ def audit_phase(entry: Entry, phase: str, *, repeats: int, device: torch.device,
             if fail_fast:
                 raise AuditError(msg) from e
             row.update(det_status="error", det_message=msg)
+    del fn
 
     try:
-        row.update(_nnrand(entry, phase, p, repeats, device, base.median_s, cudnn_benchmark))
+        fields, nn_host = _nnrand(entry, phase, p, repeats, device, base.median_s, cudnn_benchmark)
+        row.update(fields)
+        host += ["nnrand"] if nn_host else []
     except Exception as e:  # noqa: BLE001
-        msg = f"{_where(entry, phase)}: nnrand {row.get('nnrand_op', '')}: {type(e).__name__}: {_first_line(e)}"
+        reg = (NNRAND_OPS.get((entry.family, phase)) or ("",))[0]
+        msg = f"{_where(entry, phase)}: nnrand {reg}: {type(e).__name__}: {_first_line(e)}"
         if fail_fast:
             raise AuditError(msg) from e
-        row["nnrand_note"] = msg
+        row["nnrand_error"] = msg
+    if host:
+        row["timing_note"] = f"{', '.join(host)} CUDA times may include host time (the GPU reached a call before " \
+                             "the host was done queueing it)"
     return row
 
 
@@ -1009,18 +1230,25 @@ def audit_phase(entry: Entry, phase: str, *, repeats: int, device: torch.device,
 # The CSV
 
 
-KEY = ("entry", "phase", "scale", "device", "git_sha")
-SETTINGS = ("repeats", "cudnn_benchmark")   # a row measured under other settings is measured again
+KEY = ("entry", "phase", "scale", "device", "git_sha")   # one row per key: a new measurement replaces the old
+SETTINGS = ("repeats", "cudnn_benchmark")
+# What a row's results depend on beyond its key and settings: a row measured under other values is measured
+# again (NVRTC compiles nnrand's CUDA kernels; CPU kernels change with the thread count and instruction set)
+CUDA_ENV = ("torch", "cuda", "cudnn", "driver", "nvrtc")
+CPU_ENV = ("torch", "cpu_threads", "cpu_capability")
 COLUMNS = ("entry", "phase", "family", "aten_op", "shape", "scale", "device", "git_sha", "pytorch_flag",
            "nnrand_route", "repeats", "cudnn_benchmark", "default_distinct", "default_ms", "default_hash",
            "det_status", "det_message", "det_distinct", "det_ms", "det_ratio", "det_hash", "nnrand_op",
            "nnrand_variant", "nnrand_distinct", "nnrand_ms", "nnrand_ratio", "nnrand_hash", "nnrand_note",
-           "error") + tuple(f for f in envfp.FIELDS if f != "git_sha")
+           "nnrand_error", "error", "timing_note", "cpu_threads", "cublas_workspace_config", "doc_flags_torch") \
+    + tuple(f for f in envfp.FIELDS if f != "git_sha")
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        raise ValueError(f"the audit runs on cpu or cuda devices, not {device}")
     return f"cpu ({envfp.fingerprint('cpu')['cpu']})"
 
 
@@ -1048,55 +1276,170 @@ def _key(row: Mapping) -> tuple:
     return tuple(str(row.get(k, "")) for k in KEY)
 
 
+def _cpu_row(row: Mapping) -> bool:
+    return str(row.get("gpu", "none")) == "none"
+
+
+def _measured_under(row: Mapping) -> tuple:
+    """The settings and environment of a row that its results depend on (CUDA_ENV or CPU_ENV by its device)."""
+    return tuple(str(row.get(k, "")) for k in SETTINGS + (CPU_ENV if _cpu_row(row) else CUDA_ENV))
+
+
+def has_error(row: Mapping) -> bool:
+    """An error in default mode, deterministic mode (other than PyTorch's refusal) or nnrand's part."""
+    return bool(row.get("error") or row.get("nnrand_error")) or row.get("det_status") == "error"
+
+
 def _env_fields(device: torch.device) -> dict:
     env = envfp.row_fingerprint()
     if device.type != "cuda":  # a CPU audit on a GPU machine names no GPU
-        env.update(gpu="none", driver="none", cudnn="none")
+        env.update(gpu="none", driver="none", cudnn="none", cpu_threads=str(torch.get_num_threads()))
     elif device.index is not None and device.index != torch.cuda.current_device():
         env["gpu"] = torch.cuda.get_device_name(device)
     return env
 
 
+CUBLAS_WORKSPACE = ":4096:8"   # cuBLAS's fixed-workspace mode (PyTorch's reproducibility notes)
+
+
+@contextlib.contextmanager
+def cublas_workspace() -> Iterator[str]:
+    """``CUBLAS_WORKSPACE_CONFIG=:4096:8`` while open where unset (put back on exit); yields the value the run
+    records. cuBLAS and torch read it once, at the first cuBLAS call of the process: set after CUDA has
+    initialised, it may come too late, and the recorded value says so (``cli`` opens this first)."""
+    before = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    value = before
+    if before is None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = value = CUBLAS_WORKSPACE
+        if torch.cuda.is_initialized():
+            value += " (set after CUDA initialised: cuBLAS may not have read it)"
+    try:
+        yield value
+    finally:
+        if before is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+LOCK_TIMEOUT_S = 600.0
+
+
+def lock_path(csv_path: Path | str) -> Path:
+    csv_path = Path(csv_path)
+    return csv_path.parent / f".{csv_path.name}.lock"
+
+
+@contextlib.contextmanager
+def csv_lock(csv_path: Path | str, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """An exclusive lock on ``csv_path`` between audits: ``.<name>.lock`` beside it, held with ``flock``
+    where the platform has it (the kernel releases it if its holder dies), else created with O_EXCL. The
+    holder removes the file on release; a waiter that locked a removed file tries again. Waiting is said on
+    stderr; past ``timeout_s`` an :class:`AuditError` names the lock file."""
+    try:
+        import fcntl
+    except ImportError:   # no flock (Windows): the file's existence is the lock
+        fcntl = None
+    path = lock_path(csv_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    said = False
+    while True:
+        if fcntl is not None:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                st, now = os.fstat(fd), os.stat(path)
+                if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                    break
+            except (BlockingIOError, FileNotFoundError):
+                pass
+            os.close(fd)
+        else:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+                break
+            except FileExistsError:
+                pass
+        if time.monotonic() >= deadline:
+            raise AuditError(f"{csv_path}: another audit has held {path} for {timeout_s:.0f} s"
+                             + ("" if fcntl is not None else "; if none is running, delete that file"))
+        if not said:
+            print(f"waiting for {path}: another audit is writing {csv_path}", file=sys.stderr)
+            said = True
+        time.sleep(0.05)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
+
+
+def write_row(csv_path: Path | str, row: Mapping, md_path: Path | str | None = None) -> list[dict]:
+    """Merge ``row`` into the CSV under the lock: re-read what is there now (another audit's rows included),
+    replace the row of its key or append it, write the file atomically and render the markdown from it.
+    Returns the rows written."""
+    csv_path = Path(csv_path)
+    with csv_lock(csv_path):
+        rows = read_rows(csv_path)
+        at = next((i for i, r in enumerate(rows) if _key(r) == _key(row)), None)
+        if at is None:
+            rows.append(dict(row))
+        else:
+            rows[at] = dict(row)
+        runio.write_csv(csv_path, COLUMNS, ({c: r.get(c, "") for c in COLUMNS} for r in rows))
+        render(csv_path, md_path)   # the report follows the CSV row by row: an interrupted run leaves both
+    return rows
+
+
 def run_audit(entries: Sequence[Entry], *, device: torch.device | str = "cpu", repeats: int = DEFAULT_REPEATS,
               scale: str = "quick", csv_path: Path | str, md_path: Path | str | None = None, rerun: bool = False,
               fail_fast: bool = False, cudnn_benchmark: bool = False, progress: bool = True) -> list[dict]:
-    """Audit every phase of ``entries`` not yet in ``csv_path`` for this (scale, device, git SHA), writing
-    the CSV (and the markdown, rendered from it) atomically after every row. Returns this run's rows."""
+    """Audit every phase of ``entries`` not yet in ``csv_path`` for this (scale, device, git SHA) under this
+    run's settings and environment (an errored row counts as not yet there), merging each row into the CSV
+    (and rendering the markdown from it) under the CSV's lock after it is measured. Returns this run's rows."""
     from tqdm import tqdm
 
     device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the audit runs on cpu or cuda devices, not {device}")
     if repeats < 2:
         raise ValueError(f"--repeats must be at least 2 to compare results, got {repeats}")
     csv_path = Path(csv_path)
     md_path = Path(md_path) if md_path is not None else default_md(csv_path)
-    rows = read_rows(csv_path)
-    dev, sha = device_name(device), envfp.git_sha()
-    done = {_key(r) + tuple(str(r.get(k, "")) for k in SETTINGS) for r in rows if not r.get("error")}
-    todo = [(e, ph) for e in entries for ph in e.phases()]
-    if not rerun:   # a row measured with other repeats or cudnn.benchmark is measured again, not reused
-        todo = [(e, ph) for e, ph in todo
-                if tuple(map(str, (e.name, ph, scale, dev, sha, repeats, cudnn_benchmark))) not in done]
-    new: list[dict] = []
-    bar = tqdm(todo, desc="audit", unit="phase", disable=not progress, dynamic_ncols=True)
-    for entry, phase in bar:
-        bar.set_postfix_str(f"{entry.name} {phase}", refresh=False)
-        row = audit_phase(entry, phase, repeats=repeats, device=device, cudnn_benchmark=cudnn_benchmark,
-                          fail_fast=fail_fast)
+    with cublas_workspace() as cublas:
+        stamp = {"scale": scale, "device": device_name(device), "git_sha": envfp.git_sha(), "repeats": repeats,
+                 "cudnn_benchmark": cudnn_benchmark, "cublas_workspace_config": cublas,
+                 "doc_flags_torch": DOC_FLAGS_TORCH}
         env = _env_fields(device)
         env.pop("git_sha", None)
-        row.update(scale=scale, device=dev, git_sha=sha, cudnn_benchmark=cudnn_benchmark, **env)
-        key = _key(row)
-        at = next((i for i, r in enumerate(rows) if _key(r) == key), None)
-        if at is None:
-            rows.append(row)
-        else:
-            rows[at] = row
-        new.append(row)
-        runio.write_csv(csv_path, COLUMNS, ({c: r.get(c, "") for c in COLUMNS} for r in rows))
-        render(csv_path, md_path)   # the report follows the CSV row by row: an interrupted run leaves both
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if rows and not new:
+        env.pop("date", None)
+        stamp.update(env)
+        under = _measured_under({k: str(v) for k, v in stamp.items()})
+
+        def done(rows: list[dict]) -> set[tuple]:
+            return {_key(r) for r in rows if not has_error(r) and _measured_under(r) == under}
+
+        def key(e: Entry, ph: str) -> tuple:
+            return _key({"entry": e.name, "phase": ph, **stamp})
+
+        todo = [(e, ph) for e in entries for ph in e.phases()]
+        if not rerun:   # a row measured under other settings or versions is measured again, not reused
+            have = done(read_rows(csv_path))
+            todo = [(e, ph) for e, ph in todo if key(e, ph) not in have]
+        new: list[dict] = []
+        bar = tqdm(todo, desc="audit", unit="phase", disable=not progress, dynamic_ncols=True)
+        for entry, phase in bar:
+            if not rerun and key(entry, phase) in done(read_rows(csv_path)):
+                continue   # another audit of this CSV measured it meanwhile
+            bar.set_postfix_str(f"{entry.name} {phase}", refresh=False)
+            row = audit_phase(entry, phase, repeats=repeats, device=device, cudnn_benchmark=cudnn_benchmark,
+                              fail_fast=fail_fast)
+            row.update(stamp, date=envfp.row_fingerprint()["date"])
+            new.append(row)
+            write_row(csv_path, row, md_path)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if not new and csv_path.exists():
         render(csv_path, md_path)
     return new
 
@@ -1137,7 +1480,8 @@ def summary(rows: list[dict]) -> str:
     ok = [r for r in rows if not r.get("error") and _int(r.get("default_distinct")) is not None]
     if not ok:
         return "No phase ran without an error."
-    n = _int(ok[0].get("repeats"))
+    reps = sorted({_int(r.get("repeats")) or 0 for r in ok})
+    n = str(reps[0]) if len(reps) == 1 else f"{reps[0]} to {reps[-1]}"
     flagged = [r for r in ok if r.get("pytorch_flag")]
     nondet = [r for r in ok if _int(r["default_distinct"]) > 1]
     flagged_rep = [r for r in flagged if _int(r["default_distinct"]) == 1]
@@ -1194,6 +1538,42 @@ def _nn_cell(r: dict) -> str:
     return ""
 
 
+def _values(rows: list[dict], column: str, show: Callable[[str], str] = str, missing: str = "not recorded") -> str:
+    """The column's value, or where rows differ every value with its number of rows (most rows first);
+    ``missing`` for rows written before the column existed."""
+    counts = Counter(str(r.get(column) or "") for r in rows)
+
+    def one(v: str) -> str:
+        return show(v) if v else missing
+    if len(counts) == 1:
+        return one(next(iter(counts)))
+    return ", ".join(f"{one(v)} ({n} row{'s' if n != 1 else ''})" for v, n in counts.most_common())
+
+
+def _benchmark(v: str) -> str:
+    return {"True": "on", "False": "off"}.get(v, v)
+
+
+def _settings_cell(r: dict) -> str:
+    return f"{r.get('repeats', '')} repeats, cudnn.benchmark {_benchmark(str(r.get('cudnn_benchmark', '')))}"
+
+
+def _route_of(r: dict) -> str:
+    """The row's route in the rendering code (:func:`route` on its entry's quick-scale twin), or the CSV's
+    for an entry this code does not have."""
+    twin = _quick_entries().get(r.get("entry", ""))
+    return route(twin, r["phase"]) if twin is not None and r.get("phase") in twin.phases() \
+        else r.get("nnrand_route", "")
+
+
+def _route_cell(r: dict, rt: str) -> str:
+    if rt.startswith("routed "):
+        return f"routed `{rt.split(' ', 1)[1]}`"
+    if not rt and r.get("det_status") == "raises":   # use_kernels turns deterministic mode on: PyTorch refuses
+        return "refused by PyTorch"
+    return rt
+
+
 def render_markdown(rows: list[dict]) -> str:
     rows = _latest_group(rows)
     if not rows:
@@ -1201,25 +1581,40 @@ def render_markdown(rows: list[dict]) -> str:
     r0 = rows[0]
     dates = sorted(r.get("date", "") for r in rows)
     cpu = r0.get("gpu", "none") == "none"
+    mixed = any(len({str(r.get(c, "")) for r in rows}) > 1 for c in SETTINGS)
+    reps = _values(rows, "repeats")
+    # rows that record CUBLAS_WORKSPACE_CONFIG were measured with the backward alone in deterministic mode
+    graph = ("a backward phase's on the graph built in default mode (its forward's refusal is the forward row's)."
+             if all(r.get("cublas_workspace_config") for r in rows) else
+             "when these rows were measured, deterministic mode built a backward phase's forward graph too, so a "
+             "forward's refusal also shows on its backward rows.")
+    env = (f"torch threads {_values(rows, 'cpu_threads')}, CPU capability {_values(rows, 'cpu_capability')}" if cpu
+           else f"`CUBLAS_WORKSPACE_CONFIG` at the start of the run {_values(rows, 'cublas_workspace_config')}")
     lines = [
         "# Determinism audit" + (" (CPU)" if cpu else ""),
         "",
-        f"Device: **{r0['device']}**" + ("" if cpu else f" (driver {r0.get('driver', '')}, CUDA {r0.get('cuda', '')}, "
-                                          f"cuDNN {r0.get('cudnn', '')})") + f"; torch {r0.get('torch', '')}; "
-        f"git `{r0.get('git_sha', '')}`; scale `{r0.get('scale', '')}`; {r0.get('repeats', '')} repeats per mode; "
-        f"measured {dates[0]} to {dates[-1]}. Generated by `python -m nnrand.audit` from "
+        f"Device: **{r0['device']}**" + ("" if cpu else f" (driver {_values(rows, 'driver')}, CUDA "
+                                          f"{_values(rows, 'cuda')}, cuDNN {_values(rows, 'cudnn')})")
+        + f"; torch {_values(rows, 'torch')}; {env}; git `{r0.get('git_sha', '')}`; scale `{r0.get('scale', '')}`; "
+        + (f"{reps} repeats per mode" if not mixed else "repeats per mode and `cudnn.benchmark` differ between rows "
+           f"(*settings* column): repeats {reps}; `cudnn.benchmark` {_values(rows, 'cudnn_benchmark', _benchmark)}")
+        + f"; measured {dates[0]} to {dates[-1]}. Generated by `python -m nnrand.audit` from "
         "its CSV (`python -m nnrand.audit render` re-renders it).",
         "",
         "Each row repeats one phase of one op on identical inputs. *distinct*: distinct output hashes over the "
         "repeats (1: bitwise repeatable). *PyTorch flag*: what `torch.use_deterministic_algorithms`'s "
-        "documentation says of this op on this device (`raises` in deterministic mode, `det-alt`: switches to a "
-        "deterministic algorithm). *det mode*: `torch.use_deterministic_algorithms(True)`, "
-        "`cudnn.deterministic=True`, `CUBLAS_WORKSPACE_CONFIG=:4096:8`: whether it raised, or its distinct "
-        "results and time relative to default. *nnrand*: the fastest deterministic registry variant for the "
-        "phase, its distinct results and time relative to PyTorch's default. *route*: how "
-        "`nnrand.use_kernels` treats it (`routed` to a variant, `guarded`: refused as uncovered). TF32 off "
-        f"throughout; `cudnn.benchmark` {'on' if str(r0.get('cudnn_benchmark')) == 'True' else 'off'} in "
-        "default mode.",
+        f"documentation ({_values(rows, 'doc_flags_torch', lambda v: 'as of torch ' + v, 'version not recorded')}) "
+        "says of this op on this device (`raises` in "
+        "deterministic mode, `det-alt`: switches to a deterministic algorithm). *det mode*: "
+        "`torch.use_deterministic_algorithms(True)`, `cudnn.deterministic=True` (`CUBLAS_WORKSPACE_CONFIG=:4096:8` "
+        "where the run left it unset): whether it raised, or its distinct results and time relative to default; "
+        f"{graph} *nnrand*: the fastest deterministic registry variant for the "
+        "phase, its distinct results and time relative to PyTorch's default. *route*: what "
+        "`nnrand.use_kernels(\"tree\")` does with the phase in the code that rendered this report (`routed` to the "
+        "variant named, `guarded`: refused as uncovered at the forward call that records the backward, so never a "
+        "forward phase, which runs without autograd, unless the forward itself is the nondeterministic op; "
+        "`refused by PyTorch`: its deterministic mode, which the context turns on, raised above). TF32 off throughout"
+        + ("." if mixed else f"; `cudnn.benchmark` {_benchmark(str(r0.get('cudnn_benchmark')))} in default mode."),
         "",
         "## Summary",
         "",
@@ -1227,25 +1622,32 @@ def render_markdown(rows: list[dict]) -> str:
         "",
         "## Results",
         "",
-        "| op | phase | shape | PyTorch flag | route | default: distinct | default ms | det mode | nnrand |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| op | phase | shape | PyTorch flag | route | default: distinct | default ms | det mode | nnrand |"
+        + (" settings |" if mixed else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if mixed else ""),
     ]
     for r in rows:
+        rt = _route_cell(r, _route_of(r))
+        tail = f" {_settings_cell(r)} |" if mixed else ""
         if r.get("error"):
             lines.append(f"| `{r['entry']}` | {r['phase']} | {_cell(r['shape'])} | {r.get('pytorch_flag', '')} | "
-                         f"{r.get('nnrand_route', '')} | error | | | |")
+                         f"{rt} | error | | | |{tail}")
             continue
         d = _int(r.get("default_distinct"))
         dd = f"**{d}**" if d and d > 1 else str(d)
         lines.append(f"| `{r['entry']}` | {r['phase']} | {_cell(r['shape'])} | {r.get('pytorch_flag', '')} | "
-                     f"{r.get('nnrand_route', '')} | {dd} | {r.get('default_ms', '')} | {_cell(_det_cell(r))} | "
-                     f"{_cell(_nn_cell(r))} |")
-    notes = [r for r in rows if r.get("det_message") or r.get("error")]
+                     f"{rt} | {dd} | {r.get('default_ms', '')} | {_cell(_det_cell(r))} | "
+                     f"{_cell(_nn_cell(r))} |{tail}")
+    notes = [r for r in rows if r.get("det_message") or r.get("error") or r.get("nnrand_error")
+             or r.get("timing_note")]
     if notes:
-        lines += ["", "## Messages", "", "First line of what PyTorch said in deterministic mode, and errors.", ""]
+        timing = any(r.get("timing_note") for r in notes)
+        lines += ["", "## Messages", "", "First line of what PyTorch said in deterministic mode, "
+                  + ("errors and timing notes." if timing else "and errors."), ""]
         for r in notes:
-            text = r.get("error") or f"{r.get('det_status')}: {r.get('det_message')}"
-            lines.append(f"- {_label(r)}: {text}")
+            det = f"{r.get('det_status')}: {r.get('det_message')}" if r.get("det_message") else ""
+            said = [r.get("error") or det, r.get("nnrand_error", ""), r.get("timing_note", "")]
+            lines.append(f"- {_label(r)}: {'; '.join(t for t in said if t)}")
     return "\n".join(lines) + "\n"
 
 
@@ -1285,7 +1687,8 @@ EPILOG = """examples:
   python -m nnrand.audit render                           # re-render the markdown from the CSV
   python -m nnrand.audit render --out reports/results/audit.csv --md /tmp/audit.md
 
-An interrupted run resumes: rows already in the CSV for this device, scale and git SHA are kept.
+An interrupted run resumes: rows already in the CSV for this device, scale and git SHA, measured with the
+same settings and versions, are kept; rows with an error are measured again.
 """
 
 
@@ -1315,6 +1718,26 @@ def _render_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _device(ap: argparse.ArgumentParser, spec: str | None) -> torch.device:
+    """``--device`` checked: cpu, or a CUDA device this machine has (default: cuda where available)."""
+    if spec is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError as e:
+        ap.error(f"--device {spec!r}: {_first_line(e)}")
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        ap.error(f"--device {spec!r}: the audit runs on cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        ap.error(f"--device {spec!r}: CUDA is not available here (torch {torch.__version__}); use --device cpu")
+    n = torch.cuda.device_count()
+    if device.index is not None and device.index >= n:
+        ap.error(f"--device {spec!r}: this machine has {n} CUDA device{'s' if n != 1 else ''} (cuda:0 to cuda:{n - 1})")
+    return device
+
+
 def cli(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["render"]:
@@ -1334,19 +1757,21 @@ def cli(argv: list[str] | None = None) -> int:
         ap.error(f"--repeats must be at least 2 to compare results, got {a.repeats}")
     if a.ops is not None and not [p for p in a.ops.split(",") if p.strip()]:
         ap.error(f"--ops {a.ops!r} names no op")
-    try:
-        device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        entries = select(audit_entries(a.scale or ("full" if device.type == "cuda" else "quick")), a.ops)
-    except (AuditError, RuntimeError) as e:   # an unknown --ops pattern, a device torch does not know
-        ap.error(str(e))
-    scale = a.scale or ("full" if device.type == "cuda" else "quick")
-    if a.list:
-        for e in entries:
-            print(f"{e.name:45s} {e.shape:55s} {', '.join(e.phases())}")
-        return 0
-    csv_path = Path(a.out) if a.out else default_csv(device, scale)
-    run_audit(entries, device=device, repeats=a.repeats, scale=scale, csv_path=csv_path, md_path=a.md,
-              rerun=a.rerun, fail_fast=a.fail_fast, cudnn_benchmark=a.cudnn_benchmark, progress=not a.no_progress)
+    with cublas_workspace():   # before anything touches CUDA: cuBLAS reads it once, at its first call
+        device = _device(ap, a.device)
+        scale = a.scale or ("full" if device.type == "cuda" else "quick")
+        try:
+            entries = select(audit_entries(scale), a.ops)
+        except AuditError as e:   # an unknown --ops pattern
+            ap.error(str(e))
+        if a.list:
+            for e in entries:
+                print(f"{e.name:45s} {e.shape:55s} {', '.join(e.phases())}")
+            return 0
+        csv_path = Path(a.out) if a.out else default_csv(device, scale)
+        run_audit(entries, device=device, repeats=a.repeats, scale=scale, csv_path=csv_path, md_path=a.md,
+                  rerun=a.rerun, fail_fast=a.fail_fast, cudnn_benchmark=a.cudnn_benchmark,
+                  progress=not a.no_progress)
     md = Path(a.md) if a.md else default_md(csv_path)
     print(f"results: {csv_path}\nreport:  {md}")
     return 0

@@ -1,4 +1,5 @@
-"""The environment a result was made in: GPU, driver, CUDA, cuDNN, torch, CuPy, numba, git SHA, date.
+"""The environment a result was made in: GPU, driver, CUDA, cuDNN, NVRTC, torch, CuPy (and its CUDA runtime),
+numba, the CPU and its kernels' instruction set, git SHA, date.
 
 Two views of the same queries:
 
@@ -11,12 +12,18 @@ Two views of the same queries:
 Queries that can fail (no GPU, no git, no CuPy) never raise: a fingerprint must never stop a run.
 ``NNRAND_GIT_SHA``, when set, names the commit (a copied tree's own .git, if any, may be another commit's).
 
+The tree counts as dirty when tracked files differ from the commit or kernels/ holds untracked files
+(``kernels/__init__.py`` imports every ``kernels/<op>.py`` there, committed or not); ``reports/`` does not
+count (the results and reports a run writes would make its own resume another tree). A dirty SHA names its
+edits: ``<sha>-dirty-<8 hex>``, a hash of ``git diff HEAD`` and of the untracked kernel files.
+
     python -m nnrand.fingerprint        # prints the result-row fingerprint
 """
 from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import importlib
 import os
 import platform
@@ -29,8 +36,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 # The fingerprint columns of every benchmark result row (bench.results.COLUMNS); renaming one orphans the
 # committed result tables.
-FIELDS = ("gpu", "driver", "cuda", "cudnn", "torch", "cupy", "numba", "numpy", "python", "cpu", "host",
-          "git_sha", "date")
+# Tables written before a field existed lack its column (readers fill it in).
+FIELDS = ("gpu", "driver", "cuda", "cudnn", "nvrtc", "torch", "cupy", "cupy_cuda", "numba", "numpy", "python", "cpu",
+          "cpu_capability", "host", "git_sha", "date")
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -62,39 +70,98 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# Paths whose changes do not make the tree dirty: what runs write (results, reports), not code
+NOT_CODE = ("reports",)
+
+
+def _run_bytes(cmd: list[str]) -> bytes | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, timeout=60, cwd=REPO)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _edits() -> tuple[bool, str] | None:
+    """(dirty, 8 hex digits naming the edits) of the checkout, or None where git cannot say: tracked files
+    that differ from HEAD and untracked files under kernels/, outside NOT_CODE."""
+    spec = ["--", ".", *(f":(exclude){p}" for p in NOT_CODE)]
+    diff = _run_bytes(["git", "diff", "HEAD", "--binary", *spec])
+    untracked = _run_bytes(["git", "ls-files", "--others", "--exclude-standard", "-z", "--", "kernels"])
+    if diff is None or untracked is None:
+        return None
+    h = hashlib.blake2b(diff, digest_size=4)
+    names = sorted(n for n in untracked.decode(errors="replace").split("\0") if n)
+    for name in names:
+        h.update(b"\0" + name.encode() + b"\0")
+        try:
+            h.update((REPO / name).read_bytes())
+        except OSError:   # removed meanwhile: its name still counts
+            pass
+    return bool(diff or names), h.hexdigest()
+
+
 @functools.lru_cache(maxsize=None)
 def _git() -> dict:
     if os.environ.get("NNRAND_GIT_SHA"):
-        return {"git_sha": os.environ["NNRAND_GIT_SHA"], "git_dirty": None}
+        return {"git_sha": os.environ["NNRAND_GIT_SHA"], "git_dirty": None, "git_edits": None}
     sha = _run(["git", "rev-parse", "HEAD"])
     if sha is None:
-        return {"git_sha": None, "git_dirty": None}
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
-    return {"git_sha": sha, "git_dirty": None if dirty is None else bool(dirty)}
+        return {"git_sha": None, "git_dirty": None, "git_edits": None}
+    edits = _edits()
+    if edits is None:
+        return {"git_sha": sha, "git_dirty": None, "git_edits": None}
+    return {"git_sha": sha, "git_dirty": edits[0], "git_edits": edits[1] if edits[0] else None}
 
 
 def git_sha() -> str:
-    """The commit as result rows name it: 12 hex digits, ``-dirty`` when tracked files differ from it;
-    ``NNRAND_GIT_SHA`` verbatim when set; ``"unknown"`` without git."""
+    """The commit as result rows name it: 12 hex digits, ``-dirty-<8 hex>`` naming the edits when tracked
+    files differ from it or kernels/ has untracked files (``reports/`` aside); ``NNRAND_GIT_SHA`` verbatim
+    when set; ``"unknown"`` without git."""
     g = _git()
     if g["git_sha"] is None:
         return "unknown"
     if os.environ.get("NNRAND_GIT_SHA"):
         return g["git_sha"]
-    return g["git_sha"][:12] + ("-dirty" if g["git_dirty"] else "")
+    return g["git_sha"][:12] + (f"-dirty-{g['git_edits']}" if g["git_dirty"] else "")
+
+
+def _cpu_capability() -> str | None:
+    """The instruction set torch's CPU kernels dispatch to (AVX2, AVX512, ...): it changes CPU results."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:
+        return None
 
 
 def _cupy() -> dict:
+    """CuPy's version, the CUDA runtime it was built for and the NVRTC it loads (they compile nnrand's
+    kernels), and the driver's CUDA API version; only what could be queried."""
     try:
         import cupy
     except Exception:
         return {"cupy": None}
     info = {"cupy": cupy.__version__}
-    try:
-        info["cuda_driver_api"] = int(cupy.cuda.runtime.driverGetVersion())
-    except Exception:
-        pass
+    for key, query in (("cuda_driver_api", lambda: int(cupy.cuda.runtime.driverGetVersion())),
+                       ("cupy_cuda", lambda: _cuda_version(int(cupy.cuda.runtime.runtimeGetVersion()))),
+                       ("nvrtc", _nvrtc_version)):
+        try:
+            info[key] = query()
+        except Exception:   # no driver, no NVRTC library: that field stays unknown
+            pass
     return info
+
+
+def _cuda_version(v: int) -> str:
+    """12080 -> "12.8" (CUDA's version integers)."""
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def _nvrtc_version() -> str:
+    from cupy_backends.cuda.libs import nvrtc
+
+    major, minor = nvrtc.getVersion()
+    return f"{major}.{minor}"
 
 
 def _driver(index: int) -> str | None:
@@ -102,7 +169,7 @@ def _driver(index: int) -> str | None:
     if smi:
         return smi.splitlines()[0].strip()
     api = _cupy().get("cuda_driver_api")  # no nvidia-smi (containers): the driver's CUDA API version, e.g. 13000
-    return f"cuda-api-{api // 1000}.{(api % 1000) // 10}" if api else None
+    return f"cuda-api-{_cuda_version(api)}" if api else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,6 +194,7 @@ def fingerprint(device: torch.device | str | None = None) -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "device": str(device),
         "cpu": _cpu_name(),
+        "cpu_capability": _cpu_capability(),
         "cpu_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
     }
@@ -143,17 +211,21 @@ def fingerprint(device: torch.device | str | None = None) -> dict:
 def _row_static() -> dict[str, str]:
     cuda = torch.cuda.is_available()
     gpu = _gpu(torch.cuda.current_device()) if cuda else {}
+    cupy = _cupy()
     return {
         "gpu": gpu.get("gpu") or "none",
         "driver": gpu.get("driver") or "none",
         "cuda": str(torch.version.cuda) if torch.version.cuda else "none",
         "cudnn": str(torch.backends.cudnn.version()) if cuda and torch.backends.cudnn.is_available() else "none",
+        "nvrtc": cupy.get("nvrtc") or ("absent" if cupy["cupy"] is None else "unknown"),
         "torch": torch.__version__,
-        "cupy": _version("cupy") or "absent",
+        "cupy": cupy["cupy"] or "absent",
+        "cupy_cuda": cupy.get("cupy_cuda") or ("absent" if cupy["cupy"] is None else "unknown"),
         "numba": _version("numba") or "absent",
         "numpy": _version("numpy") or "absent",
         "python": platform.python_version(),
         "cpu": _cpu_name(),
+        "cpu_capability": _cpu_capability() or "unknown",
         "host": platform.node(),
         "git_sha": git_sha(),
     }
@@ -167,4 +239,4 @@ def row_fingerprint() -> dict[str, str]:
 
 if __name__ == "__main__":
     for k, v in row_fingerprint().items():
-        print(f"{k:8s} {v}")
+        print(f"{k:14s} {v}")

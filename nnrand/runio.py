@@ -20,8 +20,9 @@ import csv
 import io
 import json
 import os
+import re
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -49,26 +50,28 @@ def member_dir(out: str | os.PathLike, name: str, member: int) -> Path:
 # Atomic writes
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_FILE_MODE = 0o666 & ~_umask()   # what open() would give a new file under the process's umask
+def _temp_file(path: Path) -> tuple[int, str]:
+    """An open, new temporary file beside ``path`` (``.<name>.<random>.tmp``), created with mode 0666 so the
+    umask in force now applies, as with a plain ``open`` (mkstemp's 0600 would hide a run from the user's
+    group on a shared machine)."""
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_BINARY", 0), 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _temp_file(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-            if hasattr(os, "fchmod"):   # mkstemp gives 0600, which would keep the run from the user's group
-                os.fchmod(f.fileno(), _FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         with _suppress():
@@ -148,6 +151,32 @@ def npz_save(path, *, compress: bool = False, **arrays) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Member state
+
+
+# The files a member's run writes (the layout above), and the temporary names they pass through
+MEMBER_FILES = ("config.json", "metrics.csv", "checksums.csv", "predictions.npz", "checkpoint.pt", "result.json")
+_EPOCH_WEIGHTS = re.compile(r"weights_epoch_\d{3,}\.pt")
+_TEMP = re.compile(r"\.(.+)\.[0-9a-z_]+\.tmp")
+
+
+def _member_file(name: str) -> bool:
+    return name in MEMBER_FILES or bool(_EPOCH_WEIGHTS.fullmatch(name))
+
+
+def clear_member(directory: str | os.PathLike) -> list[str]:
+    """Remove a member's files from an earlier run (``--no-resume``): those in MEMBER_FILES, every
+    ``weights_epoch_XXX.pt`` and the temporary files of their atomic writes. Anything else in the directory
+    (a user's notes, other tools' files) stays. Returns the names removed."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    gone = []
+    for f in sorted(d.iterdir()):
+        temp = _TEMP.fullmatch(f.name)
+        if f.is_file() and (_member_file(f.name) or (temp is not None and _member_file(temp.group(1)))):
+            f.unlink(missing_ok=True)
+            gone.append(f.name)
+    return gone
 
 
 def is_finished(directory: str | os.PathLike) -> bool:

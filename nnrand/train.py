@@ -656,9 +656,8 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
             raise ConfigError(f"{d} holds a finished run with a different config (differs in: {', '.join(differ)}); "
                               "use another --name or --no-resume")
         return runio.read_json(d / "result.json")
-    if not cfg.resume and main_rank:
-        for f in ("checkpoint.pt", "result.json"):
-            (d / f).unlink(missing_ok=True)
+    if not cfg.resume and main_rank:   # the old run's files go (its epoch weights and predictions too)
+        runio.clear_member(d)
     group.barrier()
     device = torch.device(cfg.device)
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format

@@ -3,11 +3,13 @@ deterministic one), deterministic-mode refusals and warnings, CSV and markdown r
 resume, re-rendering, errors naming the op, and global flags restored in every case."""
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kernels
 from nnrand import audit, routing
@@ -233,7 +235,7 @@ def test_run_writes_csv_and_markdown_matching_the_run(tmp_path):
     # the routed conv gradients ran nnrand's deterministic variants (CPU models) once per repeat
     for phase, reg in (("backward:dW", "conv_wgrad"), ("backward:dX", "conv_dgrad")):
         r = by["conv2d.r50_3x3_7px", phase]
-        assert r["nnrand_route"] == "routed" and r["nnrand_op"] == reg
+        assert r["nnrand_route"] == f"routed {reg}/tree" and r["nnrand_op"] == reg
         assert kernels.get(reg, r["nnrand_variant"]).deterministic and r["nnrand_distinct"] == "1"
     assert by["conv2d.r50_3x3_7px", "forward"]["nnrand_op"] == ""
     assert int(by["fake.perm_sum", "forward"]["default_distinct"]) > 1
@@ -376,3 +378,367 @@ def test_rows_of_other_repeats_are_measured_again_and_replaced(tmp_path):
     _run([counted.entry], tmp_path, repeats=3)   # the first run had 4
     rows = audit.read_rows(csv)
     assert counted.calls > first and len(rows) == 1 and rows[0]["repeats"] == "3"
+
+
+# --------------------------------------------------------------------------------------------------
+# Route: what use_kernels("tree") does with each phase
+
+
+def _tree_coverage(entry: Entry, phase: str) -> tuple[set[tuple[str, str]], bool]:
+    """(routed (aten op, variant) pairs, whether the guard refused) when the phase runs once on the CPU
+    under use_kernels("tree", strict=False): graph build and backward, or the forward."""
+    guard_ops = {u.backward for u in routing.UNCOVERED_OPS}
+    p = entry.make(torch.Generator().manual_seed(entry.seed))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with routing.use_kernels("tree", strict=False) as ctx:
+            fn, _, _ = audit.phase_call(entry, phase, p)
+            fn()
+    counts = ctx.coverage.as_dict()
+    routed = {(op, k) for op, c in counts.items() for k in c if k not in (routing.ORIGINAL, routing.UNCOVERED)}
+    return routed, any(counts.get(op, {}).get(routing.UNCOVERED) for op in guard_ops)
+
+
+def test_route_says_what_use_kernels_tree_does():
+    """Every phase of every entry: the route column against what use_kernels("tree") counted when the phase
+    ran under it. Routed ops that map to themselves, forward routes, grouped convs, the guard's routed_by and
+    applies (a 1x1 adaptive pool is a mean; grid_sample's dGrid alone needs no atomic input gradient)."""
+    seen = set()
+    for e in audit.audit_entries("quick"):
+        for ph in e.phases():
+            routed, guarded = _tree_coverage(e, ph)
+            if e.family == "embedding_bag":   # torch's CPU kernels call index_add_ inside (the CUDA ones do not)
+                routed = {(op, v) for op, v in routed if op != "index_add"}
+            rt = audit.route(e, ph)
+            if routed:
+                assert len(routed) == 1 and rt.startswith("routed ") and rt.endswith("/" + next(iter(routed))[1]), \
+                    (e.name, ph, rt, routed)
+                seen.add(rt.split(" ")[1].split("/")[0])
+            else:
+                assert rt == ("guarded" if guarded else ""), (e.name, ph, rt, guarded)
+    # every routed op is seen routed somewhere (registry names: bias_grad's BatchNorm half is bn_bwd)
+    want = {reg for op in routing.ROUTED_OPS for reg in routing.REGISTRY_OPS.get(op, (op,))}
+    assert seen == want, want ^ seen
+    q = {e.name: e for e in audit.audit_entries("quick")}
+    assert audit.route(q["conv2d_grouped.resnext_g32"], "backward:dX") == "routed conv_dgrad_grouped/tree"
+    assert audit.route(q["index_add.gnn"], "forward") == "routed index_add/sorted"
+    assert audit.route(q["adaptive_avg_pool2d.pspnet_6x6"], "backward:dX") == "routed adaptive_avg_pool2d_bwd/tree"
+    assert audit.route(q["adaptive_avg_pool2d.head_1x1"], "backward:dX") == ""
+    assert audit.route(q["cross_entropy2d.seg_21cls"], "forward") == "guarded"
+    assert audit.route(q["grid_sample.flow_warp"], "backward:dX") == "guarded"
+    assert audit.route(q["grid_sample.flow_warp"], "backward:dGrid") == ""
+
+
+def test_the_report_renders_the_route_of_the_rendering_code(tmp_path):
+    """A row written with a stale route is rendered with the code's; PyTorch's refusal shows where nothing
+    routes or guards the phase."""
+    csv, md, _ = _run([_quick("conv2d_grouped.resnext_g32"), _quick("max_unpool2d.segnet_2x2")], tmp_path, repeats=2)
+    rows = audit.read_rows(csv)
+    for r in rows:
+        r["nnrand_route"] = "stale"
+    audit.runio.write_csv(csv, audit.COLUMNS, rows)
+    audit.render(csv)
+    text = md.read_text()
+    table = {tuple(c.strip() for c in ln.split("|")[1:3]): ln.split("|")[5].strip()
+             for ln in text.splitlines() if ln.startswith("| `")}
+    assert table["`conv2d_grouped.resnext_g32`", "backward:dW"] == "routed `conv_wgrad_grouped/tree`"
+    assert table["`conv2d_grouped.resnext_g32`", "forward"] == ""
+    assert table["`max_unpool2d.segnet_2x2`", "forward"] == "guarded"
+
+
+# --------------------------------------------------------------------------------------------------
+# Deterministic mode judges a backward phase by its backward
+
+
+def _unpool_with_grad() -> Entry:
+    """max_unpool2d (its forward refuses deterministic mode on every device) with a gradient for its input,
+    whose backward (a gather) does not refuse."""
+    make = _quick("max_unpool2d.segnet_2x2").make
+    return Entry("max_unpool2d.with_grad", "max_unpool2d", "max_unpool2d", "small", make,
+                 lambda p: F.max_unpool2d(p["y"], p["idx"], 2, 2), {"dY": ("y",)}, "max_unpool2d_backward")
+
+
+def test_a_forward_refusal_is_the_forward_rows_not_the_backwards():
+    entry = _unpool_with_grad()
+    fwd = audit.audit_phase(entry, "forward", repeats=2, device=CPU)
+    assert fwd["det_status"] == "raises" and "max_unpooling2d" in fwd["det_message"]
+    bwd = audit.audit_phase(entry, "backward:dY", repeats=2, device=CPU)
+    assert bwd["det_status"] == "runs" and bwd["det_distinct"] == 1 and bwd["det_message"] == "", bwd
+    assert bwd["det_hash"] == bwd["default_hash"]   # the same graph, the same gather
+
+    class Refuses(torch.autograd.Function):   # a backward that refuses as PyTorch's alerts do
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            if torch.are_deterministic_algorithms_enabled():
+                raise RuntimeError("fake_backward does not have a deterministic implementation, but you set "
+                                   "'torch.use_deterministic_algorithms(True)'.")
+            return g * 2
+
+    e = Entry("fake.refusing_backward", "fake", "fake_op", "8", lambda g: dict(x=torch.randn(8, generator=g)),
+              lambda p: Refuses.apply(p["x"]), {"dX": ("x",)}, "fake_op_backward")
+    assert audit.audit_phase(e, "forward", repeats=2, device=CPU)["det_status"] == "runs"
+    row = audit.audit_phase(e, "backward:dX", repeats=2, device=CPU)
+    assert row["det_status"] == "raises" and "fake_backward" in row["det_message"]
+
+
+# --------------------------------------------------------------------------------------------------
+# PyTorch's documentation flags
+
+
+def test_doc_flags_match_the_installed_torchs_documentation():
+    """Every entry's flag against the bullets of this torch's torch.use_deterministic_algorithms docstring
+    (a future torch that changes them fails here), and the checker catches a documentation that differs."""
+    entries = audit.audit_entries("quick")
+    assert audit.doc_flag_mismatches(entries) == []
+    assert len(audit.documented_flags()) > 30   # the docstring parsed, not an empty match
+    doc = torch.use_deterministic_algorithms.__doc__
+    # negative controls: a doc that adds AdaptiveMaxPool3d to the raisers, and one that drops CTCLoss
+    more = doc.replace("* :class:`torch.nn.AdaptiveMaxPool2d` when attempting to differentiate a CUDA tensor",
+                       "* :class:`torch.nn.AdaptiveMaxPool2d` when attempting to differentiate a CUDA tensor\n"
+                       "        * :class:`torch.nn.AdaptiveMaxPool3d` when attempting to differentiate a CUDA tensor")
+    less = doc.replace("* :class:`torch.nn.CTCLoss` when attempting to differentiate a CUDA tensor", "")
+    assert more != doc and less != doc
+    assert [m.split(" ")[0] for m in audit.doc_flag_mismatches(entries, more)] == ["adaptive_max_pool3d.video_2x7x7"]
+    assert [m.split(" ")[0] for m in audit.doc_flag_mismatches(entries, less)] == ["ctc_loss.speech"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Resume: what a row was measured under
+
+
+def test_rows_of_another_torch_or_thread_count_are_measured_again(tmp_path):
+    counted = _Counting(_seq_sum_entry())
+    csv, md, _ = _run([counted.entry], tmp_path)
+    calls = counted.calls
+    rows = audit.read_rows(csv)
+    assert rows[0]["cpu_threads"] == str(torch.get_num_threads())
+    assert rows[0]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    rows[0]["torch"] = "1.0.0"   # as a run under another torch wrote it
+    audit.runio.write_csv(csv, audit.COLUMNS, rows)
+    _run([counted.entry], tmp_path)
+    rows = audit.read_rows(csv)
+    assert counted.calls > calls and len(rows) == 1 and rows[0]["torch"] == torch.__version__
+    assert "1.0.0" not in md.read_text() and torch.__version__ in md.read_text()
+    calls = counted.calls
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        _run([counted.entry], tmp_path)
+        assert counted.calls > calls and audit.read_rows(csv)[0]["cpu_threads"] == str(threads + 1)
+        calls = counted.calls
+        _run([counted.entry], tmp_path)
+        assert counted.calls == calls   # same threads again: resumed
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_mixed_settings_are_shown_per_row(tmp_path):
+    """Rows of one report measured with other repeats: the header lists the mix, each row its own settings."""
+    csv, md, _ = _run([_seq_sum_entry()], tmp_path, repeats=4)
+    _run([_refusing_entry()], tmp_path, repeats=3)
+    text = md.read_text()
+    assert "4 repeats per mode" not in text and "repeats 4 (1 row), 3 (1 row)" in text
+    table = [ln for ln in text.splitlines() if ln.startswith("| `")]
+    assert table[0].endswith("| 4 repeats, cudnn.benchmark off |")
+    assert table[1].endswith("| 3 repeats, cudnn.benchmark off |")
+    assert "run 3 to 4 times each" in text
+    csv2, md2, _ = _run([_seq_sum_entry()], tmp_path / "one", repeats=4)
+    assert "4 repeats per mode" in md2.read_text() and "settings" not in md2.read_text().split("## Results")[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Two audits, one CSV
+
+
+def test_two_audits_writing_one_csv_keep_each_others_rows(tmp_path):
+    """An audit that writes its row while another is measuring (read the CSV before, writes after) keeps
+    the other's row: each write re-reads and merges under the lock."""
+    csv = tmp_path / "results" / "audit_cpu.csv"
+    other = _seq_sum_entry("fake.other")
+    done = []
+
+    def forward(p):
+        if not done:   # the other audit finishes a row in the middle of this one's measurement
+            done.append(audit.run_audit([other], device="cpu", repeats=2, scale="quick", csv_path=csv,
+                                        progress=False))
+        return p["x"] * 2
+    first = Entry("fake.first", "fake", "fake_op", "8", lambda g: dict(x=torch.randn(8, generator=g)), forward)
+    audit.run_audit([first], device="cpu", repeats=2, scale="quick", csv_path=csv, progress=False)
+    assert done and sorted(r["entry"] for r in audit.read_rows(csv)) == ["fake.first", "fake.other"]
+    assert not audit.lock_path(csv).exists()
+
+
+def test_the_csv_lock_is_exclusive(tmp_path):
+    import fcntl
+
+    csv = tmp_path / "a.csv"
+    with audit.csv_lock(csv):
+        fd = os.open(audit.lock_path(csv), os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        with pytest.raises(audit.AuditError, match=r"\.a\.csv\.lock"):
+            with audit.csv_lock(csv, timeout_s=0):
+                pass
+    assert not audit.lock_path(csv).exists()
+    with audit.csv_lock(csv):   # free again
+        pass
+
+
+# --------------------------------------------------------------------------------------------------
+# cuBLAS's workspace, the registry's per-variant arguments, errors rerun, CUDA timing, --device
+
+
+def test_cublas_workspace_is_set_before_cuda_and_recorded(tmp_path, monkeypatch):
+    """The CLI sets CUBLAS_WORKSPACE_CONFIG before anything touches CUDA (cuBLAS reads it once, at its first
+    call), records it in every row, and puts the environment back."""
+    saved = os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)   # put back by hand: the flag fixture checks first
+    seen = []
+
+    def is_available():
+        seen.append(os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        return False
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    csv = tmp_path / "results" / "audit_cpu.csv"
+    try:
+        assert audit.cli(["--ops", "cumsum", "--repeats", "2", "--out", str(csv), "--no-progress"]) == 0
+        assert seen and seen[0] == ":4096:8"
+        assert {r["cublas_workspace_config"] for r in audit.read_rows(csv)} == {":4096:8"}
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"   # the user's own value is kept and recorded
+        audit.cli(["--ops", "cumsum", "--repeats", "2", "--out", str(csv), "--no-progress", "--rerun"])
+        assert {r["cublas_workspace_config"] for r in audit.read_rows(csv)} == {":16:8"}
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        if saved is not None:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved
+
+
+def test_each_variant_gets_its_own_benchmark_arguments(monkeypatch):
+    """sum's exact variant is timed without its range flag's read-back (variant_bench_kwargs); the other
+    variants get none of it."""
+    real = kernels.variants
+    calls: dict[str, list[dict]] = {}
+
+    class Spy:
+        def __init__(self, v):
+            self.v, self.name, self.deterministic = v, v.name, v.deterministic
+
+        def __call__(self, *args, **kwargs):
+            calls.setdefault(self.name, []).append(kwargs)
+            return self.v(*args, **kwargs)
+    monkeypatch.setattr(kernels, "variants", lambda op: [Spy(v) for v in real(op)])
+    entry = _quick("sum.flat")
+    p = entry.make(torch.Generator().manual_seed(entry.seed))
+    row, _ = audit._nnrand(entry, "forward", p, 2, CPU, 1.0)
+    assert row["nnrand_variant"] in calls and "atomic" not in calls
+    assert calls["exact"] and all(kw == {"check_range": False} for kw in calls["exact"])
+    assert calls["tree"] and all(kw == {} for kw in calls["tree"])
+
+
+def test_rows_with_a_deterministic_mode_or_nnrand_error_are_measured_again(tmp_path, monkeypatch):
+    broken = _Counting(_broken_entry("deterministic"))
+    csv, _, _ = _run([broken.entry], tmp_path)
+    assert audit.read_rows(csv)[0]["det_status"] == "error"
+    calls = broken.calls
+    _run([broken.entry], tmp_path)
+    assert broken.calls > calls, "a row whose deterministic mode errored was taken as done"
+
+    counted = _Counting(_seq_sum_entry())
+    real = audit._nnrand
+
+    def failing(*a, **kw):
+        raise RuntimeError("no CUDA runtime in this fake")
+    monkeypatch.setattr(audit, "_nnrand", failing)
+    csv, md, _ = _run([counted.entry], tmp_path / "b")
+    row = audit.read_rows(csv)[0]
+    assert "no CUDA runtime in this fake" in row["nnrand_error"] and "fake.seq_sum forward" in row["nnrand_error"]
+    assert "no CUDA runtime in this fake" in md.read_text()
+    monkeypatch.setattr(audit, "_nnrand", real)
+    calls = counted.calls
+    _run([counted.entry], tmp_path / "b")
+    assert counted.calls > calls and audit.read_rows(csv)[0]["nnrand_error"] == ""
+
+
+class _FakeEvent:
+    """A CUDA event on a counter clock. ``query`` of a call's start event says whether the GPU had reached
+    that call when the host returned from queueing it: per attempt, the calls in ``_FakeEvent.reached``."""
+    clock = 0
+    reached: list[set[int]] = []
+    attempt = -1
+    records = 0   # records in this attempt: starts are the even ones
+
+    def __init__(self, enable_timing=False):
+        self.t = self.call = None
+
+    def record(self):
+        _FakeEvent.clock += 1
+        self.t, self.call = _FakeEvent.clock, _FakeEvent.records // 2
+        _FakeEvent.records += 1
+
+    def query(self):
+        return self.call in _FakeEvent.reached[_FakeEvent.attempt]
+
+    def elapsed_time(self, end):
+        return float(end.t - self.t)
+
+
+@pytest.mark.parametrize("reached, spins, host", [([set()], 1, False), ([{0}, {4}, set()], 3, False),
+                                                  ([{4}] * 4, 4, True)])
+def test_cuda_times_retry_a_spin_the_gpu_outran(monkeypatch, reached, spins, host):
+    """CPU stand-ins for CUDA's events and spin: where the GPU reached any call (the first, or only the
+    last) before the host was done queueing it, the timing runs again with a spin twice as long, up to
+    SPIN_DOUBLINGS times, then its times are flagged as possibly including host time."""
+    cycles = []
+
+    def sleep(n):
+        cycles.append(n)
+        _FakeEvent.attempt += 1
+        _FakeEvent.records = 0
+    monkeypatch.setattr(_FakeEvent, "reached", reached)
+    monkeypatch.setattr(_FakeEvent, "attempt", -1)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", sleep, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    times, included = audit._cuda_times(lambda: None, 5, torch.device("cuda"))
+    assert included is host and times == [1.0e-3] * 5
+    assert cycles == [cycles[0] * 2**k for k in range(spins)] and cycles[0] == int(2e9 * audit.SPIN_S_PER_CALL * 5)
+    monkeypatch.delattr(torch.cuda, "_sleep")
+    monkeypatch.setattr(_FakeEvent, "records", 0)
+    calls = []
+    times, included = audit._cuda_times(lambda: calls.append(1), 2, torch.device("cuda"))
+    assert included is True and len(calls) == 2   # no spin: timed once, unqueued
+
+
+@pytest.mark.gpu
+def test_cuda_times_flag_a_call_that_waits_for_the_gpu():
+    dev = torch.device("cuda")
+    x = torch.randn(1 << 20, device=dev, generator=torch.Generator(dev).manual_seed(0))
+    times, included = audit._cuda_times(lambda: x.mul_(1.0), 5, dev)
+    assert not included and len(times) == 5
+    _, included = audit._cuda_times(lambda: x.sum().item(), 5, dev)   # a host read-back: the spin cannot cover it
+    assert included
+
+
+def test_cli_refuses_devices_it_cannot_audit(tmp_path, capsys):
+    out = str(tmp_path / "a.csv")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cases = [(["--device", "meta"], "cpu, cuda or cuda:N"), (["--device", "bogus"], "--device 'bogus'"),
+             (["--device", f"cuda:{n}"], "not available" if not n else f"has {n} CUDA device")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "CUDA is not available"))
+    for argv, said in cases:
+        with pytest.raises(SystemExit) as e:
+            audit.cli([*argv, "--ops", "cumsum", "--out", out, "--no-progress"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err and "--device" in err, (argv, err)
+    assert not (tmp_path / "a.csv").exists()
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        audit.run_audit([_seq_sum_entry()], device="meta", repeats=2, csv_path=out, progress=False)

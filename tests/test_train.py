@@ -470,21 +470,43 @@ def test_cudnn_heuristic_is_chosen_before_cuda_and_recorded(tmp_path, monkeypatc
     assert train.parser().parse_args(["--cudnn-heuristic", "b"]).cudnn_heuristic == "b"
 
 
-def test_atomic_writes_get_the_permissions_of_a_plain_open(tmp_path):
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_atomic_writes_get_the_permissions_of_a_plain_open(tmp_path, umask, mode):
     """Files a run writes through the atomic temp-and-rename path are readable as open() would make them
-    under the umask (mkstemp's own 0600 would hide a run from the user's group on a shared machine)."""
+    under the umask in force when they are written (mkstemp's own 0600 would hide a run from the user's
+    group on a shared machine; a umask read once at import would miss a later umask 002)."""
     import os
     import stat
 
-    mask = os.umask(0o022)
+    mask = os.umask(umask)
     try:
         runio.write_json(tmp_path / "r.json", {"a": 1})
         (tmp_path / "plain.txt").write_text("x")
     finally:
         os.umask(mask)
     want = stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode)
-    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == want == 0o644
+    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == want == mode
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_no_resume_removes_the_old_runs_files_only(tmp_path):
+    """--no-resume starts the member afresh: the old run's files go (its epoch weights too, which the new run
+    does not write), files the harness does not write stay."""
+    need_all_ops()
+    train.main(tiny(tmp_path, "again", epochs=2, save_epoch_weights=True, kernel="native"))
+    d = runio.member_dir(tmp_path, "again", 0)
+    assert (d / "weights_epoch_001.pt").exists()
+    (d / "notes.txt").write_text("mine")
+    (d / ".metrics.csv.0a1b2c3d.tmp").write_bytes(b"left by a crash")
+    (d / "mine").mkdir()
+    (d / "mine" / "weights_epoch_000.pt").write_bytes(b"not the harness's")
+    train.main(tiny(tmp_path, "again", epochs=1, kernel="native", resume=False))
+    left = sorted(f.name for f in d.iterdir())
+    assert left == sorted(["config.json", "metrics.csv", "checksums.csv", "predictions.npz", "checkpoint.pt",
+                           "result.json", "notes.txt", "mine"]), left
+    assert (d / "mine" / "weights_epoch_000.pt").exists() and (d / "notes.txt").read_text() == "mine"
+    assert [int(r["epoch"]) for r in runio.read_csv(d / "metrics.csv")] == [0]
+    assert runio.read_json(d / "config.json")["config"]["epochs"] == 1
 
 
 def test_augmentation_is_keyed_by_image_not_by_order_or_batch():
