@@ -54,11 +54,7 @@ __device__ __forceinline__ int phase_taps(int r, int pad, int stride, int dil, i
 //   CL picks coalesced thread mappings for channels_last tensors (channel fastest in memory).
 //   TN: columns per thread, 4 (a 128 x 64 tile) or 8 (tree only: 128 x 128, twice the FMAs per shared
 //     load, for Cin >= 128). Each C element is the same FMA chain either way: the same bits.
-//   BK: output channels per stage, 8 or 16 (tree_*_deep: half the barriers and twice the work between
-//     a stage's loads and their use). The chain visits the same (tap, co) in the same order; the
-//     channels past Cout in a tap's last stage add zeros, and the tree's unsplit store adds +0.0, so
-//     a sum that is -0.0 (underflowing negative products) is written as +0.0 either way: the same bits.
-template <bool SCATTER, bool CL, int TN = 4, int BK = DG_BK>
+template <bool SCATTER, bool CL, int TN = 4>
 __device__ __forceinline__ void dgrad_gemm(
     const float* __restrict__ dy, const float* __restrict__ wmat, float* __restrict__ dx,
     int N, int Cin, int H, int W, int Cout, int OH, int OW, int KH, int KW,
@@ -72,11 +68,9 @@ __device__ __forceinline__ void dgrad_gemm(
     __shared__ long long s_row[DG_BM];      // tree: each tile row's dx offset (-1 past the last row)
     float* As = smem;                        // [2][BK][LDA], A transposed (k-major)
     constexpr int BN = 16 * TN;              // block tile columns
-    float* Bs = smem + 2 * BK * DG_LDA;      // [2][BK][BN]
-    static_assert(2 * BK * (DG_LDA + BN) <= DG_BN * DG_LDA, "operands fit the C tile's buffer");
+    float* Bs = smem + 2 * DG_BK * DG_LDA;   // [2][BK][BN]
+    static_assert(2 * DG_BK * (DG_LDA + BN) <= DG_BN * DG_LDA, "operands fit the C tile's buffer");
     static_assert(!SCATTER || TN == 4, "the scatter's tile is 128 x 64");
-    static_assert(BK == 8 || BK == 16, "a stage is 8 or 16 output channels");
-    constexpr int KH2 = BK / 8;              // the stage's halves of 8 channels
 
     const int t = threadIdx.x;
     int rh = 0, rw = 0, Hq, Wq;  // stride phase and the pixel grid of that phase
@@ -140,14 +134,14 @@ __device__ __forceinline__ void dgrad_gemm(
             return;
         }
     }
-    const int cochunks = (Cout + BK - 1) / BK;
+    const int cochunks = (Cout + DG_BK - 1) / DG_BK;
     const int KT = ntaps * cochunks;
     const int kt0 = (int)((long long)KT * ks / ksplit), kt1 = (int)((long long)KT * (ks + 1) / ksplit);
 
-    // A loads: NCHW -> each thread one pixel, BK/2 consecutive k (lanes run along pixels);
-    //          CL   -> each thread 4 pixels, one k in each half of the stage (lanes run along channels).
+    // A loads: NCHW -> each thread one pixel, 4 consecutive k (lanes run along pixels);
+    //          CL   -> each thread 4 pixels, one k (lanes run along channels).
     constexpr int NP = CL ? 4 : 1;
-    const int a_k = CL ? (t & 7) : (t >> 7) * (BK / 2);
+    const int a_k = CL ? (t & 7) : (t >> 7) * 4;
     int a_n[NP], a_i[NP], a_j[NP];
     bool a_in[NP], a_ok[NP];
     long long a_off[NP];
@@ -169,7 +163,7 @@ __device__ __forceinline__ void dgrad_gemm(
                                       (long long)(rw + sw * a_j[p]) * dx_sw
                                 : -1;
     }
-    int tap = kt0 / cochunks, co0 = (kt0 - tap * cochunks) * BK, wrow = 0;  // wrow: first B row of the tap
+    int tap = kt0 / cochunks, co0 = (kt0 - tap * cochunks) * DG_BK, wrow = 0;  // wrow: first B row of the tap
     auto set_tap = [&](int tp) {
         if (SCATTER) return;
         const int a = tp / s_nkw, b = tp - a * s_nkw;
@@ -183,32 +177,31 @@ __device__ __forceinline__ void dgrad_gemm(
         }
     };
 
-    float ra[4 * KH2], rb[TN / 2 * KH2];
+    float ra[4], rb[TN / 2];
     auto load_tile = [&]() {
 #pragma unroll
-        for (int e = 0; e < 4 * KH2; ++e) {   // CL: e = 4 * half + pixel; NCHW: e = k - a_k
-            const int p = CL ? e % 4 : 0;
-            const int co = co0 + (CL ? a_k + 8 * (e / 4) : a_k + e);
+        for (int e = 0; e < 4; ++e) {
+            const int p = CL ? e : 0;
+            const int co = co0 + (CL ? a_k : a_k + e);
             ra[e] = (a_ok[p] && co < Cout) ? __ldg(dy + a_off[p] + (long long)co * dy_sc) : 0.0f;
         }
+        const int co = co0 + (t >> 5);
 #pragma unroll
-        for (int e = 0; e < TN / 2 * KH2; ++e) {   // e = (TN / 2) * half + column group
-            const int co = co0 + (t >> 5) + 8 * (e / (TN / 2));
-            const int gc = c0 + (t & 31) + 32 * (e % (TN / 2));
+        for (int e = 0; e < TN / 2; ++e) {
+            const int gc = c0 + (t & 31) + 32 * e;
             rb[e] = (co < Cout && gc < ncols) ? __ldg(wmat + (long long)(wrow + co) * ncols + gc) : 0.0f;
         }
     };
     auto store_tile = [&](int buf) {
-        float* A = As + buf * BK * DG_LDA;
-        float* B = Bs + buf * BK * BN;
+        float* A = As + buf * DG_BK * DG_LDA;
+        float* B = Bs + buf * DG_BK * BN;
 #pragma unroll
-        for (int e = 0; e < 4 * KH2; ++e) {
-            if (CL) A[(a_k + 8 * (e / 4)) * DG_LDA + (t >> 3) + 32 * (e % 4)] = ra[e];
+        for (int e = 0; e < 4; ++e) {
+            if (CL) A[a_k * DG_LDA + (t >> 3) + 32 * e] = ra[e];
             else A[(a_k + e) * DG_LDA + (t & 127)] = ra[e];
         }
 #pragma unroll
-        for (int e = 0; e < TN / 2 * KH2; ++e)
-            B[((t >> 5) + 8 * (e / (TN / 2))) * BN + (t & 31) + 32 * (e % (TN / 2))] = rb[e];
+        for (int e = 0; e < TN / 2; ++e) B[(t >> 5) * BN + (t & 31) + 32 * e] = rb[e];
     };
 
     // Thread (tm, tn) owns rows tm*4 + {0..3} and 64 + tm*4 + {0..3}, columns tn*4 + {0..3} (and, TN = 8,
@@ -229,14 +222,14 @@ __device__ __forceinline__ void dgrad_gemm(
             const int buf = (kt - kt0) & 1;
             const bool more = kt + 1 < kt1;
             if (more) {  // fetch the next slice into registers while this one is multiplied
-                co0 += BK;
+                co0 += DG_BK;
                 if (co0 >= Cout) { co0 = 0; set_tap(++tap); }
                 load_tile();
             }
-            const float* A = As + buf * BK * DG_LDA;
-            const float* B = Bs + buf * BK * BN;
+            const float* A = As + buf * DG_BK * DG_LDA;
+            const float* B = Bs + buf * DG_BK * BN;
 #pragma unroll
-            for (int kk = 0; kk < BK; ++kk) {
+            for (int kk = 0; kk < DG_BK; ++kk) {
                 const float4 a0 = *reinterpret_cast<const float4*>(A + kk * DG_LDA + tm * 4);
                 const float4 a1 = *reinterpret_cast<const float4*>(A + kk * DG_LDA + 64 + tm * 4);
                 const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
@@ -295,9 +288,7 @@ __device__ __forceinline__ void dgrad_gemm(
                 const int col = CL ? idx % DG_BN : idx / DG_BM;
                 const long long row = s_row[ml];
                 if (row < 0 || cb + col >= ncols) continue;
-                // unsplit, the sum's own store: +0.0 added, as a sum from +0.0 would (see BK above)
-                const float v = Cs[col * DG_LDA + ml];
-                out[row + (long long)(cb + col) * dx_sc] = ksplit > 1 ? v : v + 0.0f;
+                out[row + (long long)(cb + col) * dx_sc] = Cs[col * DG_LDA + ml];
             }
         }
     }
@@ -333,14 +324,6 @@ extern "C" __global__ void __launch_bounds__(DG_THREADS, 1) conv_dgrad_tree_nchw
 }
 extern "C" __global__ void __launch_bounds__(DG_THREADS, 1) conv_dgrad_tree_cl_wide1(DG_ARGS, int ksplit, float* part) {
     dgrad_gemm<false, true, 8>(DG_PASS, ksplit, part);
-}
-// Deep stages (16 output channels) on the 128 x 64 tile, for unsplit launches (a split's ranges are
-// counted in stages of 8): the same chains, half the barriers.
-extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_nchw_deep(DG_ARGS, int ksplit, float* part) {
-    dgrad_gemm<false, false, 4, 16>(DG_PASS, ksplit, part);
-}
-extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_cl_deep(DG_ARGS, int ksplit, float* part) {
-    dgrad_gemm<false, true, 4, 16>(DG_PASS, ksplit, part);
 }
 extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_atomic_nchw(DG_ARGS, int ksplit, float* part) {
     dgrad_gemm<true, false>(DG_PASS, 1, nullptr);

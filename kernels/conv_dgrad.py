@@ -321,28 +321,16 @@ def tree_split(g: Geometry, blocks: int) -> int:
 WIDE_MIN_CIN = 128
 WAVE_SMS = 132            # SMs of an H100 / H200: a constant, so a plan is the same on every GPU
 WIDE_MIN_SLICES = 128
-# Deep stages (kernels conv_dgrad_tree_*_deep): the 128 x 64 tile's unsplit launches load 16 output
-# channels per stage instead of 8, so a block waits at half as many barriers and has twice the FMAs
-# between a stage's loads and their use. The same chains, so the same bits (tests/test_conv_dgrad.py).
-# Split launches keep stages of 8 (their ranges are counted in them, tree_split), and so does a Cout of
-# an odd number of 8-channel stages, which stages of 16 would pad with more zeros (the forward form of a
-# 3-channel stem: 75.2 us in stages of 8, 108.9 in stages of 16). H100, fp32, GPU us per call at d131b0f
-# (bench/dev/conv_tree_gemm.py --deep on,off), stages of 8 / 16: torchvision resnet18 at 224 px, batch
-# 128: 3x3 64->64 56x56 1069.2 / 982.6 (NCHW), 1122.5 / 1007.3 (channels_last), 3x3 s2 64->128
-# 648.3 / 567.5, every dgrad shape 18122 / 17735 us (NCHW); our ResNet-18 (CIFAR, batch 128): 3x3 64->64
-# 32x32 359.0 / 331.9; shapes on other tiles unchanged.
-DEEP_SLICES = True
 
 
 def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     if EMPTY_ZEROS not in ("auto", "memset", "kernel"):
         raise ValueError(f"{OP}: EMPTY_ZEROS must be 'auto', 'memset' or 'kernel', got {EMPTY_ZEROS!r}")
-    return _tree_plan(g, dy_stride, EMPTY_ZEROS, (WIDE_MIN_CIN, WAVE_SMS, WIDE_MIN_SLICES), DEEP_SLICES)
+    return _tree_plan(g, dy_stride, EMPTY_ZEROS, (WIDE_MIN_CIN, WAVE_SMS, WIDE_MIN_SLICES))
 
 
 @functools.lru_cache(maxsize=1024)
-def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_rule: tuple[int, int, int],
-               deep: bool = False) -> LaunchPlan:
+def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_rule: tuple[int, int, int]) -> LaunchPlan:
     rows_taps, cols_taps = phase_offsets(g.kh, g.sh, g.ph, g.dh), phase_offsets(g.kw, g.sw, g.pw, g.dw)
     empty = not all(rows_taps) or not all(cols_taps)
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
@@ -366,8 +354,6 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_r
         if working >= wave_sms or g.kh * g.kw * cdiv(g.cout, 8) // ksplit >= wide_min_slices:
             kernel += "_wide" if working > wave_sms else "_wide1"
             grid = wide
-    if deep and ksplit == 1 and grid[1] == cdiv(g.cin, BN) and cdiv(g.cout, 8) % 2 == 0:   # see DEEP_SLICES
-        kernel += "_deep"
     return LaunchPlan(kernel, (grid[0], grid[1] * ksplit, grid[2]), (THREADS,), 0,
                       (*head[:-1], np.int32(fill), np.int32(ksplit)), fill, "tap_major", ksplit)
 
