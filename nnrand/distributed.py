@@ -122,9 +122,17 @@ class Group:
                 dist.init_process_group(backend, timeout=timeout, rank=world.rank, world_size=world.size)
                 self.control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Tear the process group down. ``wait`` (a run that ended normally): first a barrier on the gloo
+        group, so that no rank destroys its part while another is still using it (a rank torn down early,
+        the TCP store's host among them, could abort with SIGABRT in gloo's threads: "terminate called
+        without an active exception"); a run that failed does not wait for peers that may be gone."""
         if self.world.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                if wait:
+                    self.barrier()
+            finally:
+                dist.destroy_process_group()
 
     @contextmanager
     def guard(self, what: str, *, only_collectives: bool = False):

@@ -973,16 +973,18 @@ def main(config: Config | dict) -> dict:
         # changed bits between 1 and 2 threads), so every process uses one: the processes are the parallelism.
         torch.set_num_threads(1)
     group = distributed.Group(world, torch.device(cfg.device))
+    finished = False
     try:
         with noise.pinned_flags(tf32=cfg.tf32, cudnn_deterministic=deterministic,
                                 cudnn_benchmark=cfg.cudnn_benchmark) as flags:
             for member in range(cfg.first_member, cfg.first_member + cfg.members):
                 results.append(train_member(cfg, member, ds, route, flags, group, log))
+        finished = True
     except BaseException as e:
         log.error("stopped: %s: %s", type(e).__name__, e)
         raise
     finally:
-        group.close()
+        group.close(wait=finished)
         torch.set_num_threads(threads)
         for h in list(log.handlers):
             log.removeHandler(h)

@@ -113,6 +113,30 @@ def test_world_from_env():
 U = 2.0 ** -24   # float32 unit roundoff
 
 
+@pytest.mark.parametrize("wait, calls", [(True, ["barrier", "destroy"]), (False, ["destroy"])])
+def test_close_waits_for_every_rank_before_tearing_down(monkeypatch, wait, calls):
+    """A run that ended normally meets the other ranks at a barrier before destroying its process group
+    (a rank torn down while a peer still used the group could abort in gloo's threads); a failed run
+    does not wait for peers that may be gone; the group is destroyed even if the barrier fails."""
+    seen = []
+    group = distributed.Group(distributed.World(), torch.device("cpu"))
+    group.world = distributed.World(rank=0, size=2)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "monitored_barrier", lambda **kw: seen.append("barrier"))
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: seen.append("destroy"))
+    group.close(wait=wait)
+    assert seen == calls
+
+    def dead(**kw):
+        raise RuntimeError("Rank 1 failed to pass monitoredBarrier")
+
+    seen.clear()
+    monkeypatch.setattr(torch.distributed, "monitored_barrier", dead)
+    with pytest.raises(distributed.RankFailure):
+        group.close()
+    assert seen == ["destroy"]
+
+
 def test_invariant_step_gradient_is_the_global_mean_loss_gradient():
     """4 micro-batches of 8: each one's summed loss / 32, added in the tree, is the gradient of the
     mean loss over all 32 images."""
@@ -216,10 +240,12 @@ def _rank(rank: int, size: int, port: int, out: str, steps) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     group = distributed.Group(distributed.World(rank=rank, size=size, timeout_s=60), torch.device("cpu"))
+    finished = False
     try:
         torch.save(steps(group), f"{out}/rank{rank}.pt")
+        finished = True
     finally:
-        group.close()
+        group.close(wait=finished)
 
 
 def test_invariant_step_agrees_on_used_parameters_across_ranks(tmp_path):
