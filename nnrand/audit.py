@@ -76,6 +76,7 @@ import torch
 import torch.nn.functional as F
 
 from nnrand import fingerprint as envfp
+from nnrand import timing
 from nnrand import runio
 
 REPO = Path(__file__).resolve().parent.parent
@@ -913,34 +914,12 @@ def _sync(device: torch.device) -> None:
 
 
 SPIN_S_PER_CALL = 200e-6   # host time per queued call the spin kernel covers, at a ~2 GHz SM clock
-SPIN_DOUBLINGS = 3         # a spin that ended before the calls were queued is retried this often, twice as long
 
 
 def _cuda_times(fn: Callable[[], object], n: int, device: torch.device) -> tuple[list[float], bool]:
     """(seconds per call from CUDA events, whether they may include host time): ``n`` calls queued behind a
-    spin kernel so that host launch cost does not leak into device time (bench.timing.queued_event_times'
-    check; nnrand does not import bench, which imports nnrand). Where the GPU had already reached a call's
-    start event when the host returned from queueing that call, the call may have waited for the host
-    between its events: the timing runs again with twice the spin, up to SPIN_DOUBLINGS times; past that (a
-    ``fn`` that waits for the GPU itself) the times are returned with ``True``. Without torch.cuda._sleep the
-    calls are timed once, unqueued (``True``)."""
-    spin = getattr(torch.cuda, "_sleep", None)
-    for attempt in range(SPIN_DOUBLINGS + 1 if spin is not None else 1):
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        torch.cuda.synchronize(device)
-        if spin is not None:
-            spin(int(2e9 * SPIN_S_PER_CALL * n * 2**attempt))
-        caught_up = spin is None
-        for s, e in zip(starts, ends):
-            s.record()
-            fn()
-            e.record()
-            caught_up = caught_up or s.query()   # the GPU was at this call before the host was done with it
-        torch.cuda.synchronize(device)
-        if not caught_up:
-            break
-    return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)], caught_up
+    spin kernel so that host launch cost does not leak into device time (``timing.queued_event_times``)."""
+    return timing.queued_event_times(fn, n, device, host_ahead_s=SPIN_S_PER_CALL)
 
 
 @dataclass

@@ -38,14 +38,21 @@ def test_unknown_names_list_the_valid_ones():
         kernels.get("bias_grad", "fast")
 
 
-def test_define_op_registers_spec_and_variants_in_order(monkeypatch):
-    # a scratch copy of the tables, so the test op never leaks into the real registry
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
-    base = kernels.spec("sum")
-    fields = {f: getattr(base, f) for f in ("make_inputs", "reference", "test_cases", "bench_cases", "peers",
-                                            "bytes_moved")}
-    cuda, cpu = kernels.get("sum", "tree").cuda, kernels.get("sum", "tree").cpu
+@pytest.fixture
+def scratch():
+    """(spec fields, CUDA launcher, CPU model) borrowed from sum, on a scratch copy of the registry's tables
+    (monkeypatched), so a test op never leaks into the real registry."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+        mp.setattr(registry, "_SPECS", dict(registry._SPECS))
+        base = kernels.spec("sum")
+        fields = {f: getattr(base, f) for f in ("make_inputs", "reference", "test_cases", "bench_cases", "peers",
+                                                "bytes_moved")}
+        yield fields, kernels.get("sum", "tree").cuda, kernels.get("sum", "tree").cpu
+
+
+def test_define_op_registers_spec_and_variants_in_order(scratch):
+    fields, cuda, cpu = scratch
     spec = registry.define_op("scratch", variants=[("tree", True, False, cuda, cpu, "t"),
                                                    ("atomic", False, False, cuda, cpu, "a")], **fields)
     assert kernels.spec("scratch") is spec and spec.op == "scratch"
@@ -59,15 +66,10 @@ def test_define_op_registers_spec_and_variants_in_order(monkeypatch):
         registry.define_op("scratch", variants=[("tree", True, False, cuda, cpu, "t")])
 
 
-def test_define_op_refuses_before_registering_anything(monkeypatch):
+def test_define_op_refuses_before_registering_anything(scratch):
     """A duplicate variant name, a benchmark argument for an unknown variant or a second registration is
     refused before anything is added: the registry is as it was."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
-    base = kernels.spec("sum")
-    fields = {f: getattr(base, f) for f in ("make_inputs", "reference", "test_cases", "bench_cases", "peers",
-                                            "bytes_moved")}
-    cuda, cpu = kernels.get("sum", "tree").cuda, kernels.get("sum", "tree").cpu
+    fields, cuda, cpu = scratch
     before = (dict(registry._REGISTRY), dict(registry._SPECS))
     with pytest.raises(ValueError, match="given twice"):
         registry.define_op("scratch", variants=[("tree", True, False, cuda, cpu, "t"),
