@@ -991,8 +991,10 @@ def _module_on_stack(model: torch.nn.Module | None) -> str | None:
 
 
 def _guarded_forward(s: "_Session", original, entry: Uncovered, keyset, *args, **kwargs):
-    x = args[0]
-    grad = torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad
+    # any tensor input that records a backward: grid_sample's backward runs (and PyTorch refuses it in
+    # deterministic mode) when only the grid requires a gradient
+    grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in (*args, *kwargs.values()))
     if (entry.forward or grad) and entry.applies(*args):
         why = (f"its CUDA {'kernel' if entry.forward else 'backward (aten::' + entry.backward + ')'} adds in an "
                "order that changes from run to run")

@@ -613,7 +613,8 @@ def finished_config_diff(directory: Path, cfg: Config, world: distributed.World 
 
 
 # Fingerprint fields under which the same code may give other bits (a resume across them is recorded)
-BIT_AFFECTING = ("torch", "numpy", "numba", "cuda", "cudnn", "cupy", "device", "gpu", "cpu_threads")
+BIT_AFFECTING = ("torch", "numpy", "numba", "cuda", "cudnn", "cupy", "cupy_cuda", "nvrtc", "device", "gpu",
+                 "cpu_threads", "cpu_capability")
 
 
 def _config_diff(a: dict, b: dict) -> list[str]:

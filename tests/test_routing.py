@@ -459,6 +459,20 @@ def test_strict_refuses_an_uncovered_nondeterministic_op_naming_op_and_module():
     assert routing.active() is None and not torch.are_deterministic_algorithms_enabled()
 
 
+def test_strict_refuses_an_uncovered_backward_reached_through_a_later_input():
+    """The guard looks at every tensor input: grid_sample whose grid alone requires a gradient still runs
+    its (uncovered) backward, so strict mode refuses it; without any gradient it runs."""
+    g = torch.Generator().manual_seed(83)
+    image = torch.randn(2, 3, 8, 8, generator=g)
+    grid = (torch.rand(2, 5, 5, 2, generator=g) * 2 - 1).requires_grad_()
+    with pytest.raises(routing.NondeterministicOpError, match="grid_sampler_2d"):
+        with nnrand.use_kernels("tree"):
+            F.grid_sample(image, grid, align_corners=False).sum().backward()
+    with nnrand.use_kernels("tree"), torch.no_grad():
+        out = F.grid_sample(image, grid, align_corners=False)
+    assert out.shape == (2, 3, 5, 5)
+
+
 def test_warn_mode_warns_once_and_counts_uncovered():
     need_ops(*routing.ROUTED_OPS)
     torch.manual_seed(7)

@@ -337,6 +337,21 @@ def test_a_resume_under_other_cpu_threads_is_recorded(tmp_path):
     assert resumed["fingerprint_changes"] == {"cpu_threads": [threads, threads + 1]}
 
 
+def test_a_resume_under_another_cpu_instruction_set_is_recorded(tmp_path, monkeypatch):
+    """torch's CPU kernels dispatch by instruction set (AVX2, AVX512, ...), which changes CPU results: a
+    resume whose capability differs from the run's start records the change as it does other versions."""
+    from nnrand import fingerprint
+
+    kw = dict(epochs=2, kernel="native")
+    with pytest.raises(KeyboardInterrupt):
+        train.main(tiny(tmp_path, "isa", interrupt_at_step=3, **kw))
+    first = fingerprint._cpu_capability()
+    monkeypatch.setattr(fingerprint, "_cpu_capability", lambda: "OTHER")
+    train.main(tiny(tmp_path, "isa", **kw))
+    resumed = runio.read_json(runio.member_dir(tmp_path, "isa", 0) / "config.json")["resumed_from"]
+    assert resumed["fingerprint_changes"] == {"cpu_capability": [first, "OTHER"]}
+
+
 def test_atomic_resume_with_seeded_cpu_order_is_identical(tmp_path):
     """The kernel RNG state travels in the checkpoint too."""
     need_all_ops()
