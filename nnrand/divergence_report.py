@@ -290,6 +290,23 @@ def link_rows(res: dict) -> list[dict]:
     return rows
 
 
+def holm_adjusted(res: dict, stat: str) -> dict[tuple[str, str], float]:
+    """Holm-adjusted p-values of the results' paired tests of one statistic ("disagreement" or
+    "accuracy_sd"), keyed by (a, b) as stored: the table's tests of that statistic are one family."""
+    from nnrand import stats
+
+    comps = res.get("comparisons") or []
+    raw = [c[stat].get("p_value") if _ok(c[stat].get("p_value")) else float("nan") for c in comps]
+    return {(c["a"], c["b"]): float(q) for c, q in zip(comps, stats.holm(raw))}
+
+
+def _holm_of(res: dict, a: str, b: str, stat: str = "disagreement") -> float | None:
+    """The Holm-adjusted p of the test between a and b (either order), None if absent."""
+    adj = holm_adjusted(res, stat)
+    q = adj.get((a, b), adj.get((b, a)))
+    return q if q is not None and _ok(q) else None
+
+
 def comparison(res: dict, a: str | None, b: str | None) -> dict | None:
     """The paired test of configuration a against b in the results (either order; None if absent)."""
     for c in res.get("comparisons") or []:
@@ -379,9 +396,14 @@ def _op_ranking(link: list[dict], cfg: dict, res: dict, at: str) -> list[str]:
                       "their baselines, overlap or are missing)" if tied else
                       "; ahead of every other op (member-bootstrap intervals relative to their baselines apart)")
             vs = [c for c in res.get("comparisons") or [] if c["a"] == top["config"] and c["b"].startswith("control")]
-            test = (f"; against `{vs[0]['b']}` (its model's fixed-seed baseline) difference "
-                    f"{ci_txt(vs[0]['disagreement']['diff'], unit=' pt')}, permutation p = {p_txt(vs[0]['disagreement'])}"
-                    if vs else "")
+            test = ""
+            if vs:
+                q = _holm_of(res, vs[0]["a"], vs[0]["b"])
+                test = (f"; against `{vs[0]['b']}` (its model's fixed-seed baseline) difference "
+                        f"{ci_txt(vs[0]['disagreement']['diff'], unit=' pt')}, permutation p = "
+                        f"{p_txt(vs[0]['disagreement'])}" +
+                        (f", {q:.3g} Holm-adjusted over the study's {len(res['comparisons'])} paired tests"
+                         if q is not None else ""))
             out.append(f"- **Op contributing most{at}** (relative to random seeds on the op's own model, `algo` or "
                        f"`algo@<model>`): `{top['op']}` atomic alone gives "
                        f"{pct(top['disagreement'], top['disagreement_se'])} pairwise disagreement, {top['ratio']:.2f}x "
@@ -500,14 +522,24 @@ def comparison_table(res: dict) -> list[str]:
            "bootstrap interval (members resampled within each configuration) and a two-sided permutation test over "
            "members (null: the members of a and b are exchangeable; the pooled members are split at random and "
            "the statistic recomputed; p counts the observed split). All splits are enumerated when there are few: "
-           "with 2 members per side there are 6 and p cannot go below 1/3.", "",
-           "| a | b | disagreement a / b, % | difference, pt | p | acc SD a / b, pt | difference, pt | p |",
-           "|---|---|---|---|---|---|---|---|"]
+           "with 2 members per side there are 6 and p cannot go below 1/3. Each statistic's tests form one family: "
+           f"*Holm* is Holm's step-down adjusted p over its {len(comps)} tests (family-wise error at most "
+           f"{ALPHA:g}); read a difference as detected only where that is below {ALPHA:g}. The headline's "
+           "impl-against-algo answer is the study's one primary comparison and quotes its own p.", "",
+           "| a | b | disagreement a / b, % | difference, pt | p | Holm | acc SD a / b, pt | difference, pt | p | "
+           "Holm |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    hd, ha = holm_adjusted(res, "disagreement"), holm_adjusted(res, "accuracy_sd")
+
+    def adj(q):
+        return f"{q:.3g}" if _ok(q) else "-"
     for c in comps:
         d, a = c["disagreement"], c["accuracy_sd"]
+        key = (c["a"], c["b"])
         out.append(f"| `{c['a']}` | `{c['b']}` | {pct(d['a'])} / {pct(d['b'])} | {ci_txt(d['diff'])} | {p_txt(d)} | "
-                   f"{num(100 * a['a'] if _ok(a['a']) else None, 3)} / {num(100 * a['b'] if _ok(a['b']) else None, 3)} | "
-                   f"{ci_txt(a['diff'])} | {p_txt(a)} |")
+                   f"{adj(hd[key])} | {num(100 * a['a'] if _ok(a['a']) else None, 3)} / "
+                   f"{num(100 * a['b'] if _ok(a['b']) else None, 3)} | {ci_txt(a['diff'])} | {p_txt(a)} | "
+                   f"{adj(ha[key])} |")
     return out + [""]
 
 

@@ -35,6 +35,11 @@ are drawn and p = (1 + #{|stat| >= |observed|}) / (1 + PERM). The difference als
 interval (members resampled within each configuration independently). Both configurations must be
 evaluated on the same test images (the pooled disagreement matrix pairs members across them).
 
+A table of several such tests is a family: reading each p below 0.05 would find some difference in one
+family of 20 true nulls with probability up to 1 - 0.95^20 = 64%. ``holm`` gives Holm's step-down
+adjusted p-values (family-wise error at most the level, under any dependence between the tests); a
+report reads a difference in a family as detected only where its adjusted p is below the level.
+
 Churn is always *disagreement*: the fraction of test examples on which two members' top-1 predictions
 differ (0 for identical predictions), never agreement.
 """
@@ -229,6 +234,20 @@ def permutation_test(stat: Callable[[np.ndarray, np.ndarray], np.ndarray], n_a: 
     hits = np.isfinite(s) & (np.abs(s) >= abs(observed) - tol)
     return {"stat": observed, "p_value": float(hits.mean()), "splits": int(len(s)), "exact": exact,
             "min_p": 1 / len(s)}
+
+
+def holm(p_values) -> np.ndarray:
+    """Holm's step-down adjustment of a family of p-values: sorted ascending, p_(i) is multiplied by
+    (m - i) for i = 0..m-1, made non-decreasing along that order and capped at 1; returned in the input's
+    order. NaN entries (no test) stay NaN and do not count in m."""
+    p = np.asarray(p_values, dtype=float)
+    out = np.full(p.shape, np.nan)
+    ok = np.flatnonzero(~np.isnan(p))
+    order = ok[np.argsort(p[ok], kind="stable")]
+    m = len(order)
+    adjusted = np.minimum(1.0, np.maximum.accumulate(p[order] * (m - np.arange(m))))
+    out[order] = adjusted
+    return out
 
 
 def _compare(stat, n_a: int, n_b: int, n_boot: int, n_perm: int, seed: int, level: float) -> dict:

@@ -151,6 +151,14 @@ def test_intervals_and_paired_tests_render(tmp_path):
     assert f"difference {-100 * d['value']:.3g} pt [{-100 * d['hi']:.3g}, {-100 * d['lo']:.3g}]" in first
     assert (f"against `control` (its model's fixed-seed baseline) difference "
             f"{100 * op['disagreement']['diff']['value']:.3g} pt") in first
+    # the paired tests of each statistic are one family: Holm's adjusted p beside each raw one
+    q = stats.holm([comp["disagreement"]["p_value"], op["disagreement"]["p_value"]])
+    assert q[0] >= comp["disagreement"]["p_value"] and q[1] >= op["disagreement"]["p_value"]
+    assert f"{q[1]:.3g} Holm-adjusted over the study's 2 paired tests" in first
+    row = next(line for line in text.splitlines() if line.startswith("| `algo` | `impl` |"))
+    assert f"| {q[0]:.3g} |" in row
+    qa = stats.holm([comp["accuracy_sd"]["p_value"], op["accuracy_sd"]["p_value"]])
+    assert row.endswith(f"| {qa[0]:.3g} |")
 
 
 def test_published_reference_verdict_follows_the_ratio(tmp_path):

@@ -173,6 +173,18 @@ def _groups_of_members(rng, m, n, flip):
     return one_hot_logits(preds, 10), labels
 
 
+def test_holm_adjustment_by_hand():
+    """Holm's step-down by hand: sorted p (0.01, 0.02, 0.03, 0.5) times (4, 3, 2, 1) = (0.04, 0.06, 0.06,
+    0.5), already non-decreasing; a later smaller product is raised to the running maximum; NaN stays NaN
+    and is not counted; products above 1 are capped."""
+    got = stats.holm([0.03, 0.5, 0.01, 0.02])
+    assert np.allclose(got, [0.06, 0.5, 0.04, 0.06])
+    got = stats.holm([0.04, 0.041, np.nan])       # m = 2: 0.08, then max(0.08, 0.041) = 0.08
+    assert np.allclose(got[:2], [0.08, 0.08]) and np.isnan(got[2])
+    assert np.allclose(stats.holm([0.6, 0.7]), [1.0, 1.0])
+    assert stats.holm([]).shape == (0,)
+
+
 def test_compare_identical_groups_gives_a_large_p_value():
     rng = np.random.default_rng(0)
     logits, labels = _groups_of_members(rng, 6, 200, 0.2)
