@@ -142,6 +142,27 @@ def test_cu_file_compiles_for_sm90(source, tmp_path):
     assert "warning" not in result.stderr.lower(), result.stderr
 
 
+# Sources compiled per activation dtype (their launchers pass kernels/runtime.py act_defines: NNRAND_ACT 1
+# bfloat16, 2 float16): those whose kernels read act_t (common.cuh)
+HALF_SOURCES = [s for s in CU_FILES if "act_t" in (KERNEL_DIR / s).read_text()]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+@pytest.mark.parametrize("act", [1, 2], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("source", HALF_SOURCES)
+def test_half_builds_compile_for_sm90a(source, act, tmp_path):
+    """Each half-precision build, device code only as NVRTC compiles it, for sm_90a (the target a 9.0 GPU
+    gets where a source asks for arch-specific instructions: conv_mma's wgmma kernels)."""
+    assert set(HALF_SOURCES) >= {"bn_bwd.cu", "conv_mma.cu", "maxpool_bwd.cu"}, HALF_SOURCES
+    result = subprocess.run(
+        ["nvcc", "-arch=sm_90a", "--cubin", f"-DNNRAND_ACT={act}", f"-I{KERNEL_DIR}", "-o", str(tmp_path / "k.cubin"),
+         str(KERNEL_DIR / source)],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr.lower(), result.stderr
+
+
 class _FakeDriver:
     """Stands in for cupy.cuda.driver: keeps what one launch passed, parameters read back from their slots."""
 
