@@ -265,3 +265,34 @@ def test_ticket_counters_keep_outgrown_buffers_and_captures_get_their_own():
         graph.replay()
         torch.cuda.synchronize()
         assert int(captured.max()) == 1 and int(captured.min()) == 1
+
+
+def test_memo_check_remembers_valid_configurations_only():
+    """A check memoised by memo_check runs once per valid configuration; a configuration it refuses is
+    checked (and refused) every time; 1, 1.0 and True are different keys; an unhashable argument is
+    checked in full every time."""
+    from kernels.runtime import check_key, memo_check
+
+    calls = []
+
+    def check(t, k):
+        calls.append(k)
+        if k == 0:
+            raise KernelArgumentError("op", "k", "must not be 0")
+        return ("ok", k)
+
+    cache: dict = {}
+    t = torch.zeros(2, 3)
+    assert memo_check(cache, check, t, 5) == ("ok", 5) and memo_check(cache, check, t, 5) == ("ok", 5)
+    assert calls == [5]
+    memo_check(cache, check, t.t(), 5)          # other strides: another configuration
+    assert calls == [5, 5]
+    for _ in range(2):
+        with pytest.raises(KernelArgumentError, match="must not be 0"):
+            memo_check(cache, check, t, 0)
+    assert calls == [5, 5, 0, 0]
+    assert len({check_key(1), check_key(1.0), check_key(True)}) == 3
+    assert check_key([1]) is None
+    for _ in range(2):
+        memo_check(cache, check, t, [7])
+    assert calls[-2:] == [[7], [7]]
