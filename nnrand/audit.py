@@ -1213,8 +1213,8 @@ KEY = ("entry", "phase", "scale", "device", "git_sha")   # one row per key: a ne
 SETTINGS = ("repeats", "cudnn_benchmark")
 # What a row's results depend on beyond its key and settings: a row measured under other values is measured
 # again (NVRTC compiles nnrand's CUDA kernels; CPU kernels change with the thread count and instruction set)
-CUDA_ENV = ("torch", "cuda", "cudnn", "driver", "nvrtc")
-CPU_ENV = ("torch", "cpu_threads", "cpu_capability")
+CUDA_ENV = ("torch", "cuda", "cudnn", "driver", "nvrtc", "cupy", "cupy_cuda", "cublas_workspace_config")
+CPU_ENV = ("torch", "numba", "cpu_threads", "cpu_capability")
 COLUMNS = ("entry", "phase", "family", "aten_op", "shape", "scale", "device", "git_sha", "pytorch_flag",
            "nnrand_route", "repeats", "cudnn_benchmark", "default_distinct", "default_ms", "default_hash",
            "det_status", "det_message", "det_distinct", "det_ms", "det_ratio", "det_hash", "nnrand_op",
@@ -1348,9 +1348,12 @@ def csv_lock(csv_path: Path | str, timeout_s: float = LOCK_TIMEOUT_S) -> Iterato
     try:
         yield
     finally:
+        if fcntl is None:   # O_EXCL: close before removing (an open file cannot be removed on Windows)
+            os.close(fd)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        os.close(fd)
+            os.unlink(path)   # flock: removed while still held, so no waiter locks a file about to go
+        if fcntl is not None:
+            os.close(fd)
 
 
 def write_row(csv_path: Path | str, row: Mapping, md_path: Path | str | None = None) -> list[dict]:
@@ -1385,7 +1388,8 @@ def run_audit(entries: Sequence[Entry], *, device: torch.device | str = "cpu", r
         raise ValueError(f"--repeats must be at least 2 to compare results, got {repeats}")
     csv_path = Path(csv_path)
     md_path = Path(md_path) if md_path is not None else default_md(csv_path)
-    with cublas_workspace() as cublas:
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with cublas_workspace() as cublas, on_device:   # events, spins and streams on the audited GPU
         stamp = {"scale": scale, "device": device_name(device), "git_sha": envfp.git_sha(), "repeats": repeats,
                  "cudnn_benchmark": cudnn_benchmark, "cublas_workspace_config": cublas,
                  "doc_flags_torch": DOC_FLAGS_TORCH}
@@ -1545,6 +1549,15 @@ def _route_of(r: dict) -> str:
         else r.get("nnrand_route", "")
 
 
+def _flag_of(r: dict) -> str:
+    """The row's PyTorch flag in the rendering code's table (its entry's quick-scale twin on the row's device
+    type), or the CSV's for an entry this code does not have: a corrected flag reaches rows measured before."""
+    twin = _quick_entries().get(r.get("entry", ""))
+    if twin is None or r.get("phase") not in twin.phases():
+        return r.get("pytorch_flag", "")
+    return _doc_flag(twin, r["phase"], torch.device("cpu" if _cpu_row(r) else "cuda"))
+
+
 def _route_cell(r: dict, rt: str) -> str:
     if rt.startswith("routed "):
         return f"routed `{rt.split(' ', 1)[1]}`"
@@ -1554,7 +1567,7 @@ def _route_cell(r: dict, rt: str) -> str:
 
 
 def render_markdown(rows: list[dict]) -> str:
-    rows = _latest_group(rows)
+    rows = [dict(r, pytorch_flag=_flag_of(r)) for r in _latest_group(rows)]
     if not rows:
         return "# Determinism audit\n\nNo results.\n"
     r0 = rows[0]
@@ -1582,7 +1595,7 @@ def render_markdown(rows: list[dict]) -> str:
         "",
         "Each row repeats one phase of one op on identical inputs. *distinct*: distinct output hashes over the "
         "repeats (1: bitwise repeatable). *PyTorch flag*: what `torch.use_deterministic_algorithms`'s "
-        f"documentation ({_values(rows, 'doc_flags_torch', lambda v: 'as of torch ' + v, 'version not recorded')}) "
+        f"documentation (as of torch {DOC_FLAGS_TORCH}, the rendering code's table) "
         "says of this op on this device (`raises` in "
         "deterministic mode, `det-alt`: switches to a deterministic algorithm). *det mode*: "
         "`torch.use_deterministic_algorithms(True)`, `cudnn.deterministic=True` (`CUBLAS_WORKSPACE_CONFIG=:4096:8` "

@@ -86,7 +86,10 @@ def _edits() -> tuple[bool, str] | None:
     """(dirty, 8 hex digits naming the edits) of the checkout, or None where git cannot say: tracked files
     that differ from HEAD and untracked files under kernels/, outside NOT_CODE."""
     spec = ["--", ".", *(f":(exclude){p}" for p in NOT_CODE)]
-    diff = _run_bytes(["git", "diff", "HEAD", "--binary", *spec])
+    # plumbing, not porcelain: no external diff tool, no textconv, no colour, full object names, whatever the
+    # user's or the clone's git configuration says (their output would change the hash, or hide the edits)
+    diff = _run_bytes(["git", "-c", "core.quotePath=true", "diff-index", "-p", "--binary", "--full-index",
+                       "--no-textconv", "--no-ext-diff", "--no-color", "--no-renames", "HEAD", *spec])
     untracked = _run_bytes(["git", "ls-files", "--others", "--exclude-standard", "-z", "--", "kernels"])
     if diff is None or untracked is None:
         return None

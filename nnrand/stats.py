@@ -35,8 +35,8 @@ are drawn and p = (1 + #{|stat| >= |observed|}) / (1 + PERM). The difference als
 interval (members resampled within each configuration independently). Both configurations must be
 evaluated on the same test images (the pooled disagreement matrix pairs members across them).
 
-A table of several such tests is a family: reading each p below 0.05 would find some difference in one
-family of 20 true nulls with probability up to 1 - 0.95^20 = 64%. ``holm`` gives Holm's step-down
+A table of several such tests is a family: reading each p below 0.05 would find some difference in a
+family of 20 independent true nulls with probability 1 - 0.95^20 = 64%. ``holm`` gives Holm's step-down
 adjusted p-values (family-wise error at most the level, under any dependence between the tests); a
 report reads a difference in a family as detected only where its adjusted p is below the level.
 

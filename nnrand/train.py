@@ -694,8 +694,9 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
         meta["perturb"] = state["perturb"]
         meta["resumed_from"] = {"epoch": state["epoch"], "i": state["i"], "step": state["step"]}
         first = state.setdefault("fingerprint", None)   # None: a checkpoint written before it was kept
+        # fields the run's first fingerprint lacks (recorded by a later version) are not changes
         changed = {k: [first.get(k), meta["fingerprint"].get(k)] for k in BIT_AFFECTING
-                   if first is not None and first.get(k) != meta["fingerprint"].get(k)}
+                   if first is not None and k in first and first.get(k) != meta["fingerprint"].get(k)}
         if changed:   # the run goes on, recorded: these change the bits from the resume on
             meta["resumed_from"]["fingerprint_changes"] = changed
             log.warning("member %d resumes where %s differ%s from the start of the run (old, new: %s): the bits "
@@ -985,11 +986,13 @@ def main(config: Config | dict) -> dict:
         log.error("stopped: %s: %s", type(e).__name__, e)
         raise
     finally:
-        group.close(wait=finished)
-        torch.set_num_threads(threads)
-        for h in list(log.handlers):
-            log.removeHandler(h)
-            h.close()
+        try:
+            group.close(wait=finished)   # a peer lost at the final barrier raises here, after the rest below
+        finally:
+            torch.set_num_threads(threads)
+            for h in list(log.handlers):
+                log.removeHandler(h)
+                h.close()
     report_path = None
     if cfg.report and world.is_main:
         from nnrand import report

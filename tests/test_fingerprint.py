@@ -2,6 +2,7 @@
 the commit of a copied tree."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -120,6 +121,26 @@ def test_dirty_sha_names_its_edits(repo):
     assert a != b and _sha() == a and a.startswith(clean + "-dirty-")
     info = fp.fingerprint()
     assert info["git_dirty"] is True and a.endswith(info["git_edits"])
+
+
+def test_dirty_sha_ignores_the_users_git_configuration(repo, monkeypatch):
+    """The edits are named from git's plumbing: an external diff tool (which would print nothing, and so
+    call an edited tree clean), prefixes, abbreviations, context, colour and rename detection do not change
+    the name; a file touched without a change is no edit."""
+    (repo / "kernels" / "sum.py").write_text("x = 4\n")
+    plain = _sha()
+    assert "-dirty-" in plain
+    monkeypatch.setenv("GIT_EXTERNAL_DIFF", "true")
+    monkeypatch.setenv("GIT_CONFIG_PARAMETERS", "'diff.noprefix=true' 'core.abbrev=12' 'diff.context=5' "
+                                                "'color.diff=always' 'diff.renames=false' 'diff.mnemonicPrefix=true'")
+    assert _sha() == plain
+    monkeypatch.delenv("GIT_EXTERNAL_DIFF")
+    monkeypatch.delenv("GIT_CONFIG_PARAMETERS")
+    subprocess.run(["git", "checkout", "-q", "--", "kernels/sum.py"], cwd=repo, check=True)
+    clean = _sha()
+    assert "-dirty" not in clean
+    os.utime(repo / "kernels" / "sum.py", (1, 1))   # touched, not changed
+    assert _sha() == clean
 
 
 def test_no_git_cupy_or_nvidia_smi_is_no_crash(monkeypatch, fresh_git):

@@ -352,6 +352,24 @@ def test_a_resume_under_another_cpu_instruction_set_is_recorded(tmp_path, monkey
     assert resumed["fingerprint_changes"] == {"cpu_capability": [first, "OTHER"]}
 
 
+def test_a_field_the_first_fingerprint_lacks_is_no_change_on_resume(tmp_path, monkeypatch):
+    """A checkpoint written before a fingerprint field existed (no ``cpu_capability`` in its first
+    fingerprint) resumes without that field recorded as a change."""
+    from nnrand import fingerprint
+
+    kw = dict(epochs=2, kernel="native")
+    with pytest.raises(KeyboardInterrupt):
+        train.main(tiny(tmp_path, "old", interrupt_at_step=3, **kw))
+    path = runio.member_dir(tmp_path, "old", 0) / "checkpoint.pt"
+    ckpt = torch.load(path, weights_only=False)
+    del ckpt["state"]["fingerprint"]["cpu_capability"]
+    torch.save(ckpt, path)
+    monkeypatch.setattr(fingerprint, "_cpu_capability", lambda: "OTHER")
+    train.main(tiny(tmp_path, "old", **kw))
+    resumed = runio.read_json(runio.member_dir(tmp_path, "old", 0) / "config.json")["resumed_from"]
+    assert "fingerprint_changes" not in resumed and resumed["step"] > 0
+
+
 def test_atomic_resume_with_seeded_cpu_order_is_identical(tmp_path):
     """The kernel RNG state travels in the checkpoint too."""
     need_all_ops()
