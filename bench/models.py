@@ -168,7 +168,8 @@ def run_once(case: ModelCase, mode: str, layout: str, batches, args, *, strict: 
             events.append((step, a, b))
         torch.cuda.synchronize()
         if m.routing is not None:
-            coverage = {op: {k: v // args.steps for k, v in c.items()}
+            # per step, rounded up: an op met once in the whole run still shows (an uncovered one above all)
+            coverage = {op: {k: -(-v // args.steps) for k, v in c.items()}
                         for op, c in m.routing.coverage.as_dict().items()}
     out = {"times": [a.elapsed_time(b) for step, a, b in events if step >= args.warmup],
            "hash": weights_hash(model), "coverage": coverage}
@@ -339,17 +340,25 @@ def _best(row: dict, mode: str) -> dict | None:
     return None if not m or not m.get("layout") else dict(m["layouts"][m["layout"]], layout=m["layout"])
 
 
+FORWARD_OPS = {"convolution": "conv fwd"}   # forward aten ops a routing may take (the tuner's forward convs)
+
+
 def _coverage_text(cov: dict | None) -> str:
+    """Per aten op: calls routed to nnrand's kernels, then ``/torch_det n`` (the tuner chose torch's own
+    deterministic kernel) and ``/orig n`` (passed on), or UNCOVERED; backward ops by their forward's name,
+    the forward convs the tuner routes as ``conv fwd``."""
     if not cov:
         return "-"
     parts = []
     for op, c in sorted(cov.items()):
-        routed = sum(n for k, n in c.items() if k not in ("original", "uncovered"))
-        name = op.replace("_backward", "")
+        det = c.get("torch_det", 0)
+        routed = sum(n for k, n in c.items() if k not in ("original", "uncovered", "torch_det"))
+        name = FORWARD_OPS.get(op, op.replace("_backward", ""))
         if c.get("uncovered"):
             parts.append(f"{name}: UNCOVERED {c['uncovered']}")
         else:
-            parts.append(f"{name} {routed}" + (f"/orig {c['original']}" if c.get("original") else ""))
+            parts.append(f"{name} {routed}" + (f"/torch_det {det}" if det else "")
+                         + (f"/orig {c['original']}" if c.get("original") else ""))
     return "; ".join(parts)
 
 
@@ -420,7 +429,7 @@ def targets(data: dict) -> list[str]:
         out.append(f"- PyTorch's deterministic mode runs no step: {', '.join(refused)}")
     trees = [_best(r, "tree") for r in rows.values()]
     trees = [(row, t) for row, t in zip(rows.values(), trees) if t and not t.get("refused_strict")]
-    full = [_label(row) + f" ({t['distinct']}/{t['runs']})" for row, t in trees]
+    full = [f"{_label(row)} {row['case']['size']} px ({t['distinct']}/{t['runs']})" for row, t in trees]
     one = all(t["distinct"] == 1 for _, t in trees)
     once = [_label(row) for row, t in trees if t["runs"] < 2]   # one run cannot show a second result
     verdict_1 = ("no model measured" if not full else "NOT 1 everywhere" if not one else
@@ -463,7 +472,9 @@ def render(data: dict) -> str:
            "`native` is stock PyTorch with cudnn.benchmark in its fastest layout: every ratio is to it, "
            "measured in the same process. distinct: distinct final-weight SHA-1 hashes over the runs. "
            "graph: forward+backward captured once as a CUDA graph (`--cuda-graph`), SGD eager, in its faster layout (shown as CL for channels_last where it differs from the eager one). coverage "
-           "(tree, per step): aten backward ops routed / passed to the original kernel / uncovered. Where a "
+           "(per step, rounded up): aten ops routed to nnrand's kernels / to torch's deterministic kernel by the "
+           "tuner (torch_det) / passed to the original kernel / uncovered; backward ops named by their forward, "
+           "the forward convs fastest-deterministic tunes as conv fwd. Where a "
            "mode's graph time is far below its eager time, its eager step is host-bound: each routed op "
            "adds the Python cost of its dispatch and launches (`bench/dev/launch_cost.py`), which the graph "
            "removes; where both are close, the GPU time of the kernels decides (`reports/kernels.md`). A "

@@ -484,9 +484,10 @@ def render(data: dict) -> str:
                   "(ResNet-18, CIFAR-sized synthetic set), each run from the same seeds; `CUDA graph` adds "
                   "`--cuda-graph` (the forward, backward and DDP's all-reduces captured once, replayed every step), "
                   "`cudnn.benchmark` adds `--cudnn-benchmark` (cuDNN picks its algorithms by timing: the fastest "
-                  "native configuration, with `channels_last` adding `--channels-last`), `cuDNN heuristic b` adds "
-                  "`--cudnn-heuristic b` (cuDNN's heuristic mode B picks the algorithms of the convs `tree` leaves "
-                  "to torch: no timing, so runs repeat).",
+                  "native configuration, with `channels_last` adding `--channels-last`)"
+                  + (", `cuDNN heuristic b` adds `--cudnn-heuristic b` (cuDNN's heuristic mode B picks the "
+                     "algorithms of the convs `tree` leaves to torch: no timing, so runs repeat)"
+                     if any(m.startswith("tree_hb") and ddp.get(m) for m in ddp) else "") + ".",
                   "",
                   "| kernels | runs | distinct final weights | median step ms |",
                   "|---|---:|---:|---:|"]

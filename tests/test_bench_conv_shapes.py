@@ -132,9 +132,10 @@ def test_heuristic_b_rows_are_keyed_apart_headed_and_set_before_cuda(monkeypatch
 
 
 def test_a_shape_without_a_time_fails_the_shape_target_and_close_ratios_print_their_deciding_digits():
-    """A shape whose autotuned time is missing (NaN) is the worst shape, never skipped into a "met"; a
-    ratio that rounds onto its target prints the digits that decide it (1.304 against 1.3 reads 1.304)."""
-    rows = [_row("a", 10.0, 20.0, 11.0, 1.0, "tree"), _row("b", 5.0, 6.0, float("nan"), 1.0, "tree")]
+    """A shape whose autotuned time is missing (None: the variant refused it, as measure_shape stores it) is
+    the worst shape, never skipped into a "met" nor a crash; a ratio that rounds onto its target prints the
+    digits that decide it (1.304 against 1.3 reads 1.304)."""
+    rows = [_row("a", 10.0, 20.0, 11.0, 1.0, "tree"), _row("b", 5.0, 6.0, None, 1.0, "tree")]
     net = {"model": "m", "batch": 2, "size": 8, "shapes": [{"count": 1}, {"count": 1}],
            "layouts": {"nchw": {"rows": rows, "measured": {}}}}
     t = cs.totals(net, "nchw")
@@ -155,3 +156,18 @@ def test_a_layout_measured_on_another_gpu_names_it():
                                                                           "fingerprint": {"gpu": "H100"}})
     assert "Measured at git abcdef1 on d." in cs.render_section({"networks": {"m": net},
                                                                  "fingerprint": {"gpu": "H200"}})
+
+
+def test_across_layouts_verdict_is_against_the_faster_layouts_cudnn():
+    """Each layout's own line compares with that layout's cuDNN; the network's verdict compares the faster
+    layout's autotuned total with cuDNN's fastest total in its faster layout: NCHW's autotuned 10 against
+    NCHW's cuDNN 10 is 1.00x, but channels_last's cuDNN takes 5, so the network reads 10 / 5 = 2x."""
+    net = {"model": "m", "batch": 2, "size": 8, "shapes": [{"count": 1}],
+           "layouts": {"nchw": {"rows": [_row("a", 10.0, 20.0, 10.0, 1.0, "tree")], "measured": {}},
+                       "channels_last": {"rows": [_row("a", 5.0, 20.0, 12.0, 1.0, "tree")], "measured": {}}}}
+    md = cs.render_section({"networks": {"m": net}, "fingerprint": {}})
+    assert "autotuned total 1.00x this layout's cuDNN fastest (target <= 1.05x: met)" in md
+    assert ("cuDNN's fastest backward total is 10 us in channels_last; the autotuned deterministic one 20 us in "
+            "nchw, 2.00x it (target <= 1.05x: NOT met)") in md
+    one = {"networks": {"m": dict(net, layouts={"nchw": net["layouts"]["nchw"]})}, "fingerprint": {}}
+    assert "Across layouts" not in cs.render_section(one)
