@@ -548,7 +548,8 @@ def render(data: dict) -> str:
         for tree, native, what in (("tree", "native", f"eager ({n} GPUs)"),
                                    ("tree_graph", "native_graph", "both CUDA graph")):
             if tree in medians and native in medians:
-                lines.append(f"| DDP `tree` / DDP native, {what} | {medians[tree] / medians[native]:.3f} | - |")
+                lines.append(f"| DDP `tree` / DDP native with the same flags (no cudnn.benchmark), {what} | "
+                             f"{medians[tree] / medians[native]:.3f} | - |")
         fastest_tree, fastest_native = min(trees, key=medians.get), min(natives, key=medians.get)
         lines.append(f"| fastest DDP `tree` ({DDP_LABELS[fastest_tree]}) / fastest DDP native "
                      f"({DDP_LABELS[fastest_native]}) | {medians[fastest_tree] / medians[fastest_native]:.3f} | "
