@@ -6,6 +6,8 @@ from pathlib import Path
 
 from bench import multigpu
 
+SAME = "DDP native with the same flags (no cudnn.benchmark), "   # the same-flags cost row's label
+
 
 def _run(checksum: int, ms: float, logits: str = "aa") -> dict:
     return {"final_checksum": checksum, "logits_hash": logits, "step_time_ms": ms, "test_top1": 0.5,
@@ -28,8 +30,8 @@ def test_ddp_rows_and_the_ratio_to_the_fastest_native_mode():
     assert "| native, CUDA graph | 3 | 3 | 8.00 |" in text
     assert "| tree, CUDA graph | 3 | 1 | 8.80 |" in text
     assert "together: 1 distinct final weights and 1 distinct logits hashes in 6 runs" in text
-    assert "| DDP `tree` / DDP native with the same flags (no cudnn.benchmark), eager (2 GPUs) | 1.273 | - |" in text          # 14 / 11
-    assert "| DDP `tree` / DDP native with the same flags (no cudnn.benchmark), both CUDA graph | 1.100 | - |" in text         # 8.8 / 8
+    assert "| DDP `tree` / " + SAME + "eager (2 GPUs) | 1.273 | - |" in text          # 14 / 11
+    assert "| DDP `tree` / " + SAME + "both CUDA graph | 1.100 | - |" in text         # 8.8 / 8
     assert ("| fastest DDP `tree` (tree, CUDA graph) / fastest DDP native (native, CUDA graph) | 1.100 | "
             "<= 1.10 |") in text
 
@@ -44,7 +46,7 @@ def test_graph_bits_that_differ_from_eager_are_counted():
 def test_results_without_graph_modes_keep_the_eager_target():
     text = multigpu.render({"gpus": 2, "ddp": _ddp(graph=False)})
     assert "| native, CUDA graph |" not in text and "| tree, CUDA graph |" not in text
-    assert "| DDP `tree` / DDP native with the same flags (no cudnn.benchmark), eager (2 GPUs) | 1.273 | - |" in text
+    assert "| DDP `tree` / " + SAME + "eager (2 GPUs) | 1.273 | - |" in text
     assert "| fastest DDP `tree` (tree) / fastest DDP native (native) | 1.273 | <= 1.10 |" in text
     assert "both CUDA graph" not in text and "together" not in text
 
@@ -54,7 +56,7 @@ def test_a_failed_mode_is_named_and_left_out_of_the_ratios():
     ddp["tree_graph"] = {"error": "capture failed"}
     text = multigpu.render({"gpus": 2, "ddp": ddp})
     assert "| tree, CUDA graph | failed: `capture failed` | - | - |" in text
-    assert "| DDP `tree` / DDP native with the same flags (no cudnn.benchmark), eager (2 GPUs) | 1.273 | - |" in text
+    assert "| DDP `tree` / " + SAME + "eager (2 GPUs) | 1.273 | - |" in text
     assert "| fastest DDP `tree` (tree) / fastest DDP native (native, CUDA graph) | 1.750 | <= 1.10 |" in text  # 14 / 8
     assert "both CUDA graph" not in text and "together" not in text
 
@@ -333,7 +335,7 @@ def test_the_fastest_native_mode_includes_cudnn_benchmark_in_either_layout():
     assert "| native, cudnn.benchmark, channels_last, CUDA graph | 1 | - (one run) | 7.50 |" in text
     assert ("| fastest DDP `tree` (tree, CUDA graph) / fastest DDP native (native, cudnn.benchmark, channels_last, "
             "CUDA graph) | 1.173 | <= 1.10 |") in text                                          # 8.8 / 7.5
-    assert "| DDP `tree` / DDP native with the same flags (no cudnn.benchmark), both CUDA graph | 1.100 | - |" in text                     # same flags: 8.8 / 8
+    assert "| DDP `tree` / " + SAME + "both CUDA graph | 1.100 | - |" in text                     # same flags: 8.8 / 8
 
 
 def _fake_machine(monkeypatch, gpu: str) -> None:
