@@ -222,7 +222,8 @@ def measure(args) -> dict:
     from nnrand import runio
     from nnrand.fingerprint import fingerprint
 
-    data = load() if not args.fresh else {"networks": {}}
+    data = load()
+    data.setdefault("networks", {})
     data["fingerprint"] = fingerprint("cuda")
     data["settings"] = {"calls": args.calls, "replays": args.replays}
     dtype = getattr(args, "dtype", "fp32")
@@ -231,10 +232,14 @@ def measure(args) -> dict:
         model_name, batch, size, classes = NETWORKS[name]
         shapes = conv_shapes(model_name, batch, size, classes)
         key = network_key(name, dtype, heuristic)
+        if args.fresh:   # this network, dtype and heuristic start over; the file's other sections stay
+            data["networks"].pop(key, None)
         net = data["networks"].setdefault(key, {"model": model_name, "batch": batch, "size": size, "layouts": {},
                                                 "dtype": dtype})
         if heuristic == "b":
             net["cudnn_heuristic"] = "b"
+        if net.get("shapes") not in (None, shapes):   # the model's convs changed: rows of the old list go
+            net["layouts"] = {}
         net["shapes"] = shapes
         for layout in args.layouts:
             rows = []
@@ -466,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the cuDNN heuristic of the convs torch runs with cudnn.benchmark off (cudnn_det, the "
                         "tuner's torch_det, torch's forward; nnrand.noise): one per process (rows <net>_hb for b; "
                         "default instant, PyTorch's, whatever the environment says)")
-    p.add_argument("--fresh", action="store_true", help="drop earlier results from the file")
+    p.add_argument("--fresh", action="store_true",
+                   help="measure the networks asked for from scratch (their earlier rows dropped; other sections stay)")
     p.add_argument("--render", action="store_true", help="only render the report section from the result file")
     args = p.parse_args(argv)
     if not args.render:

@@ -171,3 +171,39 @@ def test_across_layouts_verdict_is_against_the_faster_layouts_cudnn():
             "nchw, 2.00x it (target <= 1.05x: NOT met)") in md
     one = {"networks": {"m": dict(net, layouts={"nchw": net["layouts"]["nchw"]})}, "fingerprint": {}}
     assert "Across layouts" not in cs.render_section(one)
+
+
+def test_fresh_drops_only_the_networks_measured_and_a_changed_model_drops_its_old_rows(monkeypatch, tmp_path):
+    """``--fresh`` starts over for the networks asked for, leaving the file's other sections (another
+    network, bf16, heuristic b) as they were; without it, a network whose conv list changed drops the rows
+    of the old list rather than pairing them with the new counts. No GPU: shapes and timings stubbed."""
+    import argparse
+    import json
+
+    import torch
+
+    stored = {"networks": {
+        "resnet18_cifar": {"model": "resnet18", "batch": 128, "size": 32, "dtype": "fp32", "shapes": [{"old": 1}],
+                           "layouts": {"nchw": {"rows": ["old-nchw"], "measured": {}},
+                                       "channels_last": {"rows": ["old-cl"], "measured": {}}}},
+        "resnet18_cifar_bf16": {"model": "resnet18", "layouts": {"nchw": {"rows": ["bf16"], "measured": {}}}},
+        "resnet50_224": {"model": "r50", "layouts": {"nchw": {"rows": ["r50"], "measured": {}}}}}}
+    results = tmp_path / "conv_shapes.json"
+    monkeypatch.setattr(cs, "RESULTS", results)
+    monkeypatch.setattr(cs, "load", lambda: json.loads(json.dumps(stored)))
+    monkeypatch.setattr(cs, "conv_shapes", lambda *a: [{"x": [1], "count": 1}])
+    monkeypatch.setattr(cs, "shape_name", lambda s: "s")
+    timing = {g: {"times_us": {"cudnn_fastest": 1.0, "cudnn_det": 1.0, "tree": 1.0}, "auto": "tree"} for g in cs.GRADS}
+    monkeypatch.setattr(cs, "measure_shape", lambda s, layout, args: timing)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr("nnrand.fingerprint.fingerprint", lambda device: {"git_sha": "abc", "date": "d", "gpu": "G"})
+    args = argparse.Namespace(only=["resnet18_cifar"], layouts=["nchw"], fresh=True, calls=1, replays=1)
+    nets = cs.measure(args)["networks"]
+    assert set(nets) == set(stored["networks"])                      # the other sections stay
+    assert list(nets["resnet18_cifar"]["layouts"]) == ["nchw"]        # started over: the old channels_last is gone
+    assert nets["resnet18_cifar_bf16"] == stored["networks"]["resnet18_cifar_bf16"]
+    args.fresh = False
+    args.layouts = ["channels_last"]
+    nets = cs.measure(args)["networks"]                               # the stored list differs from the new one
+    assert list(nets["resnet18_cifar"]["layouts"]) == ["channels_last"]
+    assert nets["resnet18_cifar"]["shapes"] == [{"x": [1], "count": 1}]
