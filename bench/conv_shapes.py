@@ -355,12 +355,13 @@ def render_section(data: dict) -> str:
            "for reference only. `auto` is the candidate `--kernel fastest-deterministic` chose for the shape "
            "(timed by the tuner in the same run), its time that column's. ×n: occurrences in one forward.", ""]
     for key, net in data.get("networks", {}).items():
+        both = {}   # layout -> its dX + dW totals, for the verdict across layouts
         for layout, lay in net["layouts"].items():
             rows = lay["rows"]
             if not rows:
                 continue
-            variants = [n for n in rows[0]["dgrad"]["times_us"] if n not in PEERS] if rows else []
-            wvariants = [n for n in rows[0]["wgrad"]["times_us"] if n not in PEERS] if rows else []
+            variants = [n for n in rows[0]["dgrad"]["times_us"] if n not in PEERS]
+            wvariants = [n for n in rows[0]["wgrad"]["times_us"] if n not in PEERS]
             m = lay.get("measured", {})
             half = net.get("dtype", "fp32") != "fp32"
             target_shape = TARGET_SHAPE_HALF if half else TARGET_SHAPE
@@ -392,8 +393,8 @@ def render_section(data: dict) -> str:
                            f"{t['best_det']:.0f} ({t['best_det'] / f:.2f}x) |")
             if "fwd" in tot["sum"]:
                 out += _forward_table(rows, net["shapes"], tot["sum"]["fwd"])
-            both = tot["sum"]["both"]
-            total_ratio = both["auto"] / both["cudnn_fastest"]
+            both[layout] = tot["sum"]["both"]
+            total_ratio = both[layout]["auto"] / both[layout]["cudnn_fastest"]
             out += ["", f"Targets: autotuned total {decisive(total_ratio, TARGET_TOTAL)}x this layout's cuDNN "
                     f"fastest (target <= "
                     f"{TARGET_TOTAL:.2f}x: {'met' if total_ratio <= TARGET_TOTAL else 'NOT met'}); worst single shape " +
@@ -406,15 +407,15 @@ def render_section(data: dict) -> str:
                      f"worst dgrad among the others is {decisive(tot['worst_trained'][0], target_shape)}x "
                      f"({tot['worst_trained'][1]})") +
                     ".", ""]
-        out += _across_layouts(net, decisive)
+        out += _across_layouts(net, both, decisive)
     out.append(END)
     return "\n".join(out) + "\n"
 
 
-def _across_layouts(net: dict, decisive) -> list[str]:
+def _across_layouts(net: dict, both: dict, decisive) -> list[str]:
     """The verdict against the fastest configuration a user would run: cuDNN's fastest backward total in
-    its faster layout, against the autotuned deterministic total in its own faster layout."""
-    both = {layout: totals(net, layout)["sum"]["both"] for layout, lay in net["layouts"].items() if lay["rows"]}
+    its faster layout, against the autotuned deterministic total in its own faster layout (``both``: each
+    measured layout's dX + dW totals)."""
     if len(both) < 2:
         return []
     native = min(both, key=lambda k: both[k]["cudnn_fastest"])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -56,15 +57,16 @@ class Variant:
         return f"{self.op}/{self.name}"
 
     def __call__(self, *args, rng=None, **kwargs) -> torch.Tensor:
+        cuda = _on_cuda(args, kwargs)
         half = half_dtype(self.op, args, kwargs)
-        if half is not None and not (self.half_native and _on_cuda(args, kwargs)):
+        if half is not None and not (self.half_native and cuda):
             wide_kw = dict(zip(kwargs, widen(tuple(kwargs.values()), half)))
-            out = self._run(widen(args, half), rng, wide_kw)
+            out = self._run(cuda, widen(args, half), rng, wide_kw)
             return round_outputs(self.op, out, _as_positional(self.cpu, args, kwargs), kwargs)
-        return self._run(args, rng, kwargs)
+        return self._run(cuda, args, rng, kwargs)
 
-    def _run(self, args: tuple, rng, kwargs: dict):
-        if _on_cuda(args, kwargs):
+    def _run(self, cuda: bool, args: tuple, rng, kwargs: dict):
+        if cuda:
             return self.cuda(*args, **kwargs)
         # Overflow to Inf and Inf - Inf = NaN are results here, as on the GPU, not numerical accidents.
         with np.errstate(over="ignore", invalid="ignore"):
@@ -102,13 +104,12 @@ def _on_cuda(args: tuple, kwargs: dict) -> bool:
 def half_dtype(op: str, args: tuple, kwargs: dict | None = None) -> torch.dtype | None:
     """The half dtype among ``args`` and ``kwargs`` (None: none is half); bfloat16 and float16 together
     are an error that names both arguments (``#i`` by position, else by keyword)."""
-    found: dict[torch.dtype, str] = {}
-    named = [(f"#{i}", a) for i, a in enumerate(args)] + list((kwargs or {}).items())
-    for name, a in named:
+    found: dict[torch.dtype, int | str] = {}   # dtype -> first argument (position, or keyword) holding it
+    for name, a in itertools.chain(enumerate(args), (kwargs or {}).items()):
         if isinstance(a, torch.Tensor) and a.dtype in HALF_DTYPES:
             found.setdefault(a.dtype, name)
     if len(found) > 1:
-        (d1, n1), (d2, n2) = list(found.items())[:2]
+        (d1, n1), (d2, n2) = [(d, f"#{n}" if isinstance(n, int) else n) for d, n in list(found.items())[:2]]
         raise KernelArgumentError(op, n2, f"is {d2} while argument {n1} is {d1}; "
                                   "half-precision inputs must share one dtype")
     return next(iter(found), None)

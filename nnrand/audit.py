@@ -913,7 +913,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-SPIN_S_PER_CALL = 200e-6   # host time per queued call the spin kernel covers, at a ~2 GHz SM clock
+SPIN_S_PER_CALL = timing.HOST_AHEAD_S   # host time per queued call the spin kernel covers
 
 
 def _cuda_times(fn: Callable[[], object], n: int, device: torch.device) -> tuple[list[float], bool]:
@@ -1058,6 +1058,14 @@ def _doc_flag(entry: Entry, phase: str, device: torch.device) -> str:
 ROUTE_FAMILY = "tree"
 
 
+@functools.lru_cache(maxsize=1)
+def _tree_routing():
+    """The routing ``use_kernels(ROUTE_FAMILY)`` resolves to (a function of the code: resolved once)."""
+    from nnrand import routing
+
+    return routing.resolve(ROUTE_FAMILY)
+
+
 @functools.lru_cache(maxsize=None)
 def _quick_entries() -> dict[str, Entry]:
     return {e.name: e for e in audit_entries("quick")}
@@ -1076,7 +1084,7 @@ def _routed(entry: Entry, phase: str) -> str:
     aten = entry.aten if phase == "forward" else entry.aten_backward
     if hit is None or aten is None:
         return ""
-    tree = routing.resolve(ROUTE_FAMILY)
+    tree = _tree_routing()
     for r in routing.ATEN_OPS:
         if r.op.rstrip("_") != aten.rstrip("_"):
             continue
@@ -1099,13 +1107,15 @@ def _guard_runs(pairs: Sequence[tuple[Entry, str]]) -> dict[tuple[str, str], boo
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # deterministic mode's warn-only alerts: PyTorch's, not the guard's
         with routing.use_kernels(ROUTE_FAMILY, strict=False) as ctx:
+            def uncovered() -> int:
+                return sum(ctx.coverage[op].get(routing.UNCOVERED, 0) for op in ops)
             for entry, phase in pairs:
-                before = sum(ctx.coverage[op].get(routing.UNCOVERED, 0) for op in ops)
+                before = uncovered()
                 fn, _, _ = phase_call(entry, phase, entry.make(torch.Generator().manual_seed(entry.seed)))
                 if phase == "forward":
                     fn()
                 del fn
-                out[entry.name, phase] = sum(ctx.coverage[op].get(routing.UNCOVERED, 0) for op in ops) > before
+                out[entry.name, phase] = uncovered() > before
     return out
 
 
@@ -1368,8 +1378,11 @@ def write_row(csv_path: Path | str, row: Mapping, md_path: Path | str | None = N
             rows.append(dict(row))
         else:
             rows[at] = dict(row)
-        runio.write_csv(csv_path, COLUMNS, ({c: r.get(c, "") for c in COLUMNS} for r in rows))
-        render(csv_path, md_path)   # the report follows the CSV row by row: an interrupted run leaves both
+        # the rows as the CSV holds them (csv writes None as "", anything else as str)
+        table = [{c: "" if r.get(c) is None else str(r.get(c, "")) for c in COLUMNS} for r in rows]
+        runio.write_csv(csv_path, COLUMNS, table)
+        # the report follows the CSV row by row (an interrupted run leaves both), from the rows in hand
+        runio.write_text(Path(md_path) if md_path is not None else default_md(csv_path), render_markdown(table))
     return rows
 
 
@@ -1382,15 +1395,14 @@ def run_audit(entries: Sequence[Entry], *, device: torch.device | str = "cpu", r
     from tqdm import tqdm
 
     device = torch.device(device)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"the audit runs on cpu or cuda devices, not {device}")
+    name = device_name(device)   # refuses a device that is neither cpu nor cuda
     if repeats < 2:
         raise ValueError(f"--repeats must be at least 2 to compare results, got {repeats}")
     csv_path = Path(csv_path)
     md_path = Path(md_path) if md_path is not None else default_md(csv_path)
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with cublas_workspace() as cublas, on_device:   # events, spins and streams on the audited GPU
-        stamp = {"scale": scale, "device": device_name(device), "git_sha": envfp.git_sha(), "repeats": repeats,
+        stamp = {"scale": scale, "device": name, "git_sha": envfp.git_sha(), "repeats": repeats,
                  "cudnn_benchmark": cudnn_benchmark, "cublas_workspace_config": cublas,
                  "doc_flags_torch": DOC_FLAGS_TORCH}
         env = _env_fields(device)
@@ -1541,19 +1553,24 @@ def _settings_cell(r: dict) -> str:
     return f"{r.get('repeats', '')} repeats, cudnn.benchmark {_benchmark(str(r.get('cudnn_benchmark', '')))}"
 
 
+def _twin(r: dict) -> "Entry | None":
+    """The row's entry in the rendering code at quick scale, where it has the row's phase (None otherwise)."""
+    twin = _quick_entries().get(r.get("entry", ""))
+    return twin if twin is not None and r.get("phase") in twin.phases() else None
+
+
 def _route_of(r: dict) -> str:
     """The row's route in the rendering code (:func:`route` on its entry's quick-scale twin), or the CSV's
     for an entry this code does not have."""
-    twin = _quick_entries().get(r.get("entry", ""))
-    return route(twin, r["phase"]) if twin is not None and r.get("phase") in twin.phases() \
-        else r.get("nnrand_route", "")
+    twin = _twin(r)
+    return route(twin, r["phase"]) if twin is not None else r.get("nnrand_route", "")
 
 
 def _flag_of(r: dict) -> str:
     """The row's PyTorch flag in the rendering code's table (its entry's quick-scale twin on the row's device
     type), or the CSV's for an entry this code does not have: a corrected flag reaches rows measured before."""
-    twin = _quick_entries().get(r.get("entry", ""))
-    if twin is None or r.get("phase") not in twin.phases():
+    twin = _twin(r)
+    if twin is None:
         return r.get("pytorch_flag", "")
     return _doc_flag(twin, r["phase"], torch.device("cpu" if _cpu_row(r) else "cuda"))
 
@@ -1572,7 +1589,7 @@ def render_markdown(rows: list[dict]) -> str:
         return "# Determinism audit\n\nNo results.\n"
     r0 = rows[0]
     dates = sorted(r.get("date", "") for r in rows)
-    cpu = r0.get("gpu", "none") == "none"
+    cpu = _cpu_row(r0)
     mixed = any(len({str(r.get(c, "")) for r in rows}) > 1 for c in SETTINGS)
     reps = _values(rows, "repeats")
     # rows that record CUBLAS_WORKSPACE_CONFIG were measured with the backward alone in deterministic mode

@@ -42,11 +42,8 @@ FIELDS = ("gpu", "driver", "cuda", "cudnn", "nvrtc", "torch", "cupy", "cupy_cuda
 
 
 def _run(cmd: list[str]) -> str | None:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=REPO)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    out = _run_bytes(cmd, timeout=20)
+    return None if out is None else out.decode(errors="replace").strip()
 
 
 def _version(module: str) -> str | None:
@@ -74,9 +71,10 @@ def _cpu_name() -> str:
 NOT_CODE = ("reports",)
 
 
-def _run_bytes(cmd: list[str]) -> bytes | None:
+def _run_bytes(cmd: list[str], timeout: float = 60) -> bytes | None:
+    """``cmd``'s standard output, run in the checkout; None where it cannot run or fails."""
     try:
-        out = subprocess.run(cmd, capture_output=True, timeout=60, cwd=REPO)
+        out = subprocess.run(cmd, capture_output=True, timeout=timeout, cwd=REPO)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout if out.returncode == 0 else None

@@ -9,12 +9,13 @@ from typing import Callable
 
 import torch
 
+HOST_AHEAD_S = 200e-6   # host time per queued call the spin covers, at a ~2 GHz SM clock
 SPIN_DOUBLINGS = 3   # a spin that ended too early is retried this many times, twice as long each time
 
 
 def queued_event_times(fn: Callable[[], object], n: int, device: torch.device,
                        flush: Callable[[], object] | None = None,
-                       host_ahead_s: float = 200e-6) -> tuple[list[float], bool]:
+                       host_ahead_s: float = HOST_AHEAD_S) -> tuple[list[float], bool]:
     """(seconds per call of ``fn`` from CUDA events, whether they may include host time). The stream first
     spins (torch.cuda._sleep, ``host_ahead_s`` of a ~2 GHz clock per call) while the host queues all ``n``
     calls, so each call's events time its GPU work alone. Where the GPU had already reached a call's start

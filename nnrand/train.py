@@ -737,7 +737,6 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
             torch.cuda.current_stream().wait_stream(capture_stream)
 
     def save_checkpoint():
-        state["aug_state"] = None   # augmentation is keyed by image index: no generator to carry over
         state["coverage"] = coverage_so_far()
         if main_rank:
             record = None
