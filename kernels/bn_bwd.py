@@ -39,10 +39,10 @@ from .runtime import (
     memo_check,
     check_size,
     check_tensor,
+    SLOT,
+    Launch,
     function,
-    launch,
     layout_of,
-    ptr,
     ticket_counters,
 )
 
@@ -169,18 +169,20 @@ def _aligned(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Setup:
-    """What a launch needs that only the call's signature (``_signature``) decides: validated once."""
+    """What a launch needs that only the call's signature (``_signature``) decides: validated once, the
+    two launches configured once (their pointers given per call)."""
     layout: str
     fmt: torch.memory_format
     convert_dy: bool          # dy is not in x's layout
     widen_stats: bool         # half activations: statistics and weight read as float32
     param_dtype: torch.dtype  # dgamma's and dbeta's dtype
     plan: dict
-    reduce: object            # the reduction kernel of the variant
-    dx: object                # the dx kernel
+    reduce: Launch | None     # the variant's reduction: (dy, x, mean, invstd[, workspace, counters], dbeta, dgamma)
+    dx: Launch | None         # dx: (dy, x, mean, invstd, weight, dbeta, dgamma, dx)
 
 
 _SETUPS: dict[tuple, _Setup] = {}
+_NULL = 0   # a null pointer argument (no weight, no workspace)
 
 
 def _signature(variant: str, dy, x, mean, invstd, weight) -> tuple | None:
@@ -199,11 +201,18 @@ def _setup(variant: str, half: torch.dtype | None, dy, x, mean, invstd, weight) 
     check_cuda(OP, "x", x)
     dev, defines = x.device, act_defines(x.dtype)
     plan = _plan(tuple(x.shape), layout) if x.numel() else {}
-    kind = plan.get("kind")
+    reduce = dx = None
+    if plan:
+        kind, four = plan["kind"], (SLOT,) * 4
+        # atomic adds into zeros; tree writes every element itself, through a workspace and counters
+        # when a channel has several blocks (p > 1)
+        tail = (SLOT, SLOT) if variant == "atomic" else (SLOT,) * 4
+        reduce = Launch(function(SOURCE, f"bn_bwd_{kind}_{variant}", dev, defines), plan["red_grid"],
+                        plan["red_block"], four + plan["red_args"] + tail, device=dev)
+        dx = Launch(function(SOURCE, f"bn_bwd_dx_{kind}", dev, defines), plan["dx_grid"], plan["dx_block"],
+                    four + (SLOT, SLOT, SLOT, plan["m"]) + plan["dx_args"] + (SLOT,), device=dev)
     return _Setup(layout, _memory_format(layout), convert, half is not None,
-                  weight.dtype if weight is not None else torch.float32, plan,
-                  function(SOURCE, f"bn_bwd_{kind}_{variant}", dev, defines) if plan else None,
-                  function(SOURCE, f"bn_bwd_dx_{kind}", dev, defines) if plan else None)
+                  weight.dtype if weight is not None else torch.float32, plan, reduce, dx)
 
 
 def _launch(variant: str, dy, x, mean, invstd, weight):
@@ -232,26 +241,21 @@ def _launch(variant: str, dy, x, mean, invstd, weight):
     # held in locals until the launches are queued: a freed temporary's memory could be handed to dbeta
     mean, invstd = mean.contiguous(), invstd.contiguous()
     weight = weight.contiguous() if weight is not None else None
-    w = ptr(weight) if weight is not None else np.uint64(0)
-    # atomic adds into zeros; tree writes every element itself
-    alloc = torch.zeros if variant == "atomic" else torch.empty
-    dbeta, dgamma = alloc(c, device=dev), alloc(c, device=dev)
-    dx = torch.empty(x.shape, device=dev, dtype=x.dtype, memory_format=st.fmt)
-    inputs = (ptr(dy), ptr(x), ptr(mean), ptr(invstd))
-    if variant == "atomic":
-        launch(st.reduce, plan["red_grid"], plan["red_block"], inputs + plan["red_args"] + (ptr(dbeta), ptr(dgamma)),
-               device=dev)
+    inputs = (dy.data_ptr(), x.data_ptr(), mean.data_ptr(), invstd.data_ptr())
+    if variant == "atomic":   # adds into zeros
+        dbeta, dgamma = torch.zeros(c, device=dev), torch.zeros(c, device=dev)
+        st.reduce(*inputs, dbeta.data_ptr(), dgamma.data_ptr())
     else:
+        dbeta, dgamma = torch.empty(c, device=dev), torch.empty(c, device=dev)
         workspace = counters = None
         if plan["p"] > 1:
             workspace = torch.empty(plan["workspace"], device=dev)
             counters = ticket_counters(dev, plan["counters"])
-        launch(st.reduce, plan["red_grid"], plan["red_block"],
-               inputs + plan["red_args"] + (ptr(workspace) if workspace is not None else np.uint64(0),
-                                            ptr(counters) if counters is not None else np.uint64(0),
-                                            ptr(dbeta), ptr(dgamma)), device=dev)
-    launch(st.dx, plan["dx_grid"], plan["dx_block"],
-           inputs + (w, ptr(dbeta), ptr(dgamma), plan["m"]) + plan["dx_args"] + (ptr(dx),), device=dev)
+        st.reduce(*inputs, workspace.data_ptr() if workspace is not None else _NULL,
+                  counters.data_ptr() if counters is not None else _NULL, dbeta.data_ptr(), dgamma.data_ptr())
+    dx = torch.empty(x.shape, device=dev, dtype=x.dtype, memory_format=st.fmt)
+    st.dx(*inputs, weight.data_ptr() if weight is not None else _NULL, dbeta.data_ptr(), dgamma.data_ptr(),
+          dx.data_ptr())
     if st.param_dtype != torch.float32:   # a half weight's gradients, rounded once (out_like)
         return dx, dgamma.to(st.param_dtype), dbeta.to(st.param_dtype)
     return dx, dgamma, dbeta

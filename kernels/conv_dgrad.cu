@@ -14,6 +14,8 @@
 //           then kw ascending, co ascending inside a tap) and is written once (or, split, its
 //           ranges' partials are, then their sum): DETERMINISTIC. Tiles of 128 pixels x 64 channels,
 //           or 128 x 128 (tree_*_wide[1], Cin >= 128): the same chains, so the same bits, either width.
+//           Unsplit launches on the 128 x 64 tile may load stages of 16 output channels instead of 8
+//           (tree_*_deep): the same chains again, the same bits.
 //           Split K (stride 1, few blocks: small images, deep layers): the launcher splits that chain
 //           into ksplit contiguous ranges of (tap, co chunk) slices, a function of the shape alone;
 //           each range is one FMA chain written as a partial, and conv_dgrad_split_sum adds the
@@ -26,7 +28,7 @@
 
 #define DG_BM 128            // block tile rows (pixels)
 #define DG_BN 64             // block tile columns (Cin for tree, KH*KW*Cin for atomic); tree_*_wide: 128
-#define DG_BK 8              // reduction slice per stage (output channels)
+#define DG_BK 8              // reduction slice per stage (output channels); tree_*_deep: 16
 #define DG_THREADS 256       // 16 x 16 threads, each an 8 x TN register tile (TN = 4; tree_*_wide: 8)
 #define DG_LDA (DG_BM + 4)   // shared row pitch: conflict-free transposed stores, float4 aligned
 #define DG_MAXK 32           // largest kernel extent per axis (taps are listed in shared memory)
@@ -45,7 +47,8 @@ __device__ __forceinline__ int phase_taps(int r, int pad, int stride, int dil, i
     return a;
 }
 
-// One template, two operand loaders and two epilogues:
+// One template, two operand loaders and two epilogues (its shared arrays come from the entry points
+// dgrad_gemm and dgrad_gemm_deep below, which declare them):
 //   SCATTER = false (tree): rows are the dx pixels of one stride phase; A[m, (tap, co)] gathers dy at
 //     the tap's position (zero outside dy); B[(tap, co), ci] = wt[kh][kw][co][ci]; C is stored to dx
 //     (split K: to the split's partial buffer).
@@ -54,23 +57,31 @@ __device__ __forceinline__ int phase_taps(int r, int pad, int stride, int dil, i
 //   CL picks coalesced thread mappings for channels_last tensors (channel fastest in memory).
 //   TN: columns per thread, 4 (a 128 x 64 tile) or 8 (tree only: 128 x 128, twice the FMAs per shared
 //     load, for Cin >= 128). Each C element is the same FMA chain either way: the same bits.
-template <bool SCATTER, bool CL, int TN = 4>
-__device__ __forceinline__ void dgrad_gemm(
+//   BK: output channels per stage, DG_BK = 8 or 16 (tree_*_deep: half the barriers and twice the FMAs
+//     between a stage's loads and their use). A chain visits the same (tap, co) in the same order either
+//     way; besides those terms it holds, in a tap's last stage, the channels past Cout: A = B = +0. Such a
+//     term is no identity: fma(+0, +0, acc) turns acc = -0.0 into +0.0 (-0 + +0 is +0 in round-to-
+//     nearest), and a chain is -0.0 after negative products too small for a subnormal (fma(a, b, +-0)
+//     rounds them to -0.0). Stages of 8 pad a tap's channels to a multiple of 8, stages of 16 to one of
+//     16: 8 more such terms where Cout fills an odd number of 8-channel stages. The deep loader gives
+//     those 8 B = -0.0 instead, and fma(+0, -0, acc) == acc for every acc, signed zeros included: each
+//     chain ends with the bits of its 8-channel twin, for any Cout.
+template <bool SCATTER, bool CL, int TN, int BK>
+__device__ __forceinline__ void dgrad_gemm_body(
     const float* __restrict__ dy, const float* __restrict__ wmat, float* __restrict__ dx,
     int N, int Cin, int H, int W, int Cout, int OH, int OW, int KH, int KW,
     int sh, int sw, int ph, int pw, int dh, int dw,
     long long dy_sn, long long dy_sc, long long dy_sh, long long dy_sw,
     long long dx_sn, long long dx_sc, long long dx_sh, long long dx_sw, int skip_empty,
-    int ksplit, float* __restrict__ part) {
-    __shared__ __align__(16) float smem[DG_BN * DG_LDA];  // operands while looping, C tile after
-    __shared__ int s_kh[DG_MAXK], s_oh[DG_MAXK], s_kw[DG_MAXK], s_ow[DG_MAXK];
-    __shared__ int s_nkh, s_nkw;
-    __shared__ long long s_row[DG_BM];      // tree: each tile row's dx offset (-1 past the last row)
+    int ksplit, float* __restrict__ part,
+    float* smem, int* s_kh, int* s_oh, int* s_kw, int* s_ow, int& s_nkh, int& s_nkw, long long* s_row) {
     float* As = smem;                        // [2][BK][LDA], A transposed (k-major)
     constexpr int BN = 16 * TN;              // block tile columns
-    float* Bs = smem + 2 * DG_BK * DG_LDA;   // [2][BK][BN]
-    static_assert(2 * DG_BK * (DG_LDA + BN) <= DG_BN * DG_LDA, "operands fit the C tile's buffer");
+    float* Bs = smem + 2 * BK * DG_LDA;      // [2][BK][BN]
+    static_assert(2 * BK * (DG_LDA + BN) <= DG_BN * DG_LDA, "operands fit the C tile's buffer");
     static_assert(!SCATTER || TN == 4, "the scatter's tile is 128 x 64");
+    static_assert(BK == 8 || BK == 16, "a stage is 8 or 16 output channels");
+    constexpr int HALVES = BK / 8;           // a stage's halves of 8 channels
 
     const int t = threadIdx.x;
     int rh = 0, rw = 0, Hq, Wq;  // stride phase and the pixel grid of that phase
@@ -134,14 +145,14 @@ __device__ __forceinline__ void dgrad_gemm(
             return;
         }
     }
-    const int cochunks = (Cout + DG_BK - 1) / DG_BK;
+    const int cochunks = (Cout + BK - 1) / BK;
     const int KT = ntaps * cochunks;
     const int kt0 = (int)((long long)KT * ks / ksplit), kt1 = (int)((long long)KT * (ks + 1) / ksplit);
 
-    // A loads: NCHW -> each thread one pixel, 4 consecutive k (lanes run along pixels);
-    //          CL   -> each thread 4 pixels, one k (lanes run along channels).
+    // A loads: NCHW -> each thread one pixel, BK/2 consecutive k (lanes run along pixels);
+    //          CL   -> each thread 4 pixels, one k in each half of the stage (lanes run along channels).
     constexpr int NP = CL ? 4 : 1;
-    const int a_k = CL ? (t & 7) : (t >> 7) * 4;
+    const int a_k = CL ? (t & 7) : (t >> 7) * (BK / 2);
     int a_n[NP], a_i[NP], a_j[NP];
     bool a_in[NP], a_ok[NP];
     long long a_off[NP];
@@ -163,7 +174,7 @@ __device__ __forceinline__ void dgrad_gemm(
                                       (long long)(rw + sw * a_j[p]) * dx_sw
                                 : -1;
     }
-    int tap = kt0 / cochunks, co0 = (kt0 - tap * cochunks) * DG_BK, wrow = 0;  // wrow: first B row of the tap
+    int tap = kt0 / cochunks, co0 = (kt0 - tap * cochunks) * BK, wrow = 0;  // wrow: first B row of the tap
     auto set_tap = [&](int tp) {
         if (SCATTER) return;
         const int a = tp / s_nkw, b = tp - a * s_nkw;
@@ -177,31 +188,67 @@ __device__ __forceinline__ void dgrad_gemm(
         }
     };
 
-    float ra[4], rb[TN / 2];
+    float ra[4 * HALVES], rb[TN / 2 * HALVES];
+    // Stages of 16 have loaders of their own, two halves of 8 channels (A element 4 * half + pixel under
+    // CL, k - a_k under NCHW; B element (TN / 2) * half + column group): the stages of 8 keep theirs.
     auto load_tile = [&]() {
+        if constexpr (HALVES == 1) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int p = CL ? e : 0;
-            const int co = co0 + (CL ? a_k : a_k + e);
-            ra[e] = (a_ok[p] && co < Cout) ? __ldg(dy + a_off[p] + (long long)co * dy_sc) : 0.0f;
-        }
-        const int co = co0 + (t >> 5);
+            for (int e = 0; e < 4; ++e) {
+                const int p = CL ? e : 0;
+                const int co = co0 + (CL ? a_k : a_k + e);
+                ra[e] = (a_ok[p] && co < Cout) ? __ldg(dy + a_off[p] + (long long)co * dy_sc) : 0.0f;
+            }
+            const int co = co0 + (t >> 5);
 #pragma unroll
-        for (int e = 0; e < TN / 2; ++e) {
-            const int gc = c0 + (t & 31) + 32 * e;
-            rb[e] = (co < Cout && gc < ncols) ? __ldg(wmat + (long long)(wrow + co) * ncols + gc) : 0.0f;
+            for (int e = 0; e < TN / 2; ++e) {
+                const int gc = c0 + (t & 31) + 32 * e;
+                rb[e] = (co < Cout && gc < ncols) ? __ldg(wmat + (long long)(wrow + co) * ncols + gc) : 0.0f;
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4 * HALVES; ++e) {
+                const int p = CL ? e % 4 : 0;
+                const int co = co0 + (CL ? a_k + 8 * (e / 4) : a_k + e);
+                ra[e] = (a_ok[p] && co < Cout) ? __ldg(dy + a_off[p] + (long long)co * dy_sc) : 0.0f;
+            }
+#pragma unroll
+            for (int h = 0; h < HALVES; ++h) {
+                const int co = co0 + (t >> 5) + 8 * h;
+                // a half wholly past Cout: channels no 8-channel stage holds, B = -0.0 (see BK above)
+                const float pad = h > 0 && co0 + 8 * h >= Cout ? -0.0f : 0.0f;
+#pragma unroll
+                for (int e = 0; e < TN / 2; ++e) {
+                    const int gc = c0 + (t & 31) + 32 * e;
+                    rb[h * (TN / 2) + e] =
+                        (co < Cout && gc < ncols) ? __ldg(wmat + (long long)(wrow + co) * ncols + gc) : pad;
+                }
+            }
         }
     };
     auto store_tile = [&](int buf) {
-        float* A = As + buf * DG_BK * DG_LDA;
-        float* B = Bs + buf * DG_BK * BN;
+        float* A = As + buf * BK * DG_LDA;
+        float* B = Bs + buf * BK * BN;
+        if constexpr (HALVES == 1) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            if (CL) A[a_k * DG_LDA + (t >> 3) + 32 * e] = ra[e];
-            else A[(a_k + e) * DG_LDA + (t & 127)] = ra[e];
+            for (int e = 0; e < 4; ++e) {
+                if (CL) A[a_k * DG_LDA + (t >> 3) + 32 * e] = ra[e];
+                else A[(a_k + e) * DG_LDA + (t & 127)] = ra[e];
+            }
+#pragma unroll
+            for (int e = 0; e < TN / 2; ++e) B[(t >> 5) * BN + (t & 31) + 32 * e] = rb[e];
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4 * HALVES; ++e) {
+                if (CL) A[(a_k + 8 * (e / 4)) * DG_LDA + (t >> 3) + 32 * (e % 4)] = ra[e];
+                else A[(a_k + e) * DG_LDA + (t & 127)] = ra[e];
+            }
+#pragma unroll
+            for (int h = 0; h < HALVES; ++h)
+#pragma unroll
+                for (int e = 0; e < TN / 2; ++e)
+                    B[((t >> 5) + 8 * h) * BN + (t & 31) + 32 * e] = rb[h * (TN / 2) + e];
         }
-#pragma unroll
-        for (int e = 0; e < TN / 2; ++e) B[(t >> 5) * BN + (t & 31) + 32 * e] = rb[e];
     };
 
     // Thread (tm, tn) owns rows tm*4 + {0..3} and 64 + tm*4 + {0..3}, columns tn*4 + {0..3} (and, TN = 8,
@@ -222,14 +269,14 @@ __device__ __forceinline__ void dgrad_gemm(
             const int buf = (kt - kt0) & 1;
             const bool more = kt + 1 < kt1;
             if (more) {  // fetch the next slice into registers while this one is multiplied
-                co0 += DG_BK;
+                co0 += BK;
                 if (co0 >= Cout) { co0 = 0; set_tap(++tap); }
                 load_tile();
             }
-            const float* A = As + buf * DG_BK * DG_LDA;
-            const float* B = Bs + buf * DG_BK * BN;
+            const float* A = As + buf * BK * DG_LDA;
+            const float* B = Bs + buf * BK * BN;
 #pragma unroll
-            for (int kk = 0; kk < DG_BK; ++kk) {
+            for (int kk = 0; kk < BK; ++kk) {
                 const float4 a0 = *reinterpret_cast<const float4*>(A + kk * DG_LDA + tm * 4);
                 const float4 a1 = *reinterpret_cast<const float4*>(A + kk * DG_LDA + 64 + tm * 4);
                 const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
@@ -302,6 +349,28 @@ __device__ __forceinline__ void dgrad_gemm(
 #define DG_PASS                                                                                   \
     dy, wmat, dx, N, Cin, H, W, Cout, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, dy_sn, dy_sc, dy_sh, \
         dy_sw, dx_sn, dx_sc, dx_sh, dx_sw, skip_empty
+
+// dgrad_gemm_body's shared memory, declared by each entry point: PTX names the arrays after the function that
+// declares them, so the names in dgrad_gemm's kernels, and with them those kernels' PTX, do not depend on BK.
+#define DG_GEMM_SHARED                                                                                \
+    __shared__ __align__(16) float smem[DG_BN * DG_LDA]; /* operands while looping, C tile after */   \
+    __shared__ int s_kh[DG_MAXK], s_oh[DG_MAXK], s_kw[DG_MAXK], s_ow[DG_MAXK];                        \
+    __shared__ int s_nkh, s_nkw;                                                                       \
+    __shared__ long long s_row[DG_BM]; /* tree: each tile row's dx offset (-1 past the last row) */
+#define DG_GEMM_SHARED_PASS smem, s_kh, s_oh, s_kw, s_ow, s_nkh, s_nkw, s_row
+
+// Stages of DG_BK output channels: every tree and atomic GEMM kernel but tree_*_deep.
+template <bool SCATTER, bool CL, int TN = 4>
+__device__ __forceinline__ void dgrad_gemm(DG_ARGS, int ksplit, float* __restrict__ part) {
+    DG_GEMM_SHARED
+    dgrad_gemm_body<SCATTER, CL, TN, DG_BK>(DG_PASS, ksplit, part, DG_GEMM_SHARED_PASS);
+}
+// Stages of 16 output channels on the tree's 128 x 64 tile (tree_*_deep).
+template <bool CL>
+__device__ __forceinline__ void dgrad_gemm_deep(DG_ARGS, int ksplit, float* __restrict__ part) {
+    DG_GEMM_SHARED
+    dgrad_gemm_body<false, CL, 4, 16>(DG_PASS, ksplit, part, DG_GEMM_SHARED_PASS);
+}
 
 // The GEMM kernels also take the split: ksplit (1 for atomic) and the partials' buffer (null unless ksplit > 1).
 extern "C" __global__ void __launch_bounds__(DG_THREADS, 2) conv_dgrad_tree_nchw(DG_ARGS, int ksplit, float* part) {
@@ -546,3 +615,15 @@ __device__ __forceinline__ void stem_body(DG_ARGS, int TJ, int TI, int tiles_i, 
 DG_STEM_KERNEL(2)
 DG_STEM_KERNEL(4)
 DG_STEM_KERNEL(7)
+
+// Deep stages (16 output channels a stage, dgrad_gemm_body's BK) on the 128 x 64 tile, for unsplit launches
+// (a split's ranges are counted in stages of 8): the chains of conv_dgrad_tree_nchw / _cl, half the barriers.
+// Last in the file, so the kernels above keep their PTX (which numbers labels by the function's place).
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2)
+    conv_dgrad_tree_nchw_deep(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm_deep<false>(DG_PASS, ksplit, part);
+}
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2)
+    conv_dgrad_tree_cl_deep(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm_deep<true>(DG_PASS, ksplit, part);
+}

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -48,15 +48,15 @@ from . import conv_mma
 from .registry import Case, define_op, round_outputs
 from .runtime import (
     INT32_MAX,
+    SLOT,
     KernelArgumentError,
+    Launch,
     cdiv,
     check_cuda,
-    memo_check,
     check_tensor,
     function,
-    launch,
     layout_of,
-    ptr,
+    memo_check,
 )
 from .shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape, check_dgrad_output
 
@@ -321,16 +321,29 @@ def tree_split(g: Geometry, blocks: int) -> int:
 WIDE_MIN_CIN = 128
 WAVE_SMS = 132            # SMs of an H100 / H200: a constant, so a plan is the same on every GPU
 WIDE_MIN_SLICES = 128
+# Deep stages (kernels conv_dgrad_tree_*_deep): the 128 x 64 tile's unsplit launches load 16 output
+# channels per stage instead of 8, so a block waits at half as many barriers and has twice the FMAs
+# between a stage's loads and their use. The same chains, so the same bits, signed zeros included, for any
+# Cout (conv_dgrad.cu, dgrad_gemm_body's BK; tests/test_conv_dgrad.py). Split launches keep stages of 8
+# (their ranges are counted in them, tree_split), and so does a Cout of an odd number of 8-channel stages,
+# which stages of 16 would pad with 8 more zero channels per tap (the forward form of a 3-channel stem:
+# 75.2 us in stages of 8, 108.9 in stages of 16). H100, fp32, GPU us per call at d131b0f, an earlier form
+# of these kernels (bench/dev/conv_tree_gemm.py --deep on,off), stages of 8 / 16: torchvision resnet18 at
+# 224 px, batch 128: 3x3 64->64 56x56 1069.2 / 982.6 (NCHW), 1122.5 / 1007.3 (channels_last), 3x3 s2
+# 64->128 648.3 / 567.5, every dgrad shape 18122 / 17735 us (NCHW); our ResNet-18 (CIFAR, batch 128):
+# 3x3 64->64 32x32 359.0 / 331.9; shapes on other tiles unchanged. False: stages of 8 everywhere.
+DEEP_SLICES = True
 
 
 def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     if EMPTY_ZEROS not in ("auto", "memset", "kernel"):
         raise ValueError(f"{OP}: EMPTY_ZEROS must be 'auto', 'memset' or 'kernel', got {EMPTY_ZEROS!r}")
-    return _tree_plan(g, dy_stride, EMPTY_ZEROS, (WIDE_MIN_CIN, WAVE_SMS, WIDE_MIN_SLICES))
+    return _tree_plan(g, dy_stride, EMPTY_ZEROS, (WIDE_MIN_CIN, WAVE_SMS, WIDE_MIN_SLICES), DEEP_SLICES)
 
 
 @functools.lru_cache(maxsize=1024)
-def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_rule: tuple[int, int, int]) -> LaunchPlan:
+def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_rule: tuple[int, int, int],
+               deep: bool = False) -> LaunchPlan:
     rows_taps, cols_taps = phase_offsets(g.kh, g.sh, g.ph, g.dh), phase_offsets(g.kw, g.sw, g.pw, g.dw)
     empty = not all(rows_taps) or not all(cols_taps)
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
@@ -354,6 +367,8 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_r
         if working >= wave_sms or g.kh * g.kw * cdiv(g.cout, 8) // ksplit >= wide_min_slices:
             kernel += "_wide" if working > wave_sms else "_wide1"
             grid = wide
+    if deep and ksplit == 1 and grid[1] == cdiv(g.cin, BN) and cdiv(g.cout, 8) % 2 == 0:  # see DEEP_SLICES
+        kernel += "_deep"
     return LaunchPlan(kernel, (grid[0], grid[1] * ksplit, grid[2]), (THREADS,), 0,
                       (*head[:-1], np.int32(fill), np.int32(ksplit)), fill, "tap_major", ksplit)
 
@@ -391,44 +406,76 @@ def _pack_weights(w: torch.Tensor, g: Geometry, packing: str) -> torch.Tensor:
     return w.permute(0, 2, 3, 1).contiguous()  # [co][kh][kw][ci]: B = (Cout, KH*KW*Cin), row-major
 
 
-def _run(plan_of, w, dy, input_size, stride, padding, dilation) -> torch.Tensor:
+def _prepare(plan_of, w, dy, input_size, stride, padding, dilation) -> Callable:
+    """``run(w, dy) -> dx`` (float32) for calls with the signature (dtypes, device, shapes, strides) of these
+    w and dy and these arguments: validated, planned and its launches configured here, once; a call
+    allocates, packs the weights and launches. The module's switches are read here."""
     g = _cuda_prologue(w, dy, input_size, stride, padding, dilation)
+    dev = dy.device
     if _trivial(g):
-        return _empty_dx(g, dy.device, zero=True)
+        return lambda w, dy: _empty_dx(g, dev, zero=True)
     plan = plan_of(g, tuple(dy.stride()))
-    dx = _empty_dx(g, dy.device, zero=plan.zero_fill)
-    wmat = _pack_weights(w, g, plan.packing)
-    kernel = plan.kernel
-    if plan.packing == "stem" and dy.data_ptr() % 16 and not kernel.endswith("_scalar"):
-        kernel = kernel.rsplit("_", 1)[0] + "_scalar"  # vector loads need a 16-byte aligned dy
-    args = (ptr(dy), ptr(wmat), ptr(dx), *plan.scalars)
-    part = None
-    if plan.ksplit is not None:   # the GEMM kernels: the partials' buffer (null without a split)
-        part = torch.empty(plan.ksplit * dx.numel(), dtype=torch.float32, device=dy.device) if plan.ksplit > 1 else None
-        args = (*args, ptr(part) if part is not None else np.uint64(0))
-    launch(function(SOURCE, kernel, dy.device), plan.grid, plan.block, args, device=dy.device,
-           shared_mem=plan.shared)
-    if part is not None:
-        n = dx.numel()
-        launch(function(SOURCE, "conv_dgrad_split_sum", dy.device), (min(cdiv(n, 256), 4096), 1, 1), (256,),
-               (ptr(part), ptr(dx), np.int64(n), np.int32(plan.ksplit)), device=dy.device)
-    return dx
+    # the GEMM kernels take the partials' buffer last (null without a split); the stem kernels do not
+    tail = (SLOT,) if plan.ksplit is not None else ()
+
+    def kernel(name: str) -> Launch:
+        return Launch(function(SOURCE, name, dev), plan.grid, plan.block, (SLOT, SLOT, SLOT, *plan.scalars, *tail),
+                      device=dev, shared_mem=plan.shared)
+    main = kernel(plan.kernel)
+    # the stem's vector loads need a 16-byte aligned dy: its scalar twin takes any other address
+    unaligned = main if plan.packing != "stem" or plan.kernel.endswith("_scalar") else \
+        kernel(plan.kernel.rsplit("_", 1)[0] + "_scalar")
+    n = g.n * g.cin * g.h * g.w
+    split = plan.ksplit is not None and plan.ksplit > 1
+    dx_sum = Launch(function(SOURCE, "conv_dgrad_split_sum", dev), (min(cdiv(n, 256), 4096), 1, 1), (256,),
+                    (SLOT, SLOT, np.int64(n), np.int32(plan.ksplit)), device=dev) if split else None
+
+    def run(w, dy):
+        dx = _empty_dx(g, dev, zero=plan.zero_fill)
+        wmat = _pack_weights(w, g, plan.packing)
+        k = unaligned if dy.data_ptr() % 16 else main
+        if split:
+            part = torch.empty(plan.ksplit * n, dtype=torch.float32, device=dev)
+            k(dy.data_ptr(), wmat.data_ptr(), dx.data_ptr(), part.data_ptr())
+            dx_sum(part.data_ptr(), dx.data_ptr())
+        else:
+            k(dy.data_ptr(), wmat.data_ptr(), dx.data_ptr(), *(0,) * len(tail))
+        return dx
+    return run
 
 
-def conv_dgrad_tree_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
+def _run(plan_of, w, dy, input_size, stride, padding, dilation) -> torch.Tensor:
+    return _prepare(plan_of, w, dy, input_size, stride, padding, dilation)(w, dy)
+
+
+def prepare_tree(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> Callable:
+    """``run(w, dy) -> dx`` of the tree variant for calls with the signature of these w and dy and these
+    arguments, decided once (the routing prepares once per call signature; see ``_prepare``)."""
     if w.dtype == torch.float32 and dy.dtype == torch.float32:
-        return _run(tree_plan, w, dy, input_size, stride, padding, dilation)
+        return _prepare(tree_plan, w, dy, input_size, stride, padding, dilation)
     # bf16 / fp16: the tensor-core kernel (conv_mma.py) where it takes the shape, else float32 copies
     # through the float32 kernel, rounded once as the registry's widening call rounds (dx as w)
     g = _cuda_prologue(w, dy, input_size, stride, padding, dilation, half_ok=True)
     if not _trivial(g) and conv_mma.eligible(dy.dtype, g.cin, g.cout, w, dy):
-        return conv_mma.dgrad(w, dy, g)
-    kw = dict(input_size=input_size, stride=stride, padding=padding, dilation=dilation)
-    return round_outputs(OP, _run(tree_plan, w.float(), dy.float(), **kw), (w, dy))
+        return conv_mma.prepare_dgrad(w, dy, g)
+    return lambda w, dy: round_outputs(OP, _run(tree_plan, w.float(), dy.float(), input_size, stride, padding,
+                                                dilation), (w, dy))
+
+
+def conv_dgrad_tree_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    return prepare_tree(w, dy, input_size=input_size, stride=stride, padding=padding, dilation=dilation)(w, dy)
+
+
+def prepare_atomic(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> Callable:
+    return _prepare(atomic_plan, w, dy, input_size, stride, padding, dilation)
 
 
 def conv_dgrad_atomic_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
     return _run(atomic_plan, w, dy, input_size, stride, padding, dilation)
+
+
+conv_dgrad_tree_cuda.prepare = prepare_tree
+conv_dgrad_atomic_cuda.prepare = prepare_atomic
 
 
 # --------------------------------------------------------------------------------------------------

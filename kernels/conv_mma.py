@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .runtime import INT32_MAX, act_defines, cdiv, function, launch, ptr
+from .runtime import INT32_MAX, SLOT, Launch, act_defines, cdiv, function
 
 SOURCE = "conv_mma.cu"
 THREADS = 256
@@ -140,33 +141,44 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool,
     ``atomic``: partials added in arrival order instead of the fixed order; ``tile``: (BM, BN), each 64 or
     128, instead of :func:`wgrad_tile`'s (the same bits); ``engine``: the tensor-core instructions
     (:func:`default_engine` when None; the engines' bits may differ)."""
+    return prepare_wgrad(x, dy, g, plan_of, atomic=atomic, tile=tile, engine=engine)(x, dy)
+
+
+def prepare_wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool,
+                  tile: tuple[int, int] | None = None, engine: str | None = None) -> Callable:
+    """:func:`wgrad` as ``run(x, dy) -> dw`` for calls with the signature of these x and dy: the plan and
+    both launches decided once."""
     dev, dtype = x.device, x.dtype
     engine = _engine(engine, dev)
-    x, dy = _cl(x), _cl(dy)
     cin = g.cin
     if cin % ALIGN:
         g = padded_geometry(g)
-        x = F.pad(x.permute(0, 2, 3, 1), (0, g.cin - cin)).permute(0, 3, 1, 2)   # NHWC, zero channels added
     p = plan_of(g.m, g.r, g.k)
     m, r = g.m, g.r
     geom = _ints(g.n, g.h, g.w, g.cin, g.oh, g.ow, g.cout, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
                  g.k, p.chunk)
     bm, bn = tile or wgrad_tile(m, r)
-    grid = (cdiv(r, bn), cdiv(m, bm), p.splits)
-    dw = torch.empty(g.w_shape, device=dev, dtype=dtype)
-    if atomic:
-        ws = torch.zeros(m * r, device=dev, dtype=torch.float32)
-        splits = 1
-    else:
-        ws = torch.empty(p.splits * m * r, device=dev, dtype=torch.float32)
-        splits = p.splits
     kind = "atomic" if atomic else "split"
     smem = wgrad_smem(bm, bn, engine)
-    launch(_fn(f"{PREFIX[engine]}_wgrad_{kind}_{bm}x{bn}", dev, dtype, engine, smem), grid, (THREADS,),
-           (ptr(x), ptr(dy), ptr(ws), *geom), device=dev, shared_mem=smem)
-    launch(_fn("conv_mma_combine", dev, dtype, engine), (cdiv(m * r, THREADS),), (THREADS,),
-           (ptr(ws), *_ints(splits, m, g.cin, g.kh * g.kw), ptr(dw)), device=dev)
-    return dw if g.cin == cin else dw[:, :cin].contiguous()
+    gemm = Launch(_fn(f"{PREFIX[engine]}_wgrad_{kind}_{bm}x{bn}", dev, dtype, engine, smem),
+                  (cdiv(r, bn), cdiv(m, bm), p.splits), (THREADS,), (SLOT, SLOT, SLOT, *geom), device=dev,
+                  shared_mem=smem)
+    splits = 1 if atomic else p.splits   # atomic: the partials added into one zeroed workspace
+    combine = Launch(_fn("conv_mma_combine", dev, dtype, engine), (cdiv(m * r, THREADS),), (THREADS,),
+                     (SLOT, *_ints(splits, m, g.cin, g.kh * g.kw), SLOT), device=dev)
+    padded = g.cin - cin
+    workspace = torch.zeros if atomic else torch.empty
+
+    def run(x, dy):
+        x, dy = _cl(x), _cl(dy)
+        if padded:
+            x = F.pad(x.permute(0, 2, 3, 1), (0, padded)).permute(0, 3, 1, 2)   # NHWC, zero channels added
+        dw = torch.empty(g.w_shape, device=dev, dtype=dtype)
+        ws = workspace(splits * m * r, device=dev, dtype=torch.float32)
+        gemm(x.data_ptr(), dy.data_ptr(), ws.data_ptr())
+        combine(ws.data_ptr(), dw.data_ptr())
+        return dw[:, :cin].contiguous() if padded else dw
+    return run
 
 
 DGRAD_SMALL_GRID = 264   # 128-row blocks below which a wgmma dgrad launch takes 64-row tiles
@@ -195,9 +207,15 @@ def dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = None,
     (t the tap's index among them, c0 = (a + ph - first tap) / sh): a stride-1 conv of those taps with padding
     c0. Phases no tap reaches stay zero. With dilation and stride both above 1, one launch skips the taps
     that miss (loads them as zeros)."""
+    return prepare_dgrad(w, dy, g, engine=engine, tile=tile, stages=stages)(w, dy)
+
+
+def prepare_dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = None,
+                  tile: tuple[int, int] | None = None, stages: int | None = None) -> Callable:
+    """:func:`dgrad` as ``run(w, dy) -> dx`` for calls with the signature of these w and dy: phases, tiles
+    and launches decided once; a call packs the weights of each phase and launches."""
     dev, dtype = dy.device, dy.dtype
     engine = _engine(engine, dev)
-    dy_cl = _cl(dy)
     c = g.cin
     phased = (g.sh > 1 or g.sw > 1) and g.dh == 1 and g.dw == 1
     phases = []   # (dx offset, h, w, taps of w, padding (ph, pw), kernel (kh, kw))
@@ -214,31 +232,41 @@ def dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = None,
     if stages is not None and not MIN_STAGES[engine] <= stages <= MAX_STAGES:
         raise ValueError(f"conv_mma.dgrad: stages must be {MIN_STAGES[engine]} to {MAX_STAGES} on the {engine} "
                          f"engine, got {stages}")
-    dx = torch.empty(g.dx_shape, device=dev, dtype=dtype, memory_format=torch.channels_last)
-    if empty_phase:
-        dx.zero_()
 
-    def run(wq, p: int, geom: tuple, out: np.uint64) -> None:
+    def kernel(p: int, geom: tuple) -> Launch:
         bm, bn = tile or dgrad_tile(p, c, engine)
         smem = dgrad_smem(bn=bn, bm=bm, engine=engine, stages=stages)
         if smem > SMEM_MAX:
             raise ValueError(f"conv_mma.dgrad: {stages} stages of {bm}x{bn} tiles need {smem} bytes of shared "
                              f"memory, over the {SMEM_MAX} a block may have")
         # one grid dimension, channel tiles fastest (the kernel splits it): pixel tiles past 65535 fit
-        launch(_fn(f"{PREFIX[engine]}_dgrad_t{bm}x{bn}", dev, dtype, engine, smem, stages),
-               (cdiv(c, bn) * cdiv(p, bm),), (THREADS,), (ptr(wq), ptr(dy_cl), out, *geom), device=dev,
-               shared_mem=smem)
+        return Launch(_fn(f"{PREFIX[engine]}_dgrad_t{bm}x{bn}", dev, dtype, engine, smem, stages),
+                      (cdiv(c, bn) * cdiv(p, bm),), (THREADS,), (SLOT, SLOT, SLOT, *geom), device=dev,
+                      shared_mem=smem)
 
     order = (1, 2, 3, 0) if engine == "wgmma" else (2, 3, 0, 1)   # [ci][kh][kw][co] or [kh][kw][co][ci]
+    # per launch: its kernel, the taps of w it reads (rows, columns: slices), its byte offset into dx
+    launches = []
     if not phased:
-        run(w.permute(*order).contiguous(), g.n * g.h * g.w,
-            _ints(g.n, g.h, g.w, c, g.oh, g.ow, g.cout, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
-                  g.h * g.w * c, g.w * c, c), ptr(dx))
+        launches.append((kernel(g.n * g.h * g.w, _ints(g.n, g.h, g.w, c, g.oh, g.ow, g.cout, g.kh, g.kw, g.sh, g.sw,
+                                                        g.ph, g.pw, g.dh, g.dw, g.h * g.w * c, g.w * c, c)),
+                         None, 0))
     else:
         for offset, hp, wp, (rh, rw), (c0h, c0w), (nkh, nkw) in phases:
-            if nkh * nkw == 0:
-                continue
-            run(w[:, :, rh::g.sh, rw::g.sw].permute(*order).contiguous(), g.n * hp * wp,
-                _ints(g.n, hp, wp, c, g.oh, g.ow, g.cout, nkh, nkw, 1, 1, c0h, c0w, 1, 1,
-                      g.h * g.w * c, g.sh * g.w * c, g.sw * c), np.uint64(dx.data_ptr() + 2 * offset))
-    return dx if g.layout == "channels_last" else dx.contiguous()
+            if nkh * nkw:
+                launches.append((kernel(g.n * hp * wp, _ints(g.n, hp, wp, c, g.oh, g.ow, g.cout, nkh, nkw, 1, 1, c0h,
+                                                              c0w, 1, 1, g.h * g.w * c, g.sh * g.w * c, g.sw * c)),
+                                 (slice(rh, None, g.sh), slice(rw, None, g.sw)), 2 * offset))
+    nchw = g.layout != "channels_last"
+
+    def run(w, dy):
+        dy_cl = _cl(dy)
+        dx = torch.empty(g.dx_shape, device=dev, dtype=dtype, memory_format=torch.channels_last)
+        if empty_phase:
+            dx.zero_()
+        base = dx.data_ptr()
+        for k, taps, offset in launches:
+            wq = (w if taps is None else w[:, :, taps[0], taps[1]]).permute(*order).contiguous()
+            k(wq.data_ptr(), dy_cl.data_ptr(), base + offset)
+        return dx.contiguous() if nchw else dx
+    return run

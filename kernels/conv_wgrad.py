@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -34,16 +35,16 @@ from .order import F32, arrival_sum, pad_to, seq_sum
 from .registry import Case, define_op
 from .runtime import (
     INT32_MAX,
-    ticket_counters,
+    SLOT,
     KernelArgumentError,
+    Launch,
     cdiv,
     check_cuda,
-    memo_check,
     check_tensor,
     function,
-    launch,
     layout_of,
-    ptr,
+    memo_check,
+    ticket_counters,
 )
 from .shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape, conv_out
 
@@ -281,10 +282,9 @@ def _int_args(g: Geometry, sx: tuple, sd: tuple, p: Plan) -> tuple:
                                        g.pw, g.dh, g.dw, *sx, *sd, g.k, p.chunk))
 
 
-def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, g: Geometry, p: Plan,
-          extra: tuple = ()) -> str:
-    """Launch one GEMM kernel; returns the style it ran ("cl", "tc", "ts": a split workspace is in r'
-    order)."""
+def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, g: Geometry, p: Plan, extra: int = 0) -> tuple[Launch, str]:
+    """One GEMM kernel's launch for the signature of (x, dy), called with the pointers of x, dy, its output
+    and ``extra`` more; and the style it runs ("cl", "tc", "ts": a split workspace is in r' order)."""
     ints = _int_args(g, x.stride(), dy.stride(), p)
     grid = (cdiv(g.r, p.tile), cdiv(g.m, p.tile), p.splits)
     style = KERNEL_STYLE
@@ -294,8 +294,7 @@ def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, g: Ge
     if style != "r" and TAP_TILES and g.cin % p.tile == 0:
         style = "tc" if style == "cl" else "ts"  # same bits, padding terms skipped
     fn = function(SOURCE, f"conv_wgrad_{name}_t{p.tile}_{style}", x.device)
-    launch(fn, grid, (THREADS,), (ptr(x), ptr(dy), ptr(out), *extra, *ints), device=x.device)
-    return style
+    return Launch(fn, grid, (THREADS,), (SLOT,) * (3 + extra) + ints, device=x.device), style
 
 
 R_PRIME_STYLES = ("cl", "tc", "ts")   # kernel styles whose tile columns run in r' = (kh, kw, ci) order
@@ -326,59 +325,100 @@ def _check_dtypes(x, dy, half_ok: bool) -> None:
         raise KernelArgumentError(OP, "dy", f"expected dtype {x.dtype} (as x), got {dy.dtype}")
 
 
-def _half(x, dy, g: Geometry, kw: dict, *, atomic: bool) -> torch.Tensor:
+def _prepare_half(x, dy, g: Geometry, kw: dict, *, atomic: bool) -> Callable:
     """A bf16 / fp16 call of tree or atomic: the tensor-core kernels (conv_mma.py) where they take the
     shape, else float32 copies through the float32 launcher, rounded once (the registry's widening call)."""
     if _empty(g):
-        return torch.zeros(g.w_shape, device=x.device, dtype=x.dtype)
+        return lambda x, dy: torch.zeros(g.w_shape, device=x.device, dtype=x.dtype)
     if conv_mma.eligible(x.dtype, g.cin, g.cout, x, dy, pad_cin=True):
-        return conv_mma.wgrad(x, dy, g, half_plan, atomic=atomic)
+        return conv_mma.prepare_wgrad(x, dy, g, half_plan, atomic=atomic)
     launcher = conv_wgrad_atomic_cuda if atomic else conv_wgrad_tree_cuda
-    return launcher(x.float(), dy.float(), **kw).to(x.dtype)
+    return lambda x, dy: launcher(x.float(), dy.float(), **kw).to(x.dtype)
+
+
+def _geometry_kw(kernel_size, stride, padding, dilation) -> dict:
+    return dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation)
+
+
+def prepare_atomic(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> Callable:
+    """``run(x, dy) -> dw`` of the atomic variant for calls with the signature (dtypes, device, shapes,
+    strides) of these x and dy and these arguments: validated and planned once (see ``prepare_tree``)."""
+    g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation, half_ok=True)
+    if x.dtype != torch.float32:
+        return _prepare_half(x, dy, g, _geometry_kw(kernel_size, stride, padding, dilation), atomic=True)
+    dev = x.device
+    gemm = None if _empty(g) else _gemm("atomic", x, dy, g, plan(g.m, g.r, g.k))[0]
+
+    def run(x, dy):
+        dw = torch.zeros(g.w_shape, device=dev, dtype=torch.float32)
+        if gemm is not None:
+            gemm(x.data_ptr(), dy.data_ptr(), dw.data_ptr())
+        return dw
+    return run
 
 
 def conv_wgrad_atomic_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
-    g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation, half_ok=True)
-    if x.dtype != torch.float32:
-        return _half(x, dy, g, dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation),
-                     atomic=True)
-    dw = torch.zeros(g.w_shape, device=x.device, dtype=torch.float32)
-    if not _empty(g):
-        _gemm("atomic", x, dy, dw, g, plan(g.m, g.r, g.k))
-    return dw
+    return prepare_atomic(x, dy, **_geometry_kw(kernel_size, stride, padding, dilation))(x, dy)
 
 
-def _split_and_combine(x, dy, g: Geometry, p: Plan) -> torch.Tensor:
-    dw = torch.empty(g.w_shape, device=x.device, dtype=torch.float32)
+def _prepare_split(x, dy, g: Geometry, p: Plan) -> Callable:
+    """``run(x, dy) -> dw``: the split GEMM and its fixed-order combine (in the GEMM launch where ``fused``)."""
+    dev = x.device
     if p.splits == 1:  # one chunk: the GEMM stores the final values itself
-        _gemm("split", x, dy, dw, g, p)
-        return dw
+        gemm = _gemm("split", x, dy, g, p)[0]
+
+        def run(x, dy):
+            dw = torch.empty(g.w_shape, device=dev, dtype=torch.float32)
+            gemm(x.data_ptr(), dy.data_ptr(), dw.data_ptr())
+            return dw
+        return run
     if fused(g, p):  # workspace [tile][S][tile^2]; each tile's last block writes dw
         tiles = cdiv(g.m, p.tile) * cdiv(g.r, p.tile)
-        ws = torch.empty(tiles * p.splits * p.tile * p.tile, device=x.device, dtype=torch.float32)
-        counters = ticket_counters(x.device, tiles)
-        _gemm("fused", x, dy, dw, g, p, (ptr(ws), ptr(counters)))
-        return dw
+        gemm = _gemm("fused", x, dy, g, p, extra=2)[0]
+
+        def run(x, dy):
+            dw = torch.empty(g.w_shape, device=dev, dtype=torch.float32)
+            ws = torch.empty(tiles * p.splits * p.tile * p.tile, device=dev, dtype=torch.float32)
+            gemm(x.data_ptr(), dy.data_ptr(), dw.data_ptr(), ws.data_ptr(), ticket_counters(dev, tiles).data_ptr())
+            return dw
+        return run
     mr = g.m * g.r
-    partials = torch.empty((p.splits, mr), device=x.device, dtype=torch.float32)
-    style = _gemm("split", x, dy, partials, g, p)
-    args = (ptr(partials), np.int32(p.splits), np.int32(mr), ptr(dw))
+    gemm, style = _gemm("split", x, dy, g, p)
+    args = (SLOT, np.int32(p.splits), np.int32(mr), SLOT)
     r_prime = style in R_PRIME_STYLES
     if r_prime:  # the workspace is in the GEMM's column order r' = (kh, kw, ci)
         args += (np.int32(g.r), np.int32(g.cin), np.int32(g.kh * g.kw))
-    launch(function(SOURCE, "conv_wgrad_reduce_cl" if r_prime else "conv_wgrad_reduce", x.device),
-           (cdiv(mr, 32),), (32 * GROUPS,), args, device=x.device)
-    return dw
+    combine = Launch(function(SOURCE, "conv_wgrad_reduce_cl" if r_prime else "conv_wgrad_reduce", dev),
+                     (cdiv(mr, 32),), (32 * GROUPS,), args, device=dev)
+
+    def run(x, dy):
+        dw = torch.empty(g.w_shape, device=dev, dtype=torch.float32)
+        partials = torch.empty((p.splits, mr), device=dev, dtype=torch.float32)
+        gemm(x.data_ptr(), dy.data_ptr(), partials.data_ptr())
+        combine(partials.data_ptr(), dw.data_ptr())
+        return dw
+    return run
+
+
+def _split_and_combine(x, dy, g: Geometry, p: Plan) -> torch.Tensor:
+    return _prepare_split(x, dy, g, p)(x, dy)
+
+
+def prepare_tree(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> Callable:
+    """``run(x, dy) -> dw`` of the tree variant for calls with the signature (dtypes, device, shapes, strides)
+    of these x and dy and these arguments: validated, planned and its launches configured here, once, so a
+    call only allocates and launches (the routing prepares once per call signature). The module's switches
+    (KERNEL_STYLE, TAP_TILES, FUSE) are read here."""
+    g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation, half_ok=True)
+    if x.dtype != torch.float32:
+        return _prepare_half(x, dy, g, _geometry_kw(kernel_size, stride, padding, dilation), atomic=False)
+    if _empty(g):
+        return lambda x, dy: torch.zeros(g.w_shape, device=x.device, dtype=torch.float32)
+    return _prepare_split(x, dy, g, plan(g.m, g.r, g.k))
 
 
 def conv_wgrad_tree_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
-    g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation, half_ok=True)
-    if x.dtype != torch.float32:
-        return _half(x, dy, g, dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation),
-                     atomic=False)
-    if _empty(g):
-        return torch.zeros(g.w_shape, device=x.device, dtype=torch.float32)
-    return _split_and_combine(x, dy, g, plan(g.m, g.r, g.k))
+    return prepare_tree(x, dy, **_geometry_kw(kernel_size, stride, padding, dilation))(x, dy)
 
 
 def conv_wgrad_nosplit_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
@@ -386,6 +426,10 @@ def conv_wgrad_nosplit_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilation
     if _empty(g):
         return torch.zeros(g.w_shape, device=x.device, dtype=torch.float32)
     return _split_and_combine(x, dy, g, plan(g.m, g.r, g.k, split=False))
+
+
+conv_wgrad_tree_cuda.prepare = prepare_tree
+conv_wgrad_atomic_cuda.prepare = prepare_atomic
 
 
 def tap_walk(g: Geometry, tap: int, kbeg: int, kend: int) -> np.ndarray:

@@ -17,6 +17,7 @@ import array
 import contextlib
 import functools
 import pathlib
+import threading
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -296,6 +297,22 @@ def _driver():
     return _DRIVER
 
 
+def _dim3(dims: tuple[int, ...]) -> tuple[int, int, int]:
+    n = len(dims)
+    return dims if n == 3 else (dims[0], dims[1], 1) if n == 2 else (dims[0], 1, 1)
+
+
+def _launch_kernel(fn, dims: tuple[int, ...], shared_mem: int, index: int, addresses: int) -> None:
+    """cuLaunchKernel of ``fn`` (grid and block in ``dims``) on torch's current stream of device ``index``,
+    ``addresses`` the address of its ``void**`` parameter array; a driver error names the launch."""
+    try:
+        (_DRIVER or _driver()).launchKernel(fn.ptr, *dims, shared_mem, torch._C._cuda_getCurrentRawStream(index),
+                                             addresses, 0)
+    except Exception as e:  # a driver error (grid, block, shared memory): say which launch
+        raise RuntimeError(f"launching kernel {_NAMES.get(fn.ptr, hex(fn.ptr))} with grid {dims[:3]}, block "
+                           f"{dims[3:]}, {shared_mem} bytes of dynamic shared memory failed: {e}") from e
+
+
 def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, device: torch.device,
            shared_mem: int = 0, struct: array.array | None = None) -> None:
     """Launch ``fn`` on torch's current stream of ``device``. ``struct``: the bytes of a struct the kernel
@@ -304,7 +321,8 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
     Straight through the driver (cuLaunchKernel on torch's raw stream handle): a routed backward op
     launches a few kernels per call, so the host time of a launch is part of a training step's cost
     (H200, bench/dev/launch_parts.py: cuLaunchKernel alone 3.3-3.8 us of host time, this function 6.8 us;
-    no imports and no torch.cuda Python wrappers on this path). Capturable in a CUDA graph like any launch on the capturing stream."""
+    no imports and no torch.cuda Python wrappers on this path). Capturable in a CUDA graph like any launch on
+    the capturing stream. A launch repeated with the same configuration is cheaper as a :class:`Launch`."""
     index = device.index
     current = torch._C._cuda_getDevice()
     if index is None:
@@ -315,18 +333,49 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
     slots, addresses = _param_block(args)
     if struct is not None:
         addresses.insert(0, struct.buffer_info()[0])
-    n = len(grid)
-    gx, gy, gz = grid if n == 3 else (grid[0], grid[1], 1) if n == 2 else (grid[0], 1, 1)
-    n = len(block)
-    bx, by, bz = block if n == 3 else (block[0], block[1], 1) if n == 2 else (block[0], 1, 1)
-    try:
-        (_DRIVER or _driver()).launchKernel(fn.ptr, gx, gy, gz, bx, by, bz, int(shared_mem),
-                                             torch._C._cuda_getCurrentRawStream(index), addresses.buffer_info()[0],
-                                             0)
-    except Exception as e:  # a driver error (grid, block, shared memory): say which launch
-        raise RuntimeError(f"launching kernel {_NAMES.get(fn.ptr, hex(fn.ptr))} with grid {(gx, gy, gz)}, block "
-                           f"{(bx, by, bz)}, {int(shared_mem)} bytes of dynamic shared memory failed: {e}") from e
+    _launch_kernel(fn, (*_dim3(grid), *_dim3(block)), int(shared_mem), index, addresses.buffer_info()[0])
     del slots, struct  # the parameters lived until the launch had copied them
+
+
+SLOT = None   # in a Launch's arguments: one given per call (a device pointer or an integer)
+
+
+class Launch:
+    """One kernel launch configured once (kernel, grid, block, shared memory and every argument but those
+    marked :data:`SLOT`), called with the ``SLOT`` values, in order, per launch:
+
+        dx_sum = Launch(fn, (blocks,), (256,), (SLOT, SLOT, np.int64(n), np.int32(k)), device=dev)
+        dx_sum(ptr(part), ptr(dx))
+
+    A routed op's launcher prepares its launches once per call signature, so the per-call host work is
+    only its slots: the parameter block lives with the object (the driver copies it during the call), a
+    lock keeps two threads from filling it at once. Same semantics as :func:`launch` otherwise."""
+
+    __slots__ = ("_fn", "_dims", "_smem", "_index", "_where", "_slots", "_addresses", "_address", "_lock")
+
+    def __init__(self, fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, device: torch.device,
+                 shared_mem: int = 0):
+        self._fn, self._dims, self._smem = fn, (*_dim3(grid), *_dim3(block)), int(shared_mem)
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._where = tuple(i for i, a in enumerate(args) if a is SLOT)
+        self._slots = array.array("q", [0 if a is SLOT else int(a) for a in args] or [0])
+        base = self._slots.buffer_info()[0]
+        self._addresses = array.array("Q", range(base, base + 8 * len(self._slots), 8))
+        self._address = self._addresses.buffer_info()[0]
+        self._lock = threading.Lock()
+
+    def __call__(self, *values) -> None:
+        if len(values) != len(self._where):
+            raise TypeError(f"kernel {_NAMES.get(self._fn.ptr, hex(self._fn.ptr))}: {len(self._where)} per-call "
+                            f"arguments expected, got {len(values)}")
+        if torch._C._cuda_getDevice() != self._index:  # the driver launches into the current context
+            with torch.cuda.device(self._index):
+                return self(*values)
+        slots = self._slots
+        with self._lock:
+            for i, v in zip(self._where, values):
+                slots[i] = v
+            _launch_kernel(self._fn, self._dims, self._smem, self._index, self._address)
 
 
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}

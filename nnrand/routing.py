@@ -419,6 +419,20 @@ def _variant_fn(v, rng, cuda: bool, half: bool) -> Callable:
     return functools.partial(v, rng=rng)
 
 
+def _prepared(fn: Callable | None, args: tuple, kw: dict) -> tuple[Callable | None, dict]:
+    """``fn`` (a variant's CUDA launcher) prepared for the call signature of ``args`` and ``kw`` where it can
+    be (``fn.prepare``: validated, planned and its launches configured once; the plan is keyed by that
+    signature), then called with the tensors alone; else ``fn`` with its keyword arguments. A refusal is
+    left to the call, where it is counted."""
+    prepare = getattr(fn, "prepare", None)
+    if prepare is None:
+        return fn, kw
+    try:
+        return prepare(*args, **kw), {}
+    except kernels.KernelArgumentError:
+        return fn, kw
+
+
 def _conv_key(s: "_Session", dy, x, w, stride, padding, dilation, transposed, output_padding, groups, mask) -> tuple:
     """A convolution_backward call's signature: everything its plan depends on (dtypes, device, shapes,
     strides, geometry, mask, and whether torch's kernel may stand in as a deterministic one)."""
@@ -540,13 +554,17 @@ def _conv_plan(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, pa
     ran = sorted({v.name if v is not None else "torch_det" for v, needed, t in zip(plan, (need[1], need[0], need[2]),
                                                                                     tuned)
                   if needed and (v is not None or t)})
+    dgrad = _variant_fn(plan[1], s.rng, cuda, half and not wide) if need[0] and plan[1] is not None else None
+    wgrad = _variant_fn(plan[0], s.rng, cuda, half and not wide) if need[1] and plan[0] is not None else None
+    if not wide:
+        dgrad, dgrad_kw = _prepared(dgrad, (w.contiguous(memory_format=w_fmt), dy_), dgrad_kw)
+        wgrad, wgrad_kw = _prepared(wgrad, (x_, dy_), wgrad_kw)
     return _ConvPlan(
         None, fmt=fmt, w_fmt=w_fmt,
         # torch's layout contract for this op (its meta kernel, which torch.compile checks): dX and dW are
         # channels_last when the input or the weight is, else contiguous
         out_fmt=torch.channels_last if torch.channels_last in (fmt, w_fmt) else torch.contiguous_format,
-        dgrad=_variant_fn(plan[1], s.rng, cuda, half and not wide) if need[0] and plan[1] is not None else None,
-        wgrad=_variant_fn(plan[0], s.rng, cuda, half and not wide) if need[1] and plan[0] is not None else None,
+        dgrad=dgrad, wgrad=wgrad,
         bias=_variant_fn(plan[2], s.rng, cuda, half and not wide) if need[2] and plan[2] is not None else None,
         native_mask=native_mask if any(native_mask) else None, dgrad_kw=dgrad_kw, wgrad_kw=wgrad_kw,
         label="+".join(ran) if ran else ORIGINAL, reason=None if ran else "no routed gradient was asked for",

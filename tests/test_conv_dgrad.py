@@ -245,6 +245,9 @@ def test_cu_compiles_for_sm90():
                         str(KERNEL_DIR / SOURCE), "-Xptxas", "-v"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "spill stores" in r.stderr  # ptxas reported on the kernels
+    for name in ("conv_dgrad_tree_nchw_deep", "conv_dgrad_tree_cl_deep"):   # 16-channel stages, no spills
+        assert re.search(rf"Function properties for {name}\n\s*0 bytes stack frame, 0 bytes spill stores, "
+                         r"0 bytes spill loads", r.stderr), name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -611,22 +614,138 @@ def test_tree_plan_wide_tiles():
         ConvShape("r50_1x1_256_64", 64, 256, 64, 1, 1, 0, 56, 56): "_wide",
         ConvShape("r50_3x3_512_7", 64, 512, 512, 3, 1, 1, 7, 7): "_wide1",
         ConvShape("r18_3x3_512_4", 128, 512, 512, 3, 1, 1, 4, 4): "_wide1",
-        ConvShape("r18_1x1s2_256_512_8", 128, 256, 512, 1, 2, 0, 8, 8): "",
-        ConvShape("r18_3x3_64", 128, 64, 64, 3, 1, 1, 32, 32): "",
-        ConvShape("n127", 2, 127, 8, 1, 1, 0, 5, 5): "",
+        ConvShape("r18_1x1s2_256_512_8", 128, 256, 512, 1, 2, 0, 8, 8): "_deep",   # narrow and unsplit
+        ConvShape("r18_3x3_64", 128, 64, 64, 3, 1, 1, 32, 32): "_deep",
+        ConvShape("n127", 2, 127, 8, 1, 1, 0, 5, 5): "",   # Cout 8: one stage of 8, not half a stage of 16
+        ConvShape("r18_3x3_64_b8", 8, 64, 64, 3, 1, 1, 32, 32): "",     # narrow, split: stages of 8
     }
     for s, suffix in expect.items():
         for layout in ("nchw", "channels_last"):
             g, stride, _ = _plan(s, layout)
             plan = cd.tree_plan(g, stride)
             narrow = cd._tree_plan(g, stride, cd.EMPTY_ZEROS, (1 << 30, 0, 0))
-            assert re.search(rf"__global__ void __launch_bounds__\([^)]*\) {plan.kernel}\(", source), plan.kernel
+            assert re.search(rf"__global__ void __launch_bounds__\([^)]*\)\s+{plan.kernel}\(", source), plan.kernel
             assert plan.kernel == narrow.kernel + suffix, (s.name, layout, plan.kernel)
             assert plan.ksplit == narrow.ksplit and plan.scalars == narrow.scalars, s.name
-            if suffix:
+            if suffix.startswith("_wide"):
                 assert plan.grid == (narrow.grid[0], -(-s.cin // (2 * cd.BN)) * plan.ksplit, narrow.grid[2])
-            else:
-                assert plan == narrow, s.name
+            else:   # deep stages exactly where a narrow launch is unsplit and Cout fills stages of 16 as of 8
+                assert (plan.ksplit == 1 and -(-s.cout // 8) % 2 == 0) == (suffix == "_deep"), s.name
+                assert plan._replace(kernel=narrow.kernel) == narrow, s.name
+            saved = cd.DEEP_SLICES
+            try:   # the switch: stages of 8 everywhere, the plan otherwise the same
+                cd.DEEP_SLICES = False
+                assert cd.tree_plan(g, stride) == plan._replace(kernel=plan.kernel.removesuffix("_deep")), s.name
+            finally:
+                cd.DEEP_SLICES = saved
+
+
+DEEP_SHAPES = [   # unsplit narrow launches (many pixels, or stride 2), Cout an even number of stages of 8
+    ConvShape("d64", 64, 64, 64, 3, 1, 1, 32, 32),           # stages of 16 fill every tap
+    ConvShape("d44_co", 64, 64, 44, 3, 1, 1, 32, 32),        # Cout 44: a tap's last stage holds 12 of 16
+    ConvShape("d100_ci", 48, 100, 28, 3, 1, 1, 24, 24),      # a partial column tile, Cout 28
+    ConvShape("d72s2", 16, 72, 140, 3, 2, 1, 17, 15),        # stride-2 phases, odd sizes, Cout 140
+    ConvShape("d64dil2", 32, 64, 48, 3, 1, 2, 28, 28, 2),   # dilation 2
+]
+
+
+@pytest.mark.gpu
+def test_cuda_tree_deep_stages_same_bits():
+    """Stages of 16 output channels compute every dx element's chain as stages of 8 do: the same bits in
+    both layouts, with Cout not a multiple of 16, partial column tiles, stride-2 phases and dilation, for
+    the data gradient and the forward form; every dx element written (NaN-filled buffers in PyTorch's
+    deterministic mode), and 5 repeats give one result."""
+    from torch.utils import deterministic
+
+    assert deterministic.fill_uninitialized_memory
+    det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for i, s in enumerate(DEEP_SHAPES):
+            for layout in ("nchw", "channels_last"):
+                g, stride, (w, dy, kw) = _plan(s, layout, "cuda", 990 + i)
+                outs = {}
+                for deep in (False, True):
+                    saved = cd.DEEP_SLICES
+                    try:
+                        cd.DEEP_SLICES = deep
+                        plan = cd.tree_plan(g, stride)
+                        assert plan.ksplit == 1 and plan.kernel.endswith("_deep") == deep, (s.name, plan.kernel)
+                        got = TREE(w, dy, **kw)
+                        assert not torch.isnan(got).any(), f"{s.name} {layout} deep={deep}: unwritten dx"
+                        assert distinct([TREE(w, dy, **kw) for _ in range(5)]) == 1, f"{s.name} {layout} {deep}"
+                        outs[deep] = got
+                        if s.stride == 1 and s.dilation == 1:
+                            x = dy.new_empty(g.dx_shape).normal_(generator=torch.Generator("cuda").manual_seed(i))
+                            x = x.contiguous(memory_format=dy_format(dy))
+                            wf = w.new_empty(s.cout, s.cin, s.k, s.k).normal_(
+                                generator=torch.Generator("cuda").manual_seed(50 + i))
+                            outs[deep, "fwd"] = cd.conv_forward_tree_cuda(x, wf, padding=s.pad)
+                    finally:
+                        cd.DEEP_SLICES = saved
+                assert_bitwise_equal(outs[True], outs[False], f"{s.name} {layout}: deep against stages of 8")
+                if (False, "fwd") in outs:
+                    assert_bitwise_equal(outs[True, "fwd"], outs[False, "fwd"], f"{s.name} {layout}: forward form")
+                assert_within_bound(outs[False], w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1, f"{s.name} {layout}")
+    finally:
+        torch.use_deterministic_algorithms(det)
+    torch.cuda.synchronize()
+
+
+def dy_format(t: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if not t.is_contiguous() else torch.contiguous_format
+
+
+SIGNED_ZERO_SHAPES = [   # unsplit narrow launches; most with Cout an odd number of stages of 8
+    ConvShape("z8", 64, 64, 8, 3, 1, 1, 24, 24),           # one stage of 8: a deep stage's second half all pad
+    ConvShape("z24s2", 16, 40, 24, 3, 2, 1, 15, 17),       # stride-2 phases, 3 stages of 8
+    ConvShape("z40dil2", 64, 72, 40, 3, 1, 2, 24, 24, 2),  # dilation 2, a partial column tile, 5 stages of 8
+    ConvShape("z36", 64, 64, 36, 3, 1, 1, 24, 24),         # 4 channels of pad in a tap's last stage of 8
+    ConvShape("z48", 64, 64, 48, 3, 1, 1, 24, 24),         # 6 stages of 8: the launcher's own deep launch
+]
+
+
+def _deep_forced(plan: cd.LaunchPlan) -> cd.LaunchPlan:
+    assert plan.kernel in ("conv_dgrad_tree_nchw", "conv_dgrad_tree_cl") and plan.ksplit == 1, plan.kernel
+    return plan._replace(kernel=plan.kernel + "_deep")
+
+
+@pytest.mark.gpu
+def test_cuda_tree_deep_stages_keep_signed_zeros():
+    """A chain whose products all underflow (dy about 2^-80, w about -2^-80 on the even input channels) ends
+    at -0.0 in stages of 8, and a zero term (a channel past Cout, A = B = +0) turns -0.0 into +0.0. Stages
+    of 16 pad a tap with 8 more channels where Cout is an odd number of stages of 8; the deep kernel makes
+    those terms exact identities (B = -0.0), so it gives the stages of 8's bits, -0.0 included, for any
+    Cout: run here also on the Couts the launcher keeps in stages of 8, by naming the deep kernel."""
+    for i, s in enumerate(SIGNED_ZERO_SHAPES):
+        gen = torch.Generator("cuda").manual_seed(1200 + i)
+        dy = (1 + torch.rand(s.y_shape, device="cuda", generator=gen)) * 2.0 ** -80
+        w = torch.randn(s.w_shape, device="cuda", generator=gen)
+        w[:, 0::2] = -(1 + torch.rand(w[:, 0::2].shape, device="cuda", generator=gen)) * 2.0 ** -80
+        kw = {"input_size": (s.h, s.w), "stride": s.stride, "padding": s.pad, "dilation": s.dilation}
+        for layout in ("nchw", "channels_last"):
+            fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+            wl, dyl = w.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
+            saved = cd.DEEP_SLICES
+            try:
+                cd.DEEP_SLICES = False
+                g = cd._check(wl, dyl, kw["input_size"], s.stride, s.pad, s.dilation)
+                plan = cd.tree_plan(g, tuple(dyl.stride()))
+                assert plan.ksplit == 1 and not plan.kernel.endswith("_deep"), (s.name, plan)
+                k8 = TREE(wl, dyl, **kw)
+                deep = cd._run(lambda geo, st: _deep_forced(cd.tree_plan(geo, st)), wl, dyl, **kw)
+                cd.DEEP_SLICES = True
+                assert cd.tree_plan(g, tuple(dyl.stride())).kernel.endswith("_deep") == (-(-s.cout // 8) % 2 == 0)
+                launcher = TREE(wl, dyl, **kw)
+            finally:
+                cd.DEEP_SLICES = saved
+            zeros = k8[:, 0::2]
+            assert (zeros == 0).all(), f"{s.name} {layout}: every product underflows"
+            if s.cout % 8 == 0:   # no channel past Cout in stages of 8: -0.0 throughout
+                assert torch.signbit(zeros).all(), f"{s.name} {layout}: -0.0 expected in stages of 8"
+            assert_bitwise_equal(deep, k8, f"{s.name} {layout}: deep kernel against stages of 8")
+            assert_bitwise_equal(launcher, k8, f"{s.name} {layout}: launcher against stages of 8")
+    torch.cuda.synchronize()
 
 
 @pytest.mark.gpu

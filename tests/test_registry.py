@@ -202,6 +202,31 @@ def test_launch_passes_dims_stream_and_parameter_slots(monkeypatch, grid, block,
     assert values == [2**40 + 8, -5, -7, 2**62]
 
 
+def test_a_prepared_launch_fills_its_slots_per_call_and_keeps_the_rest(monkeypatch):
+    # runtime.Launch without a GPU (as above): the arguments fixed at construction stay in their slots,
+    # each call writes its SLOT values in order (calls do not leak into each other), and a call with the
+    # wrong number of values is refused before anything launches
+    from kernels import runtime
+
+    fake = _FakeDriver()
+    monkeypatch.setattr(runtime, "_DRIVER", fake)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0xABC0 + index, raising=False)
+
+    class Fn:
+        ptr = 0x1234
+
+    k = runtime.Launch(Fn, (3, 5), (32,), (runtime.SLOT, np.int32(-7), runtime.SLOT, np.int64(2**40)),
+                       device=torch.device("cuda", 0), shared_mem=64)
+    k(2**44, 11)
+    k(2**45 + 16, -3)
+    assert [c for c, _ in fake.calls] == [(0x1234, 3, 5, 1, 32, 1, 1, 64, 0xABC0, 0)] * 2
+    assert [v for _, v in fake.calls] == [[2**44, -7, 11, 2**40], [2**45 + 16, -7, -3, 2**40]]
+    with pytest.raises(TypeError, match="2 per-call arguments expected, got 1"):
+        k(5)
+    assert len(fake.calls) == 2
+
+
 def test_a_failed_launch_names_the_kernel_and_its_dimensions(monkeypatch):
     from kernels import runtime
 

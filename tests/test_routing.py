@@ -846,3 +846,29 @@ def test_per_pixel_cross_entropy_is_not_refused():
     with pytest.raises(routing.NondeterministicOpError, match="nll_loss2d_forward"):
         with nnrand.use_kernels("tree", strict=True):
             F.cross_entropy(logits, target)
+
+
+def test_prepared_launchers_take_the_tensors_alone_and_refusals_stay_with_the_call():
+    """``_prepared``: a launcher with ``prepare`` is prepared once with the plan's tensors and keyword
+    arguments and then called with the tensors alone; one whose preparation refuses the signature stays as
+    it was (the call raises and is counted there); one without ``prepare`` keeps its keyword arguments."""
+    seen = []
+
+    def launcher(a, b, *, size):
+        return ("plain", a, b, size)
+
+    def prepare(a, b, *, size):
+        seen.append((a, b, size))
+        return lambda a, b: ("prepared", a, b, size)
+    launcher.prepare = prepare
+    fn, kw = routing._prepared(launcher, (1, 2), {"size": 3})
+    assert kw == {} and fn(4, 5) == ("prepared", 4, 5, 3) and seen == [(1, 2, 3)]
+
+    def refusing(a, b, *, size):
+        raise kernels.KernelArgumentError("conv_dgrad", "dy", "refused")
+    launcher.prepare = refusing
+    fn, kw = routing._prepared(launcher, (1, 2), {"size": 3})
+    assert fn is launcher and kw == {"size": 3}
+    del launcher.prepare
+    assert routing._prepared(launcher, (1, 2), {"size": 3}) == (launcher, {"size": 3})
+    assert routing._prepared(None, (), {"size": 3}) == (None, {"size": 3})

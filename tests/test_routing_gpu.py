@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels
 import nnrand
 from nnrand import models
 from nnrand.train import GraphStep
@@ -97,3 +98,38 @@ def test_torchvision_models_with_adaptive_pooling_and_depthwise_convs_are_covere
         assert routed["_adaptive_avg_pool2d_backward"] == {"tree": 1}
     else:
         assert "original" not in routed["convolution_backward"]
+
+
+@pytest.mark.parametrize("dtype, layout", [(torch.float32, "nchw"), (torch.float32, "channels_last"),
+                                           (torch.bfloat16, "channels_last"), (torch.bfloat16, "nchw")])
+def test_a_routed_conv_backward_prepares_once_per_signature_and_equals_the_launchers(dtype, layout, monkeypatch):
+    """The routing prepares tree's launchers once per call signature (validation, plan and launch
+    configuration) and replays them: every call's gradients equal the launchers called directly, bitwise,
+    fp32 and bf16 (tensor cores), stride 1 (split data gradient) and stride 2 (phases)."""
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    prepared = {"conv_dgrad": 0, "conv_wgrad": 0}
+    for op in prepared:
+        launcher = kernels.get(op, "tree").cuda
+        original = launcher.prepare
+
+        def counting(*args, _op=op, _original=original, **kwargs):
+            prepared[_op] += 1
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(launcher, "prepare", counting)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    cases = []
+    for stride in (1, 2):
+        x = torch.randn(4, 64, 14, 14, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+        w = torch.randn(128, 64, 3, 3, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+        oh = (14 + 2 - 3) // stride + 1
+        dy = torch.randn(4, 128, oh, oh, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+        want = (kernels.get("conv_dgrad", "tree")(w, dy, input_size=(14, 14), stride=stride, padding=1),
+                kernels.get("conv_wgrad", "tree")(x, dy, kernel_size=(3, 3), stride=stride, padding=1))
+        cases.append((x, w, dy, stride, want))
+    with nnrand.use_kernels("tree"):
+        for _ in range(3):
+            for x, w, dy, stride, (want_dx, want_dw) in cases:
+                dx, dw, _ = torch.ops.aten.convolution_backward(dy, x, w, None, [stride] * 2, [1, 1], [1, 1], False,
+                                                                [0, 0], 1, [True, True, False])
+                assert bitwise_equal(dx, want_dx) and bitwise_equal(dw, want_dw)
+    assert prepared == {"conv_dgrad": 2, "conv_wgrad": 2}

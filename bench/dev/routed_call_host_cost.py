@@ -10,7 +10,9 @@ backward (the conv's output) native and routed by each of the two families (both
 Each figure is the median over --calls calls of perf_counter around the call alone, in microseconds.
 ``--cprofile N`` adds the top N functions by own time over --calls rounds of the two routed calls, under
 ``--cprofile-family``; that loop does not synchronise, so the launches' own time includes waiting on a
-full launch queue.
+full launch queue. ``--layers`` adds the layers under a routed call, each timed alone: the tree launchers
+called directly (no dispatcher, no routing), a pass-through Python override of the BatchNorm backward (the
+dispatcher's trip into Python and back, nothing else), one ``torch.empty`` and one kernel launch.
 """
 from __future__ import annotations
 
@@ -62,12 +64,42 @@ def profile(conv, bn, args) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
 
 
+def layers(x, w, dy, mean, invstd, gamma, bn, calls: int) -> list[tuple[str, float]]:
+    """The layers under a routed call, each timed alone (see the module docstring)."""
+    import numpy as np
+
+    from kernels import bn_bwd, conv_dgrad, conv_wgrad, runtime
+
+    rows = [("conv tree launchers direct (dX + dW)", host_us(
+        lambda: (conv_dgrad.conv_dgrad_tree_cuda(w, dy, input_size=tuple(x.shape[2:]), stride=1, padding=1),
+                 conv_wgrad.conv_wgrad_tree_cuda(x, dy, kernel_size=tuple(w.shape[2:]), stride=1, padding=1)),
+        calls))]
+    rows.append(("bn tree launcher direct", host_us(lambda: bn_bwd.bn_bwd_tree_cuda(dy, x, mean, invstd, gamma),
+                                                     calls)))
+    original = torch.library.get_kernel("aten::native_batch_norm_backward", "CUDA")
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("native_batch_norm_backward", lambda keyset, *a: original.call_boxed(keyset, *a), "CUDA",
+             with_keyset=True)
+    try:
+        rows.append(("bn pass-through Python override", host_us(bn, calls)))
+    finally:
+        lib._destroy()
+    rows.append(("torch.empty (1 MiB)", host_us(lambda: torch.empty(1 << 18, device="cuda"), calls)))
+    fn = runtime.function(conv_dgrad.SOURCE, "conv_dgrad_split_sum", x.device)
+    part = torch.empty(1, device="cuda")
+    rows.append(("one launch (empty grid work)", host_us(
+        lambda: runtime.launch(fn, (1, 1, 1), (256,), (runtime.ptr(part), runtime.ptr(part), np.int64(0),
+                                                        np.int32(1)), device=x.device), calls)))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
     p.add_argument("--layout", choices=["nchw", "channels_last"], default="channels_last")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="cProfile the routed calls: top N")
+    p.add_argument("--layers", action="store_true", help="time the layers under a routed call, each alone")
     p.add_argument("--cprofile-family", choices=["fastest-deterministic", "tree"], default="fastest-deterministic",
                    help="the routing whose conv and BatchNorm backward calls --cprofile profiles")
     args = p.parse_args()
@@ -106,6 +138,8 @@ def main() -> None:
         rows.append(("bn routed (tree)", host_us(bn, args.calls)))
         if args.cprofile and args.cprofile_family == "tree":
             profile(conv, bn, args)
+    if args.layers:
+        rows += layers(x, w, dy, mean, invstd, gamma, bn, args.calls)
     print(f"host us per call, {args.dtype}, {args.layout}:")
     for name, us in rows:
         print(f"  {name:<36} {us:8.1f}")
