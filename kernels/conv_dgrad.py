@@ -327,11 +327,11 @@ WIDE_MIN_SLICES = 128
 # Cout (conv_dgrad.cu, dgrad_gemm_body's BK; tests/test_conv_dgrad.py). Split launches keep stages of 8
 # (their ranges are counted in them, tree_split), and so does a Cout of an odd number of 8-channel stages,
 # which stages of 16 would pad with 8 more zero channels per tap (the forward form of a 3-channel stem:
-# 75.2 us in stages of 8, 108.9 in stages of 16). H100, fp32, GPU us per call at d131b0f, an earlier form
-# of these kernels (bench/dev/conv_tree_gemm.py --deep on,off), stages of 8 / 16: torchvision resnet18 at
-# 224 px, batch 128: 3x3 64->64 56x56 1069.2 / 982.6 (NCHW), 1122.5 / 1007.3 (channels_last), 3x3 s2
-# 64->128 648.3 / 567.5, every dgrad shape 18122 / 17735 us (NCHW); our ResNet-18 (CIFAR, batch 128):
-# 3x3 64->64 32x32 359.0 / 331.9; shapes on other tiles unchanged. False: stages of 8 everywhere.
+# 75.2 us in stages of 8, 108.9 in stages of 16, H100 at d131b0f, an earlier form of these kernels).
+# H200, fp32, GPU us per call at f69bf1f (bench/dev/conv_tree_gemm.py --deep on,off), stages of 8 / 16,
+# torchvision resnet18 at 224 px, batch 128: 3x3 64->64 56x56 1027.0 / 938.3 (NCHW), 1106.5 / 1019.3
+# (channels_last), 3x3 s2 64->128 600.4 / 533.4, every dgrad shape 16235 / 15806 us (NCHW), 17018 / 16607
+# (channels_last), the same bits in every call; shapes on other tiles unchanged. False: stages of 8 everywhere.
 DEEP_SLICES = True
 
 
