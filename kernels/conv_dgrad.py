@@ -450,7 +450,8 @@ def _run(plan_of, w, dy, input_size, stride, padding, dilation) -> torch.Tensor:
 
 def prepare_tree(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> Callable:
     """``run(w, dy) -> dx`` of the tree variant for calls with the signature of these w and dy and these
-    arguments, decided once (the routing prepares once per call signature; see ``_prepare``)."""
+    arguments, decided once (the routing prepares once per call signature; see ``_prepare``). A half call
+    that the tensor-core kernels do not take runs the float32 launcher on widened copies, prepared per call."""
     if w.dtype == torch.float32 and dy.dtype == torch.float32:
         return _prepare(tree_plan, w, dy, input_size, stride, padding, dilation)
     # bf16 / fp16: the tensor-core kernel (conv_mma.py) where it takes the shape, else float32 copies
@@ -467,6 +468,7 @@ def conv_dgrad_tree_cuda(w, dy, *, input_size, stride=1, padding=0, dilation=1) 
 
 
 def prepare_atomic(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> Callable:
+    """``run(w, dy) -> dx`` of the atomic variant (float32), decided once as ``prepare_tree``'s."""
     return _prepare(atomic_plan, w, dy, input_size, stride, padding, dilation)
 
 

@@ -379,7 +379,8 @@ def _prepare_split(x, dy, g: Geometry, p: Plan) -> Callable:
         def run(x, dy):
             dw = torch.empty(g.w_shape, device=dev, dtype=torch.float32)
             ws = torch.empty(tiles * p.splits * p.tile * p.tile, device=dev, dtype=torch.float32)
-            gemm(x.data_ptr(), dy.data_ptr(), dw.data_ptr(), ws.data_ptr(), ticket_counters(dev, tiles).data_ptr())
+            counters = ticket_counters(dev, tiles)   # held until the launch is queued (a capture's own)
+            gemm(x.data_ptr(), dy.data_ptr(), dw.data_ptr(), ws.data_ptr(), counters.data_ptr())
             return dw
         return run
     mr = g.m * g.r
@@ -407,8 +408,9 @@ def _split_and_combine(x, dy, g: Geometry, p: Plan) -> torch.Tensor:
 def prepare_tree(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> Callable:
     """``run(x, dy) -> dw`` of the tree variant for calls with the signature (dtypes, device, shapes, strides)
     of these x and dy and these arguments: validated, planned and its launches configured here, once, so a
-    call only allocates and launches (the routing prepares once per call signature). The module's switches
-    (KERNEL_STYLE, TAP_TILES, FUSE) are read here."""
+    call only allocates and launches (the routing prepares once per call signature). The module's settings
+    (KERNEL_STYLE, TAP_TILES, FUSE, the split plan's and conv_mma's) are read here. A half call that the
+    tensor-core kernels do not take runs the float32 launcher on widened copies, prepared per call."""
     g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation, half_ok=True)
     if x.dtype != torch.float32:
         return _prepare_half(x, dy, g, _geometry_kw(kernel_size, stride, padding, dilation), atomic=False)

@@ -7,7 +7,8 @@ Every launcher in ``kernels/`` goes through three steps:
 2. ``function(source, name)``: the compiled kernel for the tensor's device (NVRTC called directly, the
    cubin loaded through CuPy's driver module; compiled once per (source, device, defines) and cached).
 3. ``launch(fn, grid, block, args)``: launch on ``torch.cuda.current_stream()``. Tensors travel as raw
-   device pointers (zero-copy); outputs are allocated by torch.
+   device pointers (zero-copy); outputs are allocated by torch. A launch repeated with one configuration
+   is a :class:`Launch`, made once, called with its pointers.
 
 CuPy is optional: nothing here imports it until a CUDA launch is asked for.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import array
 import contextlib
 import functools
+import operator
 import pathlib
 import threading
 from typing import Iterable, Sequence
@@ -337,7 +339,7 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
     del slots, struct  # the parameters lived until the launch had copied them
 
 
-SLOT = None   # in a Launch's arguments: one given per call (a device pointer or an integer)
+SLOT = object()   # in a Launch's arguments: one given per call (a device pointer or an integer)
 
 
 class Launch:
@@ -349,7 +351,8 @@ class Launch:
 
     A routed op's launcher prepares its launches once per call signature, so the per-call host work is
     only its slots: the parameter block lives with the object (the driver copies it during the call), a
-    lock keeps two threads from filling it at once. Same semantics as :func:`launch` otherwise."""
+    lock keeps two threads from filling it at once. Unlike :func:`launch`, the device is fixed when the
+    object is made (a ``device`` without an index: the current one then), and no struct argument is taken."""
 
     __slots__ = ("_fn", "_dims", "_smem", "_index", "_where", "_slots", "_addresses", "_address", "_lock")
 
@@ -358,7 +361,7 @@ class Launch:
         self._fn, self._dims, self._smem = fn, (*_dim3(grid), *_dim3(block)), int(shared_mem)
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._where = tuple(i for i, a in enumerate(args) if a is SLOT)
-        self._slots = array.array("q", [0 if a is SLOT else int(a) for a in args] or [0])
+        self._slots = array.array("q", [0 if a is SLOT else operator.index(a) for a in args] or [0])
         base = self._slots.buffer_info()[0]
         self._addresses = array.array("Q", range(base, base + 8 * len(self._slots), 8))
         self._address = self._addresses.buffer_info()[0]

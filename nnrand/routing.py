@@ -423,7 +423,8 @@ def _prepared(fn: Callable | None, args: tuple, kw: dict) -> tuple[Callable | No
     """``fn`` (a variant's CUDA launcher) prepared for the call signature of ``args`` and ``kw`` where it can
     be (``fn.prepare``: validated, planned and its launches configured once; the plan is keyed by that
     signature), then called with the tensors alone; else ``fn`` with its keyword arguments. A refusal is
-    left to the call, where it is counted."""
+    left to the call, where it is counted. The kernel modules' settings (split rules, tile choices, the
+    tensor-core engine) are read then: once per signature for the session's lifetime."""
     prepare = getattr(fn, "prepare", None)
     if prepare is None:
         return fn, kw

@@ -218,13 +218,15 @@ def test_a_prepared_launch_fills_its_slots_per_call_and_keeps_the_rest(monkeypat
 
     k = runtime.Launch(Fn, (3, 5), (32,), (runtime.SLOT, np.int32(-7), runtime.SLOT, np.int64(2**40)),
                        device=torch.device("cuda", 0), shared_mem=64)
-    k(2**44, 11)
-    k(2**45 + 16, -3)
+    k(np.uint64(2**44), 11)   # what runtime.ptr gives
+    k(2**45 + 16, np.int32(-3))
     assert [c for c, _ in fake.calls] == [(0x1234, 3, 5, 1, 32, 1, 1, 64, 0xABC0, 0)] * 2
     assert [v for _, v in fake.calls] == [[2**44, -7, 11, 2**40], [2**45 + 16, -7, -3, 2**40]]
     with pytest.raises(TypeError, match="2 per-call arguments expected, got 1"):
         k(5)
     assert len(fake.calls) == 2
+    with pytest.raises(TypeError):   # None is not the per-call marker: an argument left unset is an error
+        runtime.Launch(Fn, (1,), (32,), (None, 1), device=torch.device("cuda", 0))
 
 
 def test_a_failed_launch_names_the_kernel_and_its_dimensions(monkeypatch):

@@ -104,8 +104,10 @@ def test_torchvision_models_with_adaptive_pooling_and_depthwise_convs_are_covere
                                            (torch.bfloat16, "channels_last"), (torch.bfloat16, "nchw")])
 def test_a_routed_conv_backward_prepares_once_per_signature_and_equals_the_launchers(dtype, layout, monkeypatch):
     """The routing prepares tree's launchers once per call signature (validation, plan and launch
-    configuration) and replays them: every call's gradients equal the launchers called directly, bitwise,
-    fp32 and bf16 (tensor cores), stride 1 (split data gradient) and stride 2 (phases)."""
+    configuration) and replays them on each call's own tensors: every call's gradients, on fresh tensors
+    each time, equal the launchers called directly, bitwise, fp32 and bf16 (tensor cores), stride 1 (split
+    data gradient), stride 2 (phases) and a 3-channel stem whose float32 dy is, on alternate calls, a view
+    at an address that is not 16-byte aligned (the stem kernel's scalar twin, chosen per call)."""
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     prepared = {"conv_dgrad": 0, "conv_wgrad": 0}
     for op in prepared:
@@ -117,19 +119,26 @@ def test_a_routed_conv_backward_prepares_once_per_signature_and_equals_the_launc
             return _original(*args, **kwargs)
         monkeypatch.setattr(launcher, "prepare", counting)
     g = torch.Generator(device="cuda").manual_seed(3)
-    cases = []
-    for stride in (1, 2):
-        x = torch.randn(4, 64, 14, 14, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
-        w = torch.randn(128, 64, 3, 3, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
-        oh = (14 + 2 - 3) // stride + 1
-        dy = torch.randn(4, 128, oh, oh, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
-        want = (kernels.get("conv_dgrad", "tree")(w, dy, input_size=(14, 14), stride=stride, padding=1),
-                kernels.get("conv_wgrad", "tree")(x, dy, kernel_size=(3, 3), stride=stride, padding=1))
-        cases.append((x, w, dy, stride, want))
+
+    def tensor(shape, shift: bool = False):
+        t = torch.randn(shape, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+        if not shift:
+            return t
+        # the same values, shape and strides one element past the start of a larger buffer
+        buf = torch.empty(t.numel() + 1, device="cuda", dtype=dtype)[1:]
+        return buf.as_strided(t.shape, t.stride()).copy_(t)
+
+    configs = [(64, 128, 1), (64, 128, 2), (3, 64, 1)]   # (Cin, Cout, stride)
     with nnrand.use_kernels("tree"):
-        for _ in range(3):
-            for x, w, dy, stride, (want_dx, want_dw) in cases:
+        for i in range(4):
+            for cin, cout, stride in configs:
+                oh = (14 + 2 - 3) // stride + 1
+                x, w = tensor((4, cin, 14, 14)), tensor((cout, cin, 3, 3))
+                # float32 only: the tensor-core kernels' 16-byte loads take allocator-aligned tensors
+                dy = tensor((4, cout, oh, oh), shift=dtype == torch.float32 and cin == 3 and i % 2 == 1)
                 dx, dw, _ = torch.ops.aten.convolution_backward(dy, x, w, None, [stride] * 2, [1, 1], [1, 1], False,
                                                                 [0, 0], 1, [True, True, False])
+                want_dx = kernels.get("conv_dgrad", "tree")(w, dy, input_size=(14, 14), stride=stride, padding=1)
+                want_dw = kernels.get("conv_wgrad", "tree")(x, dy, kernel_size=(3, 3), stride=stride, padding=1)
                 assert bitwise_equal(dx, want_dx) and bitwise_equal(dw, want_dw)
-    assert prepared == {"conv_dgrad": 2, "conv_wgrad": 2}
+    assert prepared == {"conv_dgrad": 3, "conv_wgrad": 3}
