@@ -160,11 +160,11 @@ def prepare_wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool
     bm, bn = tile or wgrad_tile(m, r)
     kind = "atomic" if atomic else "split"
     smem = wgrad_smem(bm, bn, engine)
-    gemm = Launch(_fn(f"{PREFIX[engine]}_wgrad_{kind}_{bm}x{bn}", dev, dtype, engine, smem),
+    gemm = Launch.of(_fn(f"{PREFIX[engine]}_wgrad_{kind}_{bm}x{bn}", dev, dtype, engine, smem),
                   (cdiv(r, bn), cdiv(m, bm), p.splits), (THREADS,), (SLOT, SLOT, SLOT, *geom), device=dev,
                   shared_mem=smem)
     splits = 1 if atomic else p.splits   # atomic: the partials added into one zeroed workspace
-    combine = Launch(_fn("conv_mma_combine", dev, dtype, engine), (cdiv(m * r, THREADS),), (THREADS,),
+    combine = Launch.of(_fn("conv_mma_combine", dev, dtype, engine), (cdiv(m * r, THREADS),), (THREADS,),
                      (SLOT, *_ints(splits, m, g.cin, g.kh * g.kw), SLOT), device=dev)
     padded = g.cin - cin
     workspace = torch.zeros if atomic else torch.empty
@@ -240,7 +240,7 @@ def prepare_dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = 
             raise ValueError(f"conv_mma.dgrad: {stages} stages of {bm}x{bn} tiles need {smem} bytes of shared "
                              f"memory, over the {SMEM_MAX} a block may have")
         # one grid dimension, channel tiles fastest (the kernel splits it): pixel tiles past 65535 fit
-        return Launch(_fn(f"{PREFIX[engine]}_dgrad_t{bm}x{bn}", dev, dtype, engine, smem, stages),
+        return Launch.of(_fn(f"{PREFIX[engine]}_dgrad_t{bm}x{bn}", dev, dtype, engine, smem, stages),
                       (cdiv(c, bn) * cdiv(p, bm),), (THREADS,), (SLOT, SLOT, SLOT, *geom), device=dev,
                       shared_mem=smem)
 

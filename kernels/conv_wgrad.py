@@ -294,7 +294,7 @@ def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, g: Geometry, p: Plan, ex
     if style != "r" and TAP_TILES and g.cin % p.tile == 0:
         style = "tc" if style == "cl" else "ts"  # same bits, padding terms skipped
     fn = function(SOURCE, f"conv_wgrad_{name}_t{p.tile}_{style}", x.device)
-    return Launch(fn, grid, (THREADS,), (SLOT,) * (3 + extra) + ints, device=x.device), style
+    return Launch.of(fn, grid, (THREADS,), (SLOT,) * (3 + extra) + ints, device=x.device), style
 
 
 R_PRIME_STYLES = ("cl", "tc", "ts")   # kernel styles whose tile columns run in r' = (kh, kw, ci) order
@@ -389,7 +389,7 @@ def _prepare_split(x, dy, g: Geometry, p: Plan) -> Callable:
     r_prime = style in R_PRIME_STYLES
     if r_prime:  # the workspace is in the GEMM's column order r' = (kh, kw, ci)
         args += (np.int32(g.r), np.int32(g.cin), np.int32(g.kh * g.kw))
-    combine = Launch(function(SOURCE, "conv_wgrad_reduce_cl" if r_prime else "conv_wgrad_reduce", dev),
+    combine = Launch.of(function(SOURCE, "conv_wgrad_reduce_cl" if r_prime else "conv_wgrad_reduce", dev),
                      (cdiv(mr, 32),), (32 * GROUPS,), args, device=dev)
 
     def run(x, dy):

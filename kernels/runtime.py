@@ -17,7 +17,6 @@ from __future__ import annotations
 import array
 import contextlib
 import functools
-import operator
 import pathlib
 import threading
 from typing import Iterable, Sequence
@@ -339,6 +338,7 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
     del slots, struct  # the parameters lived until the launch had copied them
 
 
+_LAUNCHES: dict[tuple, "Launch"] = {}
 SLOT = object()   # in a Launch's arguments: one given per call (a device pointer or an integer)
 
 
@@ -360,12 +360,27 @@ class Launch:
                  shared_mem: int = 0):
         self._fn, self._dims, self._smem = fn, (*_dim3(grid), *_dim3(block)), int(shared_mem)
         self._index = device.index if device.index is not None else torch.cuda.current_device()
-        self._where = tuple(i for i, a in enumerate(args) if a is SLOT)
-        self._slots = array.array("q", [0 if a is SLOT else operator.index(a) for a in args] or [0])
+        self._where = [i for i, a in enumerate(args) if a is SLOT]
+        # the array takes integers (NumPy's too) and refuses anything else, None and floats included
+        self._slots = array.array("q", [0 if a is SLOT else a for a in args] or [0])
         base = self._slots.buffer_info()[0]
         self._addresses = array.array("Q", range(base, base + 8 * len(self._slots), 8))
         self._address = self._addresses.buffer_info()[0]
         self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, device: torch.device,
+           shared_mem: int = 0) -> "Launch":
+        """The :class:`Launch` of this configuration, made on its first request and shared after (at most
+        MEMO_LIMIT kept): a launcher that prepares on every direct call pays a lookup, not the making."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (fn.ptr, tuple(grid), tuple(block), int(shared_mem), index, args)
+        made = _LAUNCHES.get(key)
+        if made is None:
+            made = cls(fn, grid, block, args, device=torch.device("cuda", index), shared_mem=shared_mem)
+            if len(_LAUNCHES) < MEMO_LIMIT:
+                _LAUNCHES[key] = made
+        return made
 
     def __call__(self, *values) -> None:
         if len(values) != len(self._where):

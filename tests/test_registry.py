@@ -229,6 +229,34 @@ def test_a_prepared_launch_fills_its_slots_per_call_and_keeps_the_rest(monkeypat
         runtime.Launch(Fn, (1,), (32,), (None, 1), device=torch.device("cuda", 0))
 
 
+def test_launch_of_shares_one_object_per_configuration(monkeypatch):
+    # Launch.of: a configuration asked for again (the same kernel, dims, shared memory, device and fixed
+    # arguments, NumPy or Python integers alike) is the object made the first time; any difference makes
+    # another, and both launch with their own fixed arguments
+    from kernels import runtime
+
+    fake = _FakeDriver()
+    monkeypatch.setattr(runtime, "_DRIVER", fake)
+    monkeypatch.setattr(runtime, "_LAUNCHES", {})
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+
+    class Fn:
+        ptr = 0x55
+
+    dev, S = torch.device("cuda", 0), runtime.SLOT
+    a = runtime.Launch.of(Fn, (4,), (64,), (S, np.int32(3), S, 9), device=dev)
+    assert runtime.Launch.of(Fn, (4,), (64,), (S, 3, S, np.int64(9)), device=dev) is a
+    others = [runtime.Launch.of(Fn, (4,), (64,), (S, 4, S, 9), device=dev),
+              runtime.Launch.of(Fn, (4, 1), (64,), (S, 3, S, 9), device=dev),
+              runtime.Launch.of(Fn, (4,), (64,), (S, 3, S, 9), device=dev, shared_mem=1024),
+              runtime.Launch.of(Fn, (4,), (64,), (S, 3, S, 9), device=torch.device("cuda", 1))]
+    assert len({id(k) for k in [a, *others]}) == 5
+    a(10, 11)
+    others[0](12, 13)
+    assert [v for _, v in fake.calls] == [[10, 3, 11, 9], [12, 4, 13, 9]]
+
+
 def test_a_failed_launch_names_the_kernel_and_its_dimensions(monkeypatch):
     from kernels import runtime
 
