@@ -208,9 +208,9 @@ def _setup(variant: str, half: torch.dtype | None, dy, x, mean, invstd, weight) 
         # when a channel has several blocks (p > 1)
         tail = (SLOT, SLOT) if variant == "atomic" else (SLOT,) * 4
         reduce = Launch.of(function(SOURCE, f"bn_bwd_{kind}_{variant}", dev, defines), plan["red_grid"],
-                        plan["red_block"], four + plan["red_args"] + tail, device=dev)
+                           plan["red_block"], four + plan["red_args"] + tail, device=dev)
         dx = Launch.of(function(SOURCE, f"bn_bwd_dx_{kind}", dev, defines), plan["dx_grid"], plan["dx_block"],
-                    four + (SLOT, SLOT, SLOT, plan["m"]) + plan["dx_args"] + (SLOT,), device=dev)
+                       four + (SLOT, SLOT, SLOT, plan["m"]) + plan["dx_args"] + (SLOT,), device=dev)
     return _Setup(layout, _memory_format(layout), convert, half is not None,
                   weight.dtype if weight is not None else torch.float32, plan, reduce, dx)
 

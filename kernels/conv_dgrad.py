@@ -420,7 +420,7 @@ def _prepare(plan_of, w, dy, input_size, stride, padding, dilation) -> Callable:
 
     def kernel(name: str) -> Launch:
         return Launch.of(function(SOURCE, name, dev), plan.grid, plan.block, (SLOT, SLOT, SLOT, *plan.scalars, *tail),
-                      device=dev, shared_mem=plan.shared)
+                         device=dev, shared_mem=plan.shared)
     main = kernel(plan.kernel)
     # the stem's vector loads need a 16-byte aligned dy: its scalar twin takes any other address
     unaligned = main if plan.packing != "stem" or plan.kernel.endswith("_scalar") else \
@@ -428,7 +428,7 @@ def _prepare(plan_of, w, dy, input_size, stride, padding, dilation) -> Callable:
     n = g.n * g.cin * g.h * g.w
     split = plan.ksplit is not None and plan.ksplit > 1
     dx_sum = Launch.of(function(SOURCE, "conv_dgrad_split_sum", dev), (min(cdiv(n, 256), 4096), 1, 1), (256,),
-                    (SLOT, SLOT, np.int64(n), np.int32(plan.ksplit)), device=dev) if split else None
+                       (SLOT, SLOT, np.int64(n), np.int32(plan.ksplit)), device=dev) if split else None
 
     def run(w, dy):
         dx = _empty_dx(g, dev, zero=plan.zero_fill)

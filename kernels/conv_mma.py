@@ -161,11 +161,11 @@ def prepare_wgrad(x: torch.Tensor, dy: torch.Tensor, g, plan_of, *, atomic: bool
     kind = "atomic" if atomic else "split"
     smem = wgrad_smem(bm, bn, engine)
     gemm = Launch.of(_fn(f"{PREFIX[engine]}_wgrad_{kind}_{bm}x{bn}", dev, dtype, engine, smem),
-                  (cdiv(r, bn), cdiv(m, bm), p.splits), (THREADS,), (SLOT, SLOT, SLOT, *geom), device=dev,
-                  shared_mem=smem)
+                     (cdiv(r, bn), cdiv(m, bm), p.splits), (THREADS,), (SLOT, SLOT, SLOT, *geom), device=dev,
+                     shared_mem=smem)
     splits = 1 if atomic else p.splits   # atomic: the partials added into one zeroed workspace
     combine = Launch.of(_fn("conv_mma_combine", dev, dtype, engine), (cdiv(m * r, THREADS),), (THREADS,),
-                     (SLOT, *_ints(splits, m, g.cin, g.kh * g.kw), SLOT), device=dev)
+                        (SLOT, *_ints(splits, m, g.cin, g.kh * g.kw), SLOT), device=dev)
     padded = g.cin - cin
     workspace = torch.zeros if atomic else torch.empty
 
@@ -241,8 +241,8 @@ def prepare_dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = 
                              f"memory, over the {SMEM_MAX} a block may have")
         # one grid dimension, channel tiles fastest (the kernel splits it): pixel tiles past 65535 fit
         return Launch.of(_fn(f"{PREFIX[engine]}_dgrad_t{bm}x{bn}", dev, dtype, engine, smem, stages),
-                      (cdiv(c, bn) * cdiv(p, bm),), (THREADS,), (SLOT, SLOT, SLOT, *geom), device=dev,
-                      shared_mem=smem)
+                         (cdiv(c, bn) * cdiv(p, bm),), (THREADS,), (SLOT, SLOT, SLOT, *geom), device=dev,
+                         shared_mem=smem)
 
     order = (1, 2, 3, 0) if engine == "wgmma" else (2, 3, 0, 1)   # [ci][kh][kw][co] or [kh][kw][co][ci]
     # per launch: its kernel, the taps of w it reads (rows, columns: slices), its byte offset into dx

@@ -390,7 +390,7 @@ def _prepare_split(x, dy, g: Geometry, p: Plan) -> Callable:
     if r_prime:  # the workspace is in the GEMM's column order r' = (kh, kw, ci)
         args += (np.int32(g.r), np.int32(g.cin), np.int32(g.kh * g.kw))
     combine = Launch.of(function(SOURCE, "conv_wgrad_reduce_cl" if r_prime else "conv_wgrad_reduce", dev),
-                     (cdiv(mr, 32),), (32 * GROUPS,), args, device=dev)
+                        (cdiv(mr, 32),), (32 * GROUPS,), args, device=dev)
 
     def run(x, dy):
         dw = torch.empty(g.w_shape, device=dev, dtype=torch.float32)

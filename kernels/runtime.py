@@ -361,7 +361,7 @@ class Launch:
         self._fn, self._dims, self._smem = fn, (*_dim3(grid), *_dim3(block)), int(shared_mem)
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._where = [i for i, a in enumerate(args) if a is SLOT]
-        # the array takes integers (NumPy's too) and refuses anything else, None and floats included
+        # the array takes integers (NumPy's, and objects with __index__) and refuses floats, None, strings
         self._slots = array.array("q", [0 if a is SLOT else a for a in args] or [0])
         base = self._slots.buffer_info()[0]
         self._addresses = array.array("Q", range(base, base + 8 * len(self._slots), 8))
@@ -372,14 +372,18 @@ class Launch:
     def of(cls, fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, device: torch.device,
            shared_mem: int = 0) -> "Launch":
         """The :class:`Launch` of this configuration, made on its first request and shared after (at most
-        MEMO_LIMIT kept): a launcher that prepares on every direct call pays a lookup, not the making."""
+        MEMO_LIMIT kept): a launcher that prepares on every direct call pays a lookup, not the making. The
+        key holds the fixed arguments' types too (3.0 and True equal 3 and 1 but are not valid arguments)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (fn.ptr, tuple(grid), tuple(block), int(shared_mem), index, args)
-        made = _LAUNCHES.get(key)
+        key = (fn.ptr, *_dim3(grid), *_dim3(block), int(shared_mem), index, args, tuple(map(type, args)))
+        try:
+            made = _LAUNCHES.get(key)
+        except TypeError:   # an unhashable argument: made anew, not kept
+            return cls(fn, grid, block, args, device=torch.device("cuda", index), shared_mem=shared_mem)
         if made is None:
             made = cls(fn, grid, block, args, device=torch.device("cuda", index), shared_mem=shared_mem)
             if len(_LAUNCHES) < MEMO_LIMIT:
-                _LAUNCHES[key] = made
+                made = _LAUNCHES.setdefault(key, made)   # two threads making one: both get the kept one
         return made
 
     def __call__(self, *values) -> None:

@@ -230,9 +230,9 @@ def test_a_prepared_launch_fills_its_slots_per_call_and_keeps_the_rest(monkeypat
 
 
 def test_launch_of_shares_one_object_per_configuration(monkeypatch):
-    # Launch.of: a configuration asked for again (the same kernel, dims, shared memory, device and fixed
-    # arguments, NumPy or Python integers alike) is the object made the first time; any difference makes
-    # another, and both launch with their own fixed arguments
+    # Launch.of: a configuration asked for again (the same kernel, dims however spelled, shared memory,
+    # device, fixed arguments and their types) is the object made the first time; any difference makes
+    # another, and each launches with its own fixed arguments
     from kernels import runtime
 
     fake = _FakeDriver()
@@ -244,14 +244,23 @@ def test_launch_of_shares_one_object_per_configuration(monkeypatch):
     class Fn:
         ptr = 0x55
 
+    class Other:
+        ptr = 0x56
+
     dev, S = torch.device("cuda", 0), runtime.SLOT
-    a = runtime.Launch.of(Fn, (4,), (64,), (S, np.int32(3), S, 9), device=dev)
-    assert runtime.Launch.of(Fn, (4,), (64,), (S, 3, S, np.int64(9)), device=dev) is a
+    a = runtime.Launch.of(Fn, (4,), (64,), (S, 3, S, 9), device=dev)
+    assert runtime.Launch.of(Fn, (4, 1, 1), (64, 1), (S, 3, S, 9), device=dev) is a
     others = [runtime.Launch.of(Fn, (4,), (64,), (S, 4, S, 9), device=dev),
-              runtime.Launch.of(Fn, (4, 1), (64,), (S, 3, S, 9), device=dev),
+              runtime.Launch.of(Fn, (4, 2), (64,), (S, 3, S, 9), device=dev),
+              runtime.Launch.of(Fn, (4,), (128,), (S, 3, S, 9), device=dev),
               runtime.Launch.of(Fn, (4,), (64,), (S, 3, S, 9), device=dev, shared_mem=1024),
-              runtime.Launch.of(Fn, (4,), (64,), (S, 3, S, 9), device=torch.device("cuda", 1))]
-    assert len({id(k) for k in [a, *others]}) == 5
+              runtime.Launch.of(Fn, (4,), (64,), (S, 3, S, 9), device=torch.device("cuda", 1)),
+              runtime.Launch.of(Fn, (4,), (64,), (S, np.int32(3), S, 9), device=dev),
+              runtime.Launch.of(Other, (4,), (64,), (S, 3, S, 9), device=dev)]
+    assert len({id(k) for k in [a, *others]}) == 1 + len(others)
+    assert others[-1]._fn is Other and a._fn is Fn
+    with pytest.raises(TypeError):   # a float equal to a kept integer argument is still refused
+        runtime.Launch.of(Fn, (4,), (64,), (S, 3.0, S, 9), device=dev)
     a(10, 11)
     others[0](12, 13)
     assert [v for _, v in fake.calls] == [[10, 3, 11, 9], [12, 4, 13, 9]]

@@ -129,6 +129,7 @@ def test_a_routed_conv_backward_prepares_once_per_signature_and_equals_the_launc
         return buf.as_strided(t.shape, t.stride()).copy_(t)
 
     configs = [(64, 128, 1), (64, 128, 2), (3, 64, 1)]   # (Cin, Cout, stride)
+    alive = []   # every call's tensors kept: a later call's cannot reuse their memory, so addresses differ
     with nnrand.use_kernels("tree"):
         for i in range(4):
             for cin, cout, stride in configs:
@@ -136,6 +137,7 @@ def test_a_routed_conv_backward_prepares_once_per_signature_and_equals_the_launc
                 x, w = tensor((4, cin, 14, 14)), tensor((cout, cin, 3, 3))
                 # float32 only: the tensor-core kernels' 16-byte loads take allocator-aligned tensors
                 dy = tensor((4, cout, oh, oh), shift=dtype == torch.float32 and cin == 3 and i % 2 == 1)
+                alive.append((x, w, dy))
                 dx, dw, _ = torch.ops.aten.convolution_backward(dy, x, w, None, [stride] * 2, [1, 1], [1, 1], False,
                                                                 [0, 0], 1, [True, True, False])
                 want_dx = kernels.get("conv_dgrad", "tree")(w, dy, input_size=(14, 14), stride=stride, padding=1)
