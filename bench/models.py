@@ -27,7 +27,8 @@ of every run, each step timed with CUDA events (host enqueue gaps included, so h
 Repeatability: distinct SHA-1 hashes of the final weights over the runs. Native, tree, tree_winograd and
 fastest_deterministic also run as a CUDA graph (``nnrand.train.GraphStep``: forward and backward captured
 once, SGD eager) in each layout; the graph column is the faster one. Results are appended per model to ``reports/results/models.json``
-(atomic writes: an interrupted run resumes at the next model); the report is rendered from that file.
+(atomic writes: an interrupted run resumes at the next model, ``--fresh`` ones too); the report is rendered
+from that file.
 """
 from __future__ import annotations
 
@@ -554,6 +555,29 @@ def to_measure(rows: dict, cases: list, *, only: list | None, fresh: bool, amp: 
     return out
 
 
+def fresh_todo(data: dict, todo: list[tuple], settings: dict, *, resume: bool) -> tuple[list[tuple], str, bool]:
+    """Under --fresh: the (case, row key) pairs still to measure, the run's id and whether it resumes one.
+    A --fresh run records its row keys and settings in the result file (``fresh_run``) before it measures
+    and stamps each row it measures with its id; the same command after an interruption finds that record
+    and measures only the rows it has not stamped. ``resume=False`` (--no-resume) starts over."""
+    keys = [k for _, k in todo]
+    pending = data.get("fresh_run")
+    if resume and pending and pending.get("keys") == keys and pending.get("settings") == settings:
+        run = pending["id"]
+        return [(c, k) for c, k in todo if data["rows"].get(k, {}).get("fresh_run") != run], run, True
+    run = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}-{os.getpid()}"
+    for row in data["rows"].values():   # an abandoned run's stamps
+        row.pop("fresh_run", None)
+    data["fresh_run"] = {"id": run, "keys": keys, "settings": settings}
+    return todo, run, False
+
+
+def finish_fresh(data: dict) -> None:
+    """A --fresh run that measured every row it recorded: its record and its rows' stamps go."""
+    for key in data.pop("fresh_run", {}).get("keys", []):
+        data["rows"].get(key, {}).pop("fresh_run", None)
+
+
 def dropped_modes(row: dict | None, modes: list[str]) -> list[str]:
     """Modes of an existing row that a run measuring only ``modes`` replaces: a row's ratios come from one
     run, so the new row holds the new modes alone."""
@@ -575,11 +599,16 @@ def main(argv: list[str] | None = None) -> int:
                    "<case>_hb for b): one per process, so one per run of this command (default %(default)s, "
                    "PyTorch's, whatever the environment says)")
     p.add_argument("--fresh", action="store_true", help="measure every case again (default: skip cases in the file; "
-                   "--only cases are always measured); rows of cases not measured stay in the file")
+                   "--only cases are always measured); rows of cases not measured stay in the file. An "
+                   "interrupted --fresh run resumes when the same command runs again")
+    p.add_argument("--no-resume", action="store_true", help="with --fresh: start over rather than resume an "
+                   "interrupted --fresh run")
     p.add_argument("--render", action="store_true", help="only render reports/models.md from the result file")
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error(f"--runs must be >= 1, got {args.runs}")
+    if args.no_resume and not args.fresh:
+        p.error("--no-resume goes with --fresh (a run without it measures only the rows the file lacks)")
     args.modes = list(dict.fromkeys(args.modes))   # a mode named twice runs once per round
     if args.render:
         REPORT.write_text(render(load()))
@@ -612,6 +641,16 @@ def main(argv: list[str] | None = None) -> int:
     for key in sorted({row_key(c.key, args.amp, args.cudnn_heuristic) for c in MODELS} - {k for _, k in todo}):
         if key in data["rows"]:
             print(f"{key}: in the result file, skipped (--fresh or --only to measure again)")
+    run = None
+    if args.fresh:
+        settings = {"modes": args.modes, "runs": args.runs, "steps": args.steps, "warmup": args.warmup,
+                    "amp": args.amp, "cudnn_heuristic": args.cudnn_heuristic}
+        total = len(todo)
+        todo, run, resumed = fresh_todo(data, todo, settings, resume=not args.no_resume)
+        if resumed:
+            print(f"resuming an interrupted --fresh run: {len(todo)} of {total} rows left (--no-resume to start "
+                  "over)", flush=True)
+        save(data)
     with noise.pinned_flags(tf32=False, cudnn_deterministic=False):
         for case, key in todo:
             print(f"{key}: {case.model}, batch {case.batch}, {case.size}px, {args.amp or 'fp32'}", flush=True)
@@ -629,7 +668,12 @@ def main(argv: list[str] | None = None) -> int:
             data["rows"][key]["measured"] = {k: env.get(k) for k in MEASURED}
             if args.cudnn_heuristic == "b":
                 data["rows"][key]["cudnn_heuristic"] = "b"
+            if run is not None:
+                data["rows"][key]["fresh_run"] = run
             save(data)
+    if run is not None:
+        finish_fresh(data)
+        save(data)
     REPORT.write_text(render(data))
     print(render(data))
     return 0

@@ -2,6 +2,8 @@
 it keeps does not)."""
 from __future__ import annotations
 
+import pytest
+
 from bench import models as bm
 
 KEYS = [c.key for c in bm.MODELS]
@@ -241,8 +243,6 @@ def test_equal_run_medians_at_the_edges_overlap():
 
 
 def test_runs_below_one_are_refused(capsys):
-    import pytest
-
     with pytest.raises(SystemExit) as e:
         bm.main(["--runs", "0"])
     assert e.value.code == 2 and "--runs must be >= 1, got 0" in capsys.readouterr().err
@@ -268,3 +268,62 @@ def test_rows_from_another_gpu_or_an_earlier_run_are_labelled():
     line = " ".join(bm._measured_line({"fingerprint": env, "rows": only_old}))
     assert "x at git aaaaaaa (d1)" in line and " on " not in line
     assert bm._measured_line({"fingerprint": env, "rows": {"y": rows["y"]}}) == []
+
+
+def test_an_interrupted_fresh_run_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
+    # main() with the GPU parts stood in for: a --fresh run stopped (KeyboardInterrupt) after two rows keeps
+    # its record in the file; the same command measures only the rows after them, then drops the record and
+    # the rows' stamps; a finished run is not resumed; other settings, or --no-resume, start over
+    import json
+    import sys
+
+    import torch
+
+    import nnrand.fingerprint
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(bm, "RESULTS", tmp_path / "models.json")
+    monkeypatch.setattr(bm, "REPORT", tmp_path / "models.md")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(nnrand.fingerprint, "fingerprint", lambda device: {"git_sha": "abc1234", "date": "d"})
+    monkeypatch.setattr(bm, "render", lambda data: "report\n")
+    calls, stop = [], {"after": None}
+
+    def fake_measure(case, args):
+        if len(calls) == stop["after"]:
+            raise KeyboardInterrupt
+        calls.append(case.key)
+        return {"case": {"key": case.key}, "modes": {m: {"ms": 1.0} for m in args.modes}}
+
+    monkeypatch.setattr(bm, "measure", fake_measure)
+    bm.RESULTS.write_text(json.dumps({"rows": {k: {"modes": {"native": {"ms": 9.0}}} for k in KEYS}}))
+    fresh = ["--fresh", "--modes", "native"]
+
+    def interrupted(argv, after: int) -> dict:
+        calls.clear()
+        stop["after"] = after
+        with pytest.raises(KeyboardInterrupt):
+            bm.main(argv)
+        stop["after"] = None
+        return json.loads(bm.RESULTS.read_text())
+
+    data = interrupted(fresh, 2)
+    assert data["fresh_run"]["keys"] == KEYS
+    assert [k for k in KEYS if "fresh_run" in data["rows"][k]] == KEYS[:2]
+    assert all(data["rows"][k]["modes"]["native"]["ms"] == 9.0 for k in KEYS[2:])   # not yet measured again
+    calls.clear()
+    capsys.readouterr()
+    assert bm.main(fresh) == 0
+    assert calls == KEYS[2:]
+    assert f"resuming an interrupted --fresh run: {len(KEYS) - 2} of {len(KEYS)} rows left" in capsys.readouterr().out
+    data = json.loads(bm.RESULTS.read_text())
+    assert "fresh_run" not in data and not any("fresh_run" in row for row in data["rows"].values())
+    calls.clear()
+    assert bm.main(fresh) == 0 and calls == KEYS   # the finished run is not resumed
+    for other in (fresh + ["--runs", "5"], fresh + ["--no-resume"]):
+        interrupted(fresh, 3)
+        calls.clear()
+        assert bm.main(other) == 0 and calls == KEYS
+    with pytest.raises(SystemExit):
+        bm.main(["--no-resume"])
