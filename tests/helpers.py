@@ -1,6 +1,7 @@
 """Shared test utilities: byte hashes, ULP distances, summation error bounds."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import numpy as np
@@ -74,3 +75,18 @@ def entropy_from_seeds(monkeypatch, first: int = 0) -> None:
     seeds = itertools.count(first)
     real = np.random.default_rng
     monkeypatch.setattr(np.random, "default_rng", lambda seed=None: real(next(seeds) if seed is None else seed))
+
+
+@contextlib.contextmanager
+def nan_filled_memory():
+    """PyTorch's deterministic mode, whose allocations (torch.empty) start filled with NaN: an element a
+    kernel leaves unwritten shows. The mode found on entry is restored on exit."""
+    from torch.utils import deterministic
+
+    assert deterministic.fill_uninitialized_memory
+    det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(det)

@@ -41,24 +41,31 @@ def test_dropped_modes_names_what_a_partial_run_replaces():
     assert bm.dropped_modes(None, ["native"]) == []
 
 
-def test_a_run_with_only_keeps_the_other_rows_and_names_dropped_modes(tmp_path, monkeypatch, capsys):
-    # main() end to end with the GPU parts stood in for: the file's other rows survive --only --fresh, the
-    # re-measured row holds the new modes alone, and the run says which modes it dropped
-    import json
+def _gpu_stood_in(tmp_path, monkeypatch) -> None:
+    """What main() needs to run without a GPU, restored after the test: CUDA reported available, the result
+    file and report in ``tmp_path``, a fixed fingerprint, a one-line report; the environment variable and
+    import path main() sets."""
+    import sys
 
     import torch
 
     import nnrand.fingerprint
 
-    import sys
-
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # main() sets it; restored after the test
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(bm, "RESULTS", tmp_path / "models.json")
     monkeypatch.setattr(bm, "REPORT", tmp_path / "models.md")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(nnrand.fingerprint, "fingerprint", lambda device: {"git_sha": "abc1234", "date": "d"})
     monkeypatch.setattr(bm, "render", lambda data: "report\n")
+
+
+def test_a_run_with_only_keeps_the_other_rows_and_names_dropped_modes(tmp_path, monkeypatch, capsys):
+    # main() end to end with the GPU parts stood in for: the file's other rows survive --only --fresh, the
+    # re-measured row holds the new modes alone, and the run says which modes it dropped
+    import json
+
+    _gpu_stood_in(tmp_path, monkeypatch)
     measured = []
 
     def fake_measure(case, args):
@@ -103,23 +110,15 @@ def test_heuristic_b_rows_have_their_own_keys_and_labels():
 def test_main_sets_the_heuristic_before_cuda_and_keys_its_rows(tmp_path, monkeypatch):
     import json
     import os
-    import sys
 
     import torch
 
-    import nnrand.fingerprint
     from nnrand import noise
 
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    _gpu_stood_in(tmp_path, monkeypatch)
     monkeypatch.setenv(noise.HEURISTIC_ENV, "0")   # recorded, so the test puts back what it found
     monkeypatch.delenv(noise.HEURISTIC_ENV)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setattr(bm, "RESULTS", tmp_path / "models.json")
-    monkeypatch.setattr(bm, "REPORT", tmp_path / "models.md")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.setattr(nnrand.fingerprint, "fingerprint", lambda device: {"git_sha": "abc1234", "date": "d"})
-    monkeypatch.setattr(bm, "render", lambda data: "report\n")
     seen = []
     monkeypatch.setattr(bm, "measure", lambda case, args: seen.append(os.environ.get(noise.HEURISTIC_ENV)) or
                         {"case": {"key": case.key}, "modes": {}})
@@ -275,19 +274,8 @@ def test_an_interrupted_fresh_run_resumes_where_it_stopped(tmp_path, monkeypatch
     # its record in the file; the same command measures only the rows after them, then drops the record and
     # the rows' stamps; a finished run is not resumed; other settings, or --no-resume, start over
     import json
-    import sys
 
-    import torch
-
-    import nnrand.fingerprint
-
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setattr(bm, "RESULTS", tmp_path / "models.json")
-    monkeypatch.setattr(bm, "REPORT", tmp_path / "models.md")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(nnrand.fingerprint, "fingerprint", lambda device: {"git_sha": "abc1234", "date": "d"})
-    monkeypatch.setattr(bm, "render", lambda data: "report\n")
+    _gpu_stood_in(tmp_path, monkeypatch)
     calls, stop = [], {"after": None}
 
     def fake_measure(case, args):

@@ -30,7 +30,7 @@ from kernels import conv_dgrad as cd
 from kernels.conv_dgrad import OP, SOURCE, conv_dgrad_tree_cpu
 from kernels.runtime import KERNEL_DIR
 from kernels.shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape
-from tests.helpers import assert_bitwise_equal, bitwise_equal, distinct, gamma
+from tests.helpers import assert_bitwise_equal, bitwise_equal, distinct, gamma, nan_filled_memory
 
 VARIANTS = kernels.variants(OP)
 TREE = kernels.get(OP, "tree")
@@ -655,12 +655,7 @@ def test_cuda_tree_deep_stages_same_bits():
     both layouts, with Cout not a multiple of 16, partial column tiles, stride-2 phases and dilation, for
     the data gradient and the forward form; every dx element written (NaN-filled buffers in PyTorch's
     deterministic mode), and 5 repeats give one result."""
-    from torch.utils import deterministic
-
-    assert deterministic.fill_uninitialized_memory
-    det = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with nan_filled_memory():
         for i, s in enumerate(DEEP_SHAPES):
             for layout in ("nchw", "channels_last"):
                 g, stride, (w, dy, kw) = _plan(s, layout, "cuda", 990 + i)
@@ -687,8 +682,6 @@ def test_cuda_tree_deep_stages_same_bits():
                 if (False, "fwd") in outs:
                     assert_bitwise_equal(outs[True, "fwd"], outs[False, "fwd"], f"{s.name} {layout}: forward form")
                 assert_within_bound(outs[False], w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1, f"{s.name} {layout}")
-    finally:
-        torch.use_deterministic_algorithms(det)
     torch.cuda.synchronize()
 
 
@@ -756,12 +749,7 @@ def test_cuda_tree_wide_tiles_same_bits():
     in PyTorch's deterministic mode, so every buffer the launcher takes from torch.empty (dx, the split's
     partials) starts as NaN: an element a kernel does not write shows, whatever an earlier run left."""
     rules = {"narrow": (1 << 30, 0, 0), "_wide": (cd.WIDE_MIN_CIN, 0, 0), "_wide1": (cd.WIDE_MIN_CIN, 1 << 30, 0)}
-    from torch.utils import deterministic
-
-    assert deterministic.fill_uninitialized_memory
-    det = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with nan_filled_memory():
         for i, s in enumerate(WIDE_SHAPES):
             for layout in ("nchw", "channels_last"):
                 g, stride, (w, dy, kw) = _plan(s, layout, "cuda", 970 + i)
@@ -788,6 +776,4 @@ def test_cuda_tree_wide_tiles_same_bits():
                 for key, got in outs.items():
                     assert_bitwise_equal(got, ref, f"{s.name} {layout}: {key} against narrow tiles, memset")
                 assert_within_bound(ref, w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1, f"{s.name} {layout}")
-    finally:
-        torch.use_deterministic_algorithms(det)
     torch.cuda.synchronize()

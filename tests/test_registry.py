@@ -178,6 +178,17 @@ class _FakeDriver:
         self.calls.append(((f, gx, gy, gz, bx, by, bz, shared, stream, extra), values))
 
 
+def _fake_driver(monkeypatch) -> _FakeDriver:
+    """A :class:`_FakeDriver` in place of CuPy's, torch's current device 0 and raw stream 0xABC0 + index."""
+    from kernels import runtime
+
+    fake = _FakeDriver()
+    monkeypatch.setattr(runtime, "_DRIVER", fake)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0xABC0 + index, raising=False)
+    return fake
+
+
 @pytest.mark.parametrize("grid, block, dims", [((7,), (256,), (7, 1, 1, 256, 1, 1)),
                                                 ((3, 5), (32, 8), (3, 5, 1, 32, 8, 1)),
                                                 ((2, 3, 4), (8, 4, 2), (2, 3, 4, 8, 4, 2))])
@@ -187,10 +198,7 @@ def test_launch_passes_dims_stream_and_parameter_slots(monkeypatch, grid, block,
     # argument holding ints and NumPy integers alike (a negative 32-bit value reads back from the low bytes)
     from kernels import runtime
 
-    fake = _FakeDriver()
-    monkeypatch.setattr(runtime, "_DRIVER", fake)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0xABC0 + index, raising=False)
+    fake = _fake_driver(monkeypatch)
 
     class Fn:
         ptr = 0x1234
@@ -208,10 +216,7 @@ def test_a_prepared_launch_fills_its_slots_per_call_and_keeps_the_rest(monkeypat
     # wrong number of values is refused before anything launches
     from kernels import runtime
 
-    fake = _FakeDriver()
-    monkeypatch.setattr(runtime, "_DRIVER", fake)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0xABC0 + index, raising=False)
+    fake = _fake_driver(monkeypatch)
 
     class Fn:
         ptr = 0x1234
@@ -235,11 +240,8 @@ def test_launch_of_shares_one_object_per_configuration(monkeypatch):
     # another, and each launches with its own fixed arguments
     from kernels import runtime
 
-    fake = _FakeDriver()
-    monkeypatch.setattr(runtime, "_DRIVER", fake)
+    fake = _fake_driver(monkeypatch)
     monkeypatch.setattr(runtime, "_LAUNCHES", {})
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
 
     class Fn:
         ptr = 0x55
