@@ -5,6 +5,7 @@
     python -m bench.models --render              # reports/models.md from reports/results/models.json only
     python -m bench.models --only torchvision_resnet50 --amp bf16   # under torch.autocast in bf16
     python -m bench.models --cudnn-heuristic b   # every mode under cuDNN's heuristic mode B (rows <case>_hb)
+    timeout 550 python -m bench.models --fresh   # repeated: each run resumes where the last one was stopped
 
 Modes (fp32, TF32 off, or with ``--amp`` the forward under autocast in bf16/fp16 (fp16 with a GradScaler),
 rows keyed ``<case>_<amp>``; each in NCHW and channels_last, the faster layout is the mode's figure):
