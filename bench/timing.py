@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from nnrand.timing import queued_event_times  # noqa: F401  (re-exported: the benchmarks' timer)
+from nnrand.timing import HOST_AHEAD_S, queued_event_times  # noqa: F401  (re-exported: the benchmarks' timer)
 
 MODES = ("fast", "deterministic")
 
@@ -116,7 +116,7 @@ class L2Flush:
 
 
 def cuda_event_times(fn: Callable[[], object], n: int, device: torch.device, flush: L2Flush | None = None,
-                     host_ahead_s: float = 200e-6) -> list[float]:
+                     host_ahead_s: float = HOST_AHEAD_S) -> list[float]:
     """Seconds per call of ``fn`` from CUDA events, ``n`` calls queued behind a spin kernel (see
     :func:`queued_event_times`; a timing that includes host time warns)."""
     times, host_included = queued_event_times(fn, n, device, flush, host_ahead_s)

@@ -36,6 +36,7 @@ from .runtime import (
     act_defines,
     cdiv,
     check_cuda,
+    check_key,
     memo_check,
     check_size,
     check_tensor,
@@ -186,14 +187,9 @@ _NULL = 0   # a null pointer argument (no weight, no workspace)
 
 
 def _signature(variant: str, dy, x, mean, invstd, weight) -> tuple | None:
-    """dtypes, devices, shapes and strides of every argument (None where one is not a tensor: checked in full)."""
-    try:
-        return (variant, x.dtype, x.device, x.shape, x.stride(), dy.dtype, dy.device, dy.shape, dy.stride(),
-                mean.dtype, mean.device, mean.shape, mean.stride(), invstd.dtype, invstd.device, invstd.shape,
-                invstd.stride(), None if weight is None else (weight.dtype, weight.device, weight.shape,
-                                                              weight.stride()))
-    except AttributeError:
-        return None
+    """dtypes, devices, shapes and strides of every argument (``runtime.check_key``: None where one cannot
+    be keyed, a sparse tensor say; then checked in full)."""
+    return check_key(variant, dy, x, mean, invstd, weight)
 
 
 def _setup(variant: str, half: torch.dtype | None, dy, x, mean, invstd, weight) -> _Setup:

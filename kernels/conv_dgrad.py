@@ -360,14 +360,15 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_r
     # (tree_split splits stride 1 only, where every phase has taps)
     ksplit = tree_split(g, grid[0] * grid[1] * grid[2]) if not empty else 1
     wide_min_cin, wave_sms, wide_min_slices = wide_rule
+    widened = False
     if g.cin >= wide_min_cin:
         wide = (grid[0], cdiv(g.cin, 2 * BN), grid[2])
         phases = sum(map(bool, rows_taps)) * sum(map(bool, cols_taps))   # the phases that have taps
         working = wide[0] * wide[1] * ksplit * phases   # their blocks
         if working >= wave_sms or g.kh * g.kw * cdiv(g.cout, 8) // ksplit >= wide_min_slices:
             kernel += "_wide" if working > wave_sms else "_wide1"
-            grid = wide
-    if deep and ksplit == 1 and grid[1] == cdiv(g.cin, BN) and cdiv(g.cout, 8) % 2 == 0:  # see DEEP_SLICES
+            grid, widened = wide, True
+    if deep and ksplit == 1 and not widened and cdiv(g.cout, 8) % 2 == 0:  # see DEEP_SLICES
         kernel += "_deep"
     return LaunchPlan(kernel, (grid[0], grid[1] * ksplit, grid[2]), (THREADS,), 0,
                       (*head[:-1], np.int32(fill), np.int32(ksplit)), fill, "tap_major", ksplit)
@@ -417,6 +418,7 @@ def _prepare(plan_of, w, dy, input_size, stride, padding, dilation) -> Callable:
     plan = plan_of(g, tuple(dy.stride()))
     # the GEMM kernels take the partials' buffer last (null without a split); the stem kernels do not
     tail = (SLOT,) if plan.ksplit is not None else ()
+    null_tail = (0,) * len(tail)
 
     def kernel(name: str) -> Launch:
         return Launch.of(function(SOURCE, name, dev), plan.grid, plan.block, (SLOT, SLOT, SLOT, *plan.scalars, *tail),
@@ -439,7 +441,7 @@ def _prepare(plan_of, w, dy, input_size, stride, padding, dilation) -> Callable:
             k(dy.data_ptr(), wmat.data_ptr(), dx.data_ptr(), part.data_ptr())
             dx_sum(part.data_ptr(), dx.data_ptr())
         else:
-            k(dy.data_ptr(), wmat.data_ptr(), dx.data_ptr(), *(0,) * len(tail))
+            k(dy.data_ptr(), wmat.data_ptr(), dx.data_ptr(), *null_tail)
         return dx
     return run
 

@@ -335,18 +335,15 @@ WG_FUSED_KERNEL(conv_wgrad_fused_t128_s, 128, 128, 8, 8, true, false, false, 2)
 WG_FUSED_KERNEL(conv_wgrad_fused_t64_s, 64, 64, 4, 4, true, false, false, 3)
 WG_FUSED_KERNEL(conv_wgrad_fused_t128_cl, 128, 128, 8, 8, true, true, false, 2)
 WG_FUSED_KERNEL(conv_wgrad_fused_t64_cl, 64, 64, 4, 4, true, true, false, 3)
-WG_KERNEL(conv_wgrad_atomic_t128_ts, 128, 128, 8, 8, 0, true, false, true, 2)
-WG_KERNEL(conv_wgrad_split_t128_ts, 128, 128, 8, 8, 1, true, false, true, 2)
-WG_FUSED_KERNEL(conv_wgrad_fused_t128_ts, 128, 128, 8, 8, true, false, true, 2)
-WG_KERNEL(conv_wgrad_atomic_t64_ts, 64, 64, 4, 4, 0, true, false, true, 3)
-WG_KERNEL(conv_wgrad_split_t64_ts, 64, 64, 4, 4, 1, true, false, true, 3)
-WG_FUSED_KERNEL(conv_wgrad_fused_t64_ts, 64, 64, 4, 4, true, false, true, 3)
-WG_KERNEL(conv_wgrad_atomic_t128_tc, 128, 128, 8, 8, 0, true, true, true, 2)
-WG_KERNEL(conv_wgrad_split_t128_tc, 128, 128, 8, 8, 1, true, true, true, 2)
-WG_FUSED_KERNEL(conv_wgrad_fused_t128_tc, 128, 128, 8, 8, true, true, true, 2)
-WG_KERNEL(conv_wgrad_atomic_t64_tc, 64, 64, 4, 4, 0, true, true, true, 3)
-WG_KERNEL(conv_wgrad_split_t64_tc, 64, 64, 4, 4, 1, true, true, true, 3)
-WG_FUSED_KERNEL(conv_wgrad_fused_t64_tc, 64, 64, 4, 4, true, true, true, 3)
+// tap tiles: atomic, split and fused kernels of one tile size and style
+#define WG_TAP_KERNELS(T, TM, STYLE, CL, MINB)                                                            \
+    WG_KERNEL(conv_wgrad_atomic_t##T##_##STYLE, T, T, TM, TM, 0, true, CL, true, MINB)                    \
+    WG_KERNEL(conv_wgrad_split_t##T##_##STYLE, T, T, TM, TM, 1, true, CL, true, MINB)                     \
+    WG_FUSED_KERNEL(conv_wgrad_fused_t##T##_##STYLE, T, T, TM, TM, true, CL, true, MINB)
+WG_TAP_KERNELS(128, 8, ts, false, 2)
+WG_TAP_KERNELS(64, 4, ts, false, 3)
+WG_TAP_KERNELS(128, 8, tc, true, 2)
+WG_TAP_KERNELS(64, 4, tc, true, 3)
 
 // Fixed-order combine of the S chunk partials of each element: a block covers 32 elements (lanes) with
 // 8 warps; warp g adds partials s = g, g + 8, g + 16, ... in that order, then lane e of warp 0 adds the

@@ -374,11 +374,12 @@ def _prepare_split(x, dy, g: Geometry, p: Plan) -> Callable:
         return run
     if fused(g, p):  # workspace [tile][S][tile^2]; each tile's last block writes dw
         tiles = cdiv(g.m, p.tile) * cdiv(g.r, p.tile)
+        ws_numel = tiles * p.splits * p.tile * p.tile
         gemm = _gemm("fused", x, dy, g, p, extra=2)[0]
 
         def run(x, dy):
             dw = torch.empty(g.w_shape, device=dev, dtype=torch.float32)
-            ws = torch.empty(tiles * p.splits * p.tile * p.tile, device=dev, dtype=torch.float32)
+            ws = torch.empty(ws_numel, device=dev, dtype=torch.float32)
             counters = ticket_counters(dev, tiles)   # held until the launch is queued (a capture's own)
             gemm(x.data_ptr(), dy.data_ptr(), dw.data_ptr(), ws.data_ptr(), counters.data_ptr())
             return dw

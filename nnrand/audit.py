@@ -1366,10 +1366,9 @@ def csv_lock(csv_path: Path | str, timeout_s: float = LOCK_TIMEOUT_S) -> Iterato
             os.close(fd)
 
 
-def write_row(csv_path: Path | str, row: Mapping, md_path: Path | str | None = None) -> list[dict]:
+def write_row(csv_path: Path | str, row: Mapping, md_path: Path | str | None = None) -> None:
     """Merge ``row`` into the CSV under the lock: re-read what is there now (another audit's rows included),
-    replace the row of its key or append it, write the file atomically and render the markdown from it.
-    Returns the rows written."""
+    replace the row of its key or append it, write the file atomically and render the markdown from it."""
     csv_path = Path(csv_path)
     with csv_lock(csv_path):
         rows = read_rows(csv_path)
@@ -1383,7 +1382,6 @@ def write_row(csv_path: Path | str, row: Mapping, md_path: Path | str | None = N
         runio.write_csv(csv_path, COLUMNS, table)
         # the report follows the CSV row by row (an interrupted run leaves both), from the rows in hand
         runio.write_text(Path(md_path) if md_path is not None else default_md(csv_path), render_markdown(table))
-    return rows
 
 
 def run_audit(entries: Sequence[Entry], *, device: torch.device | str = "cpu", repeats: int = DEFAULT_REPEATS,

@@ -529,13 +529,13 @@ def _conv_plan(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, pa
     geom = dict(stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation))
     if groups != 1:
         geom["groups"] = int(groups)
-    dy_, x_ = dy.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt)
+    dy_, x_, w_ = dy.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt), w.contiguous(memory_format=w_fmt)
     dgrad_kw = dict(input_size=tuple(x.shape[-2:]), **geom)
     wgrad_kw = dict(kernel_size=tuple(w.shape[-2:]), **geom)
     try:
         if need[0] and isinstance(plan[1], Auto):
             plan[1] = _tuned(s, plan[1], 0, original, keyset, args, x, w, geom, fmt,
-                             (w.contiguous(memory_format=w_fmt), dy_), dgrad_kw)
+                             (w_, dy_), dgrad_kw)
         if need[1] and isinstance(plan[0], Auto):
             plan[0] = _tuned(s, plan[0], 1, original, keyset, args, x, w, geom, fmt, (x_, dy_), wgrad_kw)
     except kernels.KernelArgumentError as e:
@@ -558,7 +558,7 @@ def _conv_plan(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, pa
     dgrad = _variant_fn(plan[1], s.rng, cuda, half and not wide) if need[0] and plan[1] is not None else None
     wgrad = _variant_fn(plan[0], s.rng, cuda, half and not wide) if need[1] and plan[0] is not None else None
     if not wide:
-        dgrad, dgrad_kw = _prepared(dgrad, (w.contiguous(memory_format=w_fmt), dy_), dgrad_kw)
+        dgrad, dgrad_kw = _prepared(dgrad, (w_, dy_), dgrad_kw)
         wgrad, wgrad_kw = _prepared(wgrad, (x_, dy_), wgrad_kw)
     return _ConvPlan(
         None, fmt=fmt, w_fmt=w_fmt,

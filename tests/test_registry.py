@@ -275,9 +275,8 @@ def test_a_failed_launch_names_the_kernel_and_its_dimensions(monkeypatch):
         def launchKernel(self, *a):
             raise RuntimeError("CUDA_ERROR_INVALID_VALUE")
 
+    _fake_driver(monkeypatch)
     monkeypatch.setattr(runtime, "_DRIVER", Refusing())
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     monkeypatch.setitem(runtime._NAMES, 0x99, "sum.cu:sum_tree")
 
     class Fn:
