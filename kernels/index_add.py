@@ -288,7 +288,11 @@ MSORT_MAX = 32768            # SEG_MSORT_MAX: the merge sort takes up to this ma
 MSORT_MERGE_THREADS = 1024   # SEG_MSORT_MERGE_THREADS
 MSORT_STARTS_FUSED = 2**21   # the merge writes the starts where (space + 1) * tiles is at most this
 SMEM_PER_SM = 227 * 1024     # an H100/H200 SM's shared memory for blocks
-SORTS = ("merge", "one_block", "torch")
+RSORT_TILE = 4096            # SEG_RSORT_TILE: keys per block of the radix sort's count and place
+RSORT_THREADS = 256          # SEG_RSORT_THREADS
+RSORT_BITS = 9               # SEG_RSORT_BITS: most bits per digit
+RSORT_MAX = 2**31 - 1        # positions are 32-bit between the passes
+SORTS = ("merge", "one_block", "radix", "torch")
 
 
 ONE_BLOCK_UP_TO = 4096  # keys times digit passes up to which the one-block sort is the default
@@ -300,10 +304,12 @@ def default_sort(n: int, kname: str, passes: int) -> str:
     starts): ``one_block`` up to ONE_BLOCK_UP_TO keys times passes (1024 keys: 13.5, merge 17.2, torch
     26.9); ``merge`` for int16 and int32 keys up to MSORT_MAX (4096: 18.3, one block 21.2; 16384: 22.8,
     one block 50.2, torch 43.8; 32768: 27.6, torch 44.5; 16384 keys into 10^6 rows: 46.2, torch 76.2);
-    ``torch`` beyond."""
+    ``radix`` beyond; ``torch`` for int64 keys."""
     if kname == "i16" and n * passes <= ONE_BLOCK_UP_TO:
         return "one_block"
-    return "merge" if kname in ("i16", "i32") and n <= MSORT_MAX else "torch"
+    if kname not in ("i16", "i32"):
+        return "torch"
+    return "merge" if n <= MSORT_MAX else "radix"
 
 
 def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: int = 0,
@@ -315,8 +321,10 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
     start[m], the first sorted position with a destination >= m, for m = 0 .. space (start[space]: the
     valid keys). ``method`` (default: default_sort): ``merge``, a tile sort and a merge by rank that also
     writes the starts where they are few enough (segsum.cuh; two launches); ``one_block``, one block sorts
-    up to SORT_MAX int16 keys; ``torch``, the keys kernel then torch.sort(stable=True). The starts kernel
-    after each but a fused merge. All give the same skey, perm and start."""
+    up to SORT_MAX int16 keys; ``radix``, a radix sort of the destinations' significant bits only (int16
+    and int32 keys, radix_sort: three launches per pass of up to 9 bits); ``torch``, the keys kernel then
+    torch.sort(stable=True). The starts kernel after each but a fused merge. All give the same skey, perm
+    and start."""
     n = key.numel()
     dev = key.device
     space = rows * width if width else rows
@@ -332,6 +340,9 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
     if method == "one_block" and not (kname == "i16" and n <= SORT_MAX):
         raise KernelArgumentError(prefix, "method", f"{n} keys into {space} destinations: the one-block sort "
                                                     f"takes up to {SORT_MAX} keys into at most 65535")
+    if method == "radix" and not (kname in ("i16", "i32") and n <= RSORT_MAX):
+        raise KernelArgumentError(prefix, "method", f"{n} keys into {space} destinations: the radix sort takes "
+                                                    f"up to {RSORT_MAX} keys into at most {2**32 - 1}")
     start = torch.empty(space + 1, device=dev, dtype=torch.int64)
     if method == "torch":
         keys = torch.empty(n, device=dev, dtype=ktype)
@@ -345,6 +356,8 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
         perm = torch.empty(n, device=dev, dtype=torch.int64)
         if method == "merge" and _merge_sort(source, prefix, kname, key, skey, perm, start, width, rows, offset, check):
             return skey, perm, start, kname, offset
+        if method == "radix" and n:
+            radix_sort(source, prefix, key, skey, perm, rows, width=width, offset=offset, check=check)
         if method == "one_block" and n:
             launch(function(source, f"{prefix}_sort_i16", dev, smem=SORT_SMEM), (1,), (SORT_THREADS,),
                    (ptr(key), ptr(skey), ptr(perm), np.int32(n), np.int64(width), np.int64(rows), np.int64(offset),
@@ -352,6 +365,44 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
     launch(function(source, f"{prefix}_starts_{kname}", dev), (_blocks(space + 1),), (THREADS,),
            (ptr(skey), np.int64(n), np.int64(space), np.int64(offset), ptr(start)), device=dev)
     return skey, perm, start, kname, offset
+
+
+def radix_digits(space: int) -> tuple[int, int]:
+    """(passes, bits per digit) of the radix sort for destinations 0 .. space (the sentinel included):
+    the fewest passes of at most RSORT_BITS bits, the bits spread evenly (10^5 rows: 17 bits, 2 x 9)."""
+    b = max(1, int(space).bit_length())
+    passes = cdiv(b, RSORT_BITS)
+    return passes, cdiv(b, passes)
+
+
+def radix_sort(source: str, prefix: str, key: torch.Tensor, skey: torch.Tensor, perm: torch.Tensor, rows: int,
+               *, width: int = 0, offset: int, check: RangeCheck = NO_CHECK) -> None:
+    """sort_keys' ``radix`` (segsum.cuh): the destinations of ``key`` (as sort_keys) sorted stably into
+    ``skey`` (int16 or int32, destination - ``offset``) and ``perm`` (int64), by radix_digits' passes of
+    three launches each (count, scan, place). No host synchronisation; n >= 1 keys, up to RSORT_MAX."""
+    n = key.numel()
+    dev = key.device
+    passes, bits = radix_digits(rows * width if width else rows)
+    digits, tiles = 1 << bits, cdiv(n, RSORT_TILE)
+    counts = torch.empty(digits * (tiles + 1), device=dev, dtype=torch.int32)  # [digit][tile], then totals
+    totals = np.uint64(int(ptr(counts)) + 4 * digits * tiles)
+    # 32-bit keys and positions between the passes: two buffers, alternating
+    buf = torch.empty((min(passes - 1, 2), 2, n), device=dev, dtype=torch.int32)
+    null = np.uint64(0)
+    kname = {torch.int16: "i16", torch.int32: "i32"}[skey.dtype]
+    count, scan = function(source, f"{prefix}_rsort_count", dev), function(source, "segsum_rsort_scan", dev)
+    place = function(source, f"{prefix}_rsort_place_{kname}", dev)
+    common = (np.int64(n), np.int64(width), np.int64(rows))
+    for p in range(passes):
+        kin, vin = (null, null) if p == 0 else (ptr(buf[(p - 1) % 2, 0]), ptr(buf[(p - 1) % 2, 1]))
+        shift = (np.int32(bits * p), np.int32(bits))
+        launch(count, (tiles,), (RSORT_THREADS,), (ptr(key), kin, *common, *shift, ptr(counts),
+                                                    check.trap if p == 0 else np.int32(0)), device=dev)
+        launch(scan, (digits,), (RSORT_THREADS,), (ptr(counts), np.int32(tiles), totals), device=dev)
+        last = p == passes - 1
+        out = (null, null, ptr(skey), ptr(perm)) if last else (ptr(buf[p % 2, 0]), ptr(buf[p % 2, 1]), null, null)
+        launch(place, (tiles,), (RSORT_THREADS,), (ptr(key), kin, vin, *common, *shift, ptr(counts), totals, *out,
+                                                    np.int64(offset)), device=dev)
 
 
 def _merge_sort(source, prefix, kname, key, skey, perm, start, width, rows, offset, check) -> bool:

@@ -552,6 +552,233 @@ __device__ __forceinline__ void seg_msort_merge_body(const unsigned* __restrict_
         seg_msort_merge_body<KT>(tkey, tpos, n, space, offset, with_starts, skey, perm, start);          \
     }
 
+// ------------------------------------------------------------------------------------------------
+// sorted: device radix sort of many keys (int16 or int32 keys, beyond the merge sort)
+
+// Replaces the keys kernel and torch.sort where n is large. torch.sort sorts every byte of the key type
+// (four 8-bit passes for int32) and copies around them; the destinations 0 .. space (the sentinel
+// included) have only b = bit_length(space) significant bits (17 for 10^5 rows). A least significant
+// digit first radix sort in P = ceil(b / 9) passes of B = ceil(b / P) bits (R = 2^B digits), each pass
+// three launches:
+//   count  block t counts each digit among the keys [T t, T t + T) (T = SEG_RSORT_TILE): warp w walks its
+//          T / 8 keys 32 at a time, finds the lanes of one digit by B ballots (seg_same_bits), and the
+//          highest of them adds their number to the warp's count (no atomics); counts[d * tiles + t] is
+//          the sum over the warps. The first pass makes the keys from the index (seg_destination: the
+//          sentinel `space` for a bad index, or the device-side assertion) with position e as the value.
+//   scan   block d: the exclusive prefix of digit d's counts over the tiles, in place, and its total.
+//   place  block t again: each key's rank among the keys of its digit before it in the tile (the same
+//          walk, keeping each lane's running rank), the warps' counts turned into an exclusive prefix
+//          per digit, plus the tile's prefix and the digit's base (an exclusive prefix of the totals):
+//          the key's position in the pass's output. The last pass writes skey (destination - offset)
+//          and perm (int64); the others a key and a value of 32 bits each.
+// Each pass is a stable counting sort on one digit, so the whole is a stable sort: skey and perm are
+// torch.sort(stable=True)'s. DETERMINISTIC: integer counts, a fixed schedule, no atomics.
+#define SEG_RSORT_TILE 4096
+#define SEG_RSORT_THREADS 256
+#define SEG_RSORT_ITEMS (SEG_RSORT_TILE / SEG_RSORT_THREADS)  // keys per lane
+#define SEG_RSORT_BITS 9                                      // most bits per digit
+#define SEG_RSORT_DIGITS (1 << SEG_RSORT_BITS)
+#define SEG_RSORT_HSTRIDE (SEG_RSORT_DIGITS + 1)  // a warp's counts: one row of the block's [warp][digit]
+
+// The lanes whose `bits`-bit digit equals this lane's (bits <= SEG_RSORT_BITS, the same in every lane).
+__device__ __forceinline__ unsigned seg_same_bits(unsigned d, int bits) {
+    unsigned peers = SEG_FULL;
+#pragma unroll
+    for (int b = 0; b < SEG_RSORT_BITS; ++b) {
+        if (b < bits) {
+            const unsigned ones = __ballot_sync(SEG_FULL, (d >> b) & 1u);
+            peers &= ((d >> b) & 1u) ? ones : ~ones;
+        }
+    }
+    return peers;
+}
+
+// k[r]: the key of element e0 + 32 r (0 past n): kin's, or, without kin (the first pass), the
+// destination of the index (all loads in flight before any is used).
+__device__ __forceinline__ void seg_rsort_keys(const long long* __restrict__ idx, const unsigned* __restrict__ kin,
+                                               long long e0, long long n, long long width, long long rows,
+                                               const char* trap, unsigned (&k)[SEG_RSORT_ITEMS]) {
+    if (kin != nullptr) {
+#pragma unroll
+        for (int r = 0; r < SEG_RSORT_ITEMS; ++r) k[r] = e0 + 32 * r < n ? kin[e0 + 32 * r] : 0u;
+        return;
+    }
+    const long long space = width ? rows * width : rows;
+    long long i[SEG_RSORT_ITEMS];
+#pragma unroll
+    for (int r = 0; r < SEG_RSORT_ITEMS; ++r) i[r] = e0 + 32 * r < n ? idx[e0 + 32 * r] : 0;
+#pragma unroll
+    for (int r = 0; r < SEG_RSORT_ITEMS; ++r)
+        k[r] = e0 + 32 * r < n ? (unsigned)seg_destination(i[r], e0 + 32 * r, width, rows, space, trap) : 0u;
+}
+
+// The walk shared by count and place: warp w's keys in order, 32 at a time; rank[r] (place only) is the
+// number of keys of the same digit before key r in the warp's share, h the warp's running counts.
+template <bool RANK>
+__device__ __forceinline__ void seg_rsort_walk(const unsigned (&k)[SEG_RSORT_ITEMS], long long e0, long long n,
+                                               int shift, int bits, unsigned* h, unsigned (&rank)[SEG_RSORT_ITEMS]) {
+    const int lane = threadIdx.x & 31;
+    const unsigned below = (1u << lane) - 1u, mask = (1u << bits) - 1u;
+#pragma unroll
+    for (int r = 0; r < SEG_RSORT_ITEMS; ++r) {
+        const bool valid = e0 + 32 * r < n;
+        const unsigned live = __ballot_sync(SEG_FULL, valid);
+        if (live == 0u) break;  // the same in every lane
+        const unsigned d = (k[r] >> shift) & mask;
+        const unsigned peers = seg_same_bits(d, bits) & live;
+        if (RANK && valid) rank[r] = h[d] + __popc(peers & below);
+        __syncwarp();
+        if (valid && lane == 31 - __clz(peers)) h[d] += __popc(peers);
+        __syncwarp();
+    }
+}
+
+__device__ __forceinline__ void seg_rsort_count_body(const long long* __restrict__ idx,
+                                                     const unsigned* __restrict__ kin, long long n, long long width,
+                                                     long long rows, int shift, int bits,
+                                                     unsigned* __restrict__ counts, const char* trap) {
+    __shared__ unsigned hist[SEG_WARPS * SEG_RSORT_HSTRIDE];
+    const int warp = threadIdx.x >> 5;
+    for (int i = threadIdx.x; i < SEG_WARPS * SEG_RSORT_HSTRIDE; i += SEG_RSORT_THREADS) hist[i] = 0u;
+    const long long e0 = (long long)blockIdx.x * SEG_RSORT_TILE + warp * (SEG_RSORT_TILE / SEG_WARPS) +
+                         (threadIdx.x & 31);
+    unsigned k[SEG_RSORT_ITEMS], unused[SEG_RSORT_ITEMS];
+    seg_rsort_keys(idx, kin, e0, n, width, rows, trap, k);
+    __syncthreads();
+    seg_rsort_walk<false>(k, e0, n, shift, bits, hist + warp * SEG_RSORT_HSTRIDE, unused);
+    __syncthreads();
+    for (int d = threadIdx.x; d < (1 << bits); d += SEG_RSORT_THREADS) {
+        unsigned s = 0u;
+#pragma unroll
+        for (int w = 0; w < SEG_WARPS; ++w) s += hist[w * SEG_RSORT_HSTRIDE + d];
+        counts[(long long)d * gridDim.x + blockIdx.x] = s;
+    }
+}
+
+// Block d: counts[d * tiles + t] = the sum over tiles before t, in place; totals[d] = the sum of all.
+extern "C" __global__ void __launch_bounds__(SEG_RSORT_THREADS)
+segsum_rsort_scan(unsigned* __restrict__ counts, int tiles, unsigned* __restrict__ totals) {
+    __shared__ unsigned wsum[SEG_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned* c = counts + (long long)blockIdx.x * tiles;
+    unsigned carry = 0u;
+    for (int t0 = 0; t0 < tiles; t0 += SEG_RSORT_THREADS) {
+        const int t = t0 + threadIdx.x;
+        const unsigned v = t < tiles ? c[t] : 0u;
+        unsigned incl = v;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned x = __shfl_up_sync(SEG_FULL, incl, o);
+            if (lane >= o) incl += x;
+        }
+        if (lane == 31) wsum[warp] = incl;
+        __syncthreads();
+        unsigned before = 0u, all = 0u;
+#pragma unroll
+        for (int w = 0; w < SEG_WARPS; ++w) {
+            before += w < warp ? wsum[w] : 0u;
+            all += wsum[w];
+        }
+        if (t < tiles) c[t] = carry + before + incl - v;
+        carry += all;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) totals[blockIdx.x] = carry;
+}
+
+template <typename KT>
+__device__ __forceinline__ void seg_rsort_place_body(const long long* __restrict__ idx,
+                                                     const unsigned* __restrict__ kin, const int* __restrict__ vin,
+                                                     long long n, long long width, long long rows, int shift,
+                                                     int bits, const unsigned* __restrict__ counts,
+                                                     const unsigned* __restrict__ totals, unsigned* __restrict__ kout,
+                                                     int* __restrict__ vout, KT* __restrict__ skey,
+                                                     long long* __restrict__ perm, long long offset) {
+    __shared__ unsigned hist[SEG_WARPS * SEG_RSORT_HSTRIDE];
+    __shared__ unsigned base[SEG_RSORT_DIGITS];
+    __shared__ unsigned wsum[SEG_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int R = 1 << bits;
+    for (int i = threadIdx.x; i < SEG_WARPS * SEG_RSORT_HSTRIDE; i += SEG_RSORT_THREADS) hist[i] = 0u;
+    {  // base[d] = totals of the digits below d + this tile's prefix for d (thread: digits 2 t, 2 t + 1)
+        static_assert(2 * SEG_RSORT_THREADS >= SEG_RSORT_DIGITS, "two digits per thread");
+        const int d0 = 2 * threadIdx.x;
+        const unsigned a = d0 < R ? totals[d0] : 0u, b = d0 + 1 < R ? totals[d0 + 1] : 0u;
+        unsigned incl = a + b;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned x = __shfl_up_sync(SEG_FULL, incl, o);
+            if (lane >= o) incl += x;
+        }
+        if (lane == 31) wsum[warp] = incl;
+        __syncthreads();
+        unsigned excl = incl - a - b;
+#pragma unroll
+        for (int w = 0; w < SEG_WARPS; ++w) excl += w < warp ? wsum[w] : 0u;
+        const long long tiles = gridDim.x;
+        if (d0 < R) base[d0] = excl + counts[d0 * tiles + blockIdx.x];
+        if (d0 + 1 < R) base[d0 + 1] = excl + a + counts[(d0 + 1) * tiles + blockIdx.x];
+    }
+    const long long e0 = (long long)blockIdx.x * SEG_RSORT_TILE + warp * (SEG_RSORT_TILE / SEG_WARPS) + lane;
+    unsigned k[SEG_RSORT_ITEMS], rank[SEG_RSORT_ITEMS];
+    int v[SEG_RSORT_ITEMS];
+    seg_rsort_keys(idx, kin, e0, n, width, rows, nullptr, k);
+#pragma unroll
+    for (int r = 0; r < SEG_RSORT_ITEMS; ++r)
+        v[r] = vin == nullptr ? (int)(e0 + 32 * r) : (e0 + 32 * r < n ? vin[e0 + 32 * r] : 0);
+    __syncthreads();
+    seg_rsort_walk<true>(k, e0, n, shift, bits, hist + warp * SEG_RSORT_HSTRIDE, rank);
+    __syncthreads();
+    for (int d = threadIdx.x; d < R; d += SEG_RSORT_THREADS) {  // the warps' first slots per digit
+        unsigned run = base[d];
+#pragma unroll
+        for (int w = 0; w < SEG_WARPS; ++w) {
+            const unsigned c = hist[w * SEG_RSORT_HSTRIDE + d];
+            hist[w * SEG_RSORT_HSTRIDE + d] = run;
+            run += c;
+        }
+    }
+    __syncthreads();
+    const unsigned* h = hist + warp * SEG_RSORT_HSTRIDE;
+    const unsigned mask = (unsigned)R - 1u;
+#pragma unroll
+    for (int r = 0; r < SEG_RSORT_ITEMS; ++r) {
+        if (e0 + 32 * r >= n) break;
+        const unsigned p = h[(k[r] >> shift) & mask] + rank[r];
+        if (skey != nullptr) {
+            skey[p] = (KT)((long long)k[r] - offset);
+            perm[p] = (long long)v[r];
+        } else {
+            kout[p] = k[r];
+            vout[p] = v[r];
+        }
+    }
+}
+
+// PREFIX_rsort_count, PREFIX_rsort_place_i16, PREFIX_rsort_place_i32 (the last pass's key type; the
+// other passes pass skey = nullptr)
+#define SEG_RSORT_KERNELS(PREFIX)                                                                        \
+    extern "C" __global__ void __launch_bounds__(SEG_RSORT_THREADS)                                      \
+    PREFIX##_rsort_count(const long long* __restrict__ idx, const unsigned* __restrict__ kin, long long n,  \
+                         long long width, long long rows, int shift, int bits, unsigned* __restrict__ counts, \
+                         int trap) {                                                                     \
+        seg_rsort_count_body(idx, kin, n, width, rows, shift, bits, counts, trap ? #PREFIX : nullptr);   \
+    }                                                                                                    \
+    SEG_RSORT_PLACE(PREFIX, i16, short)                                                                  \
+    SEG_RSORT_PLACE(PREFIX, i32, int)
+
+#define SEG_RSORT_PLACE(PREFIX, KEYNAME, KT)                                                             \
+    extern "C" __global__ void __launch_bounds__(SEG_RSORT_THREADS)                                      \
+    PREFIX##_rsort_place_##KEYNAME(const long long* __restrict__ idx, const unsigned* __restrict__ kin,   \
+                                   const int* __restrict__ vin, long long n, long long width, long long rows, \
+                                   int shift, int bits, const unsigned* __restrict__ counts,             \
+                                   const unsigned* __restrict__ totals, unsigned* __restrict__ kout,     \
+                                   int* __restrict__ vout, KT* __restrict__ skey, long long* __restrict__ perm, \
+                                   long long offset) {                                                   \
+        seg_rsort_place_body<KT>(idx, kin, vin, n, width, rows, shift, bits, counts, totals, kout, vout, skey, \
+                                 perm, offset);                                                          \
+    }
+
 // start[m] = first sorted position with key >= m, for m = 0 .. space (start[space] = valid keys).
 template <typename K>
 __device__ __forceinline__ void seg_starts_body(const K* __restrict__ skey, long long n, long long space,
@@ -1125,6 +1352,7 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
     SEG_SORT_KERNEL(PREFIX)                        \
     SEG_MSORT_FOR(PREFIX, i16, short, unsigned, 16) \
     SEG_MSORT_FOR(PREFIX, i32, int, unsigned long long, 32) \
+    SEG_RSORT_KERNELS(PREFIX)                      \
     SEG_FIXED_ADD_KERNEL(PREFIX##_fixed_add, #PREFIX) \
     SEG_SORTED_FOR(PREFIX, i16, short)             \
     SEG_SORTED_FOR(PREFIX, i32, int)               \

@@ -298,14 +298,18 @@ SORTS = (
     (2047, 50000, 0, 0.01, 0), (2049, 50000, 0, 0.01, 3), (4097, 7, 0, 0.0, 0), (32768, 50000, 0, 0.01, 0),
     (32767, 65535, 0, 1.0, 9), (30000, 1_000_000, 0, 0.01, 11), (3000, 70000, 0, 0.5, 0),
     (32768, 20000, 4, 0.01, 5), (30000, 3, 0, 0.0, 0),
+    # the radix sort's tiles (4096 keys), one to three digit passes, all keys equal, the element form
+    (4095, 511, 0, 0.0, 2), (4097, 512, 0, 0.5, 0), (12289, 70000, 0, 0.01, 0), (100_000, 100_000, 0, 0.01, 13),
+    (65536, 300, 0, 1.0, 0), (262_144, 1_000_000, 0, 0.0, 5), (131_072, 40_000, 8, 0.3, 3),
 )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,rows,width,dup,bad", SORTS)
 def test_gpu_key_sorts_are_torch_sort(n, rows, width, dup, bad, cuda_sync):
-    """The merge sort and the one-block sort (where each applies) give torch.sort(stable=True)'s keys and
-    permutation and the starts kernel's row starts exactly, and the same on every call."""
+    """The merge sort, the one-block sort and the radix sort (where each applies) give
+    torch.sort(stable=True)'s keys and permutation and the starts kernel's row starts exactly, and the same
+    on every call."""
     g = torch.Generator().manual_seed(n + rows)
     shape = (n // width, width) if width else (n,)
     index = ia.draw_index(g, shape, rows, dup)
@@ -316,7 +320,8 @@ def test_gpu_key_sorts_are_torch_sort(n, rows, width, dup, bad, cuda_sync):
     index = index.to(CUDA)
     want = ia.sort_keys(ia.SOURCE, OP, index, rows, width=width, method="torch")
     kname = want[3]
-    methods = ["merge"] + (["one_block"] if kname == "i16" and n <= ia.SORT_MAX else [])
+    methods = (["merge"] if n <= ia.MSORT_MAX else []) + (["one_block"] if kname == "i16" and n <= ia.SORT_MAX
+                                                          else []) + ["radix"]
     assert kname == ("i16" if rows * max(width, 1) < 2**16 else "i32")
     for method in methods:
         for _ in range(5):
@@ -341,6 +346,44 @@ def test_launcher_constants_match_segsum_cuh():
     assert int(define["SEG_MSORT_MERGE_THREADS"]) == ia.MSORT_MERGE_THREADS
     assert ia.MSORT_TILE == int(define["SEG_MSORT_PER"]) * ia.MSORT_THREADS
     assert 4 * ia.MSORT_MAX <= ia.SMEM_PER_SM  # the merge stages every tile's destinations
+    assert int(define["SEG_RSORT_TILE"]) == ia.RSORT_TILE and int(define["SEG_RSORT_BITS"]) == ia.RSORT_BITS
+    assert int(define["SEG_RSORT_THREADS"]) == ia.RSORT_THREADS
+
+
+def test_radix_digits_take_the_fewest_passes_of_at_most_nine_bits():
+    # destinations 0 .. space: bit_length(space) bits, spread evenly over ceil(bits / 9) passes
+    assert ia.radix_digits(0) == ia.radix_digits(1) == (1, 1)
+    assert ia.radix_digits(511) == (1, 9) and ia.radix_digits(512) == (2, 5)
+    assert ia.radix_digits(100_000) == (2, 9)          # 17 bits
+    assert ia.radix_digits(1_000_000) == (3, 7)        # 20 bits
+    assert ia.radix_digits(2**32 - 1) == (4, 8)
+    assert ia.RSORT_BITS == 9 and all(b <= ia.RSORT_BITS for _, b in map(ia.radix_digits, range(0, 70000, 97)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("passes", [1, 2, 3, 4])
+def test_gpu_radix_sort_passes_are_a_stable_sort(passes, cuda_sync):
+    """radix_sort alone (no row starts, so destinations up to 2^32 - 1 fit in memory) against a stable
+    sort on the CPU of the same narrowed keys, the sentinel of bad indices included, for one to four
+    digit passes; the same on every call."""
+    rows, width = {1: (100, 4), 2: (50_000, 0), 3: (200_000, 5), 4: (2**30, 3)}[passes]
+    space = rows * max(width, 1)
+    assert ia.radix_digits(space)[0] == passes
+    g = torch.Generator().manual_seed(passes)
+    n = 3 * ia.RSORT_TILE + 5
+    shape = (n // width, width) if width else (n,)
+    index = ia.draw_index(g, shape, rows, 0.2).view(-1)
+    index[torch.randperm(index.numel(), generator=g)[:6]] = torch.tensor([-1, rows, -5, rows + 9, -1, rows])
+    e = torch.arange(index.numel())
+    dest = torch.where((index >= 0) & (index < rows), index * width + e % width if width else index, space)
+    ktype, _, offset = ia._key_dtype(space)
+    want_key, want_perm = torch.sort((dest - offset).to(ktype), stable=True)
+    key = index.view(shape).to(CUDA)
+    for _ in range(5):
+        skey = torch.empty(index.numel(), device=CUDA, dtype=ktype)
+        perm = torch.empty(index.numel(), device=CUDA, dtype=torch.int64)
+        ia.radix_sort(ia.SOURCE, OP, key, skey, perm, rows, width=width, offset=offset)
+        assert torch.equal(skey.cpu(), want_key) and torch.equal(perm.cpu(), want_perm)
 
 
 def test_key_sorts_refuse_what_they_cannot_sort():
@@ -352,18 +395,21 @@ def test_key_sorts_refuse_what_they_cannot_sort():
         ia.sort_keys(ia.SOURCE, OP, torch.zeros(32769, dtype=torch.int64), 10, method="merge")
     with pytest.raises(KernelArgumentError, match="method.*8589934592 destinations.*merge"):
         ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 2**31, width=4, method="merge")
+    with pytest.raises(KernelArgumentError, match="method.*8589934592 destinations.*radix"):
+        ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 2**31, width=4, method="radix")
     with pytest.raises(KernelArgumentError, match="method.*expected one of"):
-        ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 10, method="radix")
+        ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 10, method="bucket")
 
 
 def test_default_sort():
     """one_block up to ONE_BLOCK_UP_TO keys times passes, merge for int16 and int32 keys up to MSORT_MAX,
-    torch.sort beyond or for int64 keys."""
+    the radix sort beyond; torch.sort for int64 keys."""
     assert ia.default_sort(ia.ONE_BLOCK_UP_TO // 2, "i16", 2) == ia.default_sort(ia.ONE_BLOCK_UP_TO, "i16", 1)
     assert ia.default_sort(ia.ONE_BLOCK_UP_TO, "i16", 1) == "one_block"
     assert ia.default_sort(ia.ONE_BLOCK_UP_TO // 2 + 1, "i16", 2) == ia.default_sort(10, "i32", 2) == "merge"
     assert ia.default_sort(ia.MSORT_MAX, "i32", 2) == ia.default_sort(ia.MSORT_MAX, "i16", 1) == "merge"
-    assert ia.default_sort(ia.MSORT_MAX + 1, "i16", 2) == ia.default_sort(5, "i64", 2) == "torch"
+    assert ia.default_sort(ia.MSORT_MAX + 1, "i16", 2) == ia.default_sort(10**6, "i32", 2) == "radix"
+    assert ia.default_sort(5, "i64", 2) == ia.default_sort(10**6, "i64", 2) == "torch"
     assert ia.ONE_BLOCK_UP_TO <= ia.SORT_MAX
 
 

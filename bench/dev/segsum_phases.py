@@ -6,7 +6,7 @@ kernel's share from torch.profiler (CUPTI sees CuPy's launches too).
     PYTHONPATH=. python bench/dev/segsum_phases.py [--ops index_add scatter_add] [--reps 20]
     PYTHONPATH=. python bench/dev/segsum_phases.py --splits   # index_add's sorted sums per task split
 
-``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, torch.sort),
+``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
 bench cases: heavy rows, narrow and wide rows, as many rows as sources, mostly empty outputs (what
 kernels/index_add.py's default_split is chosen from), checking the splits' bits agree.
@@ -81,7 +81,9 @@ SPLIT_SHAPES = ((1_000_000, 64, 1000), (1_000_000, 64, 100), (200_000, 256, 5000
 
 # (n, rows): the key sorts (sort_keys' methods), one and two digit passes, int16 and int32 keys
 SORT_SHAPES = ((1024, 50_000), (4096, 50_000), (8192, 50_000), (12288, 50_000), (16384, 50_000), (16384, 200),
-               (32768, 50_000), (65536, 50_000), (16384, 1_000_000), (32768, 1_000_000), (2048, 1_000_000))
+               (32768, 50_000), (65536, 50_000), (16384, 1_000_000), (32768, 1_000_000), (2048, 1_000_000),
+               (262_144, 50_000), (1_000_000, 1000), (1_000_000, 100_000), (1_000_000, 1_000_000),
+               (8_388_608, 320_000))
 
 
 def sort_sweep(dev: torch.device, flush) -> None:
