@@ -612,8 +612,8 @@ __device__ __forceinline__ void seg_rsort_keys(const long long* __restrict__ idx
         k[r] = e0 + 32 * r < n ? (unsigned)seg_destination(i[r], e0 + 32 * r, width, rows, space, trap) : 0u;
 }
 
-// The walk shared by count and place: warp w's keys in order, 32 at a time; rank[r] (place only) is the
-// number of keys of the same digit before key r in the warp's share, h the warp's running counts.
+// Place's walk: warp w's keys in order, 32 at a time; rank[r] = the number of keys of the same digit
+// before key r in the warp's share; h the warp's running counts.
 template <bool RANK>
 __device__ __forceinline__ void seg_rsort_walk(const unsigned (&k)[SEG_RSORT_ITEMS], long long e0, long long n,
                                                int shift, int bits, unsigned* h, unsigned (&rank)[SEG_RSORT_ITEMS]) {
@@ -637,22 +637,27 @@ __device__ __forceinline__ void seg_rsort_count_body(const long long* __restrict
                                                      const unsigned* __restrict__ kin, long long n, long long width,
                                                      long long rows, int shift, int bits,
                                                      unsigned* __restrict__ counts, const char* trap) {
-    __shared__ unsigned hist[SEG_WARPS * SEG_RSORT_HSTRIDE];
-    const int warp = threadIdx.x >> 5;
-    for (int i = threadIdx.x; i < SEG_WARPS * SEG_RSORT_HSTRIDE; i += SEG_RSORT_THREADS) hist[i] = 0u;
-    const long long e0 = (long long)blockIdx.x * SEG_RSORT_TILE + warp * (SEG_RSORT_TILE / SEG_WARPS) +
-                         (threadIdx.x & 31);
-    unsigned k[SEG_RSORT_ITEMS], unused[SEG_RSORT_ITEMS];
+    __shared__ unsigned hist[SEG_RSORT_DIGITS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned mask = (1u << bits) - 1u;
+    for (int i = threadIdx.x; i < SEG_RSORT_DIGITS; i += SEG_RSORT_THREADS) hist[i] = 0u;
+    const long long e0 = (long long)blockIdx.x * SEG_RSORT_TILE + warp * (SEG_RSORT_TILE / SEG_WARPS) + lane;
+    unsigned k[SEG_RSORT_ITEMS];
     seg_rsort_keys(idx, kin, e0, n, width, rows, trap, k);
     __syncthreads();
-    seg_rsort_walk<false>(k, e0, n, shift, bits, hist + warp * SEG_RSORT_HSTRIDE, unused);
-    __syncthreads();
-    for (int d = threadIdx.x; d < (1 << bits); d += SEG_RSORT_THREADS) {
-        unsigned s = 0u;
 #pragma unroll
-        for (int w = 0; w < SEG_WARPS; ++w) s += hist[w * SEG_RSORT_HSTRIDE + d];
-        counts[(long long)d * gridDim.x + blockIdx.x] = s;
+    for (int r = 0; r < SEG_RSORT_ITEMS; ++r) {  // integer counts: exact in any order
+        const bool valid = e0 + 32 * r < n;
+        const unsigned d = (k[r] >> shift) & mask, live = __ballot_sync(SEG_FULL, valid);
+        if (live == SEG_FULL && __all_sync(SEG_FULL, d == __shfl_sync(SEG_FULL, d, 0))) {
+            if (lane == 0) atomicAdd(hist + d, 32u);  // one hot digit: one atomic, not 32 on one word
+        } else if (valid) {
+            atomicAdd(hist + d, 1u);
+        }
     }
+    __syncthreads();
+    for (int d = threadIdx.x; d < (1 << bits); d += SEG_RSORT_THREADS)
+        counts[(long long)d * gridDim.x + blockIdx.x] = hist[d];
 }
 
 // Block d: counts[d * tiles + t] = the sum over tiles before t, in place; totals[d] = the sum of all.
@@ -686,6 +691,26 @@ segsum_rsort_scan(unsigned* __restrict__ counts, int tiles, unsigned* __restrict
     if (threadIdx.x == 0) totals[blockIdx.x] = carry;
 }
 
+// Exclusive prefix over the digits of a block-wide array held two consecutive digits per thread (a, b:
+// digits 2 t and 2 t + 1): the prefix of digit 2 t. wsum: SEG_WARPS words of scratch.
+__device__ __forceinline__ unsigned seg_rsort_prefix2(unsigned a, unsigned b, unsigned* wsum) {
+    static_assert(2 * SEG_RSORT_THREADS >= SEG_RSORT_DIGITS, "two digits per thread");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned incl = a + b;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned x = __shfl_up_sync(SEG_FULL, incl, o);
+        if (lane >= o) incl += x;
+    }
+    __syncthreads();  // earlier readers of wsum are done
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    unsigned excl = incl - a - b;
+#pragma unroll
+    for (int w = 0; w < SEG_WARPS; ++w) excl += w < warp ? wsum[w] : 0u;
+    return excl;
+}
+
 template <typename KT>
 __device__ __forceinline__ void seg_rsort_place_body(const long long* __restrict__ idx,
                                                      const unsigned* __restrict__ kin, const int* __restrict__ vin,
@@ -694,63 +719,81 @@ __device__ __forceinline__ void seg_rsort_place_body(const long long* __restrict
                                                      const unsigned* __restrict__ totals, unsigned* __restrict__ kout,
                                                      int* __restrict__ vout, KT* __restrict__ skey,
                                                      long long* __restrict__ perm, long long offset) {
-    __shared__ unsigned hist[SEG_WARPS * SEG_RSORT_HSTRIDE];
-    __shared__ unsigned base[SEG_RSORT_DIGITS];
+    // the warps' counts [warp][digit] first; then the tile's keys and values in digit order
+    __shared__ unsigned stage[2 * SEG_RSORT_TILE];
+    __shared__ unsigned delta[SEG_RSORT_DIGITS];  // output position of the tile's i-th key in digit order - i
     __shared__ unsigned wsum[SEG_WARPS];
+    static_assert(SEG_WARPS * SEG_RSORT_HSTRIDE <= 2 * SEG_RSORT_TILE, "the counts fit the stage");
+    unsigned* hist = stage;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int R = 1 << bits;
+    const int R = 1 << bits, d0 = 2 * threadIdx.x;
+    const unsigned mask = (unsigned)R - 1u;
+    const long long tile0 = (long long)blockIdx.x * SEG_RSORT_TILE;
     for (int i = threadIdx.x; i < SEG_WARPS * SEG_RSORT_HSTRIDE; i += SEG_RSORT_THREADS) hist[i] = 0u;
-    {  // base[d] = totals of the digits below d + this tile's prefix for d (thread: digits 2 t, 2 t + 1)
-        static_assert(2 * SEG_RSORT_THREADS >= SEG_RSORT_DIGITS, "two digits per thread");
-        const int d0 = 2 * threadIdx.x;
-        const unsigned a = d0 < R ? totals[d0] : 0u, b = d0 + 1 < R ? totals[d0 + 1] : 0u;
-        unsigned incl = a + b;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const unsigned x = __shfl_up_sync(SEG_FULL, incl, o);
-            if (lane >= o) incl += x;
-        }
-        if (lane == 31) wsum[warp] = incl;
-        __syncthreads();
-        unsigned excl = incl - a - b;
-#pragma unroll
-        for (int w = 0; w < SEG_WARPS; ++w) excl += w < warp ? wsum[w] : 0u;
-        const long long tiles = gridDim.x;
-        if (d0 < R) base[d0] = excl + counts[d0 * tiles + blockIdx.x];
-        if (d0 + 1 < R) base[d0 + 1] = excl + a + counts[(d0 + 1) * tiles + blockIdx.x];
-    }
-    const long long e0 = (long long)blockIdx.x * SEG_RSORT_TILE + warp * (SEG_RSORT_TILE / SEG_WARPS) + lane;
-    unsigned k[SEG_RSORT_ITEMS], rank[SEG_RSORT_ITEMS];
+    const long long e0 = tile0 + warp * (SEG_RSORT_TILE / SEG_WARPS) + lane;
+    unsigned k[SEG_RSORT_ITEMS], slot[SEG_RSORT_ITEMS];
     int v[SEG_RSORT_ITEMS];
     seg_rsort_keys(idx, kin, e0, n, width, rows, nullptr, k);
 #pragma unroll
     for (int r = 0; r < SEG_RSORT_ITEMS; ++r)
         v[r] = vin == nullptr ? (int)(e0 + 32 * r) : (e0 + 32 * r < n ? vin[e0 + 32 * r] : 0);
+    // the digit's first output position for this tile: the totals of the digits below it plus the
+    // tile's prefix
+    unsigned first0, first1;
+    {
+        const unsigned a = d0 < R ? totals[d0] : 0u, b = d0 + 1 < R ? totals[d0 + 1] : 0u;
+        const unsigned excl = seg_rsort_prefix2(a, b, wsum);  // its __syncthreads order the zero fill too
+        first0 = d0 < R ? excl + counts[d0 * (long long)gridDim.x + blockIdx.x] : 0u;
+        first1 = d0 + 1 < R ? excl + a + counts[(d0 + 1) * (long long)gridDim.x + blockIdx.x] : 0u;
+    }
+    seg_rsort_walk<true>(k, e0, n, shift, bits, hist + warp * SEG_RSORT_HSTRIDE, slot);
     __syncthreads();
-    seg_rsort_walk<true>(k, e0, n, shift, bits, hist + warp * SEG_RSORT_HSTRIDE, rank);
-    __syncthreads();
-    for (int d = threadIdx.x; d < R; d += SEG_RSORT_THREADS) {  // the warps' first slots per digit
-        unsigned run = base[d];
+    {  // the tile's digit starts (an exclusive prefix of its counts), then each warp's first slot per digit
+        unsigned c0 = 0u, c1 = 0u;
 #pragma unroll
         for (int w = 0; w < SEG_WARPS; ++w) {
-            const unsigned c = hist[w * SEG_RSORT_HSTRIDE + d];
-            hist[w * SEG_RSORT_HSTRIDE + d] = run;
-            run += c;
+            c0 += d0 < R ? hist[w * SEG_RSORT_HSTRIDE + d0] : 0u;
+            c1 += d0 + 1 < R ? hist[w * SEG_RSORT_HSTRIDE + d0 + 1] : 0u;
+        }
+        const unsigned start = seg_rsort_prefix2(c0, c1, wsum);
+        if (d0 < R) {
+            delta[d0] = first0 - start;
+            delta[d0 + 1] = first1 - (start + c0);  // R is even (bits >= 1)
+            unsigned run0 = start, run1 = start + c0;
+#pragma unroll
+            for (int w = 0; w < SEG_WARPS; ++w) {
+                unsigned* x = hist + w * SEG_RSORT_HSTRIDE + d0;
+                const unsigned x0 = x[0], x1 = x[1];
+                x[0] = run0;
+                x[1] = run1;
+                run0 += x0;
+                run1 += x1;
+            }
         }
     }
     __syncthreads();
     const unsigned* h = hist + warp * SEG_RSORT_HSTRIDE;
-    const unsigned mask = (unsigned)R - 1u;
+#pragma unroll
+    for (int r = 0; r < SEG_RSORT_ITEMS; ++r)
+        if (e0 + 32 * r < n) slot[r] += h[(k[r] >> shift) & mask];
+    __syncthreads();  // the counts are read: the stage takes the keys
 #pragma unroll
     for (int r = 0; r < SEG_RSORT_ITEMS; ++r) {
         if (e0 + 32 * r >= n) break;
-        const unsigned p = h[(k[r] >> shift) & mask] + rank[r];
+        stage[slot[r]] = k[r];
+        stage[SEG_RSORT_TILE + slot[r]] = (unsigned)v[r];
+    }
+    __syncthreads();
+    const int count = (int)min((long long)SEG_RSORT_TILE, n - tile0);
+    for (int i = threadIdx.x; i < count; i += SEG_RSORT_THREADS) {  // runs of one digit: consecutive positions
+        const unsigned key = stage[i];
+        const unsigned p = delta[(key >> shift) & mask] + (unsigned)i;
         if (skey != nullptr) {
-            skey[p] = (KT)((long long)k[r] - offset);
-            perm[p] = (long long)v[r];
+            skey[p] = (KT)((long long)key - offset);
+            perm[p] = (long long)(int)stage[SEG_RSORT_TILE + i];
         } else {
-            kout[p] = k[r];
-            vout[p] = v[r];
+            kout[p] = key;
+            vout[p] = (int)stage[SEG_RSORT_TILE + i];
         }
     }
 }
