@@ -573,12 +573,15 @@ __device__ __forceinline__ void seg_msort_merge_body(const unsigned* __restrict_
 //          and perm (int64); the others a key and a value of 32 bits each.
 // Each pass is a stable counting sort on one digit, so the whole is a stable sort: skey and perm are
 // torch.sort(stable=True)'s. DETERMINISTIC: integer counts, a fixed schedule, no atomics.
-#define SEG_RSORT_TILE 4096
+#define SEG_RSORT_TILE 2048
 #define SEG_RSORT_THREADS 256
 #define SEG_RSORT_ITEMS (SEG_RSORT_TILE / SEG_RSORT_THREADS)  // keys per lane
 #define SEG_RSORT_BITS 9                                      // most bits per digit
 #define SEG_RSORT_DIGITS (1 << SEG_RSORT_BITS)
 #define SEG_RSORT_HSTRIDE (SEG_RSORT_DIGITS + 1)  // a warp's counts: one row of the block's [warp][digit]
+// place's shared stage: the warps' counts, later the tile's keys and values
+#define SEG_RSORT_STAGE (SEG_WARPS * SEG_RSORT_HSTRIDE > 2 * SEG_RSORT_TILE ? SEG_WARPS * SEG_RSORT_HSTRIDE \
+                                                                      : 2 * SEG_RSORT_TILE)
 
 // The lanes whose `bits`-bit digit equals this lane's (bits <= SEG_RSORT_BITS, the same in every lane).
 __device__ __forceinline__ unsigned seg_same_bits(unsigned d, int bits) {
@@ -720,10 +723,9 @@ __device__ __forceinline__ void seg_rsort_place_body(const long long* __restrict
                                                      int* __restrict__ vout, KT* __restrict__ skey,
                                                      long long* __restrict__ perm, long long offset) {
     // the warps' counts [warp][digit] first; then the tile's keys and values in digit order
-    __shared__ unsigned stage[2 * SEG_RSORT_TILE];
+    __shared__ unsigned stage[SEG_RSORT_STAGE];
     __shared__ unsigned delta[SEG_RSORT_DIGITS];  // output position of the tile's i-th key in digit order - i
     __shared__ unsigned wsum[SEG_WARPS];
-    static_assert(SEG_WARPS * SEG_RSORT_HSTRIDE <= 2 * SEG_RSORT_TILE, "the counts fit the stage");
     unsigned* hist = stage;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int R = 1 << bits, d0 = 2 * threadIdx.x;
