@@ -33,7 +33,9 @@ import torch
 from .order import F32, halving32_jit, rng_of
 from .registry import Case, define_op
 from .runtime import (
+    SLOT,
     KernelArgumentError,
+    Launch,
     cdiv,
     check_cuda,
     check_size,
@@ -384,25 +386,27 @@ def radix_sort(source: str, prefix: str, key: torch.Tensor, skey: torch.Tensor, 
     dev = key.device
     passes, bits = radix_digits(rows * width if width else rows)
     digits, tiles = 1 << bits, cdiv(n, RSORT_TILE)
-    counts = torch.empty(digits * (tiles + 1), device=dev, dtype=torch.int32)  # [digit][tile], then totals
-    totals = np.uint64(int(ptr(counts)) + 4 * digits * tiles)
-    # 32-bit keys and positions between the passes: two buffers, alternating
-    buf = torch.empty((min(passes - 1, 2), 2, n), device=dev, dtype=torch.int32)
-    null = np.uint64(0)
+    # one int32 workspace: counts [digit][tile], the digits' totals, then (with two passes or more) 32-bit
+    # keys and positions between the passes in two buffers, alternating
+    ws = torch.empty(digits * (tiles + 1) + 2 * n * min(passes - 1, 2), device=dev, dtype=torch.int32)
+    counts = ws.data_ptr()
+    totals = counts + 4 * digits * tiles
+    between = [(totals + 4 * digits + 8 * n * b, totals + 4 * digits + 8 * n * b + 4 * n) for b in range(2)]
     kname = {torch.int16: "i16", torch.int32: "i32"}[skey.dtype]
     count, scan = function(source, f"{prefix}_rsort_count", dev), function(source, "segsum_rsort_scan", dev)
     place = function(source, f"{prefix}_rsort_place_{kname}", dev)
     common = (np.int64(n), np.int64(width), np.int64(rows))
-    for p in range(passes):
-        kin, vin = (null, null) if p == 0 else (ptr(buf[(p - 1) % 2, 0]), ptr(buf[(p - 1) % 2, 1]))
+    for p in range(passes):   # launches configured once per shape (Launch.of), pointers per call
+        kin, vin = (0, 0) if p == 0 else between[(p - 1) % 2]
         shift = (np.int32(bits * p), np.int32(bits))
-        launch(count, (tiles,), (RSORT_THREADS,), (ptr(key), kin, *common, *shift, ptr(counts),
-                                                    check.trap if p == 0 else np.int32(0)), device=dev)
-        launch(scan, (digits,), (RSORT_THREADS,), (ptr(counts), np.int32(tiles), totals), device=dev)
-        last = p == passes - 1
-        out = (null, null, ptr(skey), ptr(perm)) if last else (ptr(buf[p % 2, 0]), ptr(buf[p % 2, 1]), null, null)
-        launch(place, (tiles,), (RSORT_THREADS,), (ptr(key), kin, vin, *common, *shift, ptr(counts), totals, *out,
-                                                    np.int64(offset)), device=dev)
+        Launch.of(count, (tiles,), (RSORT_THREADS,), (SLOT, SLOT, *common, *shift, SLOT,
+                                                      check.trap if p == 0 else np.int32(0)), device=dev)(
+            key.data_ptr(), kin, counts)
+        Launch.of(scan, (digits,), (RSORT_THREADS,), (SLOT, np.int32(tiles), SLOT), device=dev)(counts, totals)
+        out = (0, 0, skey.data_ptr(), perm.data_ptr()) if p == passes - 1 else (*between[p % 2], 0, 0)
+        Launch.of(place, (tiles,), (RSORT_THREADS,), (SLOT, SLOT, SLOT, *common, *shift, SLOT, SLOT, SLOT, SLOT, SLOT,
+                                                      SLOT, np.int64(offset)), device=dev)(
+            key.data_ptr(), kin, vin, counts, totals, *out)
 
 
 def _merge_sort(source, prefix, kname, key, skey, perm, start, width, rows, offset, check) -> bool:

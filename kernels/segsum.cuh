@@ -17,8 +17,9 @@
 //   sorted  segsum_keys narrows the keys to the smallest sortable type (int16 for up to 65535
 //           destinations, stored as key - 32768; int32 as key - 2^31; else int64), out-of-range keys
 //           becoming the sentinel `space`, and sorts them stably (few keys: one block, or a tile sort
-//           and a merge by rank; else torch.sort(stable=True), a radix sort; all deterministic, all the
-//           same result), so each row's contributions lie together in source order; segsum_starts (or
+//           and a merge by rank; more: a radix sort of the destinations' significant bits; int64 keys:
+//           torch.sort(stable=True); all deterministic, all the same result), so each row's
+//           contributions lie together in source order; segsum_starts (or
 //           the merge) finds where each row begins (start[space] = the number of valid keys, which is
 //           the range check). A row of k contributions is cut into chunks of L = 32 * 2^e (smallest e
 //           with ceil(k / L) <= 1024) consecutive contributions, each summed in source order from +0.0
@@ -560,19 +561,20 @@ __device__ __forceinline__ void seg_msort_merge_body(const unsigned* __restrict_
 // included) have only b = bit_length(space) significant bits (17 for 10^5 rows). A least significant
 // digit first radix sort in P = ceil(b / 9) passes of B = ceil(b / P) bits (R = 2^B digits), each pass
 // three launches:
-//   count  block t counts each digit among the keys [T t, T t + T) (T = SEG_RSORT_TILE): warp w walks its
-//          T / 8 keys 32 at a time, finds the lanes of one digit by B ballots (seg_same_bits), and the
-//          highest of them adds their number to the warp's count (no atomics); counts[d * tiles + t] is
-//          the sum over the warps. The first pass makes the keys from the index (seg_destination: the
+//   count  block t counts each digit among the keys [T t, T t + T) (T = SEG_RSORT_TILE) in shared memory
+//          (integer atomics, exact in any order; a warp whose 32 keys share one digit adds 32 at once),
+//          counts[d * tiles + t]. The first pass makes the keys from the index (seg_destination: the
 //          sentinel `space` for a bad index, or the device-side assertion) with position e as the value.
 //   scan   block d: the exclusive prefix of digit d's counts over the tiles, in place, and its total.
-//   place  block t again: each key's rank among the keys of its digit before it in the tile (the same
-//          walk, keeping each lane's running rank), the warps' counts turned into an exclusive prefix
-//          per digit, plus the tile's prefix and the digit's base (an exclusive prefix of the totals):
-//          the key's position in the pass's output. The last pass writes skey (destination - offset)
-//          and perm (int64); the others a key and a value of 32 bits each.
+//   place  block t again: warp w walks its T / 8 keys 32 at a time, finds the lanes of one digit by B
+//          ballots (seg_same_bits) and ranks each key among the keys of its digit before it in the warp's
+//          share (per-warp running counts); the warps' counts become an exclusive prefix per digit over
+//          the tile, the tile's keys and values are staged in shared memory in digit order, and written
+//          out in that order (a digit's keys in consecutive positions): at the digit's base (an exclusive
+//          prefix of the totals) plus the tile's prefix for it. The last pass writes skey (destination -
+//          offset) and perm (int64); the others a key and a value of 32 bits each.
 // Each pass is a stable counting sort on one digit, so the whole is a stable sort: skey and perm are
-// torch.sort(stable=True)'s. DETERMINISTIC: integer counts, a fixed schedule, no atomics.
+// torch.sort(stable=True)'s. DETERMINISTIC: integer counts, ranks by a fixed schedule.
 #define SEG_RSORT_TILE 2048
 #define SEG_RSORT_THREADS 256
 #define SEG_RSORT_ITEMS (SEG_RSORT_TILE / SEG_RSORT_THREADS)  // keys per lane
