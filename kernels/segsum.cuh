@@ -563,9 +563,11 @@ __device__ __forceinline__ void seg_msort_merge_body(const unsigned* __restrict_
 // three launches:
 //   count  block t counts each digit among the keys [T t, T t + T) (T = SEG_RSORT_TILE) in shared memory
 //          (integer atomics, exact in any order; a warp whose 32 keys share one digit adds 32 at once),
-//          counts[d * tiles + t]. The first pass makes the keys from the index (seg_destination: the
-//          sentinel `space` for a bad index, or the device-side assertion) with position e as the value.
-//   scan   block d: the exclusive prefix of digit d's counts over the tiles, in place, and its total.
+//          counts[t * R + d] (one coalesced row per tile). The first pass makes the keys from the index
+//          (seg_destination: the sentinel `space` for a bad index, or the device-side assertion) with
+//          position e as the value.
+//   scan   block d: the exclusive prefix of digit d's counts over the tiles, prefix[d * tiles + t] (read
+//          by column, written by row: no scattered partial writes), and its total.
 //   place  block t again: warp w walks its T / 8 keys 32 at a time, finds the lanes of one digit by B
 //          ballots (seg_same_bits) and ranks each key among the keys of its digit before it in the warp's
 //          share (per-warp running counts); the warps' counts become an exclusive prefix per digit over
@@ -662,19 +664,22 @@ __device__ __forceinline__ void seg_rsort_count_body(const long long* __restrict
     }
     __syncthreads();
     for (int d = threadIdx.x; d < (1 << bits); d += SEG_RSORT_THREADS)
-        counts[(long long)d * gridDim.x + blockIdx.x] = hist[d];
+        counts[(long long)blockIdx.x * (1 << bits) + d] = hist[d];
 }
 
-// Block d: counts[d * tiles + t] = the sum over tiles before t, in place; totals[d] = the sum of all.
+// Block d of R = gridDim.x digits: prefix[d * tiles + t] = the sum of counts[t' * R + d] over t' < t;
+// totals[d] = the sum over every tile.
 extern "C" __global__ void __launch_bounds__(SEG_RSORT_THREADS)
-segsum_rsort_scan(unsigned* __restrict__ counts, int tiles, unsigned* __restrict__ totals) {
+segsum_rsort_scan(const unsigned* __restrict__ counts, int tiles, unsigned* __restrict__ prefix,
+                  unsigned* __restrict__ totals) {
     __shared__ unsigned wsum[SEG_WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned* c = counts + (long long)blockIdx.x * tiles;
+    const unsigned* c = counts + blockIdx.x;
+    unsigned* out = prefix + (long long)blockIdx.x * tiles;
     unsigned carry = 0u;
     for (int t0 = 0; t0 < tiles; t0 += SEG_RSORT_THREADS) {
         const int t = t0 + threadIdx.x;
-        const unsigned v = t < tiles ? c[t] : 0u;
+        const unsigned v = t < tiles ? c[(long long)t * gridDim.x] : 0u;
         unsigned incl = v;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -689,7 +694,7 @@ segsum_rsort_scan(unsigned* __restrict__ counts, int tiles, unsigned* __restrict
             before += w < warp ? wsum[w] : 0u;
             all += wsum[w];
         }
-        if (t < tiles) c[t] = carry + before + incl - v;
+        if (t < tiles) out[t] = carry + before + incl - v;
         carry += all;
         __syncthreads();
     }
@@ -720,7 +725,7 @@ template <typename KT>
 __device__ __forceinline__ void seg_rsort_place_body(const long long* __restrict__ idx,
                                                      const unsigned* __restrict__ kin, const int* __restrict__ vin,
                                                      long long n, long long width, long long rows, int shift,
-                                                     int bits, const unsigned* __restrict__ counts,
+                                                     int bits, const unsigned* __restrict__ prefix,
                                                      const unsigned* __restrict__ totals, unsigned* __restrict__ kout,
                                                      int* __restrict__ vout, KT* __restrict__ skey,
                                                      long long* __restrict__ perm, long long offset) {
@@ -747,8 +752,8 @@ __device__ __forceinline__ void seg_rsort_place_body(const long long* __restrict
     {
         const unsigned a = d0 < R ? totals[d0] : 0u, b = d0 + 1 < R ? totals[d0 + 1] : 0u;
         const unsigned excl = seg_rsort_prefix2(a, b, wsum);  // its __syncthreads order the zero fill too
-        first0 = d0 < R ? excl + counts[d0 * (long long)gridDim.x + blockIdx.x] : 0u;
-        first1 = d0 + 1 < R ? excl + a + counts[(d0 + 1) * (long long)gridDim.x + blockIdx.x] : 0u;
+        first0 = d0 < R ? excl + prefix[d0 * (long long)gridDim.x + blockIdx.x] : 0u;
+        first1 = d0 + 1 < R ? excl + a + prefix[(d0 + 1) * (long long)gridDim.x + blockIdx.x] : 0u;
     }
     seg_rsort_walk<true>(k, e0, n, shift, bits, hist + warp * SEG_RSORT_HSTRIDE, slot);
     __syncthreads();
@@ -818,21 +823,37 @@ __device__ __forceinline__ void seg_rsort_place_body(const long long* __restrict
     extern "C" __global__ void __launch_bounds__(SEG_RSORT_THREADS)                                      \
     PREFIX##_rsort_place_##KEYNAME(const long long* __restrict__ idx, const unsigned* __restrict__ kin,   \
                                    const int* __restrict__ vin, long long n, long long width, long long rows, \
-                                   int shift, int bits, const unsigned* __restrict__ counts,             \
+                                   int shift, int bits, const unsigned* __restrict__ prefix,             \
                                    const unsigned* __restrict__ totals, unsigned* __restrict__ kout,     \
                                    int* __restrict__ vout, KT* __restrict__ skey, long long* __restrict__ perm, \
                                    long long offset) {                                                   \
-        seg_rsort_place_body<KT>(idx, kin, vin, n, width, rows, shift, bits, counts, totals, kout, vout, skey, \
+        seg_rsort_place_body<KT>(idx, kin, vin, n, width, rows, shift, bits, prefix, totals, kout, vout, skey, \
                                  perm, offset);                                                          \
     }
 
-// start[m] = first sorted position with key >= m, for m = 0 .. space (start[space] = valid keys).
+// start[m] = first sorted position with key >= m, for m = 0 .. space (start[space] = valid keys). Each
+// block first reads a sample of the sorted keys, skey[j * gap] for j < ceil(n / gap) (at most
+// SEG_STARTS_SAMPLE, one round trip), and searches it in shared memory: the global binary search then
+// spans one gap (about log2(n / 1024) dependent reads in place of log2(n)).
+#define SEG_STARTS_SAMPLE 1024
 template <typename K>
 __device__ __forceinline__ void seg_starts_body(const K* __restrict__ skey, long long n, long long space,
                                                 long long offset, long long* __restrict__ start) {
+    __shared__ K sample[SEG_STARTS_SAMPLE];
+    const long long gap = n > SEG_STARTS_SAMPLE ? (n + SEG_STARTS_SAMPLE - 1) / SEG_STARTS_SAMPLE : 1;
+    const int count = (int)((n + gap - 1) / gap);
+    for (int j = threadIdx.x; j < count; j += blockDim.x) sample[j] = skey[j * gap];
+    __syncthreads();
     const long long step = (long long)gridDim.x * blockDim.x;
     for (long long m = (long long)blockIdx.x * blockDim.x + threadIdx.x; m <= space; m += step) {
-        long long lo = 0, hi = n;
+        int a = 0, b = count;  // a: the sampled keys below m
+        while (a < b) {
+            const int mid = (a + b) >> 1;
+            if ((long long)sample[mid] + offset < m) a = mid + 1;
+            else b = mid;
+        }
+        // skey[(a - 1) gap] < m <= skey[a gap] (or a gap = n): the first key >= m lies in between
+        long long lo = a == 0 ? 0 : (long long)(a - 1) * gap + 1, hi = a < count ? (long long)a * gap : n;
         while (lo < hi) {
             const long long mid = (lo + hi) >> 1;
             if ((long long)skey[mid] + offset < m) lo = mid + 1;

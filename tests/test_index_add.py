@@ -308,8 +308,8 @@ SORTS = (
 @pytest.mark.parametrize("n,rows,width,dup,bad", SORTS)
 def test_gpu_key_sorts_are_torch_sort(n, rows, width, dup, bad, cuda_sync):
     """The merge sort, the one-block sort and the radix sort (where each applies) give
-    torch.sort(stable=True)'s keys and permutation and the starts kernel's row starts exactly, and the same
-    on every call."""
+    torch.sort(stable=True)'s keys and permutation and the row starts exactly (the starts kernel's, which
+    the torch path runs, checked by a search on the CPU), and the same on every call."""
     g = torch.Generator().manual_seed(n + rows)
     shape = (n // width, width) if width else (n,)
     index = ia.draw_index(g, shape, rows, dup)
@@ -320,6 +320,10 @@ def test_gpu_key_sorts_are_torch_sort(n, rows, width, dup, bad, cuda_sync):
     index = index.to(CUDA)
     want = ia.sort_keys(ia.SOURCE, OP, index, rows, width=width, method="torch")
     kname = want[3]
+    # the starts from the CPU: the first sorted position with a destination >= m
+    space = rows * max(width, 1)
+    first = torch.searchsorted(want[0].cpu().long() + want[4], torch.arange(space + 1))
+    assert torch.equal(want[2].cpu(), first)
     methods = (["merge"] if n <= ia.MSORT_MAX else []) + (["one_block"] if kname == "i16" and n <= ia.SORT_MAX
                                                           else []) + ["radix"]
     assert kname == ("i16" if rows * max(width, 1) < 2**16 else "i32")
