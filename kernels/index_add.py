@@ -390,8 +390,8 @@ def radix_sort(source: str, prefix: str, key: torch.Tensor, skey: torch.Tensor, 
     # (with two passes or more) 32-bit keys and positions between the passes in two buffers, alternating
     ws = torch.empty(digits * (2 * tiles + 1) + 2 * n * min(passes - 1, 2), device=dev, dtype=torch.int32)
     counts = ws.data_ptr()
-    prefix = counts + 4 * digits * tiles
-    totals = prefix + 4 * digits * tiles
+    tile_prefix = counts + 4 * digits * tiles
+    totals = tile_prefix + 4 * digits * tiles
     between = [(totals + 4 * digits + 8 * n * b, totals + 4 * digits + 8 * n * b + 4 * n) for b in range(2)]
     kname = {torch.int16: "i16", torch.int32: "i32"}[skey.dtype]
     count, scan = function(source, f"{prefix}_rsort_count", dev), function(source, "segsum_rsort_scan", dev)
@@ -403,12 +403,12 @@ def radix_sort(source: str, prefix: str, key: torch.Tensor, skey: torch.Tensor, 
         Launch.of(count, (tiles,), (RSORT_THREADS,), (SLOT, SLOT, *common, *shift, SLOT,
                                                       check.trap if p == 0 else np.int32(0)), device=dev)(
             key.data_ptr(), kin, counts)
-        Launch.of(scan, (digits,), (RSORT_THREADS,), (SLOT, np.int32(tiles), SLOT, SLOT), device=dev)(counts, prefix,
-                                                                                                   totals)
+        Launch.of(scan, (digits,), (RSORT_THREADS,), (SLOT, np.int32(tiles), SLOT, SLOT), device=dev)(
+            counts, tile_prefix, totals)
         out = (0, 0, skey.data_ptr(), perm.data_ptr()) if p == passes - 1 else (*between[p % 2], 0, 0)
         Launch.of(place, (tiles,), (RSORT_THREADS,), (SLOT, SLOT, SLOT, *common, *shift, SLOT, SLOT, SLOT, SLOT, SLOT,
                                                       SLOT, np.int64(offset)), device=dev)(
-            key.data_ptr(), kin, vin, prefix, totals, *out)
+            key.data_ptr(), kin, vin, tile_prefix, totals, *out)
 
 
 def _merge_sort(source, prefix, kname, key, skey, perm, start, width, rows, offset, check) -> bool:
