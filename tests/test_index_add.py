@@ -364,6 +364,70 @@ def test_radix_digits_take_the_fewest_passes_of_at_most_nine_bits():
     assert ia.RSORT_BITS == 9 and all(b <= ia.RSORT_BITS for _, b in map(ia.radix_digits, range(0, 70000, 97)))
 
 
+@pytest.mark.parametrize("rows,width", [(300, 0), (100_000, 0), (200_000, 5)])
+def test_radix_sort_launch_plan(monkeypatch, rows, width):
+    """radix_sort's launches without a GPU (kernels and launches stood in for, on a CPU workspace): per pass
+    count, scan, place, each a kernel segsum.cuh defines, over one grid row per tile (scan: per digit);
+    the index's range check in the first count only; pass p reads what pass p - 1 wrote and the last
+    writes skey and perm; the counts, their prefixes, the totals and the buffers between passes are
+    disjoint parts of one workspace."""
+    calls = []
+
+    class Recorded:
+        def __init__(self, fn, grid, block, args, device, shared_mem=0):
+            self.fn, self.grid, self.args = fn, grid, args
+
+        @classmethod
+        def of(cls, *a, **k):
+            return cls(*a, **k)
+
+        def __call__(self, *values):
+            it = iter(values)
+            calls.append((self.fn, self.grid, [next(it) if a is ia.SLOT else a for a in self.args]))
+
+    monkeypatch.setattr(ia, "function", lambda source, name, dev, *a, **k: name)
+    monkeypatch.setattr(ia, "Launch", Recorded)
+    n = 3 * ia.RSORT_TILE + 7
+    space = rows * max(width, 1)
+    ktype, _, offset = ia._key_dtype(space)
+    key = torch.zeros((n // width, width) if width else (n,), dtype=torch.int64)
+    n = key.numel()
+    skey, perm = torch.empty(n, dtype=ktype), torch.empty(n, dtype=torch.int64)
+    check = ia.RangeCheck(OP, "index", "device")
+    ia.radix_sort(ia.SOURCE, OP, key, skey, perm, rows, width=width, offset=offset, check=check)
+    passes, bits = ia.radix_digits(space)
+    tiles, digits = -(-n // ia.RSORT_TILE), 1 << bits
+    kname = {torch.int16: "i16", torch.int32: "i32"}[ktype]
+    assert [c[0] for c in calls] == [f"{OP}_rsort_count", "segsum_rsort_scan", f"{OP}_rsort_place_{kname}"] * passes
+    text = (Path(ia.__file__).parent / "segsum.cuh").read_text()
+    assert "PREFIX##_rsort_count(" in text and "segsum_rsort_scan(" in text
+    assert "PREFIX##_rsort_place_##KEYNAME(" in text and f"SEG_RSORT_PLACE(PREFIX, {kname}," in text
+    written = []
+    for p in range(passes):
+        (_, cgrid, cargs), (_, sgrid, sargs), (_, pgrid, pargs) = calls[3 * p: 3 * p + 3]
+        assert cgrid == pgrid == (tiles,) and sgrid == (digits,)
+        # count (idx, kin, n, width, rows, shift, bits, counts, trap)
+        assert cargs[0] == key.data_ptr() and cargs[2:7] == [n, width, rows, bits * p, bits]
+        assert cargs[8] == (check.trap if p == 0 else 0)
+        counts = cargs[7]
+        # scan (counts, tiles, prefix, totals); place (idx, kin, vin, n, width, rows, shift, bits, prefix,
+        # totals, kout, vout, skey, perm, offset)
+        assert sargs[0] == counts and sargs[1] == tiles and pargs[8:10] == sargs[2:4]
+        assert pargs[0:2] == cargs[0:2] and pargs[3:8] == cargs[2:7] and pargs[14] == offset
+        assert pargs[1:3] == ([0, 0] if p == 0 else written[-1])
+        if p == passes - 1:
+            assert pargs[10:14] == [0, 0, skey.data_ptr(), perm.data_ptr()]
+        else:
+            assert pargs[12:14] == [0, 0] and 0 not in pargs[10:12]
+            written.append(pargs[10:12])
+        # disjoint parts of one int32 workspace: counts [tile][digit], prefixes [digit][tile], totals, buffers
+        parts = [(counts, 4 * digits * tiles), (sargs[2], 4 * digits * tiles), (sargs[3], 4 * digits)]
+        parts += [(ptr, 4 * n) for pair in written for ptr in pair]
+        spans = sorted(set(parts))
+        assert all(a + size <= b for (a, size), (b, _) in zip(spans, spans[1:]))
+    assert len({tuple(w) for w in written}) == min(passes - 1, 2)  # alternating between two buffers
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("passes", [1, 2, 3, 4])
 def test_gpu_radix_sort_passes_are_a_stable_sort(passes, cuda_sync):
