@@ -306,14 +306,15 @@ def default_sort(n: int, kname: str, passes: int) -> str:
     starts): ``one_block`` up to ONE_BLOCK_UP_TO keys times passes (1024 keys: 13.5, merge 17.2, torch
     26.9); ``merge`` for int16 and int32 keys up to MSORT_MAX (4096: 18.3, one block 21.2; 16384: 22.8,
     one block 50.2, torch 43.8; 32768: 27.6, torch 44.5; 16384 keys into 10^6 rows: 46.2, torch 76.2);
-    ``radix`` beyond (H100, the same sweep at 563c3da: 32768 keys into 50000 rows: merge 28.8, radix 37.7;
-    65536: radix 36.9, torch 50.8; 10^6 keys into 10^5 rows: 74.3, torch 121.4; 8388608 keys into 320000
-    destinations: 385.7, torch 558.6); ``torch`` for int64 keys."""
+    ``radix`` beyond, up to RSORT_MAX (H100, the same sweep at 563c3da, before the count, scan and
+    starts kernels took their present form: 32768 keys into 50000 rows: merge 28.8, radix 37.7; 65536:
+    radix 36.9, torch 50.8; 10^6 keys into 10^5 rows: 74.3, torch 121.4; 8388608 keys into 320000
+    destinations: 385.7, torch 558.6); ``torch`` for int64 keys and beyond."""
     if kname == "i16" and n * passes <= ONE_BLOCK_UP_TO:
         return "one_block"
     if kname not in ("i16", "i32"):
         return "torch"
-    return "merge" if n <= MSORT_MAX else "radix"
+    return "merge" if n <= MSORT_MAX else "radix" if n <= RSORT_MAX else "torch"
 
 
 def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: int = 0,
@@ -379,6 +380,14 @@ def radix_digits(space: int) -> tuple[int, int]:
     return passes, cdiv(b, passes)
 
 
+def radix_words(n: int, passes: int, bits: int) -> int:
+    """The radix sort's int32 workspace: counts [tile][digit], their prefixes [digit][tile], the digits'
+    totals, then (with two passes or more) 32-bit keys and positions between the passes in two buffers,
+    alternating."""
+    digits, tiles = 1 << bits, cdiv(n, RSORT_TILE)
+    return digits * (2 * tiles + 1) + 2 * n * min(passes - 1, 2)
+
+
 def radix_sort(source: str, prefix: str, key: torch.Tensor, skey: torch.Tensor, perm: torch.Tensor, rows: int,
                *, width: int = 0, offset: int, check: RangeCheck = NO_CHECK) -> None:
     """sort_keys' ``radix`` (segsum.cuh): the destinations of ``key`` (as sort_keys) sorted stably into
@@ -388,9 +397,7 @@ def radix_sort(source: str, prefix: str, key: torch.Tensor, skey: torch.Tensor, 
     dev = key.device
     passes, bits = radix_digits(rows * width if width else rows)
     digits, tiles = 1 << bits, cdiv(n, RSORT_TILE)
-    # one int32 workspace: counts [tile][digit], their prefixes [digit][tile], the digits' totals, then
-    # (with two passes or more) 32-bit keys and positions between the passes in two buffers, alternating
-    ws = torch.empty(digits * (2 * tiles + 1) + 2 * n * min(passes - 1, 2), device=dev, dtype=torch.int32)
+    ws = torch.empty(radix_words(n, passes, bits), device=dev, dtype=torch.int32)
     counts = ws.data_ptr()
     tile_prefix = counts + 4 * digits * tiles
     totals = tile_prefix + 4 * digits * tiles
@@ -441,8 +448,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
                        check: RangeCheck = NO_CHECK) -> torch.Tensor:
     """out (rows, D): each destination's contributions in source order, chunked, fixed tree (see the
     module docstring). No host synchronisation: keys (narrowed, bad ones to a sentinel) and their stable
-    sort (sort_keys: one block, or a tile sort and a merge by rank, else a launch and torch.sort), row starts,
-    sums. Task splits (``split``, default: default_split; all
+    sort (sort_keys: one block, or a tile sort and a merge by rank, or a radix sort; torch.sort for int64
+    keys), row starts, sums. Task splits (``split``, default: default_split; all
     sum the same chunks in the same order, so give the same bits): ``rows``: a task per destination (it
     writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp
     kernels): a task per 32 destinations instead (zeros for the empty ones, rows of one contribution read

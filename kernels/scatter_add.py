@@ -14,7 +14,7 @@ Order of the additions into one output element, in both forms (index_add.py has 
 - ``sorted``: the element's contributions in source order (i ascending), chunks of 32 * 2^e summed in
   order from +0.0, chunk partials combined by a fixed 32-ary tree of halving trees. In the element form
   the sort is over N * D keys (index * D + j), so it costs a sort of N * D keys where the row form sorts N
-  (int16 keys, two radix passes, while M * D <= 65535; int32, four passes, beyond).
+  (the radix sort of M * D destinations takes ceil(bit_length(M * D) / 9) passes).
 
 Out-of-range indices raise KernelArgumentError (on the GPU after the kernels are queued; see
 index_add.py; ``check_range=False``: no check, no host synchronisation, bad indices add nothing).

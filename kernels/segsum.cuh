@@ -564,8 +564,7 @@ __device__ __forceinline__ void seg_msort_merge_body(const unsigned* __restrict_
 //   count  block t counts each digit among the keys [T t, T t + T) (T = SEG_RSORT_TILE) in shared memory
 //          (integer atomics, exact in any order; a warp whose 32 keys share one digit adds 32 at once),
 //          counts[t * R + d] (one coalesced row per tile). The first pass makes the keys from the index
-//          (seg_destination: the sentinel `space` for a bad index, or the device-side assertion) with
-//          position e as the value.
+//          (seg_destination: the sentinel `space` for a bad index, or the device-side assertion).
 //   scan   block d: the exclusive prefix of digit d's counts over the tiles, prefix[d * tiles + t] (read
 //          by column, written by row: no scattered partial writes), and its total.
 //   place  block t again: warp w walks its T / 8 keys 32 at a time, finds the lanes of one digit by B
@@ -573,13 +572,15 @@ __device__ __forceinline__ void seg_msort_merge_body(const unsigned* __restrict_
 //          share (per-warp running counts); the warps' counts become an exclusive prefix per digit over
 //          the tile, the tile's keys and values are staged in shared memory in digit order, and written
 //          out in that order (a digit's keys in consecutive positions): at the digit's base (an exclusive
-//          prefix of the totals) plus the tile's prefix for it. The last pass writes skey (destination -
+//          prefix of the totals) plus the tile's prefix for it. The first pass makes the keys from the
+//          index again, each with its position e as the value. The last pass writes skey (destination -
 //          offset) and perm (int64); the others a key and a value of 32 bits each.
 // Each pass is a stable counting sort on one digit, so the whole is a stable sort: skey and perm are
 // torch.sort(stable=True)'s. DETERMINISTIC: integer counts, ranks by a fixed schedule.
 #define SEG_RSORT_TILE 2048
 #define SEG_RSORT_THREADS 256
 #define SEG_RSORT_ITEMS (SEG_RSORT_TILE / SEG_RSORT_THREADS)  // keys per lane
+static_assert(SEG_WARPS * 32 == SEG_RSORT_THREADS, "a tile is SEG_WARPS warps' shares");
 #define SEG_RSORT_BITS 9                                      // most bits per digit
 #define SEG_RSORT_DIGITS (1 << SEG_RSORT_BITS)
 #define SEG_RSORT_HSTRIDE (SEG_RSORT_DIGITS + 1)  // a warp's counts: one row of the block's [warp][digit]
@@ -621,7 +622,6 @@ __device__ __forceinline__ void seg_rsort_keys(const long long* __restrict__ idx
 
 // Place's walk: warp w's keys in order, 32 at a time; rank[r] = the number of keys of the same digit
 // before key r in the warp's share; h the warp's running counts.
-template <bool RANK>
 __device__ __forceinline__ void seg_rsort_walk(const unsigned (&k)[SEG_RSORT_ITEMS], long long e0, long long n,
                                                int shift, int bits, unsigned* h, unsigned (&rank)[SEG_RSORT_ITEMS]) {
     const int lane = threadIdx.x & 31;
@@ -633,7 +633,7 @@ __device__ __forceinline__ void seg_rsort_walk(const unsigned (&k)[SEG_RSORT_ITE
         if (live == 0u) break;  // the same in every lane
         const unsigned d = (k[r] >> shift) & mask;
         const unsigned peers = seg_same_bits(d, bits) & live;
-        if (RANK && valid) rank[r] = h[d] + __popc(peers & below);
+        if (valid) rank[r] = h[d] + __popc(peers & below);
         __syncwarp();
         if (valid && lane == 31 - __clz(peers)) h[d] += __popc(peers);
         __syncwarp();
@@ -755,7 +755,7 @@ __device__ __forceinline__ void seg_rsort_place_body(const long long* __restrict
         first0 = d0 < R ? excl + prefix[d0 * (long long)gridDim.x + blockIdx.x] : 0u;
         first1 = d0 + 1 < R ? excl + a + prefix[(d0 + 1) * (long long)gridDim.x + blockIdx.x] : 0u;
     }
-    seg_rsort_walk<true>(k, e0, n, shift, bits, hist + warp * SEG_RSORT_HSTRIDE, slot);
+    seg_rsort_walk(k, e0, n, shift, bits, hist + warp * SEG_RSORT_HSTRIDE, slot);
     __syncthreads();
     {  // the tile's digit starts (an exclusive prefix of its counts), then each warp's first slot per digit
         unsigned c0 = 0u, c1 = 0u;
@@ -852,7 +852,7 @@ __device__ __forceinline__ void seg_starts_body(const K* __restrict__ skey, long
             if ((long long)sample[mid] + offset < m) a = mid + 1;
             else b = mid;
         }
-        // skey[(a - 1) gap] < m <= skey[a gap] (or a gap = n): the first key >= m lies in between
+        // skey[(a - 1) gap] < m <= skey[a gap] (a = count: up to n): the first key >= m lies in between
         long long lo = a == 0 ? 0 : (long long)(a - 1) * gap + 1, hi = a < count ? (long long)a * gap : n;
         while (lo < hi) {
             const long long mid = (lo + hi) >> 1;

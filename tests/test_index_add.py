@@ -301,6 +301,8 @@ SORTS = (
     # the radix sort's tiles (2048 keys), one to three digit passes, all keys equal, the element form
     (4095, 511, 0, 0.0, 2), (4097, 512, 0, 0.5, 0), (12289, 70000, 0, 0.01, 0), (100_000, 100_000, 0, 0.01, 13),
     (65536, 300, 0, 1.0, 0), (262_144, 1_000_000, 0, 0.0, 5), (131_072, 40_000, 8, 0.3, 3),
+    # more than 256 tiles (the scan's carry between its rounds); no key at all
+    (600_000, 100_000, 0, 0.01, 3), (0, 10, 0, 0.0, 0),
 )
 
 
@@ -364,7 +366,7 @@ def test_radix_digits_take_the_fewest_passes_of_at_most_nine_bits():
     assert ia.RSORT_BITS == 9 and all(b <= ia.RSORT_BITS for _, b in map(ia.radix_digits, range(0, 70000, 97)))
 
 
-@pytest.mark.parametrize("rows,width", [(300, 0), (100_000, 0), (200_000, 5)])
+@pytest.mark.parametrize("rows,width", [(300, 0), (100_000, 0), (200_000, 5), (2**30, 3)])
 def test_radix_sort_launch_plan(monkeypatch, rows, width):
     """radix_sort's launches without a GPU (kernels and launches stood in for, on a CPU workspace): per pass
     count, scan, place, each a kernel segsum.cuh defines, over one grid row per tile (scan: per digit);
@@ -402,7 +404,7 @@ def test_radix_sort_launch_plan(monkeypatch, rows, width):
     text = (Path(ia.__file__).parent / "segsum.cuh").read_text()
     assert "PREFIX##_rsort_count(" in text and "segsum_rsort_scan(" in text
     assert "PREFIX##_rsort_place_##KEYNAME(" in text and f"SEG_RSORT_PLACE(PREFIX, {kname}," in text
-    written = []
+    written, parts = [], set()
     for p in range(passes):
         (_, cgrid, cargs), (_, sgrid, sargs), (_, pgrid, pargs) = calls[3 * p: 3 * p + 3]
         assert cgrid == pgrid == (tiles,) and sgrid == (digits,)
@@ -418,14 +420,17 @@ def test_radix_sort_launch_plan(monkeypatch, rows, width):
         if p == passes - 1:
             assert pargs[10:14] == [0, 0, skey.data_ptr(), perm.data_ptr()]
         else:
-            assert pargs[12:14] == [0, 0] and 0 not in pargs[10:12]
+            assert pargs[12:14] == [0, 0] and 0 not in pargs[10:12] and pargs[10:12] != pargs[1:3]
             written.append(pargs[10:12])
-        # disjoint parts of one int32 workspace: counts [tile][digit], prefixes [digit][tile], totals, buffers
-        parts = [(counts, 4 * digits * tiles), (sargs[2], 4 * digits * tiles), (sargs[3], 4 * digits)]
-        parts += [(ptr, 4 * n) for pair in written for ptr in pair]
-        spans = sorted(set(parts))
-        assert all(a + size <= b for (a, size), (b, _) in zip(spans, spans[1:]))
+        parts.update({(counts, 4 * digits * tiles), (sargs[2], 4 * digits * tiles), (sargs[3], 4 * digits)})
+        parts.update((ptr, 4 * n) for pair in written for ptr in pair)
     assert len({tuple(w) for w in written}) == min(passes - 1, 2)  # alternating between two buffers
+    # disjoint parts that tile one int32 workspace of radix_words: counts [tile][digit], prefixes
+    # [digit][tile], totals, buffers
+    spans = sorted(parts)
+    assert len(spans) == 3 + 2 * min(passes - 1, 2)
+    assert all(a + size == b for (a, size), (b, _) in zip(spans, spans[1:]))
+    assert spans[0][0] == calls[0][2][7] and sum(size for _, size in spans) == 4 * ia.radix_words(n, passes, bits)
 
 
 @pytest.mark.gpu
@@ -463,6 +468,8 @@ def test_key_sorts_refuse_what_they_cannot_sort():
         ia.sort_keys(ia.SOURCE, OP, torch.zeros(32769, dtype=torch.int64), 10, method="merge")
     with pytest.raises(KernelArgumentError, match="method.*8589934592 destinations.*merge"):
         ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 2**31, width=4, method="merge")
+    with pytest.raises(KernelArgumentError, match="method.*2147483648 keys.*radix"):
+        ia.sort_keys(ia.SOURCE, OP, torch.empty(2**31, dtype=torch.int64, device="meta"), 10, method="radix")
     with pytest.raises(KernelArgumentError, match="method.*8589934592 destinations.*radix"):
         ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 2**31, width=4, method="radix")
     with pytest.raises(KernelArgumentError, match="method.*expected one of"):
@@ -478,6 +485,7 @@ def test_default_sort():
     assert ia.default_sort(ia.MSORT_MAX, "i32", 2) == ia.default_sort(ia.MSORT_MAX, "i16", 1) == "merge"
     assert ia.default_sort(ia.MSORT_MAX + 1, "i16", 2) == ia.default_sort(10**6, "i32", 2) == "radix"
     assert ia.default_sort(5, "i64", 2) == ia.default_sort(10**6, "i64", 2) == "torch"
+    assert ia.default_sort(ia.RSORT_MAX, "i32", 2) == "radix" and ia.default_sort(2**31, "i32", 2) == "torch"
     assert ia.ONE_BLOCK_UP_TO <= ia.SORT_MAX
 
 
