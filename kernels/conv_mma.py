@@ -40,8 +40,14 @@ THREADS = 256
 ALIGN = 8   # channel counts must be multiples of this (one 16-byte load holds 8 half channels)
 HALF = (torch.bfloat16, torch.float16)
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous in its layout) at a 16-byte aligned address: the kernels load 16 bytes (8 half
+    channels) at a time, so a view starting at an odd element is copied (a fresh allocation is aligned)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.preserve_format)
+
+
 def _cl(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous(memory_format=torch.channels_last)
+    return _aligned(t.contiguous(memory_format=torch.channels_last))
 
 def eligible(dtype: torch.dtype, cin: int, cout: int, *tensors: torch.Tensor, pad_cin: bool = False) -> bool:
     """Whether the tensor-core kernels take this call: half dtype shared by the tensors, channel counts
@@ -266,7 +272,7 @@ def prepare_dgrad(w: torch.Tensor, dy: torch.Tensor, g, *, engine: str | None = 
             dx.zero_()
         base = dx.data_ptr()
         for k, taps, offset in launches:
-            wq = (w if taps is None else w[:, :, taps[0], taps[1]]).permute(*order).contiguous()
+            wq = _aligned((w if taps is None else w[:, :, taps[0], taps[1]]).permute(*order).contiguous())
             k(wq.data_ptr(), dy_cl.data_ptr(), base + offset)
         return dx.contiguous() if nchw else dx
     return run

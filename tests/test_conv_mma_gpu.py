@@ -178,6 +178,29 @@ def test_float32_launchers_refuse_half_they_do_not_read(cuda_sync):
         kernels.get("conv_wgrad", "tree").cuda(x, dy.half(), kernel_size=s.k, **_geom(s))
 
 
+def _at_odd_address(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view with t's strides that starts one element (2 bytes) into its allocation."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = flat[1:].as_strided(t.shape, t.stride())
+    view.copy_(t)
+    assert view.data_ptr() % 16 == 2 and torch.equal(view, t)
+    return view
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[6]], ids=lambda s: s.name)
+def test_views_at_unaligned_addresses_give_the_aligned_bits(shape, layout, engine, cuda_sync):
+    """The kernels load 16 bytes (8 half channels) at a time: x, w and dy that start 2 bytes into their
+    allocations (a slice of a larger buffer, say) are copied to aligned memory first, so they run and give
+    the bits of the same values at aligned addresses."""
+    x, w, dy = _tensors(shape, torch.bfloat16, layout, seed=50)
+    wkw, dkw = dict(kernel_size=shape.k, **_geom(shape)), dict(input_size=(shape.h, shape.w), **_geom(shape))
+    wgrad, dgrad = kernels.get("conv_wgrad", "tree"), kernels.get("conv_dgrad", "tree")
+    ox, ow, ody = map(_at_odd_address, (x, w, dy))
+    assert_bitwise_equal(wgrad(ox, ody, **wkw), wgrad(x, dy, **wkw), f"{shape.name} wgrad, unaligned")
+    assert_bitwise_equal(dgrad(ow, ody, **dkw), dgrad(w, dy, **dkw), f"{shape.name} dgrad, unaligned")
+
+
 @pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[8], PADDED[0]], ids=lambda s: s.name)
 def test_wgrad_tile_shape_does_not_change_the_bits(shape, dtype, engine, cuda_sync):

@@ -164,6 +164,23 @@ def test_half_plan_covers_the_reduction_in_whole_steps(shape, batch):
     assert p.splits <= max(1, -(-HALF_TARGET_BLOCKS // tiles)), p
 
 
+def test_tensor_core_inputs_at_unaligned_addresses_are_copied_to_aligned_memory():
+    """conv_mma's kernels load 16 bytes at a time: an input view that starts at an odd element is copied
+    (same values, same layout, a 16-byte aligned address); an aligned one is passed through as it is."""
+    from kernels import conv_mma
+
+    flat = torch.arange(2 * 16 * 5 * 5 + 1, dtype=torch.float32).to(torch.bfloat16)
+    odd = flat[1:].view(2, 5, 5, 16).permute(0, 3, 1, 2)   # channels_last, 2 bytes past an aligned start
+    assert odd.is_contiguous(memory_format=torch.channels_last) and odd.data_ptr() % 16 == 2
+    got = conv_mma._cl(odd)
+    assert got.data_ptr() % 16 == 0 and got.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(got, odd) and got.stride() == odd.stride()
+    aligned = flat[:-1].view(2, 5, 5, 16).permute(0, 3, 1, 2)
+    assert aligned.data_ptr() % 16 == 0 and conv_mma._cl(aligned).data_ptr() == aligned.data_ptr()
+    w = flat[1:].view(16, 2, 5, 5)   # the data gradient's weight, contiguous in its permuted order
+    assert conv_mma._aligned(w).data_ptr() % 16 == 0 and torch.equal(conv_mma._aligned(w), w)
+
+
 def test_half_plan_cuts_long_reductions_into_fewer_chunks_than_the_float32_plan():
     """ResNet-50's 3x3 64->64 at 56x56, batch 64: 105 chunks of 1920 terms on tensor cores against the
     float32 rule's 224 of 896; a deep 3x3 512->512 at 7x7: 3 chunks against 8."""
