@@ -247,6 +247,17 @@ __device__ __forceinline__ unsigned* seg_hist(unsigned* hist, unsigned d, int w)
     return hist + w * SEG_SORT_HSTRIDE + d;
 }
 
+// Inclusive prefix sum of v over the lanes of a full warp.
+__device__ __forceinline__ unsigned seg_warp_inclusive(unsigned v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned t = __shfl_up_sync(SEG_FULL, v, o);
+        if (lane >= o) v += t;
+    }
+    return v;
+}
+
 __device__ __forceinline__ void seg_sort_scan(unsigned* hist, unsigned* scratch) {
     constexpr int PER = SEG_SORT_DIGITS * SEG_SORT_WARPS / SEG_SORT_THREADS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -258,23 +269,12 @@ __device__ __forceinline__ void seg_sort_scan(unsigned* hist, unsigned* scratch)
         v[i] = *seg_hist(hist, d, w0 + i);
         total += v[i];
     }
-    unsigned incl = total;  // inclusive scan of the threads' totals within the warp
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned t = __shfl_up_sync(SEG_FULL, incl, o);
-        if (lane >= o) incl += t;
-    }
+    const unsigned incl = seg_warp_inclusive(total);  // the threads' totals within the warp
     if (lane == 31) scratch[warp] = incl;
     __syncthreads();
     if (warp == 0) {
         const unsigned w = scratch[lane];
-        unsigned wi = w;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const unsigned t = __shfl_up_sync(SEG_FULL, wi, o);
-            if (lane >= o) wi += t;
-        }
-        scratch[lane] = wi - w;  // exclusive over warps
+        scratch[lane] = seg_warp_inclusive(w) - w;  // exclusive over warps
     }
     __syncthreads();
     unsigned run = scratch[warp] + incl - total;
@@ -680,12 +680,7 @@ segsum_rsort_scan(const unsigned* __restrict__ counts, int tiles, unsigned* __re
     for (int t0 = 0; t0 < tiles; t0 += SEG_RSORT_THREADS) {
         const int t = t0 + threadIdx.x;
         const unsigned v = t < tiles ? c[(long long)t * gridDim.x] : 0u;
-        unsigned incl = v;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const unsigned x = __shfl_up_sync(SEG_FULL, incl, o);
-            if (lane >= o) incl += x;
-        }
+        const unsigned incl = seg_warp_inclusive(v);
         if (lane == 31) wsum[warp] = incl;
         __syncthreads();
         unsigned before = 0u, all = 0u;
@@ -706,12 +701,7 @@ segsum_rsort_scan(const unsigned* __restrict__ counts, int tiles, unsigned* __re
 __device__ __forceinline__ unsigned seg_rsort_prefix2(unsigned a, unsigned b, unsigned* wsum) {
     static_assert(2 * SEG_RSORT_THREADS >= SEG_RSORT_DIGITS, "two digits per thread");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned incl = a + b;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned x = __shfl_up_sync(SEG_FULL, incl, o);
-        if (lane >= o) incl += x;
-    }
+    const unsigned incl = seg_warp_inclusive(a + b);
     __syncthreads();  // earlier readers of wsum are done
     if (lane == 31) wsum[warp] = incl;
     __syncthreads();
