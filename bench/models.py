@@ -675,8 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     if run is not None:
         finish_fresh(data)
         save(data)
-    REPORT.write_text(render(data))
-    print(render(data))
+    text = render(data)
+    REPORT.write_text(text)
+    print(text)
     return 0
 
 
