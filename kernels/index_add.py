@@ -312,9 +312,15 @@ def default_sort(n: int, kname: str, passes: int) -> str:
     destinations: 385.7, torch 558.6); ``torch`` for int64 keys and beyond."""
     if kname == "i16" and n * passes <= ONE_BLOCK_UP_TO:
         return "one_block"
-    if kname not in ("i16", "i32"):
-        return "torch"
-    return "merge" if n <= MSORT_MAX else "radix" if n <= RSORT_MAX else "torch"
+    return next((m for m in ("merge", "radix") if sort_takes(m, n, kname)), "torch")
+
+
+def sort_takes(method: str, n: int, kname: str) -> bool:
+    """Whether sort_keys' ``method`` (not ``torch``, which takes any) sorts n keys of type ``kname``."""
+    if method == "one_block":
+        return kname == "i16" and n <= SORT_MAX
+    limit = {"merge": MSORT_MAX, "radix": RSORT_MAX}[method]
+    return kname in ("i16", "i32") and n <= limit
 
 
 def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: int = 0,
@@ -339,13 +345,13 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
         method = default_sort(n, kname, passes)
     elif method not in SORTS:
         raise KernelArgumentError(prefix, "method", f"expected one of {SORTS}, got {method!r}")
-    if method == "merge" and not (kname in ("i16", "i32") and n <= MSORT_MAX):
+    if method == "merge" and not sort_takes(method, n, kname):
         raise KernelArgumentError(prefix, "method", f"{n} keys into {space} destinations: the merge sort takes "
                                                     f"up to {MSORT_MAX} keys into at most {2**32 - 1}")
-    if method == "one_block" and not (kname == "i16" and n <= SORT_MAX):
+    if method == "one_block" and not sort_takes(method, n, kname):
         raise KernelArgumentError(prefix, "method", f"{n} keys into {space} destinations: the one-block sort "
                                                     f"takes up to {SORT_MAX} keys into at most 65535")
-    if method == "radix" and not (kname in ("i16", "i32") and n <= RSORT_MAX):
+    if method == "radix" and not sort_takes(method, n, kname):
         raise KernelArgumentError(prefix, "method", f"{n} keys into {space} destinations: the radix sort takes "
                                                     f"up to {RSORT_MAX} keys into at most {2**32 - 1}")
     start = torch.empty(space + 1, device=dev, dtype=torch.int64)
