@@ -32,6 +32,7 @@ from .index_add import (
     noncontiguous,
     BENCH_KWARGS,
     FIXED_NOTE,
+    SCHEDULES,
     range_check,
     segsum_atomic_cuda,
     segsum_cpu,
@@ -83,11 +84,14 @@ def scatter_add_sorted_cuda(index, src, *, num_rows, check_range: bool | str = T
                               check=range_check(OP, "index", check_range))
 
 
-def scatter_add_fixed_cuda(index, src, *, num_rows, check_range: bool | str = True) -> torch.Tensor:
+def scatter_add_fixed_cuda(index, src, *, num_rows, check_range: bool | str = True,
+                           schedule: str | None = None) -> torch.Tensor:
+    """``schedule``: ``direct`` or ``binned`` (element form only), None to let fixed_schedule choose; the
+    bits are the same either way (kernels/index_add.py: segsum_fixed_cuda)."""
     key, src, rows, elementwise = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
     return segsum_fixed_cuda(SOURCE, OP, key, src, rows, elementwise=elementwise,
-                             check=range_check(OP, "index", check_range))
+                             check=range_check(OP, "index", check_range), schedule=schedule)
 
 
 def _cpu_prologue(index, src, num_rows, check_range):
@@ -109,7 +113,11 @@ def scatter_add_atomic_cpu(index, src, *, num_rows, check_range: bool | str = Tr
     return segsum_cpu("atomic", key, src, rows, elementwise=elementwise, rng=rng)
 
 
-def scatter_add_fixed_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None) -> torch.Tensor:
+def scatter_add_fixed_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None,
+                          schedule: str | None = None) -> torch.Tensor:
+    """The fixed sums' bits, whichever CUDA ``schedule`` is named (checked as the CUDA launcher does)."""
+    if schedule not in (None, *SCHEDULES):
+        raise KernelArgumentError(OP, "schedule", f"expected one of {SCHEDULES}, got {schedule!r}")
     key, src, rows, elementwise = _cpu_prologue(index, src, num_rows, check_range)
     return segsum_cpu("fixed", key, src, rows, elementwise=elementwise)
 

@@ -1405,6 +1405,204 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
     }
 }
 
+// ------------------------------------------------------------------------------------------------
+// fixed, binned schedule (element form): the same integers, summed in shared memory
+//
+// segsum_fixed_add makes one global int64 atomic per term; where the terms far outnumber the
+// destinations those atomics bound it (L2's atomic units, not the bandwidth). The binned schedule adds
+// the same integers q = rint(v 2^s) (same shift, same flags), so it gives the same bits: integer sums
+// are exact, neither their order nor their grouping can change them. The destinations are cut into
+// nb <= SEG_FBIN_MAX bins of BW = 2^bb consecutive ones; three launches between the zero fill and
+// segsum_fixed_out:
+//   count   each bin's size: a shared-memory histogram per block (the lanes of one bin found by
+//           ballots, seg_same_bits; their lowest lane adds their number), added into bincount; the last
+//           block to finish (ticket) writes the bins' starts, an exclusive prefix, twice (start, and
+//           cursor for place to advance), and start[nb] = the valid terms. Reads the index only; a bad
+//           index fails the kernel here under `trap`, and is skipped by every launch otherwise.
+//   place   every valid term as (destination, float bits) into its bin's range of `entries`: a tile's
+//           terms counted per bin in shared memory (ballots again), one global atomicAdd on the bin's
+//           cursor per (tile, bin) reserving their slots. Where a term lands varies from run to run;
+//           nothing downstream depends on it. Also max |src| over every finite element (atomicMax), as
+//           segsum_fixed_max takes it (bad indices' elements included).
+//   reduce  block c takes entries [C c, C c + C) (C = SEG_FBIN_CHUNK): for each bin they meet, a shared
+//           int64 accumulator per destination of the bin is zeroed, each finite term's q added with a
+//           shared atomic (a non-finite one sets its flag), and the nonzero accumulators added into acc
+//           with one global atomic each: about nb / C + 1 bins' worth per block instead of one per term.
+#define SEG_FBIN_BITS 9                     // bins at most 2^9 (seg_same_bits takes up to 9 bits)
+#define SEG_FBIN_MAX (1 << SEG_FBIN_BITS)
+#define SEG_FBIN_WIDTH_MAX 4096             // destinations per bin at most: 32 KB of accumulators
+#define SEG_FBIN_THREADS 256
+#define SEG_FBIN_ITEMS 8                    // terms per thread of a place tile
+#define SEG_FBIN_TILE (SEG_FBIN_ITEMS * SEG_FBIN_THREADS)
+#define SEG_FBIN_CHUNK 16384                // entries per reduce block
+#define SEG_FBIN_LOADS 4                    // index words per thread in flight in count
+static_assert(SEG_FBIN_THREADS == SEG_RSORT_THREADS, "the bins' prefix is seg_rsort_prefix2's");
+
+// The flat destination of element e (element form, width W: index m, column e mod W), or -1 for an
+// index outside [0, rows) (with `trap` set that fails the kernel, seg_bad_index). The launcher takes
+// this schedule only where every element number and destination fits an int.
+__device__ __forceinline__ int seg_fbin_dst(long long m, int e, int W, long long rows, const char* trap) {
+    if (m < 0 || m >= rows) {
+        if (trap != nullptr) seg_bad_index(trap, m, rows);
+        return -1;
+    }
+    return (int)m * W + (e - (e / W) * W);
+}
+
+// The lanes of this lane's bin among the lanes holding a valid destination d (d >= 0), or 0 for d < 0.
+__device__ __forceinline__ unsigned seg_fbin_peers(int d, int bb, int nbits) {
+    const unsigned live = __ballot_sync(SEG_FULL, d >= 0);
+    const unsigned peers = seg_same_bits(d >= 0 ? (unsigned)(d >> bb) : 0u, nbits) & live;
+    return d >= 0 ? peers : 0u;
+}
+
+#define SEG_FBIN_COUNT_KERNEL(NAME, OPNAME)                                                              \
+    extern "C" __global__ void __launch_bounds__(SEG_FBIN_THREADS)                                       \
+    NAME(const long long* __restrict__ key, int total, int W, long long rows, int bb, int nb, int nbits,  \
+         unsigned* __restrict__ bincount, unsigned* __restrict__ start, unsigned* __restrict__ cursor,    \
+         unsigned* __restrict__ ticket, int trap) {                                                      \
+        seg_fbin_count_body(key, total, W, rows, bb, nb, nbits, bincount, start, cursor, ticket,         \
+                            trap ? OPNAME : nullptr);                                                    \
+    }
+
+__device__ __forceinline__ void seg_fbin_count_body(const long long* __restrict__ key, int total, int W,
+                                                    long long rows, int bb, int nb, int nbits,
+                                                    unsigned* __restrict__ bincount, unsigned* __restrict__ start,
+                                                    unsigned* __restrict__ cursor, unsigned* __restrict__ ticket,
+                                                    const char* trap) {
+    __shared__ unsigned hist[SEG_FBIN_MAX];
+    __shared__ unsigned wsum[SEG_WARPS];
+    __shared__ bool last;
+    const int lane = threadIdx.x & 31;
+    for (int b = threadIdx.x; b < nb; b += SEG_FBIN_THREADS) hist[b] = 0u;
+    __syncthreads();
+    const int step = gridDim.x * SEG_FBIN_THREADS;  // the launcher keeps total + LOADS * step < 2^31
+    // warp-uniform loop: base is the warp's first element, lanes take base + lane
+    for (int base = blockIdx.x * SEG_FBIN_THREADS + (threadIdx.x & ~31); base < total;
+         base += SEG_FBIN_LOADS * step) {
+        long long m[SEG_FBIN_LOADS];
+#pragma unroll
+        for (int u = 0; u < SEG_FBIN_LOADS; ++u) {
+            const int e = base + u * step + lane;
+            m[u] = e < total ? key[e] : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < SEG_FBIN_LOADS; ++u) {
+            const int e = base + u * step + lane;
+            const int d = e < total ? seg_fbin_dst(m[u], e, W, rows, trap) : -1;
+            const unsigned peers = seg_fbin_peers(d, bb, nbits);
+            if (d >= 0 && lane == __ffs(peers) - 1) atomicAdd(hist + (d >> bb), (unsigned)__popc(peers));
+        }
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < nb; b += SEG_FBIN_THREADS)
+        if (hist[b] != 0u) atomicAdd(bincount + b, hist[b]);  // integer counts: exact in any order
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // the last block: every count is in; the bins' exclusive prefix, two bins per thread
+    const int b0 = 2 * threadIdx.x;
+    const unsigned a = b0 < nb ? __ldcg(bincount + b0) : 0u, c = b0 + 1 < nb ? __ldcg(bincount + b0 + 1) : 0u;
+    const unsigned excl = seg_rsort_prefix2(a, c, wsum);
+    if (b0 < nb) start[b0] = cursor[b0] = excl;
+    if (b0 + 1 < nb) start[b0 + 1] = cursor[b0 + 1] = excl + a;
+    if (threadIdx.x == SEG_FBIN_THREADS - 1) start[nb] = excl + a + c;  // the counts past nb are 0
+}
+
+extern "C" __global__ void __launch_bounds__(SEG_FBIN_THREADS)
+segsum_fbin_place(const float* __restrict__ src, const long long* __restrict__ key, int total, int W, long long rows,
+                  int bb, int nb, int nbits, unsigned* __restrict__ cursor, uint2* __restrict__ entries,
+                  unsigned* __restrict__ maxbits) {
+    __shared__ unsigned tile_count[SEG_FBIN_MAX];  // this tile's terms per bin, then their first slot
+    __shared__ unsigned warp_max[SEG_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e0 = blockIdx.x * SEG_FBIN_TILE + threadIdx.x;
+    for (int b = threadIdx.x; b < nb; b += SEG_FBIN_THREADS) tile_count[b] = 0u;
+    long long m[SEG_FBIN_ITEMS];
+    float v[SEG_FBIN_ITEMS];
+#pragma unroll
+    for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {
+        const int e = e0 + r * SEG_FBIN_THREADS;
+        m[r] = e < total ? key[e] : -1;
+        v[r] = e < total ? src[e] : 0.0f;
+    }
+    __syncthreads();
+    int d[SEG_FBIN_ITEMS];
+    unsigned rank[SEG_FBIN_ITEMS], mx = 0u;
+#pragma unroll
+    for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {
+        const int e = e0 + r * SEG_FBIN_THREADS;
+        d[r] = e < total ? seg_fbin_dst(m[r], e, W, rows, nullptr) : -1;
+        const unsigned peers = seg_fbin_peers(d[r], bb, nbits);
+        const int leader = peers ? __ffs(peers) - 1 : lane;
+        unsigned first = 0u;
+        if (d[r] >= 0 && lane == leader) first = atomicAdd(tile_count + (d[r] >> bb), (unsigned)__popc(peers));
+        rank[r] = __shfl_sync(SEG_FULL, first, leader) + __popc(peers & ((1u << lane) - 1u));
+        const unsigned a = __float_as_uint(v[r]) & 0x7fffffffu;
+        if (e < total && a < SEG_ABS_INF) mx = max(mx, a);
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < nb; b += SEG_FBIN_THREADS)
+        if (tile_count[b] != 0u) tile_count[b] = atomicAdd(cursor + b, tile_count[b]);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < SEG_FBIN_ITEMS; ++r)
+        if (d[r] >= 0) entries[tile_count[d[r] >> bb] + rank[r]] = make_uint2((unsigned)d[r], __float_as_uint(v[r]));
+    mx = __reduce_max_sync(SEG_FULL, mx);
+    if (lane == 0) warp_max[warp] = mx;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < SEG_WARPS; ++w) mx = max(mx, warp_max[w]);
+        if (mx) atomicMax(maxbits, mx);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SEG_FBIN_THREADS)
+segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict__ start, int nb, int bb,
+                   unsigned long long* __restrict__ acc, unsigned* __restrict__ flags,
+                   const unsigned* __restrict__ maxbits, int log2n) {
+    __shared__ unsigned long long sacc[SEG_FBIN_WIDTH_MAX];
+    const unsigned valid = start[nb];
+    const unsigned p0 = blockIdx.x * (unsigned)SEG_FBIN_CHUNK;
+    if (p0 >= valid) return;
+    const unsigned p1 = min(p0 + (unsigned)SEG_FBIN_CHUNK, valid);
+    const double scale = seg_pow2(seg_fixed_shift(*maxbits, log2n));
+    const int width = 1 << bb;
+    const int last = (int)(entries[p1 - 1].x >> bb);
+    for (int bin = (int)(entries[p0].x >> bb); bin <= last; ++bin) {  // the bins' ranges are consecutive
+        const unsigned s = max(start[bin], p0), t = min(start[bin + 1], p1);
+        if (s >= t) continue;  // the same in every thread
+        for (int j = threadIdx.x; j < width; j += SEG_FBIN_THREADS) sacc[j] = 0ull;
+        __syncthreads();
+        for (unsigned p = s + threadIdx.x; p < t; p += SEG_FBIN_LOADS * SEG_FBIN_THREADS) {
+            uint2 x[SEG_FBIN_LOADS];
+#pragma unroll
+            for (int u = 0; u < SEG_FBIN_LOADS; ++u)
+                x[u] = p + u * SEG_FBIN_THREADS < t ? entries[p + u * SEG_FBIN_THREADS] : make_uint2(0u, 0u);
+#pragma unroll
+            for (int u = 0; u < SEG_FBIN_LOADS; ++u) {
+                if (p + u * SEG_FBIN_THREADS >= t) break;
+                const float v = __uint_as_float(x[u].y);
+                if ((x[u].y & 0x7fffffffu) < SEG_ABS_INF) {
+                    const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
+                    if (q != 0ull) atomicAdd(sacc + (x[u].x & (unsigned)(width - 1)), q);  // exact
+                } else {
+                    const unsigned f = v != v ? SEG_FLAG_NAN : (v > 0.0f ? SEG_FLAG_POS_INF : SEG_FLAG_NEG_INF);
+                    atomicOr(flags + (x[u].x >> 3), f << (4 * (int)(x[u].x & 7u)));
+                }
+            }
+        }
+        __syncthreads();
+        unsigned long long* out = acc + (long long)bin * width;
+        for (int j = threadIdx.x; j < width; j += SEG_FBIN_THREADS)
+            if (sacc[j] != 0ull) atomicAdd(out + j, sacc[j]);
+        __syncthreads();  // before the next bin zeroes sacc
+    }
+}
+
 #define SEG_KERNELS(PREFIX)                        \
     SEG_ATOMIC_KERNEL(PREFIX##_atomic, #PREFIX)    \
     SEG_SORT_KERNEL(PREFIX)                        \
@@ -1412,6 +1610,7 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
     SEG_MSORT_FOR(PREFIX, i32, int, unsigned long long, 32) \
     SEG_RSORT_KERNELS(PREFIX)                      \
     SEG_FIXED_ADD_KERNEL(PREFIX##_fixed_add, #PREFIX) \
+    SEG_FBIN_COUNT_KERNEL(PREFIX##_fbin_count, #PREFIX) \
     SEG_SORTED_FOR(PREFIX, i16, short)             \
     SEG_SORTED_FOR(PREFIX, i32, int)               \
     SEG_SORTED_FOR(PREFIX, i64, long long)

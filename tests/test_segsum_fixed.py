@@ -224,6 +224,45 @@ def test_subnormal_terms_are_kept():
     assert out[0, 0].item() == float(tiny) == out[1, 0].item()
 
 
+def test_binned_layout_covers_the_destinations_in_at_most_512_bins():
+    """fbin_layout: bins of 2^bb destinations (1024 to 4096, shared int64 accumulators of at most 32 KB),
+    nb of them covering the space with none empty at the end, and nbits low bits of the bin number
+    telling every bin apart (seg_same_bits takes at most 9)."""
+    for space in (1, 7, 1023, 1024, 1025, 320_000, 512 * 1024, 512 * 1024 + 1, 512 * 4096):
+        bb, nb, nbits = ia.fbin_layout(space)
+        width = 1 << bb
+        assert ia.FBIN_WIDTH_MIN <= width <= ia.FBIN_WIDTH_MAX
+        assert (nb - 1) * width < space <= nb * width and 1 <= nb <= 1 << ia.FBIN_BITS
+        assert nb <= 1 << nbits <= max(1, 2 * nb - 1)
+    assert ia.fbin_layout(320_000) == (10, 313, 9)    # 10000 rows of 32: bins of 1024
+    assert ia.fbin_layout(512 * 1024 + 1)[:2] == (11, 257)
+
+
+def test_fixed_schedule_bins_only_the_dense_element_form():
+    ok = dict(elementwise=True)
+    assert ia.fixed_schedule(262144 * 32, 10000 * 32, **ok) == "binned"        # the element bench cases
+    assert ia.fixed_schedule(1_000_000 * 64, 100_000 * 64, elementwise=False) == "direct"  # row form
+    assert ia.fixed_schedule(16384 * 512, 50000 * 512, elementwise=False, plain=False) == "direct"
+    assert ia.fixed_schedule(4 * 1000, 1000, **ok) == "binned"
+    assert ia.fixed_schedule(4 * 1000 - 1, 1000, **ok) == "direct"             # too few terms per destination
+    assert ia.fixed_schedule(2**31, 1000, **ok) == "direct"                    # element numbers beyond int
+    assert ia.fixed_schedule(2**30, 512 * 4096 + 1, **ok) == "direct"          # more than 512 bins of 4096
+    assert ia.fixed_schedule(4000, 1000, elementwise=True, plain=False) == "direct"
+
+
+def test_schedule_argument_is_checked_before_any_launch():
+    index, src = torch.zeros(4, 3, dtype=torch.int64), torch.ones(4, 3)
+    with pytest.raises(kernels.KernelArgumentError, match="argument 'schedule': expected one of"):
+        ia.segsum_fixed_cuda("scatter_add.cu", "scatter_add", index, src, 2, elementwise=True, schedule="tree")
+    with pytest.raises(kernels.KernelArgumentError, match="'binned' takes the element form only"):
+        ia.segsum_fixed_cuda("index_add.cu", "index_add", index[:, 0], src, 2, schedule="binned")
+    fixed_cpu = kernels.scatter_add.scatter_add_fixed_cpu
+    with pytest.raises(kernels.KernelArgumentError, match="scatter_add: argument 'schedule'"):
+        fixed_cpu(index, src, num_rows=2, schedule="fast")
+    want = fixed_cpu(index, src, num_rows=2)
+    assert all(same_bits(fixed_cpu(index, src, num_rows=2, schedule=s), want).size == 0 for s in ia.SCHEDULES)
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU
 
@@ -283,3 +322,47 @@ def test_gpu_unchecked_bad_indices_add_nothing(cuda_sync):
     assert same_bits(out, want).size == 0
     with pytest.raises(kernels.KernelArgumentError, match="index -5 is out of range for 40 rows"):
         fixed(index.to(CUDA), src.to(CUDA), num_rows=40)
+
+
+# The element form's binned schedule (segsum.cuh) against the direct one: the same integers summed, so
+# the same bits. Beyond the test table's element cases: many bins and reduce chunks (94 bins of 1024,
+# 79 chunks, bins cut by chunk ends), a hot row (90% of each column on one row: one bin holds most
+# terms), bins of 4096 destinations (the widest), and the bench's element cases.
+BINNED = [c for op, c in CASES if op == "scatter_add" and not c.params.get("broadcast")] + [
+    kernels.scatter_add._case(name, 7100 + i, **p) for i, (name, p) in enumerate((
+        ("many_bins_and_chunks", dict(n=40000, d=32, m=3000)),
+        ("hot_row_dup90", dict(n=20000, d=8, m=500, dup=0.9)),
+        ("bins_of_4096", dict(n=3000, d=300, m=6000, dup=0.1)),
+    ))] + [c for c in kernels.spec("scatter_add").bench_cases("gpu") if not c.params.get("broadcast")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", BINNED, ids=[c.name for c in BINNED])
+def test_gpu_binned_schedule_repeats_the_direct_bits(case, cuda_sync):
+    spec = kernels.spec("scatter_add")
+    fixed = kernels.scatter_add.scatter_add_fixed_cuda
+    args, kw = spec.make_inputs(case, CUDA)
+    want = bits(fixed(*args, **kw, schedule="direct")).tobytes()
+    assert {bits(fixed(*args, **kw, schedule="binned")).tobytes() for _ in range(10)} == {want}
+    if case.params["n"] * case.params["d"] <= 2**21:  # the model's bits too (the bench sizes: above)
+        cpu_args, _ = spec.make_inputs(case, CPU)
+        assert bits(kernels.scatter_add.scatter_add_fixed_cpu(*cpu_args, **kw)).tobytes() == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ia.SCHEDULES)
+def test_gpu_element_form_unchecked_bad_indices_add_nothing(schedule, cuda_sync):
+    """Bad indices skipped by every launch of both schedules; their elements still count in max |src|
+    (the shift), as the model sees them through a padding row it then drops."""
+    g = torch.Generator().manual_seed(12)
+    index = ia.draw_index(g, (3000, 20), 40, 0.2)
+    src = ia.draw_values(g, (3000, 20))
+    bad = torch.randperm(index.numel(), generator=g)[:400]
+    index.view(-1)[bad[:200]] = -5
+    index.view(-1)[bad[200:]] = 40 + torch.arange(200)
+    src.view(-1)[bad[0]] = 1e30  # the largest |src| sits on a bad index: it sets the shift alone
+    keep = (index >= 0) & (index < 40)
+    out = kernels.scatter_add.scatter_add_fixed_cuda(index.to(CUDA), src.to(CUDA), num_rows=40, check_range=False,
+                                                     schedule=schedule)
+    want = ia.segsum_cpu("fixed", torch.where(keep, index, 40), src, 41, elementwise=True)[:40]
+    assert same_bits(out, want).size == 0

@@ -159,7 +159,7 @@ CHILD = textwrap.dedent("""
 @pytest.mark.gpu
 @pytest.mark.parametrize("op,variant,bad", [("index_add", "atomic", 50), ("index_add", "sorted", -3),
                                             ("index_add", "fixed", 77), ("scatter_add", "sorted", 50),
-                                            ("embedding_bwd", "fixed", -1)])
+                                            ("scatter_add", "fixed", 51), ("embedding_bwd", "fixed", -1)])
 def test_gpu_device_check_fails_the_kernel_naming_op_and_index(op, variant, bad):
     """-1 in embedding_bwd is also the "no padding row" value: it must fail, not be skipped."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

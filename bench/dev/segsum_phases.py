@@ -1,7 +1,8 @@
 """The scatter sums (index_add, scatter_add, embedding_bwd) on a CUDA machine, phase by phase: every
-bench case's variants (sorted in each task split, fixed, atomic) timed per call (CUDA events, L2 flushed,
-median of 30), eagerly and as a CUDA-graph replay (no host work: what the GPU alone takes), and each
-kernel's share from torch.profiler (CUPTI sees CuPy's launches too).
+bench case's variants (sorted in each task split, fixed, and for scatter_add's element form fixed in
+each schedule, atomic) timed per call (CUDA events, L2 flushed, median of 30), eagerly and as a
+CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's share from torch.profiler
+(CUPTI sees CuPy's launches too).
 
     PYTHONPATH=. python bench/dev/segsum_phases.py [--ops index_add scatter_add] [--reps 20]
     PYTHONPATH=. python bench/dev/segsum_phases.py --splits   # index_add's sorted sums per task split
@@ -146,6 +147,9 @@ def main() -> None:
                         **{f"sorted_{split}": (lambda split=split: sorted_split(op, split)(*args, **kw))
                            for split in ia.SPLITS},
                         "fixed": lambda: kernels.get(op, "fixed")(*args, **kw)}
+            if op == "scatter_add" and not case.params.get("broadcast"):  # the element form: both schedules
+                fixed = kernels.scatter_add.scatter_add_fixed_cuda
+                subjects.update({f"fixed_{s}": (lambda s=s: fixed(*args, **kw, schedule=s)) for s in ia.SCHEDULES})
             print(f"\n{op} {case.name}")
             for name, fn in subjects.items():
                 t = median(cuda_event_times(fn, 30, dev, flush=flush)) * 1e6
