@@ -217,13 +217,13 @@ def fixed_shift(max_abs: float, n: int) -> int:
 
 
 FBIN_BITS = 9                 # SEG_FBIN_BITS: at most 2^9 bins
-FBIN_WIDTH_MIN = 1024         # destinations per bin at least (fewer, wider bins for a small output)
+FBIN_WIDTH_MIN = 4096         # destinations per bin at least: a place tile's runs of one bin long
 FBIN_WIDTH_MAX = 4096         # SEG_FBIN_WIDTH_MAX: the shared accumulators of one bin
 FBIN_THREADS = 256            # SEG_FBIN_THREADS
 FBIN_TILE = 2048              # SEG_FBIN_TILE: terms per place block
 FBIN_CHUNK = 16384            # SEG_FBIN_CHUNK: entries per reduce block
-FBIN_LOADS = 4                # SEG_FBIN_LOADS
-FBIN_COUNT_BLOCKS_PER_SM = 4
+FBIN_LOADS = 8                # SEG_FBIN_LOADS
+FBIN_COUNT_BLOCKS_PER_SM = 4   # 60 registers a thread: four blocks of 256 fill an SM's registers
 FBIN_MIN_TERMS_PER_DST = 4    # binned where the terms are at least this many times the destinations
 FBIN_MAX_TERMS = 2**31 - 2**25  # int element numbers in the kernels, with room for the grid's stride
 SCHEDULES = ("direct", "binned")
@@ -231,7 +231,7 @@ SCHEDULES = ("direct", "binned")
 
 def fbin_layout(space: int) -> tuple[int, int, int]:
     """(bb, nb, nbits) of the binned schedule over ``space`` destinations: bins of 2^bb of them (at least
-    FBIN_WIDTH_MIN), nb <= 2^FBIN_BITS bins, told apart by their nbits low bits."""
+    FBIN_WIDTH_MIN, at most FBIN_WIDTH_MAX), nb <= 2^FBIN_BITS bins, told apart by their nbits low bits."""
     width = max(FBIN_WIDTH_MIN, 1 << max(0, cdiv(space, 1 << FBIN_BITS) - 1).bit_length())
     nb = cdiv(space, width)
     return width.bit_length() - 1, nb, max(0, nb - 1).bit_length()

@@ -1420,9 +1420,10 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
 //           cursor for place to advance), and start[nb] = the valid terms. Reads the index only; a bad
 //           index fails the kernel here under `trap`, and is skipped by every launch otherwise.
 //   place   every valid term as (destination, float bits) into its bin's range of `entries`: a tile's
-//           terms counted per bin in shared memory (ballots again), one global atomicAdd on the bin's
-//           cursor per (tile, bin) reserving their slots. Where a term lands varies from run to run;
-//           nothing downstream depends on it. Also max |src| over every finite element (atomicMax), as
+//           terms ranked per bin in shared memory (ballots again, then one shared atomic per bin and
+//           warp), one global atomicAdd on the bin's cursor per (tile, bin) reserving their slots, the
+//           tile staged in shared memory grouped by bin and written in runs. Where a term lands varies
+//           from run to run; nothing downstream depends on it. Also max |src| over every finite element (atomicMax), as
 //           segsum_fixed_max takes it (bad indices' elements included).
 //   reduce  block c takes entries [C c, C c + C) (C = SEG_FBIN_CHUNK): for each bin they meet, a shared
 //           int64 accumulator per destination of the bin is zeroed, each finite term's q added with a
@@ -1430,12 +1431,12 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
 //           with one global atomic each: about nb / C + 1 bins' worth per block instead of one per term.
 #define SEG_FBIN_BITS 9                     // bins at most 2^9 (seg_same_bits takes up to 9 bits)
 #define SEG_FBIN_MAX (1 << SEG_FBIN_BITS)
-#define SEG_FBIN_WIDTH_MAX 4096             // destinations per bin at most: 32 KB of accumulators
+#define SEG_FBIN_WIDTH_MAX 4096             // destinations per bin (at most): 32 KB of accumulators
 #define SEG_FBIN_THREADS 256
 #define SEG_FBIN_ITEMS 8                    // terms per thread of a place tile
 #define SEG_FBIN_TILE (SEG_FBIN_ITEMS * SEG_FBIN_THREADS)
 #define SEG_FBIN_CHUNK 16384                // entries per reduce block
-#define SEG_FBIN_LOADS 4                    // index words per thread in flight in count
+#define SEG_FBIN_LOADS 8                    // loads per thread in flight in count and reduce
 static_assert(SEG_FBIN_THREADS == SEG_RSORT_THREADS, "the bins' prefix is seg_rsort_prefix2's");
 
 // The flat destination of element e (element form, width W: index m, column e mod W), or -1 for an
@@ -1516,8 +1517,15 @@ extern "C" __global__ void __launch_bounds__(SEG_FBIN_THREADS)
 segsum_fbin_place(const float* __restrict__ src, const long long* __restrict__ key, int total, int W, long long rows,
                   int bb, int nb, int nbits, unsigned* __restrict__ cursor, uint2* __restrict__ entries,
                   unsigned* __restrict__ maxbits) {
-    __shared__ unsigned tile_count[SEG_FBIN_MAX];  // this tile's terms per bin, then their first slot
+    // The tile's terms are staged in shared memory grouped by bin, then written in that order: a bin's
+    // terms of one tile go to consecutive slots (one store per term straight from the registers would
+    // scatter 8-byte pieces over the bins' ranges: partly written sectors).
+    __shared__ uint2 stage[SEG_FBIN_TILE];
+    __shared__ unsigned tile_count[SEG_FBIN_MAX];  // this tile's terms per bin, then their first stage slot
+    __shared__ unsigned delta[SEG_FBIN_MAX];       // a bin's slot in `entries` minus its stage slot
+    __shared__ unsigned wsum[SEG_WARPS];
     __shared__ unsigned warp_max[SEG_WARPS];
+    __shared__ unsigned staged;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e0 = blockIdx.x * SEG_FBIN_TILE + threadIdx.x;
     for (int b = threadIdx.x; b < nb; b += SEG_FBIN_THREADS) tile_count[b] = 0u;
@@ -1533,7 +1541,7 @@ segsum_fbin_place(const float* __restrict__ src, const long long* __restrict__ k
     int d[SEG_FBIN_ITEMS];
     unsigned rank[SEG_FBIN_ITEMS], mx = 0u;
 #pragma unroll
-    for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {
+    for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {  // rank among the tile's terms of the bin (in any order)
         const int e = e0 + r * SEG_FBIN_THREADS;
         d[r] = e < total ? seg_fbin_dst(m[r], e, W, rows, nullptr) : -1;
         const unsigned peers = seg_fbin_peers(d[r], bb, nbits);
@@ -1545,12 +1553,25 @@ segsum_fbin_place(const float* __restrict__ src, const long long* __restrict__ k
         if (e < total && a < SEG_ABS_INF) mx = max(mx, a);
     }
     __syncthreads();
-    for (int b = threadIdx.x; b < nb; b += SEG_FBIN_THREADS)
-        if (tile_count[b] != 0u) tile_count[b] = atomicAdd(cursor + b, tile_count[b]);
+    {  // the bins' stage slots (an exclusive prefix, two bins per thread) and their slots in `entries`
+        const int b0 = 2 * threadIdx.x;
+        const unsigned a = b0 < nb ? tile_count[b0] : 0u, c = b0 + 1 < nb ? tile_count[b0 + 1] : 0u;
+        const unsigned excl = seg_rsort_prefix2(a, c, wsum);
+        if (a != 0u) delta[b0] = atomicAdd(cursor + b0, a) - excl;
+        if (c != 0u) delta[b0 + 1] = atomicAdd(cursor + b0 + 1, c) - (excl + a);
+        if (b0 < nb) tile_count[b0] = excl;
+        if (b0 + 1 < nb) tile_count[b0 + 1] = excl + a;
+        if (threadIdx.x == SEG_FBIN_THREADS - 1) staged = excl + a + c;
+    }
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < SEG_FBIN_ITEMS; ++r)
-        if (d[r] >= 0) entries[tile_count[d[r] >> bb] + rank[r]] = make_uint2((unsigned)d[r], __float_as_uint(v[r]));
+        if (d[r] >= 0) stage[tile_count[d[r] >> bb] + rank[r]] = make_uint2((unsigned)d[r], __float_as_uint(v[r]));
+    __syncthreads();
+    for (unsigned i = threadIdx.x; i < staged; i += SEG_FBIN_THREADS) {  // a bin's run: consecutive slots
+        const uint2 x = stage[i];
+        entries[delta[x.x >> bb] + i] = x;
+    }
     mx = __reduce_max_sync(SEG_FULL, mx);
     if (lane == 0) warp_max[warp] = mx;
     __syncthreads();

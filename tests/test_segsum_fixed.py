@@ -225,7 +225,7 @@ def test_subnormal_terms_are_kept():
 
 
 def test_binned_layout_covers_the_destinations_in_at_most_512_bins():
-    """fbin_layout: bins of 2^bb destinations (1024 to 4096, shared int64 accumulators of at most 32 KB),
+    """fbin_layout: bins of 2^bb destinations (FBIN_WIDTH_MIN to 4096: shared int64 accumulators of at most 32 KB),
     nb of them covering the space with none empty at the end, and nbits low bits of the bin number
     telling every bin apart (seg_same_bits takes at most 9)."""
     for space in (1, 7, 1023, 1024, 1025, 320_000, 512 * 1024, 512 * 1024 + 1, 512 * 4096):
@@ -234,8 +234,8 @@ def test_binned_layout_covers_the_destinations_in_at_most_512_bins():
         assert ia.FBIN_WIDTH_MIN <= width <= ia.FBIN_WIDTH_MAX
         assert (nb - 1) * width < space <= nb * width and 1 <= nb <= 1 << ia.FBIN_BITS
         assert nb <= 1 << nbits <= max(1, 2 * nb - 1)
-    assert ia.fbin_layout(320_000) == (10, 313, 9)    # 10000 rows of 32: bins of 1024
-    assert ia.fbin_layout(512 * 1024 + 1)[:2] == (11, 257)
+    assert ia.fbin_layout(320_000) == (12, 79, 7)     # 10000 rows of 32
+    assert ia.fbin_layout(1) == (12, 1, 0)
 
 
 def test_fixed_schedule_bins_only_the_dense_element_form():
@@ -325,14 +325,15 @@ def test_gpu_unchecked_bad_indices_add_nothing(cuda_sync):
 
 
 # The element form's binned schedule (segsum.cuh) against the direct one: the same integers summed, so
-# the same bits. Beyond the test table's element cases: many bins and reduce chunks (94 bins of 1024,
-# 79 chunks, bins cut by chunk ends), a hot row (90% of each column on one row: one bin holds most
-# terms), bins of 4096 destinations (the widest), and the bench's element cases.
-BINNED = [c for op, c in CASES if op == "scatter_add" and not c.params.get("broadcast")] + [
+# the same bits. Beyond the test table's element cases (width 1 is the row form): many bins and
+# reduce chunks (24 bins, 79 chunks, bins cut by chunk ends), a hot row (90% of each column on one
+# row: one bin holds most terms), 440 bins (most of the 512 allowed), and the bench's element cases.
+BINNED = [c for op, c in CASES
+          if op == "scatter_add" and not c.params.get("broadcast") and c.params["d"] > 1] + [
     kernels.scatter_add._case(name, 7100 + i, **p) for i, (name, p) in enumerate((
         ("many_bins_and_chunks", dict(n=40000, d=32, m=3000)),
         ("hot_row_dup90", dict(n=20000, d=8, m=500, dup=0.9)),
-        ("bins_of_4096", dict(n=3000, d=300, m=6000, dup=0.1)),
+        ("most_bins", dict(n=3000, d=300, m=6000, dup=0.1)),
     ))] + [c for c in kernels.spec("scatter_add").bench_cases("gpu") if not c.params.get("broadcast")]
 
 
