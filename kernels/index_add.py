@@ -219,13 +219,12 @@ def fixed_shift(max_abs: float, n: int) -> int:
 FBIN_BITS = 9                 # SEG_FBIN_BITS: at most 2^9 bins
 FBIN_WIDTH_MIN = 4096         # destinations per bin at least: a place tile's runs of one bin long
 FBIN_WIDTH_MAX = 4096         # SEG_FBIN_WIDTH_MAX: the shared accumulators of one bin
-FBIN_THREADS = 256            # SEG_FBIN_THREADS
-FBIN_TILE = 2048              # SEG_FBIN_TILE: terms per place block
+FBIN_THREADS = 256            # SEG_FBIN_THREADS (count, place)
+FBIN_REDUCE_THREADS = 512     # SEG_FBIN_REDUCE_THREADS
+FBIN_TILE = 2048              # SEG_FBIN_TILE: terms per count and place block
 FBIN_CHUNK = 16384            # SEG_FBIN_CHUNK: entries per reduce block
-FBIN_LOADS = 8                # SEG_FBIN_LOADS
-FBIN_COUNT_BLOCKS_PER_SM = 4   # 60 registers a thread: four blocks of 256 fill an SM's registers
 FBIN_MIN_TERMS_PER_DST = 4    # binned where the terms are at least this many times the destinations
-FBIN_MAX_TERMS = 2**31 - 2**25  # int element numbers in the kernels, with room for the grid's stride
+FBIN_MAX_TERMS = 2**31 - 2**12  # int element numbers in the kernels (a tile past the last one included)
 SCHEDULES = ("direct", "binned")
 
 
@@ -287,14 +286,14 @@ def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Te
         bincount = int(maxbits) + 4
         start, cursor, ticket = bincount + 4 * nb, bincount + 4 * (2 * nb + 1), bincount + 4 * (3 * nb + 1)
         layout = (np.int32(d), np.int64(rows), np.int32(bb), np.int32(nb), np.int32(nbits))
-        blocks = max(1, min(cdiv(total, FBIN_LOADS * FBIN_THREADS), FBIN_COUNT_BLOCKS_PER_SM * sm_count(dev)))
-        launch(function(source, f"{prefix}_fbin_count", dev), (blocks,), (FBIN_THREADS,),
+        tiles = cdiv(total, FBIN_TILE)
+        launch(function(source, f"{prefix}_fbin_count", dev), (tiles,), (FBIN_THREADS,),
                (ptr(key), np.int32(total), *layout, np.uint64(bincount), np.uint64(start), np.uint64(cursor),
                 np.uint64(ticket), check.trap), device=dev)
         entries = torch.empty((total, 2), device=dev, dtype=torch.int32)  # (destination, float bits)
-        launch(function(source, "segsum_fbin_place", dev), (cdiv(total, FBIN_TILE),), (FBIN_THREADS,),
+        launch(function(source, "segsum_fbin_place", dev), (tiles,), (FBIN_THREADS,),
                (ptr(src), ptr(key), np.int32(total), *layout, np.uint64(cursor), ptr(entries), maxbits), device=dev)
-        launch(function(source, "segsum_fbin_reduce", dev), (cdiv(total, FBIN_CHUNK),), (FBIN_THREADS,),
+        launch(function(source, "segsum_fbin_reduce", dev), (cdiv(total, FBIN_CHUNK),), (FBIN_REDUCE_THREADS,),
                (ptr(entries), np.uint64(start), np.int32(nb), np.int32(bb), acc, flags, maxbits, log2n), device=dev)
     else:
         launch(function(source, "segsum_fixed_max", dev), (max(1, min(cdiv(total, 4 * THREADS), FIXED_MAX_BLOCKS)),),

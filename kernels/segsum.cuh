@@ -1414,7 +1414,7 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
 // are exact, neither their order nor their grouping can change them. The destinations are cut into
 // nb <= SEG_FBIN_MAX bins of BW = 2^bb consecutive ones; three launches between the zero fill and
 // segsum_fixed_out:
-//   count   each bin's size: a shared-memory histogram per block (the lanes of one bin found by
+//   count   each bin's size: a shared-memory histogram per tile of the index (the lanes of one bin found by
 //           ballots, seg_same_bits; their lowest lane adds their number), added into bincount; the last
 //           block to finish (ticket) writes the bins' starts, an exclusive prefix, twice (start, and
 //           cursor for place to advance), and start[nb] = the valid terms. Reads the index only; a bad
@@ -1436,18 +1436,28 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
 #define SEG_FBIN_ITEMS 8                    // terms per thread of a place tile
 #define SEG_FBIN_TILE (SEG_FBIN_ITEMS * SEG_FBIN_THREADS)
 #define SEG_FBIN_CHUNK 16384                // entries per reduce block
-#define SEG_FBIN_LOADS 8                    // loads per thread in flight in count and reduce
+#define SEG_FBIN_REDUCE_THREADS 512
+#define SEG_FBIN_LOADS 8                    // entries per thread in flight in reduce
 static_assert(SEG_FBIN_THREADS == SEG_RSORT_THREADS, "the bins' prefix is seg_rsort_prefix2's");
 
-// The flat destination of element e (element form, width W: index m, column e mod W), or -1 for an
-// index outside [0, rows) (with `trap` set that fails the kernel, seg_bad_index). The launcher takes
-// this schedule only where every element number and destination fits an int.
-__device__ __forceinline__ int seg_fbin_dst(long long m, int e, int W, long long rows, const char* trap) {
-    if (m < 0 || m >= rows) {
-        if (trap != nullptr) seg_bad_index(trap, m, rows);
-        return -1;
+// The flat destinations of a thread's elements e0 + 256 r (element form, width W: index m[r], column
+// e mod W, kept by adding 256 mod W instead of a division per element), -1 past `total` or for an index
+// outside [0, rows) (with `trap` set that fails the kernel, seg_bad_index). The launcher takes this
+// schedule only where every element number and destination fits an int.
+__device__ __forceinline__ void seg_fbin_dsts(const long long (&m)[SEG_FBIN_ITEMS], int e0, int total, int W,
+                                              long long rows, const char* trap, int (&d)[SEG_FBIN_ITEMS]) {
+    const int step = SEG_FBIN_THREADS % W;
+    int col = e0 % W;
+#pragma unroll
+    for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {
+        d[r] = -1;
+        if (e0 + r * SEG_FBIN_THREADS < total) {
+            if (m[r] >= 0 && m[r] < rows) d[r] = (int)m[r] * W + col;
+            else if (trap != nullptr) seg_bad_index(trap, m[r], rows);
+        }
+        col += step;
+        col -= col >= W ? W : 0;
     }
-    return (int)m * W + (e - (e / W) * W);
 }
 
 // The lanes of this lane's bin among the lanes holding a valid destination d (d >= 0), or 0 for d < 0.
@@ -1471,29 +1481,26 @@ __device__ __forceinline__ void seg_fbin_count_body(const long long* __restrict_
                                                     unsigned* __restrict__ bincount, unsigned* __restrict__ start,
                                                     unsigned* __restrict__ cursor, unsigned* __restrict__ ticket,
                                                     const char* trap) {
+    // one tile of SEG_FBIN_TILE elements per block, as place takes them: every load in flight at once
     __shared__ unsigned hist[SEG_FBIN_MAX];
     __shared__ unsigned wsum[SEG_WARPS];
     __shared__ bool last;
     const int lane = threadIdx.x & 31;
+    const int e0 = blockIdx.x * SEG_FBIN_TILE + threadIdx.x;
     for (int b = threadIdx.x; b < nb; b += SEG_FBIN_THREADS) hist[b] = 0u;
+    long long m[SEG_FBIN_ITEMS];
+#pragma unroll
+    for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {
+        const int e = e0 + r * SEG_FBIN_THREADS;
+        m[r] = e < total ? key[e] : 0;
+    }
+    int d[SEG_FBIN_ITEMS];
+    seg_fbin_dsts(m, e0, total, W, rows, trap, d);
     __syncthreads();
-    const int step = gridDim.x * SEG_FBIN_THREADS;  // the launcher keeps total + LOADS * step < 2^31
-    // warp-uniform loop: base is the warp's first element, lanes take base + lane
-    for (int base = blockIdx.x * SEG_FBIN_THREADS + (threadIdx.x & ~31); base < total;
-         base += SEG_FBIN_LOADS * step) {
-        long long m[SEG_FBIN_LOADS];
 #pragma unroll
-        for (int u = 0; u < SEG_FBIN_LOADS; ++u) {
-            const int e = base + u * step + lane;
-            m[u] = e < total ? key[e] : 0;
-        }
-#pragma unroll
-        for (int u = 0; u < SEG_FBIN_LOADS; ++u) {
-            const int e = base + u * step + lane;
-            const int d = e < total ? seg_fbin_dst(m[u], e, W, rows, trap) : -1;
-            const unsigned peers = seg_fbin_peers(d, bb, nbits);
-            if (d >= 0 && lane == __ffs(peers) - 1) atomicAdd(hist + (d >> bb), (unsigned)__popc(peers));
-        }
+    for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {
+        const unsigned peers = seg_fbin_peers(d[r], bb, nbits);
+        if (d[r] >= 0 && lane == __ffs(peers) - 1) atomicAdd(hist + (d[r] >> bb), (unsigned)__popc(peers));
     }
     __syncthreads();
     for (int b = threadIdx.x; b < nb; b += SEG_FBIN_THREADS)
@@ -1539,11 +1546,11 @@ segsum_fbin_place(const float* __restrict__ src, const long long* __restrict__ k
     }
     __syncthreads();
     int d[SEG_FBIN_ITEMS];
+    seg_fbin_dsts(m, e0, total, W, rows, nullptr, d);
     unsigned rank[SEG_FBIN_ITEMS], mx = 0u;
 #pragma unroll
     for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {  // rank among the tile's terms of the bin (in any order)
         const int e = e0 + r * SEG_FBIN_THREADS;
-        d[r] = e < total ? seg_fbin_dst(m[r], e, W, rows, nullptr) : -1;
         const unsigned peers = seg_fbin_peers(d[r], bb, nbits);
         const int leader = peers ? __ffs(peers) - 1 : lane;
         unsigned first = 0u;
@@ -1581,7 +1588,7 @@ segsum_fbin_place(const float* __restrict__ src, const long long* __restrict__ k
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SEG_FBIN_THREADS)
+extern "C" __global__ void __launch_bounds__(SEG_FBIN_REDUCE_THREADS)
 segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict__ start, int nb, int bb,
                    unsigned long long* __restrict__ acc, unsigned* __restrict__ flags,
                    const unsigned* __restrict__ maxbits, int log2n) {
@@ -1592,20 +1599,20 @@ segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict
     const unsigned p1 = min(p0 + (unsigned)SEG_FBIN_CHUNK, valid);
     const double scale = seg_pow2(seg_fixed_shift(*maxbits, log2n));
     const int width = 1 << bb;
+    constexpr unsigned T = SEG_FBIN_REDUCE_THREADS;
     const int last = (int)(entries[p1 - 1].x >> bb);
     for (int bin = (int)(entries[p0].x >> bb); bin <= last; ++bin) {  // the bins' ranges are consecutive
         const unsigned s = max(start[bin], p0), t = min(start[bin + 1], p1);
         if (s >= t) continue;  // the same in every thread
-        for (int j = threadIdx.x; j < width; j += SEG_FBIN_THREADS) sacc[j] = 0ull;
+        for (int j = threadIdx.x; j < width; j += T) sacc[j] = 0ull;
         __syncthreads();
-        for (unsigned p = s + threadIdx.x; p < t; p += SEG_FBIN_LOADS * SEG_FBIN_THREADS) {
+        for (unsigned p = s + threadIdx.x; p < t; p += SEG_FBIN_LOADS * T) {
             uint2 x[SEG_FBIN_LOADS];
 #pragma unroll
-            for (int u = 0; u < SEG_FBIN_LOADS; ++u)
-                x[u] = p + u * SEG_FBIN_THREADS < t ? entries[p + u * SEG_FBIN_THREADS] : make_uint2(0u, 0u);
+            for (int u = 0; u < SEG_FBIN_LOADS; ++u) x[u] = p + u * T < t ? entries[p + u * T] : make_uint2(0u, 0u);
 #pragma unroll
             for (int u = 0; u < SEG_FBIN_LOADS; ++u) {
-                if (p + u * SEG_FBIN_THREADS >= t) break;
+                if (p + u * T >= t) break;
                 const float v = __uint_as_float(x[u].y);
                 if ((x[u].y & 0x7fffffffu) < SEG_ABS_INF) {
                     const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
@@ -1618,7 +1625,7 @@ segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict
         }
         __syncthreads();
         unsigned long long* out = acc + (long long)bin * width;
-        for (int j = threadIdx.x; j < width; j += SEG_FBIN_THREADS)
+        for (int j = threadIdx.x; j < width; j += T)
             if (sacc[j] != 0ull) atomicAdd(out + j, sacc[j]);
         __syncthreads();  // before the next bin zeroes sacc
     }
