@@ -219,10 +219,9 @@ def fixed_shift(max_abs: float, n: int) -> int:
 FBIN_BITS = 9                 # SEG_FBIN_BITS: at most 2^9 bins
 FBIN_WIDTH_MIN = 4096         # destinations per bin at least: a place tile's runs of one bin long
 FBIN_WIDTH_MAX = 4096         # SEG_FBIN_WIDTH_MAX: the shared accumulators of one bin
-FBIN_THREADS = 256            # SEG_FBIN_THREADS (count, place)
-FBIN_REDUCE_THREADS = 512     # SEG_FBIN_REDUCE_THREADS
-FBIN_TILE = 2048              # SEG_FBIN_TILE: terms per count and place block
-FBIN_CHUNK = 16384            # SEG_FBIN_CHUNK: entries per reduce block
+FBIN_THREADS = 256            # SEG_FBIN_THREADS
+FBIN_TILE = 2048              # SEG_FBIN_TILE: terms per place block
+FBIN_PAGE = 16384             # SEG_FBIN_PAGE: entries per page of a bin (one reduce block each)
 FBIN_MIN_TERMS_PER_DST = 4    # binned where the terms are at least this many times the destinations
 FBIN_MAX_TERMS = 2**31 - 2**12  # int element numbers in the kernels (a tile past the last one included)
 SCHEDULES = ("direct", "binned")
@@ -252,7 +251,7 @@ def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Te
                       elementwise: bool = False, skip: int = -1, counts: torch.Tensor | None = None,
                       check: RangeCheck = NO_CHECK, schedule: str | None = None) -> torch.Tensor:
     """out (rows, D): order-independent fixed-point sums (segsum.cuh, ``fixed``). One zero fill, then
-    max, add and out (``direct``) or count, place, reduce and out (``binned``, element form only;
+    max, add and out (``direct``) or place, reduce and out (``binned``, element form only;
     ``schedule`` None: fixed_schedule's choice); no host synchronisation but a sync ``check``'s (as
     segsum_atomic_cuda). The shift comes from max |src| over every finite element of src and from its
     row count N; both schedules give the same bits."""
@@ -275,26 +274,29 @@ def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Te
     binned = schedule == "binned"
     bb, nb, nbits = fbin_layout(space) if binned else (0, 0, 0)
     words = cdiv(space, 8)  # 4 flag bits per output element
-    # one zero fill: int64 accumulators | flag words | max |src| bits | (binned) bin counts, starts
-    # (nb + 1), cursors, ticket
-    buf = torch.zeros(space + cdiv(words + 1 + (3 * nb + 2 if binned else 0), 2), device=dev, dtype=torch.int64)
+    # one zero fill: int64 accumulators | flag words | max |src| bits | (binned) the bins' cursors, the
+    # page pool's counter, each bin's pages (nb x pages), each pool page's bin and place in it
+    extra = nb + 1 + nb * cdiv(total, FBIN_PAGE) + 2 * (cdiv(total, FBIN_PAGE) + nb) if binned else 0
+    buf = torch.zeros(space + cdiv(words + 1 + extra, 2), device=dev, dtype=torch.int64)
     acc = ptr(buf)
     flags = np.uint64(int(acc) + 8 * space)
     maxbits = np.uint64(int(flags) + 4 * words)
     log2n = np.int32(fixed_log2n(n_rows))
     if binned:
-        bincount = int(maxbits) + 4
-        start, cursor, ticket = bincount + 4 * nb, bincount + 4 * (2 * nb + 1), bincount + 4 * (3 * nb + 1)
-        layout = (np.int32(d), np.int64(rows), np.int32(bb), np.int32(nb), np.int32(nbits))
-        tiles = cdiv(total, FBIN_TILE)
-        launch(function(source, f"{prefix}_fbin_count", dev), (tiles,), (FBIN_THREADS,),
-               (ptr(key), np.int32(total), *layout, np.uint64(bincount), np.uint64(start), np.uint64(cursor),
-                np.uint64(ticket), check.trap), device=dev)
-        entries = torch.empty((total, 2), device=dev, dtype=torch.int32)  # (destination, float bits)
-        launch(function(source, "segsum_fbin_place", dev), (tiles,), (FBIN_THREADS,),
-               (ptr(src), ptr(key), np.int32(total), *layout, np.uint64(cursor), ptr(entries), maxbits), device=dev)
-        launch(function(source, "segsum_fbin_reduce", dev), (cdiv(total, FBIN_CHUNK),), (FBIN_REDUCE_THREADS,),
-               (ptr(entries), np.uint64(start), np.int32(nb), np.int32(bb), acc, flags, maxbits, log2n), device=dev)
+        pages = cdiv(total, FBIN_PAGE)  # the most one bin can fill
+        cursor = int(maxbits) + 4
+        pool = cursor + 4 * nb
+        page_of = pool + 4
+        page_bin = page_of + 4 * nb * pages
+        page_idx = page_bin + 4 * (pages + nb)
+        entries = torch.empty(((pages + nb) * FBIN_PAGE, 2), device=dev, dtype=torch.int32)  # (destination, bits)
+        launch(function(source, f"{prefix}_fbin_place", dev), (cdiv(total, FBIN_TILE),), (FBIN_THREADS,),
+               (ptr(src), ptr(key), np.int32(total), np.int32(d), np.int64(rows), np.int32(bb), np.int32(nb),
+                np.int32(nbits), np.uint64(cursor), np.uint64(pool), np.uint64(page_of), np.int32(pages),
+                np.uint64(page_bin), np.uint64(page_idx), ptr(entries), maxbits, check.trap), device=dev)
+        launch(function(source, "segsum_fbin_reduce", dev), (pages + nb,), (FBIN_THREADS,),
+               (ptr(entries), np.uint64(pool), np.uint64(page_bin), np.uint64(page_idx), np.uint64(cursor),
+                np.int32(bb), acc, flags, maxbits, log2n), device=dev)
     else:
         launch(function(source, "segsum_fixed_max", dev), (max(1, min(cdiv(total, 4 * THREADS), FIXED_MAX_BLOCKS)),),
                (THREADS,), (ptr(src), np.int64(total), maxbits), device=dev)

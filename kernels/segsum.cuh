@@ -1412,53 +1412,37 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
 // destinations those atomics bound it (L2's atomic units, not the bandwidth). The binned schedule adds
 // the same integers q = rint(v 2^s) (same shift, same flags), so it gives the same bits: integer sums
 // are exact, neither their order nor their grouping can change them. The destinations are cut into
-// nb <= SEG_FBIN_MAX bins of BW = 2^bb consecutive ones; three launches between the zero fill and
-// segsum_fixed_out:
-//   count   each bin's size: a shared-memory histogram per tile of the index (the lanes of one bin found by
-//           ballots, seg_same_bits; their lowest lane adds their number), added into bincount; the last
-//           block to finish (ticket) writes the bins' starts, an exclusive prefix, twice (start, and
-//           cursor for place to advance), and start[nb] = the valid terms. Reads the index only; a bad
-//           index fails the kernel here under `trap`, and is skipped by every launch otherwise.
-//   place   every valid term as (destination, float bits) into its bin's range of `entries`: a tile's
-//           terms ranked per bin in shared memory (ballots again, then one shared atomic per bin and
-//           warp), one global atomicAdd on the bin's cursor per (tile, bin) reserving their slots, the
-//           tile staged in shared memory grouped by bin and written in runs. Where a term lands varies
-//           from run to run; nothing downstream depends on it. Also max |src| over every finite element (atomicMax), as
+// nb <= SEG_FBIN_MAX bins of BW = 2^bb consecutive ones, and a bin's terms are kept in pages of
+// SEG_FBIN_PAGE entries (destination, float bits), taken from one pool as the bin fills, so no pass
+// has to count the bins first. Two launches between the zero fill and segsum_fixed_out:
+//   place   block t takes a tile of SEG_FBIN_TILE elements: each valid term ranked among the tile's
+//           terms of its bin (the lanes of one bin found by ballots, seg_same_bits, their lowest lane
+//           adding their number in shared memory), then one global atomicAdd per (tile, bin) on the
+//           bin's cursor reserves that many consecutive positions of the bin. Position p lies on the
+//           bin's page p / PAGE; the block whose range holds a page's first position takes the next
+//           page of the pool for it (atomicAdd on the pool counter) and publishes it (page_of, +1;
+//           0 = not yet), right after its reservation and before it waits for anything, so a block
+//           waiting for a page published by another always sees it come. The tile is staged in shared
+//           memory grouped by bin and written in runs. Where a term lands varies from run to run;
+//           nothing downstream depends on it. A bad index fails the kernel here under `trap`, and adds
+//           nothing otherwise. Also max |src| over every finite element (atomicMax), as
 //           segsum_fixed_max takes it (bad indices' elements included).
-//   reduce  block c takes entries [C c, C c + C) (C = SEG_FBIN_CHUNK): for each bin they meet, a shared
-//           int64 accumulator per destination of the bin is zeroed, each finite term's q added with a
-//           shared atomic (a non-finite one sets its flag), and the nonzero accumulators added into acc
-//           with one global atomic each: about nb / C + 1 bins' worth per block instead of one per term.
+//   reduce  block k takes pool page k (its bin and place in the bin recorded when it was taken; the
+//           bin's cursor, final now, says how full it is): a shared int64 accumulator per destination of
+//           the bin zeroed, each finite term's q added with a shared atomic (a non-finite one sets its
+//           flag), and the nonzero accumulators added into acc with one global atomic each: at most BW
+//           per page of SEG_FBIN_PAGE terms, where the direct schedule makes one per term.
 #define SEG_FBIN_BITS 9                     // bins at most 2^9 (seg_same_bits takes up to 9 bits)
 #define SEG_FBIN_MAX (1 << SEG_FBIN_BITS)
 #define SEG_FBIN_WIDTH_MAX 4096             // destinations per bin (at most): 32 KB of accumulators
 #define SEG_FBIN_THREADS 256
 #define SEG_FBIN_ITEMS 8                    // terms per thread of a place tile
 #define SEG_FBIN_TILE (SEG_FBIN_ITEMS * SEG_FBIN_THREADS)
-#define SEG_FBIN_CHUNK 16384                // entries per reduce block
-#define SEG_FBIN_REDUCE_THREADS 512
+#define SEG_FBIN_PAGE_BITS 14
+#define SEG_FBIN_PAGE (1 << SEG_FBIN_PAGE_BITS)  // entries per page: a tile's run of a bin spans <= 2 pages
 #define SEG_FBIN_LOADS 8                    // entries per thread in flight in reduce
 static_assert(SEG_FBIN_THREADS == SEG_RSORT_THREADS, "the bins' prefix is seg_rsort_prefix2's");
-
-// The flat destinations of a thread's elements e0 + 256 r (element form, width W: index m[r], column
-// e mod W, kept by adding 256 mod W instead of a division per element), -1 past `total` or for an index
-// outside [0, rows) (with `trap` set that fails the kernel, seg_bad_index). The launcher takes this
-// schedule only where every element number and destination fits an int.
-__device__ __forceinline__ void seg_fbin_dsts(const long long (&m)[SEG_FBIN_ITEMS], int e0, int total, int W,
-                                              long long rows, const char* trap, int (&d)[SEG_FBIN_ITEMS]) {
-    const int step = SEG_FBIN_THREADS % W;
-    int col = e0 % W;
-#pragma unroll
-    for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {
-        d[r] = -1;
-        if (e0 + r * SEG_FBIN_THREADS < total) {
-            if (m[r] >= 0 && m[r] < rows) d[r] = (int)m[r] * W + col;
-            else if (trap != nullptr) seg_bad_index(trap, m[r], rows);
-        }
-        col += step;
-        col -= col >= W ? W : 0;
-    }
-}
+static_assert(SEG_FBIN_TILE <= SEG_FBIN_PAGE, "a tile's terms of one bin meet at most two pages");
 
 // The lanes of this lane's bin among the lanes holding a valid destination d (d >= 0), or 0 for d < 0.
 __device__ __forceinline__ unsigned seg_fbin_peers(int d, int bb, int nbits) {
@@ -1467,69 +1451,19 @@ __device__ __forceinline__ unsigned seg_fbin_peers(int d, int bb, int nbits) {
     return d >= 0 ? peers : 0u;
 }
 
-#define SEG_FBIN_COUNT_KERNEL(NAME, OPNAME)                                                              \
-    extern "C" __global__ void __launch_bounds__(SEG_FBIN_THREADS)                                       \
-    NAME(const long long* __restrict__ key, int total, int W, long long rows, int bb, int nb, int nbits,  \
-         unsigned* __restrict__ bincount, unsigned* __restrict__ start, unsigned* __restrict__ cursor,    \
-         unsigned* __restrict__ ticket, int trap) {                                                      \
-        seg_fbin_count_body(key, total, W, rows, bb, nb, nbits, bincount, start, cursor, ticket,         \
-                            trap ? OPNAME : nullptr);                                                    \
-    }
-
-__device__ __forceinline__ void seg_fbin_count_body(const long long* __restrict__ key, int total, int W,
-                                                    long long rows, int bb, int nb, int nbits,
-                                                    unsigned* __restrict__ bincount, unsigned* __restrict__ start,
-                                                    unsigned* __restrict__ cursor, unsigned* __restrict__ ticket,
-                                                    const char* trap) {
-    // one tile of SEG_FBIN_TILE elements per block, as place takes them: every load in flight at once
-    __shared__ unsigned hist[SEG_FBIN_MAX];
-    __shared__ unsigned wsum[SEG_WARPS];
-    __shared__ bool last;
-    const int lane = threadIdx.x & 31;
-    const int e0 = blockIdx.x * SEG_FBIN_TILE + threadIdx.x;
-    for (int b = threadIdx.x; b < nb; b += SEG_FBIN_THREADS) hist[b] = 0u;
-    long long m[SEG_FBIN_ITEMS];
-#pragma unroll
-    for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {
-        const int e = e0 + r * SEG_FBIN_THREADS;
-        m[r] = e < total ? key[e] : 0;
-    }
-    int d[SEG_FBIN_ITEMS];
-    seg_fbin_dsts(m, e0, total, W, rows, trap, d);
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {
-        const unsigned peers = seg_fbin_peers(d[r], bb, nbits);
-        if (d[r] >= 0 && lane == __ffs(peers) - 1) atomicAdd(hist + (d[r] >> bb), (unsigned)__popc(peers));
-    }
-    __syncthreads();
-    for (int b = threadIdx.x; b < nb; b += SEG_FBIN_THREADS)
-        if (hist[b] != 0u) atomicAdd(bincount + b, hist[b]);  // integer counts: exact in any order
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    // the last block: every count is in; the bins' exclusive prefix, two bins per thread
-    const int b0 = 2 * threadIdx.x;
-    const unsigned a = b0 < nb ? __ldcg(bincount + b0) : 0u, c = b0 + 1 < nb ? __ldcg(bincount + b0 + 1) : 0u;
-    const unsigned excl = seg_rsort_prefix2(a, c, wsum);
-    if (b0 < nb) start[b0] = cursor[b0] = excl;
-    if (b0 + 1 < nb) start[b0 + 1] = cursor[b0 + 1] = excl + a;
-    if (threadIdx.x == SEG_FBIN_THREADS - 1) start[nb] = excl + a + c;  // the counts past nb are 0
-}
-
-extern "C" __global__ void __launch_bounds__(SEG_FBIN_THREADS)
-segsum_fbin_place(const float* __restrict__ src, const long long* __restrict__ key, int total, int W, long long rows,
-                  int bb, int nb, int nbits, unsigned* __restrict__ cursor, uint2* __restrict__ entries,
-                  unsigned* __restrict__ maxbits) {
-    // The tile's terms are staged in shared memory grouped by bin, then written in that order: a bin's
-    // terms of one tile go to consecutive slots (one store per term straight from the registers would
-    // scatter 8-byte pieces over the bins' ranges: partly written sectors).
+// Place: see above. page_of[b * ppb + k] = 1 + the pool page holding positions [k PAGE, k PAGE + PAGE) of
+// bin b; page_bin[i], page_idx[i]: the bin and k of pool page i. The launcher keeps every element number
+// and destination inside an int.
+__device__ __forceinline__ void seg_fbin_place_body(const float* __restrict__ src, const long long* __restrict__ key,
+                                                    int total, int W, long long rows, int bb, int nb, int nbits,
+                                                    unsigned* __restrict__ cursor, unsigned* __restrict__ pool,
+                                                    unsigned* page_of, int ppb, unsigned* __restrict__ page_bin,
+                                                    unsigned* __restrict__ page_idx, uint2* __restrict__ entries,
+                                                    unsigned* __restrict__ maxbits, const char* trap) {
     __shared__ uint2 stage[SEG_FBIN_TILE];
     __shared__ unsigned tile_count[SEG_FBIN_MAX];  // this tile's terms per bin, then their first stage slot
-    __shared__ unsigned delta[SEG_FBIN_MAX];       // a bin's slot in `entries` minus its stage slot
+    __shared__ unsigned pos[SEG_FBIN_MAX];         // the bin position of the bin's first staged term
+    __shared__ unsigned page[2 * SEG_FBIN_MAX];    // the pool pages of the bin's run (the second if it crosses)
     __shared__ unsigned wsum[SEG_WARPS];
     __shared__ unsigned warp_max[SEG_WARPS];
     __shared__ unsigned staged;
@@ -1541,43 +1475,78 @@ segsum_fbin_place(const float* __restrict__ src, const long long* __restrict__ k
 #pragma unroll
     for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {
         const int e = e0 + r * SEG_FBIN_THREADS;
-        m[r] = e < total ? key[e] : -1;
+        m[r] = e < total ? key[e] : 0;
         v[r] = e < total ? src[e] : 0.0f;
     }
     __syncthreads();
     int d[SEG_FBIN_ITEMS];
-    seg_fbin_dsts(m, e0, total, W, rows, nullptr, d);
     unsigned rank[SEG_FBIN_ITEMS], mx = 0u;
+    const int step = SEG_FBIN_THREADS % W;  // the column e mod W, advanced without a division per element
+    int col = e0 % W;
 #pragma unroll
-    for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {  // rank among the tile's terms of the bin (in any order)
-        const int e = e0 + r * SEG_FBIN_THREADS;
-        const unsigned peers = seg_fbin_peers(d[r], bb, nbits);
+    for (int r = 0; r < SEG_FBIN_ITEMS; ++r) {
+        const bool in = e0 + r * SEG_FBIN_THREADS < total;
+        d[r] = -1;
+        if (in && m[r] >= 0 && m[r] < rows) d[r] = (int)m[r] * W + col;
+        else if (in && trap != nullptr) seg_bad_index(trap, m[r], rows);
+        col += step;
+        col -= col >= W ? W : 0;
+        const unsigned peers = seg_fbin_peers(d[r], bb, nbits);  // rank among the tile's terms of the bin
         const int leader = peers ? __ffs(peers) - 1 : lane;
         unsigned first = 0u;
         if (d[r] >= 0 && lane == leader) first = atomicAdd(tile_count + (d[r] >> bb), (unsigned)__popc(peers));
         rank[r] = __shfl_sync(SEG_FULL, first, leader) + __popc(peers & ((1u << lane) - 1u));
         const unsigned a = __float_as_uint(v[r]) & 0x7fffffffu;
-        if (e < total && a < SEG_ABS_INF) mx = max(mx, a);
+        if (in && a < SEG_ABS_INF) mx = max(mx, a);
     }
     __syncthreads();
-    {  // the bins' stage slots (an exclusive prefix, two bins per thread) and their slots in `entries`
-        const int b0 = 2 * threadIdx.x;
+    const int b0 = 2 * threadIdx.x;
+    {  // the bins' stage slots (an exclusive prefix, two bins per thread), reservations and new pages
         const unsigned a = b0 < nb ? tile_count[b0] : 0u, c = b0 + 1 < nb ? tile_count[b0 + 1] : 0u;
         const unsigned excl = seg_rsort_prefix2(a, c, wsum);
-        if (a != 0u) delta[b0] = atomicAdd(cursor + b0, a) - excl;
-        if (c != 0u) delta[b0 + 1] = atomicAdd(cursor + b0 + 1, c) - (excl + a);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned cnt = h ? c : a;
+            if (cnt == 0u) continue;
+            const int b = b0 + h;
+            const unsigned p = atomicAdd(cursor + b, cnt);
+            pos[b] = p;
+            const unsigned k0 = (p + SEG_FBIN_PAGE - 1) >> SEG_FBIN_PAGE_BITS;
+            for (unsigned k = k0; (k << SEG_FBIN_PAGE_BITS) < p + cnt; ++k) {  // positions k PAGE held here
+                const unsigned i = atomicAdd(pool, 1u);
+                page_bin[i] = (unsigned)b;
+                page_idx[i] = k;
+                atomicExch(page_of + (long long)b * ppb + k, i + 1u);
+            }
+        }
         if (b0 < nb) tile_count[b0] = excl;
         if (b0 + 1 < nb) tile_count[b0 + 1] = excl + a;
         if (threadIdx.x == SEG_FBIN_THREADS - 1) staged = excl + a + c;
     }
     __syncthreads();
+    // the pool pages of each bin's run: published by this block, or by the one holding the page's first
+    // position, which reserved before this block did and publishes without waiting: it comes
+    for (int b = threadIdx.x; b < nb; b += SEG_FBIN_THREADS) {
+        const unsigned cnt = (b + 1 < nb ? tile_count[b + 1] : staged) - tile_count[b];
+        if (cnt == 0u) continue;
+        const unsigned k0 = pos[b] >> SEG_FBIN_PAGE_BITS, k1 = (pos[b] + cnt - 1) >> SEG_FBIN_PAGE_BITS;
+        unsigned* slot = page_of + (long long)b * ppb;
+        unsigned i0, i1 = 0u;
+        while ((i0 = __ldcv(slot + k0)) == 0u) {}
+        if (k1 != k0)
+            while ((i1 = __ldcv(slot + k1)) == 0u) {}
+        page[2 * b] = i0 - 1u;
+        page[2 * b + 1] = i1 - 1u;
+    }
 #pragma unroll
     for (int r = 0; r < SEG_FBIN_ITEMS; ++r)
         if (d[r] >= 0) stage[tile_count[d[r] >> bb] + rank[r]] = make_uint2((unsigned)d[r], __float_as_uint(v[r]));
     __syncthreads();
-    for (unsigned i = threadIdx.x; i < staged; i += SEG_FBIN_THREADS) {  // a bin's run: consecutive slots
-        const uint2 x = stage[i];
-        entries[delta[x.x >> bb] + i] = x;
+    for (unsigned j = threadIdx.x; j < staged; j += SEG_FBIN_THREADS) {  // a bin's run: consecutive positions
+        const uint2 x = stage[j];
+        const unsigned b = x.x >> bb, p = pos[b] + (j - tile_count[b]);
+        const unsigned pg = page[2 * b + ((p >> SEG_FBIN_PAGE_BITS) != (pos[b] >> SEG_FBIN_PAGE_BITS))];
+        entries[((size_t)pg << SEG_FBIN_PAGE_BITS) + (p & (SEG_FBIN_PAGE - 1))] = x;
     }
     mx = __reduce_max_sync(SEG_FULL, mx);
     if (lane == 0) warp_max[warp] = mx;
@@ -1588,47 +1557,53 @@ segsum_fbin_place(const float* __restrict__ src, const long long* __restrict__ k
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SEG_FBIN_REDUCE_THREADS)
-segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict__ start, int nb, int bb,
-                   unsigned long long* __restrict__ acc, unsigned* __restrict__ flags,
-                   const unsigned* __restrict__ maxbits, int log2n) {
+#define SEG_FBIN_PLACE_KERNEL(NAME, OPNAME)                                                              \
+    extern "C" __global__ void __launch_bounds__(SEG_FBIN_THREADS)                                       \
+    NAME(const float* __restrict__ src, const long long* __restrict__ key, int total, int W, long long rows, \
+         int bb, int nb, int nbits, unsigned* __restrict__ cursor, unsigned* __restrict__ pool,          \
+         unsigned* page_of, int ppb, unsigned* __restrict__ page_bin, unsigned* __restrict__ page_idx,    \
+         uint2* __restrict__ entries, unsigned* __restrict__ maxbits, int trap) {                        \
+        seg_fbin_place_body(src, key, total, W, rows, bb, nb, nbits, cursor, pool, page_of, ppb, page_bin, \
+                            page_idx, entries, maxbits, trap ? OPNAME : nullptr);                        \
+    }
+
+extern "C" __global__ void __launch_bounds__(SEG_FBIN_THREADS)
+segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict__ pool,
+                   const unsigned* __restrict__ page_bin, const unsigned* __restrict__ page_idx,
+                   const unsigned* __restrict__ cursor, int bb, unsigned long long* __restrict__ acc,
+                   unsigned* __restrict__ flags, const unsigned* __restrict__ maxbits, int log2n) {
     __shared__ unsigned long long sacc[SEG_FBIN_WIDTH_MAX];
-    const unsigned valid = start[nb];
-    const unsigned p0 = blockIdx.x * (unsigned)SEG_FBIN_CHUNK;
-    if (p0 >= valid) return;
-    const unsigned p1 = min(p0 + (unsigned)SEG_FBIN_CHUNK, valid);
+    constexpr unsigned T = SEG_FBIN_THREADS;
+    if (blockIdx.x >= *pool) return;
+    const unsigned bin = page_bin[blockIdx.x];
+    const unsigned first = page_idx[blockIdx.x] << SEG_FBIN_PAGE_BITS;
+    const unsigned n = min((unsigned)SEG_FBIN_PAGE, cursor[bin] - first);  // the bin's last page: partly full
+    const uint2* page = entries + ((size_t)blockIdx.x << SEG_FBIN_PAGE_BITS);
     const double scale = seg_pow2(seg_fixed_shift(*maxbits, log2n));
     const int width = 1 << bb;
-    constexpr unsigned T = SEG_FBIN_REDUCE_THREADS;
-    const int last = (int)(entries[p1 - 1].x >> bb);
-    for (int bin = (int)(entries[p0].x >> bb); bin <= last; ++bin) {  // the bins' ranges are consecutive
-        const unsigned s = max(start[bin], p0), t = min(start[bin + 1], p1);
-        if (s >= t) continue;  // the same in every thread
-        for (int j = threadIdx.x; j < width; j += T) sacc[j] = 0ull;
-        __syncthreads();
-        for (unsigned p = s + threadIdx.x; p < t; p += SEG_FBIN_LOADS * T) {
-            uint2 x[SEG_FBIN_LOADS];
+    for (int j = threadIdx.x; j < width; j += T) sacc[j] = 0ull;
+    __syncthreads();
+    for (unsigned p = threadIdx.x; p < n; p += SEG_FBIN_LOADS * T) {
+        uint2 x[SEG_FBIN_LOADS];
 #pragma unroll
-            for (int u = 0; u < SEG_FBIN_LOADS; ++u) x[u] = p + u * T < t ? entries[p + u * T] : make_uint2(0u, 0u);
+        for (int u = 0; u < SEG_FBIN_LOADS; ++u) x[u] = p + u * T < n ? page[p + u * T] : make_uint2(0u, 0u);
 #pragma unroll
-            for (int u = 0; u < SEG_FBIN_LOADS; ++u) {
-                if (p + u * T >= t) break;
-                const float v = __uint_as_float(x[u].y);
-                if ((x[u].y & 0x7fffffffu) < SEG_ABS_INF) {
-                    const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
-                    if (q != 0ull) atomicAdd(sacc + (x[u].x & (unsigned)(width - 1)), q);  // exact
-                } else {
-                    const unsigned f = v != v ? SEG_FLAG_NAN : (v > 0.0f ? SEG_FLAG_POS_INF : SEG_FLAG_NEG_INF);
-                    atomicOr(flags + (x[u].x >> 3), f << (4 * (int)(x[u].x & 7u)));
-                }
+        for (int u = 0; u < SEG_FBIN_LOADS; ++u) {
+            if (p + u * T >= n) break;
+            const float v = __uint_as_float(x[u].y);
+            if ((x[u].y & 0x7fffffffu) < SEG_ABS_INF) {
+                const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
+                if (q != 0ull) atomicAdd(sacc + (x[u].x & (unsigned)(width - 1)), q);  // exact
+            } else {
+                const unsigned f = v != v ? SEG_FLAG_NAN : (v > 0.0f ? SEG_FLAG_POS_INF : SEG_FLAG_NEG_INF);
+                atomicOr(flags + (x[u].x >> 3), f << (4 * (int)(x[u].x & 7u)));
             }
         }
-        __syncthreads();
-        unsigned long long* out = acc + (long long)bin * width;
-        for (int j = threadIdx.x; j < width; j += T)
-            if (sacc[j] != 0ull) atomicAdd(out + j, sacc[j]);
-        __syncthreads();  // before the next bin zeroes sacc
     }
+    __syncthreads();
+    unsigned long long* out = acc + (long long)bin * width;
+    for (int j = threadIdx.x; j < width; j += T)
+        if (sacc[j] != 0ull) atomicAdd(out + j, sacc[j]);
 }
 
 #define SEG_KERNELS(PREFIX)                        \
@@ -1638,7 +1613,7 @@ segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict
     SEG_MSORT_FOR(PREFIX, i32, int, unsigned long long, 32) \
     SEG_RSORT_KERNELS(PREFIX)                      \
     SEG_FIXED_ADD_KERNEL(PREFIX##_fixed_add, #PREFIX) \
-    SEG_FBIN_COUNT_KERNEL(PREFIX##_fbin_count, #PREFIX) \
+    SEG_FBIN_PLACE_KERNEL(PREFIX##_fbin_place, #PREFIX) \
     SEG_SORTED_FOR(PREFIX, i16, short)             \
     SEG_SORTED_FOR(PREFIX, i32, int)               \
     SEG_SORTED_FOR(PREFIX, i64, long long)

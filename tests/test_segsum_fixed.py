@@ -325,13 +325,14 @@ def test_gpu_unchecked_bad_indices_add_nothing(cuda_sync):
 
 
 # The element form's binned schedule (segsum.cuh) against the direct one: the same integers summed, so
-# the same bits. Beyond the test table's element cases (width 1 is the row form): many bins and
-# reduce chunks (24 bins, 79 chunks, bins cut by chunk ends), a hot row (90% of each column on one
-# row: one bin holds most terms), 440 bins (most of the 512 allowed), and the bench's element cases.
+# the same bits. Beyond the test table's element cases (width 1 is the row form): bins over several
+# pages (24 bins of about 53000 terms: 4 pages each, tiles' runs crossing page ends), a hot row (90% of
+# each column on one row: one bin holds most terms), 440 bins (most of the 512 allowed, mostly one
+# partly full page each), and the bench's element cases.
 BINNED = [c for op, c in CASES
           if op == "scatter_add" and not c.params.get("broadcast") and c.params["d"] > 1] + [
     kernels.scatter_add._case(name, 7100 + i, **p) for i, (name, p) in enumerate((
-        ("many_bins_and_chunks", dict(n=40000, d=32, m=3000)),
+        ("bins_of_4_pages", dict(n=40000, d=32, m=3000)),
         ("hot_row_dup90", dict(n=20000, d=8, m=500, dup=0.9)),
         ("most_bins", dict(n=3000, d=300, m=6000, dup=0.1)),
     ))] + [c for c in kernels.spec("scatter_add").bench_cases("gpu") if not c.params.get("broadcast")]
