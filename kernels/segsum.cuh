@@ -1451,6 +1451,15 @@ __device__ __forceinline__ unsigned seg_fbin_peers(int d, int bb, int nbits) {
     return d >= 0 ? peers : 0u;
 }
 
+// A pool page's number + 1 once published (page_of's word). The read is volatile: a side effect, so the
+// loop stays a loop (a plain or cache-hinted load that nothing in this thread changes may be taken once,
+// the compiler assuming the loop ends, and a page not yet published read as page 0 - 1).
+__device__ __forceinline__ unsigned seg_fbin_await(const unsigned* word) {
+    unsigned i;
+    while ((i = *reinterpret_cast<const volatile unsigned*>(word)) == 0u) __nanosleep(32);
+    return i;
+}
+
 // Place: see above. page_of[b * ppb + k] = 1 + the pool page holding positions [k PAGE, k PAGE + PAGE) of
 // bin b; page_bin[i], page_idx[i]: the bin and k of pool page i. The launcher keeps every element number
 // and destination inside an int.
@@ -1530,13 +1539,9 @@ __device__ __forceinline__ void seg_fbin_place_body(const float* __restrict__ sr
         const unsigned cnt = (b + 1 < nb ? tile_count[b + 1] : staged) - tile_count[b];
         if (cnt == 0u) continue;
         const unsigned k0 = pos[b] >> SEG_FBIN_PAGE_BITS, k1 = (pos[b] + cnt - 1) >> SEG_FBIN_PAGE_BITS;
-        unsigned* slot = page_of + (long long)b * ppb;
-        unsigned i0, i1 = 0u;
-        while ((i0 = __ldcv(slot + k0)) == 0u) {}
-        if (k1 != k0)
-            while ((i1 = __ldcv(slot + k1)) == 0u) {}
-        page[2 * b] = i0 - 1u;
-        page[2 * b + 1] = i1 - 1u;
+        const unsigned* slot = page_of + (long long)b * ppb;
+        page[2 * b] = seg_fbin_await(slot + k0) - 1u;
+        page[2 * b + 1] = k1 != k0 ? seg_fbin_await(slot + k1) - 1u : 0u;
     }
 #pragma unroll
     for (int r = 0; r < SEG_FBIN_ITEMS; ++r)
