@@ -6,6 +6,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
 
     PYTHONPATH=. python bench/dev/segsum_phases.py [--ops index_add scatter_add] [--reps 20]
     PYTHONPATH=. python bench/dev/segsum_phases.py --splits   # index_add's sorted sums per task split
+    PYTHONPATH=. python bench/dev/segsum_phases.py --fixed-schedules   # scatter_add's fixed, per schedule
 
 ``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
@@ -127,16 +128,50 @@ def split_sweep(dev: torch.device, flush) -> None:
         print("  ".join(row) + f"  atomic {t:7.1f} us  (default: {default})", flush=True)
 
 
+# (n, D, rows): scatter_add's element form at 1 to 32 terms per destination (16384 x 32 destinations),
+# wider and narrower rows
+FIXED_SHAPES = (*((16_384 * k, 32, 16_384) for k in (1, 2, 4, 8, 16, 32)), (65_536, 128, 4096),
+                (1_000_000, 8, 50_000))
+
+
+def fixed_sweep(dev: torch.device, flush) -> None:
+    """scatter_add's fixed variant in each schedule (their bits checked equal) and atomic, uniform index,
+    over FIXED_SHAPES: where kernels/index_add.py's fixed_schedule switches to ``binned``."""
+    fixed = kernels.scatter_add.scatter_add_fixed_cuda
+    for n, d, m in FIXED_SHAPES:
+        g = torch.Generator().manual_seed(3)
+        idx = ia.draw_index(g, (n, d), m, 0.0).to(dev)
+        src = torch.randn(n, d, generator=g).to(dev)
+        row, first = [f"n {n:8d} D {d:4d} rows {m:7d} ({n / m:5.1f} terms per destination)"], None
+        for s in ia.SCHEDULES:
+            def fn(s=s):
+                return fixed(idx, src, num_rows=m, check_range=False, schedule=s)
+            out = fn()
+            first = out if first is None else first
+            assert torch.equal(out.view(torch.int32), first.view(torch.int32)), s
+            row.append(f"{s} {median(cuda_event_times(fn, 30, dev, flush=flush)) * 1e6:7.1f}")
+        atomic = kernels.get("scatter_add", "atomic")
+        t = median(cuda_event_times(lambda: atomic(idx, src, num_rows=m, check_range=False), 30, dev,
+                                    flush=flush)) * 1e6
+        chosen = ia.fixed_schedule(n * d, m * d, elementwise=True)
+        print("  ".join(row) + f"  atomic {t:7.1f} us  (default: {chosen})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--splits", action="store_true", help="index_add's sorted sums per task split, then stop")
+    ap.add_argument("--fixed-schedules", action="store_true",
+                    help="scatter_add's fixed sums per schedule over terms per destination, then stop")
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
     if a.splits:
         split_sweep(dev, flush)
+        return
+    if a.fixed_schedules:
+        fixed_sweep(dev, flush)
         return
     for op in a.ops:
         spec = kernels.spec(op)
