@@ -239,9 +239,12 @@ def fixed_schedule(total: int, space: int, *, elementwise: bool, plain: bool = T
     """The fixed variant's schedule for ``total`` terms into ``space`` destinations (segsum.cuh; both give
     the same bits): ``binned`` for the element form (``plain``: no skipped row, no count scaling) where
     the terms are at least FBIN_MIN_TERMS_PER_DST per destination and the destinations fit 2^FBIN_BITS
-    bins of FBIN_WIDTH_MAX; else ``direct``, one global atomic per term. The binned one moves every term
-    through memory twice more, which pays only where the direct atomics meet the same few destinations
-    over and over (262144 x 32 terms into 10000 x 32: 205 us direct on the H100)."""
+    bins of FBIN_WIDTH_MAX; else ``direct``, one global atomic per term. The binned one writes every term
+    to memory and reads it back, and zeroes and flushes a bin's accumulators per page, which pays where
+    the direct atomics meet the same destinations over and over: 262144 x 32 terms into 10000 x 32 on
+    the H100 (``bench/dev/segsum_phases.py``) take 151 us binned, 207 direct and 168 in the atomic
+    variant with 1% of each column on a hot row; 164 against 298 with 50%; 131 against 102 with all of
+    them on it (one destination per column: the direct schedule's threads hold it and add it once)."""
     binned = (elementwise and plain and total <= FBIN_MAX_TERMS and total >= FBIN_MIN_TERMS_PER_DST * space
               and space <= (FBIN_WIDTH_MAX << FBIN_BITS))
     return "binned" if binned else "direct"

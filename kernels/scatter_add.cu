@@ -9,6 +9,9 @@
 //   sorted  stable sort by destination (row form: by index; element form: by index * D + j), then each
 //           destination sums its contributions in source order (i ascending) in chunks of 32 * 2^e,
 //           partials combined by a fixed 32-ary tree. DETERMINISTIC.
+//   fixed   order-independent fixed-point sums (segsum.cuh): int64 atomics per term (direct), or, for
+//           the element form with several terms per destination, terms placed in pages per bin of
+//           destinations and summed in shared memory (binned). The same bits. DETERMINISTIC.
 #include "segsum.cuh"
 
 SEG_KERNELS(scatter_add)

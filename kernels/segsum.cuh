@@ -39,7 +39,8 @@
 //           rows of one contribution loaded several at once), or, over an output zero-filled on a second
 //           stream while the keys are sorted, sorted positions only (a tile of 32 also takes chunk 0 of
 //           the rows that start in it); the thread kernel too (`fill`).
-//   fixed   order-independent fixed point, three launches and no sort: segsum_fixed_max finds the
+//   fixed   order-independent fixed point, three launches and no sort (the direct schedule; the element
+//           form's binned one, below, adds the same integers): segsum_fixed_max finds the
 //           largest finite |src| (one atomicMax per block on the float's bits: an integer max, exact in any
 //           order), which with c = ceil(log2 N), N the source rows, fixes the shift s = 62 - c - E (E the
 //           smallest integer with max |src| < 2^E). segsum_fixed_add rounds every finite term to the
