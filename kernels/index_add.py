@@ -218,8 +218,9 @@ def fixed_shift(max_abs: float, n: int) -> int:
 
 FBIN_BITS = 9                 # SEG_FBIN_BITS: at most 2^9 bins
 FBIN_WIDTH_MIN = 4096         # destinations per bin at least: a place tile's runs of one bin long
-FBIN_WIDTH_MAX = 4096         # SEG_FBIN_WIDTH_MAX: the shared accumulators of one bin
-FBIN_THREADS = 256            # SEG_FBIN_THREADS
+FBIN_WIDTH_MAX = 4096         # SEG_FBIN_WIDTH_MAX: one bin's shared accumulators (64 KB of limbs)
+FBIN_THREADS = 256            # SEG_FBIN_THREADS (place)
+FBIN_REDUCE_THREADS = 512     # SEG_FBIN_REDUCE_THREADS
 FBIN_TILE = 2048              # SEG_FBIN_TILE: terms per place block
 FBIN_PAGE = 16384             # SEG_FBIN_PAGE: entries per page of a bin (one reduce block each)
 FBIN_MIN_TERMS_PER_DST = 4    # binned where the terms are at least this many times the destinations
@@ -297,9 +298,10 @@ def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Te
                (ptr(src), ptr(key), np.int32(total), np.int32(d), np.int64(rows), np.int32(bb), np.int32(nb),
                 np.int32(nbits), np.uint64(cursor), np.uint64(pool), np.uint64(page_of), np.int32(pages),
                 np.uint64(page_bin), np.uint64(page_idx), ptr(entries), maxbits, check.trap), device=dev)
-        launch(function(source, "segsum_fbin_reduce", dev), (pages + nb,), (FBIN_THREADS,),
+        limbs = 16 << bb  # four 32-bit limb sums per destination of a bin
+        launch(function(source, "segsum_fbin_reduce", dev, smem=limbs), (pages + nb,), (FBIN_REDUCE_THREADS,),
                (ptr(entries), np.uint64(pool), np.uint64(page_bin), np.uint64(page_idx), np.uint64(cursor),
-                np.int32(bb), acc, flags, maxbits, log2n), device=dev)
+                np.int32(bb), acc, flags, maxbits, log2n), device=dev, shared_mem=limbs)
     else:
         launch(function(source, "segsum_fixed_max", dev), (max(1, min(cdiv(total, 4 * THREADS), FIXED_MAX_BLOCKS)),),
                (THREADS,), (ptr(src), np.int64(total), maxbits), device=dev)

@@ -1429,19 +1429,22 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
 //           nothing otherwise. Also max |src| over every finite element (atomicMax), as
 //           segsum_fixed_max takes it (bad indices' elements included).
 //   reduce  block k takes pool page k (its bin and place in the bin recorded when it was taken; the
-//           bin's cursor, final now, says how full it is): a shared int64 accumulator per destination of
-//           the bin zeroed, each finite term's q added with a shared atomic (a non-finite one sets its
-//           flag), and the nonzero accumulators added into acc with one global atomic each: at most BW
-//           per page of SEG_FBIN_PAGE terms, where the direct schedule makes one per term.
+//           bin's cursor, final now, says how full it is): a shared accumulator per destination of the
+//           bin zeroed (four 16-bit limbs, see the kernel), each finite term's q added with shared
+//           atomics (a non-finite one sets its flag), and the nonzero sums added into acc with one global
+//           atomic each: at most BW per page of SEG_FBIN_PAGE terms, where the direct schedule makes one
+//           per term.
 #define SEG_FBIN_BITS 9                     // bins at most 2^9 (seg_same_bits takes up to 9 bits)
 #define SEG_FBIN_MAX (1 << SEG_FBIN_BITS)
-#define SEG_FBIN_WIDTH_MAX 4096             // destinations per bin (at most): 32 KB of accumulators
+#define SEG_FBIN_WIDTH_MAX 4096             // destinations per bin (at most): 64 KB of accumulator limbs
 #define SEG_FBIN_THREADS 256
 #define SEG_FBIN_ITEMS 8                    // terms per thread of a place tile
 #define SEG_FBIN_TILE (SEG_FBIN_ITEMS * SEG_FBIN_THREADS)
 #define SEG_FBIN_PAGE_BITS 14
 #define SEG_FBIN_PAGE (1 << SEG_FBIN_PAGE_BITS)  // entries per page: a tile's run of a bin spans <= 2 pages
+#define SEG_FBIN_REDUCE_THREADS 512         // three blocks an SM (64 KB of limbs each)
 #define SEG_FBIN_LOADS 8                    // entries per thread in flight in reduce
+#define SEG_FBIN_PLACE_BLOCKS 5             // place blocks per SM: at most 51 registers a thread
 static_assert(SEG_FBIN_THREADS == SEG_RSORT_THREADS, "the bins' prefix is seg_rsort_prefix2's");
 static_assert(SEG_FBIN_TILE <= SEG_FBIN_PAGE, "a tile's terms of one bin meet at most two pages");
 
@@ -1564,7 +1567,7 @@ __device__ __forceinline__ void seg_fbin_place_body(const float* __restrict__ sr
 }
 
 #define SEG_FBIN_PLACE_KERNEL(NAME, OPNAME)                                                              \
-    extern "C" __global__ void __launch_bounds__(SEG_FBIN_THREADS)                                       \
+    extern "C" __global__ void __launch_bounds__(SEG_FBIN_THREADS, SEG_FBIN_PLACE_BLOCKS)                \
     NAME(const float* __restrict__ src, const long long* __restrict__ key, int total, int W, long long rows, \
          int bb, int nb, int nbits, unsigned* __restrict__ cursor, unsigned* __restrict__ pool,          \
          unsigned* page_of, int ppb, unsigned* __restrict__ page_bin, unsigned* __restrict__ page_idx,    \
@@ -1573,13 +1576,19 @@ __device__ __forceinline__ void seg_fbin_place_body(const float* __restrict__ sr
                             page_idx, entries, maxbits, trap ? OPNAME : nullptr);                        \
     }
 
-extern "C" __global__ void __launch_bounds__(SEG_FBIN_THREADS)
+// Reduce: see above. The accumulators are four 16-bit limbs per destination, each summed with native
+// 32-bit shared atomics: a 64-bit shared atomicAdd is a compare-and-swap loop on these GPUs, and a page's
+// at most 2^14 terms keep each limb's sum below 2^30. Bits: sum over the terms of u = (unsigned) q =
+// sum over limbs k of (sum of u's limb k) 2^(16 k), modulo 2^64, which is the int64 sum's two's
+// complement. Dynamic shared memory: 4 limbs x BW words (64 KB for bins of 4096).
+static_assert(SEG_FBIN_PAGE_BITS + 16 <= 31, "a page's limb sums fit 32 bits");
+extern "C" __global__ void __launch_bounds__(SEG_FBIN_REDUCE_THREADS)
 segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict__ pool,
                    const unsigned* __restrict__ page_bin, const unsigned* __restrict__ page_idx,
                    const unsigned* __restrict__ cursor, int bb, unsigned long long* __restrict__ acc,
                    unsigned* __restrict__ flags, const unsigned* __restrict__ maxbits, int log2n) {
-    __shared__ unsigned long long sacc[SEG_FBIN_WIDTH_MAX];
-    constexpr unsigned T = SEG_FBIN_THREADS;
+    extern __shared__ unsigned limb[];  // limb[k * BW + j]: limb k of destination j's sum
+    constexpr unsigned T = SEG_FBIN_REDUCE_THREADS;
     if (blockIdx.x >= *pool) return;
     const unsigned bin = page_bin[blockIdx.x];
     const unsigned first = page_idx[blockIdx.x] << SEG_FBIN_PAGE_BITS;
@@ -1587,7 +1596,7 @@ segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict
     const uint2* page = entries + ((size_t)blockIdx.x << SEG_FBIN_PAGE_BITS);
     const double scale = seg_pow2(seg_fixed_shift(*maxbits, log2n));
     const int width = 1 << bb;
-    for (int j = threadIdx.x; j < width; j += T) sacc[j] = 0ull;
+    for (int j = threadIdx.x; j < 4 * width; j += T) limb[j] = 0u;
     __syncthreads();
     for (unsigned p = threadIdx.x; p < n; p += SEG_FBIN_LOADS * T) {
         uint2 x[SEG_FBIN_LOADS];
@@ -1599,7 +1608,14 @@ segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict
             const float v = __uint_as_float(x[u].y);
             if ((x[u].y & 0x7fffffffu) < SEG_ABS_INF) {
                 const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
-                if (q != 0ull) atomicAdd(sacc + (x[u].x & (unsigned)(width - 1)), q);  // exact
+                if (q != 0ull) {
+                    unsigned* l = limb + (x[u].x & (unsigned)(width - 1));
+                    const unsigned lo = (unsigned)q, hi = (unsigned)(q >> 32);
+                    atomicAdd(l, lo & 0xffffu);  // integer limbs: exact in any order
+                    atomicAdd(l + width, lo >> 16);
+                    atomicAdd(l + 2 * width, hi & 0xffffu);
+                    atomicAdd(l + 3 * width, hi >> 16);
+                }
             } else {
                 const unsigned f = v != v ? SEG_FLAG_NAN : (v > 0.0f ? SEG_FLAG_POS_INF : SEG_FLAG_NEG_INF);
                 atomicOr(flags + (x[u].x >> 3), f << (4 * (int)(x[u].x & 7u)));
@@ -1608,8 +1624,12 @@ segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict
     }
     __syncthreads();
     unsigned long long* out = acc + (long long)bin * width;
-    for (int j = threadIdx.x; j < width; j += T)
-        if (sacc[j] != 0ull) atomicAdd(out + j, sacc[j]);
+    for (int j = threadIdx.x; j < width; j += T) {
+        const unsigned long long sum = (unsigned long long)limb[j] + ((unsigned long long)limb[width + j] << 16) +
+                                       ((unsigned long long)limb[2 * width + j] << 32) +
+                                       ((unsigned long long)limb[3 * width + j] << 48);
+        if (sum != 0ull) atomicAdd(out + j, sum);
+    }
 }
 
 #define SEG_KERNELS(PREFIX)                        \
