@@ -241,11 +241,13 @@ def fixed_schedule(total: int, space: int, *, elementwise: bool, plain: bool = T
     the same bits): ``binned`` for the element form (``plain``: no skipped row, no count scaling) where
     the terms are at least FBIN_MIN_TERMS_PER_DST per destination and the destinations fit 2^FBIN_BITS
     bins of FBIN_WIDTH_MAX; else ``direct``, one global atomic per term. The binned one writes every term
-    to memory and reads it back, and zeroes and flushes a bin's accumulators per page, which pays where
-    the direct atomics meet the same destinations over and over: 262144 x 32 terms into 10000 x 32 on
-    the H100 (``bench/dev/segsum_phases.py``) take 151 us binned, 207 direct and 168 in the atomic
-    variant with 1% of each column on a hot row; 164 against 298 with 50%; 131 against 102 with all of
-    them on it (one destination per column: the direct schedule's threads hold it and add it once)."""
+    to memory and reads it back, and zeroes and flushes a bin's accumulators per page: it wins where the
+    direct atomics keep meeting the same destinations, loses a little where they do not. On the H200
+    (``bench/dev/segsum_phases.py``, eager, per call), 262144 x 32 terms into 10000 x 32 with 1% of each
+    column on one hot row: binned 130 us, direct 184, the atomic variant 153; with 50%: 131 against 286
+    (atomic 804); all on the hot row: 123 against 93 (a direct thread holds its one destination and adds
+    it once). Uniform indices, 4 to 32 terms per destination (``--fixed-schedules``): binned 1.11x to
+    1.21x the direct time; direct 1.20x to 1.40x the atomic variant's, binned 1.33x to 1.69x."""
     binned = (elementwise and plain and total <= FBIN_MAX_TERMS and total >= FBIN_MIN_TERMS_PER_DST * space
               and space <= (FBIN_WIDTH_MAX << FBIN_BITS))
     return "binned" if binned else "direct"
