@@ -229,8 +229,12 @@ SCHEDULES = ("direct", "binned")
 
 
 def fbin_layout(space: int) -> tuple[int, int, int]:
-    """(bb, nb, nbits) of the binned schedule over ``space`` destinations: bins of 2^bb of them (at least
-    FBIN_WIDTH_MIN, at most FBIN_WIDTH_MAX), nb <= 2^FBIN_BITS bins, told apart by their nbits low bits."""
+    """(bb, nb, nbits) of the binned schedule over ``space`` destinations (at most FBIN_WIDTH_MAX x
+    2^FBIN_BITS): bins of 2^bb of them (FBIN_WIDTH_MIN to FBIN_WIDTH_MAX), nb <= 2^FBIN_BITS bins, told
+    apart by their nbits low bits."""
+    if not 1 <= space <= FBIN_WIDTH_MAX << FBIN_BITS:
+        raise ValueError(f"fbin_layout: {space} destinations; the binned schedule takes 1 to "
+                         f"{FBIN_WIDTH_MAX << FBIN_BITS}")
     width = max(FBIN_WIDTH_MIN, 1 << max(0, cdiv(space, 1 << FBIN_BITS) - 1).bit_length())
     nb = cdiv(space, width)
     return width.bit_length() - 1, nb, max(0, nb - 1).bit_length()

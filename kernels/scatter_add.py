@@ -16,7 +16,8 @@ Order of the additions into one output element, in both forms (index_add.py has 
   the sort is over N * D keys (index * D + j), so it costs a sort of N * D keys where the row form sorts N
   (the radix sort of M * D destinations takes ceil(bit_length(M * D) / 9) passes).
 - ``fixed``: no order at all (integer sums of the terms rounded to multiples of 2^-s). The element form
-  with at least index_add.FBIN_MIN_TERMS_PER_DST terms per destination takes the binned schedule: terms
+  with at least index_add.FBIN_MIN_TERMS_PER_DST terms per destination (and at most 2^21 destinations,
+  2^31 - 2^12 terms) takes the binned schedule: terms
   placed by bin of destinations, summed in shared memory, no global atomic per term (``schedule``:
   index_add.fixed_schedule; both schedules give the same bits).
 
@@ -220,7 +221,8 @@ define_op(
          "stable sort by destination (by row for an expanded index, else by element); source order in "
          "chunks of 32*2^e, fixed 32-ary tree over chunk partials"),
         ("fixed", True, True, scatter_add_fixed_cuda, scatter_add_fixed_cpu,
-         FIXED_NOTE + "; an index per element: terms binned by destination, summed in shared memory"),
+         FIXED_NOTE + "; an index per element, 4+ terms per destination: terms binned by destination, "
+                      "summed in shared memory"),
     ],
     make_inputs=_make_inputs,
     reference=_reference,

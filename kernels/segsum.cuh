@@ -1436,7 +1436,6 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
 //           per term.
 #define SEG_FBIN_BITS 9                     // bins at most 2^9 (seg_same_bits takes up to 9 bits)
 #define SEG_FBIN_MAX (1 << SEG_FBIN_BITS)
-#define SEG_FBIN_WIDTH_MAX 4096             // destinations per bin (at most): 64 KB of accumulator limbs
 #define SEG_FBIN_THREADS 256
 #define SEG_FBIN_ITEMS 8                    // terms per thread of a place tile
 #define SEG_FBIN_TILE (SEG_FBIN_ITEMS * SEG_FBIN_THREADS)
@@ -1446,6 +1445,8 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
 #define SEG_FBIN_LOADS 8                    // entries per thread in flight in reduce
 #define SEG_FBIN_PLACE_BLOCKS 5             // place blocks per SM: at most 51 registers a thread
 static_assert(SEG_FBIN_THREADS == SEG_RSORT_THREADS, "the bins' prefix is seg_rsort_prefix2's");
+static_assert(SEG_FBIN_MAX <= 2 * SEG_FBIN_THREADS, "two bins per thread in the prefix");
+static_assert(SEG_FBIN_BITS <= SEG_RSORT_BITS, "seg_same_bits tells apart at most SEG_RSORT_BITS bits");
 static_assert(SEG_FBIN_TILE <= SEG_FBIN_PAGE, "a tile's terms of one bin meet at most two pages");
 
 // The lanes of this lane's bin among the lanes holding a valid destination d (d >= 0), or 0 for d < 0.
@@ -1580,7 +1581,7 @@ __device__ __forceinline__ void seg_fbin_place_body(const float* __restrict__ sr
 // 32-bit shared atomics: a 64-bit shared atomicAdd is a compare-and-swap loop on these GPUs, and a page's
 // at most 2^14 terms keep each limb's sum below 2^30. Bits: sum over the terms of u = (unsigned) q =
 // sum over limbs k of (sum of u's limb k) 2^(16 k), modulo 2^64, which is the int64 sum's two's
-// complement. Dynamic shared memory: 4 limbs x BW words (64 KB for bins of 4096).
+// complement. Dynamic shared memory: 4 limbs x BW words (64 KB for the launcher's bins of 4096).
 static_assert(SEG_FBIN_PAGE_BITS + 16 <= 31, "a page's limb sums fit 32 bits");
 extern "C" __global__ void __launch_bounds__(SEG_FBIN_REDUCE_THREADS)
 segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict__ pool,

@@ -225,7 +225,7 @@ def test_subnormal_terms_are_kept():
 
 
 def test_binned_layout_covers_the_destinations_in_at_most_512_bins():
-    """fbin_layout: bins of 2^bb destinations (FBIN_WIDTH_MIN to 4096: shared int64 accumulators of at most 32 KB),
+    """fbin_layout: bins of 2^bb destinations (FBIN_WIDTH_MIN to 4096: four 32-bit limb sums each, 64 KB),
     nb of them covering the space with none empty at the end, and nbits low bits of the bin number
     telling every bin apart (seg_same_bits takes at most 9)."""
     for space in (1, 7, 1023, 1024, 1025, 320_000, 512 * 1024, 512 * 1024 + 1, 512 * 4096):
@@ -236,6 +236,9 @@ def test_binned_layout_covers_the_destinations_in_at_most_512_bins():
         assert nb <= 1 << nbits <= max(1, 2 * nb - 1)
     assert ia.fbin_layout(320_000) == (12, 79, 7)     # 10000 rows of 32
     assert ia.fbin_layout(1) == (12, 1, 0)
+    for space in (0, 512 * 4096 + 1):
+        with pytest.raises(ValueError, match="the binned schedule takes 1 to 2097152"):
+            ia.fbin_layout(space)
 
 
 def test_fixed_schedule_bins_only_the_dense_element_form():
@@ -259,7 +262,7 @@ def test_schedule_argument_is_checked_before_any_launch():
     fixed_cpu = kernels.scatter_add.scatter_add_fixed_cpu
     with pytest.raises(kernels.KernelArgumentError, match="scatter_add: argument 'schedule'"):
         fixed_cpu(index, src, num_rows=2, schedule="fast")
-    want = fixed_cpu(index, src, num_rows=2)
+    want = fixed_cpu(index, src, num_rows=2)  # both names accepted; the model's bits are both schedules'
     assert all(same_bits(fixed_cpu(index, src, num_rows=2, schedule=s), want).size == 0 for s in ia.SCHEDULES)
 
 
@@ -327,13 +330,13 @@ def test_gpu_unchecked_bad_indices_add_nothing(cuda_sync):
 # The element form's binned schedule (segsum.cuh) against the direct one: the same integers summed, so
 # the same bits. Beyond the test table's element cases (width 1 is the row form): bins over several
 # pages (24 bins of about 53000 terms: 4 pages each, tiles' runs crossing page ends), a hot row (90% of
-# each column on one row: one bin holds most terms), 440 bins (most of the 512 allowed, mostly one
-# partly full page each), and the bench's element cases.
+# each column on one row: one of 10 bins holds most terms), 440 bins (most of the 512 allowed, mostly
+# one partly full page each), and the bench's element cases.
 BINNED = [c for op, c in CASES
           if op == "scatter_add" and not c.params.get("broadcast") and c.params["d"] > 1] + [
     kernels.scatter_add._case(name, 7100 + i, **p) for i, (name, p) in enumerate((
         ("bins_of_4_pages", dict(n=40000, d=32, m=3000)),
-        ("hot_row_dup90", dict(n=20000, d=8, m=500, dup=0.9)),
+        ("hot_row_dup90", dict(n=20000, d=8, m=5000, dup=0.9)),
         ("most_bins", dict(n=3000, d=300, m=6000, dup=0.1)),
     ))] + [c for c in kernels.spec("scatter_add").bench_cases("gpu") if not c.params.get("broadcast")]
 
