@@ -240,6 +240,19 @@ def fbin_layout(space: int) -> tuple[int, int, int]:
     return width.bit_length() - 1, nb, max(0, nb - 1).bit_length()
 
 
+def binned_takes(total: int, space: int, *, elementwise: bool, plain: bool = True) -> bool:
+    """Whether the binned schedule can sum ``total`` terms into ``space`` destinations at all: the element
+    form, ``plain`` (no skipped row, no count scaling), int element numbers, at most 2^FBIN_BITS bins of
+    FBIN_WIDTH_MAX."""
+    return elementwise and plain and total <= FBIN_MAX_TERMS and space <= (FBIN_WIDTH_MAX << FBIN_BITS)
+
+
+def check_schedule(op: str, schedule: str | None) -> None:
+    """A ``schedule`` argument of the fixed variant: None (the launcher chooses) or one of SCHEDULES."""
+    if schedule not in (None, *SCHEDULES):
+        raise KernelArgumentError(op, "schedule", f"expected one of {SCHEDULES}, got {schedule!r}")
+
+
 def fixed_schedule(total: int, space: int, *, elementwise: bool, plain: bool = True) -> str:
     """The fixed variant's schedule for ``total`` terms into ``space`` destinations (segsum.cuh; both give
     the same bits): ``binned`` for the element form (``plain``: no skipped row, no count scaling) where
@@ -252,9 +265,8 @@ def fixed_schedule(total: int, space: int, *, elementwise: bool, plain: bool = T
     (atomic 804); all on the hot row: 123 against 93 (a direct thread holds its one destination and adds
     it once). Uniform indices, 4 to 32 terms per destination (``--fixed-schedules``): binned 1.11x to
     1.21x the direct time; direct 1.20x to 1.40x the atomic variant's, binned 1.33x to 1.69x."""
-    binned = (elementwise and plain and total <= FBIN_MAX_TERMS and total >= FBIN_MIN_TERMS_PER_DST * space
-              and space <= (FBIN_WIDTH_MAX << FBIN_BITS))
-    return "binned" if binned else "direct"
+    binned = binned_takes(total, space, elementwise=elementwise, plain=plain)
+    return "binned" if binned and total >= FBIN_MIN_TERMS_PER_DST * space else "direct"
 
 
 def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
@@ -272,12 +284,10 @@ def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Te
         return torch.zeros((rows, d), device=dev, dtype=torch.float32)
     space = rows * d
     plain = skip < 0 and counts is None
+    check_schedule(prefix, schedule)
     if schedule is None:
         schedule = fixed_schedule(total, space, elementwise=elementwise, plain=plain)
-    elif schedule not in SCHEDULES:
-        raise KernelArgumentError(prefix, "schedule", f"expected one of {SCHEDULES}, got {schedule!r}")
-    elif schedule == "binned" and not (elementwise and plain and total <= FBIN_MAX_TERMS
-                                       and space <= (FBIN_WIDTH_MAX << FBIN_BITS)):
+    elif schedule == "binned" and not binned_takes(total, space, elementwise=elementwise, plain=plain):
         raise KernelArgumentError(prefix, "schedule", "'binned' takes the element form only, with at most "
                                   f"{FBIN_MAX_TERMS} terms into {FBIN_WIDTH_MAX << FBIN_BITS} destinations "
                                   f"(got {total} into {space})")

@@ -32,12 +32,12 @@ from .index_add import (
     check_index,
     check_index_range,
     check_rows,
+    check_schedule,
     draw_index,
     draw_values,
     noncontiguous,
     BENCH_KWARGS,
     FIXED_NOTE,
-    SCHEDULES,
     range_check,
     segsum_atomic_cuda,
     segsum_cpu,
@@ -121,8 +121,7 @@ def scatter_add_atomic_cpu(index, src, *, num_rows, check_range: bool | str = Tr
 def scatter_add_fixed_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None,
                           schedule: str | None = None) -> torch.Tensor:
     """The fixed sums' bits, whichever CUDA ``schedule`` is named (checked as the CUDA launcher does)."""
-    if schedule not in (None, *SCHEDULES):
-        raise KernelArgumentError(OP, "schedule", f"expected one of {SCHEDULES}, got {schedule!r}")
+    check_schedule(OP, schedule)
     key, src, rows, elementwise = _cpu_prologue(index, src, num_rows, check_range)
     return segsum_cpu("fixed", key, src, rows, elementwise=elementwise)
 

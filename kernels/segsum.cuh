@@ -1272,7 +1272,33 @@ __device__ __forceinline__ int seg_fixed_shift(unsigned maxbits, int log2n) {
 
 __device__ __forceinline__ double seg_pow2(int e) { return __longlong_as_double((long long)(1023 + e) << 52); }
 
-// The largest finite |x| over n words as float bits (a finite float's magnitude orders as its bits).
+// The largest of the block's m (finite |x| as float bits: a finite float's magnitude orders as its bits)
+// into *maxbits: one atomicMax per block, an integer max, exact in any order. Called by every thread of a
+// block of SEG_WARPS warps; warp_max: SEG_WARPS words of shared scratch.
+__device__ __forceinline__ void seg_block_max_into(unsigned m, unsigned* warp_max, unsigned* maxbits) {
+    m = __reduce_max_sync(SEG_FULL, m);
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < SEG_WARPS; ++w) m = max(m, warp_max[w]);
+        if (m) atomicMax(maxbits, m);
+    }
+}
+
+// A finite term v as the integer rint(v 2^s) (scale = 2^s; v * 2^s is exact in double), in two's
+// complement.
+__device__ __forceinline__ unsigned long long seg_fixed_q(float v, double scale) {
+    return (unsigned long long)__double2ll_rn((double)v * scale);
+}
+
+// A non-finite term v of flat destination dst: its flag (NaN, +Inf, -Inf; four bits per element, eight
+// elements per word) set in flags.
+__device__ __forceinline__ void seg_fixed_flag(unsigned* flags, unsigned long long dst, float v) {
+    const unsigned f = v != v ? SEG_FLAG_NAN : (v > 0.0f ? SEG_FLAG_POS_INF : SEG_FLAG_NEG_INF);
+    atomicOr(flags + (dst >> 3), f << (4 * (int)(dst & 7)));
+}
+
+// The largest finite |x| over n words as float bits.
 extern "C" __global__ void __launch_bounds__(256)
 segsum_fixed_max(const unsigned* __restrict__ x, long long n, unsigned* __restrict__ maxbits) {
     __shared__ unsigned warp_max[SEG_WARPS];
@@ -1292,13 +1318,7 @@ segsum_fixed_max(const unsigned* __restrict__ x, long long n, unsigned* __restri
         const unsigned a = x[i] & 0x7fffffffu;
         if (a < SEG_ABS_INF) m = max(m, a);
     }
-    m = __reduce_max_sync(SEG_FULL, m);
-    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < SEG_WARPS; ++w) m = max(m, warp_max[w]);
-        if (m) atomicMax(maxbits, m);
-    }
+    seg_block_max_into(m, warp_max, maxbits);
 }
 
 // Contributions as seg_atomic_body's (seg_contribution); each finite term rounded to an integer multiple of 2^-s and
@@ -1335,7 +1355,7 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
             const long long dst = seg_resolve(e, D, mb[b], skip, counts, rows, trap, v);
             if (dst < 0) continue;
             if ((__float_as_uint(v) & 0x7fffffffu) < SEG_ABS_INF) {
-                const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
+                const unsigned long long q = seg_fixed_q(v, scale);
                 if (dst == held) {
                     part += q;
                     ++seen;
@@ -1348,8 +1368,7 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
                     atomicAdd(acc + dst, q);
                 }
             } else {
-                const unsigned f = v != v ? SEG_FLAG_NAN : (v > 0.0f ? SEG_FLAG_POS_INF : SEG_FLAG_NEG_INF);
-                atomicOr(flags + (dst >> 3), f << (4 * (int)(dst & 7)));
+                seg_fixed_flag(flags, (unsigned long long)dst, v);
             }
         }
     }
@@ -1481,7 +1500,7 @@ __device__ __forceinline__ void seg_fbin_place_body(const float* __restrict__ sr
     __shared__ unsigned wsum[SEG_WARPS];
     __shared__ unsigned warp_max[SEG_WARPS];
     __shared__ unsigned staged;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const int e0 = blockIdx.x * SEG_FBIN_TILE + threadIdx.x;
     for (int b = threadIdx.x; b < nb; b += SEG_FBIN_THREADS) tile_count[b] = 0u;
     long long m[SEG_FBIN_ITEMS];
@@ -1558,13 +1577,7 @@ __device__ __forceinline__ void seg_fbin_place_body(const float* __restrict__ sr
         const unsigned pg = page[2 * b + ((p >> SEG_FBIN_PAGE_BITS) != (pos[b] >> SEG_FBIN_PAGE_BITS))];
         entries[((size_t)pg << SEG_FBIN_PAGE_BITS) + (p & (SEG_FBIN_PAGE - 1))] = x;
     }
-    mx = __reduce_max_sync(SEG_FULL, mx);
-    if (lane == 0) warp_max[warp] = mx;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < SEG_WARPS; ++w) mx = max(mx, warp_max[w]);
-        if (mx) atomicMax(maxbits, mx);
-    }
+    seg_block_max_into(mx, warp_max, maxbits);
 }
 
 #define SEG_FBIN_PLACE_KERNEL(NAME, OPNAME)                                                              \
@@ -1608,7 +1621,7 @@ segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict
             if (p + u * T >= n) break;
             const float v = __uint_as_float(x[u].y);
             if ((x[u].y & 0x7fffffffu) < SEG_ABS_INF) {
-                const unsigned long long q = (unsigned long long)__double2ll_rn((double)v * scale);
+                const unsigned long long q = seg_fixed_q(v, scale);
                 if (q != 0ull) {
                     unsigned* l = limb + (x[u].x & (unsigned)(width - 1));
                     const unsigned lo = (unsigned)q, hi = (unsigned)(q >> 32);
@@ -1618,8 +1631,7 @@ segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict
                     atomicAdd(l + 3 * width, hi >> 16);
                 }
             } else {
-                const unsigned f = v != v ? SEG_FLAG_NAN : (v > 0.0f ? SEG_FLAG_POS_INF : SEG_FLAG_NEG_INF);
-                atomicOr(flags + (x[u].x >> 3), f << (4 * (int)(x[u].x & 7u)));
+                seg_fixed_flag(flags, x[u].x, v);
             }
         }
     }

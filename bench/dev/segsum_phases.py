@@ -75,6 +75,22 @@ def graph_of(fn):
     return graph.replay
 
 
+def us(fn, dev: torch.device, flush) -> float:
+    """fn's median time per call (us): CUDA events, L2 flushed, 30 calls."""
+    return median(cuda_event_times(fn, 30, dev, flush=flush)) * 1e6
+
+
+def timed_alike(fns: dict, dev: torch.device, flush) -> list[str]:
+    """'name time' for each of ``fns`` (float32 results), after checking each gives the first one's bits."""
+    first, row = None, []
+    for name, fn in fns.items():
+        out = fn()
+        first = out if first is None else first
+        assert torch.equal(out.view(torch.int32), first.view(torch.int32)), name
+        row.append(f"{name} {us(fn, dev, flush):7.1f}")
+    return row
+
+
 # (n, D, rows): contributions per destination from 0.05 to 10000
 SPLIT_SHAPES = ((1_000_000, 64, 1000), (1_000_000, 64, 100), (200_000, 256, 5000), (1_000_000, 64, 100_000),
                 (100_000, 16, 1_000_000), (1_000_000, 8, 100_000), (50_000, 128, 50_000), (1_000_000, 2, 1000),
@@ -104,7 +120,7 @@ def sort_sweep(dev: torch.device, flush) -> None:
             out = fn()
             first = out if first is None else first
             assert all(torch.equal(a, b) for a, b in zip(out[:3], first[:3])), method
-            row.append(f"{method} {median(cuda_event_times(fn, 30, dev, flush=flush)) * 1e6:6.1f} us")
+            row.append(f"{method} {us(fn, dev, flush):6.1f} us")
         print("  ".join(row), flush=True)
 
 
@@ -114,17 +130,11 @@ def split_sweep(dev: torch.device, flush) -> None:
         g = torch.Generator().manual_seed(1)
         idx = ia.draw_index(g, (n,), m, 0.0).to(dev)
         src = torch.randn(n, d, generator=g).to(dev)
-        row, first = [f"n {n:8d} D {d:4d} rows {m:8d}"], None
-        for split in ia.SPLITS:
-            def fn(split=split):
-                return ia.segsum_sorted_cuda(ia.SOURCE, "index_add", idx, src, m, split=split)
-            out = fn()
-            first = out if first is None else first
-            assert torch.equal(out.view(torch.int32), first.view(torch.int32)), split
-            row.append(f"{split} {median(cuda_event_times(fn, 30, dev, flush=flush)) * 1e6:7.1f}")
+        row = [f"n {n:8d} D {d:4d} rows {m:8d}"] + timed_alike(
+            {split: (lambda split=split: ia.segsum_sorted_cuda(ia.SOURCE, "index_add", idx, src, m, split=split))
+             for split in ia.SPLITS}, dev, flush)
         default = ia.default_split(n, m, d < ia.SCALAR_BELOW_D)
-        t = median(cuda_event_times(lambda: ia.segsum_atomic_cuda(ia.SOURCE, "index_add", idx, src, m), 30, dev,
-                                    flush=flush)) * 1e6
+        t = us(lambda: ia.segsum_atomic_cuda(ia.SOURCE, "index_add", idx, src, m), dev, flush)
         print("  ".join(row) + f"  atomic {t:7.1f} us  (default: {default})", flush=True)
 
 
@@ -142,17 +152,11 @@ def fixed_sweep(dev: torch.device, flush) -> None:
         g = torch.Generator().manual_seed(3)
         idx = ia.draw_index(g, (n, d), m, 0.0).to(dev)
         src = torch.randn(n, d, generator=g).to(dev)
-        row, first = [f"n {n:8d} D {d:4d} rows {m:7d} ({n / m:5.1f} terms per destination)"], None
-        for s in ia.SCHEDULES:
-            def fn(s=s):
-                return fixed(idx, src, num_rows=m, check_range=False, schedule=s)
-            out = fn()
-            first = out if first is None else first
-            assert torch.equal(out.view(torch.int32), first.view(torch.int32)), s
-            row.append(f"{s} {median(cuda_event_times(fn, 30, dev, flush=flush)) * 1e6:7.1f}")
+        row = [f"n {n:8d} D {d:4d} rows {m:7d} ({n / m:5.1f} terms per destination)"] + timed_alike(
+            {s: (lambda s=s: fixed(idx, src, num_rows=m, check_range=False, schedule=s)) for s in ia.SCHEDULES},
+            dev, flush)
         atomic = kernels.get("scatter_add", "atomic")
-        t = median(cuda_event_times(lambda: atomic(idx, src, num_rows=m, check_range=False), 30, dev,
-                                    flush=flush)) * 1e6
+        t = us(lambda: atomic(idx, src, num_rows=m, check_range=False), dev, flush)
         chosen = ia.fixed_schedule(n * d, m * d, elementwise=True)
         print("  ".join(row) + f"  atomic {t:7.1f} us  (default: {chosen})", flush=True)
 
@@ -187,8 +191,7 @@ def main() -> None:
                 subjects.update({f"fixed_{s}": (lambda s=s: fixed(*args, **kw, schedule=s)) for s in ia.SCHEDULES})
             print(f"\n{op} {case.name}")
             for name, fn in subjects.items():
-                t = median(cuda_event_times(fn, 30, dev, flush=flush)) * 1e6
-                tg = median(cuda_event_times(graph_of(fn), 30, dev, flush=flush)) * 1e6
+                t, tg = us(fn, dev, flush), us(graph_of(fn), dev, flush)
                 times = kernel_times(fn, a.reps)
                 parts = ", ".join(f"{k} {v:.0f}" for k, v in list(times.items())[:7])
                 print(f"  {name:14s} eager {t:7.1f} us  graph {tg:7.1f} us  kernels {sum(times.values()):7.1f} us"
