@@ -7,11 +7,16 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
     PYTHONPATH=. python bench/dev/segsum_phases.py [--ops index_add scatter_add] [--reps 20]
     PYTHONPATH=. python bench/dev/segsum_phases.py --splits   # index_add's sorted sums per task split
     PYTHONPATH=. python bench/dev/segsum_phases.py --fixed-schedules   # scatter_add's fixed, per schedule
+    PYTHONPATH=. python bench/dev/segsum_phases.py --fill   # embedding_bwd's zero fill beside the sort
 
 ``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
 bench cases: heavy rows, narrow and wide rows, as many rows as sources, mostly empty outputs (what
 kernels/index_add.py's default_split is chosen from), checking the splits' bits agree.
+
+``--fill`` times embedding_bwd's sorted variant (the ``fill`` split: the gradient zero-filled on a side stream
+beside the key sort) per grid of the fill (ia.ZERO_BLOCKS_PER_SM), beside the fill alone, the key sort
+alone and PyTorch's embedding backward in both modes, on the audit's embedding shapes (Zipf tokens).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import collections
 import sys
 from unittest import mock
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -161,6 +167,52 @@ def fixed_sweep(dev: torch.device, flush) -> None:
         print("  ".join(row) + f"  atomic {t:7.1f} us  (default: {chosen})", flush=True)
 
 
+# (V, D, tokens): nnrand.audit's embedding rows (small_batch, lm_tokens) and two more gradients of mostly
+# empty rows
+FILL_SHAPES = ((32_000, 768, 2048), (32_000, 768, 16_384), (50_000, 512, 16_384), (1_000_000, 16, 100_000))
+FILL_BLOCKS = (2, 4, 6, 8, 16)
+
+
+def fill_sweep(dev: torch.device, flush) -> None:
+    """embedding_bwd's sorted variant per ZERO_BLOCKS_PER_SM (bits checked equal), the zero fill alone at
+    each grid and as torch's zero_, the key sort alone, and PyTorch's embedding backward (default and
+    deterministic mode; a timing in the latter includes its filling of uninitialised memory)."""
+    from nnrand.audit import _zipf
+
+    sorted_bwd = kernels.get("embedding_bwd", "sorted")
+    for v, d, n in FILL_SHAPES:
+        g = torch.Generator().manual_seed(4)
+        idx = _zipf(g, n, v).to(dev)
+        grad = torch.randn(n, d, generator=g).to(dev)
+        out = torch.empty(v, d, device=dev)
+        zero = kernels.runtime.function(ia.SOURCE, "segsum_zero", dev)
+        sm = kernels.runtime.sm_count(dev)
+
+        def fill(k):
+            blocks = max(1, min(kernels.runtime.cdiv(out.numel(), 4 * ia.THREADS), k * sm))
+            kernels.runtime.launch(zero, (blocks,), (ia.THREADS,), (kernels.runtime.ptr(out), np.int64(out.numel())),
+                                   device=dev)
+        print(f"\nembedding V {v} D {d} tokens {n}: {out.numel() * 4 / 1e6:.0f} MB of gradient", flush=True)
+        print("  fill alone: " + "  ".join(f"{k}/SM {us(lambda k=k: fill(k), dev, flush):6.1f}" for k in FILL_BLOCKS)
+              + f"  zero_ {us(out.zero_, dev, flush):6.1f} us", flush=True)
+        sort = us(lambda: ia.sort_keys(ia.SOURCE, "embedding_bwd", idx, v), dev, flush)
+        native = torch.ops.aten.embedding_dense_backward
+        t_default = us(lambda: native(grad, idx, v, -1, False), dev, flush)
+        torch.use_deterministic_algorithms(True)
+        try:
+            t_det = us(lambda: native(grad, idx, v, -1, False), dev, flush)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        print(f"  sort alone {sort:6.1f} us  torch default {t_default:6.1f} us  deterministic {t_det:6.1f} us",
+              flush=True)
+        row = []
+        for k in FILL_BLOCKS:
+            with mock.patch.object(ia, "ZERO_BLOCKS_PER_SM", k):
+                row += timed_alike({f"{k}/SM": lambda: sorted_bwd(grad, idx, num_weights=v, check_range=False)},
+                                   dev, flush)
+        print("  sorted: " + "  ".join(row) + f"  (target: deterministic / 3 = {t_det / 3:.1f} us)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
@@ -168,9 +220,14 @@ def main() -> None:
     ap.add_argument("--splits", action="store_true", help="index_add's sorted sums per task split, then stop")
     ap.add_argument("--fixed-schedules", action="store_true",
                     help="scatter_add's fixed sums per schedule over terms per destination, then stop")
+    ap.add_argument("--fill", action="store_true",
+                    help="embedding_bwd's sorted variant per grid of its zero fill, then stop")
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
+    if a.fill:
+        fill_sweep(dev, flush)
+        return
     if a.splits:
         split_sweep(dev, flush)
         return
