@@ -195,7 +195,8 @@ def fill_sweep(dev: torch.device, flush) -> None:
         print(f"\nembedding V {v} D {d} tokens {n}: {out.numel() * 4 / 1e6:.0f} MB of gradient", flush=True)
         print("  fill alone: " + "  ".join(f"{k}/SM {us(lambda k=k: fill(k), dev, flush):6.1f}" for k in FILL_BLOCKS)
               + f"  zero_ {us(out.zero_, dev, flush):6.1f} us", flush=True)
-        sort = us(lambda: ia.sort_keys(ia.SOURCE, "embedding_bwd", idx, v), dev, flush)
+        emb = kernels.embedding_bwd
+        sort = us(lambda: ia.sort_keys(emb.SOURCE, emb.OP, idx, v), dev, flush)
         native = torch.ops.aten.embedding_dense_backward
         t_default = us(lambda: native(grad, idx, v, -1, False), dev, flush)
         torch.use_deterministic_algorithms(True)
