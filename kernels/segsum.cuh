@@ -1042,11 +1042,15 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
 // .. + 31 and the chunks c >= 1 that start in it. SEG_SPLIT_FILL: position tasks only, over an output
 // already zero-filled (the launcher fills it on a second stream while the keys are sorted); a position
 // tile also takes the rows that start in it: those of one contribution through seg_warp_singles, then
-// chunk 0 of each longer row. Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each.
-// Every split sums the same chunks in the same order: the same bits.
+// chunk 0 of each longer row. SEG_SPLIT_STAGE: as SEG_SPLIT_FILL, but `out` is a staging buffer of n
+// rows and a destination's sum goes to its row s, the sorted position where the destination starts
+// (unique per destination), so the sums need not wait for the zero fill of the output; seg_unstage_body
+// then copies each staged row to its destination. Grid row y: column slices y, y + gridDim.y, ... of
+// 32 * VEC columns each. Every split sums the same chunks in the same order: the same bits.
 #define SEG_SPLIT_ROWS 0
 #define SEG_SPLIT_TILES 1
 #define SEG_SPLIT_FILL 2
+#define SEG_SPLIT_STAGE 3
 
 template <typename K, int VEC, int SPLIT>
 __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, const K* __restrict__ skey,
@@ -1057,6 +1061,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                                               long long offset) {
     const int lane = threadIdx.x & 31;
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
+    constexpr bool positions_only = SPLIT == SEG_SPLIT_FILL || SPLIT == SEG_SPLIT_STAGE;
     const long long dtasks = SPLIT == SEG_SPLIT_ROWS ? space : SPLIT == SEG_SPLIT_TILES ? (space + 31) >> 5 : 0;
     const long long tasks = dtasks + ((n + 31) >> 5);
     const long long warps = (long long)gridDim.x * SEG_WARPS;
@@ -1116,15 +1121,16 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                     head = !first && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1
                 }
             }
-            if (SPLIT == SEG_SPLIT_FILL) {  // the rows starting in this tile
+            if (positions_only) {  // the rows starting in this tile, to their row of `out` (staged: p)
                 const bool single = first && k == 1;
-                const long long r = single ? perm[p] : 0;
-                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single), r, m, D, col, active, scaled);
+                const long long r = single ? perm[p] : 0, dst = SPLIT == SEG_SPLIT_STAGE ? p : m;
+                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single), r, dst, D, col, active, scaled);
                 for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1); longer; longer &= longer - 1) {
                     const int h = __ffs(longer) - 1;
-                    seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2, __shfl_sync(SEG_FULL, m, h),
-                                              tile * 32 + h, __shfl_sync(SEG_FULL, k, h), D, col, active, cb, ce,
-                                              scaled, slice, slices);
+                    seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2,
+                                              __shfl_sync(SEG_FULL, dst, h), tile * 32 + h,
+                                              __shfl_sync(SEG_FULL, k, h), D, col, active, cb, ce, scaled, slice,
+                                              slices);
                 }
             }
             unsigned heads = __ballot_sync(SEG_FULL, head);
@@ -1138,8 +1144,30 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 seg_warp_chunk<VEC>(src, perm, hp, (int)min(hL, hk - (hp - hs)), D, col, active, scaled,
                                     (float)hk, acc);
                 if (active) SegVec<VEC>::store(part1 + (base + c) * D + col, acc);
-                seg_combine<32>(out, part1, part2, cnt1, cnt2, hm, base, c, nc, D, cb, ce, slice, slices);
+                seg_combine<32>(out, part1, part2, cnt1, cnt2, SPLIT == SEG_SPLIT_STAGE ? hs : hm, base, c, nc, D,
+                                cb, ce, slice, slices);
             }
+        }
+    }
+}
+
+// SEG_SPLIT_STAGE's last step, once the output is zero-filled: a warp per sorted position p (grid-stride);
+// where p starts a destination m (neither the skip row nor a key outside [0, rows)), staged row p is
+// copied to out row m, VEC floats per lane.
+template <typename K, int VEC>
+__device__ __forceinline__ void seg_unstage_body(const K* __restrict__ skey, const long long* __restrict__ start,
+                                                 const float* __restrict__ stage, float* __restrict__ out,
+                                                 long long n, int D, long long skip, long long space,
+                                                 long long offset) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * SEG_WARPS;
+    for (long long p = (long long)blockIdx.x * SEG_WARPS + (threadIdx.x >> 5); p < n; p += warps) {
+        const long long m = (long long)skey[p] + offset;
+        if (m >= space || m == skip || start[m] != p) continue;  // warp-uniform
+        for (int col = lane * VEC; col < D; col += 32 * VEC) {
+            float v[VEC];
+            SegVec<VEC>::load(stage + p * D + col, v);
+            SegVec<VEC>::store(out + m * D + col, v);
         }
     }
 }
@@ -1215,8 +1243,9 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
 
 #define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset
 
-// PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key> and PREFIX_rows<VEC>_fill_<key>,
-// separate kernels. The last two are held to 80 registers (3 blocks per SM; spill-free at U = 16 / VEC):
+// PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key>, PREFIX_rows<VEC>_fill_<key> and
+// PREFIX_rows<VEC>_stage_<key> (with PREFIX_unstage<VEC>_<key>), separate kernels. All but the first are
+// held to 80 registers (3 blocks per SM; spill-free at U = 16 / VEC):
 // their warps wait on short chains of dependent loads, so more of them per SM beat more loads in flight
 // per warp (measured on the H200 against 128 registers and 32 floats in flight, 2 blocks per SM).
 #define SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, VEC)                                                        \
@@ -1230,10 +1259,20 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
     extern "C" __global__ void __launch_bounds__(256, 3)                                                 \
     PREFIX##_rows##VEC##_fill_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {                                         \
         seg_rows_body<KT, VEC, SEG_SPLIT_FILL>(SEG_ROWS_PASS);                                           \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 3)                                                 \
+    PREFIX##_rows##VEC##_stage_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {                                        \
+        seg_rows_body<KT, VEC, SEG_SPLIT_STAGE>(SEG_ROWS_PASS);                                          \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256)                                                    \
+    PREFIX##_unstage##VEC##_##KEYNAME(const KT* __restrict__ skey, const long long* __restrict__ start,  \
+                                      const float* __restrict__ stage, float* __restrict__ out,          \
+                                      long long n, int D, long long skip, long long space, long long offset) { \
+        seg_unstage_body<KT, VEC>(skey, start, stage, out, n, D, skip, space, offset);                   \
     }
 
-// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>[_tiles|_fill]_<key>, PREFIX_scalar_<key> for key
-// types i16, i32, i64.
+// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>[_tiles|_fill|_stage]_<key>, PREFIX_unstage<VEC>_<key>,
+// PREFIX_scalar_<key> for key types i16, i32, i64.
 #define SEG_SORTED_FOR(PREFIX, KEYNAME, KT)                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                    \
     PREFIX##_keys_##KEYNAME(const long long* __restrict__ key, KT* __restrict__ out, long long total,    \
