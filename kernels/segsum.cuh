@@ -1013,6 +1013,68 @@ __device__ __forceinline__ void seg_warp_singles(const float* __restrict__ src, 
     }
 }
 
+// Positions-only splits: the rows of one chunk (k <= SEG_CHUNK_MIN) that start in the tile of sorted
+// positions t0 .. t0 + 31, summed as one stream of their contributions in sorted order: lane l's position
+// t0 + l where `mine` (its row is such a row and starts in the tile), then the spill of the tile's last
+// row past t0 + 31 (rows are contiguous, so only the last one to start in a tile reaches past it; lk <= 32
+// from t0 + hl <= t0 + 31: at most 31 positions). U source rows are loaded at once, across row
+// boundaries, then added in order into one accumulator that starts at +0.0 and is stored and restarted
+// at each row's last contribution (`end`): each row's sum is seg_warp_chunk's, the same additions in the
+// same order, with loads in flight across short rows instead of a round trip or two per row.
+template <int VEC>
+__device__ __forceinline__ void seg_warp_runs(const float* __restrict__ src, const long long* __restrict__ perm,
+                                              float* __restrict__ out, long long t0, bool mine, bool end,
+                                              bool first, long long dst, long long k, int D, int col,
+                                              bool active, bool scaled) {
+    constexpr int U = VEC == 1 ? 8 : 16 / VEC;
+    const int lane = threadIdx.x & 31;
+    unsigned a = __ballot_sync(SEG_FULL, mine);
+    if (!a) return;  // warp-uniform; a row of one chunk starts in the tile, so `first` has a lane
+    const int hl = 31 - __clz(__ballot_sync(SEG_FULL, first));
+    const long long lk = __shfl_sync(SEG_FULL, k, hl), ldst = __shfl_sync(SEG_FULL, dst, hl);
+    const int spill = lk <= SEG_CHUNK_MIN ? (int)max(0LL, hl + lk - 32) : 0;
+    unsigned b = (1u << spill) - 1u;
+    const long long r0 = mine ? perm[t0 + lane] : 0, r1 = lane < spill ? perm[t0 + 32 + lane] : 0;
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+    while (a | b) {  // warp-uniform
+        int at[U];  // the lane of position t0 + at[u] (spill: t0 + at[u], at[u] >= 32); -1: none
+        float v[U][VEC];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            at[u] = -1;
+            long long row = 0;
+            if (a) {
+                at[u] = __ffs(a) - 1;
+                a &= a - 1;
+                row = __shfl_sync(SEG_FULL, r0, at[u]);
+            } else if (b) {
+                at[u] = __ffs(b) - 1;
+                b &= b - 1;
+                row = __shfl_sync(SEG_FULL, r1, at[u]);
+                at[u] += 32;
+            }
+            if (at[u] >= 0 && active) SegVec<VEC>::load(src + row * D + col, v[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (at[u] < 0) continue;
+            const int h = at[u] & 31;
+            const bool spilled = at[u] >= 32;
+            const long long to = spilled ? ldst : __shfl_sync(SEG_FULL, dst, h);
+            const float count = (float)(spilled ? lk : __shfl_sync(SEG_FULL, k, h));
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[j] += seg_value(v[u][j], scaled, count);
+            if (spilled ? h == spill - 1 : __shfl_sync(SEG_FULL, end, h)) {
+                if (active) SegVec<VEC>::store(out + to * D + col, acc);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+            }
+        }
+    }
+}
+
 // A row's chunk 0 (k >= 1 contributions from sorted position s): to the row when it is the only chunk,
 // else to its partial slot and into the tree.
 template <int VEC>
@@ -1041,8 +1103,8 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
 // Then, in both, position task w >= space (or R): the tile of sorted positions 32 * (w - space or R)
 // .. + 31 and the chunks c >= 1 that start in it. SEG_SPLIT_FILL: position tasks only, over an output
 // already zero-filled (the launcher fills it on a second stream while the keys are sorted); a position
-// tile also takes the rows that start in it: those of one contribution through seg_warp_singles, then
-// chunk 0 of each longer row. SEG_SPLIT_STAGE: as SEG_SPLIT_FILL, but `out` is a staging buffer of n
+// tile also takes the rows that start in it: those of one chunk through seg_warp_runs, then chunk 0 of
+// each longer row. SEG_SPLIT_STAGE: as SEG_SPLIT_FILL, but `out` is a staging buffer of n
 // rows and a destination's sum goes to its row s, the sorted position where the destination starts
 // (unique per destination), so the sums need not wait for the zero fill of the output; seg_unstage_body
 // then copies each staged row to its destination. Grid row y: column slices y, y + gridDim.y, ... of
@@ -1121,11 +1183,13 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                     head = !first && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1
                 }
             }
-            if (positions_only) {  // the rows starting in this tile, to their row of `out` (staged: p)
-                const bool single = first && k == 1;
-                const long long r = single ? perm[p] : 0, dst = SPLIT == SEG_SPLIT_STAGE ? p : m;
-                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single), r, dst, D, col, active, scaled);
-                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1); longer; longer &= longer - 1) {
+            if (positions_only) {  // the rows starting in this tile, to their row of `out` (staged: s)
+                const long long dst = SPLIT == SEG_SPLIT_STAGE ? s : m;
+                const bool mine = k >= 1 && k <= SEG_CHUNK_MIN && s >= tile * 32;
+                seg_warp_runs<VEC>(src, perm, out, tile * 32, mine, mine && p == s + k - 1, first, dst, k, D, col,
+                                   active, scaled);
+                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > SEG_CHUNK_MIN); longer;
+                     longer &= longer - 1) {
                     const int h = __ffs(longer) - 1;
                     seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2,
                                               __shfl_sync(SEG_FULL, dst, h), tile * 32 + h,
