@@ -371,6 +371,19 @@ def default_split(n: int, space: int, scalar: bool) -> str:
     return "tiles" if not scalar and n <= TILES_UP_TO * space else "rows"
 
 
+POSITION_GROUPS = (1, 2, 4, 8)   # tasks per tile of 32 sorted positions in the positions-only splits
+GROUP_WARPS_PER_SM = 48          # two waves of the warp kernels' three 8-warp blocks per SM
+
+
+def position_groups(tiles: int, sms: int) -> int:
+    """Tasks per tile of 32 sorted positions for the positions-only splits (``fill``, ``stage``; segsum.cuh:
+    each takes the rows that start in its 32 / groups lanes; the same sums): the most of POSITION_GROUPS
+    that keep ``tiles`` (tiles times column slices) within GROUP_WARPS_PER_SM warps per SM, so few tiles
+    still fill the GPU and the warps have less to do one after another (an embedding backward of 2048
+    tokens: 64 tiles of 6 slices, one warp each on 48 of 132 SMs)."""
+    return max(g for g in POSITION_GROUPS if g == 1 or tiles * g <= GROUP_WARPS_PER_SM * sms)
+
+
 MSORT_TILE = 2048            # SEG_MSORT_TILE: keys per block of the tile sort
 MSORT_THREADS = 256          # SEG_MSORT_THREADS
 MSORT_MAX = 32768            # SEG_MSORT_MAX: the merge sort takes up to this many keys
@@ -602,16 +615,17 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     fill = split in ("fill", "stage")
     stage = torch.empty((n, width), device=dev, dtype=torch.float32) if split == "stage" else None
     target = out if stage is None else stage
+    groups = position_groups(cdiv(n, 32) * min(slices, MAX_GRID_Y), sm_count(dev)) if fill and not scalar else 1
     args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(target), ptr(part[0]), ptr(part[1]), ptr(counters),
             np.uint64(int(ptr(counters)) + 4 * slots * slices), np.int64(n), np.int32(width), np.int64(skip),
-            np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill))
+            np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill), np.int32(groups))
     if join is not None and stage is None:
         join()
     if scalar:  # a thread per destination (rows) and per sorted position
         launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if fill else space) + n),),
                (THREADS,), args, device=dev)
     else:  # a warp per destination (or 32 of them; or none) and per 32 sorted positions; grid rows: slices
-        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0, "stage": 0}[split] + cdiv(n, 32)
+        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0, "stage": 0}[split] + cdiv(n, 32) * groups
         kernel = f"{prefix}_rows{vec}{'' if split == 'rows' else '_' + split}_{kname}"
         launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
                                                min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)

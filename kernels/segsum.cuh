@@ -1015,12 +1015,13 @@ __device__ __forceinline__ void seg_warp_singles(const float* __restrict__ src, 
 
 // Positions-only splits: the rows of one chunk (k <= SEG_CHUNK_MIN) that start in the tile of sorted
 // positions t0 .. t0 + 31, summed as one stream of their contributions in sorted order: lane l's position
-// t0 + l where `mine` (its row is such a row and starts in the tile), then the spill of the tile's last
-// row past t0 + 31 (rows are contiguous, so only the last one to start in a tile reaches past it; lk <= 32
-// from t0 + hl <= t0 + 31: at most 31 positions). U source rows are loaded at once, across row
-// boundaries, then added in order into one accumulator that starts at +0.0 and is stored and restarted
-// at each row's last contribution (`end`): each row's sum is seg_warp_chunk's, the same additions in the
-// same order, with loads in flight across short rows instead of a round trip or two per row.
+// t0 + l where `mine` (its row is such a row, starts in the tile, and in this task's group of lanes),
+// then the spill of the tile's last row past t0 + 31 when that row is mine (rows are contiguous, so only
+// the last one to start in a tile reaches past it; k <= 32 from t0 + hl <= t0 + 31: at most 31
+// positions). U source rows are loaded at once, across row boundaries, then added in order into one
+// accumulator that starts at +0.0 and is stored and restarted at each row's last contribution (`end`):
+// each row's sum is seg_warp_chunk's, the same additions in the same order, with loads in flight across
+// short rows instead of a round trip or two per row.
 template <int VEC>
 __device__ __forceinline__ void seg_warp_runs(const float* __restrict__ src, const long long* __restrict__ perm,
                                               float* __restrict__ out, long long t0, bool mine, bool end,
@@ -1032,7 +1033,7 @@ __device__ __forceinline__ void seg_warp_runs(const float* __restrict__ src, con
     if (!a) return;  // warp-uniform; a row of one chunk starts in the tile, so `first` has a lane
     const int hl = 31 - __clz(__ballot_sync(SEG_FULL, first));
     const long long lk = __shfl_sync(SEG_FULL, k, hl), ldst = __shfl_sync(SEG_FULL, dst, hl);
-    const int spill = lk <= SEG_CHUNK_MIN ? (int)max(0LL, hl + lk - 32) : 0;
+    const int spill = __shfl_sync(SEG_FULL, mine, hl) ? (int)max(0LL, hl + lk - 32) : 0;
     unsigned b = (1u << spill) - 1u;
     const long long r0 = mine ? perm[t0 + lane] : 0, r1 = lane < spill ? perm[t0 + 32 + lane] : 0;
     float acc[VEC];
@@ -1104,11 +1105,14 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
 // .. + 31 and the chunks c >= 1 that start in it. SEG_SPLIT_FILL: position tasks only, over an output
 // already zero-filled (the launcher fills it on a second stream while the keys are sorted); a position
 // tile also takes the rows that start in it: those of one chunk through seg_warp_runs, then chunk 0 of
-// each longer row. SEG_SPLIT_STAGE: as SEG_SPLIT_FILL, but `out` is a staging buffer of n
-// rows and a destination's sum goes to its row s, the sorted position where the destination starts
-// (unique per destination), so the sums need not wait for the zero fill of the output; seg_unstage_body
-// then copies each staged row to its destination. Grid row y: column slices y, y + gridDim.y, ... of
-// 32 * VEC columns each. Every split sums the same chunks in the same order: the same bits.
+// each longer row; `groups` (a power of 2 up to 32) tasks share a tile, each taking the rows that start
+// in its 32 / groups lanes and the chunk heads there (more warps where few tiles would leave the GPU
+// idle, each with less to do one after another). SEG_SPLIT_STAGE: as SEG_SPLIT_FILL, but `out` is a
+// staging buffer of n rows and a destination's sum goes to its row s, the sorted position where the
+// destination starts (unique per destination), so the sums need not wait for the zero fill of the
+// output; seg_unstage_body then copies each staged row to its destination. Grid row y: column slices y,
+// y + gridDim.y, ... of 32 * VEC columns each. Every split sums the same chunks in the same order: the
+// same bits.
 #define SEG_SPLIT_ROWS 0
 #define SEG_SPLIT_TILES 1
 #define SEG_SPLIT_FILL 2
@@ -1120,12 +1124,14 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                                               const long long* __restrict__ start, float* __restrict__ out,
                                               float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
                                               long long n, int D, long long skip, int scaled, long long space,
-                                              long long offset) {
+                                              long long offset, int groups) {
     const int lane = threadIdx.x & 31;
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
     constexpr bool positions_only = SPLIT == SEG_SPLIT_FILL || SPLIT == SEG_SPLIT_STAGE;
+    if (!positions_only) groups = 1;
+    const int gw = 32 / groups;  // lanes per group
     const long long dtasks = SPLIT == SEG_SPLIT_ROWS ? space : SPLIT == SEG_SPLIT_TILES ? (space + 31) >> 5 : 0;
-    const long long tasks = dtasks + ((n + 31) >> 5);
+    const long long tasks = dtasks + ((n + 31) >> 5) * groups;
     const long long warps = (long long)gridDim.x * SEG_WARPS;
     for (long long slice = blockIdx.y; slice < slices; slice += gridDim.y) {
         const int col = (int)slice * 32 * VEC + lane * VEC;
@@ -1170,7 +1176,8 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 }
                 continue;
             }
-            const long long tile = w - dtasks, p = tile * 32 + lane;
+            const long long tile = (w - dtasks) / groups, p = tile * 32 + lane;
+            const int grp = (int)((w - dtasks) % groups);  // this task's lanes: the rows starting in them
             long long m = 0, s = 0, k = 0, L = 1;
             bool head = false, first = false;
             if (p < n) {
@@ -1185,10 +1192,10 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
             }
             if (positions_only) {  // the rows starting in this tile, to their row of `out` (staged: s)
                 const long long dst = SPLIT == SEG_SPLIT_STAGE ? s : m;
-                const bool mine = k >= 1 && k <= SEG_CHUNK_MIN && s >= tile * 32;
+                const bool mine = k >= 1 && k <= SEG_CHUNK_MIN && s >= tile * 32 && (int)(s - tile * 32) / gw == grp;
                 seg_warp_runs<VEC>(src, perm, out, tile * 32, mine, mine && p == s + k - 1, first, dst, k, D, col,
                                    active, scaled);
-                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > SEG_CHUNK_MIN); longer;
+                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > SEG_CHUNK_MIN && lane / gw == grp); longer;
                      longer &= longer - 1) {
                     const int h = __ffs(longer) - 1;
                     seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2,
@@ -1197,7 +1204,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                                               slices);
                 }
             }
-            unsigned heads = __ballot_sync(SEG_FULL, head);
+            unsigned heads = __ballot_sync(SEG_FULL, head && lane / gw == grp);
             while (heads) {
                 const int h = __ffs(heads) - 1;
                 heads &= heads - 1;
@@ -1303,9 +1310,9 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
     const float* __restrict__ src, const KT* __restrict__ skey, const long long* __restrict__ perm,     \
         const long long* __restrict__ start, float* __restrict__ out, float* part1, float* part2,       \
         unsigned* cnt1, unsigned* cnt2, long long n, int D, long long skip, int scaled, long long space, \
-        long long offset, int fill
+        long long offset, int fill, int groups
 
-#define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset
+#define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset, groups
 
 // PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key>, PREFIX_rows<VEC>_fill_<key> and
 // PREFIX_rows<VEC>_stage_<key> (with PREFIX_unstage<VEC>_<key>), separate kernels. All but the first are

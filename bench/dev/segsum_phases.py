@@ -15,9 +15,9 @@ bench cases: heavy rows, narrow and wide rows, as many rows as sources, mostly e
 kernels/index_add.py's default_split is chosen from), checking the splits' bits agree.
 
 ``--fill`` times embedding_bwd's sorted variant (the ``fill`` and ``stage`` splits: the gradient zero-filled on
-a side stream beside the key sort, and for ``stage`` the sums) per grid of the fill (ia.ZERO_BLOCKS_PER_SM),
-beside the fill alone, the key sort alone and PyTorch's embedding backward in both modes, on the audit's
-embedding shapes (Zipf tokens).
+a side stream beside the key sort, and for ``stage`` the sums) per count of tasks per tile of positions
+(ia.position_groups), beside the fill alone per grid (ia.ZERO_BLOCKS_PER_SM), the key sort alone and
+PyTorch's embedding backward in both modes, on the audit's embedding shapes (Zipf tokens).
 """
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ FILL_BLOCKS = (2, 4, 6, 8, 16)
 
 
 def fill_sweep(dev: torch.device, flush) -> None:
-    """embedding_bwd's sorted variant in the fill and stage splits per ZERO_BLOCKS_PER_SM (bits checked equal
+    """embedding_bwd's sorted variant in the fill and stage splits per position_groups (bits checked equal
     within a split; every split's against the others in the GPU tests), the zero fill alone at
     each grid and as torch's zero_, the key sort alone, and PyTorch's embedding backward (default and
     deterministic mode; a timing in the latter includes its filling of uninitialised memory)."""
@@ -210,11 +210,13 @@ def fill_sweep(dev: torch.device, flush) -> None:
               flush=True)
         for split in ("fill", "stage"):
             row = []
-            for k in FILL_BLOCKS:
-                with mock.patch.object(ia, "ZERO_BLOCKS_PER_SM", k):
-                    row += timed_alike({f"{k}/SM": lambda: sorted_split("embedding_bwd", split)(
+            for groups in ia.POSITION_GROUPS:
+                with mock.patch.object(ia, "position_groups", lambda *_, groups=groups: groups):
+                    row += timed_alike({f"groups {groups}": lambda: sorted_split("embedding_bwd", split)(
                         grad, idx, num_weights=v, check_range=False)}, dev, flush)
-            print(f"  sorted, {split}: " + "  ".join(row), flush=True)
+            print(f"  sorted, {split} (default groups "
+                  f"{ia.position_groups(kernels.runtime.cdiv(n, 32) * kernels.runtime.cdiv(d, 128), sm)}): "
+                  + "  ".join(row), flush=True)
         kt = kernel_times(lambda: sorted_bwd(grad, idx, num_weights=v, check_range=False), 20)
         print(f"  default split {ia.default_split(n, v, False)}: kernels "
               + ", ".join(f"{name} {t:.1f}" for name, t in kt.items())
