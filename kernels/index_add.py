@@ -351,6 +351,7 @@ SORT_THREADS = 1024
 SORT_SMEM = (2 * SORT_MAX + 257 * 32 + 32) * 4   # SEG_SORT_SMEM
 SPLITS = ("rows", "tiles", "fill", "stage")
 ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
+ZERO_CARVEOUT = 100     # segsum_zero's SMs configured for the most shared memory, so the sort's blocks fit beside
 
 
 TILES_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take tiles
@@ -586,9 +587,9 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     if split in ("fill", "stage"):  # zeros beside the keys' sort (segsum_zero: a grid that leaves room for it)
         side, join = fork(dev)
         with torch.cuda.stream(side):
-            launch(function(source, "segsum_zero", dev), (max(1, min(cdiv(out.numel(), 4 * THREADS),
-                                                                    ZERO_BLOCKS_PER_SM * sm_count(dev))),),
-                   (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
+            blocks = max(1, min(cdiv(out.numel(), 4 * THREADS), ZERO_BLOCKS_PER_SM * sm_count(dev)))
+            launch(function(source, "segsum_zero", dev, carveout=ZERO_CARVEOUT), (blocks,), (THREADS,),
+                   (ptr(out), np.int64(out.numel())), device=dev)
     try:
         return _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join)
     except BaseException:

@@ -16,8 +16,9 @@ kernels/index_add.py's default_split is chosen from), checking the splits' bits 
 
 ``--fill`` times embedding_bwd's sorted variant (the ``fill`` and ``stage`` splits: the gradient zero-filled on
 a side stream beside the key sort, and for ``stage`` the sums) per count of tasks per tile of positions
-(ia.position_groups), beside the fill alone per grid (ia.ZERO_BLOCKS_PER_SM), the key sort alone and
-PyTorch's embedding backward in both modes, on the audit's embedding shapes (Zipf tokens).
+(ia.position_groups) and per shared-memory carveout of the fill (ia.ZERO_CARVEOUT), beside the fill alone
+per grid (ia.ZERO_BLOCKS_PER_SM), the key sort alone and PyTorch's embedding backward in both modes, on the
+audit's embedding shapes (Zipf tokens).
 """
 from __future__ import annotations
 
@@ -209,14 +210,16 @@ def fill_sweep(dev: torch.device, flush) -> None:
         print(f"  sort alone {sort:6.1f} us  torch default {t_default:6.1f} us  deterministic {t_det:6.1f} us",
               flush=True)
         for split in ("fill", "stage"):
-            row = []
-            for groups in ia.POSITION_GROUPS:
-                with mock.patch.object(ia, "position_groups", lambda *_, groups=groups: groups):
-                    row += timed_alike({f"groups {groups}": lambda: sorted_split("embedding_bwd", split)(
-                        grad, idx, num_weights=v, check_range=False)}, dev, flush)
-            print(f"  sorted, {split} (default groups "
-                  f"{ia.position_groups(kernels.runtime.cdiv(n, 32) * kernels.runtime.cdiv(d, 128), sm)}): "
-                  + "  ".join(row), flush=True)
+            for carveout in (-1, ia.ZERO_CARVEOUT):
+                row = []
+                for groups in ia.POSITION_GROUPS:
+                    with mock.patch.object(ia, "position_groups", lambda *_, groups=groups: groups), \
+                            mock.patch.object(ia, "ZERO_CARVEOUT", carveout):
+                        row += timed_alike({f"groups {groups}": lambda: sorted_split("embedding_bwd", split)(
+                            grad, idx, num_weights=v, check_range=False)}, dev, flush)
+                print(f"  sorted, {split}, fill's carveout {carveout} (default groups "
+                      f"{ia.position_groups(kernels.runtime.cdiv(n, 32) * kernels.runtime.cdiv(d, 128), sm)}): "
+                      + "  ".join(row), flush=True)
         kt = kernel_times(lambda: sorted_bwd(grad, idx, num_weights=v, check_range=False), 20)
         print(f"  default split {ia.default_split(n, v, False)}: kernels "
               + ", ".join(f"{name} {t:.1f}" for name, t in kt.items())
