@@ -944,6 +944,16 @@ struct SegVec<4> {
     }
 };
 
+// Prefetch into L2 this lane's source row `row`, the warp's column slice of it (32 * VEC floats from
+// col0: VEC lines of 128 bytes): a warp about to add up to 32 rows one after another in batches of U
+// puts all of them in flight at once, so its batches wait on L2 rather than DRAM one after another.
+template <int VEC>
+__device__ __forceinline__ void seg_prefetch_row(const float* __restrict__ src, long long row, int D, int col0) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+        if (col0 + 32 * j < D) asm volatile("prefetch.global.L2 [%0];" ::"l"(src + row * D + col0 + 32 * j));
+}
+
 // The warp sums `len` contributions from sorted position q0 in source order: lane l holds columns
 // col .. col + VEC - 1. perm is read 32 positions at a time (one per lane) and broadcast; U source rows
 // are loaded at once (16 floats per lane in flight, 80 registers: 3 blocks per SM; predicated, so a
@@ -959,6 +969,7 @@ __device__ __forceinline__ void seg_warp_chunk(const float* __restrict__ src, co
     for (int b = 0; b < len; b += 32) {
         const int nb = min(32, len - b);
         const long long mine = lane < nb ? perm[q0 + b + lane] : 0;
+        if (nb > U && lane < nb) seg_prefetch_row<VEC>(src, mine, D, col - lane * VEC);
         for (int t = 0; t < nb; t += U) {  // t + u < 32: U divides 32
             float v[U][VEC];
 #pragma unroll
@@ -1036,6 +1047,10 @@ __device__ __forceinline__ void seg_warp_runs(const float* __restrict__ src, con
     const int spill = __shfl_sync(SEG_FULL, mine, hl) ? (int)max(0LL, hl + lk - 32) : 0;
     unsigned b = (1u << spill) - 1u;
     const long long r0 = mine ? perm[t0 + lane] : 0, r1 = lane < spill ? perm[t0 + 32 + lane] : 0;
+    if (__popc(a) + spill > U) {  // more than one batch: all of them in flight at once
+        if (mine) seg_prefetch_row<VEC>(src, r0, D, col - lane * VEC);
+        if (lane < spill) seg_prefetch_row<VEC>(src, r1, D, col - lane * VEC);
+    }
     float acc[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
