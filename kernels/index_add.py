@@ -350,8 +350,20 @@ SORT_MAX = 16384          # SEG_SORT_MAX: up to this many keys (int16 ones), one
 SORT_THREADS = 1024
 SORT_SMEM = (2 * SORT_MAX + 257 * 32 + 32) * 4   # SEG_SORT_SMEM
 SPLITS = ("rows", "tiles", "fill", "stage")
-ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
+ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort, where the registers allow (zero_blocks_per_sm)
 ZERO_CARVEOUT = 100     # segsum_zero's SMs configured for the most shared memory, so the sort's blocks fit beside
+SM_REGISTERS = 65536    # 32-bit registers per SM (compute capability 5.0 to 9.0)
+
+
+def zero_blocks_per_sm(zero, sort) -> int:
+    """segsum_zero's blocks per SM beside the one-block sort (loaded functions): ZERO_BLOCKS_PER_SM where
+    the registers leave the sort's 1024 threads room on an SM that runs them, else fewer (at least 1).
+    Registers go to warps in units of 256, so a thread's count rounds up to a multiple of 8. Without that
+    room the sort waits for the whole fill: segsum_zero at 30 registers beside the sort at 56 (H200)."""
+    def regs(fn, threads):
+        return threads * -(-fn.num_regs // 8) * 8
+    room = SM_REGISTERS - regs(sort, SORT_THREADS)
+    return max(1, min(ZERO_BLOCKS_PER_SM, room // max(1, regs(zero, THREADS))))
 
 
 TILES_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take tiles
@@ -587,9 +599,10 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     if split in ("fill", "stage"):  # zeros beside the keys' sort (segsum_zero: a grid that leaves room for it)
         side, join = fork(dev)
         with torch.cuda.stream(side):
-            blocks = max(1, min(cdiv(out.numel(), 4 * THREADS), ZERO_BLOCKS_PER_SM * sm_count(dev)))
-            launch(function(source, "segsum_zero", dev, carveout=ZERO_CARVEOUT), (blocks,), (THREADS,),
-                   (ptr(out), np.int64(out.numel())), device=dev)
+            zero = function(source, "segsum_zero", dev, carveout=ZERO_CARVEOUT)
+            per_sm = zero_blocks_per_sm(zero, function(source, f"{prefix}_sort_i16", dev, smem=SORT_SMEM))
+            blocks = max(1, min(cdiv(out.numel(), 4 * THREADS), per_sm * sm_count(dev)))
+            launch(zero, (blocks,), (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
     try:
         return _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join)
     except BaseException:

@@ -119,14 +119,17 @@ segsum_count(const long long* __restrict__ key, long long n, long long rows, uns
 // blocks per SM on a second stream beside the sort of the `fill` split (kernels/index_add.py): a grid of
 // that size leaves room on every SM for the sort's kernels, which a fill over the whole GPU would keep
 // waiting until its last wave (stores need no warps waiting on them, so a few blocks still saturate
-// the memory's write bandwidth).
+// the memory's write bandwidth). Held to 16 registers: two blocks take 8192 of an SM's 65536, leaving
+// the one-block sort its 1024 threads x 56 (at 30 registers, rounded to 32, the sort found no SM with
+// room and waited for the whole fill).
 extern "C" __global__ void __launch_bounds__(256)
 segsum_zero(float* __restrict__ out, long long n) {
-    const long long step = (long long)gridDim.x * blockDim.x;
-    const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (long long i = i0; i < (n >> 2); i += step) reinterpret_cast<float4*>(out)[i] = z;
-    for (long long i = ((n >> 2) << 2) + i0; i < n; i += step) out[i] = 0.0f;
+    const long long n4 = n >> 2, step = (long long)gridDim.x * blockDim.x;
+    float4* __restrict__ out4 = reinterpret_cast<float4*>(out);
+#pragma unroll 1
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += step)
+        out4[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (blockIdx.x == 0 && threadIdx.x < (n & 3)) out[(n4 << 2) + threadIdx.x] = 0.0f;  // the last n % 4
 }
 
 // Row form: e = i * D + d, value src[e] into out[key[i] * D + d]. Element form (scatter_add, D = the
