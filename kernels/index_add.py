@@ -44,6 +44,7 @@ from .runtime import (
     function,
     launch,
     memo_check,
+    num_regs,
     ptr,
     sm_count,
     ticket_counters,
@@ -355,15 +356,16 @@ ZERO_CARVEOUT = 100     # segsum_zero's SMs configured for the most shared memor
 SM_REGISTERS = 65536    # 32-bit registers per SM (compute capability 5.0 to 9.0)
 
 
-def zero_blocks_per_sm(zero, sort) -> int:
-    """segsum_zero's blocks per SM beside the one-block sort (loaded functions): ZERO_BLOCKS_PER_SM where
-    the registers leave the sort's 1024 threads room on an SM that runs them, else fewer (at least 1).
-    Registers go to warps in units of 256, so a thread's count rounds up to a multiple of 8. Without that
-    room the sort waits for the whole fill: segsum_zero at 30 registers beside the sort at 56 (H200)."""
-    def regs(fn, threads):
-        return threads * -(-fn.num_regs // 8) * 8
-    room = SM_REGISTERS - regs(sort, SORT_THREADS)
-    return max(1, min(ZERO_BLOCKS_PER_SM, room // max(1, regs(zero, THREADS))))
+def zero_blocks_per_sm(zero_regs: int, sort_regs: int) -> int:
+    """segsum_zero's blocks per SM beside the one-block sort, from the two kernels' registers per thread:
+    ZERO_BLOCKS_PER_SM where the registers leave the sort's 1024 threads room on an SM that runs them,
+    else fewer (at least 1). Registers go to warps in units of 256, so a thread's count rounds up to a
+    multiple of 8. Without that room the sort waits for the whole fill: segsum_zero at 30 registers
+    beside the sort at 56 (H200)."""
+    def regs(per_thread, threads):
+        return threads * -(-per_thread // 8) * 8
+    room = SM_REGISTERS - regs(sort_regs, SORT_THREADS)
+    return max(1, min(ZERO_BLOCKS_PER_SM, room // max(1, regs(zero_regs, THREADS))))
 
 
 TILES_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take tiles
@@ -600,7 +602,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
         side, join = fork(dev)
         with torch.cuda.stream(side):
             zero = function(source, "segsum_zero", dev, carveout=ZERO_CARVEOUT)
-            per_sm = zero_blocks_per_sm(zero, function(source, f"{prefix}_sort_i16", dev, smem=SORT_SMEM))
+            per_sm = zero_blocks_per_sm(num_regs(zero), num_regs(function(source, f"{prefix}_sort_i16", dev,
+                                                                          smem=SORT_SMEM)))
             blocks = max(1, min(cdiv(out.numel(), 4 * THREADS), per_sm * sm_count(dev)))
             launch(zero, (blocks,), (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
     try:

@@ -261,6 +261,17 @@ def function(source: str, name: str, device: torch.device, defines: tuple[str, .
     return fn
 
 
+CU_FUNC_ATTRIBUTE_NUM_REGS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def num_regs(fn) -> int:
+    """Registers per thread of a loaded kernel (``function``'s result)."""
+    from cupy.cuda import driver
+
+    return int(driver.funcGetAttribute(CU_FUNC_ATTRIBUTE_NUM_REGS, fn.ptr))
+
+
 @functools.lru_cache(maxsize=64)
 def _external_stream(ptr: int, device_index: int):
     import warnings

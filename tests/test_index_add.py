@@ -247,10 +247,7 @@ def test_zero_fill_leaves_the_sort_its_registers(zero_regs, sort_regs, blocks):
     """The side-stream zero fill's blocks per SM leave the one-block sort's 1024 threads room in an SM's
     65536 registers (per-thread counts rounded up to 8): 30 -> 32 x 256 x 2 = 16384 would not fit beside
     1024 x 56 = 57344; 16 x 256 x 2 = 8192 does. At least one block even where none fits."""
-    class Fn:
-        def __init__(self, num_regs):
-            self.num_regs = num_regs
-    assert ia.zero_blocks_per_sm(Fn(zero_regs), Fn(sort_regs)) == blocks
+    assert ia.zero_blocks_per_sm(zero_regs, sort_regs) == blocks
 
 BAD = [
     ("index", (torch.zeros(4, dtype=torch.int32), torch.zeros(4, 3)), {"num_rows": 5}),
