@@ -44,7 +44,6 @@ from .runtime import (
     function,
     launch,
     memo_check,
-    num_regs,
     ptr,
     sm_count,
     ticket_counters,
@@ -350,22 +349,8 @@ MAX_GRID_Y = 65535
 SORT_MAX = 16384          # SEG_SORT_MAX: up to this many keys (int16 ones), one block sorts them
 SORT_THREADS = 1024
 SORT_SMEM = (2 * SORT_MAX + 257 * 32 + 32) * 4   # SEG_SORT_SMEM
-SPLITS = ("rows", "tiles", "fill", "stage")
-ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort, where the registers allow (zero_blocks_per_sm)
-ZERO_CARVEOUT = 100     # segsum_zero's SMs configured for the most shared memory, so the sort's blocks fit beside
-SM_REGISTERS = 65536    # 32-bit registers per SM (compute capability 5.0 to 9.0)
-
-
-def zero_blocks_per_sm(zero_regs: int, sort_regs: int) -> int:
-    """segsum_zero's blocks per SM beside the one-block sort, from the two kernels' registers per thread:
-    ZERO_BLOCKS_PER_SM where the registers leave the sort's 1024 threads room on an SM that runs them,
-    else fewer (at least 1). Registers go to warps in units of 256, so a thread's count rounds up to a
-    multiple of 8. Without that room the sort waits for the whole fill: segsum_zero at 30 registers
-    beside the sort at 56 (H200)."""
-    def regs(per_thread, threads):
-        return threads * -(-per_thread // 8) * 8
-    room = SM_REGISTERS - regs(sort_regs, SORT_THREADS)
-    return max(1, min(ZERO_BLOCKS_PER_SM, room // max(1, regs(zero_regs, THREADS))))
+SPLITS = ("rows", "tiles", "fill")
+ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 
 
 TILES_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take tiles
@@ -378,24 +363,24 @@ def default_split(n: int, space: int, scalar: bool) -> str:
     embedding's 16384 x 512 into 50000 rows: fill 97, tiles 93, within run-to-run noise, rows 142); the
     warp kernels' ``tiles`` up to TILES_UP_TO contributions per destination (1e6 x 64 into 1e5 rows: 242
     us, fill 268, rows 280); beyond, ``rows``, which needs no zero pass (1e6 x 64 into 1000 rows: rows 219
-    us, fill 215, tiles 445, each warp summing 32 rows' first chunks one after another). The warp kernels
-    take ``stage`` in place of ``fill``: H100, an embedding backward of 2048 tokens into a 32000 x 768
-    gradient (fill alone 35 us, key sort alone 17 us): fill 70 us, the sums waiting for the fill."""
+    us, fill 215, tiles 445, each warp summing 32 rows' first chunks one after another)."""
     if n < space:
-        return "fill" if scalar else "stage"
+        return "fill"
     return "tiles" if not scalar and n <= TILES_UP_TO * space else "rows"
 
 
-POSITION_GROUPS = (1, 2, 4, 8)   # tasks per tile of 32 sorted positions in the positions-only splits
-GROUP_WARPS_PER_SM = 48          # two waves of the warp kernels' three 8-warp blocks per SM
+POSITION_GROUPS = (1, 2, 4, 8)   # tasks per tile of 32 sorted positions in the fill split
+GROUP_WARPS_PER_SM = 24          # one wave of the warp kernels' three 8-warp blocks per SM
 
 
 def position_groups(tiles: int, sms: int) -> int:
-    """Tasks per tile of 32 sorted positions for the positions-only splits (``fill``, ``stage``; segsum.cuh:
-    each takes the rows that start in its 32 / groups lanes; the same sums): the most of POSITION_GROUPS
-    that keep ``tiles`` (tiles times column slices) within GROUP_WARPS_PER_SM warps per SM, so few tiles
-    still fill the GPU and the warps have less to do one after another (an embedding backward of 2048
-    tokens: 64 tiles of 6 slices, one warp each on 48 of 132 SMs)."""
+    """Tasks per tile of 32 sorted positions in the ``fill`` split (segsum.cuh: each takes the rows that
+    start in its 32 / groups lanes, and with more than one its source rows are prefetched; the same
+    sums): the most of POSITION_GROUPS that keep ``tiles`` (tiles times column slices) within one wave,
+    GROUP_WARPS_PER_SM warps per SM, so few tiles still spread over the GPU. From ``bench/dev/
+    segsum_phases.py --fill`` on the H200 (embedding backward, Zipf tokens, whole call): 2048 tokens into
+    32000 x 768 (64 tiles of 6 slices, one warp each on 48 of 132 SMs): 8 groups 55 us, 1 group 62;
+    16384 tokens (512 x 6): 1 group 78 us without prefetching, 2 groups 90."""
     return max(g for g in POSITION_GROUPS if g == 1 or tiles * g <= GROUP_WARPS_PER_SM * sms)
 
 
@@ -576,10 +561,7 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     kernels): a task per 32 destinations instead (zeros for the empty ones, rows of one contribution read
     lane-parallel); ``fill``: the output is zero-filled on a second stream while the keys are sorted, and
     the sums take only the tiles of 32 sorted positions (an embedding's gradient: most rows empty; the
-    fill overlaps the sort); ``stage`` (warp kernels): as ``fill``, but the sums go to a staging buffer of
-    n rows (a destination's sum to the row of its first sorted position) and do not wait for the fill,
-    which they overlap too; a last kernel copies the staged rows to their destinations once the fill is
-    done. The thread kernel knows ``rows`` and ``fill`` (``tiles`` and ``stage`` run as ``fill``).
+    fill overlaps the sort). The thread kernel knows ``rows`` and ``fill`` (``tiles`` runs as ``fill``).
     Keys outside [0, rows) add nothing, or fail the keys kernel (``check`` device), or raise
     KernelArgumentError after the kernels are queued (``check`` sync: start[space], the count of valid
     keys, read back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits;
@@ -595,17 +577,15 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
         split = default_split(n, space, scalar)
     elif split not in SPLITS:
         raise KernelArgumentError(prefix, "split", f"expected one of {SPLITS}, got {split!r}")
-    if scalar and split in ("tiles", "stage"):
+    if scalar and split == "tiles":
         split = "fill"
     out, join = torch.empty((rows, d), device=dev, dtype=torch.float32), None
-    if split in ("fill", "stage"):  # zeros beside the keys' sort (segsum_zero: a grid that leaves room for it)
+    if split == "fill":  # zeros beside the keys' sort (segsum_zero: a grid that leaves room for it)
         side, join = fork(dev)
         with torch.cuda.stream(side):
-            zero = function(source, "segsum_zero", dev, carveout=ZERO_CARVEOUT)
-            per_sm = zero_blocks_per_sm(num_regs(zero), num_regs(function(source, f"{prefix}_sort_i16", dev,
-                                                                          smem=SORT_SMEM)))
-            blocks = max(1, min(cdiv(out.numel(), 4 * THREADS), per_sm * sm_count(dev)))
-            launch(zero, (blocks,), (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
+            launch(function(source, "segsum_zero", dev), (max(1, min(cdiv(out.numel(), 4 * THREADS),
+                                                                    ZERO_BLOCKS_PER_SM * sm_count(dev))),),
+                   (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
     try:
         return _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join)
     except BaseException:
@@ -629,29 +609,21 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     slots = max(1, 2 * (n // CHUNK_MIN))
     part = torch.empty((2, slots, width), device=dev, dtype=torch.float32)
     counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
-    fill = split in ("fill", "stage")
-    stage = torch.empty((n, width), device=dev, dtype=torch.float32) if split == "stage" else None
-    target = out if stage is None else stage
+    fill = split == "fill"
     groups = position_groups(cdiv(n, 32) * min(slices, MAX_GRID_Y), sm_count(dev)) if fill and not scalar else 1
-    args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(target), ptr(part[0]), ptr(part[1]), ptr(counters),
+    args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
             np.uint64(int(ptr(counters)) + 4 * slots * slices), np.int64(n), np.int32(width), np.int64(skip),
             np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill), np.int32(groups))
-    if join is not None and stage is None:
+    if join is not None:
         join()
     if scalar:  # a thread per destination (rows) and per sorted position
         launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if fill else space) + n),),
                (THREADS,), args, device=dev)
     else:  # a warp per destination (or 32 of them; or none) and per 32 sorted positions; grid rows: slices
-        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0, "stage": 0}[split] + cdiv(n, 32) * groups
+        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32) * groups
         kernel = f"{prefix}_rows{vec}{'' if split == 'rows' else '_' + split}_{kname}"
         launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
                                                min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)
-    if stage is not None:  # the staged rows to their destinations, once the zero fill is done
-        join()
-        launch(function(source, f"{prefix}_unstage{vec}_{kname}", dev),
-               (max(1, min(cdiv(n, THREADS // 32), MAX_BLOCKS)),), (THREADS,),
-               (ptr(skey), ptr(start), ptr(stage), ptr(out), np.int64(n), np.int32(width), np.int64(skip),
-                np.int64(space), np.int64(offset)), device=dev)
     if check.sync and int(start[space]) != n:  # the one host synchronisation, after the work is queued
         check_index_range(check.op, check.arg, key, rows)
     return out

@@ -235,17 +235,14 @@ def _function(source: str, name: str, device_index: int, defines: tuple[str, ...
 
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # the driver's CUfunction_attribute
-CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 _SMEM_RAISED: dict[int, int] = {}
-_CARVEOUT: dict[int, int] = {}
 
 
 def function(source: str, name: str, device: torch.device, defines: tuple[str, ...] = (),
-             arch_specific: bool = False, smem: int = 0, carveout: int = -1):
+             arch_specific: bool = False, smem: int = 0):
     """The kernel ``name`` from ``kernels/<source>``, compiled for ``device`` (cached per ``defines`` and
     ``arch_specific``, see ``_module``), its dynamic shared-memory limit raised to ``smem`` bytes where
-    that is over the default 48 KiB (once per loaded function and size), and its preferred shared-memory
-    carveout set to ``carveout`` percent (-1: the driver's choice; set when it changes)."""
+    that is over the default 48 KiB (once per loaded function and size)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     fn = _function(source, name, index, defines, arch_specific)
     if smem > 48 * 1024 and _SMEM_RAISED.get(fn.ptr, 0) < smem:
@@ -253,23 +250,7 @@ def function(source: str, name: str, device: torch.device, defines: tuple[str, .
 
         driver.funcSetAttribute(fn.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
         _SMEM_RAISED[fn.ptr] = smem
-    if _CARVEOUT.get(fn.ptr, -1) != carveout:
-        from cupy.cuda import driver
-
-        driver.funcSetAttribute(fn.ptr, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, carveout)
-        _CARVEOUT[fn.ptr] = carveout
     return fn
-
-
-CU_FUNC_ATTRIBUTE_NUM_REGS = 4
-
-
-@functools.lru_cache(maxsize=None)
-def num_regs(fn) -> int:
-    """Registers per thread of a loaded kernel (``function``'s result)."""
-    from cupy.cuda import driver
-
-    return int(driver.funcGetAttribute(CU_FUNC_ATTRIBUTE_NUM_REGS, fn.ptr))
 
 
 @functools.lru_cache(maxsize=64)

@@ -119,17 +119,14 @@ segsum_count(const long long* __restrict__ key, long long n, long long rows, uns
 // blocks per SM on a second stream beside the sort of the `fill` split (kernels/index_add.py): a grid of
 // that size leaves room on every SM for the sort's kernels, which a fill over the whole GPU would keep
 // waiting until its last wave (stores need no warps waiting on them, so a few blocks still saturate
-// the memory's write bandwidth). Held to 16 registers: two blocks take 8192 of an SM's 65536, leaving
-// the one-block sort its 1024 threads x 56 (at 30 registers, rounded to 32, the sort found no SM with
-// room and waited for the whole fill).
+// the memory's write bandwidth).
 extern "C" __global__ void __launch_bounds__(256)
 segsum_zero(float* __restrict__ out, long long n) {
-    const long long n4 = n >> 2, step = (long long)gridDim.x * blockDim.x;
-    float4* __restrict__ out4 = reinterpret_cast<float4*>(out);
-#pragma unroll 1
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += step)
-        out4[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (blockIdx.x == 0 && threadIdx.x < (n & 3)) out[(n4 << 2) + threadIdx.x] = 0.0f;  // the last n % 4
+    const long long step = (long long)gridDim.x * blockDim.x;
+    const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (long long i = i0; i < (n >> 2); i += step) reinterpret_cast<float4*>(out)[i] = z;
+    for (long long i = ((n >> 2) << 2) + i0; i < n; i += step) out[i] = 0.0f;
 }
 
 // Row form: e = i * D + d, value src[e] into out[key[i] * D + d]. Element form (scatter_add, D = the
@@ -964,7 +961,7 @@ __device__ __forceinline__ void seg_prefetch_row(const float* __restrict__ src, 
 template <int VEC>
 __device__ __forceinline__ void seg_warp_chunk(const float* __restrict__ src, const long long* __restrict__ perm,
                                                long long q0, int len, int D, int col, bool active, bool scaled,
-                                               float count, float* acc) {
+                                               float count, float* acc, bool prefetch = false) {
     constexpr int U = VEC == 1 ? 8 : 16 / VEC;
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -972,7 +969,7 @@ __device__ __forceinline__ void seg_warp_chunk(const float* __restrict__ src, co
     for (int b = 0; b < len; b += 32) {
         const int nb = min(32, len - b);
         const long long mine = lane < nb ? perm[q0 + b + lane] : 0;
-        if (nb > U && lane < nb) seg_prefetch_row<VEC>(src, mine, D, col - lane * VEC);
+        if (prefetch && nb > U && lane < nb) seg_prefetch_row<VEC>(src, mine, D, col - lane * VEC);
         for (int t = 0; t < nb; t += U) {  // t + u < 32: U divides 32
             float v[U][VEC];
 #pragma unroll
@@ -1027,7 +1024,7 @@ __device__ __forceinline__ void seg_warp_singles(const float* __restrict__ src, 
     }
 }
 
-// Positions-only splits: the rows of one chunk (k <= SEG_CHUNK_MIN) that start in the tile of sorted
+// The fill split: the rows of one chunk (k <= SEG_CHUNK_MIN) that start in the tile of sorted
 // positions t0 .. t0 + 31, summed as one stream of their contributions in sorted order: lane l's position
 // t0 + l where `mine` (its row is such a row, starts in the tile, and in this task's group of lanes),
 // then the spill of the tile's last row past t0 + 31 when that row is mine (rows are contiguous, so only
@@ -1040,7 +1037,7 @@ template <int VEC>
 __device__ __forceinline__ void seg_warp_runs(const float* __restrict__ src, const long long* __restrict__ perm,
                                               float* __restrict__ out, long long t0, bool mine, bool end,
                                               bool first, long long dst, long long k, int D, int col,
-                                              bool active, bool scaled) {
+                                              bool active, bool scaled, bool prefetch) {
     constexpr int U = VEC == 1 ? 8 : 16 / VEC;
     const int lane = threadIdx.x & 31;
     unsigned a = __ballot_sync(SEG_FULL, mine);
@@ -1050,7 +1047,7 @@ __device__ __forceinline__ void seg_warp_runs(const float* __restrict__ src, con
     const int spill = __shfl_sync(SEG_FULL, mine, hl) ? (int)max(0LL, hl + lk - 32) : 0;
     unsigned b = (1u << spill) - 1u;
     const long long r0 = mine ? perm[t0 + lane] : 0, r1 = lane < spill ? perm[t0 + 32 + lane] : 0;
-    if (__popc(a) + spill > U) {  // more than one batch: all of them in flight at once
+    if (prefetch && __popc(a) + spill > U) {  // more than one batch: all of them in flight at once
         if (mine) seg_prefetch_row<VEC>(src, r0, D, col - lane * VEC);
         if (lane < spill) seg_prefetch_row<VEC>(src, r1, D, col - lane * VEC);
     }
@@ -1101,10 +1098,11 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
                                                      float* __restrict__ out, float* part1, float* part2,
                                                      unsigned* cnt1, unsigned* cnt2, long long m, long long s,
                                                      long long k, int D, int col, bool active, int cb, int ce,
-                                                     bool scaled, long long slice, long long slices) {
+                                                     bool scaled, long long slice, long long slices,
+                                                     bool prefetch = false) {
     float acc[VEC];
     const long long L = seg_chunk_len(k), nc = (k + L - 1) / L;
-    seg_warp_chunk<VEC>(src, perm, s, (int)min(L, k), D, col, active, scaled, (float)k, acc);
+    seg_warp_chunk<VEC>(src, perm, s, (int)min(L, k), D, col, active, scaled, (float)k, acc, prefetch);
     if (nc == 1) {
         if (active) SegVec<VEC>::store(out + m * D + col, acc);
     } else {
@@ -1125,16 +1123,12 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
 // tile also takes the rows that start in it: those of one chunk through seg_warp_runs, then chunk 0 of
 // each longer row; `groups` (a power of 2 up to 32) tasks share a tile, each taking the rows that start
 // in its 32 / groups lanes and the chunk heads there (more warps where few tiles would leave the GPU
-// idle, each with less to do one after another). SEG_SPLIT_STAGE: as SEG_SPLIT_FILL, but `out` is a
-// staging buffer of n rows and a destination's sum goes to its row s, the sorted position where the
-// destination starts (unique per destination), so the sums need not wait for the zero fill of the
-// output; seg_unstage_body then copies each staged row to its destination. Grid row y: column slices y,
-// y + gridDim.y, ... of 32 * VEC columns each. Every split sums the same chunks in the same order: the
-// same bits.
+// idle, each with less to do one after another, their source rows prefetched into L2 when groups > 1).
+// Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each. Every split sums the same
+// chunks in the same order: the same bits.
 #define SEG_SPLIT_ROWS 0
 #define SEG_SPLIT_TILES 1
 #define SEG_SPLIT_FILL 2
-#define SEG_SPLIT_STAGE 3
 
 template <typename K, int VEC, int SPLIT>
 __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, const K* __restrict__ skey,
@@ -1145,9 +1139,10 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                                               long long offset, int groups) {
     const int lane = threadIdx.x & 31;
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
-    constexpr bool positions_only = SPLIT == SEG_SPLIT_FILL || SPLIT == SEG_SPLIT_STAGE;
+    constexpr bool positions_only = SPLIT == SEG_SPLIT_FILL;
     if (!positions_only) groups = 1;
     const int gw = 32 / groups;  // lanes per group
+    const bool prefetch = groups > 1;
     const long long dtasks = SPLIT == SEG_SPLIT_ROWS ? space : SPLIT == SEG_SPLIT_TILES ? (space + 31) >> 5 : 0;
     const long long tasks = dtasks + ((n + 31) >> 5) * groups;
     const long long warps = (long long)gridDim.x * SEG_WARPS;
@@ -1208,18 +1203,17 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                     head = !first && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1
                 }
             }
-            if (positions_only) {  // the rows starting in this tile, to their row of `out` (staged: s)
-                const long long dst = SPLIT == SEG_SPLIT_STAGE ? s : m;
+            if (positions_only) {  // the rows starting in this tile's lanes of this group
                 const bool mine = k >= 1 && k <= SEG_CHUNK_MIN && s >= tile * 32 && (int)(s - tile * 32) / gw == grp;
-                seg_warp_runs<VEC>(src, perm, out, tile * 32, mine, mine && p == s + k - 1, first, dst, k, D, col,
-                                   active, scaled);
+                seg_warp_runs<VEC>(src, perm, out, tile * 32, mine, mine && p == s + k - 1, first, m, k, D, col,
+                                   active, scaled, prefetch);
                 for (unsigned longer = __ballot_sync(SEG_FULL, first && k > SEG_CHUNK_MIN && lane / gw == grp); longer;
                      longer &= longer - 1) {
                     const int h = __ffs(longer) - 1;
                     seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2,
-                                              __shfl_sync(SEG_FULL, dst, h), tile * 32 + h,
+                                              __shfl_sync(SEG_FULL, m, h), tile * 32 + h,
                                               __shfl_sync(SEG_FULL, k, h), D, col, active, cb, ce, scaled, slice,
-                                              slices);
+                                              slices, prefetch);
                 }
             }
             unsigned heads = __ballot_sync(SEG_FULL, head && lane / gw == grp);
@@ -1231,32 +1225,10 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 const long long hp = tile * 32 + h;
                 const long long c = (hp - hs) / hL, nc = (hk + hL - 1) / hL, base = seg_slot(hs);
                 seg_warp_chunk<VEC>(src, perm, hp, (int)min(hL, hk - (hp - hs)), D, col, active, scaled,
-                                    (float)hk, acc);
+                                    (float)hk, acc, prefetch);
                 if (active) SegVec<VEC>::store(part1 + (base + c) * D + col, acc);
-                seg_combine<32>(out, part1, part2, cnt1, cnt2, SPLIT == SEG_SPLIT_STAGE ? hs : hm, base, c, nc, D,
-                                cb, ce, slice, slices);
+                seg_combine<32>(out, part1, part2, cnt1, cnt2, hm, base, c, nc, D, cb, ce, slice, slices);
             }
-        }
-    }
-}
-
-// SEG_SPLIT_STAGE's last step, once the output is zero-filled: a warp per sorted position p (grid-stride);
-// where p starts a destination m (neither the skip row nor a key outside [0, rows)), staged row p is
-// copied to out row m, VEC floats per lane.
-template <typename K, int VEC>
-__device__ __forceinline__ void seg_unstage_body(const K* __restrict__ skey, const long long* __restrict__ start,
-                                                 const float* __restrict__ stage, float* __restrict__ out,
-                                                 long long n, int D, long long skip, long long space,
-                                                 long long offset) {
-    const int lane = threadIdx.x & 31;
-    const long long warps = (long long)gridDim.x * SEG_WARPS;
-    for (long long p = (long long)blockIdx.x * SEG_WARPS + (threadIdx.x >> 5); p < n; p += warps) {
-        const long long m = (long long)skey[p] + offset;
-        if (m >= space || m == skip || start[m] != p) continue;  // warp-uniform
-        for (int col = lane * VEC; col < D; col += 32 * VEC) {
-            float v[VEC];
-            SegVec<VEC>::load(stage + p * D + col, v);
-            SegVec<VEC>::store(out + m * D + col, v);
         }
     }
 }
@@ -1332,9 +1304,8 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
 
 #define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset, groups
 
-// PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key>, PREFIX_rows<VEC>_fill_<key> and
-// PREFIX_rows<VEC>_stage_<key> (with PREFIX_unstage<VEC>_<key>), separate kernels. All but the first are
-// held to 80 registers (3 blocks per SM; spill-free at U = 16 / VEC):
+// PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key> and PREFIX_rows<VEC>_fill_<key>,
+// separate kernels. The last two are held to 80 registers (3 blocks per SM; spill-free at U = 16 / VEC):
 // their warps wait on short chains of dependent loads, so more of them per SM beat more loads in flight
 // per warp (measured on the H200 against 128 registers and 32 floats in flight, 2 blocks per SM).
 #define SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, VEC)                                                        \
@@ -1348,20 +1319,10 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
     extern "C" __global__ void __launch_bounds__(256, 3)                                                 \
     PREFIX##_rows##VEC##_fill_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {                                         \
         seg_rows_body<KT, VEC, SEG_SPLIT_FILL>(SEG_ROWS_PASS);                                           \
-    }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256, 3)                                                 \
-    PREFIX##_rows##VEC##_stage_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {                                        \
-        seg_rows_body<KT, VEC, SEG_SPLIT_STAGE>(SEG_ROWS_PASS);                                          \
-    }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256)                                                    \
-    PREFIX##_unstage##VEC##_##KEYNAME(const KT* __restrict__ skey, const long long* __restrict__ start,  \
-                                      const float* __restrict__ stage, float* __restrict__ out,          \
-                                      long long n, int D, long long skip, long long space, long long offset) { \
-        seg_unstage_body<KT, VEC>(skey, start, stage, out, n, D, skip, space, offset);                   \
     }
 
-// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>[_tiles|_fill|_stage]_<key>, PREFIX_unstage<VEC>_<key>,
-// PREFIX_scalar_<key> for key types i16, i32, i64.
+// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>[_tiles|_fill]_<key>, PREFIX_scalar_<key> for key
+// types i16, i32, i64.
 #define SEG_SORTED_FOR(PREFIX, KEYNAME, KT)                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                    \
     PREFIX##_keys_##KEYNAME(const long long* __restrict__ key, KT* __restrict__ out, long long total,    \

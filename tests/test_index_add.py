@@ -197,7 +197,7 @@ def test_task_split_sums_every_chunk_once():
 
 @pytest.mark.parametrize("groups", ia.POSITION_GROUPS)
 def test_positions_only_split_sums_every_chunk_once(groups):
-    """The fill and stage splits' position tasks (segsum.cuh: seg_rows_body, seg_warp_runs), replayed on
+    """The fill split's position tasks (segsum.cuh: seg_rows_body, seg_warp_runs), replayed on
     the host with ``groups`` tasks per tile: a row of one chunk (k <= 32) is summed as one run of its
     positions s .. s + k - 1 in order by the task whose lanes hold s (the tile's last row through its
     spill past the tile), a longer row's chunk 0 by the task holding s and each chunk c >= 1 by the task
@@ -241,13 +241,6 @@ def test_positions_only_split_sums_every_chunk_once(groups):
                 got += [(int(r), int(c)) for r, c in zip(m[head & lanes], ((p - s) // L)[head & lanes])]
         assert len(got) == len(set(got)) and set(got) == want
 
-
-@pytest.mark.parametrize("zero_regs,sort_regs,blocks", [(30, 56, 1), (16, 56, 2), (16, 64, 1), (8, 32, 2)])
-def test_zero_fill_leaves_the_sort_its_registers(zero_regs, sort_regs, blocks):
-    """The side-stream zero fill's blocks per SM leave the one-block sort's 1024 threads room in an SM's
-    65536 registers (per-thread counts rounded up to 8): 30 -> 32 x 256 x 2 = 16384 would not fit beside
-    1024 x 56 = 57344; 16 x 256 x 2 = 8192 does. At least one block even where none fits."""
-    assert ia.zero_blocks_per_sm(zero_regs, sort_regs) == blocks
 
 BAD = [
     ("index", (torch.zeros(4, dtype=torch.int32), torch.zeros(4, 3)), {"num_rows": 5}),

@@ -14,11 +14,10 @@ checking they agree, then index_add's sorted variant in each task split (and ato
 bench cases: heavy rows, narrow and wide rows, as many rows as sources, mostly empty outputs (what
 kernels/index_add.py's default_split is chosen from), checking the splits' bits agree.
 
-``--fill`` times embedding_bwd's sorted variant (the ``fill`` and ``stage`` splits: the gradient zero-filled on
-a side stream beside the key sort, and for ``stage`` the sums) per count of tasks per tile of positions
-(ia.position_groups) and per shared-memory carveout of the fill (ia.ZERO_CARVEOUT), beside the fill alone
-per grid (ia.ZERO_BLOCKS_PER_SM), the key sort alone and PyTorch's embedding backward in both modes, on the
-audit's embedding shapes (Zipf tokens).
+``--fill`` times embedding_bwd's sorted variant in the ``fill`` split (the gradient zero-filled on a side
+stream beside the key sort) per count of tasks per tile of positions (ia.position_groups), beside the fill
+alone per grid (ia.ZERO_BLOCKS_PER_SM), the key sort alone and PyTorch's embedding backward in both modes,
+on the audit's embedding shapes (Zipf tokens), and the default's kernels.
 """
 from __future__ import annotations
 
@@ -176,8 +175,8 @@ FILL_BLOCKS = (2, 4, 6, 8, 16)
 
 
 def fill_sweep(dev: torch.device, flush) -> None:
-    """embedding_bwd's sorted variant in the fill and stage splits per position_groups (bits checked equal
-    within a split; every split's against the others in the GPU tests), the zero fill alone at
+    """embedding_bwd's sorted variant in the fill split per position_groups (bits checked equal; every
+    split's against the others in the GPU tests), the zero fill alone at
     each grid and as torch's zero_, the key sort alone, and PyTorch's embedding backward (default and
     deterministic mode; a timing in the latter includes its filling of uninitialised memory)."""
     from nnrand.audit import _zipf
@@ -209,17 +208,14 @@ def fill_sweep(dev: torch.device, flush) -> None:
             torch.use_deterministic_algorithms(False)
         print(f"  sort alone {sort:6.1f} us  torch default {t_default:6.1f} us  deterministic {t_det:6.1f} us",
               flush=True)
-        for split in ("fill", "stage"):
-            for carveout in (-1, ia.ZERO_CARVEOUT):
-                row = []
-                for groups in ia.POSITION_GROUPS:
-                    with mock.patch.object(ia, "position_groups", lambda *_, groups=groups: groups), \
-                            mock.patch.object(ia, "ZERO_CARVEOUT", carveout):
-                        row += timed_alike({f"groups {groups}": lambda: sorted_split("embedding_bwd", split)(
-                            grad, idx, num_weights=v, check_range=False)}, dev, flush)
-                print(f"  sorted, {split}, fill's carveout {carveout} (default groups "
-                      f"{ia.position_groups(kernels.runtime.cdiv(n, 32) * kernels.runtime.cdiv(d, 128), sm)}): "
-                      + "  ".join(row), flush=True)
+        row = []
+        for groups in ia.POSITION_GROUPS:
+            with mock.patch.object(ia, "position_groups", lambda *_, groups=groups: groups):
+                row += timed_alike({f"groups {groups}": lambda: sorted_split("embedding_bwd", "fill")(
+                    grad, idx, num_weights=v, check_range=False)}, dev, flush)
+        print(f"  sorted, fill (default groups "
+              f"{ia.position_groups(kernels.runtime.cdiv(n, 32) * kernels.runtime.cdiv(d, 128), sm)}): "
+              + "  ".join(row), flush=True)
         kt = kernel_times(lambda: sorted_bwd(grad, idx, num_weights=v, check_range=False), 20)
         print(f"  default split {ia.default_split(n, v, False)}: kernels "
               + ", ".join(f"{name} {t:.1f}" for name, t in kt.items())
