@@ -369,21 +369,6 @@ def default_split(n: int, space: int, scalar: bool) -> str:
     return "tiles" if not scalar and n <= TILES_UP_TO * space else "rows"
 
 
-POSITION_GROUPS = (1, 2, 4, 8)   # tasks per tile of 32 sorted positions in the fill split
-GROUP_WARPS_PER_SM = 24          # one wave of the warp kernels' three 8-warp blocks per SM
-
-
-def position_groups(tiles: int, sms: int) -> int:
-    """Tasks per tile of 32 sorted positions in the ``fill`` split (segsum.cuh: each takes the rows that
-    start in its 32 / groups lanes, and with more than one its source rows are prefetched; the same
-    sums): the most of POSITION_GROUPS that keep ``tiles`` (tiles times column slices) within one wave,
-    GROUP_WARPS_PER_SM warps per SM, so few tiles still spread over the GPU. From ``bench/dev/
-    segsum_phases.py --fill`` on the H200 (embedding backward, Zipf tokens, whole call): 2048 tokens into
-    32000 x 768 (64 tiles of 6 slices, one warp each on 48 of 132 SMs): 8 groups 55 us, 1 group 62;
-    16384 tokens (512 x 6): 1 group 78 us without prefetching, 2 groups 90."""
-    return max(g for g in POSITION_GROUPS if g == 1 or tiles * g <= GROUP_WARPS_PER_SM * sms)
-
-
 MSORT_TILE = 2048            # SEG_MSORT_TILE: keys per block of the tile sort
 MSORT_THREADS = 256          # SEG_MSORT_THREADS
 MSORT_MAX = 32768            # SEG_MSORT_MAX: the merge sort takes up to this many keys
@@ -610,17 +595,16 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     part = torch.empty((2, slots, width), device=dev, dtype=torch.float32)
     counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
     fill = split == "fill"
-    groups = position_groups(cdiv(n, 32) * min(slices, MAX_GRID_Y), sm_count(dev)) if fill and not scalar else 1
     args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
             np.uint64(int(ptr(counters)) + 4 * slots * slices), np.int64(n), np.int32(width), np.int64(skip),
-            np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill), np.int32(groups))
+            np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill))
     if join is not None:
         join()
     if scalar:  # a thread per destination (rows) and per sorted position
         launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if fill else space) + n),),
                (THREADS,), args, device=dev)
     else:  # a warp per destination (or 32 of them; or none) and per 32 sorted positions; grid rows: slices
-        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32) * groups
+        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32)
         kernel = f"{prefix}_rows{vec}{'' if split == 'rows' else '_' + split}_{kname}"
         launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
                                                min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)

@@ -944,16 +944,6 @@ struct SegVec<4> {
     }
 };
 
-// Prefetch into L2 this lane's source row `row`, the warp's column slice of it (32 * VEC floats from
-// col0: VEC lines of 128 bytes): a warp about to add up to 32 rows one after another in batches of U
-// puts all of them in flight at once, so its batches wait on L2 rather than DRAM one after another.
-template <int VEC>
-__device__ __forceinline__ void seg_prefetch_row(const float* __restrict__ src, long long row, int D, int col0) {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j)
-        if (col0 + 32 * j < D) asm volatile("prefetch.global.L2 [%0];" ::"l"(src + row * D + col0 + 32 * j));
-}
-
 // The warp sums `len` contributions from sorted position q0 in source order: lane l holds columns
 // col .. col + VEC - 1. perm is read 32 positions at a time (one per lane) and broadcast; U source rows
 // are loaded at once (16 floats per lane in flight, 80 registers: 3 blocks per SM; predicated, so a
@@ -961,7 +951,7 @@ __device__ __forceinline__ void seg_prefetch_row(const float* __restrict__ src, 
 template <int VEC>
 __device__ __forceinline__ void seg_warp_chunk(const float* __restrict__ src, const long long* __restrict__ perm,
                                                long long q0, int len, int D, int col, bool active, bool scaled,
-                                               float count, float* acc, bool prefetch = false) {
+                                               float count, float* acc) {
     constexpr int U = VEC == 1 ? 8 : 16 / VEC;
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -969,7 +959,6 @@ __device__ __forceinline__ void seg_warp_chunk(const float* __restrict__ src, co
     for (int b = 0; b < len; b += 32) {
         const int nb = min(32, len - b);
         const long long mine = lane < nb ? perm[q0 + b + lane] : 0;
-        if (prefetch && nb > U && lane < nb) seg_prefetch_row<VEC>(src, mine, D, col - lane * VEC);
         for (int t = 0; t < nb; t += U) {  // t + u < 32: U divides 32
             float v[U][VEC];
 #pragma unroll
@@ -1024,73 +1013,6 @@ __device__ __forceinline__ void seg_warp_singles(const float* __restrict__ src, 
     }
 }
 
-// The fill split: the rows of one chunk (k <= SEG_CHUNK_MIN) that start in the tile of sorted
-// positions t0 .. t0 + 31, summed as one stream of their contributions in sorted order: lane l's position
-// t0 + l where `mine` (its row is such a row, starts in the tile, and in this task's group of lanes),
-// then the spill of the tile's last row past t0 + 31 when that row is mine (rows are contiguous, so only
-// the last one to start in a tile reaches past it; k <= 32 from t0 + hl <= t0 + 31: at most 31
-// positions). U source rows are loaded at once, across row boundaries, then added in order into one
-// accumulator that starts at +0.0 and is stored and restarted at each row's last contribution (`end`):
-// each row's sum is seg_warp_chunk's, the same additions in the same order, with loads in flight across
-// short rows instead of a round trip or two per row.
-template <int VEC>
-__device__ __forceinline__ void seg_warp_runs(const float* __restrict__ src, const long long* __restrict__ perm,
-                                              float* __restrict__ out, long long t0, bool mine, bool end,
-                                              bool first, long long dst, long long k, int D, int col,
-                                              bool active, bool scaled, bool prefetch) {
-    constexpr int U = VEC == 1 ? 8 : 16 / VEC;
-    const int lane = threadIdx.x & 31;
-    unsigned a = __ballot_sync(SEG_FULL, mine);
-    if (!a) return;  // warp-uniform; a row of one chunk starts in the tile, so `first` has a lane
-    const int hl = 31 - __clz(__ballot_sync(SEG_FULL, first));
-    const long long lk = __shfl_sync(SEG_FULL, k, hl), ldst = __shfl_sync(SEG_FULL, dst, hl);
-    const int spill = __shfl_sync(SEG_FULL, mine, hl) ? (int)max(0LL, hl + lk - 32) : 0;
-    unsigned b = (1u << spill) - 1u;
-    const long long r0 = mine ? perm[t0 + lane] : 0, r1 = lane < spill ? perm[t0 + 32 + lane] : 0;
-    if (prefetch && __popc(a) + spill > U) {  // more than one batch: all of them in flight at once
-        if (mine) seg_prefetch_row<VEC>(src, r0, D, col - lane * VEC);
-        if (lane < spill) seg_prefetch_row<VEC>(src, r1, D, col - lane * VEC);
-    }
-    float acc[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
-    while (a | b) {  // warp-uniform
-        int at[U];  // the lane of position t0 + at[u] (spill: t0 + at[u], at[u] >= 32); -1: none
-        float v[U][VEC];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            at[u] = -1;
-            long long row = 0;
-            if (a) {
-                at[u] = __ffs(a) - 1;
-                a &= a - 1;
-                row = __shfl_sync(SEG_FULL, r0, at[u]);
-            } else if (b) {
-                at[u] = __ffs(b) - 1;
-                b &= b - 1;
-                row = __shfl_sync(SEG_FULL, r1, at[u]);
-                at[u] += 32;
-            }
-            if (at[u] >= 0 && active) SegVec<VEC>::load(src + row * D + col, v[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (at[u] < 0) continue;
-            const int h = at[u] & 31;
-            const bool spilled = at[u] >= 32;
-            const long long to = spilled ? ldst : __shfl_sync(SEG_FULL, dst, h);
-            const float count = (float)(spilled ? lk : __shfl_sync(SEG_FULL, k, h));
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) acc[j] += seg_value(v[u][j], scaled, count);
-            if (spilled ? h == spill - 1 : __shfl_sync(SEG_FULL, end, h)) {
-                if (active) SegVec<VEC>::store(out + to * D + col, acc);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
-            }
-        }
-    }
-}
-
 // A row's chunk 0 (k >= 1 contributions from sorted position s): to the row when it is the only chunk,
 // else to its partial slot and into the tree.
 template <int VEC>
@@ -1098,11 +1020,10 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
                                                      float* __restrict__ out, float* part1, float* part2,
                                                      unsigned* cnt1, unsigned* cnt2, long long m, long long s,
                                                      long long k, int D, int col, bool active, int cb, int ce,
-                                                     bool scaled, long long slice, long long slices,
-                                                     bool prefetch = false) {
+                                                     bool scaled, long long slice, long long slices) {
     float acc[VEC];
     const long long L = seg_chunk_len(k), nc = (k + L - 1) / L;
-    seg_warp_chunk<VEC>(src, perm, s, (int)min(L, k), D, col, active, scaled, (float)k, acc, prefetch);
+    seg_warp_chunk<VEC>(src, perm, s, (int)min(L, k), D, col, active, scaled, (float)k, acc);
     if (nc == 1) {
         if (active) SegVec<VEC>::store(out + m * D + col, acc);
     } else {
@@ -1120,12 +1041,9 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
 // Then, in both, position task w >= space (or R): the tile of sorted positions 32 * (w - space or R)
 // .. + 31 and the chunks c >= 1 that start in it. SEG_SPLIT_FILL: position tasks only, over an output
 // already zero-filled (the launcher fills it on a second stream while the keys are sorted); a position
-// tile also takes the rows that start in it: those of one chunk through seg_warp_runs, then chunk 0 of
-// each longer row; `groups` (a power of 2 up to 32) tasks share a tile, each taking the rows that start
-// in its 32 / groups lanes and the chunk heads there (more warps where few tiles would leave the GPU
-// idle, each with less to do one after another, their source rows prefetched into L2 when groups > 1).
-// Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each. Every split sums the same
-// chunks in the same order: the same bits.
+// tile also takes the rows that start in it: those of one contribution through seg_warp_singles, then
+// chunk 0 of each longer row. Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each.
+// Every split sums the same chunks in the same order: the same bits.
 #define SEG_SPLIT_ROWS 0
 #define SEG_SPLIT_TILES 1
 #define SEG_SPLIT_FILL 2
@@ -1136,15 +1054,11 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                                               const long long* __restrict__ start, float* __restrict__ out,
                                               float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
                                               long long n, int D, long long skip, int scaled, long long space,
-                                              long long offset, int groups) {
+                                              long long offset) {
     const int lane = threadIdx.x & 31;
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
-    constexpr bool positions_only = SPLIT == SEG_SPLIT_FILL;
-    if (!positions_only) groups = 1;
-    const int gw = 32 / groups;  // lanes per group
-    const bool prefetch = groups > 1;
     const long long dtasks = SPLIT == SEG_SPLIT_ROWS ? space : SPLIT == SEG_SPLIT_TILES ? (space + 31) >> 5 : 0;
-    const long long tasks = dtasks + ((n + 31) >> 5) * groups;
+    const long long tasks = dtasks + ((n + 31) >> 5);
     const long long warps = (long long)gridDim.x * SEG_WARPS;
     for (long long slice = blockIdx.y; slice < slices; slice += gridDim.y) {
         const int col = (int)slice * 32 * VEC + lane * VEC;
@@ -1189,8 +1103,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 }
                 continue;
             }
-            const long long tile = (w - dtasks) / groups, p = tile * 32 + lane;
-            const int grp = (int)((w - dtasks) % groups);  // this task's lanes: the rows starting in them
+            const long long tile = w - dtasks, p = tile * 32 + lane;
             long long m = 0, s = 0, k = 0, L = 1;
             bool head = false, first = false;
             if (p < n) {
@@ -1203,20 +1116,18 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                     head = !first && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1
                 }
             }
-            if (positions_only) {  // the rows starting in this tile's lanes of this group
-                const bool mine = k >= 1 && k <= SEG_CHUNK_MIN && s >= tile * 32 && (int)(s - tile * 32) / gw == grp;
-                seg_warp_runs<VEC>(src, perm, out, tile * 32, mine, mine && p == s + k - 1, first, m, k, D, col,
-                                   active, scaled, prefetch);
-                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > SEG_CHUNK_MIN && lane / gw == grp); longer;
-                     longer &= longer - 1) {
+            if (SPLIT == SEG_SPLIT_FILL) {  // the rows starting in this tile
+                const bool single = first && k == 1;
+                const long long r = single ? perm[p] : 0;
+                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single), r, m, D, col, active, scaled);
+                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1); longer; longer &= longer - 1) {
                     const int h = __ffs(longer) - 1;
-                    seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2,
-                                              __shfl_sync(SEG_FULL, m, h), tile * 32 + h,
-                                              __shfl_sync(SEG_FULL, k, h), D, col, active, cb, ce, scaled, slice,
-                                              slices, prefetch);
+                    seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2, __shfl_sync(SEG_FULL, m, h),
+                                              tile * 32 + h, __shfl_sync(SEG_FULL, k, h), D, col, active, cb, ce,
+                                              scaled, slice, slices);
                 }
             }
-            unsigned heads = __ballot_sync(SEG_FULL, head && lane / gw == grp);
+            unsigned heads = __ballot_sync(SEG_FULL, head);
             while (heads) {
                 const int h = __ffs(heads) - 1;
                 heads &= heads - 1;
@@ -1225,7 +1136,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 const long long hp = tile * 32 + h;
                 const long long c = (hp - hs) / hL, nc = (hk + hL - 1) / hL, base = seg_slot(hs);
                 seg_warp_chunk<VEC>(src, perm, hp, (int)min(hL, hk - (hp - hs)), D, col, active, scaled,
-                                    (float)hk, acc, prefetch);
+                                    (float)hk, acc);
                 if (active) SegVec<VEC>::store(part1 + (base + c) * D + col, acc);
                 seg_combine<32>(out, part1, part2, cnt1, cnt2, hm, base, c, nc, D, cb, ce, slice, slices);
             }
@@ -1300,9 +1211,9 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
     const float* __restrict__ src, const KT* __restrict__ skey, const long long* __restrict__ perm,     \
         const long long* __restrict__ start, float* __restrict__ out, float* part1, float* part2,       \
         unsigned* cnt1, unsigned* cnt2, long long n, int D, long long skip, int scaled, long long space, \
-        long long offset, int fill, int groups
+        long long offset, int fill
 
-#define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset, groups
+#define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset
 
 // PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key> and PREFIX_rows<VEC>_fill_<key>,
 // separate kernels. The last two are held to 80 registers (3 blocks per SM; spill-free at U = 16 / VEC):

@@ -194,54 +194,6 @@ def test_task_split_sums_every_chunk_once():
         assert len(got) == len(set(got)) and set(got) == want
 
 
-
-@pytest.mark.parametrize("groups", ia.POSITION_GROUPS)
-def test_positions_only_split_sums_every_chunk_once(groups):
-    """The fill split's position tasks (segsum.cuh: seg_rows_body, seg_warp_runs), replayed on
-    the host with ``groups`` tasks per tile: a row of one chunk (k <= 32) is summed as one run of its
-    positions s .. s + k - 1 in order by the task whose lanes hold s (the tile's last row through its
-    spill past the tile), a longer row's chunk 0 by the task holding s and each chunk c >= 1 by the task
-    holding its head; every chunk of every row exactly once, the skip row never."""
-    rng = np.random.default_rng(2)
-    gw = 32 // groups
-    for _ in range(200):
-        counts = rng.choice([0, 1, 1, 2, 3, 5, 31, 32, 33, 64, 65, 700], size=rng.integers(1, 40))
-        skip = int(rng.integers(-1, len(counts)))
-        keys = np.repeat(np.arange(len(counts)), counts)
-        start = np.concatenate(([0], np.cumsum(counts)))
-        n, space = len(keys), len(counts)
-        want = {(m, c) for m in range(space) if m != skip
-                for c in range(-(-int(counts[m]) // ia.chunk_len(int(counts[m]))))}
-        got = []
-        for tile in range(-(-n // 32)):
-            t0 = tile * 32
-            p = np.arange(t0, t0 + 32)
-            valid = (p < n)
-            m = np.where(valid, keys[np.minimum(p, n - 1)], 0)
-            valid &= m != skip
-            s, k = np.where(valid, start[m], 0), np.where(valid, counts[m], 0)
-            first = valid & (p == s)
-            L = np.array([ia.chunk_len(max(1, int(c))) for c in k])
-            head = valid & ~first & ((p - s) % L == 0)
-            for grp in range(groups):
-                mine = (k >= 1) & (k <= 32) & (s >= t0) & ((s - t0) // gw == grp)
-                stream = list(p[mine])
-                if first.any():
-                    hl = int(np.flatnonzero(first)[-1])
-                    if mine[hl]:
-                        stream += range(t0 + 32, t0 + hl + int(k[hl]))
-                runs = {}
-                for q in stream:
-                    runs.setdefault(int(keys[q]), []).append(int(q))
-                for r, qs in runs.items():  # each of the task's rows whole, in order
-                    assert qs == list(range(start[r], start[r + 1])), (tile, grp, r)
-                    got.append((r, 0))
-                lanes = np.arange(32) // gw == grp
-                got += [(int(r), 0) for r in m[first & (k > 32) & lanes]]
-                got += [(int(r), int(c)) for r, c in zip(m[head & lanes], ((p - s) // L)[head & lanes])]
-        assert len(got) == len(set(got)) and set(got) == want
-
-
 BAD = [
     ("index", (torch.zeros(4, dtype=torch.int32), torch.zeros(4, 3)), {"num_rows": 5}),
     ("index", (torch.zeros(4, 1, dtype=torch.int64), torch.zeros(4, 3)), {"num_rows": 5}),

@@ -14,10 +14,9 @@ checking they agree, then index_add's sorted variant in each task split (and ato
 bench cases: heavy rows, narrow and wide rows, as many rows as sources, mostly empty outputs (what
 kernels/index_add.py's default_split is chosen from), checking the splits' bits agree.
 
-``--fill`` times embedding_bwd's sorted variant in the ``fill`` split (the gradient zero-filled on a side
-stream beside the key sort) per count of tasks per tile of positions (ia.position_groups), beside the fill
-alone per grid (ia.ZERO_BLOCKS_PER_SM), the key sort alone and PyTorch's embedding backward in both modes,
-on the audit's embedding shapes (Zipf tokens), and the default's kernels.
+``--fill`` times embedding_bwd's sorted variant (the ``fill`` split: the gradient zero-filled on a side stream
+beside the key sort) per grid of the fill (ia.ZERO_BLOCKS_PER_SM), beside the fill alone, the key sort
+alone and PyTorch's embedding backward in both modes, on the audit's embedding shapes (Zipf tokens).
 """
 from __future__ import annotations
 
@@ -175,10 +174,10 @@ FILL_BLOCKS = (2, 4, 6, 8, 16)
 
 
 def fill_sweep(dev: torch.device, flush) -> None:
-    """embedding_bwd's sorted variant in the fill split per position_groups (bits checked equal; every
-    split's against the others in the GPU tests), the zero fill alone at
-    each grid and as torch's zero_, the key sort alone, and PyTorch's embedding backward (default and
-    deterministic mode; a timing in the latter includes its filling of uninitialised memory)."""
+    """embedding_bwd's sorted variant per ZERO_BLOCKS_PER_SM (bits checked equal) and its kernels' times
+    (torch.profiler), the zero fill alone at each grid and as torch's zero_, the key sort alone, and
+    PyTorch's embedding backward (default and deterministic mode; a timing in the latter includes its
+    filling of uninitialised memory)."""
     from nnrand.audit import _zipf
 
     sorted_bwd = kernels.get("embedding_bwd", "sorted")
@@ -209,17 +208,13 @@ def fill_sweep(dev: torch.device, flush) -> None:
         print(f"  sort alone {sort:6.1f} us  torch default {t_default:6.1f} us  deterministic {t_det:6.1f} us",
               flush=True)
         row = []
-        for groups in ia.POSITION_GROUPS:
-            with mock.patch.object(ia, "position_groups", lambda *_, groups=groups: groups):
-                row += timed_alike({f"groups {groups}": lambda: sorted_split("embedding_bwd", "fill")(
-                    grad, idx, num_weights=v, check_range=False)}, dev, flush)
-        print(f"  sorted, fill (default groups "
-              f"{ia.position_groups(kernels.runtime.cdiv(n, 32) * kernels.runtime.cdiv(d, 128), sm)}): "
-              + "  ".join(row), flush=True)
+        for k in FILL_BLOCKS:
+            with mock.patch.object(ia, "ZERO_BLOCKS_PER_SM", k):
+                row += timed_alike({f"{k}/SM": lambda: sorted_bwd(grad, idx, num_weights=v, check_range=False)},
+                                   dev, flush)
+        print("  sorted: " + "  ".join(row) + f"  (target: deterministic / 3 = {t_det / 3:.1f} us)", flush=True)
         kt = kernel_times(lambda: sorted_bwd(grad, idx, num_weights=v, check_range=False), 20)
-        print(f"  default split {ia.default_split(n, v, False)}: kernels "
-              + ", ".join(f"{name} {t:.1f}" for name, t in kt.items())
-              + f" us  (target: deterministic / 3 = {t_det / 3:.1f} us)", flush=True)
+        print("  sorted's kernels: " + ", ".join(f"{name} {t:.1f}" for name, t in kt.items()) + " us", flush=True)
 
 
 def main() -> None:
