@@ -58,7 +58,7 @@ from .runtime import (
     layout_of,
     memo_check,
 )
-from .shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape, check_dgrad_output
+from .shapes import HOSTILE_CONV, RESNET18_CONV, ConvGeometry, ConvShape, check_dgrad_output
 
 OP = "conv_dgrad"
 SOURCE = "conv_dgrad.cu"
@@ -74,25 +74,9 @@ ATOMIC_ORDERS = 32                  # CPU atomic model: runs of dx planes, one r
 
 
 @dataclass(frozen=True)
-class Geometry:
-    """Validated sizes of one call (hashable: launch plans are cached per geometry); per-axis stride
-    s*, padding p*, dilation d*; ``layout`` is dy's (and dx's)."""
+class Geometry(ConvGeometry):
+    """ConvGeometry and ``layout``, dy's (and dx's)."""
 
-    n: int
-    cin: int
-    cout: int
-    kh: int
-    kw: int
-    h: int
-    w: int
-    oh: int
-    ow: int
-    sh: int
-    sw: int
-    ph: int
-    pw: int
-    dh: int
-    dw: int
     layout: str
 
     @property

@@ -49,7 +49,7 @@ from .runtime import (
     memo_check,
     ptr,
 )
-from .shapes import check_dgrad_output
+from .shapes import GroupedGeometry, check_dgrad_output
 
 OP = "conv_dgrad_grouped"
 SOURCE = "conv_dgrad_grouped.cu"
@@ -60,32 +60,8 @@ TAP_SIZES = (9, 25, 49)  # depthwise kernels keep up to this many weights in reg
 
 
 @dataclass(frozen=True)
-class Geometry:
-    n: int
-    cin: int
-    h: int
-    w: int
-    cout: int
-    oh: int
-    ow: int
-    kh: int
-    kw: int
-    sh: int
-    sw: int
-    ph: int
-    pw: int
-    dh: int
-    dw: int
-    groups: int
+class Geometry(GroupedGeometry):
     channels_last: bool  # dy's channels innermost: dx is channels_last, lanes run along channels
-
-    @property
-    def cin_g(self) -> int:
-        return self.cin // self.groups
-
-    @property
-    def cout_g(self) -> int:
-        return self.cout // self.groups
 
     @property
     def dx_shape(self) -> tuple[int, int, int, int]:

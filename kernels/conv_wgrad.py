@@ -46,7 +46,7 @@ from .runtime import (
     memo_check,
     ticket_counters,
 )
-from .shapes import HOSTILE_CONV, RESNET18_CONV, ConvShape, conv_out
+from .shapes import HOSTILE_CONV, RESNET18_CONV, ConvGeometry, ConvShape, conv_out
 
 OP = "conv_wgrad"
 SOURCE = "conv_wgrad.cu"
@@ -113,23 +113,7 @@ TAP_TILES = True
 
 
 @dataclass(frozen=True)
-class Geometry:
-    n: int
-    cin: int
-    h: int
-    w: int
-    cout: int
-    oh: int
-    ow: int
-    kh: int
-    kw: int
-    sh: int
-    sw: int
-    ph: int
-    pw: int
-    dh: int
-    dw: int
-
+class Geometry(ConvGeometry):
     @property
     def m(self) -> int:
         return self.cout

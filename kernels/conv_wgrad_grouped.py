@@ -43,7 +43,7 @@ from .runtime import (
     ptr,
     ticket_counters,
 )
-from .shapes import conv_out
+from .shapes import GroupedGeometry, conv_out
 
 OP = "conv_wgrad_grouped"
 SOURCE = "conv_wgrad_grouped.cu"
@@ -63,32 +63,8 @@ MAX_SPLITS = 1024
 
 
 @dataclass(frozen=True)
-class Geometry:
-    n: int
-    cin: int
-    h: int
-    w: int
-    cout: int
-    oh: int
-    ow: int
-    kh: int
-    kw: int
-    sh: int
-    sw: int
-    ph: int
-    pw: int
-    dh: int
-    dw: int
-    groups: int
+class Geometry(GroupedGeometry):
     channel_inner: bool  # x's channels innermost in memory (channels_last): lanes along channels
-
-    @property
-    def cin_g(self) -> int:
-        return self.cin // self.groups
-
-    @property
-    def cout_g(self) -> int:
-        return self.cout // self.groups
 
     @property
     def pairs(self) -> int:

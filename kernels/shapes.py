@@ -34,6 +34,44 @@ def check_dgrad_output(op: str, dy_shape: tuple, cout: int, h: int, wd: int, kh:
 
 
 @dataclass(frozen=True)
+class ConvGeometry:
+    """Validated sizes of one convolution gradient call (hashable: launch plans are cached per geometry):
+    batch n, channels cin and cout, input h x w, output oh x ow, kernel kh x kw, per-axis stride s*,
+    padding p* and dilation d*. Each op's Geometry adds its layout and derived sizes."""
+
+    n: int
+    cin: int
+    h: int
+    w: int
+    cout: int
+    oh: int
+    ow: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+    dh: int
+    dw: int
+
+
+@dataclass(frozen=True)
+class GroupedGeometry(ConvGeometry):
+    """A ConvGeometry of ``groups`` channel groups (cin and cout both divisible by it)."""
+
+    groups: int
+
+    @property
+    def cin_g(self) -> int:
+        return self.cin // self.groups
+
+    @property
+    def cout_g(self) -> int:
+        return self.cout // self.groups
+
+
+@dataclass(frozen=True)
 class ConvShape:
     name: str
     n: int
