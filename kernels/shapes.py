@@ -37,7 +37,8 @@ def check_dgrad_output(op: str, dy_shape: tuple, cout: int, h: int, wd: int, kh:
 class ConvGeometry:
     """Validated sizes of one convolution gradient call (hashable: launch plans are cached per geometry):
     batch n, channels cin and cout, input h x w, output oh x ow, kernel kh x kw, per-axis stride s*,
-    padding p* and dilation d*. Each op's Geometry adds its layout and derived sizes."""
+    padding p* and dilation d*. Each op's Geometry adds its derived sizes (and the layout, where it has
+    one)."""
 
     n: int
     cin: int

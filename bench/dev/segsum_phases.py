@@ -174,10 +174,10 @@ FILL_BLOCKS = (2, 4, 6, 8, 16)
 
 
 def fill_sweep(dev: torch.device, flush) -> None:
-    """embedding_bwd's sorted variant per ZERO_BLOCKS_PER_SM (bits checked equal) and its kernels' times
-    (torch.profiler), the zero fill alone at each grid and as torch's zero_, the key sort alone, and
-    PyTorch's embedding backward (default and deterministic mode; a timing in the latter includes its
-    filling of uninitialised memory)."""
+    """embedding_bwd's sorted variant per ZERO_BLOCKS_PER_SM (bits checked equal across them) and its
+    kernels' times at the default (torch.profiler), the zero fill alone at each grid and as torch's zero_,
+    the key sort alone, and PyTorch's embedding backward (default and deterministic mode; a timing in the
+    latter includes its filling of uninitialised memory)."""
     from nnrand.audit import _zipf
 
     sorted_bwd = kernels.get("embedding_bwd", "sorted")
@@ -186,7 +186,8 @@ def fill_sweep(dev: torch.device, flush) -> None:
         idx = _zipf(g, n, v).to(dev)
         grad = torch.randn(n, d, generator=g).to(dev)
         out = torch.empty(v, d, device=dev)
-        zero = kernels.runtime.function(ia.SOURCE, "segsum_zero", dev)
+        emb = kernels.embedding_bwd
+        zero = kernels.runtime.function(emb.SOURCE, "segsum_zero", dev)
         sm = kernels.runtime.sm_count(dev)
 
         def fill(k):
@@ -196,7 +197,6 @@ def fill_sweep(dev: torch.device, flush) -> None:
         print(f"\nembedding V {v} D {d} tokens {n}: {out.numel() * 4 / 1e6:.0f} MB of gradient", flush=True)
         print("  fill alone: " + "  ".join(f"{k}/SM {us(lambda k=k: fill(k), dev, flush):6.1f}" for k in FILL_BLOCKS)
               + f"  zero_ {us(out.zero_, dev, flush):6.1f} us", flush=True)
-        emb = kernels.embedding_bwd
         sort = us(lambda: ia.sort_keys(emb.SOURCE, emb.OP, idx, v), dev, flush)
         native = torch.ops.aten.embedding_dense_backward
         t_default = us(lambda: native(grad, idx, v, -1, False), dev, flush)
@@ -207,11 +207,10 @@ def fill_sweep(dev: torch.device, flush) -> None:
             torch.use_deterministic_algorithms(False)
         print(f"  sort alone {sort:6.1f} us  torch default {t_default:6.1f} us  deterministic {t_det:6.1f} us",
               flush=True)
-        row = []
-        for k in FILL_BLOCKS:
+        def with_blocks(k):
             with mock.patch.object(ia, "ZERO_BLOCKS_PER_SM", k):
-                row += timed_alike({f"{k}/SM": lambda: sorted_bwd(grad, idx, num_weights=v, check_range=False)},
-                                   dev, flush)
+                return sorted_bwd(grad, idx, num_weights=v, check_range=False)
+        row = timed_alike({f"{k}/SM": (lambda k=k: with_blocks(k)) for k in FILL_BLOCKS}, dev, flush)
         print("  sorted: " + "  ".join(row) + f"  (target: deterministic / 3 = {t_det / 3:.1f} us)", flush=True)
         kt = kernel_times(lambda: sorted_bwd(grad, idx, num_weights=v, check_range=False), 20)
         print("  sorted's kernels: " + ", ".join(f"{name} {t:.1f}" for name, t in kt.items()) + " us", flush=True)
