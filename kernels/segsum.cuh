@@ -119,11 +119,10 @@ segsum_count(const long long* __restrict__ key, long long n, long long rows, uns
 // blocks per SM on a second stream beside the sort of the `fill` split (kernels/index_add.py): a grid of
 // that size leaves room on every SM for the sort's kernels, which a fill over the whole GPU would keep
 // waiting until its last wave (stores need no warps waiting on them, so a few blocks still saturate
-// the memory's write bandwidth). The one-block sort still waits, though (H200, bench/dev/segsum_phases.py
-// --fill, 2048 tokens into a 32000 x 768 gradient): in one profiled call it started 13 us into the
-// fill's 25 us kernel and ended with it, and the call (fill, sort, sums) takes 63 us against 26 us
-// for the fill and 16 for the key sort, each timed alone; a fill held to 16 registers, or with the
-// most shared memory carved out, did not change the total.
+// the memory's write bandwidth). Beside the one-block sort that overlap is not borne out (H200,
+// bench/dev/segsum_phases.py --fill, 2048 tokens into a 32000 x 768 gradient): the call (fill, sort,
+// sums) takes 63 us against 26 us for the fill and 16 for the key sort, each timed alone; a fill held
+// to 16 registers, or with the most shared memory carved out, did not change the total.
 extern "C" __global__ void __launch_bounds__(256)
 segsum_zero(float* __restrict__ out, long long n) {
     const long long step = (long long)gridDim.x * blockDim.x;
