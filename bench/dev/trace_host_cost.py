@@ -4,6 +4,7 @@
     python3 bench/dev/trace_host_cost.py --profile 30             # plus cProfile's top 30 under ops="all"
     python3 bench/dev/trace_host_cost.py --kineto 15              # plus the GPU's top 15 kernels, routed and all
     python3 bench/dev/trace_host_cost.py --split                  # plus host time per thread: op, record, rest
+    python3 bench/dev/trace_host_cost.py --parts                  # only the host time of a record's pieces
 
 Per mode, the median step time (synchronised; CUDA on a GPU) over ``--steps`` steps after 3 warm-up steps,
 each step as ``trace.recording_cost`` times it (forward, backward, optimizer step, parameter snapshot):
@@ -44,6 +45,7 @@ class Split:
 
     def __init__(self):
         self.op, self.add, self.calls, self.records = {}, {}, {}, {}
+        self.by_op: dict[str, list[float]] = {}   # aten op: [calls, s calling, s recording] over the run
 
     def install(self):
         rec_dispatch, rec_add = trace.Recorder.__torch_dispatch__, trace.Recorder._add
@@ -59,7 +61,12 @@ class Split:
             try:
                 return rec_dispatch(self, _Done(func, out), types, args, kwargs)
             finally:
-                split.add[th] = split.add.get(th, 0.0) + (time.perf_counter() - t1)
+                t2 = time.perf_counter()
+                split.add[th] = split.add.get(th, 0.0) + (t2 - t1)
+                row = split.by_op.setdefault(func._overloadpacket.__name__, [0, 0.0, 0.0])
+                row[0] += 1
+                row[1] += t1 - t0
+                row[2] += t2 - t1
 
         def add(self, *a, **k):
             th = threading.current_thread().name
@@ -70,11 +77,35 @@ class Split:
         return lambda: (setattr(trace.Recorder, "__torch_dispatch__", rec_dispatch),
                         setattr(trace.Recorder, "_add", rec_add))
 
-    def report(self, steps: int) -> None:
+    def report(self, steps: int, null: dict[str, list[float]] | None = None, top: int = 20) -> None:
         for th in sorted(self.calls):
             print(f"  thread {th}: {self.calls[th] / steps:.0f} ops and {self.records.get(th, 0) / steps:.0f} "
                   f"records per step; {self.op[th] / steps * 1e3:.2f} ms calling ops, "
                   f"{self.add[th] / steps * 1e3:.2f} ms recording per step")
+        null = null or {}
+        print(f"  the {top} aten ops of most host time per step (us per call: calling it under the null mode, "
+              "calling it recorded, recording it):")
+        rows = sorted(self.by_op.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:top]
+        for name, (n, call, add) in rows:
+            nn, ncall = null.get(name, (0, 0.0))
+            print(f"    {name:40s} {n / steps:5.0f}/step {ncall / max(nn, 1) * 1e6:8.1f} {call / n * 1e6:8.1f} "
+                  f"{add / n * 1e6:8.1f}  ({(call + add) / steps * 1e3:.2f} ms/step)")
+
+
+class TimedNull(TorchDispatchMode):
+    """The null mode, timing each aten op's call: by_op[name] = [calls, seconds]."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_op: dict[str, list[float]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        row = self.by_op.setdefault(func._overloadpacket.__name__, [0, 0.0])
+        row[0] += 1
+        row[1] += time.perf_counter() - t0
+        return out
 
 
 class _Done:
@@ -104,7 +135,7 @@ def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: in
     x = torch.randn(cfg.batch_size, 3, 32, 32, device=dev, generator=g)
     y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
     model, opt = train.build(cfg, seeds, 10, torch.contiguous_format)
-    ctx = {"none": contextlib.nullcontext(), "null": NullMode(),
+    ctx = {"none": contextlib.nullcontext(), "null": NullMode(), "timed_null": TimedNull(),
            "routed": trace.record(tmp / "r.trace", ops="routed", model=model),
            "all": trace.record(tmp / "a.trace", ops="all", model=model)}[mode]
     times = []
@@ -139,8 +170,64 @@ def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: in
     if prof is not None:
         print(f"\ncProfile, ops={mode}, {steps} steps, top {profile} by own time:")
         pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
+    if mode == "timed_null":
+        steps_ms.null_by_op = ctx.by_op
     return statistics.median(times)
 
+
+def per_call_us(fn, n: int, dev: torch.device, reset=None) -> float:
+    """Host microseconds per call of ``fn()`` (median of 5 batches of ``n`` calls, the device drained
+    before each batch; ``reset()`` after each batch, untimed)."""
+    out = []
+    for _ in range(5):
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+        if reset is not None:
+            reset()
+    sync(dev)
+    return statistics.median(out)
+
+
+def parts(dev: torch.device, n: int = 2000) -> None:
+    """Host time of each piece of one record's path, on a 128x64x32x32 float32 output of ``dev`` (recorded as
+    ops="all" records it: fingerprints deferred, one launch per FP_BATCH records)."""
+    t = torch.randn(128, 64, 32, 32, device=dev)
+    small = torch.randn(64, device=dev)
+    rec = trace.Recorder(ops="all")
+    rec.step()
+
+    def reset():
+        rec.pending.clear()
+        rec.rows.clear()
+        for s in rec.slots.values():
+            s.used = 0
+
+    print(f"\nhost us per call ({dev}, median of 5 batches of {n}):")
+    record = lambda: rec._add_outputs(t, "relu", "stages.0", "forward")  # noqa: E731
+    rows = [("torch._C._current_autograd_node()", torch._C._current_autograd_node),
+            ("torch.neg on a 64-float tensor", lambda: torch.neg(small))]
+    if trace._fused(t):
+        ptr = torch.empty(3, dtype=torch.float64, device=dev).data_ptr()
+        rows = [("one output's record (_add_outputs)", record),
+                ("its fingerprint launch alone (_launch_fingerprint)", lambda: trace._launch_fingerprint(t, ptr)),
+                *rows]
+    for name, fn in rows:
+        print(f"  {per_call_us(fn, n, dev, reset):8.2f}  {name}")
+    with NullMode():
+        print(f"  {per_call_us(lambda: torch.neg(small), n, dev):8.2f}  torch.neg, under a dispatch mode that only "
+              "calls each op")
+    # the kernel's path with its launches left out (on a CPU too: the Python a GPU record runs besides them)
+    real = trace._fused, trace._launch_fingerprints, trace._launch_deferred
+    trace._fused, trace._launch_fingerprints = (lambda x: True), (lambda ts, ptrs: None)
+    trace._launch_deferred = lambda d: None
+    try:
+        print(f"  {per_call_us(record, n, dev, reset):8.2f}  one output's record on the kernel's path, its launches "
+              "left out")
+    finally:
+        trace._fused, trace._launch_fingerprints, trace._launch_deferred = real
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
@@ -155,12 +242,17 @@ def main(argv=None) -> int:
                    help="the top N GPU kernels by device time under ops='routed' and 'all' (torch.profiler)")
     p.add_argument("--split", action="store_true",
                    help="host time per thread in calling ops and in recording them, under ops='all'")
+    p.add_argument("--parts", action="store_true",
+                   help="host time of each piece of one record's path (a record, its launch, a dispatch) and exit")
     p.add_argument("--tmp", default="/tmp/nnrand-trace-cost")
     a = p.parse_args(argv)
     cfg = train.resolve(train.Config(model=a.model, batch_size=a.batch, kernel=a.kernel, device=a.device))
     tmp = Path(a.tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     dev = torch.device(a.device)
+    if a.parts:
+        parts(dev)
+        return 0
     t = torch.randn(128, 64, 32, 32, device=dev)
     for _ in range(20):
         trace.record_values(t)
@@ -183,6 +275,7 @@ def main(argv=None) -> int:
     if a.profile or a.kineto:
         steps_ms(cfg, "all", a.steps, tmp, profile=a.profile, kineto=a.kineto)
     if a.split:
+        steps_ms(cfg, "timed_null", a.steps, tmp)
         split = Split()
         undo = split.install()
         try:
@@ -191,7 +284,7 @@ def main(argv=None) -> int:
             undo()
         print(f"\nops='all' with the split timers: {ms:.2f} ms/step; per step (3 warm-up steps included, "
               f"averaged over {a.steps + 3}):")
-        split.report(a.steps + 3)
+        split.report(a.steps + 3, steps_ms.null_by_op)
     return 0
 
 
