@@ -20,8 +20,10 @@ split and combine order, a different rounding inside each chunk; those variants 
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import itertools
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -68,9 +70,40 @@ class Variant:
     def _run(self, cuda: bool, args: tuple, rng, kwargs: dict):
         if cuda:
             return self.cuda(*args, **kwargs)
+        mark = _numba_compiles()
         # Overflow to Inf and Inf - Inf = NaN are results here, as on the GPU, not numerical accidents.
         with np.errstate(over="ignore", invalid="ignore"):
-            return self.cpu(*args, rng=rng, **kwargs)
+            out = self.cpu(*args, rng=rng, **kwargs)
+        if _numba_compiles() != mark:
+            # Numba's compiler leaves a reference cycle that holds the calling frames, and with them this
+            # call's inputs and outputs, until the garbage collector runs: autograd would then copy a
+            # gradient it steals on every later call (another op sequence on a model's first step)
+            gc.collect()
+        return out
+
+
+_COMPILES = [0]     # Numba compilations finished in this process, once a listener counts them
+_LISTENING = False
+
+
+def _numba_compiles() -> int | None:
+    """Numba compilations finished so far (None while Numba is not imported: nothing compiled)."""
+    global _LISTENING
+    if not _LISTENING:
+        if "numba" not in sys.modules:
+            return None
+        from numba.core import event
+
+        class Count(event.Listener):
+            def on_start(self, ev):
+                pass
+
+            def on_end(self, ev):
+                _COMPILES[0] += 1
+
+        event.register("numba:compile", Count())
+        _LISTENING = True
+    return _COMPILES[0]
 
 
 @functools.lru_cache(maxsize=None)
