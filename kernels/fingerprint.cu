@@ -1,29 +1,73 @@
-// fingerprint.cu: the per-output fingerprint of nnrand.trace in one pass over a tensor of 4-byte words.
+// fingerprint.cu: the per-output fingerprint of nnrand.trace in one pass over a tensor's elements.
 // Launcher: nnrand/trace.py (fingerprint_cuda). Not a registry op: it measures, it computes no gradient.
 //
-//   fp  = sum_i (i + 1) * w_i over the words w_i read as int32, sign-extended, in wrapping 64-bit
-//         arithmetic: integer addition is associative, so this is exact whatever the order
-//   l2  = sqrt(sum_i x_i^2), x_i the words read as float32, accumulated in double
-//   mx  = max_i |x_i| (NaN if any x_i is NaN)
+//   fp  = sum_i (i + 1) * b_i over the elements' bit patterns b_i (1-byte elements zero-extended, wider ones
+//         sign-extended to 64 bits) in wrapping 64-bit arithmetic: integer addition is associative, so
+//         this is exact whatever the order
+//   l2  = sqrt(sum_i x_i^2), x_i the elements' values as double, accumulated in double
+//   mx  = max_i |x_i| as double (NaN if any x_i is NaN)
+// The element type is a kind code (FP_F32 ... FP_I8 below; nnrand/trace.py: FP_KINDS), bool read as u8.
 // A recorded step fingerprints hundreds of outputs, so the host cost of a record is mostly its launch:
-// `fingerprint` takes one tensor, `fingerprint_batch` up to FP_BATCH tensors that are alive together (the
-// outputs of one op, a snapshot of the parameters). A tensor of n words gets B = clamp(ceil(n / (T * 16)),
-// 1, 1024) blocks (nnrand/trace.py: fp_blocks) in either kernel, and its result depends on n and B only:
-//   block b reduces words [b * chunk, (b + 1) * chunk): thread t adds words t, t + T, ... in order, then a
-//   shared-memory halving tree over the T threads; the block's partial goes to scratch and the tensor's
-//   last block to arrive (common.cuh: arrive_last) adds the B partials the same way, thread t taking
-//   partials t, t + T, ..., and writes (fp, l2, mx) as three 8-byte values (fp's bits stored in a double's
-//   slot). Which block arrives last changes nothing but who does the fixed-order combine.
+// `fingerprint` takes one tensor, `fingerprint_batch` up to FP_BATCH tensors (the outputs of several ops,
+// a snapshot of the parameters). A tensor of n elements gets B = clamp(ceil(n / (T * 16)), 1, 1024) blocks
+// (nnrand/trace.py: fp_blocks) in either kernel, and its result depends on n and B only:
+//   block b reduces elements [b * chunk, (b + 1) * chunk): thread t adds elements t, t + T, ... in order,
+//   then a shared-memory halving tree over the T threads; the block's partial goes to scratch and the
+//   tensor's last block to arrive (common.cuh: arrive_last) adds the B partials the same way, thread t
+//   taking partials t, t + T, ..., and writes (fp, l2, mx) as three 8-byte values (fp's bits stored in a
+//   double's slot). Which block arrives last changes nothing but who does the fixed-order combine. For a
+//   float32 tensor, mx kept in double is the float maximum widened: the same bits as a float maximum.
 #include "common.cuh"
 
 #define FP_THREADS 256
 
+#define FP_F32 0
+#define FP_I32 1
+#define FP_F64 2
+#define FP_I64 3
+#define FP_F16 4
+#define FP_BF16 5
+#define FP_I16 6
+#define FP_U8 7
+#define FP_I8 8
+
 struct FpPart {
     unsigned long long fp;
     double sq;
-    float mx;
+    double mx;
     int nan;
 };
+
+// element i of a tensor of kind K: its bit pattern (extended to 64 bits) and its value
+template <int K>
+__device__ __forceinline__ void fp_elem(const void* __restrict__ w, long long i, unsigned long long& bits,
+                                        double& x) {
+    if (K == FP_F32 || K == FP_I32) {
+        const int v = (int)__ldg(static_cast<const unsigned int*>(w) + i);
+        bits = (unsigned long long)(long long)v;
+        x = K == FP_F32 ? (double)__int_as_float(v) : (double)v;
+    } else if (K == FP_F64 || K == FP_I64) {
+        const long long v = (long long)__ldg(static_cast<const unsigned long long*>(w) + i);
+        bits = (unsigned long long)v;
+        x = K == FP_F64 ? __longlong_as_double(v) : (double)v;
+    } else if (K == FP_F16 || K == FP_BF16 || K == FP_I16) {
+        const unsigned short h = __ldg(static_cast<const unsigned short*>(w) + i);
+        bits = (unsigned long long)(long long)(short)h;
+        if (K == FP_I16) {
+            x = (double)(short)h;
+        } else if (K == FP_BF16) {
+            x = (double)__uint_as_float((unsigned int)h << 16);
+        } else {
+            float f;
+            asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+            x = (double)f;
+        }
+    } else {   // FP_U8, FP_I8: the byte zero-extended for the fingerprint
+        const unsigned char c = __ldg(static_cast<const unsigned char*>(w) + i);
+        bits = (unsigned long long)c;
+        x = K == FP_U8 ? (double)c : (double)(signed char)c;
+    }
+}
 
 __device__ __forceinline__ void fp_tree(FpPart& p, FpPart* s) {
     const int t = threadIdx.x;
@@ -33,7 +77,7 @@ __device__ __forceinline__ void fp_tree(FpPart& p, FpPart* s) {
         if (t < off) {
             s[t].fp += s[t + off].fp;
             s[t].sq += s[t + off].sq;
-            s[t].mx = fmaxf(s[t].mx, s[t + off].mx);
+            s[t].mx = fmax(s[t].mx, s[t + off].mx);
             s[t].nan |= s[t + off].nan;
         }
         __syncthreads();
@@ -49,20 +93,22 @@ __device__ __forceinline__ void fp_write(const FpPart& p, double* out) {
 
 // Block b of B of one tensor: its partial, and where B > 1 the fixed-order combine by the last block.
 // part_* and counter are the tensor's own: scratch from its first block's index on, its ticket counter.
-__device__ __forceinline__ void fp_block(const unsigned int* __restrict__ w, long long n, long long chunk, int b,
+template <int K>
+__device__ __forceinline__ void fp_block(const void* __restrict__ w, long long n, long long chunk, int b,
                                          int blocks, unsigned long long* part_fp, double* part_sq,
-                                         float* part_mx, int* part_nan, unsigned int* counter, double* out,
+                                         double* part_mx, int* part_nan, unsigned int* counter, double* out,
                                          FpPart* s, bool* last) {
     const long long begin = (long long)b * chunk;
     const long long end = begin + chunk < n ? begin + chunk : n;
-    FpPart p = {0ull, 0.0, 0.0f, 0};
+    FpPart p = {0ull, 0.0, 0.0, 0};
     for (long long i = begin + threadIdx.x; i < end; i += FP_THREADS) {
-        const unsigned int word = w[i];
-        p.fp += (unsigned long long)(i + 1) * (unsigned long long)(long long)(int)word;
-        const float x = __int_as_float((int)word);
-        p.sq += (double)x * (double)x;
+        unsigned long long bits;
+        double x;
+        fp_elem<K>(w, i, bits, x);
+        p.fp += (unsigned long long)(i + 1) * bits;
+        p.sq += x * x;
         if (x != x) p.nan = 1;
-        else p.mx = fmaxf(p.mx, fabsf(x));
+        else p.mx = fmax(p.mx, fabs(x));
     }
     fp_tree(p, s);
     // the combine of one partial would add it to zeros: the same bits
@@ -80,38 +126,55 @@ __device__ __forceinline__ void fp_block(const unsigned int* __restrict__ w, lon
     __syncthreads();   // also: every thread has read s[0] before the combine's tree writes s again
     if (!*last) return;
     __threadfence();
-    FpPart q = {0ull, 0.0, 0.0f, 0};
+    FpPart q = {0ull, 0.0, 0.0, 0};
     for (int k = threadIdx.x; k < blocks; k += FP_THREADS) {
         q.fp += __ldcg(part_fp + k);
         q.sq += __ldcg(part_sq + k);
-        q.mx = fmaxf(q.mx, __ldcg(part_mx + k));
+        q.mx = fmax(q.mx, __ldcg(part_mx + k));
         q.nan |= __ldcg(part_nan + k);
     }
     fp_tree(q, s);
     if (threadIdx.x == 0) fp_write(q, out);
 }
 
+// fp_block for a kind given at run time (one branch per block)
+__device__ __forceinline__ void fp_block_kind(int kind, const void* w, long long n, long long chunk, int b,
+                                              int blocks, unsigned long long* part_fp, double* part_sq,
+                                              double* part_mx, int* part_nan, unsigned int* counter,
+                                              double* out, FpPart* s, bool* last) {
+#define FP_CASE(K) case K: fp_block<K>(w, n, chunk, b, blocks, part_fp, part_sq, part_mx, part_nan, counter, \
+                                       out, s, last); break;
+    switch (kind) {
+        FP_CASE(FP_F32) FP_CASE(FP_I32) FP_CASE(FP_F64) FP_CASE(FP_I64) FP_CASE(FP_F16) FP_CASE(FP_BF16)
+        FP_CASE(FP_I16) FP_CASE(FP_U8) FP_CASE(FP_I8)
+        default: break;   // the launcher passes only these kinds
+    }
+#undef FP_CASE
+}
+
 extern "C" __global__ void __launch_bounds__(FP_THREADS)
-fingerprint(const unsigned int* __restrict__ w, long long n, long long chunk, unsigned long long* part_fp,
-            double* part_sq, float* part_mx, int* part_nan, unsigned int* counter, double* out) {
+fingerprint(const void* __restrict__ w, long long n, long long chunk, int kind, unsigned long long* part_fp,
+            double* part_sq, double* part_mx, int* part_nan, unsigned int* counter, double* out) {
     __shared__ FpPart s[FP_THREADS];
     __shared__ bool last;
-    fp_block(w, n, chunk, blockIdx.x, gridDim.x, part_fp, part_sq, part_mx, part_nan, counter, out, s, &last);
+    fp_block_kind(kind, w, n, chunk, blockIdx.x, gridDim.x, part_fp, part_sq, part_mx, part_nan, counter, out, s,
+                  &last);
 }
 
 // Up to FP_BATCH descriptors passed by value: the parameter block is 3848 bytes of batch and 40 of
 // pointers, under the 4 KB every CUDA 12 driver takes. Descriptor j owns the launch's blocks [first_j,
 // first_j + blocks_j) (in descriptor order, first_0 = 0), the scratch partials at the same indices and
-// ticket counter j.
+// ticket counter j. first, blocks and kind share one 8-byte slot (int, then two shorts; blocks <= 1024).
 #define FP_BATCH 96
 
 struct FpDesc {
-    const unsigned int* w;
+    const void* w;
     long long n;
     long long chunk;
     double* out;
     int first;
-    int blocks;
+    short blocks;
+    short kind;
 };
 
 struct FpBatch {
@@ -120,7 +183,7 @@ struct FpBatch {
 };
 
 extern "C" __global__ void __launch_bounds__(FP_THREADS)
-fingerprint_batch(const FpBatch batch, unsigned long long* part_fp, double* part_sq, float* part_mx,
+fingerprint_batch(const FpBatch batch, unsigned long long* part_fp, double* part_sq, double* part_mx,
                   int* part_nan, unsigned int* counters) {
     __shared__ FpPart s[FP_THREADS];
     __shared__ bool last;
@@ -132,6 +195,6 @@ fingerprint_batch(const FpBatch batch, unsigned long long* part_fp, double* part
         else hi = mid - 1;
     }
     const FpDesc& d = batch.d[lo];
-    fp_block(d.w, d.n, d.chunk, (int)blockIdx.x - d.first, d.blocks, part_fp + d.first, part_sq + d.first,
-             part_mx + d.first, part_nan + d.first, counters + lo, d.out, s, &last);
+    fp_block_kind(d.kind, d.w, d.n, d.chunk, (int)blockIdx.x - d.first, d.blocks, part_fp + d.first,
+                  part_sq + d.first, part_mx + d.first, part_nan + d.first, counters + lo, d.out, s, &last);
 }

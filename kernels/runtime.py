@@ -303,21 +303,25 @@ def _dim3(dims: tuple[int, ...]) -> tuple[int, int, int]:
     return dims if n == 3 else (dims[0], dims[1], 1) if n == 2 else (dims[0], 1, 1)
 
 
-def _launch_kernel(fn, dims: tuple[int, ...], shared_mem: int, index: int, addresses: int) -> None:
-    """cuLaunchKernel of ``fn`` (grid and block in ``dims``) on torch's current stream of device ``index``,
-    ``addresses`` the address of its ``void**`` parameter array; a driver error names the launch."""
+def _launch_kernel(fn, dims: tuple[int, ...], shared_mem: int, index: int, addresses: int,
+                   stream: int | None = None) -> None:
+    """cuLaunchKernel of ``fn`` (grid and block in ``dims``) on ``stream`` (a raw handle; None: torch's current
+    stream of device ``index``), ``addresses`` the address of its ``void**`` parameter array; a driver error
+    names the launch."""
+    if stream is None:
+        stream = torch._C._cuda_getCurrentRawStream(index)
     try:
-        (_DRIVER or _driver()).launchKernel(fn.ptr, *dims, shared_mem, torch._C._cuda_getCurrentRawStream(index),
-                                             addresses, 0)
+        (_DRIVER or _driver()).launchKernel(fn.ptr, *dims, shared_mem, stream, addresses, 0)
     except Exception as e:  # a driver error (grid, block, shared memory): say which launch
         raise RuntimeError(f"launching kernel {_NAMES.get(fn.ptr, hex(fn.ptr))} with grid {dims[:3]}, block "
                            f"{dims[3:]}, {shared_mem} bytes of dynamic shared memory failed: {e}") from e
 
 
 def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, device: torch.device,
-           shared_mem: int = 0, struct: array.array | None = None) -> None:
-    """Launch ``fn`` on torch's current stream of ``device``. ``struct``: the bytes of a struct the kernel
-    takes by value as its first parameter (``args`` are the parameters after it).
+           shared_mem: int = 0, struct: array.array | None = None, stream: int | None = None) -> None:
+    """Launch ``fn`` on torch's current stream of ``device`` (or on ``stream``, a raw stream handle of that
+    device). ``struct``: the bytes of a struct the kernel takes by value as its first parameter (``args`` are
+    the parameters after it).
 
     Straight through the driver (cuLaunchKernel on torch's raw stream handle): a routed backward op
     launches a few kernels per call, so the host time of a launch is part of a training step's cost
@@ -330,11 +334,11 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
         index = current
     elif current != index:  # the driver launches into the current context
         with torch.cuda.device(index):
-            return launch(fn, grid, block, args, device=device, shared_mem=shared_mem, struct=struct)
+            return launch(fn, grid, block, args, device=device, shared_mem=shared_mem, struct=struct, stream=stream)
     slots, addresses = _param_block(args)
     if struct is not None:
         addresses.insert(0, struct.buffer_info()[0])
-    _launch_kernel(fn, (*_dim3(grid), *_dim3(block)), int(shared_mem), index, addresses.buffer_info()[0])
+    _launch_kernel(fn, (*_dim3(grid), *_dim3(block)), int(shared_mem), index, addresses.buffer_info()[0], stream)
     del slots, struct  # the parameters lived until the launch had copied them
 
 

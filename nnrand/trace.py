@@ -22,9 +22,21 @@ output number, shape, dtype, a fingerprint of the output's bytes and two summari
 The fingerprint is an exact position-weighted sum of the output's bit patterns, sum_i (i + 1) * bits_i in
 wrapping int64 arithmetic, computed on the tensor's device; integer addition is associative, so it does
 not depend on how the device adds, and two outputs with different bytes almost surely differ in it. On a
-GPU, float32 outputs are fingerprinted and summarised by one pass of ``kernels/fingerprint.cu``, the
-outputs of one op (and the tensors of one ``snapshot``) in one launch. The
-per-op values stay on the device until the step ends (one transfer per step, no synchronisation per op).
+GPU, outputs of the dtypes in ``FP_KINDS`` (the float, signed integer, uint8 and bool types) are
+fingerprinted and summarised by one pass of ``kernels/fingerprint.cu``; others (complex, say) by the
+torch formula. The per-op values stay on the device until the step ends (one transfer per step, no
+synchronisation per op).
+
+Kernel launches are what a record costs on the host, so they are shared. With ``ops="routed"`` the outputs
+of one op (and the tensors of one ``snapshot``) go to the kernel in one launch. With ``ops="all"`` the
+recorder sees every op that could write a recorded tensor, so the fingerprints wait and go out in batches of
+up to ``FP_BATCH`` tensors: launched before an op writes (in place, out=, resize_, set_) the storage of a
+waiting tensor, when the device or stream changes, when the batch is full and when the step ends. A waiting
+tensor's storage is held (up to ``HELD_BYTES`` in all) so that its memory is not reused first; the tensor
+itself is not (autograd steals a gradient only where nothing else holds its tensor, and a recorder must not
+change which ops run). Writes that bypass the dispatcher (a raw CuPy or Triton kernel writing into a
+recorded tensor before the batch goes out) are not seen: record such code with ``defer=False`` (one launch
+per op). Inside a CUDA-graph capture every record launches at once.
 
 Module paths: the forward op runs inside a module's ``forward`` (a global module hook keeps the stack;
 names come from ``model`` when given); a backward op is attributed to the module whose forward returned
@@ -115,12 +127,19 @@ FP_THREADS = 256           # FP_THREADS in kernels/fingerprint.cu
 FP_WORDS_PER_THREAD = 16   # at least this many words per thread before another block is added
 FP_MAX_BLOCKS = 1024       # blocks of one tensor at most
 FP_BATCH = 96              # FP_BATCH in kernels/fingerprint.cu: tensors per fingerprint_batch launch
+# the element types the kernels take, as their kind codes (FP_F32 ... FP_I8 in kernels/fingerprint.cu); bool
+# is read as its byte; complex and the unsigned 16-64-bit types take the torch formula
+FP_KINDS = {torch.float32: 0, torch.int32: 1, torch.float64: 2, torch.int64: 3, torch.float16: 4,
+            torch.bfloat16: 5, torch.int16: 6, torch.uint8: 7, torch.bool: 7, torch.int8: 8}
+# bytes of storage a recorder's deferred fingerprints may keep alive before they are launched
+HELD_BYTES = 1 << 30
 FP_SCRATCH_BLOCKS = 16 * FP_MAX_BLOCKS   # block partials per stream: the blocks of one launch at most
+_FP_BLOCK_ELEMENTS = FP_THREADS * FP_WORDS_PER_THREAD
 _FP_BATCH_SLOTS = 1 + 5 * FP_BATCH       # int64 slots of the kernel's FpBatch (count, then 5 per tensor)
 
 
 def fp_blocks(n: int) -> int:
-    """The blocks a tensor of ``n`` words is fingerprinted by (in either kernel); its result depends on n
+    """The blocks a tensor of ``n`` elements is fingerprinted by (in either kernel); its result depends on n
     and this count only."""
     return max(1, min(FP_MAX_BLOCKS, -(-n // (FP_THREADS * FP_WORDS_PER_THREAD))))
 
@@ -130,7 +149,7 @@ class _FpState:
     one: object          # kernels/fingerprint.cu: fingerprint
     batch: object        # fingerprint_batch
     dev: torch.device
-    scratch: torch.Tensor   # FP_SCRATCH_BLOCKS block partials of each: fp u64 | sq f64 | mx f32, nan i32
+    scratch: torch.Tensor   # FP_SCRATCH_BLOCKS block partials of each: fp u64 | sq f64 | mx f64 | nan i32
     counters: torch.Tensor  # FP_BATCH ticket counters (runtime.ticket_counters: reset by their last block)
     parts: tuple[int, ...]  # the four partial arrays' and the counters' addresses, as plain ints (packed
                             # per launch: cheaper than NumPy scalars or data_ptr() calls)
@@ -140,26 +159,30 @@ class _FpState:
 _FP_STATE: dict[tuple[int, int], _FpState] = {}
 
 
-def _fp_state(index: int) -> _FpState:
-    key = (index, torch._C._cuda_getCurrentRawStream(index))
-    st = _FP_STATE.get(key)
+def _fp_state(index: int, stream: int | None = None) -> _FpState:
+    """The kernels, scratch and counters of device ``index`` for launches on ``stream`` (a raw handle;
+    None: torch's current stream there)."""
+    if stream is None:
+        stream = torch._C._cuda_getCurrentRawStream(index)
+    st = _FP_STATE.get((index, stream))
     if st is None:
         from kernels import runtime
 
         dev = torch.device("cuda", index)
         b = FP_SCRATCH_BLOCKS
-        scratch = torch.empty(3 * b, dtype=torch.int64, device=dev)
+        with torch.cuda.device(index), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dev)):
+            scratch = torch.empty(4 * b, dtype=torch.int64, device=dev)
+            counters = runtime.ticket_counters(dev, FP_BATCH)   # the stream's own
         base = scratch.data_ptr()
-        counters = runtime.ticket_counters(dev, FP_BATCH)
         st = _FpState(runtime.function("fingerprint.cu", "fingerprint", dev),
                       runtime.function("fingerprint.cu", "fingerprint_batch", dev), dev, scratch, counters,
-                      (base, base + 8 * b, base + 16 * b, base + 20 * b, counters.data_ptr()))
-        _FP_STATE[key] = st
+                      (base, base + 8 * b, base + 16 * b, base + 24 * b, counters.data_ptr()))
+        _FP_STATE[(index, stream)] = st
     return st
 
 
 def fingerprint_cuda(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """(fingerprint's bits, L2, max |x|) of a CUDA tensor of 4-byte elements, written as three float64
+    """(fingerprint's bits, L2, max |x|) of a CUDA tensor of a dtype in FP_KINDS, written as three float64
     into ``out`` (a new (3,) tensor on its device when None) by one launch of kernels/fingerprint.cu.
     Same fingerprint as ``fingerprint``; the summaries are added in the kernel's fixed order
     (deterministic, and within a few double roundings of torch's)."""
@@ -168,20 +191,22 @@ def fingerprint_cuda(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     elif not (out.is_contiguous() and out.numel() == 3 and out.dtype == torch.float64 and out.device == t.device):
         raise ValueError(f"fingerprint_cuda: out must be 3 contiguous float64 on {t.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if t.dtype not in FP_KINDS:
+        raise ValueError(f"fingerprint_cuda: no kernel for {t.dtype} (it takes {', '.join(map(str, FP_KINDS))})")
     _launch_fingerprint(t, out.data_ptr())
     return out
 
 
 def _launch_fingerprint(t: torch.Tensor, out_ptr: int) -> None:
-    """One fingerprint launch for one tensor: no imports, no NumPy scalars and no checks beyond contiguity
-    on this path (H200: 8.2 us of host time per launch, bench/dev/launch_parts.py)."""
+    """One fingerprint launch for one tensor (a dtype in FP_KINDS): no imports, no NumPy scalars and no
+    checks beyond contiguity on this path (H200: 8.2 us of host time per launch, bench/dev/launch_parts.py)."""
     if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
         t = t.contiguous()
     st = _fp_state(t.get_device())
     n = t.numel()
     blocks = fp_blocks(n)
-    _runtime().launch(st.one, (blocks,), (FP_THREADS,), (t.data_ptr(), n, -(-n // blocks), *st.parts, out_ptr),
-                      device=st.dev)
+    _runtime().launch(st.one, (blocks,), (FP_THREADS,),
+                      (t.data_ptr(), n, -(-n // blocks), FP_KINDS[t.dtype], *st.parts, out_ptr), device=st.dev)
 
 
 def _launch_fingerprints(ts: list[torch.Tensor], out_ptrs: list[int]) -> None:
@@ -201,17 +226,22 @@ def _launch_fingerprints(ts: list[torch.Tensor], out_ptrs: list[int]) -> None:
         if len(desc) == 5 * FP_BATCH or first + blocks > FP_SCRATCH_BLOCKS:
             _launch_batch(st, desc, first)
             desc, first = [], 0
-        desc += (t.data_ptr(), n, -(-n // blocks), out, first | blocks << 32)   # int first, blocks; little-endian
+        desc += (t.data_ptr(), n, -(-n // blocks), out, _packed(first, blocks, FP_KINDS[t.dtype]))
         first += blocks
     _launch_batch(st, desc, first)
     del copies
 
 
-def _launch_batch(st: _FpState, desc: list[int], blocks: int) -> None:
+def _packed(first: int, blocks: int, kind: int) -> int:
+    """FpDesc's last 8 bytes: int first, short blocks, short kind (little-endian)."""
+    return first | blocks << 32 | kind << 48
+
+
+def _launch_batch(st: _FpState, desc: list[int], blocks: int, stream: int | None = None) -> None:
     batch = array.array("q", (len(desc) // 5,))
     batch.extend(desc)
     batch.extend(_ZEROS[:_FP_BATCH_SLOTS - len(batch)])
-    _runtime().launch(st.batch, (blocks,), (FP_THREADS,), st.parts, device=st.dev, struct=batch)
+    _runtime().launch(st.batch, (blocks,), (FP_THREADS,), st.parts, device=st.dev, struct=batch, stream=stream)
 
 
 _ZEROS = array.array("q", bytes(8 * _FP_BATCH_SLOTS))
@@ -239,8 +269,8 @@ def _recordable(t) -> bool:
 
 
 def _fused(t: torch.Tensor) -> bool:
-    """Whether ``fingerprint_cuda`` takes this tensor (CUDA, 4-byte elements, kernels compiled here)."""
-    return t.is_cuda and t.element_size() == 4 and t.dtype != torch.bool and _kernels_here()
+    """Whether ``fingerprint_cuda`` takes this tensor (CUDA, a dtype in FP_KINDS, kernels compiled here)."""
+    return t.is_cuda and t.dtype in FP_KINDS and _kernels_here()
 
 
 @functools.lru_cache(maxsize=1)
@@ -248,6 +278,16 @@ def _kernels_here() -> bool:
     from kernels import cuda_available
 
     return cuda_available()
+
+
+def _stream(index: int) -> int:
+    """torch's current raw stream on CUDA device ``index`` (0 for a CPU tensor's -1)."""
+    return torch._C._cuda_getCurrentRawStream(index) if index >= 0 else 0
+
+
+def _capturing(index: int) -> bool:
+    """Whether torch's current stream is capturing a CUDA graph (a deferred launch would miss the graph)."""
+    return index >= 0 and torch._C._cuda_isCurrentStreamCapturing()
 
 
 def record_values(t: torch.Tensor) -> torch.Tensor:
@@ -297,6 +337,65 @@ class _Slots:
         return rows.cpu().numpy()
 
 
+class _Deferred:
+    """Fingerprints recorded on one device and stream, waiting for one launch of ``fingerprint_batch``
+    (filled by ``Recorder._defer_one``): their descriptors (FpDesc's five 8-byte words each), their blocks
+    (the next one's first), and the storages of their tensors, held until the launch
+    is enqueued so that their memory cannot be reused before the kernel reads it; ``bases``: those
+    storages' addresses, against which the recorder checks every op that writes its arguments."""
+
+    __slots__ = ("index", "stream", "desc", "held", "bases", "blocks", "nbytes")
+
+    def __init__(self, index: int, stream: int):
+        self.index, self.stream = index, stream
+        self.desc: list[int] = []
+        self.held: list[torch.UntypedStorage] = []
+        self.bases: set[int] = set()
+        self.blocks = self.nbytes = 0
+
+    def full(self, blocks: int) -> bool:
+        """Whether a tensor of ``blocks`` blocks no longer fits this launch."""
+        return len(self.held) == FP_BATCH or self.blocks + blocks > FP_SCRATCH_BLOCKS or self.nbytes > HELD_BYTES
+
+
+def _launch_deferred(d: _Deferred) -> None:
+    """Launch a deferred batch on the stream its tensors were recorded on; where torch's current stream is
+    another one, it waits for that launch (its next op may write what the batch reads)."""
+    with torch.cuda.device(d.index):
+        _launch_batch(_fp_state(d.index, d.stream), d.desc, d.blocks, stream=d.stream)
+        if torch._C._cuda_getCurrentRawStream(d.index) != d.stream:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.ExternalStream(d.stream))
+            torch.cuda.current_stream().wait_event(done)
+
+
+# per aten overload: the (position, name) of each argument it writes (in place, out=), from its schema
+_WRITES: dict[object, tuple[tuple[int, str], ...]] = {}
+
+
+def _writes(func) -> tuple[tuple[int, str], ...]:
+    w = _WRITES.get(func)
+    if w is None:
+        w = _WRITES[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                  if a.alias_info is not None and a.alias_info.is_write)
+    return w
+
+
+def _writes_any(bases: set[int], writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict | None) -> bool:
+    """Whether an op writing ``writes`` of ``args``/``kwargs`` writes into one of the storages at ``bases``
+    (a tensor whose storage cannot be read counts as writing)."""
+    for i, name in writes:
+        a = args[i] if i < len(args) else (kwargs or {}).get(name)
+        for x in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(x, torch.Tensor):
+                try:
+                    if x.untyped_storage().data_ptr() in bases:
+                        return True
+                except (RuntimeError, NotImplementedError):
+                    return True
+    return False
+
+
 # --------------------------------------------------------------------------------------------------
 # Recording
 
@@ -305,7 +404,7 @@ class Recorder(TorchDispatchMode):
     """Records every aten op's tensor outputs while active (see the module docstring)."""
 
     def __init__(self, *, ops: str = "all", model: torch.nn.Module | None = None,
-                 keep: set[tuple[int, str, int]] | None = None, meta: dict | None = None):
+                 keep: set[tuple[int, str, int]] | None = None, meta: dict | None = None, defer: bool = True):
         super().__init__()
         if ops not in ("all", "routed"):
             raise ValueError(f"ops must be 'all' or 'routed', got {ops!r}")
@@ -326,6 +425,11 @@ class Recorder(TorchDispatchMode):
         self.tables: dict[str, dict[str, int]] = {"ops": {}, "modules": {}, "shapes": {}, "dtypes": {}}
         self._hooks = []
         self._quiet = False
+        # ops="all" sees every op that could write a recorded tensor, so its kernel fingerprints wait and go
+        # out in batches (_Deferred): launched before an op writes one of them, when a batch is full, when
+        # the device or stream changes, and when the step ends
+        self._defer = defer and ops == "all"
+        self._deferred: _Deferred | None = None
 
     # -- control
     def step(self) -> None:
@@ -457,13 +561,15 @@ class Recorder(TorchDispatchMode):
         if _fused(t):
             index = t.get_device()
             slots = self.slots.get(index) or self.slots.setdefault(index, _Slots(t.device))
-            if batch and batch[0] != index:   # one device per launch
-                _launch(batch)
-            if not batch:
-                batch += (index, [], [])
-            ptr = slots.next_ptr()
-            batch[1].append(t)
-            batch[2].append(ptr)
+            if self._defer and not _capturing(index):
+                self._defer_one(t, index, slots.next_ptr())
+            else:
+                if batch and batch[0] != index:   # one device per launch
+                    _launch(batch)
+                if not batch:
+                    batch += (index, [], [])
+                batch[1].append(t)
+                batch[2].append(slots.next_ptr())
             self.pending.append((index, slots.used - 1))
         else:
             self.pending.append(record_values(t))
@@ -471,11 +577,37 @@ class Recorder(TorchDispatchMode):
         if kept is not None:
             self.tensors[len(self.rows) - 1] = kept
 
+    def _defer_one(self, t: torch.Tensor, index: int, out_ptr: int) -> None:
+        """Add ``t``'s fingerprint (written to ``out_ptr``) to the waiting batch of its device and stream."""
+        if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
+            t = t.contiguous()
+        n = t.numel()
+        blocks = min(-(-n // _FP_BLOCK_ELEMENTS), FP_MAX_BLOCKS)   # fp_blocks(n), n > 0: the hot path
+        stream = _stream(index)
+        d = self._deferred
+        if d is None or d.stream != stream or d.index != index or d.full(blocks):
+            self._launch_deferred()
+            d = self._deferred = _Deferred(index, stream)
+        st = t.untyped_storage()
+        # FpDesc: address, n, chunk, out, then int first | short blocks | short kind (as _packed)
+        d.desc += (t.data_ptr(), n, -(-n // blocks), out_ptr, d.blocks | blocks << 32 | FP_KINDS[t.dtype] << 48)
+        d.held.append(st)
+        d.bases.add(st.data_ptr())
+        d.blocks += blocks
+        d.nbytes += st.nbytes()
+
     def _code(self, table: str, value: str) -> int:
         t = self.tables[table]
         return t.setdefault(value, len(t))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        d = self._deferred
+        if d is not None:
+            w = _WRITES.get(func)
+            if w is None:
+                w = _writes(func)
+            if w and _writes_any(d.bases, w, args, kwargs):   # it would write what a waiting launch reads
+                self._launch_deferred()
         out = func(*args, **(kwargs or {}))
         if self._quiet:
             return out
@@ -487,13 +619,19 @@ class Recorder(TorchDispatchMode):
         self._add_outputs(out, func._overloadpacket.__name__, module, phase)
         return out
 
+    def _launch_deferred(self) -> None:
+        d, self._deferred = self._deferred, None
+        if d is not None and d.held:
+            _launch_deferred(d)
+
     def _flush(self) -> None:
         """Move the step's device values to the host, one transfer per device (the ops doing it are not
         recorded)."""
-        if not self.pending:
-            return
         self._quiet = True
         try:
+            self._launch_deferred()
+            if not self.pending:
+                return
             pending, self.pending = self.pending, []
             busy = [slots for slots in self.slots.values() if slots.used]
             if len(busy) == 1 and busy[0].used == len(pending):
@@ -551,9 +689,11 @@ class Recorder(TorchDispatchMode):
 
 @contextlib.contextmanager
 def record(path: str | Path | None, *, ops: str = "all", model: torch.nn.Module | None = None,
-           keep: set[tuple[int, str, int]] | None = None, meta: dict | None = None) -> Iterator[Recorder]:
-    """Record while the context is open; write ``path`` (atomically) on a normal exit."""
-    rec = Recorder(ops=ops, model=model, keep=keep, meta=meta)
+           keep: set[tuple[int, str, int]] | None = None, meta: dict | None = None,
+           defer: bool = True) -> Iterator[Recorder]:
+    """Record while the context is open; write ``path`` (atomically) on a normal exit. ``defer``: see the
+    module docstring (ops="all" only)."""
+    rec = Recorder(ops=ops, model=model, keep=keep, meta=meta, defer=defer)
     with rec:
         yield rec
     if path is not None:

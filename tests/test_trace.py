@@ -203,18 +203,62 @@ def test_cross_gpu_comparison_is_added_to_the_report(tmp_path):
     assert len(json.loads(results.read_text())["cross_gpu"]) == 1
 
 
+_KIND_DTYPE = {k: d for d, k in reversed(list(trace.FP_KINDS.items()))}   # 7: uint8 (bool reads as its byte)
+
+
+def _write_row(ptr: int, n: int, dtype: torch.dtype, out_ptr: int) -> None:
+    """The fingerprint kernel's work modelled on the CPU: the (fp, L2, max) row of the ``n`` elements at host
+    address ``ptr``, read as they are now (a launch that comes too late reads what is there then), written
+    to ``out_ptr``."""
+    import ctypes
+
+    t = torch.frombuffer(bytearray((ctypes.c_char * (n * dtype.itemsize)).from_address(ptr)), dtype=dtype)
+    l2, mx = trace.summaries(t)
+    row = torch.stack((trace.fingerprint(t).view(torch.float64), l2, mx)).numpy()
+    ctypes.memmove(out_ptr, row.ctypes.data, 24)
+
+
+class KernelStandIn:
+    """Both launch paths of the fingerprint kernel on CPU tensors: per op (``_launch_fingerprints``) and the
+    deferred batches (``_launch_deferred``), each reading the memory when it is called; ``launches``: the
+    size of each launch, deferred ones as ("deferred", size)."""
+
+    def __init__(self, monkeypatch, fused=lambda t: t.dtype == torch.float32):
+        self.launches: list = []
+        monkeypatch.setattr(trace, "_fused", fused)
+        monkeypatch.setattr(trace, "_launch_fingerprints", self.per_op)
+        monkeypatch.setattr(trace, "_launch_deferred", self.deferred)
+
+    def per_op(self, ts: list[torch.Tensor], ptrs: list[int]) -> None:
+        self.launches.append(len(ts))
+        for t, ptr in zip(ts, ptrs):
+            t = t.contiguous()
+            _write_row(t.data_ptr(), t.numel(), t.dtype, ptr)
+
+    def deferred(self, d) -> None:
+        self.launches.append(("deferred", len(d.held)))
+        first = 0
+        for k in range(0, len(d.desc), 5):
+            ptr, n, chunk, out, packed = d.desc[k:k + 5]
+            # the descriptor as fingerprint_batch reads it: its blocks in launch order, the one-launch split
+            blocks = (packed >> 32) & 0xFFFF
+            assert (packed & 0xFFFFFFFF, blocks, chunk) == (first, trace.fp_blocks(n), -(-n // blocks))
+            first += blocks
+            _write_row(ptr, n, _KIND_DTYPE[packed >> 48], out)
+        assert first == d.blocks <= trace.FP_SCRATCH_BLOCKS and len(d.held) <= trace.FP_BATCH
+
+
 def test_kernel_written_rows_come_back_in_record_order(monkeypatch):
     """On a GPU the fingerprint kernel writes each record's (fp, L2, max) into a row of a per-device slot
     buffer that is read back once per step. The bookkeeping (rows across chunk boundaries, records whose
     values are tensors in between, several steps) is checked here on the CPU: a stand-in for the kernel
     writes the formula's values into the row's address, and the trace must equal the one recorded with
-    every value a tensor."""
-    import ctypes
-
-    def run(mixed: bool) -> dict:
+    every value a tensor. ops="all" defers its fingerprints to one launch per step here (nothing writes a
+    recorded tensor); the per-op path launches an op's outputs, and a snapshot's tensors, together."""
+    def run(mixed: bool, defer: bool = True) -> dict:
         g = torch.Generator().manual_seed(3)
         x = torch.randn(4, 5, generator=g)
-        with trace.record(None) as rec:
+        with trace.record(None, defer=defer) as rec:
             for _ in range(3):
                 rec.step()
                 y = torch.relu(x @ x.T)
@@ -225,32 +269,105 @@ def test_kernel_written_rows_come_back_in_record_order(monkeypatch):
                 rec.snapshot([("x", x), ("y", y)])
         return rec.arrays()
 
-    launches = []
-
-    def stand_in(ts: list[torch.Tensor], ptrs: list[int]) -> None:
-        launches.append(len(ts))
-        for t, ptr in zip(ts, ptrs):
-            l2, mx = trace.summaries(t)
-            row = torch.stack((trace.fingerprint(t).view(torch.float64), l2, mx)).numpy()
-            ctypes.memmove(ptr, row.ctypes.data, 24)
-
     for mixed in (True, False):
         want = run(mixed)
-        with monkeypatch.context() as m:
-            m.setattr(trace, "_fused", lambda t: t.dtype == torch.float32)
-            m.setattr(trace, "_launch_fingerprints", stand_in)
-            m.setattr(trace._Slots, "ROWS", 3)     # several chunks per step
-            launches.clear()
-            gathered = []
-            gather = trace.Recorder._gather
-            m.setattr(trace.Recorder, "_gather", lambda self, p: gathered.append(len(p)) or gather(self, p))
-            got = run(mixed)
-        assert bool(gathered) == mixed   # one device's rows alone come back without the per-record gather
-        assert sorted(got) == sorted(want) and len(want["fp"]) > 3 * 3
-        for k in want:
-            assert np.array_equal(got[k], want[k]), (mixed, k)
-        # the outputs of one op and the tensors of one snapshot go to the kernel in one launch
-        assert launches.count(2) == 2 * 3 and set(launches) == {1, 2}
+        for defer in (True, False):
+            with monkeypatch.context() as m:
+                kernel = KernelStandIn(m)
+                m.setattr(trace._Slots, "ROWS", 3)     # several chunks per step
+                gathered = []
+                gather = trace.Recorder._gather
+                m.setattr(trace.Recorder, "_gather", lambda self, p: gathered.append(len(p)) or gather(self, p))
+                got = run(mixed, defer)
+            assert bool(gathered) == mixed   # one device's rows alone come back without the per-record gather
+            assert sorted(got) == sorted(want) and len(want["fp"]) > 3 * 3
+            for k in want:
+                assert np.array_equal(got[k], want[k]), (mixed, defer, k)
+            if defer:   # every float32 record of a step in one launch at its end
+                assert [n for _, n in kernel.launches] == [int((got["dtype"][got["step"] == s] == 0).sum())
+                                                           for s in range(3)]
+            else:   # the outputs of one op and the tensors of one snapshot go to the kernel in one launch
+                assert kernel.launches.count(2) == 2 * 3 and set(kernel.launches) == {1, 2}
+
+
+def test_deferred_fingerprints_launch_before_a_recorded_tensor_is_written(monkeypatch):
+    """ops="all" holds its kernel fingerprints back and launches them in batches; a batch must go out before
+    any op writes a tensor it reads (in place, through a view, out=, a foreach op, resize_, set_), and the
+    memory of a recorded tensor that is freed must not be reused before: the stand-in kernel reads the
+    memory when launched, and the trace equals the one whose values are computed at each op. Negative
+    control: without the check for written tensors, the same run records other values."""
+    def run() -> dict:
+        g = torch.Generator().manual_seed(4)
+        with trace.record(None) as rec:
+            for _ in range(2):
+                rec.step()
+                a = torch.randn(20000, generator=g)      # 5 blocks of the kernel's
+                x = a * 2
+                x.add_(1)                                # in place
+                x[3:9].mul_(-3)                          # through a view
+                torch.mul(a, a, out=x)                   # out=
+                torch._foreach_add_([x, a], 1.5)         # foreach, in place
+                y = x.exp()
+                del y                                    # freed while its fingerprint waits
+                z = torch.randn(64, generator=g) + 0     # memory the allocator could hand out again
+                z.resize_(32)                            # resized in place
+                z.set_(torch.full((96,), 0.5).untyped_storage())   # another storage for a recorded tensor
+                z.fill_(0.25)
+                rec.snapshot([("x", x), ("z", z)])
+                x.sub_(a)                                # a snapshot's tensor written afterwards
+        return rec.arrays()
+
+    want = run()
+    with monkeypatch.context() as m:
+        kernel = KernelStandIn(m)
+        got = run()
+    assert any(isinstance(n, tuple) for n in kernel.launches)
+    assert len(got["fp"]) == len(want["fp"]) > 20
+    for k in ("op", "shape", "fp", "maxabs", "l2"):
+        assert np.array_equal(got[k], want[k]), k
+    with monkeypatch.context() as m:
+        KernelStandIn(m)
+        m.setattr(trace, "_writes_any", lambda *a: False)
+        late = run()
+    assert not np.array_equal(late["fp"], want["fp"])
+
+
+def test_deferral_keeps_the_op_sequence_of_a_residual_model(monkeypatch):
+    """Holding the storages of waiting fingerprints changes neither which ops autograd and the optimizer run
+    (a stolen gradient, residual sums, momentum updates in place) nor any value: the trace of a residual
+    MLP trained 3 steps with SGD and momentum equals the one recorded with values computed at each op."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.b(torch.relu(self.a(x))) + x)
+
+    def run() -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(8, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+        with trace.record(None, model=model) as rec:
+            for _ in range(3):
+                rec.step()
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                with rec.phase("optimizer"):
+                    opt.step()
+                rec.snapshot(model.named_parameters())
+        return rec.arrays()
+
+    want = run()
+    with monkeypatch.context() as m:
+        kernel = KernelStandIn(m, fused=lambda t: t.dtype in (torch.float32, torch.int64))
+        got = run()
+    assert sum(n for k, n in kernel.launches if k == "deferred") > 100
+    for k in want:
+        assert np.array_equal(got[k], want[k]), k
 
 
 def test_report_marks_ops_the_model_never_calls(tmp_path):
@@ -283,23 +400,27 @@ def test_recording_cost_times_every_mode_in_each_round(tmp_path):
 def test_a_record_failing_midway_still_launches_the_rows_reserved_before_it(monkeypatch):
     """An op's outputs are fingerprinted in one launch after all their rows are reserved: when a later
     output's record raises, the rows reserved before it are still written (launched), not left unset."""
-    launched = []
-    monkeypatch.setattr(trace, "_fused", lambda t: t.dtype == torch.float32)
-    monkeypatch.setattr(trace, "_launch_fingerprints", lambda ts, ptrs: launched.append(len(ts)))
+    kernel = KernelStandIn(monkeypatch)
 
     def refuse(t):
         raise RuntimeError("no values for this output")
 
     monkeypatch.setattr(trace, "record_values", refuse)
-    rec = trace.Recorder()
-    rec.step()
     out = (torch.ones(3), torch.ones(2), torch.ones(2, dtype=torch.float64), torch.ones(4))
+    rec = trace.Recorder(ops="routed")   # launched per op
+    rec.step()
     with pytest.raises(RuntimeError, match="no values"):
         rec._add_outputs(out, "op", "m", "forward")
-    assert launched == [2]    # the two float32 outputs before the failing float64 one
+    assert kernel.launches == [2]    # the two float32 outputs before the failing float64 one
     with pytest.raises(RuntimeError, match="no values"):
         rec.snapshot([("a", torch.ones(2)), ("b", torch.ones(2, dtype=torch.float64))])
-    assert launched == [2, 1]
+    assert kernel.launches == [2, 1]
+    rec = trace.Recorder()   # deferred: the reserved rows wait for the next launch, which writes them
+    rec.step()
+    with pytest.raises(RuntimeError, match="no values"):
+        rec._add_outputs(out, "op", "m", "forward")
+    rec._flush()
+    assert kernel.launches == [2, 1, ("deferred", 2)]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")   # torch's beta/prototype notes for CSR, nested, quantized

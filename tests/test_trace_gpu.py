@@ -97,3 +97,82 @@ def test_out_slot_is_written_and_checked():
     assert bitwise_equal(out[0], torch.zeros(3, dtype=torch.float64, device="cuda"))
     with pytest.raises(ValueError, match="out must be 3 contiguous float64"):
         trace.fingerprint_cuda(x, out[:, 0])
+
+
+def _values(dtype: torch.dtype, n: int, g: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(n, device="cuda", generator=g) < 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(n, device="cuda", generator=g) * 100).to(dtype)
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -(1 << 62)), min(info.max, 1 << 62)
+    return torch.randint(lo, hi, (n,), device="cuda", generator=g, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", list(trace.FP_KINDS), ids=str)
+def test_every_kernel_dtype_matches_the_formula(dtype):
+    """Each element type the kernel takes: the formula's fingerprint (bit patterns zero-extended for one
+    byte, sign-extended otherwise) and max |x| exactly; L2 within the bound of n + 3 roundings of 2^-53
+    relative (a square of an integer above 2^26 rounds once, the sum of n positive terms n - 1 times,
+    the root once); NaN summaries for a NaN; one launch of a mixed batch gives every tensor its own bits."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for n in (1, 4097, (1 << 20) + 5):
+        x = _values(dtype, n, g)
+        got = trace.fingerprint_cuda(x)
+        assert int(got[0].view(torch.int64)) == int(trace.fingerprint(x))
+        want_l2, want_mx = trace.summaries(x)
+        assert float(got[2]) == float(want_mx)
+        assert abs(float(got[1]) - float(want_l2)) <= (n + 3) * 2.0**-53 * float(want_l2)
+    if dtype.is_floating_point:
+        x[n // 3] = float("nan")
+        got = trace.fingerprint_cuda(x)
+        assert torch.isnan(got[1]) and torch.isnan(got[2])
+        assert int(got[0].view(torch.int64)) == int(trace.fingerprint(x))
+    ts = [_values(d, 3000 + 17 * k, g) for k, d in enumerate(trace.FP_KINDS)] + [x]
+    want = torch.stack([trace.fingerprint_cuda(t) for t in ts])
+    out = torch.zeros(len(ts), 3, dtype=torch.float64, device="cuda")
+    trace._launch_fingerprints(ts, [out[i].data_ptr() for i in range(len(ts))])
+    assert bitwise_equal(out.view(torch.int64), want.view(torch.int64))
+
+
+def test_deferred_fingerprints_equal_the_formula_under_writes_and_streams(monkeypatch):
+    """ops="all" launches its fingerprints in batches: before an op writes a recorded tensor (in place,
+    through a view, out=, foreach), per stream (a side stream's records go out on it), with freed
+    recorded tensors' memory held. The records equal those of the torch formula computed at each op;
+    without the check for written tensors (negative control) they do not."""
+    def run() -> dict:
+        g = torch.Generator(device="cuda").manual_seed(9)
+        side = torch.cuda.Stream()
+        with trace.record(None) as rec:
+            for _ in range(3):
+                rec.step()
+                a = torch.randn(1 << 16, device="cuda", generator=g)
+                x = a * 2
+                x.add_(1)
+                x[3:900].mul_(-3)
+                torch.mul(a, a, out=x)
+                torch._foreach_add_([x, a], 1.5)
+                y = x.exp()
+                del y
+                k = (x > 0).sum()                       # int64 and bool records
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    w = x * 3
+                    w.sub_(1)
+                torch.cuda.current_stream().wait_stream(side)
+                x.add_(w)
+                x.mul_(k.to(torch.float32))
+                rec.snapshot([("x", x), ("w", w)])
+        return rec.arrays()
+
+    got = run()
+    with monkeypatch.context() as m:
+        m.setattr(trace, "_fused", lambda t: False)
+        want = run()
+    assert len(got["fp"]) == len(want["fp"]) > 30
+    for key in ("op", "shape", "dtype", "fp", "maxabs"):
+        assert np.array_equal(got[key], want[key]), key
+    with monkeypatch.context() as m:
+        m.setattr(trace, "_writes_any", lambda *a: False)
+        late = run()
+    assert not np.array_equal(late["fp"], want["fp"])
