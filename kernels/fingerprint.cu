@@ -1,9 +1,10 @@
 // fingerprint.cu: the per-output fingerprint of nnrand.trace in one pass over a tensor's elements.
 // Launcher: nnrand/trace.py (fingerprint_cuda). Not a registry op: it measures, it computes no gradient.
 //
-//   fp  = sum_i (i + 1) * b_i over the elements' bit patterns b_i (1-byte elements zero-extended, wider ones
-//         sign-extended to 64 bits) in wrapping 64-bit arithmetic: integer addition is associative, so
-//         this is exact whatever the order
+//   fp  = sum_j (j + 1) * b_j over the tensor's words b_j in wrapping 64-bit arithmetic: a word is an
+//         element of 1 byte (zero-extended), 2 or 4 bytes (sign-extended), or either 4-byte half of an
+//         8-byte element (low, then high: element i is words 2i and 2i + 1; as one 64-bit word, an even
+//         weight would lose its top bit); integer addition is associative, so this is exact in any order
 //   l2  = sqrt(sum_i x_i^2), x_i the elements' values as double, accumulated in double
 //   mx  = max_i |x_i| as double (NaN if any x_i is NaN)
 // The element type is a kind code (FP_F32 ... FP_I8 below; nnrand/trace.py: FP_KINDS), bool read as u8.
@@ -38,18 +39,22 @@ struct FpPart {
     int nan;
 };
 
-// element i of a tensor of kind K: its bit pattern (extended to 64 bits) and its value
+// element i of a tensor of kind K: its term of fp (its words times their weights) and its value
 template <int K>
-__device__ __forceinline__ void fp_elem(const void* __restrict__ w, long long i, unsigned long long& bits,
+__device__ __forceinline__ void fp_elem(const void* __restrict__ w, long long i, unsigned long long& term,
                                         double& x) {
+    unsigned long long bits;
     if (K == FP_F32 || K == FP_I32) {
         const int v = (int)__ldg(static_cast<const unsigned int*>(w) + i);
         bits = (unsigned long long)(long long)v;
         x = K == FP_F32 ? (double)__int_as_float(v) : (double)v;
     } else if (K == FP_F64 || K == FP_I64) {
         const long long v = (long long)__ldg(static_cast<const unsigned long long*>(w) + i);
-        bits = (unsigned long long)v;
         x = K == FP_F64 ? __longlong_as_double(v) : (double)v;
+        const unsigned long long lo = (unsigned long long)(long long)(int)(unsigned int)v;
+        const unsigned long long hi = (unsigned long long)(long long)(int)(unsigned int)(v >> 32);
+        term = (unsigned long long)(2 * i + 1) * lo + (unsigned long long)(2 * i + 2) * hi;
+        return;
     } else if (K == FP_F16 || K == FP_BF16 || K == FP_I16) {
         const unsigned short h = __ldg(static_cast<const unsigned short*>(w) + i);
         bits = (unsigned long long)(long long)(short)h;
@@ -67,6 +72,7 @@ __device__ __forceinline__ void fp_elem(const void* __restrict__ w, long long i,
         bits = (unsigned long long)c;
         x = K == FP_U8 ? (double)c : (double)(signed char)c;
     }
+    term = (unsigned long long)(i + 1) * bits;
 }
 
 __device__ __forceinline__ void fp_tree(FpPart& p, FpPart* s) {
@@ -102,10 +108,10 @@ __device__ __forceinline__ void fp_block(const void* __restrict__ w, long long n
     const long long end = begin + chunk < n ? begin + chunk : n;
     FpPart p = {0ull, 0.0, 0.0, 0};
     for (long long i = begin + threadIdx.x; i < end; i += FP_THREADS) {
-        unsigned long long bits;
+        unsigned long long term;
         double x;
-        fp_elem<K>(w, i, bits, x);
-        p.fp += (unsigned long long)(i + 1) * bits;
+        fp_elem<K>(w, i, term, x);
+        p.fp += term;
         p.sq += x * x;
         if (x != x) p.nan = 1;
         else p.mx = fmax(p.mx, fabs(x));

@@ -19,8 +19,9 @@ Every aten op that runs while recording (``ops="all"``, through a ``TorchDispatc
 only the backward ops nnrand routes, reported by the open ``use_kernels`` context itself, so the other ops
 run at full speed) adds one record per tensor output: step, phase, index within the step, aten op, module path,
 output number, shape, dtype, a fingerprint of the output's bytes and two summaries (L2 norm, max |x|).
-The fingerprint is an exact position-weighted sum of the output's bit patterns, sum_i (i + 1) * bits_i in
-wrapping int64 arithmetic, computed on the tensor's device; integer addition is associative, so it does
+The fingerprint is an exact position-weighted sum of the output's bit patterns, sum_j (j + 1) * bits_j over
+its words (elements; an 8-byte element as its two 4-byte halves) in wrapping int64 arithmetic, computed
+on the tensor's device; integer addition is associative, so it does
 not depend on how the device adds, and two outputs with different bytes almost surely differ in it. On a
 GPU, outputs of the dtypes in ``FP_KINDS`` (the float, signed integer, uint8 and bool types) are
 fingerprinted and summarised by one pass of ``kernels/fingerprint.cu``; others (complex, say) by the
@@ -50,7 +51,8 @@ version, metadata such as the routing and seeds), one column per record field (`
 uint8 index into ``PHASES``, ``index`` int32, ``op``/``module``/``shape`` int32 indices into the string
 tables ``ops``/``modules``/``shapes``, ``output`` int16, ``dtype`` int16 index into ``dtypes``, ``fp``
 int64, ``l2`` and ``maxabs`` float64) and, for records kept in full, ``tensor_<record>`` arrays. Little
-endian, no pickles: portable across machines. Written atomically.
+endian, no pickles: portable across machines. Written atomically. Version 1 files (an 8-byte element's
+fingerprint word the whole element) still load; ``diff`` refuses to compare traces of two versions.
 """
 from __future__ import annotations
 
@@ -74,12 +76,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 FORMAT = "nnrand-trace"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)   # version 1 fingerprinted an 8-byte element as one 64-bit word (see fingerprint)
 PHASES = ("forward", "backward", "optimizer", "other")
 _PHASE = {name: i for i, name in enumerate(PHASES)}
 ROUTED_ATEN = ("convolution_backward", "max_pool2d_with_indices_backward", "native_batch_norm_backward",
                "cudnn_batch_norm_backward")
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}   # the fingerprint's words (8 bytes: halves)
 COLUMNS = ("step", "phase", "index", "op", "module", "output", "shape", "dtype", "fp", "l2", "maxabs")
 
 
@@ -103,13 +106,18 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """sum_i (i + 1) * bits_i (wrapping int64) over the tensor's bytes in logical (row-major) order, as a
-    0-d int64 tensor on the tensor's device."""
+    """sum_i (i + 1) * bits_i (wrapping int64) over the tensor's words in logical (row-major) order, as a
+    0-d int64 tensor on the tensor's device. A word is an element of 1, 2 or 4 bytes (1 byte zero-extended,
+    wider ones sign-extended), or either 4-byte half of an 8-byte element (low half first): a 64-bit word
+    times an even weight would lose its top bit in the wrapping product (a float64 sign, say), which
+    trace format version 1 did."""
     t = t.detach().contiguous().reshape(-1)
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
     elif t.is_complex():   # the same bytes as (real, imaginary) pairs
         t = torch.view_as_real(t).reshape(-1)
+    if t.element_size() == 8:   # little-endian: each element's low half, then its high half
+        t = t.view(torch.int32)
     bits = t.view(_INT_VIEW[t.element_size()]).to(torch.int64)
     return (bits * _weights(bits.numel(), bits.device)).sum()
 
@@ -743,9 +751,9 @@ def load(path: str | Path) -> Trace:
                 raise TraceFormatError(f"{path}: not an nnrand trace (its header is not a JSON object)")
             if header.get("format") != FORMAT:
                 raise TraceFormatError(f"{path}: not an nnrand trace (format {header.get('format')!r})")
-            if header.get("version") != VERSION:
+            if header.get("version") not in READABLE_VERSIONS:
                 raise TraceFormatError(f"{path}: trace version {header.get('version')} is not readable by this "
-                                       f"version of nnrand (reads {VERSION})")
+                                       f"version of nnrand (reads {', '.join(map(str, READABLE_VERSIONS))})")
             cols = {k: z[k] for k in COLUMNS}
             tensors = {int(k.split("_", 1)[1]): z[k] for k in z.files if k.startswith("tensor_")}
     except TraceFormatError:
@@ -800,7 +808,12 @@ def ulp_distance(a: np.ndarray, b: np.ndarray, dtype: str = "float32") -> int:
 
 def diff(a: Trace, b: Trace) -> dict:
     """Compare two traces record by record. Returns ``{"status": "identical" | "diverge" | "different
-    ops", ...}`` with the first divergent record and the per-step spread."""
+    ops", ...}`` with the first divergent record and the per-step spread. Traces of two format versions
+    are refused (TraceFormatError): their fingerprints of 8-byte values are defined differently."""
+    va, vb = a.header.get("version"), b.header.get("version")
+    if va != vb:
+        raise TraceFormatError(f"{a.path} is a version {va} trace and {b.path} version {vb}: their fingerprints "
+                               "of 8-byte values are defined differently; record both with one nnrand version")
     ka, kb = a.keys(), b.keys()
     n = min(len(ka), len(kb))
     mismatch = next((i for i in range(n) if ka[i] != kb[i]), None)

@@ -150,6 +150,38 @@ def test_fingerprint_is_exact_and_position_sensitive():
     assert int(trace.fingerprint(x)) == want
 
 
+def test_eight_byte_values_are_fingerprinted_as_two_words():
+    """A float64 or int64 element is two 4-byte words (low half first), each with its own weight: a flipped
+    top bit (a float64's sign) at an odd position changes the fingerprint, which one 64-bit word times an
+    even weight would wrap away (trace format version 1)."""
+    g = torch.Generator().manual_seed(6)
+    for x in (torch.randn(9, generator=g, dtype=torch.float64),
+              torch.randint(-(1 << 40), 1 << 40, (9,), generator=g, dtype=torch.int64)):
+        y = x.clone()
+        y.view(torch.int64)[3] ^= -(1 << 63)   # the top bit of the element with weight 4 in version 1
+        assert int(trace.fingerprint(x)) != int(trace.fingerprint(y))
+        words = x.view(torch.int32).to(torch.int64).numpy()
+        want = int(np.sum((np.arange(1, 19, dtype=np.int64) * words).astype(np.int64)))
+        assert int(trace.fingerprint(x)) == want
+        old = int(np.sum(np.arange(1, 10, dtype=np.int64) * x.view(torch.int64).numpy()))
+        assert old == int(np.sum(np.arange(1, 10, dtype=np.int64) * y.view(torch.int64).numpy()))
+
+
+def test_traces_of_two_versions_load_but_are_not_compared(tmp_path, capsys):
+    a = _write(tmp_path / "a.trace", _arrays(4, seed=5))
+    arrays = _arrays(4, seed=5)
+    hdr = json.loads(bytes(arrays["header"]).decode())
+    arrays["header"] = np.frombuffer(json.dumps({**hdr, "version": 1}).encode(), dtype=np.uint8)
+    old = _write(tmp_path / "old.trace", arrays)
+    assert trace.load(old).header["version"] == 1 and trace.VERSION == 2
+    assert trace.diff(trace.load(old), trace.load(old))["status"] == "identical"
+    with pytest.raises(trace.TraceFormatError, match="version 2 trace and .* version 1"):
+        trace.diff(trace.load(a), trace.load(old))
+    with pytest.raises(SystemExit) as e:
+        trace.cli(["diff", str(a), str(old)])
+    assert e.value.code == 2 and "defined differently" in capsys.readouterr().err
+
+
 def test_lockstep_replicas_differ_on_one_axis_only():
     import dataclasses
 
