@@ -31,13 +31,15 @@ synchronisation per op).
 Kernel launches are what a record costs on the host, so they are shared. With ``ops="routed"`` the outputs
 of one op (and the tensors of one ``snapshot``) go to the kernel in one launch. With ``ops="all"`` the
 recorder sees every op that could write a recorded tensor, so the fingerprints wait and go out in batches of
-up to ``FP_BATCH`` tensors: launched before an op writes (in place, out=, resize_, set_) the storage of a
-waiting tensor, when the device or stream changes, when the batch is full and when the step ends. A waiting
-tensor's storage is held (up to ``HELD_BYTES`` in all) so that its memory is not reused first; the tensor
-itself is not (autograd steals a gradient only where nothing else holds its tensor, and a recorder must not
-change which ops run). Writes that bypass the dispatcher (a raw CuPy or Triton kernel writing into a
-recorded tensor before the batch goes out) are not seen: record such code with ``defer=False`` (one launch
-per op). Inside a CUDA-graph capture every record launches at once.
+up to ``FP_BATCH`` tensors: launched before an op writes (in place, out=, resize_, set_, the running
+statistics a training-mode BatchNorm updates) the storage of a waiting tensor, when the device or stream
+changes, when the batch is full or holds more than ``HELD_BYTES`` of storage, and when the step ends (which
+waits for every stream that launched). A waiting tensor's storage is held so that its memory is not reused
+first; the tensor itself is not (autograd steals a gradient only where nothing else holds its tensor, and a
+recorder must not change which ops run). Writes that bypass the dispatcher (a raw CuPy or Triton kernel writing into a
+recorded tensor before the batch goes out, ``UntypedStorage.resize_``, another storage object over the same
+memory) are not seen: record such code with ``defer=False`` (one launch per op). Inside a CUDA-graph capture
+every record launches at once; step (``Recorder.step``) before capturing, so that no batch is waiting.
 
 Module paths: the forward op runs inside a module's ``forward`` (a global module hook keeps the stack;
 names come from ``model`` when given); a backward op is attributed to the module whose forward returned
@@ -64,6 +66,7 @@ import gc
 import io
 import json
 import sys
+import threading
 import zipfile
 import zlib
 from collections import Counter
@@ -112,8 +115,8 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     times an even weight would lose its top bit in the wrapping product (a float64 sign, say), which
     trace format version 1 did."""
     t = t.detach().contiguous().reshape(-1)
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
+    if t.dtype == torch.bool:   # its bytes as they are (a bool viewed from other bytes may hold 2, say)
+        t = t.view(torch.uint8)
     elif t.is_complex():   # the same bytes as (real, imaginary) pairs
         t = torch.view_as_real(t).reshape(-1)
     if t.element_size() == 8:   # little-endian: each element's low half, then its high half
@@ -123,8 +126,10 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
 
 
 def summaries(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L2 norm, max |x|) in float64 on the device (complex: of the moduli)."""
+    """(L2 norm, max |x|) in float64 on the device (complex: of the moduli; bool: of its bytes)."""
     x = t.detach().reshape(-1)
+    if x.dtype == torch.bool:
+        x = x.contiguous().view(torch.uint8)
     if x.is_complex():
         return torch.linalg.vector_norm(torch.view_as_real(x).to(torch.float64)), x.abs().to(torch.float64).max()
     x = x.to(torch.float64)
@@ -371,7 +376,8 @@ def _launch_deferred(d: _Deferred) -> None:
     another one, it waits for that launch (its next op may write what the batch reads)."""
     with torch.cuda.device(d.index):
         _launch_batch(_fp_state(d.index, d.stream), d.desc, d.blocks, stream=d.stream)
-        if torch._C._cuda_getCurrentRawStream(d.index) != d.stream:
+        # (a capturing stream does not wait: the write that forced this launch runs when the graph does)
+        if torch._C._cuda_getCurrentRawStream(d.index) != d.stream and not torch._C._cuda_isCurrentStreamCapturing():
             done = torch.cuda.Event()
             done.record(torch.cuda.ExternalStream(d.stream))
             torch.cuda.current_stream().wait_event(done)
@@ -379,13 +385,19 @@ def _launch_deferred(d: _Deferred) -> None:
 
 # per aten overload: the (position, name) of each argument it writes (in place, out=), from its schema
 _WRITES: dict[object, tuple[tuple[int, str], ...]] = {}
+# arguments ops write although their schemas do not mark them: the training-mode BatchNorm forwards and
+# SyncBatchNorm's statistics ops update the running statistics in place
+_UNMARKED_WRITES = {op: ("running_mean", "running_var") for op in (
+    "native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm", "batch_norm_update_stats",
+    "batch_norm_gather_stats", "batch_norm_gather_stats_with_counts")}
 
 
 def _writes(func) -> tuple[tuple[int, str], ...]:
     w = _WRITES.get(func)
     if w is None:
+        extra = _UNMARKED_WRITES.get(func._overloadpacket.__name__, ())
         w = _WRITES[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
-                                  if a.alias_info is not None and a.alias_info.is_write)
+                                  if a.alias_info is not None and a.alias_info.is_write or a.name in extra)
     return w
 
 
@@ -438,6 +450,11 @@ class Recorder(TorchDispatchMode):
         # the device or stream changes, and when the step ends
         self._defer = defer and ops == "all"
         self._deferred: _Deferred | None = None
+        # CUDA (device index, raw stream) pairs that launched fingerprints this step: the step's end waits
+        # for each before reading the rows back
+        self._streams: set[tuple[int, int]] = set()
+        # autograd runs a backward per device on its own thread: records and launches one at a time
+        self._lock = threading.RLock()
 
     # -- control
     def step(self) -> None:
@@ -522,17 +539,18 @@ class Recorder(TorchDispatchMode):
         weights at the end of a step, say, which in-place optimizer updates do not show as op outputs. The
         tensors are fingerprinted together once ``named`` is exhausted: each must still hold the value it
         had when yielded (``named_parameters()`` yields distinct tensors)."""
-        self._quiet = True  # the ops computing the fingerprints are not records themselves
-        batch: list = []
-        try:
-            for name, t in named:   # read only: no detach (one dispatched op less)
-                self._add(t, self._code("ops", op), self._code("modules", name), _PHASE["other"], 0, batch)
-                self.index += 1
-        finally:
+        with self._lock:
+            self._quiet = True  # the ops computing the fingerprints are not records themselves
+            batch: list = []
             try:
-                _launch(batch)   # the rows reserved so far are written even if a later record failed
+                for name, t in named:   # read only: no detach (one dispatched op less)
+                    self._add(t, self._code("ops", op), self._code("modules", name), _PHASE["other"], 0, batch)
+                    self.index += 1
             finally:
-                self._quiet = False
+                try:
+                    _launch(batch)   # the rows reserved so far are written even if a later record failed
+                finally:
+                    self._quiet = False
 
     # -- the records
     def _add_outputs(self, out, op: str, module: str, phase: str) -> None:
@@ -540,15 +558,16 @@ class Recorder(TorchDispatchMode):
         fingerprints launched together."""
         batch: list = []
         codes = None   # coded at the first record: an op without tensor outputs adds no table entries
-        try:
-            for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
-                if _recordable(t):
-                    if codes is None:
-                        codes = (self._code("ops", op), self._code("modules", module), _PHASE[phase])
-                    self._add(t, *codes, k, batch)
-        finally:
-            _launch(batch)   # the rows reserved so far are written even if a later record failed
-        self.index += 1
+        with self._lock:
+            try:
+                for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+                    if _recordable(t):
+                        if codes is None:
+                            codes = (self._code("ops", op), self._code("modules", module), _PHASE[phase])
+                        self._add(t, *codes, k, batch)
+            finally:
+                _launch(batch)   # the rows reserved so far are written even if a later record failed
+            self.index += 1
 
     def _add(self, t: torch.Tensor, op: int, module: int, phase: int, k: int, batch: list) -> None:
         """Record ``t`` (codes of its op and module, phase index): its fingerprint computed now, or where
@@ -576,6 +595,8 @@ class Recorder(TorchDispatchMode):
                     _launch(batch)
                 if not batch:
                     batch += (index, [], [])
+                    if index >= 0:
+                        self._streams.add((index, _stream(index)))
                 batch[1].append(t)
                 batch[2].append(slots.next_ptr())
             self.pending.append((index, slots.used - 1))
@@ -628,27 +649,42 @@ class Recorder(TorchDispatchMode):
         return out
 
     def _launch_deferred(self) -> None:
-        d, self._deferred = self._deferred, None
-        if d is not None and d.held:
-            _launch_deferred(d)
+        with self._lock:
+            d, self._deferred = self._deferred, None
+            if d is not None and d.held:
+                _launch_deferred(d)
+                if d.index >= 0:
+                    self._streams.add((d.index, d.stream))
+
+    def _join_streams(self) -> None:
+        """Make each device's current stream wait for the other streams that launched fingerprints."""
+        for index, stream in self._streams:
+            if torch._C._cuda_getCurrentRawStream(index) != stream:
+                with torch.cuda.device(index):
+                    done = torch.cuda.Event()
+                    done.record(torch.cuda.ExternalStream(stream))
+                    torch.cuda.current_stream().wait_event(done)
+        self._streams.clear()
 
     def _flush(self) -> None:
         """Move the step's device values to the host, one transfer per device (the ops doing it are not
         recorded)."""
-        self._quiet = True
-        try:
-            self._launch_deferred()
-            if not self.pending:
-                return
-            pending, self.pending = self.pending, []
-            busy = [slots for slots in self.slots.values() if slots.used]
-            if len(busy) == 1 and busy[0].used == len(pending):
-                vals = busy[0].take()   # every record of the step a row of one device's slots, in order
-            else:
-                vals = self._gather(pending)
-        finally:
-            self._quiet = False
-        self.values.append((vals[:, 0].view(np.int64).copy(), vals[:, 1].copy(), vals[:, 2].copy()))
+        with self._lock:
+            self._quiet = True
+            try:
+                self._launch_deferred()
+                self._join_streams()
+                if not self.pending:
+                    return
+                pending, self.pending = self.pending, []
+                busy = [slots for slots in self.slots.values() if slots.used]
+                if len(busy) == 1 and busy[0].used == len(pending):
+                    vals = busy[0].take()   # every record of the step a row of one device's slots, in order
+                else:
+                    vals = self._gather(pending)
+            finally:
+                self._quiet = False
+            self.values.append((vals[:, 0].view(np.int64).copy(), vals[:, 1].copy(), vals[:, 2].copy()))
 
     def _gather(self, pending: list) -> np.ndarray:
         """The values of records of several devices, or some of them tensors (see ``pending``)."""

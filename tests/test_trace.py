@@ -167,6 +167,14 @@ def test_eight_byte_values_are_fingerprinted_as_two_words():
         assert old == int(np.sum(np.arange(1, 10, dtype=np.int64) * y.view(torch.int64).numpy()))
 
 
+def test_bool_values_are_fingerprinted_by_their_bytes():
+    """A bool tensor viewed from other bytes may hold 2: its fingerprint and summaries read the bytes as
+    they are (as the kernel does), not converted to 0/1."""
+    b = torch.tensor([2, 0, 1], dtype=torch.uint8).view(torch.bool)
+    assert int(trace.fingerprint(b)) == 1 * 2 + 2 * 0 + 3 * 1
+    assert [float(v) for v in trace.summaries(b)] == [5.0**0.5, 2.0]
+
+
 def test_traces_of_two_versions_load_but_are_not_compared(tmp_path, capsys):
     a = _write(tmp_path / "a.trace", _arrays(4, seed=5))
     arrays = _arrays(4, seed=5)
@@ -324,12 +332,14 @@ def test_kernel_written_rows_come_back_in_record_order(monkeypatch):
 
 def test_deferred_fingerprints_launch_before_a_recorded_tensor_is_written(monkeypatch):
     """ops="all" holds its kernel fingerprints back and launches them in batches; a batch must go out before
-    any op writes a tensor it reads (in place, through a view, out=, a foreach op, resize_, set_), and the
+    any op writes a tensor it reads (in place, through a view, out=, a foreach op, resize_, set_, BatchNorm's
+    running statistics, which its schema does not mark as written), and the
     memory of a recorded tensor that is freed must not be reused before: the stand-in kernel reads the
     memory when launched, and the trace equals the one whose values are computed at each op. Negative
     control: without the check for written tensors, the same run records other values."""
     def run() -> dict:
         g = torch.Generator().manual_seed(4)
+        bn = torch.nn.BatchNorm1d(4)   # made outside: a new module's parameters start as uninitialised memory
         with trace.record(None) as rec:
             for _ in range(2):
                 rec.step()
@@ -345,6 +355,9 @@ def test_deferred_fingerprints_launch_before_a_recorded_tensor_is_written(monkey
                 z.resize_(32)                            # resized in place
                 z.set_(torch.full((96,), 0.5).untyped_storage())   # another storage for a recorded tensor
                 z.fill_(0.25)
+                stats = bn.running_mean.detach()         # shares the running mean's storage
+                bn(torch.randn(8, 4, generator=g))       # a training-mode BatchNorm updates it unmarked
+                stats * 1
                 rec.snapshot([("x", x), ("z", z)])
                 x.sub_(a)                                # a snapshot's tensor written afterwards
         return rec.arrays()

@@ -100,8 +100,10 @@ def test_out_slot_is_written_and_checked():
 
 
 def _values(dtype: torch.dtype, n: int, g: torch.Generator) -> torch.Tensor:
-    if dtype == torch.bool:
-        return torch.rand(n, device="cuda", generator=g) < 0.5
+    if dtype == torch.bool:   # bytes 0, 1 and 2: read as they are, like the formula
+        return torch.randint(0, 3, (n,), device="cuda", generator=g, dtype=torch.uint8).view(torch.bool)
+    if dtype == torch.float64:   # every bit of both halves in play
+        return torch.randn(n, device="cuda", generator=g, dtype=torch.float64) * 100
     if dtype.is_floating_point:
         return (torch.randn(n, device="cuda", generator=g) * 100).to(dtype)
     info = torch.iinfo(dtype)
