@@ -147,7 +147,6 @@ FP_KINDS = {torch.float32: 0, torch.int32: 1, torch.float64: 2, torch.int64: 3, 
 # bytes of storage a recorder's deferred fingerprints may keep alive before they are launched
 HELD_BYTES = 1 << 30
 FP_SCRATCH_BLOCKS = 16 * FP_MAX_BLOCKS   # block partials per stream: the blocks of one launch at most
-_FP_BLOCK_ELEMENTS = FP_THREADS * FP_WORDS_PER_THREAD
 _FP_BATCH_SLOTS = 1 + 5 * FP_BATCH       # int64 slots of the kernel's FpBatch (count, then 5 per tensor)
 
 
@@ -377,9 +376,16 @@ def _launch_deferred(d: _Deferred) -> None:
     with torch.cuda.device(d.index):
         _launch_batch(_fp_state(d.index, d.stream), d.desc, d.blocks, stream=d.stream)
         # (a capturing stream does not wait: the write that forced this launch runs when the graph does)
-        if torch._C._cuda_getCurrentRawStream(d.index) != d.stream and not torch._C._cuda_isCurrentStreamCapturing():
+        if not torch._C._cuda_isCurrentStreamCapturing():
+            _wait_for(d.index, d.stream)
+
+
+def _wait_for(index: int, stream: int) -> None:
+    """Make torch's current stream on device ``index`` wait for the work enqueued so far on ``stream``."""
+    if torch._C._cuda_getCurrentRawStream(index) != stream:
+        with torch.cuda.device(index):
             done = torch.cuda.Event()
-            done.record(torch.cuda.ExternalStream(d.stream))
+            done.record(torch.cuda.ExternalStream(stream))
             torch.cuda.current_stream().wait_event(done)
 
 
@@ -611,15 +617,14 @@ class Recorder(TorchDispatchMode):
         if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
             t = t.contiguous()
         n = t.numel()
-        blocks = min(-(-n // _FP_BLOCK_ELEMENTS), FP_MAX_BLOCKS)   # fp_blocks(n), n > 0: the hot path
+        blocks = fp_blocks(n)
         stream = _stream(index)
         d = self._deferred
         if d is None or d.stream != stream or d.index != index or d.full(blocks):
             self._launch_deferred()
             d = self._deferred = _Deferred(index, stream)
         st = t.untyped_storage()
-        # FpDesc: address, n, chunk, out, then int first | short blocks | short kind (as _packed)
-        d.desc += (t.data_ptr(), n, -(-n // blocks), out_ptr, d.blocks | blocks << 32 | FP_KINDS[t.dtype] << 48)
+        d.desc += (t.data_ptr(), n, -(-n // blocks), out_ptr, _packed(d.blocks, blocks, FP_KINDS[t.dtype]))
         d.held.append(st)
         d.bases.add(st.data_ptr())
         d.blocks += blocks
@@ -659,11 +664,7 @@ class Recorder(TorchDispatchMode):
     def _join_streams(self) -> None:
         """Make each device's current stream wait for the other streams that launched fingerprints."""
         for index, stream in self._streams:
-            if torch._C._cuda_getCurrentRawStream(index) != stream:
-                with torch.cuda.device(index):
-                    done = torch.cuda.Event()
-                    done.record(torch.cuda.ExternalStream(stream))
-                    torch.cuda.current_stream().wait_event(done)
+            _wait_for(index, stream)
         self._streams.clear()
 
     def _flush(self) -> None:

@@ -128,14 +128,16 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: int = 0) -> float:
+def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: int = 0,
+             null: TorchDispatchMode | None = None) -> float:
+    """Median ms per step in ``mode``; ``null``: the dispatch mode the "null" mode runs (NullMode())."""
     dev = torch.device(cfg.device)
     seeds = noise.member_seeds({s: "fixed" for s in ("init", "order", "aug")} | {"kernel": 0}, cfg.seed, 0)
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(cfg.batch_size, 3, 32, 32, device=dev, generator=g)
     y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
     model, opt = train.build(cfg, seeds, 10, torch.contiguous_format)
-    ctx = {"none": contextlib.nullcontext(), "null": NullMode(), "timed_null": TimedNull(),
+    ctx = {"none": contextlib.nullcontext(), "null": null or NullMode(),
            "routed": trace.record(tmp / "r.trace", ops="routed", model=model),
            "all": trace.record(tmp / "a.trace", ops="all", model=model)}[mode]
     times = []
@@ -170,8 +172,6 @@ def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: in
     if prof is not None:
         print(f"\ncProfile, ops={mode}, {steps} steps, top {profile} by own time:")
         pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
-    if mode == "timed_null":
-        steps_ms.null_by_op = ctx.by_op
     return statistics.median(times)
 
 
@@ -275,7 +275,8 @@ def main(argv=None) -> int:
     if a.profile or a.kineto:
         steps_ms(cfg, "all", a.steps, tmp, profile=a.profile, kineto=a.kineto)
     if a.split:
-        steps_ms(cfg, "timed_null", a.steps, tmp)
+        timed = TimedNull()
+        steps_ms(cfg, "null", a.steps, tmp, null=timed)
         split = Split()
         undo = split.install()
         try:
@@ -284,7 +285,7 @@ def main(argv=None) -> int:
             undo()
         print(f"\nops='all' with the split timers: {ms:.2f} ms/step; per step (3 warm-up steps included, "
               f"averaged over {a.steps + 3}):")
-        split.report(a.steps + 3, steps_ms.null_by_op)
+        split.report(a.steps + 3, timed.by_op)
     return 0
 
 
