@@ -2,6 +2,7 @@
 
     python3 bench/dev/trace_host_cost.py                          # resnet18, batch 128, tree kernels
     python3 bench/dev/trace_host_cost.py --profile 30             # plus cProfile's top 30 under ops="all"
+    python3 bench/dev/trace_host_cost.py --profile 30 --profile-mode routed   # ... under ops="routed"
     python3 bench/dev/trace_host_cost.py --kineto 15              # plus the GPU's top 15 kernels, routed and all
     python3 bench/dev/trace_host_cost.py --split                  # plus host time per thread: op, record, rest
     python3 bench/dev/trace_host_cost.py --parts                  # only the host time of a record's pieces
@@ -11,6 +12,7 @@ each step as ``trace.recording_cost`` times it (forward, backward, optimizer ste
 
     none     no recording
     null     a dispatch mode that only calls each op (the price of intercepting every op in Python)
+    hooks    only the recorder's global module hooks (the module stack and the autograd nodes' paths)
     routed   trace.record(ops="routed")
     all      trace.record(ops="all")
 
@@ -123,6 +125,21 @@ class NullMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def hooks_only():
+    """The module hooks a recorder installs, without recording."""
+    from torch.nn.modules import module as mm
+
+    rec = trace.Recorder(ops="all")
+    hooks = [mm.register_module_forward_pre_hook(rec._pre),
+             mm.register_module_forward_hook(rec._post, always_call=True)]
+    try:
+        yield None
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -137,7 +154,7 @@ def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: in
     x = torch.randn(cfg.batch_size, 3, 32, 32, device=dev, generator=g)
     y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
     model, opt = train.build(cfg, seeds, 10, torch.contiguous_format)
-    ctx = {"none": contextlib.nullcontext(), "null": null or NullMode(),
+    ctx = {"none": contextlib.nullcontext(), "null": null or NullMode(), "hooks": hooks_only(),
            "routed": trace.record(tmp / "r.trace", ops="routed", model=model),
            "all": trace.record(tmp / "a.trace", ops="all", model=model)}[mode]
     times = []
@@ -237,7 +254,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--kernel", default="tree")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's top N under ops='all'")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's top N under --profile-mode")
+    p.add_argument("--profile-mode", default="all", choices=("routed", "all"))
     p.add_argument("--kineto", type=int, default=0, metavar="N",
                    help="the top N GPU kernels by device time under ops='routed' and 'all' (torch.profiler)")
     p.add_argument("--split", action="store_true",
@@ -266,14 +284,16 @@ def main(argv=None) -> int:
     gpu = (time.perf_counter() - t0) / n * 1e6
     print(f"record_values on 128x64x32x32 float32 ({dev}): {host:.1f} us host per call, {gpu:.1f} us with the device")
     base = None
-    for mode in ("none", "null", "routed", "all"):
+    for mode in ("none", "null", "hooks", "routed", "all"):
         ms = steps_ms(cfg, mode, a.steps, tmp)
         base = base or ms
         print(f"{mode:7s} {ms:8.2f} ms/step  {ms / base:5.2f}x", flush=True)
     if a.kineto:
         steps_ms(cfg, "routed", a.steps, tmp, kineto=a.kineto)
-    if a.profile or a.kineto:
-        steps_ms(cfg, "all", a.steps, tmp, profile=a.profile, kineto=a.kineto)
+    if a.profile and a.profile_mode == "routed":
+        steps_ms(cfg, "routed", a.steps, tmp, profile=a.profile)
+    if a.profile and a.profile_mode == "all" or a.kineto:
+        steps_ms(cfg, "all", a.steps, tmp, profile=a.profile if a.profile_mode == "all" else 0, kineto=a.kineto)
     if a.split:
         timed = TimedNull()
         steps_ms(cfg, "null", a.steps, tmp, null=timed)
