@@ -29,7 +29,11 @@ torch formula. The per-op values stay on the device until the step ends (one tra
 synchronisation per op).
 
 Kernel launches are what a record costs on the host, so they are shared. With ``ops="routed"`` the outputs
-of one op (and the tensors of one ``snapshot``) go to the kernel in one launch. With ``ops="all"`` the
+of one op (and the tensors of one ``snapshot``) go to the kernel in one launch, and inside a backward pass
+they wait for its end: autograd does not write a gradient in place unless it alone holds its storage, and
+the recorder holds it; a write by anything else (a gradient hook, a gradient-bucket copy) bumps the
+tensor's version counter, which is checked at the launch and fails the recording (``TraceError``) rather
+than let it keep a value the op did not produce. With ``ops="all"`` the
 recorder sees every op that could write a recorded tensor, so the fingerprints wait and go out in batches of
 up to ``FP_BATCH`` tensors: launched before an op writes (in place, out=, resize_, set_, the running
 statistics a training-mode BatchNorm updates) the storage of a waiting tensor, when the device or stream
@@ -93,6 +97,10 @@ class TraceFormatError(ValueError):
     """A file that is not a complete nnrand trace of a version this code reads."""
 
 
+class TraceError(RuntimeError):
+    """A recording that cannot give the values it would claim."""
+
+
 # --------------------------------------------------------------------------------------------------
 # Fingerprints
 
@@ -153,7 +161,11 @@ _FP_BATCH_SLOTS = 1 + 5 * FP_BATCH       # int64 slots of the kernel's FpBatch (
 def fp_blocks(n: int) -> int:
     """The blocks a tensor of ``n`` elements is fingerprinted by (in either kernel); its result depends on n
     and this count only."""
-    return max(1, min(FP_MAX_BLOCKS, -(-n // (FP_THREADS * FP_WORDS_PER_THREAD))))
+    b = -(-n // _FP_WORDS_PER_BLOCK)   # conditionals, not max/min: a record's hot path
+    return 1 if b < 1 else b if b < FP_MAX_BLOCKS else FP_MAX_BLOCKS
+
+
+_FP_WORDS_PER_BLOCK = FP_THREADS * FP_WORDS_PER_THREAD
 
 
 @dataclass(frozen=True)
@@ -277,7 +289,7 @@ def _recordable(t) -> bool:
     """An output with bytes to fingerprint: a dense (strided) tensor with elements, on a real device;
     not sparse, nested, quantized or meta (those are skipped, not recorded)."""
     return (isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested and not t.is_quantized
-            and t.device.type != "meta" and t.numel() > 0)
+            and not t.is_meta and t.numel() > 0)   # (is_meta: t.device.type builds a device object)
 
 
 def _fused(t: torch.Tensor) -> bool:
@@ -333,30 +345,42 @@ class _Slots:
 
     def __init__(self, dev: torch.device):
         self.dev, self.chunks, self.used = dev, [], 0
+        self._limit = 0   # the current chunk's end (a row number); 0: no current chunk
+        self._at = 0      # the current chunk's address, less 24 bytes per row before it
 
     def next_ptr(self) -> int:
         """The device address of the next free row (24 bytes)."""
-        chunk, row = divmod(self.used, self.ROWS)
-        if chunk == len(self.chunks):
-            self.chunks.append(torch.empty(self.ROWS, 3, dtype=torch.float64, device=self.dev))
-        self.used += 1
-        return self.chunks[chunk].data_ptr() + 24 * row
+        used = self.used
+        if used == self._limit:   # the first row of a chunk
+            chunk = used // self.ROWS
+            if chunk == len(self.chunks):
+                self.chunks.append(torch.empty(self.ROWS, 3, dtype=torch.float64, device=self.dev))
+            self._at, self._limit = self.chunks[chunk].data_ptr() - 24 * used, used + self.ROWS
+        self.used = used + 1
+        return self._at + 24 * used
 
     def take(self) -> np.ndarray:
         """The rows written since the last take, on the host (synchronises with the device)."""
         rows = torch.cat(self.chunks)[:self.used] if len(self.chunks) > 1 else self.chunks[0][:self.used]
-        self.used = 0
+        self.reset()
         return rows.cpu().numpy()
+
+    def reset(self) -> None:
+        """Start again from the first row."""
+        self.used = self._limit = 0
 
 
 class _Deferred:
     """Fingerprints recorded on one device and stream, waiting for one launch of ``fingerprint_batch``
-    (filled by ``Recorder._defer_one``): their descriptors (FpDesc's five 8-byte words each), their blocks
+    (filled by ``Recorder._add``): their descriptors (FpDesc's five 8-byte words each), their blocks
     (the next one's first), and the storages of their tensors, held until the launch
     is enqueued so that their memory cannot be reused before the kernel reads it; ``bases``: those
-    storages' addresses, against which the recorder checks every op that writes its arguments."""
+    storages' addresses, against which the recorder checks every op that writes its arguments.
+    ``watched`` (ops="routed", which sees no other op): per tensor, a detached alias (sharing its version
+    counter, not its autograd identity), the counter when recorded and its record's row, checked when the
+    batch goes out."""
 
-    __slots__ = ("index", "stream", "desc", "held", "bases", "blocks", "nbytes")
+    __slots__ = ("index", "stream", "desc", "held", "bases", "blocks", "nbytes", "watched")
 
     def __init__(self, index: int, stream: int):
         self.index, self.stream = index, stream
@@ -364,10 +388,7 @@ class _Deferred:
         self.held: list[torch.UntypedStorage] = []
         self.bases: set[int] = set()
         self.blocks = self.nbytes = 0
-
-    def full(self, blocks: int) -> bool:
-        """Whether a tensor of ``blocks`` blocks no longer fits this launch."""
-        return len(self.held) == FP_BATCH or self.blocks + blocks > FP_SCRATCH_BLOCKS or self.nbytes > HELD_BYTES
+        self.watched: list[tuple[torch.Tensor, int, int]] = []
 
 
 def _launch_deferred(d: _Deferred) -> None:
@@ -388,6 +409,8 @@ def _wait_for(index: int, stream: int) -> None:
             done.record(torch.cuda.ExternalStream(stream))
             torch.cuda.current_stream().wait_event(done)
 
+
+_VIEW_KEY = torch._C.DispatchKey.ADInplaceOrView
 
 # per aten overload: the (position, name) of each argument it writes (in place, out=), from its schema
 _WRITES: dict[object, tuple[tuple[int, str], ...]] = {}
@@ -445,6 +468,7 @@ class Recorder(TorchDispatchMode):
         self.pending: list[torch.Tensor | tuple[int, int]] = []
         self.slots: dict[int, _Slots] = {}
         self._shapes: dict[torch.Size, int] = {}    # codes by value, not by formatted string: hot path
+        self._codes: dict[tuple[str, str], tuple[int, int]] = {}   # (op, module) -> their codes
         self._dtypes: dict[torch.dtype, int] = {}
         self.values: list[np.ndarray] = []
         self.tensors: dict[int, np.ndarray] = {}
@@ -455,6 +479,13 @@ class Recorder(TorchDispatchMode):
         # out in batches (_Deferred): launched before an op writes one of them, when a batch is full, when
         # the device or stream changes, and when the step ends
         self._defer = defer and ops == "all"
+        # ops="routed" sees only the routed ops, not what writes their outputs: in a backward pass, where
+        # autograd does not write a gradient it does not own alone (and a held storage makes it not alone),
+        # their fingerprints wait for the end of the pass (a callback queued with autograd's engine), and
+        # any version counter bumped meanwhile (an in-place op on them) fails the recording
+        self._defer_backward = defer and ops == "routed" and all(
+            hasattr(torch._C, f) for f in ("_current_graph_task_id", "_dispatch_tls_set_dispatch_key_excluded"))
+        self._tasks: set[int] = set()   # graph tasks whose end launches the waiting batch
         self._deferred: _Deferred | None = None
         # CUDA (device index, raw stream) pairs that launched fingerprints this step: the step's end waits
         # for each before reading the rows back
@@ -536,9 +567,31 @@ class Recorder(TorchDispatchMode):
 
     def _observe(self, op: str, out) -> None:
         node = torch._C._current_autograd_node()
-        phase, module = ("backward", node.metadata.get("nnrand_module", "")) if node is not None else \
-            (self._phase, self.stack[-1] if self.stack else "")
-        self._add_outputs(out, op, module, phase)
+        if node is None:
+            self._add_outputs(out, op, self.stack[-1] if self.stack else "", self._phase)
+            return
+        module = node.metadata.get("nnrand_module", "")
+        task = torch._C._current_graph_task_id() if self._defer_backward else -1
+        if task < 0:
+            self._add_outputs(out, op, module, "backward", False)
+            return
+        if task not in self._tasks:   # the pass's first record: its end launches what waits
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._pass_ended, task))
+            self._tasks.add(task)
+        # a routed kernel runs below autograd's view-tracking key, where detach() would not share the version
+        # counter that in-place ops bump: that key is let through while the watched aliases are made
+        lifted = torch._C._dispatch_tls_is_dispatch_key_excluded(_VIEW_KEY)
+        if lifted:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(_VIEW_KEY, False)
+        try:
+            self._add_outputs(out, op, module, "backward", True)
+        finally:
+            if lifted:
+                torch._C._dispatch_tls_set_dispatch_key_excluded(_VIEW_KEY, True)
+
+    def _pass_ended(self, task: int) -> None:
+        self._tasks.discard(task)
+        self._launch_deferred()
 
     def snapshot(self, named: Iterator[tuple[str, torch.Tensor]], op: str = "parameter") -> None:
         """One record per named tensor (phase "other", aten op field ``op``, module field the name): the
@@ -550,7 +603,8 @@ class Recorder(TorchDispatchMode):
             batch: list = []
             try:
                 for name, t in named:   # read only: no detach (one dispatched op less)
-                    self._add(t, self._code("ops", op), self._code("modules", name), _PHASE["other"], 0, batch)
+                    self._add(t, self._code("ops", op), self._code("modules", name), _PHASE["other"], 0, batch,
+                              self._defer)
                     self.index += 1
             finally:
                 try:
@@ -559,9 +613,11 @@ class Recorder(TorchDispatchMode):
                     self._quiet = False
 
     # -- the records
-    def _add_outputs(self, out, op: str, module: str, phase: str) -> None:
+    def _add_outputs(self, out, op: str, module: str, phase: str, defer: bool | None = None) -> None:
         """The records of one op's outputs (tensors, or a tuple/list of them; others skipped), their
-        fingerprints launched together."""
+        fingerprints deferred (``defer``; None: as the recorder defers) or launched together."""
+        if defer is None:
+            defer = self._defer
         batch: list = []
         codes = None   # coded at the first record: an op without tensor outputs adds no table entries
         with self._lock:
@@ -569,33 +625,62 @@ class Recorder(TorchDispatchMode):
                 for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
                     if _recordable(t):
                         if codes is None:
-                            codes = (self._code("ops", op), self._code("modules", module), _PHASE[phase])
-                        self._add(t, *codes, k, batch)
+                            codes = self._codes.get((op, module))
+                            if codes is None:
+                                codes = self._codes[op, module] = (self._code("ops", op), self._code("modules", module))
+                        self._add(t, *codes, _PHASE[phase], k, batch, defer)
             finally:
                 _launch(batch)   # the rows reserved so far are written even if a later record failed
             self.index += 1
 
-    def _add(self, t: torch.Tensor, op: int, module: int, phase: int, k: int, batch: list) -> None:
-        """Record ``t`` (codes of its op and module, phase index): its fingerprint computed now, or where
-        the kernel takes it, added to ``batch`` ([device index, tensors, slot addresses], see ``_launch``)."""
+    def _add(self, t: torch.Tensor, op: int, module: int, phase: int, k: int, batch: list,
+             defer: bool = False) -> None:
+        """Record ``t`` (codes of its op and module, phase index). Its fingerprint is computed now, added to
+        ``batch`` ([device index, tensors, slot addresses], see ``_launch``), or deferred (``defer``, see
+        ``_Deferred``).
+        The hot path of a recording: one pass, no helper calls for a deferred CUDA record."""
         step = self.step_no if self.step_no > 0 else 0
         shape = self._shapes.get(t.shape)
         if shape is None:
             shape = self._shapes[t.shape] = self._code("shapes", "x".join(map(str, t.shape)))
-        dtype = self._dtypes.get(t.dtype)
+        dt = t.dtype
+        dtype = self._dtypes.get(dt)
         if dtype is None:
-            dtype = self._dtypes[t.dtype] = self._code("dtypes", str(t.dtype).replace("torch.", ""))
-        row = (step, phase, self.index, op, module, k, shape, dtype)
+            dtype = self._dtypes[dt] = self._code("dtypes", str(dt).replace("torch.", ""))
         kept = None
         if self.keep and (step, PHASES[phase], self.index) in self.keep:
             kept = kept_array(t)
         # the row is added once its value is certain: a record that fails adds nothing (rows and values
         # stay aligned for an op whose error the caller catches)
+        watch = None
         if _fused(t):
             index = t.get_device()
             slots = self.slots.get(index) or self.slots.setdefault(index, _Slots(t.device))
-            if self._defer and not _capturing(index):
-                self._defer_one(t, index, slots.next_ptr())
+            if defer and not _capturing(index):
+                if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
+                    t = t.contiguous()      # (a private copy: nothing else writes it)
+                elif self._defer_backward:   # a detached alias: the version counter, not the tensor
+                    watch = (t.detach(), t._version, len(self.rows))
+                n = t.numel()
+                blocks = -(-n // _FP_WORDS_PER_BLOCK)   # fp_blocks(n), inline
+                blocks = 1 if blocks < 1 else blocks if blocks < FP_MAX_BLOCKS else FP_MAX_BLOCKS
+                stream = _stream(index)
+                d = self._deferred
+                if d is None or d.stream != stream or d.index != index or len(d.held) == FP_BATCH or \
+                        d.blocks + blocks > FP_SCRATCH_BLOCKS or d.nbytes > HELD_BYTES:
+                    self._launch_deferred()
+                    d = self._deferred = _Deferred(index, stream)
+                st = t.untyped_storage()
+                base = st.data_ptr()
+                d.desc += (t.data_ptr(), n, -(-n // blocks), slots.next_ptr(),
+                           d.blocks | blocks << 32 | FP_KINDS[dt] << 48)   # _packed(first, blocks, kind)
+                d.held.append(st)
+                d.bases.add(base)
+                d.blocks += blocks
+                d.nbytes += st.nbytes()
+                if watch is not None:
+                    d.watched.append(watch)
+                    watch = None
             else:
                 if batch and batch[0] != index:   # one device per launch
                     _launch(batch)
@@ -608,27 +693,9 @@ class Recorder(TorchDispatchMode):
             self.pending.append((index, slots.used - 1))
         else:
             self.pending.append(record_values(t))
-        self.rows.append(row)
+        self.rows.append((step, phase, self.index, op, module, k, shape, dtype))
         if kept is not None:
             self.tensors[len(self.rows) - 1] = kept
-
-    def _defer_one(self, t: torch.Tensor, index: int, out_ptr: int) -> None:
-        """Add ``t``'s fingerprint (written to ``out_ptr``) to the waiting batch of its device and stream."""
-        if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
-            t = t.contiguous()
-        n = t.numel()
-        blocks = fp_blocks(n)
-        stream = _stream(index)
-        d = self._deferred
-        if d is None or d.stream != stream or d.index != index or d.full(blocks):
-            self._launch_deferred()
-            d = self._deferred = _Deferred(index, stream)
-        st = t.untyped_storage()
-        d.desc += (t.data_ptr(), n, -(-n // blocks), out_ptr, _packed(d.blocks, blocks, FP_KINDS[t.dtype]))
-        d.held.append(st)
-        d.bases.add(st.data_ptr())
-        d.blocks += blocks
-        d.nbytes += st.nbytes()
 
     def _code(self, table: str, value: str) -> int:
         t = self.tables[table]
@@ -660,6 +727,19 @@ class Recorder(TorchDispatchMode):
                 _launch_deferred(d)
                 if d.index >= 0:
                     self._streams.add((d.index, d.stream))
+                for alias, version, row in d.watched:
+                    if alias._version != version:
+                        raise TraceError(self._written_early(row))
+
+    def _written_early(self, row: int) -> str:
+        step, phase, index, op, module, k = self.rows[row][:6]
+        return (f"nnrand.trace: output {k} of aten::{self._name('ops', op)} (step {step}, {PHASES[phase]} index "
+                f"{index}, module {self._name('modules', module) or '?'}) was written in place before the "
+                "backward pass ended (a gradient hook or a gradient copy?), so its recorded fingerprint would "
+                "not be the op's; record with defer=False (one launch per op)")
+
+    def _name(self, table: str, code: int) -> str:
+        return next(k for k, v in self.tables[table].items() if v == code)
 
     def _join_streams(self) -> None:
         """Make each device's current stream wait for the other streams that launched fingerprints."""

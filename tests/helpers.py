@@ -90,3 +90,30 @@ def nan_filled_memory():
         yield
     finally:
         torch.use_deterministic_algorithms(det)
+
+
+def routed_recording(defer: bool = True, hook=None, steps: int = 2, device: str = "cpu") -> dict:
+    """ops="routed" over a few tree-routed training steps of a small conv net (a max-pool, BatchNorm and a
+    residual sum); ``hook``: a gradient hook on the input of the first block's second conv (its only use)."""
+    from nnrand import models, routing, trace
+
+    torch.manual_seed(0)
+    model = models.small(4).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 16, 16, generator=g).to(device), torch.randint(0, 4, (4,), generator=g).to(device)
+    handles = []
+    if hook is not None:
+        relu1 = model.stages[0][0].relu1
+        handles.append(relu1.register_forward_hook(lambda m, a, out: [out.register_hook(hook), None][1]))
+    with routing.use_kernels("tree"), trace.record(None, ops="routed", model=model, defer=defer) as rec:
+        for _ in range(steps):
+            rec.step()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            rec.snapshot(model.named_parameters())
+    for h in handles:
+        h.remove()
+    return rec.arrays()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nnrand import routing, trace, train
+from tests.helpers import routed_recording
 
 TINY = dict(device="cpu", model="small", n_train=64, n_test=16, batch_size=16, epochs=1, progress=False,
             report=False)
@@ -413,6 +414,52 @@ def test_deferral_keeps_the_op_sequence_of_a_residual_model(monkeypatch):
     assert sum(n for k, n in kernel.launches if k == "deferred") > 100
     for k in want:
         assert np.array_equal(got[k], want[k]), k
+
+
+def test_routed_backward_records_wait_for_the_end_of_the_pass(monkeypatch):
+    """ops="routed" cannot see what writes a routed op's outputs, so in a backward pass it holds their
+    storages (autograd then sums gradients out of place) and launches their fingerprints once, when the
+    pass ends (inside it: before the optimizer runs). The trace equals the one with values computed per
+    op, launched per op or not."""
+    need_all_ops()
+    want = routed_recording()   # no kernel: every value computed by the formula at its op
+    for defer in (True, False):
+        with monkeypatch.context() as m:
+            kernel = KernelStandIn(m)
+            in_pass = []
+            deferred = kernel.deferred
+            m.setattr(trace, "_launch_deferred",
+                      lambda d: in_pass.append(torch._C._current_graph_task_id() >= 0) or deferred(d))
+            got = routed_recording(defer)
+        for k in want:
+            assert np.array_equal(got[k], want[k]), (defer, k)
+        backward = int((got["phase"] == trace.PHASES.index("backward")).sum())
+        if defer:   # one launch per pass, at its end; the snapshots' and other launches per op
+            assert [x[1] for x in kernel.launches if isinstance(x, tuple)] == [backward // 2] * 2
+            assert in_pass == [True] * 2
+        else:
+            assert not in_pass and sum(kernel.launches) == len(got["fp"])
+
+
+def test_routed_deferral_fails_when_a_hook_writes_a_recorded_gradient(monkeypatch):
+    """A gradient hook that scales a conv's input gradient in place writes the output of a
+    routed convolution_backward before the pass ends: a deferred fingerprint would read the scaled values,
+    so the recording fails and names the op. Recorded per op (defer=False), its record is the op's own
+    output: the same as without the hook, while the hook changes what follows (negative control)."""
+    need_all_ops()
+
+    def double(grad):
+        grad.mul_(2)
+
+    KernelStandIn(monkeypatch)
+    with pytest.raises(trace.TraceError, match=r"aten::convolution_backward .*step 0.*defer=False"):
+        routed_recording(hook=double, steps=1)
+    plain, hooked = routed_recording(defer=False, steps=1), routed_recording(defer=False, hook=double, steps=1)
+    header = json.loads(bytes(plain["header"]).decode())
+    hooked_op = [i for i in range(len(plain["fp"])) if header["ops"][plain["op"][i]] == "convolution_backward"
+                 and header["modules"][plain["module"][i]] == "stages.0.0.conv2" and plain["output"][i] == 0]
+    same = plain["fp"] == hooked["fp"]
+    assert len(hooked_op) == 1 and same[:hooked_op[0] + 1].all() and not same.all()
 
 
 def test_report_marks_ops_the_model_never_calls(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nnrand import trace, train
-from tests.helpers import bitwise_equal
+from tests.helpers import bitwise_equal, routed_recording
 
 pytestmark = pytest.mark.gpu
 
@@ -135,6 +135,26 @@ def test_every_kernel_dtype_matches_the_formula(dtype):
     out = torch.zeros(len(ts), 3, dtype=torch.float64, device="cuda")
     trace._launch_fingerprints(ts, [out[i].data_ptr() for i in range(len(ts))])
     assert bitwise_equal(out.view(torch.int64), want.view(torch.int64))
+
+
+def test_routed_records_deferred_to_the_end_of_backward_equal_per_op_launches(monkeypatch):
+    """ops="routed" launches a backward pass's fingerprints when the pass ends: the same records, bit for
+    bit, as launching per op, and the fingerprints of the torch formula; a gradient hook that writes a
+    routed op's output in place fails the deferred recording."""
+    deferred = routed_recording(device="cuda")
+    per_op = routed_recording(defer=False, device="cuda")
+    for k in deferred:
+        assert np.array_equal(deferred[k], per_op[k]), k
+    monkeypatch.setattr(trace, "_fused", lambda t: False)
+    formula = routed_recording(device="cuda")
+    assert np.array_equal(deferred["fp"], formula["fp"]) and len(formula["fp"]) > 50
+    monkeypatch.undo()
+
+    def double(grad):
+        grad.mul_(2)
+
+    with pytest.raises(trace.TraceError, match="aten::convolution_backward"):
+        routed_recording(device="cuda", hook=double, steps=1)
 
 
 def test_deferred_fingerprints_equal_the_formula_under_writes_and_streams(monkeypatch):

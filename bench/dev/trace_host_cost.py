@@ -6,6 +6,7 @@
     python3 bench/dev/trace_host_cost.py --kineto 15              # plus the GPU's top 15 kernels, routed and all
     python3 bench/dev/trace_host_cost.py --split                  # plus host time per thread: op, record, rest
     python3 bench/dev/trace_host_cost.py --parts                  # only the host time of a record's pieces
+    python3 bench/dev/trace_host_cost.py --cost 5 --steps 40      # only trace.recording_cost, as the report runs it
 
 Per mode, the median step time (synchronised; CUDA on a GPU) over ``--steps`` steps after 3 warm-up steps,
 each step as ``trace.recording_cost`` times it (forward, backward, optimizer step, parameter snapshot):
@@ -32,7 +33,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# NNRAND_ROOT: another checkout's nnrand and kernels (an A/B of two commits with this script)
+sys.path.insert(0, os.environ.get("NNRAND_ROOT") or str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -114,7 +116,13 @@ class _Done:
     """An op already called: the recorder's dispatch gets its output instead of calling it again."""
 
     def __init__(self, func, out):
-        self.out, self._overloadpacket = out, func._overloadpacket
+        self.func, self.out, self._overloadpacket, self._schema = func, out, func._overloadpacket, func._schema
+
+    def __hash__(self):   # the recorder's per-op caches see the op
+        return hash(self.func)
+
+    def __eq__(self, other):
+        return self.func == (other.func if isinstance(other, _Done) else other)
 
     def __call__(self, *args, **kwargs):
         return self.out
@@ -220,7 +228,7 @@ def parts(dev: torch.device, n: int = 2000) -> None:
         rec.pending.clear()
         rec.rows.clear()
         for s in rec.slots.values():
-            s.used = 0
+            s.reset()
 
     print(f"\nhost us per call ({dev}, median of 5 batches of {n}):")
     record = lambda: rec._add_outputs(t, "relu", "stages.0", "forward")  # noqa: E731
@@ -262,6 +270,8 @@ def main(argv=None) -> int:
                    help="host time per thread in calling ops and in recording them, under ops='all'")
     p.add_argument("--parts", action="store_true",
                    help="host time of each piece of one record's path (a record, its launch, a dispatch) and exit")
+    p.add_argument("--cost", type=int, default=0, metavar="ROUNDS",
+                   help="only trace.recording_cost (the report's measurement) over ROUNDS rounds of --steps steps")
     p.add_argument("--tmp", default="/tmp/nnrand-trace-cost")
     a = p.parse_args(argv)
     cfg = train.resolve(train.Config(model=a.model, batch_size=a.batch, kernel=a.kernel, device=a.device))
@@ -270,6 +280,12 @@ def main(argv=None) -> int:
     dev = torch.device(a.device)
     if a.parts:
         parts(dev)
+        return 0
+    if a.cost:
+        cost = trace.recording_cost(cfg, a.steps, tmp, rounds=a.cost)
+        base = cost["none"]["ms_per_step"]
+        print(f"recording_cost ({trace.__file__}, {a.cost} rounds of {a.steps} steps):", "  ".join(
+            f"{m} {c['ms_per_step']:.2f} ms ({c['ms_per_step'] / base:.3f}x)" for m, c in cost.items()))
         return 0
     t = torch.randn(128, 64, 32, 32, device=dev)
     for _ in range(20):
