@@ -1047,7 +1047,7 @@ class _Session:
         self.coverage = Coverage()
         self.warned: set[str] = set()
         self.overridden: list[str] = []  # aten ops overridden while open
-        self.observers: list[Callable[[str, object], None]] = []
+        self.observers: list[Callable[[str, object, tuple], None]] = []
         # conv: (wgrad, dgrad, bias) variants or None for native
         self.conv = (routing.variant("conv_wgrad"), routing.variant("conv_dgrad"), routing.variant("bias_grad"))
         self.pool = routing.variant("maxpool_bwd")
@@ -1161,20 +1161,21 @@ def _bind(fn, session: "_Session", original: _Original, *bound):
 
 
 def _bind_observed(fn, session: "_Session", op: str, original: _Original):
-    """A routed op's kernel: the handler, then the session's observers (``observe``) with its outputs."""
+    """A routed op's kernel: the handler, then the session's observers (``observe``) with its outputs and
+    arguments."""
     def kernel(keyset, *args, **kwargs):
         if getattr(_INSIDE, "depth", 0):
             return original.handle.call_boxed(keyset, *args, **kwargs)
         out = fn(session, original, keyset, *args, **kwargs)
         for f in session.observers:
-            f(op, out)
+            f(op, out, args)
         return out
     return kernel
 
 
 @contextlib.contextmanager
-def observe(fn: Callable[[str, object], None]) -> Iterator[None]:
-    """Call ``fn(aten_op, outputs)`` after every routed aten op of the open ``use_kernels`` context (what
+def observe(fn: Callable[[str, object, tuple], None]) -> Iterator[None]:
+    """Call ``fn(aten_op, outputs, args)`` after every routed aten op of the open ``use_kernels`` context (what
     ``nnrand.trace`` records with ``ops="routed"``: no cost for the ops nnrand does not route)."""
     s = _ACTIVE
     if s is None:

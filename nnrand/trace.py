@@ -50,7 +50,10 @@ names come from ``model`` when given); a backward op is attributed to the module
 the tensor whose autograd node it runs in (set on the node when that module returns). The backward of an
 op inside a module's forward whose result the module does not return (an intermediate sum, the weight
 transpose of a linear layer) has no module: an empty path, as have the loss and the optimizer's ops
-outside any module.
+outside any module. With ``ops="routed"`` and a ``model``, no global hook is installed (it puts every
+module call on torch's slower path): a routed op is attributed to the module owning a parameter it takes
+(a conv's or BatchNorm's weight) or whose gradient its autograd node accumulates, directly or through an
+autocast copy; only the model's leaf modules without parameters (a pool, say) are hooked, as above.
 
 File format (``FORMAT``, version ``VERSION``): a NumPy ``.npz`` archive with a JSON ``header`` (format,
 version, metadata such as the routing and seeds), one column per record field (``step`` int32, ``phase``
@@ -458,7 +461,9 @@ class Recorder(TorchDispatchMode):
         if ops not in ("all", "routed"):
             raise ValueError(f"ops must be 'all' or 'routed', got {ops!r}")
         self.ops, self.keep, self.meta = ops, keep or set(), dict(meta or {})
+        self.model = model
         self.names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+        self._owners: dict[int, str] = {}   # ops="routed" with a model: id(parameter) -> its module's path
         self.stack: list[str] = []
         self._phase = "forward"
         self.step_no, self.index = -1, 0
@@ -474,6 +479,7 @@ class Recorder(TorchDispatchMode):
         self.tensors: dict[int, np.ndarray] = {}
         self.tables: dict[str, dict[str, int]] = {"ops": {}, "modules": {}, "shapes": {}, "dtypes": {}}
         self._hooks = []
+        self._entered = False
         self._quiet = False
         # ops="all" sees every op that could write a recorded tensor, so its kernel fingerprints wait and go
         # out in batches (_Deferred): launched before an op writes one of them, when a batch is full, when
@@ -534,11 +540,23 @@ class Recorder(TorchDispatchMode):
 
         from nnrand import routing
 
-        if self._hooks:
+        if self._entered:
             raise RuntimeError("nnrand.trace: this Recorder is already recording; a Recorder is entered once")
+        self._entered = True
         # always_call: a forward that raises still pops its module off the stack
-        self._hooks = [mm.register_module_forward_pre_hook(self._pre),
-                       mm.register_module_forward_hook(self._post, always_call=True)]
+        if self.ops == "routed" and self.model is not None:
+            # global module hooks put every module call of the model on torch's slow path; the routed ops
+            # find their module by the parameters they take (a conv's or BatchNorm's weight), and only
+            # the model's parameterless leaf modules (a pool, say) are hooked, for the rest
+            owners = {id(p): name for name, m in self.model.named_modules() for p in m.parameters(recurse=False)}
+            self._owners, self._owned = owners, list(self.model.parameters())   # (ids of live objects only)
+            for name, m in self.model.named_modules():
+                if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is None:
+                    self._hooks += [m.register_forward_pre_hook(self._pre),
+                                    m.register_forward_hook(self._post, always_call=True)]
+        else:
+            self._hooks = [mm.register_module_forward_pre_hook(self._pre),
+                           mm.register_module_forward_hook(self._post, always_call=True)]
         if self.ops == "routed":  # only the routed ops, from the routing's own overrides: no dispatch mode
             self._observing = routing.observe(self._observe)
             try:
@@ -565,12 +583,13 @@ class Recorder(TorchDispatchMode):
             h.remove()
         self._hooks = []
 
-    def _observe(self, op: str, out) -> None:
+    def _observe(self, op: str, out, args: tuple = ()) -> None:
         node = torch._C._current_autograd_node()
         if node is None:
-            self._add_outputs(out, op, self.stack[-1] if self.stack else "", self._phase)
+            module = self.stack[-1] if self.stack else self._owner(args, None)
+            self._add_outputs(out, op, module, self._phase)
             return
-        module = node.metadata.get("nnrand_module", "")
+        module = node.metadata.get("nnrand_module") or self._owner(args, node)
         task = torch._C._current_graph_task_id() if self._defer_backward else -1
         if task < 0:
             self._add_outputs(out, op, module, "backward", False)
@@ -588,6 +607,26 @@ class Recorder(TorchDispatchMode):
         finally:
             if lifted:
                 torch._C._dispatch_tls_set_dispatch_key_excluded(_VIEW_KEY, True)
+
+    def _owner(self, args: tuple, node) -> str:
+        """ops="routed" with a model: the module of a parameter that an op takes, or whose gradient its
+        autograd node accumulates (directly or through an autocast copy); "" if none."""
+        owners = self._owners
+        if not owners:
+            return ""
+        for a in args:
+            name = owners.get(id(a))
+            if name is not None:
+                return name
+        nexts = list(node.next_functions) if node is not None else []
+        for fn, _ in nexts:
+            if fn is not None and fn.name().startswith("ToCopyBackward"):
+                nexts += fn.next_functions
+        for fn, _ in nexts:
+            name = owners.get(id(getattr(fn, "variable", None)))
+            if name is not None:
+                return name
+        return ""
 
     def _pass_ended(self, task: int) -> None:
         self._tasks.discard(task)

@@ -224,10 +224,38 @@ def test_routed_recording_sees_exactly_the_routed_ops(tmp_path):
     sel = np.array([full.header["ops"][i] in trace.ROUTED_ATEN for i in full.cols["op"]])
     rsel = np.array([routed.header["ops"][i] in trace.ROUTED_ATEN for i in routed.cols["op"]])
     assert np.array_equal(full.cols["fp"][sel], routed.cols["fp"][rsel])
-    assert all(routed.header["modules"][m] for m in routed.cols["module"][rsel])
+    # without global module hooks (a routed op's module: the owner of a parameter it takes, or a hooked
+    # parameterless leaf such as the max-pool) the same module paths as the full recording's
+    names = [routed.header["modules"][m] for m in routed.cols["module"][rsel]]
+    assert all(names) and names == [full.header["modules"][m] for m in full.cols["module"][sel]]
     with pytest.raises(routing.RoutingError, match="use_kernels"):
         with trace.record(None, ops="routed"):
             pass
+
+
+def test_routed_module_paths_under_autocast_match_the_full_recording():
+    """Under bfloat16 autocast a conv takes a cast copy of its weight, not the parameter: ops="routed" finds
+    the module through the copy's autograd node, the same paths as the global hooks of ops="all"."""
+    need_all_ops()
+    from nnrand import models
+
+    torch.manual_seed(0)
+    model = models.small(4)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 4, (4,), generator=g)
+    paths = {}
+    for ops in ("routed", "all"):
+        with routing.use_kernels("tree"), trace.record(None, ops=ops, model=model) as rec:
+            rec.step()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        a = rec.arrays()
+        header = json.loads(bytes(a["header"]).decode())
+        paths[ops] = [(header["ops"][o], header["modules"][m], header["dtypes"][d])
+                      for o, m, d in zip(a["op"], a["module"], a["dtype"]) if header["ops"][o] in trace.ROUTED_ATEN]
+    assert paths["routed"] == paths["all"] and all(m for _, m, _ in paths["routed"])
+    assert ("convolution_backward", "stem.0", "bfloat16") in paths["routed"]
 
 
 def test_cross_gpu_comparison_is_added_to_the_report(tmp_path):
