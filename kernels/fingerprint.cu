@@ -12,8 +12,12 @@
 // `fingerprint` takes one tensor, `fingerprint_batch` up to FP_BATCH tensors (the outputs of several ops,
 // a snapshot of the parameters). A tensor of n elements gets B = clamp(ceil(n / (T * 16)), 1, 1024) blocks
 // (nnrand/trace.py: fp_blocks) in either kernel, and its result depends on n and B only:
-//   block b reduces elements [b * chunk, (b + 1) * chunk): thread t adds elements t, t + T, ... in order,
-//   then a shared-memory halving tree over the T threads; the block's partial goes to scratch and the
+//   block b reduces elements [b * chunk, (b + 1) * chunk), chunk = ceil(n / B) rounded up to a multiple
+//   of 4 (nnrand/trace.py: fp_chunk; a last block may be empty): for 4-byte elements thread t adds the
+//   groups of 4 consecutive elements starting at 4t, 4(t + T), ... in order, each group's elements in
+//   order (a 16-byte load where the tensor is 16-byte aligned, four loads where not: the same order);
+//   for other sizes thread t adds elements t, t + T, ... in order. Then a shared-memory halving tree over
+//   the T threads; the block's partial goes to scratch and the
 //   tensor's last block to arrive (common.cuh: arrive_last) adds the B partials the same way, thread t
 //   taking partials t, t + T, ..., and writes (fp, l2, mx) as three 8-byte values (fp's bits stored in a
 //   double's slot). Which block arrives last changes nothing but who does the fixed-order combine. For a
@@ -75,6 +79,15 @@ __device__ __forceinline__ void fp_elem(const void* __restrict__ w, long long i,
     term = (unsigned long long)(i + 1) * bits;
 }
 
+// a 4-byte element's value added to a partial's sum of squares and maximum
+template <int K>
+__device__ __forceinline__ void fp_value(FpPart& p, unsigned int v) {
+    const double x = K == FP_F32 ? (double)__uint_as_float(v) : (double)(int)v;
+    p.sq += x * x;
+    if (x != x) p.nan = 1;
+    else p.mx = fmax(p.mx, fabs(x));
+}
+
 __device__ __forceinline__ void fp_tree(FpPart& p, FpPart* s) {
     const int t = threadIdx.x;
     s[t] = p;
@@ -107,14 +120,53 @@ __device__ __forceinline__ void fp_block(const void* __restrict__ w, long long n
     const long long begin = (long long)b * chunk;
     const long long end = begin + chunk < n ? begin + chunk : n;
     FpPart p = {0ull, 0.0, 0.0, 0};
-    for (long long i = begin + threadIdx.x; i < end; i += FP_THREADS) {
-        unsigned long long term;
-        double x;
-        fp_elem<K>(w, i, term, x);
-        p.fp += term;
-        p.sq += x * x;
-        if (x != x) p.nan = 1;
-        else p.mx = fmax(p.mx, fabs(x));
+    if (K == FP_F32 || K == FP_I32) {
+        // groups of 4: one 64-bit product per group, sum_e (g + 1 + e) b_e = (g + 1) sum_e b_e + b_1 + 2 b_2
+        // + 3 b_3 (a ring: exact in wrapping arithmetic); the values summed in element order
+        const unsigned int* u = static_cast<const unsigned int*>(w);
+        const bool vec = ((unsigned long long)u & 15) == 0;   // chunk is a multiple of 4: every group aligned
+        for (long long g = begin + 4 * threadIdx.x; g < end; g += 4 * FP_THREADS) {
+            if (g + 4 <= end) {
+                uint4 q;
+                if (vec) {
+                    q = __ldg(reinterpret_cast<const uint4*>(u + g));
+                } else {
+                    q.x = __ldg(u + g);
+                    q.y = __ldg(u + g + 1);
+                    q.z = __ldg(u + g + 2);
+                    q.w = __ldg(u + g + 3);
+                }
+                const unsigned long long b0 = (unsigned long long)(long long)(int)q.x;
+                const unsigned long long b1 = (unsigned long long)(long long)(int)q.y;
+                const unsigned long long b2 = (unsigned long long)(long long)(int)q.z;
+                const unsigned long long b3 = (unsigned long long)(long long)(int)q.w;
+                p.fp += (unsigned long long)(g + 1) * (b0 + b1 + b2 + b3) + b1 + 2 * b2 + 3 * b3;
+                fp_value<K>(p, q.x);
+                fp_value<K>(p, q.y);
+                fp_value<K>(p, q.z);
+                fp_value<K>(p, q.w);
+            } else {
+                for (long long i = g; i < end; ++i) {
+                    unsigned long long term;
+                    double x;
+                    fp_elem<K>(w, i, term, x);
+                    p.fp += term;
+                    p.sq += x * x;
+                    if (x != x) p.nan = 1;
+                    else p.mx = fmax(p.mx, fabs(x));
+                }
+            }
+        }
+    } else {
+        for (long long i = begin + threadIdx.x; i < end; i += FP_THREADS) {
+            unsigned long long term;
+            double x;
+            fp_elem<K>(w, i, term, x);
+            p.fp += term;
+            p.sq += x * x;
+            if (x != x) p.nan = 1;
+            else p.mx = fmax(p.mx, fabs(x));
+        }
     }
     fp_tree(p, s);
     // the combine of one partial would add it to zeros: the same bits

@@ -79,7 +79,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -171,6 +171,12 @@ def fp_blocks(n: int) -> int:
 _FP_WORDS_PER_BLOCK = FP_THREADS * FP_WORDS_PER_THREAD
 
 
+def fp_chunk(n: int, blocks: int) -> int:
+    """The elements each of a tensor's ``blocks`` blocks reduces: ceil(n / blocks) rounded up to a multiple
+    of 4 (the kernel reads 4-byte elements in aligned groups of 4; a last block may get none)."""
+    return (-(-n // blocks) + 3) & -4
+
+
 @dataclass(frozen=True)
 class _FpState:
     one: object          # kernels/fingerprint.cu: fingerprint
@@ -233,7 +239,7 @@ def _launch_fingerprint(t: torch.Tensor, out_ptr: int) -> None:
     n = t.numel()
     blocks = fp_blocks(n)
     _runtime().launch(st.one, (blocks,), (FP_THREADS,),
-                      (t.data_ptr(), n, -(-n // blocks), FP_KINDS[t.dtype], *st.parts, out_ptr), device=st.dev)
+                      (t.data_ptr(), n, fp_chunk(n, blocks), FP_KINDS[t.dtype], *st.parts, out_ptr), device=st.dev)
 
 
 def _launch_fingerprints(ts: list[torch.Tensor], out_ptrs: list[int]) -> None:
@@ -253,7 +259,7 @@ def _launch_fingerprints(ts: list[torch.Tensor], out_ptrs: list[int]) -> None:
         if len(desc) == 5 * FP_BATCH or first + blocks > FP_SCRATCH_BLOCKS:
             _launch_batch(st, desc, first)
             desc, first = [], 0
-        desc += (t.data_ptr(), n, -(-n // blocks), out, _packed(first, blocks, FP_KINDS[t.dtype]))
+        desc += (t.data_ptr(), n, fp_chunk(n, blocks), out, _packed(first, blocks, FP_KINDS[t.dtype]))
         first += blocks
     _launch_batch(st, desc, first)
     del copies
@@ -632,11 +638,12 @@ class Recorder(TorchDispatchMode):
         self._tasks.discard(task)
         self._launch_deferred()
 
-    def snapshot(self, named: Iterator[tuple[str, torch.Tensor]], op: str = "parameter") -> None:
+    def snapshot(self, named: Iterable[tuple[str, torch.Tensor]], op: str = "parameter") -> None:
         """One record per named tensor (phase "other", aten op field ``op``, module field the name): the
         weights at the end of a step, say, which in-place optimizer updates do not show as op outputs. The
         tensors are fingerprinted together once ``named`` is exhausted: each must still hold the value it
-        had when yielded (``named_parameters()`` yields distinct tensors)."""
+        had when yielded (``named_parameters()`` yields distinct tensors). Walking a model's modules costs
+        more than recording its parameters: pass ``list(model.named_parameters())`` made once."""
         with self._lock:
             self._quiet = True  # the ops computing the fingerprints are not records themselves
             batch: list = []
@@ -711,7 +718,7 @@ class Recorder(TorchDispatchMode):
                     d = self._deferred = _Deferred(index, stream)
                 st = t.untyped_storage()
                 base = st.data_ptr()
-                d.desc += (t.data_ptr(), n, -(-n // blocks), slots.next_ptr(),
+                d.desc += (t.data_ptr(), n, (-(-n // blocks) + 3) & -4, slots.next_ptr(),   # fp_chunk
                            d.blocks | blocks << 32 | FP_KINDS[dt] << 48)   # _packed(first, blocks, kind)
                 d.held.append(st)
                 d.bases.add(base)
@@ -1095,6 +1102,7 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
             total = per_epoch * cfg.epochs
             warmup = max(1, min(int(cfg.warmup_epochs * per_epoch), total // 2))  # as train_member
             step = 0
+            named = list(model.named_parameters())   # walked once: the parameters stay the same objects
             while step < steps:
                 epoch = step // per_epoch
                 order = data.epoch_order(n, epoch, seeds.order)
@@ -1110,7 +1118,7 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
                     train.forward_backward(model, opt, x, y, functools.partial(train.autocast, cfg), scaler)
                     with rec.phase("optimizer"):
                         train.optimizer_step(opt, scaler)
-                    rec.snapshot(model.named_parameters())
+                    rec.snapshot(named)
                     step += 1
             rec.meta["coverage"] = ctx.coverage.as_dict()   # which routed ops ran, and with which variant
     return Path(path)
@@ -1189,6 +1197,7 @@ def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUN
     gc.collect()   # the garbage of whatever ran before (the report's lockstep runs) is not collected in a mode
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     out = {}
+    named = {mode: list(model.named_parameters()) for mode, (model, _) in built.items()}   # as record_training
     for r in range(rounds):
         warm = 3 if r == 0 else 1
         for mode in modes:
@@ -1207,7 +1216,7 @@ def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUN
                     loss.backward()
                     opt.step()
                     if rec is not None:
-                        rec.snapshot(model.named_parameters())
+                        rec.snapshot(named[mode])
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     if i >= warm:

@@ -311,7 +311,7 @@ class KernelStandIn:
             ptr, n, chunk, out, packed = d.desc[k:k + 5]
             # the descriptor as fingerprint_batch reads it: its blocks in launch order, the one-launch split
             blocks = (packed >> 32) & 0xFFFF
-            assert (packed & 0xFFFFFFFF, blocks, chunk) == (first, trace.fp_blocks(n), -(-n // blocks))
+            assert (packed & 0xFFFFFFFF, blocks, chunk) == (first, trace.fp_blocks(n), trace.fp_chunk(n, blocks))
             first += blocks
             _write_row(ptr, n, _KIND_DTYPE[packed >> 48], out)
         assert first == d.blocks <= trace.FP_SCRATCH_BLOCKS and len(d.held) <= trace.FP_BATCH

@@ -31,6 +31,28 @@ def test_fused_fingerprint_matches_the_formula(n):
     assert torch.isnan(got[1]) and torch.isnan(got[2]) and int(got[0].view(torch.int64)) == int(trace.fingerprint(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32], ids=str)
+def test_unaligned_four_byte_tensors_get_the_bits_of_an_aligned_copy(dtype):
+    """4-byte elements are read in groups of 4, by one 16-byte load where the tensor is 16-byte aligned and
+    by four loads where not, in the same order: a view starting 1-3 elements into an allocation gives
+    the (fp, L2, max) bits of its aligned copy, in either kernel, and fp equals the formula's."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    base = torch.randn(3 * 4096 + 13, device="cuda", generator=g) * 5
+    base = base if dtype == torch.float32 else base.round().to(dtype)
+    for offset in (1, 2, 3):
+        for n in (5, 4097, 3 * 4096 + 13 - offset):
+            view = base[offset:offset + n]
+            assert view.data_ptr() % 16 != 0
+            copy = view.clone()
+            assert copy.data_ptr() % 16 == 0
+            got, want = trace.fingerprint_cuda(view), trace.fingerprint_cuda(copy)
+            assert bitwise_equal(got, want), (offset, n)
+            assert int(got[0].view(torch.int64)) == int(trace.fingerprint(copy))
+            out = torch.empty(2, 3, dtype=torch.float64, device="cuda")
+            trace._launch_fingerprints([view, copy], [out[0].data_ptr(), out[1].data_ptr()])
+            assert bitwise_equal(out[0], want) and bitwise_equal(out[1], want)
+
+
 def test_batched_fingerprints_equal_one_launch_each():
     """fingerprint_batch gives every tensor the bits of its own launch: sizes from one word to the 1024-block
     cap, a non-contiguous one, more tensors than one launch takes (FP_BATCH) and more blocks than the

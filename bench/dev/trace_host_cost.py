@@ -7,6 +7,7 @@
     python3 bench/dev/trace_host_cost.py --split                  # plus host time per thread: op, record, rest
     python3 bench/dev/trace_host_cost.py --parts                  # only the host time of a record's pieces
     python3 bench/dev/trace_host_cost.py --cost 5 --steps 40      # only trace.recording_cost, as the report runs it
+    python3 bench/dev/trace_host_cost.py --kernel-gbs             # only the fingerprint kernel's device time
 
 Per mode, the median step time (synchronised; CUDA on a GPU) over ``--steps`` steps after 3 warm-up steps,
 each step as ``trace.recording_cost`` times it (forward, backward, optimizer step, parameter snapshot):
@@ -162,6 +163,7 @@ def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: in
     x = torch.randn(cfg.batch_size, 3, 32, 32, device=dev, generator=g)
     y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
     model, opt = train.build(cfg, seeds, 10, torch.contiguous_format)
+    named = list(model.named_parameters())
     ctx = {"none": contextlib.nullcontext(), "null": null or NullMode(), "hooks": hooks_only(),
            "routed": trace.record(tmp / "r.trace", ops="routed", model=model),
            "all": trace.record(tmp / "a.trace", ops="all", model=model)}[mode]
@@ -184,7 +186,7 @@ def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: in
             loss.backward()
             opt.step()
             if isinstance(rec, trace.Recorder):
-                rec.snapshot(model.named_parameters())
+                rec.snapshot(named)
             sync(dev)
             if i >= 3:
                 times.append((time.perf_counter() - t) * 1e3)
@@ -254,6 +256,34 @@ def parts(dev: torch.device, n: int = 2000) -> None:
     finally:
         trace._fused, trace._launch_fingerprints, trace._launch_deferred = real
 
+def kernel_gbs(reps: int = 100) -> None:
+    """Device time per fingerprint launch (CUDA events over ``reps`` back-to-back launches) and the bytes read
+    per second: one tensor per launch of ``fingerprint``, and 96 tensors per launch of ``fingerprint_batch``."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = torch.empty(96, 3, dtype=torch.float64, device="cuda")
+    ptrs = [out[i].data_ptr() for i in range(96)]
+
+    def timed(fn) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps * 1e3
+
+    print(f"\nfingerprint kernel device time ({torch.cuda.get_device_name()}, {reps} launches each):")
+    for shape in ((64, 1024), (128, 64, 32, 32), (128, 128, 16, 16, 2), (32, 1 << 20)):
+        t = torch.randn(*shape, device="cuda", generator=g)
+        us = timed(lambda: trace._launch_fingerprint(t, ptrs[0]))
+        print(f"  one {'x'.join(map(str, shape)):>18s} float32: {us:8.1f} us  {t.numel() * 4 / us / 1e3:7.0f} GB/s")
+    for numel in (1 << 16, 1 << 20):
+        ts = [torch.randn(numel, device="cuda", generator=g) for _ in range(96)]
+        us = timed(lambda: trace._launch_fingerprints(ts, ptrs))
+        print(f"  96 x {numel:>9d} float32 (batch): {us:8.1f} us  {96 * numel * 4 / us / 1e3:7.0f} GB/s")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,6 +302,7 @@ def main(argv=None) -> int:
                    help="host time of each piece of one record's path (a record, its launch, a dispatch) and exit")
     p.add_argument("--cost", type=int, default=0, metavar="ROUNDS",
                    help="only trace.recording_cost (the report's measurement) over ROUNDS rounds of --steps steps")
+    p.add_argument("--kernel-gbs", action="store_true", help="only the fingerprint kernel's device time and GB/s")
     p.add_argument("--tmp", default="/tmp/nnrand-trace-cost")
     a = p.parse_args(argv)
     cfg = train.resolve(train.Config(model=a.model, batch_size=a.batch, kernel=a.kernel, device=a.device))
@@ -280,6 +311,9 @@ def main(argv=None) -> int:
     dev = torch.device(a.device)
     if a.parts:
         parts(dev)
+        return 0
+    if a.kernel_gbs:
+        kernel_gbs()
         return 0
     if a.cost:
         cost = trace.recording_cost(cfg, a.steps, tmp, rounds=a.cost)
