@@ -8,6 +8,7 @@
     python3 bench/dev/trace_host_cost.py --parts                  # only the host time of a record's pieces
     python3 bench/dev/trace_host_cost.py --cost 5 --steps 40      # only trace.recording_cost, as the report runs it
     python3 bench/dev/trace_host_cost.py --kernel-gbs             # only the fingerprint kernel's device time
+    python3 bench/dev/trace_host_cost.py --routed-split           # host time of each piece of ops="routed"
 
 Per mode, the median step time (synchronised; CUDA on a GPU) over ``--steps`` steps after 3 warm-up steps,
 each step as ``trace.recording_cost`` times it (forward, backward, optimizer step, parameter snapshot):
@@ -256,6 +257,41 @@ def parts(dev: torch.device, n: int = 2000) -> None:
     finally:
         trace._fused, trace._launch_fingerprints, trace._launch_deferred = real
 
+def routed_split(cfg, steps: int, tmp: Path) -> None:
+    """Host time per step in each piece of an ops="routed" recording (its methods timed from outside)."""
+    pieces = ("_observe", "_pass_ended", "snapshot", "_flush", "_pre", "_post")
+    spent = {name: [0, 0.0] for name in pieces}
+    real = {name: getattr(trace.Recorder, name) for name in pieces}
+
+    def timed(name):
+        fn = real[name]
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name][0] += 1
+                spent[name][1] += time.perf_counter() - t0
+        return wrapper
+
+    for name in pieces:
+        setattr(trace.Recorder, name, timed(name))
+    try:
+        none = steps_ms(cfg, "none", steps, tmp)
+        for name in pieces:
+            spent[name] = [0, 0.0]
+        ms = steps_ms(cfg, "routed", steps, tmp)
+    finally:
+        for name, fn in real.items():
+            setattr(trace.Recorder, name, fn)
+    n = steps + 3   # steps_ms's warm-up steps ran the pieces too
+    print(f"\nops='routed' with its pieces timed: {ms:.2f} ms/step against {none:.2f} unrecorded; per step "
+          f"(averaged over {n} steps):")
+    for name, (calls, sec) in spent.items():
+        print(f"  {name:12s} {calls / n:6.1f} calls  {sec / n * 1e3:7.3f} ms  {sec / max(calls, 1) * 1e6:7.1f} us/call")
+
+
 def kernel_gbs(reps: int = 100) -> None:
     """Device time per fingerprint launch (CUDA events over ``reps`` back-to-back launches) and the bytes read
     per second: one tensor per launch of ``fingerprint``, and 96 tensors per launch of ``fingerprint_batch``."""
@@ -303,6 +339,7 @@ def main(argv=None) -> int:
     p.add_argument("--cost", type=int, default=0, metavar="ROUNDS",
                    help="only trace.recording_cost (the report's measurement) over ROUNDS rounds of --steps steps")
     p.add_argument("--kernel-gbs", action="store_true", help="only the fingerprint kernel's device time and GB/s")
+    p.add_argument("--routed-split", action="store_true", help="only the host time of ops='routed' by piece")
     p.add_argument("--tmp", default="/tmp/nnrand-trace-cost")
     a = p.parse_args(argv)
     cfg = train.resolve(train.Config(model=a.model, batch_size=a.batch, kernel=a.kernel, device=a.device))
@@ -314,6 +351,9 @@ def main(argv=None) -> int:
         return 0
     if a.kernel_gbs:
         kernel_gbs()
+        return 0
+    if a.routed_split:
+        routed_split(cfg, a.steps, tmp)
         return 0
     if a.cost:
         cost = trace.recording_cost(cfg, a.steps, tmp, rounds=a.cost)
