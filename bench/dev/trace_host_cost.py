@@ -258,8 +258,10 @@ def parts(dev: torch.device, n: int = 2000) -> None:
         trace._fused, trace._launch_fingerprints, trace._launch_deferred = real
 
 def routed_split(cfg, steps: int, tmp: Path) -> None:
-    """Host time per step in each piece of an ops="routed" recording (its methods timed from outside)."""
-    pieces = ("_observe", "_pass_ended", "snapshot", "_flush", "_pre", "_post")
+    """Host time per step in each piece of an ops="routed" recording (its methods timed from outside; a
+    method called by another counts in both)."""
+    pieces = ("_observe", "_owner", "_add_outputs", "_add", "_pass_ended", "_launch_deferred", "snapshot", "_flush",
+              "_pre", "_post")
     spent = {name: [0, 0.0] for name in pieces}
     real = {name: getattr(trace.Recorder, name) for name in pieces}
 
