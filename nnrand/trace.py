@@ -53,7 +53,8 @@ transpose of a linear layer) has no module: an empty path, as have the loss and 
 outside any module. With ``ops="routed"`` and a ``model``, no global hook is installed (it puts every
 module call on torch's slower path): a routed op is attributed to the module owning a parameter it takes
 (a conv's or BatchNorm's weight) or whose gradient its autograd node accumulates, directly or through an
-autocast copy; only the model's leaf modules without parameters (a pool, say) are hooked, as above.
+autocast copy; only the model's leaf modules without parameters (a pool, say) are hooked, as above, but
+for torch's activations, dropout and reshaping modules, which run no routed op.
 
 File format (``FORMAT``, version ``VERSION``): a NumPy ``.npz`` archive with a JSON ``header`` (format,
 version, metadata such as the routing and seeds), one column per record field (``step`` int32, ``phase``
@@ -421,6 +422,14 @@ def _wait_for(index: int, stream: int) -> None:
 
 _VIEW_KEY = torch._C.DispatchKey.ADInplaceOrView
 
+# torch.nn modules whose forward runs no op nnrand routes, nor anything whose backward it routes (exact types:
+# a subclass may do more): ops="routed" does not hook them
+_UNROUTED_MODULES = frozenset((
+    torch.nn.ReLU, torch.nn.ReLU6, torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.SELU, torch.nn.CELU,
+    torch.nn.GELU, torch.nn.SiLU, torch.nn.Mish, torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.Hardswish,
+    torch.nn.Hardsigmoid, torch.nn.Hardtanh, torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.Dropout,
+    torch.nn.Dropout2d, torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten))
+
 # per aten overload: the (position, name) of each argument it writes (in place, out=), from its schema
 _WRITES: dict[object, tuple[tuple[int, str], ...]] = {}
 # arguments ops write although their schemas do not mark them: the training-mode BatchNorm forwards and
@@ -480,6 +489,8 @@ class Recorder(TorchDispatchMode):
         self.slots: dict[int, _Slots] = {}
         self._shapes: dict[torch.Size, int] = {}    # codes by value, not by formatted string: hot path
         self._codes: dict[tuple[str, str], tuple[int, int]] = {}   # (op, module) -> their codes
+        # snapshot's last plan per op: the list it was made for, the key it holds for, device, tensors, codes
+        self._plans: dict[str, tuple] = {}
         self._dtypes: dict[torch.dtype, int] = {}
         self.values: list[np.ndarray] = []
         self.tensors: dict[int, np.ndarray] = {}
@@ -557,7 +568,8 @@ class Recorder(TorchDispatchMode):
             owners = {id(p): name for name, m in self.model.named_modules() for p in m.parameters(recurse=False)}
             self._owners, self._owned = owners, list(self.model.parameters())   # (ids of live objects only)
             for name, m in self.model.named_modules():
-                if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is None:
+                if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is None and \
+                        type(m) not in _UNROUTED_MODULES:
                     self._hooks += [m.register_forward_pre_hook(self._pre),
                                     m.register_forward_hook(self._post, always_call=True)]
         else:
@@ -645,6 +657,8 @@ class Recorder(TorchDispatchMode):
         had when yielded (``named_parameters()`` yields distinct tensors). Walking a model's modules costs
         more than recording its parameters: pass ``list(model.named_parameters())`` made once."""
         with self._lock:
+            if isinstance(named, list) and self._snapshot_planned(named, op):
+                return
             self._quiet = True  # the ops computing the fingerprints are not records themselves
             batch: list = []
             try:
@@ -657,6 +671,55 @@ class Recorder(TorchDispatchMode):
                     _launch(batch)   # the rows reserved so far are written even if a later record failed
                 finally:
                     self._quiet = False
+
+    def _snapshot_planned(self, named: list, op: str) -> bool:
+        """``snapshot`` of the list it was given last time, tensors the same objects at the same addresses
+        and shapes: its records' codes, kept from then, and one launch of the fingerprint kernel. False
+        (nothing recorded) where the tensors are not all CUDA tensors of one device that the kernel takes,
+        or the stream is capturing, or full tensors are kept."""
+        if self.keep:
+            return False
+        key = [(id(t), t.data_ptr(), t.shape) for _, t in named]
+        plan = self._plans.get(op)
+        if plan is None or plan[0] is not named or plan[1] != key:
+            ts = [t for _, t in named]
+            index = ts[0].get_device() if ts else -1
+            if not ts or not all(_fused(t) and t.get_device() == index and t.is_contiguous() for t in ts):
+                return False
+            opc = self._code("ops", op)   # coded in the order of the record-by-record path: the same tables
+            codes = [(self._code("modules", name), self._code_shape(t.shape), self._code_dtype(t.dtype))
+                     for name, t in named]
+            plan = self._plans[op] = (named, key, index, ts, codes, opc)
+        _, _, index, ts, codes, opc = plan
+        if _capturing(index):
+            return False
+        self._quiet = True   # (a new chunk of slots is an op too)
+        try:
+            slots = self.slots.get(index) or self.slots.setdefault(index, _Slots(ts[0].device))
+            first, step, at = slots.used, (self.step_no if self.step_no > 0 else 0), self.index
+            outs = [slots.next_ptr() for _ in ts]
+            _launch_fingerprints(ts, outs)
+        finally:
+            self._quiet = False
+        if index >= 0:
+            self._streams.add((index, _stream(index)))
+        other = _PHASE["other"]
+        self.rows += [(step, other, at + j, opc, m, 0, sh, dt) for j, (m, sh, dt) in enumerate(codes)]
+        self.pending += [(index, first + j) for j in range(len(ts))]
+        self.index += len(ts)
+        return True
+
+    def _code_shape(self, shape: torch.Size) -> int:
+        code = self._shapes.get(shape)
+        if code is None:
+            code = self._shapes[shape] = self._code("shapes", "x".join(map(str, shape)))
+        return code
+
+    def _code_dtype(self, dtype: torch.dtype) -> int:
+        code = self._dtypes.get(dtype)
+        if code is None:
+            code = self._dtypes[dtype] = self._code("dtypes", str(dtype).replace("torch.", ""))
+        return code
 
     # -- the records
     def _add_outputs(self, out, op: str, module: str, phase: str, defer: bool | None = None) -> None:
@@ -688,11 +751,11 @@ class Recorder(TorchDispatchMode):
         step = self.step_no if self.step_no > 0 else 0
         shape = self._shapes.get(t.shape)
         if shape is None:
-            shape = self._shapes[t.shape] = self._code("shapes", "x".join(map(str, t.shape)))
+            shape = self._code_shape(t.shape)
         dt = t.dtype
         dtype = self._dtypes.get(dt)
         if dtype is None:
-            dtype = self._dtypes[dt] = self._code("dtypes", str(dt).replace("torch.", ""))
+            dtype = self._code_dtype(dt)
         kept = None
         if self.keep and (step, PHASES[phase], self.index) in self.keep:
             kept = kept_array(t)

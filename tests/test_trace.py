@@ -352,11 +352,46 @@ def test_kernel_written_rows_come_back_in_record_order(monkeypatch):
             assert sorted(got) == sorted(want) and len(want["fp"]) > 3 * 3
             for k in want:
                 assert np.array_equal(got[k], want[k]), (mixed, defer, k)
-            if defer:   # every float32 record of a step in one launch at its end
-                assert [n for _, n in kernel.launches] == [int((got["dtype"][got["step"] == s] == 0).sum())
-                                                           for s in range(3)]
+            if defer:   # every float32 op record of a step in one launch at its end, the snapshot in its own
+                assert [x[1] for x in kernel.launches if isinstance(x, tuple)] == [
+                    int((got["dtype"][got["step"] == s] == 0).sum()) - 2 for s in range(3)]
+                assert [x for x in kernel.launches if not isinstance(x, tuple)] == [2] * 3
             else:   # the outputs of one op and the tensors of one snapshot go to the kernel in one launch
                 assert kernel.launches.count(2) == 2 * 3 and set(kernel.launches) == {1, 2}
+
+
+def test_snapshot_of_one_list_reuses_its_records_until_a_tensor_changes(monkeypatch):
+    """A snapshot given the same list again keeps its records' codes and launches its tensors at once; a
+    tensor replaced in the list, or given new storage and shape, is seen. The trace equals the one of
+    snapshots taken record by record (an iterator, never planned)."""
+    def run(planned: bool) -> dict:
+        g = torch.Generator().manual_seed(4)
+        a, b = torch.randn(3, generator=g), torch.randn(2, 2, generator=g)
+        named = [("a", a), ("b", b)]
+        with trace.record(None) as rec:
+            for step in range(4):
+                rec.step()
+                a.mul_(2)                                           # in place: the same tensors
+                if step == 2:
+                    named[1] = ("b", torch.randn(5, generator=g))   # another tensor in the list
+                if step == 3:
+                    a.data = torch.randn(4, generator=g)            # the same tensor, new storage and shape
+                rec.snapshot(named if planned else iter(named))
+        return rec.arrays()
+
+    for planned in (True, False):
+        with monkeypatch.context() as m:
+            kernel = KernelStandIn(m)
+            got = run(planned)
+        if planned:
+            assert kernel.launches.count(2) == 4   # each step's snapshot in one launch of its own
+        else:
+            want = got
+    for k in want:
+        assert np.array_equal(got[k], want[k]), k
+    header = json.loads(bytes(got["header"]).decode())
+    snap = got["op"] == header["ops"].index("parameter")
+    assert [header["shapes"][c] for c in got["shape"][snap]] == ["3", "2x2"] * 2 + ["3", "5", "4", "5"]
 
 
 def test_deferred_fingerprints_launch_before_a_recorded_tensor_is_written(monkeypatch):
