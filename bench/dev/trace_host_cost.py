@@ -9,6 +9,7 @@
     python3 bench/dev/trace_host_cost.py --cost 5 --steps 40      # only trace.recording_cost, as the report runs it
     python3 bench/dev/trace_host_cost.py --kernel-gbs             # only the fingerprint kernel's device time
     python3 bench/dev/trace_host_cost.py --routed-split           # host time of each piece of ops="routed"
+    python3 bench/dev/trace_host_cost.py --all-split              # ... of ops="all"
 
 Per mode, the median step time (synchronised; CUDA on a GPU) over ``--steps`` steps after 3 warm-up steps,
 each step as ``trace.recording_cost`` times it (forward, backward, optimizer step, parameter snapshot):
@@ -257,13 +258,14 @@ def parts(dev: torch.device, n: int = 2000) -> None:
     finally:
         trace._fused, trace._launch_fingerprints, trace._launch_deferred = real
 
-def routed_split(cfg, steps: int, tmp: Path) -> None:
-    """Host time per step in each piece of an ops="routed" recording (its methods timed from outside; a
-    method called by another counts in both)."""
+def routed_split(cfg, steps: int, tmp: Path, mode: str = "routed") -> None:
+    """Host time per step in each piece of an ops="routed" (or "all") recording (its methods timed from
+    outside; a method called by another counts in both)."""
     pieces = ("_observe", "_owner", "_add_outputs", "_add", "_pass_ended", "_launch_deferred", "snapshot", "_flush",
-              "_pre", "_post")
+              "_pre", "_post") if mode == "routed" else \
+        ("__torch_dispatch__", "_add_outputs", "_add", "_launch_deferred", "snapshot", "_flush", "_pre", "_post")
     spent = {name: [0, 0.0] for name in pieces}
-    real = {name: getattr(trace.Recorder, name) for name in pieces}
+    real = {name: trace.Recorder.__dict__[name] for name in pieces}
 
     def timed(name):
         fn = real[name]
@@ -283,12 +285,12 @@ def routed_split(cfg, steps: int, tmp: Path) -> None:
         none = steps_ms(cfg, "none", steps, tmp)
         for name in pieces:
             spent[name] = [0, 0.0]
-        ms = steps_ms(cfg, "routed", steps, tmp)
+        ms = steps_ms(cfg, mode, steps, tmp)
     finally:
         for name, fn in real.items():
             setattr(trace.Recorder, name, fn)
     n = steps + 3   # steps_ms's warm-up steps ran the pieces too
-    print(f"\nops='routed' with its pieces timed: {ms:.2f} ms/step against {none:.2f} unrecorded; per step "
+    print(f"\nops='{mode}' with its pieces timed: {ms:.2f} ms/step against {none:.2f} unrecorded; per step "
           f"(averaged over {n} steps):")
     for name, (calls, sec) in spent.items():
         print(f"  {name:12s} {calls / n:6.1f} calls  {sec / n * 1e3:7.3f} ms  {sec / max(calls, 1) * 1e6:7.1f} us/call")
@@ -342,6 +344,7 @@ def main(argv=None) -> int:
                    help="only trace.recording_cost (the report's measurement) over ROUNDS rounds of --steps steps")
     p.add_argument("--kernel-gbs", action="store_true", help="only the fingerprint kernel's device time and GB/s")
     p.add_argument("--routed-split", action="store_true", help="only the host time of ops='routed' by piece")
+    p.add_argument("--all-split", action="store_true", help="only the host time of ops='all' by piece")
     p.add_argument("--tmp", default="/tmp/nnrand-trace-cost")
     a = p.parse_args(argv)
     cfg = train.resolve(train.Config(model=a.model, batch_size=a.batch, kernel=a.kernel, device=a.device))
@@ -354,8 +357,8 @@ def main(argv=None) -> int:
     if a.kernel_gbs:
         kernel_gbs()
         return 0
-    if a.routed_split:
-        routed_split(cfg, a.steps, tmp)
+    if a.routed_split or a.all_split:
+        routed_split(cfg, a.steps, tmp, "routed" if a.routed_split else "all")
         return 0
     if a.cost:
         cost = trace.recording_cost(cfg, a.steps, tmp, rounds=a.cost)
