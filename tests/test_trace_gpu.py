@@ -220,3 +220,76 @@ def test_deferred_fingerprints_equal_the_formula_under_writes_and_streams(monkey
         m.setattr(trace, "_writes_any", lambda *a: False)
         late = run()
     assert not np.array_equal(late["fp"], want["fp"])
+
+
+def test_a_stream_waits_for_a_side_stream_batch_before_writing_what_it_reads(monkeypatch):
+    """A batch recorded on a side stream goes out on that stream; when the main stream then writes one of
+    its tensors, the recorder makes the main stream wait for that launch. Here the side stream is kept busy
+    (a sleep enqueued after the user's own wait) so that without the recorder's wait the main stream's write
+    lands first: the records equal the formula's only with the wait (negative control without it)."""
+    def run() -> dict:
+        g = torch.Generator(device="cuda").manual_seed(12)
+        side = torch.cuda.Stream()
+        with trace.record(None) as rec:
+            for _ in range(2):
+                rec.step()
+                x = torch.randn(1 << 20, device="cuda", generator=g)
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    w = x * 3                                 # recorded on the side stream, waiting
+                torch.cuda.current_stream().wait_stream(side)
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(50_000_000)             # not an op: the side batch goes out after it
+                w.mul_(-2)                                    # the main stream writes what the batch reads
+                rec.snapshot([("w", w)])
+        return rec.arrays()
+
+    got = run()
+    with monkeypatch.context() as m:
+        m.setattr(trace, "_fused", lambda t: False)
+        want = run()
+    assert np.array_equal(got["fp"], want["fp"]) and len(got["fp"]) >= 6
+    with monkeypatch.context() as m:
+        m.setattr(trace, "_wait_for", lambda index, stream: None)
+        raced = run()
+    assert not np.array_equal(raced["fp"], want["fp"])
+
+
+def test_deferred_batches_split_at_their_limits(monkeypatch):
+    """A deferred batch goes out when it holds FP_BATCH tensors, would pass the scratch's FP_SCRATCH_BLOCKS
+    blocks, or holds more than HELD_BYTES of storage (lowered here): every split launch gives the records
+    of the torch formula."""
+    calls = []
+    launch = trace._launch_deferred
+
+    def counted(d):
+        calls.append((len(d.held), d.blocks, d.nbytes))
+        launch(d)
+
+    def run(limit: int) -> dict:
+        g = torch.Generator(device="cuda").manual_seed(13)
+        with monkeypatch.context() as m:
+            m.setattr(trace, "HELD_BYTES", limit)
+            m.setattr(trace, "_launch_deferred", counted)
+            with trace.record(None) as rec:
+                rec.step()
+                big = torch.randn(1 << 22, device="cuda", generator=g)   # 1024 blocks each
+                for _ in range(20):
+                    big = big + 1.0
+                small = torch.randn(8, device="cuda", generator=g)
+                for _ in range(2 * trace.FP_BATCH):
+                    small = small * 1.5
+        return rec.arrays()
+
+    got = run(trace.HELD_BYTES)
+    assert max(n for n, _, _ in calls) == trace.FP_BATCH                   # split by count
+    assert any(b + 1024 > trace.FP_SCRATCH_BLOCKS for _, b, _ in calls)    # split by scratch blocks
+    calls.clear()
+    lowered = run(64 << 20)
+    assert max(nbytes for _, _, nbytes in calls) <= (64 << 20) + (16 << 20)   # split by held bytes
+    with monkeypatch.context() as m:
+        m.setattr(trace, "_fused", lambda t: False)
+        want = run(trace.HELD_BYTES)
+    for arrays in (got, lowered):
+        assert np.array_equal(arrays["fp"], want["fp"]) and len(want["fp"]) > 2 * trace.FP_BATCH
+
