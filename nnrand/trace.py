@@ -422,6 +422,27 @@ def _wait_for(index: int, stream: int) -> None:
 
 _VIEW_KEY = torch._C.DispatchKey.ADInplaceOrView
 
+_set_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_set_eval_frame = getattr(_set_eval_frame, "set_eval_frame", None) or (lambda callback: None)
+_DYNAMO_SKIPS: list[bool] = []
+
+
+def _dynamo_skips_dispatch() -> None:
+    """Once per process, before the first recording: mark ``Recorder.__torch_dispatch__``'s code for dynamo
+    to skip; where that cannot be done (no dynamo here), torch's own per-call wrapper goes around it."""
+    if _DYNAMO_SKIPS:
+        return
+    raw = Recorder.__dict__["__torch_dispatch__"]
+    try:
+        from torch._dynamo.eval_frame import skip_code
+
+        skip_code(raw.__code__)
+        if not hasattr(torch._C._dynamo.eval_frame, "set_eval_frame"):
+            raise AttributeError("set_eval_frame")
+    except (ImportError, AttributeError):
+        Recorder.__torch_dispatch__ = torch._disable_dynamo(raw, recursive=True)
+    _DYNAMO_SKIPS.append(True)
+
 # torch.nn modules whose forward runs no op nnrand routes, nor anything whose backward it routes (exact types:
 # a subclass may do more): ops="routed" does not hook them
 _UNROUTED_MODULES = frozenset((
@@ -583,6 +604,7 @@ class Recorder(TorchDispatchMode):
                 self._remove_hooks()
                 raise
             return self
+        _dynamo_skips_dispatch()
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -810,24 +832,37 @@ class Recorder(TorchDispatchMode):
         t = self.tables[table]
         return t.setdefault(value, len(t))
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """torch wraps a mode's ``__torch_dispatch__`` in a per-call dynamo-disabling wrapper (so that a
+        compiled function running under the mode does not compile the mode's code); this one keeps dynamo
+        off itself, cheaper on every op (see ``_dynamo_skips_dispatch``)."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        d = self._deferred
-        if d is not None:
-            w = _WRITES.get(func)
-            if w is None:
-                w = _writes(func)
-            if w and _writes_any(d.bases, w, args, kwargs):   # it would write what a waiting launch reads
-                self._launch_deferred()
-        out = func(*args, **(kwargs or {}))
-        if self._quiet:
+        # dynamo skips this frame (skip_code) and, with no frame-evaluation callback from here on, every
+        # frame it calls; the caller's callback is put back on the way out
+        prior = _set_eval_frame(None)
+        try:
+            d = self._deferred
+            if d is not None:
+                w = _WRITES.get(func)
+                if w is None:
+                    w = _writes(func)
+                if w and _writes_any(d.bases, w, args, kwargs):   # it would write what a waiting launch reads
+                    self._launch_deferred()
+            out = func(*args, **(kwargs or {}))
+            if self._quiet:
+                return out
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                phase, module = "backward", node.metadata.get("nnrand_module", "")
+            else:
+                phase, module = self._phase, (self.stack[-1] if self.stack else "")
+            self._add_outputs(out, func._overloadpacket.__name__, module, phase)
             return out
-        node = torch._C._current_autograd_node()
-        if node is not None:
-            phase, module = "backward", node.metadata.get("nnrand_module", "")
-        else:
-            phase, module = self._phase, (self.stack[-1] if self.stack else "")
-        self._add_outputs(out, func._overloadpacket.__name__, module, phase)
-        return out
+        finally:
+            _set_eval_frame(prior)
 
     def _launch_deferred(self) -> None:
         with self._lock:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import types
 
 import numpy as np
 import pytest
@@ -256,6 +257,44 @@ def test_routed_module_paths_under_autocast_match_the_full_recording():
                       for o, m, d in zip(a["op"], a["module"], a["dtype"]) if header["ops"][o] in trace.ROUTED_ATEN]
     assert paths["routed"] == paths["all"] and all(m for _, m, _ in paths["routed"])
     assert ("convolution_backward", "stem.0", "bfloat16") in paths["routed"]
+
+
+def test_a_compiled_module_recorded_compiles_nothing_more_and_records_what_eager_does():
+    """The recorder's dispatch keeps dynamo off its own frames (cheaper than torch's per-call wrapper): a
+    module compiled before recording runs under it with no new graph compiled, and its records (ops and
+    fingerprints) are those of the same module run eagerly."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(x).sum().backward()
+
+    def run(module) -> dict:
+        model.zero_grad(set_to_none=True)
+        with trace.record(None) as rec:
+            for _ in range(2):
+                rec.step()
+                module(x).sum().backward()
+        return rec.arrays()
+
+    graphs = dict(dynamo_utils.counters["stats"])
+    got = run(compiled)
+    assert dict(dynamo_utils.counters["stats"]) == graphs and graphs.get("unique_graphs", 0) >= 1
+    want = run(model)
+    for k in ("op", "shape", "dtype", "fp"):
+        assert np.array_equal(got[k], want[k]), k
+    assert len(got["fp"]) > 40
+    # negative control: the same dispatch, its code a copy dynamo was not told to skip and the frame
+    # callback left on, gets compiled
+    dispatch = trace.Recorder.__dict__["__torch_dispatch__"]
+    unskipped = types.FunctionType(dispatch.__code__.replace(co_name="unskipped"), dispatch.__globals__)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(trace.Recorder, "__torch_dispatch__", unskipped)
+        m.setattr(trace, "_set_eval_frame", lambda callback: None)
+        run(compiled)
+    assert dict(dynamo_utils.counters["stats"]) != graphs
 
 
 def test_cross_gpu_comparison_is_added_to_the_report(tmp_path):
