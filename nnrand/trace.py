@@ -1267,14 +1267,16 @@ def lockstep(cfg, vary: str, steps: int, out_dir: str | Path, *, ops: str = "all
     return d
 
 
-COST_ROUNDS = 5   # recording_cost: rounds over the three modes (a host-bound step drifts; rounds spread it)
+COST_ROUNDS = 20  # recording_cost: rounds over the three modes (a host-bound step drifts; rounds pair it)
 
 
 def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUNDS) -> dict:
     """Median step time (wall clock between device synchronisations) without recording, recording the
     routed ops, and recording every op; and the trace size per step. Same training code, same steps: the
     modes take turns, ``rounds`` times ``steps`` steps each after one warm-up step (three in the first
-    round), so that drift of the host's speed during the measurement falls on every mode alike."""
+    round), every other round in reverse order. A host-bound step's speed drifts by several percent within
+    seconds, so the cost of a mode is also given paired: ``ratio``, the median over rounds of its median
+    step in the round over the unrecorded one's in the same round."""
     import time
 
     import torch.nn.functional as F
@@ -1294,12 +1296,14 @@ def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUN
     built = {mode: train.build(cfg, seeds, 10, fmt) for mode in modes}
     gc.collect()   # the garbage of whatever ran before (the report's lockstep runs) is not collected in a mode
     times: dict[str, list[float]] = {mode: [] for mode in modes}
+    per_round: dict[str, list[float]] = {mode: [] for mode in modes}   # each round's median step
     out = {}
     named = {mode: list(model.named_parameters()) for mode, (model, _) in built.items()}   # as record_training
     for r in range(rounds):
         warm = 3 if r == 0 else 1
-        for mode in modes:
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             model, opt = built[mode]
+            start = len(times[mode])
             path = out_dir / f"cost_{mode}.trace"
             ctx = record(path, ops=mode, model=model) if mode != "none" else contextlib.nullcontext()
             with routing.use_kernels(cfg.kernel, cfg.kernel_ops, strict=cfg.strict), ctx as rec:
@@ -1319,17 +1323,20 @@ def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUN
                         torch.cuda.synchronize()
                     if i >= warm:
                         times[mode].append((time.perf_counter() - t) * 1e3)
+            per_round[mode].append(float(np.median(times[mode][start:])))
             if r == 0 and mode != "none":   # the first round's trace: steps + 3 steps
                 out[mode] = {"bytes_per_step": path.stat().st_size / (steps + warm),
                              "records_per_step": len(load(path)) / (steps + warm)}
     for mode in modes:
         out.setdefault(mode, {})["ms_per_step"] = float(np.median(times[mode]))
         out[mode]["steps_timed"] = len(times[mode])
+        out[mode]["ratio"] = float(np.median(np.array(per_round[mode]) / np.array(per_round["none"])))
+        out[mode]["rounds"] = rounds
     return out
 
 
 def report(cfg, steps: int, out: str | Path, results: str | Path, command: str | None = None,
-           ops: tuple[str, ...] | None = None) -> Path:
+           ops: tuple[str, ...] | None = None, cost_rounds: int = COST_ROUNDS) -> Path:
     """The trace report: (a) atomic against itself, (b) a one-ULP change of one weight, (c) each routed op
     alone atomic, every other op tree; and what recording costs. Writes ``results`` (JSON) and ``out``."""
     import dataclasses
@@ -1357,7 +1364,8 @@ def report(cfg, steps: int, out: str | Path, results: str | Path, command: str |
                          "first": d.get("first"), "all_weights_differ_at_step": d.get("all_weights_differ_at_step"),
                          "per_step": d.get("per_step", [])})
             print(f"{name}: {rows[-1]['status']}", flush=True)
-        cost = recording_cost(dataclasses.replace(cfg, kernel="tree", kernel_ops={}), min(steps, 10), tmp)
+        cost = recording_cost(dataclasses.replace(cfg, kernel="tree", kernel_ops={}), min(steps, 10), tmp,
+                              cost_rounds)
     data = {"fingerprint": fp.fingerprint(cfg.device), "steps": steps, "model": cfg.model,
             "batch_size": cfg.batch_size, "rows": rows, "cost": cost,
             "command": command or "python -m nnrand.trace report"}
@@ -1385,14 +1393,22 @@ def render_report(data: dict, out: str | Path) -> Path:
     c = data["cost"]
     base = c["none"]["ms_per_step"]
     timed = c["none"].get("steps_timed")
-    how = (f"median of {timed} steps per mode, the modes taking turns in {COST_ROUNDS} rounds; a step is the "
-           "recorder's per-step transfer, forward, backward, optimizer and parameter snapshot, synchronised" if timed
-           else "median step time")
-    lines += ["", f"Recording cost (same model, tree kernels, {how}; host-bound steps vary by several tenths of "
-              "the ratio between runs on one machine):", ""]
+    rounds = c["none"].get("rounds")
+    if rounds:   # paired per round (see recording_cost)
+        how = (f"the modes taking turns in {rounds} rounds of {timed // rounds} steps, every other round in reverse "
+               "order; ms: median of each mode's steps; x: median over rounds of the mode's median step over the "
+               "unrecorded one's in that round. A step is the recorder's per-step transfer, forward, backward, "
+               "optimizer and parameter snapshot, synchronised")
+    else:
+        how = (f"median of {timed} steps per mode, the modes taking turns in 5 rounds; a step is the recorder's "
+               "per-step transfer, forward, backward, optimizer and parameter snapshot, synchronised" if timed
+               else "median step time")
+    lines += ["", f"Recording cost (same model, tree kernels, {how}; the step is host-bound, and its speed drifts "
+              "by several percent within seconds and differs between machines):", ""]
     for mode in ("routed", "all"):
+        ratio = c[mode].get("ratio", c[mode]["ms_per_step"] / base)
         lines.append(f"- recording {mode} ops: {c[mode]['ms_per_step']:.2f} ms/step against {base:.2f} "
-                     f"({c[mode]['ms_per_step'] / base:.2f}x), {c[mode]['records_per_step']:.0f} records and "
+                     f"({ratio:.2f}x), {c[mode]['records_per_step']:.0f} records and "
                      f"{c[mode]['bytes_per_step'] / 1e3:.1f} kB per step ({c[mode]['bytes_per_step'] * 100 / 1e6:.1f} MB "
                      "per 100 steps)")
     cross = data.get("cross_gpu")

@@ -570,7 +570,7 @@ def test_report_marks_ops_the_model_never_calls(tmp_path):
     cfg = train.resolve(train.Config(device="cpu", model="small", n_train=64, n_test=32, batch_size=32, epochs=1,
                                      progress=False, report=False, kernel="tree"))
     md = trace.report(cfg, 1, tmp_path / "t.md", tmp_path / "t.json", "python -m nnrand.trace report --steps 1",
-                      ops=("conv_wgrad", "embedding_bwd"))
+                      ops=("conv_wgrad", "embedding_bwd"), cost_rounds=2)
     rows = {r["case"]: r for r in json.loads((tmp_path / "t.json").read_text())["rows"]}
     assert rows["conv_wgrad alone atomic"]["status"] == "diverge"
     assert rows["embedding_bwd alone atomic"]["status"] == "not run"
@@ -589,6 +589,8 @@ def test_recording_cost_times_every_mode_in_each_round(tmp_path):
     assert all(cost[m]["ms_per_step"] > 0 for m in cost)
     assert cost["all"]["records_per_step"] > cost["routed"]["records_per_step"] > 0
     assert "records_per_step" not in cost["none"]
+    # paired per round: the unrecorded mode's own ratio is exactly 1
+    assert cost["none"]["ratio"] == 1.0 and cost["all"]["ratio"] > 0 and cost["routed"]["ratio"] > 0
 
 
 def test_a_record_failing_midway_still_launches_the_rows_reserved_before_it(monkeypatch):
