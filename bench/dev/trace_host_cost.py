@@ -364,7 +364,8 @@ def main(argv=None) -> int:
         cost = trace.recording_cost(cfg, a.steps, tmp, rounds=a.cost)
         base = cost["none"]["ms_per_step"]
         print(f"recording_cost ({trace.__file__}, {a.cost} rounds of {a.steps} steps):", "  ".join(
-            f"{m} {c['ms_per_step']:.2f} ms ({c['ms_per_step'] / base:.3f}x, paired {c.get('ratio', float('nan')):.3f}x)"
+            f"{m} {c['ms_per_step']:.2f} ms ({c['ms_per_step'] / base:.3f}x, "
+            f"paired {c.get('ratio', float('nan')):.3f}x)"
             for m, c in cost.items()))
         return 0
     t = torch.randn(128, 64, 32, 32, device=dev)
