@@ -13,7 +13,7 @@
 // a snapshot of the parameters). A tensor of n elements gets B = clamp(ceil(n / (T * 16)), 1, 1024) blocks
 // (nnrand/trace.py: fp_blocks) in either kernel, and its result depends on n and B only:
 //   block b reduces elements [b * chunk, (b + 1) * chunk), chunk = ceil(n / B) rounded up to a multiple
-//   of 4 (nnrand/trace.py: fp_chunk; a last block may be empty): for 4-byte elements thread t adds the
+//   of 4 (nnrand/trace.py: fp_chunk; the last block may get fewer): for 4-byte elements thread t adds the
 //   groups of 4 consecutive elements starting at 4t, 4(t + T), ... in order, each group's elements in
 //   order (a 16-byte load where the tensor is 16-byte aligned, four loads where not: the same order);
 //   for other sizes thread t adds elements t, t + T, ... in order. Then a shared-memory halving tree over

@@ -33,7 +33,11 @@ of one op (and the tensors of one ``snapshot``) go to the kernel in one launch, 
 they wait for its end: autograd does not write a gradient in place unless it alone holds its storage, and
 the recorder holds it; a write by anything else (a gradient hook, a gradient-bucket copy) bumps the
 tensor's version counter, which is checked at the launch and fails the recording (``TraceError``) rather
-than let it keep a value the op did not produce. With ``ops="all"`` the
+than let it keep a value the op did not produce. Writes that bump no version counter (through ``.data``, a
+raw NCCL, Triton or CuPy kernel) are not seen: record such code with ``defer=False``. A pass holds up to
+``HELD_BYTES`` of gradient storage this way (more peak memory; autograd then sums gradients out of place,
+to the same bits). In-place and out= routed ops (``scatter_add_`` in ``gather``'s backward) are
+fingerprinted at once. With ``ops="all"`` the
 recorder sees every op that could write a recorded tensor, so the fingerprints wait and go out in batches of
 up to ``FP_BATCH`` tensors: launched before an op writes (in place, out=, resize_, set_, the running
 statistics a training-mode BatchNorm updates) the storage of a waiting tensor, when the device or stream
@@ -174,7 +178,7 @@ _FP_WORDS_PER_BLOCK = FP_THREADS * FP_WORDS_PER_THREAD
 
 def fp_chunk(n: int, blocks: int) -> int:
     """The elements each of a tensor's ``blocks`` blocks reduces: ceil(n / blocks) rounded up to a multiple
-    of 4 (the kernel reads 4-byte elements in aligned groups of 4; a last block may get none)."""
+    of 4 (the kernel reads 4-byte elements in aligned groups of 4; the last block may get fewer)."""
     return (-(-n // blocks) + 3) & -4
 
 
@@ -449,7 +453,14 @@ _UNROUTED_MODULES = frozenset((
     torch.nn.ReLU, torch.nn.ReLU6, torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.SELU, torch.nn.CELU,
     torch.nn.GELU, torch.nn.SiLU, torch.nn.Mish, torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.Hardswish,
     torch.nn.Hardsigmoid, torch.nn.Hardtanh, torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.Dropout,
-    torch.nn.Dropout2d, torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten))
+    torch.nn.Dropout2d, torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten, torch.nn.Sequential,
+    torch.nn.ModuleList, torch.nn.ModuleDict))
+
+def _aliases_an_arg(out, args: tuple) -> bool:
+    """Whether an op's output is one of its tensor arguments (an in-place or out= op)."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return any(o is a for o in outs if isinstance(o, torch.Tensor) for a in args)
+
 
 # per aten overload: the (position, name) of each argument it writes (in place, out=), from its schema
 _WRITES: dict[object, tuple[tuple[int, str], ...]] = {}
@@ -500,6 +511,8 @@ class Recorder(TorchDispatchMode):
         self.model = model
         self.names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
         self._owners: dict[int, str] = {}   # ops="routed" with a model: id(parameter) -> its module's path
+        self._owned: list[torch.Tensor] = []   # those parameters, alive while recording (no id reused)
+        self._unchecked = False   # set on an exit by exception: waiting batches launch unchecked
         self.stack: list[str] = []
         self._phase = "forward"
         self.step_no, self.index = -1, 0
@@ -568,7 +581,7 @@ class Recorder(TorchDispatchMode):
     def _post(self, m, args, out):
         path = self.stack.pop() if self.stack else self._module_name(m)
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not any(t is a for a in args):   # (a passthrough made no node)
                 node = t.grad_fn   # a new Python object per read
                 if node is not None:
                     node.metadata.setdefault("nnrand_module", path)
@@ -610,6 +623,9 @@ class Recorder(TorchDispatchMode):
     def __exit__(self, *exc):
         try:
             self._remove_hooks()
+            self._owners, self._owned = {}, []
+            if exc[0] is not None:   # the error on its way out stays the error: no version check now
+                self._unchecked = True
             self._flush()
         finally:   # the dispatch mode (or the observer) goes whatever the flush did
             if self.ops == "routed":
@@ -631,12 +647,15 @@ class Recorder(TorchDispatchMode):
             return
         module = node.metadata.get("nnrand_module") or self._owner(args, node)
         task = torch._C._current_graph_task_id() if self._defer_backward else -1
-        if task < 0:
+        # an in-place or out= op (scatter_add_ in gather's backward, say) gets its version bumped by autograd
+        # after this kernel returns: recorded at once, not watched
+        if task < 0 or op.endswith("_") or _aliases_an_arg(out, args):
             self._add_outputs(out, op, module, "backward", False)
             return
-        if task not in self._tasks:   # the pass's first record: its end launches what waits
-            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._pass_ended, task))
-            self._tasks.add(task)
+        with self._lock:
+            if task not in self._tasks:   # the pass's first record: its end launches what waits
+                torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._pass_ended, task))
+                self._tasks.add(task)
         # a routed kernel runs below autograd's view-tracking key, where detach() would not share the version
         # counter that in-place ops bump: that key is let through while the watched aliases are made
         lifted = torch._C._dispatch_tls_is_dispatch_key_excluded(_VIEW_KEY)
@@ -650,7 +669,8 @@ class Recorder(TorchDispatchMode):
 
     def _owner(self, args: tuple, node) -> str:
         """ops="routed" with a model: the module of a parameter that an op takes, or whose gradient its
-        autograd node accumulates (directly or through an autocast copy); "" if none."""
+        autograd node accumulates (directly or through an autocast copy), or, for a forward op, that it takes
+        through an autocast copy; "" if none. A parameter shared by modules counts as the last one's."""
         owners = self._owners
         if not owners:
             return ""
@@ -658,7 +678,10 @@ class Recorder(TorchDispatchMode):
             name = owners.get(id(a))
             if name is not None:
                 return name
-        nexts = list(node.next_functions) if node is not None else []
+        if node is not None:
+            nexts = list(node.next_functions)
+        else:   # a forward op: its tensor arguments' nodes (an autocast copy of a weight, say)
+            nexts = [(a.grad_fn, 0) for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None]
         for fn, _ in nexts:
             if fn is not None and fn.name().startswith("ToCopyBackward"):
                 nexts += fn.next_functions
@@ -669,8 +692,9 @@ class Recorder(TorchDispatchMode):
         return ""
 
     def _pass_ended(self, task: int) -> None:
-        self._tasks.discard(task)
-        self._launch_deferred()
+        with self._lock:
+            self._tasks.discard(task)
+            self._launch_deferred()
 
     def snapshot(self, named: Iterable[tuple[str, torch.Tensor]], op: str = "parameter") -> None:
         """One record per named tensor (phase "other", aten op field ``op``, module field the name): the
@@ -695,18 +719,19 @@ class Recorder(TorchDispatchMode):
                     self._quiet = False
 
     def _snapshot_planned(self, named: list, op: str) -> bool:
-        """``snapshot`` of the list it was given last time, tensors the same objects at the same addresses
-        and shapes: its records' codes, kept from then, and one launch of the fingerprint kernel. False
+        """``snapshot`` of the list it was given last time, names the same and tensors the same objects at the
+        same addresses, shapes and dtypes: its records' codes, kept from then, and one launch of the
+        fingerprint kernel (non-contiguous tensors copied first). False
         (nothing recorded) where the tensors are not all CUDA tensors of one device that the kernel takes,
         or the stream is capturing, or full tensors are kept."""
         if self.keep:
             return False
-        key = [(id(t), t.data_ptr(), t.shape) for _, t in named]
+        key = [(name, id(t), t.data_ptr(), t.shape, t.dtype) for name, t in named]
         plan = self._plans.get(op)
         if plan is None or plan[0] is not named or plan[1] != key:
             ts = [t for _, t in named]
             index = ts[0].get_device() if ts else -1
-            if not ts or not all(_fused(t) and t.get_device() == index and t.is_contiguous() for t in ts):
+            if not ts or not all(_fused(t) and t.get_device() == index for t in ts):
                 return False
             opc = self._code("ops", op)   # coded in the order of the record-by-record path: the same tables
             codes = [(self._code("modules", name), self._code_shape(t.shape), self._code_dtype(t.dtype))
@@ -872,7 +897,7 @@ class Recorder(TorchDispatchMode):
                 if d.index >= 0:
                     self._streams.add((d.index, d.stream))
                 for alias, version, row in d.watched:
-                    if alias._version != version:
+                    if alias._version != version and not self._unchecked:
                         raise TraceError(self._written_early(row))
 
     def _written_early(self, row: int) -> str:
@@ -961,7 +986,8 @@ def record(path: str | Path | None, *, ops: str = "all", model: torch.nn.Module 
            keep: set[tuple[int, str, int]] | None = None, meta: dict | None = None,
            defer: bool = True) -> Iterator[Recorder]:
     """Record while the context is open; write ``path`` (atomically) on a normal exit. ``defer``: see the
-    module docstring (ops="all" only)."""
+    module docstring (ops="all": batches launched before writes; ops="routed": a backward pass's launches
+    at its end)."""
     rec = Recorder(ops=ops, model=model, keep=keep, meta=meta, defer=defer)
     with rec:
         yield rec
@@ -1338,7 +1364,8 @@ def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUN
 def report(cfg, steps: int, out: str | Path, results: str | Path, command: str | None = None,
            ops: tuple[str, ...] | None = None, cost_rounds: int = COST_ROUNDS) -> Path:
     """The trace report: (a) atomic against itself, (b) a one-ULP change of one weight, (c) each routed op
-    alone atomic, every other op tree; and what recording costs. Writes ``results`` (JSON) and ``out``."""
+    alone atomic, every other op tree; and what recording costs (``recording_cost`` over ``cost_rounds``
+    rounds). Writes ``results`` (JSON) and ``out``."""
     import dataclasses
     import tempfile
 
