@@ -531,7 +531,9 @@ class Recorder(TorchDispatchMode):
         self.tables: dict[str, dict[str, int]] = {"ops": {}, "modules": {}, "shapes": {}, "dtypes": {}}
         self._hooks = []
         self._entered = False
-        self._quiet = False
+        # per thread: whether the ops running are the recorder's own (fingerprints, transfers), not records;
+        # thread-local, so that another thread's ops (autograd's per-device backward) are recorded meanwhile
+        self._local = threading.local()
         # ops="all" sees every op that could write a recorded tensor, so its kernel fingerprints wait and go
         # out in batches (_Deferred): launched before an op writes one of them, when a batch is full, when
         # the device or stream changes, and when the step ends
@@ -549,6 +551,14 @@ class Recorder(TorchDispatchMode):
         self._streams: set[tuple[int, int]] = set()
         # autograd runs a backward per device on its own thread: records and launches one at a time
         self._lock = threading.RLock()
+
+    @property
+    def _quiet(self) -> bool:
+        return getattr(self._local, "quiet", False)
+
+    @_quiet.setter
+    def _quiet(self, value: bool) -> None:
+        self._local.quiet = value
 
     # -- control
     def step(self) -> None:
@@ -877,7 +887,7 @@ class Recorder(TorchDispatchMode):
                 if w and _writes_any(d.bases, w, args, kwargs):   # it would write what a waiting launch reads
                     self._launch_deferred()
             out = func(*args, **(kwargs or {}))
-            if self._quiet:
+            if getattr(self._local, "quiet", False):
                 return out
             node = torch._C._current_autograd_node()
             if node is not None:

@@ -761,6 +761,25 @@ def test_a_module_whose_forward_raises_is_left_off_the_path():
     assert step1 and "Bad" not in " ".join(step1) and "Linear" in step1
 
 
+def test_the_recorders_own_ops_are_quiet_on_its_thread_only():
+    """While the recorder runs its own ops (a step's transfer, a snapshot) they are not records; another
+    thread's ops in that time (autograd's per-device backward) still are."""
+    import threading
+
+    rec = trace.Recorder()
+    rec.step()
+    neg = torch.ops.aten.neg.default
+    rec._quiet = True
+    other = threading.Thread(target=rec.__torch_dispatch__, args=(neg, (), (torch.ones(2),)))
+    other.start()
+    other.join()
+    rec.__torch_dispatch__(neg, (), (torch.ones(3),))   # this thread's: quiet
+    assert len(rec.rows) == 1 and rec.tables["shapes"] == {"2": 0}
+    rec._quiet = False
+    rec.__torch_dispatch__(neg, (), (torch.ones(3),))
+    assert len(rec.rows) == 2
+
+
 def test_ops_before_the_first_step_keep_their_own_indices():
     with trace.Recorder() as rec:
         torch.ones(2) * 2            # before step(): step 0
