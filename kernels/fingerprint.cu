@@ -79,13 +79,27 @@ __device__ __forceinline__ void fp_elem(const void* __restrict__ w, long long i,
     term = (unsigned long long)(i + 1) * bits;
 }
 
-// a 4-byte element's value added to a partial's sum of squares and maximum
-template <int K>
-__device__ __forceinline__ void fp_value(FpPart& p, unsigned int v) {
-    const double x = K == FP_F32 ? (double)__uint_as_float(v) : (double)(int)v;
+// an element's value added to a partial's sum of squares and maximum
+__device__ __forceinline__ void fp_value(FpPart& p, double x) {
     p.sq += x * x;
     if (x != x) p.nan = 1;
     else p.mx = fmax(p.mx, fabs(x));
+}
+
+// element i of a tensor of kind K added to a partial: its term of fp, then its value
+template <int K>
+__device__ __forceinline__ void fp_add(FpPart& p, const void* __restrict__ w, long long i) {
+    unsigned long long term;
+    double x;
+    fp_elem<K>(w, i, term, x);
+    p.fp += term;
+    fp_value(p, x);
+}
+
+// a 4-byte element of kind K (FP_F32 or FP_I32) as a double
+template <int K>
+__device__ __forceinline__ double fp_word_value(unsigned int v) {
+    return K == FP_F32 ? (double)__uint_as_float(v) : (double)(int)v;
 }
 
 __device__ __forceinline__ void fp_tree(FpPart& p, FpPart* s) {
@@ -141,32 +155,16 @@ __device__ __forceinline__ void fp_block(const void* __restrict__ w, long long n
                 const unsigned long long b2 = (unsigned long long)(long long)(int)q.z;
                 const unsigned long long b3 = (unsigned long long)(long long)(int)q.w;
                 p.fp += (unsigned long long)(g + 1) * (b0 + b1 + b2 + b3) + b1 + 2 * b2 + 3 * b3;
-                fp_value<K>(p, q.x);
-                fp_value<K>(p, q.y);
-                fp_value<K>(p, q.z);
-                fp_value<K>(p, q.w);
+                fp_value(p, fp_word_value<K>(q.x));
+                fp_value(p, fp_word_value<K>(q.y));
+                fp_value(p, fp_word_value<K>(q.z));
+                fp_value(p, fp_word_value<K>(q.w));
             } else {
-                for (long long i = g; i < end; ++i) {
-                    unsigned long long term;
-                    double x;
-                    fp_elem<K>(w, i, term, x);
-                    p.fp += term;
-                    p.sq += x * x;
-                    if (x != x) p.nan = 1;
-                    else p.mx = fmax(p.mx, fabs(x));
-                }
+                for (long long i = g; i < end; ++i) fp_add<K>(p, w, i);
             }
         }
     } else {
-        for (long long i = begin + threadIdx.x; i < end; i += FP_THREADS) {
-            unsigned long long term;
-            double x;
-            fp_elem<K>(w, i, term, x);
-            p.fp += term;
-            p.sq += x * x;
-            if (x != x) p.nan = 1;
-            else p.mx = fmax(p.mx, fabs(x));
-        }
+        for (long long i = begin + threadIdx.x; i < end; i += FP_THREADS) fp_add<K>(p, w, i);
     }
     fp_tree(p, s);
     // the combine of one partial would add it to zeros: the same bits

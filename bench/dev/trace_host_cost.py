@@ -297,31 +297,28 @@ def routed_split(cfg, steps: int, tmp: Path, mode: str = "routed") -> None:
 
 
 def kernel_gbs(reps: int = 100) -> None:
-    """Device time per fingerprint launch (CUDA events over ``reps`` back-to-back launches) and the bytes read
-    per second: one tensor per launch of ``fingerprint``, and 96 tensors per launch of ``fingerprint_batch``."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    out = torch.empty(96, 3, dtype=torch.float64, device="cuda")
+    """Device time per fingerprint launch (``bench.timing.cuda_event_times``: CUDA events, launches queued
+    behind a spin kernel; median of ``reps``) and the bytes read per second: one tensor per launch of
+    ``fingerprint``, and 96 tensors per launch of ``fingerprint_batch``."""
+    from bench import timing
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = torch.empty(96, 3, dtype=torch.float64, device=dev)
     ptrs = [out[i].data_ptr() for i in range(96)]
 
-    def timed(fn) -> float:
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps * 1e3
+    def us(fn) -> float:
+        return timing.median(timing.cuda_event_times(fn, reps, dev)) * 1e6
 
-    print(f"\nfingerprint kernel device time ({torch.cuda.get_device_name()}, {reps} launches each):")
+    print(f"\nfingerprint kernel device time ({torch.cuda.get_device_name()}, median of {reps} launches):")
     for shape in ((64, 1024), (128, 64, 32, 32), (128, 128, 16, 16, 2), (32, 1 << 20)):
-        t = torch.randn(*shape, device="cuda", generator=g)
-        us = timed(lambda: trace._launch_fingerprint(t, ptrs[0]))
-        print(f"  one {'x'.join(map(str, shape)):>18s} float32: {us:8.1f} us  {t.numel() * 4 / us / 1e3:7.0f} GB/s")
+        t = torch.randn(*shape, device=dev, generator=g)
+        one = us(lambda: trace._launch_fingerprint(t, ptrs[0]))
+        print(f"  one {'x'.join(map(str, shape)):>18s} float32: {one:8.1f} us  {t.numel() * 4 / one / 1e3:7.0f} GB/s")
     for numel in (1 << 16, 1 << 20):
-        ts = [torch.randn(numel, device="cuda", generator=g) for _ in range(96)]
-        us = timed(lambda: trace._launch_fingerprints(ts, ptrs))
-        print(f"  96 x {numel:>9d} float32 (batch): {us:8.1f} us  {96 * numel * 4 / us / 1e3:7.0f} GB/s")
+        ts = [torch.randn(numel, device=dev, generator=g) for _ in range(96)]
+        batch = us(lambda: trace._launch_fingerprints(ts, ptrs))
+        print(f"  96 x {numel:>9d} float32 (batch): {batch:8.1f} us  {96 * numel * 4 / batch / 1e3:7.0f} GB/s")
 
 
 def main(argv=None) -> int:
