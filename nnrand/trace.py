@@ -383,6 +383,38 @@ class _Slots:
         """Start again from the first row."""
         self.used = self._limit = 0
 
+    def append(self, src: "_Slots") -> int:
+        """Copy ``src``'s rows (a captured step's, which its replay rewrote) after this one's, on the current
+        stream; returns the first row they went to. A copy per run of rows that neither crosses a chunk."""
+        first, n, rows = self.used, src.used, self.ROWS
+        while len(self.chunks) * rows < first + n:
+            self.chunks.append(torch.empty(rows, 3, dtype=torch.float64, device=self.dev))
+        done = 0
+        while done < n:
+            (c, o), (sc, so) = divmod(first + done, rows), divmod(done, rows)
+            m = min(rows - o, rows - so, n - done)
+            self.chunks[c][o:o + m].copy_(src.chunks[sc][so:so + m])
+            done += m
+        used = self.used = first + n
+        if used % rows:   # within a chunk: its address, as next_ptr keeps it
+            chunk = used // rows
+            self._at, self._limit = self.chunks[chunk].data_ptr() - 24 * chunk * rows, (chunk + 1) * rows
+        else:   # at a chunk's first row: next_ptr finds (or makes) that chunk
+            self._limit = used
+        return first
+
+
+@dataclass
+class _Captured:
+    """The records of a CUDA-graph capture (``Recorder.capturing``): their rows (step and index as captured)
+    and values (``pending``: rows of ``slots``, the capture's own, which every replay rewrites, or
+    tensors), and how many op indices the capture took (``ops``)."""
+
+    rows: list = None
+    pending: list = None
+    slots: dict = None
+    ops: int = 0
+
 
 class _Deferred:
     """Fingerprints recorded on one device and stream, waiting for one launch of ``fingerprint_batch``
@@ -545,6 +577,8 @@ class Recorder(TorchDispatchMode):
         self._defer_backward = defer and ops == "routed" and all(
             hasattr(torch._C, f) for f in ("_current_graph_task_id", "_dispatch_tls_set_dispatch_key_excluded"))
         self._tasks: set[int] = set()   # graph tasks whose end launches the waiting batch
+        self._capture: _Captured | None = None   # while capturing a CUDA graph: where the records go
+        self._paused = False   # on every thread (autograd runs a CUDA backward on its own): see paused()
         self._deferred: _Deferred | None = None
         # CUDA (device index, raw stream) pairs that launched fingerprints this step: the step's end waits
         # for each before reading the rows back
@@ -559,6 +593,11 @@ class Recorder(TorchDispatchMode):
     @_quiet.setter
     def _quiet(self, value: bool) -> None:
         self._local.quiet = value
+
+    def __deepcopy__(self, memo):
+        """A recorder is not copied with what holds it: a model deep-copied while recorded (a CUDA-graph
+        step's warm-up copy) keeps its module hooks, bound to this recorder."""
+        return self
 
     # -- control
     def step(self) -> None:
@@ -579,6 +618,61 @@ class Recorder(TorchDispatchMode):
             yield
         finally:
             self._phase = before
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run inside are not recorded, on any thread (autograd runs a CUDA backward pass on a thread of
+        its own): a CUDA-graph step's warm-up and input copies."""
+        before, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = before
+
+    @contextlib.contextmanager
+    def capturing(self, stream: torch.cuda.Stream) -> Iterator[_Captured]:
+        """Around a CUDA-graph capture on ``stream`` (``nnrand.train.GraphStep(capture=rec.capturing)``): the
+        records of the captured ops go to the ``_Captured`` it yields, their fingerprint launches into the
+        graph, and ``replayed`` adds them to the current step after each replay. Recorded even where
+        ``paused`` (the warm-up before the capture). Full tensors (``keep``) cannot be taken inside a capture."""
+        if self.keep:
+            raise TraceError("nnrand.trace: full tensors (keep) cannot be taken from a captured CUDA graph; "
+                             "record the steps eagerly to keep them")
+        if self._capture is not None:
+            raise TraceError("nnrand.trace: a capture is already being recorded; captures are recorded one at a time")
+        with self._lock:
+            self._launch_deferred()   # nothing waits into the capture, and nothing launches late out of it
+            if _kernels_here():   # the capture stream's scratch and counters, made outside the capture
+                _fp_state(stream.device.index, stream.cuda_stream)
+            cap = _Captured([], [], {}, 0)
+            saved = (self.rows, self.pending, self.index, self.slots, self._streams, self._paused)
+            self.rows, self.pending, self.index, self.slots, self._streams = cap.rows, cap.pending, 0, cap.slots, set()
+            self._capture, self._paused = cap, False
+        try:
+            yield cap
+        finally:
+            with self._lock:
+                cap.ops = self.index
+                self.rows, self.pending, self.index, self.slots, self._streams, self._paused = saved
+                self._capture = None
+
+    def replayed(self, cap: _Captured) -> None:
+        """Add a captured graph's records to the current step, after its replay was enqueued: their rows, and
+        their values copied from the capture's slots on the current stream (the replay's)."""
+        with self._lock:
+            step, at = (self.step_no if self.step_no > 0 else 0), self.index
+            self.rows += [(step, ph, at + i, op, m, k, sh, dt) for _, ph, i, op, m, k, sh, dt in cap.rows]
+            self.index = at + cap.ops
+            self._quiet = True
+            try:
+                first = {}
+                for index, src in cap.slots.items():
+                    dst = self.slots.get(index) or self.slots.setdefault(index, _Slots(src.dev))
+                    first[index] = dst.append(src)
+                self.pending += [(v[0], first[v[0]] + v[1]) if isinstance(v, tuple) else v.clone()
+                                 for v in cap.pending]
+            finally:
+                self._quiet = False
 
     # -- module paths
     def _module_name(self, m: torch.nn.Module) -> str:
@@ -650,13 +744,15 @@ class Recorder(TorchDispatchMode):
         self._hooks = []
 
     def _observe(self, op: str, out, args: tuple = ()) -> None:
+        if self._paused:
+            return
         node = torch._C._current_autograd_node()
         if node is None:
             module = self.stack[-1] if self.stack else self._owner(args, None)
             self._add_outputs(out, op, module, self._phase)
             return
         module = node.metadata.get("nnrand_module") or self._owner(args, node)
-        task = torch._C._current_graph_task_id() if self._defer_backward else -1
+        task = torch._C._current_graph_task_id() if self._defer_backward and self._capture is None else -1
         # an in-place or out= op (scatter_add_ in gather's backward, say) gets its version bumped by autograd
         # after this kernel returns: recorded at once, not watched
         if task < 0 or op.endswith("_") or _aliases_an_arg(out, args):
@@ -887,7 +983,7 @@ class Recorder(TorchDispatchMode):
                 if w and _writes_any(d.bases, w, args, kwargs):   # it would write what a waiting launch reads
                     self._launch_deferred()
             out = func(*args, **(kwargs or {}))
-            if getattr(self._local, "quiet", False):
+            if self._paused or getattr(self._local, "quiet", False):
                 return out
             node = torch._C._current_autograd_node()
             if node is not None:
@@ -1212,11 +1308,45 @@ def plot(d: dict, path: str | Path) -> Path:
 # Recording a training run from the command line
 
 
+def graph_step(rec: Recorder | None, model, x: torch.Tensor, y: torch.Tensor, precision=None, scaler=None):
+    """``nnrand.train.GraphStep`` (forward, loss and backward captured once) with its captured ops recorded
+    by ``rec`` (its warm-up not); each ``replay`` then adds them to the step. ``rec`` None: not recorded."""
+    from nnrand import train
+
+    if rec is None:
+        return train.GraphStep(model, x, y, precision or train.float32_forward, scaler)
+    with rec.paused():
+        return train.GraphStep(model, x, y, precision or train.float32_forward, scaler, capture=rec.capturing)
+
+
+def replay(rec: Recorder | None, graph, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One replay of ``graph_step``'s graph on inputs ``x``, ``y`` (copied in unrecorded), its records added to
+    ``rec``'s current step; (logits, loss)."""
+    if rec is None:
+        return graph(x, y)
+    with rec.paused():
+        out = graph(x, y)
+    rec.replayed(graph.captured)
+    return out
+
+
+def _check_keep(cfg, keep) -> None:
+    from nnrand import train
+
+    if keep and cfg.cuda_graph:
+        raise train.ConfigError("full tensors (--keep) cannot be taken from a captured CUDA graph: record "
+                                "without --cuda-graph, or pass --keep 0")
+
+
 def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
                     keep: set[tuple[int, str, int]] | None = None) -> Path:
-    """``steps`` SGD steps of the harness's member 0 under ``cfg`` (a resolved ``train.Config``), recorded."""
+    """``steps`` SGD steps of the harness's member 0 under ``cfg`` (a resolved ``train.Config``), recorded.
+    With ``cfg.cuda_graph`` the forward and backward are captured at the first step and replayed (the
+    captured ops recorded once, their records added at each replay: the trace of eager steps, for the same
+    kernels)."""
     from nnrand import data, noise, routing, train
 
+    _check_keep(cfg, keep)
     ds = train.load_data(cfg)
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
     seeds = noise.member_seeds({s: getattr(cfg, f"{s}_seed") for s in noise.SOURCES}, cfg.seed, 0)
@@ -1237,6 +1367,8 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
             warmup = max(1, min(int(cfg.warmup_epochs * per_epoch), total // 2))  # as train_member
             step = 0
             named = list(model.named_parameters())   # walked once: the parameters stay the same objects
+            precision = functools.partial(train.autocast, cfg)
+            graph = None
             while step < steps:
                 epoch = step // per_epoch
                 order = data.epoch_order(n, epoch, seeds.order)
@@ -1249,7 +1381,12 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
                                                  cfg.shuffle_channels)
                     for group in opt.param_groups:
                         group["lr"] = train.lr_at(step, total, warmup, cfg.lr)
-                    train.forward_backward(model, opt, x, y, functools.partial(train.autocast, cfg), scaler)
+                    if cfg.cuda_graph:
+                        if graph is None:
+                            graph = graph_step(rec, model, x, y, precision, scaler)
+                        replay(rec, graph, x, y)
+                    else:
+                        train.forward_backward(model, opt, x, y, precision, scaler)
                     with rec.phase("optimizer"):
                         train.optimizer_step(opt, scaler)
                     rec.snapshot(named)
@@ -1287,6 +1424,7 @@ def lockstep(cfg, vary: str, steps: int, out_dir: str | Path, *, ops: str = "all
     recorded again keeping the first ``keep`` differing records in full, for their ULP and L2 distance
     (a replica whose noise is the hardware's may part elsewhere the second time; the diff says where)."""
     out_dir = Path(out_dir)
+    _check_keep(cfg, keep)
     a_cfg, b_cfg = lockstep_configs(cfg, vary)
     paths = (out_dir / "a.trace", out_dir / "b.trace")
     record_training(a_cfg, steps, paths[0], ops=ops)
@@ -1312,7 +1450,8 @@ def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUN
     modes take turns, ``rounds`` times ``steps`` steps each after one warm-up step (three in the first
     round), every other round in reverse order. A host-bound step's speed drifts by several percent within
     seconds, so the cost of a mode is also given paired: ``ratio``, the median over rounds of its median
-    step in the round over the unrecorded one's in the same round."""
+    step in the round over the unrecorded one's in the same round. With ``cfg.cuda_graph`` every mode's
+    forward and backward are captured once per round (``graph_step``, untimed) and replayed."""
     import time
 
     import torch.nn.functional as F
@@ -1343,15 +1482,19 @@ def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUN
             path = out_dir / f"cost_{mode}.trace"
             ctx = record(path, ops=mode, model=model) if mode != "none" else contextlib.nullcontext()
             with routing.use_kernels(cfg.kernel, cfg.kernel_ops, strict=cfg.strict), ctx as rec:
+                graph = graph_step(rec, model, x, y) if cfg.cuda_graph else None
                 for i in range(steps + warm):
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     t = time.perf_counter()
                     if rec is not None:   # moves the last step's values to the host: part of the cost
                         rec.step()
-                    loss = F.cross_entropy(model(x), y)
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
+                    if graph is not None:
+                        replay(rec, graph, x, y)
+                    else:
+                        loss = F.cross_entropy(model(x), y)
+                        opt.zero_grad(set_to_none=True)
+                        loss.backward()
                     opt.step()
                     if rec is not None:
                         rec.snapshot(named[mode])
@@ -1401,10 +1544,13 @@ def report(cfg, steps: int, out: str | Path, results: str | Path, command: str |
                          "first": d.get("first"), "all_weights_differ_at_step": d.get("all_weights_differ_at_step"),
                          "per_step": d.get("per_step", [])})
             print(f"{name}: {rows[-1]['status']}", flush=True)
-        cost = recording_cost(dataclasses.replace(cfg, kernel="tree", kernel_ops={}), min(steps, 10), tmp,
-                              cost_rounds)
+        tree = dataclasses.replace(cfg, kernel="tree", kernel_ops={}, cuda_graph=False)
+        cost = recording_cost(tree, min(steps, 10), tmp, cost_rounds)
+        # the same steps replayed from a CUDA graph: what recording costs where the host is not the bottleneck
+        cost_graph = (recording_cost(dataclasses.replace(tree, cuda_graph=True), min(steps, 10), tmp, cost_rounds)
+                      if torch.device(cfg.device).type == "cuda" else None)
     data = {"fingerprint": fp.fingerprint(cfg.device), "steps": steps, "model": cfg.model,
-            "batch_size": cfg.batch_size, "rows": rows, "cost": cost,
+            "batch_size": cfg.batch_size, "rows": rows, "cost": cost, "cost_graph": cost_graph,
             "command": command or "python -m nnrand.trace report"}
     runio.write_json(results, data)
     return render_report(data, out)
@@ -1428,7 +1574,6 @@ def render_report(data: dict, out: str | Path) -> Path:
         growth = " ".join(f"{s.get('params_differ', '-')}/{s.get('params', '-')}" for s in r["per_step"])
         lines.append(f"| {r['case']} | {first} | {r['all_weights_differ_at_step']} | {growth} |")
     c = data["cost"]
-    base = c["none"]["ms_per_step"]
     timed = c["none"].get("steps_timed")
     rounds = c["none"].get("rounds")
     if rounds:   # paired per round (see recording_cost)
@@ -1442,12 +1587,13 @@ def render_report(data: dict, out: str | Path) -> Path:
                else "median step time")
     lines += ["", f"Recording cost (same model, tree kernels, {how}; the step is host-bound, and its speed drifts "
               "by several percent within seconds and differs between machines):", ""]
-    for mode in ("routed", "all"):
-        ratio = c[mode].get("ratio", c[mode]["ms_per_step"] / base)
-        lines.append(f"- recording {mode} ops: {c[mode]['ms_per_step']:.2f} ms/step against {base:.2f} "
-                     f"({ratio:.2f}x), {c[mode]['records_per_step']:.0f} records and "
-                     f"{c[mode]['bytes_per_step'] / 1e3:.1f} kB per step ({c[mode]['bytes_per_step'] * 100 / 1e6:.1f} MB "
-                     "per 100 steps)")
+    lines += _cost_lines(c)
+    g = data.get("cost_graph")
+    if g:
+        lines += ["", "The same steps with forward, loss and backward replayed from a CUDA graph (`--cuda-graph`: "
+                  "captured once per round and mode, with the recorded ops' fingerprint launches, untimed; the "
+                  "optimizer step and the snapshot eager; measured as above):", ""]
+        lines += _cost_lines(g)
     cross = data.get("cross_gpu")
     if cross:
         lines += ["", "The same run on two GPUs (`python -m nnrand.trace record --kernel tree --steps 3 --n-train 1024 "
@@ -1456,6 +1602,18 @@ def render_report(data: dict, out: str | Path) -> Path:
             lines.append(f"- {c['a']} vs {c['b']}: {format_diff(c['diff']).splitlines()[0]}")
     runio.write_text(out, "\n".join(lines) + "\n")
     return Path(out)
+
+
+def _cost_lines(c: dict) -> list[str]:
+    base = c["none"]["ms_per_step"]
+    lines = []
+    for mode in ("routed", "all"):
+        ratio = c[mode].get("ratio", c[mode]["ms_per_step"] / base)
+        lines.append(f"- recording {mode} ops: {c[mode]['ms_per_step']:.2f} ms/step against {base:.2f} "
+                     f"({ratio:.2f}x), {c[mode]['records_per_step']:.0f} records and "
+                     f"{c[mode]['bytes_per_step'] / 1e3:.1f} kB per step ({c[mode]['bytes_per_step'] * 100 / 1e6:.1f} MB "
+                     "per 100 steps)")
+    return lines
 
 
 def add_cross_gpu(results: str | Path, a: str | Path, b: str | Path, out: str | Path) -> Path:

@@ -86,6 +86,35 @@ def test_two_tree_runs_record_identical_traces(tmp_path, monkeypatch):
     assert d == {"status": "identical", "records": len(a)}, trace.format_diff(d)
 
 
+@pytest.mark.parametrize("ops", ["all", "routed"])
+def test_steps_replayed_from_a_cuda_graph_record_the_eager_trace(tmp_path, ops):
+    """Forward and backward captured once (``--cuda-graph``) and replayed: the captured ops' records added at
+    each replay, their fingerprints written by the replay, give the eager run's trace bit for bit (tree:
+    the same kernels in the same order)."""
+    import dataclasses
+
+    cfg = train.resolve(train.Config(device="cuda", model="resnet18", n_train=512, n_test=64, batch_size=64,
+                                     epochs=1, progress=False, report=False, kernel="tree"))
+    eager = trace.load(trace.record_training(cfg, 3, tmp_path / "eager.trace", ops=ops))
+    graph = trace.load(trace.record_training(dataclasses.replace(cfg, cuda_graph=True), 3, tmp_path / "graph.trace",
+                                             ops=ops))
+    d = trace.diff(eager, graph)
+    assert d == {"status": "identical", "records": len(eager)}, trace.format_diff(d)
+    # not the capture's values replayed three times: each step's backward records (another batch, other
+    # weights) differ from the last step's, but for the few constant ones (the loss gradient's seed of ones)
+    back = graph.cols["phase"] == trace.PHASES.index("backward")
+    fps = [graph.cols["fp"][back & (graph.cols["step"] == s)] for s in range(3)]
+    assert len(fps[0]) > 0 and all(len(f) == len(fps[0]) for f in fps)
+    assert (fps[0] != fps[1]).mean() > 0.5 and (fps[1] != fps[2]).mean() > 0.5
+
+
+def test_keep_is_refused_for_a_captured_step(tmp_path):
+    cfg = train.resolve(train.Config(device="cuda", model="resnet18", n_train=256, n_test=64, batch_size=64,
+                                     epochs=1, progress=False, report=False, kernel="tree", cuda_graph=True))
+    with pytest.raises(train.ConfigError, match="--keep"):
+        trace.record_training(cfg, 1, tmp_path / "k.trace", keep={(0, "backward", 3)})
+
+
 def test_recorded_rows_match_the_formula_across_slot_chunks(monkeypatch):
     """Records whose values the kernel writes into the per-step slot rows (several chunks per step) equal
     those computed by the torch formula, record by record: fingerprints and max |x| exactly, L2 within the

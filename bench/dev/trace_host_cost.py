@@ -7,6 +7,7 @@
     python3 bench/dev/trace_host_cost.py --split                  # plus host time per thread: op, record, rest
     python3 bench/dev/trace_host_cost.py --parts                  # only the host time of a record's pieces
     python3 bench/dev/trace_host_cost.py --cost 5 --steps 40      # only trace.recording_cost, as the report runs it
+    python3 bench/dev/trace_host_cost.py --cost 5 --steps 40 --cuda-graph   # the same, steps replayed from graphs
     python3 bench/dev/trace_host_cost.py --kernel-gbs             # only the fingerprint kernel's device time
     python3 bench/dev/trace_host_cost.py --routed-split           # host time of each piece of ops="routed"
     python3 bench/dev/trace_host_cost.py --all-split              # ... of ops="all"
@@ -342,9 +343,11 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-gbs", action="store_true", help="only the fingerprint kernel's device time and GB/s")
     p.add_argument("--routed-split", action="store_true", help="only the host time of ops='routed' by piece")
     p.add_argument("--all-split", action="store_true", help="only the host time of ops='all' by piece")
+    p.add_argument("--cuda-graph", action="store_true", help="--cost with each mode's steps replayed from a graph")
     p.add_argument("--tmp", default="/tmp/nnrand-trace-cost")
     a = p.parse_args(argv)
-    cfg = train.resolve(train.Config(model=a.model, batch_size=a.batch, kernel=a.kernel, device=a.device))
+    cfg = train.resolve(train.Config(model=a.model, batch_size=a.batch, kernel=a.kernel, device=a.device,
+                                     cuda_graph=a.cuda_graph))
     tmp = Path(a.tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     dev = torch.device(a.device)
