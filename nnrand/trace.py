@@ -49,6 +49,12 @@ recorded tensor before the batch goes out, ``UntypedStorage.resize_``, another s
 memory) are not seen: record such code with ``defer=False`` (one launch per op). Inside a CUDA-graph capture
 every record launches at once; step (``Recorder.step``) before capturing, so that no batch is waiting.
 
+Steps replayed from a CUDA graph (``record --cuda-graph``, or ``graph_step`` and ``replay`` around any
+model): the captured ops are recorded once, inside the capture (``Recorder.capturing``), their fingerprint
+launches (batched as above) captured with them; each replay then rewrites the capture's value rows, and
+``Recorder.replayed`` adds the captured records to the step with the step's number and indices, their
+values copied from those rows on the device. The host cost per step is the same whatever the model runs.
+
 Module paths: the forward op runs inside a module's ``forward`` (a global module hook keeps the stack;
 names come from ``model`` when given); a backward op is attributed to the module whose forward returned
 the tensor whose autograd node it runs in (set on the node when that module returns). The backward of an
@@ -629,12 +635,14 @@ class Recorder(TorchDispatchMode):
         finally:
             self._paused = before
 
-    @contextlib.contextmanager
-    def capturing(self, stream: torch.cuda.Stream) -> Iterator[_Captured]:
-        """Around a CUDA-graph capture on ``stream`` (``nnrand.train.GraphStep(capture=rec.capturing)``): the
-        records of the captured ops go to the ``_Captured`` it yields, their fingerprint launches into the
-        graph, and ``replayed`` adds them to the current step after each replay. Recorded even where
-        ``paused`` (the warm-up before the capture). Full tensors (``keep``) cannot be taken inside a capture."""
+    def capturing(self, stream: torch.cuda.Stream | None):
+        """For a CUDA-graph capture on ``stream`` (``nnrand.train.GraphStep(capture=rec.capturing)``), called
+        before the capture begins: a context to enter inside it, around the captured ops (not torch's own
+        before and after them). The records of the ops inside go to the ``_Captured`` it yields, their
+        fingerprint launches into the graph, and ``replayed`` adds them to the current step after each
+        replay. Recorded even where ``paused`` (the warm-up before the capture). Fingerprints wait and go out
+        in batches as outside a capture (the waiting batch launches into the graph when the context exits).
+        Full tensors (``keep``) cannot be taken inside a capture."""
         if self.keep:
             raise TraceError("nnrand.trace: full tensors (keep) cannot be taken from a captured CUDA graph; "
                              "record the steps eagerly to keep them")
@@ -642,16 +650,26 @@ class Recorder(TorchDispatchMode):
             raise TraceError("nnrand.trace: a capture is already being recorded; captures are recorded one at a time")
         with self._lock:
             self._launch_deferred()   # nothing waits into the capture, and nothing launches late out of it
-            if _kernels_here():   # the capture stream's scratch and counters, made outside the capture
+            if stream is not None and _kernels_here():   # the capture stream's scratch and counters, made now
                 _fp_state(stream.device.index, stream.cuda_stream)
+        return self._captured()
+
+    @contextlib.contextmanager
+    def _captured(self) -> Iterator[_Captured]:
+        with self._lock:
+            if self._capture is not None:
+                raise TraceError("nnrand.trace: a capture is already being recorded; captures are recorded one "
+                                 "at a time")
             cap = _Captured([], [], {}, 0)
             saved = (self.rows, self.pending, self.index, self.slots, self._streams, self._paused)
             self.rows, self.pending, self.index, self.slots, self._streams = cap.rows, cap.pending, 0, cap.slots, set()
             self._capture, self._paused = cap, False
         try:
             yield cap
+            self._launch_deferred()   # into the graph: the capture has not ended yet
         finally:
             with self._lock:
+                self._deferred = None   # (a capture that failed: its waiting batch goes with it)
                 cap.ops = self.index
                 self.rows, self.pending, self.index, self.slots, self._streams, self._paused = saved
                 self._capture = None
@@ -752,7 +770,7 @@ class Recorder(TorchDispatchMode):
             self._add_outputs(out, op, module, self._phase)
             return
         module = node.metadata.get("nnrand_module") or self._owner(args, node)
-        task = torch._C._current_graph_task_id() if self._defer_backward and self._capture is None else -1
+        task = torch._C._current_graph_task_id() if self._defer_backward else -1
         # an in-place or out= op (scatter_add_ in gather's backward, say) gets its version bumped by autograd
         # after this kernel returns: recorded at once, not watched
         if task < 0 or op.endswith("_") or _aliases_an_arg(out, args):
@@ -918,7 +936,7 @@ class Recorder(TorchDispatchMode):
         if _fused(t):
             index = t.get_device()
             slots = self.slots.get(index) or self.slots.setdefault(index, _Slots(t.device))
-            if defer and not _capturing(index):
+            if defer and (self._capture is not None or not _capturing(index)):   # (see capturing)
                 if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
                     t = t.contiguous()      # (a private copy: nothing else writes it)
                 elif self._defer_backward:   # a detached alias: the version counter, not the tensor

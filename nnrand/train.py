@@ -519,14 +519,13 @@ class GraphStep:
                  scaler=None, ddp=None, stream: torch.cuda.Stream | None = None, capture=None):
         """``precision(cache=...)``: the forward's autocast context; ``scaler``: fp16's GradScaler (its scale is
         a device tensor the replay reads, so its updates between steps reach the captured backward);
-        ``ddp``: ``model`` wrapped in DistributedDataParallel, built on ``stream`` (None: a new side stream);
-        ``capture(stream)``: a context entered around the capture, which gets the capturing stream before the
-        capture starts (``nnrand.trace.Recorder.capturing``); what it yields is kept as ``captured``."""
+        ``ddp``: ``model`` wrapped in DistributedDataParallel, built on ``stream``;
+        ``capture(stream)``: called before the capture starts, a context entered inside it, around the captured
+        ops only (``nnrand.trace.Recorder.capturing``); what it yields is kept as ``captured``."""
         import copy
 
         if ddp is not None and stream is None:
             raise ValueError("GraphStep: a DistributedDataParallel step needs the stream DDP was built on")
-        stream = stream or torch.cuda.Stream(device=x.device)
         self.captured = None
         self.x, self.y = x.clone(), y.clone()
         if scaler is not None:   # its scale tensor exists before the capture, outside the graph's pool
@@ -546,8 +545,9 @@ class GraphStep:
         for p in model.parameters():
             p.grad = None
         self.graph = torch.cuda.CUDAGraph()
-        with capture(stream) if capture is not None else contextlib.nullcontext() as self.captured, \
-                torch.cuda.graph(self.graph, stream=stream):
+        capturing = torch.cuda.graph(self.graph, stream=stream)   # (its stream: ``stream`` or torch's side stream)
+        inside = capture(capturing.capture_stream) if capture is not None else contextlib.nullcontext()
+        with capturing, inside as self.captured:
             with precision(cache=False):
                 self.logits = (ddp or model)(self.x)
                 self.loss = F.cross_entropy(self.logits, self.y)
