@@ -501,6 +501,12 @@ def _aliases_an_arg(out, args: tuple) -> bool:
 
 
 # per aten overload: the (position, name) of each argument it writes (in place, out=), from its schema
+# profiler annotations (record_function ranges, which torch's optimizers open around zero_grad and step): ops
+# to the dispatcher, not computation; not records, and they take no index (a step without zero_grad, replayed
+# from a CUDA graph, has the op indices of an eager step that calls it)
+_ANNOTATIONS = frozenset(getattr(torch.ops.profiler, name) for name in
+                         ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
+                         if hasattr(torch.ops.profiler, name))
 _WRITES: dict[object, tuple[tuple[int, str], ...]] = {}
 # arguments ops write although their schemas do not mark them: the training-mode BatchNorm forwards and
 # SyncBatchNorm's statistics ops update the running statistics in place
@@ -1001,7 +1007,7 @@ class Recorder(TorchDispatchMode):
                 if w and _writes_any(d.bases, w, args, kwargs):   # it would write what a waiting launch reads
                     self._launch_deferred()
             out = func(*args, **(kwargs or {}))
-            if self._paused or getattr(self._local, "quiet", False):
+            if self._paused or getattr(self._local, "quiet", False) or func._overloadpacket in _ANNOTATIONS:
                 return out
             node = torch._C._current_autograd_node()
             if node is not None:

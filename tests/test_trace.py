@@ -849,6 +849,31 @@ def test_a_capture_is_recorded_one_at_a_time_and_never_with_kept_tensors():
     assert rec._capture is None and rec.rows == []
 
 
+def test_profiler_annotations_take_no_index():
+    """record_function ranges (torch's optimizers open one in zero_grad) are dispatched as ops but compute
+    nothing: a step calling zero_grad between forward and backward records what one without it does, at
+    the same indices (as a step replayed from a graph, which has no zero_grad)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    got = []
+    for zero in (False, True):
+        with trace.Recorder() as rec:
+            rec.step()
+            loss = model(x).sum()
+            if zero:
+                opt.zero_grad(set_to_none=True)
+                with torch.autograd.profiler.record_function("a range"):
+                    pass
+            loss.backward()
+        got.append(rec.arrays())
+        model.zero_grad(set_to_none=True)
+    for col in trace.COLUMNS:
+        assert np.array_equal(got[0][col], got[1][col]), col
+    assert "_record_function_enter_new" not in json.loads(got[1]["header"].tobytes())["ops"]
+
+
 def test_slots_append_copies_rows_across_chunk_boundaries(monkeypatch):
     """A replayed capture's rows copied after the step's own: every row lands in order whatever chunk
     boundaries the source and destination cross, and the next row handed out follows them."""
