@@ -71,8 +71,9 @@ version, metadata such as the routing and seeds), one column per record field (`
 uint8 index into ``PHASES``, ``index`` int32, ``op``/``module``/``shape`` int32 indices into the string
 tables ``ops``/``modules``/``shapes``, ``output`` int16, ``dtype`` int16 index into ``dtypes``, ``fp``
 int64, ``l2`` and ``maxabs`` float64) and, for records kept in full, ``tensor_<record>`` arrays. Little
-endian, no pickles: portable across machines. Written atomically. Version 1 files (an 8-byte element's
-fingerprint word the whole element) still load; ``diff`` refuses to compare traces of two versions.
+endian, no pickles: portable across machines. Written atomically. Files of earlier versions still load
+(version 1: an 8-byte element's fingerprint word the whole element; version 2: profiler annotations took
+an op index); ``diff`` refuses to compare traces of two versions.
 """
 from __future__ import annotations
 
@@ -97,8 +98,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 FORMAT = "nnrand-trace"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)   # version 1 fingerprinted an 8-byte element as one 64-bit word (see fingerprint)
+VERSION = 3
+# version 1 fingerprinted an 8-byte element as one 64-bit word (see fingerprint); version 2 gave profiler
+# annotations (record_function ranges) an op index, so that a step calling zero_grad numbered its ops apart
+READABLE_VERSIONS = (1, 2, 3)
 PHASES = ("forward", "backward", "optimizer", "other")
 _PHASE = {name: i for i, name in enumerate(PHASES)}
 ROUTED_ATEN = ("convolution_backward", "max_pool2d_with_indices_backward", "native_batch_norm_backward",
@@ -1226,11 +1229,11 @@ def ulp_distance(a: np.ndarray, b: np.ndarray, dtype: str = "float32") -> int:
 def diff(a: Trace, b: Trace) -> dict:
     """Compare two traces record by record. Returns ``{"status": "identical" | "diverge" | "different
     ops", ...}`` with the first divergent record and the per-step spread. Traces of two format versions
-    are refused (TraceFormatError): their fingerprints of 8-byte values are defined differently."""
+    are refused (TraceFormatError): their fingerprints or op indices are defined differently."""
     va, vb = a.header.get("version"), b.header.get("version")
     if va != vb:
         raise TraceFormatError(f"{a.path} is a version {va} trace and {b.path} version {vb}: their fingerprints "
-                               "of 8-byte values are defined differently; record both with one nnrand version")
+                               "or op indices are defined differently; record both with one nnrand version")
     ka, kb = a.keys(), b.keys()
     n = min(len(ka), len(kb))
     mismatch = next((i for i in range(n) if ka[i] != kb[i]), None)

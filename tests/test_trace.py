@@ -183,9 +183,9 @@ def test_traces_of_two_versions_load_but_are_not_compared(tmp_path, capsys):
     hdr = json.loads(bytes(arrays["header"]).decode())
     arrays["header"] = np.frombuffer(json.dumps({**hdr, "version": 1}).encode(), dtype=np.uint8)
     old = _write(tmp_path / "old.trace", arrays)
-    assert trace.load(old).header["version"] == 1 and trace.VERSION == 2
+    assert trace.load(old).header["version"] == 1 and trace.VERSION == 3
     assert trace.diff(trace.load(old), trace.load(old))["status"] == "identical"
-    with pytest.raises(trace.TraceFormatError, match="version 2 trace and .* version 1"):
+    with pytest.raises(trace.TraceFormatError, match="version 3 trace and .* version 1"):
         trace.diff(trace.load(a), trace.load(old))
     with pytest.raises(SystemExit) as e:
         trace.cli(["diff", str(a), str(old)])
