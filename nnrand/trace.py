@@ -497,19 +497,20 @@ _UNROUTED_MODULES = frozenset((
     torch.nn.Dropout2d, torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten, torch.nn.Sequential,
     torch.nn.ModuleList, torch.nn.ModuleDict))
 
+
 def _aliases_an_arg(out, args: tuple) -> bool:
     """Whether an op's output is one of its tensor arguments (an in-place or out= op)."""
     outs = out if isinstance(out, (tuple, list)) else (out,)
     return any(o is a for o in outs if isinstance(o, torch.Tensor) for a in args)
 
 
-# per aten overload: the (position, name) of each argument it writes (in place, out=), from its schema
 # profiler annotations (record_function ranges, which torch's optimizers open around zero_grad and step): ops
 # to the dispatcher, not computation; not records, and they take no index (a step without zero_grad, replayed
 # from a CUDA graph, has the op indices of an eager step that calls it)
 _ANNOTATIONS = frozenset(getattr(torch.ops.profiler, name) for name in
                          ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
                          if hasattr(torch.ops.profiler, name))
+# per aten overload: the (position, name) of each argument it writes (in place, out=), from its schema
 _WRITES: dict[object, tuple[tuple[int, str], ...]] = {}
 # arguments ops write although their schemas do not mark them: the training-mode BatchNorm forwards and
 # SyncBatchNorm's statistics ops update the running statistics in place
