@@ -1664,6 +1664,7 @@ EPILOG = """examples:
   python -m nnrand.trace record --kernel atomic --steps 3 -o b.trace
   python -m nnrand.trace diff a.trace b.trace --plot growth.png
   python -m nnrand.trace record --kernel tree --perturb-ulp --perturb-index 10 --steps 2 -o ulp.trace
+  python -m nnrand.trace record --kernel tree --cuda-graph --steps 5 -o g.trace   forward+backward replayed from a graph
   python -m nnrand.trace lockstep --vary kernel --steps 5 --out-dir lock/ --plot lock/growth.png
   python -m nnrand.trace report --steps 8 --n-train 2048      reports/trace.md (atomic, ULP, each op atomic)
 record and lockstep take every option of python -m nnrand.train (model, data, seeds, --kernel, ...);
