@@ -47,13 +47,15 @@ first; the tensor itself is not (autograd steals a gradient only where nothing e
 recorder must not change which ops run). Writes that bypass the dispatcher (a raw CuPy or Triton kernel writing into a
 recorded tensor before the batch goes out, ``UntypedStorage.resize_``, another storage object over the same
 memory) are not seen: record such code with ``defer=False`` (one launch per op). Inside a CUDA-graph capture
-every record launches at once; step (``Recorder.step``) before capturing, so that no batch is waiting.
+not made through ``Recorder.capturing`` every record launches at once; step (``Recorder.step``) before
+capturing, so that no batch is waiting.
 
 Steps replayed from a CUDA graph (``record --cuda-graph``, or ``graph_step`` and ``replay`` around any
 model): the captured ops are recorded once, inside the capture (``Recorder.capturing``), their fingerprint
 launches (batched as above) captured with them; each replay then rewrites the capture's value rows, and
 ``Recorder.replayed`` adds the captured records to the step with the step's number and indices, their
-values copied from those rows on the device. The host cost per step is the same whatever the model runs.
+values copied from those rows on the device. Per step that costs no dispatch per op: a row per record
+on the host and a copy of the values on the device.
 
 Module paths: the forward op runs inside a module's ``forward`` (a global module hook keeps the stack;
 names come from ``model`` when given); a backward op is attributed to the module whose forward returned
@@ -417,12 +419,14 @@ class _Slots:
 class _Captured:
     """The records of a CUDA-graph capture (``Recorder.capturing``): their rows (step and index as captured)
     and values (``pending``: rows of ``slots``, the capture's own, which every replay rewrites, or
-    tensors), and how many op indices the capture took (``ops``)."""
+    tensors), how many op indices the capture took (``ops``), and the capturing stream (a raw handle; -1:
+    none), the one stream on which fingerprints wait for a batch inside the capture."""
 
     rows: list = None
     pending: list = None
     slots: dict = None
     ops: int = 0
+    stream: int = -1
 
 
 class _Deferred:
@@ -638,7 +642,7 @@ class Recorder(TorchDispatchMode):
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Ops run inside are not recorded, on any thread (autograd runs a CUDA backward pass on a thread of
-        its own): a CUDA-graph step's warm-up and input copies."""
+        its own): a CUDA-graph step's warm-up and input copies. ``snapshot`` and ``replayed`` still record."""
         before, self._paused = self._paused, True
         try:
             yield
@@ -650,27 +654,32 @@ class Recorder(TorchDispatchMode):
         before the capture begins: a context to enter inside it, around the captured ops (not torch's own
         before and after them). The records of the ops inside go to the ``_Captured`` it yields, their
         fingerprint launches into the graph, and ``replayed`` adds them to the current step after each
-        replay. Recorded even where ``paused`` (the warm-up before the capture). Fingerprints wait and go out
-        in batches as outside a capture (the waiting batch launches into the graph when the context exits).
-        Full tensors (``keep``) cannot be taken inside a capture."""
+        replay. Recorded even where ``paused`` (the warm-up before the capture). Fingerprints of ops on the
+        capturing stream wait and go out in batches as outside a capture (the waiting batch launches into the
+        graph when the context exits); those of other streams launch at once. Full tensors (``keep``) cannot
+        be taken inside a capture."""
         if self.keep:
             raise TraceError("nnrand.trace: full tensors (keep) cannot be taken from a captured CUDA graph; "
                              "record the steps eagerly to keep them")
         if self._capture is not None:
             raise TraceError("nnrand.trace: a capture is already being recorded; captures are recorded one at a time")
         with self._lock:
-            self._launch_deferred()   # nothing waits into the capture, and nothing launches late out of it
-            if stream is not None and _kernels_here():   # the capture stream's scratch and counters, made now
-                _fp_state(stream.device.index, stream.cuda_stream)
-        return self._captured()
+            quiet, self._quiet = self._quiet, True   # (the scratch made below is no record)
+            try:
+                self._launch_deferred()   # nothing waits into the capture, and nothing launches late out of it
+                if stream is not None and _kernels_here():   # the capture stream's scratch and counters, made now
+                    _fp_state(stream.device.index, stream.cuda_stream)
+            finally:
+                self._quiet = quiet
+        return self._captured(stream.cuda_stream if stream is not None else -1)
 
     @contextlib.contextmanager
-    def _captured(self) -> Iterator[_Captured]:
+    def _captured(self, stream: int) -> Iterator[_Captured]:
         with self._lock:
             if self._capture is not None:
                 raise TraceError("nnrand.trace: a capture is already being recorded; captures are recorded one "
                                  "at a time")
-            cap = _Captured([], [], {}, 0)
+            cap = _Captured([], [], {}, 0, stream)
             saved = (self.rows, self.pending, self.index, self.slots, self._streams, self._paused)
             self.rows, self.pending, self.index, self.slots, self._streams = cap.rows, cap.pending, 0, cap.slots, set()
             self._capture, self._paused = cap, False
@@ -686,21 +695,25 @@ class Recorder(TorchDispatchMode):
 
     def replayed(self, cap: _Captured) -> None:
         """Add a captured graph's records to the current step, after its replay was enqueued: their rows, and
-        their values copied from the capture's slots on the current stream (the replay's)."""
+        their values copied from the capture's slots on the current stream (the replay's). Records even
+        where ``paused``."""
         with self._lock:
-            step, at = (self.step_no if self.step_no > 0 else 0), self.index
-            self.rows += [(step, ph, at + i, op, m, k, sh, dt) for _, ph, i, op, m, k, sh, dt in cap.rows]
-            self.index = at + cap.ops
             self._quiet = True
             try:
                 first = {}
                 for index, src in cap.slots.items():
                     dst = self.slots.get(index) or self.slots.setdefault(index, _Slots(src.dev))
                     first[index] = dst.append(src)
-                self.pending += [(v[0], first[v[0]] + v[1]) if isinstance(v, tuple) else v.clone()
-                                 for v in cap.pending]
+                    if index >= 0:   # the step's read-back waits for the copies
+                        self._streams.add((index, _stream(index)))
+                pending = [(v[0], first[v[0]] + v[1]) if isinstance(v, tuple) else v.clone() for v in cap.pending]
             finally:
                 self._quiet = False
+            # rows, values and indices added together, once nothing can fail (rows and values stay aligned)
+            step, at = (self.step_no if self.step_no > 0 else 0), self.index
+            self.rows += [(step, ph, at + i, op, m, k, sh, dt) for _, ph, i, op, m, k, sh, dt in cap.rows]
+            self.pending += pending
+            self.index = at + cap.ops
 
     # -- module paths
     def _module_name(self, m: torch.nn.Module) -> str:
@@ -946,7 +959,8 @@ class Recorder(TorchDispatchMode):
         if _fused(t):
             index = t.get_device()
             slots = self.slots.get(index) or self.slots.setdefault(index, _Slots(t.device))
-            if defer and (self._capture is not None or not _capturing(index)):   # (see capturing)
+            cap = self._capture   # in a recorded capture, only its own stream's fingerprints wait (see capturing)
+            if defer and (not _capturing(index) if cap is None else cap.stream == _stream(index)):
                 if not t.is_contiguous():   # the fingerprint reads the elements in logical (row-major) order
                     t = t.contiguous()      # (a private copy: nothing else writes it)
                 elif self._defer_backward:   # a detached alias: the version counter, not the tensor
@@ -1027,7 +1041,11 @@ class Recorder(TorchDispatchMode):
         with self._lock:
             d, self._deferred = self._deferred, None
             if d is not None and d.held:
-                _launch_deferred(d)
+                quiet, self._quiet = self._quiet, True   # (the launch's own ops, if any, are no records)
+                try:
+                    _launch_deferred(d)
+                finally:
+                    self._quiet = quiet
                 if d.index >= 0:
                     self._streams.add((d.index, d.stream))
                 for alias, version, row in d.watched:
@@ -1349,9 +1367,14 @@ def graph_step(rec: Recorder | None, model, x: torch.Tensor, y: torch.Tensor, pr
 
 def replay(rec: Recorder | None, graph, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One replay of ``graph_step``'s graph on inputs ``x``, ``y`` (copied in unrecorded), its records added to
-    ``rec``'s current step; (logits, loss)."""
+    ``rec``'s current step; (logits, loss). The replay rewrites the graph's outputs, the gradients and the
+    BatchNorm statistics behind the dispatcher: fingerprints waiting for a batch go out first."""
     if rec is None:
         return graph(x, y)
+    if graph.captured is None:
+        raise TraceError("nnrand.trace.replay: this graph was captured without a recorder (graph_step(None, ...)); "
+                         "pass the recorder to graph_step")
+    rec._launch_deferred()
     with rec.paused():
         out = graph(x, y)
     rec.replayed(graph.captured)
@@ -1387,6 +1410,8 @@ def record_training(cfg, steps: int, path: str | Path, *, ops: str = "all",
     with noise.pinned_flags(tf32=cfg.tf32, cudnn_deterministic=route.claims_determinism):
         model, opt = train.build(cfg, seeds, ds.num_classes, fmt)
         scaler = train.grad_scaler(cfg)   # --amp as the harness runs it: autocast forward, fp16 loss scaling
+        if scaler is not None:   # its lazy start (two fills) before the recording, as a captured step has it
+            scaler.scale(torch.ones((), device=cfg.device))
         if cfg.perturb_ulp:
             meta["perturb"] = noise.perturb_one_ulp(model, cfg.perturb_index)
         with routing.use_kernels(route, rng=noise.kernel_rng(seeds.kernel), strict=cfg.strict, model=model) as ctx, \
