@@ -86,15 +86,15 @@ def test_two_tree_runs_record_identical_traces(tmp_path, monkeypatch):
     assert d == {"status": "identical", "records": len(a)}, trace.format_diff(d)
 
 
-@pytest.mark.parametrize("ops", ["all", "routed"])
-def test_steps_replayed_from_a_cuda_graph_record_the_eager_trace(tmp_path, ops):
+@pytest.mark.parametrize("ops,amp", [("all", None), ("routed", None), ("all", "fp16")])
+def test_steps_replayed_from_a_cuda_graph_record_the_eager_trace(tmp_path, ops, amp):
     """Forward and backward captured once (``--cuda-graph``) and replayed: the captured ops' records added at
     each replay, their fingerprints written by the replay, give the eager run's trace bit for bit (tree:
-    the same kernels in the same order)."""
+    the same kernels in the same order; fp16: with the loss scaler's steps between)."""
     import dataclasses
 
     cfg = train.resolve(train.Config(device="cuda", model="resnet18", n_train=512, n_test=64, batch_size=64,
-                                     epochs=1, progress=False, report=False, kernel="tree"))
+                                     epochs=1, progress=False, report=False, kernel="tree", amp=amp))
     eager = trace.load(trace.record_training(cfg, 3, tmp_path / "eager.trace", ops=ops))
     graph = trace.load(trace.record_training(dataclasses.replace(cfg, cuda_graph=True), 3, tmp_path / "graph.trace",
                                              ops=ops))
