@@ -1,4 +1,4 @@
-"""Shared test utilities: byte hashes, ULP distances, summation error bounds."""
+"""Shared test utilities: byte hashes, bit comparisons, ULP distances, summation error bounds."""
 from __future__ import annotations
 
 import contextlib
@@ -54,6 +54,40 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> No
     idx = diff.nonzero()[:10].tolist()
     raise AssertionError(f"{what}: not bitwise equal; {int(diff.sum())} elements differ, first at {idx}: "
                          f"{a[diff][:5].tolist()} vs {b[diff][:5].tolist()}")
+
+
+def float32_bits(t: torch.Tensor) -> np.ndarray:
+    """float32 values as uint32 in logical (row-major) order, on the host (+0.0 and -0.0 differ)."""
+    return t.detach().to("cpu").contiguous().reshape(-1).numpy().view(np.uint32)
+
+
+def differing_bits(a: torch.Tensor, b: torch.Tensor, where=None) -> np.ndarray:
+    """Flat (row-major) positions where two float32 tensors' bits differ, any NaN matching any NaN (payloads
+    may differ between CPU and GPU); ``where``: a boolean mask broadcast to ``a``'s shape, the positions to
+    compare."""
+    x, y = float32_bits(a), float32_bits(b)
+    bad = (x != y) & ~(np.isnan(x.view(np.float32)) & np.isnan(y.view(np.float32)))
+    if where is not None:
+        bad &= np.broadcast_to(where, a.shape).reshape(-1)
+    return np.nonzero(bad)[0]
+
+
+def assert_within_bound(result: torch.Tensor, ref: np.ndarray, bound) -> None:
+    """|result - ref| <= bound (broadcast) wherever the float64 reference is finite; NaN exactly where it is
+    NaN and its infinities where it is infinite. Names the first offenders."""
+    r = result.detach().to("cpu").contiguous().double().numpy()
+    assert r.shape == ref.shape, (r.shape, ref.shape)
+    bound = np.broadcast_to(bound, ref.shape)
+    fin = np.isfinite(ref)
+    err = np.where(fin, np.abs(r - np.where(fin, ref, 0.0)), 0.0)
+    bad = np.argwhere(fin & ~(err <= bound))
+    assert bad.size == 0, f"{len(bad)} elements outside the bound, first at {bad[:5].tolist()}: " \
+                          f"err {err[tuple(bad[:5].T)]}, bound {bound[tuple(bad[:5].T)]}"
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(r), nan), \
+        f"NaN where the exact result has none, or the reverse, at {np.argwhere(np.isnan(r) != nan)[:5].tolist()}"
+    inf = np.isinf(ref)
+    assert np.array_equal(r[inf], ref[inf]), "infinities differ"
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:

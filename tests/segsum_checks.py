@@ -1,53 +1,29 @@
 """Checks shared by the scatter-sum ops (index_add, scatter_add, embedding_bwd: kernels/segsum.cuh):
 error bounds against float64, "some arrival order" for atomic results, an independent implementation of
-the sorted order straight from its description, and bit views."""
+the sorted order straight from its description."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from kernels import index_add as ia
+from tests.helpers import assert_within_bound, differing_bits
 
 F32 = np.float32
-
-
-def bits(t: torch.Tensor) -> np.ndarray:
-    """float32 values as uint32 (so +0.0 and -0.0 differ)."""
-    return t.detach().to("cpu").contiguous().reshape(-1).numpy().view(np.uint32)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
-    """Positions where a and b differ, counting every NaN equal to every NaN (payloads may differ
-    between CPU and GPU)."""
-    x, y = bits(a), bits(b)
-    nan = np.isnan(a.detach().cpu().reshape(-1).numpy()) & np.isnan(b.detach().cpu().reshape(-1).numpy())
-    return np.nonzero((x != y) & ~nan)[0]
 
 
 def check_bound(result: torch.Tensor, ref: torch.Tensor, count: np.ndarray, abs_sum: np.ndarray, *,
                 scaled: bool = False) -> None:
     """|result - float64 reference| within ia.error_bound per element (finite references); NaN where the
     reference is NaN, the same infinities where it is infinite. Prints the first offenders."""
-    r = result.detach().cpu().double().numpy()
-    e = ref.detach().cpu().double().numpy()
-    assert r.shape == e.shape, (r.shape, e.shape)
-    fin = np.isfinite(e)
-    err = np.where(fin, np.abs(r - np.where(fin, e, 0.0)), 0.0)
-    bound = ia.error_bound(count, abs_sum, scaled=scaled)
-    bad = np.argwhere(fin & ~(err <= bound))
-    assert bad.size == 0, f"{len(bad)} elements outside the bound, first at {bad[:5].tolist()}: " \
-                          f"err {err[tuple(bad[:5].T)]}, bound {bound[tuple(bad[:5].T)]}"
-    nan = np.isnan(e)
-    assert np.array_equal(np.isnan(r), nan), f"NaN pattern differs at {np.argwhere(np.isnan(r) != nan)[:5].tolist()}"
-    inf = np.isinf(e)
-    assert np.array_equal(r[inf], e[inf]), "infinities differ"
+    assert_within_bound(result, ref.detach().cpu().double().numpy(), ia.error_bound(count, abs_sum, scaled=scaled))
 
 
 def check_some_order(result: torch.Tensor, sorted_result: torch.Tensor, count: np.ndarray) -> None:
     """An atomic result: elements with <= 2 contributions have the sorted variant's bits (0 + a + b =
     0 + b + a; and a single subnormal-free term is exact either way)."""
     few = (count <= 2).reshape(-1)
-    diff = same_bits(result, sorted_result)
+    diff = differing_bits(result, sorted_result)
     bad = diff[few[diff]]
     assert bad.size == 0, f"elements with <= 2 contributions differ from sorted at {bad[:10]}"
 

@@ -14,7 +14,7 @@ import torch
 import kernels
 from kernels import KernelArgumentError
 from kernels import adaptive_avg_pool2d_bwd as aap
-from tests.helpers import bitwise_equal
+from tests.helpers import assert_within_bound, bitwise_equal, differing_bits, float32_bits
 
 OP = aap.OP
 SPEC = kernels.spec(OP)
@@ -25,38 +25,14 @@ TEST_CASES = SPEC.test_cases()
 CASE_IDS = [c.name for c in TEST_CASES]
 
 
-def bits(t: torch.Tensor) -> np.ndarray:
-    """float32 values as uint32 in NCHW order (+0.0 and -0.0 differ)."""
-    return t.detach().to("cpu").contiguous().reshape(-1).numpy().view(np.uint32)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor, where=None) -> np.ndarray:
-    """Indices (NCHW flat) where a and b differ, NaN matching NaN whatever its payload."""
-    x, y = bits(a), bits(b)
-    nan = np.isnan(x.view(np.float32)) & np.isnan(y.view(np.float32))
-    bad = (x != y) & ~nan
-    if where is not None:
-        bad &= where.reshape(-1)
-    return np.nonzero(bad)[0]
-
-
 def check_bound(result: torch.Tensor, args, kw, flushes: bool = False) -> None:
     """|result - float64 reference| within the bound wherever the reference is finite; NaN and the
     infinities where the reference has them. ``flushes``: float atomicAdd flushes subnormal operands
     and results to zero, each losing less than 2^-126: 2k + 1 of them for k contributions."""
-    ref = SPEC.reference(args, kw).numpy()
-    res = result.detach().to("cpu").contiguous().numpy().astype(np.float64)
     bound = aap.error_bound(args[0], *kw["input_size"])
     if flushes:
         bound = bound + (2 * element_counts(args[0], kw) + 1) * 2.0**-126
-    fin = np.isfinite(ref)
-    with np.errstate(invalid="ignore"):
-        err = np.abs(res - ref)
-    bad = np.nonzero(fin & ~(err <= bound))
-    assert bad[0].size == 0, f"{bad[0].size} elements outside the bound, first at {np.transpose(bad)[:5]}: " \
-                             f"err {err[bad][:5]}, bound {bound[bad][:5]}"
-    assert np.array_equal(np.isnan(res), np.isnan(ref)), "NaN where the exact result has none, or the reverse"
-    assert np.array_equal(res[np.isinf(ref)], ref[np.isinf(ref)])
+    assert_within_bound(result, SPEC.reference(args, kw).numpy(), bound)
 
 
 def layout_ok(result: torch.Tensor, dy: torch.Tensor) -> bool:
@@ -113,7 +89,7 @@ def test_tree_model_within_bound_and_equals_torch_cpu(case):
     # tail shorter than the vector width, 8 or 16 floats), so with C >= 8 that form must agree too.
     wide_cl = aap.suggest_layout(args[0]) == "channels_last" and args[0].shape[1] >= 8
     agree = division_orders_agree(args[0], kw, single=wide_cl)
-    diff = same_bits(dx, aap.torch_backward(*args, **kw), where=agree)
+    diff = differing_bits(dx, aap.torch_backward(*args, **kw), where=agree)
     assert diff.size == 0, f"tree differs from torch's CPU backward at {diff[:10]}"
     h, w = kw["input_size"]
     oh, ow = args[0].shape[2:]
@@ -126,7 +102,7 @@ def test_square_windows_equal_torch_cpu_everywhere():
     case = next(c for c in TEST_CASES if c.name == "up_3to8_nchw")  # overlapping 1x1 and 2x2 windows
     args, kw = SPEC.make_inputs(case, CPU)
     assert element_counts(args[0], kw).max() >= 4
-    assert same_bits(TREE(*args, **kw), aap.torch_backward(*args, **kw)).size == 0
+    assert differing_bits(TREE(*args, **kw), aap.torch_backward(*args, **kw)).size == 0
 
 
 def test_division_orders_do_differ_on_rectangular_windows():
@@ -135,7 +111,7 @@ def test_division_orders_do_differ_on_rectangular_windows():
     args, kw = SPEC.make_inputs(case, CPU)
     agree = division_orders_agree(args[0], kw)
     assert not agree.all()
-    assert same_bits(TREE(*args, **kw), aap.torch_backward(*args, **kw)).size > 0
+    assert differing_bits(TREE(*args, **kw), aap.torch_backward(*args, **kw)).size > 0
 
 
 def test_single_window_elements_get_the_share_exactly():
@@ -158,7 +134,7 @@ def test_atomic_model_is_some_order(case):
     check_bound(dx, args, kw, flushes=True)
     few = element_counts(args[0], kw) <= 2
     tiny = np.abs(TREE(*args, **kw).numpy()) < np.finfo(np.float32).tiny  # atomic flushes subnormals
-    diff = same_bits(dx, TREE(*args, **kw), where=few & ~tiny)
+    diff = differing_bits(dx, TREE(*args, **kw), where=few & ~tiny)
     assert diff.size == 0, f"elements with <= 2 contributions differ from tree at {diff[:10]}"
 
 
@@ -167,10 +143,10 @@ def test_atomic_model_varies_with_order_negative_control():
     case = next(c for c in SPEC.bench_cases("cpu") if c.name.startswith("up_4to28"))
     args, kw = SPEC.make_inputs(case, CPU)
     assert element_counts(args[0], kw).min() >= 49
-    results = {bits(ATOMIC(*args, **kw, rng=seed)).tobytes() for seed in range(10)}
+    results = {float32_bits(ATOMIC(*args, **kw, rng=seed)).tobytes() for seed in range(10)}
     assert len(results) >= 5, f"only {len(results)} distinct results over 10 arrival orders"
-    assert len({bits(TREE(*args, **kw)).tobytes() for _ in range(3)}) == 1
-    assert bits(ATOMIC(*args, **kw, rng=3)).tobytes() == bits(ATOMIC(*args, **kw, rng=3)).tobytes()
+    assert len({float32_bits(TREE(*args, **kw)).tobytes() for _ in range(3)}) == 1
+    assert float32_bits(ATOMIC(*args, **kw, rng=3)).tobytes() == float32_bits(ATOMIC(*args, **kw, rng=3)).tobytes()
 
 
 def test_checks_reject_wrong_results_negative_control():
@@ -180,7 +156,7 @@ def test_checks_reject_wrong_results_negative_control():
     (dy,), kw = SPEC.make_inputs(case, CPU)
     tree = TREE(dy, **kw)
     rev = TREE(dy.flip(2, 3).contiguous(), **kw).flip(2, 3)  # the windows in reverse order
-    assert same_bits(rev, tree).size > 0
+    assert differing_bits(rev, tree).size > 0
     check_bound(rev, (dy,), kw)
     dropped = dy.clone()
     dropped[0, 0, 3, 3] = 0.0
@@ -202,11 +178,11 @@ def test_special_values():
     z = torch.zeros(1, 1, 3, 3)
     z[0, 0, 1, 1] = -0.0
     out = TREE(z, input_size=(6, 6))
-    assert (bits(out) == 0).all() and (bits(aap.torch_backward(z, input_size=(6, 6))) == 0).all()
+    assert (float32_bits(out) == 0).all() and (float32_bits(aap.torch_backward(z, input_size=(6, 6))) == 0).all()
     # subnormal shares: 1e-40 / 1 / 1 stays in tree, flushes in atomic
     s = torch.full((1, 1, 2, 2), 1e-40)
     assert (TREE(s, input_size=(2, 2)) == 1e-40).all()
-    assert (bits(ATOMIC(s, input_size=(2, 2), rng=0)) == 0).all()
+    assert (float32_bits(ATOMIC(s, input_size=(2, 2), rng=0)) == 0).all()
     assert one.any()
 
 
@@ -217,11 +193,11 @@ def test_layouts_and_noncontiguous_agree():
     a = TREE(dy, **kw)
     b = TREE(dy.contiguous(memory_format=torch.channels_last), **kw)
     assert a.is_contiguous() and b.is_contiguous(memory_format=torch.channels_last)
-    assert same_bits(a, b).size == 0
+    assert differing_bits(a, b).size == 0
     strided = torch.zeros(dy.shape[0], dy.shape[1], dy.shape[2] * 2, dy.shape[3])[:, :, ::2]
     strided.copy_(dy)
     assert not strided.is_contiguous()
-    assert same_bits(TREE(strided, **kw), a).size == 0
+    assert differing_bits(TREE(strided, **kw), a).size == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,7 +266,7 @@ def test_spec_tables():
 def test_autograd_peer_equals_aten_peer_on_the_cpu():
     case = next(c for c in TEST_CASES if c.name == "nondiv_13to7_channels_last")
     args, kw = SPEC.make_inputs(case, CPU)
-    assert same_bits(aap.torch_autograd_backward(*args, **kw), aap.torch_backward(*args, **kw)).size == 0
+    assert differing_bits(aap.torch_autograd_backward(*args, **kw), aap.torch_backward(*args, **kw)).size == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,13 +285,13 @@ def test_gpu_tree_bitwise_repeatable_and_equals_model(case, cuda_sync):
     assert layout_ok(first, args[0])
     for _ in range(REPEATS):
         assert bitwise_equal(bits_t(TREE(*args, **kw)), bits_t(first))
-    diff = same_bits(first, TREE(*cpu_args, **kw))
+    diff = differing_bits(first, TREE(*cpu_args, **kw))
     assert diff.size == 0, f"CUDA tree differs from its CPU model at {diff[:10]}"
     direct = aap.adaptive_avg_pool2d_bwd_tree_direct_cuda(*args, **kw)  # shares computed on the spot
-    diff = same_bits(direct, TREE(*cpu_args, **kw))
+    diff = differing_bits(direct, TREE(*cpu_args, **kw))
     assert diff.size == 0, f"tree's direct kernel differs from its CPU model at {diff[:10]}"
     tiled = aap.adaptive_avg_pool2d_bwd_tree_tiled_cuda(*args, **kw)  # never the exact kernel
-    diff = same_bits(tiled, TREE(*cpu_args, **kw))
+    diff = differing_bits(tiled, TREE(*cpu_args, **kw))
     assert diff.size == 0, f"tree's tiled kernel differs from its CPU model at {diff[:10]}"
 
 
@@ -336,7 +312,7 @@ def test_gpu_exact_kernel_all_widths_equal_tiled(c, offset, cuda_sync):
             out = TREE(x, input_size=(h, w))
             ref = aap.adaptive_avg_pool2d_bwd_tree_tiled_cuda(x, input_size=(h, w))
             assert bitwise_equal(bits_t(out), bits_t(ref)), (c, offset, h, w, x.is_contiguous())
-            diff = same_bits(out, TREE(x.cpu(), input_size=(h, w)))
+            diff = differing_bits(out, TREE(x.cpu(), input_size=(h, w)))
             assert diff.size == 0, f"exact kernel differs from the CPU model at {diff[:10]}"
 
 
@@ -353,7 +329,7 @@ def test_gpu_tiled_one_block_looping_over_all_tiles(case, monkeypatch, cuda_sync
     plan = aap.tree_plan(p["n"], p["c"], p["h"], p["w"], p["oh"], p["ow"], aap.suggest_layout(cpu_args[0]))
     assert plan is not None and plan[-1] >= 2, plan  # the tiled kernel runs, with several tiles
     monkeypatch.setattr(aap, "BLOCKS_PER_SM", 0)  # max(1, min(tiles, 0)) = one block
-    diff = same_bits(TREE(*args, **kw), TREE(*cpu_args, **kw))
+    diff = differing_bits(TREE(*args, **kw), TREE(*cpu_args, **kw))
     assert diff.size == 0, f"one-block tiled tree differs from its CPU model at {diff[:10]}"
 
 
@@ -373,7 +349,7 @@ def test_gpu_atomic_is_some_order(case, cuda_sync):
         dx = ATOMIC(*args, **kw)
         assert layout_ok(dx, args[0])
         check_bound(dx.cpu(), cpu_args, kw, flushes=True)
-        assert same_bits(dx, tree, where=few & ~tiny).size == 0
+        assert differing_bits(dx, tree, where=few & ~tiny).size == 0
 
 
 @pytest.mark.gpu
@@ -384,10 +360,10 @@ def test_gpu_atomic_varies_on_contended_case(layout, cuda_sync):
     base = next(c for c in SPEC.bench_cases("gpu") if c.name.startswith("up_4to28"))
     case = kernels.Case(OP, base.name, dict(base.params, layout=layout), seed=base.seed)
     args, kw = SPEC.make_inputs(case, CUDA)
-    atomic = {bits(ATOMIC(*args, **kw)).tobytes() for _ in range(REPEATS)}
+    atomic = {float32_bits(ATOMIC(*args, **kw)).tobytes() for _ in range(REPEATS)}
     print(f"{case.name} {layout}: atomic {len(atomic)} distinct / {REPEATS}")
     assert len(atomic) > 1
-    assert len({bits(TREE(*args, **kw)).tobytes() for _ in range(REPEATS)}) == 1
+    assert len({float32_bits(TREE(*args, **kw)).tobytes() for _ in range(REPEATS)}) == 1
 
 
 @pytest.mark.gpu
@@ -401,7 +377,7 @@ def test_gpu_equals_torch_cuda_where_order_cannot_matter(case, cuda_sync):
     theirs = aap.torch_backward(*args, **kw)
     few = element_counts(cpu_args[0], kw) <= 2
     tiny = np.abs(theirs.cpu().numpy()) < np.finfo(np.float32).tiny
-    diff = same_bits(TREE(*args, **kw), theirs, where=few & ~tiny)
+    diff = differing_bits(TREE(*args, **kw), theirs, where=few & ~tiny)
     assert diff.size == 0, f"tree differs from torch's CUDA backward at {diff[:10]}"
     check_bound(theirs.cpu(), cpu_args, kw, flushes=True)  # torch's CUDA atomicAdd flushes subnormals
 
@@ -438,5 +414,5 @@ def test_gpu_runs_on_torch_current_stream(variant, cuda_sync):
         out = kernels.get(OP, variant)(buf, **kw)
     side.synchronize()
     few = element_counts(new_dy, kw) <= 2
-    assert same_bits(out, expected, where=few).size == 0
+    assert differing_bits(out, expected, where=few).size == 0
     check_bound(out.cpu(), (new_dy,), kw, flushes=True)

@@ -20,7 +20,6 @@ import re
 import shutil
 import subprocess
 
-import numpy as np
 import pytest
 import torch
 

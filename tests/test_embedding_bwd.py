@@ -13,8 +13,8 @@ import kernels
 from kernels import KernelArgumentError
 from kernels import embedding_bwd as eb
 from kernels import index_add as ia
-from tests.segsum_checks import bits, check_bound, check_some_order, same_bits, spec_sorted
-from tests.helpers import bitwise_equal
+from tests.segsum_checks import check_bound, check_some_order, spec_sorted
+from tests.helpers import bitwise_equal, differing_bits, float32_bits
 
 OP = "embedding_bwd"
 SPEC = kernels.spec(OP)
@@ -48,7 +48,7 @@ def test_models_within_bound_and_aten_agrees(case):
     check_bound(eb.torch_embedding_backward(*args, **kw), ref, count + scaled, abs_sum, scaled=scaled)
     pad = kw["padding_idx"]
     if pad is not None and pad >= 0:
-        assert (bits(s[pad]) == 0).all() and (bits(a[pad]) == 0).all()
+        assert (float32_bits(s[pad]) == 0).all() and (float32_bits(a[pad]) == 0).all()
 
 
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
@@ -61,7 +61,7 @@ def test_sorted_model_is_the_documented_order(case):
         counts = np.bincount(keys, minlength=kw["num_weights"]).astype(np.float32)
         vals = (vals / counts[keys][:, None]).astype(np.float32)
     want = spec_sorted(keys, vals, kw["num_weights"], skip=kw["padding_idx"])
-    diff = same_bits(SORTED(grad, indices, **kw), torch.from_numpy(want))
+    diff = differing_bits(SORTED(grad, indices, **kw), torch.from_numpy(want))
     assert diff.size == 0, f"model and documented order differ at {diff[:10]}"
 
 
@@ -81,8 +81,8 @@ def test_padding_and_scale_semantics():
 def test_atomic_model_varies_with_order_negative_control():
     case = next(c for c in TEST_CASES if c.name == "b8x200_d48_dup100")
     args, kw = SPEC.make_inputs(case, CPU)
-    assert len({bits(ATOMIC(*args, **kw, rng=s)).tobytes() for s in range(10)}) >= 5
-    assert len({bits(SORTED(*args, **kw)).tobytes() for _ in range(3)}) == 1
+    assert len({float32_bits(ATOMIC(*args, **kw, rng=s)).tobytes() for s in range(10)}) >= 5
+    assert len({float32_bits(SORTED(*args, **kw)).tobytes() for _ in range(3)}) == 1
 
 
 _G = torch.zeros(2, 3, 4)
@@ -132,14 +132,14 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     cpu_args, _ = SPEC.make_inputs(case, CPU)
     first = SORTED(*args, **kw)
     for _ in range(REPEATS):
-        assert same_bits(first, SORTED(*args, **kw)).size == 0
-    diff = same_bits(first, SORTED(*cpu_args, **kw))
+        assert differing_bits(first, SORTED(*args, **kw)).size == 0
+    diff = differing_bits(first, SORTED(*cpu_args, **kw))
     assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"
     key, g, rows, skip = eb._prologue(*args, kw["num_weights"], kw["padding_idx"], kw["scale_grad_by_freq"])
     for split in ia.SPLITS:  # every task split: the same chunks and tree
         out = ia.segsum_sorted_cuda(eb.SOURCE, OP, key, g, rows, skip=skip, scaled=kw["scale_grad_by_freq"],
                                     split=split)
-        assert same_bits(out, first).size == 0, split
+        assert differing_bits(out, first).size == 0, split
 
 
 @pytest.mark.gpu
@@ -164,10 +164,10 @@ def test_gpu_atomic_is_some_order_and_aten_within_bound(case, cuda_sync):
 def test_gpu_bench_size_sorted_repeatable_atomic_varies(case, cuda_sync):
     args, kw = SPEC.make_inputs(case, CUDA)
     first = SORTED(*args, **kw)
-    assert len({bits(SORTED(*args, **kw)).tobytes() for _ in range(10)} | {bits(first).tobytes()}) == 1
+    assert len({float32_bits(SORTED(*args, **kw)).tobytes() for _ in range(10)} | {float32_bits(first).tobytes()}) == 1
     cpu_args = tuple(a.cpu() for a in args)
     _, count, abs_sum = stats(cpu_args, kw)
     check_bound(first, SPEC.reference(cpu_args, kw), count, abs_sum, scaled=kw["scale_grad_by_freq"])
-    atomic = {bits(ATOMIC(*args, **kw)).tobytes() for _ in range(10)}
+    atomic = {float32_bits(ATOMIC(*args, **kw)).tobytes() for _ in range(10)}
     print(f"{case.name}: atomic {len(atomic)} distinct / 10")
     assert len(atomic) > 1

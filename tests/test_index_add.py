@@ -17,8 +17,8 @@ import torch
 import kernels
 from kernels import KernelArgumentError
 from kernels import index_add as ia
-from tests.segsum_checks import bad_index_case, bits, check_bound, check_some_order, same_bits, spec_sorted
-from tests.helpers import bitwise_equal, entropy_from_seeds
+from tests.segsum_checks import bad_index_case, check_bound, check_some_order, spec_sorted
+from tests.helpers import bitwise_equal, differing_bits, entropy_from_seeds, float32_bits
 
 OP = "index_add"
 SPEC = kernels.spec(OP)
@@ -58,7 +58,7 @@ def test_sorted_model_is_the_documented_order(case):
     args, kw = SPEC.make_inputs(case, CPU)
     index, src = args
     want = spec_sorted(index.numpy(), src.contiguous().numpy(), kw["num_rows"])
-    diff = same_bits(SORTED(*args, **kw), torch.from_numpy(want))
+    diff = differing_bits(SORTED(*args, **kw), torch.from_numpy(want))
     assert diff.size == 0, f"model and documented order differ at {diff[:10]}"
 
 
@@ -72,7 +72,7 @@ def test_sorted_order_tree_is_not_sequential_negative_control():
     seq = torch.zeros_like(s)
     for i in range(src.shape[0]):  # one addition at a time in source order
         seq[index[i]] = seq[index[i]] + src[i]
-    assert same_bits(s, seq).size > 0
+    assert differing_bits(s, seq).size > 0
     _, count, abs_sum = stats(args, kw)
     check_bound(seq, SPEC.reference(args, kw), count, abs_sum)  # also a correct sum, just another order
 
@@ -80,12 +80,12 @@ def test_sorted_order_tree_is_not_sequential_negative_control():
 def test_atomic_model_varies_with_order_negative_control(monkeypatch):
     case = next(c for c in TEST_CASES if c.name == "cancel_d32_dup100")
     args, kw = SPEC.make_inputs(case, CPU)
-    results = {bits(ATOMIC(*args, **kw, rng=seed)).tobytes() for seed in range(10)}
+    results = {float32_bits(ATOMIC(*args, **kw, rng=seed)).tobytes() for seed in range(10)}
     assert len(results) >= 5, f"only {len(results)} distinct results over 10 arrival orders"
     entropy_from_seeds(monkeypatch, 100)   # rng=None: a fresh generator per call, its entropy seeded here
-    assert len({bits(ATOMIC(*args, **kw)).tobytes() for _ in range(3)}) > 1
-    assert len({bits(SORTED(*args, **kw)).tobytes() for _ in range(3)}) == 1
-    assert bits(ATOMIC(*args, **kw, rng=4)).tobytes() == bits(ATOMIC(*args, **kw, rng=4)).tobytes()
+    assert len({float32_bits(ATOMIC(*args, **kw)).tobytes() for _ in range(3)}) > 1
+    assert len({float32_bits(SORTED(*args, **kw)).tobytes() for _ in range(3)}) == 1
+    assert float32_bits(ATOMIC(*args, **kw, rng=4)).tobytes() == float32_bits(ATOMIC(*args, **kw, rng=4)).tobytes()
 
 
 def test_bound_check_rejects_a_dropped_term_negative_control():
@@ -105,8 +105,8 @@ def test_negative_zeros_sum_to_positive_zero():
     src = torch.full((6, 3), -0.0)
     for v in (SORTED, ATOMIC):
         out = v(index, src, num_rows=4, rng=0)
-        assert (bits(out) == 0).all(), v.key
-    assert (bits(ia.torch_index_add(index, src, num_rows=4)) == 0).all()
+        assert (float32_bits(out) == 0).all(), v.key
+    assert (float32_bits(ia.torch_index_add(index, src, num_rows=4)) == 0).all()
 
 
 def test_inf_nan_pass_through():
@@ -115,7 +115,7 @@ def test_inf_nan_pass_through():
     want = torch.tensor([[float("inf")], [float("nan")], [float("nan")], [3.0]])
     for v in (SORTED, ATOMIC):
         out = v(index, src, num_rows=4, rng=1)
-        assert same_bits(out, want).size == 0, (v.key, out)
+        assert differing_bits(out, want).size == 0, (v.key, out)
 
 
 def test_subnormals_flush_only_in_atomic():
@@ -125,20 +125,20 @@ def test_subnormals_flush_only_in_atomic():
     s = SORTED(index, src, num_rows=2)
     assert s[0, 0].item() == tiny / 4 and s[1, 0].item() == 0.5 * tiny  # kept
     a = ATOMIC(index, src, num_rows=2, rng=0)
-    assert (bits(a) == 0).all()  # operand and result flushed, as float atomicAdd does
+    assert (float32_bits(a) == 0).all()  # operand and result flushed, as float atomicAdd does
 
 
 def test_noncontiguous_src_gives_the_contiguous_bits():
     case = next(c for c in TEST_CASES if c.name == "noncontig_d24")
     (index, src), kw = SPEC.make_inputs(case, CPU)
     assert not src.is_contiguous()
-    assert np.array_equal(bits(SORTED(index, src, **kw)), bits(SORTED(index, src.contiguous(), **kw)))
+    assert np.array_equal(float32_bits(SORTED(index, src, **kw)), float32_bits(SORTED(index, src.contiguous(), **kw)))
 
 
 def test_empty_index_gives_zeros():
     for v in (SORTED, ATOMIC):
         out = v(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 5), num_rows=7)
-        assert out.shape == (7, 5) and (bits(out) == 0).all()
+        assert out.shape == (7, 5) and (float32_bits(out) == 0).all()
 
 
 def test_chunk_len_and_partial_slots():
@@ -257,18 +257,18 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     _poison_allocator((kw["num_rows"], args[1].shape[1]))
     first = SORTED(*args, **kw)
     for _ in range(REPEATS):
-        assert same_bits(first, SORTED(*args, **kw)).size == 0  # NaN payloads aside, bit for bit
+        assert differing_bits(first, SORTED(*args, **kw)).size == 0  # NaN payloads aside, bit for bit
     model = SORTED(*cpu_args, **kw)
-    diff = same_bits(first, model)
+    diff = differing_bits(first, model)
     assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"
     scalar = ia.index_add_sorted_scalar_cuda(*args, **kw)  # the one-thread-per-chunk kernel: same bits
-    assert same_bits(scalar, model).size == 0
+    assert differing_bits(scalar, model).size == 0
     index, src = args
     for force_scalar in (False, True):  # every task split of both kernels: the same chunks and tree
         for split in ia.SPLITS:
             out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src.contiguous(), kw["num_rows"],
                                         force_scalar=force_scalar, split=split)
-            assert same_bits(out, model).size == 0, (force_scalar, split)
+            assert differing_bits(out, model).size == 0, (force_scalar, split)
 
 
 @pytest.mark.gpu
@@ -497,11 +497,11 @@ def test_gpu_bench_size_sorted_repeatable_atomic_varies(dup, cuda_sync):
     case = next(c for c in SPEC.bench_cases("gpu") if c.params.get("dup") == dup)
     args, kw = SPEC.make_inputs(case, CUDA)
     first = SORTED(*args, **kw)
-    assert len({bits(SORTED(*args, **kw)).tobytes() for _ in range(10)} | {bits(first).tobytes()}) == 1
+    assert len({float32_bits(SORTED(*args, **kw)).tobytes() for _ in range(10)} | {float32_bits(first).tobytes()}) == 1
     cpu_args = tuple(a.cpu() for a in args)
     _, count, abs_sum = stats(cpu_args, kw)
     check_bound(first, SPEC.reference(cpu_args, kw), count, abs_sum)
-    atomic = {bits(ATOMIC(*args, **kw)).tobytes() for _ in range(10)}
+    atomic = {float32_bits(ATOMIC(*args, **kw)).tobytes() for _ in range(10)}
     print(f"dup {dup}: atomic {len(atomic)} distinct / 10")
     assert len(atomic) > 1
 
@@ -523,7 +523,7 @@ def test_gpu_runs_on_torch_current_stream(cuda_sync):
         out = SORTED(index, buf, **kw)
         out_a = ATOMIC(index, buf, **kw)
     side.synchronize()
-    assert same_bits(out, expected).size == 0
+    assert differing_bits(out, expected).size == 0
     _, count, abs_sum = stats((index.cpu(), new), kw)
     check_bound(out_a, SPEC.reference((index.cpu(), new), kw), count, abs_sum)
 
@@ -547,7 +547,7 @@ def test_gpu_unchecked_bad_indices_add_nothing(variant, cuda_sync):
     _poison_allocator((40, 20))
     out = kernels.get(OP, variant)(index.to(CUDA), src.to(CUDA), num_rows=40, check_range=False)
     if variant == "sorted":
-        assert same_bits(out, want).size == 0
+        assert differing_bits(out, want).size == 0
     else:
         _, count, abs_sum = ia.contributions(index[keep], src[keep], 40)
         check_bound(out, SPEC.reference((index[keep], src[keep]), {"num_rows": 40}), count, abs_sum)
@@ -567,8 +567,8 @@ def test_gpu_key_width_boundaries(rows, cuda_sync):
     src = ia.draw_values(g, (len(index), 8))
     want = SORTED(index, src, num_rows=rows)
     _poison_allocator((rows, 8))
-    assert same_bits(SORTED(index.to(CUDA), src.to(CUDA), num_rows=rows), want).size == 0
-    assert same_bits(ia.index_add_sorted_scalar_cuda(index.to(CUDA), src.to(CUDA), num_rows=rows), want).size == 0
+    assert differing_bits(SORTED(index.to(CUDA), src.to(CUDA), num_rows=rows), want).size == 0
+    assert differing_bits(ia.index_add_sorted_scalar_cuda(index.to(CUDA), src.to(CUDA), num_rows=rows), want).size == 0
     index[5] = rows
     with pytest.raises(KernelArgumentError, match=f"index {rows} is out of range"):
         SORTED(index.to(CUDA), src.to(CUDA), num_rows=rows)

@@ -20,7 +20,7 @@ import kernels
 from kernels import KernelArgumentError
 from kernels import maxpool_bwd as mp
 from kernels.runtime import KERNEL_DIR
-from tests.helpers import bitwise_equal, entropy_from_seeds
+from tests.helpers import bitwise_equal, entropy_from_seeds, float32_bits
 
 OP = "maxpool_bwd"
 SPEC = kernels.spec(OP)
@@ -58,11 +58,6 @@ def odd_inputs(shape, kw, layout="nchw", seed=0, device=CPU):
     return (dy.to(device), idx.to(device)), call
 
 
-def bits(t: torch.Tensor) -> np.ndarray:
-    """float32 values as uint32 in NCHW order (so +0.0 and -0.0 differ)."""
-    return t.detach().to("cpu").contiguous().reshape(-1).numpy().view(np.uint32)
-
-
 def check_bound(result, args, kw):
     """|result - float64 reference| within the recursive-summation bound, per element; prints offenders."""
     ref = SPEC.reference(args, kw).reshape(-1).numpy()
@@ -79,7 +74,7 @@ def check_some_order(result, tree_result, args, kw):
     equal tree's bits (0 + a + b = 0 + b + a); those with 3..5 equal the sum in one of the k! orders;
     all lie within the bound."""
     count = check_bound(result, args, kw)
-    r, t = bits(result), bits(tree_result)
+    r, t = float32_bits(result), float32_bits(tree_result)
     few = count <= 2
     bad = np.nonzero(r[few] != t[few])[0]
     assert bad.size == 0, f"elements with <= 2 contributions differ from tree at {np.nonzero(few)[0][bad[:10]]}"
@@ -117,7 +112,7 @@ def test_tree_model_within_bound_and_equals_torch_cpu(case):
         assert bitwise_equal(dx, SPEC.reference(args, kw).float())
     # torch's CPU backward adds a plane's windows in (oh, ow) row-major order, as tree does: same bits.
     torch_dx = mp.torch_backward(*args, **kw)
-    diff = np.nonzero(bits(dx) != bits(torch_dx))[0]
+    diff = np.nonzero(float32_bits(dx) != float32_bits(torch_dx))[0]
     assert diff.size == 0, f"tree differs from torch's CPU backward at {diff[:10]}"
 
 
@@ -141,11 +136,11 @@ def test_atomic_model_is_some_order(case):
 @pytest.mark.parametrize("case", [c for c in TEST_CASES if "b128" not in c.name], ids=lambda c: c.name)
 def test_models_bitwise_stable(case):
     args, kw = SPEC.make_inputs(case, CPU)
-    first = bits(TREE(*args, **kw))
+    first = float32_bits(TREE(*args, **kw))
     for _ in range(5):
-        assert np.array_equal(bits(TREE(*args, **kw)), first)
-    seeded = bits(ATOMIC(*args, **kw, rng=11))
-    assert np.array_equal(bits(ATOMIC(*args, **kw, rng=11)), seeded)  # same draw, same order
+        assert np.array_equal(float32_bits(TREE(*args, **kw)), first)
+    seeded = float32_bits(ATOMIC(*args, **kw, rng=11))
+    assert np.array_equal(float32_bits(ATOMIC(*args, **kw, rng=11)), seeded)  # same draw, same order
 
 
 def test_atomic_model_varies_with_order_negative_control(monkeypatch):
@@ -154,11 +149,11 @@ def test_atomic_model_varies_with_order_negative_control(monkeypatch):
     args, kw = SPEC.make_inputs(case, CPU)
     count, _, _, _ = mp.contributions(*args, **kw)
     assert count.max() >= 10
-    results = {bits(ATOMIC(*args, **kw, rng=seed)).tobytes() for seed in range(20)}
+    results = {float32_bits(ATOMIC(*args, **kw, rng=seed)).tobytes() for seed in range(20)}
     assert len(results) >= 10, f"only {len(results)} distinct results over 20 arrival orders"
     entropy_from_seeds(monkeypatch, 100)   # rng=None: a fresh generator per call, its entropy seeded here
-    assert len({bits(ATOMIC(*args, **kw)).tobytes() for _ in range(3)}) > 1
-    assert len({bits(TREE(*args, **kw)).tobytes() for _ in range(5)}) == 1
+    assert len({float32_bits(ATOMIC(*args, **kw)).tobytes() for _ in range(3)}) > 1
+    assert len({float32_bits(TREE(*args, **kw)).tobytes() for _ in range(5)}) == 1
 
 
 def test_checks_reject_wrong_results_negative_control():
@@ -169,7 +164,7 @@ def test_checks_reject_wrong_results_negative_control():
     dy, idx = args
     tree = TREE(*args, **kw)
     rev = TREE(dy.flip(2, 3).contiguous(), idx.flip(2, 3).contiguous(), **kw)  # windows in reverse order
-    assert not np.array_equal(bits(rev), bits(tree))
+    assert not np.array_equal(float32_bits(rev), float32_bits(tree))
     check_bound(rev, args, kw)  # the reversed order is still a correct sum
     dropped = dy.clone()
     n, c, oh, ow = dy.shape
@@ -200,7 +195,7 @@ def test_odd_pool_parameters_cpu(shape, kw, layout):
     args, call = odd_inputs(shape, kw, layout)
     dx = TREE(*args, **call)
     assert layout_ok(dx, args[0])
-    assert np.array_equal(bits(dx), bits(mp.torch_backward(*args, **call)))
+    assert np.array_equal(float32_bits(dx), float32_bits(mp.torch_backward(*args, **call)))
     check_bound(dx, args, call)
     check_some_order(ATOMIC(*args, **call, rng=5), dx, args, call)
 
@@ -213,7 +208,7 @@ def test_layouts_agree():
     cl = [t.contiguous(memory_format=torch.channels_last) for t in (dy, idx)]
     a, b = TREE(dy, idx, **kw), TREE(*cl, **kw)
     assert a.is_contiguous() and b.is_contiguous(memory_format=torch.channels_last)
-    assert np.array_equal(bits(a), bits(b))
+    assert np.array_equal(float32_bits(a), float32_bits(b))
     c = ATOMIC(*cl, **kw, rng=7)
     assert c.is_contiguous(memory_format=torch.channels_last)
     check_some_order(c, a, (dy, idx), kw)
@@ -238,15 +233,15 @@ def test_subnormals_flush_only_in_atomic():
     assert sub.sum() == dy.numel() // 2
     flushed = torch.where(sub, torch.zeros_like(dy), dy)
     exact = SPEC.reference((dy, idx), kw).float()  # k2s2: one gradient per element, exact
-    assert np.array_equal(bits(TREE(dy, idx, **kw)), bits(exact))
-    assert np.array_equal(bits(ATOMIC(dy, idx, **kw, rng=0)), bits(SPEC.reference((flushed, idx), kw).float()))
+    assert np.array_equal(float32_bits(TREE(dy, idx, **kw)), float32_bits(exact))
+    assert np.array_equal(float32_bits(ATOMIC(dy, idx, **kw, rng=0)), float32_bits(SPEC.reference((flushed, idx), kw).float()))
     assert bitwise_equal(mp.torch_backward(dy, idx, **kw), exact)
     # two normal gradients cancelling to a subnormal sum: kept by tree, flushed to zero by atomic
     dy2 = torch.tensor([1.5 * 2.0**-126, -1.0 * 2.0**-126]).view(1, 1, 1, 2)
     idx2 = torch.tensor([1, 1]).view(1, 1, 1, 2)
     kw2 = dict(input_size=(1, 3), kernel_size=(1, 2), stride=1)
     assert TREE(dy2, idx2, **kw2)[0, 0, 0, 1].item() == 0.5 * 2.0**-126
-    assert bits(ATOMIC(dy2, idx2, **kw2, rng=0))[1] == 0
+    assert float32_bits(ATOMIC(dy2, idx2, **kw2, rng=0))[1] == 0
     assert mp.torch_backward(dy2, idx2, **kw2)[0, 0, 0, 1].item() == 0.5 * 2.0**-126
 
 
@@ -652,7 +647,7 @@ def test_gpu_deterministic_bitwise_repeatable_and_equals_model(case, variant, cu
     for _ in range(REPEATS):
         assert bitwise_equal(variant(*args, **kw), first)
     model = variant(*cpu_args, **kw)
-    diff = np.nonzero(bits(first) != bits(model))[0]
+    diff = np.nonzero(float32_bits(first) != float32_bits(model))[0]
     assert diff.size == 0, f"CUDA {variant.key} differs from its CPU model at {diff[:10]}"
 
 
@@ -662,9 +657,9 @@ def test_gpu_tree_kernels_agree_bitwise(case, cuda_sync):
     """tree's kernels (stride cells, tiled through shared memory, and the global gather it falls back to
     for large planes) give the same bits."""
     args, kw = SPEC.make_inputs(case, CUDA)
-    first = bits(TREE(*args, **kw))
+    first = float32_bits(TREE(*args, **kw))
     for name, fn in (("tiled", mp.maxpool_bwd_tree_tile_cuda), ("gather", mp.maxpool_bwd_tree_gather_cuda)):
-        diff = np.nonzero(bits(fn(*args, **kw)) != first)[0]
+        diff = np.nonzero(float32_bits(fn(*args, **kw)) != first)[0]
         assert diff.size == 0, f"tree and its {name} kernel differ at {diff[:10]}"
 
 
@@ -674,7 +669,7 @@ def test_gpu_tree_falls_back_on_large_planes(cuda_sync):
     assert mp.tile_plan(1, 2, 160, 150, 160, 150, "nchw") is None
     args, call = odd_inputs(shape, kw, device=CUDA)
     cpu_args, _ = odd_inputs(shape, kw)
-    assert np.array_equal(bits(TREE(*args, **call)), bits(TREE(*cpu_args, **call)))
+    assert np.array_equal(float32_bits(TREE(*args, **call)), float32_bits(TREE(*cpu_args, **call)))
 
 
 @pytest.mark.gpu
@@ -697,7 +692,7 @@ def test_gpu_odd_pool_parameters(shape, kw, layout, cuda_sync):
     cpu_args, _ = odd_inputs(shape, kw, layout)
     tree = TREE(*cpu_args, **call)
     for v in DETERMINISTIC:
-        assert np.array_equal(bits(v(*args, **call)), bits(tree)), v.key
+        assert np.array_equal(float32_bits(v(*args, **call)), float32_bits(tree)), v.key
     check_some_order(ATOMIC(*args, **call).cpu(), tree, cpu_args, call)
 
 
@@ -747,11 +742,11 @@ def test_gpu_atomic_varies_on_contended_case(layout, cuda_sync):
     base = next(c for c in SPEC.bench_cases("quick") if c.name.startswith("contention_k7"))
     case = kernels.Case(OP, base.name, dict(base.params, layout=layout), seed=base.seed)
     args, kw = SPEC.make_inputs(case, CUDA)
-    atomic = {bits(ATOMIC(*args, **kw)).tobytes() for _ in range(REPEATS)}
+    atomic = {float32_bits(ATOMIC(*args, **kw)).tobytes() for _ in range(REPEATS)}
     print(f"{case.name} {layout}: atomic {len(atomic)} distinct / {REPEATS}")
     assert len(atomic) > 1
     for v in DETERMINISTIC:
-        assert len({bits(v(*args, **kw)).tobytes() for _ in range(REPEATS)}) == 1, v.key
+        assert len({float32_bits(v(*args, **kw)).tobytes() for _ in range(REPEATS)}) == 1, v.key
 
 
 @pytest.mark.gpu
@@ -772,7 +767,7 @@ def test_gpu_runs_on_torch_current_stream(variant, cuda_sync):
         out = kernels.get(OP, variant)(buf, idx, **kw)
     side.synchronize()
     if kernels.get(OP, variant).deterministic:
-        assert np.array_equal(bits(out), bits(expected))
+        assert np.array_equal(float32_bits(out), float32_bits(expected))
     else:
         check_some_order(out.cpu(), expected, (new_dy.cpu(), idx.cpu()), kw)
 
@@ -793,7 +788,7 @@ def test_gpu_subnormals_match_the_models(cuda_sync):
     cpu_args, kw = subnormal_inputs()
     args, _ = subnormal_inputs(CUDA)
     for v in kernels.variants(OP):
-        assert np.array_equal(bits(v(*args, **kw)), bits(v(*cpu_args, **kw, rng=0))), v.key
+        assert np.array_equal(float32_bits(v(*args, **kw)), float32_bits(v(*cpu_args, **kw, rng=0))), v.key
 
 
 @pytest.mark.gpu

@@ -11,7 +11,8 @@ import kernels
 from kernels import KernelArgumentError
 from kernels import index_add as ia
 from kernels import scatter_add as sa
-from tests.segsum_checks import bits, check_bound, check_some_order, same_bits, spec_sorted
+from tests.segsum_checks import check_bound, check_some_order, spec_sorted
+from tests.helpers import differing_bits, float32_bits
 
 OP = "scatter_add"
 SPEC = kernels.spec(OP)
@@ -48,7 +49,7 @@ def test_sorted_model_is_the_documented_order(case):
     d, m = src.shape[1], kw["num_rows"]
     keys = (index.contiguous().numpy() * d + np.arange(d)).reshape(-1)  # destination (index, column)
     want = spec_sorted(keys, src.contiguous().numpy().reshape(-1, 1), m * d).reshape(m, d)
-    diff = same_bits(SORTED(index, src, **kw), torch.from_numpy(want))
+    diff = differing_bits(SORTED(index, src, **kw), torch.from_numpy(want))
     assert diff.size == 0, f"model and documented order differ at {diff[:10]}"
 
 
@@ -61,24 +62,24 @@ def test_expanded_index_takes_the_row_form_with_the_same_bits():
     assert sa._prologue(index, src, kw["num_rows"])[3] is False            # row form
     assert sa._prologue(index.contiguous(), src, kw["num_rows"])[3] is True  # element form
     row = SORTED(index, src, **kw)
-    assert np.array_equal(bits(row), bits(SORTED(index.contiguous(), src, **kw)))
-    assert np.array_equal(bits(row), bits(kernels.get("index_add", "sorted")(index[:, 0], src, **kw)))
+    assert np.array_equal(float32_bits(row), float32_bits(SORTED(index.contiguous(), src, **kw)))
+    assert np.array_equal(float32_bits(row), float32_bits(kernels.get("index_add", "sorted")(index[:, 0], src, **kw)))
 
 
 def test_atomic_model_varies_with_order_negative_control():
     case = next(c for c in TEST_CASES if c.name == "cancel_bcast_d32_dup100")
     args, kw = SPEC.make_inputs(case, CPU)
-    assert len({bits(ATOMIC(*args, **kw, rng=s)).tobytes() for s in range(10)}) >= 5
-    assert len({bits(SORTED(*args, **kw)).tobytes() for _ in range(3)}) == 1
+    assert len({float32_bits(ATOMIC(*args, **kw, rng=s)).tobytes() for s in range(10)}) >= 5
+    assert len({float32_bits(SORTED(*args, **kw)).tobytes() for _ in range(3)}) == 1
 
 
 def test_empty_and_negative_zero():
     for v in (SORTED, ATOMIC):
         out = v(torch.zeros(0, 4, dtype=torch.int64), torch.zeros(0, 4), num_rows=3)
-        assert out.shape == (3, 4) and (bits(out) == 0).all()
+        assert out.shape == (3, 4) and (float32_bits(out) == 0).all()
         idx = torch.tensor([[0, 1], [0, 1], [2, 1]])
         out = v(idx, torch.full((3, 2), -0.0), num_rows=3, rng=0)
-        assert (bits(out) == 0).all(), v.key
+        assert (float32_bits(out) == 0).all(), v.key
 
 
 BAD = [
@@ -124,13 +125,13 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     cpu_args, _ = SPEC.make_inputs(case, CPU)
     first = SORTED(*args, **kw)
     for _ in range(REPEATS):
-        assert same_bits(first, SORTED(*args, **kw)).size == 0
-    diff = same_bits(first, SORTED(*cpu_args, **kw))
+        assert differing_bits(first, SORTED(*args, **kw)).size == 0
+    diff = differing_bits(first, SORTED(*cpu_args, **kw))
     assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"
     key, src, rows, elementwise = sa._prologue(*args, kw["num_rows"])
     for split in ia.SPLITS:  # every task split: the same chunks and tree
         out = ia.segsum_sorted_cuda(sa.SOURCE, OP, key, src, rows, elementwise=elementwise, split=split)
-        assert same_bits(out, first).size == 0, split
+        assert differing_bits(out, first).size == 0, split
 
 
 @pytest.mark.gpu
@@ -151,8 +152,8 @@ def test_gpu_atomic_is_some_order(case, cuda_sync):
 @pytest.mark.parametrize("case", [c for c in SPEC.bench_cases("gpu") if c.params["dup"] == 1.0], ids=lambda c: c.name)
 def test_gpu_hot_row_sorted_repeatable_atomic_varies(case, cuda_sync):
     args, kw = SPEC.make_inputs(case, CUDA)
-    assert len({bits(SORTED(*args, **kw)).tobytes() for _ in range(10)}) == 1
-    atomic = {bits(ATOMIC(*args, **kw)).tobytes() for _ in range(10)}
+    assert len({float32_bits(SORTED(*args, **kw)).tobytes() for _ in range(10)}) == 1
+    atomic = {float32_bits(ATOMIC(*args, **kw)).tobytes() for _ in range(10)}
     print(f"{case.name}: atomic {len(atomic)} distinct / 10")
     assert len(atomic) > 1
 
@@ -170,5 +171,5 @@ def test_gpu_element_form_key_width_boundary(rows, cuda_sync):
     want = SORTED(index, src, num_rows=rows)
     junk = torch.full((rows, 5), float("nan"), device=CUDA)
     del junk
-    diff = same_bits(SORTED(index.to(CUDA), src.to(CUDA), num_rows=rows), want)
+    diff = differing_bits(SORTED(index.to(CUDA), src.to(CUDA), num_rows=rows), want)
     assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"

@@ -17,7 +17,8 @@ import torch
 
 import kernels
 from kernels import index_add as ia
-from tests.segsum_checks import bad_index_case, bits, same_bits
+from tests.segsum_checks import bad_index_case
+from tests.helpers import differing_bits, float32_bits
 
 OPS = ("index_add", "scatter_add", "embedding_bwd")
 CPU = torch.device("cpu")
@@ -163,7 +164,7 @@ def test_bits_do_not_depend_on_the_order_of_source_rows(op, case):
         else:
             perm = torch.randperm(args[0].shape[0], generator=g)
             permuted = (args[0][perm], args[1][perm])
-        assert same_bits(first, fixed(*permuted, **kw)).size == 0
+        assert differing_bits(first, fixed(*permuted, **kw)).size == 0
 
 
 def test_source_order_changes_the_sorted_bits_negative_control():
@@ -174,7 +175,7 @@ def test_source_order_changes_the_sorted_bits_negative_control():
     (index, src), kw = spec.make_inputs(case, CPU)
     perm = torch.randperm(index.numel(), generator=torch.Generator().manual_seed(5))
     sorted_ = kernels.get("index_add", "sorted")
-    assert same_bits(sorted_(index, src, **kw), sorted_(index[perm], src[perm], **kw)).size > 0
+    assert differing_bits(sorted_(index, src, **kw), sorted_(index[perm], src[perm], **kw)).size > 0
 
 
 def test_shift_keeps_every_sum_inside_int64():
@@ -213,7 +214,7 @@ def test_nonfinite_and_signed_zero_rules():
     out = kernels.get("index_add", "fixed")(index, src, num_rows=7)[:, 0]
     assert out[0].item() == inf and out[3].item() == -inf
     assert np.isnan(out[1].item()) and np.isnan(out[2].item())
-    assert bits(out[4:]).tolist() == [0, 0, 0]  # -0.0 terms, cancelling terms, no terms: +0.0
+    assert float32_bits(out[4:]).tolist() == [0, 0, 0]  # -0.0 terms, cancelling terms, no terms: +0.0
 
 
 def test_subnormal_terms_are_kept():
@@ -263,7 +264,7 @@ def test_schedule_argument_is_checked_before_any_launch():
     with pytest.raises(kernels.KernelArgumentError, match="scatter_add: argument 'schedule'"):
         fixed_cpu(index, src, num_rows=2, schedule="fast")
     want = fixed_cpu(index, src, num_rows=2)  # both names accepted; the model's bits are both schedules'
-    assert all(same_bits(fixed_cpu(index, src, num_rows=2, schedule=s), want).size == 0 for s in ia.SCHEDULES)
+    assert all(differing_bits(fixed_cpu(index, src, num_rows=2, schedule=s), want).size == 0 for s in ia.SCHEDULES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -282,8 +283,8 @@ def test_gpu_bitwise_repeatable_and_equals_model(op, case, cuda_sync):
     cpu_args, _ = spec.make_inputs(case, CPU)
     first = fixed(*args, **kw)
     for _ in range(REPEATS):
-        assert same_bits(first, fixed(*args, **kw)).size == 0
-    diff = same_bits(first, fixed(*cpu_args, **kw))
+        assert differing_bits(first, fixed(*args, **kw)).size == 0
+    diff = differing_bits(first, fixed(*cpu_args, **kw))
     assert diff.size == 0, f"CUDA fixed differs from its CPU model at {diff[:10]}"
 
 
@@ -296,7 +297,7 @@ def test_gpu_bench_size_repeatable_order_free_and_equals_model(op, cuda_sync):
     case = next(c for c in spec.bench_cases("gpu") if c.params.get("dup") == 0.5)
     args, kw = spec.make_inputs(case, CUDA)
     fixed = kernels.get(op, "fixed")
-    seen = {bits(fixed(*args, **kw)).tobytes() for _ in range(20)}
+    seen = {float32_bits(fixed(*args, **kw)).tobytes() for _ in range(20)}
     assert len(seen) == 1
     g = torch.Generator().manual_seed(3)
     if op == "embedding_bwd":
@@ -306,10 +307,10 @@ def test_gpu_bench_size_repeatable_order_free_and_equals_model(op, cuda_sync):
     else:
         perm = torch.randperm(args[0].shape[0], generator=g).to(CUDA)
         permuted = (args[0][perm], args[1][perm])
-    assert bits(fixed(*permuted, **kw)).tobytes() in seen
+    assert float32_bits(fixed(*permuted, **kw)).tobytes() in seen
     cpu_args, _ = spec.make_inputs(case, CPU)
-    assert bits(fixed(*cpu_args, **kw)).tobytes() in seen
-    atomic = {bits(kernels.get(op, "atomic")(*args, **kw)).tobytes() for _ in range(5)}
+    assert float32_bits(fixed(*cpu_args, **kw)).tobytes() in seen
+    atomic = {float32_bits(kernels.get(op, "atomic")(*args, **kw)).tobytes() for _ in range(5)}
     print(f"{op} {case.name}: atomic {len(atomic)} distinct / 5, fixed 1 / 20")
     assert len(atomic) > 1
 
@@ -322,7 +323,7 @@ def test_gpu_unchecked_bad_indices_add_nothing(cuda_sync):
     # out of the sum by a padding row it then drops
     out = fixed(index.to(CUDA), src.to(CUDA), num_rows=40, check_range=False)
     want = ia.segsum_cpu("fixed", torch.where(keep, index, 40), src, 41, skip=40)[:40]
-    assert same_bits(out, want).size == 0
+    assert differing_bits(out, want).size == 0
     with pytest.raises(kernels.KernelArgumentError, match="index -5 is out of range for 40 rows"):
         fixed(index.to(CUDA), src.to(CUDA), num_rows=40)
 
@@ -347,11 +348,11 @@ def test_gpu_binned_schedule_repeats_the_direct_bits(case, cuda_sync):
     spec = kernels.spec("scatter_add")
     fixed = kernels.scatter_add.scatter_add_fixed_cuda
     args, kw = spec.make_inputs(case, CUDA)
-    want = bits(fixed(*args, **kw, schedule="direct")).tobytes()
-    assert {bits(fixed(*args, **kw, schedule="binned")).tobytes() for _ in range(10)} == {want}
+    want = float32_bits(fixed(*args, **kw, schedule="direct")).tobytes()
+    assert {float32_bits(fixed(*args, **kw, schedule="binned")).tobytes() for _ in range(10)} == {want}
     if case.params["n"] * case.params["d"] <= 2**21:  # the model's bits too (the bench sizes: above)
         cpu_args, _ = spec.make_inputs(case, CPU)
-        assert bits(kernels.scatter_add.scatter_add_fixed_cpu(*cpu_args, **kw)).tobytes() == want
+        assert float32_bits(kernels.scatter_add.scatter_add_fixed_cpu(*cpu_args, **kw)).tobytes() == want
 
 
 @pytest.mark.gpu
@@ -370,4 +371,4 @@ def test_gpu_element_form_unchecked_bad_indices_add_nothing(schedule, cuda_sync)
     out = kernels.scatter_add.scatter_add_fixed_cuda(index.to(CUDA), src.to(CUDA), num_rows=40, check_range=False,
                                                      schedule=schedule)
     want = ia.segsum_cpu("fixed", torch.where(keep, index, 40), src, 41, elementwise=True)[:40]
-    assert same_bits(out, want).size == 0
+    assert differing_bits(out, want).size == 0

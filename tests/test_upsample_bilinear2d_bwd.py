@@ -16,7 +16,7 @@ import kernels
 from kernels import KernelArgumentError
 from kernels.registry import Case
 from kernels import upsample_bilinear2d_bwd as ub
-from tests.helpers import bitwise_equal
+from tests.helpers import assert_within_bound, bitwise_equal, differing_bits, float32_bits
 
 OP = ub.OP
 SPEC = kernels.spec(OP)
@@ -27,38 +27,19 @@ TEST_CASES = SPEC.test_cases()
 CASE_IDS = [c.name for c in TEST_CASES]
 
 
-def bits(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu").contiguous().reshape(-1).numpy().view(np.uint32)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor, where=None) -> np.ndarray:
-    """Indices (NCHW flat) where a and b differ, NaN matching NaN whatever its payload."""
-    x, y = bits(a), bits(b)
-    nan = np.isnan(x.view(np.float32)) & np.isnan(y.view(np.float32))
-    bad = (x != y) & ~nan
-    if where is not None:
-        bad &= np.broadcast_to(where, a.shape).reshape(-1)
-    return np.nonzero(bad)[0]
-
-
 def element_counts(dy: torch.Tensor, kw) -> np.ndarray:
     h, w = kw["input_size"]
     return ub.counts(h, w, dy.shape[2], dy.shape[3], kw["align_corners"])[None, None]
 
 
 def check_bound(result: torch.Tensor, args, kw, flushes: bool = False) -> None:
-    ref = SPEC.reference(args, kw).numpy()
-    res = result.detach().to("cpu").contiguous().numpy().astype(np.float64)
+    """|result - float64 reference| within the bound wherever the reference is finite; NaN and the
+    infinities where the reference has them. ``flushes``: float atomicAdd flushes subnormal operands
+    and results to zero, each losing less than 2^-126: 2k + 1 of them for k contributions."""
     bound = ub.error_bound(args[0], *kw["input_size"], kw["align_corners"])
     if flushes:
         bound = bound + (2 * element_counts(args[0], kw) + 1) * 2.0**-126
-    fin = np.isfinite(ref)
-    with np.errstate(invalid="ignore"):
-        err = np.abs(res - ref)
-    bad = np.nonzero(fin & ~(err <= bound))
-    assert bad[0].size == 0, f"{bad[0].size} elements outside the bound, first at {np.transpose(bad)[:5]}: " \
-                             f"err {err[bad][:5]}, bound {bound[bad][:5]}"
-    assert np.array_equal(np.isnan(res), np.isnan(ref)), "NaN where the exact result has none, or the reverse"
+    assert_within_bound(result, SPEC.reference(args, kw).numpy(), bound)
 
 
 def layout_ok(result: torch.Tensor, dy: torch.Tensor) -> bool:
@@ -89,7 +70,7 @@ def test_atomic_model_is_some_order(case):
     check_bound(dx, args, kw, flushes=True)
     few = element_counts(args[0], kw) <= 2
     tiny = np.abs(tree.numpy()) < np.finfo(np.float32).tiny
-    assert same_bits(dx, tree, where=few & ~tiny).size == 0
+    assert differing_bits(dx, tree, where=few & ~tiny).size == 0
 
 
 def test_weights_match_aten_formulas():
@@ -119,8 +100,8 @@ def test_integer_downsampling_is_exact_and_order_free():
     assert element_counts(args[0], kw).max() <= 2
     ref = SPEC.reference(args, kw).float()
     for seed in range(3):
-        assert same_bits(ATOMIC(*args, **kw, rng=seed), TREE(*args, **kw)).size == 0
-    assert same_bits(TREE(*args, **kw), ref).size == 0  # weights 0.5 * 0.5 or 1: every product exact
+        assert differing_bits(ATOMIC(*args, **kw, rng=seed), TREE(*args, **kw)).size == 0
+    assert differing_bits(TREE(*args, **kw), ref).size == 0  # weights 0.5 * 0.5 or 1: every product exact
 
 
 def test_same_size_is_a_copy():
@@ -130,19 +111,19 @@ def test_same_size_is_a_copy():
     dy[0, 0, 0, 0] = float("inf")
     dy[0, 0, 1, 1] = -0.0
     for v in (TREE, ATOMIC):
-        assert same_bits(v(dy, **kw, rng=0), dy).size == 0
+        assert differing_bits(v(dy, **kw, rng=0), dy).size == 0
     # torch's CPU backward scatters even then (0 * Inf = NaN next to the Inf, -0.0 becomes +0.0); its
     # CUDA backward copies, which test_gpu_same_size_copies_like_torch_cuda checks.
-    assert same_bits(ub.torch_backward(dy, **kw), dy).size > 0
+    assert differing_bits(ub.torch_backward(dy, **kw), dy).size > 0
 
 
 def test_atomic_model_varies_with_order_negative_control():
     case = next(c for c in TEST_CASES if c.name == "x8_4x5to32x40_ac0_nchw")
     args, kw = SPEC.make_inputs(case, CPU)
     assert element_counts(args[0], kw).min() >= 100
-    results = {bits(ATOMIC(*args, **kw, rng=seed)).tobytes() for seed in range(10)}
+    results = {float32_bits(ATOMIC(*args, **kw, rng=seed)).tobytes() for seed in range(10)}
     assert len(results) >= 5
-    assert len({bits(TREE(*args, **kw)).tobytes() for _ in range(3)}) == 1
+    assert len({float32_bits(TREE(*args, **kw)).tobytes() for _ in range(3)}) == 1
 
 
 def test_checks_reject_wrong_results_negative_control():
@@ -155,7 +136,7 @@ def test_checks_reject_wrong_results_negative_control():
     rev = np.zeros(parts.shape[:-1], dtype=np.float32)
     for k in reversed(range(parts.shape[-1])):
         rev = rev + parts[..., k]
-    assert same_bits(torch.from_numpy(rev), tree).size > 0
+    assert differing_bits(torch.from_numpy(rev), tree).size > 0
     check_bound(torch.from_numpy(rev), (dy,), kw)
     dropped = dy.clone()
     dropped[0, 0, 5, 5] = 0.0
@@ -171,10 +152,10 @@ def test_layouts_and_noncontiguous_agree():
     (dy,), kw = SPEC.make_inputs(case, CPU)
     a = TREE(dy, **kw)
     b = TREE(dy.contiguous(memory_format=torch.channels_last), **kw)
-    assert b.is_contiguous(memory_format=torch.channels_last) and same_bits(a, b).size == 0
+    assert b.is_contiguous(memory_format=torch.channels_last) and differing_bits(a, b).size == 0
     strided = torch.zeros(dy.shape[0], dy.shape[1], dy.shape[2] * 2, dy.shape[3])[:, :, ::2]
     strided.copy_(dy)
-    assert same_bits(TREE(strided, **kw), a).size == 0
+    assert differing_bits(TREE(strided, **kw), a).size == 0
 
 
 def test_special_values():
@@ -182,11 +163,11 @@ def test_special_values():
     +0.0; subnormal products survive tree and flush in atomic."""
     z = torch.zeros(1, 1, 4, 4)
     z[0, 0, 1, 1] = -0.0
-    assert (bits(TREE(z, input_size=(2, 2), align_corners=False)) == 0).all()
+    assert (float32_bits(TREE(z, input_size=(2, 2), align_corners=False)) == 0).all()
     s = torch.full((1, 1, 2, 2), 1e-40)
     out = TREE(s, input_size=(1, 1), align_corners=True)  # four products of weight 1, subnormal sum
-    assert bits(out)[0] == (np.float32(1e-40) * np.float32(4)).view(np.uint32)  # subnormal sums are exact
-    assert bits(ATOMIC(s, input_size=(1, 1), align_corners=True, rng=0))[0] == 0
+    assert float32_bits(out)[0] == (np.float32(1e-40) * np.float32(4)).view(np.uint32)  # subnormal sums are exact
+    assert float32_bits(ATOMIC(s, input_size=(1, 1), align_corners=True, rng=0))[0] == 0
 
 
 def test_tabled_plan_table_sizes():
@@ -237,7 +218,7 @@ def test_spec_tables():
 def test_autograd_peer_equals_aten_peer_on_the_cpu():
     case = next(c for c in TEST_CASES if c.name == "odd_7x9to19x13_ac0_channels_last")
     args, kw = SPEC.make_inputs(case, CPU)
-    assert same_bits(ub.torch_autograd_backward(*args, **kw), ub.torch_backward(*args, **kw)).size == 0
+    assert differing_bits(ub.torch_autograd_backward(*args, **kw), ub.torch_backward(*args, **kw)).size == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,9 +242,9 @@ def test_gpu_tree_bitwise_repeatable_and_equals_model(case, cuda_sync):
     for _ in range(REPEATS):
         assert bitwise_equal(bits_t(TREE(*args, **kw)), bits_t(first))
     model = TREE(*cpu_args, **kw)
-    assert same_bits(first, model).size == 0, "CUDA tree differs from its CPU model"
+    assert differing_bits(first, model).size == 0, "CUDA tree differs from its CPU model"
     direct = ub.upsample_bilinear2d_bwd_tree_direct_cuda(*args, **kw)  # weights without the tables
-    assert same_bits(direct, model).size == 0, "tree's direct kernel differs from its CPU model"
+    assert differing_bits(direct, model).size == 0, "tree's direct kernel differs from its CPU model"
 
 
 @pytest.mark.gpu
@@ -274,7 +255,7 @@ def test_gpu_tabled_one_block_looping_over_everything(case, monkeypatch, cuda_sy
     args, kw = SPEC.make_inputs(case, CUDA)
     cpu_args, _ = SPEC.make_inputs(case, CPU)
     monkeypatch.setattr(ub, "BLOCKS_PER_SM", 0)  # max(1, min(blocks, 0)) = one block
-    assert same_bits(TREE(*args, **kw), TREE(*cpu_args, **kw)).size == 0
+    assert differing_bits(TREE(*args, **kw), TREE(*cpu_args, **kw)).size == 0
 
 
 ONE_TAP = [c for c in TEST_CASES if ub.tabled_plan(c.params["h"], c.params["w"], c.params["oh"], c.params["ow"],
@@ -287,7 +268,7 @@ def test_gpu_one_tap_kernel_equals_the_general_one(case, cuda_sync):
     """Where every position takes at most one dy element per axis tree runs _tabled1 (four elements in
     flight per thread): the general tabled kernel's bits."""
     args, kw = SPEC.make_inputs(case, CUDA)
-    assert same_bits(TREE(*args, **kw), ub.upsample_bilinear2d_bwd_tree_generic_cuda(*args, **kw)).size == 0
+    assert differing_bits(TREE(*args, **kw), ub.upsample_bilinear2d_bwd_tree_generic_cuda(*args, **kw)).size == 0
 
 
 @pytest.mark.gpu
@@ -300,7 +281,7 @@ def test_gpu_one_tap_kernel_at_a_benchmark_like_size(layout, align_corners, cuda
     assert ub.tabled_plan(256, 256, 96, 96, align_corners)[:2] == (1, 1)
     args, kw = SPEC.make_inputs(case, CUDA)
     cpu_args, _ = SPEC.make_inputs(case, CPU)
-    assert same_bits(TREE(*args, **kw), TREE(*cpu_args, **kw)).size == 0
+    assert differing_bits(TREE(*args, **kw), TREE(*cpu_args, **kw)).size == 0
 
 
 @pytest.mark.gpu
@@ -315,7 +296,7 @@ def test_gpu_atomic_is_some_order(case, cuda_sync):
         dx = ATOMIC(*args, **kw)
         assert layout_ok(dx, args[0])
         check_bound(dx.cpu(), cpu_args, kw, flushes=True)
-        assert same_bits(dx, tree, where=few & ~tiny).size == 0
+        assert differing_bits(dx, tree, where=few & ~tiny).size == 0
 
 
 @pytest.mark.gpu
@@ -325,10 +306,10 @@ def test_gpu_atomic_varies_on_contended_case(layout, cuda_sync):
     base = next(c for c in SPEC.bench_cases("quick") if c.name.startswith("x8"))
     case = kernels.Case(OP, base.name, dict(base.params, layout=layout), seed=base.seed)
     args, kw = SPEC.make_inputs(case, CUDA)
-    atomic = {bits(ATOMIC(*args, **kw)).tobytes() for _ in range(20)}
+    atomic = {float32_bits(ATOMIC(*args, **kw)).tobytes() for _ in range(20)}
     print(f"{case.name} {layout}: atomic {len(atomic)} distinct / 20")
     assert len(atomic) > 1
-    assert len({bits(TREE(*args, **kw)).tobytes() for _ in range(20)}) == 1
+    assert len({float32_bits(TREE(*args, **kw)).tobytes() for _ in range(20)}) == 1
 
 
 @pytest.mark.gpu
@@ -342,7 +323,7 @@ def test_gpu_equals_torch_cuda_where_order_cannot_matter(case, cuda_sync):
     theirs = ub.torch_backward(*args, **kw)
     few = element_counts(cpu_args[0], kw) <= 2
     tiny = np.abs(theirs.cpu().numpy()) < np.finfo(np.float32).tiny
-    diff = same_bits(TREE(*args, **kw), theirs, where=few & ~tiny)
+    diff = differing_bits(TREE(*args, **kw), theirs, where=few & ~tiny)
     assert diff.size == 0, f"tree differs from torch's CUDA backward at {diff[:10]}"
     check_bound(theirs.cpu(), cpu_args, kw, flushes=True)
 
@@ -355,7 +336,7 @@ def test_gpu_same_size_copies_like_torch_cuda(cuda_sync):
     dy = dy.to(CUDA)
     theirs = ub.torch_backward(dy, input_size=(6, 7), align_corners=False)
     for v in (TREE, ATOMIC):
-        assert same_bits(v(dy, input_size=(6, 7), align_corners=False), theirs).size == 0
+        assert differing_bits(v(dy, input_size=(6, 7), align_corners=False), theirs).size == 0
 
 
 @pytest.mark.gpu
