@@ -688,16 +688,22 @@ def _param_strides(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return g
 
 
+def _pool_refusal(dy: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Why a pooling backward goes to torch's kernel before its variant sees it (an unbatched input, a dtype
+    the variants do not take, no elements), or None."""
+    if x.dim() != 4:
+        return "unbatched input"
+    if not _floating(dy, x):
+        return f"dtype {x.dtype}"
+    if dy.numel() == 0:
+        return "empty input"
+    return None
+
+
 def _maxpool_backward(s: "_Session", original, keyset, dy, x, kernel_size, stride, padding, dilation, ceil_mode,
                       indices):
     op = "max_pool2d_with_indices_backward"
-    why = None
-    if x.dim() != 4:
-        why = "unbatched input"
-    elif not _floating(dy, x):
-        why = f"dtype {x.dtype}"
-    elif dy.numel() == 0:
-        why = "empty input"
+    why = _pool_refusal(dy, x)
     if why is None:
         fmt = memory_format_of(indices)
         k = _pair(kernel_size)
@@ -716,13 +722,7 @@ def _maxpool_backward(s: "_Session", original, keyset, dy, x, kernel_size, strid
 
 def _adaptive_pool_backward(s: "_Session", original, keyset, dy, x):
     op = "_adaptive_avg_pool2d_backward"
-    why = None
-    if x.dim() != 4:
-        why = "unbatched input"
-    elif not _floating(dy, x):
-        why = f"dtype {x.dtype}"
-    elif dy.numel() == 0:
-        why = "empty input"
+    why = _pool_refusal(dy, x)
     if why is None:
         try:
             dx = _call(s.aap, s.rng, dy.contiguous(memory_format=memory_format_of(x)), input_size=tuple(x.shape[-2:]))

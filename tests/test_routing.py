@@ -413,6 +413,27 @@ def test_torch_compile_reaches_convolution_backward():
     assert equal_lists(out[0], out[1])
 
 
+@pytest.mark.parametrize("pool", ["max", "adaptive"])
+def test_pool_backwards_the_variants_do_not_take_go_to_the_original_kernel_with_the_reason(pool):
+    """An unbatched input, a float64 one and an empty batch: torch's own kernel, its result unchanged, each
+    counted as original with why."""
+    need_ops("maxpool_bwd", "adaptive_avg_pool2d_bwd")
+    op = "max_pool2d_with_indices_backward" if pool == "max" else "_adaptive_avg_pool2d_backward"
+    layer = nn.MaxPool2d(2) if pool == "max" else nn.AdaptiveAvgPool2d(3)
+    g = torch.Generator().manual_seed(8)
+    inputs = {"unbatched input": torch.randn(2, 6, 6, generator=g),
+              "dtype torch.float64": torch.randn(1, 2, 6, 6, generator=g, dtype=torch.float64),
+              "empty input": torch.randn(0, 2, 6, 6, generator=g)}
+    for why, x in inputs.items():
+        stock = x.clone().requires_grad_()
+        layer(stock).square().sum().backward()
+        x.requires_grad_()
+        with nnrand.use_kernels("tree", strict=False) as r:
+            layer(x).square().sum().backward()
+        assert r.coverage[op] == {"original": 1} and r.coverage.reasons[op] == {why}, why
+        assert bitwise_equal(x.grad, stock.grad), why
+
+
 def test_unsupported_conv_goes_to_the_original_kernel_and_is_counted():
     need_ops(*routing.ROUTED_OPS)
     torch.manual_seed(4)
