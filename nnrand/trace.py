@@ -91,7 +91,7 @@ import threading
 import zipfile
 import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -422,9 +422,9 @@ class _Captured:
     tensors), how many op indices the capture took (``ops``), and the capturing stream (a raw handle; -1:
     none), the one stream on which fingerprints wait for a batch inside the capture."""
 
-    rows: list = None
-    pending: list = None
-    slots: dict = None
+    rows: list = field(default_factory=list)
+    pending: list = field(default_factory=list)
+    slots: dict = field(default_factory=dict)
     ops: int = 0
     stream: int = -1
 
@@ -661,8 +661,6 @@ class Recorder(TorchDispatchMode):
         if self.keep:
             raise TraceError("nnrand.trace: full tensors (keep) cannot be taken from a captured CUDA graph; "
                              "record the steps eagerly to keep them")
-        if self._capture is not None:
-            raise TraceError("nnrand.trace: a capture is already being recorded; captures are recorded one at a time")
         with self._lock:
             quiet, self._quiet = self._quiet, True   # (the scratch made below is no record)
             try:
@@ -679,7 +677,7 @@ class Recorder(TorchDispatchMode):
             if self._capture is not None:
                 raise TraceError("nnrand.trace: a capture is already being recorded; captures are recorded one "
                                  "at a time")
-            cap = _Captured([], [], {}, 0, stream)
+            cap = _Captured(stream=stream)
             saved = (self.rows, self.pending, self.index, self.slots, self._streams, self._paused)
             self.rows, self.pending, self.index, self.slots, self._streams = cap.rows, cap.pending, 0, cap.slots, set()
             self._capture, self._paused = cap, False
@@ -975,11 +973,10 @@ class Recorder(TorchDispatchMode):
                     self._launch_deferred()
                     d = self._deferred = _Deferred(index, stream)
                 st = t.untyped_storage()
-                base = st.data_ptr()
                 d.desc += (t.data_ptr(), n, (-(-n // blocks) + 3) & -4, slots.next_ptr(),   # fp_chunk
                            d.blocks | blocks << 32 | FP_KINDS[dt] << 48)   # _packed(first, blocks, kind)
                 d.held.append(st)
-                d.bases.add(base)
+                d.bases.add(st.data_ptr())
                 d.blocks += blocks
                 d.nbytes += st.nbytes()
                 if watch is not None:
