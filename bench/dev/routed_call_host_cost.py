@@ -13,6 +13,10 @@ Each figure is the median over --calls calls of perf_counter around the call alo
 full launch queue. ``--layers`` adds the layers under a routed call, each timed alone: the tree launchers
 called directly (no dispatcher, no routing), a pass-through Python override of the BatchNorm backward (the
 dispatcher's trip into Python and back, nothing else), one ``torch.empty`` and one kernel launch.
+``--lines`` line-profiles --calls rounds of the routed conv and both BatchNorm backward calls under ``tree``
+(the routing's handlers, the launchers' per-call closures, the launches; needs ``line_profiler``): which
+lines of a routed call take its host time. The cuDNN BatchNorm backward (what a CUDA model in float32
+calls) is timed beside the native one.
 """
 from __future__ import annotations
 
@@ -64,6 +68,37 @@ def profile(conv, bn, args) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
 
 
+def lines(calls: list, rounds: int) -> None:
+    """Line-profile ``rounds`` rounds of ``calls`` (routed under the open ``tree`` context)."""
+    try:
+        from line_profiler import LineProfiler
+    except ImportError:
+        raise SystemExit("--lines needs line_profiler: pip install line_profiler") from None
+    from kernels import bn_bwd, conv_dgrad, runtime
+    from nnrand import routing
+
+    lp = LineProfiler()
+    for f in (routing._conv_backward, routing._conv_key, routing._conv_variants, routing._param_strides,
+              routing._native_bn_backward, routing._cudnn_bn_backward, routing._bn_route, routing._call,
+              routing.memory_format_of, routing.Coverage.add, bn_bwd._launch, bn_bwd._aligned,
+              runtime.Launch.__call__, runtime._launch_kernel, runtime.ticket_counters, runtime.check_key,
+              conv_dgrad._empty_dx, conv_dgrad._pack_weights):
+        lp.add_function(f)
+    for plan in routing._ACTIVE.conv_plans.values():   # the prepared launchers' per-call closures
+        for fn in (plan.dgrad, plan.wgrad):
+            if fn is not None:
+                lp.add_function(fn)
+    lp.enable_by_count()
+    for i in range(rounds):
+        for call in calls:
+            call()
+        if i % 20 == 19:
+            torch.cuda.synchronize()
+    lp.disable_by_count()
+    torch.cuda.synchronize()
+    lp.print_stats(output_unit=1e-6, stripzeros=True)
+
+
 def layers(x, w, dy, mean, invstd, gamma, bn, calls: int) -> list[tuple[str, float]]:
     """The layers under a routed call, each timed alone (see the module docstring)."""
     import numpy as np
@@ -100,6 +135,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="cProfile the routed calls: top N")
     p.add_argument("--layers", action="store_true", help="time the layers under a routed call, each alone")
+    p.add_argument("--lines", action="store_true", help="line-profile the routed calls under tree (line_profiler)")
     p.add_argument("--cprofile-family", choices=["fastest-deterministic", "tree"], default="fastest-deterministic",
                    help="the routing whose conv and BatchNorm backward calls --cprofile profiles")
     args = p.parse_args()
@@ -120,9 +156,21 @@ def main() -> None:
     def bn():
         return torch.ops.aten.native_batch_norm_backward(dy, x, gamma, None, None, mean, invstd, True, 1e-5,
                                                          [True, True, True])
+    beta, running_mean, running_var = torch.zeros(256, device="cuda"), torch.zeros(256, device="cuda"), \
+        torch.ones(256, device="cuda")
+    # cuDNN's BatchNorm backward takes what its forward saved (cuDNN takes float32 activations only)
+    xf = x.float()
+    _, save_mean, save_var, reserve = torch.ops.aten.cudnn_batch_norm(xf, gamma, beta, running_mean, running_var,
+                                                                       True, 0.1, 1e-5)
+    dyf = dy.float()
+
+    def bn_cudnn():
+        return torch.ops.aten.cudnn_batch_norm_backward(xf, dyf, gamma, running_mean, running_var, save_mean,
+                                                        save_var, 1e-5, reserve)
     rows = []
     with cudnn_flags(benchmark=True, deterministic=False):
-        rows += [("conv native (cudnn.benchmark)", host_us(conv, args.calls)), ("bn native", host_us(bn, args.calls))]
+        rows += [("conv native (cudnn.benchmark)", host_us(conv, args.calls)), ("bn native", host_us(bn, args.calls)),
+                 ("bn cudnn native", host_us(bn_cudnn, args.calls))]
     with cudnn_flags(benchmark=False, deterministic=True):
         torch.use_deterministic_algorithms(True)
         rows.append(("conv PyTorch deterministic mode", host_us(conv, args.calls)))
@@ -136,8 +184,11 @@ def main() -> None:
     with nnrand.use_kernels("tree"):
         rows.append(("conv routed tree", host_us(conv, args.calls)))
         rows.append(("bn routed (tree)", host_us(bn, args.calls)))
+        rows.append(("bn cudnn routed (tree)", host_us(bn_cudnn, args.calls)))
         if args.cprofile and args.cprofile_family == "tree":
             profile(conv, bn, args)
+        if args.lines:
+            lines([conv, bn, bn_cudnn], args.calls)
     if args.layers:
         rows += layers(x, w, dy, mean, invstd, gamma, bn, args.calls)
     print(f"host us per call, {args.dtype}, {args.layout}:")
