@@ -6,12 +6,18 @@ its host time), then torch.profiler's CPU time per aten op summed over a few ste
         --modes native torch_deterministic tree --steps 30 --top 25
 
 The question it answers: of a routed mode's extra milliseconds per eager step, how many are spent in
-the routed backward ops and how many elsewhere. Profiled times include the profiler's own cost, and an
+the routed backward ops and how many elsewhere. A mode may be named more than once (run again, in the
+order given, to see how much the order moves a figure). ``passthrough`` is PyTorch's deterministic mode
+(without its NaN fill of new memory, as the routing runs it) plus a Python override of each aten op the
+routing overrides that only calls the original kernel: the dispatcher's trip into Python, and nothing
+of the routing's own work. Profiled times include the profiler's own cost, and an
 op's time includes the ops it calls (so autograd's nodes and the aten ops inside them both count it).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -28,6 +34,37 @@ from bench.models import Mode  # noqa: E402
 from nnrand import models  # noqa: E402
 
 
+PASSTHROUGH_OPS = ("convolution_backward", "cudnn_batch_norm_backward", "native_batch_norm_backward",
+                   "max_pool2d_with_indices_backward")
+
+
+@contextlib.contextmanager
+def passthrough(key: str):
+    """PyTorch's deterministic mode, no NaN fill, and a pass-through Python override of each routed aten op
+    at dispatch key ``key``."""
+    from torch.utils import deterministic as det
+
+    lib = torch.library.Library("aten", "IMPL")
+    fill, b = det.fill_uninitialized_memory, torch.backends.cudnn
+    before = (b.benchmark, b.deterministic)
+    for op in PASSTHROUGH_OPS:
+        try:
+            original = torch.library.get_kernel(f"aten::{op}", key)
+        except RuntimeError:   # no kernel there (cuDNN's op on CPU)
+            continue
+        lib.impl(op, (lambda o: lambda keyset, *a: o.call_boxed(keyset, *a))(original), key, with_keyset=True)
+    torch.use_deterministic_algorithms(True)
+    det.fill_uninitialized_memory = False
+    b.benchmark, b.deterministic = False, True
+    try:
+        yield
+    finally:
+        lib._destroy()
+        torch.use_deterministic_algorithms(False)
+        det.fill_uninitialized_memory = fill
+        b.benchmark, b.deterministic = before
+
+
 def run(mode: str, args) -> tuple[dict, dict]:
     fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
     torch.manual_seed(0)
@@ -39,7 +76,8 @@ def run(mode: str, args) -> tuple[dict, dict]:
     x = torch.randn(args.batch, 3, args.size, args.size, device=dev, generator=g).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (args.batch,), device=dev, generator=g)
     phases = {"forward": [], "backward": [], "optimizer": [], "step (synchronised)": []}
-    with Mode(mode):
+    gc.collect()   # the garbage of the modes run before is not this one's
+    with passthrough(dev.type.upper()) if mode == "passthrough" else Mode(mode):
         def step(record: bool):
             opt.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
@@ -83,20 +121,23 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--device", default="cuda", help="cuda, or cpu (the CPU order models: a smoke test)")
     args = p.parse_args()
-    results = {m: run(m, args) for m in args.modes}
+    results = {}
+    for i, m in enumerate(args.modes):
+        results[m if m not in results else f"{m} ({i + 1})"] = run(m, args)
+    modes = list(results)
     print(f"{args.model}, batch {args.batch}, {args.size} px, {args.layout}: host ms per step, median of "
           f"{args.steps} steps")
-    print(f"  {'phase':<22}" + "".join(f"{m:>22}" for m in args.modes))
-    for k in results[args.modes[0]][0]:
-        print(f"  {k:<22}" + "".join(f"{results[m][0][k]:22.2f}" for m in args.modes))
+    print(f"  {'phase':<22}" + "".join(f"{m:>22}" for m in modes))
+    for k in results[modes[0]][0]:
+        print(f"  {k:<22}" + "".join(f"{results[m][0][k]:22.2f}" for m in modes))
     if args.top:
         keys = set()
-        for m in args.modes:
+        for m in modes:
             keys |= set(results[m][1])
-        base = args.modes[0]
+        base = modes[0]
         rows = []
         for k in keys:
-            vals = [results[m][1].get(k, (0.0, 0.0)) for m in args.modes]
+            vals = [results[m][1].get(k, (0.0, 0.0)) for m in modes]
             rows.append((max(v[0] for v in vals) - min(v[0] for v in vals), k, vals))
         rows.sort(reverse=True)
         print(f"\nprofiled CPU ms per step (calls per step), the {args.top} ops whose time differs most between "
