@@ -52,16 +52,30 @@ __device__ __forceinline__ Lanes lanes_of(const GdArgs& a, int positions) {
 
 // tree: TK > 0 depthwise with the channel's TK (or fewer) weights in registers; TK == 0 any grouping.
 // S1: stride 1 in both axes (no divisibility tests).
+// Strided: a tap reaches a dy row when t = h + ph - kh*dh is a non-negative multiple of sh. With
+// h + ph = qh*sh + rh and kh*dh = q*sh + m (0 <= rh, m < sh) that is m == rh, and then oh = qh - q (t >= 0
+// exactly when oh >= 0); the same along w. So one division per axis and element, none per tap, finds the
+// same taps as dividing each t, and they are added in the same order: the bits do not change.
 template <int TK, bool S1>
 __device__ __forceinline__ void dgrad_gather(const float* __restrict__ dy, const float* __restrict__ w,
                                              float* __restrict__ dx, const GdArgs& a) {
     constexpr int TR = TK > 0 ? TK : 1;
-    __shared__ int s_kh[TR], s_kw[TR];  // depthwise: kh*dh and kw*dw of tap i (row-major taps)
+    constexpr int TM = TK > 0 && !S1 ? TK : 1;
+    // depthwise, tap i (row-major taps): kh*dh and kw*dw (stride 1), or their quotients by the stride and,
+    // in s_mh and s_mw, the remainders (strided)
+    __shared__ int s_kh[TR], s_kw[TR], s_mh[TM], s_mw[TM];
     const int KK = a.KH * a.KW;
     if (TK > 0 && threadIdx.x < min(KK, TR)) {
         const int kh = threadIdx.x / a.KW, kw = threadIdx.x - kh * a.KW;
-        s_kh[threadIdx.x] = kh * a.dh;
-        s_kw[threadIdx.x] = kw * a.dw;
+        if (S1) {
+            s_kh[threadIdx.x] = kh * a.dh;
+            s_kw[threadIdx.x] = kw * a.dw;
+        } else {
+            s_kh[threadIdx.x] = kh * a.dh / a.sh;
+            s_kw[threadIdx.x] = kw * a.dw / a.sw;
+            s_mh[min(threadIdx.x, TM - 1)] = kh * a.dh % a.sh;
+            s_mw[min(threadIdx.x, TM - 1)] = kw * a.dw % a.sw;
+        }
     }
     if (TK > 0) __syncthreads();
     const int HW = a.H * a.W;
@@ -82,22 +96,22 @@ __device__ __forceinline__ void dgrad_gather(const float* __restrict__ dy, const
     if (k >= L.k1) return;
     int n = k / HW, l = k - n * HW, h = l / a.W, x = l - h * a.W;
     const int dn = L.P / HW, dl = L.P - dn * HW, dh_ = dl / a.W, dw_ = dl - dh_ * a.W;
+    // strided: the quotient and remainder of one dilation step by the stride (see above), per axis
+    const int dqh = S1 ? 0 : a.dh / a.sh, dmh = S1 ? 0 : a.dh - dqh * a.sh;
+    const int dqw = S1 ? 0 : a.dw / a.sw, dmw = S1 ? 0 : a.dw - dqw * a.sw;
     for (; k < L.k1; k += L.P) {
         float acc = 0.0f;
         const int th0 = h + a.ph, tw0 = x + a.pw;
+        // strided: h + ph = qh*sh + rh, x + pw = qw*sw + rw (both non-negative)
+        const int qh = S1 ? th0 : th0 / a.sh, rh = S1 ? 0 : th0 - qh * a.sh;
+        const int qw = S1 ? tw0 : tw0 / a.sw, rw = S1 ? 0 : tw0 - qw * a.sw;
         if (TK > 0) {  // Cout_g = 1 (depthwise): taps i ascending = (kh, kw) row-major
             const float* __restrict__ dyc = dy + n * a.sdn + g * a.sdc;
 #pragma unroll
             for (int i = 0; i < TR; ++i) {
                 if (i < KK) {
-                    const int th = th0 - s_kh[i], tw = tw0 - s_kw[i];
-                    int oh = th, ow = tw;
-                    bool ok = true;
-                    if (!S1) {
-                        ok = th >= 0 && tw >= 0 && th % a.sh == 0 && tw % a.sw == 0;
-                        oh = th / a.sh;
-                        ow = tw / a.sw;
-                    }
+                    const int oh = qh - s_kh[i], ow = qw - s_kw[i];
+                    const bool ok = S1 || (s_mh[min(i, TM - 1)] == rh && s_mw[min(i, TM - 1)] == rw);
                     if (ok && (unsigned)oh < (unsigned)a.OH && (unsigned)ow < (unsigned)a.OW)
                         acc = __fadd_rn(acc, __fmul_rn(__ldg(dyc + oh * a.sdh + ow * a.sdw), wr[i]));
                 }
@@ -107,23 +121,30 @@ __device__ __forceinline__ void dgrad_gather(const float* __restrict__ dy, const
                 const int co = g * a.cout_g + cog;
                 const float* __restrict__ dyc = dy + n * a.sdn + co * a.sdc;
                 const float* __restrict__ wc = w + co * a.swo + cig * a.swi;
-                for (int kh = 0; kh < a.KH; ++kh) {
-                    const int th = th0 - kh * a.dh;
-                    int oh = th;
-                    if (!S1) {
-                        if (th < 0 || th % a.sh) continue;
-                        oh = th / a.sh;
+                // kh*dh = q*sh + m, stepped along kh (stride 1: q = kh*dh, m = 0)
+                for (int kh = 0, q = 0, m = 0; kh < a.KH; ++kh) {
+                    const int oh = qh - q;
+                    const bool ok = m == rh;
+                    if (S1) {
+                        q += a.dh;
+                    } else {
+                        q += dqh;
+                        m += dmh;
+                        if (m >= a.sh) { m -= a.sh; ++q; }
                     }
-                    if ((unsigned)oh >= (unsigned)a.OH) continue;
+                    if (!ok || (unsigned)oh >= (unsigned)a.OH) continue;
                     const float* __restrict__ row = dyc + oh * a.sdh;
-                    for (int kw = 0; kw < a.KW; ++kw) {
-                        const int tw = tw0 - kw * a.dw;
-                        int ow = tw;
-                        if (!S1) {
-                            if (tw < 0 || tw % a.sw) continue;
-                            ow = tw / a.sw;
+                    for (int kw = 0, qk = 0, mk = 0; kw < a.KW; ++kw) {
+                        const int ow = qw - qk;
+                        const bool okw = mk == rw;
+                        if (S1) {
+                            qk += a.dw;
+                        } else {
+                            qk += dqw;
+                            mk += dmw;
+                            if (mk >= a.sw) { mk -= a.sw; ++qk; }
                         }
-                        if ((unsigned)ow >= (unsigned)a.OW) continue;
+                        if (!okw || (unsigned)ow >= (unsigned)a.OW) continue;
                         acc = __fadd_rn(acc, __fmul_rn(__ldg(row + ow * a.sdw), __ldg(wc + kh * a.swh + kw * a.sww)));
                     }
                 }

@@ -435,6 +435,8 @@ HOSTILE: tuple[GroupedConv, ...] = (
     GroupedConv("k1_on_1x1", 4, 6, 6, 3, 1, 1, 0, 1, 1),
     GroupedConv("groups1", 2, 3, 5, 1, 3, 1, 1, 6, 6),
     GroupedConv("many_splits", 80, 1, 1, 1, 3, 1, 1, 32, 32),      # S = 40 > 32: the last block's lanes loop
+    GroupedConv("dw3_s3_d2", 2, 4, 4, 4, 3, 3, 2, 13, 11, 2),      # dilation 2 under stride 3
+    GroupedConv("groups2_s2_d3", 2, 4, 6, 2, 3, 2, 3, 12, 11, 3),  # Cout/groups = 3, dilation 3 under stride 2
 )
 
 
