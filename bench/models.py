@@ -134,6 +134,17 @@ class Mode:
         return self.stack.__exit__(*exc)
 
 
+def step_arguments(p) -> None:
+    """The options of a dev script that profiles eager training steps of one model case per mode: --model,
+    --batch, --size, --layout and --modes (defaults: torchvision resnet18 at 64 px, batch 64, the
+    host-bound case)."""
+    p.add_argument("--model", default="torchvision:resnet18")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--layout", choices=["nchw", "channels_last"], default="nchw")
+    p.add_argument("--modes", nargs="+", default=["native", "torch_deterministic", "tree"])
+
+
 def precision(amp: str | None):
     """(autocast context factory taking ``cache=``, GradScaler factory) for ``--amp``: float32 without."""
     import functools

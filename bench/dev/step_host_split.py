@@ -30,7 +30,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.models import Mode  # noqa: E402
+from bench.models import Mode, step_arguments  # noqa: E402
 from nnrand import models  # noqa: E402
 
 
@@ -110,11 +110,7 @@ def run(mode: str, args) -> tuple[dict, dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="torchvision:resnet18")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--size", type=int, default=64)
-    p.add_argument("--layout", choices=["nchw", "channels_last"], default="nchw")
-    p.add_argument("--modes", nargs="+", default=["native", "torch_deterministic", "tree"])
+    step_arguments(p)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--top", type=int, default=25, help="aten ops listed by CPU time (0: no profile)")

@@ -33,7 +33,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.models import Mode  # noqa: E402
+from bench.models import Mode, step_arguments  # noqa: E402
 from nnrand import models  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
@@ -178,11 +178,7 @@ def report(results: dict, top: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="torchvision:resnet18")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--size", type=int, default=64)
-    p.add_argument("--layout", choices=["nchw", "channels_last"], default="nchw")
-    p.add_argument("--modes", nargs="+", default=["native", "torch_deterministic", "tree"])
+    step_arguments(p)
     p.add_argument("--steps", type=int, default=5, help="profiled steps per mode")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--top", type=int, default=15, help="nodes and forward ops listed")
@@ -207,7 +203,10 @@ def main() -> None:
                     with open(path, "rb") as f, gzip.open(str(path) + ".gz", "wb") as z:
                         z.write(f.read())
                     path.unlink()
-    print(f"{args.model}, batch {args.batch}, {args.size} px, {args.layout}: {args.steps} profiled steps")
+    if args.summarise:
+        print(f"traces {', '.join(t.name for t in args.summarise)}: {args.steps} profiled steps each")
+    else:
+        print(f"{args.model}, batch {args.batch}, {args.size} px, {args.layout}: {args.steps} profiled steps")
     report(results, args.top)
 
 
