@@ -437,6 +437,8 @@ HOSTILE: tuple[GroupedConv, ...] = (
     GroupedConv("many_splits", 80, 1, 1, 1, 3, 1, 1, 32, 32),      # S = 40 > 32: the last block's lanes loop
     GroupedConv("dw3_s3_d2", 2, 4, 4, 4, 3, 3, 2, 13, 11, 2),      # dilation 2 under stride 3
     GroupedConv("groups2_s2_d3", 2, 4, 6, 2, 3, 2, 3, 12, 11, 3),  # Cout/groups = 3, dilation 3 under stride 2
+    GroupedConv("dw5_s2_d2", 2, 4, 4, 4, 5, 2, 4, 12, 13, 2),      # dilation equal to the stride
+    GroupedConv("dw3_s2_d5", 2, 3, 3, 3, 3, 2, 5, 14, 12, 5),      # depthwise, dilation 5 under stride 2
 )
 
 
