@@ -17,6 +17,7 @@ import kernels
 from kernels import KernelArgumentError
 from kernels import conv_dgrad_grouped as cd
 from kernels import conv_wgrad_grouped as cw
+from tests.grouped_checks import REPEAT_LAYERS, check_gpu_against_models, check_repeats, gpu_layer_cases
 from tests.helpers import assert_bitwise_equal, bitwise_equal, distinct, gamma
 
 OP = "conv_dgrad_grouped"
@@ -185,40 +186,23 @@ def test_good_arguments_pass():
 # GPU
 
 
-def gpu_layer_cases():
-    from dataclasses import replace
-
-    picks = [cw.MODEL_LAYERS[i] for i in (0, 1, 10, 11, 14, 16, 19)]
-    return [cd._case(replace(layer, n=4), 8000 + i, layout) for i, layer in enumerate(picks)
-            for layout in ("nchw", "channels_last")]
+GPU_CASES = gpu_layer_cases(cd._case, 4, 8000)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES + gpu_layer_cases(), ids=ids(CASES + gpu_layer_cases()))
+@pytest.mark.parametrize("case", CASES + GPU_CASES, ids=ids(CASES + GPU_CASES))
 def test_gpu_tree_equals_its_model_and_atomic_within_bound(case):
-    args, kw = SPEC.make_inputs(case, CPU)
-    cuda = tuple(a.cuda() for a in args)
-    tree, atomic = TREE(*cuda, **kw), ATOMIC(*cuda, **kw)
-    torch.cuda.synchronize()
-    assert layout_ok(tree, cuda[1]) and layout_ok(atomic, cuda[1])
-    assert_bitwise_equal(tree.cpu(), TREE(*args, **kw), f"tree {case.name}")
-    assert_within_bound(atomic, args, kw, ATOMIC, cd.taps_per_element(case.params), f"atomic {case.name}")
-    ai, kwi = integer_inputs(case, "cuda")
-    ref = SPEC.reference(tuple(a.cpu() for a in ai), kwi)
-    for v in (TREE, ATOMIC):
-        assert bitwise_equal(v(*ai, **kwi).double().cpu(), ref), f"{v.key} {case.name} integers"
+    terms = cd.taps_per_element(case.params)
+    check_gpu_against_models(SPEC, TREE, ATOMIC, case,
+                             lambda got, args, kw, what: assert_within_bound(got, args, kw, ATOMIC, terms, what),
+                             integer_inputs, lambda out, inputs: layout_ok(out, inputs[1]))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-@pytest.mark.parametrize("index", [0, 3, 10, 14, 18])
+@pytest.mark.parametrize("index", REPEAT_LAYERS)
 def test_gpu_tree_deterministic_over_repeats(index, layout):
-    args, kw = SPEC.make_inputs(cd._case(cw.MODEL_LAYERS[index], 8100 + index, layout), torch.device("cuda"))
-    first = TREE(*args, **kw)
-    outs = [TREE(*args, **kw) for _ in range(50)]
-    torch.cuda.synchronize()
-    for i, o in enumerate(outs):
-        assert bitwise_equal(o, first), f"repeat {i} differs"
+    check_repeats(SPEC, TREE, cd._case(cw.MODEL_LAYERS[index], 8100 + index, layout))
 
 
 @pytest.mark.gpu

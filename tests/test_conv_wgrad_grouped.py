@@ -20,6 +20,7 @@ import torch
 import kernels
 from kernels import KernelArgumentError
 from kernels import conv_wgrad_grouped as cw
+from tests.grouped_checks import REPEAT_LAYERS, check_gpu_against_models, check_repeats, gpu_layer_cases
 from tests.helpers import assert_bitwise_equal, bitwise_equal, distinct, gamma
 
 OP = "conv_wgrad_grouped"
@@ -283,41 +284,22 @@ def test_registry_rows():
 # GPU
 
 
-def gpu_layer_cases():
-    """Model layers at batch 8 (full spatial size), both layouts: real plans with many splits."""
-    from dataclasses import replace
-
-    picks = [cw.MODEL_LAYERS[i] for i in (0, 1, 10, 11, 14, 16, 19)]
-    return [cw._case(replace(layer, n=8), 7000 + i, layout) for i, layer in enumerate(picks)
-            for layout in ("nchw", "channels_last")]
+GPU_CASES = gpu_layer_cases(cw._case, 8, 7000)   # batch 8: real plans with many splits
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES + gpu_layer_cases(), ids=ids(CASES + gpu_layer_cases()))
+@pytest.mark.parametrize("case", CASES + GPU_CASES, ids=ids(CASES + GPU_CASES))
 def test_gpu_tree_equals_its_model_and_atomic_within_bound(case):
-    args, kw = SPEC.make_inputs(case, CPU)
-    cuda = tuple(a.cuda() for a in args)
-    tree = TREE(*cuda, **kw)
-    atomic = ATOMIC(*cuda, **kw)
-    torch.cuda.synchronize()
-    assert_bitwise_equal(tree.cpu(), TREE(*args, **kw), f"tree {case.name}")
-    assert_within_bound(atomic, args, kw, ATOMIC, f"atomic {case.name}")
-    ai, kwi = integer_inputs(case, "cuda")
-    ref = SPEC.reference(tuple(a.cpu() for a in ai), kwi)
-    for v in (TREE, ATOMIC):
-        assert bitwise_equal(v(*ai, **kwi).double().cpu(), ref), f"{v.key} {case.name} integers"
+    check_gpu_against_models(SPEC, TREE, ATOMIC, case,
+                             lambda got, args, kw, what: assert_within_bound(got, args, kw, ATOMIC, what),
+                             integer_inputs)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-@pytest.mark.parametrize("index", [0, 3, 10, 14, 18])
+@pytest.mark.parametrize("index", REPEAT_LAYERS)
 def test_gpu_tree_deterministic_over_repeats(index, layout):
-    args, kw = SPEC.make_inputs(cw._case(cw.MODEL_LAYERS[index], 7100 + index, layout), torch.device("cuda"))
-    first = TREE(*args, **kw)
-    outs = [TREE(*args, **kw) for _ in range(50)]
-    torch.cuda.synchronize()
-    for i, o in enumerate(outs):
-        assert bitwise_equal(o, first), f"repeat {i} differs"
+    check_repeats(SPEC, TREE, cw._case(cw.MODEL_LAYERS[index], 7100 + index, layout))
 
 
 @pytest.mark.gpu
