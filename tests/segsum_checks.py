@@ -73,3 +73,38 @@ def bad_index_case(rows: int = 40):
     index[bad[:100]] = -5
     index[bad[100:]] = rows + torch.arange(100)
     return index, src, (index >= 0) & (index < rows)
+
+
+def check_sorted_repeatable(spec, sorted_variant, case, repeats: int, before=None):
+    """``sorted_variant`` on the case's CUDA inputs: ``repeats`` more calls give the first one's bits, and
+    its CPU model gives them too (NaN payloads aside). ``before(args, kw)`` runs first (to poison the
+    allocator, say). Returns (the CUDA result, the CPU model's, CUDA args, kw)."""
+    args, kw = spec.make_inputs(case, torch.device("cuda"))
+    cpu_args, _ = spec.make_inputs(case, torch.device("cpu"))
+    if before is not None:
+        before(args, kw)
+    first = sorted_variant(*args, **kw)
+    for _ in range(repeats):
+        assert differing_bits(first, sorted_variant(*args, **kw)).size == 0
+    model = sorted_variant(*cpu_args, **kw)
+    diff = differing_bits(first, model)
+    assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"
+    return first, model, args, kw
+
+
+def check_atomic_some_order(spec, sorted_variant, atomic, case, stats, runs: int = 3, bound_options=None):
+    """``runs`` calls of ``atomic`` on the case's CUDA inputs, each within the float64 bound and equal to
+    the sum in some arrival order (``stats(cpu_args, kw)`` -> (_, count, abs_sum); ``bound_options(kw)``:
+    check_bound's options for the case). Returns (CUDA args, kw, ref, count, abs_sum) for the caller's
+    peer checks."""
+    args, kw = spec.make_inputs(case, torch.device("cuda"))
+    cpu_args, _ = spec.make_inputs(case, torch.device("cpu"))
+    ref = spec.reference(cpu_args, kw)
+    _, count, abs_sum = stats(cpu_args, kw)
+    model = sorted_variant(*cpu_args, **kw)
+    bound = bound_options(kw) if bound_options is not None else {}
+    for _ in range(runs):
+        out = atomic(*args, **kw)
+        check_bound(out, ref, count, abs_sum, **bound)
+        check_some_order(out, model, count)
+    return args, kw, ref, count, abs_sum

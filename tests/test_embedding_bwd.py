@@ -13,7 +13,8 @@ import kernels
 from kernels import KernelArgumentError
 from kernels import embedding_bwd as eb
 from kernels import index_add as ia
-from tests.segsum_checks import check_bound, check_some_order, spec_sorted
+from tests.segsum_checks import (check_atomic_some_order, check_bound, check_some_order, check_sorted_repeatable,
+                                 spec_sorted)
 from tests.helpers import bitwise_equal, differing_bits, float32_bits
 
 OP = "embedding_bwd"
@@ -128,13 +129,7 @@ REPEATS = 50
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
 def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
-    args, kw = SPEC.make_inputs(case, CUDA)
-    cpu_args, _ = SPEC.make_inputs(case, CPU)
-    first = SORTED(*args, **kw)
-    for _ in range(REPEATS):
-        assert differing_bits(first, SORTED(*args, **kw)).size == 0
-    diff = differing_bits(first, SORTED(*cpu_args, **kw))
-    assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"
+    first, _, args, kw = check_sorted_repeatable(SPEC, SORTED, case, REPEATS)
     key, g, rows, skip = eb._prologue(*args, kw["num_weights"], kw["padding_idx"], kw["scale_grad_by_freq"])
     for split in ia.SPLITS:  # every task split: the same chunks and tree
         out = ia.segsum_sorted_cuda(eb.SOURCE, OP, key, g, rows, skip=skip, scaled=kw["scale_grad_by_freq"],
@@ -145,16 +140,9 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
 def test_gpu_atomic_is_some_order_and_aten_within_bound(case, cuda_sync):
-    args, kw = SPEC.make_inputs(case, CUDA)
-    cpu_args, _ = SPEC.make_inputs(case, CPU)
-    ref = SPEC.reference(cpu_args, kw)
-    _, count, abs_sum = stats(cpu_args, kw)
+    args, kw, ref, count, abs_sum = check_atomic_some_order(
+        SPEC, SORTED, ATOMIC, case, stats, bound_options=lambda kw: {"scaled": kw["scale_grad_by_freq"]})
     scaled = kw["scale_grad_by_freq"]
-    model = SORTED(*cpu_args, **kw)
-    for _ in range(3):
-        out = ATOMIC(*args, **kw)
-        check_bound(out, ref, count, abs_sum, scaled=scaled)
-        check_some_order(out, model, count)
     # aten's CUDA backward may fuse g * (1/count) into its sum: allow two roundings per term
     check_bound(eb.torch_embedding_backward(*args, **kw), ref, count + 1, abs_sum, scaled=scaled)
 

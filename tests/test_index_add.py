@@ -17,7 +17,8 @@ import torch
 import kernels
 from kernels import KernelArgumentError
 from kernels import index_add as ia
-from tests.segsum_checks import bad_index_case, check_bound, check_some_order, spec_sorted
+from tests.segsum_checks import (bad_index_case, check_atomic_some_order, check_bound, check_some_order,
+                                 check_sorted_repeatable, spec_sorted)
 from tests.helpers import bitwise_equal, differing_bits, entropy_from_seeds, float32_bits
 
 OP = "index_add"
@@ -252,15 +253,8 @@ def _poison_allocator(shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
 def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
-    args, kw = SPEC.make_inputs(case, CUDA)
-    cpu_args, _ = SPEC.make_inputs(case, CPU)
-    _poison_allocator((kw["num_rows"], args[1].shape[1]))
-    first = SORTED(*args, **kw)
-    for _ in range(REPEATS):
-        assert differing_bits(first, SORTED(*args, **kw)).size == 0  # NaN payloads aside, bit for bit
-    model = SORTED(*cpu_args, **kw)
-    diff = differing_bits(first, model)
-    assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"
+    _, model, args, kw = check_sorted_repeatable(
+        SPEC, SORTED, case, REPEATS, before=lambda args, kw: _poison_allocator((kw["num_rows"], args[1].shape[1])))
     scalar = ia.index_add_sorted_scalar_cuda(*args, **kw)  # the one-thread-per-chunk kernel: same bits
     assert differing_bits(scalar, model).size == 0
     index, src = args
@@ -274,15 +268,7 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
 def test_gpu_atomic_is_some_order_and_peers_within_bound(case, cuda_sync):
-    args, kw = SPEC.make_inputs(case, CUDA)
-    cpu_args, _ = SPEC.make_inputs(case, CPU)
-    ref = SPEC.reference(cpu_args, kw)
-    _, count, abs_sum = stats(cpu_args, kw)
-    model = SORTED(*cpu_args, **kw)
-    for _ in range(3):
-        out = ATOMIC(*args, **kw)
-        check_bound(out, ref, count, abs_sum)
-        check_some_order(out, model, count)
+    args, kw, ref, count, abs_sum = check_atomic_some_order(SPEC, SORTED, ATOMIC, case, stats)
     check_bound(ia.torch_index_add(*args, **kw), ref, count, abs_sum)
 
 

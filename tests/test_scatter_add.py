@@ -11,7 +11,8 @@ import kernels
 from kernels import KernelArgumentError
 from kernels import index_add as ia
 from kernels import scatter_add as sa
-from tests.segsum_checks import check_bound, check_some_order, spec_sorted
+from tests.segsum_checks import (check_atomic_some_order, check_bound, check_some_order, check_sorted_repeatable,
+                                 spec_sorted)
 from tests.helpers import differing_bits, float32_bits
 
 OP = "scatter_add"
@@ -121,13 +122,7 @@ REPEATS = 50
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
 def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
-    args, kw = SPEC.make_inputs(case, CUDA)
-    cpu_args, _ = SPEC.make_inputs(case, CPU)
-    first = SORTED(*args, **kw)
-    for _ in range(REPEATS):
-        assert differing_bits(first, SORTED(*args, **kw)).size == 0
-    diff = differing_bits(first, SORTED(*cpu_args, **kw))
-    assert diff.size == 0, f"CUDA sorted differs from its CPU model at {diff[:10]}"
+    first, _, args, kw = check_sorted_repeatable(SPEC, SORTED, case, REPEATS)
     key, src, rows, elementwise = sa._prologue(*args, kw["num_rows"])
     for split in ia.SPLITS:  # every task split: the same chunks and tree
         out = ia.segsum_sorted_cuda(sa.SOURCE, OP, key, src, rows, elementwise=elementwise, split=split)
@@ -137,15 +132,7 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
 def test_gpu_atomic_is_some_order(case, cuda_sync):
-    args, kw = SPEC.make_inputs(case, CUDA)
-    cpu_args, _ = SPEC.make_inputs(case, CPU)
-    ref = SPEC.reference(cpu_args, kw)
-    _, count, abs_sum = stats(cpu_args, kw)
-    model = SORTED(*cpu_args, **kw)
-    for _ in range(3):
-        out = ATOMIC(*args, **kw)
-        check_bound(out, ref, count, abs_sum)
-        check_some_order(out, model, count)
+    check_atomic_some_order(SPEC, SORTED, ATOMIC, case, stats)
 
 
 @pytest.mark.gpu
