@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from nnrand.noise import set_deterministic_algorithms, tf32_new_api
 from nnrand.timing import HOST_AHEAD_S, queued_event_times  # noqa: F401  (re-exported: the benchmarks' timer)
 
 MODES = ("fast", "deterministic")
@@ -23,18 +24,6 @@ MODES = ("fast", "deterministic")
 
 # --------------------------------------------------------------------------------------------------
 # Global torch flags
-
-
-def _tf32_new_api() -> bool:
-    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(torch.backends.cudnn, "conv") \
-        and hasattr(torch.backends.cudnn.conv, "fp32_precision")
-
-
-def _set_algorithms(on: bool, warn_only: bool) -> None:
-    # torch.use_deterministic_algorithms imports torch._inductor (seconds); call it only for a change
-    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) \
-            != (on, warn_only):
-        torch.use_deterministic_algorithms(on, warn_only=warn_only)
 
 
 @contextlib.contextmanager
@@ -52,7 +41,7 @@ def torch_mode(mode: str):
         "algorithms": torch.are_deterministic_algorithms_enabled(),
         "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
     }
-    new_api = _tf32_new_api()
+    new_api = tf32_new_api()
     if new_api:
         saved["matmul_prec"] = torch.backends.cuda.matmul.fp32_precision
         saved["conv_prec"] = cudnn.conv.fp32_precision
@@ -69,12 +58,12 @@ def torch_mode(mode: str):
         det = mode == "deterministic"
         cudnn.benchmark = True
         cudnn.deterministic = det
-        _set_algorithms(det, False)
+        set_deterministic_algorithms(det, False)
         yield
     finally:
         cudnn.benchmark = saved["benchmark"]
         cudnn.deterministic = saved["cudnn_deterministic"]
-        _set_algorithms(saved["algorithms"], saved["warn_only"])
+        set_deterministic_algorithms(saved["algorithms"], saved["warn_only"])
         if new_api:
             torch.backends.cuda.matmul.fp32_precision = saved["matmul_prec"]
             cudnn.conv.fp32_precision = saved["conv_prec"]

@@ -78,6 +78,7 @@ import torch.nn.functional as F
 from nnrand import fingerprint as envfp
 from nnrand import timing
 from nnrand import runio
+from nnrand.noise import set_deterministic_algorithms, tf32_new_api
 
 REPO = Path(__file__).resolve().parent.parent
 SCALES = ("quick", "full")
@@ -180,18 +181,6 @@ def digest(out) -> str:
 # Global flags, always restored
 
 
-def _tf32_new_api() -> bool:
-    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(torch.backends.cudnn, "conv") \
-        and hasattr(torch.backends.cudnn.conv, "fp32_precision")
-
-
-def _set_algorithms(on: bool, warn_only: bool) -> None:
-    # torch.use_deterministic_algorithms imports torch._inductor on first use: call it only for a change
-    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) \
-            != (on, warn_only):
-        torch.use_deterministic_algorithms(on, warn_only=warn_only)
-
-
 def flag_state() -> dict:
     """Every global this module changes, as a comparable dict (tests check it is unchanged)."""
     from torch.utils import deterministic as det
@@ -202,7 +191,7 @@ def flag_state() -> dict:
              "fill_uninitialized_memory": det.fill_uninitialized_memory,
              "cudnn_deterministic": cudnn.deterministic, "cudnn_benchmark": cudnn.benchmark,
              "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
-    if _tf32_new_api():
+    if tf32_new_api():
         state["matmul_prec"] = torch.backends.cuda.matmul.fp32_precision
         state["conv_prec"] = cudnn.conv.fp32_precision
     else:
@@ -215,7 +204,7 @@ def _restore(state: dict) -> None:
     from torch.utils import deterministic as det
 
     cudnn = torch.backends.cudnn
-    _set_algorithms(state["algorithms"], state["warn_only"])
+    set_deterministic_algorithms(state["algorithms"], state["warn_only"])
     det.fill_uninitialized_memory = state["fill_uninitialized_memory"]
     cudnn.deterministic, cudnn.benchmark = state["cudnn_deterministic"], state["cudnn_benchmark"]
     if state["cublas_workspace_config"] is None:
@@ -252,7 +241,7 @@ def torch_flags(mode: str, *, cudnn_benchmark: bool = False) -> Iterator[None]:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         cudnn.deterministic = det
         cudnn.benchmark = False if det else cudnn_benchmark
-        _set_algorithms(det, False)
+        set_deterministic_algorithms(det, False)
         if det:   # PyTorch's default in its deterministic mode, whatever the caller set (restored on exit)
             from torch.utils import deterministic as det_flags
 

@@ -147,6 +147,21 @@ def perturb_one_ulp(model: torch.nn.Module, index: int, direction: float = np.in
 # Pinned global flags
 
 
+def tf32_new_api() -> bool:
+    """Whether this torch sets TF32 through ``fp32_precision`` (matmul and cuDNN conv); then the old
+    ``allow_tf32`` switches must not be touched (torch refuses a mix of the two)."""
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(torch.backends.cudnn, "conv") \
+        and hasattr(torch.backends.cudnn.conv, "fp32_precision")
+
+
+def set_deterministic_algorithms(on: bool, warn_only: bool) -> None:
+    """``torch.use_deterministic_algorithms(on, warn_only=warn_only)``, called only for a change: its first
+    call imports torch._inductor (seconds)."""
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) \
+            != (on, warn_only):
+        torch.use_deterministic_algorithms(on, warn_only=warn_only)
+
+
 def _tf32_flags() -> dict[str, object]:
     b = torch.backends
     if hasattr(b.cuda.matmul, "fp32_precision"):
