@@ -153,7 +153,7 @@ def summarise(path: Path, steps: int) -> dict:
 def report(results: dict, top: int) -> None:
     modes = list(results)
     w = 16
-    print(f"  {'ms per step':<44}" + "".join(f"{m[:w]:>{w}}" for m in modes))
+    print(f"  {'ms per step':<44}" + "".join(f"{m[:w - 1]:>{w}}" for m in modes))
     for p in PHASES:
         print(f"  {p + ' (wall)':<44}" + "".join(f"{results[m]['phases'][p]:{w}.2f}" for m in modes))
     print(f"  {'backward: inside nodes':<44}" + "".join(f"{results[m]['backward_in_nodes']:{w}.2f}" for m in modes))
