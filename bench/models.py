@@ -145,6 +145,23 @@ def step_arguments(p) -> None:
     p.add_argument("--modes", nargs="+", default=["native", "torch_deterministic", "tree"])
 
 
+def step_case(args, device):
+    """(model, SGD optimizer, x, y) of ``step_arguments``' case on ``device``: seeded weights (seed 0) and
+    one seeded batch of 10 classes, in ``args.layout``."""
+    import torch
+
+    from nnrand import models
+
+    fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
+    torch.manual_seed(0)
+    model = models.build_model(args.model, 10).to(device, memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(args.batch, 3, args.size, args.size, device=device, generator=g).contiguous(memory_format=fmt)
+    y = torch.randint(0, 10, (args.batch,), device=device, generator=g)
+    return model, opt, x, y
+
+
 def precision(amp: str | None):
     """(autocast context factory taking ``cache=``, GradScaler factory) for ``--amp``: float32 without."""
     import functools

@@ -75,14 +75,18 @@ def build() -> float:
     return time.perf_counter() - t0
 
 
+def chain_loss(x: torch.Tensor, nodes: int) -> torch.Tensor:
+    """``nodes`` ``twice`` calls on ``x``, summed: a backward pass of ``nodes`` ``twice_backward`` calls."""
+    for _ in range(nodes):
+        x = torch.ops.nnrand_probe.twice(x)
+    return x.sum()
+
+
 def backward_host_ms(x: torch.Tensor, nodes: int, reps: int) -> float:
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     times = []
     for i in range(reps + 5):
-        y = x
-        for _ in range(nodes):
-            y = torch.ops.nnrand_probe.twice(y)
-        loss = y.sum()
+        loss = chain_loss(x, nodes)
         sync()
         t0 = time.perf_counter()
         loss.backward()
@@ -118,10 +122,7 @@ def main() -> None:
             lib.impl("twice_backward", fn, key, with_keyset=True)
         try:
             rows.append((name, backward_host_ms(x, args.nodes, args.reps)))
-            y = x
-            for _ in range(args.nodes):
-                y = torch.ops.nnrand_probe.twice(y)
-            y.sum().backward()
+            chain_loss(x, args.nodes).backward()
             assert torch.equal(x.grad, want), f"the {name} kernel's gradient is wrong"
             x.grad = None
         finally:

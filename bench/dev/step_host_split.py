@@ -30,8 +30,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.models import Mode, step_arguments  # noqa: E402
-from nnrand import models  # noqa: E402
+from bench.models import Mode, step_arguments, step_case  # noqa: E402
 
 
 PASSTHROUGH_OPS = ("convolution_backward", "cudnn_batch_norm_backward", "native_batch_norm_backward",
@@ -40,41 +39,28 @@ PASSTHROUGH_OPS = ("convolution_backward", "cudnn_batch_norm_backward", "native_
 
 @contextlib.contextmanager
 def passthrough(key: str):
-    """PyTorch's deterministic mode, no NaN fill, and a pass-through Python override of each routed aten op
-    at dispatch key ``key``."""
-    from torch.utils import deterministic as det
+    """PyTorch's deterministic mode as the routing runs it (no NaN fill; ``routing._deterministic_mode``) and a
+    pass-through Python override of each routed aten op at dispatch key ``key``."""
+    from nnrand import routing
 
     lib = torch.library.Library("aten", "IMPL")
-    fill, b = det.fill_uninitialized_memory, torch.backends.cudnn
-    before = (b.benchmark, b.deterministic)
     for op in PASSTHROUGH_OPS:
         try:
             original = torch.library.get_kernel(f"aten::{op}", key)
         except RuntimeError:   # no kernel there (cuDNN's op on CPU)
             continue
         lib.impl(op, (lambda o: lambda keyset, *a: o.call_boxed(keyset, *a))(original), key, with_keyset=True)
-    torch.use_deterministic_algorithms(True)
-    det.fill_uninitialized_memory = False
-    b.benchmark, b.deterministic = False, True
     try:
-        yield
+        with routing._deterministic_mode(strict=True):
+            yield
     finally:
         lib._destroy()
-        torch.use_deterministic_algorithms(False)
-        det.fill_uninitialized_memory = fill
-        b.benchmark, b.deterministic = before
 
 
 def run(mode: str, args) -> tuple[dict, dict]:
-    fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
-    torch.manual_seed(0)
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    model = models.build_model(args.model, 10).to(dev, memory_format=fmt)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(args.batch, 3, args.size, args.size, device=dev, generator=g).contiguous(memory_format=fmt)
-    y = torch.randint(0, 10, (args.batch,), device=dev, generator=g)
+    model, opt, x, y = step_case(args, dev)
     phases = {"forward": [], "backward": [], "optimizer": [], "step (synchronised)": []}
     gc.collect()   # the garbage of the modes run before is not this one's
     with passthrough(dev.type.upper()) if mode == "passthrough" else Mode(mode):

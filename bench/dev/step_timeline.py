@@ -33,8 +33,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.models import Mode, step_arguments  # noqa: E402
-from nnrand import models  # noqa: E402
+from bench.models import Mode, step_arguments, step_case  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
 OPS = ("aten::convolution_backward", "aten::cudnn_batch_norm_backward", "aten::native_batch_norm_backward",
@@ -44,13 +43,7 @@ HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
 
 def record(mode: str, args, path: Path) -> None:
     """Run ``args.warmup`` steps, then profile ``args.steps`` into a Chrome trace at ``path``."""
-    fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
-    torch.manual_seed(0)
-    model = models.build_model(args.model, 10).cuda().to(memory_format=fmt)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(args.batch, 3, args.size, args.size, device="cuda", generator=g).contiguous(memory_format=fmt)
-    y = torch.randint(0, 10, (args.batch,), device="cuda", generator=g)
+    model, opt, x, y = step_case(args, torch.device("cuda"))
     rf = torch.profiler.record_function
 
     def step():
