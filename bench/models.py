@@ -69,7 +69,12 @@ MODELS = (
 )
 MODES = ("native", "torch_deterministic", "tree", "tree_winograd", "fastest_deterministic", "atomic")
 ROUTED = {"tree": ("tree", None), "tree_winograd": ("tree", {"conv_wgrad": "winograd"}),
-          "fastest_deterministic": ("fastest-deterministic", None), "atomic": ("atomic", None)}
+          "fastest_deterministic": ("fastest-deterministic", None), "atomic": ("atomic", None),
+          "tree_python": ("tree", None)}
+# modes on request only (--modes): tree_python is tree with every routed call through its Python kernel
+# (NNRAND_REPLAY=0: no C++ replay layer), to show what that layer saves in the same run
+EXTRA_MODES = ("tree_python",)
+PYTHON_ONLY = ("tree_python",)
 LAYOUTS = ("nchw", "channels_last")
 
 
@@ -124,6 +129,13 @@ class Mode:
                 torch.use_deterministic_algorithms(True)
             elif self.mode in ROUTED:
                 family, ops = ROUTED[self.mode]
+                if self.mode in PYTHON_ONLY:
+                    from nnrand import replay
+
+                    before_env = os.environ.get(replay.ENV)
+                    os.environ[replay.ENV] = "0"
+                    self.stack.callback(lambda: os.environ.__setitem__(replay.ENV, before_env) if before_env
+                                        is not None else os.environ.pop(replay.ENV, None))
                 self.routing = self.stack.enter_context(nnrand.use_kernels(family, ops, strict=self.strict))
         except BaseException:
             self.stack.close()
@@ -617,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.models", description=__doc__.splitlines()[0],
                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", choices=[c.key for c in MODELS], help="these model cases only")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=[*MODES, *EXTRA_MODES], default=list(MODES))
     p.add_argument("--runs", type=int, default=3, help="runs per mode and layout (default %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="SGD steps per run (default %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the times")

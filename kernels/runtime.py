@@ -335,12 +335,23 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
     elif current != index:  # the driver launches into the current context
         with torch.cuda.device(index):
             return launch(fn, grid, block, args, device=device, shared_mem=shared_mem, struct=struct, stream=stream)
+    rec = RECORDER
+    if rec is not None and rec.thread == threading.get_ident():
+        rec.launch(fn, _dims6(grid, block), shared_mem, index, args, stream, struct, _NAMES.get(fn.ptr, hex(fn.ptr)))
     slots, addresses = _param_block(args)
     if struct is not None:
         addresses.insert(0, struct.buffer_info()[0])
     _launch_kernel(fn, (*_dim3(grid), *_dim3(block)), int(shared_mem), index, addresses.buffer_info()[0], stream)
     del slots, struct  # the parameters lived until the launch had copied them
 
+
+def _dims6(grid: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
+    return (*_dim3(grid), *_dim3(block))
+
+
+# A call being recorded for nnrand's C++ replay layer (nnrand/replay.py): every launch on its thread is
+# logged into it (kernel, grid, block, shared memory, argument slots, stream). None almost always.
+RECORDER = None
 
 _LAUNCHES: dict[tuple, "Launch"] = {}
 SLOT = object()   # in a Launch's arguments: one given per call (a device pointer or an integer)
@@ -401,6 +412,10 @@ class Launch:
         with self._lock:
             for i, v in zip(self._where, values):
                 slots[i] = v
+            rec = RECORDER
+            if rec is not None and rec.thread == threading.get_ident():
+                rec.launch(self._fn, self._dims, self._smem, self._index, slots.tolist(), None, None,
+                           _NAMES.get(self._fn.ptr, hex(self._fn.ptr)))
             _launch_kernel(self._fn, self._dims, self._smem, self._index, self._address)
 
 

@@ -100,6 +100,9 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 import kernels
+from kernels import runtime
+
+from . import replay
 
 ROUTED_OPS = ("conv_wgrad", "conv_dgrad", "bias_grad", "maxpool_bwd", "conv_wgrad_grouped", "conv_dgrad_grouped",
               "adaptive_avg_pool2d_bwd", "upsample_bilinear2d_bwd", "embedding_bwd", "index_add", "scatter_add")
@@ -278,34 +281,45 @@ class Coverage:
         self.counts: dict[str, Counter] = defaultdict(Counter)
         self.reasons: dict[str, set[str]] = defaultdict(set)
         self._lock = threading.Lock()   # backward passes of several devices count from their own threads
+        # the C++ replay layer's counts (nnrand/replay.py), folded in before any read
+        self.sync: Callable[[], None] | None = None
 
-    def add(self, op: str, where: str, reason: str | None = None) -> None:
+    def add(self, op: str, where: str, reason: str | None = None, n: int = 1) -> None:
+        taps = getattr(_TAP, "adds", None)
+        if taps is not None:   # a call being recorded for the replay layer: its plan counts the same
+            taps.append((op, where, reason))
         with self._lock:
-            self.counts[op][where] += 1
+            self.counts[op][where] += n
             if reason:
                 self.reasons[op].add(reason)
 
+    def _synced(self) -> dict[str, Counter]:
+        if self.sync is not None:
+            self.sync()
+        return self.counts
+
     @property
     def uncovered(self) -> list[str]:
-        return sorted(op for op, c in self.counts.items() if c[UNCOVERED])
+        return sorted(op for op, c in self._synced().items() if c[UNCOVERED])
 
     @property
     def routed(self) -> int:
-        return sum(n for c in self.counts.values() for k, n in c.items() if k not in (ORIGINAL, UNCOVERED))
+        return sum(n for c in self._synced().values() for k, n in c.items() if k not in (ORIGINAL, UNCOVERED))
 
     def as_dict(self) -> dict[str, dict[str, int]]:
-        return {op: dict(sorted(c.items())) for op, c in sorted(self.counts.items())}
+        return {op: dict(sorted(c.items())) for op, c in sorted(self._synced().items())}
 
     def rows(self) -> list[dict]:
+        self._synced()
         return [{"aten_op": op, "routed": {k: n for k, n in c.items() if k not in (ORIGINAL, UNCOVERED)},
                  "original": c[ORIGINAL], "uncovered": c[UNCOVERED], "reasons": sorted(self.reasons[op])}
                 for op, c in sorted(self.counts.items())]
 
     def __getitem__(self, op: str) -> dict[str, int]:
-        return dict(self.counts.get(op, {}))
+        return dict(self._synced().get(op, {}))
 
     def __repr__(self) -> str:
-        if not self.counts:
+        if not self._synced():
             return "Coverage(no routed op was called)"
         lines = []
         for r in self.rows():
@@ -1048,6 +1062,8 @@ class _Session:
         self.warned: set[str] = set()
         self.overridden: list[str] = []  # aten ops overridden while open
         self.observers: list[Callable[[str, object, tuple], None]] = []
+        self.replay = None   # the C++ replay layer over this session's CUDA kernels (nnrand/replay.py)
+        self.last_replay: dict | None = None   # its statistics when it closed
         # conv: (wgrad, dgrad, bias) variants or None for native
         self.conv = (routing.variant("conv_wgrad"), routing.variant("conv_dgrad"), routing.variant("bias_grad"))
         self.pool = routing.variant("maxpool_bwd")
@@ -1111,6 +1127,15 @@ class RoutingContext:
         """The aten ops overridden while the context is open."""
         return list(self._s.overridden)
 
+    @property
+    def replay(self) -> dict | None:
+        """The C++ replay layer's statistics (``nnrand.replay``): per aten op, the call signatures seen, plans
+        recorded, calls replayed, calls that went to Python, recordings refused and why. Live while the
+        context is open, as they were when it closed after; None where the layer was not used (no CUDA,
+        ``NNRAND_REPLAY=0``, no op it takes routed, or it could not be built)."""
+        s = self._s
+        return s.replay.stats() if s.replay is not None else s.last_replay
+
     def __repr__(self) -> str:
         return f"RoutingContext(family={self.routing.family!r}, ops={dict(self.routing.used)}, strict={self.strict})"
 
@@ -1123,6 +1148,7 @@ _ACTIVE: _Session | None = None
 # through the dispatcher (torch's CPU index_add runs scatter_add_), and those calls are its own business:
 # they go straight to their original kernels, uncounted (else one user call would count twice).
 _INSIDE = threading.local()
+_TAP = threading.local()   # .adds: the coverage counts of a call being recorded for the replay layer
 
 
 class _Original:
@@ -1133,11 +1159,19 @@ class _Original:
         self.handle = handle
 
     def call_boxed(self, keyset, *args, **kwargs):
+        rec = runtime.RECORDER
+        if rec is not None and rec.thread == threading.get_ident():
+            rec.refuse(f"an original kernel ran ({self.handle.debug if hasattr(self.handle, 'debug') else 'torch'})")
+        layer = _REPLAY_MODULE
         _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
+        if layer is not None:   # the replay layer passes this thread's calls to Python meanwhile
+            layer.enter_original()
         try:
             return self.handle.call_boxed(keyset, *args, **kwargs)
         finally:
             _INSIDE.depth -= 1
+            if layer is not None:
+                layer.leave_original()
 
 
 def _load_original(op: str, key: str) -> _Original | None:
@@ -1162,10 +1196,18 @@ def _bind(fn, session: "_Session", original: _Original, *bound):
 
 def _bind_observed(fn, session: "_Session", op: str, original: _Original):
     """A routed op's kernel: the handler, then the session's observers (``observe``) with its outputs and
-    arguments."""
+    arguments. A call the C++ replay layer passes on to be recorded (its second of a signature) runs under
+    that layer's recorder."""
     def kernel(keyset, *args, **kwargs):
         if getattr(_INSIDE, "depth", 0):
             return original.handle.call_boxed(keyset, *args, **kwargs)
+        layer = session.replay
+        if layer is not None and layer.pending(op):
+            _TAP.adds = taps = []
+            try:
+                return layer.record(op, lambda: fn(session, original, keyset, *args, **kwargs), args, kwargs, taps)
+            finally:
+                _TAP.adds = None
         out = fn(session, original, keyset, *args, **kwargs)
         for f in session.observers:
             f(op, out, args)
@@ -1181,10 +1223,14 @@ def observe(fn: Callable[[str, object, tuple], None]) -> Iterator[None]:
     if s is None:
         raise RoutingError("routing.observe needs an open nnrand.use_kernels context")
     s.observers.append(fn)
+    if s.replay is not None:   # every routed call through Python, where the observers see it
+        s.replay.python_only(True)
     try:
         yield
     finally:
         s.observers.remove(fn)
+        if s.replay is not None and not s.observers:
+            s.replay.python_only(False)
 
 
 # PyTorch's message when its deterministic mode meets an op it has no deterministic implementation of
@@ -1238,6 +1284,35 @@ def _deterministic_mode(strict: bool) -> Iterator[None]:
         torch.backends.cudnn.benchmark = before[5]
         if before[4] is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+_REPLAY_MODULE = None   # the replay layer's extension while a session has it enabled
+
+
+def _open_replay(session: "_Session", ops: list[str]) -> None:
+    """The C++ replay layer (nnrand/replay.py) over the session's CUDA kernels of ``ops``, where CUDA is
+    available, the environment allows it, and the extension builds."""
+    global _REPLAY_MODULE
+    if not (replay.requested() and torch.cuda.is_available()):
+        return
+    module = replay.load()
+    if module is None:
+        return
+    coverage = session.coverage
+    session.replay = replay.Layer(module, ops, lambda op, where, reason, n: coverage.add(op, where, reason, n))
+    coverage.sync = session.replay.drain
+    _REPLAY_MODULE = module
+
+
+def _close_replay(session: "_Session") -> None:
+    global _REPLAY_MODULE
+    layer = session.replay
+    if layer is not None:
+        layer.close()   # its counts folded in; the Python kernels are the dispatcher's again
+        session.coverage.sync = None
+        session.last_replay = layer.stats()
+        session.replay = None
+        _REPLAY_MODULE = None
 
 
 @contextlib.contextmanager
@@ -1299,6 +1374,10 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
                                 lib.impl(FORWARD_ATEN, _bind_observed(_conv_forward, session, FORWARD_ATEN,
                                                                       originals[FORWARD_ATEN, k]), k, with_keyset=True)
                         session.overridden.append(FORWARD_ATEN)
+                if replayed := [op for op in replay.OPS if op in session.overridden and (op, "CUDA") in originals
+                                and originals[op, "CUDA"] is not None]:
+                    stack.callback(_close_replay, session)
+                    _open_replay(session, replayed)
             if routing.claims_determinism:
                 stack.enter_context(_deterministic_mode(strict))
                 if not strict:

@@ -1,0 +1,520 @@
+// nnrand's C++ replay layer (see replay.py for the protocol).
+//
+// A routed aten op's Python kernel pays the dispatcher's trip into Python on every call (its arguments
+// boxed into Python objects and back) before it does any work of its own. This layer sits above that
+// kernel, at the same dispatch key. Per call signature (dtypes, devices, shapes, strides, 16-byte alignment
+// of every tensor argument, the other arguments' values, the stream, the deterministic-mode flag) it keeps
+// a plan: the aten calls and kernel launches one Python call made for that signature, recorded by
+// replay.py. A call with a known signature runs its plan here (aten ops through the dispatcher, kernels
+// through cuLaunchKernel on the current stream), without Python and without the GIL. Anything else goes to
+// the Python kernel: a new signature (the second such call is recorded), a signature whose recording
+// was refused, a stream being captured into a CUDA graph, calls made from inside an original kernel, and
+// every call while Python asks for them all (an observer is recording routed ops).
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <ATen/Context.h>
+#include <ATen/ScalarOps.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+namespace py = pybind11;
+using Stack = torch::jit::Stack;
+
+// ---- the driver entry points, resolved at run time (no CUDA headers or libraries at build time) ----
+
+using LaunchKernel = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
+                             void**, void**);
+using StreamIsCapturing = int (*)(void*, int*);
+using GetErrorName = int (*)(int, const char**);
+
+struct Driver {
+  LaunchKernel launch = nullptr;
+  StreamIsCapturing capturing = nullptr;
+  GetErrorName error_name = nullptr;
+};
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver r;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib != nullptr) {
+      r.launch = reinterpret_cast<LaunchKernel>(dlsym(lib, "cuLaunchKernel"));
+      r.capturing = reinterpret_cast<StreamIsCapturing>(dlsym(lib, "cuStreamIsCapturing"));
+      r.error_name = reinterpret_cast<GetErrorName>(dlsym(lib, "cuGetErrorName"));
+    }
+    return r;
+  }();
+  return d;
+}
+
+// ---- plans ----
+
+struct OpStep {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> args;               // every argument; the tensor ones filled per call
+  std::vector<std::pair<int, int>> tensors;     // (argument position, register; -1: None)
+  std::vector<int> outs;                        // register per returned value (-1: not kept)
+};
+
+struct LaunchStep {
+  void* fn = nullptr;                           // CUfunction
+  unsigned dims[6] = {1, 1, 1, 1, 1, 1};        // grid, block
+  unsigned shared_mem = 0;
+  std::vector<int64_t> slots;                   // one 8-byte parameter slot per kernel argument
+  std::vector<std::pair<int, int>> pointers;    // (slot, register): the register's data pointer per call
+  std::string name;
+};
+
+struct Step {
+  std::unique_ptr<OpStep> op;                   // exactly one of the two
+  std::unique_ptr<LaunchStep> launch;
+};
+
+struct Plan {
+  int64_t id = 0;
+  int registers = 0;
+  std::vector<std::pair<int, int>> inputs;      // (argument position, register)
+  std::vector<std::pair<int, at::Tensor>> constants;
+  std::vector<Step> steps;
+  std::vector<int> outputs;                     // register per returned value (-1: an undefined tensor)
+  bool launches = false;
+  std::atomic<int64_t> hits{0};
+  int64_t reported = 0;
+};
+
+struct Entry {
+  std::shared_ptr<Plan> plan;
+  int calls = 0;                                // calls that went to Python for this signature
+};
+
+constexpr int kWarmCalls = 1;                   // Python calls before the first recording (planning)
+constexpr int kMaxCalls = 4;                    // after this many without a plan: Python for good
+
+struct OpState {
+  std::string name;
+  c10::OperatorHandle handle;
+  c10::SafeKernelFunction python;
+  size_t arguments = 0;
+  size_t returns = 0;
+  std::unordered_map<std::string, Entry> entries;
+  int64_t python_calls = 0;
+  int64_t recorded = 0;
+  int64_t refused = 0;
+};
+
+struct Layer {
+  std::unique_ptr<torch::Library> library;
+  std::vector<std::unique_ptr<OpState>> ops;
+  bool cuda = false;
+  std::mutex mutex;
+  std::atomic<bool> python_only{false};
+};
+
+Layer* g_layer = nullptr;
+
+struct Pending {
+  OpState* op;
+  std::shared_ptr<Plan> committed;
+};
+
+thread_local std::vector<Pending*> t_pending;
+thread_local int t_inside = 0;                  // depth of original kernels called from Python here
+
+// ---- the call signature ----
+
+template <typename T>
+void put(std::string& k, T v) {
+  k.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+bool put_scalar_list(std::string& k, const c10::IValue& v) {
+  if (v.isIntList()) {
+    k.push_back('l');
+    for (int64_t x : v.toIntList()) put(k, x);
+    return true;
+  }
+  if (v.isBoolList()) {
+    k.push_back('m');
+    for (bool x : v.toBoolList()) k.push_back(x ? '1' : '0');
+    return true;
+  }
+  if (v.isDoubleList()) {
+    k.push_back('f');
+    for (double x : v.toDoubleList()) put(k, x);
+    return true;
+  }
+  return false;
+}
+
+// false: an argument this layer does not key (the call goes to Python)
+bool signature(const Stack& stack, size_t arguments, std::string& k, c10::Device& device, bool& have_device) {
+  k.reserve(512);
+  for (size_t i = stack.size() - arguments; i < stack.size(); ++i) {
+    const c10::IValue& v = stack[i];
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (!t.defined()) {
+        k.push_back('u');
+        continue;
+      }
+      if (t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) return false;
+      k.push_back('T');
+      put(k, static_cast<int8_t>(t.scalar_type()));
+      put(k, static_cast<int8_t>(t.device().type()));
+      put(k, static_cast<int8_t>(t.device().index()));
+      put(k, static_cast<int8_t>(t.dim()));
+      for (int64_t s : t.sizes()) put(k, s);
+      for (int64_t s : t.strides()) put(k, s);
+      k.push_back(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? 'a' : 'n');
+      if (!have_device) {
+        device = t.device();
+        have_device = true;
+      }
+    } else if (v.isNone()) {
+      k.push_back('n');
+    } else if (v.isInt()) {
+      k.push_back('i');
+      put(k, v.toInt());
+    } else if (v.isDouble()) {
+      k.push_back('d');
+      put(k, v.toDouble());
+    } else if (v.isBool()) {
+      k.push_back(v.toBool() ? 'B' : 'b');
+    } else if (!put_scalar_list(k, v)) {
+      return false;
+    }
+    k.push_back('|');
+  }
+  return have_device;
+}
+
+void* current_stream(const c10::Device& device) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  return impl.getStream(device).native_handle();
+}
+
+// ---- running a plan ----
+
+std::string driver_error(int rc) {
+  const char* name = nullptr;
+  if (driver().error_name != nullptr) driver().error_name(rc, &name);
+  return name != nullptr ? std::string(name) : "CUDA driver error " + std::to_string(rc);
+}
+
+void run(const Plan& p, Stack& stack, size_t arguments, const c10::Device& device, void* stream) {
+  std::vector<at::Tensor> regs(p.registers);
+  const size_t base = stack.size() - arguments;
+  for (const auto& [arg, r] : p.inputs) regs[r] = stack[base + arg].toTensor();
+  for (const auto& [r, t] : p.constants) regs[r] = t;
+  std::optional<c10::DeviceGuard> guard;
+  if (p.launches) guard.emplace(device);     // the driver launches into the current device's context
+  for (const Step& s : p.steps) {
+    if (s.op) {
+      Stack local = s.op->args;
+      for (const auto& [pos, r] : s.op->tensors) local[pos] = r >= 0 ? c10::IValue(regs[r]) : c10::IValue();
+      s.op->op.callBoxed(&local);
+      for (size_t i = 0; i < s.op->outs.size() && i < local.size(); ++i) {
+        if (s.op->outs[i] >= 0) regs[s.op->outs[i]] = local[i].toTensor();
+      }
+    } else {
+      const LaunchStep& l = *s.launch;
+      std::vector<int64_t> slots = l.slots;
+      for (const auto& [slot, r] : l.pointers) slots[slot] = reinterpret_cast<int64_t>(regs[r].data_ptr());
+      std::vector<void*> params(slots.size());
+      for (size_t i = 0; i < slots.size(); ++i) params[i] = &slots[i];
+      const int rc = driver().launch(l.fn, l.dims[0], l.dims[1], l.dims[2], l.dims[3], l.dims[4], l.dims[5],
+                                     l.shared_mem, stream, params.data(), nullptr);
+      TORCH_CHECK(rc == 0, "nnrand replay: launching kernel ", l.name, " with grid (", l.dims[0], ", ", l.dims[1],
+                  ", ", l.dims[2], "), block (", l.dims[3], ", ", l.dims[4], ", ", l.dims[5], "), ", l.shared_mem,
+                  " bytes of dynamic shared memory failed: ", driver_error(rc));
+    }
+  }
+  torch::jit::drop(stack, arguments);
+  for (int r : p.outputs) stack.emplace_back(r >= 0 ? c10::IValue(regs[r]) : c10::IValue(at::Tensor()));
+}
+
+// ---- the kernel registered above the Python one ----
+
+struct ReplayKernel final : public c10::OperatorKernel {
+  OpState* state;
+  Layer* layer;
+  ReplayKernel(OpState* s, Layer* l) : state(s), layer(l) {}
+
+  void python(const c10::OperatorHandle& op, c10::DispatchKeySet ks, Stack* stack) {
+    state->python.callBoxed(op, ks, stack);
+  }
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, Stack* stack) {
+    if (t_inside > 0 || layer->python_only.load(std::memory_order_relaxed)) return python(op, ks, stack);
+    std::string key;
+    c10::Device device(c10::kCPU);
+    bool have_device = false;
+    if (!signature(*stack, state->arguments, key, device, have_device)) return python(op, ks, stack);
+    void* stream = nullptr;
+    if (layer->cuda) {
+      if (device.type() != c10::kCUDA || driver().launch == nullptr) return python(op, ks, stack);
+      stream = current_stream(device);
+      int status = 0;
+      // a capture records what Python does (graph-private ticket counters); an error reads as capturing
+      if (driver().capturing == nullptr || driver().capturing(stream, &status) != 0 || status != 0) {
+        return python(op, ks, stack);
+      }
+      put(key, reinterpret_cast<uintptr_t>(stream));
+    }
+    key.push_back(at::globalContext().deterministicAlgorithms() ? 'D' : 'd');
+
+    std::shared_ptr<Plan> plan;
+    int calls = 0;
+    {
+      std::lock_guard<std::mutex> lock(layer->mutex);
+      auto it = state->entries.find(key);
+      if (it != state->entries.end()) {
+        plan = it->second.plan;
+        calls = it->second.calls;
+      }
+    }
+    if (plan) {
+      run(*plan, *stack, state->arguments, device, stream);
+      plan->hits.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    if (calls >= kMaxCalls || calls < kWarmCalls) {
+      python(op, ks, stack);
+      std::lock_guard<std::mutex> lock(layer->mutex);
+      ++state->entries[key].calls;
+      ++state->python_calls;
+      return;
+    }
+    Pending pending{state, nullptr};
+    t_pending.push_back(&pending);
+    try {
+      python(op, ks, stack);
+    } catch (...) {
+      t_pending.pop_back();
+      throw;
+    }
+    t_pending.pop_back();
+    std::lock_guard<std::mutex> lock(layer->mutex);
+    Entry& e = state->entries[key];
+    ++e.calls;
+    ++state->python_calls;
+    if (pending.committed) {
+      e.plan = pending.committed;
+      ++state->recorded;
+    } else {
+      ++state->refused;
+    }
+  }
+};
+
+// ---- the Python side ----
+
+std::pair<std::string, std::string> split_name(const std::string& qualified) {
+  const auto dot = qualified.find('.');
+  if (dot == std::string::npos) return {qualified, ""};
+  return {qualified.substr(0, dot), qualified.substr(dot + 1)};
+}
+
+// "Overriding a previously registered kernel": that is the point
+struct Quiet final : public c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+
+void enable(const std::vector<std::string>& ops, const std::string& ns, const std::string& key) {
+  TORCH_CHECK(g_layer == nullptr, "nnrand replay: the layer is already enabled");
+  Quiet quiet;
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+  auto layer = std::make_unique<Layer>();
+  const c10::DispatchKey k = c10::parseDispatchKey(key);
+  layer->cuda = k == c10::DispatchKey::CUDA;
+  for (const std::string& name : ops) {
+    const auto [base, overload] = split_name(name);
+    auto handle = c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + base).c_str(), overload.c_str());
+    auto state = std::unique_ptr<OpState>(new OpState{name, handle, handle.getComputedKernelForDispatchKey(k)});
+    state->arguments = handle.schema().arguments().size();
+    state->returns = handle.schema().returns().size();
+    layer->ops.push_back(std::move(state));
+  }
+  layer->library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, k, __FILE__, __LINE__);
+  for (auto& s : layer->ops) {
+    const auto [base, overload] = split_name(s->name);
+    const std::string reg = overload.empty() ? base : base + "." + overload;
+    layer->library->impl(reg.c_str(),
+                         torch::CppFunction::makeFromBoxedFunctor(std::make_unique<ReplayKernel>(s.get(), layer.get())));
+  }
+  g_layer = layer.release();
+}
+
+void disable() {
+  if (g_layer == nullptr) return;
+  Layer* layer = g_layer;
+  g_layer = nullptr;
+  layer->library.reset();   // the kernels below (Python's) are the dispatcher's again
+  delete layer;
+}
+
+bool enabled() { return g_layer != nullptr; }
+
+// Whether this thread's innermost call is a recording miss of ``op`` (the Python kernel then records).
+bool pending(const std::string& op) { return !t_pending.empty() && t_pending.back()->op->name == op; }
+
+void set_python_only(bool on) {
+  if (g_layer != nullptr) g_layer->python_only.store(on);
+}
+
+void enter_original() { ++t_inside; }
+void leave_original() { --t_inside; }
+
+// A constant argument. A Python number where the schema takes a tensor is what Python's argument parser
+// makes of it (``y * 0.5``): a wrapped-number CPU tensor, which type promotion treats as a scalar.
+c10::IValue argument(const c10::Argument& a, const py::handle& v) {
+  if (a.type()->kind() == c10::TypeKind::TensorType &&
+      (py::isinstance<py::float_>(v) || py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v))) {
+    const c10::Scalar s = py::isinstance<py::bool_>(v)    ? c10::Scalar(v.cast<bool>())
+                          : py::isinstance<py::int_>(v)   ? c10::Scalar(v.cast<int64_t>())
+                                                          : c10::Scalar(v.cast<double>());
+    at::Tensor t = at::scalar_to_tensor(s);
+    t.unsafeGetTensorImpl()->set_wrapped_number(true);
+    return t;
+  }
+  return torch::jit::toIValue(v, a.type());
+}
+
+// Attach a recorded plan to this thread's pending miss. ``steps``: ("op", name, overload, entries, outs) with
+// one entry per schema argument: ("r", register) a tensor register, ("n",) None, ("d",) the default,
+// ("v", value) a constant; or ("launch", function, dims, shared_mem, slots, pointers, name).
+void commit(const std::string& op, int64_t id, int registers, const std::vector<std::pair<int, int>>& inputs,
+            const std::vector<std::pair<int, at::Tensor>>& constants, const py::list& steps,
+            const std::vector<int>& outputs) {
+  TORCH_CHECK(!t_pending.empty() && t_pending.back()->op->name == op, "nnrand replay: no pending call of ", op);
+  OpState* state = t_pending.back()->op;
+  TORCH_CHECK(outputs.size() == state->returns, "nnrand replay: ", op, " returns ", state->returns,
+              " values, the plan gives ", outputs.size());
+  auto plan = std::make_shared<Plan>();
+  plan->id = id;
+  plan->registers = registers;
+  plan->inputs = inputs;
+  plan->constants = constants;
+  plan->outputs = outputs;
+  for (const py::handle& h : steps) {
+    const py::tuple s = py::reinterpret_borrow<py::tuple>(h);
+    const std::string kind = s[0].cast<std::string>();
+    Step step;
+    if (kind == "op") {
+      const std::string name = s[1].cast<std::string>();
+      const std::string overload = s[2].cast<std::string>();
+      auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+      const auto& schema = handle.schema();
+      const py::list entries = s[3].cast<py::list>();
+      TORCH_CHECK(entries.size() == schema.arguments().size(), "nnrand replay: ", name, " takes ",
+                  schema.arguments().size(), " arguments, the plan gives ", entries.size());
+      auto o = std::unique_ptr<OpStep>(new OpStep{handle});
+      for (size_t i = 0; i < entries.size(); ++i) {
+        const py::tuple e = entries[i].cast<py::tuple>();
+        const std::string tag = e[0].cast<std::string>();
+        const c10::Argument& a = schema.arguments()[i];
+        if (tag == "r") {
+          o->args.emplace_back();
+          o->tensors.emplace_back(static_cast<int>(i), e[1].cast<int>());
+        } else if (tag == "n") {
+          o->args.emplace_back();
+        } else if (tag == "d") {
+          TORCH_CHECK(a.default_value().has_value(), "nnrand replay: ", name, " argument ", a.name(),
+                      " has no default");
+          o->args.push_back(*a.default_value());
+        } else {
+          o->args.push_back(argument(a, e[1]));
+        }
+      }
+      o->outs = s[4].cast<std::vector<int>>();
+      step.op = std::move(o);
+    } else {
+      auto l = std::make_unique<LaunchStep>();
+      l->fn = reinterpret_cast<void*>(s[1].cast<uintptr_t>());
+      const auto dims = s[2].cast<std::vector<unsigned>>();
+      TORCH_CHECK(dims.size() == 6, "nnrand replay: a launch needs grid and block (6 numbers)");
+      std::copy(dims.begin(), dims.end(), l->dims);
+      l->shared_mem = s[3].cast<unsigned>();
+      l->slots = s[4].cast<std::vector<int64_t>>();
+      l->pointers = s[5].cast<std::vector<std::pair<int, int>>>();
+      l->name = s[6].cast<std::string>();
+      if (l->slots.empty()) l->slots.push_back(0);
+      plan->launches = true;
+      step.launch = std::move(l);
+    }
+    plan->steps.push_back(std::move(step));
+  }
+  t_pending.back()->committed = std::move(plan);
+}
+
+// (plan id, calls replayed since the last take) for every plan that ran
+std::vector<std::pair<int64_t, int64_t>> take_counts() {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (g_layer == nullptr) return out;
+  std::lock_guard<std::mutex> lock(g_layer->mutex);
+  for (auto& s : g_layer->ops) {
+    for (auto& [key, e] : s->entries) {
+      if (!e.plan) continue;
+      const int64_t n = e.plan->hits.load();
+      if (n != e.plan->reported) {
+        out.emplace_back(e.plan->id, n - e.plan->reported);
+        e.plan->reported = n;
+      }
+    }
+  }
+  return out;
+}
+
+// per op: signatures, plans, replayed calls, calls that went to Python, recordings made and refused
+py::dict stats() {
+  py::dict out;
+  if (g_layer == nullptr) return out;
+  std::lock_guard<std::mutex> lock(g_layer->mutex);
+  for (auto& s : g_layer->ops) {
+    int64_t plans = 0, hits = 0;
+    for (auto& [key, e] : s->entries) {
+      if (e.plan) {
+        ++plans;
+        hits += e.plan->hits.load();
+      }
+    }
+    py::dict d;
+    d["signatures"] = s->entries.size();
+    d["plans"] = plans;
+    d["replayed"] = hits;
+    d["python"] = s->python_calls;
+    d["recorded"] = s->recorded;
+    d["refused"] = s->refused;
+    out[py::str(s->name)] = d;
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("enable", &enable);
+  m.def("disable", &disable);
+  m.def("enabled", &enabled);
+  m.def("pending", &pending);
+  m.def("set_python_only", &set_python_only);
+  m.def("enter_original", &enter_original);
+  m.def("leave_original", &leave_original);
+  m.def("commit", &commit);
+  m.def("take_counts", &take_counts);
+  m.def("stats", &stats);
+}

@@ -1,0 +1,305 @@
+"""The C++ replay layer (nnrand/replay.py, replay.cpp).
+
+On the CPU: the layer over a Python kernel of a test op (its work aten ops only): replayed calls equal the
+Python kernel's bit for bit, the signature decides the plan (shapes, 16-byte alignment, scalar arguments),
+recordings that could differ from the call are refused (a value read back to Python, a CPU tensor the call
+did not make), the counts reach the caller, and closing the layer gives the op back to Python. The
+recorder's mapping of kernel arguments to tensors is checked without a GPU. These tests build the
+extension (about 40 s on two cores, once per torch version); without a C++ toolchain they skip.
+
+On the GPU: training steps routed ``tree`` with the layer equal the same steps with every routed call in
+Python (``NNRAND_REPLAY=0``), bit for bit, in both layouts, with the same coverage, and the layer replays
+every routed op kind it takes.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nnrand import replay
+
+_NAMES = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def module():
+    m = replay.load(quiet=True)
+    if m is None:
+        pytest.skip(f"the replay extension does not build here: {replay.failure()}")
+    return m
+
+
+class _TestOp:
+    """A fresh op ``nnrand_replay_test<N>::<name>(Tensor x, Tensor w, float a, int[] shape) -> (Tensor, Tensor)``
+    whose CPU kernel is ``handler`` in Python, called through the replay protocol, with the layer over it."""
+
+    def __init__(self, module, handler):
+        self.ns = f"nnrand_replay_test{next(_NAMES)}"
+        self.lib = torch.library.Library(self.ns, "DEF")
+        self.lib.define("op(Tensor x, Tensor w, float a, int[] shape) -> (Tensor, Tensor)")
+        self.handler = handler
+        self.python_calls = 0
+        self.counts: collections.Counter = collections.Counter()
+        self.taps = None
+        self.lib.impl("op", self._kernel, "CPU", with_keyset=True)
+        self.layer = replay.Layer(module, ["op"], lambda op, where, reason, n: self.counts.update({where: n}),
+                                  namespace=self.ns, key="CPU")
+
+    def _count(self, where: str) -> None:
+        if self.taps is not None:
+            self.taps.append(("op", where, None))
+        self.counts[where] += 1
+
+    def _kernel(self, keyset, *args):
+        self.python_calls += 1
+        if self.layer.pending("op"):
+            self.taps = taps = []
+            try:
+                return self.layer.record("op", lambda: self.handler(self, *args), args, {}, taps)
+            finally:
+                self.taps = None
+        return self.handler(self, *args)
+
+    def __call__(self, *args):
+        return getattr(torch.ops, self.ns).op(*args)
+
+    def close(self):
+        self.layer.close()
+        self.lib._destroy()
+
+
+def _plain(op, x, w, a, shape):
+    """aten ops only: an out= call, an elementwise op with a Python scalar, a permute and a copy, a view."""
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x, w, out=y)
+    z = (y * a).permute(1, 0).contiguous().view(shape)
+    op._count("replayable")
+    return z, y
+
+
+def _inputs(seed: int, rows: int = 4, cols: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g)
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(p, q) and p.stride() == q.stride() for p, q in zip(a, b))
+
+
+def test_replayed_calls_equal_the_python_kernel_and_are_counted(module):
+    op = _TestOp(module, _plain)
+    try:
+        x, w = _inputs(0)
+        want = _plain(op, x, w, 0.5, [3, 8])
+        op.counts.clear()
+        got = [op(x, w, 0.5, [3, 8]) for _ in range(10)]
+        assert all(_same(g, want) for g in got)
+        # the first call plans in Python, the second is recorded there, the other eight are replayed
+        assert op.python_calls == 2
+        s = op.layer.stats()["op"]
+        assert (s["plans"], s["replayed"], s["python"], s["recorded"], s["refused"]) == (1, 8, 2, 1, 0)
+        op.layer.drain()
+        assert op.counts == {"replayable": 10}
+        # new inputs of the same signature: the plan computes on them, not on the recorded ones
+        x2, w2 = _inputs(1)
+        assert _same(op(x2, w2, 0.5, [3, 8]), _plain(op, x2, w2, 0.5, [3, 8]))
+        assert op.python_calls == 2
+    finally:
+        op.close()
+
+
+def test_the_signature_decides_the_plan(module):
+    op = _TestOp(module, _plain)
+    try:
+        x, w = _inputs(2, 4, 6)
+        calls = [(x, w, 0.5, [3, 8]),                    # the base
+                 (x, w, 0.25, [3, 8]),                   # another scalar
+                 (x, w, 0.5, [8, 3]),                    # another list
+                 (*_inputs(3, 2, 12), 0.5, [3, 8]),      # another shape
+                 (x.t().contiguous().t(), w, 0.5, [3, 8])]   # other strides
+        base = torch.randn(4 * 6 + 1, generator=torch.Generator().manual_seed(4))
+        calls.append((base[1:].view(4, 6), w, 0.5, [3, 8]))   # 4 bytes past an aligned address
+        for args in calls:
+            for _ in range(3):
+                assert _same(op(*args), _plain(op, *args))
+        s = op.layer.stats()["op"]
+        assert (s["signatures"], s["plans"], s["replayed"]) == (len(calls), len(calls), len(calls))
+    finally:
+        op.close()
+
+
+def _reads_back(op, x, w, a, shape):
+    """A decision on tensor data in Python: its replay would keep the recorded branch."""
+    y = x * w
+    if float(y.sum()) > 0:
+        y = y * a
+    op._count("reads")
+    return y.reshape(shape), y
+
+
+def _splits(op, x, w, a, shape):
+    """An op returning a list of tensors (the layer keeps registers of tensors and tuples only)."""
+    top, bottom = x.split(2)
+    op._count("splits")
+    return torch.cat([bottom, top]).reshape(shape), x * w
+
+
+@pytest.mark.parametrize("handler, why", [(_reads_back, "returned a float"), (_splits, "list of tensors")])
+def test_recordings_that_could_differ_are_refused(module, handler, why):
+    op = _TestOp(module, handler)
+    try:
+        x, w = _inputs(5)
+        for sign in (1.0, -1.0, 1.0, -1.0, 1.0, -1.0):
+            assert _same(op(x * sign, w, 0.5, [3, 8]), handler(op, x * sign, w, 0.5, [3, 8]))
+        s = op.layer.stats()["op"]
+        assert s["plans"] == 0 and s["replayed"] == 0 and s["refused"] >= 1
+        assert op.python_calls == 6
+        assert any(why in reason for reason in s["refusals"])
+    finally:
+        op.close()
+
+
+_HELD = torch.zeros(4, 6)
+
+
+def _holds(op, x, w, a, shape):
+    """A tensor the handler holds from before the call (as a stream's ticket counters): a constant of the
+    plan, the same tensor at every replay."""
+    op._count("held")
+    return (x + _HELD).reshape(shape), x * w
+
+
+def test_a_held_tensor_is_the_same_tensor_at_every_replay(module):
+    op = _TestOp(module, _holds)
+    try:
+        x, w = _inputs(7)
+        for value in (0.0, 1.0, 2.0, 3.0, 4.0):
+            _HELD.fill_(value)
+            assert _same(op(x, w, 0.5, [3, 8]), _holds(op, x, w, 0.5, [3, 8]))
+        assert op.layer.stats()["op"]["replayed"] == 3
+    finally:
+        op.close()
+
+
+def test_python_only_and_close_give_the_calls_back_to_python(module):
+    op = _TestOp(module, _plain)
+    x, w = _inputs(6)
+    try:
+        for _ in range(3):
+            op(x, w, 0.5, [3, 8])
+        assert op.python_calls == 2
+        op.layer.python_only(True)
+        op(x, w, 0.5, [3, 8])
+        assert op.python_calls == 3
+        op.layer.python_only(False)
+        module.enter_original()   # a call made from inside an original kernel
+        try:
+            op(x, w, 0.5, [3, 8])
+        finally:
+            module.leave_original()
+        assert op.python_calls == 4
+        op(x, w, 0.5, [3, 8])
+        assert op.python_calls == 4
+    finally:
+        op.layer.close()
+    assert not module.enabled()
+    op(x, w, 0.5, [3, 8])
+    assert op.python_calls == 5
+    op.lib._destroy()
+
+
+class _Fn:
+    ptr = 0x1234
+
+
+def test_recorder_maps_kernel_arguments_to_the_call_tensors():
+    x = torch.randn(8)
+    rec = replay.Recorder(torch.device("cpu"))
+    rec.input(0, x)
+    with rec:
+        y = torch.empty(16)
+    rec.launch(_Fn, (2, 1, 1, 128, 1, 1), 0, None, [x.data_ptr(), y.data_ptr(), 7, 0, -3], None, None, "k")
+    assert rec.refusal is None
+    kind, fn, dims, smem, slots, pointers, name = rec.steps[-1]
+    assert (kind, fn, dims, slots, name) == ("launch", 0x1234, (2, 1, 1, 128, 1, 1), [0, 0, 7, 0, -3], "k")
+    assert pointers == [(0, rec.reg[id(x)]), (1, rec.reg[id(y)])]
+    # an address that no tensor of the call owns: the call cannot be replayed
+    rec.launch(_Fn, (1, 1, 1, 32, 1, 1), 0, None, [y.data_ptr() + 4], None, None, "k2")
+    assert "is no tensor the call knows" in rec.refusal
+    rec2 = replay.Recorder(torch.device("cpu"))
+    rec2.launch(_Fn, (1, 1, 1, 32, 1, 1), 0, None, [1], None, (1, 2), "k3")
+    assert "struct" in rec2.refusal
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU
+
+
+class _Net(nn.Module):
+    """Every op kind the layer takes: convs (with and without bias), BatchNorm, max pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        self.bn2 = nn.BatchNorm2d(32)
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+def _steps(model, fmt, n: int = 5):
+    g = torch.Generator(device="cuda").manual_seed(11)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(n):
+        x = torch.randn(16, 3, 32, 32, device="cuda", generator=g).contiguous(memory_format=fmt)
+        y = torch.randint(0, 10, (16,), device="cuda", generator=g)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    torch.cuda.synchronize()
+    return [t.detach().clone() for t in itertools.chain(model.parameters(), model.buffers())]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cudnn", [True, False])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_gpu_replayed_training_equals_python_kernels(layout, cudnn, monkeypatch, cuda_sync):
+    import nnrand
+
+    if replay.load(quiet=True) is None:
+        pytest.skip(f"the replay extension does not build here: {replay.failure()}")
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    torch.manual_seed(0)
+    base = _Net().cuda().to(memory_format=fmt)
+    runs, coverage, stats = {}, {}, {}
+    before = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = cudnn   # cuDNN's BatchNorm backward, or torch's native one
+    try:
+        for env in ("0", "1"):
+            monkeypatch.setenv(replay.ENV, env)
+            with nnrand.use_kernels("tree") as r:
+                runs[env] = _steps(copy.deepcopy(base), fmt)
+            coverage[env], stats[env] = r.coverage.as_dict(), r.replay
+    finally:
+        torch.backends.cudnn.enabled = before
+    assert all(torch.equal(a, b) for a, b in zip(runs["0"], runs["1"]))
+    assert coverage["0"] == coverage["1"]
+    assert stats["0"] is None
+    bn = "cudnn_batch_norm_backward" if cudnn else "native_batch_norm_backward"
+    for op in ("convolution_backward", bn, "max_pool2d_with_indices_backward"):
+        s = stats["1"][op]
+        # 5 steps: per signature, one call plans and one is recorded in Python; the rest replay
+        assert s["plans"] == s["signatures"] and s["refused"] == 0, s
+        assert s["replayed"] + s["python"] == sum(coverage["1"][op].values()), s
+        assert s["replayed"] >= 3 * s["signatures"], s
