@@ -20,9 +20,10 @@ deterministic-mode flag) it keeps a plan recorded from one Python call, and runs
 A recording is refused, and the signature stays on the Python path, wherever a replay could differ from
 a Python call: an op that returns a value to Python (``.item()``, a comparison: a decision on device
 data), a tensor made off the device, an original kernel called (its work is invisible to the log), a
-launch on another stream or taking a struct, a kernel argument that looks like an address (>= 2^32) of no
-tensor the call knows, a coverage count other than one. Every GPU launch of the routed kernels goes
-through ``kernels.runtime.launch`` or ``Launch``, so nothing else runs on the device unseen.
+launch on another stream or taking a struct, a kernel argument that is no tensor of the call's and looks
+like an address (>= 2^32, or memory the CUDA driver knows), a coverage count other than one. Every GPU
+launch of the routed kernels goes through ``kernels.runtime.launch`` or ``Launch``, so nothing else runs
+on the device unseen.
 
 Never used during a CUDA-graph capture (the C++ kernel passes such calls to Python, whose ticket
 counters are graph-private), while a routed-op observer records (``routing.observe``), or for calls an
@@ -108,6 +109,17 @@ def failure() -> str | None:
 
 class Refused(Exception):
     """A call whose replay could differ from it: it stays on the Python path."""
+
+
+def _is_address(v: int) -> bool:
+    """Whether ``v`` is an address the CUDA driver knows (device, managed or registered host memory): an
+    argument that is one, outside every tensor of the call, must not be replayed as a constant."""
+    from cupy.cuda import runtime as cuda_runtime
+
+    try:
+        return cuda_runtime.pointerGetAttributes(v).type != 0   # cudaMemoryTypeUnregistered
+    except Exception:   # the driver refuses the value: not an address of its own
+        return False
 
 
 class Recorder(TorchDispatchMode):
@@ -217,7 +229,7 @@ class Recorder(TorchDispatchMode):
             if r is not None:
                 pointers.append((i, r))
                 slots.append(0)
-            elif abs(v) >= ADDRESS:
+            elif abs(v) >= ADDRESS or (v > 0 and self.stream is not None and _is_address(v)):
                 return self.refuse(f"argument {i} of kernel {name} ({v:#x}) is no tensor the call knows")
             else:
                 slots.append(v)

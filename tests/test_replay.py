@@ -229,8 +229,10 @@ def test_recorder_maps_kernel_arguments_to_the_call_tensors():
     kind, fn, dims, smem, slots, pointers, name = rec.steps[-1]
     assert (kind, fn, dims, slots, name) == ("launch", 0x1234, (2, 1, 1, 128, 1, 1), [0, 0, 7, 0, -3], "k")
     assert pointers == [(0, rec.reg[id(x)]), (1, rec.reg[id(y)])]
-    # an address that no tensor of the call owns: the call cannot be replayed
-    rec.launch(_Fn, (1, 1, 1, 32, 1, 1), 0, None, [y.data_ptr() + 4], None, None, "k2")
+    # an argument at an address's size that no tensor of the call owns: the call cannot be replayed
+    stray = replay.ADDRESS + 4096
+    assert stray not in rec.by_ptr
+    rec.launch(_Fn, (1, 1, 1, 32, 1, 1), 0, None, [stray], None, None, "k2")
     assert "is no tensor the call knows" in rec.refusal
     rec2 = replay.Recorder(torch.device("cpu"))
     rec2.launch(_Fn, (1, 1, 1, 32, 1, 1), 0, None, [1], None, (1, 2), "k3")
