@@ -522,8 +522,11 @@ def render(data: dict) -> str:
            "tuner (torch_det) / passed to the original kernel / uncovered; backward ops named by their forward, "
            "the forward convs fastest-deterministic tunes as conv fwd. Where a "
            "mode's graph time is far below its eager time, its eager step is host-bound: each routed op "
-           "adds the Python cost of its dispatch and launches (`bench/dev/launch_cost.py`), which the graph "
-           "removes; where both are close, the GPU time of the kernels decides (`reports/kernels.md`). A "
+           "adds the host cost of its dispatch and launches, which the graph removes (rows measured from git "
+           "8c9985a on: the conv, BatchNorm and max-pool backwards replayed in C++ per call signature, "
+           "`nnrand/replay.py`; earlier rows, and the ops and signatures that layer does not take: Python, "
+           "`bench/dev/launch_cost.py`); where both are close, the GPU time of the kernels decides "
+           "(`reports/kernels.md`). A "
            "host-bound row's eager ratio follows the speed of the machine's CPU, which differs between machines "
            "of one GPU type by tenths of the ratio: compare such rows through the graph column, or by a "
            "same-machine A/B (`bench/dev/routing_host_cost.py --rounds`).", ""]

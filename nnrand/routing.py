@@ -1308,9 +1308,10 @@ def _close_replay(session: "_Session") -> None:
     global _REPLAY_MODULE
     layer = session.replay
     if layer is not None:
-        layer.close()   # its counts folded in; the Python kernels are the dispatcher's again
-        session.coverage.sync = None
+        layer.drain()
         session.last_replay = layer.stats()
+        layer.close()   # the Python kernels are the dispatcher's again
+        session.coverage.sync = None
         session.replay = None
         _REPLAY_MODULE = None
 
