@@ -2,10 +2,10 @@
 //
 // A routed aten op's Python kernel pays the dispatcher's trip into Python on every call (its arguments
 // boxed into Python objects and back) before it does any work of its own. This layer sits above that
-// kernel, at the same dispatch key. Per call signature (dtypes, devices, shapes, strides, 16-byte alignment
-// of every tensor argument, the other arguments' values, the stream, the deterministic-mode flag) it keeps
-// a plan: the aten calls and kernel launches one Python call made for that signature, recorded by
-// replay.py. A call with a known signature runs its plan here (aten ops through the dispatcher, kernels
+// kernel, at the same dispatch key. Per call signature (dtypes, devices, shapes, strides, the low 8 bits
+// of every tensor argument's address, the other arguments' values, the stream, the deterministic-mode
+// flag) it keeps a plan: the aten calls and kernel launches one Python call made for that signature,
+// recorded by replay.py. A call with a known signature runs its plan here (aten ops through the dispatcher, kernels
 // through cuLaunchKernel on the current stream), without Python and without the GIL. Anything else goes to
 // the Python kernel: a new signature (the second such call is recorded), a signature whose recording
 // was refused, a stream being captured into a CUDA graph, calls made from inside an original kernel, and
@@ -179,7 +179,8 @@ bool signature(const Stack& stack, size_t arguments, std::string& k, c10::Device
       put(k, static_cast<int8_t>(t.dim()));
       for (int64_t s : t.sizes()) put(k, s);
       for (int64_t s : t.strides()) put(k, s);
-      k.push_back(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? 'a' : 'n');
+      // the address's low 8 bits: a launcher may pick a kernel by alignment (vector loads), up to 256 bytes
+      k.push_back(static_cast<char>(reinterpret_cast<uintptr_t>(t.data_ptr()) & 255));
       if (!have_device) {
         device = t.device();
         have_device = true;
@@ -353,8 +354,8 @@ void enable(const std::vector<std::string>& ops, const std::string& ns, const st
   for (auto& s : layer->ops) {
     const auto [base, overload] = split_name(s->name);
     const std::string reg = overload.empty() ? base : base + "." + overload;
-    layer->library->impl(reg.c_str(),
-                         torch::CppFunction::makeFromBoxedFunctor(std::make_unique<ReplayKernel>(s.get(), layer.get())));
+    auto kernel = std::make_unique<ReplayKernel>(s.get(), layer.get());
+    layer->library->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
   }
   g_layer = layer.release();
 }

@@ -4,7 +4,7 @@ A routed op's kernel is Python (``torch.library``): every call boxes its argumen
 back, 30-40 us per backward conv on an H200, where a training step of a small model is host-bound. This
 layer (``replay.cpp``, built once with ``torch.utils.cpp_extension`` and cached by it) registers a C++
 kernel above the Python one for the ops in :data:`OPS`, at the CUDA key. Per call signature (dtypes, devices,
-shapes, strides and 16-byte alignment of the tensors, the other arguments' values, the current stream, the
+shapes, strides and address modulo 256 of the tensors, the other arguments' values, the current stream, the
 deterministic-mode flag) it keeps a plan recorded from one Python call, and runs it itself afterwards:
 
   * the first call of a signature goes to Python (it plans and prepares its launches);

@@ -878,6 +878,7 @@ def train_member(cfg: Config, member: int, ds, route: routing.Routing, flags: di
               "train_time_s": sum(m["epoch_time_s"] for m in state["metrics"]),
               "coverage": cov, "uncovered": sorted(op for op, c in cov.items()
                                                                           if c.get(routing.UNCOVERED)),
+              "replay": routed.replay,   # the C++ replay layer's statistics (None: not used)
               "world_size": world.size, "world_invariant": cfg.world_invariant,
               "fingerprint": meta["fingerprint"]}
     if tuner is not None:

@@ -1,7 +1,7 @@
 """The C++ replay layer (nnrand/replay.py, replay.cpp).
 
 On the CPU: the layer over a Python kernel of a test op (its work aten ops only): replayed calls equal the
-Python kernel's bit for bit, the signature decides the plan (shapes, 16-byte alignment, scalar arguments),
+Python kernel's bit for bit, the signature decides the plan (shapes, address alignment, scalar arguments),
 recordings that could differ from the call are refused (a value read back to Python, a CPU tensor the call
 did not make), the counts reach the caller, and closing the layer gives the op back to Python. The
 recorder's mapping of kernel arguments to tensors is checked without a GPU. These tests build the
@@ -106,9 +106,12 @@ def test_replayed_calls_equal_the_python_kernel_and_are_counted(module):
         assert (s["plans"], s["replayed"], s["python"], s["recorded"], s["refused"]) == (1, 8, 2, 1, 0)
         op.layer.drain()
         assert op.counts == {"replayable": 10}
-        # new inputs of the same signature: the plan computes on them, not on the recorded ones
+        # new values in the same tensors (the signature holds the addresses' low bits): the plan computes on
+        # them, not on the recorded ones
         x2, w2 = _inputs(1)
-        assert _same(op(x2, w2, 0.5, [3, 8]), _plain(op, x2, w2, 0.5, [3, 8]))
+        x.copy_(x2)
+        w.copy_(w2)
+        assert _same(op(x, w, 0.5, [3, 8]), _plain(op, x2, w2, 0.5, [3, 8]))
         assert op.python_calls == 2
     finally:
         op.close()
