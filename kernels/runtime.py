@@ -419,6 +419,22 @@ class Launch:
             _launch_kernel(self._fn, self._dims, self._smem, self._index, self._address)
 
 
+_PERSISTENT: dict[int, torch.Tensor] = {}   # storage address -> a device buffer kept for the process's life
+
+
+def keep_persistent(t: torch.Tensor) -> torch.Tensor:
+    """Keep ``t`` alive for the process's lifetime and say so: a buffer a launcher holds across calls (a
+    stream's ticket counters) rather than makes per call. nnrand's replay layer takes only such tensors as
+    the constants of a recorded call (``is_persistent``); any other tensor a call did not make refuses it."""
+    _PERSISTENT[t.untyped_storage().data_ptr()] = t
+    return t
+
+
+def is_persistent(t: torch.Tensor) -> bool:
+    kept = _PERSISTENT.get(t.untyped_storage().data_ptr())
+    return kept is not None and kept.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+
+
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}
 # Every counter buffer ever handed out on a stream stays alive: a CUDA graph captured with one holds its
 # address, and replays after the buffer was outgrown must not count in memory reused for something else.
@@ -444,7 +460,7 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
             if torch.cuda.is_current_stream_capturing():
                 return torch.zeros(max(count, 1024), dtype=torch.int32, device=torch.device("cuda", index))[:count]
         size = max(count, 1024, 2 * buf.numel() if buf is not None else 0)
-        fresh = torch.zeros(size, dtype=torch.int32, device=torch.device("cuda", index))
+        fresh = keep_persistent(torch.zeros(size, dtype=torch.int32, device=torch.device("cuda", index)))
         if buf is not None:
             _RETIRED.append(buf)
         buf = _TICKETS[key] = fresh

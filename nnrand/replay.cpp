@@ -103,6 +103,7 @@ struct Entry {
 
 constexpr int kWarmCalls = 1;                   // Python calls before the first recording (planning)
 constexpr int kMaxCalls = 4;                    // after this many without a plan: Python for good
+constexpr size_t kMaxEntries = 4096;            // signatures kept per op (beyond: Python, nothing kept)
 
 struct OpState {
   std::string name;
@@ -124,11 +125,14 @@ struct Layer {
   std::atomic<bool> python_only{false};
 };
 
-Layer* g_layer = nullptr;
+// The enabled layer. Each registered kernel holds the layer too, so a call still running on another thread
+// when Python disables it keeps its state alive until it returns.
+std::shared_ptr<Layer> g_layer;
 
 struct Pending {
   OpState* op;
   std::shared_ptr<Plan> committed;
+  bool skipped = false;                         // Python did not record (another thread was recording)
 };
 
 thread_local std::vector<Pending*> t_pending;
@@ -144,16 +148,19 @@ void put(std::string& k, T v) {
 bool put_scalar_list(std::string& k, const c10::IValue& v) {
   if (v.isIntList()) {
     k.push_back('l');
+    put(k, static_cast<int64_t>(v.toIntList().size()));
     for (int64_t x : v.toIntList()) put(k, x);
     return true;
   }
   if (v.isBoolList()) {
     k.push_back('m');
+    put(k, static_cast<int64_t>(v.toBoolList().size()));
     for (bool x : v.toBoolList()) k.push_back(x ? '1' : '0');
     return true;
   }
   if (v.isDoubleList()) {
     k.push_back('f');
+    put(k, static_cast<int64_t>(v.toDoubleList().size()));
     for (double x : v.toDoubleList()) put(k, x);
     return true;
   }
@@ -163,6 +170,9 @@ bool put_scalar_list(std::string& k, const c10::IValue& v) {
 // false: an argument this layer does not key (the call goes to Python)
 bool signature(const Stack& stack, size_t arguments, std::string& k, c10::Device& device, bool& have_device) {
   k.reserve(512);
+  const c10::StorageImpl* storages[16];         // of the tensor arguments so far: which share memory
+  int64_t offsets[16];
+  int tensors = 0;
   for (size_t i = stack.size() - arguments; i < stack.size(); ++i) {
     const c10::IValue& v = stack[i];
     if (v.isTensor()) {
@@ -181,6 +191,24 @@ bool signature(const Stack& stack, size_t arguments, std::string& k, c10::Device
       for (int64_t s : t.strides()) put(k, s);
       // the address's low 8 bits: a launcher may pick a kernel by alignment (vector loads), up to 256 bytes
       k.push_back(static_cast<char>(reinterpret_cast<uintptr_t>(t.data_ptr()) & 255));
+      // the first earlier tensor argument on the same storage (a recorded call's buffers are told apart
+      // by object and by address: a plan made where two arguments share memory fits only such calls)
+      if (tensors == 16) return false;
+      const c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+      int8_t same = -1;
+      for (int j = 0; j < tensors; ++j) {
+        if (storages[j] == st) {
+          same = static_cast<int8_t>(j);
+          break;
+        }
+      }
+      put(k, same);
+      if (same >= 0) {   // where in the shared memory each lies
+        put(k, offsets[same]);
+        put(k, t.storage_offset());
+      }
+      storages[tensors] = st;
+      offsets[tensors++] = t.storage_offset();
       if (!have_device) {
         device = t.device();
         have_device = true;
@@ -252,14 +280,15 @@ void run(const Plan& p, Stack& stack, size_t arguments, const c10::Device& devic
 
 struct ReplayKernel final : public c10::OperatorKernel {
   OpState* state;
-  Layer* layer;
-  ReplayKernel(OpState* s, Layer* l) : state(s), layer(l) {}
+  std::shared_ptr<Layer> layer;
+  ReplayKernel(OpState* s, std::shared_ptr<Layer> l) : state(s), layer(std::move(l)) {}
 
   void python(const c10::OperatorHandle& op, c10::DispatchKeySet ks, Stack* stack) {
     state->python.callBoxed(op, ks, stack);
   }
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, Stack* stack) {
+    const std::shared_ptr<Layer> keep = layer;   // alive for this call, whatever Python does meanwhile
     if (t_inside > 0 || layer->python_only.load(std::memory_order_relaxed)) return python(op, ks, stack);
     std::string key;
     c10::Device device(c10::kCPU);
@@ -276,7 +305,10 @@ struct ReplayKernel final : public c10::OperatorKernel {
       }
       put(key, reinterpret_cast<uintptr_t>(stream));
     }
-    key.push_back(at::globalContext().deterministicAlgorithms() ? 'D' : 'd');
+    // the global flags a handler may read (the tuner's candidate set, torch's deterministic kernels)
+    const auto& ctx = at::globalContext();
+    key.push_back(static_cast<char>(ctx.deterministicAlgorithms() | ctx.deterministicCuDNN() << 1 |
+                                    ctx.benchmarkCuDNN() << 2 | ctx.userEnabledCuDNN() << 3));
 
     std::shared_ptr<Plan> plan;
     int calls = 0;
@@ -286,6 +318,8 @@ struct ReplayKernel final : public c10::OperatorKernel {
       if (it != state->entries.end()) {
         plan = it->second.plan;
         calls = it->second.calls;
+      } else if (state->entries.size() >= kMaxEntries) {
+        calls = kMaxCalls;   // no room for another signature: Python, without an entry
       }
     }
     if (plan) {
@@ -296,7 +330,12 @@ struct ReplayKernel final : public c10::OperatorKernel {
     if (calls >= kMaxCalls || calls < kWarmCalls) {
       python(op, ks, stack);
       std::lock_guard<std::mutex> lock(layer->mutex);
-      ++state->entries[key].calls;
+      auto it = state->entries.find(key);
+      if (it != state->entries.end()) {
+        ++it->second.calls;
+      } else if (state->entries.size() < kMaxEntries) {
+        ++state->entries[key].calls;
+      }
       ++state->python_calls;
       return;
     }
@@ -311,10 +350,11 @@ struct ReplayKernel final : public c10::OperatorKernel {
     t_pending.pop_back();
     std::lock_guard<std::mutex> lock(layer->mutex);
     Entry& e = state->entries[key];
-    ++e.calls;
     ++state->python_calls;
+    if (pending.skipped) return;   // not an attempt: another thread was recording
+    ++e.calls;
     if (pending.committed) {
-      e.plan = pending.committed;
+      if (!e.plan) e.plan = std::move(pending.committed);   // two threads recording one signature: the first
       ++state->recorded;
     } else {
       ++state->refused;
@@ -336,10 +376,10 @@ struct Quiet final : public c10::WarningHandler {
 };
 
 void enable(const std::vector<std::string>& ops, const std::string& ns, const std::string& key) {
-  TORCH_CHECK(g_layer == nullptr, "nnrand replay: the layer is already enabled");
+  TORCH_CHECK(!g_layer, "nnrand replay: the layer is already enabled");
   Quiet quiet;
   c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-  auto layer = std::make_unique<Layer>();
+  auto layer = std::make_shared<Layer>();
   const c10::DispatchKey k = c10::parseDispatchKey(key);
   layer->cuda = k == c10::DispatchKey::CUDA;
   for (const std::string& name : ops) {
@@ -354,27 +394,32 @@ void enable(const std::vector<std::string>& ops, const std::string& ns, const st
   for (auto& s : layer->ops) {
     const auto [base, overload] = split_name(s->name);
     const std::string reg = overload.empty() ? base : base + "." + overload;
-    auto kernel = std::make_unique<ReplayKernel>(s.get(), layer.get());
+    auto kernel = std::make_unique<ReplayKernel>(s.get(), layer);
     layer->library->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
   }
-  g_layer = layer.release();
+  g_layer = std::move(layer);
 }
 
 void disable() {
-  if (g_layer == nullptr) return;
-  Layer* layer = g_layer;
-  g_layer = nullptr;
-  layer->library.reset();   // the kernels below (Python's) are the dispatcher's again
-  delete layer;
+  if (!g_layer) return;
+  std::shared_ptr<Layer> layer = std::move(g_layer);
+  g_layer.reset();
+  layer->python_only.store(true);   // a call still running elsewhere goes on in Python
+  layer->library.reset();           // the kernels below (Python's) are the dispatcher's again
 }
 
-bool enabled() { return g_layer != nullptr; }
+bool enabled() { return static_cast<bool>(g_layer); }
 
 // Whether this thread's innermost call is a recording miss of ``op`` (the Python kernel then records).
 bool pending(const std::string& op) { return !t_pending.empty() && t_pending.back()->op->name == op; }
 
 void set_python_only(bool on) {
-  if (g_layer != nullptr) g_layer->python_only.store(on);
+  if (g_layer) g_layer->python_only.store(on);
+}
+
+// This thread's pending miss is not recorded and not counted as an attempt (another thread records).
+void skip() {
+  if (!t_pending.empty()) t_pending.back()->skipped = true;
 }
 
 void enter_original() { ++t_inside; }
@@ -465,7 +510,7 @@ void commit(const std::string& op, int64_t id, int registers, const std::vector<
 // (plan id, calls replayed since the last take) for every plan that ran
 std::vector<std::pair<int64_t, int64_t>> take_counts() {
   std::vector<std::pair<int64_t, int64_t>> out;
-  if (g_layer == nullptr) return out;
+  if (!g_layer) return out;
   std::lock_guard<std::mutex> lock(g_layer->mutex);
   for (auto& s : g_layer->ops) {
     for (auto& [key, e] : s->entries) {
@@ -483,7 +528,7 @@ std::vector<std::pair<int64_t, int64_t>> take_counts() {
 // per op: signatures, plans, replayed calls, calls that went to Python, recordings made and refused
 py::dict stats() {
   py::dict out;
-  if (g_layer == nullptr) return out;
+  if (!g_layer) return out;
   std::lock_guard<std::mutex> lock(g_layer->mutex);
   for (auto& s : g_layer->ops) {
     int64_t plans = 0, hits = 0;
@@ -513,6 +558,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enabled", &enabled);
   m.def("pending", &pending);
   m.def("set_python_only", &set_python_only);
+  m.def("skip", &skip);
   m.def("enter_original", &enter_original);
   m.def("leave_original", &leave_original);
   m.def("commit", &commit);

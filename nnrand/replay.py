@@ -10,20 +10,24 @@ deterministic-mode flag) it keeps a plan recorded from one Python call, and runs
   * the first call of a signature goes to Python (it plans and prepares its launches);
   * the second goes to Python under a :class:`Recorder`: every aten op the handler calls (a
     ``TorchDispatchMode``) and every kernel it launches (``kernels.runtime``'s launch paths) is logged, the
-    tensors named by registers: the call's inputs, the outputs of logged ops, and device tensors the
-    handler holds from before (a stream's ticket counters) kept as constants. Kernel arguments that equal
-    a register's data pointer become that register; any other argument is a constant;
+    tensors named by registers: the call's inputs, the outputs of logged ops, and the runtime's persistent
+    buffers (a stream's ticket counters, ``runtime.keep_persistent``) kept as constants. Kernel arguments
+    that equal a register's data pointer become that register; any other argument is a constant. Which
+    tensor arguments share memory, and where, is part of the signature;
   * later calls replay the plan in C++: the same aten ops through the dispatcher, the same launches with
     the same grid, block and arguments, on the current stream, with the same buffers' roles. So a replay
     computes exactly what the Python call computes, bit for bit.
 
-A recording is refused, and the signature stays on the Python path, wherever a replay could differ from
-a Python call: an op that returns a value to Python (``.item()``, a comparison: a decision on device
-data), a tensor made off the device, an original kernel called (its work is invisible to the log), a
-launch on another stream or taking a struct, a kernel argument that is no tensor of the call's and looks
-like an address (>= 2^32, or memory the CUDA driver knows), a coverage count other than one. Every GPU
-launch of the routed kernels goes through ``kernels.runtime.launch`` or ``Launch``, so nothing else runs
-on the device unseen.
+A recording is refused, and the signature stays on the Python path, where the log shows a replay could
+differ from a Python call: an op that returns a value to Python (``.item()``, a comparison: a decision on
+device data), a tensor made off the device, a tensor the call did not make through the dispatcher that is
+no persistent runtime buffer, an original kernel called (its work is invisible to the log), a launch on
+another stream or taking a struct, a kernel argument that is no tensor of the call's and looks like an
+address (>= 2^32, or memory the CUDA driver knows), a coverage count other than one. What the log cannot
+see is kept out of the routed handlers by construction: every kernel they launch goes through
+``kernels.runtime.launch`` or ``Launch``, and they read no device data outside aten ops. The kernel
+modules' tuning switches (``bias_grad.TARGET_BLOCKS`` and the like) are read when a signature is recorded:
+change them outside a routing context.
 
 Never used during a CUDA-graph capture (the C++ kernel passes such calls to Python, whose ticket
 counters are graph-private), while a routed-op observer records (``routing.observe``), or for calls an
@@ -111,15 +115,23 @@ class Refused(Exception):
     """A call whose replay could differ from it: it stays on the Python path."""
 
 
+_POINTER_ATTRIBUTE = None
+
+
 def _is_address(v: int) -> bool:
     """Whether ``v`` is an address the CUDA driver knows (device, managed or registered host memory): an
-    argument that is one, outside every tensor of the call, must not be replayed as a constant."""
-    from cupy.cuda import runtime as cuda_runtime
+    argument that is one, outside every tensor of the call, must not be replayed as a constant. Asked of
+    the driver API (cuPointerGetAttribute), which leaves the runtime's last-error state alone."""
+    global _POINTER_ATTRIBUTE
+    if _POINTER_ATTRIBUTE is None:
+        import ctypes
 
-    try:
-        return cuda_runtime.pointerGetAttributes(v).type != 0   # cudaMemoryTypeUnregistered
-    except Exception:   # the driver refuses the value: not an address of its own
-        return False
+        _POINTER_ATTRIBUTE = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
+        _POINTER_ATTRIBUTE.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    import ctypes
+
+    memory_type = ctypes.c_uint(0)
+    return _POINTER_ATTRIBUTE(ctypes.byref(memory_type), 2, v) == 0   # CU_POINTER_ATTRIBUTE_MEMORY_TYPE
 
 
 class Recorder(TorchDispatchMode):
@@ -132,7 +144,7 @@ class Recorder(TorchDispatchMode):
         self.registers = 0
         self.reg: dict[int, int] = {}        # id(tensor) -> register
         self.by_ptr: dict[int, int] = {}     # data pointer -> the newest register with it
-        self.keep: list[torch.Tensor] = []   # every tensor seen, alive until the plan is built (ids stay unique)
+        self.keep: list[torch.Tensor] = []   # tensor per register, alive until the plan is built (ids unique)
         self.inputs: list[tuple[int, int]] = []
         self.constants: list[tuple[int, torch.Tensor]] = []
         self.steps: list[tuple] = []
@@ -158,8 +170,11 @@ class Recorder(TorchDispatchMode):
             return r
         if t.device != self.device:
             raise Refused(f"a tensor on {t.device} that the call did not make")
+        if not runtime.is_persistent(t):
+            raise Refused("a tensor the call did not make through the dispatcher, and no persistent runtime "
+                          "buffer")
         r = self._new(t)
-        self.constants.append((r, t))   # held from before the call (a stream's ticket counters, say)
+        self.constants.append((r, t))   # held for the process's life (a stream's ticket counters)
         return r
 
     def refuse(self, why: str) -> None:
@@ -226,6 +241,8 @@ class Recorder(TorchDispatchMode):
         for i, v in enumerate(values):
             v = int(v)
             r = self.by_ptr.get(v) if v else None
+            if r is not None and self.keep[r].data_ptr() != v:   # moved since (an out= resize, set_)
+                return self.refuse(f"argument {i} of kernel {name}: a tensor's data moved during the call")
             if r is not None:
                 pointers.append((i, r))
                 slots.append(0)
@@ -286,11 +303,12 @@ class Layer:
             if isinstance(a, torch.Tensor):
                 rec.input(names.index(k), a)
         with _LOCK:   # the launch paths log into one recorder at a time (the thread it names)
-            if runtime.RECORDER is not None:   # another thread records: this call is not recorded
+            if runtime.RECORDER is not None:   # another thread records: not recorded, not counted as tried
                 rec = None
             else:
                 runtime.RECORDER = rec
         if rec is None:
+            self.module.skip()
             return call()
         try:
             with rec:
@@ -304,13 +322,15 @@ class Layer:
             if len(taps) != 1:
                 raise Refused(f"{len(taps)} coverage counts in one call")
             outputs = rec.outputs(out, len(schema.returns))
-            self.plans.append(taps[0])
-            self.module.commit(op, len(self.plans) - 1, rec.registers, rec.inputs, rec.constants, rec.steps,
-                               outputs)
-        except Refused as e:
-            why = str(e)
-            self.refusals.setdefault(op, {})
-            self.refusals[op][why] = self.refusals[op].get(why, 0) + 1
+            with _LOCK:
+                self.plans.append(taps[0])
+                plan = len(self.plans) - 1
+            self.module.commit(op, plan, rec.registers, rec.inputs, rec.constants, rec.steps, outputs)
+        except Exception as e:   # the call's own result stands; only its replay is given up
+            why = str(e) if isinstance(e, Refused) else f"{type(e).__name__}: {e}"
+            with _LOCK:
+                self.refusals.setdefault(op, {})
+                self.refusals[op][why] = self.refusals[op].get(why, 0) + 1
         return out
 
     def drain(self) -> None:
@@ -331,5 +351,9 @@ class Layer:
         return out
 
     def close(self) -> None:
-        self.drain()
-        self.module.disable()
+        """Fold the last counts in and take the C++ kernels off the dispatcher (always, even where the
+        folding fails)."""
+        try:
+            self.drain()
+        finally:
+            self.module.disable()

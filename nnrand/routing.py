@@ -1203,11 +1203,12 @@ def _bind_observed(fn, session: "_Session", op: str, original: _Original):
             return original.handle.call_boxed(keyset, *args, **kwargs)
         layer = session.replay
         if layer is not None and layer.pending(op):
+            outer = getattr(_TAP, "adds", None)
             _TAP.adds = taps = []
             try:
                 return layer.record(op, lambda: fn(session, original, keyset, *args, **kwargs), args, kwargs, taps)
             finally:
-                _TAP.adds = None
+                _TAP.adds = outer
         out = fn(session, original, keyset, *args, **kwargs)
         for f in session.observers:
             f(op, out, args)
@@ -1307,13 +1308,16 @@ def _open_replay(session: "_Session", ops: list[str]) -> None:
 def _close_replay(session: "_Session") -> None:
     global _REPLAY_MODULE
     layer = session.replay
-    if layer is not None:
+    if layer is None:
+        return
+    try:
         layer.drain()
         session.last_replay = layer.stats()
-        layer.close()   # the Python kernels are the dispatcher's again
+    finally:   # whatever failed above, the C++ kernels leave the dispatcher with the session
         session.coverage.sync = None
         session.replay = None
         _REPLAY_MODULE = None
+        layer.close()   # the Python kernels are the dispatcher's again
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import runtime
 from nnrand import replay
 
 _NAMES = itertools.count()
@@ -168,17 +169,24 @@ def test_recordings_that_could_differ_are_refused(module, handler, why):
         op.close()
 
 
-_HELD = torch.zeros(4, 6)
+_HELD = runtime.keep_persistent(torch.zeros(4, 6))
+_LOOSE = torch.zeros(4, 6)
 
 
 def _holds(op, x, w, a, shape):
-    """A tensor the handler holds from before the call (as a stream's ticket counters): a constant of the
-    plan, the same tensor at every replay."""
+    """A persistent runtime buffer the handler holds from before the call (as a stream's ticket counters):
+    a constant of the plan, the same tensor at every replay."""
     op._count("held")
     return (x + _HELD).reshape(shape), x * w
 
 
-def test_a_held_tensor_is_the_same_tensor_at_every_replay(module):
+def _holds_loose(op, x, w, a, shape):
+    """A tensor the handler holds that the runtime does not keep: it could be another one next call."""
+    op._count("loose")
+    return (x + _LOOSE).reshape(shape), x * w
+
+
+def test_a_persistent_buffer_is_the_same_tensor_at_every_replay(module):
     op = _TestOp(module, _holds)
     try:
         x, w = _inputs(7)
@@ -188,6 +196,85 @@ def test_a_held_tensor_is_the_same_tensor_at_every_replay(module):
         assert op.layer.stats()["op"]["replayed"] == 3
     finally:
         op.close()
+
+
+def test_a_held_tensor_that_is_not_persistent_refuses_the_recording(module):
+    op = _TestOp(module, _holds_loose)
+    try:
+        x, w = _inputs(8)
+        for _ in range(6):
+            assert _same(op(x, w, 0.5, [3, 8]), _holds_loose(op, x, w, 0.5, [3, 8]))
+        s = op.layer.stats()["op"]
+        assert s["plans"] == 0 and op.python_calls == 6
+        assert any("no persistent runtime buffer" in why for why in s["refusals"])
+    finally:
+        op.close()
+
+
+def _difference(op, x, w, a, shape):
+    op._count("difference")
+    return ((x - w) * a).reshape(shape), x * w
+
+
+def test_arguments_sharing_memory_are_part_of_the_signature(module):
+    """A plan recorded with one tensor in both places must not serve a call with two tensors (its
+    registers would read the same one twice), nor the other way round."""
+    op = _TestOp(module, _difference)
+    try:
+        t, _ = _inputs(9)
+        x, w = _inputs(10)
+        base = torch.randn(48, generator=torch.Generator().manual_seed(11))
+        calls = [(t, t), (x, w), (t, t), (x, w), (base[:24].view(4, 6), base[24:].view(4, 6)),
+                 (base[:24].view(4, 6), base[:24].view(4, 6))]
+        for args in calls * 3:
+            assert _same(op(*args, 0.5, [3, 8]), _difference(op, *args, 0.5, [3, 8]))
+        s = op.layer.stats()["op"]
+        assert s["signatures"] == 4 and s["plans"] == 4
+    finally:
+        op.close()
+
+
+def _fails_second_call(op, x, w, a, shape):
+    """Raises in the op's second Python call: the signature's recorded one."""
+    if op.python_calls == 2:
+        raise ValueError("second call")
+    op._count("fails")
+    return (x * a).reshape(shape), x * w
+
+
+def test_an_exception_in_a_recorded_call_leaves_the_layer_usable(module):
+    op = _TestOp(module, _fails_second_call)
+    try:
+        x, w = _inputs(12)
+        want = _fails_second_call(op, x, w, 0.5, [3, 8])
+        assert _same(op(x, w, 0.5, [3, 8]), want)
+        with pytest.raises(ValueError, match="second call"):
+            op(x, w, 0.5, [3, 8])
+        assert runtime.RECORDER is None and not op.layer.pending("op")
+        # the failed call was no attempt: the next one is recorded, the two after it replayed
+        for _ in range(3):
+            assert _same(op(x, w, 0.5, [3, 8]), want)
+        s = op.layer.stats()["op"]
+        assert (op.python_calls, s["plans"], s["replayed"]) == (3, 1, 2)
+    finally:
+        op.close()
+
+
+def test_close_takes_the_layer_off_even_when_folding_the_counts_fails(module):
+    op = _TestOp(module, _plain)
+    x, w = _inputs(13)
+    for _ in range(3):
+        op(x, w, 0.5, [3, 8])
+
+    def broken():
+        raise RuntimeError("drain failed")
+    op.layer.drain = broken
+    with pytest.raises(RuntimeError, match="drain failed"):
+        op.layer.close()
+    assert not module.enabled()
+    op(x, w, 0.5, [3, 8])
+    assert op.python_calls == 3
+    op.lib._destroy()
 
 
 def test_python_only_and_close_give_the_calls_back_to_python(module):
@@ -308,3 +395,22 @@ def test_gpu_replayed_training_equals_python_kernels(layout, cudnn, monkeypatch,
         assert s["plans"] == s["signatures"] and s["refused"] == 0, s
         assert s["replayed"] + s["python"] == sum(coverage["1"][op].values()), s
         assert s["replayed"] >= 3 * s["signatures"], s
+
+
+@pytest.mark.gpu
+def test_gpu_a_call_passed_to_the_original_kernel_is_not_replayed(cuda_sync):
+    """A transposed conv's backward goes to torch's kernel: its work is not in the log, so no plan."""
+    import nnrand
+
+    if replay.load(quiet=True) is None:
+        pytest.skip(f"the replay extension does not build here: {replay.failure()}")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    conv = nn.ConvTranspose2d(8, 4, 3, stride=2).cuda()
+    x = torch.randn(4, 8, 9, 9, device="cuda", generator=g, requires_grad=True)
+    with nnrand.use_kernels("tree") as r:
+        for _ in range(5):
+            conv(x).square().sum().backward()
+    s = r.replay["convolution_backward"]
+    assert (s["plans"], s["replayed"], s["python"]) == (0, 0, 5)
+    assert any("original kernel ran" in why for why in s["refusals"])
+    assert r.coverage["convolution_backward"] == {"original": 5}
