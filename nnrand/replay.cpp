@@ -68,6 +68,9 @@ struct OpStep {
   std::vector<c10::IValue> args;               // every argument; the tensor ones filled per call
   std::vector<std::pair<int, int>> tensors;     // (argument position, register; -1: None)
   std::vector<int> outs;                        // register per returned value (-1: not kept)
+  // the kernel registered for ``op`` before the routing's (called with the call's dispatch keys), or
+  // nullptr: ``op`` through the dispatcher
+  const c10::SafeKernelFunction* original = nullptr;
 };
 
 struct LaunchStep {
@@ -109,6 +112,7 @@ struct OpState {
   std::string name;
   c10::OperatorHandle handle;
   c10::SafeKernelFunction python;
+  std::optional<c10::SafeKernelFunction> original;   // captured before the routing registered its kernel
   size_t arguments = 0;
   size_t returns = 0;
   std::unordered_map<std::string, Entry> entries;
@@ -182,7 +186,7 @@ bool signature(const Stack& stack, size_t arguments, std::string& k, c10::Device
         continue;
       }
       if (t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) return false;
-      k.push_back('T');
+      k.push_back(t.requires_grad() ? 'G' : 'T');
       put(k, static_cast<int8_t>(t.scalar_type()));
       put(k, static_cast<int8_t>(t.device().type()));
       put(k, static_cast<int8_t>(t.device().index()));
@@ -244,7 +248,8 @@ std::string driver_error(int rc) {
   return name != nullptr ? std::string(name) : "CUDA driver error " + std::to_string(rc);
 }
 
-void run(const Plan& p, Stack& stack, size_t arguments, const c10::Device& device, void* stream) {
+void run(const Plan& p, Stack& stack, size_t arguments, const c10::Device& device, void* stream,
+         c10::DispatchKeySet ks) {
   std::vector<at::Tensor> regs(p.registers);
   const size_t base = stack.size() - arguments;
   for (const auto& [arg, r] : p.inputs) regs[r] = stack[base + arg].toTensor();
@@ -255,7 +260,11 @@ void run(const Plan& p, Stack& stack, size_t arguments, const c10::Device& devic
     if (s.op) {
       Stack local = s.op->args;
       for (const auto& [pos, r] : s.op->tensors) local[pos] = r >= 0 ? c10::IValue(regs[r]) : c10::IValue();
-      s.op->op.callBoxed(&local);
+      if (s.op->original != nullptr) {
+        s.op->original->callBoxed(s.op->op, ks, &local);
+      } else {
+        s.op->op.callBoxed(&local);
+      }
       for (size_t i = 0; i < s.op->outs.size() && i < local.size(); ++i) {
         if (s.op->outs[i] >= 0) regs[s.op->outs[i]] = local[i].toTensor();
       }
@@ -308,7 +317,8 @@ struct ReplayKernel final : public c10::OperatorKernel {
     // the global flags a handler may read (the tuner's candidate set, torch's deterministic kernels)
     const auto& ctx = at::globalContext();
     key.push_back(static_cast<char>(ctx.deterministicAlgorithms() | ctx.deterministicCuDNN() << 1 |
-                                    ctx.benchmarkCuDNN() << 2 | ctx.userEnabledCuDNN() << 3));
+                                    ctx.benchmarkCuDNN() << 2 | ctx.userEnabledCuDNN() << 3 |
+                                    c10::GradMode::is_enabled() << 4 | c10::InferenceMode::is_enabled() << 5));
 
     std::shared_ptr<Plan> plan;
     int calls = 0;
@@ -323,7 +333,7 @@ struct ReplayKernel final : public c10::OperatorKernel {
       }
     }
     if (plan) {
-      run(*plan, *stack, state->arguments, device, stream);
+      run(*plan, *stack, state->arguments, device, stream, ks);
       plan->hits.fetch_add(1, std::memory_order_relaxed);
       return;
     }
@@ -370,6 +380,20 @@ std::pair<std::string, std::string> split_name(const std::string& qualified) {
   return {qualified.substr(0, dot), qualified.substr(dot + 1)};
 }
 
+// The kernels registered now for ``ops`` at ``key``, taken by the next enable(): called before the routing
+// registers its own, they are the originals a plan may call (a configuration passed on to torch).
+std::vector<std::pair<std::string, c10::SafeKernelFunction>> g_captured;
+
+void capture(const std::vector<std::string>& ops, const std::string& ns, const std::string& key) {
+  g_captured.clear();
+  const c10::DispatchKey k = c10::parseDispatchKey(key);
+  for (const std::string& name : ops) {
+    const auto [base, overload] = split_name(name);
+    auto handle = c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + base).c_str(), overload.c_str());
+    if (handle.hasKernelForDispatchKey(k)) g_captured.emplace_back(name, handle.getComputedKernelForDispatchKey(k));
+  }
+}
+
 // "Overriding a previously registered kernel": that is the point
 struct Quiet final : public c10::WarningHandler {
   void process(const c10::Warning&) override {}
@@ -388,6 +412,9 @@ void enable(const std::vector<std::string>& ops, const std::string& ns, const st
     auto state = std::unique_ptr<OpState>(new OpState{name, handle, handle.getComputedKernelForDispatchKey(k)});
     state->arguments = handle.schema().arguments().size();
     state->returns = handle.schema().returns().size();
+    for (auto& [captured, kernel] : g_captured) {
+      if (captured == name) state->original.emplace(kernel);
+    }
     layer->ops.push_back(std::move(state));
   }
   layer->library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, k, __FILE__, __LINE__);
@@ -397,6 +424,7 @@ void enable(const std::vector<std::string>& ops, const std::string& ns, const st
     auto kernel = std::make_unique<ReplayKernel>(s.get(), layer);
     layer->library->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
   }
+  g_captured.clear();
   g_layer = std::move(layer);
 }
 
@@ -460,10 +488,23 @@ void commit(const std::string& op, int64_t id, int registers, const std::vector<
     const py::tuple s = py::reinterpret_borrow<py::tuple>(h);
     const std::string kind = s[0].cast<std::string>();
     Step step;
-    if (kind == "op") {
+    if (kind == "op" || kind == "original") {
       const std::string name = s[1].cast<std::string>();
       const std::string overload = s[2].cast<std::string>();
-      auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+      const c10::SafeKernelFunction* original = nullptr;
+      std::optional<c10::OperatorHandle> found;
+      if (kind == "original") {   // name: an op of this layer, whose captured kernel the plan calls
+        for (auto& o : g_layer->ops) {
+          if (o->name == name && o->original) {
+            original = &*o->original;
+            found.emplace(o->handle);
+          }
+        }
+        TORCH_CHECK(original != nullptr, "nnrand replay: no original kernel of ", name, " was captured");
+      } else {
+        found.emplace(c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str()));
+      }
+      const c10::OperatorHandle handle = *found;
       const auto& schema = handle.schema();
       const py::list entries = s[3].cast<py::list>();
       TORCH_CHECK(entries.size() == schema.arguments().size(), "nnrand replay: ", name, " takes ",
@@ -487,6 +528,7 @@ void commit(const std::string& op, int64_t id, int registers, const std::vector<
         }
       }
       o->outs = s[4].cast<std::vector<int>>();
+      o->original = original;
       step.op = std::move(o);
     } else {
       auto l = std::make_unique<LaunchStep>();
@@ -553,6 +595,7 @@ py::dict stats() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("capture", &capture);
   m.def("enable", &enable);
   m.def("disable", &disable);
   m.def("enabled", &enabled);

@@ -53,7 +53,7 @@ NAME = "nnrand_replay"
 SOURCE = Path(__file__).with_name("replay.cpp")
 # the routed aten ops the layer takes (their handlers' work is aten ops and runtime launches only)
 OPS = ("convolution_backward", "cudnn_batch_norm_backward", "native_batch_norm_backward",
-       "max_pool2d_with_indices_backward")
+       "max_pool2d_with_indices_backward", "convolution")   # convolution: the forward fastest-deterministic tunes
 ADDRESS = 1 << 32   # a kernel argument at or above this is an address (no routed kernel takes such an int)
 
 _MODULE = None
@@ -137,9 +137,9 @@ def _is_address(v: int) -> bool:
 class Recorder(TorchDispatchMode):
     """The aten ops and kernel launches of one call on this thread, as a plan (see the module's doc)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, namespace: str = "aten"):
         super().__init__()
-        self.device = device
+        self.device, self.namespace = device, namespace
         self.thread = threading.get_ident()
         self.registers = 0
         self.reg: dict[int, int] = {}        # id(tensor) -> register
@@ -149,6 +149,7 @@ class Recorder(TorchDispatchMode):
         self.constants: list[tuple[int, torch.Tensor]] = []
         self.steps: list[tuple] = []
         self.refusal: str | None = None
+        self.suspended = 0   # inside an original kernel: its own aten ops are its business, not the plan's
         self.stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
 
     # registers ---------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.refusal is None:
+        if self.refusal is None and not self.suspended:
             try:
                 self._log(func, args, kwargs, out)
             except Refused as e:
@@ -201,7 +202,7 @@ class Recorder(TorchDispatchMode):
             raise Refused("a list of tensors as an argument")
         return ("v", v)
 
-    def _log(self, func, args, kwargs, out) -> None:
+    def _log(self, func, args, kwargs, out, kind: str = "op", name: str | None = None) -> None:
         schema = func._schema
         entries = []
         for i, a in enumerate(schema.arguments):
@@ -224,8 +225,28 @@ class Recorder(TorchDispatchMode):
                 raise Refused(f"made a tensor on {o.device}")
             r = self.reg.get(id(o))
             outs.append(r if r is not None else self._new(o))
-        name, overload = schema.name, schema.overload_name
-        self.steps.append(("op", name, overload, entries, outs))
+        if kind == "op":
+            name, overload = schema.name, schema.overload_name
+        else:
+            overload = ""
+        self.steps.append((kind, name, overload, entries, outs))
+
+    def original(self, op: str, call, args: tuple, kwargs: dict):
+        """``call()`` runs the kernel registered for aten ``op`` before the routing's (a configuration the
+        routing passes on to torch) with ``args``: logged as one step that calls that kernel again (the C++
+        layer captured it), the aten ops it makes itself left out of the log."""
+        self.suspended += 1
+        try:
+            out = call()
+        finally:
+            self.suspended -= 1
+        if self.refusal is None:
+            try:
+                self._log(getattr(getattr(torch.ops, self.namespace), op).default, args, kwargs, out,
+                          kind="original", name=op)
+            except Refused as e:
+                self.refusal = f"original kernel of {op}: {e}"
+        return out
 
     # kernel launches ---------------------------------------------------------------------------
     def launch(self, fn, dims: tuple[int, ...], shared_mem: int, index: int, values, stream, struct, name: str):
@@ -272,13 +293,20 @@ class Recorder(TorchDispatchMode):
 # The layer of one routing session
 
 
+def capture(module, ops: list[str], *, namespace: str = "aten", key: str = "CUDA") -> None:
+    """Take the kernels registered now for ``ops`` (before the routing registers its own): the originals a
+    plan may call, for the :class:`Layer` enabled next."""
+    module.capture(list(ops), namespace, key)
+
+
 class Layer:
     """The C++ kernels of one ``use_kernels`` session: enabled over the session's Python kernels for
-    ``ops``; plan ids name (op, coverage label, reason) for the counts the session's coverage folds in."""
+    ``ops``; plan ids name (op, coverage label, reason) for the counts the session's coverage folds in.
+    The originals :func:`capture` took before are the ones its plans call."""
 
     def __init__(self, module, ops: list[str], add: Callable[[str, str, str | None, int], None], *,
                  namespace: str = "aten", key: str = "CUDA"):
-        self.module, self.ops, self._add = module, ops, add
+        self.module, self.ops, self._add, self.namespace = module, ops, add, namespace
         self.plans: list[tuple[str, str, str | None]] = []
         self.refusals: dict[str, dict[str, int]] = {}
         self._schemas = {op: getattr(getattr(torch.ops, namespace), op).default._schema for op in ops}
@@ -294,7 +322,7 @@ class Layer:
         refused. ``taps``: the list the session's coverage appends this thread's counts to meanwhile."""
         schema = self._schemas[op]
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        rec = Recorder(device)
+        rec = Recorder(device, self.namespace)
         names = [a.name for a in schema.arguments]
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):

@@ -1155,13 +1155,18 @@ class _Original:
     """A kernel registered before the override (``torch.library.get_kernel``), whose calls mark the thread
     as inside an original kernel."""
 
-    def __init__(self, handle):
-        self.handle = handle
+    def __init__(self, handle, op: str = ""):
+        self.handle, self.op = handle, op
 
     def call_boxed(self, keyset, *args, **kwargs):
         rec = runtime.RECORDER
-        if rec is not None and rec.thread == threading.get_ident():
-            rec.refuse(f"an original kernel ran ({self.handle.debug if hasattr(self.handle, 'debug') else 'torch'})")
+        if rec is not None and rec.thread == threading.get_ident():   # a call recorded for the replay layer
+            if self.op in _REPLAY_ORIGINALS:   # a step of the plan (the layer captured this kernel)
+                return rec.original(self.op, lambda: self._call(keyset, args, kwargs), args, kwargs)
+            rec.refuse(f"an original kernel ran ({self.op or 'torch'}; not captured)")
+        return self._call(keyset, args, kwargs)
+
+    def _call(self, keyset, args, kwargs):
         layer = _REPLAY_MODULE
         _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
         if layer is not None:   # the replay layer passes this thread's calls to Python meanwhile
@@ -1178,7 +1183,7 @@ def _load_original(op: str, key: str) -> _Original | None:
     """The kernel registered now for ``aten::op`` at ``key``; None where this build has none (the CUDA
     key of a CPU-only torch), so there is nothing to override there."""
     try:
-        return _Original(torch.library.get_kernel(f"aten::{op}", key))
+        return _Original(torch.library.get_kernel(f"aten::{op}", key), op)
     except RuntimeError as e:
         if "no kernel for" in str(e):
             return None
@@ -1288,25 +1293,32 @@ def _deterministic_mode(strict: bool) -> Iterator[None]:
 
 
 _REPLAY_MODULE = None   # the replay layer's extension while a session has it enabled
+_REPLAY_ORIGINALS: frozenset[str] = frozenset()   # aten ops whose original kernel the layer captured
 
 
-def _open_replay(session: "_Session", ops: list[str]) -> None:
-    """The C++ replay layer (nnrand/replay.py) over the session's CUDA kernels of ``ops``, where CUDA is
-    available, the environment allows it, and the extension builds."""
-    global _REPLAY_MODULE
-    if not (replay.requested() and torch.cuda.is_available()):
-        return
+def _capture_replay(ops: list[str]):
+    """Before the routing registers its kernels: the replay extension (nnrand/replay.py), with the CUDA
+    kernels of ``ops`` registered now taken as the originals its plans may call; None where CUDA is not
+    available, the environment turns the layer off, or the extension does not build."""
+    if not (ops and replay.requested() and torch.cuda.is_available()):
+        return None
     module = replay.load()
-    if module is None:
-        return
+    if module is not None:
+        replay.capture(module, ops)
+    return module
+
+
+def _open_replay(session: "_Session", module, ops: list[str]) -> None:
+    """The C++ replay layer over the session's CUDA kernels of ``ops``."""
+    global _REPLAY_MODULE, _REPLAY_ORIGINALS
     coverage = session.coverage
     session.replay = replay.Layer(module, ops, lambda op, where, reason, n: coverage.add(op, where, reason, n))
     coverage.sync = session.replay.drain
-    _REPLAY_MODULE = module
+    _REPLAY_MODULE, _REPLAY_ORIGINALS = module, frozenset(ops)
 
 
 def _close_replay(session: "_Session") -> None:
-    global _REPLAY_MODULE
+    global _REPLAY_MODULE, _REPLAY_ORIGINALS
     layer = session.replay
     if layer is None:
         return
@@ -1316,7 +1328,7 @@ def _close_replay(session: "_Session") -> None:
     finally:   # whatever failed above, the C++ kernels leave the dispatcher with the session
         session.coverage.sync = None
         session.replay = None
-        _REPLAY_MODULE = None
+        _REPLAY_MODULE, _REPLAY_ORIGINALS = None, frozenset()
         layer.close()   # the Python kernels are the dispatcher's again
 
 
@@ -1359,6 +1371,9 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
                 if forward:
                     originals.update({(FORWARD_ATEN, k): _load_original(FORWARD_ATEN, k) for k in ("CPU", "CUDA")})
                 originals.update({(g.op, k): _load_original(g.op, k) for g in guarded for k in ("CPU", "CUDA")})
+                replayed = [op for op in replay.OPS if originals.get((op, "CUDA")) is not None
+                            and (op != FORWARD_ATEN or forward)]
+                replay_module = _capture_replay(replayed)
                 lib = torch.library.Library("aten", "IMPL")
                 with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
                     warnings.simplefilter("ignore", UserWarning)
@@ -1379,10 +1394,9 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
                                 lib.impl(FORWARD_ATEN, _bind_observed(_conv_forward, session, FORWARD_ATEN,
                                                                       originals[FORWARD_ATEN, k]), k, with_keyset=True)
                         session.overridden.append(FORWARD_ATEN)
-                if replayed := [op for op in replay.OPS if op in session.overridden and (op, "CUDA") in originals
-                                and originals[op, "CUDA"] is not None]:
+                if replay_module is not None:
                     stack.callback(_close_replay, session)
-                    _open_replay(session, replayed)
+                    _open_replay(session, replay_module, replayed)
             if routing.claims_determinism:
                 stack.enter_context(_deterministic_mode(strict))
                 if not strict:

@@ -277,6 +277,56 @@ def test_close_takes_the_layer_off_even_when_folding_the_counts_fails(module):
     op.lib._destroy()
 
 
+def test_a_call_of_the_original_kernel_replays_through_the_captured_kernel(module, monkeypatch):
+    """A handler that passes its call on to the kernel registered before it (torch's C++ kernel of an aten
+    test op here) and adjusts the result: recorded as a call of that kernel, which the layer captured
+    before the override, and replayed through it."""
+    import warnings
+
+    from nnrand import routing
+
+    name = "_test_optional_intlist"   # values + addends, elementwise, on int32 (an aten test op, C++ CPU kernel)
+    original = routing._Original(torch.library.get_kernel(f"aten::{name}", "CPU"), name)
+    python_calls = collections.Counter()
+    lib = torch.library.Library("aten", "IMPL")
+    box = {}
+
+    def kernel(keyset, values, addends):
+        python_calls["n"] += 1
+        layer, taps = box["layer"], []
+
+        def handler():
+            taps.append((name, "original", None))
+            return original.call_boxed(keyset, values, addends) * 2
+        return layer.record(name, handler, (values, addends), {}, taps) if layer.pending(name) else handler()
+
+    for captured in (frozenset({name}), frozenset()):
+        monkeypatch.setattr(routing, "_REPLAY_ORIGINALS", captured)
+        replay.capture(module, [name], namespace="aten", key="CPU")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            lib.impl(name, kernel, "CPU", with_keyset=True)
+        box["layer"] = layer = replay.Layer(module, [name], lambda *a: None, namespace="aten", key="CPU")
+        python_calls.clear()
+        try:
+            values = torch.arange(6, dtype=torch.int32)
+            for i in range(6):
+                values.add_(i)   # new values in the same tensor: the plan reads them
+                want = (values + torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.int32)) * 2
+                assert torch.equal(torch.ops.aten._test_optional_intlist(values, [1, 2, 3, 4, 5, 6]), want)
+            s = layer.stats()[name]
+            if captured:
+                assert (python_calls["n"], s["plans"], s["replayed"]) == (2, 1, 4)
+            else:   # the original not captured: its work cannot be replayed
+                assert python_calls["n"] == 6 and s["plans"] == 0
+                assert any("not captured" in why for why in s["refusals"])
+        finally:
+            layer.close()
+            lib._destroy()
+            lib = torch.library.Library("aten", "IMPL")
+    lib._destroy()
+
+
 def test_python_only_and_close_give_the_calls_back_to_python(module):
     op = _TestOp(module, _plain)
     x, w = _inputs(6)
@@ -397,20 +447,56 @@ def test_gpu_replayed_training_equals_python_kernels(layout, cudnn, monkeypatch,
         assert s["replayed"] >= 3 * s["signatures"], s
 
 
-@pytest.mark.gpu
-def test_gpu_a_call_passed_to_the_original_kernel_is_not_replayed(cuda_sync):
-    """A transposed conv's backward goes to torch's kernel: its work is not in the log, so no plan."""
+def _replay_against_python(monkeypatch, run, family: str = "tree"):
+    """``run()`` under ``use_kernels(family)`` with every routed call in Python (``NNRAND_REPLAY=0``), then
+    with the replay layer: (results, coverage, replay statistics) of each, keyed "0" and "1"."""
     import nnrand
 
     if replay.load(quiet=True) is None:
         pytest.skip(f"the replay extension does not build here: {replay.failure()}")
+    out = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv(replay.ENV, env)
+        with nnrand.use_kernels(family) as r:
+            got = run()
+        out[env] = (got, r.coverage.as_dict(), r.replay)
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_a_call_passed_to_the_original_kernel_replays_through_it(monkeypatch, cuda_sync):
+    """A transposed conv's backward goes to torch's kernel, which the layer captured before the routing's
+    override: replayed through it, with the bits of the Python path."""
     g = torch.Generator(device="cuda").manual_seed(3)
     conv = nn.ConvTranspose2d(8, 4, 3, stride=2).cuda()
     x = torch.randn(4, 8, 9, 9, device="cuda", generator=g, requires_grad=True)
-    with nnrand.use_kernels("tree") as r:
+
+    def run():
+        grads = []
         for _ in range(5):
+            x.grad = None
+            conv.zero_grad()
             conv(x).square().sum().backward()
-    s = r.replay["convolution_backward"]
-    assert (s["plans"], s["replayed"], s["python"]) == (0, 0, 5)
-    assert any("original kernel ran" in why for why in s["refusals"])
-    assert r.coverage["convolution_backward"] == {"original": 5}
+            grads += [x.grad.clone(), conv.weight.grad.clone(), conv.bias.grad.clone()]
+        return grads
+    out = _replay_against_python(monkeypatch, run)
+    assert all(torch.equal(a, b) for a, b in zip(out["0"][0], out["1"][0]))
+    assert out["0"][1] == out["1"][1] == {"convolution_backward": {"original": 5}}
+    s = out["1"][2]["convolution_backward"]
+    assert (s["plans"], s["replayed"], s["python"]) == (1, 3, 2)
+
+
+@pytest.mark.gpu
+def test_gpu_fastest_deterministic_replays_its_tuned_forward_and_backward(monkeypatch, cuda_sync):
+    """Under fastest-deterministic the tuner picks, per conv, nnrand's kernel or torch's (forward and
+    backward); the second session reads the first one's choices from the tuner's cache, so both make the
+    same choices and must give the same bits."""
+    torch.manual_seed(0)
+    base = _Net().cuda().to(memory_format=torch.channels_last)
+    out = _replay_against_python(monkeypatch, lambda: _steps(copy.deepcopy(base), torch.channels_last),
+                                 "fastest-deterministic")
+    assert all(torch.equal(a, b) for a, b in zip(out["0"][0], out["1"][0]))
+    assert out["0"][1] == out["1"][1]
+    stats = out["1"][2]
+    for op in ("convolution", "convolution_backward"):
+        assert stats[op]["plans"] == stats[op]["signatures"] and stats[op]["replayed"] > 0, stats[op]
