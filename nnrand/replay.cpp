@@ -390,7 +390,11 @@ void capture(const std::vector<std::string>& ops, const std::string& ns, const s
   for (const std::string& name : ops) {
     const auto [base, overload] = split_name(name);
     auto handle = c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + base).c_str(), overload.c_str());
-    if (handle.hasKernelForDispatchKey(k)) g_captured.emplace_back(name, handle.getComputedKernelForDispatchKey(k));
+    // the computed kernel: the key's own, or one a composite registration fills in (aten::convolution)
+    try {
+      g_captured.emplace_back(name, handle.getComputedKernelForDispatchKey(k));
+    } catch (const c10::Error&) {   // none at this key: calls passed on to it are not replayed
+    }
   }
 }
 

@@ -224,8 +224,9 @@ def test_arguments_sharing_memory_are_part_of_the_signature(module):
         t, _ = _inputs(9)
         x, w = _inputs(10)
         base = torch.randn(48, generator=torch.Generator().manual_seed(11))
+        # one tensor twice; two tensors; two disjoint views of one storage; two overlapping ones
         calls = [(t, t), (x, w), (t, t), (x, w), (base[:24].view(4, 6), base[24:].view(4, 6)),
-                 (base[:24].view(4, 6), base[:24].view(4, 6))]
+                 (base[:24].view(4, 6), base[4:28].view(4, 6))]
         for args in calls * 3:
             assert _same(op(*args, 0.5, [3, 8]), _difference(op, *args, 0.5, [3, 8]))
         s = op.layer.stats()["op"]
