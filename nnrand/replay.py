@@ -13,7 +13,10 @@ deterministic-mode flag) it keeps a plan recorded from one Python call, and runs
     tensors named by registers: the call's inputs, the outputs of logged ops, and the runtime's persistent
     buffers (a stream's ticket counters, ``runtime.keep_persistent``) kept as constants. Kernel arguments
     that equal a register's data pointer become that register; any other argument is a constant. Which
-    tensor arguments share memory, and where, is part of the signature;
+    tensor arguments share memory, and where, is part of the signature. A call of the original kernel
+    (``routing._Original``: a configuration passed on to torch) is one step that calls that kernel again,
+    as captured in C++ by :func:`capture` before the routing registered its own; the aten ops it makes
+    itself are its own business, not the plan's;
   * later calls replay the plan in C++: the same aten ops through the dispatcher, the same launches with
     the same grid, block and arguments, on the current stream, with the same buffers' roles. So a replay
     computes exactly what the Python call computes, bit for bit.
@@ -21,7 +24,7 @@ deterministic-mode flag) it keeps a plan recorded from one Python call, and runs
 A recording is refused, and the signature stays on the Python path, where the log shows a replay could
 differ from a Python call: an op that returns a value to Python (``.item()``, a comparison: a decision on
 device data), a tensor made off the device, a tensor the call did not make through the dispatcher that is
-no persistent runtime buffer, an original kernel called (its work is invisible to the log), a launch on
+no persistent runtime buffer, an original kernel called that the layer did not capture, a launch on
 another stream or taking a struct, a kernel argument that is no tensor of the call's and looks like an
 address (>= 2^32, or memory the CUDA driver knows), a coverage count other than one. What the log cannot
 see is kept out of the routed handlers by construction: every kernel they launch goes through
@@ -53,7 +56,7 @@ NAME = "nnrand_replay"
 SOURCE = Path(__file__).with_name("replay.cpp")
 # the routed aten ops the layer takes (their handlers' work is aten ops and runtime launches only)
 OPS = ("convolution_backward", "cudnn_batch_norm_backward", "native_batch_norm_backward",
-       "max_pool2d_with_indices_backward", "convolution")   # convolution: the forward fastest-deterministic tunes
+       "max_pool2d_with_indices_backward")
 ADDRESS = 1 << 32   # a kernel argument at or above this is an address (no routed kernel takes such an int)
 
 _MODULE = None
