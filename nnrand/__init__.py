@@ -5,7 +5,8 @@ controlled noise, and records what it takes to find where two runs diverge.
 
 One line for any model: ``with nnrand.use_kernels("tree") as routing: ...`` (see ``routing``).
 
-Modules: ``routing`` (backward reductions through the kernel registry, at the dispatcher), ``trace``
+Modules: ``routing`` (backward reductions through the kernel registry, at the dispatcher; ``replay``, its
+C++ layer that replays routed calls per signature without Python), ``trace``
 (record runs op by op and find the first op where two part), ``noise`` (seeds, presets,
 pinned flags), ``train`` (the loop, ``main(config) -> metrics``), ``runio`` (run directories,
 atomic writes, checkpoints), ``fingerprint`` (environment), ``report`` (run report from result files).
