@@ -140,7 +140,14 @@ struct Pending {
 };
 
 thread_local std::vector<Pending*> t_pending;
-thread_local int t_inside = 0;                  // depth of original kernels called from Python here
+thread_local int t_inside = 0;                  // depth of original kernels running on this thread
+
+// An original kernel running on this thread (from Python, or from a plan): the routed ops it dispatches
+// itself go to torch's kernels, as on the Python path (routing._Original).
+struct Inside {
+  Inside() { ++t_inside; }
+  ~Inside() { --t_inside; }
+};
 
 // ---- the call signature ----
 
@@ -261,6 +268,7 @@ void run(const Plan& p, Stack& stack, size_t arguments, const c10::Device& devic
       Stack local = s.op->args;
       for (const auto& [pos, r] : s.op->tensors) local[pos] = r >= 0 ? c10::IValue(regs[r]) : c10::IValue();
       if (s.op->original != nullptr) {
+        Inside inside;
         s.op->original->callBoxed(s.op->op, ks, &local);
       } else {
         s.op->op.callBoxed(&local);
@@ -383,9 +391,11 @@ std::pair<std::string, std::string> split_name(const std::string& qualified) {
 // The kernels registered now for ``ops`` at ``key``, taken by the next enable(): called before the routing
 // registers its own, they are the originals a plan may call (a configuration passed on to torch).
 std::vector<std::pair<std::string, c10::SafeKernelFunction>> g_captured;
+std::string g_captured_at;                      // "namespace/key" of what g_captured holds
 
 void capture(const std::vector<std::string>& ops, const std::string& ns, const std::string& key) {
-  g_captured.clear();
+  g_captured.clear();   // a capture no layer took (a routing that failed before enabling it) is dropped
+  g_captured_at = ns + "/" + key;
   const c10::DispatchKey k = c10::parseDispatchKey(key);
   for (const std::string& name : ops) {
     const auto [base, overload] = split_name(name);
@@ -404,6 +414,10 @@ struct Quiet final : public c10::WarningHandler {
 };
 
 void enable(const std::vector<std::string>& ops, const std::string& ns, const std::string& key) {
+  // what capture() took is this layer's or nobody's, whatever happens below
+  const auto originals = std::move(g_captured);
+  g_captured.clear();
+  const bool ours = g_captured_at == ns + "/" + key;
   TORCH_CHECK(!g_layer, "nnrand replay: the layer is already enabled");
   Quiet quiet;
   c10::WarningUtils::WarningHandlerGuard guard(&quiet);
@@ -416,8 +430,8 @@ void enable(const std::vector<std::string>& ops, const std::string& ns, const st
     auto state = std::unique_ptr<OpState>(new OpState{name, handle, handle.getComputedKernelForDispatchKey(k)});
     state->arguments = handle.schema().arguments().size();
     state->returns = handle.schema().returns().size();
-    for (auto& [captured, kernel] : g_captured) {
-      if (captured == name) state->original.emplace(kernel);
+    for (auto& [captured, kernel] : originals) {
+      if (ours && captured == name) state->original.emplace(kernel);
     }
     layer->ops.push_back(std::move(state));
   }
@@ -428,9 +442,17 @@ void enable(const std::vector<std::string>& ops, const std::string& ns, const st
     auto kernel = std::make_unique<ReplayKernel>(s.get(), layer);
     layer->library->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
   }
-  g_captured.clear();
   g_layer = std::move(layer);
 }
+
+// The ops whose kernels capture() holds for the next enable().
+std::vector<std::string> captured() {
+  std::vector<std::string> out;
+  for (auto& [name, kernel] : g_captured) out.push_back(name);
+  return out;
+}
+
+void clear_captured() { g_captured.clear(); }
 
 void disable() {
   if (!g_layer) return;
@@ -456,6 +478,7 @@ void skip() {
 
 void enter_original() { ++t_inside; }
 void leave_original() { --t_inside; }
+bool inside() { return t_inside > 0; }
 
 // A constant argument. A Python number where the schema takes a tensor is what Python's argument parser
 // makes of it (``y * 0.5``): a wrapped-number CPU tensor, which type promotion treats as a scalar.
@@ -497,14 +520,12 @@ void commit(const std::string& op, int64_t id, int registers, const std::vector<
       const std::string overload = s[2].cast<std::string>();
       const c10::SafeKernelFunction* original = nullptr;
       std::optional<c10::OperatorHandle> found;
-      if (kind == "original") {   // name: an op of this layer, whose captured kernel the plan calls
-        for (auto& o : g_layer->ops) {
-          if (o->name == name && o->original) {
-            original = &*o->original;
-            found.emplace(o->handle);
-          }
-        }
-        TORCH_CHECK(original != nullptr, "nnrand replay: no original kernel of ", name, " was captured");
+      if (kind == "original") {   // the recorded op's own kernel from before the routing's, as captured
+        OpState* own = t_pending.back()->op;
+        TORCH_CHECK(own->name == name && own->original, "nnrand replay: no original kernel of ", name,
+                    " was captured for this call");
+        original = &*own->original;
+        found.emplace(own->handle);
       } else {
         found.emplace(c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str()));
       }
@@ -608,6 +629,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skip", &skip);
   m.def("enter_original", &enter_original);
   m.def("leave_original", &leave_original);
+  m.def("inside", &inside);
+  m.def("captured", &captured);
+  m.def("clear_captured", &clear_captured);
   m.def("commit", &commit);
   m.def("take_counts", &take_counts);
   m.def("stats", &stats);

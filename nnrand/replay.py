@@ -238,16 +238,23 @@ class Recorder(TorchDispatchMode):
         """``call()`` runs the kernel registered for aten ``op`` before the routing's (a configuration the
         routing passes on to torch) with ``args``: logged as one step that calls that kernel again (the C++
         layer captured it), the aten ops it makes itself left out of the log."""
+        if self.suspended:   # an original inside an original: part of the outer one's work
+            return call()
+        from torch.utils._python_dispatch import _disable_current_modes
+
         self.suspended += 1
         try:
-            out = call()
+            # without this mode: a kernel that is itself a Python registration would otherwise be
+            # redirected by the mode to the newest Python kernel of the op (the routing's)
+            with _disable_current_modes():
+                out = call()
         finally:
             self.suspended -= 1
         if self.refusal is None:
             try:
                 self._log(getattr(getattr(torch.ops, self.namespace), op).default, args, kwargs, out,
                           kind="original", name=op)
-            except Refused as e:
+            except Exception as e:   # the call's own result stands; only its replay is given up
                 self.refusal = f"original kernel of {op}: {e}"
         return out
 
@@ -311,6 +318,9 @@ class Layer:
                  namespace: str = "aten", key: str = "CUDA"):
         self.module, self.ops, self._add, self.namespace = module, ops, add, namespace
         self.plans: list[tuple[str, str, str | None]] = []
+        self.plan_steps: list[tuple[str, ...]] = []   # per plan: its steps' kinds and ops, to look at
+        # the ops whose original kernels capture() took for this layer (their calls can be plan steps)
+        self.originals = frozenset(module.captured())
         self.refusals: dict[str, dict[str, int]] = {}
         self._schemas = {op: getattr(getattr(torch.ops, namespace), op).default._schema for op in ops}
         with warnings.catch_warnings():   # "Overriding a previously registered kernel": that is the point
@@ -355,6 +365,8 @@ class Layer:
             outputs = rec.outputs(out, len(schema.returns))
             with _LOCK:
                 self.plans.append(taps[0])
+                self.plan_steps.append(tuple(f"{s[0]} {s[1]}" if s[0] != "launch" else f"launch {s[6]}"
+                                             for s in rec.steps))
                 plan = len(self.plans) - 1
             self.module.commit(op, plan, rec.registers, rec.inputs, rec.constants, rec.steps, outputs)
         except Exception as e:   # the call's own result stands; only its replay is given up

@@ -1190,10 +1190,19 @@ def _load_original(op: str, key: str) -> _Original | None:
         raise RoutingError(f"cannot read the {key} kernel of aten::{op} from torch {torch.__version__}: {e}") from None
 
 
+def _inside_original() -> bool:
+    """Whether an original kernel is running on this thread: called from Python (``_Original``), or from a
+    plan of the replay layer (which says so in C++)."""
+    if getattr(_INSIDE, "depth", 0):
+        return True
+    layer = _REPLAY_MODULE
+    return layer is not None and layer.inside()
+
+
 def _bind(fn, session: "_Session", original: _Original, *bound):
     """A guarded op's kernel (``fn(session, original, *bound, keyset, ...)``)."""
     def kernel(keyset, *args, **kwargs):
-        if getattr(_INSIDE, "depth", 0):
+        if _inside_original():
             return original.handle.call_boxed(keyset, *args, **kwargs)
         return fn(session, original, *bound, keyset, *args, **kwargs)
     return kernel
@@ -1204,7 +1213,7 @@ def _bind_observed(fn, session: "_Session", op: str, original: _Original):
     arguments. A call the C++ replay layer passes on to be recorded (its second of a signature) runs under
     that layer's recorder."""
     def kernel(keyset, *args, **kwargs):
-        if getattr(_INSIDE, "depth", 0):
+        if _inside_original():
             return original.handle.call_boxed(keyset, *args, **kwargs)
         layer = session.replay
         if layer is not None and layer.pending(op):
@@ -1314,7 +1323,7 @@ def _open_replay(session: "_Session", module, ops: list[str]) -> None:
     coverage = session.coverage
     session.replay = replay.Layer(module, ops, lambda op, where, reason, n: coverage.add(op, where, reason, n))
     coverage.sync = session.replay.drain
-    _REPLAY_MODULE, _REPLAY_ORIGINALS = module, frozenset(ops)
+    _REPLAY_MODULE, _REPLAY_ORIGINALS = module, session.replay.originals
 
 
 def _close_replay(session: "_Session") -> None:
@@ -1371,9 +1380,10 @@ def use_kernels(kernel: str | Routing = "tree", ops: Mapping[str, str] | None = 
                 if forward:
                     originals.update({(FORWARD_ATEN, k): _load_original(FORWARD_ATEN, k) for k in ("CPU", "CUDA")})
                 originals.update({(g.op, k): _load_original(g.op, k) for g in guarded for k in ("CPU", "CUDA")})
-                replayed = [op for op in replay.OPS if originals.get((op, "CUDA")) is not None
-                            and (op != FORWARD_ATEN or forward)]
+                replayed = [op for op in replay.OPS if originals.get((op, "CUDA")) is not None]
                 replay_module = _capture_replay(replayed)
+                if replay_module is not None:   # a capture no layer took is dropped on the way out
+                    stack.callback(replay_module.clear_captured)
                 lib = torch.library.Library("aten", "IMPL")
                 with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
                     warnings.simplefilter("ignore", UserWarning)

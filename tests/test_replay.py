@@ -301,15 +301,19 @@ def test_a_call_of_the_original_kernel_replays_through_the_captured_kernel(modul
             return original.call_boxed(keyset, values, addends) * 2
         return layer.record(name, handler, (values, addends), {}, taps) if layer.pending(name) else handler()
 
-    for captured in (frozenset({name}), frozenset()):
-        monkeypatch.setattr(routing, "_REPLAY_ORIGINALS", captured)
-        replay.capture(module, [name], namespace="aten", key="CPU")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            lib.impl(name, kernel, "CPU", with_keyset=True)
-        box["layer"] = layer = replay.Layer(module, [name], lambda *a: None, namespace="aten", key="CPU")
-        python_calls.clear()
+    monkeypatch.setattr(routing, "_REPLAY_MODULE", module)   # _Original tells the C++ layer it is inside
+    for captured in (True, False):
+        if captured:
+            replay.capture(module, [name], namespace="aten", key="CPU")
+        layer = None
         try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                lib.impl(name, kernel, "CPU", with_keyset=True)
+            box["layer"] = layer = replay.Layer(module, [name], lambda *a: None, namespace="aten", key="CPU")
+            monkeypatch.setattr(routing, "_REPLAY_ORIGINALS", layer.originals)
+            assert layer.originals == (frozenset({name}) if captured else frozenset())
+            python_calls.clear()
             values = torch.arange(6, dtype=torch.int32)
             for i in range(6):
                 values.add_(i)   # new values in the same tensor: the plan reads them
@@ -318,11 +322,15 @@ def test_a_call_of_the_original_kernel_replays_through_the_captured_kernel(modul
             s = layer.stats()[name]
             if captured:
                 assert (python_calls["n"], s["plans"], s["replayed"]) == (2, 1, 4)
+                # one step calling the captured kernel (its own aten ops not logged), then the handler's mul
+                assert layer.plan_steps == [(f"original {name}", "op aten::mul")]
+                assert not module.inside()
             else:   # the original not captured: its work cannot be replayed
                 assert python_calls["n"] == 6 and s["plans"] == 0
                 assert any("not captured" in why for why in s["refusals"])
         finally:
-            layer.close()
+            if layer is not None:
+                layer.close()
             lib._destroy()
             lib = torch.library.Library("aten", "IMPL")
     lib._destroy()
@@ -436,7 +444,7 @@ def test_gpu_replayed_training_equals_python_kernels(layout, cudnn, monkeypatch,
             coverage[env], stats[env] = r.coverage.as_dict(), r.replay
     finally:
         torch.backends.cudnn.enabled = before
-    assert all(torch.equal(a, b) for a, b in zip(runs["0"], runs["1"]))
+    assert all(torch.equal(a, b) for a, b in zip(runs["0"], runs["1"], strict=True))
     assert coverage["0"] == coverage["1"]
     assert stats["0"] is None
     bn = "cudnn_batch_norm_backward" if cudnn else "native_batch_norm_backward"
@@ -481,7 +489,7 @@ def test_gpu_a_call_passed_to_the_original_kernel_replays_through_it(monkeypatch
             grads += [x.grad.clone(), conv.weight.grad.clone(), conv.bias.grad.clone()]
         return grads
     out = _replay_against_python(monkeypatch, run)
-    assert all(torch.equal(a, b) for a, b in zip(out["0"][0], out["1"][0]))
+    assert all(torch.equal(a, b) for a, b in zip(out["0"][0], out["1"][0], strict=True))
     assert out["0"][1] == out["1"][1] == {"convolution_backward": {"original": 5}}
     s = out["1"][2]["convolution_backward"]
     assert (s["plans"], s["replayed"], s["python"]) == (1, 3, 2)
@@ -496,9 +504,7 @@ def test_gpu_fastest_deterministic_replays_its_tuned_backward(monkeypatch, cuda_
     base = _Net().cuda().to(memory_format=torch.channels_last)
     out = _replay_against_python(monkeypatch, lambda: _steps(copy.deepcopy(base), torch.channels_last),
                                  "fastest-deterministic")
-    assert all(torch.equal(a, b) for a, b in zip(out["0"][0], out["1"][0]))
+    assert all(torch.equal(a, b) for a, b in zip(out["0"][0], out["1"][0], strict=True))
     assert out["0"][1] == out["1"][1]
-    stats = out["1"][2]
-    assert "convolution" not in stats
-    s = stats["convolution_backward"]
+    s = out["1"][2]["convolution_backward"]
     assert s["plans"] == s["signatures"] and s["replayed"] > 0, s
