@@ -336,6 +336,49 @@ def test_a_call_of_the_original_kernel_replays_through_the_captured_kernel(modul
     lib._destroy()
 
 
+def test_routed_ops_an_original_dispatches_go_to_torch_on_replay_too(module, monkeypatch):
+    """torch's kernel of aten::dist dispatches aten::sub itself. With sub routed (a kernel whose result
+    differs from torch's unless an original kernel is running), a replayed dist must see sub as the Python
+    path does: torch's, because dist's own kernel is running."""
+    import warnings
+
+    from nnrand import routing
+
+    dist = routing._Original(torch.library.get_kernel("aten::dist", "CPU"), "dist")
+    sub = torch.library.get_kernel("aten::sub.Tensor", "CPU")
+    box, lib, layer = {}, torch.library.Library("aten", "IMPL"), None
+
+    def routed_sub(keyset, a, b, alpha=1):
+        out = sub.call_boxed(keyset, a, b, alpha=alpha)
+        return out if routing._inside_original() else out + 100
+
+    def routed_dist(keyset, a, b, p=2):
+        taps = []
+
+        def handler():
+            taps.append(("dist", "original", None))
+            return dist.call_boxed(keyset, a, b, p)
+        return box["layer"].record("dist", handler, (a, b, p), {}, taps) if box["layer"].pending("dist") \
+            else handler()
+
+    monkeypatch.setattr(routing, "_REPLAY_MODULE", module)
+    replay.capture(module, ["dist"], namespace="aten", key="CPU")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            lib.impl("dist", routed_dist, "CPU", with_keyset=True)
+            lib.impl("sub.Tensor", routed_sub, "CPU", with_keyset=True)
+        box["layer"] = layer = replay.Layer(module, ["dist"], lambda *a: None, namespace="aten", key="CPU")
+        monkeypatch.setattr(routing, "_REPLAY_ORIGINALS", layer.originals)
+        a, b = torch.ones(4), torch.zeros(4)
+        assert [torch.dist(a, b).item() for _ in range(5)] == [2.0] * 5   # |a - b| = 2, never 200-odd
+        assert layer.stats()["dist"]["replayed"] == 3
+    finally:
+        if layer is not None:
+            layer.close()
+        lib._destroy()
+
+
 def test_python_only_and_close_give_the_calls_back_to_python(module):
     op = _TestOp(module, _plain)
     x, w = _inputs(6)
