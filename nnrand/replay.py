@@ -64,10 +64,6 @@ _FAILED: str | None = None
 _LOCK = threading.Lock()
 
 
-class ReplayError(RuntimeError):
-    pass
-
-
 def requested() -> bool:
     """Whether the environment lets the routing use the layer (``NNRAND_REPLAY`` unset or not ``0``)."""
     return os.environ.get(ENV, "1").strip() not in ("0", "false", "no", "off")
@@ -125,14 +121,12 @@ def _is_address(v: int) -> bool:
     """Whether ``v`` is an address the CUDA driver knows (device, managed or registered host memory): an
     argument that is one, outside every tensor of the call, must not be replayed as a constant. Asked of
     the driver API (cuPointerGetAttribute), which leaves the runtime's last-error state alone."""
-    global _POINTER_ATTRIBUTE
-    if _POINTER_ATTRIBUTE is None:
-        import ctypes
-
-        _POINTER_ATTRIBUTE = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
-        _POINTER_ATTRIBUTE.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
     import ctypes
 
+    global _POINTER_ATTRIBUTE
+    if _POINTER_ATTRIBUTE is None:
+        _POINTER_ATTRIBUTE = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
+        _POINTER_ATTRIBUTE.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
     memory_type = ctypes.c_uint(0)
     return _POINTER_ATTRIBUTE(ctypes.byref(memory_type), 2, v) == 0   # CU_POINTER_ATTRIBUTE_MEMORY_TYPE
 
