@@ -146,7 +146,7 @@ class Recorder(TorchDispatchMode):
         self.constants: list[tuple[int, torch.Tensor]] = []
         self.steps: list[tuple] = []
         self.refusal: str | None = None
-        self.suspended = 0   # inside an original kernel: its own aten ops are its business, not the plan's
+        self.suspended = 0   # inside an original kernel (this mode is off meanwhile; see ``original``)
         self.stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
 
     # registers ---------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.refusal is None and not self.suspended:
+        if self.refusal is None:
             try:
                 self._log(func, args, kwargs, out)
             except Refused as e:
@@ -238,8 +238,9 @@ class Recorder(TorchDispatchMode):
 
         self.suspended += 1
         try:
-            # without this mode: a kernel that is itself a Python registration would otherwise be
-            # redirected by the mode to the newest Python kernel of the op (the routing's)
+            # without this mode: the original's own aten ops are its business, not the plan's, and a kernel
+            # that is itself a Python registration would otherwise be redirected by the mode to the newest
+            # Python kernel of the op (the routing's)
             with _disable_current_modes():
                 out = call()
         finally:
@@ -387,10 +388,11 @@ class Layer:
             out.setdefault(op, {})["refusals"] = dict(why)
         return out
 
-    def close(self) -> None:
+    def close(self) -> dict:
         """Fold the last counts in and take the C++ kernels off the dispatcher (always, even where the
-        folding fails)."""
+        folding fails); returns the final :meth:`stats`."""
         try:
             self.drain()
+            return self.stats()
         finally:
             self.module.disable()

@@ -1331,14 +1331,11 @@ def _close_replay(session: "_Session") -> None:
     layer = session.replay
     if layer is None:
         return
-    try:
-        layer.drain()
-        session.last_replay = layer.stats()
-    finally:   # whatever failed above, the C++ kernels leave the dispatcher with the session
-        session.coverage.sync = None
-        session.replay = None
-        _REPLAY_MODULE, _REPLAY_ORIGINALS = None, frozenset()
-        layer.close()   # the Python kernels are the dispatcher's again
+    session.coverage.sync = None
+    session.replay = None
+    _REPLAY_MODULE, _REPLAY_ORIGINALS = None, frozenset()
+    # the last counts folded in; the C++ kernels leave the dispatcher whatever fails (Python's are back)
+    session.last_replay = layer.close()
 
 
 @contextlib.contextmanager

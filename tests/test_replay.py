@@ -465,40 +465,6 @@ def _steps(model, fmt, n: int = 5):
     return [t.detach().clone() for t in itertools.chain(model.parameters(), model.buffers())]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("cudnn", [True, False])
-@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-def test_gpu_replayed_training_equals_python_kernels(layout, cudnn, monkeypatch, cuda_sync):
-    import nnrand
-
-    if replay.load(quiet=True) is None:
-        pytest.skip(f"the replay extension does not build here: {replay.failure()}")
-    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-    torch.manual_seed(0)
-    base = _Net().cuda().to(memory_format=fmt)
-    runs, coverage, stats = {}, {}, {}
-    before = torch.backends.cudnn.enabled
-    torch.backends.cudnn.enabled = cudnn   # cuDNN's BatchNorm backward, or torch's native one
-    try:
-        for env in ("0", "1"):
-            monkeypatch.setenv(replay.ENV, env)
-            with nnrand.use_kernels("tree") as r:
-                runs[env] = _steps(copy.deepcopy(base), fmt)
-            coverage[env], stats[env] = r.coverage.as_dict(), r.replay
-    finally:
-        torch.backends.cudnn.enabled = before
-    assert all(torch.equal(a, b) for a, b in zip(runs["0"], runs["1"], strict=True))
-    assert coverage["0"] == coverage["1"]
-    assert stats["0"] is None
-    bn = "cudnn_batch_norm_backward" if cudnn else "native_batch_norm_backward"
-    for op in ("convolution_backward", bn, "max_pool2d_with_indices_backward"):
-        s = stats["1"][op]
-        # 5 steps: per signature, one call plans and one is recorded in Python; the rest replay
-        assert s["plans"] == s["signatures"] and s["refused"] == 0, s
-        assert s["replayed"] + s["python"] == sum(coverage["1"][op].values()), s
-        assert s["replayed"] >= 3 * s["signatures"], s
-
-
 def _replay_against_python(monkeypatch, run, family: str = "tree"):
     """``run()`` under ``use_kernels(family)`` with every routed call in Python (``NNRAND_REPLAY=0``), then
     with the replay layer: (results, coverage, replay statistics) of each, keyed "0" and "1"."""
@@ -513,6 +479,32 @@ def _replay_against_python(monkeypatch, run, family: str = "tree"):
             got = run()
         out[env] = (got, r.coverage.as_dict(), r.replay)
     return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cudnn", [True, False])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_gpu_replayed_training_equals_python_kernels(layout, cudnn, monkeypatch, cuda_sync):
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    torch.manual_seed(0)
+    base = _Net().cuda().to(memory_format=fmt)
+    before = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = cudnn   # cuDNN's BatchNorm backward, or torch's native one
+    try:
+        out = _replay_against_python(monkeypatch, lambda: _steps(copy.deepcopy(base), fmt))
+    finally:
+        torch.backends.cudnn.enabled = before
+    (runs0, coverage0, stats0), (runs1, coverage1, stats1) = out["0"], out["1"]
+    assert all(torch.equal(a, b) for a, b in zip(runs0, runs1, strict=True))
+    assert coverage0 == coverage1
+    assert stats0 is None
+    bn = "cudnn_batch_norm_backward" if cudnn else "native_batch_norm_backward"
+    for op in ("convolution_backward", bn, "max_pool2d_with_indices_backward"):
+        s = stats1[op]
+        # 5 steps: per signature, one call plans and one is recorded in Python; the rest replay
+        assert s["plans"] == s["signatures"] and s["refused"] == 0, s
+        assert s["replayed"] + s["python"] == sum(coverage1[op].values()), s
+        assert s["replayed"] >= 3 * s["signatures"], s
 
 
 @pytest.mark.gpu
