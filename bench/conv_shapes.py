@@ -1,7 +1,7 @@
 """Every conv backward of a network, per shape: cuDNN's fastest, cuDNN deterministic, each nnrand variant
 and the autotuner's choice, as GPU time from CUDA-graph replays.
 
-    python -m bench.conv_shapes                          # ResNet-50 (224 px, batch 64), ResNet-18 (CIFAR, batch 128)
+    python -m bench.conv_shapes      # ResNet-50 (224 px, batch 64), ResNet-18 (CIFAR, batch 128; 224 px, batch 128)
     python -m bench.conv_shapes --only resnet18_cifar --layouts channels_last
     python -m bench.conv_shapes --render                 # the section of reports/kernels.md from the result file
     python -m bench.conv_shapes --only resnet50_224 --dtype bf16   # bf16 tensors (autocast's), keys <net>_bf16
@@ -45,6 +45,7 @@ BEGIN, END = "<!-- conv-shapes: begin (python -m bench.conv_shapes) -->", "<!-- 
 NETWORKS = {  # key: (model name for nnrand.models.build_model, batch, image size, classes)
     "resnet50_224": ("torchvision:resnet50", 64, 224, 1000),
     "resnet18_cifar": ("resnet18", 128, 32, 10),
+    "resnet18_224": ("torchvision:resnet18", 128, 224, 1000),
 }
 LAYOUTS = ("nchw", "channels_last")
 GRADS = {"dgrad": 0, "wgrad": 1}
