@@ -207,3 +207,19 @@ __device__ __forceinline__ FastDiv make_fastdiv(unsigned d) {
 __device__ __forceinline__ int fast_div(const FastDiv f, int n) {
     return (int)((__umulhi((unsigned)n, f.m) + (unsigned)n) >> f.s);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous copies into shared memory (compute capability 8.0 and up).
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes from global to shared memory, or 16 zero bytes when !valid (src-size 0 reads nothing).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -35,13 +35,17 @@
 //   M with FFMA from +0 (the one part a CPU does not reproduce bit for bit);
 //   y first along rows, then along columns, each  (e0 + e1) + e2, (e1 - e2) - e3.
 
+#include "common.cuh"  // cp_async16
+
 #define WD_THREADS 256
 #define WD_TILES 32      // 2x2 tiles per block
 #define WD_OUT 32        // output channels k per block
 #define WD_STAGE 8       // reduction channels c per stage
 #define WD_VROW 36       // V row stride (floats): conflict-free stores for both loader maps, float4 reads
 #define WD_UROW 32       // U row stride
-#define WD_SMEM (16 * WD_STAGE * WD_VROW + 16 * WD_STAGE * WD_UROW)
+#define WD_VSIZE (16 * WD_STAGE * WD_VROW)
+#define WD_USIZE (16 * WD_STAGE * WD_UROW)
+#define WD_SMEM (WD_VSIZE + 2 * WD_USIZE)  // floats of dynamic shared memory (51200 bytes)
 
 // ------------------------------------------------------------------------------------------------
 // Filter transform: one thread per (c, k), k fastest (coalesced stores of U rows).
@@ -93,9 +97,9 @@ __device__ __forceinline__ void wino_dgrad_body(
         const float* __restrict__ in, const float* __restrict__ U, float* __restrict__ out, int C, int K, int Kp,
         int IH, int IW, int OH, int OW, int qh, int qw, int TP, int TQ, int T, long long sin_n, long long sin_c,
         long long sin_h, long long sin_w, long long so_n, long long so_c, long long so_h, long long so_w) {
-    __shared__ __align__(16) float smem[WD_SMEM];
+    extern __shared__ __align__(16) float smem[];      // WD_SMEM floats
     float* Vs = smem;                                   // [16][WD_STAGE][WD_VROW]
-    float* Us = smem + 16 * WD_STAGE * WD_VROW;         // [16][WD_STAGE][WD_UROW]
+    float* Us = smem + WD_VSIZE;                        // two buffers [16][WD_STAGE][WD_UROW]
     const int tid = threadIdx.x;
     const int t0 = blockIdx.x * WD_TILES, k0 = blockIdx.y * WD_OUT;
 
@@ -111,17 +115,42 @@ __device__ __forceinline__ void wino_dgrad_body(
         P = l / TQ;
         Q = l - P * TQ;
     }
-    bool rv[4], cv[4];
-    int roff[4], coff[4];   // the launcher checks that spatial offsets fit in 32 bits
+    // the patch's in-bounds taps as a 16-bit mask (bit 4i + j: row i, column j), its offsets from row and
+    // column strides: no per-tap registers (the launcher checks that spatial offsets fit in 32 bits)
+    const int h0 = 2 * P - qh, w0 = 2 * Q - qw;
+    unsigned mask = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int h = 2 * P - qh + i, x = 2 * Q - qw + i;
-        rv[i] = tile_ok && (unsigned)h < (unsigned)IH;
-        cv[i] = (unsigned)x < (unsigned)IW;
-        roff[i] = h * (int)sin_h;
-        coff[i] = x * (int)sin_w;
-    }
-    const float* pin = in + n * sin_n;
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            if (tile_ok && (unsigned)(h0 + i) < (unsigned)IH && (unsigned)(w0 + j) < (unsigned)IW)
+                mask |= 1u << (4 * i + j);
+    const int ish = (int)sin_h, isw = (int)sin_w;
+    const float* pin = in + n * sin_n + (h0 * ish + w0 * isw);
+
+    // a stage's global reads: this thread's 4x4 patch of dy into registers, and its four 16-byte pieces of
+    // U's stage (16 x 8 rows of 32 k) into shared memory by cp.async, zeros past C
+    auto load_patch = [&](int c0, float (&d)[4][4]) {
+        const int c = c0 + lc;
+        const unsigned live = c < C ? mask : 0u;
+        const float* pc = pin + c * sin_c;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                d[i][j] = (live >> (4 * i + j)) & 1u ? __ldg(pc + (i * ish + j * isw)) : 0.0f;
+    };
+    // U: piece i of this thread is row (tid / 8 + 32 i) = (xi, c) = (tid / 64 + 4 i, (tid / 8) % 8), k4 = tid % 8
+    const int uc = (tid / 8) % WD_STAGE;
+    const float* usrc = U + ((long long)(tid / 64) * C + uc) * Kp + k0 + 4 * (tid % 8);
+    const int udst = (tid / 8) * WD_UROW + 4 * (tid % 8);
+    auto load_u = [&](int c0, float* ub) {
+        const bool ok = c0 + uc < C;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            cp_async16(ub + udst + i * 32 * WD_UROW, ok ? usrc + (c0 + i * 4LL * C) * Kp : U, ok);
+        cp_async_commit();
+    };
 
     // compute: xi, and the 8 k x 8 t block of its GEMM
     const int xi = tid / 16, kq = (tid % 16) / 4, tq = tid % 4;
@@ -132,17 +161,12 @@ __device__ __forceinline__ void wino_dgrad_body(
         for (int j = 0; j < 8; ++j)
             acc[i][j] = 0.0f;
 
-    for (int c0 = 0; c0 < C; c0 += WD_STAGE) {
+    // one shared V buffer, two U buffers: a stage's reads are issued before the previous stage's products
+    float d[4][4];
+    load_patch(0, d);
+    load_u(0, Us);
+    for (int c0 = 0, buf = 0; c0 < C; c0 += WD_STAGE, buf ^= 1) {
         {   // V: B^T d B of this thread's patch
-            const int c = c0 + lc;
-            const bool ok = c < C;
-            const float* pc = pin + c * sin_c;
-            float d[4][4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    d[i][j] = ok && rv[i] && cv[j] ? __ldg(pc + roff[i] + coff[j]) : 0.0f;
             float s[4][4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {   // B^T d: along rows
@@ -160,22 +184,18 @@ __device__ __forceinline__ void wino_dgrad_body(
                 v[(4 * a + 3) * WD_STAGE * WD_VROW] = s[a][1] - s[a][3];
             }
         }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {   // U: this stage's 16 x 8 rows of 32 k, one float4 per thread and pass
-            const int idx = tid + WD_THREADS * i;
-            const int k4 = idx % (WD_OUT / 4), row = idx / (WD_OUT / 4);   // row = xi * WD_STAGE + c
-            const int uxi = row / WD_STAGE, uc = row % WD_STAGE;
-            float4 u = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (c0 + uc < C)
-                u = __ldg(reinterpret_cast<const float4*>(U + ((long long)uxi * C + c0 + uc) * Kp + k0) + k4);
-            reinterpret_cast<float4*>(Us + row * WD_UROW)[k4] = u;
-        }
+        cp_async_wait<0>();
         __syncthreads();
+        const float* ub = Us + buf * WD_USIZE;
+        if (c0 + WD_STAGE < C) {   // the next stage's reads fly while this one multiplies
+            load_u(c0 + WD_STAGE, Us + (buf ^ 1) * WD_USIZE);
+            load_patch(c0 + WD_STAGE, d);
+        }
         const int nc = min(WD_STAGE, C - c0);
 #pragma unroll
         for (int cc = 0; cc < WD_STAGE; ++cc) {
             if (cc < nc) {
-                const float4* ua = reinterpret_cast<const float4*>(Us + (xi * WD_STAGE + cc) * WD_UROW + kq * 8);
+                const float4* ua = reinterpret_cast<const float4*>(ub + (xi * WD_STAGE + cc) * WD_UROW + kq * 8);
                 const float4* vb = reinterpret_cast<const float4*>(Vs + (xi * WD_STAGE + cc) * WD_VROW + tq * 8);
                 const float4 a0 = ua[0], a1 = ua[1], b0 = vb[0], b1 = vb[1];
                 const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};

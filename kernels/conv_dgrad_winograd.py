@@ -36,6 +36,7 @@ SOURCE = "conv_dgrad_winograd.cu"
 THREADS = 256
 XI = 16              # transform positions: 4 x 4
 TILES, OUT = 32, 32  # 2x2 tiles and output channels per block (WD_TILES, WD_OUT)
+SMEM = 4 * (16 * 8 * 36 + 2 * 16 * 8 * 32)   # dynamic shared memory of the fused kernels (WD_SMEM floats)
 MAX_PADDING = 2      # the correlation's padding 2 - p must be >= 0
 
 # Fewest channels on either side: the GEMMs are (Cin x Cout) per tile block, so a handful of channels
@@ -84,10 +85,10 @@ def prepare_winograd(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> C
                      (THREADS,), (SLOT, SLOT, i32(g.cin), i32(g.cout), i32(kp), i64(sw[1]), i64(sw[0]), i64(sw[2]),
                                   i64(sw[3]), i32(1)), device=dev)
     kernel = "wino_dgrad_cl" if g.layout == "channels_last" else "wino_dgrad_nchw"
-    main = Launch.of(function(SOURCE, kernel, dev), (cdiv(t, TILES), kp // OUT), (THREADS,),
+    main = Launch.of(function(SOURCE, kernel, dev, smem=SMEM), (cdiv(t, TILES), kp // OUT), (THREADS,),
                      (SLOT, SLOT, SLOT, i32(g.cout), i32(g.cin), i32(kp), i32(g.oh), i32(g.ow), i32(g.h), i32(g.w),
                       i32(2 - g.ph), i32(2 - g.pw), i32(tp), i32(tq), i32(t), *(i64(s) for s in dy.stride()),
-                      *(i64(s) for s in g.dx_stride)), device=dev)
+                      *(i64(s) for s in g.dx_stride)), device=dev, shared_mem=SMEM)
 
     def run(w, dy):
         u = torch.empty(XI * g.cout * kp, dtype=torch.float32, device=dev)
