@@ -15,6 +15,8 @@ rows keyed ``<case>_<amp>``; each in NCHW and channels_last, the faster layout i
     tree                 nnrand.use_kernels("tree") (strict; a refused model is run again with strict=False;
                          cudnn.benchmark off inside, as use_kernels sets it for a deterministic routing)
     tree_winograd        tree with conv_wgrad=winograd (Winograd F(3,2) weight gradient where it applies)
+    winograd             (on request) tree with conv_wgrad=winograd and conv_dgrad=winograd (also the data
+                         gradient by Winograd, F(2x2,3x3), where it applies)
     fastest_deterministic  nnrand.use_kernels("fastest-deterministic"): per conv shape the fastest
                          deterministic candidate, timed in the first (warm-up) step of the first run and
                          read from the on-disk cache by the later runs
@@ -25,8 +27,8 @@ initial weights on the same seeded batches, in rounds: each round runs every mod
 drift of the machine's speed during a case hits all of them alike (atomic, a reference, runs afterwards
 in tree's faster layout). ms/step is the median over the steps after ``--warmup``
 of every run, each step timed with CUDA events (host enqueue gaps included, so host-bound steps show).
-Repeatability: distinct SHA-1 hashes of the final weights over the runs. Native, tree, tree_winograd and
-fastest_deterministic also run as a CUDA graph (``nnrand.train.GraphStep``: forward and backward captured
+Repeatability: distinct SHA-1 hashes of the final weights over the runs. Native, tree, tree_winograd, winograd
+and fastest_deterministic also run as a CUDA graph (``nnrand.train.GraphStep``: forward and backward captured
 once, SGD eager) in each layout; the graph column is the faster one. Results are appended per model to ``reports/results/models.json``
 (atomic writes: an interrupted run resumes at the next model, ``--fresh`` ones too); the report is rendered
 from that file.
@@ -70,10 +72,11 @@ MODELS = (
 MODES = ("native", "torch_deterministic", "tree", "tree_winograd", "fastest_deterministic", "atomic")
 ROUTED = {"tree": ("tree", None), "tree_winograd": ("tree", {"conv_wgrad": "winograd"}),
           "fastest_deterministic": ("fastest-deterministic", None), "atomic": ("atomic", None),
-          "tree_python": ("tree", None)}
+          "tree_python": ("tree", None), "winograd": ("tree", {"conv_wgrad": "winograd", "conv_dgrad": "winograd"})}
 # modes on request only (--modes): tree_python is tree with every routed call through its Python kernel
-# (NNRAND_REPLAY=0: no C++ replay layer), to show what that layer saves in the same run
-EXTRA_MODES = ("tree_python",)
+# (NNRAND_REPLAY=0: no C++ replay layer), to show what that layer saves in the same run; winograd is
+# tree_winograd with the Winograd data gradient too
+EXTRA_MODES = ("tree_python", "winograd")
 PYTHON_ONLY = ("tree_python",)
 LAYOUTS = ("nchw", "channels_last")
 
@@ -337,7 +340,7 @@ def measure(case: ModelCase, args) -> dict:
         ok = {k: v for k, v in per_layout.items() if "ms" in v}
         best = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
         row["modes"][mode] = {"layouts": per_layout, "layout": best}
-        if best and mode in ("native", "tree", "tree_winograd", "fastest_deterministic"):
+        if best and mode in ("native", "tree", "tree_winograd", "winograd", "fastest_deterministic"):
             # in both layouts: a host-bound eager step can make the eager-faster layout the slower graph
             graphs = {}
             for lay in ok:
@@ -436,7 +439,9 @@ def targets(data: dict) -> list[str]:
 
     r18 = rows.get("resnet18_cifar")
     if r18:
-        for mode in ("tree", "tree_winograd"):
+        for mode in ("tree", "tree_winograd", "winograd"):
+            if mode == "winograd" and mode not in r18["modes"]:   # a mode on request only
+                continue
             out.append(f"- our ResNet-18 (CIFAR, batch 128), {mode}: eager {verdict(_ratio(r18, mode), 1.10)}, "
                        f"CUDA graph {verdict(_ratio(r18, mode, graph=True), 1.05)} of native")
         if "fastest_deterministic" in r18["modes"]:
@@ -445,7 +450,7 @@ def targets(data: dict) -> list[str]:
                        f"{verdict(_ratio(r18, 'fastest_deterministic', graph=True), 1.05)} of native")
     for key in ("torchvision_resnet50", "torchvision_resnet18", "torchvision_resnet50_bf16"):
         if key in rows:
-            for mode in ("tree", "tree_winograd", "fastest_deterministic"):
+            for mode in ("tree", "tree_winograd", "winograd", "fastest_deterministic"):
                 if mode not in rows[key]["modes"]:
                     continue
                 limit = 1.05 if mode == "fastest_deterministic" and not rows[key].get("amp") else 1.10
