@@ -550,7 +550,7 @@ def render(data: dict) -> str:
             continue
         native = _best(row, "native")
         ng = row["modes"].get("native", {}).get("graph", {})
-        for mode in MODES:
+        for mode in (*MODES, *(m for m in EXTRA_MODES if m in row["modes"])):   # modes on request where run
             b = _best(row, mode)
             if b is None:
                 err = next((v.get("error") for v in row["modes"].get(mode, {}).get("layouts", {}).values()), "")
