@@ -223,3 +223,27 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ---------------------------------------------------------------------------------------------
+// Winograd's input transform B^T d B of a 4x4 patch (F(2x2, 3x3) and F(3, 2) share it), first along
+// rows, then along columns, each axis (e0 - e2, e1 + e2, e2 - e1, e1 - e3); element 4a + b is stored at
+// out[(4a + b) * stride]. Additions only: no contraction can change the bits.
+
+template <typename Stride>
+__device__ __forceinline__ void winograd_input_transform(const float (&d)[4][4], float* out, Stride stride) {
+    float s[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {   // B^T d: along rows
+        s[0][j] = d[0][j] - d[2][j];
+        s[1][j] = d[1][j] + d[2][j];
+        s[2][j] = d[2][j] - d[1][j];
+        s[3][j] = d[1][j] - d[3][j];
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {   // (B^T d) B: along columns
+        out[(4 * a + 0) * stride] = s[a][0] - s[a][2];
+        out[(4 * a + 1) * stride] = s[a][1] + s[a][2];
+        out[(4 * a + 2) * stride] = s[a][2] - s[a][1];
+        out[(4 * a + 3) * stride] = s[a][1] - s[a][3];
+    }
+}

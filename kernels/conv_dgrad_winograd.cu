@@ -35,7 +35,7 @@
 //   M with FFMA from +0 (the one part a CPU does not reproduce bit for bit);
 //   y first along rows, then along columns, each  (e0 + e1) + e2, (e1 - e2) - e3.
 
-#include "common.cuh"  // cp_async16
+#include "common.cuh"  // cp_async16, winograd_input_transform
 
 #define WD_THREADS 256
 #define WD_TILES 32      // 2x2 tiles per block
@@ -166,24 +166,7 @@ __device__ __forceinline__ void wino_dgrad_body(
     load_patch(0, d);
     load_u(0, Us);
     for (int c0 = 0, buf = 0; c0 < C; c0 += WD_STAGE, buf ^= 1) {
-        {   // V: B^T d B of this thread's patch
-            float s[4][4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {   // B^T d: along rows
-                s[0][j] = d[0][j] - d[2][j];
-                s[1][j] = d[1][j] + d[2][j];
-                s[2][j] = d[2][j] - d[1][j];
-                s[3][j] = d[1][j] - d[3][j];
-            }
-            float* v = Vs + lc * WD_VROW + lt;
-#pragma unroll
-            for (int a = 0; a < 4; ++a) {   // (B^T d) B: along columns
-                v[(4 * a + 0) * WD_STAGE * WD_VROW] = s[a][0] - s[a][2];
-                v[(4 * a + 1) * WD_STAGE * WD_VROW] = s[a][1] + s[a][2];
-                v[(4 * a + 2) * WD_STAGE * WD_VROW] = s[a][2] - s[a][1];
-                v[(4 * a + 3) * WD_STAGE * WD_VROW] = s[a][1] - s[a][3];
-            }
-        }
+        winograd_input_transform(d, Vs + lc * WD_VROW + lt, WD_STAGE * WD_VROW);   // V of this thread's patch
         cp_async_wait<0>();
         __syncthreads();
         const float* ub = Us + buf * WD_USIZE;

@@ -28,7 +28,7 @@
 //   G rows then columns, each  e0 + h*(e1 + e2), h*(e1 - e2), h*(e1 + e2) + e3 with h = 0.5 (the
 //   products are exact; __fmul_rn keeps them from being contracted into an FMA).
 
-#include "common.cuh"  // ordered_combine, fma_step
+#include "common.cuh"  // ordered_combine, fma_step, winograd_input_transform
 
 #define WN_THREADS 256
 #define WN_BK 16
@@ -58,22 +58,7 @@ wino_wgrad_input(const float* __restrict__ x, float* __restrict__ V, int cin, in
                 const bool ok = c < cin && (unsigned)ih < (unsigned)h && (unsigned)iw < (unsigned)w;
                 d[i][j] = ok ? __ldg(xc + ih * sxh + iw * sxw) : 0.0f;
             }
-        float s[4][4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {  // B^T d: along rows
-            s[0][j] = d[0][j] - d[2][j];
-            s[1][j] = d[1][j] + d[2][j];
-            s[2][j] = d[2][j] - d[1][j];
-            s[3][j] = d[1][j] - d[3][j];
-        }
-        float* out = V + (long long)t * cp + c;
-#pragma unroll
-        for (int a = 0; a < 4; ++a) {  // (B^T d) B: along columns
-            out[(4 * a + 0) * plane] = s[a][0] - s[a][2];
-            out[(4 * a + 1) * plane] = s[a][1] + s[a][2];
-            out[(4 * a + 2) * plane] = s[a][2] - s[a][1];
-            out[(4 * a + 3) * plane] = s[a][1] - s[a][3];
-        }
+        winograd_input_transform(d, V + (long long)t * cp + c, plane);
     }
 }
 
