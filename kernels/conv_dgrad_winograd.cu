@@ -30,7 +30,8 @@
 //
 // Arithmetic, in the order the CPU model reproduces (kernels/conv_dgrad_winograd.py):
 //   U first along r, then along s, each  e0, h*((e0 + e2) + e1), h*((e0 + e2) - e1), e2  (h = 0.5:
-//     the products are exact and cannot be contracted into an FMA);
+//     the products are exact, and __fmul_rn keeps them from being contracted into a later addition,
+//     which would differ for subnormal operands);
 //   V first along rows, then along columns, each  e0 - e2, e1 + e2, e2 - e1, e1 - e3;
 //   M with FFMA from +0 (the one part a CPU does not reproduce bit for bit);
 //   y first along rows, then along columns, each  (e0 + e1) + e2, (e1 - e2) - e3.
@@ -69,8 +70,8 @@ wino_dgrad_filter(const float* __restrict__ w, float* __restrict__ U, int K, int
         for (int s = 0; s < 3; ++s) {   // G g: along r
             const float a = g[0][s] + g[2][s];
             t[0][s] = g[0][s];
-            t[1][s] = 0.5f * (a + g[1][s]);
-            t[2][s] = 0.5f * (a - g[1][s]);
+            t[1][s] = __fmul_rn(0.5f, a + g[1][s]);
+            t[2][s] = __fmul_rn(0.5f, a - g[1][s]);
             t[3][s] = g[2][s];
         }
         float* out = U + (long long)c * Kp + k;
@@ -78,8 +79,8 @@ wino_dgrad_filter(const float* __restrict__ w, float* __restrict__ U, int K, int
         for (int a = 0; a < 4; ++a) {   // (G g) G^T: along s
             const float b = t[a][0] + t[a][2];
             out[(4 * a + 0) * plane] = t[a][0];
-            out[(4 * a + 1) * plane] = 0.5f * (b + t[a][1]);
-            out[(4 * a + 2) * plane] = 0.5f * (b - t[a][1]);
+            out[(4 * a + 1) * plane] = __fmul_rn(0.5f, b + t[a][1]);
+            out[(4 * a + 2) * plane] = __fmul_rn(0.5f, b - t[a][1]);
             out[(4 * a + 3) * plane] = t[a][2];
         }
     }

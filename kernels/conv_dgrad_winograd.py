@@ -6,8 +6,11 @@ the exact order of its arithmetic are described at the top of the .cu file.
     dx = conv_dgrad winograd(w, dy, *, input_size, stride=1, padding=0, dilation=1)
 
 Shapes it does not cover (any kernel other than 3x3, stride or dilation other than 1, padding above 2,
-fewer than MIN_CHANNELS channels on either side) run ``tree``'s implicit GEMM, bits included, so the
-variant is a drop-in for every conv the harness routes.
+fewer than MIN_CHANNELS channels on either side, a GPU without ``cp.async``, below compute capability
+8.0) run ``tree``'s float32 implicit GEMM, bits included, so the variant is a drop-in for every conv the
+harness routes. The kernels take float32: bf16/fp16 calls run on float32 copies, rounded once (the
+registry's widening), on covered and uncovered shapes alike, so an uncovered half-precision shape gets
+``tree``'s float32 result rounded, not the bits of ``tree``'s tensor-core kernel.
 
 Why: a 3x3 stride-1 data gradient is a dense GEMM of K = 9 * Cout per dx element, which cuDNN computes by
 Winograd (deterministically: it splits no reduction) at 2.25x fewer multiply-adds than the direct sum.
@@ -50,9 +53,10 @@ def applies(g: Geometry) -> bool:
     the kernel's 32-bit spatial arithmetic holds: the shapes this F(2x2, 3x3) path serves."""
     if (g.kh, g.kw, g.sh, g.sw, g.dh, g.dw) != (3, 3, 1, 1, 1, 1) or max(g.ph, g.pw) > MAX_PADDING:
         return False
-    # the largest per-image offset: (rows + 4) * row stride, the same for dx (NCHW or channels_last)
+    # the largest per-image offset: (rows + 4) * row stride, the same for dx (NCHW or channels_last); the
+    # grid's y dimension counts blocks of OUT dx channels
     span = (g.h + 4) * (g.w + 4) * max(g.cin, g.cout)
-    return min(g.cin, g.cout) >= MIN_CHANNELS and span <= INT32_MAX
+    return min(g.cin, g.cout) >= MIN_CHANNELS and span <= INT32_MAX and cdiv(g.cin, OUT) <= 65535
 
 
 def tiles(g: Geometry) -> tuple[int, int, int]:
@@ -74,20 +78,23 @@ def prepare_winograd(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> C
     """``run(w, dy) -> dx`` (float32, dy's layout) for calls with the signature of these w and dy and these
     arguments (planned and its launches configured once); ``tree``'s where the shape is not covered."""
     g = direct._cuda_prologue(w, dy, input_size, stride, padding, dilation)
-    if direct._trivial(g) or not applies(g):
+    if direct._trivial(g) or not applies(g) or torch.cuda.get_device_capability(dy.device)[0] < 8:
         return direct.prepare_tree(w, dy, input_size=input_size, stride=stride, padding=padding, dilation=dilation)
     dev = dy.device
     tp, tq, t = tiles(g)
     kp = _padded_out(g)
     i32, i64 = np.int32, np.int64
     sw = w.stride()   # w: (Cout, Cin, 3, 3) = (c, k, r, s) of the correlation
+    # a size-1 dim is only ever read at index 0: its stride (any value torch allows there) is not passed on,
+    # so the kernel's 32-bit spatial arithmetic sees the strides ``applies`` bounded
+    dy_stride = tuple(0 if n == 1 else st for n, st in zip(dy.shape, dy.stride()))
     filt = Launch.of(function(SOURCE, "wino_dgrad_filter", dev), (min(cdiv(g.cout * kp, THREADS), 65535 * 8),),
                      (THREADS,), (SLOT, SLOT, i32(g.cin), i32(g.cout), i32(kp), i64(sw[1]), i64(sw[0]), i64(sw[2]),
                                   i64(sw[3]), i32(1)), device=dev)
     kernel = "wino_dgrad_cl" if g.layout == "channels_last" else "wino_dgrad_nchw"
     main = Launch.of(function(SOURCE, kernel, dev, smem=SMEM), (cdiv(t, TILES), kp // OUT), (THREADS,),
                      (SLOT, SLOT, SLOT, i32(g.cout), i32(g.cin), i32(kp), i32(g.oh), i32(g.ow), i32(g.h), i32(g.w),
-                      i32(2 - g.ph), i32(2 - g.pw), i32(tp), i32(tq), i32(t), *(i64(s) for s in dy.stride()),
+                      i32(2 - g.ph), i32(2 - g.pw), i32(tp), i32(tq), i32(t), *(i64(s) for s in dy_stride),
                       *(i64(s) for s in g.dx_stride)), device=dev, shared_mem=SMEM)
 
     def run(w, dy):
