@@ -27,9 +27,9 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import conv_dgrad as direct
+from . import conv_wgrad_winograd as wgrad_wino
 from .conv_dgrad import OP, Geometry
 from .order import F32
 from .registry import define_op
@@ -126,13 +126,6 @@ def _g(e0, e1, e2, absolute: bool = False):
     return e0, h * (a + e1), h * (a + e1 if absolute else a - e1), e2
 
 
-def _bt(e0, e1, e2, e3, absolute: bool = False):
-    """One axis of B^T d: e0 - e2, e1 + e2, e2 - e1, e1 - e3."""
-    if absolute:
-        return e0 + e2, e1 + e2, e2 + e1, e1 + e3
-    return e0 - e2, e1 + e2, e2 - e1, e1 - e3
-
-
 def _at(e0, e1, e2, e3, absolute: bool = False):
     """One axis of A^T m: (e0 + e1) + e2, (e1 - e2) - e3."""
     if absolute:
@@ -140,14 +133,10 @@ def _at(e0, e1, e2, e3, absolute: bool = False):
     return (e0 + e1) + e2, (e1 - e2) - e3
 
 
-def _as(t: torch.Tensor, absolute: bool, dtype) -> np.ndarray:
-    v = t.detach().cpu().to(torch.float64 if dtype == np.float64 else torch.float32)
-    return (v.abs() if absolute else v).numpy()
-
-
 def filter_transform(w: torch.Tensor, *, absolute: bool = False, dtype=F32) -> np.ndarray:
     """U[xi, c, k] = (G g G^T)[xi] of g = w[c, k] flipped in both axes (first along r, then along s)."""
-    wt = _as(w, absolute, dtype)[:, :, ::-1, ::-1]       # (c, k, r, s) of the correlation
+    wv = w.detach().cpu().to(torch.float64 if dtype == np.float64 else torch.float32)
+    wt = (wv.abs() if absolute else wv).numpy()[:, :, ::-1, ::-1]       # (c, k, r, s) of the correlation
     rows = _g(wt[:, :, 0], wt[:, :, 1], wt[:, :, 2], absolute)   # 4 x (c, k, s)
     out = np.empty((4, 4, *wt.shape[:2]), dtype=dtype)
     for a in range(4):
@@ -158,22 +147,13 @@ def filter_transform(w: torch.Tensor, *, absolute: bool = False, dtype=F32) -> n
 
 
 def patch_transform(dy: torch.Tensor, g: Geometry, *, absolute: bool = False, dtype=F32) -> np.ndarray:
-    """V[xi, c, t] = (B^T d B)[xi] of tile t's 4x4 patch of dy, rows 2P - (2 - ph) .. + 3 (first along
-    rows, then along columns; zeros outside dy)."""
-    tp, tq, t = tiles(g)
-    qh, qw = 2 - g.ph, 2 - g.pw
-    dv = torch.from_numpy(np.ascontiguousarray(_as(dy, absolute, dtype)))
-    bottom, right = 2 * tp + 2 - qh - g.oh, 2 * tq + 2 - qw - g.ow
-    dp = F.pad(dv, (qw, right, qh, bottom)).contiguous()   # (n, c, 2tp + 2, 2tq + 2)
-    sn, sc, sh, sw = dp.stride()
-    d = dp.as_strided((g.n, g.cout, tp, tq, 4, 4), (sn, sc, 2 * sh, 2 * sw, sh, sw)).numpy()
-    rows = _bt(d[..., 0, :], d[..., 1, :], d[..., 2, :], d[..., 3, :], absolute)   # 4 x (n, c, tp, tq, 4)
-    out = np.empty((4, 4, g.cout, g.n, tp, tq), dtype=dtype)
-    for a in range(4):
-        s = rows[a]
-        for b, v in enumerate(_bt(s[..., 0], s[..., 1], s[..., 2], s[..., 3], absolute)):
-            out[a, b] = v.transpose(1, 0, 2, 3)
-    return out.reshape(XI, g.cout, t)
+    """V[xi, c, t] = (B^T d B)[xi] of tile t's 4x4 patch of dy, rows 2P - (2 - ph) .. + 3, zeros outside
+    dy: conv_wgrad winograd's input transform (the same B^T, in the same order) of dy at padding 2 - p,
+    over the 2x2 tiles of dx."""
+    as_input = wgrad_wino.Geometry(n=g.n, cin=g.cout, h=g.oh, w=g.ow, cout=g.cin, oh=g.h, ow=g.w, kh=3, kw=3,
+                                   sh=1, sw=1, ph=2 - g.ph, pw=2 - g.pw, dh=1, dw=1)
+    v = wgrad_wino.input_transform(dy, as_input, absolute=absolute, dtype=dtype)   # (xi, t, c)
+    return np.ascontiguousarray(v.transpose(0, 2, 1))
 
 
 def output_transform(m: np.ndarray, g: Geometry, *, absolute: bool = False) -> np.ndarray:

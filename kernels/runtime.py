@@ -335,13 +335,14 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, de
     elif current != index:  # the driver launches into the current context
         with torch.cuda.device(index):
             return launch(fn, grid, block, args, device=device, shared_mem=shared_mem, struct=struct, stream=stream)
+    dims = _dims6(grid, block)
     rec = RECORDER
     if rec is not None and rec.thread == threading.get_ident():
-        rec.launch(fn, _dims6(grid, block), shared_mem, index, args, stream, struct, _NAMES.get(fn.ptr, hex(fn.ptr)))
+        rec.launch(fn, dims, shared_mem, index, args, stream, struct, _NAMES.get(fn.ptr, hex(fn.ptr)))
     slots, addresses = _param_block(args)
     if struct is not None:
         addresses.insert(0, struct.buffer_info()[0])
-    _launch_kernel(fn, (*_dim3(grid), *_dim3(block)), int(shared_mem), index, addresses.buffer_info()[0], stream)
+    _launch_kernel(fn, dims, int(shared_mem), index, addresses.buffer_info()[0], stream)
     del slots, struct  # the parameters lived until the launch had copied them
 
 
@@ -373,7 +374,7 @@ class Launch:
 
     def __init__(self, fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, *, device: torch.device,
                  shared_mem: int = 0):
-        self._fn, self._dims, self._smem = fn, (*_dim3(grid), *_dim3(block)), int(shared_mem)
+        self._fn, self._dims, self._smem = fn, _dims6(grid, block), int(shared_mem)
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._where = [i for i, a in enumerate(args) if a is SLOT]
         # the array takes integers (NumPy's, and objects with __index__) and refuses floats, None, strings
