@@ -9,7 +9,8 @@
 // through cuLaunchKernel on the current stream), without Python and without the GIL. Anything else goes to
 // the Python kernel: a new signature (the second such call is recorded), a signature whose recording
 // was refused, a stream being captured into a CUDA graph, calls made from inside an original kernel, and
-// every call while Python asks for them all (an observer is recording routed ops).
+// every call while Python asks for them all. While Python observes routed calls (nnrand.trace recording
+// routed ops), a replayed call then hands its outputs and arguments to the observer, under the GIL.
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/Context.h>
@@ -17,6 +18,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <dlfcn.h>
@@ -127,7 +129,13 @@ struct Layer {
   bool cuda = false;
   std::mutex mutex;
   std::atomic<bool> python_only{false};
+  std::atomic<bool> observing{false};           // replayed calls go to g_observer too
 };
+
+// Python's observer of routed calls, called (op, outputs, arguments) after each replayed call while the
+// layer is observing; set and read with the GIL held (a Python object, it is no part of Layer, which a
+// call on another thread may be the last to release, without the GIL)
+PyObject* g_observer = nullptr;
 
 // The enabled layer. Each registered kernel holds the layer too, so a call still running on another thread
 // when Python disables it keeps its state alive until it returns.
@@ -293,6 +301,33 @@ void run(const Plan& p, Stack& stack, size_t arguments, const c10::Device& devic
   for (int r : p.outputs) stack.emplace_back(r >= 0 ? c10::IValue(regs[r]) : c10::IValue(at::Tensor()));
 }
 
+// Hand a replayed call's outputs (the top ``returns`` of ``stack``; one value alone, not in a tuple) and its
+// arguments to the observer, as the Python kernel does (routing._bind_observed). An exception it raises
+// goes to the caller as that Python exception.
+void notify(const std::string& op, const Stack& stack, size_t returns, const std::vector<c10::IValue>& args) {
+  py::gil_scoped_acquire gil;
+  if (g_observer == nullptr) return;   // stopped meanwhile
+  try {
+    const py::object observer = py::reinterpret_borrow<py::object>(g_observer);   // alive through the call
+    py::object out;
+    if (returns == 1) {
+      out = torch::jit::toPyObject(stack.back());
+    } else {
+      py::tuple outs(returns);
+      for (size_t i = 0; i < returns; ++i) outs[i] = torch::jit::toPyObject(stack[stack.size() - returns + i]);
+      out = std::move(outs);
+    }
+    py::tuple a(args.size());
+    for (size_t i = 0; i < args.size(); ++i) a[i] = torch::jit::toPyObject(args[i]);
+    observer(op, out, a);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    python_error err;
+    err.persist();   // fetched now, under the GIL: it may be rethrown on another thread (autograd's)
+    throw err;
+  }
+}
+
 // ---- the kernel registered above the Python one ----
 
 struct ReplayKernel final : public c10::OperatorKernel {
@@ -341,6 +376,13 @@ struct ReplayKernel final : public c10::OperatorKernel {
       }
     }
     if (plan) {
+      if (layer->observing.load(std::memory_order_relaxed)) {
+        const std::vector<c10::IValue> args(stack->end() - state->arguments, stack->end());
+        run(*plan, *stack, state->arguments, device, stream, ks);
+        plan->hits.fetch_add(1, std::memory_order_relaxed);
+        notify(state->name, *stack, state->returns, args);
+        return;
+      }
       run(*plan, *stack, state->arguments, device, stream, ks);
       plan->hits.fetch_add(1, std::memory_order_relaxed);
       return;
@@ -459,6 +501,9 @@ void disable() {
   std::shared_ptr<Layer> layer = std::move(g_layer);
   g_layer.reset();
   layer->python_only.store(true);   // a call still running elsewhere goes on in Python
+  layer->observing.store(false);
+  Py_XDECREF(g_observer);           // (called from Python: the GIL is held)
+  g_observer = nullptr;
   layer->library.reset();           // the kernels below (Python's) are the dispatcher's again
 }
 
@@ -469,6 +514,15 @@ bool pending(const std::string& op) { return !t_pending.empty() && t_pending.bac
 
 void set_python_only(bool on) {
   if (g_layer) g_layer->python_only.store(on);
+}
+
+// ``observer(op, outputs, arguments)`` after every replayed call from now on; None: no more. (Calls that go
+// to Python are the Python kernel's to report.) Called with the GIL held, as the kernels read it.
+void set_observer(py::object observer) {
+  PyObject* old = g_observer;
+  g_observer = observer.is_none() ? nullptr : observer.release().ptr();
+  if (g_layer) g_layer->observing.store(g_observer != nullptr);
+  Py_XDECREF(old);
 }
 
 // This thread's pending miss is not recorded and not counted as an attempt (another thread records).
@@ -626,6 +680,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enabled", &enabled);
   m.def("pending", &pending);
   m.def("set_python_only", &set_python_only);
+  m.def("set_observer", &set_observer);
   m.def("skip", &skip);
   m.def("enter_original", &enter_original);
   m.def("leave_original", &leave_original);

@@ -33,8 +33,9 @@ modules' tuning switches (``bias_grad.TARGET_BLOCKS`` and the like) are read whe
 change them outside a routing context.
 
 Never used during a CUDA-graph capture (the C++ kernel passes such calls to Python, whose ticket
-counters are graph-private), while a routed-op observer records (``routing.observe``), or for calls an
-original kernel makes. ``NNRAND_REPLAY=0`` turns it off; where the extension cannot be built (no compiler,
+counters are graph-private) or for calls an original kernel makes. While a routed-op observer records
+(``routing.observe``), a replayed call hands its outputs and arguments to it (:meth:`Layer.observe`): the
+observer pays its own Python cost, the call's work stays in C++. ``NNRAND_REPLAY=0`` turns it off; where the extension cannot be built (no compiler,
 no ninja) the routing warns once and runs in Python.
 """
 from __future__ import annotations
@@ -379,6 +380,11 @@ class Layer:
 
     def python_only(self, on: bool) -> None:
         self.module.set_python_only(on)
+
+    def observe(self, fn: Callable[[str, object, tuple], None] | None) -> None:
+        """``fn(op, outputs, args)`` after every replayed call (as ``routing.observe``'s observers get the
+        calls that run in Python); None: no more."""
+        self.module.set_observer(fn)
 
     def stats(self) -> dict:
         """Per op: signatures seen, plans, calls replayed, calls that went to Python, recordings made and

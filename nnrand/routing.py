@@ -1220,14 +1220,21 @@ def _bind_observed(fn, session: "_Session", op: str, original: _Original):
             outer = getattr(_TAP, "adds", None)
             _TAP.adds = taps = []
             try:
-                return layer.record(op, lambda: fn(session, original, keyset, *args, **kwargs), args, kwargs, taps)
+                out = layer.record(op, lambda: fn(session, original, keyset, *args, **kwargs), args, kwargs, taps)
             finally:
                 _TAP.adds = outer
-        out = fn(session, original, keyset, *args, **kwargs)
+        else:
+            out = fn(session, original, keyset, *args, **kwargs)
         for f in session.observers:
             f(op, out, args)
         return out
     return kernel
+
+
+def _notify(session: "_Session", op: str, out, args: tuple) -> None:
+    """A call the replay layer replayed in C++, reported to the session's observers."""
+    for f in session.observers:
+        f(op, out, args)
 
 
 @contextlib.contextmanager
@@ -1238,14 +1245,14 @@ def observe(fn: Callable[[str, object, tuple], None]) -> Iterator[None]:
     if s is None:
         raise RoutingError("routing.observe needs an open nnrand.use_kernels context")
     s.observers.append(fn)
-    if s.replay is not None:   # every routed call through Python, where the observers see it
-        s.replay.python_only(True)
+    if s.replay is not None:   # calls replayed in C++ are reported to the observers from there
+        s.replay.observe(functools.partial(_notify, s))
     try:
         yield
     finally:
         s.observers.remove(fn)
         if s.replay is not None and not s.observers:
-            s.replay.python_only(False)
+            s.replay.observe(None)
 
 
 # PyTorch's message when its deterministic mode meets an op it has no deterministic implementation of

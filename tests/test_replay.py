@@ -406,6 +406,40 @@ def test_python_only_and_close_give_the_calls_back_to_python(module):
     op.lib._destroy()
 
 
+def test_an_observer_sees_every_replayed_call_and_its_errors_reach_the_caller(module):
+    """With an observer set, each replayed call hands it (op, outputs, arguments): the outputs the caller
+    gets, the argument objects the caller passed. Calls that run in Python are the Python kernel's to
+    report (none here). An exception the observer raises reaches the caller as itself; None stops it."""
+    op = _TestOp(module, _plain)
+    seen = []
+
+    def observer(name, out, args):
+        seen.append((name, out, args))
+        if args[2] == 0.25:
+            raise ValueError("observer refuses 0.25")
+    try:
+        x, w = _inputs(9)
+        for _ in range(2):   # planned, then recorded: both in Python
+            op(x, w, 0.5, [3, 8])
+        op.layer.observe(observer)
+        got = [op(x, w, 0.5, [3, 8]) for _ in range(3)]
+        assert op.python_calls == 2 and len(seen) == 3
+        for (name, out, args), g in zip(seen, got):
+            assert name == "op" and isinstance(out, tuple) and len(out) == 2
+            assert all(torch.equal(a, b) and a.data_ptr() == b.data_ptr() for a, b in zip(out, g))
+            assert args[0] is x and args[1] is w and args[2] == 0.5 and list(args[3]) == [3, 8]
+        for _ in range(2):   # another signature: planned and recorded in Python, unobserved here
+            op(x, w, 0.25, [3, 8])
+        with pytest.raises(ValueError, match="observer refuses 0.25"):
+            op(x, w, 0.25, [3, 8])
+        assert len(seen) == 4
+        op.layer.observe(None)
+        op(x, w, 0.25, [3, 8])
+        assert len(seen) == 4 and op.python_calls == 4
+    finally:
+        op.close()
+
+
 class _Fn:
     ptr = 0x1234
 

@@ -86,6 +86,30 @@ def test_two_tree_runs_record_identical_traces(tmp_path, monkeypatch):
     assert d == {"status": "identical", "records": len(a)}, trace.format_diff(d)
 
 
+def test_routed_recording_through_the_replay_layer_equals_python_kernels(tmp_path, monkeypatch):
+    """ops="routed" with the C++ replay layer on: replayed calls reach the recorder from C++ (counted here),
+    and the trace equals the one recorded with every routed call in Python (NNRAND_REPLAY=0), record for
+    record: the same ops, modules and fingerprints."""
+    from nnrand import replay, routing
+
+    if replay.load(quiet=True) is None:
+        pytest.skip(f"the replay extension does not build here: {replay.failure()}")
+    cfg = train.resolve(train.Config(device="cuda", model="resnet18", n_train=512, n_test=64, batch_size=64,
+                                     epochs=1, progress=False, report=False, kernel="tree"))
+    notified = []
+    notify = routing._notify
+    monkeypatch.setattr(routing, "_notify", lambda s, op, out, args: (notified.append(op), notify(s, op, out, args)))
+    monkeypatch.setenv(replay.ENV, "1")
+    on = trace.load(trace.record_training(cfg, 3, tmp_path / "on.trace", ops="routed"))
+    assert "convolution_backward" in notified, set(notified)
+    monkeypatch.setenv(replay.ENV, "0")
+    count = len(notified)
+    off = trace.load(trace.record_training(cfg, 3, tmp_path / "off.trace", ops="routed"))
+    assert len(notified) == count
+    d = trace.diff(on, off)
+    assert d == {"status": "identical", "records": len(on)}, trace.format_diff(d)
+
+
 @pytest.mark.parametrize("ops,amp", [("all", None), ("routed", None), ("all", "fp16")])
 def test_steps_replayed_from_a_cuda_graph_record_the_eager_trace(tmp_path, ops, amp):
     """Forward and backward captured once (``--cuda-graph``) and replayed: the captured ops' records added at
