@@ -25,6 +25,7 @@
 #include "common.cuh"
 
 #define FP_THREADS 256
+#define FP_UNROLL 4   // groups of 4 elements a thread loads before adding them (4-byte kinds)
 
 #define FP_F32 0
 #define FP_I32 1
@@ -102,6 +103,36 @@ __device__ __forceinline__ double fp_word_value(unsigned int v) {
     return K == FP_F32 ? (double)__uint_as_float(v) : (double)(int)v;
 }
 
+// the group of 4 consecutive 4-byte words at g (one 16-byte load where aligned, four where not)
+__device__ __forceinline__ uint4 fp_group(const unsigned int* __restrict__ u, long long g, bool vec) {
+    uint4 q;
+    if (vec) {
+        q = __ldg(reinterpret_cast<const uint4*>(u + g));
+    } else {
+        q.x = __ldg(u + g);
+        q.y = __ldg(u + g + 1);
+        q.z = __ldg(u + g + 2);
+        q.w = __ldg(u + g + 3);
+    }
+    return q;
+}
+
+// a group of 4 elements of kind K (FP_F32 or FP_I32) starting at element g added to a partial: one 64-bit
+// product, sum_e (g + 1 + e) b_e = (g + 1) sum_e b_e + b_1 + 2 b_2 + 3 b_3 (a ring: exact in wrapping
+// arithmetic); the values in element order
+template <int K>
+__device__ __forceinline__ void fp_add_group(FpPart& p, const uint4& q, long long g) {
+    const unsigned long long b0 = (unsigned long long)(long long)(int)q.x;
+    const unsigned long long b1 = (unsigned long long)(long long)(int)q.y;
+    const unsigned long long b2 = (unsigned long long)(long long)(int)q.z;
+    const unsigned long long b3 = (unsigned long long)(long long)(int)q.w;
+    p.fp += (unsigned long long)(g + 1) * (b0 + b1 + b2 + b3) + b1 + 2 * b2 + 3 * b3;
+    fp_value(p, fp_word_value<K>(q.x));
+    fp_value(p, fp_word_value<K>(q.y));
+    fp_value(p, fp_word_value<K>(q.z));
+    fp_value(p, fp_word_value<K>(q.w));
+}
+
 __device__ __forceinline__ void fp_tree(FpPart& p, FpPart* s) {
     const int t = threadIdx.x;
     s[t] = p;
@@ -135,30 +166,22 @@ __device__ __forceinline__ void fp_block(const void* __restrict__ w, long long n
     const long long end = begin + chunk < n ? begin + chunk : n;
     FpPart p = {0ull, 0.0, 0.0, 0};
     if (K == FP_F32 || K == FP_I32) {
-        // groups of 4: one 64-bit product per group, sum_e (g + 1 + e) b_e = (g + 1) sum_e b_e + b_1 + 2 b_2
-        // + 3 b_3 (a ring: exact in wrapping arithmetic); the values summed in element order
+        // groups of 4 (fp_add_group)
         const unsigned int* u = static_cast<const unsigned int*>(w);
         const bool vec = ((unsigned long long)u & 15) == 0;   // chunk is a multiple of 4: every group aligned
-        for (long long g = begin + 4 * threadIdx.x; g < end; g += 4 * FP_THREADS) {
+        long long g = begin + 4 * threadIdx.x;
+        // FP_UNROLL whole groups loaded before any is added (loads in flight: the kernel is bound by memory
+        // latency otherwise), then added in the same order as one at a time
+        for (; g + 4 * FP_THREADS * (FP_UNROLL - 1) + 4 <= end; g += 4 * FP_THREADS * FP_UNROLL) {
+            uint4 q[FP_UNROLL];
+#pragma unroll
+            for (int k = 0; k < FP_UNROLL; ++k) q[k] = fp_group(u, g + 4 * FP_THREADS * k, vec);
+#pragma unroll
+            for (int k = 0; k < FP_UNROLL; ++k) fp_add_group<K>(p, q[k], g + 4 * FP_THREADS * k);
+        }
+        for (; g < end; g += 4 * FP_THREADS) {
             if (g + 4 <= end) {
-                uint4 q;
-                if (vec) {
-                    q = __ldg(reinterpret_cast<const uint4*>(u + g));
-                } else {
-                    q.x = __ldg(u + g);
-                    q.y = __ldg(u + g + 1);
-                    q.z = __ldg(u + g + 2);
-                    q.w = __ldg(u + g + 3);
-                }
-                const unsigned long long b0 = (unsigned long long)(long long)(int)q.x;
-                const unsigned long long b1 = (unsigned long long)(long long)(int)q.y;
-                const unsigned long long b2 = (unsigned long long)(long long)(int)q.z;
-                const unsigned long long b3 = (unsigned long long)(long long)(int)q.w;
-                p.fp += (unsigned long long)(g + 1) * (b0 + b1 + b2 + b3) + b1 + 2 * b2 + 3 * b3;
-                fp_value(p, fp_word_value<K>(q.x));
-                fp_value(p, fp_word_value<K>(q.y));
-                fp_value(p, fp_word_value<K>(q.z));
-                fp_value(p, fp_word_value<K>(q.w));
+                fp_add_group<K>(p, fp_group(u, g, vec), g);
             } else {
                 for (long long i = g; i < end; ++i) fp_add<K>(p, w, i);
             }
