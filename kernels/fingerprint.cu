@@ -10,14 +10,14 @@
 // The element type is a kind code (FP_F32 ... FP_I8 below; nnrand/trace.py: FP_KINDS), bool read as u8.
 // A recorded step fingerprints hundreds of outputs, so the host cost of a record is mostly its launch:
 // `fingerprint` takes one tensor, `fingerprint_batch` up to FP_BATCH tensors (the outputs of several ops,
-// a snapshot of the parameters). A tensor of n elements gets B = clamp(ceil(n / (T * 16)), 1, 1024) blocks
+// a snapshot of the parameters). A tensor of n elements gets B = clamp(ceil(n / (T * 64)), 1, 1024) blocks
 // (nnrand/trace.py: fp_blocks) in either kernel, and its result depends on n and B only:
 //   block b reduces elements [b * chunk, (b + 1) * chunk), chunk = ceil(n / B) rounded up to a multiple
 //   of 4 (nnrand/trace.py: fp_chunk; the last block may get fewer): for 4-byte elements thread t adds the
 //   groups of 4 consecutive elements starting at 4t, 4(t + T), ... in order, each group's elements in
 //   order (a 16-byte load where the tensor is 16-byte aligned, four loads where not: the same order);
-//   for other sizes thread t adds elements t, t + T, ... in order. Then a shared-memory halving tree over
-//   the T threads; the block's partial goes to scratch and the
+//   for other sizes thread t adds elements t, t + T, ... in order. Then a halving tree over the T threads
+//   (within each warp by shuffles, then over the warps: fp_tree); the block's partial goes to scratch and the
 //   tensor's last block to arrive (common.cuh: arrive_last) adds the B partials the same way, thread t
 //   taking partials t, t + T, ..., and writes (fp, l2, mx) as three 8-byte values (fp's bits stored in a
 //   double's slot). Which block arrives last changes nothing but who does the fixed-order combine. For a
@@ -25,6 +25,7 @@
 #include "common.cuh"
 
 #define FP_THREADS 256
+#define FP_WARPS (FP_THREADS / 32)
 #define FP_UNROLL 4   // groups of 4 elements a thread loads before adding them (4-byte kinds)
 
 #define FP_F32 0
@@ -133,19 +134,38 @@ __device__ __forceinline__ void fp_add_group(FpPart& p, const uint4& q, long lon
     fp_value(p, fp_word_value<K>(q.w));
 }
 
+__device__ __forceinline__ void fp_merge(FpPart& p, const FpPart& q) {
+    p.fp += q.fp;
+    p.sq += q.sq;
+    p.mx = fmax(p.mx, q.mx);
+    p.nan |= q.nan;
+}
+
+__device__ __forceinline__ FpPart fp_shfl_down(const FpPart& p, int off) {
+    FpPart q;
+    q.fp = __shfl_down_sync(0xffffffffu, p.fp, off);
+    q.sq = __shfl_down_sync(0xffffffffu, p.sq, off);
+    q.mx = __shfl_down_sync(0xffffffffu, p.mx, off);
+    q.nan = __shfl_down_sync(0xffffffffu, p.nan, off);
+    return q;
+}
+
+// The block's T partials combined in a fixed order: a halving tree within each warp (lane l takes lane
+// l + off's partial, off = 16, 8, ..., 1), then the same over the FP_WARPS warp partials in warp order;
+// every thread returns with the result (s: FP_WARPS entries; the caller synchronises before reusing it).
 __device__ __forceinline__ void fp_tree(FpPart& p, FpPart* s) {
-    const int t = threadIdx.x;
-    s[t] = p;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) fp_merge(p, fp_shfl_down(p, off));
+    if (lane == 0) s[warp] = p;
     __syncthreads();
-    for (int off = FP_THREADS / 2; off > 0; off >>= 1) {
-        if (t < off) {
-            s[t].fp += s[t + off].fp;
-            s[t].sq += s[t + off].sq;
-            s[t].mx = fmax(s[t].mx, s[t + off].mx);
-            s[t].nan |= s[t + off].nan;
-        }
-        __syncthreads();
+    if (warp == 0) {
+        FpPart q = lane < FP_WARPS ? s[lane] : FpPart{0ull, 0.0, 0.0, 0};
+#pragma unroll
+        for (int off = FP_WARPS / 2; off > 0; off >>= 1) fp_merge(q, fp_shfl_down(q, off));
+        if (lane == 0) s[0] = q;
     }
+    __syncthreads();
     p = s[0];
 }
 
@@ -234,7 +254,7 @@ __device__ __forceinline__ void fp_block_kind(int kind, const void* w, long long
 extern "C" __global__ void __launch_bounds__(FP_THREADS)
 fingerprint(const void* __restrict__ w, long long n, long long chunk, int kind, unsigned long long* part_fp,
             double* part_sq, double* part_mx, int* part_nan, unsigned int* counter, double* out) {
-    __shared__ FpPart s[FP_THREADS];
+    __shared__ FpPart s[FP_WARPS];
     __shared__ bool last;
     fp_block_kind(kind, w, n, chunk, blockIdx.x, gridDim.x, part_fp, part_sq, part_mx, part_nan, counter, out, s,
                   &last);
@@ -264,7 +284,7 @@ struct FpBatch {
 extern "C" __global__ void __launch_bounds__(FP_THREADS)
 fingerprint_batch(const FpBatch batch, unsigned long long* part_fp, double* part_sq, double* part_mx,
                   int* part_nan, unsigned int* counters) {
-    __shared__ FpPart s[FP_THREADS];
+    __shared__ FpPart s[FP_WARPS];
     __shared__ bool last;
     // this block's tensor: the last j with first_j <= blockIdx.x
     int lo = 0, hi = (int)batch.count - 1;

@@ -164,7 +164,7 @@ def summaries(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 FP_THREADS = 256           # FP_THREADS in kernels/fingerprint.cu
-FP_WORDS_PER_THREAD = 16   # at least this many words per thread before another block is added
+FP_WORDS_PER_THREAD = 64   # at least this many words per thread before another block is added
 FP_MAX_BLOCKS = 1024       # blocks of one tensor at most
 FP_BATCH = 96              # FP_BATCH in kernels/fingerprint.cu: tensors per fingerprint_batch launch
 # the element types the kernels take, as their kind codes (FP_F32 ... FP_I8 in kernels/fingerprint.cu); bool

@@ -58,7 +58,7 @@ def test_batched_fingerprints_equal_one_launch_each():
     cap, a non-contiguous one, more tensors than one launch takes (FP_BATCH) and more blocks than the
     scratch holds (FP_SCRATCH_BLOCKS), bit for bit in each of 10 repeats."""
     g = torch.Generator(device="cuda").manual_seed(5)
-    sizes = [1, 255, 4096, 4097, 1 << 20, (1 << 22) + 3] + [37 * k for k in range(1, 121)] + [1 << 22] * 17
+    sizes = [1, 255, 4096, 4097, 1 << 20, (1 << 22) + 3] + [37 * k for k in range(1, 121)] + [1 << 24] * 17
     ts = [torch.randn(n, device="cuda", generator=g) for n in sizes]
     ts.append(torch.randn(300, 70, device="cuda", generator=g).T)   # read in logical order, like one launch
     assert len(ts) > trace.FP_BATCH and sum(trace.fp_blocks(t.numel()) for t in ts) > trace.FP_SCRATCH_BLOCKS
