@@ -10,6 +10,7 @@
     python3 bench/dev/trace_host_cost.py --cost 5 --steps 40 --cuda-graph   # the same, steps replayed from graphs
     python3 bench/dev/trace_host_cost.py --kernel-gbs             # only the fingerprint kernel's device time
     python3 bench/dev/trace_host_cost.py --routed-split           # host time of each piece of ops="routed"
+    python3 bench/dev/trace_host_cost.py --routed-parts 8         # ops="routed"'s step cost taken apart
     python3 bench/dev/trace_host_cost.py --all-split              # ... of ops="all"
 
 Per mode, the median step time (synchronised; CUDA on a GPU) over ``--steps`` steps after 3 warm-up steps,
@@ -168,13 +169,16 @@ def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: in
     model, opt = train.build(cfg, seeds, 10, torch.contiguous_format)
     named = list(model.named_parameters())
     ctx = {"none": contextlib.nullcontext(), "null": null or NullMode(), "hooks": hooks_only(),
+           "observe": contextlib.nullcontext(),
            "routed": trace.record(tmp / "r.trace", ops="routed", model=model),
+           "routed_nosnap": trace.record(tmp / "r.trace", ops="routed", model=model),
            "all": trace.record(tmp / "a.trace", ops="all", model=model)}[mode]
     times = []
     prof = cProfile.Profile() if profile else None
     act = torch.profiler.ProfilerActivity.CUDA if dev.type == "cuda" else torch.profiler.ProfilerActivity.CPU
     kin = torch.profiler.profile(activities=[act]) if kineto else None
-    with routing.use_kernels(cfg.kernel, cfg.kernel_ops, strict=cfg.strict), ctx as rec:
+    with routing.use_kernels(cfg.kernel, cfg.kernel_ops, strict=cfg.strict), ctx as rec, \
+            (routing.observe(lambda op, out, args: None) if mode == "observe" else contextlib.nullcontext()):
         for i in range(steps + 3):
             if isinstance(rec, trace.Recorder):
                 rec.step()
@@ -188,7 +192,7 @@ def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: in
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            if isinstance(rec, trace.Recorder):
+            if isinstance(rec, trace.Recorder) and mode != "routed_nosnap":
                 rec.snapshot(named)
             sync(dev)
             if i >= 3:
@@ -203,6 +207,24 @@ def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: in
         print(f"\ncProfile, ops={mode}, {steps} steps, top {profile} by own time:")
         pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
     return statistics.median(times)
+
+
+def routed_parts(cfg, steps: int, tmp: Path, rounds: int) -> None:
+    """ops="routed"'s cost taken apart, the modes taking turns over ``rounds`` rounds (every other round in
+    reverse order), each mode's cost the median over rounds of its step over the unrecorded one's:
+    observe (a routing.observe observer that does nothing: the cost of handing the routed calls to Python),
+    routed_nosnap (the recording without its parameter snapshot) and routed."""
+    modes = ("none", "observe", "routed_nosnap", "routed")
+    ratios: dict[str, list[float]] = {m: [] for m in modes}
+    ms: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):
+        got = {m: steps_ms(cfg, m, steps, tmp) for m in (modes if r % 2 == 0 else modes[::-1])}
+        for m in modes:
+            ms[m].append(got[m])
+            ratios[m].append(got[m] / got["none"])
+    print(f"\nops='routed' taken apart ({rounds} rounds of {steps} steps, paired per round):")
+    for m in modes:
+        print(f"  {m:14s} {statistics.median(ms[m]):8.2f} ms/step  x{statistics.median(ratios[m]):.3f}")
 
 
 def per_call_us(fn, n: int, dev: torch.device, reset=None) -> float:
@@ -343,6 +365,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-gbs", action="store_true", help="only the fingerprint kernel's device time and GB/s")
     p.add_argument("--routed-split", action="store_true", help="only the host time of ops='routed' by piece")
     p.add_argument("--all-split", action="store_true", help="only the host time of ops='all' by piece")
+    p.add_argument("--routed-parts", type=int, default=0, metavar="ROUNDS",
+                   help="only ops='routed' taken apart (observer alone, without the snapshot), paired rounds")
     p.add_argument("--cuda-graph", action="store_true", help="--cost with each mode's steps replayed from a graph")
     p.add_argument("--tmp", default="/tmp/nnrand-trace-cost")
     a = p.parse_args(argv)
@@ -356,6 +380,9 @@ def main(argv=None) -> int:
         return 0
     if a.kernel_gbs:
         kernel_gbs()
+        return 0
+    if a.routed_parts:
+        routed_parts(cfg, a.steps, tmp, a.routed_parts)
         return 0
     if a.routed_split or a.all_split:
         routed_split(cfg, a.steps, tmp, "routed" if a.routed_split else "all")
