@@ -317,6 +317,8 @@ def test_deferred_batches_split_at_their_limits(monkeypatch):
     of the torch formula."""
     calls = []
     launch = trace._launch_deferred
+    BIG = trace.FP_MAX_BLOCKS * trace.FP_THREADS * trace.FP_WORDS_PER_THREAD   # float32 elements
+    assert trace.fp_blocks(BIG) == trace.FP_MAX_BLOCKS and 20 * trace.FP_MAX_BLOCKS > trace.FP_SCRATCH_BLOCKS
 
     def counted(d):
         calls.append((len(d.held), d.blocks, d.nbytes))
@@ -329,7 +331,7 @@ def test_deferred_batches_split_at_their_limits(monkeypatch):
             m.setattr(trace, "_launch_deferred", counted)
             with trace.record(None) as rec:
                 rec.step()
-                big = torch.randn(1 << 22, device="cuda", generator=g)   # 1024 blocks each
+                big = torch.randn(BIG, device="cuda", generator=g)   # FP_MAX_BLOCKS blocks each
                 for _ in range(20):
                     big = big + 1.0
                 small = torch.randn(8, device="cuda", generator=g)
@@ -339,10 +341,11 @@ def test_deferred_batches_split_at_their_limits(monkeypatch):
 
     got = run(trace.HELD_BYTES)
     assert max(n for n, _, _ in calls) == trace.FP_BATCH                   # split by count
-    assert any(b + 1024 > trace.FP_SCRATCH_BLOCKS for _, b, _ in calls)    # split by scratch blocks
+    assert any(b + trace.FP_MAX_BLOCKS > trace.FP_SCRATCH_BLOCKS for _, b, _ in calls)   # split by scratch blocks
     calls.clear()
     lowered = run(64 << 20)
-    assert max(nbytes for _, _, nbytes in calls) <= (64 << 20) + (16 << 20)   # split by held bytes
+    # split by held bytes: a batch passes the limit by its last tensor at most
+    assert max(nbytes for _, _, nbytes in calls) <= (64 << 20) + 4 * BIG
     with monkeypatch.context() as m:
         m.setattr(trace, "_fused", lambda t: False)
         want = run(trace.HELD_BYTES)
