@@ -1497,8 +1497,8 @@ COST_ROUNDS = 20  # recording_cost: rounds over the three modes (a host-bound st
 def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUNDS) -> dict:
     """Median step time (wall clock between device synchronisations) without recording, recording the
     routed ops, and recording every op; and the trace size per step. Same training code, same steps: the
-    modes take turns, ``rounds`` times ``steps`` steps each after one warm-up step (three in the first
-    round), every other round in reverse order. A host-bound step's speed drifts by several percent within
+    modes take turns, ``rounds`` times ``steps`` steps each after two warm-up steps (three in the first
+    round), every other round in reverse order, the garbage collected before each. A host-bound step's speed drifts by several percent within
     seconds, so the cost of a mode is also given paired: ``ratio``, the median over rounds of its median
     step in the round over the unrecorded one's in the same round. With ``cfg.cuda_graph`` every mode's
     forward and backward are captured once per round (``graph_step``, untimed) and replayed."""
@@ -1519,14 +1519,17 @@ def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUN
     y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
     modes = ("none", "routed", "all")
     built = {mode: train.build(cfg, seeds, 10, fmt) for mode in modes}
-    gc.collect()   # the garbage of whatever ran before (the report's lockstep runs) is not collected in a mode
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     per_round: dict[str, list[float]] = {mode: [] for mode in modes}   # each round's median step
     out = {}
     named = {mode: list(model.named_parameters()) for mode, (model, _) in built.items()}   # as record_training
     for r in range(rounds):
-        warm = 3 if r == 0 else 1
+        # a routing session's first two steps plan and record the C++ replay layer's calls (nnrand/replay.py)
+        warm = 3 if r == 0 else 2
         for mode in modes if r % 2 == 0 else modes[::-1]:
+            # the garbage of whatever ran before (the report's lockstep runs, the last mode's recorder, which
+            # holds reference cycles) is not collected in this mode's steps
+            gc.collect()
             model, opt = built[mode]
             start = len(times[mode])
             path = out_dir / f"cost_{mode}.trace"
@@ -1628,7 +1631,7 @@ def render_report(data: dict, out: str | Path) -> Path:
     rounds = c["none"].get("rounds")
     if rounds:   # paired per round (see recording_cost)
         how = (f"the modes taking turns in {rounds} rounds of {timed // rounds} steps, every other round in reverse "
-               "order; ms: median of each mode's steps; x: median over rounds of the mode's median step over the "
+               "order, each mode's steps after two warm-up steps and a garbage collection; ms: median of each mode's steps; x: median over rounds of the mode's median step over the "
                "unrecorded one's in that round. A step is the recorder's per-step transfer, forward, backward, "
                "optimizer and parameter snapshot, synchronised")
     else:

@@ -635,7 +635,7 @@ def test_report_marks_ops_the_model_never_calls(tmp_path):
 
 
 def test_recording_cost_times_every_mode_in_each_round(tmp_path, monkeypatch):
-    # two rounds of one timed step per mode (three warm-up steps in the first, one after): every mode gets
+    # two rounds of one timed step per mode (three warm-up steps in the first, two after): every mode gets
     # a time from every round, and recording every op writes more records than recording the routed ones
     cfg = train.resolve(train.Config(**TINY, kernel="tree"))
     entered, record = [], trace.record
