@@ -188,7 +188,7 @@ def _measure_forward(s: dict, x, w, args) -> dict:
 
     import nnrand
     from bench.timing import cudnn_flags, graph_replay_us
-    from kernels import conv_dgrad
+    from kernels import conv_dgrad, conv_dgrad_winograd
     from nnrand import autotune, routing
 
     def fwd():
@@ -200,6 +200,10 @@ def _measure_forward(s: dict, x, w, args) -> dict:
         all(p <= kk - 1 for p, kk in zip(s["padding"], k))
     times["tree"] = graph_replay_us(lambda: conv_dgrad.conv_forward_tree_cuda(x, w, padding=tuple(s["padding"])),
                                     calls=args.calls, replays=args.replays) if formable else None
+    pad = tuple(s["padding"])
+    wino = formable and conv_dgrad_winograd.forward_applies(x, w, pad)
+    times["winograd"] = graph_replay_us(lambda: conv_dgrad_winograd.conv_forward_winograd_cuda(x, w, padding=pad),
+                                        calls=args.calls, replays=args.replays) if wino else None
     tuner = autotune.Tuner(cache=None)
     # the routing tunes only forwards that record a backward (as in training: the weight requires grad)
     wg = w.detach().requires_grad_()
@@ -214,7 +218,8 @@ def _measure_forward(s: dict, x, w, args) -> dict:
                            "covers; the auto column would not be the tuner's choice")
     choice = entries[0]["choice"] if entries else autotune.TORCH_DET   # not tuned: torch's forward runs
     return {"times_us": times, "auto": choice, "auto_column": "cudnn_det" if choice == autotune.TORCH_DET else choice,
-            "tuner_times_us": entries[0]["times_us"] if entries else {}, "deterministic": {"tree": True}}
+            "tuner_times_us": entries[0]["times_us"] if entries else {},
+            "deterministic": {"tree": True, "winograd": True}}
 
 
 def measure(args) -> dict:
@@ -431,11 +436,13 @@ def _across_layouts(net: dict, both: dict, decisive) -> list[str]:
 
 def _forward_table(rows: list[dict], shapes: list[dict], t: dict) -> list[str]:
     """The forward conv table of one network and layout, and its count-weighted total."""
-    out = ["", "Forward convs (`tree`: the forward form of conv_dgrad's tree, stride-1 ungrouped shapes):", "",
-           "| shape | ×n | fwd cudnn_fastest | fwd cudnn_det | fwd tree | fwd auto |", "|---|---|---|---|---|---|"]
+    out = ["", "Forward convs (`tree`: the forward form of conv_dgrad's tree, stride-1 ungrouped shapes; "
+           "`winograd`: the same form on conv_dgrad's Winograd kernels, float32 3x3 shapes with >= 16 channels):",
+           "", "| shape | ×n | fwd cudnn_fastest | fwd cudnn_det | fwd tree | fwd winograd | fwd auto |",
+           "|---|---|---|---|---|---|---|"]
     for r, s in zip(rows, shapes):
         f = r["fwd"]
-        cells = [r["shape"], str(s["count"])] + [_fmt(f["times_us"].get(c)) for c in (*PEERS, "tree")]
+        cells = [r["shape"], str(s["count"])] + [_fmt(f["times_us"].get(c)) for c in (*PEERS, "tree", "winograd")]
         cells.append(f"{f['auto']} ({_auto_time(r, 'fwd') / f['times_us']['cudnn_fastest']:.2f}x)")
         out.append("| " + " | ".join(cells) + " |")
     fast = t["cudnn_fastest"]

@@ -33,7 +33,7 @@ from . import conv_wgrad_winograd as wgrad_wino
 from .conv_dgrad import OP, Geometry
 from .order import F32
 from .registry import define_op
-from .runtime import INT32_MAX, SLOT, Launch, cdiv, function
+from .runtime import INT32_MAX, SLOT, KernelArgumentError, Launch, cdiv, function
 
 SOURCE = "conv_dgrad_winograd.cu"
 THREADS = 256
@@ -74,23 +74,34 @@ def _padded_out(g: Geometry) -> int:
 # CUDA
 
 
+def _covered(g: Geometry, dev: torch.device) -> bool:
+    return not direct._trivial(g) and applies(g) and torch.cuda.get_device_capability(dev)[0] >= 8
+
+
 def prepare_winograd(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> Callable:
     """``run(w, dy) -> dx`` (float32, dy's layout) for calls with the signature of these w and dy and these
     arguments (planned and its launches configured once); ``tree``'s where the shape is not covered."""
     g = direct._cuda_prologue(w, dy, input_size, stride, padding, dilation)
-    if direct._trivial(g) or not applies(g) or torch.cuda.get_device_capability(dy.device)[0] < 8:
+    if not _covered(g, dy.device):
         return direct.prepare_tree(w, dy, input_size=input_size, stride=stride, padding=padding, dilation=dilation)
+    sw = w.stride()   # w: (Cout, Cin, 3, 3) = (c, k, r, s) of the correlation, flipped
+    return _prepared(g, dy, (sw[1], sw[0], sw[2], sw[3]), flip=True)
+
+
+def _prepared(g: Geometry, dy: torch.Tensor, w_strides: tuple[int, int, int, int], flip: bool) -> Callable:
+    """The two launches of a covered call: the filter transform reading the correlation's g[k, c] at
+    ``w_strides`` (k, c, r, s), spatially flipped or not, then the fused kernel."""
     dev = dy.device
     tp, tq, t = tiles(g)
     kp = _padded_out(g)
     i32, i64 = np.int32, np.int64
-    sw = w.stride()   # w: (Cout, Cin, 3, 3) = (c, k, r, s) of the correlation
+    swk, swc, swr, sws = w_strides
     # a size-1 dim is only ever read at index 0: its stride (any value torch allows there) is not passed on,
     # so the kernel's 32-bit spatial arithmetic sees the strides ``applies`` bounded
     dy_stride = tuple(0 if n == 1 else st for n, st in zip(dy.shape, dy.stride()))
     filt = Launch.of(function(SOURCE, "wino_dgrad_filter", dev), (min(cdiv(g.cout * kp, THREADS), 65535 * 8),),
-                     (THREADS,), (SLOT, SLOT, i32(g.cin), i32(g.cout), i32(kp), i64(sw[1]), i64(sw[0]), i64(sw[2]),
-                                  i64(sw[3]), i32(1)), device=dev)
+                     (THREADS,), (SLOT, SLOT, i32(g.cin), i32(g.cout), i32(kp), i64(swk), i64(swc), i64(swr),
+                                  i64(sws), i32(1 if flip else 0)), device=dev)
     kernel = "wino_dgrad_cl" if g.layout == "channels_last" else "wino_dgrad_nchw"
     main = Launch.of(function(SOURCE, kernel, dev, smem=SMEM), (cdiv(t, TILES), kp // OUT), (THREADS,),
                      (SLOT, SLOT, SLOT, i32(g.cout), i32(g.cin), i32(kp), i32(g.oh), i32(g.ow), i32(g.h), i32(g.w),
@@ -111,6 +122,48 @@ def conv_dgrad_winograd_cuda(w, dy, *, input_size, stride=1, padding=0, dilation
 
 
 conv_dgrad_winograd_cuda.prepare = prepare_winograd
+
+
+# A stride-1 forward conv is a data gradient on flipped, transposed weights (kernels/conv_dgrad.py: the
+# forward form). Here the filter transform reads w[k, c] in place, unflipped: the same U, so the same bits
+# as the data gradient on conv_dgrad.forward_weights(w), without that copy.
+
+
+def forward_applies(x: torch.Tensor, w: torch.Tensor, padding) -> bool:
+    """Whether ``conv2d(x, w, padding=padding)`` (stride 1) runs the Winograd kernels here: float32, a
+    shape ``applies`` takes, and on CUDA a GPU that has them; elsewhere :func:`prepare_forward` and the
+    CPU model run tree's forward form."""
+    if x.dtype != torch.float32 or w.dtype != torch.float32 or x.dim() != 4 or w.dim() != 4:
+        return False
+    try:
+        g = _forward_geometry(x, w, padding)
+    except KernelArgumentError:
+        return False
+    return _covered(g, x.device) if x.is_cuda else not direct._trivial(g) and applies(g)
+
+
+def _forward_geometry(x: torch.Tensor, w: torch.Tensor, padding) -> Geometry:
+    """The data gradient's geometry of the forward form, checked. Its weight is (Cin, Cout, 3, 3): a
+    stand-in of that shape takes w's place in the checks (no kernel reads it; the launches read w)."""
+    args = direct.forward_args(x, w, padding)
+    proxy = torch.empty((w.shape[1], w.shape[0], *w.shape[2:]), dtype=w.dtype, device=w.device)
+    return direct._check(proxy, x, args["input_size"], 1, args["padding"], 1)
+
+
+def prepare_forward(x, w, *, padding=0) -> Callable:
+    """``run(x, w) -> y = conv2d(x, w, padding=padding)`` (stride 1, no bias, float32, y in x's layout) for
+    calls with the signature of these x and w; tree's forward form where :func:`forward_applies` does not
+    hold (half-precision calls included: tree's tensor-core path)."""
+    if not forward_applies(x, w, padding):
+        return lambda x, w: direct.conv_forward_tree_cuda(x, w, padding=padding)
+    g = _forward_geometry(x, w, padding)
+    sw = w.stride()   # (k, c, r, s): w's output channels are the data gradient's dx channels
+    return _prepared(g, x, (sw[0], sw[1], sw[2], sw[3]), flip=False)
+
+
+def conv_forward_winograd_cuda(x, w, *, padding=0) -> torch.Tensor:
+    """``conv2d(x, w, padding=padding)``, stride 1, by the Winograd data-gradient kernels (see above)."""
+    return prepare_forward(x, w, padding=padding)(x, w)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -182,6 +235,14 @@ def conv_dgrad_winograd_cpu(w, dy, *, input_size, stride=1, padding=0, dilation=
                                           dilation=dilation)
     m = _gemms(filter_transform(w), patch_transform(dy, g))
     return direct._in_layout(torch.from_numpy(output_transform(m, g)), g)
+
+
+def conv_forward_winograd_cpu(x, w, *, padding=0, rng=None) -> torch.Tensor:
+    """The CPU order model of :func:`conv_forward_winograd_cuda`: the data gradient's model on the forward
+    form's weights (the same U); tree's forward form where the Winograd path does not apply (float32 only)."""
+    if not forward_applies(x, w, padding):
+        return direct.conv_forward_tree_cpu(x, w, padding=padding)
+    return conv_dgrad_winograd_cpu(direct.forward_weights(w), x, **direct.forward_args(x, w, padding))
 
 
 def magnitude(w: torch.Tensor, dy: torch.Tensor, g: Geometry) -> torch.Tensor:

@@ -618,14 +618,29 @@ def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
 
 
-def _forward_form(x, w, bias, pad, out_fmt):
+def _forward_form(x, w, bias, pad, out_fmt, run=None):
     """The forward form with torch's conv contract: bias added, the output in ``out_fmt`` (channels_last
-    when the input or the weight is; both dense in one of the two layouts: ``_forward_plan`` checks)."""
-    fn = kernels.conv_dgrad.conv_forward_tree_cuda if x.is_cuda else kernels.conv_dgrad.conv_forward_tree_cpu
-    y = fn(x, w, padding=pad)
+    when the input or the weight is; both dense in one of the two layouts: ``_forward_plan`` checks).
+    ``run(x, w)``: a prepared forward (the Winograd one); None: tree's."""
+    if run is not None:
+        y = run(x, w)
+    else:
+        fn = kernels.conv_dgrad.conv_forward_tree_cuda if x.is_cuda else kernels.conv_dgrad.conv_forward_tree_cpu
+        y = fn(x, w, padding=pad)
     if bias is not None:
         y.add_(bias.view(1, -1, 1, 1))
     return y.contiguous(memory_format=out_fmt)
+
+
+def _winograd_forward(x, w, pad):
+    """The Winograd forward of this call (on CUDA prepared once: its launches configured for the signature;
+    on a CPU its order model), or None where it would not run the Winograd kernels (tree's form is the
+    candidate there already)."""
+    wino = kernels.conv_dgrad_winograd
+    if not wino.forward_applies(x, w, pad):
+        return None
+    return wino.prepare_forward(x, w, padding=pad) if x.is_cuda else \
+        functools.partial(wino.conv_forward_winograd_cpu, padding=pad)
 
 
 def _forward_plan(s: "_Session", original, keyset, args: tuple) -> _ForwardPlan:
@@ -660,8 +675,14 @@ def _forward_plan(s: "_Session", original, keyset, args: tuple) -> _ForwardPlan:
         return _ForwardPlan(None, autotune.TORCH_DET, "not in the pinned plan")
     candidates = {"tree": lambda: _forward_form(x, w, bias, pad, out_fmt),
                   autotune.TORCH_DET: lambda: original.call_boxed(keyset, *args)}
-    if s.tuner.choose(key, x.device, candidates) == "tree":
+    wino = _winograd_forward(x, w, pad)
+    if wino is not None:
+        candidates["winograd"] = lambda: _forward_form(x, w, bias, pad, out_fmt, wino)
+    choice = s.tuner.choose(key, x.device, candidates)
+    if choice == "tree":
         return _ForwardPlan(functools.partial(_forward_form, pad=pad, out_fmt=out_fmt), "tree")
+    if choice == "winograd":
+        return _ForwardPlan(functools.partial(_forward_form, pad=pad, out_fmt=out_fmt, run=wino), "winograd")
     return _ForwardPlan(None, autotune.TORCH_DET)
 
 

@@ -248,6 +248,27 @@ def test_forward_conv_runs_the_chosen_candidate(layout):
     assert x.grad is not None and all(p.grad is not None for p in m.parameters())
 
 
+def test_winograd_forward_is_a_candidate_where_it_applies():
+    """A float32 3x3 stride-1 conv with at least 16 channels each side offers the Winograd forward too
+    (chosen here: its output is the Winograd model's plus the bias, bitwise); a 3-channel one does not."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 24, 3, padding=1))
+    x = torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    seen = {}
+    m[1].register_forward_hook(lambda mod, inp, out: seen.update(x=inp[0].detach().clone(), y=out.detach().clone()))
+    # winograd ranks first wherever offered: the 3-channel conv's tree choice shows it was not offered there
+    tuner = autotune.Tuner(cache=None, timer=ranked_timer([autotune.TORCH_DET], forward=["winograd", "tree"]))
+    with nnrand.use_kernels("fastest-deterministic", tuner=tuner) as r:
+        m(x).square().sum().backward()
+    assert r.coverage["convolution"] == {"tree": 1, "winograd": 1}
+    choices = {k: v["choice"] for k, v in tuner.record()["choices"].items() if k.startswith("conv_fwd ")}
+    assert sorted(choices.values()) == ["tree", "winograd"]
+    w, b = m[1].weight.detach(), m[1].bias.detach()
+    want = kernels.conv_dgrad_winograd.conv_forward_winograd_cpu(seen["x"], w, padding=1) + b.view(1, -1, 1, 1)
+    assert bitwise_equal(seen["y"], want)
+    assert all(p.grad is not None for p in m.parameters())
+
+
 def test_forward_conv_missing_from_a_pinned_plan_runs_torch():
     """A pinned-only record without forward keys (a plan made before forward convs were tuned, or an
     evaluation batch it never met): the forward runs torch's kernel, untimed, and backward keys still pin."""

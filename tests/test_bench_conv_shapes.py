@@ -61,27 +61,28 @@ def test_first_conv_dgrad_named_as_never_trained():
     assert "among the others" not in cs.render_section({"networks": {"m": net}, "fingerprint": {"gpu": "G"}})
 
 
-def _fwd(fastest, det, tree, auto):
-    return {"times_us": {"cudnn_fastest": fastest, "cudnn_det": det, "tree": tree}, "auto": auto,
-            "auto_column": "cudnn_det" if auto == "torch_det" else auto, "tuner_times_us": {},
-            "deterministic": {"tree": True}}
+def _fwd(fastest, det, tree, auto, winograd=None):
+    return {"times_us": {"cudnn_fastest": fastest, "cudnn_det": det, "tree": tree, "winograd": winograd},
+            "auto": auto, "auto_column": "cudnn_det" if auto == "torch_det" else auto, "tuner_times_us": {},
+            "deterministic": {"tree": True, "winograd": True}}
 
 
 def test_forward_table_and_total():
     """Forward rows: a shape with no tree form (None) counts cuDNN det in the tree total; auto its chosen
-    column; the backward totals and targets are unchanged by the forward rows."""
-    rows = [_row("a", 10.0, 20.0, 12.0, 1.0, "tree") | {"fwd": _fwd(4.0, 8.0, 5.0, "tree")},
+    column (the Winograd form's, where chosen); the backward totals and targets are unchanged by the
+    forward rows."""
+    rows = [_row("a", 10.0, 20.0, 12.0, 1.0, "tree") | {"fwd": _fwd(4.0, 8.0, 5.0, "winograd", 3.0)},
             _row("b", 5.0, 6.0, 9.0, 1.0, "torch_det") | {"fwd": _fwd(2.0, 3.0, None, "torch_det")}]
     net = {"model": "m", "batch": 2, "size": 8, "shapes": [{"count": 3}, {"count": 1}],
            "layouts": {"nchw": {"rows": rows, "measured": {}}}}
     t = cs.totals(net, "nchw")
     assert t["sum"]["fwd"] == {"cudnn_fastest": 3 * 4 + 2, "cudnn_det": 3 * 8 + 3, "tree_or_det": 3 * 5 + 3,
-                               "auto": 3 * 5 + 3}
+                               "auto": 3 * 3 + 3}
     assert t["sum"]["dgrad"]["auto"] == 3 * 12 + 6
     text = cs.render_section({"networks": {"m": net}, "fingerprint": {"gpu": "G"}})
-    assert "| a | 3 | 4.0 | 8.0 | 5.0 | tree (1.25x) |" in text
-    assert "| b | 1 | 2.0 | 3.0 | – | torch_det (1.50x) |" in text
-    assert "autotuned 18 (1.29x)" in text and "autotuned total 1.20x" in text
+    assert "| a | 3 | 4.0 | 8.0 | 5.0 | 3.0 | winograd (0.75x) |" in text
+    assert "| b | 1 | 2.0 | 3.0 | – | – | torch_det (1.50x) |" in text
+    assert "autotuned 12 (0.86x)" in text and "autotuned total 1.20x" in text
 
 
 def test_splice_replaces_only_the_section():

@@ -176,6 +176,59 @@ def test_runs_tree_where_it_does_not_apply():
         assert_bitwise_equal(WINOGRAD(w, dy, **kw), TREE(w, dy, **kw), s.name)
 
 
+# The forward form: y = conv2d(x, w, padding=p) is the data gradient of dy := x on w' = forward_weights(w)
+# (kernels/conv_dgrad.py), so the same bound holds with w' and x in the data gradient's places.
+FWD_SHAPES = [(2, 16, 24, 9, 11, 1), (3, 20, 17, 7, 5, 0), (1, 16, 16, 6, 8, 2), (2, 40, 33, 11, 13, (1, 2))]
+
+
+def make_forward(shape, seed, device="cpu", layout="nchw"):
+    """x (n, cin, h, w), w (cout, cin, 3, 3) and the padding of a forward conv."""
+    n, cin, cout, h, w, p = shape
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, cin, h, w, generator=gen)
+    wt = torch.randn(cout, cin, 3, 3, generator=gen) / float(np.sqrt(9 * cin))
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x.to(device), wt.to(device), p
+
+
+def assert_forward_within_bound(y, x, w, p, what):
+    x, w = x.cpu(), w.cpu()
+    assert_within_bound(y, cd.forward_weights(w), x, {**cd.forward_args(x, w, p), "stride": 1, "dilation": 1}, what)
+
+
+@pytest.mark.parametrize("shape", FWD_SHAPES, ids=ids)
+def test_forward_model_is_the_data_gradients_on_the_forward_weights(shape):
+    """The forward model is the data-gradient model on w' (the same transforms on the same values), within
+    the bound of torch's conv2d in float64, in x's layout."""
+    x, w, p = make_forward(shape, seed=50)
+    assert wd.forward_applies(x, w, p)
+    y = wd.conv_forward_winograd_cpu(x, w, padding=p)
+    assert_bitwise_equal(y, WINOGRAD(cd.forward_weights(w), x, **cd.forward_args(x, w, p)), f"forward {shape}")
+    assert y.shape == torch.nn.functional.conv2d(x, w, padding=p).shape
+    assert_forward_within_bound(y, x, w, p, f"forward {shape}")
+    cl = wd.conv_forward_winograd_cpu(x.contiguous(memory_format=torch.channels_last), w, padding=p)
+    assert cl.is_contiguous(memory_format=torch.channels_last)
+    assert_bitwise_equal(cl, y, f"forward {shape} channels_last")
+
+
+def test_forward_applies_only_to_float32_3x3_with_enough_channels():
+    """Half precision, other kernels and few channels are not Winograd forwards: the model runs tree's
+    forward form there, bit for bit (a float32 model: half precision is the GPU's test)."""
+    gen = torch.Generator().manual_seed(51)
+    x, w = torch.randn(2, 16, 8, 8, generator=gen), torch.randn(24, 16, 3, 3, generator=gen)
+    assert wd.forward_applies(x, w, 1)
+    cases = {"bf16": (x.bfloat16(), w.bfloat16(), 1), "5x5": (x, torch.randn(24, 16, 5, 5, generator=gen), 2),
+             "few_in": (x[:, :8].contiguous(), w[:, :8].contiguous(), 1), "few_out": (x, w[:8].contiguous(), 1),
+             "3d": (x[0], w, 1)}
+    for name, (xx, ww, p) in cases.items():
+        assert not wd.forward_applies(xx, ww, p), name
+    for name in ("5x5", "few_in", "few_out"):
+        xx, ww, p = cases[name]
+        assert_bitwise_equal(wd.conv_forward_winograd_cpu(xx, ww, padding=p),
+                             cd.conv_forward_tree_cpu(xx, ww, padding=p), name)
+
+
 # --------------------------------------------------------------------------------------------------
 # CUDA
 
@@ -241,3 +294,37 @@ def test_cu_compiles_for_sm90_without_spills():
     for name in ("wino_dgrad_nchw", "wino_dgrad_cl", "wino_dgrad_filter"):
         assert re.search(rf"Function properties for {name}\n\s*0 bytes stack frame, 0 bytes spill stores, "
                          r"0 bytes spill loads", r.stderr), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("shape", FWD_SHAPES + [(8, 64, 64, 56, 56, 1), (16, 512, 512, 7, 7, 1)], ids=ids)
+def test_cuda_forward_reads_w_in_place_with_the_data_gradients_bits(shape, layout):
+    """The forward reads w unflipped where the data gradient reads w' = forward_weights(w) flipped: the same
+    U, so the same bits as the data gradient of the forward form; within the bound; REPEATS calls, one
+    result; a channels_last w gives the same bits."""
+    x, w, p = make_forward(shape, seed=52, device="cuda", layout=layout)
+    assert wd.forward_applies(x, w, p)
+    y = wd.conv_forward_winograd_cuda(x, w, padding=p)
+    runs = [wd.conv_forward_winograd_cuda(x, w, padding=p) for _ in range(REPEATS - 1)]
+    want = WINOGRAD(cd.forward_weights(w), x, **cd.forward_args(x, w, p))
+    wcl = wd.conv_forward_winograd_cuda(x, w.contiguous(memory_format=torch.channels_last), padding=p)
+    torch.cuda.synchronize()
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    assert y.is_contiguous(memory_format=fmt)
+    assert_bitwise_equal(y, want, f"forward {shape} {layout}")
+    assert_bitwise_equal(wcl, y, f"forward {shape} {layout} channels_last w")
+    assert distinct([y, *runs]) == 1, f"forward {shape} {layout}: results differ between repeats"
+    assert_forward_within_bound(y, x, w, p, f"cuda forward {shape} {layout}")
+
+
+@pytest.mark.gpu
+def test_cuda_forward_runs_tree_where_it_does_not_apply():
+    gen = torch.Generator().manual_seed(53)
+    x, w = torch.randn(2, 16, 8, 8, generator=gen).cuda(), torch.randn(24, 16, 3, 3, generator=gen).cuda()
+    cases = {"bf16": (x.bfloat16(), w.bfloat16(), 1), "few_in": (x[:, :8].contiguous(), w[:, :8].contiguous(), 1),
+             "5x5": (x, torch.randn(24, 16, 5, 5, generator=gen).cuda(), 2)}
+    for name, (xx, ww, p) in cases.items():
+        assert not wd.forward_applies(xx, ww, p), name
+        assert_bitwise_equal(wd.conv_forward_winograd_cuda(xx, ww, padding=p),
+                             cd.conv_forward_tree_cuda(xx, ww, padding=p), name)
