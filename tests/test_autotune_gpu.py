@@ -78,30 +78,32 @@ class _Forward(autotune.Tuner):
         return super()._time(key, device, candidates)
 
 
-@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("forward,amp", [("tree", None), ("tree", torch.bfloat16), ("winograd", None)],
+                         ids=["tree-fp32", "tree-bf16", "winograd-fp32"])
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-def test_routed_forward_form_trains_repeatably_and_graph_equals_eager(layout, amp):
-    """Every stride-1 forward conv on the forward form (the routing's override of aten::convolution, bias,
-    layout contract, autocast's bf16): eager twice (and, in float32, a CUDA graph) give the same weights and
-    buffers, with the forward convs counted as tree. Negative control: torch's forward everywhere instead,
-    the backward choices the same, gives other bits, so the forward form really ran."""
+def test_routed_forward_form_trains_repeatably_and_graph_equals_eager(layout, forward, amp):
+    """Every stride-1 forward conv on the forward form (tree's, or the Winograd one where it applies: the
+    routing's override of aten::convolution, bias, layout contract, autocast's bf16): eager twice (and, in
+    float32, a CUDA graph) give the same weights and buffers, with forward convs counted as ``forward``.
+    Negative control: torch's forward everywhere instead, the backward choices the same, gives other bits,
+    so the forward form really ran."""
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     torch.manual_seed(0)
     base = models.build_model("resnet18_imagenet").cuda().to(memory_format=fmt)
     batches = _batches(3, 16, 32, seed=11)
     cast = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else contextlib.nullcontext
     runs = []
-    tuner = _Forward("tree")   # one tuner: the backward choices it times are made once, for every run
+    tuner = _Forward(forward)   # one tuner: the backward choices it times are made once, for every run
     for graph in ((False, False, True) if amp is None else (False, False)):   # GraphStep captures float32
         with nnrand.use_kernels("fastest-deterministic", tuner=tuner) as r, cast():
             runs.append(_train(copy.deepcopy(base), batches, graph=graph, fmt=fmt))
-        assert r.coverage.as_dict()["convolution"].get("tree", 0) > 0, r.coverage
+        assert r.coverage.as_dict()["convolution"].get(forward, 0) > 0, r.coverage
     for other in runs[1:]:
         assert all(bitwise_equal(a, b) for a, b in zip(runs[0], other))
     backward = {k: c["choice"] for k, c in tuner.record()["choices"].items() if not k.startswith("conv_fwd ")}
     with nnrand.use_kernels("fastest-deterministic", tuner=_Forward(autotune.TORCH_DET, backward)) as r, cast():
         torch_forward = _train(copy.deepcopy(base), batches, fmt=fmt)
-    assert "tree" not in r.coverage.as_dict()["convolution"]
+    assert forward not in r.coverage.as_dict()["convolution"]
     assert not all(bitwise_equal(a, b) for a, b in zip(runs[0], torch_forward))
 
 
