@@ -158,7 +158,8 @@ def prepare_forward(x, w, *, padding=0) -> Callable:
         return lambda x, w: direct.conv_forward_tree_cuda(x, w, padding=padding)
     g = _forward_geometry(x, w, padding)
     sw = w.stride()   # (k, c, r, s): w's output channels are the data gradient's dx channels
-    return _prepared(g, x, (sw[0], sw[1], sw[2], sw[3]), flip=False)
+    run = _prepared(g, x, (sw[0], sw[1], sw[2], sw[3]), flip=False)
+    return lambda x, w: run(w, x)   # x in dy's place
 
 
 def conv_forward_winograd_cuda(x, w, *, padding=0) -> torch.Tensor:
