@@ -8,9 +8,9 @@ the exact order of its arithmetic are described at the top of the .cu file.
 Shapes it does not cover (any kernel other than 3x3, stride or dilation other than 1, padding above 2,
 fewer than MIN_CHANNELS channels on either side, a GPU without ``cp.async``, below compute capability
 8.0) run ``tree``'s float32 implicit GEMM, bits included, so the variant is a drop-in for every conv the
-harness routes. The kernels take float32: bf16/fp16 calls run on float32 copies, rounded once (the
-registry's widening), on covered and uncovered shapes alike, so an uncovered half-precision shape gets
-``tree``'s float32 result rounded, not the bits of ``tree``'s tensor-core kernel.
+harness routes. The kernels take float32: bf16/fp16 calls on CUDA run ``tree``'s tensor-core kernels
+(conv_mma.py), with its bits, on covered and uncovered shapes alike (the CPU model, like every CPU model,
+takes them widened to float32).
 
 Why: a 3x3 stride-1 data gradient is a dense GEMM of K = 9 * Cout per dx element, which cuDNN computes by
 Winograd (deterministically: it splits no reduction) at 2.25x fewer multiply-adds than the direct sum.
@@ -32,7 +32,7 @@ from . import conv_dgrad as direct
 from . import conv_wgrad_winograd as wgrad_wino
 from .conv_dgrad import OP, Geometry
 from .order import F32
-from .registry import define_op
+from .registry import HALF_DTYPES, define_op
 from .runtime import INT32_MAX, SLOT, KernelArgumentError, Launch, cdiv, function
 
 SOURCE = "conv_dgrad_winograd.cu"
@@ -80,7 +80,10 @@ def _covered(g: Geometry, dev: torch.device) -> bool:
 
 def prepare_winograd(w, dy, *, input_size, stride=1, padding=0, dilation=1) -> Callable:
     """``run(w, dy) -> dx`` (float32, dy's layout) for calls with the signature of these w and dy and these
-    arguments (planned and its launches configured once); ``tree``'s where the shape is not covered."""
+    arguments (planned and its launches configured once); ``tree``'s where the shape is not covered, and
+    for bf16/fp16 calls (tree's tensor-core kernels, its bits)."""
+    if w.dtype in HALF_DTYPES or dy.dtype in HALF_DTYPES:
+        return direct.prepare_tree(w, dy, input_size=input_size, stride=stride, padding=padding, dilation=dilation)
     g = direct._cuda_prologue(w, dy, input_size, stride, padding, dilation)
     if not _covered(g, dy.device):
         return direct.prepare_tree(w, dy, input_size=input_size, stride=stride, padding=padding, dilation=dilation)
@@ -272,4 +275,5 @@ define_op(
          "not CPU bit-exact (the model keeps the transforms' order)"),
     ],
     cpu_bitexact=False,
+    half_native=("winograd",),  # bf16 / fp16: tree's tensor-core kernels
 )

@@ -6,7 +6,7 @@ order model; the algorithm and the exact order of its arithmetic are described a
 
 Shapes it does not cover (any kernel other than 3x3, stride or dilation other than 1, fewer than
 MIN_CHANNELS channels) run ``tree``'s implicit GEMM, bits included, so the variant is a drop-in for every
-conv the harness routes.
+conv the harness routes; so do bf16/fp16 calls on CUDA (tree's tensor-core kernels, conv_mma.py).
 
 The tile axis T = N * ceil(OH/2) * ceil(OW/2) is cut into S chunks by :func:`plan`, a function of the
 shapes only, as the direct kernels cut theirs; the CPU model keeps the transforms' and the combine's
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from . import conv_wgrad as direct
 from .conv_wgrad import OP, Geometry, Plan, tree_combine
 from .order import F32
-from .registry import define_op
+from .registry import HALF_DTYPES, define_op
 from .runtime import cdiv, function, launch, ptr
 
 SOURCE = "conv_wgrad_winograd.cu"
@@ -93,6 +93,9 @@ def _wino_cuda(x: torch.Tensor, dy: torch.Tensor, g: Geometry) -> torch.Tensor:
 
 
 def conv_wgrad_winograd_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    if x.dtype in HALF_DTYPES or dy.dtype in HALF_DTYPES:   # tree's tensor-core kernels, its bits
+        return direct.conv_wgrad_tree_cuda(x, dy, kernel_size=kernel_size, stride=stride, padding=padding,
+                                           dilation=dilation)
     g = direct._cuda_prologue(x, dy, kernel_size, stride, padding, dilation)
     if direct._empty(g):
         return torch.zeros(g.w_shape, device=x.device, dtype=torch.float32)
@@ -228,4 +231,5 @@ define_op(
          "transforms, chunking and combine order)"),
     ],
     cpu_bitexact=False,
+    half_native=("winograd",),  # bf16 / fp16: tree's tensor-core kernels
 )

@@ -177,3 +177,21 @@ def test_routed_half_conv_backward_equals_the_widening_calls(dtype, layout, grou
     for got, want in ((dx, want_dx), (dw, want_dw), (db, want_db)):
         assert got.dtype == want.dtype == dtype
         assert_bitwise_equal(got.contiguous(), want.contiguous())
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_winograd_half_calls_are_trees_tensor_core_calls(dtype):
+    """The Winograd variants take float32; their bf16/fp16 calls run tree's tensor-core kernels: tree's bits
+    and dtypes, on a 3x3 stride-1 shape the Winograd kernels cover in float32."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+    x = torch.randn(4, 32, 12, 12, device="cuda", generator=g).to(dtype)
+    w = torch.randn(48, 32, 3, 3, device="cuda", generator=g).to(dtype)
+    dy = torch.randn(4, 48, 12, 12, device="cuda", generator=g).to(dtype)
+    geom = dict(stride=1, padding=1, dilation=1)
+    for op, args, kw in (("conv_dgrad", (w, dy), {"input_size": (12, 12)}),
+                         ("conv_wgrad", (x, dy), {"kernel_size": (3, 3)})):
+        wino, tree = kernels.get(op, "winograd"), kernels.get(op, "tree")
+        assert wino.half_native
+        got, want = wino(*args, **kw, **geom), tree(*args, **kw, **geom)
+        assert got.dtype == want.dtype
+        assert_bitwise_equal(got, want, f"{op} {dtype}")
