@@ -1,8 +1,9 @@
 """Forward convolution per network shape: what cuDNN's timed choice (cudnn.benchmark) gains over its
 heuristic choice under PyTorch's deterministic mode (what a deterministic routing runs unless the tuner of
 fastest-deterministic takes the forward; the heuristic's plan is made first, see below), per layout,
-and what nnrand's deterministic data-gradient kernel gives when it computes the forward of a stride-1
-conv (y = conv(x, w, p) is the data gradient of a conv with weights flip(w)^T and padding k-1-p).
+and what nnrand's deterministic data-gradient kernels give when they compute the forward of a stride-1
+conv (y = conv(x, w, p) is the data gradient of a conv with weights flip(w)^T and padding k-1-p): tree's,
+and the Winograd one (kernels/conv_dgrad_winograd.py: prepare_forward) where it applies.
 
     python bench/dev/conv_fwd_cost.py --model resnet18 --batch 64 --size 32
     python bench/dev/conv_fwd_cost.py --model torchvision:resnet50 --batch 64 --size 224 --classes 1000
@@ -39,6 +40,7 @@ def main() -> None:
     network_arguments(p, batch=64, calls=10, replays=20)
     args = p.parse_args()
     tree = kernels.get("conv_dgrad", "tree")
+    wino = kernels.conv_dgrad_winograd
     totals: dict[str, float] = {}
     with noise.pinned_flags(tf32=False, cudnn_deterministic=False):
         for s in conv_shapes(args.model, args.batch, args.size, args.classes):
@@ -72,13 +74,20 @@ def main() -> None:
                     err = (ours().double() - ref).abs().max().item()
                     row[f"{layout} tree_dgrad"] = graph_replay_us(ours, calls=args.calls, replays=args.replays)
                     row[f"{layout} tree_err"] = err
+                    if wino.forward_applies(x, w, tuple(s["padding"])):
+                        run = wino.prepare_forward(x, w, padding=tuple(s["padding"]))
+                        row[f"{layout} winograd"] = graph_replay_us(lambda: run(x, w), calls=args.calls,
+                                                                    replays=args.replays)
+                        row[f"{layout} winograd_err"] = (run(x, w).double() - ref).abs().max().item()
                 print(f"{shape_name(s):<22} x{s['count']} {layout:<13} fastest {row[f'{layout} fastest']:7.1f}  "
                       f"heuristic {row[f'{layout} heuristic']:7.1f}  "
-                      f"tree_dgrad {row.get(f'{layout} tree_dgrad', float('nan')):7.1f}  [{names}]", flush=True)
+                      f"tree_dgrad {row.get(f'{layout} tree_dgrad', float('nan')):7.1f}  "
+                      f"winograd {row.get(f'{layout} winograd', float('nan')):7.1f}  [{names}]", flush=True)
             for key, v in row.items():
                 if not key.endswith("_err"):
                     totals[key] = totals.get(key, 0.0) + v * s["count"]
-    print("totals (us, count-weighted; tree_dgrad over stride-1 shapes only):")
+    print("totals (us, count-weighted; tree_dgrad over stride-1 shapes only, winograd over the float32 3x3 "
+          "stride-1 ones it covers):")
     for key, v in totals.items():
         print(f"  {key:<26} {v:9.1f}")
 
