@@ -125,6 +125,7 @@ def conv_dgrad_winograd_cuda(w, dy, *, input_size, stride=1, padding=0, dilation
 
 
 conv_dgrad_winograd_cuda.prepare = prepare_winograd
+conv_dgrad_winograd_cuda.half_as = "tree"   # its bf16/fp16 calls are tree's (the routing's tuner reads this)
 
 
 # A stride-1 forward conv is a data gradient on flipped, transposed weights (kernels/conv_dgrad.py: the
@@ -136,13 +137,19 @@ def forward_applies(x: torch.Tensor, w: torch.Tensor, padding) -> bool:
     """Whether ``conv2d(x, w, padding=padding)`` (stride 1) runs the Winograd kernels here: float32, a
     shape ``applies`` takes, and on CUDA a GPU that has them; elsewhere :func:`prepare_forward` and the
     CPU model run tree's forward form."""
+    return _forward_covered(x, w, padding) is not None
+
+
+def _forward_covered(x: torch.Tensor, w: torch.Tensor, padding) -> Geometry | None:
+    """The forward form's geometry where the Winograd kernels run it (see :func:`forward_applies`)."""
     if x.dtype != torch.float32 or w.dtype != torch.float32 or x.dim() != 4 or w.dim() != 4:
-        return False
+        return None
     try:
         g = _forward_geometry(x, w, padding)
     except KernelArgumentError:
-        return False
-    return _covered(g, x.device) if x.is_cuda else not direct._trivial(g) and applies(g)
+        return None
+    covered = _covered(g, x.device) if x.is_cuda else not direct._trivial(g) and applies(g)
+    return g if covered else None
 
 
 def _forward_geometry(x: torch.Tensor, w: torch.Tensor, padding) -> Geometry:
@@ -157,9 +164,9 @@ def prepare_forward(x, w, *, padding=0) -> Callable:
     """``run(x, w) -> y = conv2d(x, w, padding=padding)`` (stride 1, no bias, float32, y in x's layout) for
     calls with the signature of these x and w; tree's forward form where :func:`forward_applies` does not
     hold (half-precision calls included: tree's tensor-core path)."""
-    if not forward_applies(x, w, padding):
+    g = _forward_covered(x, w, padding)
+    if g is None:
         return lambda x, w: direct.conv_forward_tree_cuda(x, w, padding=padding)
-    g = _forward_geometry(x, w, padding)
     sw = w.stride()   # (k, c, r, s): w's output channels are the data gradient's dx channels
     run = _prepared(g, x, (sw[0], sw[1], sw[2], sw[3]), flip=False)
     return lambda x, w: run(w, x)   # x in dy's place

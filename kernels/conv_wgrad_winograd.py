@@ -104,6 +104,9 @@ def conv_wgrad_winograd_cuda(x, dy, *, kernel_size, stride=1, padding=0, dilatio
     return _wino_cuda(x, dy, g)
 
 
+conv_wgrad_winograd_cuda.half_as = "tree"   # its bf16/fp16 calls are tree's (the routing's tuner reads this)
+
+
 # --------------------------------------------------------------------------------------------------
 # CPU order model: the transforms and the combine in the kernels' order, float32, one rounding per
 # operation (NumPy float32 arithmetic); the chunk GEMMs with a float32 BLAS.

@@ -26,6 +26,8 @@
 
 #define FP_THREADS 256
 #define FP_WARPS (FP_THREADS / 32)
+static_assert(FP_THREADS % 32 == 0 && (FP_WARPS & (FP_WARPS - 1)) == 0 && FP_WARPS <= 32,
+              "fp_tree: a power-of-two number of warps, at most 32");
 #define FP_UNROLL 4   // groups of 4 elements a thread loads before adding them (4-byte kinds)
 
 #define FP_F32 0
@@ -151,8 +153,9 @@ __device__ __forceinline__ FpPart fp_shfl_down(const FpPart& p, int off) {
 }
 
 // The block's T partials combined in a fixed order: a halving tree within each warp (lane l takes lane
-// l + off's partial, off = 16, 8, ..., 1), then the same over the FP_WARPS warp partials in warp order;
-// every thread returns with the result (s: FP_WARPS entries; the caller synchronises before reusing it).
+// l + off's partial, off = 16, 8, ..., 1), then a halving tree over the FP_WARPS warp partials (warp w
+// takes warp w + off's, off = FP_WARPS / 2, ..., 1); every thread returns with the result (s: FP_WARPS
+// entries; the caller synchronises before reusing it).
 __device__ __forceinline__ void fp_tree(FpPart& p, FpPart* s) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll

@@ -502,8 +502,9 @@ void disable() {
   g_layer.reset();
   layer->python_only.store(true);   // a call still running elsewhere goes on in Python
   layer->observing.store(false);
-  Py_XDECREF(g_observer);           // (called from Python: the GIL is held)
-  g_observer = nullptr;
+  PyObject* old = g_observer;       // (called from Python: the GIL is held)
+  g_observer = nullptr;             // cleared before the release, which may run Python
+  Py_XDECREF(old);
   layer->library.reset();           // the kernels below (Python's) are the dispatcher's again
 }
 

@@ -35,8 +35,8 @@ change them outside a routing context.
 Never used during a CUDA-graph capture (the C++ kernel passes such calls to Python, whose ticket
 counters are graph-private) or for calls an original kernel makes. While a routed-op observer records
 (``routing.observe``), a replayed call hands its outputs and arguments to it (:meth:`Layer.observe`): the
-observer pays its own Python cost, the call's work stays in C++. ``NNRAND_REPLAY=0`` turns it off; where the extension cannot be built (no compiler,
-no ninja) the routing warns once and runs in Python.
+observer pays its own Python cost, the call's work stays in C++. ``NNRAND_REPLAY=0`` turns the layer off;
+where the extension cannot be built (no compiler, no ninja) the routing warns once and runs in Python.
 """
 from __future__ import annotations
 
@@ -383,7 +383,9 @@ class Layer:
 
     def observe(self, fn: Callable[[str, object, tuple], None] | None) -> None:
         """``fn(op, outputs, args)`` after every replayed call (as ``routing.observe``'s observers get the
-        calls that run in Python); None: no more."""
+        calls that run in Python); None: no more. ``args`` holds every schema argument positionally, defaults
+        included (the ops in :data:`OPS` have no keyword-only arguments; a Python kernel's ``args`` would stop
+        before trailing defaults)."""
         self.module.set_observer(fn)
 
     def stats(self) -> dict:

@@ -44,8 +44,10 @@ configuration, the fastest of the deterministic candidates (the registry's deter
 torch's own kernel under PyTorch's deterministic mode, ``torch_det``), timed once and cached on disk by
 ``nnrand.autotune``; the coverage names what ran, ``routing.tuner.record()`` every choice. With conv_dgrad
 routed ``auto`` the forward convs are tuned too (aten::convolution, tuner key ``conv_fwd``): a stride-1
-forward conv is conv_dgrad's ``tree`` on flipped, transposed weights, the tuner's other candidate is torch's
-own forward (whose algorithm cuDNN's heuristic picks with cudnn.benchmark off, not always its fastest). Its
+forward conv is conv_dgrad's ``tree`` on flipped, transposed weights; the tuner's other candidates are the
+same form on conv_dgrad's Winograd kernels (float32 3x3 convs with at least 16 channels each side) and
+torch's own forward (whose algorithm cuDNN's heuristic picks with cudnn.benchmark off, not always its
+fastest). Its
 scatter_add with a full index (each element its own destination row, not one index per row broadcast
 along it) runs ``fixed``, which needs no sort of the N * D keys (unless scatter_add is set to another
 variant); the coverage counts it as ``fixed``.
@@ -387,8 +389,11 @@ def _tuned(s: "_Session", auto: Auto, grad: int, original, keyset, args: tuple, 
         return hit
     candidates: dict[str, Callable[[], object]] = {}
     variants = {}
+    half_cuda = x.is_cuda and x.dtype in kernels.HALF_DTYPES
     for v in kernels.variants(auto.op):
-        if v.deterministic:
+        # a launcher whose half calls are another variant's (``half_as``: the Winograd ones run tree's
+        # tensor-core kernels) is no second candidate for them: the tuner would pick between equals by noise
+        if v.deterministic and not (half_cuda and getattr(v.cuda, "half_as", None)):
             variants[v.name] = v
             candidates[v.name] = (lambda v=v: _call(v, s.rng, *variant_args, **variant_kwargs))
     if det_ok:
@@ -592,7 +597,8 @@ def _conv_plan(s: "_Session", original, keyset, dy, x, w, bias_sizes, stride, pa
 # (FFT for 3x3 64->64 at 32x32 on an H200, 4x its implicit GEMM). A stride-1 forward conv is the data
 # gradient of the conv with flipped, transposed weights (kernels/conv_dgrad.py, "forward form"), so when
 # conv_dgrad is routed ``auto`` the tuner also picks, per forward configuration, between that form of
-# conv_dgrad's ``tree`` and torch's own forward (``torch_det``): key op ``conv_fwd``.
+# conv_dgrad's ``tree``, the same form on its Winograd kernels where they apply (``winograd``) and torch's
+# own forward (``torch_det``): key op ``conv_fwd``.
 #
 # Only forwards that record a backward are tuned (grad enabled, an input or the weight requiring it): a
 # training step's. Evaluation under no_grad runs torch's forward, so its bits never depend on whether a
@@ -606,9 +612,9 @@ _NO_GRAD = "no backward recorded (evaluation, no_grad): torch's forward"
 
 @dataclass(frozen=True)
 class _ForwardPlan:
-    """What ``_conv_forward`` does for one call signature: ``fn(x, w, bias) -> y`` (the forward form of
-    conv_dgrad's tree, bias added, in torch's output layout), or None for torch's kernel, with the label
-    and reason the coverage counts."""
+    """What ``_conv_forward`` does for one call signature: ``fn(x, w, bias) -> y`` (the forward form on
+    conv_dgrad's tree or Winograd kernels, bias added, in torch's output layout), or None for torch's
+    kernel, with the label and reason the coverage counts."""
     fn: Callable | None
     label: str
     reason: str | None = None
@@ -633,14 +639,22 @@ def _forward_form(x, w, bias, pad, out_fmt, run=None):
 
 
 def _winograd_forward(x, w, pad):
-    """The Winograd forward of this call (on CUDA prepared once: its launches configured for the signature;
-    on a CPU its order model), or None where it would not run the Winograd kernels (tree's form is the
-    candidate there already)."""
+    """``run(x, w)``, the Winograd forward of this call signature (on CUDA prepared at its first call, its
+    launches configured for the signature: none where the tuner picks another candidate without timing
+    it; on a CPU its order model), or None where it would not run the Winograd kernels (tree's form is
+    the candidate there already)."""
     wino = kernels.conv_dgrad_winograd
     if not wino.forward_applies(x, w, pad):
         return None
-    return wino.prepare_forward(x, w, padding=pad) if x.is_cuda else \
-        functools.partial(wino.conv_forward_winograd_cpu, padding=pad)
+    if not x.is_cuda:
+        return functools.partial(wino.conv_forward_winograd_cpu, padding=pad)
+    prepared: list[Callable] = []
+
+    def run(x, w):
+        if not prepared:   # (two threads preparing at once both make a valid plan; the first is kept)
+            prepared.append(wino.prepare_forward(x, w, padding=pad))
+        return prepared[0](x, w)
+    return run
 
 
 def _forward_plan(s: "_Session", original, keyset, args: tuple) -> _ForwardPlan:

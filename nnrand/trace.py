@@ -1498,10 +1498,11 @@ def recording_cost(cfg, steps: int, out_dir: str | Path, rounds: int = COST_ROUN
     """Median step time (wall clock between device synchronisations) without recording, recording the
     routed ops, and recording every op; and the trace size per step. Same training code, same steps: the
     modes take turns, ``rounds`` times ``steps`` steps each after two warm-up steps (three in the first
-    round), every other round in reverse order, the garbage collected before each. A host-bound step's speed drifts by several percent within
-    seconds, so the cost of a mode is also given paired: ``ratio``, the median over rounds of its median
-    step in the round over the unrecorded one's in the same round. With ``cfg.cuda_graph`` every mode's
-    forward and backward are captured once per round (``graph_step``, untimed) and replayed."""
+    round), every other round in reverse order, the garbage collected before each. A host-bound step's
+    speed drifts by several percent within seconds, so the cost of a mode is also given paired: ``ratio``,
+    the median over rounds of its median step in the round over the unrecorded one's in the same round.
+    With ``cfg.cuda_graph`` every mode's forward and backward are captured once per round (``graph_step``,
+    untimed) and replayed."""
     import time
 
     import torch.nn.functional as F
@@ -1631,9 +1632,10 @@ def render_report(data: dict, out: str | Path) -> Path:
     rounds = c["none"].get("rounds")
     if rounds:   # paired per round (see recording_cost)
         how = (f"the modes taking turns in {rounds} rounds of {timed // rounds} steps, every other round in reverse "
-               "order, each mode's steps after two warm-up steps and a garbage collection; ms: median of each mode's steps; x: median over rounds of the mode's median step over the "
-               "unrecorded one's in that round. A step is the recorder's per-step transfer, forward, backward, "
-               "optimizer and parameter snapshot, synchronised")
+               "order, each mode's steps after two warm-up steps and a garbage collection; ms: median of each "
+               "mode's steps; x: median over rounds of the mode's median step over the unrecorded one's in that "
+               "round. A step is the recorder's per-step transfer, forward, backward, optimizer and parameter "
+               "snapshot, synchronised")
     else:
         how = (f"median of {timed} steps per mode, the modes taking turns in 5 rounds; a step is the recorder's "
                "per-step transfer, forward, backward, optimizer and parameter snapshot, synchronised" if timed

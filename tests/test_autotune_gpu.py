@@ -65,8 +65,8 @@ def test_torch_det_choice_repeats_bitwise_and_atomic_varies():
 
 
 class _Forward(autotune.Tuner):
-    """Picks ``choice`` (``tree``: the forward form, or ``torch_det``) for every forward conv configuration,
-    times the rest as usual."""
+    """Picks ``choice`` (``tree`` or ``winograd``: the forward form on those kernels, or ``torch_det``) for
+    every forward conv configuration that offers it, times the rest as usual."""
 
     def __init__(self, choice: str, pinned: dict | None = None):
         super().__init__(cache=None, pinned=pinned)

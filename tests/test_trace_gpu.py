@@ -12,7 +12,10 @@ from tests.helpers import bitwise_equal, routed_recording
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("n", [1, 255, 1023, 4097, 1 << 20, (1 << 22) + 3])
+BLOCK = trace._FP_WORDS_PER_BLOCK   # elements per block before a tensor gets another one
+
+
+@pytest.mark.parametrize("n", [1, 255, 1023, BLOCK + 1, 3 * BLOCK + 13, 1 << 20, (1 << 22) + 3])
 def test_fused_fingerprint_matches_the_formula(n):
     g = torch.Generator(device="cuda").manual_seed(n)
     x = torch.randn(n, device="cuda", generator=g) * 3
@@ -37,10 +40,10 @@ def test_unaligned_four_byte_tensors_get_the_bits_of_an_aligned_copy(dtype):
     by four loads where not, in the same order: a view starting 1-3 elements into an allocation gives
     the (fp, L2, max) bits of its aligned copy, in either kernel, and fp equals the formula's."""
     g = torch.Generator(device="cuda").manual_seed(11)
-    base = torch.randn(3 * 4096 + 13, device="cuda", generator=g) * 5
+    base = torch.randn(3 * BLOCK + 13, device="cuda", generator=g) * 5   # several blocks and a short one
     base = base if dtype == torch.float32 else base.round().to(dtype)
     for offset in (1, 2, 3):
-        for n in (5, 4097, 3 * 4096 + 13 - offset):
+        for n in (5, BLOCK + 1, 3 * BLOCK + 13 - offset):
             view = base[offset:offset + n]
             assert view.data_ptr() % 16 != 0
             copy = view.clone()
@@ -58,7 +61,7 @@ def test_batched_fingerprints_equal_one_launch_each():
     cap, a non-contiguous one, more tensors than one launch takes (FP_BATCH) and more blocks than the
     scratch holds (FP_SCRATCH_BLOCKS), bit for bit in each of 10 repeats."""
     g = torch.Generator(device="cuda").manual_seed(5)
-    sizes = [1, 255, 4096, 4097, 1 << 20, (1 << 22) + 3] + [37 * k for k in range(1, 121)] + [1 << 24] * 17
+    sizes = [1, 255, 4096, BLOCK + 1, 1 << 20, (1 << 22) + 3] + [37 * k for k in range(1, 121)] + [1 << 24] * 17
     ts = [torch.randn(n, device="cuda", generator=g) for n in sizes]
     ts.append(torch.randn(300, 70, device="cuda", generator=g).T)   # read in logical order, like one launch
     assert len(ts) > trace.FP_BATCH and sum(trace.fp_blocks(t.numel()) for t in ts) > trace.FP_SCRATCH_BLOCKS

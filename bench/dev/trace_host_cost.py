@@ -21,6 +21,8 @@ each step as ``trace.recording_cost`` times it (forward, backward, optimizer ste
     hooks    only the recorder's global module hooks (the module stack and the autograd nodes' paths)
     routed   trace.record(ops="routed")
     all      trace.record(ops="all")
+    observe        (--routed-parts) a routing.observe observer that does nothing
+    routed_nosnap  (--routed-parts) trace.record(ops="routed") without the parameter snapshot
 
 and the host time of one record's fingerprint alone (``trace.record_values`` on a 128x64x32x32 tensor).
 """

@@ -6,9 +6,8 @@ parser (model, batch, kernel, ...; default: its ResNet-18, batch 128, ``--kernel
     python bench/dev/trace_recording_cost.py --steps 10 --rounds 20 [-- --kernel tree --cuda-graph]
     NNRAND_REPLAY=0 python bench/dev/trace_recording_cost.py        # every routed call through Python
 
-With the C++ replay layer on (the default on CUDA), the unrecorded step replays its routed ops in C++, and
-a routed-ops recording sends them through Python (its observers need their outputs there): the ratio of
-that mode includes the difference.
+With the C++ replay layer on (the default on CUDA), every mode replays its routed ops in C++; a routed-ops
+recording hands each replayed call's outputs to its observer in Python (``routing.observe``).
 """
 from __future__ import annotations
 
