@@ -105,6 +105,9 @@ def test_fastest_deterministic_under_bf16_is_repeatable():
     assert len(set(runs)) == 1
     assert r.coverage.as_dict()["convolution_backward"].get("original", 0) == 0
     assert r.tuner.record()["choices"] and all("bfloat16" in k for k in r.tuner.record()["choices"])
+    # the Winograd variants' half calls are tree's (half_as): not offered beside it, never chosen
+    timed = [e for k, e in r.tuner.record()["choices"].items() if k.startswith(("conv_dgrad ", "conv_wgrad "))]
+    assert timed and all("tree" in e["candidates"] and "winograd" not in e["candidates"] for e in timed)
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, "half", None], ids=["w_fp32", "w_half", "no_w"])
