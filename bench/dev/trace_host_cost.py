@@ -18,6 +18,8 @@ each step as ``trace.recording_cost`` times it (forward, backward, optimizer ste
 
     none     no recording
     null     a dispatch mode that only calls each op (the price of intercepting every op in Python)
+    lean     the same, dispatched as the recorder's mode is (no per-call dynamo-disabling wrapper): what
+             the recorder adds is its cost over this one
     hooks    only the recorder's global module hooks (the module stack and the autograd nodes' paths)
     routed   trace.record(ops="routed")
     all      trace.record(ops="all")
@@ -140,6 +142,22 @@ class NullMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class LeanNullMode(TorchDispatchMode):
+    """A mode that only calls each op, dispatched as the recorder's is: without torch's per-call
+    dynamo-disabling wrapper (``_should_skip_dynamo``), dynamo's frame callback off around the call."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        prior = trace._set_eval_frame(None)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            trace._set_eval_frame(prior)
+
+
 @contextlib.contextmanager
 def hooks_only():
     """The module hooks a recorder installs, without recording."""
@@ -170,7 +188,8 @@ def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: in
     y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
     model, opt = train.build(cfg, seeds, 10, torch.contiguous_format)
     named = list(model.named_parameters())
-    ctx = {"none": contextlib.nullcontext(), "null": null or NullMode(), "hooks": hooks_only(),
+    ctx = {"none": contextlib.nullcontext(), "null": null or NullMode(), "lean": LeanNullMode(),
+           "hooks": hooks_only(),
            "observe": contextlib.nullcontext(),
            "routed": trace.record(tmp / "r.trace", ops="routed", model=model),
            "routed_nosnap": trace.record(tmp / "r.trace", ops="routed", model=model),
@@ -273,6 +292,20 @@ def parts(dev: torch.device, n: int = 2000) -> None:
     with NullMode():
         print(f"  {per_call_us(lambda: torch.neg(small), n, dev):8.2f}  torch.neg, under a dispatch mode that only "
               "calls each op")
+    with LeanNullMode():
+        print(f"  {per_call_us(lambda: torch.neg(small), n, dev):8.2f}  torch.neg, under the same mode dispatched as "
+              "the recorder's (no dynamo-disabling wrapper)")
+    rec2 = trace.Recorder(ops="all")
+    with rec2:
+        rec2.step()
+
+        def clear():
+            rec2.rows.clear()
+            rec2.pending.clear()
+            for s in rec2.slots.values():
+                s.reset()
+        print(f"  {per_call_us(lambda: torch.neg(small), n, dev, clear):8.2f}  torch.neg, recorded (ops='all')")
+        clear()
     # the kernel's path with its launches left out (on a CPU too: the Python a GPU record runs besides them)
     real = trace._fused, trace._launch_fingerprints, trace._launch_deferred
     trace._fused, trace._launch_fingerprints = (lambda x: True), (lambda ts, ptrs: None)
@@ -410,7 +443,7 @@ def main(argv=None) -> int:
     gpu = (time.perf_counter() - t0) / n * 1e6
     print(f"record_values on 128x64x32x32 float32 ({dev}): {host:.1f} us host per call, {gpu:.1f} us with the device")
     base = None
-    for mode in ("none", "null", "hooks", "routed", "all"):
+    for mode in ("none", "null", "lean", "hooks", "routed", "all"):
         ms = steps_ms(cfg, mode, a.steps, tmp)
         base = base or ms
         print(f"{mode:7s} {ms:8.2f} ms/step  {ms / base:5.2f}x", flush=True)
