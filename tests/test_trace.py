@@ -649,6 +649,22 @@ def test_recording_cost_times_every_mode_in_each_round(tmp_path, monkeypatch):
     assert cost["all"]["ratio"] > 0 and cost["routed"]["ratio"] > 0 and cost["none"]["rounds"] == 2
 
 
+def test_recording_cost_collects_garbage_and_warms_up_before_each_modes_steps(tmp_path, monkeypatch):
+    """Before each mode's steps in each round: one garbage collection, then the warm-up steps (three in the
+    first round, two after: a routing session's replay layer plans and records at a signature's first two
+    calls), which are run but not timed."""
+    cfg = train.resolve(train.Config(**TINY, kernel="tree"))
+    events: list[str] = []
+    monkeypatch.setattr(trace.gc, "collect", lambda *a: events.append("gc") or 0)
+    step = trace.Recorder.step
+    monkeypatch.setattr(trace.Recorder, "step", lambda self: events.append(self.ops) or step(self))
+    cost = trace.recording_cost(cfg, 1, tmp_path, rounds=2)
+    # the recorded modes' steps, per round and mode: gc, then warm-up + 1 timed step
+    runs = "".join("g" if e == "gc" else e[0] for e in events)
+    assert runs == "g" + "g" + "rrrr" + "g" + "aaaa" + "g" + "aaa" + "g" + "rrr" + "g", runs
+    assert {m: cost[m]["steps_timed"] for m in ("none", "routed", "all")} == {"none": 2, "routed": 2, "all": 2}
+
+
 def test_a_record_failing_midway_still_launches_the_rows_reserved_before_it(monkeypatch):
     """An op's outputs are fingerprinted in one launch after all their rows are reserved: when a later
     output's record raises, the rows reserved before it are still written (launched), not left unset."""
