@@ -106,6 +106,12 @@ FUSE_MAX_SPLITS = 8
 # full walk on finite inputs (tests/test_conv_wgrad.py compares them); every KERNEL_STYLE but "r" ("s"
 # becomes "ts", channels_last's "cl" "tc"). Float32 only: the tensor-core path (conv_mma) has no tap tiles.
 TAP_TILES = True
+# Wide tiles (conv_wgrad.cu): a plan of 64x64 tiles for M <= 64 output channels and R >= WIDE_MIN_R columns runs
+# on 64-row tiles WIDE_COLUMNS wide (more FFMAs per shared-memory load), without tap tiles, the fused combine
+# or a change of plan: the same chunks, the same bits. "" turns them off.
+WIDE = "t64w"
+WIDE_COLUMNS = {"t64w": 192, "t64m": 128}
+WIDE_MIN_R = 128
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,18 +272,30 @@ def _int_args(g: Geometry, sx: tuple, sd: tuple, p: Plan) -> tuple:
                                        g.pw, g.dh, g.dw, *sx, *sd, g.k, p.chunk))
 
 
+def wide_tile(g: Geometry, p: Plan, name: str) -> tuple[str, int] | None:
+    """The wide kernel (suffix, tile columns) that runs a plan of 64x64 tiles where M <= 64 (see WIDE), or
+    None. Kernel choice only: the plan, and so the bits, stay those of the 64x64 tiles."""
+    if not WIDE or name == "fused" or p.tile != 64 or g.m > 64 or g.r < WIDE_MIN_R or KERNEL_STYLE != "s":
+        return None
+    return WIDE, WIDE_COLUMNS[WIDE]
+
+
 def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, g: Geometry, p: Plan, extra: int = 0) -> tuple[Launch, str]:
     """One GEMM kernel's launch for the signature of (x, dy), called with the pointers of x, dy, its output
     and ``extra`` more; and the style it runs ("cl", "tc", "ts": a split workspace is in r' order)."""
     ints = _int_args(g, x.stride(), dy.stride(), p)
-    grid = (cdiv(g.r, p.tile), cdiv(g.m, p.tile), p.splits)
+    tile, columns = f"t{p.tile}", p.tile
+    wide = wide_tile(g, p, name)
+    if wide is not None:
+        tile, columns = wide
+    grid = (cdiv(g.r, columns), cdiv(g.m, p.tile), p.splits)
     style = KERNEL_STYLE
     if style == "s" and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() \
             and dy.is_contiguous(memory_format=torch.channels_last) and not dy.is_contiguous():
         style = "cl"  # same bits, loads along channels
-    if style != "r" and TAP_TILES and g.cin % p.tile == 0:
+    if style != "r" and TAP_TILES and wide is None and g.cin % p.tile == 0:
         style = "tc" if style == "cl" else "ts"  # same bits, padding terms skipped
-    fn = function(SOURCE, f"conv_wgrad_{name}_t{p.tile}_{style}", x.device)
+    fn = function(SOURCE, f"conv_wgrad_{name}_{tile}_{style}", x.device)
     return Launch.of(fn, grid, (THREADS,), (SLOT,) * (3 + extra) + ints, device=x.device), style
 
 
