@@ -335,11 +335,12 @@ WG_FUSED_KERNEL(conv_wgrad_fused_t128_s, 128, 128, 8, 8, true, false, false, 2)
 WG_FUSED_KERNEL(conv_wgrad_fused_t64_s, 64, 64, 4, 4, true, false, false, 3)
 WG_FUSED_KERNEL(conv_wgrad_fused_t128_cl, 128, 128, 8, 8, true, true, false, 2)
 WG_FUSED_KERNEL(conv_wgrad_fused_t64_cl, 64, 64, 4, 4, true, true, false, 3)
-// Wide tiles for weight gradients of at most 64 output channels (M <= 64): 64 rows x 192 columns, 4 x 12 per
-// thread. A 64x64 tile's 4 x 4 per thread spends as many shared-memory loads as FFMAs per element pair (the
-// 64->64 3x3 56x56 wgrad ran at 24 TFLOPS on the H200, against 35 for the 128x128 tiles); 4 x 12 loads a third
-// less per FFMA. Every element still accumulates its chunk's k terms in order: the bits of the 64x64 kernels.
-// No tap tiles (a 192-column tile spans three taps of a 64-channel conv) and no fused combine.
+// Wide tiles for weight gradients of at most 64 output channels (M <= 64): 64 rows x 192 columns with 4 x 12
+// per thread (t64w, two blocks an SM) or x 128 with 4 x 8 (t64m, three). A 64x64 tile's 4 x 4 per thread
+// spends as many shared-memory loads as FFMAs per element pair (the 64->64 3x3 56x56 wgrad ran at 24 TFLOPS on
+// the H200, against 35 for the 128x128 tiles). Every element still accumulates its chunk's k terms in order:
+// the bits of the 64x64 kernels. No tap tiles (a tile wider than Cin spans several taps) and no fused
+// combine; conv_wgrad.py (WIDE) says where each runs.
 WG_KERNEL(conv_wgrad_atomic_t64w_s, 64, 192, 4, 12, 0, true, false, false, 2)
 WG_KERNEL(conv_wgrad_split_t64w_s, 64, 192, 4, 12, 1, true, false, false, 2)
 WG_KERNEL(conv_wgrad_atomic_t64w_cl, 64, 192, 4, 12, 0, true, true, false, 2)

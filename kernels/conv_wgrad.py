@@ -106,12 +106,16 @@ FUSE_MAX_SPLITS = 8
 # full walk on finite inputs (tests/test_conv_wgrad.py compares them); every KERNEL_STYLE but "r" ("s"
 # becomes "ts", channels_last's "cl" "tc"). Float32 only: the tensor-core path (conv_mma) has no tap tiles.
 TAP_TILES = True
-# Wide tiles (conv_wgrad.cu): a plan of 64x64 tiles for M <= 64 output channels and R >= WIDE_MIN_R columns runs
-# on 64-row tiles WIDE_COLUMNS wide (more FFMAs per shared-memory load), without tap tiles, the fused combine
-# or a change of plan: the same chunks, the same bits. "" turns them off.
-WIDE = "t64w"
+# Wide tiles (conv_wgrad.cu): a plan of 64x64 tiles for M <= 64 output channels and R > 128 columns runs on
+# 64-row tiles (more FFMAs per shared-memory load), without tap tiles, the fused combine or a change of plan:
+# the same chunks, the same bits. WIDE "auto": 64x192 ("t64w", two blocks an SM) where one such tile spans R,
+# 64x128 ("t64m", three blocks an SM) where R > 192; "t64w" or "t64m" forces one, "" keeps 64x64 tiles.
+# H200, us per call, 64x64 / 64x192 / 64x128, tree, NCHW (bench/dev/conv_wgrad_wide.py): 7x7 s2 3->64 224x224
+# (R 147) batch 128 1759 / 1654 / 1809; 3x3 64->64 56x56 (R 576) batch 128 1247 / 1273 / 1150, batch 64
+# 636 / 655 / 593; 1x1 256->64 56x56 (R 256) batch 64 329 / 417 / 255; 3x3 64->64 32x32 batch 128 415 / 438 /
+# 402. channels_last alike.
+WIDE = "auto"
 WIDE_COLUMNS = {"t64w": 192, "t64m": 128}
-WIDE_MIN_R = 128
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,9 +279,10 @@ def _int_args(g: Geometry, sx: tuple, sd: tuple, p: Plan) -> tuple:
 def wide_tile(g: Geometry, p: Plan, name: str) -> tuple[str, int] | None:
     """The wide kernel (suffix, tile columns) that runs a plan of 64x64 tiles where M <= 64 (see WIDE), or
     None. Kernel choice only: the plan, and so the bits, stay those of the 64x64 tiles."""
-    if not WIDE or name == "fused" or p.tile != 64 or g.m > 64 or g.r < WIDE_MIN_R or KERNEL_STYLE != "s":
+    if not WIDE or name == "fused" or p.tile != 64 or g.m > 64 or g.r <= 128 or KERNEL_STYLE != "s":
         return None
-    return WIDE, WIDE_COLUMNS[WIDE]
+    choice = WIDE if WIDE != "auto" else "t64w" if g.r <= 192 else "t64m"
+    return choice, WIDE_COLUMNS[choice]
 
 
 def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, g: Geometry, p: Plan, extra: int = 0) -> tuple[Launch, str]:

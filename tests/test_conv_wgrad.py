@@ -580,6 +580,31 @@ def test_fused_combine_choice(monkeypatch):
         conv_wgrad.fused(geom(RESNET18_CONV[10]), plan(512, 4608, 2048))
 
 
+def test_wide_tiles_run_only_plans_of_64_row_tiles(monkeypatch):
+    """Wide kernels take a plan of 64x64 tiles for M <= 64 and R > 128 (64x192 where one tile spans R, 64x128
+    above), never the fused combine, a 128-tile plan or the registers style; the plan itself is untouched."""
+    from kernels import conv_wgrad
+
+    def choice(m, r, k, name="split"):
+        g = Geometry(1, r, 8, 8, m, 8, 8, 1, 1, 1, 1, 0, 0, 1, 1)   # a 1x1 conv: R = Cin
+        return conv_wgrad.wide_tile(g, plan(m, r, k), name)
+
+    assert choice(64, 147, 401408) == ("t64w", 192)
+    assert choice(64, 192, 401408) == ("t64w", 192)
+    assert choice(64, 576, 401408) == ("t64m", 128)
+    assert choice(40, 216, 4096) == ("t64m", 128)
+    assert choice(64, 128, 401408) is None and choice(64, 64, 401408) is None     # R <= 128: 64x64 tiles
+    assert choice(128, 576, 401408) is None                                        # 128x128 tiles
+    assert choice(64, 576, 401408, "fused") is None
+    monkeypatch.setattr(conv_wgrad, "WIDE", "t64w")
+    assert choice(64, 576, 401408) == ("t64w", 192)
+    monkeypatch.setattr(conv_wgrad, "KERNEL_STYLE", "r")
+    assert choice(64, 576, 401408) is None
+    monkeypatch.setattr(conv_wgrad, "KERNEL_STYLE", "s")
+    monkeypatch.setattr(conv_wgrad, "WIDE", "")
+    assert choice(64, 576, 401408) is None
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cu_compiles_with_nvcc():
     src = KERNEL_DIR / "conv_wgrad.cu"
@@ -747,6 +772,54 @@ def test_gpu_tap_tiles_give_the_same_bits(layout, monkeypatch):
                 if direct:
                     assert any(n.endswith(("_ts", "_tc")) for n in ran), f"{what}: no tap kernel ran ({ran})"
                 assert_bitwise_equal(tapped, full, what)
+
+
+# weight gradients of at most 64 output channels with R > 128: wide-tile kernels (conv_wgrad.WIDE)
+WIDE_SHAPES = [RESNET18_CONV[i] for i in (1, 11)] + [
+    ConvShape("wide_m40_r216", 16, 24, 40, 3, 1, 1, 13, 11),     # partial row tile, R not a tile multiple
+    ConvShape("wide_m64_r147_s2", 4, 3, 64, 7, 2, 3, 37, 30),    # one 64x192 tile spans R
+    ConvShape("wide_1x1_256", 8, 256, 64, 1, 1, 0, 14, 14),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_gpu_wide_tiles_give_the_same_bits(layout, monkeypatch):
+    """The wide kernels (64x192, 64x128) run the 64x64 tiles' plan: every element accumulates the same chunk
+    terms in the same order, so each deterministic variant gives the 64x64 kernels' bits (those run tap tiles
+    where Cin is a multiple of 64, whose skipped terms are zeros: finite inputs), and atomic on small
+    integers the same sums. A spy checks which kernels ran, so the comparison cannot pass by running the
+    same kernel twice."""
+    from kernels import conv_wgrad
+
+    ran = []
+    real = conv_wgrad.function
+    monkeypatch.setattr(conv_wgrad, "function", lambda src, name, dev, *a, **k: (ran.append(name), real(
+        src, name, dev, *a, **k))[1])
+    widths = set()
+    for i, shape in enumerate(WIDE_SHAPES):
+        case = conv_wgrad._case(shape, 4200 + i, layout)
+        args, kw = SPEC.make_inputs(case, torch.device("cuda"))
+        exact, _ = small_integer_inputs(case, "cuda")
+        g = geometry(args, kw)
+        assert conv_wgrad.wide_tile(g, plan(g.m, g.r, g.k), "split") is not None, shape.name
+        for name, variant, inputs in [(v.name, v, args) for v in DETERMINISTIC] + [("atomic", ATOMIC, exact)]:
+            if name == "winograd" and wino.applies(g):
+                continue
+            what = f"{name} {case.name}"
+            monkeypatch.setattr(conv_wgrad, "WIDE", "")
+            ran.clear()
+            narrow = variant(*inputs, **kw)
+            assert ran and not any("_t64w_" in n or "_t64m_" in n for n in ran), f"{what}: {ran}"
+            monkeypatch.setattr(conv_wgrad, "WIDE", "auto")
+            ran.clear()
+            wide = variant(*inputs, **kw)
+            torch.cuda.synchronize()
+            tiles = [n.split("_")[3] for n in ran if "_t64w_" in n or "_t64m_" in n]
+            assert tiles, f"{what}: no wide kernel ran ({ran})"
+            widths.update(tiles)
+            assert_bitwise_equal(wide, narrow, what)
+    assert widths == {"t64w", "t64m"}
 
 
 @pytest.mark.gpu

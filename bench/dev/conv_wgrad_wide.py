@@ -2,7 +2,7 @@
 most 64 output channels, tree and atomic on each kernel choice beside cuDNN's fastest algorithm, and whether
 tree's bits stay those of the 64x64 tiles (they must: the plan does not change).
 
-    python3 bench/dev/conv_wgrad_wide.py [--wide ,t64w,t64m] [--repeats 20] [--layouts nchw,cl]
+    python3 bench/dev/conv_wgrad_wide.py [--wide ,t64w,t64m,auto] [--repeats 20] [--layouts nchw,cl]
 
 "us": the median over repeats of CUDA-event time around 10 back-to-back calls, divided by 10.
 """
@@ -44,7 +44,7 @@ def wide(choice: str):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--wide", default=",t64w,t64m", help="comma-separated WIDE settings ('' = 64x64 tiles)")
+    ap.add_argument("--wide", default=",t64w,t64m,auto", help="comma-separated WIDE settings ('' = 64x64 tiles)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--layouts", default="nchw,cl")
     args = ap.parse_args()
