@@ -846,9 +846,10 @@ def test_gpu_tap_tiles_skip_a_padded_infinite_product(monkeypatch):
     """The documented difference on non-finite inputs: an infinite dy at an output position whose pixel is
     padding for some taps makes those taps' weights NaN in the full walk (Inf * 0), while tap tiles never
     form that product (there the other terms sum to 0); the taps whose pixel is inside give Inf either
-    way."""
+    way. (Wide tiles, off here, have no tap tiles: a 64-output-channel conv they run walks in full.)"""
     from kernels import conv_wgrad
 
+    monkeypatch.setattr(conv_wgrad, "WIDE", "")
     x = torch.ones(1, 64, 6, 6, device="cuda")
     dy = torch.zeros(1, 64, 6, 6, device="cuda")
     dy[0, :, 0, 0] = float("inf")   # position (0, 0): its pixel is padding for every tap with kh or kw 0
