@@ -76,7 +76,7 @@ struct ConvArgs {
 //          its atomic twin on channels_last (H200, 512->512 3x3 4x4, batch 128), against 1.12x on
 //          NCHW, so split workspaces stay in r' order (conv_wgrad_reduce_cl maps them); with that,
 //          tree / atomic on channels_last measured 0.89-1.00 on the 3x3 shapes from 8x8 down.
-template <int BM, int BN, int TM, int TN, int MODE, bool SROWS, bool CL, bool TAPK>
+template <int BM, int BN, int TM, int TN, int MODE, bool SROWS, bool CL, bool TAPK, int STAGES>
 __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const float* __restrict__ dy,
                                            float* __restrict__ out, const ConvArgs& a,
                                            float* __restrict__ ws = nullptr, unsigned int* counters = nullptr) {
@@ -88,8 +88,20 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
     static_assert(WG_BK * 16 == WG_THREADS, "each K-step tile row is loaded by 16 threads");
     constexpr int AR = BM / 16, BR = BN / 16;  // rows of the A and B tiles each thread loads per K-step
     constexpr int GM = BM * 4 / TM, GN = BN * 4 / TN;  // stride between a thread's float4 groups (= 64)
-    __shared__ __align__(16) float As[2][WG_BK][BM + 4];
-    __shared__ __align__(16) float Bs[2][WG_BK][BN + 4];
+    static_assert(STAGES == 0 || (STAGES >= 3 && SROWS), "cp.async stages: three or more, row constants shared");
+    constexpr int LA = BM + 4, LB = BN + 4;  // row pitches of the A and B tiles: As[stage][q][LA]
+    float* As;
+    float* Bs;
+    if constexpr (STAGES == 0) {
+        __shared__ __align__(16) float As_s[2 * WG_BK * LA];
+        __shared__ __align__(16) float Bs_s[2 * WG_BK * LB];
+        As = As_s;
+        Bs = Bs_s;
+    } else {
+        extern __shared__ __align__(16) float wg_stages[];  // STAGES * WG_BK * (LA + LB) floats
+        As = wg_stages;
+        Bs = wg_stages + STAGES * WG_BK * LA;
+    }
     __shared__ int4 brow[SROWS ? BN : 1];  // {x offset of ci, kh*dh - ph (or -2^30 past R), kw*dw - pw, r}
     __shared__ int arow[SROWS ? BM : 1];   // dy offset of co, -1 past M
 
@@ -173,8 +185,18 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         xtap = (r0 - tap * a.cin) * a.sxc + (ohlo * a.sh + tih) * a.sxh + (owlo * a.sw + tiw) * a.sxw;
     }
 
-    float ra[AR], rb[BR];
-    auto load = [&](int k0) {
+    float ra[STAGES ? 1 : AR], rb[STAGES ? 1 : BR];
+    // one K-step's loads: into ra/rb (STAGES 0; store() puts them in stage buf), or by cp.async straight into
+    // stage buf (zeros where the element is outside the tensors, as the register loads give)
+    auto put = [&](bool a_side, int i, int buf, const float* src, bool ok) {
+        if constexpr (STAGES == 0) {
+            (a_side ? ra : rb)[i] = ok ? __ldg(src) : 0.0f;
+        } else {
+            float* dst = (a_side ? As + (buf * WG_BK + kk) * LA : Bs + (buf * WG_BK + kk) * LB) + rg + 16 * i;
+            cp_async4(dst, ok ? src : (a_side ? dy : x), ok);
+        }
+    };
+    auto load = [&](int k0, int buf) {
         if constexpr (TAPK) {  // k0 is a compacted position
             const int j = k0 + kk;
             const bool in = j < cend;
@@ -185,10 +207,10 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
 #pragma unroll
             for (int i = 0; i < AR; ++i) {
                 const int off = arow[rg + 16 * i];
-                ra[i] = (in && off >= 0) ? __ldg(dy + dbase + off) : 0.0f;
+                put(true, i, buf, dy + dbase + off, in && off >= 0);
             }
 #pragma unroll
-            for (int i = 0; i < BR; ++i) rb[i] = in ? __ldg(x + xbase + (rg + 16 * i) * a.sxc) : 0.0f;
+            for (int i = 0; i < BR; ++i) put(false, i, buf, x + xbase + (rg + 16 * i) * a.sxc, in);
             return;
         }
         const int k = k0 + kk;
@@ -201,21 +223,23 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
 #pragma unroll
         for (int i = 0; i < AR; ++i) {
             const int off = SROWS ? arow[rg + 16 * i] : doff[i];
-            ra[i] = (kin && off >= 0) ? __ldg(dy + dbase + off) : 0.0f;
+            put(true, i, buf, dy + dbase + off, kin && off >= 0);
         }
 #pragma unroll
         for (int i = 0; i < BR; ++i) {
             const int4 c = SROWS ? brow[rg + 16 * i] : make_int4(xoff[i], ihoff[i], iwoff[i], 0);
             const int ih = ih0 + c.y, iw = iw0 + c.z;
             const bool ok = kin && (unsigned)ih < (unsigned)a.h && (unsigned)iw < (unsigned)a.w;
-            rb[i] = ok ? __ldg(x + xbase + c.x + ih * a.sxh + iw * a.sxw) : 0.0f;
+            put(false, i, buf, x + xbase + c.x + ih * a.sxh + iw * a.sxw, ok);
         }
     };
-    auto store = [&](int buf) {
+    auto store = [&](int buf) {  // STAGES 0
+        if constexpr (STAGES == 0) {
 #pragma unroll
-        for (int i = 0; i < AR; ++i) As[buf][kk][rg + 16 * i] = ra[i];
+            for (int i = 0; i < AR; ++i) As[(buf * WG_BK + kk) * LA + rg + 16 * i] = ra[i];
 #pragma unroll
-        for (int i = 0; i < BR; ++i) Bs[buf][kk][rg + 16 * i] = rb[i];
+            for (int i = 0; i < BR; ++i) Bs[(buf * WG_BK + kk) * LB + rg + 16 * i] = rb[i];
+        }
     };
 
     float acc[TM][TN];
@@ -225,17 +249,40 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
 
     const int steps = (cend - cbeg + WG_BK - 1) / WG_BK;
-    load(cbeg);
-    store(0);
-    __syncthreads();
-    for (int st = 0; st < steps; ++st) {
-        const int buf = st & 1;
-        const bool more = st + 1 < steps;
-        if (more) load(cbeg + (st + 1) * WG_BK);  // global loads in flight during the FFMAs below
-#pragma unroll
-        for (int q = 0; q < WG_BK; ++q) fma_step<TM, TN, GM, GN>(As[buf][q], Bs[buf][q], ty, tx, acc);
-        if (more) store(buf ^ 1);  // buf ^ 1 was last read before the previous barrier
+    if constexpr (STAGES == 0) {  // two stages, the next K-step's loads held in registers during the FFMAs
+        load(cbeg, 0);
+        store(0);
         __syncthreads();
+        for (int st = 0; st < steps; ++st) {
+            const int buf = st & 1;
+            const bool more = st + 1 < steps;
+            if (more) load(cbeg + (st + 1) * WG_BK, 0);  // global loads in flight during the FFMAs below
+#pragma unroll
+            for (int q = 0; q < WG_BK; ++q)
+                fma_step<TM, TN, GM, GN>(As + (buf * WG_BK + q) * LA, Bs + (buf * WG_BK + q) * LB, ty, tx, acc);
+            if (more) store(buf ^ 1);  // buf ^ 1 was last read before the previous barrier
+            __syncthreads();
+        }
+    } else {  // STAGES stages filled by cp.async up to STAGES - 1 K-steps ahead (one commit group per K-step)
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < steps) load(cbeg + s * WG_BK, s);
+            cp_async_commit();
+        }
+        int buf = 0, fill = STAGES - 1;
+        for (int st = 0; st < steps; ++st) {
+            cp_async_wait<STAGES - 2>();  // this thread's copies of K-step st have landed
+            __syncthreads();  // everyone's have; and everyone is done with K-step st - 1's stage, refilled now
+            if (st + STAGES - 1 < steps) load(cbeg + (st + STAGES - 1) * WG_BK, fill);
+            cp_async_commit();
+#pragma unroll
+            for (int q = 0; q < WG_BK; ++q)
+                fma_step<TM, TN, GM, GN>(As + (buf * WG_BK + q) * LA, Bs + (buf * WG_BK + q) * LB, ty, tx, acc);
+            buf = buf + 1 == STAGES ? 0 : buf + 1;
+            fill = fill + 1 == STAGES ? 0 : fill + 1;
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // (the fused epilogue below reuses no stage, but leaves no copy in flight past here)
     }
 
     // dw's column r = ci*KH*KW + kh*KW + kw of tile column col (under RP, whose columns are r')
@@ -299,19 +346,29 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         int dh, int dw, int sxn, int sxc, int sxh, int sxw, int sdn, int sdc, int sdh, int sdw, int K, \
         int Kc
 #define WG_ARGS {cin, h, w, cout, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, sxn, sxc, sxh, sxw, sdn, sdc, sdh, sdw, K, Kc}
-#define WG_KERNEL(name, BM, BN, TM, TN, MODE, SROWS, CL, TAPK, MINB)                                   \
+#define WG_KERNEL_ST(name, BM, BN, TM, TN, MODE, SROWS, CL, TAPK, MINB, STAGES)                       \
     extern "C" __global__ void __launch_bounds__(WG_THREADS, MINB)                                     \
     name(const float* x, const float* dy, float* out, WG_PARAMS) {                                    \
         const ConvArgs a = WG_ARGS;                                                                    \
-        wgrad_tile<BM, BN, TM, TN, MODE, SROWS, CL, TAPK>(x, dy, out, a);                              \
+        wgrad_tile<BM, BN, TM, TN, MODE, SROWS, CL, TAPK, STAGES>(x, dy, out, a);                      \
     }
 
-#define WG_FUSED_KERNEL(name, BM, BN, TM, TN, SROWS, CL, TAPK, MINB)                                  \
+#define WG_FUSED_KERNEL_ST(name, BM, BN, TM, TN, SROWS, CL, TAPK, MINB, STAGES)                       \
     extern "C" __global__ void __launch_bounds__(WG_THREADS, MINB)                                     \
     name(const float* x, const float* dy, float* out, float* ws, unsigned int* counters, WG_PARAMS) { \
         const ConvArgs a = WG_ARGS;                                                                    \
-        wgrad_tile<BM, BN, TM, TN, 2, SROWS, CL, TAPK>(x, dy, out, a, ws, counters);                   \
+        wgrad_tile<BM, BN, TM, TN, 2, SROWS, CL, TAPK, STAGES>(x, dy, out, a, ws, counters);           \
     }
+// every kernel with its row constants in shared memory also as name_a: WG_STAGES stages filled by cp.async
+#ifndef WG_STAGES
+#define WG_STAGES 3
+#endif
+#define WG_KERNEL(name, BM, BN, TM, TN, MODE, SROWS, CL, TAPK, MINB)                                   \
+    WG_KERNEL_ST(name, BM, BN, TM, TN, MODE, SROWS, CL, TAPK, MINB, 0)                                 \
+    WG_KERNEL_ST(name##_a, BM, BN, TM, TN, MODE, SROWS, CL, TAPK, MINB, SROWS ? WG_STAGES : 0)
+#define WG_FUSED_KERNEL(name, BM, BN, TM, TN, SROWS, CL, TAPK, MINB)                                  \
+    WG_FUSED_KERNEL_ST(name, BM, BN, TM, TN, SROWS, CL, TAPK, MINB, 0)                                 \
+    WG_FUSED_KERNEL_ST(name##_a, BM, BN, TM, TN, SROWS, CL, TAPK, MINB, SROWS ? WG_STAGES : 0)
 
 // 128x128 tiles: at most 128 registers so that two blocks share an SM; 64x64: three blocks an SM.
 // Suffix: _r row constants in registers (ptxas spills ~50 bytes of them at 128x128), _s in shared

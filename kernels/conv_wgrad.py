@@ -115,6 +115,9 @@ TAP_TILES = True
 # 636 / 655 / 593; 1x1 256->64 56x56 (R 256) batch 64 329 / 417 / 255; 3x3 64->64 32x32 batch 128 415 / 438 /
 # 402. channels_last alike.
 WIDE = "auto"
+# cp.async stages of the GEMM kernels whose row constants are in shared memory (every KERNEL_STYLE but "r"):
+# 0 keeps two stages, the next K-step's loads held in registers during the FFMAs. Same bits either way.
+STAGES = 3
 WIDE_COLUMNS = {"t64w": 192, "t64m": 128}
 
 
@@ -300,8 +303,14 @@ def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, g: Geometry, p: Plan, ex
         style = "cl"  # same bits, loads along channels
     if style != "r" and TAP_TILES and wide is None and g.cin % p.tile == 0:
         style = "tc" if style == "cl" else "ts"  # same bits, padding terms skipped
-    fn = function(SOURCE, f"conv_wgrad_{name}_{tile}_{style}", x.device)
-    return Launch.of(fn, grid, (THREADS,), (SLOT,) * (3 + extra) + ints, device=x.device), style
+    if STAGES and style != "r":   # (dynamic shared memory: the stages)
+        smem = STAGES * BK * (p.tile + 4 + columns + 4) * 4
+        defines = () if STAGES == 3 else (f"-DWG_STAGES={STAGES}",)   # (3: the source's default)
+        fn = function(SOURCE, f"conv_wgrad_{name}_{tile}_{style}_a", x.device, defines, smem=smem)
+    else:
+        smem = 0
+        fn = function(SOURCE, f"conv_wgrad_{name}_{tile}_{style}", x.device)
+    return Launch.of(fn, grid, (THREADS,), (SLOT,) * (3 + extra) + ints, device=x.device, shared_mem=smem), style
 
 
 R_PRIME_STYLES = ("cl", "tc", "ts")   # kernel styles whose tile columns run in r' = (kh, kw, ci) order
