@@ -398,14 +398,14 @@ WG_FUSED_KERNEL(conv_wgrad_fused_t64_cl, 64, 64, 4, 4, true, true, false, 3)
 // the H200, against 35 for the 128x128 tiles). Every element still accumulates its chunk's k terms in order:
 // the bits of the 64x64 kernels. No tap tiles (a tile wider than Cin spans several taps) and no fused
 // combine; conv_wgrad.py (WIDE) says where each runs.
-WG_KERNEL(conv_wgrad_atomic_t64w_s, 64, 192, 4, 12, 0, true, false, false, 2)
-WG_KERNEL(conv_wgrad_split_t64w_s, 64, 192, 4, 12, 1, true, false, false, 2)
-WG_KERNEL(conv_wgrad_atomic_t64w_cl, 64, 192, 4, 12, 0, true, true, false, 2)
-WG_KERNEL(conv_wgrad_split_t64w_cl, 64, 192, 4, 12, 1, true, true, false, 2)
-WG_KERNEL(conv_wgrad_atomic_t64m_s, 64, 128, 4, 8, 0, true, false, false, 3)
-WG_KERNEL(conv_wgrad_split_t64m_s, 64, 128, 4, 8, 1, true, false, false, 3)
-WG_KERNEL(conv_wgrad_atomic_t64m_cl, 64, 128, 4, 8, 0, true, true, false, 3)
-WG_KERNEL(conv_wgrad_split_t64m_cl, 64, 128, 4, 8, 1, true, true, false, 3)
+WG_KERNEL_ST(conv_wgrad_atomic_t64w_s, 64, 192, 4, 12, 0, true, false, false, 2, 0)
+WG_KERNEL_ST(conv_wgrad_split_t64w_s, 64, 192, 4, 12, 1, true, false, false, 2, 0)
+WG_KERNEL_ST(conv_wgrad_atomic_t64w_cl, 64, 192, 4, 12, 0, true, true, false, 2, 0)
+WG_KERNEL_ST(conv_wgrad_split_t64w_cl, 64, 192, 4, 12, 1, true, true, false, 2, 0)
+WG_KERNEL_ST(conv_wgrad_atomic_t64m_s, 64, 128, 4, 8, 0, true, false, false, 3, 0)
+WG_KERNEL_ST(conv_wgrad_split_t64m_s, 64, 128, 4, 8, 1, true, false, false, 3, 0)
+WG_KERNEL_ST(conv_wgrad_atomic_t64m_cl, 64, 128, 4, 8, 0, true, true, false, 3, 0)
+WG_KERNEL_ST(conv_wgrad_split_t64m_cl, 64, 128, 4, 8, 1, true, true, false, 3, 0)
 // tap tiles: atomic, split and fused kernels of one tile size and style
 #define WG_TAP_KERNELS(T, TM, STYLE, CL, MINB)                                                            \
     WG_KERNEL(conv_wgrad_atomic_t##T##_##STYLE, T, T, TM, TM, 0, true, CL, true, MINB)                    \

@@ -115,8 +115,13 @@ TAP_TILES = True
 # 636 / 655 / 593; 1x1 256->64 56x56 (R 256) batch 64 329 / 417 / 255; 3x3 64->64 32x32 batch 128 415 / 438 /
 # 402. channels_last alike.
 WIDE = "auto"
-# cp.async stages of the GEMM kernels whose row constants are in shared memory (every KERNEL_STYLE but "r"):
-# 0 keeps two stages, the next K-step's loads held in registers during the FFMAs. Same bits either way.
+# cp.async stages of the square-tile GEMM kernels whose row constants are in shared memory (every KERNEL_STYLE but
+# "r"; the wide tiles keep registers): 0 keeps two stages, the next K-step's loads held in registers during the
+# FFMAs. Same bits either way. H100, batch 128, NCHW, tree, us per call with 0 / 3 / 4 stages
+# (bench/dev/conv_wgrad_kernels.py --stages 0,3,4 --shapes all): 128x128 tiles: 3x3 128->128 28x28 890.9 / 840.5
+# / 842.7, 3x3 256->256 14x14 871.5 / 842.6 / 863.9, 3x3 512->512 7x7 845.3 / 823.9 / 816.0, 3x3 s2 256->512
+# 494.0 / 462.3 / 461.1; 64x64: 1x1 s2 64->128 56x56 104.8 / 83.5 / 84.2; the wide tiles lost 10-14% (64->64
+# 3x3 56x56, 64x128 tiles: 1116.5 / 1277.1 / 1253.9).
 STAGES = 3
 WIDE_COLUMNS = {"t64w": 192, "t64m": 128}
 
@@ -303,7 +308,7 @@ def _gemm(name: str, x: torch.Tensor, dy: torch.Tensor, g: Geometry, p: Plan, ex
         style = "cl"  # same bits, loads along channels
     if style != "r" and TAP_TILES and wide is None and g.cin % p.tile == 0:
         style = "tc" if style == "cl" else "ts"  # same bits, padding terms skipped
-    if STAGES and style != "r":   # (dynamic shared memory: the stages)
+    if STAGES and style != "r" and wide is None:   # (dynamic shared memory: the stages)
         smem = STAGES * BK * (p.tile + 4 + columns + 4) * 4
         defines = () if STAGES == 3 else (f"-DWG_STAGES={STAGES}",)   # (3: the source's default)
         fn = function(SOURCE, f"conv_wgrad_{name}_{tile}_{style}_a", x.device, defines, smem=smem)

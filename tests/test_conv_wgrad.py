@@ -737,6 +737,9 @@ def test_gpu_kernel_styles_give_the_same_bits(variant, monkeypatch):
             assert_bitwise_equal(variant(*args, **kw), shipped, f"{variant.key} {shape.name} {layout}")
 
 
+TAP_SUFFIXES = ("_ts", "_tc", "_ts_a", "_tc_a")   # tap-tile kernels, register or cp.async stages
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_gpu_tap_tiles_give_the_same_bits(layout, monkeypatch):
@@ -764,14 +767,14 @@ def test_gpu_tap_tiles_give_the_same_bits(layout, monkeypatch):
                 monkeypatch.setattr(conv_wgrad, "TAP_TILES", False)
                 ran.clear()
                 full = variant(*inputs, **kw)
-                assert not any(n.endswith(("_ts", "_tc")) for n in ran), f"{what}: a tap kernel ran ({ran})"
+                assert not any(n.endswith(TAP_SUFFIXES) for n in ran), f"{what}: a tap kernel ran ({ran})"
                 assert ran or not direct, f"{what}: no GEMM kernel ran"
                 monkeypatch.setattr(conv_wgrad, "TAP_TILES", True)
                 ran.clear()
                 tapped = variant(*inputs, **kw)
                 torch.cuda.synchronize()
                 if direct:
-                    assert any(n.endswith(("_ts", "_tc")) for n in ran), f"{what}: no tap kernel ran ({ran})"
+                    assert any(n.endswith(TAP_SUFFIXES) for n in ran), f"{what}: no tap kernel ran ({ran})"
                 assert_bitwise_equal(tapped, full, what)
 
 
