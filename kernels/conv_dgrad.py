@@ -281,12 +281,35 @@ SPLIT_MAX = 8
 SPLIT_MIN_SLICES = 16   # (tap, 8 output channels) slices per range, at least
 
 
-def tree_split(g: Geometry, blocks: int) -> int:
-    """How many ranges the tree GEMM splits each dx element's reduction into (1: no split)."""
-    if g.sh != 1 or g.sw != 1 or blocks >= SPLIT_TARGET:
+# Waves: a stride-1 launch of SPLIT_TARGET blocks or more, but at most SPLIT_WAVES_MAX waves, whose last wave
+# would leave more than a tenth of the SMs' block slots idle, is split into the fewest ranges that fill its
+# waves to SPLIT_WAVE_FILL. A wave is SPLIT_TARGET blocks of the narrow grid, twice that where Cin >= 128
+# (there the launch runs 128-column tiles, two narrow tiles a block: 128 is WIDE_MIN_CIN's value, fixed here
+# so that the split, and so the bits, never move with that setting). H200, fp32, NCHW, torchvision resnet18
+# at 224 px, batch 128, us per call unsplit / split (bench/dev/conv_tree_gemm.py --split-waves off,on):
+# FIGURES
+SPLIT_WAVES = True
+SPLIT_WAVES_MAX = 4
+SPLIT_WAVE_FILL = 0.9
+
+
+def tree_split(g: Geometry, blocks: int, waves: bool | None = None) -> int:
+    """How many ranges the tree GEMM splits each dx element's reduction into (1: no split); ``blocks``: the
+    narrow grid's blocks, ``waves``: the waves rule (default SPLIT_WAVES)."""
+    if g.sh != 1 or g.sw != 1:
         return 1
     slices = g.kh * g.kw * cdiv(g.cout, 8)
-    return max(1, min(SPLIT_TARGET // blocks, SPLIT_MAX, slices // SPLIT_MIN_SLICES))
+    if blocks < SPLIT_TARGET:
+        return max(1, min(SPLIT_TARGET // blocks, SPLIT_MAX, slices // SPLIT_MIN_SLICES))
+    wave = SPLIT_TARGET * (2 if g.cin >= 128 else 1)
+    if not (SPLIT_WAVES if waves is None else waves) or blocks > SPLIT_WAVES_MAX * wave:
+        return 1
+    for s in range(1, SPLIT_MAX + 1):
+        if s > 1 and slices // s < SPLIT_MIN_SLICES:
+            break
+        if blocks * s >= SPLIT_WAVE_FILL * cdiv(blocks * s, wave) * wave:
+            return s
+    return 1
 
 
 # The tree GEMM's wide tiles (128 x 128, kernels conv_dgrad_tree_*_wide[1]) for Cin >= WIDE_MIN_CIN: each
@@ -322,12 +345,12 @@ DEEP_SLICES = True
 def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     if EMPTY_ZEROS not in ("auto", "memset", "kernel"):
         raise ValueError(f"{OP}: EMPTY_ZEROS must be 'auto', 'memset' or 'kernel', got {EMPTY_ZEROS!r}")
-    return _tree_plan(g, dy_stride, EMPTY_ZEROS, (WIDE_MIN_CIN, WAVE_SMS, WIDE_MIN_SLICES), DEEP_SLICES)
+    return _tree_plan(g, dy_stride, EMPTY_ZEROS, (WIDE_MIN_CIN, WAVE_SMS, WIDE_MIN_SLICES), DEEP_SLICES, SPLIT_WAVES)
 
 
 @functools.lru_cache(maxsize=1024)
 def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_rule: tuple[int, int, int],
-               deep: bool = False) -> LaunchPlan:
+               deep: bool = False, waves: bool = False) -> LaunchPlan:
     rows_taps, cols_taps = phase_offsets(g.kh, g.sh, g.ph, g.dh), phase_offsets(g.kw, g.sw, g.pw, g.dw)
     empty = not all(rows_taps) or not all(cols_taps)
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
@@ -342,7 +365,7 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_r
     grid = (cdiv(rows, BM), cdiv(g.cin, BN), g.sh * g.sw)
     # never with phases no tap reaches: their zeros go to dx, which the split's sum would overwrite
     # (tree_split splits stride 1 only, where every phase has taps)
-    ksplit = tree_split(g, grid[0] * grid[1] * grid[2]) if not empty else 1
+    ksplit = tree_split(g, grid[0] * grid[1] * grid[2], waves) if not empty else 1
     wide_min_cin, wave_sms, wide_min_slices = wide_rule
     widened = False
     if g.cin >= wide_min_cin:

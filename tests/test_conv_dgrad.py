@@ -623,7 +623,7 @@ def test_tree_plan_wide_tiles():
         for layout in ("nchw", "channels_last"):
             g, stride, _ = _plan(s, layout)
             plan = cd.tree_plan(g, stride)
-            narrow = cd._tree_plan(g, stride, cd.EMPTY_ZEROS, (1 << 30, 0, 0))
+            narrow = cd._tree_plan(g, stride, cd.EMPTY_ZEROS, (1 << 30, 0, 0), False, cd.SPLIT_WAVES)
             assert re.search(rf"__global__ void __launch_bounds__\([^)]*\)\s+{plan.kernel}\(", source), plan.kernel
             assert plan.kernel == narrow.kernel + suffix, (s.name, layout, plan.kernel)
             assert plan.ksplit == narrow.ksplit and plan.scalars == narrow.scalars, s.name

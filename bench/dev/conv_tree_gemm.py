@@ -6,9 +6,12 @@ change keeps the accumulation order.
     python bench/dev/conv_tree_gemm.py --model torchvision:resnet50 --batch 64 --size 224 --classes 1000
     python bench/dev/conv_tree_gemm.py --model resnet18 --batch 128 --size 32 --json out.json
     python bench/dev/conv_tree_gemm.py --model torchvision:resnet18 --batch 128 --size 224 --deep on,off
+    python bench/dev/conv_tree_gemm.py --model torchvision:resnet18 --batch 128 --size 224 --split-waves off,on
 
 --deep on,off times each call under each DEEP_SLICES setting (stages of 16 output channels in unsplit
-launches, or of 8) and checks that the settings give the same bits.
+launches, or of 8) and checks that the settings give the same bits. --split-waves off,on does the same for
+SPLIT_WAVES (the split that fills the last wave): a shape it splits gets other bits (another order), which
+is not counted as a mismatch.
 
 GPU time per call: median of CUDA-graph replays (bench.timing.graph_replay_us), fp32, TF32 off.
 """
@@ -35,10 +38,14 @@ def main() -> None:
     network_arguments(p, batch=128, calls=5, replays=10)
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--deep", default="", help="comma-separated DEEP_SLICES settings to time (on, off)")
+    p.add_argument("--split-waves", default="", help="comma-separated SPLIT_WAVES settings to time (on, off)")
     args = p.parse_args()
-    if not set(args.deep.split(",")) <= {"", "on", "off"}:
-        p.error(f"--deep: expected a comma-separated list of on and off, got {args.deep!r}")
+    for opt, value in (("--deep", args.deep), ("--split-waves", args.split_waves)):
+        if not set(value.split(",")) <= {"", "on", "off"}:
+            p.error(f"{opt}: expected a comma-separated list of on and off, got {value!r}")
     deeps = [d == "on" for d in args.deep.split(",") if d] or [conv_dgrad.DEEP_SLICES]
+    waves = [d == "on" for d in args.split_waves.split(",") if d] or [conv_dgrad.SPLIT_WAVES]
+    settings = [(deep, wave) for deep in deeps for wave in waves]
     mismatches = 0
     rows = []
     totals: dict[str, float] = {}
@@ -59,27 +66,30 @@ def main() -> None:
                 if s["stride"] == [1, 1] and all(q <= kk - 1 for q, kk in zip(s["padding"], k)):
                     calls["fwd"] = lambda: conv_dgrad.conv_forward_tree_cuda(x, w, padding=tuple(s["padding"]))
                 row = {"shape": shape_name(s), "count": s["count"], "layout": layout}
-                names = []
-                for deep in deeps:
-                    saved, conv_dgrad.DEEP_SLICES = conv_dgrad.DEEP_SLICES, deep
+                names, hashes = [], {}
+                for deep, wave in settings:
+                    saved = conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES
+                    conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES = deep, wave
                     try:
                         for call, fn in calls.items():
-                            name = call if len(deeps) == 1 else f"{call}_{'deep' if deep else 'k8'}"
+                            tags = ([("deep" if deep else "k8")] if len(deeps) > 1 else []) + \
+                                   ([("waves" if wave else "nowaves")] if len(waves) > 1 else [])
+                            name = "_".join([call, *tags])
                             names.append(name)
                             row[f"{name}_us"] = graph_replay_us(fn, calls=args.calls, replays=args.replays)
                             row[f"{name}_sha"] = byte_hash(fn())[:12]
+                            hashes.setdefault((call, wave), set()).add(row[f"{name}_sha"])
                             totals[f"{layout} {name}"] = totals.get(f"{layout} {name}", 0.0) + \
                                 row[f"{name}_us"] * s["count"]
                     finally:
-                        conv_dgrad.DEEP_SLICES = saved
-                for call in calls:
-                    mismatches += len({row[k] for k in row if k.startswith(f"{call}_") and k.endswith("_sha")}) > 1
+                        conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES = saved
+                mismatches += sum(len(h) > 1 for h in hashes.values())
                 rows.append(row)
                 print(f"{row['shape']:<24} x{s['count']:<2} {layout:<13} " +
                       "  ".join(f"{n} {row[f'{n}_us']:8.1f} us {row[f'{n}_sha']}" for n in names), flush=True)
     print("totals (us, count-weighted): " + ", ".join(f"{k} {v:.0f}" for k, v in totals.items()))
     if len(deeps) > 1:
-        print(f"{mismatches} call(s) whose bits differ between the DEEP_SLICES settings")
+        print(f"{mismatches} call(s) whose bits differ between the DEEP_SLICES settings (same SPLIT_WAVES)")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "totals": totals}, indent=1))
 
