@@ -281,15 +281,18 @@ SPLIT_MAX = 8
 SPLIT_MIN_SLICES = 16   # (tap, 8 output channels) slices per range, at least
 
 
-# Waves: a stride-1 launch of SPLIT_TARGET blocks or more, but at most SPLIT_WAVES_MAX waves, whose last wave
-# would leave more than a tenth of the SMs' block slots idle, is split into the fewest ranges that fill its
-# waves to SPLIT_WAVE_FILL. A wave is SPLIT_TARGET blocks of the narrow grid, twice that where Cin >= 128
-# (there the launch runs 128-column tiles, two narrow tiles a block: 128 is WIDE_MIN_CIN's value, fixed here
-# so that the split, and so the bits, never move with that setting). H200, fp32, NCHW, torchvision resnet18
-# at 224 px, batch 128, us per call unsplit / split (bench/dev/conv_tree_gemm.py --split-waves off,on):
-# FIGURES
+# Waves: a stride-1 launch of SPLIT_TARGET blocks or more that still fills less than one wave (two blocks on
+# every SM; on the narrow grid, SPLIT_TARGET blocks, or twice that where Cin >= 128: there the launch runs
+# 128-column tiles, two narrow tiles a block; 128 is WIDE_MIN_CIN's value, fixed here so that the split, and
+# so the bits, never move with that setting) is split into the fewest ranges that fill whole waves to
+# SPLIT_WAVE_FILL. H100, fp32, us per call unsplit / split (bench/dev/conv_tree_gemm.py --split-waves off,on,
+# NCHW; blocks of 128x128): torchvision resnet18 at 224 px, batch 128: 3x3 512->512 7x7 (196 blocks, split 4)
+# 1074.1 / 855.5 (channels_last 1132.4 / 898.7); resnet50, batch 64: 3x3 256->256 14x14 (196, 4) 539.5 /
+# 451.1, 1x1 256->1024 14x14 (196, 4) 242.4 / 227.9. Launches of one to two waves measured no better or worse
+# split: 3x3 256->256 14x14 at batch 128 (392 blocks, split 2) 824.5 / 847.2, resnet50's 3x3 128->128 28x28
+# (392, 2) 424.2 / 456.0 and 1x1 2048->512 7x7 (400, 3) 252.2 / 278.7.
 SPLIT_WAVES = True
-SPLIT_WAVES_MAX = 4
+SPLIT_WAVES_MAX = 1   # waves: launches of more keep one range
 SPLIT_WAVE_FILL = 0.9
 
 
@@ -302,7 +305,7 @@ def tree_split(g: Geometry, blocks: int, waves: bool | None = None) -> int:
     if blocks < SPLIT_TARGET:
         return max(1, min(SPLIT_TARGET // blocks, SPLIT_MAX, slices // SPLIT_MIN_SLICES))
     wave = SPLIT_TARGET * (2 if g.cin >= 128 else 1)
-    if not (SPLIT_WAVES if waves is None else waves) or blocks > SPLIT_WAVES_MAX * wave:
+    if not (SPLIT_WAVES if waves is None else waves) or blocks >= SPLIT_WAVES_MAX * wave:
         return 1
     for s in range(1, SPLIT_MAX + 1):
         if s > 1 and slices // s < SPLIT_MIN_SLICES:

@@ -582,6 +582,54 @@ def test_cuda_tree_split_k():
     torch.cuda.synchronize()
 
 
+def _split_of(s: ConvShape, waves: bool | None = None) -> int:
+    w, dy = torch.empty(s.w_shape), torch.empty(s.y_shape)
+    g = cd._check(w, dy, (s.h, s.w), s.stride, s.pad, s.dilation)
+    return cd.tree_split(g, -(-s.n * s.h * s.w // cd.BM) * -(-s.cin // cd.BN), waves)
+
+
+def test_waves_split_fills_a_launch_of_less_than_one_wave():
+    """A stride-1 launch of SPLIT_TARGET blocks or more (narrow grid) that fills less than one wave (twice that
+    many narrow blocks where Cin >= 128) is split into the fewest ranges whose blocks fill whole waves to 90%;
+    a launch of a wave or more, a stride-2 one, and every launch with SPLIT_WAVES off keep one range. The rule
+    reads the shape alone."""
+    r18_512_7 = ConvShape("r18_512_7", 128, 512, 512, 3, 1, 1, 7, 7)       # 49 x 8 = 392 narrow blocks
+    assert _split_of(r18_512_7) == 4 and 392 * 4 >= 0.9 * 1584                  # 1568 of 3 waves of 528
+    assert _split_of(r18_512_7, waves=False) == 1
+    assert _split_of(ConvShape("b96", 96, 512, 512, 3, 1, 1, 7, 7)) == 5        # 296 blocks: 1480 of 1584
+    assert _split_of(ConvShape("r18_256_14", 128, 256, 256, 3, 1, 1, 14, 14)) == 1   # 784 blocks: a wave and more
+    assert _split_of(ConvShape("c64", 128, 64, 64, 3, 1, 1, 20, 20)) == 1       # Cin 64: 400 blocks, 264 a wave
+    assert _split_of(ConvShape("s2", 128, 512, 512, 3, 2, 1, 14, 14)) == 1      # stride 2
+    assert _split_of(ConvShape("short", 128, 512, 16, 1, 1, 0, 7, 7)) == 1      # 2 slices: no range of 16
+    for s in RESNET18_CONV:   # the CIFAR shapes' splits are the small-launch rule's, waves or not
+        assert _split_of(s) == _split_of(s, waves=False), s.name
+
+
+@pytest.mark.gpu
+def test_cuda_tree_waves_split():
+    """A launch the waves rule splits (128 -> 64 channels, 3x3, 14x14, batch 108: 166 x 2 narrow blocks, split
+    into 3 ranges, 996 blocks of 1056): within the tree bound of float64 (each element: 64 * 9 products in
+    chains, then 3 partials), 10 repeats one result, both layouts the same bits; the unsplit launch
+    (SPLIT_WAVES off) is within the bound too and differs somewhere (another order)."""
+    s = ConvShape("waves", 108, 128, 64, 3, 1, 1, 14, 14)
+    assert _split_of(s) == 3
+    w, dy, kw = inputs(make_case(s, "nchw", 970), "cuda")
+    got = TREE(w, dy, **kw)
+    assert distinct([TREE(w, dy, **kw) for _ in range(10)]) == 1
+    assert_within_bound(got, w, dy, kw, 64 * 9 + 3, "waves split")
+    assert_bitwise_equal(TREE(w, dy.contiguous(memory_format=torch.channels_last), **kw).contiguous(), got,
+                         "waves split, channels_last")
+    saved = cd.SPLIT_WAVES
+    try:
+        cd.SPLIT_WAVES = False
+        unsplit = TREE(w, dy, **kw)
+    finally:
+        cd.SPLIT_WAVES = saved
+    assert_within_bound(unsplit, w, dy, kw, 64 * 9 + 1, "unsplit")
+    assert not torch.equal(unsplit, got)
+    torch.cuda.synchronize()
+
+
 WIDE_SHAPES = [   # the plans split every stride-1 one here (few blocks); none of them splits at stride 2
     ConvShape("w128", 2, 128, 64, 3, 1, 1, 9, 11),         # one wide column tile, split 4
     ConvShape("w200", 3, 200, 72, 3, 1, 1, 7, 7),          # a partial second tile (72 of 128 columns)
