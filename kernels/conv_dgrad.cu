@@ -365,11 +365,11 @@ __device__ __forceinline__ void dgrad_gemm(DG_ARGS, int ksplit, float* __restric
     DG_GEMM_SHARED
     dgrad_gemm_body<SCATTER, CL, TN, DG_BK>(DG_PASS, ksplit, part, DG_GEMM_SHARED_PASS);
 }
-// Stages of 16 output channels on the tree's 128 x 64 tile (tree_*_deep).
-template <bool CL>
+// Stages of 16 output channels on the tree's 128 x 64 tile (tree_*_deep) or 128 x 128 (tree_*_wide_deep).
+template <bool CL, int TN = 4>
 __device__ __forceinline__ void dgrad_gemm_deep(DG_ARGS, int ksplit, float* __restrict__ part) {
     DG_GEMM_SHARED
-    dgrad_gemm_body<false, CL, 4, 16>(DG_PASS, ksplit, part, DG_GEMM_SHARED_PASS);
+    dgrad_gemm_body<false, CL, TN, 16>(DG_PASS, ksplit, part, DG_GEMM_SHARED_PASS);
 }
 
 // The GEMM kernels also take the split: ksplit (1 for atomic) and the partials' buffer (null unless ksplit > 1).
@@ -626,4 +626,14 @@ extern "C" __global__ void __launch_bounds__(DG_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(DG_THREADS, 2)
     conv_dgrad_tree_cl_deep(DG_ARGS, int ksplit, float* part) {
     dgrad_gemm_deep<true>(DG_PASS, ksplit, part);
+}
+// Deep stages on the wide tile (two-block register budget), for unsplit wide launches: the chains of
+// conv_dgrad_tree_nchw_wide / _cl_wide.
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2)
+    conv_dgrad_tree_nchw_wide_deep(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm_deep<false, 8>(DG_PASS, ksplit, part);
+}
+extern "C" __global__ void __launch_bounds__(DG_THREADS, 2)
+    conv_dgrad_tree_cl_wide_deep(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm_deep<true, 8>(DG_PASS, ksplit, part);
 }

@@ -343,17 +343,22 @@ WIDE_MIN_SLICES = 128
 # (channels_last), 3x3 s2 64->128 600.4 / 533.4, every dgrad shape 16235 / 15806 us (NCHW), 17018 / 16607
 # (channels_last), the same bits in every call; shapes on other tiles unchanged. False: stages of 8 everywhere.
 DEEP_SLICES = True
+# Deep stages on the wide tile too (kernels conv_dgrad_tree_*_wide_deep, two-block register budget): unsplit
+# launches of the two-block wide kernels where Cout fills stages of 16 as of 8. The same chains, the same bits.
+# FIGURES
+WIDE_DEEP = True
 
 
 def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     if EMPTY_ZEROS not in ("auto", "memset", "kernel"):
         raise ValueError(f"{OP}: EMPTY_ZEROS must be 'auto', 'memset' or 'kernel', got {EMPTY_ZEROS!r}")
-    return _tree_plan(g, dy_stride, EMPTY_ZEROS, (WIDE_MIN_CIN, WAVE_SMS, WIDE_MIN_SLICES), DEEP_SLICES, SPLIT_WAVES)
+    return _tree_plan(g, dy_stride, EMPTY_ZEROS, (WIDE_MIN_CIN, WAVE_SMS, WIDE_MIN_SLICES), DEEP_SLICES, SPLIT_WAVES,
+                      WIDE_DEEP)
 
 
 @functools.lru_cache(maxsize=1024)
 def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_rule: tuple[int, int, int],
-               deep: bool = False, waves: bool = False) -> LaunchPlan:
+               deep: bool = False, waves: bool = False, wide_deep: bool = False) -> LaunchPlan:
     rows_taps, cols_taps = phase_offsets(g.kh, g.sh, g.ph, g.dh), phase_offsets(g.kw, g.sw, g.pw, g.dw)
     empty = not all(rows_taps) or not all(cols_taps)
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
@@ -378,8 +383,8 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_r
         if working >= wave_sms or g.kh * g.kw * cdiv(g.cout, 8) // ksplit >= wide_min_slices:
             kernel += "_wide" if working > wave_sms else "_wide1"
             grid, widened = wide, True
-    if deep and ksplit == 1 and not widened and cdiv(g.cout, 8) % 2 == 0:  # see DEEP_SLICES
-        kernel += "_deep"
+    if deep and ksplit == 1 and cdiv(g.cout, 8) % 2 == 0 and (not widened or (wide_deep and kernel.endswith("_wide"))):
+        kernel += "_deep"   # see DEEP_SLICES and WIDE_DEEP
     return LaunchPlan(kernel, (grid[0], grid[1] * ksplit, grid[2]), (THREADS,), 0,
                       (*head[:-1], np.int32(fill), np.int32(ksplit)), fill, "tap_major", ksplit)
 

@@ -659,7 +659,8 @@ def test_tree_plan_wide_tiles():
     register budget its grid size asks for; otherwise the narrow tile, as for fewer channels."""
     source = (KERNEL_DIR / SOURCE).read_text()
     expect = {  # network shapes (dgrad: Cin is the gradient's channels) and the kernel suffix they get
-        ConvShape("r50_1x1_256_64", 64, 256, 64, 1, 1, 0, 56, 56): "_wide",
+        ConvShape("r50_1x1_256_64", 64, 256, 64, 1, 1, 0, 56, 56): "_wide_deep",   # unsplit, two-block budget
+        ConvShape("r50_1x1_256_56", 64, 256, 56, 1, 1, 0, 56, 56): "_wide",   # Cout 56: an odd number of stages of 8
         ConvShape("r50_3x3_512_7", 64, 512, 512, 3, 1, 1, 7, 7): "_wide1",
         ConvShape("r18_3x3_512_4", 128, 512, 512, 3, 1, 1, 4, 4): "_wide1",
         ConvShape("r18_1x1s2_256_512_8", 128, 256, 512, 1, 2, 0, 8, 8): "_deep",   # narrow and unsplit
@@ -680,12 +681,15 @@ def test_tree_plan_wide_tiles():
             else:   # deep stages exactly where a narrow launch is unsplit and Cout fills stages of 16 as of 8
                 assert (plan.ksplit == 1 and -(-s.cout // 8) % 2 == 0) == (suffix == "_deep"), s.name
                 assert plan._replace(kernel=narrow.kernel) == narrow, s.name
-            saved = cd.DEEP_SLICES
-            try:   # the switch: stages of 8 everywhere, the plan otherwise the same
+            saved = cd.DEEP_SLICES, cd.WIDE_DEEP
+            try:   # the switches: stages of 8 everywhere (or on the wide tile), the plan otherwise the same
                 cd.DEEP_SLICES = False
                 assert cd.tree_plan(g, stride) == plan._replace(kernel=plan.kernel.removesuffix("_deep")), s.name
+                cd.DEEP_SLICES, cd.WIDE_DEEP = True, False
+                wide8 = plan.kernel.removesuffix("_deep") if "_wide" in plan.kernel else plan.kernel
+                assert cd.tree_plan(g, stride) == plan._replace(kernel=wide8), s.name
             finally:
-                cd.DEEP_SLICES = saved
+                cd.DEEP_SLICES, cd.WIDE_DEEP = saved
 
 
 DEEP_SHAPES = [   # unsplit narrow launches (many pixels, or stride 2), Cout an even number of stages of 8
@@ -786,6 +790,56 @@ def test_cuda_tree_deep_stages_keep_signed_zeros():
                 assert torch.signbit(zeros).all(), f"{s.name} {layout}: -0.0 expected in stages of 8"
             assert_bitwise_equal(deep, k8, f"{s.name} {layout}: deep kernel against stages of 8")
             assert_bitwise_equal(launcher, k8, f"{s.name} {layout}: launcher against stages of 8")
+    torch.cuda.synchronize()
+
+
+WIDE_DEEP_SHAPES = [   # unsplit launches of the two-block wide kernel
+    ConvShape("wd1x1", 64, 256, 64, 1, 1, 0, 28, 28),
+    ConvShape("wd200", 64, 200, 48, 3, 1, 1, 20, 20),       # a partial second column tile (72 of 128)
+    ConvShape("wds2", 32, 160, 96, 3, 2, 1, 30, 30),        # stride-2 phases
+    ConvShape("wd40", 64, 256, 40, 3, 1, 1, 20, 20),        # Cout 40, 5 stages of 8: the deep kernel named
+]
+
+
+@pytest.mark.gpu
+def test_cuda_tree_wide_deep_stages_same_bits():
+    """Stages of 16 on the wide tile compute every dx element's chain as its stages of 8 do: the same bits in
+    both layouts, every element written (NaN-filled buffers), 5 repeats one result; on a Cout of an odd number
+    of stages of 8 (which the launcher keeps in stages of 8) the deep kernel, named, still gives those bits
+    (its pad terms are exact identities), with dy and w small enough that every product underflows on the
+    even input channels, so the sign of their -0.0 sums is compared too."""
+    with nan_filled_memory():
+        for i, s in enumerate(WIDE_DEEP_SHAPES):
+            for layout in ("nchw", "channels_last"):
+                g, stride, (w, dy, kw) = _plan(s, layout, "cuda", 1300 + i)
+                if s.name == "wd40":
+                    w[:, 0::2] = -(1 + torch.rand(w[:, 0::2].shape, device="cuda",
+                                                  generator=torch.Generator("cuda").manual_seed(i))) * 2.0 ** -80
+                    dy = dy.abs() * 2.0 ** -80
+                outs = {}
+                for wide_deep in (False, True):
+                    saved = cd.WIDE_DEEP
+                    try:
+                        cd.WIDE_DEEP = wide_deep
+                        plan = cd.tree_plan(g, stride)
+                        odd = -(-s.cout // 8) % 2 == 1
+                        assert plan.ksplit == 1 and plan.kernel.endswith("_wide_deep") == (wide_deep and not odd), \
+                            (s.name, plan.kernel)
+                        if odd and wide_deep:
+                            got = cd._run(lambda geo, st: cd.tree_plan(geo, st)._replace(
+                                kernel=cd.tree_plan(geo, st).kernel + "_deep"), w, dy, **kw)
+                        else:
+                            got = TREE(w, dy, **kw)
+                            assert distinct([TREE(w, dy, **kw) for _ in range(5)]) == 1, (s.name, layout)
+                        assert not torch.isnan(got).any(), f"{s.name} {layout} {wide_deep}: unwritten dx"
+                        outs[wide_deep] = got
+                    finally:
+                        cd.WIDE_DEEP = saved
+                if s.name == "wd40":
+                    assert torch.signbit(outs[False][:, 0::2]).any(), f"{layout}: no -0.0 sums to compare"
+                assert_bitwise_equal(outs[True], outs[False], f"{s.name} {layout}: wide deep against stages of 8")
+                if s.name != "wd40":   # (underflowing products are no test of the rounding bound)
+                    assert_within_bound(outs[False], w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1, f"{s.name} {layout}")
     torch.cuda.synchronize()
 
 

@@ -11,7 +11,7 @@ change keeps the accumulation order.
 --deep on,off times each call under each DEEP_SLICES setting (stages of 16 output channels in unsplit
 launches, or of 8) and checks that the settings give the same bits. --split-waves off,on does the same for
 SPLIT_WAVES (the split that fills the last wave): a shape it splits gets other bits (another order), which
-is not counted as a mismatch.
+is not counted as a mismatch. --wide-deep off,on: WIDE_DEEP (deep stages on the wide tile), same bits.
 
 GPU time per call: median of CUDA-graph replays (bench.timing.graph_replay_us), fp32, TF32 off.
 """
@@ -39,13 +39,15 @@ def main() -> None:
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--deep", default="", help="comma-separated DEEP_SLICES settings to time (on, off)")
     p.add_argument("--split-waves", default="", help="comma-separated SPLIT_WAVES settings to time (on, off)")
+    p.add_argument("--wide-deep", default="", help="comma-separated WIDE_DEEP settings to time (on, off)")
     args = p.parse_args()
-    for opt, value in (("--deep", args.deep), ("--split-waves", args.split_waves)):
+    for opt, value in (("--deep", args.deep), ("--split-waves", args.split_waves), ("--wide-deep", args.wide_deep)):
         if not set(value.split(",")) <= {"", "on", "off"}:
             p.error(f"{opt}: expected a comma-separated list of on and off, got {value!r}")
     deeps = [d == "on" for d in args.deep.split(",") if d] or [conv_dgrad.DEEP_SLICES]
     waves = [d == "on" for d in args.split_waves.split(",") if d] or [conv_dgrad.SPLIT_WAVES]
-    settings = [(deep, wave) for deep in deeps for wave in waves]
+    wdeeps = [d == "on" for d in args.wide_deep.split(",") if d] or [conv_dgrad.WIDE_DEEP]
+    settings = [(deep, wave, wd) for deep in deeps for wave in waves for wd in wdeeps]
     mismatches = 0
     rows = []
     totals: dict[str, float] = {}
@@ -67,13 +69,14 @@ def main() -> None:
                     calls["fwd"] = lambda: conv_dgrad.conv_forward_tree_cuda(x, w, padding=tuple(s["padding"]))
                 row = {"shape": shape_name(s), "count": s["count"], "layout": layout}
                 names, hashes = [], {}
-                for deep, wave in settings:
-                    saved = conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES
-                    conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES = deep, wave
+                for deep, wave, wd in settings:
+                    saved = conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP
+                    conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP = deep, wave, wd
                     try:
                         for call, fn in calls.items():
                             tags = ([("deep" if deep else "k8")] if len(deeps) > 1 else []) + \
-                                   ([("waves" if wave else "nowaves")] if len(waves) > 1 else [])
+                                   ([("waves" if wave else "nowaves")] if len(waves) > 1 else []) + \
+                                   ([("wdeep" if wd else "wk8")] if len(wdeeps) > 1 else [])
                             name = "_".join([call, *tags])
                             names.append(name)
                             row[f"{name}_us"] = graph_replay_us(fn, calls=args.calls, replays=args.replays)
@@ -82,14 +85,14 @@ def main() -> None:
                             totals[f"{layout} {name}"] = totals.get(f"{layout} {name}", 0.0) + \
                                 row[f"{name}_us"] * s["count"]
                     finally:
-                        conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES = saved
+                        conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP = saved
                 mismatches += sum(len(h) > 1 for h in hashes.values())
                 rows.append(row)
                 print(f"{row['shape']:<24} x{s['count']:<2} {layout:<13} " +
                       "  ".join(f"{n} {row[f'{n}_us']:8.1f} us {row[f'{n}_sha']}" for n in names), flush=True)
     print("totals (us, count-weighted): " + ", ".join(f"{k} {v:.0f}" for k, v in totals.items()))
-    if len(deeps) > 1:
-        print(f"{mismatches} call(s) whose bits differ between the DEEP_SLICES settings (same SPLIT_WAVES)")
+    if len(deeps) > 1 or len(wdeeps) > 1:
+        print(f"{mismatches} call(s) whose bits differ between the DEEP_SLICES / WIDE_DEEP settings (same SPLIT_WAVES)")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "totals": totals}, indent=1))
 
