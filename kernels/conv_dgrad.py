@@ -13,9 +13,10 @@ differ in:
 - ``atomic``: every dy position's contributions are atomicAdd-ed into dx (the scatter of cuDNN's
   ALGO_0): the arrival order is the scheduler's.
 - ``tree``: every dx element gathers its contributions in one thread, in a fixed order. Where a stride-1
-  launch would have few blocks (deep layers at small batches) the launcher splits that order into at most
-  ``SPLIT_MAX`` contiguous ranges, each one FMA chain written as a partial, and adds the partials in range
-  order (``tree_split``: a function of the shape alone, so the bits are the same on every GPU).
+  launch would have few blocks (deep layers at small batches, or 128-column tiles short of one wave) the
+  launcher splits that order into at most ``SPLIT_MAX`` contiguous ranges, each one FMA chain written as a
+  partial, and adds the partials in range order (``tree_split``: a function of the shape alone, so the bits
+  are the same on every GPU).
 
 A stride-1 forward conv is this op on flipped, transposed weights (``conv_forward_tree_cuda``, the
 "forward form" below); the routing's ``fastest-deterministic`` offers it to its tuner for forward convs.
@@ -281,16 +282,16 @@ SPLIT_MAX = 8
 SPLIT_MIN_SLICES = 16   # (tap, 8 output channels) slices per range, at least
 
 
-# Waves: a stride-1 launch of SPLIT_TARGET blocks or more that still fills less than one wave (two blocks on
-# every SM; on the narrow grid, SPLIT_TARGET blocks, or twice that where Cin >= 128: there the launch runs
-# 128-column tiles, two narrow tiles a block; 128 is WIDE_MIN_CIN's value, fixed here so that the split, and
-# so the bits, never move with that setting) is split into the fewest ranges that fill whole waves to
-# SPLIT_WAVE_FILL. H100, fp32, us per call unsplit / split (bench/dev/conv_tree_gemm.py --split-waves off,on,
-# NCHW; blocks of 128x128): torchvision resnet18 at 224 px, batch 128: 3x3 512->512 7x7 (196 blocks, split 4)
-# 1074.1 / 855.5 (channels_last 1132.4 / 898.7); resnet50, batch 64: 3x3 256->256 14x14 (196, 4) 539.5 /
-# 451.1, 1x1 256->1024 14x14 (196, 4) 242.4 / 227.9. Launches of one to two waves measured no better or worse
-# split: 3x3 256->256 14x14 at batch 128 (392 blocks, split 2) 824.5 / 847.2, resnet50's 3x3 128->128 28x28
-# (392, 2) 424.2 / 456.0 and 1x1 2048->512 7x7 (400, 3) 252.2 / 278.7.
+# Waves: a stride-1 launch of 128-column tiles (Cin >= 128: the value of WIDE_MIN_CIN, fixed here so that the
+# split, and so the bits, never move with that setting) with SPLIT_TARGET narrow blocks or more but fewer than
+# SPLIT_TARGET 128-column blocks (less than one wave of two blocks on every SM) is split into the fewest ranges
+# whose blocks fill whole waves to SPLIT_WAVE_FILL. Narrower launches keep the rule above. H100, fp32, us per
+# call unsplit / split (bench/dev/conv_tree_gemm.py --split-waves off,on, NCHW; blocks of 128x128):
+# torchvision resnet18 at 224 px, batch 128: 3x3 512->512 7x7 (196 blocks, split 4) 1074.1 / 855.5
+# (channels_last 1132.4 / 898.7); resnet50, batch 64: 3x3 256->256 14x14 (196, 4) 539.5 / 451.1, 1x1
+# 256->1024 14x14 (196, 4) 242.4 / 227.9. Launches of one to two waves measured no better or worse split:
+# 3x3 256->256 14x14 at batch 128 (392 blocks, split 2) 824.5 / 847.2, resnet50's 3x3 128->128 28x28 (392,
+# 2) 424.2 / 456.0 and 1x1 2048->512 7x7 (400, 3) 252.2 / 278.7.
 SPLIT_WAVES = True
 SPLIT_WAVES_MAX = 1   # waves: launches of more keep one range
 SPLIT_WAVE_FILL = 0.9
@@ -304,13 +305,15 @@ def tree_split(g: Geometry, blocks: int, waves: bool | None = None) -> int:
     slices = g.kh * g.kw * cdiv(g.cout, 8)
     if blocks < SPLIT_TARGET:
         return max(1, min(SPLIT_TARGET // blocks, SPLIT_MAX, slices // SPLIT_MIN_SLICES))
-    wave = SPLIT_TARGET * (2 if g.cin >= 128 else 1)
-    if not (SPLIT_WAVES if waves is None else waves) or blocks >= SPLIT_WAVES_MAX * wave:
+    if not (SPLIT_WAVES if waves is None else waves) or g.cin < 128:
+        return 1
+    wide = blocks // cdiv(g.cin, BN) * cdiv(g.cin, 2 * BN)   # the launch's 128-column blocks
+    if wide >= SPLIT_WAVES_MAX * SPLIT_TARGET:
         return 1
     for s in range(1, SPLIT_MAX + 1):
         if s > 1 and slices // s < SPLIT_MIN_SLICES:
             break
-        if blocks * s >= SPLIT_WAVE_FILL * cdiv(blocks * s, wave) * wave:
+        if wide * s >= SPLIT_WAVE_FILL * cdiv(wide * s, SPLIT_TARGET) * SPLIT_TARGET:
             return s
     return 1
 
@@ -347,7 +350,8 @@ DEEP_SLICES = True
 # launches of the two-block wide kernels where Cout fills stages of 16 as of 8. The same chains, the same bits.
 # H100, fp32, us per call, stages of 8 / 16 (bench/dev/conv_tree_gemm.py --wide-deep off,on), torchvision
 # resnet18 at 224 px, batch 128: 3x3 128->128 28x28 813.2 / 790.9 (NCHW), 866.0 / 805.0 (channels_last, where
-# the stages of 8 spill 88 bytes and those of 16 none); 3x3 256->256 14x14 822.6 / 801.6, 910.3 / 848.9.
+# the stages of 8 spill 88 bytes and those of 16 none; on NCHW the stages of 16 spill 32); 3x3 256->256 14x14
+# 822.6 / 801.6, 910.3 / 848.9.
 WIDE_DEEP = True
 
 

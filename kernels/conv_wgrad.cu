@@ -32,8 +32,10 @@
 // All variants use FFMA, so the CPU models reproduce the chunking and the combine order but not the
 // rounding inside a chunk (cpu_bitexact = False).
 //
-// Tile configurations (template): 128x128 with 8x8 per thread and 64x64 with 4x4 per thread, 256
-// threads, K-step 16, two shared-memory buffers with register prefetch of the next K-step. Strides are
+// Tile configurations (template): 128x128 with 8x8 per thread and 64x64 with 4x4 per thread (and, for at most
+// 64 output channels, 64x192 and 64x128: the wide tiles below), 256 threads, K-step 16, either two
+// shared-memory buffers with register prefetch of the next K-step or (kernels suffixed _a) STAGES buffers
+// filled by cp.async up to STAGES - 1 K-steps ahead, in dynamic shared memory. Strides are
 // passed explicitly, so NCHW and channels_last (or any mix) read correctly; a channels_last build
 // loads along channels instead of along k. Indices are 32-bit (the launcher refuses tensors of 2^31
 // elements or more). The load-side options never change the bits (see wgrad_tile).
@@ -359,25 +361,26 @@ __device__ __forceinline__ void wgrad_tile(const float* __restrict__ x, const fl
         const ConvArgs a = WG_ARGS;                                                                    \
         wgrad_tile<BM, BN, TM, TN, 2, SROWS, CL, TAPK, STAGES>(x, dy, out, a, ws, counters);           \
     }
-// every kernel with its row constants in shared memory also as name_a: WG_STAGES stages filled by cp.async
+// each kernel with its row constants in shared memory also as name_a: WG_STAGES stages filled by cp.async (the
+// _r kernels, row constants in registers, are instantiated with WG_KERNEL_ST alone)
 #ifndef WG_STAGES
 #define WG_STAGES 3
 #endif
 #define WG_KERNEL(name, BM, BN, TM, TN, MODE, SROWS, CL, TAPK, MINB)                                   \
     WG_KERNEL_ST(name, BM, BN, TM, TN, MODE, SROWS, CL, TAPK, MINB, 0)                                 \
-    WG_KERNEL_ST(name##_a, BM, BN, TM, TN, MODE, SROWS, CL, TAPK, MINB, SROWS ? WG_STAGES : 0)
+    WG_KERNEL_ST(name##_a, BM, BN, TM, TN, MODE, SROWS, CL, TAPK, MINB, WG_STAGES)
 #define WG_FUSED_KERNEL(name, BM, BN, TM, TN, SROWS, CL, TAPK, MINB)                                  \
     WG_FUSED_KERNEL_ST(name, BM, BN, TM, TN, SROWS, CL, TAPK, MINB, 0)                                 \
-    WG_FUSED_KERNEL_ST(name##_a, BM, BN, TM, TN, SROWS, CL, TAPK, MINB, SROWS ? WG_STAGES : 0)
+    WG_FUSED_KERNEL_ST(name##_a, BM, BN, TM, TN, SROWS, CL, TAPK, MINB, WG_STAGES)
 
 // 128x128 tiles: at most 128 registers so that two blocks share an SM; 64x64: three blocks an SM.
 // Suffix: _r row constants in registers (ptxas spills ~50 bytes of them at 128x128), _s in shared
 // memory, _cl in shared memory with the channels_last mapping; _ts and _tc tap tiles with the _s and _cl
 // load mappings.
-WG_KERNEL(conv_wgrad_atomic_t128_r, 128, 128, 8, 8, 0, false, false, false, 2)
-WG_KERNEL(conv_wgrad_split_t128_r, 128, 128, 8, 8, 1, false, false, false, 2)
-WG_KERNEL(conv_wgrad_atomic_t64_r, 64, 64, 4, 4, 0, false, false, false, 3)
-WG_KERNEL(conv_wgrad_split_t64_r, 64, 64, 4, 4, 1, false, false, false, 3)
+WG_KERNEL_ST(conv_wgrad_atomic_t128_r, 128, 128, 8, 8, 0, false, false, false, 2, 0)
+WG_KERNEL_ST(conv_wgrad_split_t128_r, 128, 128, 8, 8, 1, false, false, false, 2, 0)
+WG_KERNEL_ST(conv_wgrad_atomic_t64_r, 64, 64, 4, 4, 0, false, false, false, 3, 0)
+WG_KERNEL_ST(conv_wgrad_split_t64_r, 64, 64, 4, 4, 1, false, false, false, 3, 0)
 WG_KERNEL(conv_wgrad_atomic_t128_s, 128, 128, 8, 8, 0, true, false, false, 2)
 WG_KERNEL(conv_wgrad_split_t128_s, 128, 128, 8, 8, 1, true, false, false, 2)
 WG_KERNEL(conv_wgrad_atomic_t64_s, 64, 64, 4, 4, 0, true, false, false, 3)
@@ -386,8 +389,8 @@ WG_KERNEL(conv_wgrad_atomic_t128_cl, 128, 128, 8, 8, 0, true, true, false, 2)
 WG_KERNEL(conv_wgrad_split_t128_cl, 128, 128, 8, 8, 1, true, true, false, 2)
 WG_KERNEL(conv_wgrad_atomic_t64_cl, 64, 64, 4, 4, 0, true, true, false, 3)
 WG_KERNEL(conv_wgrad_split_t64_cl, 64, 64, 4, 4, 1, true, true, false, 3)
-WG_FUSED_KERNEL(conv_wgrad_fused_t128_r, 128, 128, 8, 8, false, false, false, 2)
-WG_FUSED_KERNEL(conv_wgrad_fused_t64_r, 64, 64, 4, 4, false, false, false, 3)
+WG_FUSED_KERNEL_ST(conv_wgrad_fused_t128_r, 128, 128, 8, 8, false, false, false, 2, 0)
+WG_FUSED_KERNEL_ST(conv_wgrad_fused_t64_r, 64, 64, 4, 4, false, false, false, 3, 0)
 WG_FUSED_KERNEL(conv_wgrad_fused_t128_s, 128, 128, 8, 8, true, false, false, 2)
 WG_FUSED_KERNEL(conv_wgrad_fused_t64_s, 64, 64, 4, 4, true, false, false, 3)
 WG_FUSED_KERNEL(conv_wgrad_fused_t128_cl, 128, 128, 8, 8, true, true, false, 2)

@@ -110,7 +110,7 @@ TAP_TILES = True
 # 64-row tiles (more FFMAs per shared-memory load), without tap tiles, the fused combine or a change of plan:
 # the same chunks, the same bits. WIDE "auto": 64x192 ("t64w", two blocks an SM) where one such tile spans R,
 # 64x128 ("t64m", three blocks an SM) where R > 192; "t64w" or "t64m" forces one, "" keeps 64x64 tiles.
-# H200, us per call, 64x64 / 64x192 / 64x128, tree, NCHW (bench/dev/conv_wgrad_wide.py): 7x7 s2 3->64 224x224
+# H200, us per call, 64x64 / 64x192 / 64x128, tree, NCHW (bench/dev/conv_wgrad_kernels.py): 7x7 s2 3->64 224x224
 # (R 147) batch 128 1759 / 1654 / 1809; 3x3 64->64 56x56 (R 576) batch 128 1247 / 1273 / 1150, batch 64
 # 636 / 655 / 593; 1x1 256->64 56x56 (R 256) batch 64 329 / 417 / 255; 3x3 64->64 32x32 batch 128 415 / 438 /
 # 402. channels_last alike.
@@ -431,7 +431,7 @@ def prepare_tree(x, dy, *, kernel_size, stride=1, padding=0, dilation=1) -> Call
     """``run(x, dy) -> dw`` of the tree variant for calls with the signature (dtypes, device, shapes, strides)
     of these x and dy and these arguments: validated, planned and its launches configured here, once, so a
     call only allocates and launches (the routing prepares once per call signature). The module's settings
-    (KERNEL_STYLE, TAP_TILES, FUSE, the split plan's and conv_mma's) are read here. A half call that the
+    (KERNEL_STYLE, TAP_TILES, WIDE, STAGES, FUSE, the split plan's and conv_mma's) are read here. A half call that the
     tensor-core kernels do not take runs the float32 launcher on widened copies, prepared per call."""
     g = _cuda_prologue(x, dy, kernel_size, stride, padding, dilation, half_ok=True)
     if x.dtype != torch.float32:

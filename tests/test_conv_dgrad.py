@@ -589,16 +589,17 @@ def _split_of(s: ConvShape, waves: bool | None = None) -> int:
 
 
 def test_waves_split_fills_a_launch_of_less_than_one_wave():
-    """A stride-1 launch of SPLIT_TARGET blocks or more (narrow grid) that fills less than one wave (twice that
-    many narrow blocks where Cin >= 128) is split into the fewest ranges whose blocks fill whole waves to 90%;
-    a launch of a wave or more, a stride-2 one, and every launch with SPLIT_WAVES off keep one range. The rule
-    reads the shape alone."""
-    r18_512_7 = ConvShape("r18_512_7", 128, 512, 512, 3, 1, 1, 7, 7)       # 49 x 8 = 392 narrow blocks
-    assert _split_of(r18_512_7) == 4 and 392 * 4 >= 0.9 * 1584                  # 1568 of 3 waves of 528
+    """A stride-1 launch of 128-column tiles (Cin >= 128) with SPLIT_TARGET narrow blocks or more but less
+    than one wave of 128-column blocks (SPLIT_TARGET) is split into the fewest ranges whose blocks fill whole
+    waves to 90%; a launch of a wave or more, a narrower one, a stride-2 one, and every launch with SPLIT_WAVES
+    off keep one range. The rule reads the shape alone."""
+    r18_512_7 = ConvShape("r18_512_7", 128, 512, 512, 3, 1, 1, 7, 7)       # 49 x 4 = 196 wide blocks
+    assert _split_of(r18_512_7) == 4                                             # 784 of 3 waves of 264
     assert _split_of(r18_512_7, waves=False) == 1
-    assert _split_of(ConvShape("b96", 96, 512, 512, 3, 1, 1, 7, 7)) == 5        # 296 blocks: 1480 of 1584
-    assert _split_of(ConvShape("r18_256_14", 128, 256, 256, 3, 1, 1, 14, 14)) == 1   # 784 blocks: a wave and more
-    assert _split_of(ConvShape("c64", 128, 64, 64, 3, 1, 1, 20, 20)) == 1       # Cin 64: 400 blocks, 264 a wave
+    assert _split_of(ConvShape("b96", 96, 512, 512, 3, 1, 1, 7, 7)) == 5        # 148 wide blocks: 740 of 792
+    assert _split_of(ConvShape("r18_256_14", 128, 256, 256, 3, 1, 1, 14, 14)) == 1   # 392: a wave and more
+    assert _split_of(ConvShape("c192", 96, 192, 192, 3, 1, 1, 14, 14)) == 1     # 147 x 2 = 294 wide: over a wave
+    assert _split_of(ConvShape("c64", 128, 64, 64, 3, 1, 1, 20, 20)) == 1       # Cin 64: 400 narrow blocks
     assert _split_of(ConvShape("s2", 128, 512, 512, 3, 2, 1, 14, 14)) == 1      # stride 2
     assert _split_of(ConvShape("short", 128, 512, 16, 1, 1, 0, 7, 7)) == 1      # 2 slices: no range of 16
     for s in RESNET18_CONV:   # the CIFAR shapes' splits are the small-launch rule's, waves or not
@@ -607,8 +608,8 @@ def test_waves_split_fills_a_launch_of_less_than_one_wave():
 
 @pytest.mark.gpu
 def test_cuda_tree_waves_split():
-    """A launch the waves rule splits (128 -> 64 channels, 3x3, 14x14, batch 108: 166 x 2 narrow blocks, split
-    into 3 ranges, 996 blocks of 1056): within the tree bound of float64 (each element: 64 * 9 products in
+    """A launch the waves rule splits (128 -> 64 channels, 3x3, 14x14, batch 108: 166 blocks of 128 columns,
+    split into 3 ranges, 498 blocks of 528): within the tree bound of float64 (each element: 64 * 9 products in
     chains, then 3 partials), 10 repeats one result, both layouts the same bits; the unsplit launch
     (SPLIT_WAVES off) is within the bound too and differs somewhere (another order)."""
     s = ConvShape("waves", 108, 128, 64, 3, 1, 1, 14, 14)
@@ -839,7 +840,8 @@ def test_cuda_tree_wide_deep_stages_same_bits():
                     assert torch.signbit(outs[False][:, 0::2]).any(), f"{layout}: no -0.0 sums to compare"
                 assert_bitwise_equal(outs[True], outs[False], f"{s.name} {layout}: wide deep against stages of 8")
                 if s.name != "wd40":   # (underflowing products are no test of the rounding bound)
-                    assert_within_bound(outs[False], w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1, f"{s.name} {layout}")
+                    assert_within_bound(outs[False], w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1,
+                                        f"{s.name} {layout}")
     torch.cuda.synchronize()
 
 

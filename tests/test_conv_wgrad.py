@@ -594,7 +594,7 @@ def test_wide_tiles_run_only_plans_of_64_row_tiles(monkeypatch):
     assert choice(64, 576, 401408) == ("t64m", 128)
     assert choice(40, 216, 4096) == ("t64m", 128)
     assert choice(64, 128, 401408) is None and choice(64, 64, 401408) is None     # R <= 128: 64x64 tiles
-    assert choice(128, 576, 401408) is None                                        # 128x128 tiles
+    assert choice(128, 576, 401408) is None                                        # M > 64: 128x128 tiles
     assert choice(64, 576, 401408, "fused") is None
     monkeypatch.setattr(conv_wgrad, "WIDE", "t64w")
     assert choice(64, 576, 401408) == ("t64w", 192)
@@ -826,20 +826,71 @@ def test_gpu_wide_tiles_give_the_same_bits(layout, monkeypatch):
     assert widths == {"t64w", "t64m"}
 
 
+# shapes for the cp.async stages: tap and full walks, split and fused combines, K-steps fewer than the stages
+STAGES_SHAPES = [RESNET18_CONV[i] for i in (4, 10)] + [
+    ConvShape("stages_one_step", 1, 128, 128, 3, 1, 1, 4, 4),    # K = 16: one K-step, fewer than the stages
+    ConvShape("stages_ragged", 5, 24, 40, 3, 2, 1, 13, 11),      # partial tiles, stride 2
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_gpu_cp_async_stages_give_the_same_bits(layout, monkeypatch):
+    """The cp.async stages (STAGES 3, the default, and 4, another build of the source) move loads, never an
+    element's arithmetic: every deterministic variant, through the fused and separate combines, gives the bits
+    of the register-prefetch kernels (STAGES 0), and atomic on small integers the same sums; the spy checks
+    that the STAGES 0 run ran no _a kernel and the others did (wide tiles, which have no stages, are off)."""
+    from kernels import conv_wgrad
+
+    monkeypatch.setattr(conv_wgrad, "WIDE", "")
+    ran = []
+    real = conv_wgrad.function
+    monkeypatch.setattr(conv_wgrad, "function", lambda src, name, dev, *a, **k: (ran.append(name), real(
+        src, name, dev, *a, **k))[1])
+    for i, shape in enumerate(STAGES_SHAPES):
+        case = conv_wgrad._case(shape, 4300 + i, layout)
+        args, kw = SPEC.make_inputs(case, torch.device("cuda"))
+        exact, _ = small_integer_inputs(case, "cuda")
+        g = geometry(args, kw)
+        for name, variant, inputs in [(v.name, v, args) for v in DETERMINISTIC] + [("atomic", ATOMIC, exact)]:
+            if name == "winograd" and wino.applies(g):
+                continue
+            for fuse in (("separate", "fused") if name == "tree" else ("auto",)):
+                monkeypatch.setattr(conv_wgrad, "FUSE", fuse)
+                outs = {}
+                for stages in (0, 3, 4):
+                    monkeypatch.setattr(conv_wgrad, "STAGES", stages)
+                    ran.clear()
+                    outs[stages] = variant(*inputs, **kw)
+                    torch.cuda.synchronize()
+                    gemms = [n for n in ran if "_reduce" not in n]
+                    assert gemms and all(n.endswith("_a") == (stages > 0) for n in gemms), (name, stages, ran)
+                for stages in (3, 4):
+                    assert_bitwise_equal(outs[stages], outs[0], f"{name} {fuse} {case.name}: {stages} stages")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tap", [False, True], ids=["full", "tap"])
 def test_gpu_unsplit_store_never_writes_negative_zero(tap, monkeypatch):
     """A sum of negative products that underflow is -0.0 in the FMA chain: x = 2^-80, dy = -2^-80 give
     products of -2^-160, below the smallest subnormal. The full walk's zero fill past the chunk's end
     (0 * 0 = +0.0) would turn it into +0.0, and a tap tile whose valid terms fill its K-steps exactly keeps
-    it; the unsplit store adds +0.0, as every combine does, so both walks write +0.0 and the same bits."""
+    it; the unsplit store adds +0.0, as every combine does, so both walks write +0.0 and the same bits. (Wide
+    tiles, which walk in full, are off: a spy checks that the tap run ran a tap kernel.)"""
     from kernels import conv_wgrad
 
+    ran = []
+    real = conv_wgrad.function
+    monkeypatch.setattr(conv_wgrad, "function", lambda src, name, dev, *a, **k: (ran.append(name), real(
+        src, name, dev, *a, **k))[1])
     monkeypatch.setattr(conv_wgrad, "TAP_TILES", tap)
+    monkeypatch.setattr(conv_wgrad, "WIDE", "")
     x = torch.full((1, 64, 5, 5), 2.0**-80, device="cuda")
     kw = dict(kernel_size=3, padding=1)
     for variant in (kernels.get(OP, "nosplit"), TREE):
+        ran.clear()
         dw = variant(x, -x, **kw)
+        assert any(n.endswith(TAP_SUFFIXES) for n in ran) == tap, (variant.name, ran)
         assert plan_of(variant, (x, -x), kw).splits == 1
         assert torch.equal(dw, torch.zeros_like(dw)) and not torch.signbit(dw).any(), variant.name
 

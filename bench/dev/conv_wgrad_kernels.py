@@ -68,7 +68,8 @@ def main() -> int:
     dev = torch.device("cuda")
     choices = [(w, int(st)) for w in args.wide.split(",") for st in args.stages.split(",")]
     tree, atomic = kernels.get("conv_wgrad", "tree"), kernels.get("conv_wgrad", "atomic")
-    print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
+          f"cuDNN {torch.backends.cudnn.version()}")
     failures = 0
     gen = torch.Generator(device=dev).manual_seed(0)
     for name, n, cin, cout, h, k, s, p in SHAPES + (SHAPES_R18 if args.shapes == "all" else []):
@@ -98,7 +99,8 @@ def main() -> int:
                     failures += not same
                     tt = back_to_back_us(lambda: tree(x, dy, **kw), calls=10, repeats=args.repeats, warmup=3)
                     ta = back_to_back_us(lambda: atomic(x, dy, **kw), calls=10, repeats=args.repeats, warmup=3)
-                line += f" | {wd or 't64'}/{st}: tree {tt:8.1f} ({tt / fast:.2f}x) atomic {ta:8.1f}{'' if same else ' BITS DIFFER'}"
+                line += (f" | {wd or 't64'}/{st}: tree {tt:8.1f} ({tt / fast:.2f}x) atomic {ta:8.1f}"
+                         f"{'' if same else ' BITS DIFFER'}")
             print(line, flush=True)
     print(f"{failures} failure(s): tree bits that changed with the kernel choice")
     return 1 if failures else 0
