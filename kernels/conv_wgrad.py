@@ -115,6 +115,7 @@ TAP_TILES = True
 # 636 / 655 / 593; 1x1 256->64 56x56 (R 256) batch 64 329 / 417 / 255; 3x3 64->64 32x32 batch 128 415 / 438 /
 # 402. channels_last alike.
 WIDE = "auto"
+WIDE_COLUMNS = {"t64w": 192, "t64m": 128}   # each wide kernel's tile columns
 # cp.async stages of the square-tile GEMM kernels whose row constants are in shared memory (every KERNEL_STYLE but
 # "r"; the wide tiles keep registers): 0 keeps two stages, the next K-step's loads held in registers during the
 # FFMAs. Same bits either way. H100, batch 128, NCHW, tree, us per call with 0 / 3 / 4 stages
@@ -123,7 +124,6 @@ WIDE = "auto"
 # 494.0 / 462.3 / 461.1; 64x64: 1x1 s2 64->128 56x56 104.8 / 83.5 / 84.2; the wide tiles lost 10-14% (64->64
 # 3x3 56x56, 64x128 tiles: 1116.5 / 1277.1 / 1253.9).
 STAGES = 3
-WIDE_COLUMNS = {"t64w": 192, "t64m": 128}
 
 
 # --------------------------------------------------------------------------------------------------
