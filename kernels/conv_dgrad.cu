@@ -66,7 +66,7 @@ __device__ __forceinline__ int phase_taps(int r, int pad, int stride, int dil, i
 //     16: 8 more such terms where Cout fills an odd number of 8-channel stages. The deep loader gives
 //     those 8 B = -0.0 instead, and fma(+0, -0, acc) == acc for every acc, signed zeros included: each
 //     chain ends with the bits of its 8-channel twin, for any Cout.
-template <bool SCATTER, bool CL, int TN, int BK>
+template <bool SCATTER, bool CL, int TN, int BK, int NT = DG_THREADS>
 __device__ __forceinline__ void dgrad_gemm_body(
     const float* __restrict__ dy, const float* __restrict__ wmat, float* __restrict__ dx,
     int N, int Cin, int H, int W, int Cout, int OH, int OW, int KH, int KW,
@@ -76,11 +76,14 @@ __device__ __forceinline__ void dgrad_gemm_body(
     int ksplit, float* __restrict__ part,
     float* smem, int* s_kh, int* s_oh, int* s_kw, int* s_ow, int& s_nkh, int& s_nkw, long long* s_row) {
     float* As = smem;                        // [2][BK][LDA], A transposed (k-major)
-    constexpr int BN = 16 * TN;              // block tile columns
+    constexpr int NTN = NT / 16;             // threads along the columns (16 along the rows)
+    constexpr int BN = NTN * TN;             // block tile columns
+    constexpr int GN = NTN * 4;              // stride between a thread's groups of 4 columns
     float* Bs = smem + 2 * BK * DG_LDA;      // [2][BK][BN]
     static_assert(2 * BK * (DG_LDA + BN) <= DG_BN * DG_LDA, "operands fit the C tile's buffer");
     static_assert(!SCATTER || TN == 4, "the scatter's tile is 128 x 64");
     static_assert(BK == 8 || BK == 16, "a stage is 8 or 16 output channels");
+    static_assert(NT == DG_THREADS || (NT == 128 && TN == 8 && !SCATTER && !CL), "128 threads: NCHW tree, 8 x 8");
     constexpr int HALVES = BK / 8;           // a stage's halves of 8 channels
 
     const int t = threadIdx.x;
@@ -126,7 +129,7 @@ __device__ __forceinline__ void dgrad_gemm_body(
             for (int cb = c0; cb < min(c0 + BN, ncols); cb += DG_BN) {
                 const int nc = min(DG_BN, ncols - cb);
                 if (CL && (nc & 3) == 0 && (dx_sc == 1) && ((dx_sw & 3) == 0) && ((dx_sh & 3) == 0) && ((dx_sn & 3) == 0)) {
-                    for (int ml = t >> 4; ml < DG_BM; ml += DG_THREADS >> 4) {
+                    for (int ml = t >> 4; ml < DG_BM; ml += NT >> 4) {
                         const int m = m0 + ml, q = (t & 15) * 4;
                         if (m >= M || q >= nc) continue;
                         const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
@@ -138,7 +141,7 @@ __device__ __forceinline__ void dgrad_gemm_body(
                     if (m < M) {
                         const int n = m / HWq, r = m - n * HWq, i = r / Wq, j = r - i * Wq;
                         float* o = dx + (long long)n * dx_sn + (long long)(rh + sh * i) * dx_sh + (long long)(rw + sw * j) * dx_sw;
-                        for (int col = t / DG_BM; col < nc; col += DG_THREADS / DG_BM) o[(long long)(cb + col) * dx_sc] = 0.0f;
+                        for (int col = t / DG_BM; col < nc; col += NT / DG_BM) o[(long long)(cb + col) * dx_sc] = 0.0f;
                     }
                 }
             }
@@ -149,10 +152,10 @@ __device__ __forceinline__ void dgrad_gemm_body(
     const int KT = ntaps * cochunks;
     const int kt0 = (int)((long long)KT * ks / ksplit), kt1 = (int)((long long)KT * (ks + 1) / ksplit);
 
-    // A loads: NCHW -> each thread one pixel, BK/2 consecutive k (lanes run along pixels);
+    // A loads: NCHW -> each thread one pixel, BK * 128 / NT consecutive k (lanes run along pixels);
     //          CL   -> each thread 4 pixels, one k in each half of the stage (lanes run along channels).
     constexpr int NP = CL ? 4 : 1;
-    const int a_k = CL ? (t & 7) : (t >> 7) * (BK / 2);
+    const int a_k = CL ? (t & 7) : (t >> 7) * (DG_BM * BK / NT);
     int a_n[NP], a_i[NP], a_j[NP];
     bool a_in[NP], a_ok[NP];
     long long a_off[NP];
@@ -188,71 +191,47 @@ __device__ __forceinline__ void dgrad_gemm_body(
         }
     };
 
-    float ra[4 * HALVES], rb[TN / 2 * HALVES];
-    // Stages of 16 have loaders of their own, two halves of 8 channels (A element 4 * half + pixel under
-    // CL, k - a_k under NCHW; B element (TN / 2) * half + column group): the stages of 8 keep theirs.
+    // A elements a thread loads per stage; B: column passes of 32 lanes, and elements per half of 8 channels
+    constexpr int RA = CL ? 4 * HALVES : DG_BM * BK / NT, CPR = BN / 32, RBH = 8 * BN / NT;
+    float ra[RA], rb[RBH * HALVES];
+    // A element e: pixel e % 4 and channel a_k + 8 * (e / 4) under CL, channel a_k + e under NCHW. B element
+    // RBH * half + idx: channel (t >> 5) + (NT / 32) * (idx / CPR) of the half, column (t & 31) + 32 * (idx % CPR).
     auto load_tile = [&]() {
-        if constexpr (HALVES == 1) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int p = CL ? e : 0;
-                const int co = co0 + (CL ? a_k : a_k + e);
-                ra[e] = (a_ok[p] && co < Cout) ? __ldg(dy + a_off[p] + (long long)co * dy_sc) : 0.0f;
-            }
-            const int co = co0 + (t >> 5);
+        for (int e = 0; e < RA; ++e) {
+            const int p = CL ? e % 4 : 0;
+            const int co = co0 + (CL ? a_k + 8 * (e / 4) : a_k + e);
+            ra[e] = (a_ok[p] && co < Cout) ? __ldg(dy + a_off[p] + (long long)co * dy_sc) : 0.0f;
+        }
 #pragma unroll
-            for (int e = 0; e < TN / 2; ++e) {
-                const int gc = c0 + (t & 31) + 32 * e;
-                rb[e] = (co < Cout && gc < ncols) ? __ldg(wmat + (long long)(wrow + co) * ncols + gc) : 0.0f;
-            }
-        } else {
+        for (int h = 0; h < HALVES; ++h) {
+            // a half wholly past Cout: channels no 8-channel stage holds, B = -0.0 (see BK above)
+            const float pad = h > 0 && co0 + 8 * h >= Cout ? -0.0f : 0.0f;
 #pragma unroll
-            for (int e = 0; e < 4 * HALVES; ++e) {
-                const int p = CL ? e % 4 : 0;
-                const int co = co0 + (CL ? a_k + 8 * (e / 4) : a_k + e);
-                ra[e] = (a_ok[p] && co < Cout) ? __ldg(dy + a_off[p] + (long long)co * dy_sc) : 0.0f;
-            }
-#pragma unroll
-            for (int h = 0; h < HALVES; ++h) {
-                const int co = co0 + (t >> 5) + 8 * h;
-                // a half wholly past Cout: channels no 8-channel stage holds, B = -0.0 (see BK above)
-                const float pad = h > 0 && co0 + 8 * h >= Cout ? -0.0f : 0.0f;
-#pragma unroll
-                for (int e = 0; e < TN / 2; ++e) {
-                    const int gc = c0 + (t & 31) + 32 * e;
-                    rb[h * (TN / 2) + e] =
-                        (co < Cout && gc < ncols) ? __ldg(wmat + (long long)(wrow + co) * ncols + gc) : pad;
-                }
+            for (int e = 0; e < RBH; ++e) {
+                const int co = co0 + 8 * h + (t >> 5) + (NT / 32) * (e / CPR);
+                const int gc = c0 + (t & 31) + 32 * (e % CPR);
+                rb[h * RBH + e] = (co < Cout && gc < ncols) ? __ldg(wmat + (long long)(wrow + co) * ncols + gc) : pad;
             }
         }
     };
     auto store_tile = [&](int buf) {
         float* A = As + buf * BK * DG_LDA;
         float* B = Bs + buf * BK * BN;
-        if constexpr (HALVES == 1) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                if (CL) A[a_k * DG_LDA + (t >> 3) + 32 * e] = ra[e];
-                else A[(a_k + e) * DG_LDA + (t & 127)] = ra[e];
-            }
-#pragma unroll
-            for (int e = 0; e < TN / 2; ++e) B[(t >> 5) * BN + (t & 31) + 32 * e] = rb[e];
-        } else {
-#pragma unroll
-            for (int e = 0; e < 4 * HALVES; ++e) {
-                if (CL) A[(a_k + 8 * (e / 4)) * DG_LDA + (t >> 3) + 32 * (e % 4)] = ra[e];
-                else A[(a_k + e) * DG_LDA + (t & 127)] = ra[e];
-            }
-#pragma unroll
-            for (int h = 0; h < HALVES; ++h)
-#pragma unroll
-                for (int e = 0; e < TN / 2; ++e)
-                    B[((t >> 5) + 8 * h) * BN + (t & 31) + 32 * e] = rb[h * (TN / 2) + e];
+        for (int e = 0; e < RA; ++e) {
+            if (CL) A[(a_k + 8 * (e / 4)) * DG_LDA + (t >> 3) + 32 * (e % 4)] = ra[e];
+            else A[(a_k + e) * DG_LDA + (t & 127)] = ra[e];
         }
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h)
+#pragma unroll
+            for (int e = 0; e < RBH; ++e)
+                B[(8 * h + (t >> 5) + (NT / 32) * (e / CPR)) * BN + (t & 31) + 32 * (e % CPR)] = rb[h * RBH + e];
     };
 
     // Thread (tm, tn) owns rows tm*4 + {0..3} and 64 + tm*4 + {0..3}, columns tn*4 + {0..3} (and, TN = 8,
-    // 64 + tn*4 + {0..3}).
+    // GN + tn*4 + {0..3}: 64 with 256 threads, 32 with 128).
     const int tm = t & 15, tn = t >> 4;
     float acc[8][TN];
 #pragma unroll
@@ -283,7 +262,7 @@ __device__ __forceinline__ void dgrad_gemm_body(
                 float bv[TN];
 #pragma unroll
                 for (int h = 0; h < TN / 4; ++h) {
-                    const float4 b = *reinterpret_cast<const float4*>(B + kk * BN + 64 * h + tn * 4);
+                    const float4 b = *reinterpret_cast<const float4*>(B + kk * BN + GN * h + tn * 4);
                     bv[4 * h] = b.x; bv[4 * h + 1] = b.y; bv[4 * h + 2] = b.z; bv[4 * h + 3] = b.w;
                 }
 #pragma unroll
@@ -297,23 +276,27 @@ __device__ __forceinline__ void dgrad_gemm_body(
     }
 
     // Epilogue through shared memory, Cs[col][row], so that lanes write along the fastest dx axis; 64
-    // columns at a time (TN = 8: two rounds).
+    // columns at a time (a 128-column tile: two rounds).
     float* Cs = smem;
 #pragma unroll
-    for (int hc = 0; hc < TN / 4; ++hc) {
+    for (int hc = 0; hc < BN / DG_BN; ++hc) {
         if (hc > 0) __syncthreads();   // the previous round has read Cs
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int col = tn * 4 + j, q = 4 * hc + j;
-            *reinterpret_cast<float4*>(Cs + col * DG_LDA + tm * 4) = make_float4(acc[0][q], acc[1][q], acc[2][q], acc[3][q]);
-            *reinterpret_cast<float4*>(Cs + col * DG_LDA + 64 + tm * 4) = make_float4(acc[4][q], acc[5][q], acc[6][q], acc[7][q]);
+        for (int h = 0; h < TN / 4; ++h) {
+            if (GN * h / DG_BN != hc) continue;   // this thread's column group h is in another round
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int col = GN * h - DG_BN * hc + tn * 4 + j, q = 4 * h + j;
+                *reinterpret_cast<float4*>(Cs + col * DG_LDA + tm * 4) = make_float4(acc[0][q], acc[1][q], acc[2][q], acc[3][q]);
+                *reinterpret_cast<float4*>(Cs + col * DG_LDA + 64 + tm * 4) = make_float4(acc[4][q], acc[5][q], acc[6][q], acc[7][q]);
+            }
         }
         __syncthreads();
         const int cb = c0 + DG_BN * hc;   // this round's first column
         if (SCATTER) {
 #pragma unroll 4
-            for (int e = 0; e < (DG_BM * DG_BN) / DG_THREADS; ++e) {
-                const int idx = e * DG_THREADS + t;
+            for (int e = 0; e < (DG_BM * DG_BN) / NT; ++e) {
+                const int idx = e * NT + t;
                 const int ml = CL ? idx / DG_BN : idx % DG_BM;
                 const int col = CL ? idx % DG_BN : idx / DG_BM;
                 const int m = m0 + ml, gc = cb + col;
@@ -329,8 +312,8 @@ __device__ __forceinline__ void dgrad_gemm_body(
             // split K: partial ks goes to part + ks * (the dense dx's size), at dx's offsets
             float* out = ksplit > 1 ? part + (long long)ks * N * Cin * H * W : dx;
 #pragma unroll 4
-            for (int e = 0; e < (DG_BM * DG_BN) / DG_THREADS; ++e) {
-                const int idx = e * DG_THREADS + t;
+            for (int e = 0; e < (DG_BM * DG_BN) / NT; ++e) {
+                const int idx = e * NT + t;
                 const int ml = CL ? idx / DG_BN : idx % DG_BM;
                 const int col = CL ? idx % DG_BN : idx / DG_BM;
                 const long long row = s_row[ml];
@@ -360,16 +343,16 @@ __device__ __forceinline__ void dgrad_gemm_body(
 #define DG_GEMM_SHARED_PASS smem, s_kh, s_oh, s_kw, s_ow, s_nkh, s_nkw, s_row
 
 // Stages of DG_BK output channels: every tree and atomic GEMM kernel but tree_*_deep.
-template <bool SCATTER, bool CL, int TN = 4>
+template <bool SCATTER, bool CL, int TN = 4, int NT = DG_THREADS>
 __device__ __forceinline__ void dgrad_gemm(DG_ARGS, int ksplit, float* __restrict__ part) {
     DG_GEMM_SHARED
-    dgrad_gemm_body<SCATTER, CL, TN, DG_BK>(DG_PASS, ksplit, part, DG_GEMM_SHARED_PASS);
+    dgrad_gemm_body<SCATTER, CL, TN, DG_BK, NT>(DG_PASS, ksplit, part, DG_GEMM_SHARED_PASS);
 }
 // Stages of 16 output channels on the tree's 128 x 64 tile (tree_*_deep) or 128 x 128 (tree_*_wide_deep).
-template <bool CL, int TN = 4>
+template <bool CL, int TN = 4, int NT = DG_THREADS>
 __device__ __forceinline__ void dgrad_gemm_deep(DG_ARGS, int ksplit, float* __restrict__ part) {
     DG_GEMM_SHARED
-    dgrad_gemm_body<false, CL, TN, 16>(DG_PASS, ksplit, part, DG_GEMM_SHARED_PASS);
+    dgrad_gemm_body<false, CL, TN, 16, NT>(DG_PASS, ksplit, part, DG_GEMM_SHARED_PASS);
 }
 
 // The GEMM kernels also take the split: ksplit (1 for atomic) and the partials' buffer (null unless ksplit > 1).
@@ -636,4 +619,23 @@ extern "C" __global__ void __launch_bounds__(DG_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(DG_THREADS, 2)
     conv_dgrad_tree_cl_wide_deep(DG_ARGS, int ksplit, float* part) {
     dgrad_gemm_deep<true, 8>(DG_PASS, ksplit, part);
+}
+// The 128 x 64 tile on 128 threads, each an 8 x 8 register tile (columns tn*4 and 32 + tn*4), NCHW: as many
+// FMAs per shared load as the wide tile, for Cin < 128 (conv_dgrad.py, T128). The chains of conv_dgrad_tree_nchw
+// and _nchw_deep, so their bits.
+extern "C" __global__ void __launch_bounds__(128, 4)
+    conv_dgrad_tree_nchw_t128(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm<false, false, 8, 128>(DG_PASS, ksplit, part);
+}
+extern "C" __global__ void __launch_bounds__(128, 4)
+    conv_dgrad_tree_nchw_t128_deep(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm_deep<false, 8, 128>(DG_PASS, ksplit, part);
+}
+extern "C" __global__ void __launch_bounds__(128, 3)
+    conv_dgrad_tree_nchw_t128r(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm<false, false, 8, 128>(DG_PASS, ksplit, part);
+}
+extern "C" __global__ void __launch_bounds__(128, 3)
+    conv_dgrad_tree_nchw_t128r_deep(DG_ARGS, int ksplit, float* part) {
+    dgrad_gemm_deep<false, 8, 128>(DG_PASS, ksplit, part);
 }

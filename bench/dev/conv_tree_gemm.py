@@ -7,11 +7,13 @@ change keeps the accumulation order.
     python bench/dev/conv_tree_gemm.py --model resnet18 --batch 128 --size 32 --json out.json
     python bench/dev/conv_tree_gemm.py --model torchvision:resnet18 --batch 128 --size 224 --deep on,off
     python bench/dev/conv_tree_gemm.py --model torchvision:resnet18 --batch 128 --size 224 --split-waves off,on
+    python bench/dev/conv_tree_gemm.py --model torchvision:resnet18 --batch 128 --size 224 --t128 off,4,3
 
 --deep on,off times each call under each DEEP_SLICES setting (stages of 16 output channels in unsplit
 launches, or of 8) and checks that the settings give the same bits. --split-waves off,on does the same for
 SPLIT_WAVES (the split that fills the last wave): a shape it splits gets other bits (another order), which
 is not counted as a mismatch. --wide-deep off,on: WIDE_DEEP (deep stages on the wide tile), same bits.
+--t128 off,4,3: T128 off, or on with T128_MINB 4 or 3 (128-thread blocks on NCHW narrow tiles), same bits.
 
 GPU time per call: median of CUDA-graph replays (bench.timing.graph_replay_us), fp32, TF32 off.
 """
@@ -40,14 +42,23 @@ def main() -> None:
     p.add_argument("--deep", default="", help="comma-separated DEEP_SLICES settings to time (on, off)")
     p.add_argument("--split-waves", default="", help="comma-separated SPLIT_WAVES settings to time (on, off)")
     p.add_argument("--wide-deep", default="", help="comma-separated WIDE_DEEP settings to time (on, off)")
+    p.add_argument("--t128", default="", help="comma-separated T128 settings to time (off, 4, 3: T128_MINB)")
+    p.add_argument("--layouts", default="nchw,channels_last", help="comma-separated layouts (nchw, channels_last)")
     args = p.parse_args()
+    if not set(args.t128.split(",")) <= {"", "off", "4", "3"}:
+        p.error(f"--t128: expected a comma-separated list of off, 4 and 3, got {args.t128!r}")
+    layouts = [x for x in args.layouts.split(",") if x]
+    if not layouts or not set(layouts) <= {"nchw", "channels_last"}:
+        p.error(f"--layouts: expected a comma-separated list of nchw and channels_last, got {args.layouts!r}")
     for opt, value in (("--deep", args.deep), ("--split-waves", args.split_waves), ("--wide-deep", args.wide_deep)):
         if not set(value.split(",")) <= {"", "on", "off"}:
             p.error(f"{opt}: expected a comma-separated list of on and off, got {value!r}")
     deeps = [d == "on" for d in args.deep.split(",") if d] or [conv_dgrad.DEEP_SLICES]
     waves = [d == "on" for d in args.split_waves.split(",") if d] or [conv_dgrad.SPLIT_WAVES]
     wdeeps = [d == "on" for d in args.wide_deep.split(",") if d] or [conv_dgrad.WIDE_DEEP]
-    settings = [(deep, wave, wd) for deep in deeps for wave in waves for wd in wdeeps]
+    t128s = [t for t in args.t128.split(",") if t] or \
+        [str(conv_dgrad.T128_MINB) if conv_dgrad.T128 else "off"]
+    settings = [(deep, wave, wd, t) for deep in deeps for wave in waves for wd in wdeeps for t in t128s]
     mismatches = 0
     rows = []
     totals: dict[str, float] = {}
@@ -55,7 +66,7 @@ def main() -> None:
         for s in conv_shapes(args.model, args.batch, args.size, args.classes):
             if s["groups"] != 1 or s["dilation"] != [1, 1]:
                 continue
-            for layout in ("nchw", "channels_last"):
+            for layout in layouts:
                 fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
                 g = torch.Generator(device="cuda").manual_seed(0)
                 x = torch.randn(*s["x"], device="cuda", generator=g).contiguous(memory_format=fmt)
@@ -69,14 +80,18 @@ def main() -> None:
                     calls["fwd"] = lambda: conv_dgrad.conv_forward_tree_cuda(x, w, padding=tuple(s["padding"]))
                 row = {"shape": shape_name(s), "count": s["count"], "layout": layout}
                 names, hashes = [], {}
-                for deep, wave, wd in settings:
-                    saved = conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP
+                for deep, wave, wd, t128 in settings:
+                    saved = (conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP, conv_dgrad.T128,
+                             conv_dgrad.T128_MINB)
                     conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP = deep, wave, wd
+                    conv_dgrad.T128 = t128 != "off"
+                    conv_dgrad.T128_MINB = int(t128) if t128 != "off" else conv_dgrad.T128_MINB
                     try:
                         for call, fn in calls.items():
                             tags = ([("deep" if deep else "k8")] if len(deeps) > 1 else []) + \
                                    ([("waves" if wave else "nowaves")] if len(waves) > 1 else []) + \
-                                   ([("wdeep" if wd else "wk8")] if len(wdeeps) > 1 else [])
+                                   ([("wdeep" if wd else "wk8")] if len(wdeeps) > 1 else []) + \
+                                   ([f"t128{t128}"] if len(t128s) > 1 else [])
                             name = "_".join([call, *tags])
                             names.append(name)
                             row[f"{name}_us"] = graph_replay_us(fn, calls=args.calls, replays=args.replays)
@@ -85,14 +100,16 @@ def main() -> None:
                             totals[f"{layout} {name}"] = totals.get(f"{layout} {name}", 0.0) + \
                                 row[f"{name}_us"] * s["count"]
                     finally:
-                        conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP = saved
+                        (conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP, conv_dgrad.T128,
+                         conv_dgrad.T128_MINB) = saved
                 mismatches += sum(len(h) > 1 for h in hashes.values())
                 rows.append(row)
                 print(f"{row['shape']:<24} x{s['count']:<2} {layout:<13} " +
                       "  ".join(f"{n} {row[f'{n}_us']:8.1f} us {row[f'{n}_sha']}" for n in names), flush=True)
     print("totals (us, count-weighted): " + ", ".join(f"{k} {v:.0f}" for k, v in totals.items()))
-    if len(deeps) > 1 or len(wdeeps) > 1:
-        print(f"{mismatches} call(s) whose bits differ between the DEEP_SLICES / WIDE_DEEP settings (same SPLIT_WAVES)")
+    if len(deeps) > 1 or len(wdeeps) > 1 or len(t128s) > 1:
+        print(f"{mismatches} call(s) whose bits differ between the DEEP_SLICES / WIDE_DEEP / T128 settings "
+              "(same SPLIT_WAVES)")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "totals": totals}, indent=1))
 
