@@ -621,21 +621,14 @@ extern "C" __global__ void __launch_bounds__(DG_THREADS, 2)
     dgrad_gemm_deep<true, 8>(DG_PASS, ksplit, part);
 }
 // The 128 x 64 tile on 128 threads, each an 8 x 8 register tile (columns tn*4 and 32 + tn*4), NCHW: as many
-// FMAs per shared load as the wide tile, for Cin < 128 (conv_dgrad.py, T128). The chains of conv_dgrad_tree_nchw
-// and _nchw_deep, so their bits.
-extern "C" __global__ void __launch_bounds__(128, 4)
+// FMAs per shared load as the wide tile, for narrow launches of many blocks (conv_dgrad.py, T128). Three blocks
+// an SM (up to 168 registers a thread: four, at 128, spilled and gained nothing). The chains of
+// conv_dgrad_tree_nchw and _nchw_deep, so their bits.
+extern "C" __global__ void __launch_bounds__(128, 3)
     conv_dgrad_tree_nchw_t128(DG_ARGS, int ksplit, float* part) {
     dgrad_gemm<false, false, 8, 128>(DG_PASS, ksplit, part);
 }
-extern "C" __global__ void __launch_bounds__(128, 4)
+extern "C" __global__ void __launch_bounds__(128, 3)
     conv_dgrad_tree_nchw_t128_deep(DG_ARGS, int ksplit, float* part) {
-    dgrad_gemm_deep<false, 8, 128>(DG_PASS, ksplit, part);
-}
-extern "C" __global__ void __launch_bounds__(128, 3)
-    conv_dgrad_tree_nchw_t128r(DG_ARGS, int ksplit, float* part) {
-    dgrad_gemm<false, false, 8, 128>(DG_PASS, ksplit, part);
-}
-extern "C" __global__ void __launch_bounds__(128, 3)
-    conv_dgrad_tree_nchw_t128r_deep(DG_ARGS, int ksplit, float* part) {
     dgrad_gemm_deep<false, 8, 128>(DG_PASS, ksplit, part);
 }

@@ -354,28 +354,27 @@ DEEP_SLICES = True
 # 822.6 / 801.6, 910.3 / 848.9.
 WIDE_DEEP = True
 # 128-thread blocks on the 128 x 64 tile (kernels conv_dgrad_tree_nchw_t128[_deep]): NCHW launches that keep the
-# narrow tile run it on 128 threads, each an 8 x 8 register tile (as the wide tile's) instead of 256 threads of
-# 8 x 4, so a shared-memory load feeds twice the FMAs. The same chains, so the same bits. T128_MINB: resident
-# blocks per SM the kernels are built for (4: 128 registers a thread; 3: up to 168).
+# narrow tile and have at least T128_MIN_BLOCKS blocks with taps run it on 128 threads, each an 8 x 8 register
+# tile (as the wide tile's) instead of 256 threads of 8 x 4, so a shared-memory load feeds twice the FMAs. The same
+# chains, so the same bits. H200, fp32, us per call, 256 / 128 threads (bench/dev/conv_tree_gemm.py --t128 off,on):
+# torchvision resnet18 224 px batch 128: 3x3 64->64 56x56 946.7 / 888.4, 3x3 s2 64->128 56x56 535.8 / 497.0, 1x1 s2
+# 64->128 56x56 (784 blocks) 122.7 / 114.6; ResNet-18 CIFAR batch 128: 3x3 64->64 32x32 320.6 / 303.5. Smaller
+# launches lost: 1x1 s2 64->128 32x32 (256 blocks) 37.0 / 43.6, 1x1 s2 256->512 14x14 (196) 83.0 / 111.5.
 T128 = True
-T128_MINB = 4
-T128_SPLIT = True   # also split launches
+T128_MIN_BLOCKS = 4 * WAVE_SMS
 
 
 def tree_plan(g: Geometry, dy_stride: tuple[int, ...]) -> LaunchPlan:
     if EMPTY_ZEROS not in ("auto", "memset", "kernel"):
         raise ValueError(f"{OP}: EMPTY_ZEROS must be 'auto', 'memset' or 'kernel', got {EMPTY_ZEROS!r}")
-    if T128_MINB not in (3, 4):
-        raise ValueError(f"{OP}: T128_MINB must be 3 or 4, got {T128_MINB!r}")
-    t128 = ("_t128" if T128_MINB == 4 else "_t128r", T128_SPLIT) if T128 else None
     return _tree_plan(g, dy_stride, EMPTY_ZEROS, (WIDE_MIN_CIN, WAVE_SMS, WIDE_MIN_SLICES), DEEP_SLICES, SPLIT_WAVES,
-                      WIDE_DEEP, t128)
+                      WIDE_DEEP, T128_MIN_BLOCKS if T128 else None)
 
 
 @functools.lru_cache(maxsize=1024)
 def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_rule: tuple[int, int, int],
                deep: bool = False, waves: bool = False, wide_deep: bool = False,
-               t128: tuple[str, bool] | None = None) -> LaunchPlan:
+               t128: int | None = None) -> LaunchPlan:
     rows_taps, cols_taps = phase_offsets(g.kh, g.sh, g.ph, g.dh), phase_offsets(g.kw, g.sw, g.pw, g.dw)
     empty = not all(rows_taps) or not all(cols_taps)
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
@@ -395,19 +394,25 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_r
     widened = False
     if g.cin >= wide_min_cin:
         wide = (grid[0], cdiv(g.cin, 2 * BN), grid[2])
-        phases = sum(map(bool, rows_taps)) * sum(map(bool, cols_taps))   # the phases that have taps
-        working = wide[0] * wide[1] * ksplit * phases   # their blocks
+        working = working_blocks(g, wide, ksplit)
         if working >= wave_sms or g.kh * g.kw * cdiv(g.cout, 8) // ksplit >= wide_min_slices:
             kernel += "_wide" if working > wave_sms else "_wide1"
             grid, widened = wide, True
     threads = THREADS
-    if t128 is not None and not widened and g.layout != "channels_last" and (ksplit == 1 or t128[1]):
-        kernel += t128[0]   # see T128
+    if t128 is not None and not widened and g.layout != "channels_last" and working_blocks(g, grid, ksplit) >= t128:
+        kernel += "_t128"   # see T128
         threads = 128
     if deep and ksplit == 1 and cdiv(g.cout, 8) % 2 == 0 and (not widened or (wide_deep and kernel.endswith("_wide"))):
         kernel += "_deep"   # see DEEP_SLICES and WIDE_DEEP
     return LaunchPlan(kernel, (grid[0], grid[1] * ksplit, grid[2]), (threads,), 0,
                       (*head[:-1], np.int32(fill), np.int32(ksplit)), fill, "tap_major", ksplit)
+
+
+def working_blocks(g: Geometry, grid: tuple[int, int, int], ksplit: int) -> int:
+    """Blocks of a tree GEMM launch (``grid``: x, column tiles, phases; split by ``ksplit``) in the phases that
+    have taps: an upper bound, as the phases' pixel counts are the largest one's."""
+    rows_taps, cols_taps = phase_offsets(g.kh, g.sh, g.ph, g.dh), phase_offsets(g.kw, g.sw, g.pw, g.dw)
+    return grid[0] * grid[1] * ksplit * sum(map(bool, rows_taps)) * sum(map(bool, cols_taps))
 
 
 def stem_launch_plan(g: Geometry, dy_stride: tuple[int, ...], pixels: int | None = None,

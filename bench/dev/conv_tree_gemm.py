@@ -7,13 +7,13 @@ change keeps the accumulation order.
     python bench/dev/conv_tree_gemm.py --model resnet18 --batch 128 --size 32 --json out.json
     python bench/dev/conv_tree_gemm.py --model torchvision:resnet18 --batch 128 --size 224 --deep on,off
     python bench/dev/conv_tree_gemm.py --model torchvision:resnet18 --batch 128 --size 224 --split-waves off,on
-    python bench/dev/conv_tree_gemm.py --model torchvision:resnet18 --batch 128 --size 224 --t128 off,4,3
+    python bench/dev/conv_tree_gemm.py --model torchvision:resnet18 --batch 128 --size 224 --t128 off,on
 
 --deep on,off times each call under each DEEP_SLICES setting (stages of 16 output channels in unsplit
 launches, or of 8) and checks that the settings give the same bits. --split-waves off,on does the same for
 SPLIT_WAVES (the split that fills the last wave): a shape it splits gets other bits (another order), which
 is not counted as a mismatch. --wide-deep off,on: WIDE_DEEP (deep stages on the wide tile), same bits.
---t128 off,4,3: T128 off, or on with T128_MINB 4 or 3 (128-thread blocks on NCHW narrow tiles), same bits.
+--t128 off,on: T128 (128-thread blocks on NCHW narrow tiles), same bits.
 
 GPU time per call: median of CUDA-graph replays (bench.timing.graph_replay_us), fp32, TF32 off.
 """
@@ -42,22 +42,20 @@ def main() -> None:
     p.add_argument("--deep", default="", help="comma-separated DEEP_SLICES settings to time (on, off)")
     p.add_argument("--split-waves", default="", help="comma-separated SPLIT_WAVES settings to time (on, off)")
     p.add_argument("--wide-deep", default="", help="comma-separated WIDE_DEEP settings to time (on, off)")
-    p.add_argument("--t128", default="", help="comma-separated T128 settings to time (off, 4, 3: T128_MINB)")
+    p.add_argument("--t128", default="", help="comma-separated T128 settings to time (on, off)")
     p.add_argument("--layouts", default="nchw,channels_last", help="comma-separated layouts (nchw, channels_last)")
     args = p.parse_args()
-    if not set(args.t128.split(",")) <= {"", "off", "4", "3"}:
-        p.error(f"--t128: expected a comma-separated list of off, 4 and 3, got {args.t128!r}")
     layouts = [x for x in args.layouts.split(",") if x]
     if not layouts or not set(layouts) <= {"nchw", "channels_last"}:
         p.error(f"--layouts: expected a comma-separated list of nchw and channels_last, got {args.layouts!r}")
-    for opt, value in (("--deep", args.deep), ("--split-waves", args.split_waves), ("--wide-deep", args.wide_deep)):
+    for opt, value in (("--deep", args.deep), ("--split-waves", args.split_waves), ("--wide-deep", args.wide_deep),
+                       ("--t128", args.t128)):
         if not set(value.split(",")) <= {"", "on", "off"}:
             p.error(f"{opt}: expected a comma-separated list of on and off, got {value!r}")
     deeps = [d == "on" for d in args.deep.split(",") if d] or [conv_dgrad.DEEP_SLICES]
     waves = [d == "on" for d in args.split_waves.split(",") if d] or [conv_dgrad.SPLIT_WAVES]
     wdeeps = [d == "on" for d in args.wide_deep.split(",") if d] or [conv_dgrad.WIDE_DEEP]
-    t128s = [t for t in args.t128.split(",") if t] or \
-        [str(conv_dgrad.T128_MINB) if conv_dgrad.T128 else "off"]
+    t128s = [d == "on" for d in args.t128.split(",") if d] or [conv_dgrad.T128]
     settings = [(deep, wave, wd, t) for deep in deeps for wave in waves for wd in wdeeps for t in t128s]
     mismatches = 0
     rows = []
@@ -81,17 +79,15 @@ def main() -> None:
                 row = {"shape": shape_name(s), "count": s["count"], "layout": layout}
                 names, hashes = [], {}
                 for deep, wave, wd, t128 in settings:
-                    saved = (conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP, conv_dgrad.T128,
-                             conv_dgrad.T128_MINB)
-                    conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP = deep, wave, wd
-                    conv_dgrad.T128 = t128 != "off"
-                    conv_dgrad.T128_MINB = int(t128) if t128 != "off" else conv_dgrad.T128_MINB
+                    saved = conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP, conv_dgrad.T128
+                    conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP, conv_dgrad.T128 = \
+                        deep, wave, wd, t128
                     try:
                         for call, fn in calls.items():
                             tags = ([("deep" if deep else "k8")] if len(deeps) > 1 else []) + \
                                    ([("waves" if wave else "nowaves")] if len(waves) > 1 else []) + \
                                    ([("wdeep" if wd else "wk8")] if len(wdeeps) > 1 else []) + \
-                                   ([f"t128{t128}"] if len(t128s) > 1 else [])
+                                   ([("t128" if t128 else "t256")] if len(t128s) > 1 else [])
                             name = "_".join([call, *tags])
                             names.append(name)
                             row[f"{name}_us"] = graph_replay_us(fn, calls=args.calls, replays=args.replays)
@@ -100,8 +96,7 @@ def main() -> None:
                             totals[f"{layout} {name}"] = totals.get(f"{layout} {name}", 0.0) + \
                                 row[f"{name}_us"] * s["count"]
                     finally:
-                        (conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP, conv_dgrad.T128,
-                         conv_dgrad.T128_MINB) = saved
+                        conv_dgrad.DEEP_SLICES, conv_dgrad.SPLIT_WAVES, conv_dgrad.WIDE_DEEP, conv_dgrad.T128 = saved
                 mismatches += sum(len(h) > 1 for h in hashes.values())
                 rows.append(row)
                 print(f"{row['shape']:<24} x{s['count']:<2} {layout:<13} " +
