@@ -665,14 +665,19 @@ def test_tree_plan_wide_tiles():
         ConvShape("r50_3x3_512_7", 64, 512, 512, 3, 1, 1, 7, 7): "_wide1",
         ConvShape("r18_3x3_512_4", 128, 512, 512, 3, 1, 1, 4, 4): "_wide1",
         ConvShape("r18_1x1s2_256_512_8", 128, 256, 512, 1, 2, 0, 8, 8): "_deep",   # narrow and unsplit
-        ConvShape("r18_3x3_64", 128, 64, 64, 3, 1, 1, 32, 32): "_deep",
+        ConvShape("r18_3x3_64", 128, 64, 64, 3, 1, 1, 32, 32): "_deep",   # (NCHW: _t128_deep, T128 below)
         ConvShape("n127", 2, 127, 8, 1, 1, 0, 5, 5): "",   # Cout 8: one stage of 8, not half a stage of 16
         ConvShape("r18_3x3_64_b8", 8, 64, 64, 3, 1, 1, 32, 32): "",     # narrow, split: stages of 8
     }
     for s, suffix in expect.items():
         for layout in ("nchw", "channels_last"):
             g, stride, _ = _plan(s, layout)
-            plan = cd.tree_plan(g, stride)
+            saved = cd.T128
+            try:   # 128-thread blocks: test_tree_plan_t128
+                cd.T128 = False
+                plan = cd.tree_plan(g, stride)
+            finally:
+                cd.T128 = saved
             narrow = cd._tree_plan(g, stride, cd.EMPTY_ZEROS, (1 << 30, 0, 0), False, cd.SPLIT_WAVES)
             assert re.search(rf"__global__ void __launch_bounds__\([^)]*\)\s+{plan.kernel}\(", source), plan.kernel
             assert plan.kernel == narrow.kernel + suffix, (s.name, layout, plan.kernel)
@@ -682,15 +687,96 @@ def test_tree_plan_wide_tiles():
             else:   # deep stages exactly where a narrow launch is unsplit and Cout fills stages of 16 as of 8
                 assert (plan.ksplit == 1 and -(-s.cout // 8) % 2 == 0) == (suffix == "_deep"), s.name
                 assert plan._replace(kernel=narrow.kernel) == narrow, s.name
-            saved = cd.DEEP_SLICES, cd.WIDE_DEEP
+            saved = cd.DEEP_SLICES, cd.WIDE_DEEP, cd.T128
             try:   # the switches: stages of 8 everywhere (or on the wide tile), the plan otherwise the same
-                cd.DEEP_SLICES = False
+                cd.DEEP_SLICES, cd.T128 = False, False
                 assert cd.tree_plan(g, stride) == plan._replace(kernel=plan.kernel.removesuffix("_deep")), s.name
                 cd.DEEP_SLICES, cd.WIDE_DEEP = True, False
                 wide8 = plan.kernel.removesuffix("_deep") if "_wide" in plan.kernel else plan.kernel
                 assert cd.tree_plan(g, stride) == plan._replace(kernel=wide8), s.name
             finally:
-                cd.DEEP_SLICES, cd.WIDE_DEEP = saved
+                cd.DEEP_SLICES, cd.WIDE_DEEP, cd.T128 = saved
+
+
+def test_tree_plan_t128():
+    """NCHW launches that keep the 128 x 64 tile and have T128_MIN_BLOCKS blocks with taps or more run it on 128
+    threads (the same grid and scalars, deep stages as before); channels_last, wide tiles, the stem and smaller
+    launches keep 256 threads."""
+    source = (KERNEL_DIR / SOURCE).read_text()
+    expect = {  # network shapes (dgrad: Cin is the gradient's channels): 128 threads in NCHW?
+        ConvShape("r18_224_3x3_64", 128, 64, 64, 3, 1, 1, 56, 56): True,       # 3136 blocks
+        ConvShape("r18_224_3x3s2_64_128", 128, 64, 128, 3, 2, 1, 56, 56): True,    # 784 a phase, 4 phases with taps
+        ConvShape("r18_224_1x1s2_64_128", 128, 64, 128, 1, 2, 0, 56, 56): True,    # 784, one phase with taps
+        ConvShape("r18_3x3_64", 128, 64, 64, 3, 1, 1, 32, 32): True,           # 1024
+        ConvShape("r18_1x1s2_64_128", 128, 64, 128, 1, 2, 0, 32, 32): False,   # 256
+        ConvShape("r18_224_1x1s2_256_512", 128, 256, 512, 1, 2, 0, 14, 14): False,   # 196
+        ConvShape("r18_224_3x3_128", 128, 128, 128, 3, 1, 1, 28, 28): False,   # the wide tile
+        ConvShape("r18_3x3_64_b8", 8, 64, 64, 3, 1, 1, 32, 32): False,         # 64 blocks: split
+    }
+    assert cd.T128_MIN_BLOCKS == 4 * cd.WAVE_SMS
+    for s, t128 in expect.items():
+        for layout in ("nchw", "channels_last"):
+            g, stride, _ = _plan(s, layout)
+            plan = cd.tree_plan(g, stride)
+            saved = cd.T128
+            try:
+                cd.T128 = False
+                base = cd.tree_plan(g, stride)
+            finally:
+                cd.T128 = saved
+            assert re.search(rf"__global__ void __launch_bounds__\([^)]*\)\s+{plan.kernel}\(", source), plan.kernel
+            if t128 and layout == "nchw":
+                assert plan.kernel == base.kernel.replace("_nchw", "_nchw_t128"), (s.name, plan.kernel)
+                assert plan.block == (128,) and plan._replace(kernel=base.kernel, block=base.block) == base, s.name
+            else:
+                assert plan == base, (s.name, layout, plan.kernel)
+
+
+T128_SHAPES = [   # NCHW launches the 128-thread blocks are forced on (T128_MIN_BLOCKS = 0)
+    ConvShape("t64", 64, 64, 64, 3, 1, 1, 32, 32),            # unsplit, deep stages
+    ConvShape("t44_co", 64, 64, 44, 3, 1, 1, 32, 32),         # Cout 44: stages of 8 (odd count)
+    ConvShape("t100_ci", 48, 100, 28, 3, 1, 1, 24, 24),       # a partial column tile
+    ConvShape("t72s2", 16, 72, 140, 3, 2, 1, 17, 15),         # stride-2 phases, odd sizes
+    ConvShape("t1x1s2", 8, 64, 32, 1, 2, 0, 15, 15),          # phases no tap reaches (zeros)
+    ConvShape("t64dil2", 32, 64, 48, 3, 1, 2, 28, 28, 2),     # dilation 2
+    ConvShape("t64_b2", 2, 64, 64, 3, 1, 1, 16, 16),          # few blocks: split K
+]
+
+
+@pytest.mark.gpu
+def test_cuda_tree_t128_same_bits():
+    """128-thread blocks (8 x 8 a thread) compute every dx element's chain as 256 threads of 8 x 4 do: the same
+    bits, forced on every launch kind here (deep stages, stages of 8, partial column tiles, stride-2 phases and
+    the zeros of phases no tap reaches, dilation, split K), and on the forward form; every element written
+    (NaN-filled buffers), 5 repeats one result."""
+    with nan_filled_memory():
+        for i, s in enumerate(T128_SHAPES):
+            g, stride, (w, dy, kw) = _plan(s, "nchw", "cuda", 1400 + i)
+            outs = {}
+            for forced in (False, True):
+                saved = cd.T128, cd.T128_MIN_BLOCKS
+                try:
+                    cd.T128, cd.T128_MIN_BLOCKS = forced, 0
+                    plan = cd.tree_plan(g, stride)
+                    assert ("_t128" in plan.kernel) == forced, (s.name, plan.kernel)
+                    if s.name == "t64_b2":
+                        assert plan.ksplit > 1, plan
+                    got = TREE(w, dy, **kw)
+                    assert not torch.isnan(got).any(), f"{s.name} t128={forced}: unwritten dx"
+                    assert distinct([TREE(w, dy, **kw) for _ in range(5)]) == 1, (s.name, forced)
+                    outs[forced] = got
+                    if s.stride == 1 and s.dilation == 1:
+                        x = dy.new_empty(g.dx_shape).normal_(generator=torch.Generator("cuda").manual_seed(i))
+                        wf = w.new_empty(s.cout, s.cin, s.k, s.k).normal_(
+                            generator=torch.Generator("cuda").manual_seed(60 + i))
+                        outs[forced, "fwd"] = cd.conv_forward_tree_cuda(x, wf, padding=s.pad)
+                finally:
+                    cd.T128, cd.T128_MIN_BLOCKS = saved
+            assert_bitwise_equal(outs[True], outs[False], f"{s.name}: 128 against 256 threads")
+            if (False, "fwd") in outs:
+                assert_bitwise_equal(outs[True, "fwd"], outs[False, "fwd"], f"{s.name}: forward form")
+            assert_within_bound(outs[False], w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1, s.name)
+    torch.cuda.synchronize()
 
 
 DEEP_SHAPES = [   # unsplit narrow launches (many pixels, or stride 2), Cout an even number of stages of 8
