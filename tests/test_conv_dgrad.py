@@ -838,7 +838,9 @@ SIGNED_ZERO_SHAPES = [   # unsplit narrow launches; most with Cout an odd number
 
 
 def _deep_forced(plan: cd.LaunchPlan) -> cd.LaunchPlan:
-    assert plan.kernel in ("conv_dgrad_tree_nchw", "conv_dgrad_tree_cl") and plan.ksplit == 1, plan.kernel
+    # (z40dil2 in NCHW has enough blocks for the 128-thread kernels: their deep twin is named)
+    assert plan.kernel in ("conv_dgrad_tree_nchw", "conv_dgrad_tree_cl", "conv_dgrad_tree_nchw_t128") and \
+        plan.ksplit == 1, plan.kernel
     return plan._replace(kernel=plan.kernel + "_deep")
 
 
