@@ -409,12 +409,11 @@ def _cpu_arrays(dy, x, mean, invstd, weight, layout):
     return d, v, m, istd, g
 
 
-def _cpu(variant: str, dy, x, mean, invstd, weight, rng):
-    dy, layout = _check(dy, x, mean, invstd, weight)
-    shape, c = tuple(x.shape), x.shape[1]
-    d, v, m, istd, g = _cpu_arrays(dy, x, mean, invstd, weight, layout)
-    if x.numel() == 0:
-        return torch.empty(shape, memory_format=_memory_format(layout)), torch.zeros(c), torch.zeros(c)
+def cpu_sums(variant: str, d: np.ndarray, v: np.ndarray, m: np.ndarray, istd: np.ndarray, layout: str,
+             rng) -> np.ndarray:
+    """The two channel sums [2, C] (sum(dy), sum(dy * xhat)) of the variant's reduction kernel, bit for bit:
+    d, v as ``_cpu_arrays`` gives them (dy and x as (N, C, S) or (R, C)), m and istd per channel."""
+    c = v.shape[1]
     if layout == "nchw":
         d, v = np.ascontiguousarray(d), np.ascontiguousarray(v)
         partials = nchw_partials_jit(d, v, m.reshape(c), istd.reshape(c))  # [2, C, P]
@@ -434,7 +433,16 @@ def _cpu(variant: str, dy, x, mean, invstd, weight, rng):
         else:
             acc = seq_sum(pad_to(partials, 1, ty).reshape(2, -1, ty, c), 1)  # [2, TY, C]
             sums = halving_tree(np.swapaxes(acc, 1, 2))
-    sums = np.asarray(sums, dtype=F32)
+    return np.asarray(sums, dtype=F32)
+
+
+def _cpu(variant: str, dy, x, mean, invstd, weight, rng):
+    dy, layout = _check(dy, x, mean, invstd, weight)
+    shape, c = tuple(x.shape), x.shape[1]
+    d, v, m, istd, g = _cpu_arrays(dy, x, mean, invstd, weight, layout)
+    if x.numel() == 0:
+        return torch.empty(shape, memory_format=_memory_format(layout)), torch.zeros(c), torch.zeros(c)
+    sums = cpu_sums(variant, d, v, m, istd, layout, rng)
     mf = np.float32(int(_plan(shape, layout)["m"]))  # one rounding of M, as __ll2float_rn
     chan = m.shape
     a, b = (sums[0] / mf).reshape(chan), (sums[1] / mf).reshape(chan)
@@ -442,7 +450,7 @@ def _cpu(variant: str, dy, x, mean, invstd, weight, rng):
         dx = _nchw_jit()[1](d, v, m.reshape(c), istd.reshape(c), g.reshape(c), a.reshape(c), b.reshape(c))
         return (torch.from_numpy(dx.reshape(shape)), torch.from_numpy(np.ascontiguousarray(sums[1])),
                 torch.from_numpy(np.ascontiguousarray(sums[0])))
-    dx = (g * istd) * ((d - a) - xhat * b)
+    dx = (g * istd) * ((d - a) - ((v - m) * istd) * b)
     if len(shape) == 2:
         out = torch.from_numpy(np.ascontiguousarray(dx, dtype=F32))
     else:

@@ -440,6 +440,10 @@ def _a_bn_bwd(p, y, g):
     return (g, x, mean, invstd, p["weight"]), {}
 
 
+def _a_bn_fwd(p, y, g):
+    return (p["x"], p["weight"], p["bias"]), dict(momentum=0.1, eps=p["eps"])
+
+
 def _a_maxpool_bwd(p, y, g):
     _, idx = F.max_pool2d(p["x"], p["kernel"], p["stride"], p["padding"], return_indices=True)
     return (g, idx), dict(input_size=tuple(p["x"].shape[-2:]), kernel_size=p["kernel"], stride=p["stride"],
@@ -491,6 +495,7 @@ NNRAND_OPS: dict[tuple[str, str], tuple[str, Callable]] = {
     ("conv2d_grouped", "backward:dX"): ("conv_dgrad_grouped", _a_conv_dgrad_grouped),
     ("conv2d_grouped", "backward:dB"): ("bias_grad", _a_bias_grad),
     ("linear", "backward:dB"): ("bias_grad", _a_bias_grad),
+    ("batch_norm", "forward"): ("bn_fwd", _a_bn_fwd),
     ("batch_norm", "backward:dX,dW,dB"): ("bn_bwd", _a_bn_bwd),
     ("max_pool2d", "backward:dX"): ("maxpool_bwd", _a_maxpool_bwd),
     ("adaptive_avg_pool2d", "backward:dX"): ("adaptive_avg_pool2d_bwd", _a_adaptive_avg_pool2d_bwd),

@@ -56,7 +56,7 @@ ENV = "NNRAND_REPLAY"
 NAME = "nnrand_replay"
 SOURCE = Path(__file__).with_name("replay.cpp")
 # the routed aten ops the layer takes (their handlers' work is aten ops and runtime launches only)
-OPS = ("convolution_backward", "cudnn_batch_norm_backward", "native_batch_norm_backward",
+OPS = ("convolution_backward", "cudnn_batch_norm_backward", "native_batch_norm_backward", "cudnn_batch_norm",
        "max_pool2d_with_indices_backward")
 ADDRESS = 1 << 32   # a kernel argument at or above this is an address (no routed kernel takes such an int)
 

@@ -37,8 +37,13 @@ Routed ops (the names ``--kernel-op`` takes) and the aten ops they come from:
                               result is ``self + (the variant's fixed-order sum from zeros)``, one addition
                               into ``self`` per element, so its bits differ from torch's (which adds into
                               ``self`` directly), deterministically
+    bn_fwd       the BatchNorm forward in training mode, aten::cudnn_batch_norm (torch's float32 CUDA
+                 BatchNorm): statistics from fixed-order shifted sums and y in one more pass; cuDNN's own
+                 forward is deterministic, so this is for speed (its NCHW kernel is slow), and runs only
+                 where the backward is routed too (cuDNN's backward reads its forward's reserve space)
 
-The family ``tree`` means each op's fixed-order variant: ``sorted`` for the three scatter sums. The
+The family ``tree`` means each op's fixed-order variant: ``sorted`` for the three scatter sums. The family
+``atomic`` keeps torch's BatchNorm forward. The
 family ``fastest-deterministic`` is ``tree`` except on the conv ops, which it routes ``auto``: per conv
 configuration, the fastest of the deterministic candidates (the registry's deterministic variants and
 torch's own kernel under PyTorch's deterministic mode, ``torch_det``), timed once and cached on disk by
@@ -107,13 +112,15 @@ from kernels import runtime
 from . import replay
 
 ROUTED_OPS = ("conv_wgrad", "conv_dgrad", "bias_grad", "maxpool_bwd", "conv_wgrad_grouped", "conv_dgrad_grouped",
-              "adaptive_avg_pool2d_bwd", "upsample_bilinear2d_bwd", "embedding_bwd", "index_add", "scatter_add")
+              "adaptive_avg_pool2d_bwd", "upsample_bilinear2d_bwd", "embedding_bwd", "index_add", "scatter_add",
+              "bn_fwd")
 # Registry ops behind each routed op: a variant name applies to all of them.
 REGISTRY_OPS = {"conv_wgrad": ("conv_wgrad",), "conv_dgrad": ("conv_dgrad",), "bias_grad": ("bias_grad", "bn_bwd"),
                 "maxpool_bwd": ("maxpool_bwd",)}
 # What a family means for an op whose deterministic variant has another name.
+# The atomic family keeps torch's BatchNorm forward (cuDNN's is deterministic): its noise is the backward's.
 FAMILY_VARIANTS = {("tree", "embedding_bwd"): "sorted", ("tree", "index_add"): "sorted",
-                   ("tree", "scatter_add"): "sorted"}
+                   ("tree", "scatter_add"): "sorted", ("atomic", "bn_fwd"): "native"}
 # fastest-deterministic's scatter_add with a full index (the element form: a sort of N * D keys for
 # sorted, where fixed needs none)
 ELEMENTWISE_FASTEST = "fixed"
@@ -949,6 +956,32 @@ def _cudnn_bn_backward(s: "_Session", original, keyset, x, dy, weight, running_m
     return out
 
 
+def _cudnn_bn_forward(s: "_Session", original, keyset, x, weight, bias, running_mean, running_var, training,
+                      factor, eps):
+    """torch's float32 CUDA BatchNorm in training (aten::cudnn_batch_norm) through the bn_fwd variant: output,
+    the saved mean and inverse std (what cuDNN saves and cudnn_batch_norm_backward reads), an empty reserve."""
+    op = "cudnn_batch_norm"
+    if not training:
+        why = "eval-mode BatchNorm (running statistics)"
+    elif s.bn is None:   # cuDNN's own backward would read this call's reserve space: its forward makes it
+        why = "BatchNorm backward not routed (bias_grad native)"
+    elif x.dtype != torch.float32 or x.dim() not in (2, 4):
+        why = f"{x.dim()}-D input" if x.dtype == torch.float32 else f"dtype {x.dtype}"
+    elif x.numel() == 0 or x.numel() // x.shape[1] < 2:
+        why = "fewer than 2 values per channel"
+    else:
+        try:
+            y, mean, invstd = _call(s.bn_fwd, s.rng, x, weight, bias, running_mean, running_var, factor, eps)
+            why = None
+        except kernels.KernelArgumentError as e:
+            why = str(e)
+    if why is not None:
+        s.coverage.add(op, ORIGINAL, why)
+        return original.call_boxed(keyset, x, weight, bias, running_mean, running_var, training, factor, eps)
+    s.coverage.add(op, s.bn_fwd.name)
+    return y, mean, invstd, torch.empty(0, dtype=torch.uint8, device=x.device)
+
+
 @dataclass(frozen=True)
 class AtenRoute:
     op: str                     # aten op name (default overload)
@@ -979,6 +1012,7 @@ ATEN_OPS = (
     AtenRoute("max_pool2d_with_indices_backward", ("maxpool_bwd",), _maxpool_backward),
     AtenRoute("native_batch_norm_backward", ("bias_grad",), _native_bn_backward),
     AtenRoute("cudnn_batch_norm_backward", ("bias_grad",), _cudnn_bn_backward, ("CUDA",)),
+    AtenRoute("cudnn_batch_norm", ("bn_fwd",), _cudnn_bn_forward, ("CUDA",)),
     AtenRoute("_adaptive_avg_pool2d_backward", ("adaptive_avg_pool2d_bwd",), _adaptive_pool_backward),
     AtenRoute("upsample_bilinear2d_backward", ("upsample_bilinear2d_bwd",), _upsample_backward),
     AtenRoute("embedding_dense_backward", ("embedding_bwd",), _embedding_backward),
@@ -1103,6 +1137,7 @@ class _Session:
         self.conv = (routing.variant("conv_wgrad"), routing.variant("conv_dgrad"), routing.variant("bias_grad"))
         self.pool = routing.variant("maxpool_bwd")
         self.bn = routing.variant("bias_grad", "bn_bwd")
+        self.bn_fwd = routing.variant("bn_fwd")
         # grouped convs: (wgrad, dgrad, bias); the bias gradient is the same channel sum
         self.conv_grouped = (routing.variant("conv_wgrad_grouped"), routing.variant("conv_dgrad_grouped"), self.conv[2])
         # which slots of those tuples the tuner fills (a None it returns means torch_det, not native)

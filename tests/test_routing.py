@@ -84,8 +84,12 @@ def test_family_with_per_op_override():
                             "maxpool_bwd": "native", "conv_wgrad_grouped": "tree", "conv_dgrad_grouped": "tree",
                             "adaptive_avg_pool2d_bwd": "tree", "upsample_bilinear2d_bwd": "tree",
                             # the family's deterministic variant of the scatter sums is named sorted
-                            "embedding_bwd": "sorted", "index_add": "sorted", "scatter_add": "sorted"}
+                            "embedding_bwd": "sorted", "index_add": "sorted", "scatter_add": "sorted",
+                            "bn_fwd": "tree"}
     assert not r.deterministic and not r.claims_determinism
+    # the atomic family keeps torch's BatchNorm forward; asked by name, bn_fwd runs its atomic variant
+    assert routing.resolve("atomic").used["bn_fwd"] == "native"
+    assert routing.resolve("atomic", {"bn_fwd": "atomic"}).used["bn_fwd"] == "atomic"
     assert routing.resolve("tree").claims_determinism
     assert not routing.resolve("native").claims_determinism
     # every variant the registry lists for an op is accepted by name

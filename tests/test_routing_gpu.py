@@ -144,3 +144,41 @@ def test_a_routed_conv_backward_prepares_once_per_signature_and_equals_the_launc
                 want_dw = kernels.get("conv_wgrad", "tree")(x, dy, kernel_size=(3, 3), stride=stride, padding=1)
                 assert bitwise_equal(dx, want_dx) and bitwise_equal(dw, want_dw)
     assert prepared == {"conv_dgrad": 3, "conv_wgrad": 3}
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_batchnorm_forward_is_routed_with_its_backward(layout):
+    """Under tree, a float32 BatchNorm2d in training runs bn_fwd's tree kernels (output, running statistics)
+    and its backward bn_bwd's on the statistics bn_fwd saved; the atomic family and eval mode keep cuDNN's
+    forward (eval counted as the original with its reason), and so does a routing whose BatchNorm backward is
+    native (cuDNN's backward reads its own forward's reserve space)."""
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    g = torch.Generator(device="cuda").manual_seed(41)
+    bn = torch.nn.BatchNorm2d(8).cuda()
+    with torch.no_grad():
+        bn.weight.copy_(torch.rand(8, device="cuda", generator=g) + 0.5)
+        bn.bias.copy_(torch.randn(8, device="cuda", generator=g))
+    x = (torch.randn(16, 8, 10, 10, device="cuda", generator=g) * 2 + 1).contiguous(memory_format=fmt)
+    x.requires_grad_()
+    dy = torch.randn(16, 8, 10, 10, device="cuda", generator=g).contiguous(memory_format=fmt)
+    rm0, rv0 = bn.running_mean.clone(), bn.running_var.clone()
+    with nnrand.use_kernels("tree") as r:
+        out = bn(x)
+        out.backward(dy)
+    assert r.coverage["cudnn_batch_norm"] == {"tree": 1}
+    assert r.coverage["cudnn_batch_norm_backward"] == {"tree": 1}
+    rm, rv = rm0.clone(), rv0.clone()
+    w, b = bn.weight.detach(), bn.bias.detach()
+    y, mean, invstd = kernels.get("bn_fwd", "tree")(x.detach(), w, b, rm, rv, bn.momentum, bn.eps)
+    assert bitwise_equal(out, y) and bitwise_equal(bn.running_mean, rm) and bitwise_equal(bn.running_var, rv)
+    dx, dgamma, dbeta = kernels.get("bn_bwd", "tree")(dy, x.detach(), mean, invstd, w)
+    assert bitwise_equal(x.grad, dx) and bitwise_equal(bn.weight.grad, dgamma) and bitwise_equal(bn.bias.grad, dbeta)
+    for family, ops in (("atomic", None), ("tree", {"bias_grad": "native"})):
+        with nnrand.use_kernels(family, ops=ops, strict=False) as r:
+            bn(x)
+        assert r.coverage["cudnn_batch_norm"] == ({} if family == "atomic" else {"original": 1}), family
+    bn.eval()
+    with nnrand.use_kernels("tree") as r:
+        bn(x)
+    assert r.coverage["cudnn_batch_norm"] == {"original": 1}
+    assert any("eval-mode" in why for why in r.coverage.reasons["cudnn_batch_norm"])

@@ -1,6 +1,7 @@
 """GPU time of a training-mode BatchNorm forward per network shape: cuDNN's kernel (aten::cudnn_batch_norm,
-what torch runs for a float32 CUDA BatchNorm2d) against ATen's own (aten::native_batch_norm), in both
-layouts, with the number of distinct results over repeated calls (output, saved mean and saved inverse std).
+what torch runs for a float32 CUDA BatchNorm2d), ATen's own (aten::native_batch_norm) and the registry's bn_fwd
+variants, in both layouts, with the number of distinct results over repeated calls (output, saved mean and
+saved inverse std; hashed on the device, nnrand.audit.digest).
 
     python bench/dev/bn_fwd_cost.py --model torchvision:resnet18 --batch 128 --size 224
     python bench/dev/bn_fwd_cost.py --model resnet18 --batch 128 --size 32 --layouts nchw
@@ -19,12 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from bench.conv_shapes import network_arguments  # noqa: E402
-from bench.metrics import byte_hash  # noqa: E402
 from bench.timing import graph_replay_us  # noqa: E402
+import kernels  # noqa: E402
+from nnrand.audit import digest  # noqa: E402
 
 KERNELS = {
     "cudnn": lambda x, w, b, rm, rv: torch.ops.aten.cudnn_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)[:3],
     "native": lambda x, w, b, rm, rv: torch.ops.aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5),
+    "tree": lambda x, w, b, rm, rv: kernels.get("bn_fwd", "tree")(x, w, b, rm, rv, 0.1, 1e-5),
+    "atomic": lambda x, w, b, rm, rv: kernels.get("bn_fwd", "atomic")(x, w, b, rm, rv, 0.1, 1e-5),
 }
 
 
@@ -64,8 +68,7 @@ def main() -> None:
             for name, fn in KERNELS.items():
                 rm, rv = torch.zeros(c, device="cuda"), torch.ones(c, device="cuda")
                 us = graph_replay_us(lambda: fn(x, w, b, rm, rv), calls=args.calls, replays=args.replays)
-                hashes = {"".join(byte_hash(t.contiguous()) for t in fn(x, w, b, rm.clone(), rv.clone()))
-                          for _ in range(args.repeats)}
+                hashes = {digest(fn(x, w, b, rm.clone(), rv.clone())) for _ in range(args.repeats)}
                 totals[f"{layout} {name}"] += us * count
                 cells.append(f"{name} {us:8.1f} us {len(hashes)}/{args.repeats} distinct")
             print(f"{'x'.join(map(str, shape)):<20} x{count:<2} {layout:<13} " + "  ".join(cells), flush=True)
