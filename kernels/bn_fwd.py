@@ -145,11 +145,16 @@ def _setup(variant: str, x, weight, bias, running_mean, running_var, momentum, e
                        (SLOT,) + plan["red_args"] + tail, device=dev)
     kstride = np.int64(x.shape[2] * x.shape[3]) if kind == "nchw" else np.int64(1)
     stats = Launch.of(function(SOURCE, "bn_fwd_stats", dev), (cdiv(c, THREADS),), (THREADS,),
-                      (SLOT, kstride, SLOT, SLOT, plan["m"], np.int32(c), np.float32(eps), np.float32(momentum),
+                      (SLOT, kstride, SLOT, SLOT, plan["m"], np.int32(c), _float_bits(eps), _float_bits(momentum),
                        SLOT, SLOT, SLOT, SLOT), device=dev)
     y = Launch.of(function(SOURCE, f"bn_fwd_y_{kind}", dev), plan["dx_grid"], plan["dx_block"],
                   (SLOT,) * 5 + plan["dx_args"] + (SLOT,), device=dev)
     return _Setup(layout, plan, reduce, stats, y)
+
+
+def _float_bits(v: float) -> np.int32:
+    """A float32 kernel argument as a Launch takes it: its bits, as an int32 (the slot's first four bytes)."""
+    return np.float32(v).view(np.int32)
 
 
 def _aligned(t: torch.Tensor, layout: str) -> torch.Tensor:
