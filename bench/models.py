@@ -385,13 +385,14 @@ def _best(row: dict, mode: str) -> dict | None:
     return None if not m or not m.get("layout") else dict(m["layouts"][m["layout"]], layout=m["layout"])
 
 
-FORWARD_OPS = {"convolution": "conv fwd"}   # forward aten ops a routing may take (the tuner's forward convs)
+# forward aten ops a routing may take (the tuner's forward convs, bn_fwd's BatchNorm)
+FORWARD_OPS = {"convolution": "conv fwd", "cudnn_batch_norm": "bn fwd"}
 
 
 def _coverage_text(cov: dict | None) -> str:
     """Per aten op: calls routed to nnrand's kernels, then ``/torch_det n`` (the tuner chose torch's own
     deterministic kernel) and ``/orig n`` (passed on), or UNCOVERED; backward ops by their forward's name,
-    the forward convs the tuner routes as ``conv fwd``."""
+    the forward convs the tuner routes as ``conv fwd``, routed BatchNorm forwards as ``bn fwd``."""
     if not cov:
         return "-"
     parts = []
