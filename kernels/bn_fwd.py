@@ -32,11 +32,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .bias_grad import THREADS
-from .bn_bwd import HOSTILE_ROWS, HOSTILE_SHAPES, _memory_format, _plan, cpu_sums, partials_per_channel
+from .bias_grad import THREADS, rows_plan
+from .bn_bwd import DX_ROWS, HOSTILE_ROWS, HOSTILE_SHAPES, _memory_format, _plan, cpu_sums, partials_per_channel
 from .order import F32
 from .registry import Case, define_op
 from .runtime import (
+    INT32_MAX,
     MEMO_LIMIT,
     SLOT,
     KernelArgumentError,
@@ -55,15 +56,19 @@ from .runtime import (
 OP = "bn_fwd"
 SOURCE = "bn_fwd.cu"
 MAX_GRID_Y = 65535
-INT32_MAX = 2**31 - 1
 
 
 # --------------------------------------------------------------------------------------------------
 # Argument checks (shared by the CUDA launchers and the CPU models)
 
 
-def _check_all(x, weight, bias, running_mean, running_var, momentum, eps) -> str:
-    """x's layout; raises naming the argument."""
+def _check_momentum(momentum) -> None:
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not np.isfinite(momentum):
+        raise KernelArgumentError(OP, "momentum", f"expected a finite number, got {momentum!r}")
+
+
+def _check_all(x, weight, bias, running_mean, running_var, eps) -> str:
+    """x's layout; raises naming the argument (momentum: _check_momentum, per call)."""
     x = check_tensor(OP, "x", x, ndim=(2, 4))
     if x.dim() == 2:
         if not x.is_contiguous():
@@ -84,9 +89,8 @@ def _check_all(x, weight, bias, running_mean, running_var, momentum, eps) -> str
                                                 f"got {tuple(t.shape)}")
         if name.startswith("running") and not t.is_contiguous():
             raise KernelArgumentError(OP, name, "expected a contiguous tensor (it is updated in place)")
-    for name, value in (("momentum", momentum), ("eps", eps)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
-            raise KernelArgumentError(OP, name, f"expected a finite number, got {value!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not np.isfinite(eps):
+        raise KernelArgumentError(OP, "eps", f"expected a finite number, got {eps!r}")
     if eps < 0:
         raise KernelArgumentError(OP, "eps", f"expected eps >= 0, got {eps!r}")
     m = x.numel() // c
@@ -94,10 +98,17 @@ def _check_all(x, weight, bias, running_mean, running_var, momentum, eps) -> str
         raise KernelArgumentError(OP, "x", f"the unbiased variance of running_var needs 2 values per channel or "
                                            f"more, got {m}")
     check_size(OP, "x", x)
-    if layout == "nchw" and c > MAX_GRID_Y:
-        raise KernelArgumentError(OP, "x", f"NCHW path supports at most {MAX_GRID_Y} channels, got {c}")
-    if x.shape[0] > INT32_MAX:
-        raise KernelArgumentError(OP, "x", f"N must be below 2^31, got {x.shape[0]}")
+    n = x.shape[0]
+    if layout == "nchw":   # bn_bwd's limits: the reduction and the elementwise kernel are its
+        if c > MAX_GRID_Y:
+            raise KernelArgumentError(OP, "x", f"NCHW path supports at most {MAX_GRID_Y} channels, got {c}")
+        if n > INT32_MAX or x.shape[2] * x.shape[3] > INT32_MAX:
+            raise KernelArgumentError(OP, "x", f"N and H*W must be below 2^31, got N={n}, H*W={x.shape[2] * x.shape[3]}")
+    else:
+        r = n if x.dim() == 2 else n * x.shape[2] * x.shape[3]
+        _, _, ty, tiles, _, _ = rows_plan(max(r, 1), c)
+        if tiles > MAX_GRID_Y or cdiv(r, ty * DX_ROWS) > INT32_MAX:
+            raise KernelArgumentError(OP, "x", f"{r} rows of {c} channels exceed the launch grid")
     return layout
 
 
@@ -105,8 +116,10 @@ _CHECKED: dict[tuple, str] = {}
 
 
 def _check(x, weight, bias, running_mean, running_var, momentum, eps) -> str:
-    """Memoised per configuration (``runtime.memo_check``)."""
-    return memo_check(_CHECKED, _check_all, x, weight, bias, running_mean, running_var, momentum, eps)
+    """Memoised per configuration (``runtime.memo_check``); momentum, which torch's cumulative average
+    (momentum=None) changes every step, is checked per call and is no part of the configuration."""
+    _check_momentum(momentum)
+    return memo_check(_CHECKED, _check_all, x, weight, bias, running_mean, running_var, eps)
 
 
 def _empty_result(x, layout):
@@ -124,7 +137,7 @@ class _Setup:
     layout: str
     plan: dict
     reduce: Launch | None   # (x[, workspace, counters], sum_d, sum_dd)
-    stats: Launch | None    # (x, sum_d, sum_dd, running_mean, running_var, save_mean, save_invstd)
+    stats: Launch | None    # (x, sum_d, sum_dd, momentum's bits, running_mean, running_var, save_mean, save_invstd)
     y: Launch | None        # (x, mean, invstd, weight, bias, y)
 
 
@@ -132,8 +145,8 @@ _SETUPS: dict[tuple, _Setup] = {}
 _NULL = 0
 
 
-def _setup(variant: str, x, weight, bias, running_mean, running_var, momentum, eps) -> _Setup:
-    layout = _check_all(x, weight, bias, running_mean, running_var, momentum, eps)
+def _setup(variant: str, x, weight, bias, running_mean, running_var, eps) -> _Setup:
+    layout = _check_all(x, weight, bias, running_mean, running_var, eps)
     check_cuda(OP, "x", x)
     dev = x.device
     plan = _plan(tuple(x.shape), layout) if x.numel() else {}
@@ -145,7 +158,7 @@ def _setup(variant: str, x, weight, bias, running_mean, running_var, momentum, e
                        (SLOT,) + plan["red_args"] + tail, device=dev)
     kstride = np.int64(x.shape[2] * x.shape[3]) if kind == "nchw" else np.int64(1)
     stats = Launch.of(function(SOURCE, "bn_fwd_stats", dev), (cdiv(c, THREADS),), (THREADS,),
-                      (SLOT, kstride, SLOT, SLOT, plan["m"], np.int32(c), _float_bits(eps), _float_bits(momentum),
+                      (SLOT, kstride, SLOT, SLOT, plan["m"], np.int32(c), _float_bits(eps), SLOT,
                        SLOT, SLOT, SLOT, SLOT), device=dev)
     y = Launch.of(function(SOURCE, f"bn_fwd_y_{kind}", dev), plan["dx_grid"], plan["dx_block"],
                   (SLOT,) * 5 + plan["dx_args"] + (SLOT,), device=dev)
@@ -163,10 +176,11 @@ def _aligned(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def _launch(variant: str, x, weight, bias, running_mean, running_var, momentum, eps):
-    key = check_key(variant, x, weight, bias, running_mean, running_var, momentum, eps)
+    _check_momentum(momentum)
+    key = check_key(variant, x, weight, bias, running_mean, running_var, eps)
     st = _SETUPS.get(key) if key is not None else None
     if st is None:
-        st = _setup(variant, x, weight, bias, running_mean, running_var, momentum, eps)
+        st = _setup(variant, x, weight, bias, running_mean, running_var, eps)
         if key is not None and len(_SETUPS) < MEMO_LIMIT:
             _SETUPS[key] = st
     if not st.plan:   # an empty batch: no statistics (NaN), running statistics untouched
@@ -186,7 +200,7 @@ def _launch(variant: str, x, weight, bias, running_mean, running_var, momentum, 
         st.reduce(x.data_ptr(), workspace.data_ptr() if workspace is not None else _NULL,
                   counters.data_ptr() if counters is not None else _NULL, sums[0].data_ptr(), sums[1].data_ptr())
     stats = torch.empty(2, c, device=dev)
-    st.stats(x.data_ptr(), sums[0].data_ptr(), sums[1].data_ptr(),
+    st.stats(x.data_ptr(), sums[0].data_ptr(), sums[1].data_ptr(), int(_float_bits(momentum)),
              running_mean.data_ptr() if running_mean is not None else _NULL,
              running_var.data_ptr() if running_var is not None else _NULL, stats[0].data_ptr(), stats[1].data_ptr())
     y = torch.empty(x.shape, device=dev, memory_format=_memory_format(st.layout))

@@ -38,9 +38,9 @@ Routed ops (the names ``--kernel-op`` takes) and the aten ops they come from:
                               into ``self`` per element, so its bits differ from torch's (which adds into
                               ``self`` directly), deterministically
     bn_fwd       the BatchNorm forward in training mode, aten::cudnn_batch_norm (torch's float32 CUDA
-                 BatchNorm): statistics from fixed-order shifted sums and y in one more pass; cuDNN's own
-                 forward is deterministic, so this is for speed (its NCHW kernel is slow), and runs only
-                 where the backward is routed too (cuDNN's backward reads its forward's reserve space)
+                 BatchNorm) on NCHW inputs: statistics from fixed-order shifted sums and y in one more pass;
+                 cuDNN's own forward is deterministic, so this is for speed (its NCHW kernel is slow), and
+                 runs only where the backward is routed too
 
 The family ``tree`` means each op's fixed-order variant: ``sorted`` for the three scatter sums. The family
 ``atomic`` keeps torch's BatchNorm forward. The
@@ -958,15 +958,20 @@ def _cudnn_bn_backward(s: "_Session", original, keyset, x, dy, weight, running_m
 
 def _cudnn_bn_forward(s: "_Session", original, keyset, x, weight, bias, running_mean, running_var, training,
                       factor, eps):
-    """torch's float32 CUDA BatchNorm in training (aten::cudnn_batch_norm) through the bn_fwd variant: output,
-    the saved mean and inverse std (what cuDNN saves and cudnn_batch_norm_backward reads), an empty reserve."""
+    """torch's float32 CUDA BatchNorm in training (aten::cudnn_batch_norm) on an NCHW 4-D input through the bn_fwd
+    variant: output, the saved mean and inverse std (what cuDNN saves and cudnn_batch_norm_backward reads), and an
+    empty reserve space, which is what cuDNN's forward gives there too (its spatial mode keeps no state for the
+    backward; tests/test_routing_gpu.py checks both, and a backward run by cuDNN after the context). channels_last
+    inputs keep cuDNN's forward: its persistent mode may keep state in the reserve, and it is as fast there."""
     op = "cudnn_batch_norm"
     if not training:
         why = "eval-mode BatchNorm (running statistics)"
-    elif s.bn is None:   # cuDNN's own backward would read this call's reserve space: its forward makes it
+    elif s.bn is None:   # routed in pairs, as measured
         why = "BatchNorm backward not routed (bias_grad native)"
-    elif x.dtype != torch.float32 or x.dim() not in (2, 4):
-        why = f"{x.dim()}-D input" if x.dtype == torch.float32 else f"dtype {x.dtype}"
+    elif x.dtype != torch.float32:
+        why = f"dtype {x.dtype}"
+    elif x.dim() != 4 or not x.is_contiguous():
+        why = f"{x.dim()}-D input" if x.dim() != 4 else "channels_last input (cuDNN's persistent mode)"
     elif x.numel() == 0 or x.numel() // x.shape[1] < 2:
         why = "fewer than 2 values per channel"
     else:

@@ -747,18 +747,23 @@ T128_SHAPES = [   # NCHW launches the 128-thread blocks are forced on (T128_MIN_
 def test_cuda_tree_t128_same_bits():
     """128-thread blocks (8 x 8 a thread) compute every dx element's chain as 256 threads of 8 x 4 do: the same
     bits, forced on every launch kind here (deep stages, stages of 8, partial column tiles, stride-2 phases and
-    the zeros of phases no tap reaches, dilation, split K), and on the forward form; every element written
-    (NaN-filled buffers), 5 repeats one result."""
+    the zeros of phases no tap reaches, by a memset and by the kernel, dilation, split K), and on the forward
+    form; every element written (NaN-filled buffers), 5 repeats one result."""
     with nan_filled_memory():
         for i, s in enumerate(T128_SHAPES):
             g, stride, (w, dy, kw) = _plan(s, "nchw", "cuda", 1400 + i)
             outs = {}
-            for forced in (False, True):
-                saved = cd.T128, cd.T128_MIN_BLOCKS
+            for forced in (False, True, "kernel zeros"):
+                saved = cd.T128, cd.T128_MIN_BLOCKS, cd.EMPTY_ZEROS
                 try:
-                    cd.T128, cd.T128_MIN_BLOCKS = forced, 0
+                    cd.T128, cd.T128_MIN_BLOCKS = bool(forced), 0
+                    if forced == "kernel zeros":
+                        if s.name != "t1x1s2":
+                            continue
+                        cd.EMPTY_ZEROS = "kernel"
+                        assert not cd.tree_plan(g, stride).zero_fill
                     plan = cd.tree_plan(g, stride)
-                    assert ("_t128" in plan.kernel) == forced, (s.name, plan.kernel)
+                    assert ("_t128" in plan.kernel) == bool(forced), (s.name, plan.kernel)
                     if s.name == "t64_b2":
                         assert plan.ksplit > 1, plan
                     got = TREE(w, dy, **kw)
@@ -771,8 +776,11 @@ def test_cuda_tree_t128_same_bits():
                             generator=torch.Generator("cuda").manual_seed(60 + i))
                         outs[forced, "fwd"] = cd.conv_forward_tree_cuda(x, wf, padding=s.pad)
                 finally:
-                    cd.T128, cd.T128_MIN_BLOCKS = saved
+                    cd.T128, cd.T128_MIN_BLOCKS, cd.EMPTY_ZEROS = saved
+                    cd._tree_plan.cache_clear()
             assert_bitwise_equal(outs[True], outs[False], f"{s.name}: 128 against 256 threads")
+            if "kernel zeros" in outs:
+                assert_bitwise_equal(outs["kernel zeros"], outs[False], f"{s.name}: zeros by the 128-thread kernel")
             if (False, "fwd") in outs:
                 assert_bitwise_equal(outs[True, "fwd"], outs[False, "fwd"], f"{s.name}: forward form")
             assert_within_bound(outs[False], w.cpu(), dy.cpu(), kw, s.cout * s.k * s.k + 1, s.name)

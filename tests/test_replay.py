@@ -533,7 +533,14 @@ def test_gpu_replayed_training_equals_python_kernels(layout, cudnn, monkeypatch,
     assert coverage0 == coverage1
     assert stats0 is None
     bn = "cudnn_batch_norm_backward" if cudnn else "native_batch_norm_backward"
-    for op in ("convolution_backward", bn, "max_pool2d_with_indices_backward"):
+    # cuDNN's BatchNorm forward is routed (bn_fwd) on NCHW inputs, and replayed like the backward ops
+    # (channels_last inputs keep cuDNN's forward: counted as the original kernel)
+    fwd = ("cudnn_batch_norm",) if cudnn and layout != "channels_last" else ()
+    if cudnn:
+        assert set(coverage1["cudnn_batch_norm"]) == {"tree" if fwd else "original"}, coverage1
+    else:
+        assert "cudnn_batch_norm" not in coverage1, coverage1
+    for op in ("convolution_backward", bn, "max_pool2d_with_indices_backward", *fwd):
         s = stats1[op]
         # 5 steps: per signature, one call plans and one is recorded in Python; the rest replay
         assert s["plans"] == s["signatures"] and s["refused"] == 0, s

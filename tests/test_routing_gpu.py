@@ -148,31 +148,47 @@ def test_a_routed_conv_backward_prepares_once_per_signature_and_equals_the_launc
 
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_batchnorm_forward_is_routed_with_its_backward(layout):
-    """Under tree, a float32 BatchNorm2d in training runs bn_fwd's tree kernels (output, running statistics)
-    and its backward bn_bwd's on the statistics bn_fwd saved; the atomic family and eval mode keep cuDNN's
-    forward (eval counted as the original with its reason), and so does a routing whose BatchNorm backward is
-    native (cuDNN's backward reads its own forward's reserve space)."""
+    """Under tree, a float32 NCHW BatchNorm2d in training runs bn_fwd's tree kernels (output, running statistics)
+    and its backward bn_bwd's on the statistics bn_fwd saved. Its empty reserve space is what cuDNN's forward
+    gives there too, so a backward run after the context (cuDNN's) gives cuDNN's bits on bn_fwd's statistics.
+    channels_last inputs, the atomic family, a routing whose BatchNorm backward is native and eval mode keep
+    cuDNN's forward (counted as the original with the reason where routed)."""
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     g = torch.Generator(device="cuda").manual_seed(41)
     bn = torch.nn.BatchNorm2d(8).cuda()
     with torch.no_grad():
         bn.weight.copy_(torch.rand(8, device="cuda", generator=g) + 0.5)
         bn.bias.copy_(torch.randn(8, device="cuda", generator=g))
-    x = (torch.randn(16, 8, 10, 10, device="cuda", generator=g) * 2 + 1).contiguous(memory_format=fmt)
-    x.requires_grad_()
+    x0 = (torch.randn(16, 8, 10, 10, device="cuda", generator=g) * 2 + 1).contiguous(memory_format=fmt)
+    x = x0.clone().requires_grad_()
     dy = torch.randn(16, 8, 10, 10, device="cuda", generator=g).contiguous(memory_format=fmt)
+    w, b = bn.weight.detach(), bn.bias.detach()
     rm0, rv0 = bn.running_mean.clone(), bn.running_var.clone()
     with nnrand.use_kernels("tree") as r:
         out = bn(x)
         out.backward(dy)
-    assert r.coverage["cudnn_batch_norm"] == {"tree": 1}
     assert r.coverage["cudnn_batch_norm_backward"] == {"tree": 1}
+    if layout == "channels_last":
+        assert r.coverage["cudnn_batch_norm"] == {"original": 1}
+        assert any("channels_last" in why for why in r.coverage.reasons["cudnn_batch_norm"])
+        return
+    assert r.coverage["cudnn_batch_norm"] == {"tree": 1}
     rm, rv = rm0.clone(), rv0.clone()
-    w, b = bn.weight.detach(), bn.bias.detach()
-    y, mean, invstd = kernels.get("bn_fwd", "tree")(x.detach(), w, b, rm, rv, bn.momentum, bn.eps)
+    y, mean, invstd = kernels.get("bn_fwd", "tree")(x0, w, b, rm, rv, bn.momentum, bn.eps)
     assert bitwise_equal(out, y) and bitwise_equal(bn.running_mean, rm) and bitwise_equal(bn.running_var, rv)
-    dx, dgamma, dbeta = kernels.get("bn_bwd", "tree")(dy, x.detach(), mean, invstd, w)
+    dx, dgamma, dbeta = kernels.get("bn_bwd", "tree")(dy, x0, mean, invstd, w)
     assert bitwise_equal(x.grad, dx) and bitwise_equal(bn.weight.grad, dgamma) and bitwise_equal(bn.bias.grad, dbeta)
+    # cuDNN's own reserve space here is empty too; its backward, after the context, reads bn_fwd's statistics
+    reserve = torch.ops.aten.cudnn_batch_norm(x0, w, b, None, None, True, 0.1, bn.eps)[3]
+    assert reserve.numel() == 0
+    x2 = x0.clone().requires_grad_()
+    bn.weight.grad = bn.bias.grad = None
+    with nnrand.use_kernels("tree") as r:
+        out2 = bn(x2)
+    out2.backward(dy)
+    assert r.coverage["cudnn_batch_norm"] == {"tree": 1} and r.coverage["cudnn_batch_norm_backward"] == {}
+    want = torch.ops.aten.cudnn_batch_norm_backward(x0, dy, w, None, None, mean, invstd, bn.eps, reserve)
+    assert bitwise_equal(x2.grad, want[0]) and bitwise_equal(bn.weight.grad, want[1])
     for family, ops in (("atomic", None), ("tree", {"bias_grad": "native"})):
         with nnrand.use_kernels(family, ops=ops, strict=False) as r:
             bn(x)
