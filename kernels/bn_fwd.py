@@ -103,7 +103,8 @@ def _check_all(x, weight, bias, running_mean, running_var, eps) -> str:
         if c > MAX_GRID_Y:
             raise KernelArgumentError(OP, "x", f"NCHW path supports at most {MAX_GRID_Y} channels, got {c}")
         if n > INT32_MAX or x.shape[2] * x.shape[3] > INT32_MAX:
-            raise KernelArgumentError(OP, "x", f"N and H*W must be below 2^31, got N={n}, H*W={x.shape[2] * x.shape[3]}")
+            raise KernelArgumentError(OP, "x", f"N and H*W must be below 2^31, got N={n}, "
+                                               f"H*W={x.shape[2] * x.shape[3]}")
     else:
         r = n if x.dim() == 2 else n * x.shape[2] * x.shape[3]
         _, _, ty, tiles, _, _ = rows_plan(max(r, 1), c)
