@@ -356,9 +356,11 @@ def _bench_cases(scale: str) -> list[Case]:
 
 
 def _torch_peer(x, weight=None, bias=None, running_mean=None, running_var=None, momentum=0.1, eps=EPS):
-    """torch's own training-mode forward (ATen's kernel; on CUDA torch.nn picks cuDNN's, aten::cudnn_batch_norm,
-    for float32 with a weight: bench/dev/bn_fwd_cost.py times both)."""
-    return tuple(torch.ops.aten.native_batch_norm(x, weight, bias, running_mean, running_var, True, momentum, eps))
+    """torch's training-mode forward as torch.nn runs it (aten::_batch_norm_impl_index: cuDNN's kernel on CUDA for
+    float32 with a weight, ATen's otherwise; bench/dev/bn_fwd_cost.py times both): output, mean, invstd."""
+    out = torch.ops.aten._batch_norm_impl_index(x, weight, bias, running_mean, running_var, True, momentum, eps,
+                                                torch.backends.cudnn.enabled)
+    return tuple(out[:3])
 
 
 def _peers() -> dict:
