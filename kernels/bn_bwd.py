@@ -535,19 +535,22 @@ def _test_cases() -> list[Case]:
     return cases
 
 
-def _bench_cases(scale: str) -> list[Case]:
-    """ResNet-18's BatchNorm inputs (every conv output is normalised), batch 128."""
+def bench_shapes(scale: str) -> list[tuple[int, str, tuple[int, ...]]]:
+    """ResNet-18's BatchNorm inputs (every conv output is normalised), batch 128 (8 at scale "cpu"): (index,
+    name without its prefix, shape), shared with bn_fwd."""
     from .shapes import bias_grad_shapes
 
-    cases = []
+    out = []
     for i, (name, shape) in enumerate(bias_grad_shapes()):
         if len(shape) != 4:
             continue  # the classifier's (N, 10) bias has no BatchNorm
-        if scale == "cpu":
-            shape = (8,) + shape[1:]
-        for layout in ("nchw", "channels_last"):
-            cases.append(_case(name.replace("dy_", "bn_"), shape, layout, seed=800 + i))
-    return cases
+        out.append((i, name.removeprefix("dy_"), (8,) + shape[1:] if scale == "cpu" else shape))
+    return out
+
+
+def _bench_cases(scale: str) -> list[Case]:
+    return [_case(f"bn_{name}", shape, layout, seed=800 + i)
+            for i, name, shape in bench_shapes(scale) for layout in ("nchw", "channels_last")]
 
 
 def _torch_peer(dy, x, mean, invstd, weight=None):

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from .bias_grad import THREADS, rows_plan
-from .bn_bwd import DX_ROWS, HOSTILE_ROWS, HOSTILE_SHAPES, _memory_format, _plan, cpu_sums, partials_per_channel
+from .bn_bwd import (DX_ROWS, HOSTILE_ROWS, HOSTILE_SHAPES, _memory_format, _plan, bench_shapes, cpu_sums,
+                     partials_per_channel)
 from .order import F32
 from .registry import Case, define_op
 from .runtime import (
@@ -341,18 +342,9 @@ def _test_cases() -> list[Case]:
 
 
 def _bench_cases(scale: str) -> list[Case]:
-    """ResNet-18's BatchNorm inputs (every conv output is normalised), batch 128."""
-    from .shapes import bias_grad_shapes
-
-    cases = []
-    for i, (name, shape) in enumerate(bias_grad_shapes()):
-        if len(shape) != 4:
-            continue
-        if scale == "cpu":
-            shape = (8,) + shape[1:]
-        for layout in ("nchw", "channels_last"):
-            cases.append(_case(name.replace("dy_", "bnf_"), shape, layout, seed=980 + i))
-    return cases
+    """bn_bwd's: ResNet-18's BatchNorm inputs, batch 128."""
+    return [_case(f"bnf_{name}", shape, layout, seed=980 + i)
+            for i, name, shape in bench_shapes(scale) for layout in ("nchw", "channels_last")]
 
 
 def _torch_peer(x, weight=None, bias=None, running_mean=None, running_var=None, momentum=0.1, eps=EPS):

@@ -22,11 +22,10 @@ import torch
 
 import kernels
 from kernels import KernelArgumentError
-from kernels.bias_grad import THREADS, nchw_plan, rows_plan
 from kernels.bn_bwd import partials_per_channel
 from kernels.bn_fwd import reference_parts
-from kernels.runtime import cdiv
 from tests.helpers import U32, assert_bitwise_equal, byte_hash, gamma
+from tests.test_bn_bwd import depth   # the sums are bn_bwd's reduction: its addition depth
 
 OP = "bn_fwd"
 VARIANTS = kernels.variants(OP)
@@ -48,23 +47,6 @@ def layout_of(x):
 
 def result_hash(out) -> str:
     return "".join(byte_hash(t.contiguous()) for t in out)
-
-
-def depth(x, variant) -> int:
-    """Longest chain of float32 additions a term passes through (bn_bwd's reduction: tests/test_bn_bwd.py)."""
-    layout = layout_of(x)
-    if layout == "nchw":
-        n, c, h, w = x.shape
-        vec, p, e = nchw_plan(n, c, h * w)
-        first = e // (THREADS * vec) + 2 + 10
-        second = p if variant.name == "atomic" else cdiv(p, THREADS) + 10
-    else:
-        r = x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[2] * x.shape[3]
-        vec, tx, ty, tiles, rb, p = rows_plan(r, x.shape[1])
-        log_ty = ty.bit_length() - 1
-        first = rb // ty + log_ty
-        second = p if variant.name == "atomic" else cdiv(p, ty) + log_ty
-    return first + second
 
 
 def bounds(x, weight, bias, variant, eps=1e-5):
