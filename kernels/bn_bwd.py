@@ -512,9 +512,10 @@ def _make_inputs(case: Case, device: torch.device) -> tuple[tuple, dict]:
     return args, {}
 
 
-def _case(name: str, shape: tuple[int, ...], layout: str, seed: int, **extra) -> Case:
+def case_of(name: str, shape: tuple[int, ...], layout: str, seed: int, op: str = OP, **extra) -> Case:
+    """A case of ``op`` (bn_bwd, or bn_fwd, whose reduction this is): contention = partials per channel."""
     params = {"shape": list(shape), "layout": layout, **extra}
-    return Case(OP, f"{name}_{layout}", params, seed=seed, contention=float(partials_per_channel(shape, layout)))
+    return Case(op, f"{name}_{layout}", params, seed=seed, contention=float(partials_per_channel(shape, layout)))
 
 
 HOSTILE_SHAPES = (
@@ -529,9 +530,9 @@ def _test_cases() -> list[Case]:
     for i, shape in enumerate(HOSTILE_SHAPES):
         for layout in ("nchw", "channels_last"):
             # every third shape without weight (BatchNorm(affine=False))
-            cases.append(_case("x".join(map(str, shape)), shape, layout, seed=600 + i, affine=i % 3 != 2))
+            cases.append(case_of("x".join(map(str, shape)), shape, layout, seed=600 + i, affine=i % 3 != 2))
     for i, shape in enumerate(HOSTILE_ROWS):
-        cases.append(_case(f"{shape[0]}x{shape[1]}", shape, "rows", seed=700 + i, affine=i % 3 != 2))
+        cases.append(case_of(f"{shape[0]}x{shape[1]}", shape, "rows", seed=700 + i, affine=i % 3 != 2))
     return cases
 
 
@@ -549,7 +550,7 @@ def bench_shapes(scale: str) -> list[tuple[int, str, tuple[int, ...]]]:
 
 
 def _bench_cases(scale: str) -> list[Case]:
-    return [_case(f"bn_{name}", shape, layout, seed=800 + i)
+    return [case_of(f"bn_{name}", shape, layout, seed=800 + i)
             for i, name, shape in bench_shapes(scale) for layout in ("nchw", "channels_last")]
 
 

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from .bias_grad import THREADS, rows_plan
-from .bn_bwd import (DX_ROWS, HOSTILE_ROWS, HOSTILE_SHAPES, _memory_format, _plan, bench_shapes, cpu_sums,
-                     partials_per_channel)
+from .bn_bwd import (DX_ROWS, HOSTILE_ROWS, HOSTILE_SHAPES, _memory_format, _plan, bench_shapes, case_of,
+                     cpu_sums)
 from .order import F32
 from .registry import Case, define_op
 from .runtime import (
@@ -327,8 +327,7 @@ def _make_inputs(case: Case, device: torch.device) -> tuple[tuple, dict]:
 
 
 def _case(name: str, shape: tuple[int, ...], layout: str, seed: int, **extra) -> Case:
-    params = {"shape": list(shape), "layout": layout, **extra}
-    return Case(OP, f"{name}_{layout}", params, seed=seed, contention=float(partials_per_channel(shape, layout)))
+    return case_of(name, shape, layout, seed, OP, **extra)
 
 
 def _test_cases() -> list[Case]:

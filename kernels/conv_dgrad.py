@@ -377,6 +377,7 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_r
                t128: int | None = None) -> LaunchPlan:
     rows_taps, cols_taps = phase_offsets(g.kh, g.sh, g.ph, g.dh), phase_offsets(g.kw, g.sw, g.pw, g.dw)
     empty = not all(rows_taps) or not all(cols_taps)
+    phases = sum(map(bool, rows_taps)) * sum(map(bool, cols_taps))   # the phases that have taps
     head = (*_geometry_args(g, dy_stride), np.int32(empty))
     stem = stem_launch_plan(g, dy_stride) if g.cin <= STEM_MAX_CIN else None
     if stem is not None:
@@ -394,25 +395,18 @@ def _tree_plan(g: Geometry, dy_stride: tuple[int, ...], empty_zeros: str, wide_r
     widened = False
     if g.cin >= wide_min_cin:
         wide = (grid[0], cdiv(g.cin, 2 * BN), grid[2])
-        working = working_blocks(g, wide, ksplit)
+        working = wide[0] * wide[1] * ksplit * phases   # their blocks
         if working >= wave_sms or g.kh * g.kw * cdiv(g.cout, 8) // ksplit >= wide_min_slices:
             kernel += "_wide" if working > wave_sms else "_wide1"
             grid, widened = wide, True
     threads = THREADS
-    if t128 is not None and not widened and g.layout != "channels_last" and working_blocks(g, grid, ksplit) >= t128:
+    if t128 is not None and not widened and g.layout != "channels_last" and grid[0] * grid[1] * ksplit * phases >= t128:
         kernel += "_t128"   # see T128
         threads = 128
     if deep and ksplit == 1 and cdiv(g.cout, 8) % 2 == 0 and (not widened or (wide_deep and kernel.endswith("_wide"))):
         kernel += "_deep"   # see DEEP_SLICES and WIDE_DEEP
     return LaunchPlan(kernel, (grid[0], grid[1] * ksplit, grid[2]), (threads,), 0,
                       (*head[:-1], np.int32(fill), np.int32(ksplit)), fill, "tap_major", ksplit)
-
-
-def working_blocks(g: Geometry, grid: tuple[int, int, int], ksplit: int) -> int:
-    """Blocks of a tree GEMM launch (``grid``: x, column tiles, phases; split by ``ksplit``) in the phases that
-    have taps: an upper bound, as the phases' pixel counts are the largest one's."""
-    rows_taps, cols_taps = phase_offsets(g.kh, g.sh, g.ph, g.dh), phase_offsets(g.kw, g.sw, g.pw, g.dw)
-    return grid[0] * grid[1] * ksplit * sum(map(bool, rows_taps)) * sum(map(bool, cols_taps))
 
 
 def stem_launch_plan(g: Geometry, dy_stride: tuple[int, ...], pixels: int | None = None,

@@ -24,8 +24,9 @@ import kernels
 from kernels import KernelArgumentError
 from kernels.bn_bwd import partials_per_channel
 from kernels.bn_fwd import reference_parts
-from tests.helpers import U32, assert_bitwise_equal, byte_hash, gamma
-from tests.test_bn_bwd import depth   # the sums are bn_bwd's reduction: its addition depth
+from tests.helpers import U32, assert_bitwise_equal, gamma
+# the sums are bn_bwd's reduction: its addition depth; its layout and result-hash helpers
+from tests.test_bn_bwd import depth, layout_of, result_hash
 
 OP = "bn_fwd"
 VARIANTS = kernels.variants(OP)
@@ -37,16 +38,6 @@ CASES = SPEC.test_cases()
 def inputs(case, device="cpu"):
     args, _ = SPEC.make_inputs(case, torch.device(device))
     return args
-
-
-def layout_of(x):
-    if x.dim() == 2:
-        return "rows"
-    return "nchw" if x.is_contiguous() else "channels_last"
-
-
-def result_hash(out) -> str:
-    return "".join(byte_hash(t.contiguous()) for t in out)
 
 
 def bounds(x, weight, bias, variant, eps=1e-5):
