@@ -379,7 +379,10 @@ RSORT_TILE = 2048            # SEG_RSORT_TILE: keys per block of the radix sort'
 RSORT_THREADS = 256          # SEG_RSORT_THREADS
 RSORT_BITS = 9               # SEG_RSORT_BITS: most bits per digit
 RSORT_MAX = 2**31 - 1        # positions are 32-bit between the passes
-SORTS = ("merge", "one_block", "radix", "torch")
+RANK_THREADS = 256           # SEG_RANK_THREADS
+RANK_MAX = 65536             # SEG_RANK_MAX: the rank sort takes up to this many keys
+RANK_WIDE_FROM = 8192        # the rank sort ranks 4 elements per lane (else 1) from this many keys on
+SORTS = ("merge", "one_block", "radix", "rank", "torch")
 
 
 ONE_BLOCK_UP_TO = 4096  # keys times digit passes up to which the one-block sort is the default
@@ -404,7 +407,7 @@ def sort_takes(method: str, n: int, kname: str) -> bool:
     """Whether sort_keys' ``method`` (not ``torch``, which takes any) sorts n keys of type ``kname``."""
     if method == "one_block":
         return kname == "i16" and n <= SORT_MAX
-    limit = {"merge": MSORT_MAX, "radix": RSORT_MAX}[method]
+    limit = {"merge": MSORT_MAX, "radix": RSORT_MAX, "rank": RANK_MAX}[method]
     return kname in ("i16", "i32") and n <= limit
 
 
@@ -433,6 +436,9 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
     if method == "merge" and not sort_takes(method, n, kname):
         raise KernelArgumentError(prefix, "method", f"{n} keys into {space} destinations: the merge sort takes "
                                                     f"up to {MSORT_MAX} keys into at most {2**32 - 1}")
+    if method == "rank" and not sort_takes(method, n, kname):
+        raise KernelArgumentError(prefix, "method", f"{n} keys into {space} destinations: the rank sort takes "
+                                                    f"up to {RANK_MAX} keys into at most {2**32 - 1}")
     if method == "one_block" and not sort_takes(method, n, kname):
         raise KernelArgumentError(prefix, "method", f"{n} keys into {space} destinations: the one-block sort "
                                                     f"takes up to {SORT_MAX} keys into at most 65535")
@@ -454,6 +460,11 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
             return skey, perm, start, kname, offset
         if method == "radix" and n:
             radix_sort(source, prefix, key, skey, perm, rows, width=width, offset=offset, check=check)
+        if method == "rank" and n:
+            per = 4 if n >= RANK_WIDE_FROM else 1  # elements per lane
+            launch(function(source, f"{prefix}_rank{per}_{kname}", dev), (cdiv(n, 32 * per),), (RANK_THREADS,),
+                   (ptr(key), ptr(skey), ptr(perm), np.int32(n), np.int64(width), np.int64(rows), np.int64(offset),
+                    check.trap), device=dev)
         if method == "one_block" and n:
             launch(function(source, f"{prefix}_sort_i16", dev, smem=SORT_SMEM), (1,), (SORT_THREADS,),
                    (ptr(key), ptr(skey), ptr(perm), np.int32(n), np.int64(width), np.int64(rows), np.int64(offset),

@@ -369,6 +369,98 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
     }
 
 // ------------------------------------------------------------------------------------------------
+// sorted: rank sort of few keys (int16 or int32 keys, one launch over many blocks)
+
+// The sorts above keep most of the GPU idle where n is a few thousand: the one-block sort runs on one SM,
+// the merge sort's tile pass on ceil(n / 2048) blocks. Here every element finds its sorted position on
+// its own: packed as p = (destination << DSHIFT) | e (unique; e < 2^16 for int16 keys, whose destinations
+// fit 16 bits, sentinel included), its position is #{u : p_u < p_e}: the destinations below its own,
+// then the equal ones from elements before it, which is the position a stable sort gives it, so skey and
+// perm are torch.sort(stable=True)'s. Block b ranks the elements [32 E b, 32 E b + 32 E) (lane l: 32 j +
+// l, j < E); every block makes all n packed keys itself (seg_destination), SEG_RANK_TILE at a time in
+// shared memory, its 8 warps each comparing its elements with an eighth of the tile (16-byte broadcast
+// reads), and the warps' counts are added. O(n^2) comparisons over ceil(n / 32 E) blocks: for the fewest
+// keys only (kernels/index_add.py: default_sort). A bad index fails the kernel (`trap`) in the block that
+// ranks it. DETERMINISTIC: integer counts, no atomics.
+#define SEG_RANK_THREADS 256
+#define SEG_RANK_TILE 2048
+#define SEG_RANK_MAX 65536  // int16 keys pack the element number into 16 bits
+
+template <typename P, int DSHIFT>
+__device__ __forceinline__ P seg_rank_key(const long long* __restrict__ key, long long e, long long width,
+                                          long long rows, long long space, const char* trap) {
+    return ((P)seg_destination(key[e], e, width, rows, space, trap) << DSHIFT) | (P)e;
+}
+
+template <typename KT, typename P, int DSHIFT, int E>
+__device__ __forceinline__ void seg_rank_body(const long long* __restrict__ key, KT* __restrict__ skey,
+                                              long long* __restrict__ perm, int n, long long width, long long rows,
+                                              long long offset, const char* trap) {
+    constexpr int PER_WARP = SEG_RANK_TILE / SEG_WARPS;
+    constexpr int VEC = 16 / sizeof(P);  // packed keys per 16-byte read
+    __shared__ __align__(16) P stage[SEG_RANK_TILE];
+    __shared__ unsigned part[SEG_WARPS][32 * E];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long space = width ? rows * width : rows;
+    const int e0 = blockIdx.x * 32 * E + lane;
+    P mine[E];
+    unsigned below[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+        const int e = e0 + 32 * j;  // the block's elements: each warp needs them, warp 0 traps on them
+        mine[j] = e < n ? seg_rank_key<P, DSHIFT>(key, e, width, rows, space, warp == 0 ? trap : nullptr) : (P)0;
+        below[j] = 0u;
+    }
+    for (int base = 0; base < n; base += SEG_RANK_TILE) {
+        __syncthreads();  // the previous tile is read
+        for (int i = threadIdx.x; i < SEG_RANK_TILE; i += SEG_RANK_THREADS) {
+            const int u = base + i;  // past the keys: all ones, above every element's packed key
+            stage[i] = u < n ? seg_rank_key<P, DSHIFT>(key, u, width, rows, space, nullptr) : ~(P)0;
+        }
+        __syncthreads();
+        const P* s = stage + warp * PER_WARP;
+        const int len = min(PER_WARP, max(0, n - base - warp * PER_WARP));
+        for (int i = 0; i < len; i += VEC) {
+            P q[VEC];
+            if (VEC == 4) {
+                const uint4 w = *reinterpret_cast<const uint4*>(s + i);
+                reinterpret_cast<uint4*>(q)[0] = w;
+            } else {
+                const ulonglong2 w = *reinterpret_cast<const ulonglong2*>(s + i);
+                reinterpret_cast<ulonglong2*>(q)[0] = w;
+            }
+#pragma unroll
+            for (int v = 0; v < VEC; ++v)
+#pragma unroll
+                for (int j = 0; j < E; ++j) below[j] += q[v] < mine[j];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) part[warp][32 * j + lane] = below[j];
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const int e = e0 + 32 * j;
+            if (e >= n) break;
+            unsigned pos = 0u;
+#pragma unroll
+            for (int w = 0; w < SEG_WARPS; ++w) pos += part[w][32 * j + lane];
+            skey[pos] = (KT)((long long)(mine[j] >> DSHIFT) - offset);
+            perm[pos] = (long long)e;
+        }
+    }
+}
+
+#define SEG_RANK_FOR(PREFIX, KEYNAME, KT, PT, DSHIFT, E)                                                 \
+    extern "C" __global__ void __launch_bounds__(SEG_RANK_THREADS)                                       \
+    PREFIX##_rank##E##_##KEYNAME(const long long* __restrict__ key, KT* __restrict__ skey,              \
+                                 long long* __restrict__ perm, int n, long long width, long long rows,   \
+                                 long long offset, int trap) {                                           \
+        seg_rank_body<KT, PT, DSHIFT, E>(key, skey, perm, n, width, rows, offset, trap ? #PREFIX : nullptr); \
+    }
+
+// ------------------------------------------------------------------------------------------------
 // sorted: tile sort and merge by rank (up to SEG_MSORT_MAX keys of int16 or int32)
 
 // Two launches replace the keys kernel, torch.sort and segsum_starts where n is small (torch.sort is a
@@ -1653,6 +1745,10 @@ segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict
     SEG_SORT_KERNEL(PREFIX)                        \
     SEG_MSORT_FOR(PREFIX, i16, short, unsigned, 16) \
     SEG_MSORT_FOR(PREFIX, i32, int, unsigned long long, 32) \
+    SEG_RANK_FOR(PREFIX, i16, short, unsigned, 16, 1) \
+    SEG_RANK_FOR(PREFIX, i16, short, unsigned, 16, 4) \
+    SEG_RANK_FOR(PREFIX, i32, int, unsigned long long, 32, 1) \
+    SEG_RANK_FOR(PREFIX, i32, int, unsigned long long, 32, 4) \
     SEG_RSORT_KERNELS(PREFIX)                      \
     SEG_FIXED_ADD_KERNEL(PREFIX##_fixed_add, #PREFIX) \
     SEG_FBIN_PLACE_KERNEL(PREFIX##_fbin_place, #PREFIX) \

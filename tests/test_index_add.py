@@ -287,6 +287,9 @@ SORTS = (
     # the radix sort's tiles (2048 keys), one to three digit passes, all keys equal, the element form
     (4095, 511, 0, 0.0, 2), (4097, 512, 0, 0.5, 0), (12289, 70000, 0, 0.01, 0), (100_000, 100_000, 0, 0.01, 13),
     (65536, 300, 0, 1.0, 0), (262_144, 1_000_000, 0, 0.0, 5), (131_072, 40_000, 8, 0.3, 3),
+    # the rank sort: its limit (65536 keys, element numbers in 16 bits beside int16 keys, the last one
+    # beside the sentinel 65535: all ones, as its padding), 1 or 4 elements per lane (from 8192 keys)
+    (65536, 65535, 0, 0.01, 64), (8191, 3000, 0, 0.2, 4), (8192, 3000, 0, 0.2, 4), (65535, 100_000, 0, 0.0, 2),
     # more than 256 tiles (the scan's carry between its rounds); no key at all
     (600_000, 100_000, 0, 0.01, 3), (0, 10, 0, 0.0, 0),
 )
@@ -312,9 +315,9 @@ def test_gpu_key_sorts_are_torch_sort(n, rows, width, dup, bad, cuda_sync):
     space = rows * max(width, 1)
     first = torch.searchsorted(want[0].cpu().long() + want[4], torch.arange(space + 1))
     assert torch.equal(want[2].cpu(), first)
-    methods = (["merge"] if n <= ia.MSORT_MAX else []) + (["one_block"] if kname == "i16" and n <= ia.SORT_MAX
-                                                          else []) + ["radix"]
     assert kname == ("i16" if rows * max(width, 1) < 2**16 else "i32")
+    methods = [m for m in ia.SORTS if m != "torch" and ia.sort_takes(m, n, kname)]
+    assert "radix" in methods and ("rank" in methods) == (n <= ia.RANK_MAX)
     for method in methods:
         for _ in range(5):
             got = ia.sort_keys(ia.SOURCE, OP, index, rows, width=width, method=method)
@@ -340,6 +343,7 @@ def test_launcher_constants_match_segsum_cuh():
     assert 4 * ia.MSORT_MAX <= ia.SMEM_PER_SM  # the merge stages every tile's destinations
     assert int(define["SEG_RSORT_TILE"]) == ia.RSORT_TILE and int(define["SEG_RSORT_BITS"]) == ia.RSORT_BITS
     assert int(define["SEG_RSORT_THREADS"]) == ia.RSORT_THREADS
+    assert int(define["SEG_RANK_THREADS"]) == ia.RANK_THREADS and int(define["SEG_RANK_MAX"]) == ia.RANK_MAX
 
 
 def test_radix_digits_take_the_fewest_passes_of_at_most_nine_bits():
@@ -458,6 +462,10 @@ def test_key_sorts_refuse_what_they_cannot_sort():
         ia.sort_keys(ia.SOURCE, OP, torch.empty(2**31, dtype=torch.int64, device="meta"), 10, method="radix")
     with pytest.raises(KernelArgumentError, match="method.*8589934592 destinations.*radix"):
         ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 2**31, width=4, method="radix")
+    with pytest.raises(KernelArgumentError, match="method.*65537 keys.*rank"):
+        ia.sort_keys(ia.SOURCE, OP, torch.zeros(65537, dtype=torch.int64), 10, method="rank")
+    with pytest.raises(KernelArgumentError, match="method.*8589934592 destinations.*rank"):
+        ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 2**31, width=4, method="rank")
     with pytest.raises(KernelArgumentError, match="method.*expected one of"):
         ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 10, method="bucket")
 

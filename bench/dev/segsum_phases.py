@@ -6,6 +6,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
 
     PYTHONPATH=. python bench/dev/segsum_phases.py [--ops index_add scatter_add] [--reps 20]
     PYTHONPATH=. python bench/dev/segsum_phases.py --splits   # index_add's sorted sums per task split
+    PYTHONPATH=. python bench/dev/segsum_phases.py --sorts    # the key sorts alone, per method
     PYTHONPATH=. python bench/dev/segsum_phases.py --fixed-schedules   # scatter_add's fixed, per schedule
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill   # embedding_bwd's zero fill beside the sort
 
@@ -104,7 +105,7 @@ SPLIT_SHAPES = ((1_000_000, 64, 1000), (1_000_000, 64, 100), (200_000, 256, 5000
 
 
 # (n, rows): the key sorts (sort_keys' methods), one to three digit passes, int16 and int32 keys
-SORT_SHAPES = ((1024, 50_000), (4096, 50_000), (8192, 50_000), (12288, 50_000), (16384, 50_000), (16384, 200),
+SORT_SHAPES = ((1024, 50_000), (2048, 32_000), (4096, 50_000), (8192, 50_000), (12288, 50_000), (16384, 50_000), (16384, 200),
                (32768, 50_000), (65536, 50_000), (16384, 1_000_000), (32768, 1_000_000), (2048, 1_000_000),
                (262_144, 50_000), (1_000_000, 1000), (1_000_000, 100_000), (1_000_000, 1_000_000),
                (8_388_608, 320_000))
@@ -115,10 +116,9 @@ def sort_sweep(dev: torch.device, flush) -> None:
         g = torch.Generator().manual_seed(2)
         idx = ia.draw_index(g, (n,), m, 0.01).to(dev)
         row, first = [f"sort n {n:6d} rows {m:7d}"], None
+        kname = ia._key_dtype(m)[1]
         for method in ia.SORTS:
-            if method == "one_block" and (n > ia.SORT_MAX or m > 2**16 - 1):
-                continue
-            if method == "merge" and n > ia.MSORT_MAX:
+            if method != "torch" and not ia.sort_takes(method, n, kname):
                 continue
 
             def fn(method=method):
@@ -212,6 +212,20 @@ def fill_sweep(dev: torch.device, flush) -> None:
                 return sorted_bwd(grad, idx, num_weights=v, check_range=False)
         row = timed_alike({f"{k}/SM": (lambda k=k: with_blocks(k)) for k in FILL_BLOCKS}, dev, flush)
         print("  sorted: " + "  ".join(row) + f"  (target: deterministic / 3 = {t_det / 3:.1f} us)", flush=True)
+        kname = ia._key_dtype(v)[1]
+        sorts = [m for m in ia.SORTS if m == "torch" or ia.sort_takes(m, n, kname)]
+        print("  key sort alone: " + "  ".join(
+            f"{m} {us(lambda m=m: ia.sort_keys(emb.SOURCE, emb.OP, idx, v, method=m), dev, flush):6.1f}"
+            for m in sorts) + f" us (default: {ia.default_sort(n, kname, 2)})", flush=True)
+
+        def with_sort(m):
+            with mock.patch.object(ia, "default_sort", lambda *a, m=m: m):
+                return sorted_bwd(grad, idx, num_weights=v, check_range=False)
+        print("  sorted per key sort: " + "  ".join(timed_alike({m: (lambda m=m: with_sort(m)) for m in sorts},
+                                                                dev, flush)) + " us", flush=True)
+        for m in sorts:
+            kt = kernel_times(lambda m=m: with_sort(m), 20)
+            print(f"  {m}'s kernels: " + ", ".join(f"{name} {t:.1f}" for name, t in kt.items()) + " us", flush=True)
         kt = kernel_times(lambda: sorted_bwd(grad, idx, num_weights=v, check_range=False), 20)
         print("  sorted's kernels: " + ", ".join(f"{name} {t:.1f}" for name, t in kt.items()) + " us", flush=True)
 
@@ -221,6 +235,7 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--splits", action="store_true", help="index_add's sorted sums per task split, then stop")
+    ap.add_argument("--sorts", action="store_true", help="the key sorts alone (as --splits begins), then stop")
     ap.add_argument("--fixed-schedules", action="store_true",
                     help="scatter_add's fixed sums per schedule over terms per destination, then stop")
     ap.add_argument("--fill", action="store_true",
@@ -231,8 +246,8 @@ def main() -> None:
     if a.fill:
         fill_sweep(dev, flush)
         return
-    if a.splits:
-        split_sweep(dev, flush)
+    if a.sorts or a.splits:
+        (split_sweep if a.splits else sort_sweep)(dev, flush)
         return
     if a.fixed_schedules:
         fixed_sweep(dev, flush)
