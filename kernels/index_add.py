@@ -354,6 +354,14 @@ ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 
 
 TILES_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take tiles
+GROUP_MAX = 8     # warps sharing one tile of sorted positions, at most (the fill split's warp kernels)
+RESIDENT_WARPS = 24  # warps per SM of the fill split's warp kernels (3 blocks of 8: 80 registers)
+
+
+def tile_group(n: int, slices: int, device: torch.device) -> int:
+    """Warps per tile of 32 sorted positions in the fill split's warp kernels: as many as keep the GPU's
+    resident warps filled, up to GROUP_MAX (2048 keys, 6 column slices: 384 tiles' tasks, so 8)."""
+    return max(1, min(GROUP_MAX, RESIDENT_WARPS * sm_count(device) // (cdiv(n, 32) * slices)))
 
 
 def default_split(n: int, space: int, scalar: bool) -> str:
@@ -381,26 +389,23 @@ RSORT_BITS = 9               # SEG_RSORT_BITS: most bits per digit
 RSORT_MAX = 2**31 - 1        # positions are 32-bit between the passes
 RANK_THREADS = 256           # SEG_RANK_THREADS
 RANK_MAX = 65536             # SEG_RANK_MAX: the rank sort takes up to this many keys
-RANK_WIDE_FROM = 8192        # the rank sort ranks 4 elements per lane (else 1) from this many keys on
 SORTS = ("merge", "one_block", "radix", "rank", "torch")
 
 
-ONE_BLOCK_UP_TO = 4096  # keys times digit passes up to which the one-block sort is the default
+RANK_UP_TO = 4096  # keys up to which the rank sort is the default
 
 
-def default_sort(n: int, kname: str, passes: int) -> str:
-    """The key sort for n keys of type ``kname`` sorted in ``passes`` 8-bit digits, from
-    ``bench/dev/segsum_phases.py --splits`` on the H200 (n keys into 50000 rows, us per call incl. the row
-    starts): ``one_block`` up to ONE_BLOCK_UP_TO keys times passes (1024 keys: 13.5, merge 17.2, torch
-    26.9); ``merge`` for int16 and int32 keys up to MSORT_MAX (4096: 18.3, one block 21.2; 16384: 22.8,
-    one block 50.2, torch 43.8; 32768: 27.6, torch 44.5; 16384 keys into 10^6 rows: 46.2, torch 76.2);
-    ``radix`` beyond, up to RSORT_MAX (H100, the same sweep at 563c3da, before the count, scan and
-    starts kernels took their present form: 32768 keys into 50000 rows: merge 28.8, radix 37.7; 65536:
-    radix 36.9, torch 50.8; 10^6 keys into 10^5 rows: 74.3, torch 121.4; 8388608 keys into 320000
-    destinations: 385.7, torch 558.6); ``torch`` for int64 keys and beyond."""
-    if kname == "i16" and n * passes <= ONE_BLOCK_UP_TO:
-        return "one_block"
-    return next((m for m in ("merge", "radix") if sort_takes(m, n, kname)), "torch")
+def default_sort(n: int, kname: str) -> str:
+    """The key sort for n keys of type ``kname``, from ``bench/dev/segsum_phases.py --sorts`` on the H200 at 1b152d9 (n keys into
+    50000 rows unless said, us per call incl. the row starts): ``rank`` for int16 and int32 keys up to
+    RANK_UP_TO (1024 keys: 10.9, one block 13.8, merge 18.1; 2048 into 32000 rows: 11.3, one block 16.1,
+    merge 18.2; 4096: 14.1, merge 19.0, one block 21.3; 2048 into 10^6 rows: 22.5, merge 30.2); ``merge``
+    up to MSORT_MAX (8192: 20.3, rank 29.2; 16384: 23.5, one block 49.9, torch 44.8; 32768: 28.1, radix
+    34.0; 16384 into 10^6 rows: 49.1, radix 59.5); ``radix`` beyond, up to RSORT_MAX (65536: 35.2, torch
+    48.1; 10^6 keys into 10^5 rows: 65.4, torch 116.2; 8388608 keys into 320000: 374.1, torch 504.1);
+    ``torch`` for int64 keys and beyond."""
+    return next((m for m in ("rank", "merge", "radix") if sort_takes(m, n, kname) and
+                 (m != "rank" or n <= RANK_UP_TO)), "torch")
 
 
 def sort_takes(method: str, n: int, kname: str) -> bool:
@@ -418,7 +423,9 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
     or a device-side assertion with a ``check`` device), narrowed to the smallest key type (_key_dtype:
     stored as destination - offset), sorted stably: perm[p] is the element at sorted position p; and
     start[m], the first sorted position with a destination >= m, for m = 0 .. space (start[space]: the
-    valid keys). ``method`` (default: default_sort): ``merge``, a tile sort and a merge by rank that also
+    valid keys). ``method`` (default: default_sort): ``rank``, each key's position counted over all the
+    keys (up to RANK_MAX int16 or int32 keys; O(n^2), many blocks); ``merge``, a tile sort and a merge by
+    rank that also
     writes the starts where they are few enough (segsum.cuh; two launches); ``one_block``, one block sorts
     up to SORT_MAX int16 keys; ``radix``, a radix sort of the destinations' significant bits only (int16
     and int32 keys, radix_sort: three launches per pass of up to 9 bits); ``torch``, the keys kernel then
@@ -430,7 +437,7 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
     ktype, kname, offset = _key_dtype(space)
     passes = 1 if space <= 255 else 2  # the one-block sort's 8-bit digits (the sentinel, space, included)
     if method is None:
-        method = default_sort(n, kname, passes)
+        method = default_sort(n, kname)
     elif method not in SORTS:
         raise KernelArgumentError(prefix, "method", f"expected one of {SORTS}, got {method!r}")
     if method == "merge" and not sort_takes(method, n, kname):
@@ -461,8 +468,7 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
         if method == "radix" and n:
             radix_sort(source, prefix, key, skey, perm, rows, width=width, offset=offset, check=check)
         if method == "rank" and n:
-            per = 4 if n >= RANK_WIDE_FROM else 1  # elements per lane
-            launch(function(source, f"{prefix}_rank{per}_{kname}", dev), (cdiv(n, 32 * per),), (RANK_THREADS,),
+            launch(function(source, f"{prefix}_rank_{kname}", dev), (cdiv(n, 32),), (RANK_THREADS,),
                    (ptr(key), ptr(skey), ptr(perm), np.int32(n), np.int64(width), np.int64(rows), np.int64(offset),
                     check.trap), device=dev)
         if method == "one_block" and n:
@@ -550,7 +556,7 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
                        check: RangeCheck = NO_CHECK) -> torch.Tensor:
     """out (rows, D): each destination's contributions in source order, chunked, fixed tree (see the
     module docstring). No host synchronisation: keys (narrowed, bad ones to a sentinel) and their stable
-    sort (sort_keys: one block, or a tile sort and a merge by rank, or a radix sort; torch.sort for int64
+    sort (sort_keys: a rank sort, or a tile sort and a merge by rank, or a radix sort; torch.sort for int64
     keys), row starts, sums. Task splits (``split``, default: default_split; all
     sum the same chunks in the same order, so give the same bits): ``rows``: a task per destination (it
     writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp
@@ -606,16 +612,17 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     part = torch.empty((2, slots, width), device=dev, dtype=torch.float32)
     counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
     fill = split == "fill"
+    group = 1 if scalar or not fill else tile_group(n, slices, dev)
     args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
             np.uint64(int(ptr(counters)) + 4 * slots * slices), np.int64(n), np.int32(width), np.int64(skip),
-            np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill))
+            np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill), np.int32(group))
     if join is not None:
         join()
     if scalar:  # a thread per destination (rows) and per sorted position
         launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if fill else space) + n),),
                (THREADS,), args, device=dev)
     else:  # a warp per destination (or 32 of them; or none) and per 32 sorted positions; grid rows: slices
-        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32)
+        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32) * group
         kernel = f"{prefix}_rows{vec}{'' if split == 'rows' else '_' + split}_{kname}"
         launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
                                                min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)

@@ -16,8 +16,9 @@
 //           operands and results to sign-preserving zero (PTX atom.add.f32).
 //   sorted  segsum_keys narrows the keys to the smallest sortable type (int16 for up to 65535
 //           destinations, stored as key - 32768; int32 as key - 2^31; else int64), out-of-range keys
-//           becoming the sentinel `space`, and sorts them stably (few keys: one block, or a tile sort
-//           and a merge by rank; more: a radix sort of the destinations' significant bits; int64 keys:
+//           becoming the sentinel `space`, and sorts them stably (few keys: each key's position
+//           counted over all the keys, a tile sort and a merge by rank, or one block; more: a radix sort
+//           of the destinations' significant bits; int64 keys:
 //           torch.sort(stable=True); all deterministic, all the same result), so each row's
 //           contributions lie together in source order; segsum_starts (or
 //           the merge) finds where each row begins (start[space] = the number of valid keys, which is
@@ -38,7 +39,7 @@
 //           warp kernels may take destination rows 32 per task instead (empty rows written as zeros,
 //           rows of one contribution loaded several at once), or, over an output zero-filled on a second
 //           stream while the keys are sorted, sorted positions only (a tile of 32 also takes chunk 0 of
-//           the rows that start in it); the thread kernel too (`fill`).
+//           the rows that start in it; up to 8 warps may share a tile); the thread kernel too (`fill`).
 //   fixed   order-independent fixed point, three launches and no sort (the direct schedule; the element
 //           form's binned one, below, adds the same integers): segsum_fixed_max finds the
 //           largest finite |src| (one atomicMax per block on the float's bits: an integer max, exact in any
@@ -373,13 +374,13 @@ __device__ __forceinline__ void seg_sort_body(const long long* __restrict__ key,
 
 // The sorts above keep most of the GPU idle where n is a few thousand: the one-block sort runs on one SM,
 // the merge sort's tile pass on ceil(n / 2048) blocks. Here every element finds its sorted position on
-// its own: packed as p = (destination << DSHIFT) | e (unique; e < 2^16 for int16 keys, whose destinations
-// fit 16 bits, sentinel included), its position is #{u : p_u < p_e}: the destinations below its own,
-// then the equal ones from elements before it, which is the position a stable sort gives it, so skey and
-// perm are torch.sort(stable=True)'s. Block b ranks the elements [32 E b, 32 E b + 32 E) (lane l: 32 j +
-// l, j < E); every block makes all n packed keys itself (seg_destination), SEG_RANK_TILE at a time in
-// shared memory, its 8 warps each comparing its elements with an eighth of the tile (16-byte broadcast
-// reads), and the warps' counts are added. O(n^2) comparisons over ceil(n / 32 E) blocks: for the fewest
+// its own: packed as p = (destination << DSHIFT) | e (unique; e < 2^16 beside int16 keys, whose
+// destinations fit 16 bits, sentinel included), its position is #{u : p_u < p_e}: the destinations below
+// its own, then the equal ones of elements before it, which is the position a stable sort gives it, so
+// skey and perm are torch.sort(stable=True)'s. Block b ranks the elements [32 b, 32 b + 32), one per
+// lane; every block makes all n packed keys itself (seg_destination), SEG_RANK_TILE at a time in shared
+// memory, its 8 warps each comparing their lanes' elements with an eighth of the tile (16-byte broadcast
+// reads), and the warps' counts are added. O(n^2) comparisons over ceil(n / 32) blocks: for the fewest
 // keys only (kernels/index_add.py: default_sort). A bad index fails the kernel (`trap`) in the block that
 // ranks it. DETERMINISTIC: integer counts, no atomics.
 #define SEG_RANK_THREADS 256
@@ -392,29 +393,23 @@ __device__ __forceinline__ P seg_rank_key(const long long* __restrict__ key, lon
     return ((P)seg_destination(key[e], e, width, rows, space, trap) << DSHIFT) | (P)e;
 }
 
-template <typename KT, typename P, int DSHIFT, int E>
+template <typename KT, typename P, int DSHIFT>
 __device__ __forceinline__ void seg_rank_body(const long long* __restrict__ key, KT* __restrict__ skey,
                                               long long* __restrict__ perm, int n, long long width, long long rows,
                                               long long offset, const char* trap) {
     constexpr int PER_WARP = SEG_RANK_TILE / SEG_WARPS;
     constexpr int VEC = 16 / sizeof(P);  // packed keys per 16-byte read
     __shared__ __align__(16) P stage[SEG_RANK_TILE];
-    __shared__ unsigned part[SEG_WARPS][32 * E];
+    __shared__ unsigned part[SEG_WARPS][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long space = width ? rows * width : rows;
-    const int e0 = blockIdx.x * 32 * E + lane;
-    P mine[E];
-    unsigned below[E];
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-        const int e = e0 + 32 * j;  // the block's elements: each warp needs them, warp 0 traps on them
-        mine[j] = e < n ? seg_rank_key<P, DSHIFT>(key, e, width, rows, space, warp == 0 ? trap : nullptr) : (P)0;
-        below[j] = 0u;
-    }
+    const int e = blockIdx.x * 32 + lane;  // every warp needs the block's elements; warp 0 traps on them
+    const P mine = e < n ? seg_rank_key<P, DSHIFT>(key, e, width, rows, space, warp == 0 ? trap : nullptr) : (P)0;
+    unsigned below = 0u;
     for (int base = 0; base < n; base += SEG_RANK_TILE) {
         __syncthreads();  // the previous tile is read
         for (int i = threadIdx.x; i < SEG_RANK_TILE; i += SEG_RANK_THREADS) {
-            const int u = base + i;  // past the keys: all ones, above every element's packed key
+            const int u = base + i;  // past the keys: all ones, below no element's packed key
             stage[i] = u < n ? seg_rank_key<P, DSHIFT>(key, u, width, rows, space, nullptr) : ~(P)0;
         }
         __syncthreads();
@@ -422,42 +417,28 @@ __device__ __forceinline__ void seg_rank_body(const long long* __restrict__ key,
         const int len = min(PER_WARP, max(0, n - base - warp * PER_WARP));
         for (int i = 0; i < len; i += VEC) {
             P q[VEC];
-            if (VEC == 4) {
-                const uint4 w = *reinterpret_cast<const uint4*>(s + i);
-                reinterpret_cast<uint4*>(q)[0] = w;
-            } else {
-                const ulonglong2 w = *reinterpret_cast<const ulonglong2*>(s + i);
-                reinterpret_cast<ulonglong2*>(q)[0] = w;
-            }
+            *reinterpret_cast<uint4*>(q) = *reinterpret_cast<const uint4*>(s + i);
 #pragma unroll
-            for (int v = 0; v < VEC; ++v)
-#pragma unroll
-                for (int j = 0; j < E; ++j) below[j] += q[v] < mine[j];
+            for (int v = 0; v < VEC; ++v) below += q[v] < mine;
         }
     }
-#pragma unroll
-    for (int j = 0; j < E; ++j) part[warp][32 * j + lane] = below[j];
+    part[warp][lane] = below;
     __syncthreads();
-    if (warp == 0) {
+    if (warp == 0 && e < n) {
+        unsigned pos = 0u;
 #pragma unroll
-        for (int j = 0; j < E; ++j) {
-            const int e = e0 + 32 * j;
-            if (e >= n) break;
-            unsigned pos = 0u;
-#pragma unroll
-            for (int w = 0; w < SEG_WARPS; ++w) pos += part[w][32 * j + lane];
-            skey[pos] = (KT)((long long)(mine[j] >> DSHIFT) - offset);
-            perm[pos] = (long long)e;
-        }
+        for (int w = 0; w < SEG_WARPS; ++w) pos += part[w][lane];
+        skey[pos] = (KT)((long long)(mine >> DSHIFT) - offset);
+        perm[pos] = (long long)e;
     }
 }
 
-#define SEG_RANK_FOR(PREFIX, KEYNAME, KT, PT, DSHIFT, E)                                                 \
+#define SEG_RANK_FOR(PREFIX, KEYNAME, KT, PT, DSHIFT)                                                    \
     extern "C" __global__ void __launch_bounds__(SEG_RANK_THREADS)                                       \
-    PREFIX##_rank##E##_##KEYNAME(const long long* __restrict__ key, KT* __restrict__ skey,              \
-                                 long long* __restrict__ perm, int n, long long width, long long rows,   \
-                                 long long offset, int trap) {                                           \
-        seg_rank_body<KT, PT, DSHIFT, E>(key, skey, perm, n, width, rows, offset, trap ? #PREFIX : nullptr); \
+    PREFIX##_rank_##KEYNAME(const long long* __restrict__ key, KT* __restrict__ skey,                   \
+                            long long* __restrict__ perm, int n, long long width, long long rows,        \
+                            long long offset, int trap) {                                                \
+        seg_rank_body<KT, PT, DSHIFT>(key, skey, perm, n, width, rows, offset, trap ? #PREFIX : nullptr); \
     }
 
 // ------------------------------------------------------------------------------------------------
@@ -1137,8 +1118,12 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
 // .. + 31 and the chunks c >= 1 that start in it. SEG_SPLIT_FILL: position tasks only, over an output
 // already zero-filled (the launcher fills it on a second stream while the keys are sorted); a position
 // tile also takes the rows that start in it: those of one contribution through seg_warp_singles, then
-// chunk 0 of each longer row. Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each.
-// Every split sums the same chunks in the same order: the same bits.
+// chunk 0 of each longer row. In the fill split, a position tile may be shared by `group` warps (tasks
+// tile * group + g):
+// warp g takes the rows and chunks that start at the tile's lanes h = g mod group, so a tile's round
+// trips run side by side where the tiles are too few to fill the GPU (an embedding gradient of 2048
+// tokens: 64 tiles). Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each. Every split
+// sums the same chunks in the same order, each chunk in exactly one task: the same bits.
 #define SEG_SPLIT_ROWS 0
 #define SEG_SPLIT_TILES 1
 #define SEG_SPLIT_FILL 2
@@ -1149,11 +1134,12 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                                               const long long* __restrict__ start, float* __restrict__ out,
                                               float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
                                               long long n, int D, long long skip, int scaled, long long space,
-                                              long long offset) {
+                                              long long offset, int group_arg) {
     const int lane = threadIdx.x & 31;
+    const int group = SPLIT == SEG_SPLIT_FILL ? group_arg : 1;  // the other splits have tasks enough
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
     const long long dtasks = SPLIT == SEG_SPLIT_ROWS ? space : SPLIT == SEG_SPLIT_TILES ? (space + 31) >> 5 : 0;
-    const long long tasks = dtasks + ((n + 31) >> 5);
+    const long long tasks = dtasks + ((n + 31) >> 5) * group;
     const long long warps = (long long)gridDim.x * SEG_WARPS;
     for (long long slice = blockIdx.y; slice < slices; slice += gridDim.y) {
         const int col = (int)slice * 32 * VEC + lane * VEC;
@@ -1198,7 +1184,9 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 }
                 continue;
             }
-            const long long tile = w - dtasks, p = tile * 32 + lane;
+            const long long tile = (w - dtasks) / group, p = tile * 32 + lane;
+            unsigned own = 0u;  // the lanes whose rows and chunks this task takes
+            for (int h = (int)((w - dtasks) - tile * group); h < 32; h += group) own |= 1u << h;
             long long m = 0, s = 0, k = 0, L = 1;
             bool head = false, first = false;
             if (p < n) {
@@ -1214,15 +1202,15 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
             if (SPLIT == SEG_SPLIT_FILL) {  // the rows starting in this tile
                 const bool single = first && k == 1;
                 const long long r = single ? perm[p] : 0;
-                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single), r, m, D, col, active, scaled);
-                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1); longer; longer &= longer - 1) {
+                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single) & own, r, m, D, col, active, scaled);
+                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1) & own; longer; longer &= longer - 1) {
                     const int h = __ffs(longer) - 1;
                     seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2, __shfl_sync(SEG_FULL, m, h),
                                               tile * 32 + h, __shfl_sync(SEG_FULL, k, h), D, col, active, cb, ce,
                                               scaled, slice, slices);
                 }
             }
-            unsigned heads = __ballot_sync(SEG_FULL, head);
+            unsigned heads = __ballot_sync(SEG_FULL, head) & own;
             while (heads) {
                 const int h = __ffs(heads) - 1;
                 heads &= heads - 1;
@@ -1246,14 +1234,15 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
 // sorted position p = t - space, the chunk c >= 1 that starts there if one does. With `fill` (the output
 // is zero-filled): position tasks only, each also taking chunk 0 of a row that starts there. Column by column:
 // perm[q] * D + d is the value of contribution q in column d (element form: D = 1, perm[q] is the
-// flat src element); 8 contributions loaded at once, added in order.
+// flat src element); 8 contributions loaded at once, added in order. (`group` is the warp kernels'; the
+// launcher passes 1.)
 template <typename K>
 __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, const K* __restrict__ skey,
                                                 const long long* __restrict__ perm,
                                                 const long long* __restrict__ start, float* __restrict__ out,
                                                 float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
                                                 long long n, int D, long long skip, int scaled, long long space,
-                                                long long offset, int fill) {
+                                                long long offset, int fill, int group) {
     constexpr int U = 8;
     const long long step = (long long)gridDim.x * blockDim.x;
     const long long first = fill ? space : 0;  // no destination tasks over a zero-filled output
@@ -1300,15 +1289,16 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
     }
 }
 
-#define SEG_SORTED_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset, fill
+#define SEG_SORTED_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset, fill, \
+    group
 
 #define SEG_SORTED_ARGS_T(KT)                                                                            \
     const float* __restrict__ src, const KT* __restrict__ skey, const long long* __restrict__ perm,     \
         const long long* __restrict__ start, float* __restrict__ out, float* part1, float* part2,       \
         unsigned* cnt1, unsigned* cnt2, long long n, int D, long long skip, int scaled, long long space, \
-        long long offset, int fill
+        long long offset, int fill, int group
 
-#define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset
+#define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset, group
 
 // PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key> and PREFIX_rows<VEC>_fill_<key>,
 // separate kernels. The last two are held to 80 registers (3 blocks per SM; spill-free at U = 16 / VEC):
@@ -1745,10 +1735,8 @@ segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict
     SEG_SORT_KERNEL(PREFIX)                        \
     SEG_MSORT_FOR(PREFIX, i16, short, unsigned, 16) \
     SEG_MSORT_FOR(PREFIX, i32, int, unsigned long long, 32) \
-    SEG_RANK_FOR(PREFIX, i16, short, unsigned, 16, 1) \
-    SEG_RANK_FOR(PREFIX, i16, short, unsigned, 16, 4) \
-    SEG_RANK_FOR(PREFIX, i32, int, unsigned long long, 32, 1) \
-    SEG_RANK_FOR(PREFIX, i32, int, unsigned long long, 32, 4) \
+    SEG_RANK_FOR(PREFIX, i16, short, unsigned, 16) \
+    SEG_RANK_FOR(PREFIX, i32, int, unsigned long long, 32) \
     SEG_RSORT_KERNELS(PREFIX)                      \
     SEG_FIXED_ADD_KERNEL(PREFIX##_fixed_add, #PREFIX) \
     SEG_FBIN_PLACE_KERNEL(PREFIX##_fbin_place, #PREFIX) \

@@ -216,7 +216,7 @@ def fill_sweep(dev: torch.device, flush) -> None:
         sorts = [m for m in ia.SORTS if m == "torch" or ia.sort_takes(m, n, kname)]
         print("  key sort alone: " + "  ".join(
             f"{m} {us(lambda m=m: ia.sort_keys(emb.SOURCE, emb.OP, idx, v, method=m), dev, flush):6.1f}"
-            for m in sorts) + f" us (default: {ia.default_sort(n, kname, 2)})", flush=True)
+            for m in sorts) + f" us (default: {ia.default_sort(n, kname)})", flush=True)
 
         def with_sort(m):
             with mock.patch.object(ia, "default_sort", lambda *a, m=m: m):
@@ -226,6 +226,18 @@ def fill_sweep(dev: torch.device, flush) -> None:
         for m in sorts:
             kt = kernel_times(lambda m=m: with_sort(m), 20)
             print(f"  {m}'s kernels: " + ", ".join(f"{name} {t:.1f}" for name, t in kt.items()) + " us", flush=True)
+
+        def with_group(k):
+            with mock.patch.object(ia, "tile_group", lambda *a, k=k: k):
+                return sorted_bwd(grad, idx, num_weights=v, check_range=False)
+        groups = (1, 2, 4, 8)
+        print("  sorted per tile group (warps per tile of sorted positions): " + "  ".join(timed_alike(
+            {str(k): (lambda k=k: with_group(k)) for k in groups}, dev, flush)) + " us (default: "
+            f"{ia.tile_group(n, kernels.runtime.cdiv(d, 128), dev)})", flush=True)
+        for k in groups:
+            kt = kernel_times(lambda k=k: with_group(k), 20)
+            print(f"  group {k}'s kernels: " + ", ".join(f"{name} {t:.1f}" for name, t in kt.items()) + " us",
+                  flush=True)
         kt = kernel_times(lambda: sorted_bwd(grad, idx, num_weights=v, check_range=False), 20)
         print("  sorted's kernels: " + ", ".join(f"{name} {t:.1f}" for name, t in kt.items()) + " us", flush=True)
 
