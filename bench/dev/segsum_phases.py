@@ -9,6 +9,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
     PYTHONPATH=. python bench/dev/segsum_phases.py --sorts    # the key sorts alone, per method
     PYTHONPATH=. python bench/dev/segsum_phases.py --fixed-schedules   # scatter_add's fixed, per schedule
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill   # embedding_bwd's zero fill beside the sort
+    PYTHONPATH=. python bench/dev/segsum_phases.py --fill-grid   # embedding_bwd per lane width, tile group
 
 ``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
@@ -242,6 +243,33 @@ def fill_sweep(dev: torch.device, flush) -> None:
         print("  sorted's kernels: " + ", ".join(f"{name} {t:.1f}" for name, t in kt.items()) + " us", flush=True)
 
 
+def fill_grid(dev: torch.device, flush) -> None:
+    """embedding_bwd's sorted variant on FILL_SHAPES per column width of a lane (kernels/index_add.py
+    _vec: 1, 2 or 4 floats) and warps per tile of sorted positions (tile_group), bits checked equal: the
+    call's time and its sums kernel's (torch.profiler)."""
+    from nnrand.audit import _zipf
+
+    sorted_bwd = kernels.get("embedding_bwd", "sorted")
+    for v, d, n in FILL_SHAPES:
+        g = torch.Generator().manual_seed(4)
+        idx = _zipf(g, n, v).to(dev)
+        grad = torch.randn(n, d, generator=g).to(dev)
+        print(f"\nembedding V {v} D {d} tokens {n} (default vec {ia._vec(grad, d)}, group "
+              f"{ia.tile_group(n, kernels.runtime.cdiv(d, 32 * ia._vec(grad, d)), dev)})", flush=True)
+        for vec in (1, 2, 4):
+            if d % vec:
+                continue
+            for k in (1, 2, 4, 8):
+                def run(vec=vec, k=k):
+                    with mock.patch.object(ia, "_vec", lambda *a, vec=vec: vec), \
+                            mock.patch.object(ia, "tile_group", lambda *a, k=k: k):
+                        return sorted_bwd(grad, idx, num_weights=v, check_range=False)
+                call = timed_alike({"call": run, "default": lambda: sorted_bwd(grad, idx, num_weights=v,
+                                                                                check_range=False)}, dev, flush)[0]
+                sums = sum(t for name, t in kernel_times(run, 20).items() if "_rows" in name)
+                print(f"  vec {vec} group {k}: {call} us, sums kernel {sums:6.1f} us", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
@@ -252,11 +280,13 @@ def main() -> None:
                     help="scatter_add's fixed sums per schedule over terms per destination, then stop")
     ap.add_argument("--fill", action="store_true",
                     help="embedding_bwd's sorted variant per grid of its zero fill, then stop")
+    ap.add_argument("--fill-grid", action="store_true",
+                    help="embedding_bwd's sorted variant per lane width and warps per position tile, then stop")
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
-    if a.fill:
-        fill_sweep(dev, flush)
+    if a.fill or a.fill_grid:
+        (fill_sweep if a.fill else fill_grid)(dev, flush)
         return
     if a.sorts or a.splits:
         (split_sweep if a.splits else sort_sweep)(dev, flush)
