@@ -350,7 +350,7 @@ SORT_MAX = 16384          # SEG_SORT_MAX: up to this many keys (int16 ones), one
 SORT_THREADS = 1024
 SORT_SMEM = (2 * SORT_MAX + 257 * 32 + 32) * 4   # SEG_SORT_SMEM
 SPLITS = ("rows", "tiles", "fill")
-ZERO_BLOCKS_PER_SM = 2  # the zero fills' grid: segsum_zero beside the sort, segsum_zero_rows beside the sums
+ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 
 
 TILES_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take tiles
@@ -561,10 +561,9 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     sum the same chunks in the same order, so give the same bits): ``rows``: a task per destination (it
     writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp
     kernels): a task per 32 destinations instead (zeros for the empty ones, rows of one contribution read
-    lane-parallel); ``fill``: the sums take only the tiles of 32 sorted positions and the other rows are
-    zero-filled on a second stream (an embedding's gradient: most rows empty): by the warp kernels, the
-    rows no key reaches, beside the sums (segsum_zero_rows, after the sort); by the thread kernel, the whole
-    output, beside the sort. The thread kernel knows ``rows`` and ``fill`` (``tiles`` runs as ``fill``).
+    lane-parallel); ``fill``: the output is zero-filled on a second stream while the keys are sorted, and
+    the sums take only the tiles of 32 sorted positions (an embedding's gradient: most rows empty; the
+    fill overlaps the sort). The thread kernel knows ``rows`` and ``fill`` (``tiles`` runs as ``fill``).
     Keys outside [0, rows) add nothing, or fail the keys kernel (``check`` device), or raise
     KernelArgumentError after the kernels are queued (``check`` sync: start[space], the count of valid
     keys, read back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits;
@@ -583,7 +582,7 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     if scalar and split == "tiles":
         split = "fill"
     out, join = torch.empty((rows, d), device=dev, dtype=torch.float32), None
-    if split == "fill" and scalar:  # zeros beside the keys' sort (segsum_zero: a grid that leaves room for it)
+    if split == "fill":  # zeros beside the keys' sort (segsum_zero: a grid that leaves room for it)
         side, join = fork(dev)
         with torch.cuda.stream(side):
             launch(function(source, "segsum_zero", dev), (max(1, min(cdiv(out.numel(), 4 * THREADS),
@@ -598,10 +597,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
 
 
 def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join):
-    """segsum_sorted_cuda after its checks and the thread kernel's zero fill: sort, row starts, sums into
-    ``out`` (``join``: the current stream waits for that fill on the side stream before the sums, None
-    without one); in the warp kernels' fill split, the empty rows' zeros on a side stream beside the
-    sums."""
+    """segsum_sorted_cuda after its checks and zero fill: sort, row starts, sums into ``out`` (``join``:
+    the current stream waits for the fill on the side stream before the sums, None without one)."""
     d = src.shape[1]
     dev = src.device
     n = key.numel()
@@ -621,25 +618,14 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
             np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill), np.int32(group))
     if join is not None:
         join()
-    zeros_join = None
-    if fill and not scalar:  # the empty rows' zeros beside the sums (disjoint rows: no order between them)
-        side, zeros_join = fork(dev)
-        with torch.cuda.stream(side):
-            launch(function(source, f"segsum_zero_rows{4 if width % 4 == 0 else 1}", dev),
-                   (max(1, min(cdiv(space, 32 * (THREADS // 32)), ZERO_BLOCKS_PER_SM * sm_count(dev))),),
-                   (THREADS,), (ptr(out), ptr(start), np.int64(space), np.int64(width), np.int64(skip)), device=dev)
     if scalar:  # a thread per destination (rows) and per sorted position
         launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if fill else space) + n),),
                (THREADS,), args, device=dev)
     else:  # a warp per destination (or 32 of them; or none) and per 32 sorted positions; grid rows: slices
         warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32) * group
         kernel = f"{prefix}_rows{vec}{'' if split == 'rows' else '_' + split}_{kname}"
-        try:
-            launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
-                                                   min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)
-        finally:
-            if zeros_join is not None:  # out and start are not freed while the side stream uses them
-                zeros_join()
+        launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
+                                               min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)
     if check.sync and int(start[space]) != n:  # the one host synchronisation, after the work is queued
         check_index_range(check.op, check.arg, key, rows)
     return out

@@ -1020,29 +1020,6 @@ struct SegVec<4> {
     }
 };
 
-// out[m * W .. m * W + W) = +0.0 for every destination m < space with no contribution (start[m] ==
-// start[m + 1]) and for m == skip: the warp kernels' fill split, on a second stream beside the sums,
-// which write every other destination (so the two never write the same row, and the zeros need not wait
-// for them, nor they for the zeros). A warp takes 32 consecutive destinations (one coalesced read of
-// their starts) and writes its empty ones' rows, VEC floats per store (W a multiple of VEC, out 16-byte
-// aligned). Launched on a grid of a few blocks per SM, as segsum_zero, so the sums' blocks find room.
-template <int VEC>
-__device__ __forceinline__ void seg_zero_rows_body(float* __restrict__ out, const long long* __restrict__ start,
-                                                   long long space, long long W, long long skip) {
-    const int lane = threadIdx.x & 31;
-    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
-    const float zero[VEC] = {};
-    for (long long m0 = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 32; m0 < space;
-         m0 += warps * 32) {
-        const long long m = m0 + lane;
-        const bool empty = m < space && (m == skip || start[m] == start[m + 1]);
-        for (unsigned rows = __ballot_sync(SEG_FULL, empty); rows; rows &= rows - 1) {
-            float* row = out + (m0 + __ffs(rows) - 1) * W;
-            for (long long c = (long long)lane * VEC; c < W; c += 32 * VEC) SegVec<VEC>::store(row + c, zero);
-        }
-    }
-}
-
 // The warp sums `len` contributions from sorted position q0 in source order: lane l holds columns
 // col .. col + VEC - 1. perm is read 32 positions at a time (one per lane) and broadcast; U source rows
 // are loaded at once (16 floats per lane in flight, 80 registers: 3 blocks per SM; predicated, so a
@@ -1751,17 +1728,6 @@ segsum_fbin_reduce(const uint2* __restrict__ entries, const unsigned* __restrict
                                        ((unsigned long long)limb[3 * width + j] << 48);
         if (sum != 0ull) atomicAdd(out + j, sum);
     }
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-segsum_zero_rows1(float* __restrict__ out, const long long* __restrict__ start, long long space, long long W,
-                  long long skip) {
-    seg_zero_rows_body<1>(out, start, space, W, skip);
-}
-extern "C" __global__ void __launch_bounds__(256)
-segsum_zero_rows4(float* __restrict__ out, const long long* __restrict__ start, long long space, long long W,
-                  long long skip) {
-    seg_zero_rows_body<4>(out, start, space, W, skip);
 }
 
 #define SEG_KERNELS(PREFIX)                        \
