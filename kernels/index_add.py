@@ -354,14 +354,6 @@ ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 
 
 TILES_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take tiles
-GROUP_MAX = 8     # warps sharing one tile of sorted positions, at most (the fill split's warp kernels)
-RESIDENT_WARPS = 24  # warps per SM of the fill split's warp kernels (3 blocks of 8: 80 registers)
-
-
-def tile_group(n: int, slices: int, device: torch.device) -> int:
-    """Warps per tile of 32 sorted positions in the fill split's warp kernels: as many as keep the GPU's
-    resident warps filled, up to GROUP_MAX (2048 keys, 6 column slices: 384 tiles' tasks, so 8)."""
-    return max(1, min(GROUP_MAX, RESIDENT_WARPS * sm_count(device) // (cdiv(n, 32) * slices)))
 
 
 def default_split(n: int, space: int, scalar: bool) -> str:
@@ -396,9 +388,9 @@ RANK_UP_TO = 4096  # keys up to which the rank sort is the default
 
 
 def default_sort(n: int, kname: str) -> str:
-    """The key sort for n keys of type ``kname``, from ``bench/dev/segsum_phases.py --sorts`` on the H200 at 1b152d9 (n keys into
-    50000 rows unless said, us per call incl. the row starts): ``rank`` for int16 and int32 keys up to
-    RANK_UP_TO (1024 keys: 10.9, one block 13.8, merge 18.1; 2048 into 32000 rows: 11.3, one block 16.1,
+    """The key sort for n keys of type ``kname``, from ``bench/dev/segsum_phases.py --sorts`` on the H200
+    at 1b152d9 (n keys into 50000 rows unless said, us per call incl. the row starts): ``rank`` for int16
+    and int32 keys up to RANK_UP_TO (1024 keys: 10.9, one block 13.8, merge 18.1; 2048 into 32000 rows: 11.3, one block 16.1,
     merge 18.2; 4096: 14.1, merge 19.0, one block 21.3; 2048 into 10^6 rows: 22.5, merge 30.2); ``merge``
     up to MSORT_MAX (8192: 20.3, rank 29.2; 16384: 23.5, one block 49.9, torch 44.8; 32768: 28.1, radix
     34.0; 16384 into 10^6 rows: 49.1, radix 59.5); ``radix`` beyond, up to RSORT_MAX (65536: 35.2, torch
@@ -424,10 +416,9 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
     stored as destination - offset), sorted stably: perm[p] is the element at sorted position p; and
     start[m], the first sorted position with a destination >= m, for m = 0 .. space (start[space]: the
     valid keys). ``method`` (default: default_sort): ``rank``, each key's position counted over all the
-    keys (up to RANK_MAX int16 or int32 keys; O(n^2), many blocks); ``merge``, a tile sort and a merge by
-    rank that also
-    writes the starts where they are few enough (segsum.cuh; two launches); ``one_block``, one block sorts
-    up to SORT_MAX int16 keys; ``radix``, a radix sort of the destinations' significant bits only (int16
+    keys (up to RANK_MAX int16 or int32 keys; O(n^2) comparisons over many blocks); ``merge``, a tile sort
+    and a merge by rank that also writes the starts where they are few enough (segsum.cuh; two launches);
+    ``one_block``, one block sorts up to SORT_MAX int16 keys; ``radix``, a radix sort of the destinations' significant bits only (int16
     and int32 keys, radix_sort: three launches per pass of up to 9 bits); ``torch``, the keys kernel then
     torch.sort(stable=True). The starts kernel after each but a fused merge. All give the same skey, perm
     and start."""
@@ -612,17 +603,16 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     part = torch.empty((2, slots, width), device=dev, dtype=torch.float32)
     counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
     fill = split == "fill"
-    group = 1 if scalar or not fill else tile_group(n, slices, dev)
     args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
             np.uint64(int(ptr(counters)) + 4 * slots * slices), np.int64(n), np.int32(width), np.int64(skip),
-            np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill), np.int32(group))
+            np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill))
     if join is not None:
         join()
     if scalar:  # a thread per destination (rows) and per sorted position
         launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if fill else space) + n),),
                (THREADS,), args, device=dev)
     else:  # a warp per destination (or 32 of them; or none) and per 32 sorted positions; grid rows: slices
-        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32) * group
+        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32)
         kernel = f"{prefix}_rows{vec}{'' if split == 'rows' else '_' + split}_{kname}"
         launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
                                                min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)

@@ -39,7 +39,7 @@
 //           warp kernels may take destination rows 32 per task instead (empty rows written as zeros,
 //           rows of one contribution loaded several at once), or, over an output zero-filled on a second
 //           stream while the keys are sorted, sorted positions only (a tile of 32 also takes chunk 0 of
-//           the rows that start in it; up to 8 warps may share a tile); the thread kernel too (`fill`).
+//           the rows that start in it); the thread kernel too (`fill`).
 //   fixed   order-independent fixed point, three launches and no sort (the direct schedule; the element
 //           form's binned one, below, adds the same integers): segsum_fixed_max finds the
 //           largest finite |src| (one atomicMax per block on the float's bits: an integer max, exact in any
@@ -1118,12 +1118,8 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
 // .. + 31 and the chunks c >= 1 that start in it. SEG_SPLIT_FILL: position tasks only, over an output
 // already zero-filled (the launcher fills it on a second stream while the keys are sorted); a position
 // tile also takes the rows that start in it: those of one contribution through seg_warp_singles, then
-// chunk 0 of each longer row. In the fill split, a position tile may be shared by `group` warps (tasks
-// tile * group + g):
-// warp g takes the rows and chunks that start at the tile's lanes h = g mod group, so a tile's round
-// trips run side by side where the tiles are too few to fill the GPU (an embedding gradient of 2048
-// tokens: 64 tiles). Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each. Every split
-// sums the same chunks in the same order, each chunk in exactly one task: the same bits.
+// chunk 0 of each longer row. Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each.
+// Every split sums the same chunks in the same order: the same bits.
 #define SEG_SPLIT_ROWS 0
 #define SEG_SPLIT_TILES 1
 #define SEG_SPLIT_FILL 2
@@ -1134,12 +1130,11 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                                               const long long* __restrict__ start, float* __restrict__ out,
                                               float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
                                               long long n, int D, long long skip, int scaled, long long space,
-                                              long long offset, int group_arg) {
+                                              long long offset) {
     const int lane = threadIdx.x & 31;
-    const int group = SPLIT == SEG_SPLIT_FILL ? group_arg : 1;  // the other splits have tasks enough
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
     const long long dtasks = SPLIT == SEG_SPLIT_ROWS ? space : SPLIT == SEG_SPLIT_TILES ? (space + 31) >> 5 : 0;
-    const long long tasks = dtasks + ((n + 31) >> 5) * group;
+    const long long tasks = dtasks + ((n + 31) >> 5);
     const long long warps = (long long)gridDim.x * SEG_WARPS;
     for (long long slice = blockIdx.y; slice < slices; slice += gridDim.y) {
         const int col = (int)slice * 32 * VEC + lane * VEC;
@@ -1184,9 +1179,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 }
                 continue;
             }
-            const long long tile = (w - dtasks) / group, p = tile * 32 + lane;
-            unsigned own = 0u;  // the lanes whose rows and chunks this task takes
-            for (int h = (int)((w - dtasks) - tile * group); h < 32; h += group) own |= 1u << h;
+            const long long tile = w - dtasks, p = tile * 32 + lane;
             long long m = 0, s = 0, k = 0, L = 1;
             bool head = false, first = false;
             if (p < n) {
@@ -1202,15 +1195,15 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
             if (SPLIT == SEG_SPLIT_FILL) {  // the rows starting in this tile
                 const bool single = first && k == 1;
                 const long long r = single ? perm[p] : 0;
-                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single) & own, r, m, D, col, active, scaled);
-                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1) & own; longer; longer &= longer - 1) {
+                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single), r, m, D, col, active, scaled);
+                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1); longer; longer &= longer - 1) {
                     const int h = __ffs(longer) - 1;
                     seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2, __shfl_sync(SEG_FULL, m, h),
                                               tile * 32 + h, __shfl_sync(SEG_FULL, k, h), D, col, active, cb, ce,
                                               scaled, slice, slices);
                 }
             }
-            unsigned heads = __ballot_sync(SEG_FULL, head) & own;
+            unsigned heads = __ballot_sync(SEG_FULL, head);
             while (heads) {
                 const int h = __ffs(heads) - 1;
                 heads &= heads - 1;
@@ -1234,15 +1227,14 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
 // sorted position p = t - space, the chunk c >= 1 that starts there if one does. With `fill` (the output
 // is zero-filled): position tasks only, each also taking chunk 0 of a row that starts there. Column by column:
 // perm[q] * D + d is the value of contribution q in column d (element form: D = 1, perm[q] is the
-// flat src element); 8 contributions loaded at once, added in order. (`group` is the warp kernels'; the
-// launcher passes 1.)
+// flat src element); 8 contributions loaded at once, added in order.
 template <typename K>
 __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, const K* __restrict__ skey,
                                                 const long long* __restrict__ perm,
                                                 const long long* __restrict__ start, float* __restrict__ out,
                                                 float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
                                                 long long n, int D, long long skip, int scaled, long long space,
-                                                long long offset, int fill, int group) {
+                                                long long offset, int fill) {
     constexpr int U = 8;
     const long long step = (long long)gridDim.x * blockDim.x;
     const long long first = fill ? space : 0;  // no destination tasks over a zero-filled output
@@ -1289,16 +1281,15 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
     }
 }
 
-#define SEG_SORTED_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset, fill, \
-    group
+#define SEG_SORTED_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset, fill
 
 #define SEG_SORTED_ARGS_T(KT)                                                                            \
     const float* __restrict__ src, const KT* __restrict__ skey, const long long* __restrict__ perm,     \
         const long long* __restrict__ start, float* __restrict__ out, float* part1, float* part2,       \
         unsigned* cnt1, unsigned* cnt2, long long n, int D, long long skip, int scaled, long long space, \
-        long long offset, int fill, int group
+        long long offset, int fill
 
-#define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset, group
+#define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset
 
 // PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key> and PREFIX_rows<VEC>_fill_<key>,
 // separate kernels. The last two are held to 80 registers (3 blocks per SM; spill-free at U = 16 / VEC):

@@ -193,21 +193,6 @@ def test_task_split_sums_every_chunk_once():
             assert len(set(m[head])) == head.sum()
             got += [(int(r), int(c)) for r, c in zip(m[head], ((p - s) // L)[head])]
         assert len(got) == len(set(got)) and set(got) == want
-        # the fill split: position tasks only, `group` of them per tile, task g taking the rows and chunks
-        # that start at the tile's lanes h = g mod group
-        group = int(rng.integers(1, ia.GROUP_MAX + 1))
-        got = []
-        for tile in range(-(-n // 32)):
-            p = np.arange(tile * 32, min(n, tile * 32 + 32))
-            m = keys[p]
-            s = start[m]
-            L = np.array([ia.chunk_len(int(counts[r])) for r in m])
-            starts = (p - s) % L == 0
-            for g in range(group):
-                own = (p - tile * 32) % group == g
-                got += [(int(r), int(c)) for r, c in zip(m[starts & own & (m != skip)],
-                                                         ((p - s) // L)[starts & own & (m != skip)])]
-        assert len(got) == len(set(got)) and set(got) == want, group
 
 
 BAD = [
@@ -267,7 +252,7 @@ def _poison_allocator(shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
-def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync, monkeypatch):
+def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     _, model, args, kw = check_sorted_repeatable(
         SPEC, SORTED, case, REPEATS, before=lambda args, kw: _poison_allocator((kw["num_rows"], args[1].shape[1])))
     scalar = ia.index_add_sorted_scalar_cuda(*args, **kw)  # the one-thread-per-chunk kernel: same bits
@@ -278,10 +263,6 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync, monkeyp
             out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src.contiguous(), kw["num_rows"],
                                         force_scalar=force_scalar, split=split)
             assert differing_bits(out, model).size == 0, (force_scalar, split)
-    for group in (1, 3, ia.GROUP_MAX):  # warps sharing a tile of sorted positions in the fill split
-        monkeypatch.setattr(ia, "tile_group", lambda *a, group=group: group)
-        out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src.contiguous(), kw["num_rows"], split="fill")
-        assert differing_bits(out, model).size == 0, group
 
 
 @pytest.mark.gpu

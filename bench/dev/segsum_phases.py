@@ -9,7 +9,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
     PYTHONPATH=. python bench/dev/segsum_phases.py --sorts    # the key sorts alone, per method
     PYTHONPATH=. python bench/dev/segsum_phases.py --fixed-schedules   # scatter_add's fixed, per schedule
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill   # embedding_bwd's zero fill beside the sort
-    PYTHONPATH=. python bench/dev/segsum_phases.py --fill-grid   # embedding_bwd per lane width, tile group
+    PYTHONPATH=. python bench/dev/segsum_phases.py --fill-grid   # embedding_bwd per split, lane width
 
 ``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
@@ -208,6 +208,7 @@ def fill_sweep(dev: torch.device, flush) -> None:
             torch.use_deterministic_algorithms(False)
         print(f"  sort alone {sort:6.1f} us  torch default {t_default:6.1f} us  deterministic {t_det:6.1f} us",
               flush=True)
+
         def with_blocks(k):
             with mock.patch.object(ia, "ZERO_BLOCKS_PER_SM", k):
                 return sorted_bwd(grad, idx, num_weights=v, check_range=False)
@@ -228,46 +229,34 @@ def fill_sweep(dev: torch.device, flush) -> None:
             kt = kernel_times(lambda m=m: with_sort(m), 20)
             print(f"  {m}'s kernels: " + ", ".join(f"{name} {t:.1f}" for name, t in kt.items()) + " us", flush=True)
 
-        def with_group(k):
-            with mock.patch.object(ia, "tile_group", lambda *a, k=k: k):
-                return sorted_bwd(grad, idx, num_weights=v, check_range=False)
-        groups = (1, 2, 4, 8)
-        print("  sorted per tile group (warps per tile of sorted positions): " + "  ".join(timed_alike(
-            {str(k): (lambda k=k: with_group(k)) for k in groups}, dev, flush)) + " us (default: "
-            f"{ia.tile_group(n, kernels.runtime.cdiv(d, 128), dev)})", flush=True)
-        for k in groups:
-            kt = kernel_times(lambda k=k: with_group(k), 20)
-            print(f"  group {k}'s kernels: " + ", ".join(f"{name} {t:.1f}" for name, t in kt.items()) + " us",
-                  flush=True)
-        kt = kernel_times(lambda: sorted_bwd(grad, idx, num_weights=v, check_range=False), 20)
-        print("  sorted's kernels: " + ", ".join(f"{name} {t:.1f}" for name, t in kt.items()) + " us", flush=True)
-
 
 def fill_grid(dev: torch.device, flush) -> None:
-    """embedding_bwd's sorted variant on FILL_SHAPES per column width of a lane (kernels/index_add.py
-    _vec: 1, 2 or 4 floats) and warps per tile of sorted positions (tile_group), bits checked equal: the
-    call's time and its sums kernel's (torch.profiler)."""
+    """embedding_bwd's sorted variant on FILL_SHAPES per task split and column width of a lane
+    (kernels/index_add.py _vec: 1, 2 or 4 floats), bits checked equal: the call's time and its sums
+    kernel's (torch.profiler)."""
     from nnrand.audit import _zipf
 
-    sorted_bwd = kernels.get("embedding_bwd", "sorted")
     for v, d, n in FILL_SHAPES:
         g = torch.Generator().manual_seed(4)
         idx = _zipf(g, n, v).to(dev)
         grad = torch.randn(n, d, generator=g).to(dev)
-        print(f"\nembedding V {v} D {d} tokens {n} (default vec {ia._vec(grad, d)}, group "
-              f"{ia.tile_group(n, kernels.runtime.cdiv(d, 32 * ia._vec(grad, d)), dev)})", flush=True)
-        for vec in (1, 2, 4):
-            if d % vec:
-                continue
-            for k in (1, 2, 4, 8):
-                def run(vec=vec, k=k):
-                    with mock.patch.object(ia, "_vec", lambda *a, vec=vec: vec), \
-                            mock.patch.object(ia, "tile_group", lambda *a, k=k: k):
-                        return sorted_bwd(grad, idx, num_weights=v, check_range=False)
-                call = timed_alike({"call": run, "default": lambda: sorted_bwd(grad, idx, num_weights=v,
-                                                                                check_range=False)}, dev, flush)[0]
-                sums = sum(t for name, t in kernel_times(run, 20).items() if "_rows" in name)
-                print(f"  vec {vec} group {k}: {call} us, sums kernel {sums:6.1f} us", flush=True)
+        print(f"\nembedding V {v} D {d} tokens {n} (default: {ia.default_split(n, v, False)}, vec "
+              f"{ia._vec(grad, d)})", flush=True)
+        first = None
+        for split in ia.SPLITS:
+            for vec in (1, 2, 4):
+                if d % vec:
+                    continue
+
+                def run(vec=vec, split=split):
+                    with mock.patch.object(ia, "_vec", lambda *a, vec=vec: vec):
+                        return sorted_split("embedding_bwd", split)(grad, idx, num_weights=v, check_range=False)
+                out = run()
+                first = out if first is None else first
+                assert torch.equal(out.view(torch.int32), first.view(torch.int32)), (split, vec)
+                sums = sum(t for name, t in kernel_times(run, 20).items() if "embedding_bwd_rows" in name)
+                print(f"  {split:5s} vec {vec}: call {us(run, dev, flush):6.1f} us, sums kernel {sums:6.1f} us",
+                      flush=True)
 
 
 def main() -> None:
@@ -281,7 +270,7 @@ def main() -> None:
     ap.add_argument("--fill", action="store_true",
                     help="embedding_bwd's sorted variant per grid of its zero fill, then stop")
     ap.add_argument("--fill-grid", action="store_true",
-                    help="embedding_bwd's sorted variant per lane width and warps per position tile, then stop")
+                    help="embedding_bwd's sorted variant per task split and lane width, then stop")
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
