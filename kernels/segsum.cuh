@@ -1020,6 +1020,15 @@ struct SegVec<4> {
     }
 };
 
+// Floats per lane in flight in the warp sums (half of it at one column a lane) and blocks per SM of the
+// tiles and fill kernels (their registers); bench/dev/segsum_phases.py --fill-grid tries others.
+#ifndef SEG_LANE_FLOATS
+#define SEG_LANE_FLOATS 16
+#endif
+#ifndef SEG_SUMS_BLOCKS
+#define SEG_SUMS_BLOCKS 3
+#endif
+
 // The warp sums `len` contributions from sorted position q0 in source order: lane l holds columns
 // col .. col + VEC - 1. perm is read 32 positions at a time (one per lane) and broadcast; U source rows
 // are loaded at once (16 floats per lane in flight, 80 registers: 3 blocks per SM; predicated, so a
@@ -1028,7 +1037,7 @@ template <int VEC>
 __device__ __forceinline__ void seg_warp_chunk(const float* __restrict__ src, const long long* __restrict__ perm,
                                                long long q0, int len, int D, int col, bool active, bool scaled,
                                                float count, float* acc) {
-    constexpr int U = VEC == 1 ? 8 : 16 / VEC;
+    constexpr int U = VEC == 1 ? SEG_LANE_FLOATS / 2 : SEG_LANE_FLOATS / VEC;
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
@@ -1060,7 +1069,7 @@ template <int VEC>
 __device__ __forceinline__ void seg_warp_singles(const float* __restrict__ src, float* __restrict__ out,
                                                  unsigned singles, long long r, long long m, int D, int col,
                                                  bool active, bool scaled) {
-    constexpr int U = VEC == 1 ? 8 : 16 / VEC;  // 8 to 16 floats per lane in flight
+    constexpr int U = VEC == 1 ? SEG_LANE_FLOATS / 2 : SEG_LANE_FLOATS / VEC;  // 8 to 16 floats per lane in flight
     while (singles) {            // warp-uniform
         long long dst[U];
         float v[U][VEC];
@@ -1299,11 +1308,11 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
     extern "C" __global__ void __launch_bounds__(256) PREFIX##_rows##VEC##_##KEYNAME(SEG_SORTED_ARGS_T(KT)) { \
         seg_rows_body<KT, VEC, SEG_SPLIT_ROWS>(SEG_ROWS_PASS);                                           \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256, 3)                                                 \
+    extern "C" __global__ void __launch_bounds__(256, SEG_SUMS_BLOCKS)                                   \
     PREFIX##_rows##VEC##_tiles_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {                                        \
         seg_rows_body<KT, VEC, SEG_SPLIT_TILES>(SEG_ROWS_PASS);                                          \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256, 3)                                                 \
+    extern "C" __global__ void __launch_bounds__(256, SEG_SUMS_BLOCKS)                                   \
     PREFIX##_rows##VEC##_fill_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {                                         \
         seg_rows_body<KT, VEC, SEG_SPLIT_FILL>(SEG_ROWS_PASS);                                           \
     }

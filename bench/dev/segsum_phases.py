@@ -230,10 +230,30 @@ def fill_sweep(dev: torch.device, flush) -> None:
             print(f"  {m}'s kernels: " + ", ".join(f"{name} {t:.1f}" for name, t in kt.items()) + " us", flush=True)
 
 
+# (floats per lane in flight, blocks per SM) of the warp sums: segsum.cuh's SEG_LANE_FLOATS and SEG_SUMS_BLOCKS
+DEPTHS = ((16, 3), (32, 2), (64, 1))
+
+
+def with_depth(fn, floats: int, blocks: int):
+    """fn with the sorted sums kernels compiled for ``floats`` per lane in flight and ``blocks`` per SM."""
+    original = ia.function
+
+    def compiled(source, name, device, *a, **k):
+        if "_rows" in name:
+            return original(source, name, device, (f"-DSEG_LANE_FLOATS={floats}", f"-DSEG_SUMS_BLOCKS={blocks}"),
+                            **k)
+        return original(source, name, device, *a, **k)
+
+    def run():
+        with mock.patch.object(ia, "function", compiled):
+            return fn()
+    return run
+
+
 def fill_grid(dev: torch.device, flush) -> None:
-    """embedding_bwd's sorted variant on FILL_SHAPES per task split and column width of a lane
-    (kernels/index_add.py _vec: 1, 2 or 4 floats), bits checked equal: the call's time and its sums
-    kernel's (torch.profiler)."""
+    """embedding_bwd's sorted variant on FILL_SHAPES per task split, column width of a lane
+    (kernels/index_add.py _vec: 1, 2 or 4 floats) and, in the fill split, DEPTHS, bits checked equal: the
+    call's time and its sums kernel's (torch.profiler)."""
     from nnrand.audit import _zipf
 
     for v, d, n in FILL_SHAPES:
@@ -244,19 +264,21 @@ def fill_grid(dev: torch.device, flush) -> None:
               f"{ia._vec(grad, d)})", flush=True)
         first = None
         for split in ia.SPLITS:
-            for vec in (1, 2, 4):
-                if d % vec:
-                    continue
+            for floats, blocks in DEPTHS if split == "fill" else DEPTHS[:1]:
+                for vec in (1, 2, 4):
+                    if d % vec:
+                        continue
 
-                def run(vec=vec, split=split):
-                    with mock.patch.object(ia, "_vec", lambda *a, vec=vec: vec):
-                        return sorted_split("embedding_bwd", split)(grad, idx, num_weights=v, check_range=False)
-                out = run()
-                first = out if first is None else first
-                assert torch.equal(out.view(torch.int32), first.view(torch.int32)), (split, vec)
-                sums = sum(t for name, t in kernel_times(run, 20).items() if "embedding_bwd_rows" in name)
-                print(f"  {split:5s} vec {vec}: call {us(run, dev, flush):6.1f} us, sums kernel {sums:6.1f} us",
-                      flush=True)
+                    def plain(vec=vec, split=split):
+                        with mock.patch.object(ia, "_vec", lambda *a, vec=vec: vec):
+                            return sorted_split("embedding_bwd", split)(grad, idx, num_weights=v, check_range=False)
+                    run = with_depth(plain, floats, blocks)
+                    out = run()
+                    first = out if first is None else first
+                    assert torch.equal(out.view(torch.int32), first.view(torch.int32)), (split, vec, floats)
+                    sums = sum(t for name, t in kernel_times(run, 20).items() if "embedding_bwd_rows" in name)
+                    print(f"  {split:5s} vec {vec} floats {floats:2d} blocks {blocks}: call {us(run, dev, flush):6.1f}"
+                          f" us, sums kernel {sums:6.1f} us", flush=True)
 
 
 def main() -> None:
