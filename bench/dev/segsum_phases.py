@@ -7,6 +7,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
     PYTHONPATH=. python bench/dev/segsum_phases.py [--ops index_add scatter_add] [--reps 20]
     PYTHONPATH=. python bench/dev/segsum_phases.py --splits   # index_add's sorted sums per task split
     PYTHONPATH=. python bench/dev/segsum_phases.py --sorts    # the key sorts alone, per method
+    PYTHONPATH=. python bench/dev/segsum_phases.py --skew     # task splits on Zipf-skewed keys
     PYTHONPATH=. python bench/dev/segsum_phases.py --fixed-schedules   # scatter_add's fixed, per schedule
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill   # embedding_bwd's zero fill beside the sort
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill-grid   # embedding_bwd per split, lane width
@@ -143,6 +144,28 @@ def split_sweep(dev: torch.device, flush) -> None:
         default = ia.default_split(n, m, d < ia.SCALAR_BELOW_D)
         t = us(lambda: ia.segsum_atomic_cuda(ia.SOURCE, "index_add", idx, src, m), dev, flush)
         print("  ".join(row) + f"  atomic {t:7.1f} us  (default: {default})", flush=True)
+
+
+# (n, D, rows): Zipf-skewed keys (nnrand.audit's embedding law) from 1 to 16 per destination, where
+# default_split takes the tiles
+SKEW_SHAPES = ((2048, 768, 2000), (16384, 768, 8000), (16384, 512, 16384), (100_000, 64, 50_000),
+               (1_000_000, 64, 100_000), (200_000, 256, 20_000))
+
+
+def skew_sweep(dev: torch.device, flush) -> None:
+    """index_add's sorted variant per task split on Zipf-skewed keys (hot rows beside many cold ones) and
+    on uniform ones, bits checked equal across the splits."""
+    from nnrand.audit import _zipf
+
+    for n, d, m in SKEW_SHAPES:
+        for law in ("zipf", "uniform"):
+            g = torch.Generator().manual_seed(5)
+            idx = (_zipf(g, n, m) if law == "zipf" else torch.randint(0, m, (n,), generator=g)).to(dev)
+            src = torch.randn(n, d, generator=g).to(dev)
+            row = [f"{law:7s} n {n:8d} D {d:4d} rows {m:7d}"] + timed_alike(
+                {split: (lambda split=split: ia.segsum_sorted_cuda(ia.SOURCE, "index_add", idx, src, m, split=split))
+                 for split in ia.SPLITS}, dev, flush)
+            print("  ".join(row) + f" us  (default: {ia.default_split(n, m, d < ia.SCALAR_BELOW_D)})", flush=True)
 
 
 # (n, D, rows): scatter_add's element form at 1 to 32 terms per destination (16384 x 32 destinations),
@@ -286,6 +309,8 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--splits", action="store_true", help="index_add's sorted sums per task split, then stop")
+    ap.add_argument("--skew", action="store_true",
+                    help="index_add's sorted sums per task split on Zipf-skewed and uniform keys, then stop")
     ap.add_argument("--sorts", action="store_true", help="the key sorts alone (as --splits begins), then stop")
     ap.add_argument("--fixed-schedules", action="store_true",
                     help="scatter_add's fixed sums per schedule over terms per destination, then stop")
@@ -298,6 +323,9 @@ def main() -> None:
     flush = L2Flush(dev)
     if a.fill or a.fill_grid:
         (fill_sweep if a.fill else fill_grid)(dev, flush)
+        return
+    if a.skew:
+        skew_sweep(dev, flush)
         return
     if a.sorts or a.splits:
         (split_sweep if a.splits else sort_sweep)(dev, flush)
