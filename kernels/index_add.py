@@ -353,20 +353,24 @@ SPLITS = ("rows", "tiles", "fill")
 ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 
 
-TILES_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take tiles
+FILL_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take the fill split
 
 
 def default_split(n: int, space: int, scalar: bool) -> str:
     """The sorted kernels' task split for n contributions into ``space`` destinations (segsum.cuh), from
-    ``bench/dev/segsum_phases.py --splits`` on the H200 (index_add, times per call): ``fill`` where most
-    destinations are empty (n < space; 1e5 x 16 into 1e6 rows: 128 us, tiles 158, rows 449; an
-    embedding's 16384 x 512 into 50000 rows: fill 97, tiles 93, within run-to-run noise, rows 142); the
-    warp kernels' ``tiles`` up to TILES_UP_TO contributions per destination (1e6 x 64 into 1e5 rows: 242
-    us, fill 268, rows 280); beyond, ``rows``, which needs no zero pass (1e6 x 64 into 1000 rows: rows 219
-    us, fill 215, tiles 445, each warp summing 32 rows' first chunks one after another)."""
-    if n < space:
+    ``bench/dev/segsum_phases.py``. ``fill`` where most destinations are empty (n < space; H200, --splits,
+    index_add 1e5 x 16 into 1e6 rows: 128 us, tiles 158, rows 449), and in the warp kernels up to
+    FILL_UP_TO contributions per destination: the tiles split, which sums the chunk 0 of 32 destinations
+    one after another in one warp, is several times slower on skewed keys, where a few rows take most
+    contributions (H100, --skew at 1d868f3, Zipf keys: 2048 x 768 into 2000 rows: fill 44.5 us, rows 35.2,
+    tiles 219.4; 16384 x 768 into 8000: fill 72.1, rows 86.7, tiles 488.6; 1e6 x 64 into 1e5: fill 287.8,
+    rows 331.2, tiles 575.1), and at most 1.12x faster on uniform keys (1e6 x 64 into 1e5: tiles 217.3,
+    fill 242.3; 16384 x 768 into 8000: fill 60.5, tiles 76.9); beyond, ``rows``, which needs no zero pass
+    (H200, --splits, 1e6 x 64 into 1000 rows: rows 219 us, fill 215, tiles 445). The thread kernel (no
+    tiles) takes ``rows`` from n >= space."""
+    if n < space or (not scalar and n <= FILL_UP_TO * space):
         return "fill"
-    return "tiles" if not scalar and n <= TILES_UP_TO * space else "rows"
+    return "rows"
 
 
 MSORT_TILE = 2048            # SEG_MSORT_TILE: keys per block of the tile sort

@@ -470,6 +470,17 @@ def test_key_sorts_refuse_what_they_cannot_sort():
         ia.sort_keys(ia.SOURCE, OP, torch.zeros(4, dtype=torch.int64), 10, method="bucket")
 
 
+def test_default_split():
+    """fill where most destinations are empty, and in the warp kernels up to FILL_UP_TO contributions per
+    destination; rows beyond (and for the thread kernel from one per destination)."""
+    assert ia.default_split(2047, 2048, False) == ia.default_split(2047, 2048, True) == "fill"
+    assert ia.default_split(ia.FILL_UP_TO * 2000, 2000, False) == "fill"
+    assert ia.default_split(ia.FILL_UP_TO * 2000 + 1, 2000, False) == "rows"
+    assert ia.default_split(2000, 2000, True) == "rows"
+    assert all(ia.default_split(n, m, sc) in ia.SPLITS and ia.default_split(n, m, sc) != "tiles"
+               for n in (1, 10, 1000, 10**6) for m in (1, 100, 10**5) for sc in (False, True))
+
+
 def test_default_sort():
     """rank for int16 and int32 keys up to RANK_UP_TO, merge up to MSORT_MAX, the radix sort beyond;
     torch.sort for int64 keys and beyond the radix sort's limit."""

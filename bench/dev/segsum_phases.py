@@ -147,7 +147,7 @@ def split_sweep(dev: torch.device, flush) -> None:
 
 
 # (n, D, rows): Zipf-skewed keys (nnrand.audit's embedding law) from 1 to 16 per destination, where
-# default_split takes the tiles
+# default_split took the tiles before 1d868f3's sweep
 SKEW_SHAPES = ((2048, 768, 2000), (16384, 768, 8000), (16384, 512, 16384), (100_000, 64, 50_000),
                (1_000_000, 64, 100_000), (200_000, 256, 20_000))
 
