@@ -394,12 +394,12 @@ RANK_UP_TO = 4096  # keys up to which the rank sort is the default
 def default_sort(n: int, kname: str) -> str:
     """The key sort for n keys of type ``kname``, from ``bench/dev/segsum_phases.py --sorts`` on the H200
     at 1b152d9 (n keys into 50000 rows unless said, us per call incl. the row starts): ``rank`` for int16
-    and int32 keys up to RANK_UP_TO (1024 keys: 10.9, one block 13.8, merge 18.1; 2048 into 32000 rows: 11.3, one block 16.1,
-    merge 18.2; 4096: 14.1, merge 19.0, one block 21.3; 2048 into 10^6 rows: 22.5, merge 30.2); ``merge``
-    up to MSORT_MAX (8192: 20.3, rank 29.2; 16384: 23.5, one block 49.9, torch 44.8; 32768: 28.1, radix
-    34.0; 16384 into 10^6 rows: 49.1, radix 59.5); ``radix`` beyond, up to RSORT_MAX (65536: 35.2, torch
-    48.1; 10^6 keys into 10^5 rows: 65.4, torch 116.2; 8388608 keys into 320000: 374.1, torch 504.1);
-    ``torch`` for int64 keys and beyond."""
+    and int32 keys up to RANK_UP_TO (1024 keys: 10.9, one block 13.8, merge 18.1; 2048 into 32000 rows:
+    11.3, one block 16.1, merge 18.2; 4096: 14.1, merge 19.0, one block 21.3; 2048 into 10^6 rows: 22.5,
+    merge 30.2); ``merge`` up to MSORT_MAX (8192: 20.3, rank 29.2, then ranking 4 keys a lane; 16384:
+    23.5, one block 49.9, torch 44.8; 32768: 28.1, radix 34.0; 16384 into 10^6 rows: 49.1, radix 59.5);
+    ``radix`` beyond, up to RSORT_MAX (65536: 35.2, torch 48.1; 10^6 keys into 10^5 rows: 65.4, torch
+    116.2; 8388608 keys into 320000: 374.1, torch 504.1); ``torch`` for int64 keys and beyond."""
     return next((m for m in ("rank", "merge", "radix") if sort_takes(m, n, kname) and
                  (m != "rank" or n <= RANK_UP_TO)), "torch")
 
