@@ -422,10 +422,10 @@ def sort_keys(source: str, prefix: str, key: torch.Tensor, rows: int, *, width: 
     valid keys). ``method`` (default: default_sort): ``rank``, each key's position counted over all the
     keys (up to RANK_MAX int16 or int32 keys; O(n^2) comparisons over many blocks); ``merge``, a tile sort
     and a merge by rank that also writes the starts where they are few enough (segsum.cuh; two launches);
-    ``one_block``, one block sorts up to SORT_MAX int16 keys; ``radix``, a radix sort of the destinations' significant bits only (int16
-    and int32 keys, radix_sort: three launches per pass of up to 9 bits); ``torch``, the keys kernel then
-    torch.sort(stable=True). The starts kernel after each but a fused merge. All give the same skey, perm
-    and start."""
+    ``one_block``, one block sorts up to SORT_MAX int16 keys; ``radix``, a radix sort of the destinations'
+    significant bits only (int16 and int32 keys, radix_sort: three launches per pass of up to 9 bits);
+    ``torch``, the keys kernel then torch.sort(stable=True). The starts kernel after each but a fused
+    merge. All give the same skey, perm and start."""
     n = key.numel()
     dev = key.device
     space = rows * width if width else rows
