@@ -396,7 +396,7 @@ def default_sort(n: int, kname: str) -> str:
     at 1b152d9 (n keys into 50000 rows unless said, us per call incl. the row starts): ``rank`` for int16
     and int32 keys up to RANK_UP_TO (1024 keys: 10.9, one block 13.8, merge 18.1; 2048 into 32000 rows:
     11.3, one block 16.1, merge 18.2; 4096: 14.1, merge 19.0, one block 21.3; 2048 into 10^6 rows: 22.5,
-    merge 30.2); ``merge`` up to MSORT_MAX (8192: 20.3, rank 29.2, then ranking 4 keys a lane; 16384:
+    merge 30.2); ``merge`` up to MSORT_MAX (8192: 20.3; 16384:
     23.5, one block 49.9, torch 44.8; 32768: 28.1, radix 34.0; 16384 into 10^6 rows: 49.1, radix 59.5);
     ``radix`` beyond, up to RSORT_MAX (65536: 35.2, torch 48.1; 10^6 keys into 10^5 rows: 65.4, torch
     116.2; 8388608 keys into 320000: 374.1, torch 504.1); ``torch`` for int64 keys and beyond."""
@@ -557,8 +557,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp
     kernels): a task per 32 destinations instead (zeros for the empty ones, rows of one contribution read
     lane-parallel); ``fill``: the output is zero-filled on a second stream while the keys are sorted, and
-    the sums take only the tiles of 32 sorted positions (an embedding's gradient: most rows empty; the
-    fill overlaps the sort). The thread kernel knows ``rows`` and ``fill`` (``tiles`` runs as ``fill``).
+    the sums, after the fill, take only the tiles of 32 sorted positions. The thread kernel knows ``rows``
+    and ``fill`` (``tiles`` runs as ``fill``).
     Keys outside [0, rows) add nothing, or fail the keys kernel (``check`` device), or raise
     KernelArgumentError after the kernels are queued (``check`` sync: start[space], the count of valid
     keys, read back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits;

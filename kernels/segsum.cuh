@@ -120,10 +120,11 @@ segsum_count(const long long* __restrict__ key, long long n, long long rows, uns
 // blocks per SM on a second stream beside the sort of the `fill` split (kernels/index_add.py): a grid of
 // that size leaves room on every SM for the sort's kernels, which a fill over the whole GPU would keep
 // waiting until its last wave (stores need no warps waiting on them, so a few blocks still saturate
-// the memory's write bandwidth). Beside the one-block sort that overlap is not borne out (H200,
-// bench/dev/segsum_phases.py --fill, 2048 tokens into a 32000 x 768 gradient): the call (fill, sort,
-// sums) takes 63 us against 26 us for the fill and 16 for the key sort, each timed alone; a fill held
-// to 16 registers, or with the most shared memory carved out, did not change the total.
+// the memory's write bandwidth). Beside the one-block sort, the default before the rank sort, that
+// overlap was not borne out (H200, bench/dev/segsum_phases.py --fill, 2048 tokens into a 32000 x 768
+// gradient): the call (fill, sort, sums) took 63 us against 26 us for the fill and 16 for the key sort,
+// each timed alone; a fill held to 16 registers, or with the most shared memory carved out, did not
+// change the total.
 extern "C" __global__ void __launch_bounds__(256)
 segsum_zero(float* __restrict__ out, long long n) {
     const long long step = (long long)gridDim.x * blockDim.x;
@@ -1038,6 +1039,7 @@ __device__ __forceinline__ void seg_warp_chunk(const float* __restrict__ src, co
                                                long long q0, int len, int D, int col, bool active, bool scaled,
                                                float count, float* acc) {
     constexpr int U = VEC == 1 ? SEG_LANE_FLOATS / 2 : SEG_LANE_FLOATS / VEC;
+    static_assert(U >= 1 && 32 % U == 0, "SEG_LANE_FLOATS: a power of two from 4 to 64");
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
@@ -1070,6 +1072,7 @@ __device__ __forceinline__ void seg_warp_singles(const float* __restrict__ src, 
                                                  unsigned singles, long long r, long long m, int D, int col,
                                                  bool active, bool scaled) {
     constexpr int U = VEC == 1 ? SEG_LANE_FLOATS / 2 : SEG_LANE_FLOATS / VEC;  // 8 to 16 floats per lane in flight
+    static_assert(U >= 1 && 32 % U == 0, "SEG_LANE_FLOATS: a power of two from 4 to 64");
     while (singles) {            // warp-uniform
         long long dst[U];
         float v[U][VEC];

@@ -287,8 +287,9 @@ SORTS = (
     # the radix sort's tiles (2048 keys), one to three digit passes, all keys equal, the element form
     (4095, 511, 0, 0.0, 2), (4097, 512, 0, 0.5, 0), (12289, 70000, 0, 0.01, 0), (100_000, 100_000, 0, 0.01, 13),
     (65536, 300, 0, 1.0, 0), (262_144, 1_000_000, 0, 0.0, 5), (131_072, 40_000, 8, 0.3, 3),
-    # the rank sort: its limit (65536 keys, element numbers in 16 bits beside int16 keys, the last one
-    # beside the sentinel 65535: all ones, as its padding), 1 or 4 elements per lane (from 8192 keys)
+    # the rank sort: its limit (65536 keys, element numbers in 16 bits beside int16 keys; the last one is
+    # made bad, so it packs beside the sentinel 65535 to all ones, the padding's value), around its tile of
+    # staged keys (8192: four full tiles), int32 keys
     (65536, 65535, 0, 0.01, 64), (8191, 3000, 0, 0.2, 4), (8192, 3000, 0, 0.2, 4), (65535, 100_000, 0, 0.0, 2),
     # more than 256 tiles (the scan's carry between its rounds); no key at all
     (600_000, 100_000, 0, 0.01, 3), (0, 10, 0, 0.0, 0),
@@ -298,7 +299,7 @@ SORTS = (
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,rows,width,dup,bad", SORTS)
 def test_gpu_key_sorts_are_torch_sort(n, rows, width, dup, bad, cuda_sync):
-    """The merge sort, the one-block sort and the radix sort (where each applies) give
+    """The rank sort, the merge sort, the one-block sort and the radix sort (where each applies) give
     torch.sort(stable=True)'s keys and permutation and the row starts exactly (the starts kernel's, which
     the torch path runs, checked by a search on the CPU), and the same on every call."""
     g = torch.Generator().manual_seed(n + rows)
@@ -308,6 +309,7 @@ def test_gpu_key_sorts_are_torch_sort(n, rows, width, dup, bad, cuda_sync):
         flat = index.view(-1)
         where = torch.randperm(flat.numel(), generator=g)[:bad]
         flat[where] = torch.where(torch.arange(bad) % 2 == 0, rows + torch.arange(bad), -1 - torch.arange(bad))
+        flat[-1] = rows  # the last element bad too (see the rank sort's cases above)
     index = index.to(CUDA)
     want = ia.sort_keys(ia.SOURCE, OP, index, rows, width=width, method="torch")
     kname = want[3]

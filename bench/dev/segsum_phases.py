@@ -12,7 +12,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill   # embedding_bwd's zero fill beside the sort
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill-grid   # embedding_bwd per split, lane width
 
-``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, torch.sort),
+``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, rank, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
 bench cases: heavy rows, narrow and wide rows, as many rows as sources, mostly empty outputs (what
 kernels/index_add.py's default_split is chosen from), checking the splits' bits agree.
@@ -147,7 +147,7 @@ def split_sweep(dev: torch.device, flush) -> None:
         print("  ".join(row) + f"  atomic {t:7.1f} us  (default: {default})", flush=True)
 
 
-# (n, D, rows): Zipf-skewed keys (nnrand.audit's embedding law) from 1 to 16 per destination, where
+# (n, D, rows): Zipf-skewed keys (nnrand.audit's embedding law) from 1 to 10 per destination, where
 # default_split took the tiles before 1d868f3's sweep
 SKEW_SHAPES = ((2048, 768, 2000), (16384, 768, 8000), (16384, 512, 16384), (100_000, 64, 50_000),
                (1_000_000, 64, 100_000), (200_000, 256, 20_000))
@@ -199,10 +199,10 @@ FILL_BLOCKS = (2, 4, 6, 8, 16)
 
 
 def fill_sweep(dev: torch.device, flush) -> None:
-    """embedding_bwd's sorted variant per ZERO_BLOCKS_PER_SM (bits checked equal across them) and its
-    kernels' times at the default (torch.profiler), the zero fill alone at each grid and as torch's zero_,
-    the key sort alone, and PyTorch's embedding backward (default and deterministic mode; a timing in the
-    latter includes its filling of uninitialised memory)."""
+    """embedding_bwd's sorted variant per ZERO_BLOCKS_PER_SM (bits checked equal across them), the zero
+    fill alone at each grid and as torch's zero_, the key sort alone (default, then per method), PyTorch's
+    embedding backward (default and deterministic mode; a timing in the latter includes its filling of
+    uninitialised memory), and the sorted variant per key sort with its kernels' times (torch.profiler)."""
     from nnrand.audit import _zipf
 
     sorted_bwd = kernels.get("embedding_bwd", "sorted")
