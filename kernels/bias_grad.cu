@@ -159,16 +159,6 @@ NCHW_CLUSTER_KERNEL(8)
 // col0 = tile*TX*VEC + tx*VEC and adds rows r0 + ty, r0 + ty + TY, ... in order. The TY partial rows
 // are then combined by a halving tree in shared memory: s[ty] += s[ty + h], h = TY/2 .. 1.
 
-template <int VEC, bool BYPASS_L1>
-__device__ __forceinline__ void load_cols(const float* p, float q[4]) {
-    if (VEC == 4) {
-        const float4 v = BYPASS_L1 ? __ldcg(reinterpret_cast<const float4*>(p)) : *reinterpret_cast<const float4*>(p);
-        q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;
-    } else {
-        q[0] = BYPASS_L1 ? __ldcg(p) : *p;
-    }
-}
-
 // Rows r0 + ty, r0 + ty + TY, ... < r1 of columns col0 .. col0 + VEC - 1, added in row order; four rows
 // are loaded before they are added.
 template <int VEC, bool BYPASS_L1>
@@ -180,16 +170,16 @@ __device__ __forceinline__ void rows_thread_sum(const float* src, long long r0, 
     long long r = r0 + threadIdx.y;
     for (; r + 3 * TY < r1; r += 4 * TY) {
         float q0[4], q1[4], q2[4], q3[4];
-        load_cols<VEC, BYPASS_L1>(src + r * C + col0, q0);
-        load_cols<VEC, BYPASS_L1>(src + (r + TY) * C + col0, q1);
-        load_cols<VEC, BYPASS_L1>(src + (r + 2 * TY) * C + col0, q2);
-        load_cols<VEC, BYPASS_L1>(src + (r + 3 * TY) * C + col0, q3);
+        load_vec<VEC, BYPASS_L1>(src + r * C + col0, q0);
+        load_vec<VEC, BYPASS_L1>(src + (r + TY) * C + col0, q1);
+        load_vec<VEC, BYPASS_L1>(src + (r + 2 * TY) * C + col0, q2);
+        load_vec<VEC, BYPASS_L1>(src + (r + 3 * TY) * C + col0, q3);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) { a[j] += q0[j]; a[j] += q1[j]; a[j] += q2[j]; a[j] += q3[j]; }
     }
     for (; r < r1; r += TY) {
         float q[4];
-        load_cols<VEC, BYPASS_L1>(src + r * C + col0, q);
+        load_vec<VEC, BYPASS_L1>(src + r * C + col0, q);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) a[j] += q[j];
     }

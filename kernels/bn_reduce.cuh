@@ -47,16 +47,6 @@ __device__ __forceinline__ void block_reduce2(float& a, float& b, float* scratch
     b = rb;
 }
 
-template <int VEC, bool BYPASS_L1>
-__device__ __forceinline__ void load_vec(const float* p, float q[4]) {
-    if (VEC == 4) {
-        const float4 v = BYPASS_L1 ? __ldcg(reinterpret_cast<const float4*>(p)) : *reinterpret_cast<const float4*>(p);
-        q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;
-    } else {
-        q[0] = BYPASS_L1 ? __ldcg(p) : *p;
-    }
-}
-
 // VEC values of dy and x at p, q; FWD: only x, and dy's values x - k (k: one shift for all VEC lanes, or,
 // with the array form below, one per lane).
 template <int VEC, bool FWD>

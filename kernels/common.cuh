@@ -63,6 +63,18 @@ __device__ __forceinline__ void load_act(const act_t* p, float q[4]) {
     }
 }
 
+// VEC (1 or 4) consecutive float32 values (p aligned to VEC floats); BYPASS_L1: through L2 only (__ldcg),
+// for values other blocks wrote in this launch.
+template <int VEC, bool BYPASS_L1>
+__device__ __forceinline__ void load_vec(const float* p, float q[4]) {
+    if (VEC == 4) {
+        const float4 v = BYPASS_L1 ? __ldcg(reinterpret_cast<const float4*>(p)) : *reinterpret_cast<const float4*>(p);
+        q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;
+    } else {
+        q[0] = BYPASS_L1 ? __ldcg(p) : *p;
+    }
+}
+
 template <int VEC>
 __device__ __forceinline__ void store_act(act_t* p, const float r[4]) {
     if (VEC == 4) {
