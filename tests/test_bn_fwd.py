@@ -26,7 +26,7 @@ from kernels.bn_bwd import partials_per_channel
 from kernels.bn_fwd import reference_parts
 from tests.helpers import U32, assert_bitwise_equal, gamma
 # the sums are bn_bwd's reduction: its addition depth; its layout and result-hash helpers
-from tests.test_bn_bwd import depth, layout_of, result_hash
+from tests.test_bn_bwd import assert_parts_within, depth, layout_of, result_hash
 
 OP = "bn_fwd"
 VARIANTS = kernels.variants(OP)
@@ -72,11 +72,8 @@ def bounds(x, weight, bias, variant, eps=1e-5):
 
 
 def assert_within_bounds(out, x, weight, bias, variant, what=""):
-    refs = reference_parts((x.cpu(), weight, bias), {})
-    for name, got, ref, bound in zip(("y", "mean", "invstd"), out, refs, bounds(x, weight, bias, variant)):
-        err = (got.detach().cpu().double() - ref).abs()
-        bad = (err > bound).nonzero()
-        assert bad.numel() == 0, f"{what} {name}: {bad.shape[0]} outside the bound, first at {bad[:5].tolist()}"
+    assert_parts_within(("y", "mean", "invstd"), out, reference_parts((x.cpu(), weight, bias), {}),
+                        bounds(x, weight, bias, variant), what)
 
 
 # --------------------------------------------------------------------------------------------------
