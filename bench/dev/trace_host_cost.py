@@ -12,6 +12,7 @@
     python3 bench/dev/trace_host_cost.py --routed-split           # host time of each piece of ops="routed"
     python3 bench/dev/trace_host_cost.py --routed-parts 8         # ops="routed"'s step cost taken apart
     python3 bench/dev/trace_host_cost.py --all-split              # ... of ops="all"
+    python3 bench/dev/trace_host_cost.py --launches               # ops="all"'s deferred launches, call by call
 
 Per mode, the median step time (synchronised; CUDA on a GPU) over ``--steps`` steps after 3 warm-up steps,
 each step as ``trace.recording_cost`` times it (forward, backward, optimizer step, parameter snapshot):
@@ -349,6 +350,52 @@ def routed_split(cfg, steps: int, tmp: Path, mode: str = "routed") -> None:
         print(f"  {name:12s} {calls / n:6.1f} calls  {sec / n * 1e3:7.3f} ms  {sec / max(calls, 1) * 1e6:7.1f} us/call")
 
 
+def launches(cfg, steps: int, tmp: Path) -> None:
+    """Host time of each deferred fingerprint launch under ops="all", per thread: the launch
+    (``trace._launch_batch``), the wait of torch's stream for it (``trace._wait_for``) and the whole call
+    (``trace._launch_deferred``), with the tensors and bytes of its batch."""
+    real = {name: getattr(trace, name) for name in ("_launch_deferred", "_launch_batch", "_wait_for")}
+    calls: list[dict] = []
+
+    def timed(name):
+        fn = real[name]
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                us = (time.perf_counter() - t0) * 1e6
+                if name == "_launch_deferred":
+                    d = a[0]
+                    calls.append({"thread": threading.current_thread().name, "us": us, "tensors": len(d.held),
+                                  "mb": d.nbytes / 1e6, "blocks": d.blocks, **pending})
+                    pending.clear()
+                else:
+                    pending[name] = pending.get(name, 0.0) + us
+        return wrapper
+
+    pending: dict[str, float] = {}
+    for name in real:
+        setattr(trace, name, timed(name))
+    try:
+        ms = steps_ms(cfg, "all", steps, tmp)
+    finally:
+        for name, fn in real.items():
+            setattr(trace, name, fn)
+    per_step = len(calls) / (steps + 3)
+    print(f"\nops='all', {ms:.2f} ms/step: {per_step:.1f} deferred launches per step; the last step's, in order "
+          "(us of host time: whole call, _launch_batch, _wait_for):")
+    last = calls[-round(per_step):] if per_step else []
+    for c in last:
+        print(f"  {c['thread']:>16s} {c['us']:8.1f} {c.get('_launch_batch', 0):8.1f} {c.get('_wait_for', 0):8.1f}  "
+              f"{c['tensors']:3d} tensors {c['mb']:8.1f} MB {c['blocks']:6d} blocks")
+    us = sorted(c["us"] for c in calls)
+    if us:
+        print(f"  over every step: median {statistics.median(us):.1f} us, max {us[-1]:.1f} us, "
+              f"{sum(us) / (steps + 3) / 1e3:.2f} ms per step")
+
+
 def kernel_gbs(reps: int = 100) -> None:
     """Device time per fingerprint launch (``bench.timing.cuda_event_times``: CUDA events, launches queued
     behind a spin kernel; median of ``reps``) and the bytes read per second: one tensor per launch of
@@ -395,6 +442,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-gbs", action="store_true", help="only the fingerprint kernel's device time and GB/s")
     p.add_argument("--routed-split", action="store_true", help="only the host time of ops='routed' by piece")
     p.add_argument("--all-split", action="store_true", help="only the host time of ops='all' by piece")
+    p.add_argument("--launches", action="store_true",
+                   help="only the host time of ops='all''s deferred fingerprint launches, call by call")
     p.add_argument("--routed-parts", type=int, default=0, metavar="ROUNDS",
                    help="only ops='routed' taken apart (observer alone, without the snapshot), paired rounds")
     p.add_argument("--cuda-graph", action="store_true", help="--cost with each mode's steps replayed from a graph")
@@ -413,6 +462,9 @@ def main(argv=None) -> int:
         return 0
     if a.routed_parts:
         routed_parts(cfg, a.steps, tmp, a.routed_parts)
+        return 0
+    if a.launches:
+        launches(cfg, a.steps, tmp)
         return 0
     if a.routed_split or a.all_split:
         routed_split(cfg, a.steps, tmp, "routed" if a.routed_split else "all")
