@@ -57,16 +57,22 @@ launches (batched as above) captured with them; each replay then rewrites the ca
 values copied from those rows on the device. Per step that costs no dispatch per op: a row per record
 on the host and a copy of the values on the device.
 
-Module paths: the forward op runs inside a module's ``forward`` (a global module hook keeps the stack;
-names come from ``model`` when given); a backward op is attributed to the module whose forward returned
-the tensor whose autograd node it runs in (set on the node when that module returns). The backward of an
-op inside a module's forward whose result the module does not return (an intermediate sum, the weight
-transpose of a linear layer) has no module: an empty path, as have the loss and the optimizer's ops
-outside any module. With ``ops="routed"`` and a ``model``, no global hook is installed (it puts every
-module call on torch's slower path): a routed op is attributed to the module owning a parameter it takes
-(a conv's or BatchNorm's weight) or whose gradient its autograd node accumulates, directly or through an
-autocast copy; only the model's leaf modules without parameters (a pool, say) are hooked, as above, but
-for torch's activations, dropout and reshaping modules, which run no routed op.
+Module paths: the forward op runs inside a module's ``forward``, whose path the recorder keeps on a
+stack; a backward op is attributed to the module whose forward returned the tensor whose autograd node it
+runs in (set on the node when that module returns). The backward of an op inside a module's forward whose
+result the module does not return (an intermediate sum, the weight transpose of a linear layer) has no
+module: an empty path, as have the loss and the optimizer's ops outside any module. With a ``model``, the
+recorder names its modules by wrapping each one's ``forward`` while it records (an entry in the module's
+``__dict__``, removed on exit): module hooks would put every module call on torch's slower path. Modules
+outside the model name nothing then. Without a model, a global module hook names every module (its type's
+name, under its caller's path). A deep copy of the model made while recording (a CUDA-graph step's warm-up
+copy) keeps the wrappers, bound to the copy, named as the original, passing straight through once the
+recording ends; a shallow copy (``copy.copy``) of one of the model's modules made while recording would run
+the original's forward, so none should be made then. With ``ops="routed"`` and a ``model``, a routed op is
+attributed to the module owning a parameter it takes (a conv's or BatchNorm's weight) or whose gradient
+its autograd node accumulates, directly or through an autocast copy; only the model's leaf modules without
+parameters (a pool, say) are wrapped, as above, but for torch's activations, dropout and reshaping
+modules, which run no routed op.
 
 File format (``FORMAT``, version ``VERSION``): a NumPy ``.npz`` archive with a JSON ``header`` (format,
 version, metadata such as the routing and seeds), one column per record field (``step`` int32, ``phase``
@@ -551,6 +557,77 @@ def _writes_any(bases: set[int], writes: tuple[tuple[int, str], ...], args: tupl
 # Recording
 
 
+def _tag(out, path: str, args: tuple) -> None:
+    """Set ``path`` as the module of each returned tensor's autograd node, unless an inner module set one."""
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, torch.Tensor) and not any(t is a for a in args):   # (a passthrough made no node)
+            node = t.grad_fn   # a new Python object per read
+            if node is not None:
+                node.metadata.setdefault("nnrand_module", path)
+
+
+_SCRIPTED = (torch.jit.ScriptModule,)   # TorchScript modules run their forward in C++: not wrapped
+
+
+class _Named:
+    """A module's ``forward`` while a recorder names the ops it runs (see the module docstring): its path on
+    the recorder's stack during the call, then on the autograd node of each tensor it returns. Put in the
+    module's ``__dict__`` (ahead of its class's ``forward``) by ``install``; ``remove`` puts back what was
+    there. Once the recorder has left, it passes straight through."""
+
+    __slots__ = ("rec", "module", "path", "inner")
+
+    def __init__(self, rec: "Recorder", module: torch.nn.Module, path: str, inner=None):
+        self.rec, self.module, self.path = rec, module, path
+        self.inner = inner   # the instance's own forward before this one, if it had one
+
+    @classmethod
+    def install(cls, rec: "Recorder", module: torch.nn.Module, path: str) -> "_Named":
+        named = cls(rec, module, path, module.__dict__.get("forward"))
+        module.__dict__["forward"] = named
+        return named
+
+    def remove(self) -> None:
+        d = self.module.__dict__
+        if d.get("forward") is self:   # (left where something else has wrapped it since: it passes through)
+            if self.inner is None:
+                del d["forward"]
+            else:
+                d["forward"] = self.inner
+
+    def __call__(self, *args, **kwargs):
+        inner, module = self.inner, self.module
+        if not self.rec._naming:
+            return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
+        stack = self.rec.stack
+        stack.append(self.path)
+        try:   # a forward that raises still leaves the stack
+            out = inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
+        finally:
+            stack.pop()
+        _tag(out, self.path, args)
+        return out
+
+    @property
+    def __wrapped__(self):
+        """The forward it stands for (``inspect.signature`` follows it)."""
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    def __deepcopy__(self, memo):
+        """In a deep copy of its module (the copy already in ``memo``): bound to the copy, same recorder."""
+        import copy
+
+        return _Named(self.rec, memo.get(id(self.module), self.module), self.path, copy.deepcopy(self.inner, memo))
+
+    def __reduce__(self):
+        """Pickled (the module saved whole while recording) as the forward it stands for."""
+        return _plain_forward, (self.module, self.inner)
+
+
+def _plain_forward(module: torch.nn.Module, inner):
+    return inner if inner is not None else type(module).forward.__get__(module)
+
+
 class Recorder(TorchDispatchMode):
     """Records every aten op's tensor outputs while active (see the module docstring)."""
 
@@ -581,7 +658,8 @@ class Recorder(TorchDispatchMode):
         self.values: list[np.ndarray] = []
         self.tensors: dict[int, np.ndarray] = {}
         self.tables: dict[str, dict[str, int]] = {"ops": {}, "modules": {}, "shapes": {}, "dtypes": {}}
-        self._hooks = []
+        self._hooks = []   # module hook handles, or the _Named wrappers installed (each has remove())
+        self._naming = False   # whether the _Named wrappers name modules (while recording)
         self._entered = False
         # per thread: whether the ops running are the recorder's own (fingerprints, transfers), not records;
         # thread-local, so that another thread's ops (autograd's per-device backward) are recorded meanwhile
@@ -722,36 +800,15 @@ class Recorder(TorchDispatchMode):
                           f"{self.stack[-1]}.{type(m).__name__}")
 
     def _post(self, m, args, out):
-        path = self.stack.pop() if self.stack else self._module_name(m)
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and not any(t is a for a in args):   # (a passthrough made no node)
-                node = t.grad_fn   # a new Python object per read
-                if node is not None:
-                    node.metadata.setdefault("nnrand_module", path)
+        _tag(out, self.stack.pop() if self.stack else self._module_name(m), args)
 
     def __enter__(self):
-        from torch.nn.modules import module as mm
-
         from nnrand import routing
 
         if self._entered:
             raise RuntimeError("nnrand.trace: this Recorder is already recording; a Recorder is entered once")
         self._entered = True
-        # always_call: a forward that raises still pops its module off the stack
-        if self.ops == "routed" and self.model is not None:
-            # global module hooks put every module call of the model on torch's slow path; the routed ops
-            # find their module by the parameters they take (a conv's or BatchNorm's weight), and only
-            # the model's parameterless leaf modules (a pool, say) are hooked, for the rest
-            owners = {id(p): name for name, m in self.model.named_modules() for p in m.parameters(recurse=False)}
-            self._owners, self._owned = owners, list(self.model.parameters())   # (ids of live objects only)
-            for name, m in self.model.named_modules():
-                if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is None and \
-                        type(m) not in _UNROUTED_MODULES:
-                    self._hooks += [m.register_forward_pre_hook(self._pre),
-                                    m.register_forward_hook(self._post, always_call=True)]
-        else:
-            self._hooks = [mm.register_module_forward_pre_hook(self._pre),
-                           mm.register_module_forward_hook(self._post, always_call=True)]
+        self._name_modules()
         if self.ops == "routed":  # only the routed ops, from the routing's own overrides: no dispatch mode
             self._observing = routing.observe(self._observe)
             try:
@@ -777,7 +834,33 @@ class Recorder(TorchDispatchMode):
                 super().__exit__(*exc)
         return False
 
+    def _name_modules(self) -> None:
+        """Start naming modules: the model's forwards wrapped, or global module hooks without a model."""
+        from torch.nn.modules import module as mm
+
+        if self.model is not None:
+            named = list(self.model.named_modules())
+            if self.ops == "routed":
+                # the routed ops find their module by the parameters they take (a conv's or BatchNorm's
+                # weight); only the model's parameterless leaf modules (a pool, say) are named, for the rest
+                owners = {id(p): name for name, m in named for p in m.parameters(recurse=False)}
+                self._owners, self._owned = owners, list(self.model.parameters())   # (ids of live objects only)
+                named = [(name, m) for name, m in named if next(m.children(), None) is None and
+                         next(m.parameters(recurse=False), None) is None and type(m) not in _UNROUTED_MODULES]
+            self._naming = True
+            try:
+                for name, m in named:
+                    if not isinstance(m, _SCRIPTED):
+                        self._hooks.append(_Named.install(self, m, name))
+            except BaseException:
+                self._remove_hooks()
+                raise
+        else:   # always_call: a forward that raises still pops its module off the stack
+            self._hooks = [mm.register_module_forward_pre_hook(self._pre),
+                           mm.register_module_forward_hook(self._post, always_call=True)]
+
     def _remove_hooks(self) -> None:
+        self._naming = False   # (wrappers on copies of the model pass straight through from now on)
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -277,9 +277,9 @@ def test_a_compiled_module_recorded_compiles_nothing_more_and_records_what_eager
     compiled = torch.compile(model, backend="aot_eager")
     compiled(x).sum().backward()
 
-    def run(module) -> dict:
+    def run(module, named: torch.nn.Module | None = None) -> dict:
         model.zero_grad(set_to_none=True)
-        with trace.record(None) as rec:
+        with trace.record(None, model=named) as rec:
             for _ in range(2):
                 rec.step()
                 module(x).sum().backward()
@@ -292,6 +292,13 @@ def test_a_compiled_module_recorded_compiles_nothing_more_and_records_what_eager
     for k in ("op", "shape", "dtype", "fp"):
         assert np.array_equal(got[k], want[k]), k
     assert len(got["fp"]) > 40
+    # with the model named (its modules' forwards wrapped while recording): nothing compiled under it nor
+    # after it, and the same records
+    named = run(compiled, model)
+    compiled(x).sum().backward()
+    assert dict(dynamo_utils.counters["stats"]) == graphs
+    for k in ("op", "shape", "dtype", "fp"):
+        assert np.array_equal(named[k], want[k]), k
     # negative control: the same dispatch, its code a copy dynamo was not told to skip and the frame
     # callback left on, gets compiled
     dispatch = trace.Recorder.__dict__["__torch_dispatch__"]
@@ -963,16 +970,65 @@ def test_slots_append_copies_rows_across_chunk_boundaries(monkeypatch):
     assert torch.equal(torch.cat(dst.chunks)[10:17], torch.arange(21, dtype=torch.float64).view(7, 3))
 
 
-def test_a_model_deep_copied_while_recorded_reports_to_the_same_recorder():
-    """A CUDA-graph step warms up on a deep copy of the model: the copy's hooks (ops="routed" hooks the
-    model's parameterless leaves) stay bound to the recorder, not to a copy of it."""
+@pytest.mark.parametrize("ops", ["all", "routed"])
+def test_a_model_deep_copied_while_recorded_reports_to_the_same_recorder(ops):
+    """A CUDA-graph step warms up on a deep copy of the model: the copy's module wrappers (ops="routed" wraps
+    the model's parameterless leaves) are bound to the copy and report to the recorder, not to a copy of it,
+    under the original's paths; the copy computes with its own weights, and passes straight through once
+    the recording ends."""
     import copy
 
+    torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.MaxPool2d(2))
-    with routing.use_kernels("tree"), trace.Recorder(ops="routed", model=model) as rec:
+    x = torch.randn(1, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    with routing.use_kernels("tree"), trace.Recorder(ops=ops, model=model) as rec:
         twin = copy.deepcopy(model)
-        hooks = list(twin[1]._forward_pre_hooks.values())
-        assert hooks and all(h.__self__ is rec for h in hooks)
+        wrapper = twin[1].__dict__["forward"]
+        assert isinstance(wrapper, trace._Named) and wrapper.rec is rec and wrapper.module is twin[1]
+        assert wrapper.path == "1" and wrapper is not model[1].__dict__["forward"]
+        with torch.no_grad():
+            twin[0].weight.mul_(2)
+        got = twin(x)
+        assert twin[1].__dict__["forward"].path == "1"
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert torch.equal(got, twin(x)) and not torch.equal(got, model(x))
+
+
+def test_with_a_model_its_forwards_are_wrapped_not_hooked():
+    """With a model, ops="all" names the model's modules by wrapping their forwards (no global or per-module
+    hook, which put every module call on torch's slower path): the ops of each module and the backward ops
+    of what it returns carry its path; a forward that raises leaves the stack; on exit every module's
+    ``__dict__`` is as it was (an instance's own forward put back), and a wrapped forward keeps its
+    signature and pickles as the forward it stands for."""
+    import inspect
+    import pickle
+
+    from torch.nn.modules import module as mm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    own = model[1].forward   # an instance's own forward, wrapped and put back
+    model[1].forward = own
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
+    with trace.Recorder(ops="all", model=model) as rec:
+        assert not mm._global_forward_hooks and not mm._global_forward_pre_hooks
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+        assert inspect.signature(model[0].forward) == inspect.signature(torch.nn.Linear(1, 1).forward)
+        restored = pickle.loads(pickle.dumps(model))
+        rec.step()
+        model(x).sum().backward()
+        with pytest.raises(RuntimeError):
+            model(torch.randn(5, 7))
+        assert rec.stack == []
+    assert torch.equal(restored(x), model(x))
+    a = rec.arrays()
+    header = json.loads(bytes(a["header"]).decode())
+    recs = [(trace.PHASES[p], header["ops"][o], header["modules"][m])
+            for p, o, m in zip(a["phase"], a["op"], a["module"])]
+    assert ("forward", "addmm", "0") in recs and ("forward", "addmm", "2") in recs
+    assert ("forward", "relu", "1") in recs and ("backward", "threshold_backward", "1") in recs
+    assert ("backward", "mm", "2") in recs
+    assert model[1].__dict__["forward"] is own and not any("forward" in model[i].__dict__ for i in (0, 2))
 
 
 def test_lockstep_with_kept_tensors_refuses_a_captured_step(tmp_path):

@@ -21,7 +21,9 @@ each step as ``trace.recording_cost`` times it (forward, backward, optimizer ste
     null     a dispatch mode that only calls each op (the price of intercepting every op in Python)
     lean     the same, dispatched as the recorder's mode is (no per-call dynamo-disabling wrapper): what
              the recorder adds is its cost over this one
-    hooks    only the recorder's global module hooks (the module stack and the autograd nodes' paths)
+    hooks    only the recorder's module naming (the model's forwards wrapped: the module stack and the
+             autograd nodes' paths)
+    ghooks   the same by global module hooks (what a recorder without a model installs)
     routed   trace.record(ops="routed")
     all      trace.record(ops="all")
     observe        (--routed-parts) a routing.observe observer that does nothing
@@ -160,18 +162,15 @@ class LeanNullMode(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def hooks_only():
-    """The module hooks a recorder installs, without recording."""
-    from torch.nn.modules import module as mm
-
-    rec = trace.Recorder(ops="all")
-    hooks = [mm.register_module_forward_pre_hook(rec._pre),
-             mm.register_module_forward_hook(rec._post, always_call=True)]
+def hooks_only(model: torch.nn.Module | None):
+    """The module naming an ops="all" recorder installs, without recording: the model's forwards wrapped,
+    or (``model`` None) the global module hooks it installs without a model."""
+    rec = trace.Recorder(ops="all", model=model)
+    rec._name_modules()
     try:
         yield None
     finally:
-        for h in hooks:
-            h.remove()
+        rec._remove_hooks()
 
 
 def sync(dev: torch.device) -> None:
@@ -190,7 +189,7 @@ def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: in
     model, opt = train.build(cfg, seeds, 10, torch.contiguous_format)
     named = list(model.named_parameters())
     ctx = {"none": contextlib.nullcontext(), "null": null or NullMode(), "lean": LeanNullMode(),
-           "hooks": hooks_only(),
+           "hooks": hooks_only(model), "ghooks": hooks_only(None),
            "observe": contextlib.nullcontext(),
            "routed": trace.record(tmp / "r.trace", ops="routed", model=model),
            "routed_nosnap": trace.record(tmp / "r.trace", ops="routed", model=model),
@@ -490,7 +489,7 @@ def main(argv=None) -> int:
     gpu = (time.perf_counter() - t0) / n * 1e6
     print(f"record_values on 128x64x32x32 float32 ({dev}): {host:.1f} us host per call, {gpu:.1f} us with the device")
     base = None
-    for mode in ("none", "null", "lean", "hooks", "routed", "all"):
+    for mode in ("none", "null", "lean", "ghooks", "hooks", "routed", "all"):
         ms = steps_ms(cfg, mode, a.steps, tmp)
         base = base or ms
         print(f"{mode:7s} {ms:8.2f} ms/step  {ms / base:5.2f}x", flush=True)
