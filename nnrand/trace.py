@@ -694,7 +694,7 @@ class Recorder(TorchDispatchMode):
 
     def __deepcopy__(self, memo):
         """A recorder is not copied with what holds it: a model deep-copied while recorded (a CUDA-graph
-        step's warm-up copy) keeps its module hooks, bound to this recorder."""
+        step's warm-up copy) keeps its module wrappers (or the hooks), reporting to this recorder."""
         return self
 
     # -- control
