@@ -61,18 +61,21 @@ Module paths: the forward op runs inside a module's ``forward``, whose path the 
 stack; a backward op is attributed to the module whose forward returned the tensor whose autograd node it
 runs in (set on the node when that module returns). The backward of an op inside a module's forward whose
 result the module does not return (an intermediate sum, the weight transpose of a linear layer) has no
-module: an empty path, as have the loss and the optimizer's ops outside any module. With a ``model``, the
-recorder names its modules by wrapping each one's ``forward`` while it records (an entry in the module's
-``__dict__``, removed on exit): module hooks would put every module call on torch's slower path. Modules
-outside the model name nothing then. Without a model, a global module hook names every module (its type's
-name, under its caller's path). A deep copy of the model made while recording (a CUDA-graph step's warm-up
-copy) keeps the wrappers, bound to the copy, named as the original, passing straight through once the
-recording ends; a shallow copy (``copy.copy``) of one of the model's modules made while recording would run
-the original's forward, so none should be made then. With ``ops="routed"`` and a ``model``, a routed op is
-attributed to the module owning a parameter it takes (a conv's or BatchNorm's weight) or whose gradient
-its autograd node accumulates, directly or through an autocast copy; only the model's leaf modules without
-parameters (a pool, say) are wrapped, as above, but for torch's activations, dropout and reshaping
-modules, which run no routed op.
+module: an empty path, as have the loss and the optimizer's ops outside any module. With ``ops="all"`` and
+a ``model``, the recorder names the model's modules by wrapping each one's ``forward`` while it records (an
+entry in the module's ``__dict__``, taken out on exit; module hooks would put every module call on torch's
+slower path). Then a module outside the model names nothing (its ops take its caller's path), nor do the
+ops of a module's own forward pre-hooks, which run before its ``forward``; a ``forward`` called directly
+names its module. A deep copy of the model made while recording (a CUDA-graph step's warm-up copy) keeps
+the wrappers, bound to the copy and named as the original, passing straight through once the recording
+ends; a shallow copy (``copy.copy``) of one of the model's modules made while recording would run the
+original's forward, and a module pickled whole then keeps its bound forward in its ``__dict__``. A model
+holding a TorchScript module or a ``DataParallel`` (whose replicas copy each module's ``__dict__``) is
+named by global module hooks instead, as is every module when there is no model (its type's name under
+its caller's path). With ``ops="routed"`` and a ``model``, a routed op is attributed to the module owning a
+parameter it takes (a conv's or BatchNorm's weight) or whose gradient its autograd node accumulates,
+directly or through an autocast copy; only the model's leaf modules without parameters (a pool, say) are
+hooked, but for torch's activations, dropout and reshaping modules, which run no routed op.
 
 File format (``FORMAT``, version ``VERSION``): a NumPy ``.npz`` archive with a JSON ``header`` (format,
 version, metadata such as the routing and seeds), one column per record field (``step`` int32, ``phase``
@@ -566,43 +569,76 @@ def _tag(out, path: str, args: tuple) -> None:
                 node.metadata.setdefault("nnrand_module", path)
 
 
-_SCRIPTED = (torch.jit.ScriptModule,)   # TorchScript modules run their forward in C++: not wrapped
+# models the wrappers cannot serve (global module hooks name their modules instead): TorchScript modules run
+# their forward in C++, and DataParallel replicates its module by copying each submodule's __dict__, so a
+# replica would share (and run) the original's wrapper
+_UNWRAPPABLE = (torch.jit.ScriptModule, torch.nn.DataParallel)
+
+
+class _Naming:
+    """What a recorder's ``_Named`` wrappers share: its module stack, and whether they name (while it
+    records). Not the recorder itself: a copy of the model made while recording keeps its wrappers."""
+
+    __slots__ = ("stack", "on")
+
+    def __init__(self, stack: list[str]):
+        self.stack, self.on = stack, False
+
+
+def _bound_forward(module: torch.nn.Module):
+    """The module's class ``forward`` bound to it (found statically: a staticmethod stays one)."""
+    import inspect
+
+    raw = inspect.getattr_static(type(module), "forward")
+    return raw.__get__(module, type(module)) if hasattr(raw, "__get__") else raw
 
 
 class _Named:
     """A module's ``forward`` while a recorder names the ops it runs (see the module docstring): its path on
     the recorder's stack during the call, then on the autograd node of each tensor it returns. Put in the
-    module's ``__dict__`` (ahead of its class's ``forward``) by ``install``; ``remove`` puts back what was
-    there. Once the recorder has left, it passes straight through."""
+    module's ``__dict__`` (ahead of its class's ``forward``) by ``install``; ``remove`` takes it out again.
+    Passes straight through once the recording has ended, and while dynamo compiles (the compiled graph is
+    the unrecorded one's)."""
 
-    __slots__ = ("rec", "module", "path", "inner")
+    __slots__ = ("naming", "module", "path", "inner", "call")
 
-    def __init__(self, rec: "Recorder", module: torch.nn.Module, path: str, inner=None):
-        self.rec, self.module, self.path = rec, module, path
+    def __init__(self, naming: _Naming, module: torch.nn.Module, path: str, inner=None):
+        self.naming, self.module, self.path = naming, module, path
         self.inner = inner   # the instance's own forward before this one, if it had one
+        self.call = inner if inner is not None else _bound_forward(module)
 
     @classmethod
-    def install(cls, rec: "Recorder", module: torch.nn.Module, path: str) -> "_Named":
-        named = cls(rec, module, path, module.__dict__.get("forward"))
+    def install(cls, naming: _Naming, module: torch.nn.Module, path: str) -> "_Named":
+        named = cls(naming, module, path, module.__dict__.get("forward"))
         module.__dict__["forward"] = named
         return named
 
     def remove(self) -> None:
+        """Out of its module's ``__dict__``; where another recorder's wrapper went on top of it since, out of
+        that one's chain (any other wrapper on top keeps it, passing through)."""
         d = self.module.__dict__
-        if d.get("forward") is self:   # (left where something else has wrapped it since: it passes through)
+        top = d.get("forward")
+        if top is self:
             if self.inner is None:
                 del d["forward"]
             else:
                 d["forward"] = self.inner
+            return
+        while isinstance(top, _Named):
+            if top.inner is self:
+                top.inner = self.inner
+                top.call = self.call
+                return
+            top = top.inner
 
     def __call__(self, *args, **kwargs):
-        inner, module = self.inner, self.module
-        if not self.rec._naming:
-            return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
-        stack = self.rec.stack
+        naming = self.naming
+        if not naming.on or torch.compiler.is_compiling():
+            return self.call(*args, **kwargs)
+        stack = naming.stack
         stack.append(self.path)
         try:   # a forward that raises still leaves the stack
-            out = inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
+            out = self.call(*args, **kwargs)
         finally:
             stack.pop()
         _tag(out, self.path, args)
@@ -611,13 +647,19 @@ class _Named:
     @property
     def __wrapped__(self):
         """The forward it stands for (``inspect.signature`` follows it)."""
-        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        return self.call
+
+    def __getattr__(self, name: str):
+        if name == "call":   # (not set yet: no recursion)
+            raise AttributeError(name)
+        return getattr(self.call, name)   # the wrapped forward's attributes (its __name__, __func__, ...)
 
     def __deepcopy__(self, memo):
-        """In a deep copy of its module (the copy already in ``memo``): bound to the copy, same recorder."""
+        """In a deep copy of its module (the copy already in ``memo``): bound to the copy, same naming."""
         import copy
 
-        return _Named(self.rec, memo.get(id(self.module), self.module), self.path, copy.deepcopy(self.inner, memo))
+        return _Named(self.naming, memo.get(id(self.module), self.module), self.path,
+                      copy.deepcopy(self.inner, memo))
 
     def __reduce__(self):
         """Pickled (the module saved whole while recording) as the forward it stands for."""
@@ -625,7 +667,7 @@ class _Named:
 
 
 def _plain_forward(module: torch.nn.Module, inner):
-    return inner if inner is not None else type(module).forward.__get__(module)
+    return inner if inner is not None else _bound_forward(module)
 
 
 class Recorder(TorchDispatchMode):
@@ -659,7 +701,7 @@ class Recorder(TorchDispatchMode):
         self.tensors: dict[int, np.ndarray] = {}
         self.tables: dict[str, dict[str, int]] = {"ops": {}, "modules": {}, "shapes": {}, "dtypes": {}}
         self._hooks = []   # module hook handles, or the _Named wrappers installed (each has remove())
-        self._naming = False   # whether the _Named wrappers name modules (while recording)
+        self._naming = _Naming(self.stack)   # what the wrappers share
         self._entered = False
         # per thread: whether the ops running are the recorder's own (fingerprints, transfers), not records;
         # thread-local, so that another thread's ops (autograd's per-device backward) are recorded meanwhile
@@ -808,17 +850,17 @@ class Recorder(TorchDispatchMode):
         if self._entered:
             raise RuntimeError("nnrand.trace: this Recorder is already recording; a Recorder is entered once")
         self._entered = True
-        self._name_modules()
-        if self.ops == "routed":  # only the routed ops, from the routing's own overrides: no dispatch mode
-            self._observing = routing.observe(self._observe)
-            try:
+        try:
+            self._name_modules()
+            if self.ops == "routed":  # only the routed ops, from the routing's own overrides: no dispatch mode
+                self._observing = routing.observe(self._observe)
                 self._observing.__enter__()
-            except BaseException:
-                self._remove_hooks()
-                raise
-            return self
-        _dynamo_skips_dispatch()
-        return super().__enter__()
+                return self
+            _dynamo_skips_dispatch()
+            return super().__enter__()
+        except BaseException:
+            self._remove_hooks()
+            raise
 
     def __exit__(self, *exc):
         try:
@@ -835,32 +877,33 @@ class Recorder(TorchDispatchMode):
         return False
 
     def _name_modules(self) -> None:
-        """Start naming modules: the model's forwards wrapped, or global module hooks without a model."""
+        """Start naming modules (see the module docstring): ops="all" wraps the model's forwards; ops="routed"
+        hooks the model's parameterless leaves; global module hooks without a model, or where the model
+        holds a module the wrappers cannot serve (_UNWRAPPABLE)."""
         from torch.nn.modules import module as mm
 
-        if self.model is not None:
-            named = list(self.model.named_modules())
-            if self.ops == "routed":
-                # the routed ops find their module by the parameters they take (a conv's or BatchNorm's
-                # weight); only the model's parameterless leaf modules (a pool, say) are named, for the rest
-                owners = {id(p): name for name, m in named for p in m.parameters(recurse=False)}
-                self._owners, self._owned = owners, list(self.model.parameters())   # (ids of live objects only)
-                named = [(name, m) for name, m in named if next(m.children(), None) is None and
-                         next(m.parameters(recurse=False), None) is None and type(m) not in _UNROUTED_MODULES]
-            self._naming = True
-            try:
-                for name, m in named:
-                    if not isinstance(m, _SCRIPTED):
-                        self._hooks.append(_Named.install(self, m, name))
-            except BaseException:
-                self._remove_hooks()
-                raise
+        named = list(self.model.named_modules()) if self.model is not None else None
+        if named is not None and self.ops == "routed":
+            # global module hooks put every module call of the model on torch's slow path; the routed ops
+            # find their module by the parameters they take (a conv's or BatchNorm's weight), and only
+            # the model's parameterless leaf modules (a pool, say) are hooked, for the rest
+            owners = {id(p): name for name, m in named for p in m.parameters(recurse=False)}
+            self._owners, self._owned = owners, list(self.model.parameters())   # (ids of live objects only)
+            for name, m in named:
+                if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is None and \
+                        type(m) not in _UNROUTED_MODULES:
+                    self._hooks += [m.register_forward_pre_hook(self._pre),
+                                    m.register_forward_hook(self._post, always_call=True)]
+        elif named is not None and not any(isinstance(m, _UNWRAPPABLE) for _, m in named):
+            self._naming.on = True
+            for name, m in named:
+                self._hooks.append(_Named.install(self._naming, m, name))
         else:   # always_call: a forward that raises still pops its module off the stack
             self._hooks = [mm.register_module_forward_pre_hook(self._pre),
                            mm.register_module_forward_hook(self._post, always_call=True)]
 
     def _remove_hooks(self) -> None:
-        self._naming = False   # (wrappers on copies of the model pass straight through from now on)
+        self._naming.on = False   # (wrappers on copies of the model pass straight through from now on)
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -225,7 +225,7 @@ def test_routed_recording_sees_exactly_the_routed_ops(tmp_path):
     sel = np.array([full.header["ops"][i] in trace.ROUTED_ATEN for i in full.cols["op"]])
     rsel = np.array([routed.header["ops"][i] in trace.ROUTED_ATEN for i in routed.cols["op"]])
     assert np.array_equal(full.cols["fp"][sel], routed.cols["fp"][rsel])
-    # without global module hooks (a routed op's module: the owner of a parameter it takes, or a hooked
+    # without naming every module (a routed op's module: the owner of a parameter it takes, or a hooked
     # parameterless leaf such as the max-pool) the same module paths as the full recording's
     names = [routed.header["modules"][m] for m in routed.cols["module"][rsel]]
     assert all(names) and names == [full.header["modules"][m] for m in full.cols["module"][sel]]
@@ -236,7 +236,7 @@ def test_routed_recording_sees_exactly_the_routed_ops(tmp_path):
 
 def test_routed_module_paths_under_autocast_match_the_full_recording():
     """Under bfloat16 autocast a conv takes a cast copy of its weight, not the parameter: ops="routed" finds
-    the module through the copy's autograd node, the same paths as the global hooks of ops="all"."""
+    the module through the copy's autograd node, the same paths as ops="all" names."""
     need_all_ops()
     from nnrand import models
 
@@ -297,8 +297,10 @@ def test_a_compiled_module_recorded_compiles_nothing_more_and_records_what_eager
     named = run(compiled, model)
     compiled(x).sum().backward()
     assert dict(dynamo_utils.counters["stats"]) == graphs
-    for k in ("op", "shape", "dtype", "fp"):
-        assert np.array_equal(named[k], want[k]), k
+    named_eager = run(model, model)
+    for k in ("op", "shape", "dtype", "fp", "module"):
+        assert np.array_equal(named[k], named_eager[k]), k
+    assert np.array_equal(named["fp"], want["fp"]) and len(set(named["module"].tolist())) > 1
     # negative control: the same dispatch, its code a copy dynamo was not told to skip and the frame
     # callback left on, gets compiled
     dispatch = trace.Recorder.__dict__["__torch_dispatch__"]
@@ -970,28 +972,50 @@ def test_slots_append_copies_rows_across_chunk_boundaries(monkeypatch):
     assert torch.equal(torch.cat(dst.chunks)[10:17], torch.arange(21, dtype=torch.float64).view(7, 3))
 
 
-@pytest.mark.parametrize("ops", ["all", "routed"])
-def test_a_model_deep_copied_while_recorded_reports_to_the_same_recorder(ops):
-    """A CUDA-graph step warms up on a deep copy of the model: the copy's module wrappers (ops="routed" wraps
-    the model's parameterless leaves) are bound to the copy and report to the recorder, not to a copy of it,
-    under the original's paths; the copy computes with its own weights, and passes straight through once
-    the recording ends."""
+def test_a_model_deep_copied_while_recorded_reports_to_the_same_recorder():
+    """A CUDA-graph step warms up on a deep copy of the model. ops="all": the copy's module wrappers are bound
+    to the copy and report to the recorder's naming, not to a copy of it, under the original's paths; the
+    copy computes with its own weights, and its wrappers pass straight through once the recording ends.
+    ops="routed" (hooks on the model's parameterless leaves): the copy's hooks stay bound to the recorder."""
     import copy
+
+    class Pushes(list):   # the stack's pushes, counted
+        pushed = 0
+
+        def append(self, item):
+            self.pushed += 1
+            super().append(item)
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.MaxPool2d(2))
     x = torch.randn(1, 3, 6, 6, generator=torch.Generator().manual_seed(1))
-    with routing.use_kernels("tree"), trace.Recorder(ops=ops, model=model) as rec:
+    with trace.Recorder(ops="all", model=model) as rec:
         twin = copy.deepcopy(model)
         wrapper = twin[1].__dict__["forward"]
-        assert isinstance(wrapper, trace._Named) and wrapper.rec is rec and wrapper.module is twin[1]
+        assert isinstance(wrapper, trace._Named) and wrapper.naming is rec._naming and wrapper.module is twin[1]
         assert wrapper.path == "1" and wrapper is not model[1].__dict__["forward"]
         with torch.no_grad():
             twin[0].weight.mul_(2)
+        rec.step()
         got = twin(x)
-        assert twin[1].__dict__["forward"].path == "1"
     assert not any("forward" in m.__dict__ for m in model.modules())
+    a = rec.arrays()
+    header = json.loads(bytes(a["header"]).decode())
+    named = [(header["ops"][o], header["modules"][m]) for o, m in zip(a["op"], a["module"])]
+    # (the copy's and the weight's ops come first, outside any module) the conv, then the pool's two outputs
+    assert named[-3:] == [("convolution", "0"), ("max_pool2d_with_indices", "1"), ("max_pool2d_with_indices", "1")]
     assert torch.equal(got, twin(x)) and not torch.equal(got, model(x))
+    rec._naming.stack = Pushes()   # after the recording, the copy's wrappers push nothing
+    twin(x)
+    assert rec._naming.stack.pushed == 0 and twin[1].__dict__["forward"] is wrapper
+    rec._naming.on = True   # (control: the same wrappers, naming on, push)
+    twin(x)
+    assert rec._naming.stack.pushed == 3
+
+    with routing.use_kernels("tree"), trace.Recorder(ops="routed", model=model) as rec:
+        twin = copy.deepcopy(model)
+        hooks = list(twin[1]._forward_pre_hooks.values())
+        assert hooks and all(h.__self__ is rec for h in hooks) and "forward" not in twin[1].__dict__
 
 
 def test_with_a_model_its_forwards_are_wrapped_not_hooked():
@@ -999,7 +1023,7 @@ def test_with_a_model_its_forwards_are_wrapped_not_hooked():
     hook, which put every module call on torch's slower path): the ops of each module and the backward ops
     of what it returns carry its path; a forward that raises leaves the stack; on exit every module's
     ``__dict__`` is as it was (an instance's own forward put back), and a wrapped forward keeps its
-    signature and pickles as the forward it stands for."""
+    signature and attributes and pickles as the forward it stands for."""
     import inspect
     import pickle
 
@@ -1014,12 +1038,14 @@ def test_with_a_model_its_forwards_are_wrapped_not_hooked():
         assert not mm._global_forward_hooks and not mm._global_forward_pre_hooks
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
         assert inspect.signature(model[0].forward) == inspect.signature(torch.nn.Linear(1, 1).forward)
+        assert model[0].forward.__name__ == "forward"
         restored = pickle.loads(pickle.dumps(model))
         rec.step()
         model(x).sum().backward()
         with pytest.raises(RuntimeError):
             model(torch.randn(5, 7))
         assert rec.stack == []
+        model[2].forward(torch.ones(1, 3))   # called directly: named too
     assert torch.equal(restored(x), model(x))
     a = rec.arrays()
     header = json.loads(bytes(a["header"]).decode())
@@ -1027,8 +1053,44 @@ def test_with_a_model_its_forwards_are_wrapped_not_hooked():
             for p, o, m in zip(a["phase"], a["op"], a["module"])]
     assert ("forward", "addmm", "0") in recs and ("forward", "addmm", "2") in recs
     assert ("forward", "relu", "1") in recs and ("backward", "threshold_backward", "1") in recs
-    assert ("backward", "mm", "2") in recs
+    assert ("backward", "mm", "2") in recs and recs[-1][2] == "2"
     assert model[1].__dict__["forward"] is own and not any("forward" in model[i].__dict__ for i in (0, 2))
+
+
+def test_module_wrappers_take_a_static_forward_and_nested_recorders():
+    """A class whose forward is a staticmethod is wrapped as it is called; two recorders on one model, left
+    in either order, leave no wrapper behind."""
+    class Static(torch.nn.Module):
+        @staticmethod
+        def forward(x):
+            return x * 2
+
+    model = torch.nn.Sequential(Static())
+    x = torch.ones(2)
+    with trace.Recorder(ops="all", model=model):
+        assert torch.equal(model(x), x * 2)
+    assert "forward" not in model[0].__dict__
+    for first_out in (True, False):
+        a, b = trace.Recorder(ops="all", model=model), trace.Recorder(ops="all", model=model)
+        a.__enter__()
+        b.__enter__()
+        assert model[0].__dict__["forward"].inner is not None   # b's wrapper over a's
+        (a if first_out else b).__exit__(None, None, None)
+        (b if first_out else a).__exit__(None, None, None)
+        assert not any("forward" in m.__dict__ for m in model.modules()), first_out
+
+
+def test_a_model_holding_a_data_parallel_is_named_by_global_hooks():
+    """DataParallel replicates its module by copying each submodule's ``__dict__`` (a replica would share the
+    original's wrapper): a model holding one is named by global module hooks, nothing put in any
+    ``__dict__``."""
+    from torch.nn.modules import module as mm
+
+    model = torch.nn.Sequential(torch.nn.DataParallel(torch.nn.Linear(2, 2)))
+    with trace.Recorder(ops="all", model=model):
+        assert mm._global_forward_hooks and not any("forward" in m.__dict__ for m in model.modules())
+        model(torch.ones(1, 2))
+    assert not mm._global_forward_hooks
 
 
 def test_lockstep_with_kept_tensors_refuses_a_captured_step(tmp_path):

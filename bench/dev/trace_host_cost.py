@@ -316,9 +316,10 @@ def routed_split(cfg, steps: int, tmp: Path, mode: str = "routed") -> None:
     outside; a method called by another counts in both)."""
     pieces = ("_observe", "_owner", "_add_outputs", "_add", "_pass_ended", "_launch_deferred", "snapshot", "_flush",
               "_pre", "_post") if mode == "routed" else \
-        ("__torch_dispatch__", "_add_outputs", "_add", "_launch_deferred", "snapshot", "_flush", "_pre", "_post")
+        ("__torch_dispatch__", "_add_outputs", "_add", "_launch_deferred", "snapshot", "_flush", "_Named.__call__")
+    owner = {name: trace._Named if name.startswith("_Named.") else trace.Recorder for name in pieces}
     spent = {name: [0, 0.0] for name in pieces}
-    real = {name: trace.Recorder.__dict__[name] for name in pieces}
+    real = {name: owner[name].__dict__[name.split(".")[-1]] for name in pieces}
 
     def timed(name):
         fn = real[name]
@@ -333,7 +334,7 @@ def routed_split(cfg, steps: int, tmp: Path, mode: str = "routed") -> None:
         return wrapper
 
     for name in pieces:
-        setattr(trace.Recorder, name, timed(name))
+        setattr(owner[name], name.split(".")[-1], timed(name))
     try:
         none = steps_ms(cfg, "none", steps, tmp)
         for name in pieces:
@@ -341,12 +342,12 @@ def routed_split(cfg, steps: int, tmp: Path, mode: str = "routed") -> None:
         ms = steps_ms(cfg, mode, steps, tmp)
     finally:
         for name, fn in real.items():
-            setattr(trace.Recorder, name, fn)
+            setattr(owner[name], name.split(".")[-1], fn)
     n = steps + 3   # steps_ms's warm-up steps ran the pieces too
     print(f"\nops='{mode}' with its pieces timed: {ms:.2f} ms/step against {none:.2f} unrecorded; per step "
           f"(averaged over {n} steps):")
     for name, (calls, sec) in spent.items():
-        print(f"  {name:12s} {calls / n:6.1f} calls  {sec / n * 1e3:7.3f} ms  {sec / max(calls, 1) * 1e6:7.1f} us/call")
+        print(f"  {name:15s} {calls / n:6.1f} calls  {sec / n * 1e3:7.3f} ms  {sec / max(calls, 1) * 1e6:7.1f} us/call")
 
 
 def launches(cfg, steps: int, tmp: Path) -> None:
