@@ -65,17 +65,18 @@ module: an empty path, as have the loss and the optimizer's ops outside any modu
 a ``model``, the recorder names the model's modules by wrapping each one's ``forward`` while it records (an
 entry in the module's ``__dict__``, taken out on exit; module hooks would put every module call on torch's
 slower path). Then a module outside the model names nothing (its ops take its caller's path), nor do the
-ops of a module's own forward pre-hooks, which run before its ``forward``; a ``forward`` called directly
-names its module. A deep copy of the model made while recording (a CUDA-graph step's warm-up copy) keeps
+ops of a module's own forward hooks, which run before and after its ``forward``; a ``forward`` called
+directly names its module. A deep copy of the model made while recording (a CUDA-graph step's warm-up copy) keeps
 the wrappers, bound to the copy and named as the original, passing straight through once the recording
 ends; a shallow copy (``copy.copy``) of one of the model's modules made while recording would run the
 original's forward, and a module pickled whole then keeps its bound forward in its ``__dict__``. A model
 holding a TorchScript module or a ``DataParallel`` (whose replicas copy each module's ``__dict__``) is
 named by global module hooks instead, as is every module when there is no model (its type's name under
-its caller's path). With ``ops="routed"`` and a ``model``, a routed op is attributed to the module owning a
+its caller's path); a ``DataParallel`` around the model is seen only when it is the ``model`` given. With ``ops="routed"`` and a ``model``, a routed op is attributed to the module owning a
 parameter it takes (a conv's or BatchNorm's weight) or whose gradient its autograd node accumulates,
 directly or through an autocast copy; only the model's leaf modules without parameters (a pool, say) are
-hooked, but for torch's activations, dropout and reshaping modules, which run no routed op.
+hooked, but for torch's activations, dropout and reshaping modules, which run no routed op (a copy of the
+model made while recording keeps those hooks, and with them the recorder).
 
 File format (``FORMAT``, version ``VERSION``): a NumPy ``.npz`` archive with a JSON ``header`` (format,
 version, metadata such as the routing and seeds), one column per record field (``step`` int32, ``phase``
@@ -593,12 +594,16 @@ def _bound_forward(module: torch.nn.Module):
     return raw.__get__(module, type(module)) if hasattr(raw, "__get__") else raw
 
 
+_FORWARD_ATTRS = frozenset(("__name__", "__qualname__", "__func__", "__self__", "__globals__", "__code__",
+                            "__defaults__", "__kwdefaults__", "__annotations__"))
+
+
 class _Named:
     """A module's ``forward`` while a recorder names the ops it runs (see the module docstring): its path on
     the recorder's stack during the call, then on the autograd node of each tensor it returns. Put in the
     module's ``__dict__`` (ahead of its class's ``forward``) by ``install``; ``remove`` takes it out again.
-    Passes straight through once the recording has ended, and while dynamo compiles (the compiled graph is
-    the unrecorded one's)."""
+    Passes straight through once the recording has ended. (Dynamo compiles nothing while a dispatch mode such
+    as the recorder is active, so it meets a wrapper only in a copy made while recording and compiled after.)"""
 
     __slots__ = ("naming", "module", "path", "inner", "call")
 
@@ -633,7 +638,7 @@ class _Named:
 
     def __call__(self, *args, **kwargs):
         naming = self.naming
-        if not naming.on or torch.compiler.is_compiling():
+        if not naming.on:
             return self.call(*args, **kwargs)
         stack = naming.stack
         stack.append(self.path)
@@ -650,9 +655,11 @@ class _Named:
         return self.call
 
     def __getattr__(self, name: str):
-        if name == "call":   # (not set yet: no recursion)
-            raise AttributeError(name)
-        return getattr(self.call, name)   # the wrapped forward's attributes (its __name__, __func__, ...)
+        """The wrapped forward's function attributes (its ``__name__``, ``__func__``, ``__globals__``...); no
+        others (a ``__dict__`` read through would stand for a slotted object's own, which dynamo guards)."""
+        if name not in _FORWARD_ATTRS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.call, name)
 
     def __deepcopy__(self, memo):
         """In a deep copy of its module (the copy already in ``memo``): bound to the copy, same naming."""

@@ -1011,6 +1011,8 @@ def test_a_model_deep_copied_while_recorded_reports_to_the_same_recorder():
     rec._naming.on = True   # (control: the same wrappers, naming on, push)
     twin(x)
     assert rec._naming.stack.pushed == 3
+    rec._naming.on = False   # the copy compiles (dynamo guards the wrappers' attributes)
+    assert torch.equal(torch.compile(twin, backend="eager")(x), got)
 
     with routing.use_kernels("tree"), trace.Recorder(ops="routed", model=model) as rec:
         twin = copy.deepcopy(model)
@@ -1078,6 +1080,28 @@ def test_module_wrappers_take_a_static_forward_and_nested_recorders():
         (a if first_out else b).__exit__(None, None, None)
         (b if first_out else a).__exit__(None, None, None)
         assert not any("forward" in m.__dict__ for m in model.modules()), first_out
+
+
+@pytest.mark.parametrize("ops", ["all", "routed"])
+def test_a_recorder_that_fails_to_enter_leaves_no_naming_behind(ops):
+    """An error while entering (the dispatch mode for ops="all", the routing's observer for ops="routed")
+    takes the module wrappers or hooks out again."""
+    from torch.nn.modules import module as mm
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.MaxPool1d(1))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("entering failed")
+
+    rec = trace.Recorder(ops=ops, model=model)
+    with pytest.MonkeyPatch.context() as m, routing.use_kernels("tree"):
+        m.setattr(trace, "_dynamo_skips_dispatch", fail)
+        m.setattr(routing, "observe", fail)
+        with pytest.raises(RuntimeError, match="entering failed"):
+            rec.__enter__()
+    assert not rec._hooks and not rec._naming.on and not mm._global_forward_hooks
+    assert not any("forward" in mod.__dict__ or mod._forward_pre_hooks or mod._forward_hooks
+                   for mod in model.modules())
 
 
 def test_a_model_holding_a_data_parallel_is_named_by_global_hooks():
