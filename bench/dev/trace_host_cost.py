@@ -361,21 +361,25 @@ def launches(cfg, steps: int, tmp: Path) -> None:
         fn = real[name]
 
         def wrapper(*a, **k):
+            outer = name == "_launch_deferred"
+            if outer:
+                inside.pieces = {}
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
                 us = (time.perf_counter() - t0) * 1e6
-                if name == "_launch_deferred":
+                pieces = getattr(inside, "pieces", None)
+                if outer:
                     d = a[0]
                     calls.append({"thread": threading.current_thread().name, "us": us, "tensors": len(d.held),
-                                  "mb": d.nbytes / 1e6, "blocks": d.blocks, **pending})
-                    pending.clear()
-                else:
-                    pending[name] = pending.get(name, 0.0) + us
+                                  "mb": d.nbytes / 1e6, "blocks": d.blocks, **pieces})
+                    inside.pieces = None
+                elif pieces is not None:   # (a snapshot's batch launches are not a deferred launch's)
+                    pieces[name] = pieces.get(name, 0.0) + us
         return wrapper
 
-    pending: dict[str, float] = {}
+    inside = threading.local()   # per thread: the pieces of the deferred launch under way, or None
     for name in real:
         setattr(trace, name, timed(name))
     try:
