@@ -393,6 +393,9 @@ class Entry:
     aten_backward: str | None = None
     flag: DocFlag | tuple[DocFlag, ...] | None = None   # the first that applies to (device, phase) counts
     seed: int = 0
+    # the forward's aten op on CUDA where the routing meets another one there (cuDNN's BatchNorm on an NCHW
+    # input); None: ``aten`` on every device
+    aten_cuda: str | None = None
 
     def phases(self) -> list[str]:
         return ["forward"] + [f"backward:{k}" for k in self.grads]
@@ -556,9 +559,9 @@ def audit_entries(scale: str = "full") -> list[Entry]:
 
     E: list[Entry] = []
 
-    def add(name, family, aten, shape, make, forward, grads=None, aten_backward=None, flag=None):
+    def add(name, family, aten, shape, make, forward, grads=None, aten_backward=None, flag=None, aten_cuda=None):
         E.append(Entry(f"{family}.{name}", family, aten, shape, make, forward, dict(grads or {}), aten_backward, flag,
-                       seed=len(E)))
+                       seed=len(E), aten_cuda=aten_cuda))
 
     # ---- convolutions: cuDNN (or the CPU's) conv; routed: conv_wgrad / conv_dgrad / bias_grad
     conv_flag = DocFlag(DET_ALT, "cuda", "both")
@@ -632,7 +635,9 @@ def audit_entries(scale: str = "full") -> list[Entry]:
                 x=_randn(g, n, c, hw, hw).contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format),
                 weight=1 + _randn(g, c, scale=0.1), bias=_randn(g, c, scale=0.1), eps=1e-5),
             lambda p: F.batch_norm(p["x"], None, None, p["weight"], p["bias"], True, 0.1, p["eps"]),
-            {"dX,dW,dB": ("x", "weight", "bias")}, "native_batch_norm_backward")
+            {"dX,dW,dB": ("x", "weight", "bias")}, "native_batch_norm_backward",
+            # CUDA runs cuDNN's BatchNorm, whose NCHW forward the routing takes (channels_last: cuDNN's own)
+            aten_cuda=None if cl else "cudnn_batch_norm")
     add("seg_32groups", "group_norm", "native_group_norm", f"N={S(2, 16)} {S(32, 256)}ch {S(16, 64)}x{S(16, 64)} G=32",
         lambda g: dict(x=_randn(g, S(2, 16), S(32, 256), S(16, 64), S(16, 64)), weight=1 + _randn(g, S(32, 256), scale=0.1),
                        bias=_randn(g, S(32, 256), scale=0.1)),
@@ -1068,22 +1073,26 @@ def _quick_entries() -> dict[str, Entry]:
     return {e.name: e for e in audit_entries("quick")}
 
 
-def _routed(entry: Entry, phase: str) -> str:
+def _routed(entry: Entry, phase: str, device_type: str = "cpu") -> str:
     """``<registry op>/<variant>`` where the tree routing runs one for the phase, else empty: the aten op the
-    phase dispatches (``aten`` for the forward, else ``aten_backward``; an in-place twin such as index_add_,
-    which index_select's backward calls, runs its functional op's route) is overridden for a routed op
-    (ROUTED_OPS, registry ops as REGISTRY_OPS names them, or itself) whose registry op is NNRAND_OPS's for
-    the phase, and ``routing.resolve`` gives that routed op a variant. The conv families' NNRAND_OPS rows
-    carry the handler's split (grouped convs to the grouped ops, transposed convs to none)."""
+    phase dispatches on the device (``aten``, or ``aten_cuda`` there, for the forward, else ``aten_backward``;
+    an in-place twin such as index_add_, which index_select's backward calls, runs its functional op's route)
+    is overridden on that device for a routed op (ROUTED_OPS, registry ops as REGISTRY_OPS names them, or
+    itself) whose registry op is NNRAND_OPS's for the phase, and ``routing.resolve`` gives that routed op a
+    variant. The conv families' NNRAND_OPS rows carry the handler's split (grouped convs to the grouped ops,
+    transposed convs to none)."""
     from nnrand import routing
 
     hit = NNRAND_OPS.get((entry.family, phase))
     aten = entry.aten if phase == "forward" else entry.aten_backward
+    if phase == "forward" and device_type == "cuda" and entry.aten_cuda:
+        aten = entry.aten_cuda
     if hit is None or aten is None:
         return ""
     tree = _tree_routing()
+    key = "CUDA" if device_type == "cuda" else "CPU"
     for r in routing.ATEN_OPS:
-        if r.op.rstrip("_") != aten.rstrip("_"):
+        if r.op.rstrip("_") != aten.rstrip("_") or key not in r.keys:
             continue
         for op in r.routed:
             if hit[0] in routing.REGISTRY_OPS.get(op, (op,)) and tree.used[op] != routing.NATIVE:
@@ -1137,13 +1146,13 @@ def _guarded(entry: Entry, phase: str) -> bool:
     return _guard_runs([(entry, phase)])[entry.name, phase]
 
 
-def route(entry: Entry, phase: str) -> str:
-    """What ``nnrand.use_kernels("tree")`` does with the phase: ``routed <registry op>/<variant>``, ``guarded``
-    (refused as uncovered at the forward call that creates it; strict=False counts it uncovered), or empty
-    (torch's kernel runs, under PyTorch's deterministic mode). It names the phase's own aten call: torch's CPU
-    embedding_bag kernels call index_add_ through the dispatcher, so on the CPU part of their work is routed
-    too, which the CUDA kernels' is not."""
-    routed = _routed(entry, phase)
+def route(entry: Entry, phase: str, device_type: str = "cpu") -> str:
+    """What ``nnrand.use_kernels("tree")`` does with the phase on a ``device_type`` ("cpu" or "cuda") device:
+    ``routed <registry op>/<variant>``, ``guarded`` (refused as uncovered at the forward call that creates
+    it; strict=False counts it uncovered), or empty (torch's kernel runs, under PyTorch's deterministic mode).
+    It names the phase's own aten call: torch's CPU embedding_bag kernels call index_add_ through the
+    dispatcher, so on the CPU part of their work is routed too, which the CUDA kernels' is not."""
+    routed = _routed(entry, phase, device_type)
     if routed:
         return f"routed {routed}"
     return "guarded" if _guarded(entry, phase) else ""
@@ -1161,7 +1170,7 @@ def audit_phase(entry: Entry, phase: str, *, repeats: int, device: torch.device,
     row: dict = {"entry": entry.name, "phase": phase, "family": entry.family,
                  "aten_op": entry.aten if phase == "forward" else (entry.aten_backward or entry.aten),
                  "shape": entry.shape, "pytorch_flag": _doc_flag(entry, phase, device),
-                 "nnrand_route": route(entry, phase), "repeats": repeats}
+                 "nnrand_route": route(entry, phase, device.type), "repeats": repeats}
     host = []   # modes whose CUDA event times include host time
     try:
         p = _to_device(entry.make(torch.Generator().manual_seed(entry.seed)), device)
@@ -1558,7 +1567,7 @@ def _route_of(r: dict) -> str:
     """The row's route in the rendering code (:func:`route` on its entry's quick-scale twin), or the CSV's
     for an entry this code does not have."""
     twin = _twin(r)
-    return route(twin, r["phase"]) if twin is not None else r.get("nnrand_route", "")
+    return route(twin, r["phase"], "cpu" if _cpu_row(r) else "cuda") if twin is not None else r.get("nnrand_route", "")
 
 
 def _flag_of(r: dict) -> str:

@@ -57,26 +57,27 @@ launches (batched as above) captured with them; each replay then rewrites the ca
 values copied from those rows on the device. Per step that costs no dispatch per op: a row per record
 on the host and a copy of the values on the device.
 
-Module paths: the forward op runs inside a module's ``forward``, whose path the recorder keeps on a
-stack; a backward op is attributed to the module whose forward returned the tensor whose autograd node it
-runs in (set on the node when that module returns). The backward of an op inside a module's forward whose
-result the module does not return (an intermediate sum, the weight transpose of a linear layer) has no
-module: an empty path, as have the loss and the optimizer's ops outside any module. With ``ops="all"`` and
-a ``model``, the recorder names the model's modules by wrapping each one's ``forward`` while it records (an
-entry in the module's ``__dict__``, taken out on exit; module hooks would put every module call on torch's
-slower path). Then a module outside the model names nothing (its ops take its caller's path), nor do the
-ops of a module's own forward hooks, which run before and after its ``forward``; a ``forward`` called
-directly names its module. A deep copy of the model made while recording (a CUDA-graph step's warm-up copy) keeps
-the wrappers, bound to the copy and named as the original, passing straight through once the recording
-ends; a shallow copy (``copy.copy``) of one of the model's modules made while recording would run the
-original's forward, and a module pickled whole then keeps its bound forward in its ``__dict__``. A model
-holding a TorchScript module or a ``DataParallel`` (whose replicas copy each module's ``__dict__``) is
-named by global module hooks instead, as is every module when there is no model (its type's name under
-its caller's path); a ``DataParallel`` around the model is seen only when it is the ``model`` given. With ``ops="routed"`` and a ``model``, a routed op is attributed to the module owning a
-parameter it takes (a conv's or BatchNorm's weight) or whose gradient its autograd node accumulates,
-directly or through an autocast copy; only the model's leaf modules without parameters (a pool, say) are
-hooked, but for torch's activations, dropout and reshaping modules, which run no routed op (a copy of the
-model made while recording keeps those hooks, and with them the recorder).
+Module paths: the forward op runs inside a module's ``forward``, whose path the recorder keeps on a stack; a
+backward op is attributed to the module whose forward returned the tensor whose autograd node it runs in
+(set on the node when that module returns). The backward of an op inside a module's forward whose result the
+module does not return (an intermediate sum, the weight transpose of a linear layer) has no module: an empty
+path, as have the loss and the optimizer's ops outside any module. With ``ops="all"`` and a ``model``, the
+recorder names the model's modules by wrapping each one's ``forward`` while it records (an entry in the
+module's ``__dict__``, taken out on exit; module hooks would put every module call on torch's slower path).
+Then a module outside the model names nothing (its ops take its caller's path), nor do the ops of a module's
+own forward hooks, which run before and after its ``forward``; a ``forward`` called directly names its
+module. A deep copy of the model made while recording (a CUDA-graph step's warm-up copy) keeps the wrappers,
+bound to the copy and named as the original, passing straight through once the recording ends; a shallow
+copy (``copy.copy``) of one of the model's modules made while recording would run the original's forward,
+and a module pickled whole then keeps its bound forward in its ``__dict__``. A model holding a TorchScript
+module or a ``DataParallel`` (whose replicas copy each module's ``__dict__``) is named by global module
+hooks instead, as is every module when there is no model (its type's name under its caller's path); a
+``DataParallel`` around the model is seen only when it is the ``model`` given. With ``ops="routed"`` and a
+``model``, a routed op is attributed to the module owning a parameter it takes (a conv's or BatchNorm's
+weight) or whose gradient its autograd node accumulates, directly or through an autocast copy; only the
+model's leaf modules without parameters (a pool, say) are hooked, but for torch's activations, dropout and
+reshaping modules, which run no routed op (a copy of the model made while recording keeps those hooks, and
+with them the recorder).
 
 File format (``FORMAT``, version ``VERSION``): a NumPy ``.npz`` archive with a JSON ``header`` (format,
 version, metadata such as the routing and seeds), one column per record field (``step`` int32, ``phase``

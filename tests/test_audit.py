@@ -385,11 +385,11 @@ def test_rows_of_other_repeats_are_measured_again_and_replaced(tmp_path):
 # Route: what use_kernels("tree") does with each phase
 
 
-def _tree_coverage(entry: Entry, phase: str) -> tuple[set[tuple[str, str]], bool]:
-    """(routed (aten op, variant) pairs, whether the guard refused) when the phase runs once on the CPU
+def _tree_coverage(entry: Entry, phase: str, device: str = "cpu") -> tuple[set[tuple[str, str]], bool]:
+    """(routed (aten op, variant) pairs, whether the guard refused) when the phase runs once on the device
     under use_kernels("tree", strict=False): graph build and backward, or the forward."""
     guard_ops = {u.backward for u in routing.UNCOVERED_OPS}
-    p = entry.make(torch.Generator().manual_seed(entry.seed))
+    p = audit._to_device(entry.make(torch.Generator().manual_seed(entry.seed)), torch.device(device))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with routing.use_kernels("tree", strict=False) as ctx:
@@ -430,6 +430,28 @@ def test_route_says_what_use_kernels_tree_does():
     assert audit.route(q["grid_sample.flow_warp"], "backward:dX") == "guarded"
     # the grid alone records a backward: grid_sampler_2d_backward runs (PyTorch refuses it), the guard sees it
     assert audit.route(q["grid_sample.flow_warp"], "backward:dGrid") == "guarded"
+    # CUDA's BatchNorm forward is cuDNN's, whose NCHW call the routing takes (test below); the CPU's is not
+    assert audit.route(q["batch_norm.r50_64ch"], "forward", "cuda") == "routed bn_fwd/tree"
+    assert audit.route(q["batch_norm.r50_64ch"], "forward") == ""
+    assert audit.route(q["batch_norm.r50_64ch_channels_last"], "forward", "cuda") == ""
+    assert audit.route(q["batch_norm.r50_64ch"], "backward:dX,dW,dB", "cuda") == "routed bn_bwd/tree"
+
+
+@pytest.mark.gpu
+def test_route_on_cuda_says_what_use_kernels_tree_does_with_batch_norm():
+    """The BatchNorm entries' phases on CUDA (cuDNN's forward and backward, routed as the route says; the
+    channels_last forward kept by the routing), against what use_kernels("tree") counted."""
+    for e in audit.audit_entries("quick"):
+        if e.family != "batch_norm":
+            continue
+        for ph in e.phases():
+            routed, guarded = _tree_coverage(e, ph, "cuda")
+            rt = audit.route(e, ph, "cuda")
+            if routed:
+                assert len(routed) == 1 and rt.startswith("routed ") and rt.endswith("/" + next(iter(routed))[1]), \
+                    (e.name, ph, rt, routed)
+            else:
+                assert rt == "" and not guarded, (e.name, ph, rt)
 
 
 def test_the_report_renders_the_route_of_the_rendering_code(tmp_path):
