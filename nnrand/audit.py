@@ -393,8 +393,9 @@ class Entry:
     aten_backward: str | None = None
     flag: DocFlag | tuple[DocFlag, ...] | None = None   # the first that applies to (device, phase) counts
     seed: int = 0
-    # the forward's aten op on CUDA where the routing meets another one there (cuDNN's BatchNorm on an NCHW
-    # input); None: ``aten`` on every device
+    # the forward's aten op whose CUDA route counts, where it differs from ``aten`` (cuDNN's BatchNorm on an
+    # NCHW input); None: ``aten``'s, also where CUDA dispatches another op whose handler gives the call back
+    # to torch (cudnn_batch_norm on a channels_last input)
     aten_cuda: str | None = None
 
     def phases(self) -> list[str]:
@@ -636,7 +637,8 @@ def audit_entries(scale: str = "full") -> list[Entry]:
                 weight=1 + _randn(g, c, scale=0.1), bias=_randn(g, c, scale=0.1), eps=1e-5),
             lambda p: F.batch_norm(p["x"], None, None, p["weight"], p["bias"], True, 0.1, p["eps"]),
             {"dX,dW,dB": ("x", "weight", "bias")}, "native_batch_norm_backward",
-            # CUDA runs cuDNN's BatchNorm, whose NCHW forward the routing takes (channels_last: cuDNN's own)
+            # CUDA runs cuDNN's BatchNorm, whose NCHW forward the routing takes (channels_last: cuDNN's BatchNorm
+            # too, left to cuDNN by the routing)
             aten_cuda=None if cl else "cudnn_batch_norm")
     add("seg_32groups", "group_norm", "native_group_norm", f"N={S(2, 16)} {S(32, 256)}ch {S(16, 64)}x{S(16, 64)} G=32",
         lambda g: dict(x=_randn(g, S(2, 16), S(32, 256), S(16, 64), S(16, 64)), weight=1 + _randn(g, S(32, 256), scale=0.1),
@@ -1075,8 +1077,9 @@ def _quick_entries() -> dict[str, Entry]:
 
 def _routed(entry: Entry, phase: str, device_type: str = "cpu") -> str:
     """``<registry op>/<variant>`` where the tree routing runs one for the phase, else empty: the aten op the
-    phase dispatches on the device (``aten``, or ``aten_cuda`` there, for the forward, else ``aten_backward``;
-    an in-place twin such as index_add_, which index_select's backward calls, runs its functional op's route)
+    phase dispatches on the device (``aten``, or ``aten_cuda`` there, for the forward, else ``aten_backward``,
+    where CUDA's cudnn_batch_norm_backward routes as native_batch_norm_backward does; an in-place twin such as
+    index_add_, which index_select's backward calls, runs its functional op's route)
     is overridden on that device for a routed op (ROUTED_OPS, registry ops as REGISTRY_OPS names them, or
     itself) whose registry op is NNRAND_OPS's for the phase, and ``routing.resolve`` gives that routed op a
     variant. The conv families' NNRAND_OPS rows carry the handler's split (grouped convs to the grouped ops,

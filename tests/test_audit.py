@@ -386,17 +386,21 @@ def test_rows_of_other_repeats_are_measured_again_and_replaced(tmp_path):
 
 
 def _tree_coverage(entry: Entry, phase: str, device: str = "cpu") -> tuple[set[tuple[str, str]], bool]:
-    """(routed (aten op, variant) pairs, whether the guard refused) when the phase runs once on the device
-    under use_kernels("tree", strict=False): graph build and backward, or the forward."""
+    """(routed (aten op, variant) pairs of the phase's own call, whether the guard refused) when the phase
+    runs once on the device under use_kernels("tree", strict=False): the routed pairs counted by the call
+    alone (a backward's, not its graph build's: CUDA's BatchNorm forward is routed too), the guard over the
+    graph build and the call (it refuses at the build)."""
     guard_ops = {u.backward for u in routing.UNCOVERED_OPS}
     p = audit._to_device(entry.make(torch.Generator().manual_seed(entry.seed)), torch.device(device))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with routing.use_kernels("tree", strict=False) as ctx:
             fn, _, _ = audit.phase_call(entry, phase, p)
+            built = ctx.coverage.as_dict()
             fn()
     counts = ctx.coverage.as_dict()
-    routed = {(op, k) for op, c in counts.items() for k in c if k not in (routing.ORIGINAL, routing.UNCOVERED)}
+    routed = {(op, k) for op, c in counts.items() for k, n in c.items()
+              if k not in (routing.ORIGINAL, routing.UNCOVERED) and n > built.get(op, {}).get(k, 0)}
     return routed, any(counts.get(op, {}).get(routing.UNCOVERED) for op in guard_ops)
 
 
