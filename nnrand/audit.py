@@ -1278,6 +1278,11 @@ def _cpu_row(row: Mapping) -> bool:
     return str(row.get("gpu", "none")) == "none"
 
 
+def _row_device_type(row: Mapping) -> str:
+    """The device type a row was measured on: "cpu" or "cuda"."""
+    return "cpu" if _cpu_row(row) else "cuda"
+
+
 def _measured_under(row: Mapping) -> tuple:
     """The settings and environment of a row that its results depend on (CUDA_ENV or CPU_ENV by its device)."""
     return tuple(str(row.get(k, "")) for k in SETTINGS + (CPU_ENV if _cpu_row(row) else CUDA_ENV))
@@ -1570,7 +1575,7 @@ def _route_of(r: dict) -> str:
     """The row's route in the rendering code (:func:`route` on its entry's quick-scale twin), or the CSV's
     for an entry this code does not have."""
     twin = _twin(r)
-    return route(twin, r["phase"], "cpu" if _cpu_row(r) else "cuda") if twin is not None else r.get("nnrand_route", "")
+    return route(twin, r["phase"], _row_device_type(r)) if twin is not None else r.get("nnrand_route", "")
 
 
 def _flag_of(r: dict) -> str:
@@ -1579,7 +1584,7 @@ def _flag_of(r: dict) -> str:
     twin = _twin(r)
     if twin is None:
         return r.get("pytorch_flag", "")
-    return _doc_flag(twin, r["phase"], torch.device("cpu" if _cpu_row(r) else "cuda"))
+    return _doc_flag(twin, r["phase"], torch.device(_row_device_type(r)))
 
 
 def _route_cell(r: dict, rt: str) -> str:

@@ -611,7 +611,7 @@ class _Named:
     def __init__(self, naming: _Naming, module: torch.nn.Module, path: str, inner=None):
         self.naming, self.module, self.path = naming, module, path
         self.inner = inner   # the instance's own forward before this one, if it had one
-        self.call = inner if inner is not None else _bound_forward(module)
+        self.call = _plain_forward(module, inner)
 
     @classmethod
     def install(cls, naming: _Naming, module: torch.nn.Module, path: str) -> "_Named":
@@ -675,6 +675,7 @@ class _Named:
 
 
 def _plain_forward(module: torch.nn.Module, inner):
+    """What a wrapper of ``module`` calls: the instance's own earlier forward, else its class's, bound."""
     return inner if inner is not None else _bound_forward(module)
 
 
