@@ -1190,3 +1190,48 @@ def test_cli_refuses_a_perturb_index_past_the_parameters(tmp_path):
                    "--batch-size", "16", "--steps", "1", "--perturb-ulp", "--perturb-index", "999999999",
                    "--no-progress", "-o", str(tmp_path / "p.trace")])
     assert e.value.code == 2
+
+
+def test_wrapped_forwards_change_no_result_on_models_not_ours():
+    """Naming by wrapped forwards leaves what a model computes alone: a conv subclass whose forward calls
+    super().forward, a module with its own forward hook, attention returning a tuple with None, and
+    torch.func.functional_call with other weights give the same outputs and gradients, bit for bit, recorded
+    and not; every module call is named once (the stack empty after)."""
+    class Scaled(torch.nn.Conv2d):
+        def forward(self, x):
+            return super().forward(x) * 0.5
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = Scaled(2, 4, 3, padding=1)
+            self.attn = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+            self.head = torch.nn.Linear(4, 3)
+            self.head.register_forward_hook(lambda m, a, out: out + 1)
+
+        def forward(self, x):
+            h = self.conv(x).flatten(2).transpose(1, 2)
+            h, _ = self.attn(h, h, h, need_weights=False)
+            return self.head(h.mean(1))
+
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(2, 2, 5, 5, generator=torch.Generator().manual_seed(3))
+    other = {k: v * 1.5 for k, v in net.named_parameters()}
+
+    def run() -> list[torch.Tensor]:
+        net.zero_grad(set_to_none=True)
+        y = net(x)
+        y.square().sum().backward()
+        z = torch.func.functional_call(net, other, (x,))
+        return [y.detach(), z.detach(), *(p.grad for p in net.parameters())]
+
+    want = run()
+    with trace.Recorder(ops="all", model=net) as rec:
+        rec.step()
+        got = run()
+        assert rec.stack == []
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    a = rec.arrays()
+    header = json.loads(bytes(a["header"]).decode())
+    assert {"conv", "attn", "head"} <= set(header["modules"])
