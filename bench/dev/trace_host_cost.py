@@ -179,8 +179,9 @@ def sync(dev: torch.device) -> None:
 
 
 def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: int = 0,
-             null: TorchDispatchMode | None = None) -> float:
-    """Median ms per step in ``mode``; ``null``: the dispatch mode the "null" mode runs (NullMode())."""
+             null: TorchDispatchMode | None = None, warmed=None) -> float:
+    """Median ms per step in ``mode``; ``null``: the dispatch mode the "null" mode runs (NullMode());
+    ``warmed()``: called once the warm-up steps are done (before the first timed step)."""
     dev = torch.device(cfg.device)
     seeds = noise.member_seeds({s: "fixed" for s in ("init", "order", "aug")} | {"kernel": 0}, cfg.seed, 0)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -204,6 +205,8 @@ def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: in
             if isinstance(rec, trace.Recorder):
                 rec.step()
             sync(dev)
+            if warmed is not None and i == 3:
+                warmed()
             if prof is not None and i >= 3:
                 prof.enable()
             if kin is not None and i == 3:
@@ -289,6 +292,14 @@ def parts(dev: torch.device, n: int = 2000) -> None:
                 *rows]
     for name, fn in rows:
         print(f"  {per_call_us(fn, n, dev, reset):8.2f}  {name}")
+    # ops="routed" launches a forward op's fingerprints at once (it does not see what writes its outputs next)
+    routed = trace.Recorder(ops="routed")
+    routed.step()
+    bn = (t, small, small.clone(), torch.empty(0, device=dev))   # a training BatchNorm forward's outputs
+    for name, fn in (("a routed BatchNorm forward's record (3 outputs, launched at once)",
+                      lambda: routed._add_outputs(bn, "cudnn_batch_norm", "stages.0.bn1", "forward")),
+                     ("t.detach()", t.detach)):
+        print(f"  {per_call_us(fn, n, dev, lambda: reset(routed)):8.2f}  {name}")
     with NullMode():
         print(f"  {per_call_us(lambda: torch.neg(small), n, dev):8.2f}  torch.neg, under a dispatch mode that only "
               "calls each op")
@@ -335,17 +346,19 @@ def routed_split(cfg, steps: int, tmp: Path, mode: str = "routed") -> None:
 
     for name in pieces:
         setattr(owner[name], name.split(".")[-1], timed(name))
-    try:
-        none = steps_ms(cfg, "none", steps, tmp)
+    def reset():   # the warm-up steps (a routing session's first two record its replay plans) not counted
         for name in pieces:
             spent[name] = [0, 0.0]
-        ms = steps_ms(cfg, mode, steps, tmp)
+
+    try:
+        none = steps_ms(cfg, "none", steps, tmp)
+        ms = steps_ms(cfg, mode, steps, tmp, warmed=reset)
     finally:
         for name, fn in real.items():
             setattr(owner[name], name.split(".")[-1], fn)
-    n = steps + 3   # steps_ms's warm-up steps ran the pieces too
+    n = steps   # the timed steps (the counts include each step's rec.step(), made before its timer starts)
     print(f"\nops='{mode}' with its pieces timed: {ms:.2f} ms/step against {none:.2f} unrecorded; per step "
-          f"(averaged over {n} steps):")
+          f"(averaged over the {n} timed steps):")
     for name, (calls, sec) in spent.items():
         print(f"  {name:15s} {calls / n:6.1f} calls  {sec / n * 1e3:7.3f} ms  {sec / max(calls, 1) * 1e6:7.1f} us/call")
 
@@ -499,6 +512,7 @@ def main(argv=None) -> int:
         base = base or ms
         print(f"{mode:7s} {ms:8.2f} ms/step  {ms / base:5.2f}x", flush=True)
     if a.kineto:
+        steps_ms(cfg, "none", a.steps, tmp, kineto=a.kineto)
         steps_ms(cfg, "routed", a.steps, tmp, kineto=a.kineto)
     if a.profile and a.profile_mode == "routed":
         steps_ms(cfg, "routed", a.steps, tmp, profile=a.profile)
