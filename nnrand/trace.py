@@ -276,20 +276,31 @@ def _launch_fingerprints(ts: list[torch.Tensor], out_ptrs: list[int]) -> None:
         _launch_fingerprint(ts[0], out_ptrs[0])
         return
     st = _fp_state(ts[0].get_device())
-    desc, copies, first = [], [], 0
-    for t, out in zip(ts, out_ptrs):
-        if not t.is_contiguous():
-            t = t.contiguous()
-            copies.append(t)   # alive until its launch is enqueued (stream order protects it after that)
+    copies = [t.contiguous() for t in ts if not t.is_contiguous()]   # alive until their launches are enqueued
+    if copies:   # (stream order protects them after that)
+        it = iter(copies)
+        ts = [t if t.is_contiguous() else next(it) for t in ts]
+    for struct, blocks in _fp_batches(ts, out_ptrs):
+        _launch_struct(st, struct, blocks)
+    del copies
+
+
+def _fp_batches(ts: list[torch.Tensor], out_ptrs: list[int]) -> list[tuple[array.array, int]]:
+    """The ``fingerprint_batch`` launches (FpBatch struct, blocks) of contiguous tensors alive on one device:
+    up to FP_BATCH tensors and FP_SCRATCH_BLOCKS blocks each. A launch's bytes depend only on the tensors'
+    addresses, sizes and dtypes and the output addresses: the same tensors into the same rows launch the
+    same structs again (``Recorder.snapshot``)."""
+    out, desc, first = [], [], 0
+    for t, ptr in zip(ts, out_ptrs):
         n = t.numel()
         blocks = fp_blocks(n)
         if len(desc) == 5 * FP_BATCH or first + blocks > FP_SCRATCH_BLOCKS:
-            _launch_batch(st, desc, first)
+            out.append((_batch_struct(desc), first))
             desc, first = [], 0
-        desc += (t.data_ptr(), n, fp_chunk(n, blocks), out, _packed(first, blocks, FP_KINDS[t.dtype]))
+        desc += (t.data_ptr(), n, fp_chunk(n, blocks), ptr, _packed(first, blocks, FP_KINDS[t.dtype]))
         first += blocks
-    _launch_batch(st, desc, first)
-    del copies
+    out.append((_batch_struct(desc), first))
+    return out
 
 
 def _packed(first: int, blocks: int, kind: int) -> int:
@@ -297,11 +308,20 @@ def _packed(first: int, blocks: int, kind: int) -> int:
     return first | blocks << 32 | kind << 48
 
 
-def _launch_batch(st: _FpState, desc: list[int], blocks: int, stream: int | None = None) -> None:
+def _batch_struct(desc: list[int]) -> array.array:
+    """FpBatch's bytes: the count of descriptors, the descriptors (5 words each), zeros to its size."""
     batch = array.array("q", (len(desc) // 5,))
     batch.extend(desc)
     batch.extend(_ZEROS[:_FP_BATCH_SLOTS - len(batch)])
-    _runtime().launch(st.batch, (blocks,), (FP_THREADS,), st.parts, device=st.dev, struct=batch, stream=stream)
+    return batch
+
+
+def _launch_struct(st: _FpState, struct: array.array, blocks: int, stream: int | None = None) -> None:
+    _runtime().launch(st.batch, (blocks,), (FP_THREADS,), st.parts, device=st.dev, struct=struct, stream=stream)
+
+
+def _launch_batch(st: _FpState, desc: list[int], blocks: int, stream: int | None = None) -> None:
+    _launch_struct(st, _batch_struct(desc), blocks, stream)
 
 
 _ZEROS = array.array("q", bytes(8 * _FP_BATCH_SLOTS))
@@ -424,6 +444,24 @@ class _Slots:
         else:   # at a chunk's first row: next_ptr finds (or makes) that chunk
             self._limit = used
         return first
+
+
+@dataclass(eq=False)
+class _SnapshotPlan:
+    """``Recorder.snapshot``'s plan for one list: the list (``named``) and its key (names, tensor identities,
+    addresses, shapes, dtypes, contiguity) it holds for, the device index, the tensors, their records'
+    codes, and the output rows of its last launch (``outs``) with, from the second launch into those rows,
+    the launches' bytes (``structs``, see ``_fp_batches``; contiguous tensors only)."""
+
+    named: list
+    key: list
+    index: int
+    ts: list
+    codes: list
+    opc: int
+    contiguous: bool
+    outs: list | None = None
+    structs: list | None = None
 
 
 @dataclass
@@ -1001,14 +1039,15 @@ class Recorder(TorchDispatchMode):
     def _snapshot_planned(self, named: list, op: str) -> bool:
         """``snapshot`` of the list it was given last time, names the same and tensors the same objects at the
         same addresses, shapes and dtypes: its records' codes, kept from then, and one launch of the
-        fingerprint kernel (non-contiguous tensors copied first). False
+        fingerprint kernel per FP_BATCH tensors (non-contiguous tensors copied first); into the rows of its
+        last launch, that launch's bytes again (``_SnapshotPlan``). False
         (nothing recorded) where the tensors are not all CUDA tensors of one device that the kernel takes,
         or the stream is capturing, or full tensors are kept."""
         if self.keep:
             return False
-        key = [(name, id(t), t.data_ptr(), t.shape, t.dtype) for name, t in named]
+        key = [(name, id(t), t.data_ptr(), t.shape, t.dtype, t.is_contiguous()) for name, t in named]
         plan = self._plans.get(op)
-        if plan is None or plan[0] is not named or plan[1] != key:
+        if plan is None or plan.named is not named or plan.key != key:
             ts = [t for _, t in named]
             index = ts[0].get_device() if ts else -1
             if not ts or not all(_fused(t) and t.get_device() == index for t in ts):
@@ -1016,8 +1055,9 @@ class Recorder(TorchDispatchMode):
             opc = self._code("ops", op)   # coded in the order of the record-by-record path: the same tables
             codes = [(self._code("modules", name), self._code_shape(t.shape), self._code_dtype(t.dtype))
                      for name, t in named]
-            plan = self._plans[op] = (named, key, index, ts, codes, opc)
-        _, _, index, ts, codes, opc = plan
+            plan = self._plans[op] = _SnapshotPlan(named, key, index, ts, codes, opc,
+                                                   all(k[5] for k in key))
+        index, ts = plan.index, plan.ts
         if _capturing(index):
             return False
         self._quiet = True   # (a new chunk of slots is an op too)
@@ -1025,13 +1065,21 @@ class Recorder(TorchDispatchMode):
             slots = self.slots.get(index) or self.slots.setdefault(index, _Slots(ts[0].device))
             first, step, at = slots.used, (self.step_no if self.step_no > 0 else 0), self.index
             outs = [slots.next_ptr() for _ in ts]
-            _launch_fingerprints(ts, outs)
+            if outs != plan.outs or not plan.contiguous:   # rows elsewhere than last time, or the first time
+                plan.outs, plan.structs = outs, None
+                _launch_fingerprints(ts, outs)
+            else:   # the same tensors into the same rows as last time: the same launches
+                if plan.structs is None:
+                    plan.structs = _fp_batches(ts, outs)
+                st = _fp_state(index)
+                for struct, blocks in plan.structs:
+                    _launch_struct(st, struct, blocks)
         finally:
             self._quiet = False
         if index >= 0:
             self._streams.add((index, _stream(index)))
-        other = _PHASE["other"]
-        self.rows += [(step, other, at + j, opc, m, 0, sh, dt) for j, (m, sh, dt) in enumerate(codes)]
+        other, opc = _PHASE["other"], plan.opc
+        self.rows += [(step, other, at + j, opc, m, 0, sh, dt) for j, (m, sh, dt) in enumerate(plan.codes)]
         self.pending += [(index, first + j) for j in range(len(ts))]
         self.index += len(ts)
         return True

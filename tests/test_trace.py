@@ -342,15 +342,24 @@ def _write_row(ptr: int, n: int, dtype: torch.dtype, out_ptr: int) -> None:
 
 
 class KernelStandIn:
-    """Both launch paths of the fingerprint kernel on CPU tensors: per op (``_launch_fingerprints``) and the
-    deferred batches (``_launch_deferred``), each reading the memory when it is called; ``launches``: the
-    size of each launch, deferred ones as ("deferred", size)."""
+    """The launch paths of the fingerprint kernel on CPU tensors: per op (``_launch_fingerprints``), the
+    deferred batches (``_launch_deferred``) and a snapshot's launches made again (``_launch_struct``), each
+    reading the memory when it is called; ``launches``: the size of each launch, deferred ones as
+    ("deferred", size), launches made again as ("struct", size)."""
 
     def __init__(self, monkeypatch, fused=lambda t: t.dtype == torch.float32):
         self.launches: list = []
         monkeypatch.setattr(trace, "_fused", fused)
         monkeypatch.setattr(trace, "_launch_fingerprints", self.per_op)
         monkeypatch.setattr(trace, "_launch_deferred", self.deferred)
+        monkeypatch.setattr(trace, "_fp_state", lambda index, stream=None: None)
+        monkeypatch.setattr(trace, "_launch_struct", self.struct)
+
+    def struct(self, st, struct, blocks: int, stream=None) -> None:
+        """A launch of FpBatch bytes (a snapshot's launch made again): its descriptors, as ``deferred``."""
+        count = struct[0]
+        self.launches.append(("struct", count))
+        self.descriptors(list(struct[1:1 + 5 * count]), blocks)
 
     def per_op(self, ts: list[torch.Tensor], ptrs: list[int]) -> None:
         self.launches.append(len(ts))
@@ -360,15 +369,20 @@ class KernelStandIn:
 
     def deferred(self, d) -> None:
         self.launches.append(("deferred", len(d.held)))
+        self.descriptors(d.desc, d.blocks)
+        assert len(d.held) <= trace.FP_BATCH
+
+    @staticmethod
+    def descriptors(desc: list[int], total: int) -> None:
         first = 0
-        for k in range(0, len(d.desc), 5):
-            ptr, n, chunk, out, packed = d.desc[k:k + 5]
+        for k in range(0, len(desc), 5):
+            ptr, n, chunk, out, packed = desc[k:k + 5]
             # the descriptor as fingerprint_batch reads it: its blocks in launch order, the one-launch split
             blocks = (packed >> 32) & 0xFFFF
             assert (packed & 0xFFFFFFFF, blocks, chunk) == (first, trace.fp_blocks(n), trace.fp_chunk(n, blocks))
             first += blocks
             _write_row(ptr, n, _KIND_DTYPE[packed >> 48], out)
-        assert first == d.blocks <= trace.FP_SCRATCH_BLOCKS and len(d.held) <= trace.FP_BATCH
+        assert first == total <= trace.FP_SCRATCH_BLOCKS and len(desc) <= 5 * trace.FP_BATCH
 
 
 def test_slot_rows_keep_their_addresses_across_chunks_and_takes(monkeypatch):
@@ -1235,3 +1249,52 @@ def test_wrapped_forwards_change_no_result_on_models_not_ours():
     a = rec.arrays()
     header = json.loads(bytes(a["header"]).decode())
     assert {"conv", "attn", "head"} <= set(header["modules"])
+
+
+def test_a_snapshot_of_the_same_list_into_the_same_rows_launches_its_last_structs_again(monkeypatch):
+    """``snapshot`` of one list, step after step: the first launch into a placement of its rows goes the per-op
+    way; the next ones into the same rows launch the bytes built then again (the structs hold tensor and row
+    addresses). Records before it that move its rows, a tensor swapped in the list, or a tensor that is not
+    contiguous (copied per launch, never launched again) go the per-op way. The kernel's stand-in reads each
+    launch's descriptors: every record equals the formula's, values written in place between steps
+    included."""
+    steps = ((0, 2), (0, ("struct", 2)), (0, ("struct", 2)), (2, 2), (2, ("struct", 2)), (0, 2), (0, ("struct", 2)))
+
+    def run(kernel: KernelStandIn | None) -> tuple[dict, list]:
+        g = torch.Generator().manual_seed(3)
+        w, b, e = torch.randn(8, 5, generator=g), torch.randn(5, generator=g), torch.randn(3, generator=g)
+        named = [("w", w), ("b", b)]
+        launches = []
+        with trace.record(None) as rec:
+            def snapshot():
+                if kernel is not None:
+                    kernel.launches.clear()
+                rec.snapshot(named)
+                launches.append(list(kernel.launches) if kernel is not None else None)
+
+            for extra, _ in steps:
+                rec.step()
+                for _ in range(extra):   # records before the snapshot: its rows come after theirs
+                    e.neg()
+                w.mul_(0.5)   # values written in place: same addresses, the next launch reads them
+                snapshot()
+            rec.step()
+            named[1] = ("b", b * 2)   # another tensor in the list: a new plan, per op first
+            snapshot()
+            named[0] = ("w", w.t())   # not contiguous: per op every time
+            for _ in range(2):
+                rec.step()
+                snapshot()
+        return rec.arrays(), launches
+
+    with monkeypatch.context() as m:
+        kernel = KernelStandIn(m)
+        built = []
+        real = trace._fp_batches
+        m.setattr(trace, "_fp_batches", lambda ts, outs: built.append(len(ts)) or real(ts, outs))
+        got, launches = run(kernel)
+    assert launches == [[way] for _, way in steps] + [[2]] * 3
+    assert built == [2, 2, 2]   # once per placement launched again
+    want, _ = run(None)
+    assert np.array_equal(got["fp"], want["fp"]) and np.array_equal(got["maxabs"], want["maxabs"])
+    assert np.array_equal(got["op"], want["op"]) and (got["phase"] == trace._PHASE["other"]).sum() == 20

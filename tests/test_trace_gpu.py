@@ -355,3 +355,34 @@ def test_deferred_batches_split_at_their_limits(monkeypatch):
     for arrays in (got, lowered):
         assert np.array_equal(arrays["fp"], want["fp"]) and len(want["fp"]) > 2 * trace.FP_BATCH
 
+
+
+def test_a_snapshot_list_recorded_step_after_step_gives_the_formula_records(monkeypatch):
+    """One parameter list snapshotted every step (its launches built once and launched again while its rows
+    stay where they were), the values written in place between steps, one step with a record more before the
+    snapshot (its rows move) and more tensors than one batch launch takes: the records equal the torch
+    formula's, and each step's fingerprints differ from the last's (the launches read the new values)."""
+    monkeypatch.setattr(trace, "FP_BATCH", 4)   # (the kernel takes up to 96; fewer per launch is allowed)
+
+    def run() -> dict:
+        g = torch.Generator(device="cuda").manual_seed(13)
+        params = [torch.randn(n, device="cuda", generator=g) for n in (1, 300, BLOCK + 5, 7, 4096, 33)]
+        named = [(f"p{i}", p) for i, p in enumerate(params)]
+        with trace.record(None) as rec:
+            for s in range(5):
+                rec.step()
+                torch._foreach_mul_(params, 1.5)
+                if s == 2:
+                    params[0].add_(1)   # one record more before the snapshot in this step
+                rec.snapshot(named)
+        return rec.arrays()
+
+    got = run()
+    with monkeypatch.context() as m:
+        m.setattr(trace, "_fused", lambda t: False)
+        want = run()
+    assert len(got["fp"]) == len(want["fp"]) == 5 * 6 + 1   # (an in-place _foreach_mul_ has no outputs)
+    for key in ("op", "module", "shape", "fp", "maxabs"):
+        assert np.array_equal(got[key], want[key]), key
+    snaps = got["fp"][got["phase"] == trace._PHASE["other"]].reshape(5, 6)
+    assert (snaps[1:] != snaps[:-1]).all()
