@@ -741,8 +741,7 @@ class Recorder(TorchDispatchMode):
         self.slots: dict[int, _Slots] = {}
         self._shapes: dict[torch.Size, int] = {}    # codes by value, not by formatted string: hot path
         self._codes: dict[tuple[str, str], tuple[int, int]] = {}   # (op, module) -> their codes
-        # snapshot's last plan per op: the list it was made for, the key it holds for, device, tensors, codes
-        self._plans: dict[str, tuple] = {}
+        self._plans: dict[str, _SnapshotPlan] = {}   # snapshot's last plan per op
         self._dtypes: dict[torch.dtype, int] = {}
         self.values: list[np.ndarray] = []
         self.tensors: dict[int, np.ndarray] = {}

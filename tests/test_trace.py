@@ -358,6 +358,7 @@ class KernelStandIn:
     def struct(self, st, struct, blocks: int, stream=None) -> None:
         """A launch of FpBatch bytes (a snapshot's launch made again): its descriptors, as ``deferred``."""
         count = struct[0]
+        assert len(struct) == trace._FP_BATCH_SLOTS   # the kernel's FpBatch, whole
         self.launches.append(("struct", count))
         self.descriptors(list(struct[1:1 + 5 * count]), blocks)
 
@@ -1254,10 +1255,10 @@ def test_wrapped_forwards_change_no_result_on_models_not_ours():
 def test_a_snapshot_of_the_same_list_into_the_same_rows_launches_its_last_structs_again(monkeypatch):
     """``snapshot`` of one list, step after step: the first launch into a placement of its rows goes the per-op
     way; the next ones into the same rows launch the bytes built then again (the structs hold tensor and row
-    addresses). Records before it that move its rows, a tensor swapped in the list, or a tensor that is not
-    contiguous (copied per launch, never launched again) go the per-op way. The kernel's stand-in reads each
-    launch's descriptors: every record equals the formula's, values written in place between steps
-    included."""
+    addresses). Records before it that move its rows go the per-op way, and so do, without a record, a tensor
+    swapped in the list, another storage (``.data``), another shape or other strides at the same address
+    (not contiguous: copied per launch, never launched again). The kernel's stand-in reads each launch's
+    descriptors: every record equals the formula's, values written in place between steps included."""
     steps = ((0, 2), (0, ("struct", 2)), (0, ("struct", 2)), (2, 2), (2, ("struct", 2)), (0, 2), (0, ("struct", 2)))
 
     def run(kernel: KernelStandIn | None) -> tuple[dict, list]:
@@ -1278,13 +1279,19 @@ def test_a_snapshot_of_the_same_list_into_the_same_rows_launches_its_last_struct
                     e.neg()
                 w.mul_(0.5)   # values written in place: same addresses, the next launch reads them
                 snapshot()
-            rec.step()
-            named[1] = ("b", b * 2)   # another tensor in the list: a new plan, per op first
-            snapshot()
-            named[0] = ("w", w.t())   # not contiguous: per op every time
-            for _ in range(2):
-                rec.step()
-                snapshot()
+            # the list's tensors changed without a record (so its rows stay put): another tensor in the list,
+            # another storage, another shape at the same address, other strides at the same address (not
+            # contiguous: per op every time); each a new plan, its first launch per op
+            changes = (lambda: named.__setitem__(1, ("b", b * 2)),
+                       lambda: setattr(w, "data", torch.randn(8, 5, generator=g)),
+                       lambda: w.resize_(4, 5),
+                       lambda: w.as_strided_((5, 4), (1, 5)))
+            for change in changes:
+                with rec.paused():
+                    change()
+                for _ in range(2):
+                    rec.step()
+                    snapshot()
         return rec.arrays(), launches
 
     with monkeypatch.context() as m:
@@ -1293,8 +1300,8 @@ def test_a_snapshot_of_the_same_list_into_the_same_rows_launches_its_last_struct
         real = trace._fp_batches
         m.setattr(trace, "_fp_batches", lambda ts, outs: built.append(len(ts)) or real(ts, outs))
         got, launches = run(kernel)
-    assert launches == [[way] for _, way in steps] + [[2]] * 3
-    assert built == [2, 2, 2]   # once per placement launched again
+    assert launches == [[way] for _, way in steps] + [[2], [("struct", 2)]] * 3 + [[2], [2]]
+    assert built == [2] * 6   # once per plan and placement launched again
     want, _ = run(None)
     assert np.array_equal(got["fp"], want["fp"]) and np.array_equal(got["maxabs"], want["maxabs"])
-    assert np.array_equal(got["op"], want["op"]) and (got["phase"] == trace._PHASE["other"]).sum() == 20
+    assert np.array_equal(got["op"], want["op"]) and (got["phase"] == trace._PHASE["other"]).sum() == 2 * (7 + 8)

@@ -358,15 +358,17 @@ def test_deferred_batches_split_at_their_limits(monkeypatch):
 
 
 def test_a_snapshot_list_recorded_step_after_step_gives_the_formula_records(monkeypatch):
-    """One parameter list snapshotted every step (its launches built once and launched again while its rows
-    stay where they were), the values written in place between steps, one step with a record more before the
-    snapshot (its rows move) and more tensors than one batch launch takes: the records equal the torch
-    formula's, and each step's fingerprints differ from the last's (the launches read the new values)."""
-    monkeypatch.setattr(trace, "FP_BATCH", 4)   # (the kernel takes up to 96; fewer per launch is allowed)
+    """One parameter list of more tensors than one batch launch takes, snapshotted every step (its launches
+    built once and launched again while its rows stay where they were), the values written in place between
+    steps, one step with a record more before the snapshot (its rows move, then move back): the records equal
+    the torch formula's, each step's fingerprints differ from the last's (the launches read the new values),
+    and the launches were made again in the two steps whose rows had not moved."""
+    sizes = (1, 300, BLOCK + 5, 7, 4096, 33) * 17   # 102 tensors: two launches of up to FP_BATCH (96)
+    fresh, again = [], []
 
     def run() -> dict:
         g = torch.Generator(device="cuda").manual_seed(13)
-        params = [torch.randn(n, device="cuda", generator=g) for n in (1, 300, BLOCK + 5, 7, 4096, 33)]
+        params = [torch.randn(n, device="cuda", generator=g) for n in sizes]
         named = [(f"p{i}", p) for i, p in enumerate(params)]
         with trace.record(None) as rec:
             for s in range(5):
@@ -377,12 +379,17 @@ def test_a_snapshot_list_recorded_step_after_step_gives_the_formula_records(monk
                 rec.snapshot(named)
         return rec.arrays()
 
-    got = run()
+    with monkeypatch.context() as m:
+        per_op, struct = trace._launch_fingerprints, trace._launch_struct
+        m.setattr(trace, "_launch_fingerprints", lambda ts, outs: fresh.append(len(ts)) or per_op(ts, outs))
+        m.setattr(trace, "_launch_struct", lambda st, b, n, stream=None: again.append(b[0]) or struct(st, b, n, stream))
+        got = run()
     with monkeypatch.context() as m:
         m.setattr(trace, "_fused", lambda t: False)
         want = run()
-    assert len(got["fp"]) == len(want["fp"]) == 5 * 6 + 1   # (an in-place _foreach_mul_ has no outputs)
+    assert fresh == [len(sizes)] * 3 and again == [96, 6] * 2   # steps 0, 2, 3 per op; 1 and 4 again
+    assert len(got["fp"]) == len(want["fp"]) == 5 * len(sizes) + 1   # (an in-place _foreach_mul_ has no outputs)
     for key in ("op", "module", "shape", "fp", "maxabs"):
         assert np.array_equal(got[key], want[key]), key
-    snaps = got["fp"][got["phase"] == trace._PHASE["other"]].reshape(5, 6)
+    snaps = got["fp"][got["phase"] == trace._PHASE["other"]].reshape(5, len(sizes))
     assert (snaps[1:] != snaps[:-1]).all()
