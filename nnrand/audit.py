@@ -401,6 +401,13 @@ class Entry:
     def phases(self) -> list[str]:
         return ["forward"] + [f"backward:{k}" for k in self.grads]
 
+    def aten_on(self, phase: str, device_type: str = "cpu") -> str | None:
+        """The aten op ``phase`` dispatches on the device: the forward's (``aten_cuda`` on CUDA where named),
+        a backward phase's ``aten_backward`` (None where not named)."""
+        if phase != "forward":
+            return self.aten_backward
+        return self.aten_cuda if device_type == "cuda" and self.aten_cuda else self.aten
+
 
 def _phase_grads(entry: Entry, phase: str) -> tuple[str, ...]:
     return entry.grads[phase.split(":", 1)[1]]
@@ -1045,9 +1052,8 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.3g}" if b > 0 and math.isfinite(a) else ""
 
 
-def _where(entry: Entry, phase: str) -> str:
-    aten = entry.aten if phase == "forward" else (entry.aten_backward or entry.aten)
-    return f"{entry.name} {phase} (aten::{aten})"
+def _where(entry: Entry, phase: str, device_type: str = "cpu") -> str:
+    return f"{entry.name} {phase} (aten::{entry.aten_on(phase, device_type) or entry.aten})"
 
 
 def _doc_flag(entry: Entry, phase: str, device: torch.device) -> str:
@@ -1087,9 +1093,7 @@ def _routed(entry: Entry, phase: str, device_type: str = "cpu") -> str:
     from nnrand import routing
 
     hit = NNRAND_OPS.get((entry.family, phase))
-    aten = entry.aten if phase == "forward" else entry.aten_backward
-    if phase == "forward" and device_type == "cuda" and entry.aten_cuda:
-        aten = entry.aten_cuda
+    aten = entry.aten_on(phase, device_type)
     if hit is None or aten is None:
         return ""
     tree = _tree_routing()
@@ -1171,7 +1175,7 @@ def audit_phase(entry: Entry, phase: str, *, repeats: int, device: torch.device,
     if repeats < 2:
         raise ValueError(f"repeats must be at least 2 to compare results, got {repeats}")
     row: dict = {"entry": entry.name, "phase": phase, "family": entry.family,
-                 "aten_op": entry.aten if phase == "forward" else (entry.aten_backward or entry.aten),
+                 "aten_op": entry.aten_on(phase, device.type) or entry.aten,
                  "shape": entry.shape, "pytorch_flag": _doc_flag(entry, phase, device),
                  "nnrand_route": route(entry, phase, device.type), "repeats": repeats}
     host = []   # modes whose CUDA event times include host time
@@ -1181,7 +1185,7 @@ def audit_phase(entry: Entry, phase: str, *, repeats: int, device: torch.device,
             fn, _, _ = phase_call(entry, phase, p)
             base = measure(fn, repeats, device)
     except Exception as e:  # noqa: BLE001 - recorded in the row with the op named, or raised so
-        msg = f"{_where(entry, phase)}: default mode: {type(e).__name__}: {_first_line(e)}"
+        msg = f"{_where(entry, phase, device.type)}: default mode: {type(e).__name__}: {_first_line(e)}"
         if fail_fast:
             raise AuditError(msg) from e
         row["error"] = msg
@@ -1202,7 +1206,7 @@ def audit_phase(entry: Entry, phase: str, *, repeats: int, device: torch.device,
         if _is_refusal(e):
             row.update(det_status="raises", det_message=_first_line(e))
         else:
-            msg = f"{_where(entry, phase)}: deterministic mode: {type(e).__name__}: {_first_line(e)}"
+            msg = f"{_where(entry, phase, device.type)}: deterministic mode: {type(e).__name__}: {_first_line(e)}"
             if fail_fast:
                 raise AuditError(msg) from e
             row.update(det_status="error", det_message=msg)
@@ -1214,7 +1218,7 @@ def audit_phase(entry: Entry, phase: str, *, repeats: int, device: torch.device,
         host += ["nnrand"] if nn_host else []
     except Exception as e:  # noqa: BLE001
         reg = (NNRAND_OPS.get((entry.family, phase)) or ("",))[0]
-        msg = f"{_where(entry, phase)}: nnrand {reg}: {type(e).__name__}: {_first_line(e)}"
+        msg = f"{_where(entry, phase, device.type)}: nnrand {reg}: {type(e).__name__}: {_first_line(e)}"
         if fail_fast:
             raise AuditError(msg) from e
         row["nnrand_error"] = msg

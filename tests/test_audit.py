@@ -458,6 +458,20 @@ def test_route_on_cuda_says_what_use_kernels_tree_does_with_batch_norm():
                 assert rt == "" and not guarded, (e.name, ph, rt)
 
 
+def test_a_row_names_the_aten_op_its_phase_dispatches_on_its_device(tmp_path):
+    """The CSV's aten_op (and an error's message) name the op a phase dispatches on the row's device: on CUDA
+    cuDNN's BatchNorm forward for an NCHW input, on the CPU (and for channels_last on CUDA) the native one; a
+    backward phase its backward op."""
+    nchw, nhwc = _quick("batch_norm.r50_64ch"), _quick("batch_norm.r50_64ch_channels_last")
+    assert nchw.aten_on("forward", "cuda") == "cudnn_batch_norm"
+    assert nchw.aten_on("forward", "cpu") == nhwc.aten_on("forward", "cuda") == "native_batch_norm"
+    assert nchw.aten_on("backward:dX,dW,dB", "cuda") == "native_batch_norm_backward"
+    assert "(aten::cudnn_batch_norm)" in audit._where(nchw, "forward", "cuda")
+    csv, _, _ = _run([nchw], tmp_path, repeats=2)
+    assert {r["phase"]: r["aten_op"] for r in audit.read_rows(csv)} == {
+        "forward": "native_batch_norm", "backward:dX,dW,dB": "native_batch_norm_backward"}
+
+
 def test_the_report_renders_the_route_of_the_rendering_code(tmp_path):
     """A row written with a stale route is rendered with the code's; PyTorch's refusal shows where nothing
     routes or guards the phase."""
