@@ -349,7 +349,7 @@ MAX_GRID_Y = 65535
 SORT_MAX = 16384          # SEG_SORT_MAX: up to this many keys (int16 ones), one block sorts them
 SORT_THREADS = 1024
 SORT_SMEM = (2 * SORT_MAX + 257 * 32 + 32) * 4   # SEG_SORT_SMEM
-SPLITS = ("rows", "tiles", "fill")
+SPLITS = ("rows", "tiles", "fill")   # tiles: no default takes it (see default_split); kept for the sweeps
 ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 
 
@@ -368,9 +368,7 @@ def default_split(n: int, space: int, scalar: bool) -> str:
     fill 242.3; 16384 x 768 into 8000: fill 60.5, tiles 76.9); beyond, ``rows``, which needs no zero pass
     (H200, --splits, 1e6 x 64 into 1000 rows: rows 219 us, fill 215, tiles 445). The thread kernel (no
     tiles) takes ``rows`` from n >= space."""
-    if n < space or (not scalar and n <= FILL_UP_TO * space):
-        return "fill"
-    return "rows"
+    return "fill" if (n < space if scalar else n <= FILL_UP_TO * space) else "rows"
 
 
 MSORT_TILE = 2048            # SEG_MSORT_TILE: keys per block of the tile sort

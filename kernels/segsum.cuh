@@ -1030,16 +1030,24 @@ struct SegVec<4> {
 #define SEG_SUMS_BLOCKS 3
 #endif
 
+// Source rows a lane loads at once in the warp sums: SEG_LANE_FLOATS floats (half of them at one column a
+// lane), U dividing 32 (a group of U rows never crosses a 32-position batch of perm).
+template <int VEC>
+__device__ constexpr int seg_lane_rows() {
+    constexpr int U = VEC == 1 ? SEG_LANE_FLOATS / 2 : SEG_LANE_FLOATS / VEC;
+    static_assert(U >= 1 && 32 % U == 0, "SEG_LANE_FLOATS: a power of two from 4 to 64");
+    return U;
+}
+
 // The warp sums `len` contributions from sorted position q0 in source order: lane l holds columns
 // col .. col + VEC - 1. perm is read 32 positions at a time (one per lane) and broadcast; U source rows
-// are loaded at once (16 floats per lane in flight, 80 registers: 3 blocks per SM; predicated, so a
-// short chunk costs one round trip), then added one at a time in order.
+// are loaded at once (seg_lane_rows; by default 16 floats per lane in flight, 80 registers: 3 blocks per
+// SM; predicated, so a short chunk costs one round trip), then added one at a time in order.
 template <int VEC>
 __device__ __forceinline__ void seg_warp_chunk(const float* __restrict__ src, const long long* __restrict__ perm,
                                                long long q0, int len, int D, int col, bool active, bool scaled,
                                                float count, float* acc) {
-    constexpr int U = VEC == 1 ? SEG_LANE_FLOATS / 2 : SEG_LANE_FLOATS / VEC;
-    static_assert(U >= 1 && 32 % U == 0, "SEG_LANE_FLOATS: a power of two from 4 to 64");
+    constexpr int U = seg_lane_rows<VEC>();
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
@@ -1071,8 +1079,7 @@ template <int VEC>
 __device__ __forceinline__ void seg_warp_singles(const float* __restrict__ src, float* __restrict__ out,
                                                  unsigned singles, long long r, long long m, int D, int col,
                                                  bool active, bool scaled) {
-    constexpr int U = VEC == 1 ? SEG_LANE_FLOATS / 2 : SEG_LANE_FLOATS / VEC;  // 8 to 16 floats per lane in flight
-    static_assert(U >= 1 && 32 % U == 0, "SEG_LANE_FLOATS: a power of two from 4 to 64");
+    constexpr int U = seg_lane_rows<VEC>();   // by default 8 to 16 floats per lane in flight
     while (singles) {            // warp-uniform
         long long dst[U];
         float v[U][VEC];
@@ -1304,7 +1311,8 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
 #define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset
 
 // PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key> and PREFIX_rows<VEC>_fill_<key>,
-// separate kernels. The last two are held to 80 registers (3 blocks per SM; spill-free at U = 16 / VEC):
+// separate kernels. The last two are held to SEG_SUMS_BLOCKS blocks per SM (by default 3: 80 registers,
+// spill-free at the default U = 16 / VEC):
 // their warps wait on short chains of dependent loads, so more of them per SM beat more loads in flight
 // per warp (measured on the H200 against 128 registers and 32 floats in flight, 2 blocks per SM).
 #define SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, VEC)                                                        \

@@ -269,20 +269,21 @@ def _launch_fingerprint(t: torch.Tensor, out_ptr: int) -> None:
                       (t.data_ptr(), n, fp_chunk(n, blocks), FP_KINDS[t.dtype], *st.parts, out_ptr), device=st.dev)
 
 
-def _launch_fingerprints(ts: list[torch.Tensor], out_ptrs: list[int]) -> None:
+def _launch_fingerprints(ts: list[torch.Tensor], out_ptrs: list[int]) -> list | None:
     """Fingerprints of tensors alive together on one CUDA device (an op's outputs, a snapshot): up to
-    FP_BATCH per launch of ``fingerprint_batch``, each with the bits ``_launch_fingerprint`` gives it."""
+    FP_BATCH per launch of ``fingerprint_batch``, each with the bits ``_launch_fingerprint`` gives it.
+    Returns the launches (``_fp_batches``), which launch the same again while the tensors are contiguous;
+    None for one tensor (one launch of ``fingerprint``)."""
     if len(ts) == 1:
         _launch_fingerprint(ts[0], out_ptrs[0])
-        return
+        return None
     st = _fp_state(ts[0].get_device())
-    copies = [t.contiguous() for t in ts if not t.is_contiguous()]   # alive until their launches are enqueued
-    if copies:   # (stream order protects them after that)
-        it = iter(copies)
-        ts = [t if t.is_contiguous() else next(it) for t in ts]
-    for struct, blocks in _fp_batches(ts, out_ptrs):
-        _launch_struct(st, struct, blocks)
-    del copies
+    # copies of non-contiguous tensors, alive in this list until their launches are enqueued (stream order
+    # protects them after that)
+    ts = [t if t.is_contiguous() else t.contiguous() for t in ts]
+    structs = _fp_batches(ts, out_ptrs)
+    _launch_structs(st, structs)
+    return structs
 
 
 def _fp_batches(ts: list[torch.Tensor], out_ptrs: list[int]) -> list[tuple[array.array, int]]:
@@ -318,6 +319,11 @@ def _batch_struct(desc: list[int]) -> array.array:
 
 def _launch_struct(st: _FpState, struct: array.array, blocks: int, stream: int | None = None) -> None:
     _runtime().launch(st.batch, (blocks,), (FP_THREADS,), st.parts, device=st.dev, struct=struct, stream=stream)
+
+
+def _launch_structs(st: _FpState, structs: list[tuple[array.array, int]]) -> None:
+    for struct, blocks in structs:
+        _launch_struct(st, struct, blocks)
 
 
 def _launch_batch(st: _FpState, desc: list[int], blocks: int, stream: int | None = None) -> None:
@@ -450,8 +456,8 @@ class _Slots:
 class _SnapshotPlan:
     """``Recorder.snapshot``'s plan for one list: the list (``named``) and its key (names, tensor identities,
     addresses, shapes, dtypes, contiguity) it holds for, the device index, the tensors, their records'
-    codes, and the output rows of its last launch (``outs``) with, from the second launch into those rows,
-    the launches' bytes (``structs``, see ``_fp_batches``; contiguous tensors only)."""
+    codes, and the output rows of its last launch (``outs``) with that launch's bytes (``structs``, see
+    ``_fp_batches``; contiguous tensors only), launched again into the same rows."""
 
     named: list
     key: list
@@ -625,10 +631,13 @@ class _Naming:
         self.stack, self.on = stack, False
 
 
-def _bound_forward(module: torch.nn.Module):
-    """The module's class ``forward`` bound to it (found statically: a staticmethod stays one)."""
+def _plain_forward(module: torch.nn.Module, inner):
+    """What a wrapper of ``module`` calls: the instance's own earlier forward (``inner``), else its class's
+    bound to it (found statically: a staticmethod stays one)."""
     import inspect
 
+    if inner is not None:
+        return inner
     raw = inspect.getattr_static(type(module), "forward")
     return raw.__get__(module, type(module)) if hasattr(raw, "__get__") else raw
 
@@ -710,11 +719,6 @@ class _Named:
     def __reduce__(self):
         """Pickled (the module saved whole while recording) as the forward it stands for."""
         return _plain_forward, (self.module, self.inner)
-
-
-def _plain_forward(module: torch.nn.Module, inner):
-    """What a wrapper of ``module`` calls: the instance's own earlier forward, else its class's, bound."""
-    return inner if inner is not None else _bound_forward(module)
 
 
 class Recorder(TorchDispatchMode):
@@ -1065,14 +1069,11 @@ class Recorder(TorchDispatchMode):
             first, step, at = slots.used, (self.step_no if self.step_no > 0 else 0), self.index
             outs = [slots.next_ptr() for _ in ts]
             if outs != plan.outs or not plan.contiguous:   # rows elsewhere than last time, or the first time
-                plan.outs, plan.structs = outs, None
-                _launch_fingerprints(ts, outs)
+                plan.outs, plan.structs = outs, _launch_fingerprints(ts, outs)
             else:   # the same tensors into the same rows as last time: the same launches
-                if plan.structs is None:
+                if plan.structs is None:   # (one tensor, launched by fingerprint the first time)
                     plan.structs = _fp_batches(ts, outs)
-                st = _fp_state(index)
-                for struct, blocks in plan.structs:
-                    _launch_struct(st, struct, blocks)
+                _launch_structs(_fp_state(index), plan.structs)
         finally:
             self._quiet = False
         if index >= 0:
