@@ -371,6 +371,24 @@ def default_split(n: int, space: int, scalar: bool) -> str:
     return "fill" if (n < space if scalar else n <= FILL_UP_TO * space) else "rows"
 
 
+FILL_GROUPS = (1, 2, 4, 8, 16, 32)   # warps that may share a tile of 32 sorted positions (the fill split)
+FILL_GROUP_MAX = 8
+SUMS_BLOCKS = 3                       # SEG_SUMS_BLOCKS: blocks of the fill and tiles kernels an SM
+
+
+def fill_group(tasks: int, dev: torch.device) -> int:
+    """Warps per tile of sorted positions in the fill split's warp kernel, for ``tasks`` (tile, column
+    slice) pairs: doubled, up to FILL_GROUP_MAX, while twice as many warps still fit on the GPU at once
+    (SUMS_BLOCKS blocks of 8 an SM). Few tiles (few keys) leave most SMs idle, and each warp's chain of
+    dependent loads (its tile's rows, one after another) is then the kernel's time: more warps share the
+    rows out (H200, bench/dev/segsum_phases.py --groups: 2048 Zipf tokens into a 32000 x 768 gradient)."""
+    capacity = SUMS_BLOCKS * (THREADS // 32) * sm_count(dev)
+    g = 1
+    while g < FILL_GROUP_MAX and tasks * 2 * g <= capacity:
+        g *= 2
+    return g
+
+
 MSORT_TILE = 2048            # SEG_MSORT_TILE: keys per block of the tile sort
 MSORT_THREADS = 256          # SEG_MSORT_THREADS
 MSORT_MAX = 32768            # SEG_MSORT_MAX: the merge sort takes up to this many keys
@@ -545,12 +563,13 @@ def _merge_sort(source, prefix, kname, key, skey, perm, start, width, rows, offs
 
 def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
                        elementwise: bool = False, skip: int = -1, scaled: bool = False,
-                       force_scalar: bool = False, split: str | None = None,
+                       force_scalar: bool = False, split: str | None = None, group: int | None = None,
                        check: RangeCheck = NO_CHECK) -> torch.Tensor:
     """out (rows, D): each destination's contributions in source order, chunked, fixed tree (see the
     module docstring). No host synchronisation: keys (narrowed, bad ones to a sentinel) and their stable
     sort (sort_keys: a rank sort, or a tile sort and a merge by rank, or a radix sort; torch.sort for int64
-    keys), row starts, sums. Task splits (``split``, default: default_split; all
+    keys), row starts, sums. Task splits (``split``, default: default_split; ``group``: the warps that
+    share a tile of sorted positions in the fill split's warp kernel, default fill_group; all
     sum the same chunks in the same order, so give the same bits): ``rows``: a task per destination (it
     writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp
     kernels): a task per 32 destinations instead (zeros for the empty ones, rows of one contribution read
@@ -574,6 +593,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
         raise KernelArgumentError(prefix, "split", f"expected one of {SPLITS}, got {split!r}")
     if scalar and split == "tiles":
         split = "fill"
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group not in FILL_GROUPS):
+        raise KernelArgumentError(prefix, "group", f"expected one of {FILL_GROUPS}, got {group!r}")
     out, join = torch.empty((rows, d), device=dev, dtype=torch.float32), None
     if split == "fill":  # zeros beside the keys' sort (segsum_zero: a grid that leaves room for it)
         side, join = fork(dev)
@@ -582,16 +603,18 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
                                                                     ZERO_BLOCKS_PER_SM * sm_count(dev))),),
                    (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
     try:
-        return _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join)
+        return _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join,
+                            group)
     except BaseException:
         if join is not None:  # an error before the sums (out of memory, say): out must not be freed
             join()            # while the side stream may still be filling it
         raise
 
 
-def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join):
+def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join, group):
     """segsum_sorted_cuda after its checks and zero fill: sort, row starts, sums into ``out`` (``join``:
-    the current stream waits for the fill on the side stream before the sums, None without one)."""
+    the current stream waits for the fill on the side stream before the sums, None without one;
+    ``group``: segsum_sorted_cuda's)."""
     d = src.shape[1]
     dev = src.device
     n = key.numel()
@@ -605,6 +628,8 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     part = torch.empty((2, slots, width), device=dev, dtype=torch.float32)
     counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
     fill = split == "fill"
+    if fill and not scalar:   # the kernel's `fill`: the warps per tile of sorted positions
+        fill = group if group is not None else fill_group(cdiv(n, 32) * slices, dev)
     args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
             np.uint64(int(ptr(counters)) + 4 * slots * slices), np.int64(n), np.int32(width), np.int64(skip),
             np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill))
@@ -614,7 +639,7 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
         launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if fill else space) + n),),
                (THREADS,), args, device=dev)
     else:  # a warp per destination (or 32 of them; or none) and per 32 sorted positions; grid rows: slices
-        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32)
+        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32) * max(1, int(fill))
         kernel = f"{prefix}_rows{vec}{'' if split == 'rows' else '_' + split}_{kname}"
         launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
                                                min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)

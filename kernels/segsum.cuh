@@ -1137,7 +1137,9 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
 // .. + 31 and the chunks c >= 1 that start in it. SEG_SPLIT_FILL: position tasks only, over an output
 // already zero-filled (the launcher fills it on a second stream while the keys are sorted); a position
 // tile also takes the rows that start in it: those of one contribution through seg_warp_singles, then
-// chunk 0 of each longer row. Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each.
+// chunk 0 of each longer row; `fill` warps share a tile (its lanes h with h % fill == the warp's
+// number among them: more warps, each with a shorter chain of dependent loads, where the tiles are few).
+// Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each.
 // Every split sums the same chunks in the same order: the same bits.
 #define SEG_SPLIT_ROWS 0
 #define SEG_SPLIT_TILES 1
@@ -1149,11 +1151,12 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                                               const long long* __restrict__ start, float* __restrict__ out,
                                               float* part1, float* part2, unsigned* cnt1, unsigned* cnt2,
                                               long long n, int D, long long skip, int scaled, long long space,
-                                              long long offset) {
+                                              long long offset, int fill) {
     const int lane = threadIdx.x & 31;
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
     const long long dtasks = SPLIT == SEG_SPLIT_ROWS ? space : SPLIT == SEG_SPLIT_TILES ? (space + 31) >> 5 : 0;
-    const long long tasks = dtasks + ((n + 31) >> 5);
+    const int group = SPLIT == SEG_SPLIT_FILL ? fill : 1;   // warps per position tile (a power of two <= 32)
+    const long long tasks = dtasks + ((n + 31) >> 5) * group;
     const long long warps = (long long)gridDim.x * SEG_WARPS;
     for (long long slice = blockIdx.y; slice < slices; slice += gridDim.y) {
         const int col = (int)slice * 32 * VEC + lane * VEC;
@@ -1198,7 +1201,10 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 }
                 continue;
             }
-            const long long tile = w - dtasks, p = tile * 32 + lane;
+            const long long tile = (w - dtasks) / group, p = tile * 32 + lane;
+            const int sub = (int)((w - dtasks) % group);
+            unsigned mine = 0u;   // this warp's lanes of the tile: those h with h % group == sub
+            for (int h = sub; h < 32; h += group) mine |= 1u << h;
             long long m = 0, s = 0, k = 0, L = 1;
             bool head = false, first = false;
             if (p < n) {
@@ -1214,15 +1220,16 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
             if (SPLIT == SEG_SPLIT_FILL) {  // the rows starting in this tile
                 const bool single = first && k == 1;
                 const long long r = single ? perm[p] : 0;
-                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single), r, m, D, col, active, scaled);
-                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1); longer; longer &= longer - 1) {
+                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single) & mine, r, m, D, col, active,
+                                      scaled);
+                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1) & mine; longer; longer &= longer - 1) {
                     const int h = __ffs(longer) - 1;
                     seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2, __shfl_sync(SEG_FULL, m, h),
                                               tile * 32 + h, __shfl_sync(SEG_FULL, k, h), D, col, active, cb, ce,
                                               scaled, slice, slices);
                 }
             }
-            unsigned heads = __ballot_sync(SEG_FULL, head);
+            unsigned heads = __ballot_sync(SEG_FULL, head) & mine;
             while (heads) {
                 const int h = __ffs(heads) - 1;
                 heads &= heads - 1;
@@ -1308,7 +1315,7 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
         unsigned* cnt1, unsigned* cnt2, long long n, int D, long long skip, int scaled, long long space, \
         long long offset, int fill
 
-#define SEG_ROWS_PASS src, skey, perm, start, out, part1, part2, cnt1, cnt2, n, D, skip, scaled, space, offset
+#define SEG_ROWS_PASS SEG_SORTED_PASS
 
 // PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key> and PREFIX_rows<VEC>_fill_<key>,
 // separate kernels. The last two are held to SEG_SUMS_BLOCKS blocks per SM (by default 3: 80 registers,

@@ -37,6 +37,13 @@ def _node(children: list[np.ndarray], width: int) -> np.ndarray:
     return v[0]
 
 
+def poison_allocator(shape) -> None:
+    """Leave NaN in the CUDA caching allocator's next block of this size: the sorted kernels write every
+    output row themselves or zero it (the fill split), so a row they missed would show as NaN."""
+    junk = torch.full(shape, float("nan"), device="cuda")
+    del junk
+
+
 def spec_sorted(keys: np.ndarray, vals: np.ndarray, space: int, skip: int = -1) -> np.ndarray:
     """The sorted variant's order written out from its description, independently of the Numba model:
     per destination its values in source order, chunks of L = 32 * 2^e (smallest e with at most 1024

@@ -14,7 +14,7 @@ from kernels import KernelArgumentError
 from kernels import embedding_bwd as eb
 from kernels import index_add as ia
 from tests.segsum_checks import (check_atomic_some_order, check_bound, check_some_order, check_sorted_repeatable,
-                                 spec_sorted)
+                                 poison_allocator, spec_sorted)
 from tests.helpers import bitwise_equal, differing_bits, float32_bits
 
 OP = "embedding_bwd"
@@ -131,10 +131,11 @@ REPEATS = 50
 def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     first, _, args, kw = check_sorted_repeatable(SPEC, SORTED, case, REPEATS)
     key, g, rows, skip = eb._prologue(*args, kw["num_weights"], kw["padding_idx"], kw["scale_grad_by_freq"])
-    for split in ia.SPLITS:  # every task split: the same chunks and tree
+    for split, group in [(s, None) for s in ia.SPLITS] + [("fill", 1), ("fill", 32)]:  # the same chunks, tree
+        poison_allocator((rows, g.shape[1]))  # a row neither zeroed nor summed: NaN
         out = ia.segsum_sorted_cuda(eb.SOURCE, OP, key, g, rows, skip=skip, scaled=kw["scale_grad_by_freq"],
-                                    split=split)
-        assert differing_bits(out, first).size == 0, split
+                                    split=split, group=group)
+        assert differing_bits(out, first).size == 0, (split, group)
 
 
 @pytest.mark.gpu

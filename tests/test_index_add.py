@@ -18,7 +18,7 @@ import kernels
 from kernels import KernelArgumentError
 from kernels import index_add as ia
 from tests.segsum_checks import (bad_index_case, check_atomic_some_order, check_bound, check_some_order,
-                                 check_sorted_repeatable, spec_sorted)
+                                 check_sorted_repeatable, poison_allocator, spec_sorted)
 from tests.helpers import bitwise_equal, differing_bits, entropy_from_seeds, float32_bits
 
 OP = "index_add"
@@ -243,26 +243,20 @@ CUDA = torch.device("cuda")
 REPEATS = 50
 
 
-def _poison_allocator(shape):
-    """Leave NaN in the caching allocator's next block of this size: the sorted kernels write every
-    output row themselves (no zero fill), so a row they missed would show as NaN."""
-    junk = torch.full(shape, float("nan"), device=CUDA)
-    del junk
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
 def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     _, model, args, kw = check_sorted_repeatable(
-        SPEC, SORTED, case, REPEATS, before=lambda args, kw: _poison_allocator((kw["num_rows"], args[1].shape[1])))
+        SPEC, SORTED, case, REPEATS, before=lambda args, kw: poison_allocator((kw["num_rows"], args[1].shape[1])))
     scalar = ia.index_add_sorted_scalar_cuda(*args, **kw)  # the one-thread-per-chunk kernel: same bits
     assert differing_bits(scalar, model).size == 0
     index, src = args
     for force_scalar in (False, True):  # every task split of both kernels: the same chunks and tree
-        for split in ia.SPLITS:
+        for split, group in [(s, None) for s in ia.SPLITS] + [("fill", g) for g in (1, 2, 32)]:
+            poison_allocator((kw["num_rows"], src.shape[1]))  # a row neither zeroed nor summed: NaN
             out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src.contiguous(), kw["num_rows"],
-                                        force_scalar=force_scalar, split=split)
-            assert differing_bits(out, model).size == 0, (force_scalar, split)
+                                        force_scalar=force_scalar, split=split, group=group)
+            assert differing_bits(out, model).size == 0, (force_scalar, split, group)
 
 
 @pytest.mark.gpu
@@ -346,6 +340,7 @@ def test_launcher_constants_match_segsum_cuh():
     assert int(define["SEG_RSORT_TILE"]) == ia.RSORT_TILE and int(define["SEG_RSORT_BITS"]) == ia.RSORT_BITS
     assert int(define["SEG_RSORT_THREADS"]) == ia.RSORT_THREADS
     assert int(define["SEG_RANK_THREADS"]) == ia.RANK_THREADS and int(define["SEG_RANK_MAX"]) == ia.RANK_MAX
+    assert int(define["SEG_SUMS_BLOCKS"]) == ia.SUMS_BLOCKS
 
 
 def test_radix_digits_take_the_fewest_passes_of_at_most_nine_bits():
@@ -483,6 +478,20 @@ def test_default_split():
                for n in (1, 10, 1000, 10**6) for m in (1, 100, 10**5) for sc in (False, True))
 
 
+def test_fill_group(monkeypatch):
+    """The fill split's warps per position tile: doubled while twice as many warps still fit at once
+    (132 SMs x 3 blocks x 8 warps = 3168), up to FILL_GROUP_MAX: 64 tiles x 6 slices (2048 keys of 768
+    floats) get 8; 512 x 6 one; every result a power of two the kernel takes."""
+    monkeypatch.setattr(ia, "sm_count", lambda dev: 132)
+    cpu = torch.device("cpu")
+    assert ia.fill_group(64 * 6, cpu) == 8 and ia.fill_group(512 * 6, cpu) == 1
+    assert ia.fill_group(1, cpu) == ia.FILL_GROUP_MAX
+    assert ia.fill_group(792, cpu) == 4 and ia.fill_group(793, cpu) == 2   # 792 x 4 = 3168 warps
+    assert all(ia.fill_group(t, cpu) in ia.FILL_GROUPS for t in range(1, 5000, 7))
+    with pytest.raises(KernelArgumentError, match="argument 'group'"):
+        ia.segsum_sorted_cuda(ia.SOURCE, OP, torch.zeros(2, dtype=torch.int64), torch.zeros(2, 8), 3, group=3)
+
+
 def test_default_sort():
     """rank for int16 and int32 keys up to RANK_UP_TO, merge up to MSORT_MAX, the radix sort beyond;
     torch.sort for int64 keys and beyond the radix sort's limit."""
@@ -549,7 +558,7 @@ def test_gpu_unchecked_bad_indices_add_nothing(variant, cuda_sync):
     (the sorted keys pass maps them to a sentinel past the last row) and the rest sums as usual."""
     index, src, keep = bad_index_case(40)
     want = SORTED(index[keep], src[keep], num_rows=40)
-    _poison_allocator((40, 20))
+    poison_allocator((40, 20))
     out = kernels.get(OP, variant)(index.to(CUDA), src.to(CUDA), num_rows=40, check_range=False)
     if variant == "sorted":
         assert differing_bits(out, want).size == 0
@@ -571,7 +580,7 @@ def test_gpu_key_width_boundaries(rows, cuda_sync):
     index = index[torch.randperm(len(index), generator=g)]
     src = ia.draw_values(g, (len(index), 8))
     want = SORTED(index, src, num_rows=rows)
-    _poison_allocator((rows, 8))
+    poison_allocator((rows, 8))
     assert differing_bits(SORTED(index.to(CUDA), src.to(CUDA), num_rows=rows), want).size == 0
     assert differing_bits(ia.index_add_sorted_scalar_cuda(index.to(CUDA), src.to(CUDA), num_rows=rows), want).size == 0
     index[5] = rows

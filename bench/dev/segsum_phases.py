@@ -11,6 +11,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
     PYTHONPATH=. python bench/dev/segsum_phases.py --fixed-schedules   # scatter_add's fixed, per schedule
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill   # embedding_bwd's zero fill beside the sort
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill-grid   # embedding_bwd per split, lane width
+    PYTHONPATH=. python bench/dev/segsum_phases.py --groups   # the fill split's sums per warps per tile
 
 ``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, rank, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
@@ -68,6 +69,33 @@ def kernel_times(fn, reps: int) -> dict[str, float]:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             out[e.name[:60]] += e.device_time / reps
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def timeline(fn, calls: int = 3) -> list[str]:
+    """The kernels of the last of ``calls`` calls of fn, in start order (torch.profiler's trace), the
+    calls queued behind a spin (so no kernel waits for the host): start (us after the call's first
+    kernel), duration (us), stream and name, to see what overlaps."""
+    import json
+    import os
+    import tempfile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(int(2e9 * 2e-3 * calls))
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels_ = sorted((e for e in events if e.get("cat") == "kernel" and "sleep" not in e["name"].lower()
+                       and "spin" not in e["name"].lower()), key=lambda e: e["ts"])
+    last = kernels_[-len(kernels_) // calls:]
+    t0 = last[0]["ts"]
+    return [f"{e['ts'] - t0:7.1f} +{e['dur']:6.1f}  stream {e['args'].get('stream')}  {e['name'][:50]}" for e in last]
 
 
 def graph_of(fn):
@@ -312,6 +340,59 @@ def fill_grid(dev: torch.device, flush) -> None:
                           f" us, sums kernel {sums:6.1f} us", flush=True)
 
 
+# (op, n, D, rows, law): fill-split shapes of the three ops (nnrand.audit's embedding rows first)
+GROUP_SHAPES = (("embedding_bwd", 2048, 768, 32_000, "zipf"), ("embedding_bwd", 16_384, 768, 32_000, "zipf"),
+                ("embedding_bwd", 4096, 512, 50_000, "zipf"), ("embedding_bwd", 100_000, 16, 1_000_000, "zipf"),
+                ("index_add", 100_000, 16, 1_000_000, "uniform"), ("index_add", 16_384, 512, 50_000, "uniform"),
+                ("index_add", 1_000_000, 64, 100_000, "uniform"), ("index_add", 50_000, 128, 50_000, "uniform"),
+                ("index_add", 1024, 256, 100_000, "uniform"))
+
+
+def group_sweep(dev: torch.device, flush) -> None:
+    """The fill split's warps per tile of sorted positions (kernels/index_add.py fill_group) on GROUP_SHAPES:
+    the call and its sums kernel (torch.profiler) per group, bits checked equal, beside the rows split,
+    the default, the atomic variant and PyTorch's op in both modes; the default call's kernel timeline
+    for the audit's small batch."""
+    from nnrand.audit import _zipf
+
+    for op, n, d, m, law in GROUP_SHAPES:
+        g = torch.Generator().manual_seed(6)
+        idx = (_zipf(g, n, m) if law == "zipf" else torch.randint(0, m, (n,), generator=g)).to(dev)
+        src = torch.randn(n, d, generator=g).to(dev)
+        args = (src, idx) if op == "embedding_bwd" else (idx, src)
+        kw = {"num_weights" if op == "embedding_bwd" else "num_rows": m, "check_range": False}
+        fill = sorted_split(op, "fill")
+
+        def grouped(group):
+            def run():
+                with mock.patch.object(ia, "fill_group", lambda tasks, dev: group):
+                    return fill(*args, **kw)
+            return run
+        groups = {f"{group} warps": grouped(group) for group in ia.FILL_GROUPS}
+        fns = {**groups, "rows": lambda: sorted_split(op, "rows")(*args, **kw),
+               "default": lambda: kernels.get(op, "sorted")(*args, **kw)}
+        row = timed_alike(fns, dev, flush)
+        atomic = us(lambda: kernels.get(op, "atomic")(*args, **kw), dev, flush)
+        native = kernels.spec(op).peers()["torch"]
+        t_default = us(lambda: native(*args, **kw), dev, flush)
+        torch.use_deterministic_algorithms(True)
+        try:
+            t_det = us(lambda: native(*args, **kw), dev, flush)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        vec = ia._vec(src, d)
+        tasks = -(-n // 32) * -(-d // (32 * vec))
+        print(f"{op} {law} n {n} D {d} rows {m} (default: {ia.default_split(n, m, d < ia.SCALAR_BELOW_D)}, "
+              f"{ia.fill_group(tasks, dev)} warps a tile): " + "  ".join(row) +
+              f"  atomic {atomic:6.1f}  torch {t_default:6.1f}  deterministic {t_det:6.1f} us", flush=True)
+        sums = {name: sum(t for k, t in kernel_times(fn, 20).items() if "_rows" in k or "_scalar" in k)
+                for name, fn in groups.items()}
+        print("  sums kernel: " + "  ".join(f"{name} {t:6.1f}" for name, t in sums.items()) + " us", flush=True)
+        if (op, n) == ("embedding_bwd", 2048):
+            print("  default's timeline (start, duration us):\n    " + "\n    ".join(timeline(fns["default"])),
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
@@ -326,9 +407,14 @@ def main() -> None:
                     help="embedding_bwd's sorted variant per grid of its zero fill, then stop")
     ap.add_argument("--fill-grid", action="store_true",
                     help="embedding_bwd's sorted variant per task split and lane width, then stop")
+    ap.add_argument("--groups", action="store_true",
+                    help="the fill split's sums per warps per position tile, then stop")
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
+    if a.groups:
+        group_sweep(dev, flush)
+        return
     if a.fill or a.fill_grid:
         (fill_sweep if a.fill else fill_grid)(dev, flush)
         return
