@@ -381,7 +381,10 @@ def fill_group(tasks: int, dev: torch.device) -> int:
     slice) pairs: doubled, up to FILL_GROUP_MAX, while twice as many warps still fit on the GPU at once
     (SUMS_BLOCKS blocks of 8 an SM). Few tiles (few keys) leave most SMs idle, and each warp's chain of
     dependent loads (its tile's rows, one after another) is then the kernel's time: more warps share the
-    rows out (H200, bench/dev/segsum_phases.py --groups: 2048 Zipf tokens into a 32000 x 768 gradient)."""
+    rows out. H200, bench/dev/segsum_phases.py --groups at 472eaee, us a call (its sums kernel): 2048 Zipf
+    tokens into a 32000 x 768 gradient (64 x 6 tasks: 8 warps), 1 warp 63.6 (29.4), 2: 60.4 (25.9), 4: 52.4
+    (18.7), 8: 52.8 (18.6), 16: 55.0 (21.0); 1024 x 256 into 10^5 rows (8), 1: 54.2 (17.3), 8: 41.9 (5.1);
+    16384 x 768 (1), 1: 78.3, 2: 86.9; 10^6 x 64 into 10^5 (1), 1: 222.4, 2: 274.1."""
     capacity = SUMS_BLOCKS * (THREADS // 32) * sm_count(dev)
     g = 1
     while g < FILL_GROUP_MAX and tasks * 2 * g <= capacity:
