@@ -11,7 +11,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
     PYTHONPATH=. python bench/dev/segsum_phases.py --fixed-schedules   # scatter_add's fixed, per schedule
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill   # embedding_bwd's zero fill beside the sort
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill-grid   # embedding_bwd per split, lane width
-    PYTHONPATH=. python bench/dev/segsum_phases.py --groups   # the fill split's sums per warps per tile
+    PYTHONPATH=. python bench/dev/segsum_phases.py --groups [--depths]   # the fill split's sums per warps per tile
 
 ``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, rank, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
@@ -348,11 +348,11 @@ GROUP_SHAPES = (("embedding_bwd", 2048, 768, 32_000, "zipf"), ("embedding_bwd", 
                 ("index_add", 1024, 256, 100_000, "uniform"))
 
 
-def group_sweep(dev: torch.device, flush) -> None:
+def group_sweep(dev: torch.device, flush, depths: bool = False) -> None:
     """The fill split's warps per tile of sorted positions (kernels/index_add.py fill_group) on GROUP_SHAPES:
     the call and its sums kernel (torch.profiler) per group, bits checked equal, beside the rows split,
     the default, the atomic variant and PyTorch's op in both modes; the default call's kernel timeline
-    for the audit's small batch."""
+    for the audit's small batch, and there (``depths``) each group's call per DEPTHS of the sums."""
     from nnrand.audit import _zipf
 
     for op, n, d, m, law in GROUP_SHAPES:
@@ -391,6 +391,9 @@ def group_sweep(dev: torch.device, flush) -> None:
         if (op, n) == ("embedding_bwd", 2048):
             print("  default's timeline (start, duration us):\n    " + "\n    ".join(timeline(fns["default"])),
                   flush=True)
+            for floats, blocks in DEPTHS if depths else ():
+                cells = timed_alike({name: with_depth(fn, floats, blocks) for name, fn in groups.items()}, dev, flush)
+                print(f"  {floats} floats a lane, {blocks} blocks an SM: " + "  ".join(cells) + " us", flush=True)
 
 
 def main() -> None:
@@ -409,11 +412,12 @@ def main() -> None:
                     help="embedding_bwd's sorted variant per task split and lane width, then stop")
     ap.add_argument("--groups", action="store_true",
                     help="the fill split's sums per warps per position tile, then stop")
+    ap.add_argument("--depths", action="store_true", help="with --groups: also per depth of the sums' loads")
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
     if a.groups:
-        group_sweep(dev, flush)
+        group_sweep(dev, flush, a.depths)
         return
     if a.fill or a.fill_grid:
         (fill_sweep if a.fill else fill_grid)(dev, flush)
