@@ -572,7 +572,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     module docstring). No host synchronisation: keys (narrowed, bad ones to a sentinel) and their stable
     sort (sort_keys: a rank sort, or a tile sort and a merge by rank, or a radix sort; torch.sort for int64
     keys), row starts, sums. Task splits (``split``, default: default_split; ``group``: the warps that
-    share a tile of sorted positions in the fill split's warp kernel, default fill_group; all
+    share a tile of sorted positions in the fill split's warp kernel, default fill_group; no other split
+    nor the thread kernel takes it; all
     sum the same chunks in the same order, so give the same bits): ``rows``: a task per destination (it
     writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp
     kernels): a task per 32 destinations instead (zeros for the empty ones, rows of one contribution read
@@ -583,6 +584,9 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     KernelArgumentError after the kernels are queued (``check`` sync: start[space], the count of valid
     keys, read back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits;
     for tests)."""
+    if group is not None and (isinstance(group, bool) or not isinstance(group, (int, np.integer)) or
+                              group not in FILL_GROUPS):
+        raise KernelArgumentError(prefix, "group", f"expected one of {FILL_GROUPS}, got {group!r}")
     d = src.shape[1]
     dev = src.device
     n = key.numel()
@@ -596,8 +600,6 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
         raise KernelArgumentError(prefix, "split", f"expected one of {SPLITS}, got {split!r}")
     if scalar and split == "tiles":
         split = "fill"
-    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group not in FILL_GROUPS):
-        raise KernelArgumentError(prefix, "group", f"expected one of {FILL_GROUPS}, got {group!r}")
     out, join = torch.empty((rows, d), device=dev, dtype=torch.float32), None
     if split == "fill":  # zeros beside the keys' sort (segsum_zero: a grid that leaves room for it)
         side, join = fork(dev)
@@ -632,7 +634,7 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
     fill = split == "fill"
     if fill and not scalar:   # the kernel's `fill`: the warps per tile of sorted positions
-        fill = group if group is not None else fill_group(cdiv(n, 32) * slices, dev)
+        fill = int(group) if group is not None else fill_group(cdiv(n, 32) * slices, dev)
     args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
             np.uint64(int(ptr(counters)) + 4 * slots * slices), np.int64(n), np.int32(width), np.int64(skip),
             np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill))
@@ -641,7 +643,8 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     if scalar:  # a thread per destination (rows) and per sorted position
         launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if fill else space) + n),),
                (THREADS,), args, device=dev)
-    else:  # a warp per destination (or 32 of them; or none) and per 32 sorted positions; grid rows: slices
+    else:  # a warp per destination (or 32 of them; or none) and per 32 sorted positions (fill: `fill` warps
+        # per 32); grid rows: slices
         warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32) * max(1, int(fill))
         kernel = f"{prefix}_rows{vec}{'' if split == 'rows' else '_' + split}_{kname}"
         launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),

@@ -39,7 +39,8 @@
 //           warp kernels may take destination rows 32 per task instead (empty rows written as zeros,
 //           rows of one contribution loaded several at once), or, over an output zero-filled on a second
 //           stream while the keys are sorted, sorted positions only (a tile of 32 also takes chunk 0 of
-//           the rows that start in it); the thread kernel too (`fill`).
+//           the rows that start in it; in the warp kernel `fill` warps share a tile, its lanes dealt
+//           out among them); the thread kernel too (`fill`).
 //   fixed   order-independent fixed point, three launches and no sort (the direct schedule; the element
 //           form's binned one, below, adds the same integers): segsum_fixed_max finds the
 //           largest finite |src| (one atomicMax per block on the float's bits: an integer max, exact in any
@@ -1155,7 +1156,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
     const int lane = threadIdx.x & 31;
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
     const long long dtasks = SPLIT == SEG_SPLIT_ROWS ? space : SPLIT == SEG_SPLIT_TILES ? (space + 31) >> 5 : 0;
-    const int group = SPLIT == SEG_SPLIT_FILL ? fill : 1;   // warps per position tile (a power of two <= 32)
+    const int group = SPLIT == SEG_SPLIT_FILL ? fill : 1;   // warps per position tile (>= 1; the host's: 1 to 32)
     const long long tasks = dtasks + ((n + 31) >> 5) * group;
     const long long warps = (long long)gridDim.x * SEG_WARPS;
     for (long long slice = blockIdx.y; slice < slices; slice += gridDim.y) {
@@ -1318,8 +1319,8 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
 #define SEG_ROWS_PASS SEG_SORTED_PASS
 
 // PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key> and PREFIX_rows<VEC>_fill_<key>,
-// separate kernels. The last two are held to SEG_SUMS_BLOCKS blocks per SM (by default 3: 80 registers,
-// spill-free at the default U = 16 / VEC):
+// separate kernels. The last two are held to SEG_SUMS_BLOCKS blocks per SM (by default 3: 80 registers;
+// at the default U = 16 / VEC, ptxas -v shows a few bytes spilled in the VEC 2 kernels and VEC 4's fill):
 // their warps wait on short chains of dependent loads, so more of them per SM beat more loads in flight
 // per warp (measured on the H200 against 128 registers and 32 floats in flight, 2 blocks per SM).
 #define SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, VEC)                                                        \

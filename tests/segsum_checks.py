@@ -38,8 +38,9 @@ def _node(children: list[np.ndarray], width: int) -> np.ndarray:
 
 
 def poison_allocator(shape) -> None:
-    """Leave NaN in the CUDA caching allocator's next block of this size: the sorted kernels write every
-    output row themselves or zero it (the fill split), so a row they missed would show as NaN."""
+    """Leave NaN in the CUDA caching allocator's next block of this size: the sorted kernels' rows and
+    tiles splits write every output row themselves, so a row they missed would show as NaN (the fill split
+    zero-fills the output first: a row its sums missed is +0.0, which only the bitwise checks catch)."""
     junk = torch.full(shape, float("nan"), device="cuda")
     del junk
 

@@ -250,11 +250,12 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
         SPEC, SORTED, case, REPEATS, before=lambda args, kw: poison_allocator((kw["num_rows"], args[1].shape[1])))
     scalar = ia.index_add_sorted_scalar_cuda(*args, **kw)  # the one-thread-per-chunk kernel: same bits
     assert differing_bits(scalar, model).size == 0
-    index, src = args
+    index, src = args[0], args[1].contiguous()
     for force_scalar in (False, True):  # every task split of both kernels: the same chunks and tree
-        for split, group in [(s, None) for s in ia.SPLITS] + [("fill", g) for g in (1, 2, 32)]:
-            poison_allocator((kw["num_rows"], src.shape[1]))  # a row neither zeroed nor summed: NaN
-            out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src.contiguous(), kw["num_rows"],
+        groups = [] if force_scalar else [("fill", g) for g in ia.FILL_GROUPS]   # the warp kernel's groups
+        for split, group in [(s, None) for s in ia.SPLITS] + groups:
+            poison_allocator((kw["num_rows"], src.shape[1]))  # rows and tiles: a row they missed is NaN
+            out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"],
                                         force_scalar=force_scalar, split=split, group=group)
             assert differing_bits(out, model).size == 0, (force_scalar, split, group)
 
@@ -488,8 +489,11 @@ def test_fill_group(monkeypatch):
     assert ia.fill_group(1, cpu) == ia.FILL_GROUP_MAX
     assert ia.fill_group(792, cpu) == 4 and ia.fill_group(793, cpu) == 2   # 792 x 4 = 3168 warps
     assert all(ia.fill_group(t, cpu) in ia.FILL_GROUPS for t in range(1, 5000, 7))
-    with pytest.raises(KernelArgumentError, match="argument 'group'"):
-        ia.segsum_sorted_cuda(ia.SOURCE, OP, torch.zeros(2, dtype=torch.int64), torch.zeros(2, 8), 3, group=3)
+    for bad in (3, 0, 64, True, 2.0):   # refused before anything runs, an empty input too
+        for n in (2, 0):
+            with pytest.raises(KernelArgumentError, match="argument 'group'"):
+                ia.segsum_sorted_cuda(ia.SOURCE, OP, torch.zeros(n, dtype=torch.int64), torch.zeros(n, 8), 3,
+                                      group=bad)
 
 
 def test_default_sort():
