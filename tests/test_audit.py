@@ -277,6 +277,28 @@ def test_render_reproduces_the_markdown(tmp_path):
     assert other.read_text() == text
 
 
+def test_a_rerun_of_some_ops_at_a_new_commit_keeps_the_others_rows(tmp_path, monkeypatch):
+    """The report shows each phase's latest row on the latest device and scale: an audit of one entry at
+    another commit replaces that entry's row in the report, keeps the other entry's older one (the CSV
+    keeps both of the first entry's), and the *git* column names each row's commit."""
+    monkeypatch.setattr(audit.envfp, "git_sha", lambda: "aaaaaaa")
+    csv, md, _ = _run([_seq_sum_entry(), _refusing_entry()], tmp_path, repeats=3)
+    text = md.read_text()
+    assert "git `aaaaaaa`;" in text and "git |" not in text
+    monkeypatch.setattr(audit.envfp, "git_sha", lambda: "bbbbbbb")
+    _, _, rows = _run([_seq_sum_entry()], tmp_path, repeats=3)
+    assert [(r["entry"], r["git_sha"]) for r in rows] == [("fake.seq_sum", "bbbbbbb")]
+    assert sorted((r["entry"], r["git_sha"]) for r in audit.read_rows(csv)) == [
+        ("fake.refuses", "aaaaaaa"), ("fake.seq_sum", "aaaaaaa"), ("fake.seq_sum", "bbbbbbb")]
+    text = md.read_text()
+    assert "git `aaaaaaa` (1 row), `bbbbbbb` (1 row)" in text or "git `bbbbbbb` (1 row), `aaaaaaa` (1 row)" in text
+    table = [ln for ln in text.splitlines() if ln.startswith("| `")]
+    assert [(ln.split("|")[1].strip(), ln.split("|")[-2].strip()) for ln in table] == [
+        ("`fake.seq_sum`", "`bbbbbbb`"), ("`fake.refuses`", "`aaaaaaa`")]
+    md.unlink()
+    assert audit.render(csv) == md and md.read_text() == text   # the CSV alone gives the same report
+
+
 def test_summary_is_computed_from_the_rows():
     def row(entry, flag, distinct, det="runs", det_distinct=1):
         return {"entry": entry, "phase": "forward", "pytorch_flag": flag, "repeats": "50",
