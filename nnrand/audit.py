@@ -45,10 +45,11 @@ repeats, ``cudnn.benchmark``, torch, CUDA, cuDNN, driver and NVRTC versions (on 
 count and CPU capability) are not rerun; rows with an error (in default mode, deterministic mode or nnrand's
 part) are. After every row the CSV is re-read, merged and written atomically under a lock (two audits
 writing one CSV keep each other's rows), then the markdown is rendered from it. The markdown is
-rendered from the CSV only (``render``): on the latest row's device and scale, each phase's latest row,
-whatever its commit (``--rerun --ops`` at a new commit replaces those phases' rows and keeps the others',
-each row naming its commit), with a summary of surprises: ops PyTorch flags that were repeatable here,
-and ops it does not flag that were not. Its *route* column is the one column computed
+rendered from the CSV only (``render``): on the latest row's device and scale, each phase's latest row by
+its date, whatever its commit (``--ops`` at a new commit replaces those phases' rows and keeps the others',
+each row naming its commit; the latest row is shown even where it is an error, and a phase no longer
+audited keeps its last row until the CSV loses it), with a summary of surprises: ops PyTorch flags that
+were repeatable here, and ops it does not flag that were not. Its *route* column is the one column computed
 at rendering: what ``nnrand.use_kernels("tree")`` does with the phase in the rendering code (:func:`route`).
 
 Outputs (``--out`` for the CSV; the markdown goes to ``reports/<stem>.md`` beside ``reports/results``):
@@ -1469,9 +1470,10 @@ def _int(v) -> int | None:
 
 
 def _latest_rows(rows: list[dict]) -> list[dict]:
-    """On the (device, scale) of the most recent row, the most recent row of each (entry, phase), whatever
-    its git SHA (an audit of some ops at a new commit replaces their rows and keeps the others'), in the
-    CSV order of each (entry, phase)'s first row."""
+    """On the (device, scale) of the most recent row, the most recent row of each (entry, phase) by date
+    (rows of one second: the later in the CSV, where write_row appends a new key's row), whatever its git
+    SHA (an audit of some ops at a new commit replaces their rows and keeps the others'; an error row too),
+    in the CSV order of each (entry, phase)'s first row."""
     if not rows:
         return []
     last = max(rows, key=lambda r: r.get("date", ""))
@@ -1728,7 +1730,8 @@ EPILOG = """examples:
 
 An interrupted run resumes: rows already in the CSV for this device, scale and git SHA, measured with the
 same settings and versions, are kept; rows with an error are measured again. The report shows each phase's
-latest row on the latest device and scale: an audit of some ops at a new commit updates their rows only.
+latest row (by date) on the latest device and scale: an audit of some ops at a new commit updates their
+rows only.
 """
 
 

@@ -297,6 +297,14 @@ def test_a_rerun_of_some_ops_at_a_new_commit_keeps_the_others_rows(tmp_path, mon
         ("`fake.seq_sum`", "`bbbbbbb`"), ("`fake.refuses`", "`aaaaaaa`")]
     md.unlink()
     assert audit.render(csv) == md and md.read_text() == text   # the CSV alone gives the same report
+    # the date decides, not the CSV order: the older commit's row dated later is the one shown
+    saved = audit.read_rows(csv)
+    for r in saved:
+        r["date"] = "2031-01-01T00:00:00Z" if r["git_sha"] == "aaaaaaa" else "2030-01-01T00:00:00Z"
+    text = audit.render_markdown(saved)
+    assert "git `aaaaaaa`;" in text and "git |" not in text   # both rows shown are the older commit's
+    table = [ln for ln in text.splitlines() if ln.startswith("| `")]
+    assert len(table) == 2 and "`fake.seq_sum`" in table[0] and "`fake.refuses`" in table[1]
 
 
 def test_summary_is_computed_from_the_rows():
