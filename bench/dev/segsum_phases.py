@@ -233,10 +233,11 @@ FILL_BLOCKS = (2, 4, 6, 8, 16)
 
 
 def fill_sweep(dev: torch.device, flush) -> None:
-    """embedding_bwd's sorted variant per ZERO_BLOCKS_PER_SM (bits checked equal across them), the zero
-    fill alone at each grid and as torch's zero_, the key sort alone (default, then per method), PyTorch's
-    embedding backward (default and deterministic mode; a timing in the latter includes its filling of
-    uninitialised memory), and the sorted variant per key sort with its kernels' times (torch.profiler)."""
+    """embedding_bwd's sorted variant per ZERO_BLOCKS_PER_SM (bits checked equal across them; on the audit's
+    small batch, each one's kernel timeline), beside the atomic variant, the zero fill alone at each grid and
+    as torch's zero_, the key sort alone (default, then per method), PyTorch's embedding backward (default
+    and deterministic mode; a timing in the latter includes its filling of uninitialised memory), and the
+    sorted variant per key sort with its kernels' times (torch.profiler)."""
     from nnrand.audit import _zipf
 
     sorted_bwd = kernels.get("embedding_bwd", "sorted")
@@ -271,7 +272,14 @@ def fill_sweep(dev: torch.device, flush) -> None:
             with mock.patch.object(ia, "ZERO_BLOCKS_PER_SM", k):
                 return sorted_bwd(grad, idx, num_weights=v, check_range=False)
         row = timed_alike({f"{k}/SM": (lambda k=k: with_blocks(k)) for k in FILL_BLOCKS}, dev, flush)
-        print("  sorted: " + "  ".join(row) + f"  (target: deterministic / 3 = {t_det / 3:.1f} us)", flush=True)
+        atomic = us(lambda: kernels.get("embedding_bwd", "atomic")(grad, idx, num_weights=v, check_range=False), dev,
+                    flush)
+        print("  sorted: " + "  ".join(row) + f"  (targets: deterministic / 3 = {t_det / 3:.1f} us, 1.1 x atomic "
+              f"{atomic:.1f} = {1.1 * atomic:.1f} us)", flush=True)
+        if (v, d, n) == FILL_SHAPES[0]:   # the audit's small batch: where the fill's grid moves the sums' start
+            for k in FILL_BLOCKS:
+                print(f"  {k}/SM timeline (start, duration us):\n    " +
+                      "\n    ".join(timeline(lambda k=k: with_blocks(k))), flush=True)
         kname = ia._key_dtype(v)[1]
         sorts = [m for m in ia.SORTS if m == "torch" or ia.sort_takes(m, n, kname)]
         print("  key sort alone: " + "  ".join(
