@@ -170,6 +170,35 @@ def test_key_type_and_vector_width():
     assert ia._vec(src.view(-1)[1:1025].view(4, 256), 64) == 1  # misaligned: scalar loads
 
 
+def test_fill_split_groups_take_every_chunk_once():
+    """The fill split's warp kernel, replayed on the host for every group: task w takes tile w // group
+    and, of its 32 positions, those at lanes h with h % group == w % group; a position takes chunk 0 of a
+    row that starts there and the chunk c >= 1 that starts there. Over all tasks, every chunk of every row
+    but the skipped one exactly once."""
+    rng = np.random.default_rng(2)
+    for _ in range(40):
+        counts = rng.choice([0, 1, 2, 5, 31, 32, 33, 64, 65, 700, 1025], size=rng.integers(1, 12))
+        skip = int(rng.integers(-1, len(counts)))
+        keys = np.repeat(np.arange(len(counts)), counts)
+        start = np.concatenate(([0], np.cumsum(counts)))
+        n = len(keys)
+        want = sorted((m, c) for m in range(len(counts)) if m != skip
+                      for c in range(-(-int(counts[m]) // ia.chunk_len(int(counts[m])))))
+        for group in ia.FILL_GROUPS:
+            got = []
+            for w in range(-(-n // 32) * group):
+                tile, sub = w // group, w % group
+                for h in range(sub, 32, group):
+                    p = tile * 32 + h
+                    if p >= n or keys[p] == skip:
+                        continue
+                    m = int(keys[p])
+                    s, L = int(start[m]), ia.chunk_len(int(counts[m]))
+                    if (p - s) % L == 0:
+                        got.append((m, (p - s) // L))
+            assert sorted(got) == want, group
+
+
 def test_task_split_sums_every_chunk_once():
     """The sorted kernels' work split, replayed on the host: destination tasks take chunk 0 of each
     non-empty row (and write the empty and skipped rows), tile tasks of 32 positions take the chunks
