@@ -170,6 +170,18 @@ def test_key_type_and_vector_width():
     assert ia._vec(src.view(-1)[1:1025].view(4, 256), 64) == 1  # misaligned: scalar loads
 
 
+def _random_rows(rng, sizes: list[int], most: int):
+    """A sorted key list of 1 to most - 1 rows, each of a count drawn from ``sizes``, and a skip row (-1:
+    none): (counts, skip, keys, row starts, the set of (row, chunk) that the sums must take)."""
+    counts = rng.choice(sizes, size=rng.integers(1, most))
+    skip = int(rng.integers(-1, len(counts)))
+    keys = np.repeat(np.arange(len(counts)), counts)
+    start = np.concatenate(([0], np.cumsum(counts)))
+    want = {(m, c) for m in range(len(counts)) if m != skip
+            for c in range(-(-int(counts[m]) // ia.chunk_len(int(counts[m]))))}
+    return counts, skip, keys, start, want
+
+
 def test_fill_split_groups_take_every_chunk_once():
     """The fill split's warp kernel, replayed on the host for every group: task w takes tile w // group
     and, of its 32 positions, those at lanes h with h % group == w % group; a position takes chunk 0 of a
@@ -177,13 +189,8 @@ def test_fill_split_groups_take_every_chunk_once():
     but the skipped one exactly once."""
     rng = np.random.default_rng(2)
     for _ in range(40):
-        counts = rng.choice([0, 1, 2, 5, 31, 32, 33, 64, 65, 700, 1025], size=rng.integers(1, 12))
-        skip = int(rng.integers(-1, len(counts)))
-        keys = np.repeat(np.arange(len(counts)), counts)
-        start = np.concatenate(([0], np.cumsum(counts)))
+        counts, skip, keys, start, want = _random_rows(rng, [0, 1, 2, 5, 31, 32, 33, 64, 65, 700, 1025], 12)
         n = len(keys)
-        want = sorted((m, c) for m in range(len(counts)) if m != skip
-                      for c in range(-(-int(counts[m]) // ia.chunk_len(int(counts[m])))))
         for group in ia.FILL_GROUPS:
             got = []
             for w in range(-(-n // 32) * group):
@@ -196,7 +203,7 @@ def test_fill_split_groups_take_every_chunk_once():
                     s, L = int(start[m]), ia.chunk_len(int(counts[m]))
                     if (p - s) % L == 0:
                         got.append((m, (p - s) // L))
-            assert sorted(got) == want, group
+            assert sorted(got) == sorted(want), group
 
 
 def test_task_split_sums_every_chunk_once():
@@ -205,13 +212,8 @@ def test_task_split_sums_every_chunk_once():
     c >= 1 that start in them; every chunk of every row exactly once, at most one per tile and row."""
     rng = np.random.default_rng(1)
     for _ in range(100):
-        counts = rng.choice([0, 0, 1, 5, 32, 33, 64, 65, 700, 1025, 40000], size=rng.integers(1, 10))
-        skip = int(rng.integers(-1, len(counts)))
-        keys = np.repeat(np.arange(len(counts)), counts)
-        start = np.concatenate(([0], np.cumsum(counts)))
+        counts, skip, keys, start, want = _random_rows(rng, [0, 0, 1, 5, 32, 33, 64, 65, 700, 1025, 40000], 10)
         n, space = len(keys), len(counts)
-        want = {(m, c) for m in range(space) if m != skip
-                for c in range(-(-int(counts[m]) // ia.chunk_len(int(counts[m]))))}
         got = [(m, 0) for m in range(space) if counts[m] and m != skip]
         for tile in range(-(-n // 32)):
             p = np.arange(tile * 32, min(n, tile * 32 + 32))
@@ -281,7 +283,8 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     assert differing_bits(scalar, model).size == 0
     index, src = args[0], args[1].contiguous()
     for force_scalar in (False, True):  # every task split of both kernels: the same chunks and tree
-        groups = [] if force_scalar else [("fill", g) for g in ia.FILL_GROUPS]   # the warp kernel's groups
+        warp = not force_scalar and src.shape[1] >= ia.SCALAR_BELOW_D
+        groups = [("fill", g) for g in ia.FILL_GROUPS] if warp else []   # the warp kernel's groups
         for split, group in [(s, None) for s in ia.SPLITS] + groups:
             poison_allocator((kw["num_rows"], src.shape[1]))  # rows and tiles: a row they missed is NaN
             out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"],
