@@ -349,8 +349,11 @@ MAX_GRID_Y = 65535
 SORT_MAX = 16384          # SEG_SORT_MAX: up to this many keys (int16 ones), one block sorts them
 SORT_THREADS = 1024
 SORT_SMEM = (2 * SORT_MAX + 257 * 32 + 32) * 4   # SEG_SORT_SMEM
-SPLITS = ("rows", "tiles", "fill")   # tiles: no default takes it (see default_split); kept for the sweeps
+SPLITS = ("rows", "tiles", "fill", "gaps")   # tiles: no default takes it (see default_split); kept for the sweeps
 ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
+GAP_BLOCKS_PER_SM = 2   # segsum_zero_gaps' grid beside the sums
+GAPS_FIRST = True       # segsum_zero_gaps queued before the sums
+GAP_MAX_WIDTH = (2**31 - 1) // 32   # segsum_zero_gaps indexes a span of 32 destinations in int
 
 
 FILL_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take the fill split
@@ -572,14 +575,16 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     module docstring). No host synchronisation: keys (narrowed, bad ones to a sentinel) and their stable
     sort (sort_keys: a rank sort, or a tile sort and a merge by rank, or a radix sort; torch.sort for int64
     keys), row starts, sums. Task splits (``split``, default: default_split; ``group``: the warps that
-    share a tile of sorted positions in the fill split's warp kernel, default fill_group; no other split
-    nor the thread kernel takes it; all
+    share a tile of sorted positions in the fill and gaps splits' warp kernel, default fill_group; no other
+    split nor the thread kernel takes it; all
     sum the same chunks in the same order, so give the same bits): ``rows``: a task per destination (it
     writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp
     kernels): a task per 32 destinations instead (zeros for the empty ones, rows of one contribution read
     lane-parallel); ``fill``: the output is zero-filled on a second stream while the keys are sorted, and
-    the sums, after the fill, take only the tiles of 32 sorted positions. The thread kernel knows ``rows``
-    and ``fill`` (``tiles`` runs as ``fill``).
+    the sums, after the fill, take only the tiles of 32 sorted positions; ``gaps``: the sums as in
+    ``fill`` over an unfilled output, beside them on a second stream (after the sort) segsum_zero_gaps
+    zeroes the destinations no key reaches (a grid of GAP_BLOCKS_PER_SM blocks an SM). The thread kernel
+    knows ``rows``, ``fill`` and ``gaps`` (``tiles`` runs as ``fill``).
     Keys outside [0, rows) add nothing, or fail the keys kernel (``check`` device), or raise
     KernelArgumentError after the kernels are queued (``check`` sync: start[space], the count of valid
     keys, read back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits;
@@ -599,6 +604,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     elif split not in SPLITS:
         raise KernelArgumentError(prefix, "split", f"expected one of {SPLITS}, got {split!r}")
     if scalar and split == "tiles":
+        split = "fill"
+    if split == "gaps" and width > GAP_MAX_WIDTH:
         split = "fill"
     out, join = torch.empty((rows, d), device=dev, dtype=torch.float32), None
     if split == "fill":  # zeros beside the keys' sort (segsum_zero: a grid that leaves room for it)
@@ -632,7 +639,7 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     slots = max(1, 2 * (n // CHUNK_MIN))
     part = torch.empty((2, slots, width), device=dev, dtype=torch.float32)
     counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
-    fill = split == "fill"
+    fill = split in ("fill", "gaps")   # the sums take position tiles only: other zeros fill the output
     if fill and not scalar:   # the kernel's `fill`: the warps per tile of sorted positions
         fill = int(group) if group is not None else fill_group(cdiv(n, 32) * slices, dev)
     args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
@@ -640,15 +647,35 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
             np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill))
     if join is not None:
         join()
-    if scalar:  # a thread per destination (rows) and per sorted position
-        launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if fill else space) + n),),
-               (THREADS,), args, device=dev)
-    else:  # a warp per destination (or 32 of them; or none) and per 32 sorted positions (fill: `fill` warps
-        # per 32); grid rows: slices
-        warps = {"rows": space, "tiles": cdiv(space, 32), "fill": 0}[split] + cdiv(n, 32) * max(1, int(fill))
-        kernel = f"{prefix}_rows{vec}{'' if split == 'rows' else '_' + split}_{kname}"
+
+    def sums():
+        if scalar:  # a thread per destination (rows) and per sorted position
+            launch(function(source, f"{prefix}_scalar_{kname}", dev), (_blocks((0 if fill else space) + n),),
+                   (THREADS,), args, device=dev)
+            return
+        # a warp per destination (or 32 of them; or none) and per 32 sorted positions (fill, gaps: `fill`
+        # warps per 32); grid rows: slices
+        warps = {"rows": space, "tiles": cdiv(space, 32)}.get(split, 0) + cdiv(n, 32) * max(1, int(fill))
+        kernel = f"{prefix}_rows{vec}{ {'rows': '', 'tiles': '_tiles'}.get(split, '_fill')}_{kname}"
         launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
                                                min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)
+
+    if split == "gaps":  # zeros where no key goes, beside the sums (a grid that leaves them room)
+        if not GAPS_FIRST:
+            sums()
+        side, rejoin = fork(dev)
+        try:
+            with torch.cuda.stream(side):
+                launch(function(source, "segsum_zero_gaps", dev),
+                       (max(1, min(cdiv(space, 32 * (THREADS // 32)), GAP_BLOCKS_PER_SM * sm_count(dev))),),
+                       (THREADS,), (ptr(start), ptr(out), np.int64(space), np.int32(width), np.int64(skip)),
+                       device=dev)
+            if GAPS_FIRST:
+                sums()
+        finally:
+            rejoin()
+    else:
+        sums()
     if check.sync and int(start[space]) != n:  # the one host synchronisation, after the work is queued
         check_index_range(check.op, check.arg, key, rows)
     return out

@@ -40,7 +40,8 @@
 //           rows of one contribution loaded several at once), or, over an output zero-filled on a second
 //           stream while the keys are sorted, sorted positions only (a tile of 32 also takes chunk 0 of
 //           the rows that start in it; in the warp kernel `fill` warps share a tile, its lanes dealt
-//           out among them); the thread kernel too (`fill`).
+//           out among them); the thread kernel too (`fill`). Or (`gaps`) the same sums over an unfilled
+//           output, with segsum_zero_gaps writing +0.0 beside them to the destinations no key reaches.
 //   fixed   order-independent fixed point, three launches and no sort (the direct schedule; the element
 //           form's binned one, below, adds the same integers): segsum_fixed_max finds the
 //           largest finite |src| (one atomicMax per block on the float's bits: an integer max, exact in any
@@ -133,6 +134,49 @@ segsum_zero(float* __restrict__ out, long long n) {
     const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (long long i = i0; i < (n >> 2); i += step) reinterpret_cast<float4*>(out)[i] = z;
     for (long long i = ((n >> 2) << 2) + i0; i < n; i += step) out[i] = 0.0f;
+}
+
+// The `gaps` split's zeros: destinations no valid key reaches (start[m + 1] == start[m]) and the `skip`
+// one get +0.0 in their `width` floats, out[m * width ..), after the sort and beside the sums, which
+// write every other destination (kernels/index_add.py). A warp takes 32 destinations: one coalesced read
+// of their starts, then their span of floats in 16-byte stores (out 16-byte aligned, so is every span:
+// 32 * width floats), lane-strided, so a run of empty destinations is written like a plain fill. A
+// 16-byte group that reaches a destination with contributions is stored float by float, skipping it.
+// Few blocks an SM (a grid-stride loop), so the latency-bound sums keep their SMs. 32 * width < 2^31.
+extern "C" __global__ void __launch_bounds__(256)
+segsum_zero_gaps(const long long* __restrict__ start, float* __restrict__ out, long long space, int width,
+                 long long skip) {
+    const int lane = threadIdx.x & 31;
+    const long long tiles = (space + 31) >> 5;
+    const long long warps = (long long)gridDim.x * SEG_WARPS;
+    const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (long long t = (long long)blockIdx.x * SEG_WARPS + (threadIdx.x >> 5); t < tiles; t += warps) {
+        const long long m = t * 32 + lane;
+        const unsigned gaps = __ballot_sync(SEG_FULL, m < space && (m == skip || start[m + 1] == start[m]));
+        if (gaps == 0u) continue;  // warp-uniform
+        const int nd = (int)min(32LL, space - t * 32);
+        const unsigned all = nd == 32 ? SEG_FULL : (1u << nd) - 1u;
+        float* base = out + t * 32 * width;
+        const int floats = nd * width, quads = floats >> 2;
+        if (gaps == all) {
+            for (int i = lane; i < quads; i += 32) reinterpret_cast<float4*>(base)[i] = z;
+            for (int i = (quads << 2) + lane; i < floats; i += 32) base[i] = 0.0f;
+            continue;
+        }
+        for (int i = lane; i < quads; i += 32) {
+            const int d0 = (4 * i) / width, d3 = (4 * i + 3) / width;
+            const unsigned span = ((2u << (d3 - d0)) - 1u) << d0;  // d3 - d0 <= 3
+            if ((gaps & span) == span) {
+                reinterpret_cast<float4*>(base)[i] = z;
+            } else if (gaps & span) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    if ((gaps >> ((4 * i + j) / width)) & 1u) base[4 * i + j] = 0.0f;
+            }
+        }
+        for (int i = (quads << 2) + lane; i < floats; i += 32)
+            if ((gaps >> (i / width)) & 1u) base[i] = 0.0f;
+    }
 }
 
 // Row form: e = i * D + d, value src[e] into out[key[i] * D + d]. Element form (scatter_add, D = the
@@ -1202,13 +1246,12 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 }
                 continue;
             }
-            const long long tile = (w - dtasks) / group, p = tile * 32 + lane;
-            const int sub = (int)((w - dtasks) % group);
-            unsigned mine = 0u;   // this warp's lanes of the tile: those h with h % group == sub
-            for (int h = sub; h < 32; h += group) mine |= 1u << h;
+            // group: a power of two; this warp's lanes of its tile are those h with h % group == its number
+            const long long tile = (w - dtasks) >> (__ffs(group) - 1), p = tile * 32 + lane;
+            const bool mine = (lane & (group - 1)) == (int)((w - dtasks) & (group - 1));
             long long m = 0, s = 0, k = 0, L = 1;
             bool head = false, first = false;
-            if (p < n) {
+            if (p < n && mine) {  // (other lanes' positions: other warps')
                 m = (long long)skey[p] + offset;
                 if (m < space && m != skip) {
                     s = start[m];
@@ -1221,16 +1264,16 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
             if (SPLIT == SEG_SPLIT_FILL) {  // the rows starting in this tile
                 const bool single = first && k == 1;
                 const long long r = single ? perm[p] : 0;
-                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single) & mine, r, m, D, col, active,
+                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single), r, m, D, col, active,
                                       scaled);
-                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1) & mine; longer; longer &= longer - 1) {
+                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1); longer; longer &= longer - 1) {
                     const int h = __ffs(longer) - 1;
                     seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2, __shfl_sync(SEG_FULL, m, h),
                                               tile * 32 + h, __shfl_sync(SEG_FULL, k, h), D, col, active, cb, ce,
                                               scaled, slice, slices);
                 }
             }
-            unsigned heads = __ballot_sync(SEG_FULL, head) & mine;
+            unsigned heads = __ballot_sync(SEG_FULL, head);
             while (heads) {
                 const int h = __ffs(heads) - 1;
                 heads &= heads - 1;

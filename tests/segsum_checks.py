@@ -38,8 +38,8 @@ def _node(children: list[np.ndarray], width: int) -> np.ndarray:
 
 
 def poison_allocator(shape) -> None:
-    """Leave NaN in the CUDA caching allocator's next block of this size: the sorted kernels' rows and
-    tiles splits write every output row themselves, so a row they missed would show as NaN (the fill split
+    """Leave NaN in the CUDA caching allocator's next block of this size: the sorted kernels' rows, tiles
+    and gaps splits write every output row themselves, so a row they missed would show as NaN (the fill split
     zero-fills the output first: a row its sums missed is +0.0, which only the bitwise checks catch)."""
     junk = torch.full(shape, float("nan"), device="cuda")
     del junk

@@ -131,9 +131,10 @@ REPEATS = 50
 def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     first, _, args, kw = check_sorted_repeatable(SPEC, SORTED, case, REPEATS)
     key, g, rows, skip = eb._prologue(*args, kw["num_weights"], kw["padding_idx"], kw["scale_grad_by_freq"])
-    groups = [("fill", w) for w in ia.FILL_GROUPS] if g.shape[1] >= ia.SCALAR_BELOW_D else []   # warp kernel
+    groups = ([(s, w) for s in ("fill", "gaps") for w in ia.FILL_GROUPS] if g.shape[1] >= ia.SCALAR_BELOW_D
+              else [])   # the warp kernel's
     for split, group in [(s, None) for s in ia.SPLITS] + groups:  # the same chunks and tree
-        poison_allocator((rows, g.shape[1]))  # rows and tiles: a row they missed is NaN
+        poison_allocator((rows, g.shape[1]))  # rows, tiles, gaps: a row they missed is NaN
         out = ia.segsum_sorted_cuda(eb.SOURCE, OP, key, g, rows, skip=skip, scaled=kw["scale_grad_by_freq"],
                                     split=split, group=group)
         assert differing_bits(out, first).size == 0, (split, group)

@@ -284,9 +284,9 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     index, src = args[0], args[1].contiguous()
     for force_scalar in (False, True):  # every task split of both kernels: the same chunks and tree
         warp = not force_scalar and src.shape[1] >= ia.SCALAR_BELOW_D
-        groups = [("fill", g) for g in ia.FILL_GROUPS] if warp else []   # the warp kernel's groups
+        groups = [(s, g) for s in ("fill", "gaps") for g in ia.FILL_GROUPS] if warp else []   # the warp kernel's
         for split, group in [(s, None) for s in ia.SPLITS] + groups:
-            poison_allocator((kw["num_rows"], src.shape[1]))  # rows and tiles: a row they missed is NaN
+            poison_allocator((kw["num_rows"], src.shape[1]))  # rows, tiles, gaps: a row they missed is NaN
             out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"],
                                         force_scalar=force_scalar, split=split, group=group)
             assert differing_bits(out, model).size == 0, (force_scalar, split, group)

@@ -125,8 +125,9 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     first, _, args, kw = check_sorted_repeatable(SPEC, SORTED, case, REPEATS)
     key, src, rows, elementwise = sa._prologue(*args, kw["num_rows"])
     warp = not elementwise and src.shape[1] >= ia.SCALAR_BELOW_D   # the warp kernel: its groups too
-    for split, group in [(s, None) for s in ia.SPLITS] + [("fill", g) for g in ia.FILL_GROUPS if warp]:
-        poison_allocator((rows, src.shape[1]))  # rows and tiles: a row they missed is NaN
+    groups = [(s, g) for s in ("fill", "gaps") for g in ia.FILL_GROUPS if warp]
+    for split, group in [(s, None) for s in ia.SPLITS] + groups:
+        poison_allocator((rows, src.shape[1]))  # rows, tiles, gaps: a row they missed is NaN
         out = ia.segsum_sorted_cuda(sa.SOURCE, OP, key, src, rows, elementwise=elementwise, split=split,
                                     group=group)
         assert differing_bits(out, first).size == 0, (split, group)

@@ -12,6 +12,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill   # embedding_bwd's zero fill beside the sort
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill-grid   # embedding_bwd per split, lane width
     PYTHONPATH=. python bench/dev/segsum_phases.py --groups [--depths]   # the fill split's sums per warps per tile
+    PYTHONPATH=. python bench/dev/segsum_phases.py --gaps   # zeros of the empty rows beside the sums
 
 ``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, rank, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
@@ -403,6 +404,56 @@ def group_sweep(dev: torch.device, flush, depths: bool = False) -> None:
                 print(f"  {floats} floats a lane, {blocks} blocks an SM: " + "  ".join(cells) + " us", flush=True)
 
 
+# (op, n, D, rows, law): the gaps split's shapes: GROUP_SHAPES and wider outputs of few keys
+GAP_SHAPES = (*GROUP_SHAPES, ("embedding_bwd", 512, 768, 32_000, "zipf"), ("embedding_bwd", 2048, 4096, 32_000, "zipf"),
+              ("index_add", 1_000_000, 64, 1000, "uniform"))
+GAP_BLOCKS = (1, 2, 4, 8, 16)
+
+
+def gap_sweep(dev: torch.device, flush) -> None:
+    """The gaps split (the output's empty rows zeroed beside the sums, after the sort) per grid of its zero
+    kernel (ia.GAP_BLOCKS_PER_SM) and queue order (ia.GAPS_FIRST), bits checked equal to the fill and rows
+    splits', beside them, the atomic variant and PyTorch's op in both modes; each gaps call's kernel
+    timeline on the audit's small batch."""
+    from nnrand.audit import _zipf
+
+    for op, n, d, m, law in GAP_SHAPES:
+        g = torch.Generator().manual_seed(6)
+        idx = (_zipf(g, n, m) if law == "zipf" else torch.randint(0, m, (n,), generator=g)).to(dev)
+        src = torch.randn(n, d, generator=g).to(dev)
+        args = (src, idx) if op == "embedding_bwd" else (idx, src)
+        kw = {"num_weights" if op == "embedding_bwd" else "num_rows": m, "check_range": False}
+        splits = {split: sorted_split(op, split) for split in ("fill", "rows", "gaps")}   # (made once)
+
+        def gaps(blocks, first, group=None):
+            def run():
+                with mock.patch.multiple(ia, GAP_BLOCKS_PER_SM=blocks, GAPS_FIRST=first), \
+                        mock.patch.object(ia, "fill_group", (lambda t, dev: group) if group else ia.fill_group):
+                    return splits["gaps"](*args, **kw)
+            return run
+        fns = {"fill": lambda: splits["fill"](*args, **kw), "rows": lambda: splits["rows"](*args, **kw),
+               **{f"gaps {b}/SM{'' if first else ' after'}": gaps(b, first) for first in (True, False)
+                  for b in GAP_BLOCKS},
+               **{f"gaps 4/SM {group} warps": gaps(4, True, group) for group in (1, 4)},
+               "default": lambda: kernels.get(op, "sorted")(*args, **kw)}
+        row = timed_alike(fns, dev, flush)
+        atomic = us(lambda: kernels.get(op, "atomic")(*args, **kw), dev, flush)
+        native = kernels.spec(op).peers()["torch"]
+        t_default = us(lambda: native(*args, **kw), dev, flush)
+        torch.use_deterministic_algorithms(True)
+        try:
+            t_det = us(lambda: native(*args, **kw), dev, flush)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        print(f"{op} {law} n {n} D {d} rows {m} (default: {ia.default_split(n, m, d < ia.SCALAR_BELOW_D)}): "
+              + "  ".join(row) + f"  atomic {atomic:6.1f}  torch {t_default:6.1f}  deterministic {t_det:6.1f} us"
+              f"  (targets: deterministic / 3 = {t_det / 3:.1f}, 1.1 x atomic = {1.1 * atomic:.1f})", flush=True)
+        if (op, n, d) == ("embedding_bwd", 2048, 768):
+            for b in GAP_BLOCKS:
+                print(f"  gaps {b}/SM timeline (start, duration us):\n    " +
+                      "\n    ".join(timeline(gaps(b, True))), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
@@ -420,9 +471,14 @@ def main() -> None:
     ap.add_argument("--groups", action="store_true",
                     help="the fill split's sums per warps per position tile, then stop")
     ap.add_argument("--depths", action="store_true", help="with --groups: also per depth of the sums' loads")
+    ap.add_argument("--gaps", action="store_true",
+                    help="the gaps split per grid of its zero kernel and queue order, then stop")
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
+    if a.gaps:
+        gap_sweep(dev, flush)
+        return
     if a.groups:
         group_sweep(dev, flush, a.depths)
         return
