@@ -567,6 +567,11 @@ def _merge_sort(source, prefix, kname, key, skey, perm, start, width, rows, offs
     return fused
 
 
+def gap_blocks(space: int, dev: torch.device) -> int:
+    """segsum_zero_gaps' grid over ``space`` destinations: a block per 32, at most GAP_BLOCKS_PER_SM an SM."""
+    return max(1, min(cdiv(space, 32), GAP_BLOCKS_PER_SM * sm_count(dev)))
+
+
 def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Tensor, rows: int, *,
                        elementwise: bool = False, skip: int = -1, scaled: bool = False,
                        force_scalar: bool = False, split: str | None = None, group: int | None = None,
@@ -666,10 +671,8 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
         side, rejoin = fork(dev)
         try:
             with torch.cuda.stream(side):
-                launch(function(source, "segsum_zero_gaps", dev),
-                       (max(1, min(cdiv(space, 32 * (THREADS // 32)), GAP_BLOCKS_PER_SM * sm_count(dev))),),
-                       (THREADS,), (ptr(start), ptr(out), np.int64(space), np.int32(width), np.int64(skip)),
-                       device=dev)
+                launch(function(source, "segsum_zero_gaps", dev), (gap_blocks(space, dev),), (THREADS,),
+                       (ptr(start), ptr(out), np.int64(space), np.int32(width), np.int64(skip)), device=dev)
             if GAPS_FIRST:
                 sums()
         finally:

@@ -138,44 +138,31 @@ segsum_zero(float* __restrict__ out, long long n) {
 
 // The `gaps` split's zeros: destinations no valid key reaches (start[m + 1] == start[m]) and the `skip`
 // one get +0.0 in their `width` floats, out[m * width ..), after the sort and beside the sums, which
-// write every other destination (kernels/index_add.py). A warp takes 32 destinations: one coalesced read
-// of their starts, then their span of floats in 16-byte stores (out 16-byte aligned, so is every span:
-// 32 * width floats), lane-strided, so a run of empty destinations is written like a plain fill. A
-// 16-byte group that reaches a destination with contributions is stored float by float, skipping it.
-// Few blocks an SM (a grid-stride loop), so the latency-bound sums keep their SMs. 32 * width < 2^31.
+// write every other destination (kernels/index_add.py). A block takes 32 destinations: each warp reads
+// their starts (one coalesced read), then each run of consecutive empty ones is one span of floats, written
+// by the block's threads in turn in 16-byte stores (out is 16-byte aligned) between at most 3 single
+// floats at either end: a tile with no contribution is written like a plain fill. Few blocks an SM (a
+// grid-stride loop), so the latency-bound sums keep their SMs. 32 * width < 2^31.
 extern "C" __global__ void __launch_bounds__(256)
 segsum_zero_gaps(const long long* __restrict__ start, float* __restrict__ out, long long space, int width,
                  long long skip) {
-    const int lane = threadIdx.x & 31;
-    const long long tiles = (space + 31) >> 5;
-    const long long warps = (long long)gridDim.x * SEG_WARPS;
+    const int lane = threadIdx.x & 31, tid = threadIdx.x, threads = blockDim.x;
     const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (long long t = (long long)blockIdx.x * SEG_WARPS + (threadIdx.x >> 5); t < tiles; t += warps) {
+    for (long long t = blockIdx.x; t < (space + 31) >> 5; t += gridDim.x) {
         const long long m = t * 32 + lane;
-        const unsigned gaps = __ballot_sync(SEG_FULL, m < space && (m == skip || start[m + 1] == start[m]));
-        if (gaps == 0u) continue;  // warp-uniform
-        const int nd = (int)min(32LL, space - t * 32);
-        const unsigned all = nd == 32 ? SEG_FULL : (1u << nd) - 1u;
-        float* base = out + t * 32 * width;
-        const int floats = nd * width, quads = floats >> 2;
-        if (gaps == all) {
-            for (int i = lane; i < quads; i += 32) reinterpret_cast<float4*>(base)[i] = z;
-            for (int i = (quads << 2) + lane; i < floats; i += 32) base[i] = 0.0f;
-            continue;
+        unsigned gaps = __ballot_sync(SEG_FULL, m < space && (m == skip || start[m + 1] == start[m]));
+        float* base = out + t * 32 * width;   // 16-byte aligned: 128 * width bytes a tile
+        while (gaps) {  // block-uniform: a run [a, b) of empty destinations
+            const int a = __ffs(gaps) - 1;
+            const unsigned rest = ~(gaps >> a);
+            const int b = rest ? a + __ffs(rest) - 1 : 32;
+            gaps &= b == 32 ? 0u : ~0u << b;
+            const int lo = a * width, hi = b * width;   // the run's floats
+            const int lo4 = (lo + 3) & ~3, hi4 = max(lo4, hi & ~3);
+            for (int i = (lo4 >> 2) + tid; i < (hi4 >> 2); i += threads) reinterpret_cast<float4*>(base)[i] = z;
+            if (lo + tid < min(lo4, hi)) base[lo + tid] = 0.0f;   // at most 3 before (or the whole run)
+            if (hi4 + tid < hi) base[hi4 + tid] = 0.0f;             // at most 3 after
         }
-        for (int i = lane; i < quads; i += 32) {
-            const int d0 = (4 * i) / width, d3 = (4 * i + 3) / width;
-            const unsigned span = ((2u << (d3 - d0)) - 1u) << d0;  // d3 - d0 <= 3
-            if ((gaps & span) == span) {
-                reinterpret_cast<float4*>(base)[i] = z;
-            } else if (gaps & span) {
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    if ((gaps >> ((4 * i + j) / width)) & 1u) base[4 * i + j] = 0.0f;
-            }
-        }
-        for (int i = (quads << 2) + lane; i < floats; i += 32)
-            if ((gaps >> (i / width)) & 1u) base[i] = 0.0f;
     }
 }
 

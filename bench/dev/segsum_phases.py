@@ -410,6 +410,24 @@ GAP_SHAPES = (*GROUP_SHAPES, ("embedding_bwd", 512, 768, 32_000, "zipf"), ("embe
 GAP_BLOCKS = (1, 2, 4, 8, 16)
 
 
+def zeros_alone(op: str, idx: torch.Tensor, rows: int, d: int, blocks: int, dev: torch.device, flush) -> str:
+    """'B/SM zero T gaps T': segsum_zero over a rows x d output and segsum_zero_gaps after idx's sort, each
+    alone on a grid of ``blocks`` an SM."""
+    rt = kernels.runtime
+    source = (kernels.embedding_bwd if op == "embedding_bwd" else ia).SOURCE
+    start = ia.sort_keys(source, op, idx, rows)[2]
+    out = torch.empty(rows, d, device=dev)
+    grid = (max(1, min(rt.cdiv(out.numel(), 4 * ia.THREADS), blocks * rt.sm_count(dev))),)
+    with mock.patch.object(ia, "GAP_BLOCKS_PER_SM", blocks):
+        gap_grid = (ia.gap_blocks(rows, dev),)
+    zero, gaps = (rt.function(source, name, dev) for name in ("segsum_zero", "segsum_zero_gaps"))
+    t_zero = us(lambda: rt.launch(zero, grid, (ia.THREADS,), (rt.ptr(out), np.int64(out.numel())), device=dev),
+                dev, flush)
+    t_gaps = us(lambda: rt.launch(gaps, gap_grid, (ia.THREADS,), (rt.ptr(start), rt.ptr(out), np.int64(rows),
+                                                              np.int32(d), np.int64(-1)), device=dev), dev, flush)
+    return f"{blocks}/SM zero {t_zero:6.1f} gaps {t_gaps:6.1f}"
+
+
 def gap_sweep(dev: torch.device, flush) -> None:
     """The gaps split (the output's empty rows zeroed beside the sums, after the sort) per grid of its zero
     kernel (ia.GAP_BLOCKS_PER_SM) and queue order (ia.GAPS_FIRST), bits checked equal to the fill and rows
@@ -448,6 +466,8 @@ def gap_sweep(dev: torch.device, flush) -> None:
         print(f"{op} {law} n {n} D {d} rows {m} (default: {ia.default_split(n, m, d < ia.SCALAR_BELOW_D)}): "
               + "  ".join(row) + f"  atomic {atomic:6.1f}  torch {t_default:6.1f}  deterministic {t_det:6.1f} us"
               f"  (targets: deterministic / 3 = {t_det / 3:.1f}, 1.1 x atomic = {1.1 * atomic:.1f})", flush=True)
+        print("  zeros alone: " + "  ".join(zeros_alone(op, idx, m, d, b, dev, flush) for b in GAP_BLOCKS) + " us",
+              flush=True)
         if (op, n, d) == ("embedding_bwd", 2048, 768):
             for b in GAP_BLOCKS:
                 print(f"  gaps {b}/SM timeline (start, duration us):\n    " +
