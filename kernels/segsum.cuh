@@ -143,11 +143,19 @@ segsum_zero(float* __restrict__ out, long long n) {
 // by the block's threads in turn in 16-byte stores (out is 16-byte aligned) between at most 3 single
 // floats at either end: a tile with no contribution is written like a plain fill. Few blocks an SM (a
 // grid-stride loop), so the latency-bound sums keep their SMs. 32 * width < 2^31.
+#ifndef SEG_GAP_STREAMING
+#define SEG_GAP_STREAMING 0   // 1: the zeros as streaming stores (st.global.cs: evict first)
+#endif
+__device__ __forceinline__ void seg_gap_store(float4* p) {
+    const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (SEG_GAP_STREAMING) __stcs(p, z);
+    else *p = z;
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 segsum_zero_gaps(const long long* __restrict__ start, float* __restrict__ out, long long space, int width,
                  long long skip) {
     const int lane = threadIdx.x & 31, tid = threadIdx.x, threads = blockDim.x;
-    const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (long long t = blockIdx.x; t < (space + 31) >> 5; t += gridDim.x) {
         const long long m = t * 32 + lane;
         unsigned gaps = __ballot_sync(SEG_FULL, m < space && (m == skip || start[m + 1] == start[m]));
@@ -159,7 +167,7 @@ segsum_zero_gaps(const long long* __restrict__ start, float* __restrict__ out, l
             gaps &= b == 32 ? 0u : ~0u << b;
             const int lo = a * width, hi = b * width;   // the run's floats
             const int lo4 = (lo + 3) & ~3, hi4 = max(lo4, hi & ~3);
-            for (int i = (lo4 >> 2) + tid; i < (hi4 >> 2); i += threads) reinterpret_cast<float4*>(base)[i] = z;
+            for (int i = (lo4 >> 2) + tid; i < (hi4 >> 2); i += threads) seg_gap_store(reinterpret_cast<float4*>(base) + i);
             if (lo + tid < min(lo4, hi)) base[lo + tid] = 0.0f;   // at most 3 before (or the whole run)
             if (hi4 + tid < hi) base[hi4 + tid] = 0.0f;             // at most 3 after
         }

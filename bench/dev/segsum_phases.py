@@ -13,6 +13,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
     PYTHONPATH=. python bench/dev/segsum_phases.py --fill-grid   # embedding_bwd per split, lane width
     PYTHONPATH=. python bench/dev/segsum_phases.py --groups [--depths]   # the fill split's sums per warps per tile
     PYTHONPATH=. python bench/dev/segsum_phases.py --gaps   # zeros of the empty rows beside the sums
+    PYTHONPATH=. python bench/dev/segsum_phases.py --gap-builds   # ... per zero store and sums depth
 
 ``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, rank, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
@@ -300,20 +301,23 @@ def fill_sweep(dev: torch.device, flush) -> None:
 DEPTHS = ((16, 3), (32, 2), (64, 1))
 
 
-def with_depth(fn, floats: int, blocks: int):
-    """fn with the sorted sums kernels compiled for ``floats`` per lane in flight and ``blocks`` per SM."""
+def with_defines(fn, defines: dict):
+    """fn with each kernel whose name contains a key of ``defines`` compiled with that key's -D options."""
     original = ia.function
 
     def compiled(source, name, device, *a, **k):
-        if "_rows" in name:
-            return original(source, name, device, (f"-DSEG_LANE_FLOATS={floats}", f"-DSEG_SUMS_BLOCKS={blocks}"),
-                            **k)
-        return original(source, name, device, *a, **k)
+        extra = next((opts for part, opts in defines.items() if part in name), None)
+        return original(source, name, device, extra, **k) if extra else original(source, name, device, *a, **k)
 
     def run():
         with mock.patch.object(ia, "function", compiled):
             return fn()
     return run
+
+
+def with_depth(fn, floats: int, blocks: int):
+    """fn with the sorted sums kernels compiled for ``floats`` per lane in flight and ``blocks`` per SM."""
+    return with_defines(fn, {"_rows": (f"-DSEG_LANE_FLOATS={floats}", f"-DSEG_SUMS_BLOCKS={blocks}")})
 
 
 def fill_grid(dev: torch.device, flush) -> None:
@@ -428,6 +432,43 @@ def zeros_alone(op: str, idx: torch.Tensor, rows: int, d: int, blocks: int, dev:
     return f"{blocks}/SM zero {t_zero:6.1f} gaps {t_gaps:6.1f}"
 
 
+# (op, n, D, rows): where the gaps split's builds are compared
+GAP_BUILD_SHAPES = (("embedding_bwd", 2048, 768, 32_000), ("embedding_bwd", 512, 768, 32_000),
+                    ("embedding_bwd", 16_384, 768, 32_000), ("embedding_bwd", 4096, 512, 50_000))
+
+
+def gap_builds(dev: torch.device, flush) -> None:
+    """On the embedding rows of GAP_BUILD_SHAPES (Zipf tokens): the gaps split per grid of its zeros, their
+    stores plain or streaming (SEG_GAP_STREAMING), and the sums' depth (DEPTHS), bits checked equal to
+    the fill split's; the fill split at each depth; each build's kernel timeline on the audit's small batch."""
+    from nnrand.audit import _zipf
+
+    for op, n, d, m in GAP_BUILD_SHAPES:
+        g = torch.Generator().manual_seed(6)
+        idx = _zipf(g, n, m).to(dev)
+        src = torch.randn(n, d, generator=g).to(dev)
+        fill, gaps = sorted_split(op, "fill"), sorted_split(op, "gaps")
+
+        def call(split, blocks=None):
+            def run():
+                with mock.patch.object(ia, "GAP_BLOCKS_PER_SM", blocks or ia.GAP_BLOCKS_PER_SM):
+                    return split(src, idx, num_weights=m, check_range=False)
+            return run
+        fns = {}
+        for floats, sums_blocks in DEPTHS[:2]:
+            depth = (f"-DSEG_LANE_FLOATS={floats}", f"-DSEG_SUMS_BLOCKS={sums_blocks}")
+            fns[f"fill {floats}f"] = with_depth(call(fill), floats, sums_blocks)
+            for streaming in (0, 1):
+                for blocks in (4, 8, 16):
+                    fns[f"gaps {blocks}/SM{' cs' if streaming else ''} {floats}f"] = with_defines(
+                        call(gaps, blocks), {"_rows": depth, "zero_gaps": (f"-DSEG_GAP_STREAMING={streaming}",)})
+        print(f"{op} n {n} D {d} rows {m}: " + "  ".join(timed_alike(fns, dev, flush)) + " us", flush=True)
+        if n == 2048:
+            for name in ("gaps 8/SM 16f", "gaps 8/SM cs 16f", "gaps 8/SM 32f", "gaps 8/SM cs 32f"):
+                print(f"  {name} timeline (start, duration us):\n    " + "\n    ".join(timeline(fns[name])),
+                      flush=True)
+
+
 def gap_sweep(dev: torch.device, flush) -> None:
     """The gaps split (the output's empty rows zeroed beside the sums, after the sort) per grid of its zero
     kernel (ia.GAP_BLOCKS_PER_SM) and queue order (ia.GAPS_FIRST), bits checked equal to the fill and rows
@@ -493,11 +534,13 @@ def main() -> None:
     ap.add_argument("--depths", action="store_true", help="with --groups: also per depth of the sums' loads")
     ap.add_argument("--gaps", action="store_true",
                     help="the gaps split per grid of its zero kernel and queue order, then stop")
+    ap.add_argument("--gap-builds", action="store_true",
+                    help="the gaps split per grid, zero stores and depth of the sums, then stop")
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
-    if a.gaps:
-        gap_sweep(dev, flush)
+    if a.gaps or a.gap_builds:
+        (gap_builds if a.gap_builds else gap_sweep)(dev, flush)
         return
     if a.groups:
         group_sweep(dev, flush, a.depths)
