@@ -351,8 +351,7 @@ SORT_THREADS = 1024
 SORT_SMEM = (2 * SORT_MAX + 257 * 32 + 32) * 4   # SEG_SORT_SMEM
 SPLITS = ("rows", "tiles", "fill", "gaps")   # tiles: no default takes it (see default_split); kept for the sweeps
 ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
-GAP_BLOCKS_PER_SM = 2   # segsum_zero_gaps' grid beside the sums
-GAPS_FIRST = True       # segsum_zero_gaps queued before the sums
+GAP_BLOCKS_PER_SM = 8   # segsum_zero_gaps' grid beside the sums (see default_split)
 GAP_MAX_WIDTH = (2**31 - 1) // 32   # segsum_zero_gaps indexes a span of 32 destinations in int
 
 
@@ -370,7 +369,12 @@ def default_split(n: int, space: int, scalar: bool) -> str:
     rows 331.2, tiles 575.1), and at most 1.12x faster on uniform keys (1e6 x 64 into 1e5: tiles 217.3,
     fill 242.3; 16384 x 768 into 8000: fill 60.5, tiles 76.9); beyond, ``rows``, which needs no zero pass
     (H200, --splits, 1e6 x 64 into 1000 rows: rows 219 us, fill 215, tiles 445). The thread kernel (no
-    tiles) takes ``rows`` from n >= space."""
+    tiles) takes ``rows`` from n >= space. No default takes ``gaps`` (the zeros after the sort, beside the
+    sums): beside the zero stores the latency-bound sums slow two- to fourfold, and the pair ends no
+    sooner than fill then sums (H200, --gaps at 7da88da, 8 blocks an SM, us: 2048 Zipf tokens into a 32000
+    x 768 gradient, gaps 53.5, fill 52.8, the sums kernel 39.4 beside the zeros; 16384 tokens 84.1, fill
+    77.6; index_add 1e5 x 16 into 1e6 rows 148.2, fill 100.7; 1e6 x 64 into 1e5 208.9, fill 217.0;
+    --gap-builds at 06c83cf, streaming zero stores: 512 tokens into 32000 x 768 50.6, fill 54.0)."""
     return "fill" if (n < space if scalar else n <= FILL_UP_TO * space) else "rows"
 
 
@@ -665,16 +669,13 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
         launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
                                                min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)
 
-    if split == "gaps":  # zeros where no key goes, beside the sums (a grid that leaves them room)
-        if not GAPS_FIRST:
-            sums()
+    if split == "gaps":  # zeros where no key goes, queued first (then the sums fill the GPU around them)
         side, rejoin = fork(dev)
         try:
             with torch.cuda.stream(side):
                 launch(function(source, "segsum_zero_gaps", dev), (gap_blocks(space, dev),), (THREADS,),
                        (ptr(start), ptr(out), np.int64(space), np.int32(width), np.int64(skip)), device=dev)
-            if GAPS_FIRST:
-                sums()
+            sums()
         finally:
             rejoin()
     else:

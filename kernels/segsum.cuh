@@ -144,7 +144,7 @@ segsum_zero(float* __restrict__ out, long long n) {
 // floats at either end: a tile with no contribution is written like a plain fill. Few blocks an SM (a
 // grid-stride loop), so the latency-bound sums keep their SMs. 32 * width < 2^31.
 #ifndef SEG_GAP_STREAMING
-#define SEG_GAP_STREAMING 0   // 1: the zeros as streaming stores (st.global.cs: evict first)
+#define SEG_GAP_STREAMING 1   // the zeros as streaming stores (st.global.cs: evict first); 0: plain
 #endif
 __device__ __forceinline__ void seg_gap_store(float4* p) {
     const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);

@@ -471,7 +471,7 @@ def gap_builds(dev: torch.device, flush) -> None:
 
 def gap_sweep(dev: torch.device, flush) -> None:
     """The gaps split (the output's empty rows zeroed beside the sums, after the sort) per grid of its zero
-    kernel (ia.GAP_BLOCKS_PER_SM) and queue order (ia.GAPS_FIRST), bits checked equal to the fill and rows
+    kernel (ia.GAP_BLOCKS_PER_SM) and, at 8 an SM, per warps per position tile, bits checked equal to the fill and rows
     splits', beside them, the atomic variant and PyTorch's op in both modes; each gaps call's kernel
     timeline on the audit's small batch."""
     from nnrand.audit import _zipf
@@ -484,16 +484,15 @@ def gap_sweep(dev: torch.device, flush) -> None:
         kw = {"num_weights" if op == "embedding_bwd" else "num_rows": m, "check_range": False}
         splits = {split: sorted_split(op, split) for split in ("fill", "rows", "gaps")}   # (made once)
 
-        def gaps(blocks, first, group=None):
+        def gaps(blocks, group=None):
             def run():
-                with mock.patch.multiple(ia, GAP_BLOCKS_PER_SM=blocks, GAPS_FIRST=first), \
+                with mock.patch.object(ia, "GAP_BLOCKS_PER_SM", blocks), \
                         mock.patch.object(ia, "fill_group", (lambda t, dev: group) if group else ia.fill_group):
                     return splits["gaps"](*args, **kw)
             return run
         fns = {"fill": lambda: splits["fill"](*args, **kw), "rows": lambda: splits["rows"](*args, **kw),
-               **{f"gaps {b}/SM{'' if first else ' after'}": gaps(b, first) for first in (True, False)
-                  for b in GAP_BLOCKS},
-               **{f"gaps 4/SM {group} warps": gaps(4, True, group) for group in (1, 4)},
+               **{f"gaps {b}/SM": gaps(b) for b in GAP_BLOCKS},
+               **{f"gaps 8/SM {group} warps": gaps(8, group) for group in (1, 4)},
                "default": lambda: kernels.get(op, "sorted")(*args, **kw)}
         row = timed_alike(fns, dev, flush)
         atomic = us(lambda: kernels.get(op, "atomic")(*args, **kw), dev, flush)
@@ -512,7 +511,7 @@ def gap_sweep(dev: torch.device, flush) -> None:
         if (op, n, d) == ("embedding_bwd", 2048, 768):
             for b in GAP_BLOCKS:
                 print(f"  gaps {b}/SM timeline (start, duration us):\n    " +
-                      "\n    ".join(timeline(gaps(b, True))), flush=True)
+                      "\n    ".join(timeline(gaps(b))), flush=True)
 
 
 def main() -> None:
@@ -533,7 +532,7 @@ def main() -> None:
                     help="the fill split's sums per warps per position tile, then stop")
     ap.add_argument("--depths", action="store_true", help="with --groups: also per depth of the sums' loads")
     ap.add_argument("--gaps", action="store_true",
-                    help="the gaps split per grid of its zero kernel and queue order, then stop")
+                    help="the gaps split per grid of its zero kernel, then stop")
     ap.add_argument("--gap-builds", action="store_true",
                     help="the gaps split per grid, zero stores and depth of the sums, then stop")
     a = ap.parse_args()
