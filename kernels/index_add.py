@@ -349,10 +349,10 @@ MAX_GRID_Y = 65535
 SORT_MAX = 16384          # SEG_SORT_MAX: up to this many keys (int16 ones), one block sorts them
 SORT_THREADS = 1024
 SORT_SMEM = (2 * SORT_MAX + 257 * 32 + 32) * 4   # SEG_SORT_SMEM
-SPLITS = ("rows", "tiles", "fill", "gaps")   # tiles: no default takes it (see default_split); kept for the sweeps
+SPLITS = ("rows", "tiles", "fill", "gaps")   # tiles, gaps: no default takes them (default_split); for the sweeps
 ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 GAP_BLOCKS_PER_SM = 8   # segsum_zero_gaps' grid beside the sums (see default_split)
-GAP_MAX_WIDTH = (2**31 - 1) // 32   # segsum_zero_gaps indexes a span of 32 destinations in int
+GAP_MAX_WIDTH = (2**31 - 1) // 32   # segsum_zero_gaps indexes a tile of 32 destinations' floats in int
 
 
 FILL_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take the fill split
@@ -370,11 +370,12 @@ def default_split(n: int, space: int, scalar: bool) -> str:
     fill 242.3; 16384 x 768 into 8000: fill 60.5, tiles 76.9); beyond, ``rows``, which needs no zero pass
     (H200, --splits, 1e6 x 64 into 1000 rows: rows 219 us, fill 215, tiles 445). The thread kernel (no
     tiles) takes ``rows`` from n >= space. No default takes ``gaps`` (the zeros after the sort, beside the
-    sums): beside the zero stores the latency-bound sums slow two- to fourfold, and the pair ends no
-    sooner than fill then sums (H200, --gaps at 7da88da, 8 blocks an SM, us: 2048 Zipf tokens into a 32000
-    x 768 gradient, gaps 53.5, fill 52.8, the sums kernel 39.4 beside the zeros; 16384 tokens 84.1, fill
-    77.6; index_add 1e5 x 16 into 1e6 rows 148.2, fill 100.7; 1e6 x 64 into 1e5 208.9, fill 217.0;
-    --gap-builds at 06c83cf, streaming zero stores: 512 tokens into 32000 x 768 50.6, fill 54.0)."""
+    sums): beside the zero stores the latency-bound sums slow two- to fourfold, so it gains a few percent on
+    some shapes and loses up to 1.5x on others (H200, --gaps at 7da88da, plain zero stores, 8 blocks an SM,
+    us: 2048 Zipf tokens into a 32000 x 768 gradient, gaps 53.5, fill 52.8, the sums kernel 39.4 beside the
+    zeros; 16384 tokens 84.1, fill 77.6; index_add 1e5 x 16 into 1e6 rows 148.2, fill 100.7; 1e6 x 64 into
+    1e5 208.9, fill 217.0; --gap-builds at 06c83cf, streaming stores as now: 2048 tokens 54.7, fill 53.2;
+    512 tokens 50.6, fill 54.0; 16384 tokens 84.1, fill 78.0; 4096 into 50000 x 512 67.6, fill 66.8)."""
     return "fill" if (n < space if scalar else n <= FILL_UP_TO * space) else "rows"
 
 
@@ -585,14 +586,14 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     sort (sort_keys: a rank sort, or a tile sort and a merge by rank, or a radix sort; torch.sort for int64
     keys), row starts, sums. Task splits (``split``, default: default_split; ``group``: the warps that
     share a tile of sorted positions in the fill and gaps splits' warp kernel, default fill_group; no other
-    split nor the thread kernel takes it; all
-    sum the same chunks in the same order, so give the same bits): ``rows``: a task per destination (it
+    split nor the thread kernel takes it; all sum the same chunks in the same order, so give the same
+    bits): ``rows``: a task per destination (it
     writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp
     kernels): a task per 32 destinations instead (zeros for the empty ones, rows of one contribution read
     lane-parallel); ``fill``: the output is zero-filled on a second stream while the keys are sorted, and
     the sums, after the fill, take only the tiles of 32 sorted positions; ``gaps``: the sums as in
     ``fill`` over an unfilled output, beside them on a second stream (after the sort) segsum_zero_gaps
-    zeroes the destinations no key reaches (a grid of GAP_BLOCKS_PER_SM blocks an SM). The thread kernel
+    zeroes the destinations no key reaches (gap_blocks: at most GAP_BLOCKS_PER_SM blocks an SM). The thread kernel
     knows ``rows``, ``fill`` and ``gaps`` (``tiles`` runs as ``fill``).
     Keys outside [0, rows) add nothing, or fail the keys kernel (``check`` device), or raise
     KernelArgumentError after the kernels are queued (``check`` sync: start[space], the count of valid
@@ -635,7 +636,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
 def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join, group):
     """segsum_sorted_cuda after its checks and zero fill: sort, row starts, sums into ``out`` (``join``:
     the current stream waits for the fill on the side stream before the sums, None without one;
-    ``group``: segsum_sorted_cuda's)."""
+    ``group``: segsum_sorted_cuda's); in the gaps split, segsum_zero_gaps on the side stream beside the
+    sums, which the current stream waits for before returning."""
     d = src.shape[1]
     dev = src.device
     n = key.numel()
@@ -1039,6 +1041,7 @@ TEST_TABLE = (
     ("sparse_d6_dup30", dict(n=200, d=6, m=700, dup=0.3)),
     ("sparse_d17_dup5", dict(n=500, d=17, m=3000, dup=0.05)),   # float lanes, rows of one term batched
     ("sparse_d64_negzero", dict(n=300, d=64, m=1000, special="negzero")),  # a single -0.0 row becomes +0.0
+    ("sparse_d2", dict(n=300, d=2, m=2000)),   # thread kernel; the gaps split's runs at every float alignment
 )
 
 

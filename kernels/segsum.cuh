@@ -142,7 +142,8 @@ segsum_zero(float* __restrict__ out, long long n) {
 // their starts (one coalesced read), then each run of consecutive empty ones is one span of floats, written
 // by the block's threads in turn in 16-byte stores (out is 16-byte aligned) between at most 3 single
 // floats at either end: a tile with no contribution is written like a plain fill. Few blocks an SM (a
-// grid-stride loop), so the latency-bound sums keep their SMs. 32 * width < 2^31.
+// grid-stride loop), so the latency-bound sums keep their SMs. 32 * width < 2^31: the offsets in a tile are
+// ints, and the bounds tests compare tid with a span's length (never tid + offset, which could wrap).
 #ifndef SEG_GAP_STREAMING
 #define SEG_GAP_STREAMING 1   // the zeros as streaming stores (st.global.cs: evict first); 0: plain
 #endif
@@ -167,9 +168,10 @@ segsum_zero_gaps(const long long* __restrict__ start, float* __restrict__ out, l
             gaps &= b == 32 ? 0u : ~0u << b;
             const int lo = a * width, hi = b * width;   // the run's floats
             const int lo4 = (lo + 3) & ~3, hi4 = max(lo4, hi & ~3);
-            for (int i = (lo4 >> 2) + tid; i < (hi4 >> 2); i += threads) seg_gap_store(reinterpret_cast<float4*>(base) + i);
-            if (lo + tid < min(lo4, hi)) base[lo + tid] = 0.0f;   // at most 3 before (or the whole run)
-            if (hi4 + tid < hi) base[hi4 + tid] = 0.0f;             // at most 3 after
+            for (int i = (lo4 >> 2) + tid; i < (hi4 >> 2); i += threads)
+                seg_gap_store(reinterpret_cast<float4*>(base) + i);
+            if (tid < min(lo4, hi) - lo) base[lo + tid] = 0.0f;   // at most 3 before (or the whole run)
+            if (tid < hi - hi4) base[hi4 + tid] = 0.0f;           // at most 3 after
         }
     }
 }
@@ -1175,7 +1177,8 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
 // then chunk 0 of each longer row, one after another (so a warp spends no round trip on an empty row).
 // Then, in both, position task w >= space (or R): the tile of sorted positions 32 * (w - space or R)
 // .. + 31 and the chunks c >= 1 that start in it. SEG_SPLIT_FILL: position tasks only, over an output
-// already zero-filled (the launcher fills it on a second stream while the keys are sorted); a position
+// whose other rows are zeroed elsewhere (the launcher's fill split fills it on a second stream while the
+// keys are sorted; its gaps split zeroes the rows no key reaches beside this kernel); a position
 // tile also takes the rows that start in it: those of one contribution through seg_warp_singles, then
 // chunk 0 of each longer row; `fill` warps share a tile (its lanes h with h % fill == the warp's
 // number among them: more warps, each with a shorter chain of dependent loads, where the tiles are few).
@@ -1195,7 +1198,7 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
     const int lane = threadIdx.x & 31;
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
     const long long dtasks = SPLIT == SEG_SPLIT_ROWS ? space : SPLIT == SEG_SPLIT_TILES ? (space + 31) >> 5 : 0;
-    const int group = SPLIT == SEG_SPLIT_FILL ? fill : 1;   // warps per position tile (>= 1; the host's: 1 to 32)
+    const int group = SPLIT == SEG_SPLIT_FILL ? fill : 1;   // warps per position tile: a power of two, 1 to 32
     const long long tasks = dtasks + ((n + 31) >> 5) * group;
     const long long warps = (long long)gridDim.x * SEG_WARPS;
     for (long long slice = blockIdx.y; slice < slices; slice += gridDim.y) {
@@ -1289,8 +1292,9 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
 // sorted: thread tasks (element form, and row form with D < 4)
 
 // Task t < space: destination t (zeros when empty or skipped; else its chunk 0). Task t >= space:
-// sorted position p = t - space, the chunk c >= 1 that starts there if one does. With `fill` (the output
-// is zero-filled): position tasks only, each also taking chunk 0 of a row that starts there. Column by column:
+// sorted position p = t - space, the chunk c >= 1 that starts there if one does. With `fill` (the other
+// rows zeroed elsewhere: the fill and gaps splits): position tasks only, each also taking chunk 0 of a row
+// that starts there. Column by column:
 // perm[q] * D + d is the value of contribution q in column d (element form: D = 1, perm[q] is the
 // flat src element); 8 contributions loaded at once, added in order.
 template <typename K>
@@ -1358,7 +1362,7 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
 
 // PREFIX_rows<VEC>_<key> (SEG_SPLIT_ROWS), PREFIX_rows<VEC>_tiles_<key> and PREFIX_rows<VEC>_fill_<key>,
 // separate kernels. The last two are held to SEG_SUMS_BLOCKS blocks per SM (by default 3: 80 registers;
-// at the default U = 16 / VEC, ptxas -v shows a few bytes spilled in the VEC 2 kernels and VEC 4's fill):
+// at the default U = 16 / VEC, ptxas -v shows a few bytes spilled in the VEC 2 kernels and VEC 4's rows):
 // their warps wait on short chains of dependent loads, so more of them per SM beat more loads in flight
 // per warp (measured on the H200 against 128 registers and 32 floats in flight, 2 blocks per SM).
 #define SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, VEC)                                                        \

@@ -276,7 +276,7 @@ REPEATS = 50
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
-def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
+def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync, monkeypatch):
     _, model, args, kw = check_sorted_repeatable(
         SPEC, SORTED, case, REPEATS, before=lambda args, kw: poison_allocator((kw["num_rows"], args[1].shape[1])))
     scalar = ia.index_add_sorted_scalar_cuda(*args, **kw)  # the one-thread-per-chunk kernel: same bits
@@ -290,6 +290,10 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
             out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"],
                                         force_scalar=force_scalar, split=split, group=group)
             assert differing_bits(out, model).size == 0, (force_scalar, split, group)
+    monkeypatch.setattr(ia, "gap_blocks", lambda space, dev: 1)   # one block takes every tile in turn
+    poison_allocator((kw["num_rows"], src.shape[1]))
+    out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"], split="gaps")
+    assert differing_bits(out, model).size == 0
 
 
 @pytest.mark.gpu
@@ -507,7 +511,7 @@ def test_default_split():
     assert ia.default_split(ia.FILL_UP_TO * 2000, 2000, False) == "fill"
     assert ia.default_split(ia.FILL_UP_TO * 2000 + 1, 2000, False) == "rows"
     assert ia.default_split(2000, 2000, True) == "rows"
-    assert all(ia.default_split(n, m, sc) in ia.SPLITS and ia.default_split(n, m, sc) != "tiles"
+    assert all(ia.default_split(n, m, sc) in ia.SPLITS and ia.default_split(n, m, sc) not in ("tiles", "gaps")
                for n in (1, 10, 1000, 10**6) for m in (1, 100, 10**5) for sc in (False, True))
 
 
