@@ -360,19 +360,38 @@ GROUP_SHAPES = (("embedding_bwd", 2048, 768, 32_000, "zipf"), ("embedding_bwd", 
                 ("index_add", 1024, 256, 100_000, "uniform"))
 
 
+def scatter_inputs(op: str, n: int, d: int, m: int, law: str, dev: torch.device):
+    """(index, src, args, kwargs) of ``op`` (embedding_bwd or index_add): n keys into m rows of d floats,
+    keys by ``law`` (zipf: nnrand.audit's, or uniform), seeded; no range check (as the routing runs)."""
+    from nnrand.audit import _zipf
+
+    g = torch.Generator().manual_seed(6)
+    idx = (_zipf(g, n, m) if law == "zipf" else torch.randint(0, m, (n,), generator=g)).to(dev)
+    src = torch.randn(n, d, generator=g).to(dev)
+    args = (src, idx) if op == "embedding_bwd" else (idx, src)
+    return idx, src, args, {"num_weights" if op == "embedding_bwd" else "num_rows": m, "check_range": False}
+
+
+def peer_times(op: str, args: tuple, kw: dict, dev: torch.device, flush) -> tuple[float, float, float]:
+    """us per call of the op's atomic variant and of PyTorch's op in default and deterministic mode."""
+    atomic = us(lambda: kernels.get(op, "atomic")(*args, **kw), dev, flush)
+    native = kernels.spec(op).peers()["torch"]
+    t_default = us(lambda: native(*args, **kw), dev, flush)
+    torch.use_deterministic_algorithms(True)
+    try:
+        t_det = us(lambda: native(*args, **kw), dev, flush)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return atomic, t_default, t_det
+
+
 def group_sweep(dev: torch.device, flush, depths: bool = False) -> None:
     """The fill split's warps per tile of sorted positions (kernels/index_add.py fill_group) on GROUP_SHAPES:
     the call and its sums kernel (torch.profiler) per group, bits checked equal, beside the rows split,
     the default, the atomic variant and PyTorch's op in both modes; the default call's kernel timeline
     for the audit's small batch, and there (``depths``) each group's call per DEPTHS of the sums."""
-    from nnrand.audit import _zipf
-
     for op, n, d, m, law in GROUP_SHAPES:
-        g = torch.Generator().manual_seed(6)
-        idx = (_zipf(g, n, m) if law == "zipf" else torch.randint(0, m, (n,), generator=g)).to(dev)
-        src = torch.randn(n, d, generator=g).to(dev)
-        args = (src, idx) if op == "embedding_bwd" else (idx, src)
-        kw = {"num_weights" if op == "embedding_bwd" else "num_rows": m, "check_range": False}
+        idx, src, args, kw = scatter_inputs(op, n, d, m, law, dev)
         fill, rows = sorted_split(op, "fill"), sorted_split(op, "rows")   # (made once: not inside the timed calls)
 
         def grouped(group):
@@ -384,14 +403,7 @@ def group_sweep(dev: torch.device, flush, depths: bool = False) -> None:
         fns = {**groups, "rows": lambda: rows(*args, **kw),
                "default": lambda: kernels.get(op, "sorted")(*args, **kw)}
         row = timed_alike(fns, dev, flush)
-        atomic = us(lambda: kernels.get(op, "atomic")(*args, **kw), dev, flush)
-        native = kernels.spec(op).peers()["torch"]
-        t_default = us(lambda: native(*args, **kw), dev, flush)
-        torch.use_deterministic_algorithms(True)
-        try:
-            t_det = us(lambda: native(*args, **kw), dev, flush)
-        finally:
-            torch.use_deterministic_algorithms(False)
+        atomic, t_default, t_det = peer_times(op, args, kw, dev, flush)
         vec = ia._vec(src, d)
         tasks = -(-n // 32) * -(-d // (32 * vec))
         print(f"{op} {law} n {n} D {d} rows {m} (default: {ia.default_split(n, m, d < ia.SCALAR_BELOW_D)}, "
@@ -471,17 +483,11 @@ def gap_builds(dev: torch.device, flush) -> None:
 
 def gap_sweep(dev: torch.device, flush) -> None:
     """The gaps split (the output's empty rows zeroed beside the sums, after the sort) per grid of its zero
-    kernel (ia.GAP_BLOCKS_PER_SM) and, at 8 an SM, per warps per position tile, bits checked equal to the fill and rows
-    splits', beside them, the atomic variant and PyTorch's op in both modes; each gaps call's kernel
-    timeline on the audit's small batch."""
-    from nnrand.audit import _zipf
-
+    kernel (ia.GAP_BLOCKS_PER_SM) and, at 8 an SM, per warps per position tile, bits checked equal to the
+    fill and rows splits', beside them, the atomic variant and PyTorch's op in both modes; each gaps call's
+    kernel timeline on the audit's small batch."""
     for op, n, d, m, law in GAP_SHAPES:
-        g = torch.Generator().manual_seed(6)
-        idx = (_zipf(g, n, m) if law == "zipf" else torch.randint(0, m, (n,), generator=g)).to(dev)
-        src = torch.randn(n, d, generator=g).to(dev)
-        args = (src, idx) if op == "embedding_bwd" else (idx, src)
-        kw = {"num_weights" if op == "embedding_bwd" else "num_rows": m, "check_range": False}
+        idx, src, args, kw = scatter_inputs(op, n, d, m, law, dev)
         splits = {split: sorted_split(op, split) for split in ("fill", "rows", "gaps")}   # (made once)
 
         def gaps(blocks, group=None):
@@ -495,14 +501,7 @@ def gap_sweep(dev: torch.device, flush) -> None:
                **{f"gaps 8/SM {group} warps": gaps(8, group) for group in (1, 4)},
                "default": lambda: kernels.get(op, "sorted")(*args, **kw)}
         row = timed_alike(fns, dev, flush)
-        atomic = us(lambda: kernels.get(op, "atomic")(*args, **kw), dev, flush)
-        native = kernels.spec(op).peers()["torch"]
-        t_default = us(lambda: native(*args, **kw), dev, flush)
-        torch.use_deterministic_algorithms(True)
-        try:
-            t_det = us(lambda: native(*args, **kw), dev, flush)
-        finally:
-            torch.use_deterministic_algorithms(False)
+        atomic, t_default, t_det = peer_times(op, args, kw, dev, flush)
         print(f"{op} {law} n {n} D {d} rows {m} (default: {ia.default_split(n, m, d < ia.SCALAR_BELOW_D)}): "
               + "  ".join(row) + f"  atomic {atomic:6.1f}  torch {t_default:6.1f}  deterministic {t_det:6.1f} us"
               f"  (targets: deterministic / 3 = {t_det / 3:.1f}, 1.1 x atomic = {1.1 * atomic:.1f})", flush=True)
