@@ -305,9 +305,9 @@ def with_defines(fn, defines: dict):
     """fn with each kernel whose name contains a key of ``defines`` compiled with that key's -D options."""
     original = ia.function
 
-    def compiled(source, name, device, *a, **k):
-        extra = next((opts for part, opts in defines.items() if part in name), None)
-        return original(source, name, device, extra, **k) if extra else original(source, name, device, *a, **k)
+    def compiled(source, name, device, given=(), *a, **k):
+        extra = next((opts for part, opts in defines.items() if part in name), ())
+        return original(source, name, device, (*given, *extra), *a, **k)
 
     def run():
         with mock.patch.object(ia, "function", compiled):
