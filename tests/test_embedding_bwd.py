@@ -14,7 +14,7 @@ from kernels import KernelArgumentError
 from kernels import embedding_bwd as eb
 from kernels import index_add as ia
 from tests.segsum_checks import (check_atomic_some_order, check_bound, check_some_order, check_sorted_repeatable,
-                                 poison_allocator, spec_sorted)
+                                 poison_allocator, spec_sorted, split_runs)
 from tests.helpers import bitwise_equal, differing_bits, float32_bits
 
 OP = "embedding_bwd"
@@ -131,9 +131,7 @@ REPEATS = 50
 def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     first, _, args, kw = check_sorted_repeatable(SPEC, SORTED, case, REPEATS)
     key, g, rows, skip = eb._prologue(*args, kw["num_weights"], kw["padding_idx"], kw["scale_grad_by_freq"])
-    groups = ([(s, w) for s in ("fill", "gaps") for w in ia.FILL_GROUPS] if g.shape[1] >= ia.SCALAR_BELOW_D
-              else [])   # the warp kernel's
-    for split, group in [(s, None) for s in ia.SPLITS] + groups:  # the same chunks and tree
+    for split, group in split_runs(g.shape[1] >= ia.SCALAR_BELOW_D):  # the same chunks and tree
         poison_allocator((rows, g.shape[1]))  # rows, tiles, gaps: a row they missed is NaN
         out = ia.segsum_sorted_cuda(eb.SOURCE, OP, key, g, rows, skip=skip, scaled=kw["scale_grad_by_freq"],
                                     split=split, group=group)

@@ -18,7 +18,7 @@ import kernels
 from kernels import KernelArgumentError
 from kernels import index_add as ia
 from tests.segsum_checks import (bad_index_case, check_atomic_some_order, check_bound, check_some_order,
-                                 check_sorted_repeatable, poison_allocator, spec_sorted)
+                                 check_sorted_repeatable, poison_allocator, spec_sorted, split_runs)
 from tests.helpers import bitwise_equal, differing_bits, entropy_from_seeds, float32_bits
 
 OP = "index_add"
@@ -283,9 +283,7 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync, monkeyp
     assert differing_bits(scalar, model).size == 0
     index, src = args[0], args[1].contiguous()
     for force_scalar in (False, True):  # every task split of both kernels: the same chunks and tree
-        warp = not force_scalar and src.shape[1] >= ia.SCALAR_BELOW_D
-        groups = [(s, g) for s in ("fill", "gaps") for g in ia.FILL_GROUPS] if warp else []   # the warp kernel's
-        for split, group in [(s, None) for s in ia.SPLITS] + groups:
+        for split, group in split_runs(not force_scalar and src.shape[1] >= ia.SCALAR_BELOW_D):
             poison_allocator((kw["num_rows"], src.shape[1]))  # rows, tiles, gaps: a row they missed is NaN
             out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"],
                                         force_scalar=force_scalar, split=split, group=group)

@@ -12,7 +12,7 @@ from kernels import KernelArgumentError
 from kernels import index_add as ia
 from kernels import scatter_add as sa
 from tests.segsum_checks import (check_atomic_some_order, check_bound, check_some_order, check_sorted_repeatable,
-                                 poison_allocator, spec_sorted)
+                                 poison_allocator, spec_sorted, split_runs)
 from tests.helpers import differing_bits, float32_bits
 
 OP = "scatter_add"
@@ -124,9 +124,7 @@ REPEATS = 50
 def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     first, _, args, kw = check_sorted_repeatable(SPEC, SORTED, case, REPEATS)
     key, src, rows, elementwise = sa._prologue(*args, kw["num_rows"])
-    warp = not elementwise and src.shape[1] >= ia.SCALAR_BELOW_D   # the warp kernel: its groups too
-    groups = [(s, g) for s in ("fill", "gaps") for g in ia.FILL_GROUPS if warp]
-    for split, group in [(s, None) for s in ia.SPLITS] + groups:
+    for split, group in split_runs(not elementwise and src.shape[1] >= ia.SCALAR_BELOW_D):
         poison_allocator((rows, src.shape[1]))  # rows, tiles, gaps: a row they missed is NaN
         out = ia.segsum_sorted_cuda(sa.SOURCE, OP, key, src, rows, elementwise=elementwise, split=split,
                                     group=group)
