@@ -19,15 +19,23 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <dlfcn.h>
 
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -121,6 +129,7 @@ struct OpState {
   int64_t python_calls = 0;
   int64_t recorded = 0;
   int64_t refused = 0;
+  int64_t index = 0;                            // in Layer::ops (the op of a record the trace sink takes)
 };
 
 struct Layer {
@@ -328,6 +337,334 @@ void notify(const std::string& op, const Stack& stack, size_t returns, const std
   }
 }
 
+// ---- the native record path of nnrand.trace (ops="routed" with a model) ----
+//
+// While a trace recorder of routed ops is the only observer, a replayed call does not go to Python: its
+// outputs are recorded here, as trace.Recorder._observe records them, and the recorder takes the records
+// when it next needs its own order (Sink.take in replay.py): a row per recorded output, queued in call
+// order. A forward call's outputs are fingerprinted at once (one fingerprint_batch launch per call), a
+// backward call's when its pass ends (a callback queued with autograd's engine calls the recorder, which
+// launches them), their storages held and their version counters watched meanwhile. A call whose outputs this
+// path cannot take (a CPU tensor, a dtype the kernel does not take, a non-contiguous output, a stream the
+// recorder has not given fingerprint buffers for) goes to Python's observer instead.
+
+// weak references to autograd nodes, whichever pointer torch holds them by
+template <typename P>
+struct WeakOf;
+template <typename T>
+struct WeakOf<std::shared_ptr<T>> {
+  using type = std::weak_ptr<T>;
+  static type make(const std::shared_ptr<T>& p) { return type(p); }
+  static bool is(const type& w, const void* p) { return w.lock().get() == p; }
+};
+template <typename T>
+struct WeakOf<c10::intrusive_ptr<T>> {
+  using type = c10::weak_intrusive_ptr<T>;
+  static type make(const c10::intrusive_ptr<T>& p) { return type(p); }
+  static bool is(const type& w, const void* p) { return w.lock().get() == p; }
+};
+using NodePtr = std::decay_t<decltype(torch::autograd::get_current_node())>;
+using NodeWeak = WeakOf<NodePtr>;
+using torch::autograd::Node;
+
+constexpr int kFpThreads = 256;                  // FP_THREADS (kernels/fingerprint.cu)
+constexpr int64_t kFpWordsPerBlock = 256 * 64;   // FP_THREADS * FP_WORDS_PER_THREAD (nnrand/trace.py)
+constexpr int64_t kFpMaxBlocks = 1024;           // FP_MAX_BLOCKS
+constexpr size_t kFpBatch = 96;                  // FP_BATCH
+constexpr int64_t kFpScratchBlocks = 16 * 1024;  // FP_SCRATCH_BLOCKS
+constexpr int64_t kHeldBytes = int64_t(1) << 30; // HELD_BYTES
+constexpr int64_t kSlotRows = 4096;              // _Slots.ROWS
+
+// the fingerprint kernel's kind code of a dtype (trace.FP_KINDS), -1: none
+int fp_kind(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat: return 0;
+    case c10::kInt: return 1;
+    case c10::kDouble: return 2;
+    case c10::kLong: return 3;
+    case c10::kHalf: return 4;
+    case c10::kBFloat16: return 5;
+    case c10::kShort: return 6;
+    case c10::kByte: return 7;
+    case c10::kBool: return 7;
+    case c10::kChar: return 8;
+    default: return -1;
+  }
+}
+
+struct FpStream {                                // trace._FpState of one (device, stream)
+  void* fn = nullptr;                            // fingerprint_batch (CUfunction)
+  int64_t parts[5] = {0, 0, 0, 0, 0};            // its pointer arguments after the batch
+};
+
+struct Waiting {                                 // trace._Deferred: one stream's batch waiting for its launch
+  std::vector<int64_t> desc;                     // FpDesc's five words per tensor
+  std::vector<c10::Storage> held;
+  std::vector<std::tuple<c10::VariableVersion, uint32_t, int64_t>> watched;   // (counter, version, row)
+  int64_t blocks = 0;
+  int64_t nbytes = 0;
+};
+
+// a record: the call (its number among the sink's calls), the op (index in the layer's ops), the module
+// (index into the recorder's names), the phase (0: the recorder's current one, 1: backward), the output
+// number, the shape (index into the sink's shapes), the dtype (ScalarType), the device and its slot row
+constexpr int kRowFields = 9;
+
+struct Sink {
+  std::mutex mutex;
+  std::atomic<bool> active{false};
+  bool defer_backward = true;
+  int64_t unnamed = 0;                           // the module index of "" (no module)
+  std::unordered_map<const c10::TensorImpl*, int64_t> owners;   // a parameter -> its module
+  std::vector<at::Tensor> owned;                 // (alive while recording: no address reused)
+  std::unordered_map<const void*, std::pair<NodeWeak::type, int64_t>> tags;   // a node -> its module
+  int64_t stack_top = -1;                        // the recorder's module stack's top (-1: empty)
+  std::map<std::pair<int, void*>, FpStream> fp;
+  std::map<int, std::vector<at::Tensor>> slot_chunks;
+  std::map<int, int64_t> slot_used;
+  std::vector<int64_t> rows;                     // kRowFields per record, taken by take()
+  int64_t calls = 0;                             // calls recorded so far (every take included)
+  int64_t calls_taken = 0;                       // of which taken
+  int64_t row_count = 0;                         // rows recorded so far
+  std::vector<std::vector<int64_t>> shapes;
+  std::map<std::vector<int64_t>, int64_t> shape_ids;
+  size_t shapes_taken = 0;
+  std::set<std::pair<int, void*>> launched;      // streams that launched since the last take
+  std::map<std::pair<int, void*>, Waiting> waiting;
+  std::vector<int64_t> failed;                   // rows whose tensor was written before its launch
+  std::set<int64_t> tasks;                       // graph tasks whose end calls the recorder
+  PyObject* pass_ended = nullptr;                // Python: called (task) at those ends; GIL held to touch
+  int64_t recorded_calls = 0, declined_calls = 0;
+};
+
+std::shared_ptr<Sink> g_sink;
+
+// launch one stream's waiting batch and check its watched tensors (the sink's mutex held)
+void launch_waiting(Sink& s, const std::pair<int, void*>& where, Waiting& w, bool checked) {
+  if (w.held.empty()) return;
+  const FpStream& f = s.fp.at(where);
+  std::vector<int64_t> batch(1 + 5 * kFpBatch, 0);
+  batch[0] = static_cast<int64_t>(w.desc.size() / 5);
+  std::copy(w.desc.begin(), w.desc.end(), batch.begin() + 1);
+  int64_t parts[5];
+  std::copy(f.parts, f.parts + 5, parts);
+  void* params[6] = {batch.data(), &parts[0], &parts[1], &parts[2], &parts[3], &parts[4]};
+  c10::DeviceGuard guard(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(where.first)));
+  const int rc = driver().launch(f.fn, static_cast<unsigned>(w.blocks), 1, 1, kFpThreads, 1, 1, 0, where.second,
+                                 params, nullptr);
+  TORCH_CHECK(rc == 0, "nnrand.trace: launching fingerprint_batch (", w.blocks, " blocks) failed: ",
+              driver_error(rc));
+  s.launched.insert(where);
+  if (checked) {
+    for (const auto& [counter, version, row] : w.watched) {
+      if (counter.current_version() != version) s.failed.push_back(row);
+    }
+  }
+  w = Waiting();
+}
+
+int64_t shape_id(Sink& s, c10::IntArrayRef sizes) {
+  std::vector<int64_t> v(sizes.begin(), sizes.end());
+  auto it = s.shape_ids.find(v);
+  if (it != s.shape_ids.end()) return it->second;
+  const int64_t id = static_cast<int64_t>(s.shapes.size());
+  s.shapes.push_back(v);
+  s.shape_ids.emplace(std::move(v), id);
+  return id;
+}
+
+int64_t slot_ptr(Sink& s, const c10::Device& device, int64_t& row) {
+  const int index = device.index();
+  int64_t& used = s.slot_used[index];
+  auto& chunks = s.slot_chunks[index];
+  const size_t chunk = static_cast<size_t>(used / kSlotRows);
+  if (chunk == chunks.size()) {
+    chunks.push_back(at::empty({kSlotRows, 3}, at::TensorOptions().dtype(at::kDouble).device(device)));
+  }
+  row = used++;
+  return reinterpret_cast<int64_t>(chunks[chunk].data_ptr()) + 24 * (row % kSlotRows);
+}
+
+// the module of a parameter among ``args``, or of the leaf whose gradient one of ``edges`` accumulates
+// (through autocast copies): trace.Recorder._owner
+int64_t owner(const Sink& s, const std::vector<c10::IValue>& args, const Node* node) {
+  for (const c10::IValue& a : args) {
+    if (!a.isTensor()) continue;
+    auto it = s.owners.find(a.toTensor().unsafeGetTensorImpl());
+    if (it != s.owners.end()) return it->second;
+  }
+  std::vector<const Node*> nexts;
+  if (node != nullptr) {
+    for (const auto& e : node->next_edges()) nexts.push_back(e.function.get());
+  } else {
+    for (const c10::IValue& a : args) {
+      if (a.isTensor() && a.toTensor().defined() && a.toTensor().grad_fn()) {
+        nexts.push_back(a.toTensor().grad_fn().get());
+      }
+    }
+  }
+  for (size_t i = 0; i < nexts.size(); ++i) {
+    const Node* fn = nexts[i];
+    if (fn != nullptr && fn->name().rfind("ToCopyBackward", 0) == 0) {
+      for (const auto& e : fn->next_edges()) nexts.push_back(e.function.get());
+    }
+  }
+  for (const Node* fn : nexts) {
+    const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(fn);
+    if (acc == nullptr) continue;
+    auto it = s.owners.find(acc->variable.unsafeGetTensorImpl());
+    if (it != s.owners.end()) return it->second;
+  }
+  return s.unnamed;
+}
+
+void queue_pass_end(const std::shared_ptr<Sink>& sink, int64_t task) {
+  torch::autograd::Engine::get_default_engine().queue_callback([sink, task]() {
+    {
+      std::lock_guard<std::mutex> lock(sink->mutex);
+      sink->tasks.erase(task);
+    }
+    py::gil_scoped_acquire gil;
+    if (sink->pass_ended == nullptr) return;   // the recording ended meanwhile
+    try {
+      py::reinterpret_borrow<py::object>(sink->pass_ended)(task);
+    } catch (py::error_already_set& e) {
+      e.restore();
+      python_error err;
+      err.persist();
+      throw err;
+    }
+  });
+}
+
+// Record a replayed call's outputs (the top ``returns`` of ``stack``) if this path can; false: it cannot,
+// and nothing was recorded (the call goes to Python's observer).
+bool sink_record(const std::shared_ptr<Sink>& sink, int64_t op, const std::string& name, const Stack& stack,
+                 size_t returns, const std::vector<c10::IValue>& args, const c10::Device& device, void* stream) {
+  Sink& s = *sink;
+  const auto where = std::make_pair(static_cast<int>(device.index()), stream);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.active.load(std::memory_order_relaxed) || !s.fp.count(where)) {
+    ++s.declined_calls;
+    return false;
+  }
+  const size_t first = stack.size() - returns;
+  for (size_t k = 0; k < returns; ++k) {   // every output this path takes, or none
+    const c10::IValue& v = stack[first + k];
+    if (!v.isTensor()) {
+      if (v.isNone()) continue;
+      ++s.declined_calls;
+      return false;
+    }
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined() || t.layout() != c10::kStrided || t.is_nested() || t.is_quantized() || t.is_meta() ||
+        t.numel() == 0) {
+      continue;   // no record (trace._recordable)
+    }
+    if (!t.is_cuda() || t.device() != device || fp_kind(t.scalar_type()) < 0 || !t.is_contiguous()) {
+      ++s.declined_calls;
+      return false;
+    }
+  }
+  const auto node = torch::autograd::get_current_node();
+  int64_t module = -1;
+  int64_t task = -1;
+  if (node) {
+    auto it = s.tags.find(node.get());
+    if (it != s.tags.end()) {
+      if (NodeWeak::is(it->second.first, node.get())) {
+        if (it->second.second != s.unnamed) module = it->second.second;
+      } else {
+        s.tags.erase(it);   // a dead node's tag: its address was reused
+      }
+    }
+    if (module < 0) module = owner(s, args, node.get());
+    if (s.defer_backward) task = torch::autograd::get_current_graph_task_id();
+    if (task >= 0 && name.back() != '_') {   // an output that is an argument: recorded at once (in-place, out=)
+      for (size_t k = 0; k < returns && task >= 0; ++k) {
+        const c10::IValue& v = stack[first + k];
+        if (!v.isTensor() || !v.toTensor().defined()) continue;
+        for (const c10::IValue& a : args) {
+          if (a.isTensor() && a.toTensor().unsafeGetTensorImpl() == v.toTensor().unsafeGetTensorImpl()) {
+            task = -1;
+            break;
+          }
+        }
+      }
+    } else {
+      task = -1;
+    }
+  } else {
+    module = s.stack_top >= 0 ? s.stack_top : owner(s, args, nullptr);
+  }
+  const int64_t call = s.calls++;
+  ++s.recorded_calls;
+  std::vector<int64_t> now;   // FpDesc words of the outputs fingerprinted at once
+  int64_t now_blocks = 0;
+  for (size_t k = 0; k < returns; ++k) {
+    const c10::IValue& v = stack[first + k];
+    if (!v.isTensor()) continue;
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined() || t.layout() != c10::kStrided || t.is_nested() || t.is_quantized() || t.is_meta() ||
+        t.numel() == 0) {
+      continue;
+    }
+    int64_t row = 0;
+    const int64_t out = slot_ptr(s, device, row);
+    const int64_t n = t.numel();
+    int64_t blocks = (n + kFpWordsPerBlock - 1) / kFpWordsPerBlock;
+    blocks = blocks < 1 ? 1 : blocks < kFpMaxBlocks ? blocks : kFpMaxBlocks;
+    const int64_t chunk = ((n + blocks - 1) / blocks + 3) & ~int64_t(3);
+    const int64_t kind = fp_kind(t.scalar_type());
+    const int64_t seq = s.row_count++;
+    if (task >= 0) {
+      Waiting& w = s.waiting[where];
+      if (w.held.size() == kFpBatch || w.blocks + blocks > kFpScratchBlocks || w.nbytes > kHeldBytes) {
+        launch_waiting(s, where, w, true);
+      }
+      w.desc.insert(w.desc.end(), {reinterpret_cast<int64_t>(t.data_ptr()), n, chunk, out,
+                                   w.blocks | blocks << 32 | kind << 48});
+      w.held.push_back(t.storage());
+      const auto& counter = t.unsafeGetTensorImpl()->version_counter();
+      if (counter.enabled()) w.watched.emplace_back(counter, counter.current_version(), seq);
+      w.blocks += blocks;
+      w.nbytes += static_cast<int64_t>(t.storage().nbytes());
+      if (s.tasks.insert(task).second) queue_pass_end(sink, task);
+    } else {
+      if (now.size() == 5 * kFpBatch || now_blocks + blocks > kFpScratchBlocks) {
+        Waiting w;
+        w.desc = std::move(now);
+        w.blocks = now_blocks;
+        w.held.emplace_back();   // (not empty: launched)
+        launch_waiting(s, where, w, false);
+        now.clear();
+        now_blocks = 0;
+      }
+      now.insert(now.end(), {reinterpret_cast<int64_t>(t.data_ptr()), n, chunk, out,
+                             now_blocks | blocks << 32 | kind << 48});
+      now_blocks += blocks;
+    }
+    s.rows.insert(s.rows.end(), {call, op, module, node ? 1 : 0, static_cast<int64_t>(k),
+                                 shape_id(s, t.sizes()), static_cast<int64_t>(t.scalar_type()),
+                                 static_cast<int64_t>(device.index()), row});
+  }
+  if (!now.empty()) {
+    Waiting w;
+    w.desc = std::move(now);
+    w.blocks = now_blocks;
+    w.held.emplace_back();
+    launch_waiting(s, where, w, false);
+  }
+  return true;
+}
+
+std::mutex g_sink_mutex;   // guards g_sink itself (set from Python, read by calls on any thread)
+
+std::shared_ptr<Sink> current_sink() {
+  std::lock_guard<std::mutex> lock(g_sink_mutex);
+  return g_sink;
+}
+
 // ---- the kernel registered above the Python one ----
 
 struct ReplayKernel final : public c10::OperatorKernel {
@@ -380,6 +717,10 @@ struct ReplayKernel final : public c10::OperatorKernel {
         const std::vector<c10::IValue> args(stack->end() - state->arguments, stack->end());
         run(*plan, *stack, state->arguments, device, stream, ks);
         plan->hits.fetch_add(1, std::memory_order_relaxed);
+        const std::shared_ptr<Sink> sink = current_sink();
+        if (sink && sink_record(sink, state->index, state->name, *stack, state->returns, args, device, stream)) {
+          return;
+        }
         notify(state->name, *stack, state->returns, args);
         return;
       }
@@ -472,6 +813,7 @@ void enable(const std::vector<std::string>& ops, const std::string& ns, const st
     auto state = std::unique_ptr<OpState>(new OpState{name, handle, handle.getComputedKernelForDispatchKey(k)});
     state->arguments = handle.schema().arguments().size();
     state->returns = handle.schema().returns().size();
+    state->index = static_cast<int64_t>(layer->ops.size());
     for (auto& [captured, kernel] : originals) {
       if (ours && captured == name) state->original.emplace(kernel);
     }
@@ -672,6 +1014,170 @@ py::dict stats() {
   return out;
 }
 
+
+// ---- the native record path: the recorder's side (called from Python, the GIL held) ----
+
+// Start recording replayed calls here. ``pass_ended(task)``: called at the end of each backward pass that
+// left records waiting; ``unnamed``: the module index of ""; ``owners``: (parameter, module index). Returns
+// the layer's ops (a record's op is an index into them).
+std::vector<std::string> sink_start(py::object pass_ended, int64_t unnamed,
+                                    const std::vector<std::pair<at::Tensor, int64_t>>& owners, bool defer_backward) {
+  TORCH_CHECK(g_layer, "nnrand replay: the trace sink needs the enabled layer");
+  std::vector<std::string> ops;
+  for (const auto& op : g_layer->ops) ops.push_back(op->name);
+  auto s = std::make_shared<Sink>();
+  s->unnamed = unnamed;
+  s->defer_backward = defer_backward;
+  for (const auto& [t, m] : owners) {
+    s->owners[t.unsafeGetTensorImpl()] = m;
+    s->owned.push_back(t);
+  }
+  s->pass_ended = pass_ended.release().ptr();
+  s->active.store(true);
+  std::shared_ptr<Sink> old;
+  {
+    std::lock_guard<std::mutex> lock(g_sink_mutex);
+    old = std::move(g_sink);
+    g_sink = std::move(s);
+  }
+  if (old) {
+    old->active.store(false);
+    PyObject* cb = old->pass_ended;
+    old->pass_ended = nullptr;
+    Py_XDECREF(cb);
+  }
+  return ops;
+}
+
+void sink_stop() {
+  std::shared_ptr<Sink> old;
+  {
+    std::lock_guard<std::mutex> lock(g_sink_mutex);
+    old = std::move(g_sink);
+    g_sink.reset();
+  }
+  if (!old) return;
+  old->active.store(false);
+  PyObject* cb = old->pass_ended;
+  old->pass_ended = nullptr;   // a pass-end callback still queued finds none
+  Py_XDECREF(cb);
+}
+
+Sink& sink_or_throw() {
+  TORCH_CHECK(g_sink, "nnrand replay: no trace recording takes replayed calls");
+  return *g_sink;
+}
+
+// Whether replayed calls are recorded here (true) or handed to the Python observer (false).
+void sink_active(bool on) {
+  auto s = current_sink();
+  if (s) s->active.store(on);
+}
+
+// The fingerprint kernel and its buffers for launches on ``stream`` of device ``index`` (trace._fp_state).
+void sink_fp(int index, uintptr_t stream, uintptr_t fn, const std::vector<int64_t>& parts) {
+  TORCH_CHECK(parts.size() == 5, "nnrand replay: fingerprint_batch takes 5 buffer addresses, got ", parts.size());
+  auto s = current_sink();
+  if (!s) return;
+  std::lock_guard<std::mutex> lock(s->mutex);
+  FpStream& f = s->fp[{index, reinterpret_cast<void*>(stream)}];
+  f.fn = reinterpret_cast<void*>(fn);
+  std::copy(parts.begin(), parts.end(), f.parts);
+}
+
+bool sink_has_fp(int index, uintptr_t stream) {
+  auto s = current_sink();
+  if (!s) return false;
+  std::lock_guard<std::mutex> lock(s->mutex);
+  return s->fp.count({index, reinterpret_cast<void*>(stream)}) > 0;
+}
+
+// The module index of the recorder's module stack's top (-1: the stack is empty).
+void sink_stack(int64_t top) {
+  auto s = current_sink();
+  if (!s) return;
+  std::lock_guard<std::mutex> lock(s->mutex);
+  s->stack_top = top;
+}
+
+// ``module`` as the module of ``t``'s autograd node unless one was set (trace._tag).
+void sink_tag(const at::Tensor& t, int64_t module) {
+  auto s = current_sink();
+  if (!s || !t.defined()) return;
+  const auto& fn = t.grad_fn();
+  if (!fn) return;
+  std::lock_guard<std::mutex> lock(s->mutex);
+  auto it = s->tags.find(fn.get());
+  if (it != s->tags.end()) {
+    if (NodeWeak::is(it->second.first, fn.get())) return;
+    s->tags.erase(it);   // a dead node's tag: its address was reused
+  }
+  s->tags.emplace(fn.get(), std::make_pair(NodeWeak::make(fn), module));
+}
+
+// The records since the last take: (first call number, calls, first row number, rows as int64 bytes
+// (kRowFields each), the shapes new since the last take, the (device, stream) pairs that launched, the
+// rows found written before their launch). ``launch``: first launch every waiting batch (``checked``: with
+// the version check); ``values_too``: also each device's slot rows since the last such take (a tensor per
+// device index), the slots then starting again.
+py::tuple sink_take(bool launch, bool values_too, bool checked) {
+  Sink& s = sink_or_throw();
+  std::vector<int64_t> rows;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<std::pair<int, uintptr_t>> launched;
+  std::vector<int64_t> failed;
+  py::dict values;
+  int64_t first_call, calls, first_row;
+  std::vector<std::pair<int, at::Tensor>> slots;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (launch) {
+      for (auto& [where, w] : s.waiting) launch_waiting(s, where, w, checked);
+      s.waiting.clear();
+    }
+    rows.swap(s.rows);
+    first_call = s.calls_taken;
+    calls = s.calls - s.calls_taken;
+    s.calls_taken = s.calls;
+    first_row = s.row_count - static_cast<int64_t>(rows.size() / kRowFields);
+    shapes.assign(s.shapes.begin() + static_cast<int64_t>(s.shapes_taken), s.shapes.end());
+    s.shapes_taken = s.shapes.size();
+    for (const auto& [index, stream] : s.launched) launched.emplace_back(index, reinterpret_cast<uintptr_t>(stream));
+    s.launched.clear();
+    failed.swap(s.failed);
+    if (values_too) {
+      for (auto& [index, used] : s.slot_used) {
+        if (used == 0) continue;
+        const auto& chunks = s.slot_chunks[index];
+        const at::Tensor all = chunks.size() > 1 ? at::cat(chunks) : chunks[0];
+        slots.emplace_back(index, all.narrow(0, 0, used));
+        used = 0;
+      }
+    }
+  }
+  for (const auto& [index, t] : slots) values[py::int_(index)] = t;
+  return py::make_tuple(first_call, calls, first_row,
+                        py::bytes(reinterpret_cast<const char*>(rows.data()), rows.size() * sizeof(int64_t)),
+                        shapes, launched, failed, values);
+}
+
+py::dict sink_stats() {
+  py::dict out;
+  auto s = current_sink();
+  if (!s) return out;
+  std::lock_guard<std::mutex> lock(s->mutex);
+  out["recorded"] = s->recorded_calls;
+  out["declined"] = s->declined_calls;
+  out["rows"] = s->row_count;
+  return out;
+}
+
+// The fingerprint kernel's kind code of ``t``'s dtype, -1 where it takes none (trace.FP_KINDS).
+int sink_kind(const at::Tensor& t) { return fp_kind(t.scalar_type()); }
+
+// ``t``'s dtype as the sink's records give it (its ScalarType's number).
+int sink_dtype(const at::Tensor& t) { return static_cast<int>(t.scalar_type()); }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -691,4 +1197,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("commit", &commit);
   m.def("take_counts", &take_counts);
   m.def("stats", &stats);
+  m.def("sink_start", &sink_start);
+  m.def("sink_stop", &sink_stop);
+  m.def("sink_active", &sink_active);
+  m.def("sink_fp", &sink_fp);
+  m.def("sink_has_fp", &sink_has_fp);
+  m.def("sink_stack", &sink_stack);
+  m.def("sink_tag", &sink_tag);
+  m.def("sink_take", &sink_take);
+  m.def("sink_stats", &sink_stats);
+  m.def("sink_kind", &sink_kind);
+  m.def("sink_dtype", &sink_dtype);
 }

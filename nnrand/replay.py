@@ -312,7 +312,7 @@ class Layer:
 
     def __init__(self, module, ops: list[str], add: Callable[[str, str, str | None, int], None], *,
                  namespace: str = "aten", key: str = "CUDA"):
-        self.module, self.ops, self._add, self.namespace = module, ops, add, namespace
+        self.module, self.ops, self._add, self.namespace, self.key = module, ops, add, namespace, key
         self.plans: list[tuple[str, str, str | None]] = []
         self.plan_steps: list[tuple[str, ...]] = []   # per plan: its steps' kinds and ops, to look at
         # the ops whose original kernels capture() took for this layer (their calls can be plan steps)

@@ -1315,19 +1315,32 @@ def _notify(session: "_Session", op: str, out, args: tuple) -> None:
 @contextlib.contextmanager
 def observe(fn: Callable[[str, object, tuple], None]) -> Iterator[None]:
     """Call ``fn(aten_op, outputs, args)`` after every routed aten op of the open ``use_kernels`` context (what
-    ``nnrand.trace`` records with ``ops="routed"``: no cost for the ops nnrand does not route)."""
+    ``nnrand.trace`` records with ``ops="routed"``: no cost for the ops nnrand does not route). A second
+    observer turns off the replay layer's trace sink (``sink``): every call reaches every observer."""
     s = _ACTIVE
     if s is None:
         raise RoutingError("routing.observe needs an open nnrand.use_kernels context")
     s.observers.append(fn)
     if s.replay is not None:   # calls replayed in C++ are reported to the observers from there
         s.replay.observe(functools.partial(_notify, s))
+        if len(s.observers) > 1:
+            s.replay.module.sink_active(False)
     try:
         yield
     finally:
         s.observers.remove(fn)
         if s.replay is not None and not s.observers:
             s.replay.observe(None)
+
+
+def sink():
+    """The replay extension of the open ``use_kernels`` context when its C++ layer replays CUDA calls and
+    ``observe`` has exactly one observer (whose records its trace sink may then take: ``nnrand.trace``);
+    else None."""
+    s = _ACTIVE
+    if s is None or s.replay is None or len(s.observers) != 1 or s.replay.key != "CUDA":
+        return None
+    return s.replay.module
 
 
 # PyTorch's message when its deterministic mode meets an op it has no deterministic implementation of

@@ -452,6 +452,16 @@ class _Slots:
         return first
 
 
+class _TakenSlots:
+    """The trace sink's slot rows of one device for a step (``Recorder._take_sink``), read as ``_Slots``."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows, self.used = rows, rows.shape[0]
+
+    def take(self) -> np.ndarray:
+        return self.rows.cpu().numpy()
+
+
 @dataclass(eq=False)
 class _SnapshotPlan:
     """``Recorder.snapshot``'s plan for one list: the list (``named``) and its key (names, tensor identities,
@@ -734,6 +744,7 @@ class Recorder(TorchDispatchMode):
         self.names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
         self._owners: dict[int, str] = {}   # ops="routed" with a model: id(parameter) -> its module's path
         self._owned: list[torch.Tensor] = []   # those parameters, alive while recording (no id reused)
+        self._owned_names: dict[int, tuple[torch.Tensor, str]] = {}   # id(parameter) -> (it, its module's path)
         self._unchecked = False   # set on an exit by exception: waiting batches launch unchecked
         self.stack: list[str] = []
         self._phase = "forward"
@@ -775,6 +786,11 @@ class Recorder(TorchDispatchMode):
         self._streams: set[tuple[int, int]] = set()
         # autograd runs a backward per device on its own thread: records and launches one at a time
         self._lock = threading.RLock()
+        # ops="routed" with a model, over the C++ replay layer: the replay extension, whose trace sink
+        # records the replayed calls (see _start_sink); None: every call reaches _observe
+        self._sink = None
+        self.sink_stats: dict[str, int] = {}   # the sink's counts when the recording ended (calls recorded there,
+                                               # calls it passed to _observe, records)
 
     @property
     def _quiet(self) -> bool:
@@ -803,21 +819,26 @@ class Recorder(TorchDispatchMode):
     def phase(self, name: str) -> Iterator[None]:
         if name not in PHASES:
             raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {name!r}")
+        self._take_sink()   # the sink's records so far are of the phase before
         before, self._phase = self._phase, name
         try:
             yield
         finally:
+            self._take_sink()
             self._phase = before
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Ops run inside are not recorded, on any thread (autograd runs a CUDA backward pass on a thread of
         its own): a CUDA-graph step's warm-up and input copies. ``snapshot`` and ``replayed`` still record."""
+        self._take_sink()
         before, self._paused = self._paused, True
+        self._sink_active(False)
         try:
             yield
         finally:
             self._paused = before
+            self._sink_active(not before)
 
     def capturing(self, stream: torch.cuda.Stream | None):
         """For a CUDA-graph capture on ``stream`` (``nnrand.train.GraphStep(capture=rec.capturing)``), called
@@ -848,6 +869,8 @@ class Recorder(TorchDispatchMode):
                 raise TraceError("nnrand.trace: a capture is already being recorded; captures are recorded one "
                                  "at a time")
             cap = _Captured(stream=stream)
+            self._take_sink()   # (the records before the capture are the step's, and none go to the sink in it)
+            self._sink_active(False)
             saved = (self.rows, self.pending, self.index, self.slots, self._streams, self._paused)
             self.rows, self.pending, self.index, self.slots, self._streams = cap.rows, cap.pending, 0, cap.slots, set()
             self._capture, self._paused = cap, False
@@ -860,12 +883,14 @@ class Recorder(TorchDispatchMode):
                 cap.ops = self.index
                 self.rows, self.pending, self.index, self.slots, self._streams, self._paused = saved
                 self._capture = None
+                self._sink_active(not self._paused)
 
     def replayed(self, cap: _Captured) -> None:
         """Add a captured graph's records to the current step, after its replay was enqueued: their rows, and
         their values copied from the capture's slots on the current stream (the replay's). Records even
         where ``paused``."""
         with self._lock:
+            self._take_sink()
             self._quiet = True
             try:
                 first = {}
@@ -890,9 +915,18 @@ class Recorder(TorchDispatchMode):
     def _pre(self, m, args):
         self.stack.append(self._module_name(m) if not self.stack or id(m) in self.names else
                           f"{self.stack[-1]}.{type(m).__name__}")
+        if self._sink is not None:
+            self._sink.sink_stack(self._sink_name(self.stack[-1]))
 
     def _post(self, m, args, out):
-        _tag(out, self.stack.pop() if self.stack else self._module_name(m), args)
+        path = self.stack.pop() if self.stack else self._module_name(m)
+        _tag(out, path, args)
+        if self._sink is not None:
+            self._sink.sink_stack(self._sink_name(self.stack[-1]) if self.stack else -1)
+            code = self._sink_name(path)
+            for t in out if isinstance(out, (tuple, list)) else (out,):   # as _tag: the nodes of returned tensors
+                if isinstance(t, torch.Tensor) and not any(t is a for a in args):
+                    self._sink.sink_tag(t, code)
 
     def __enter__(self):
         from nnrand import routing
@@ -905,6 +939,11 @@ class Recorder(TorchDispatchMode):
             if self.ops == "routed":  # only the routed ops, from the routing's own overrides: no dispatch mode
                 self._observing = routing.observe(self._observe)
                 self._observing.__enter__()
+                try:
+                    self._start_sink(routing.sink())
+                except BaseException:
+                    self._observing.__exit__(*sys.exc_info())
+                    raise
                 return self
             _dynamo_skips_dispatch()
             return super().__enter__()
@@ -915,12 +954,16 @@ class Recorder(TorchDispatchMode):
     def __exit__(self, *exc):
         try:
             self._remove_hooks()
-            self._owners, self._owned = {}, []
+            self._owners, self._owned, self._owned_names = {}, [], {}
             if exc[0] is not None:   # the error on its way out stays the error: no version check now
                 self._unchecked = True
             self._flush()
         finally:   # the dispatch mode (or the observer) goes whatever the flush did
             if self.ops == "routed":
+                if self._sink is not None:
+                    sink, self._sink = self._sink, None
+                    self.sink_stats = sink.sink_stats()
+                    sink.sink_stop()
                 self._observing.__exit__(*exc)
             else:
                 super().__exit__(*exc)
@@ -939,6 +982,7 @@ class Recorder(TorchDispatchMode):
             # the model's parameterless leaf modules (a pool, say) are hooked, for the rest
             owners = {id(p): name for name, m in named for p in m.parameters(recurse=False)}
             self._owners, self._owned = owners, list(self.model.parameters())   # (ids of live objects only)
+            self._owned_names = {id(p): (p, name) for name, m in named for p in m.parameters(recurse=False)}
             for name, m in named:
                 if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is None and \
                         type(m) not in _UNROUTED_MODULES:
@@ -959,6 +1003,8 @@ class Recorder(TorchDispatchMode):
         self._hooks = []
 
     def _observe(self, op: str, out, args: tuple = ()) -> None:
+        if self._sink is not None:
+            self._observed_by_python(out)
         if self._paused:
             return
         node = torch._C._current_autograd_node()
@@ -987,6 +1033,109 @@ class Recorder(TorchDispatchMode):
         finally:
             if lifted:
                 torch._C._dispatch_tls_set_dispatch_key_excluded(_VIEW_KEY, True)
+
+    # -- the replay layer's trace sink (ops="routed" with a model)
+    def _start_sink(self, module) -> None:
+        """Let the replay extension's sink record the calls the C++ layer replays (``module``: the extension
+        while this recorder is the routing's only observer, else None): their outputs recorded in C++ as
+        ``_observe`` records them, the records taken in call order whenever this recorder records or reads
+        (``_take_sink``). Only with a model (the modules are then named by the parameters the ops take and
+        by the hooked parameterless leaves, which the sink is told of), without full tensors (``keep``),
+        and where the fingerprint kernel runs."""
+        if module is None or self.model is None or self.keep or not _kernels_here():
+            return
+        self._sink_names: dict[str, int] = {}
+        self._sink_shapes: list[int] = []   # the sink's shape numbers -> the shapes table's codes
+        self._sink_dtypes = {module.sink_dtype(torch.empty(0, dtype=d)): d for d in FP_KINDS}
+        self._sink_codes: dict[tuple[int, int], tuple[int, int]] = {}
+        self._sink_blocks: list[tuple[int, int]] = []   # (first sink row, its row here) per take this step
+        self._sink_fps: set[tuple[int, int]] = set()
+        owners = [(p, self._sink_name(name)) for p, name in self._owned_names.values()]
+        self._sink_ops = module.sink_start(self._sink_pass_ended, self._sink_name(""), owners, self._defer_backward)
+        self._sink = module
+        for p in self._owned:
+            if p.is_cuda:
+                self._sink_fp(p.get_device())
+                break
+
+    def _sink_name(self, path: str) -> int:
+        code = self._sink_names.get(path)
+        if code is None:
+            code = self._sink_names[path] = len(self._sink_names)
+        return code
+
+    def _sink_fp(self, index: int) -> None:
+        """Give the sink the fingerprint buffers of torch's current stream on device ``index``."""
+        stream = _stream(index)
+        if (index, stream) not in self._sink_fps:
+            st = _fp_state(index, stream)
+            self._sink.sink_fp(index, stream, int(st.batch.ptr), list(st.parts[:5]))
+            self._sink_fps.add((index, stream))
+
+    def _sink_active(self, on: bool) -> None:
+        if self._sink is not None:
+            self._sink.sink_active(on)
+
+    def _observed_by_python(self, out) -> None:
+        """A routed call reached ``_observe``: the sink's records go first; a CUDA output on a stream the sink
+        has no buffers for gets them (the sink takes the next such call)."""
+        self._take_sink()
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                self._sink_fp(t.get_device())
+                break
+
+    def _take_sink(self, launch: bool = False, values: bool = False) -> None:
+        """Add the sink's records since the last take (each of its calls an op index, in call order; a call
+        outside a backward pass in the current phase). ``launch``: its waiting fingerprints go out first;
+        ``values``: its slot rows come too (the step's end). A record written before its launch fails the
+        recording."""
+        sink = self._sink
+        if sink is None:
+            return
+        with self._lock:
+            first_call, calls, first_row, raw, shapes, launched, failed, vals = sink.sink_take(
+                launch, values, not self._unchecked)
+            for sh in shapes:
+                self._sink_shapes.append(self._code_shape(torch.Size(sh)))
+            if raw:
+                step = self.step_no if self.step_no > 0 else 0
+                base, now, back = self.index - first_call, _PHASE[self._phase], _PHASE["backward"]
+                self._sink_blocks.append((first_row, len(self.rows)))
+                codes, rows, pending = self._sink_codes, self.rows, self.pending
+                for call, op, mod, bwd, k, shape, dtype, dev, slot in np.frombuffer(raw, np.int64).reshape(-1, 9).tolist():
+                    c = codes.get((op, mod))
+                    if c is None:   # coded in the order the Python path codes them: op, then module
+                        opc = self._code("ops", self._sink_ops[op])
+                        c = codes[op, mod] = (opc, self._code("modules", self._sink_path(mod)))
+                    rows.append((step, back if bwd else now, base + call, c[0], c[1], k, self._sink_shapes[shape],
+                                 self._code_dtype(self._sink_dtypes[dtype])))
+                    pending.append((("sink", dev), slot))
+            self.index += calls
+            for index, stream in launched:
+                self._streams.add((index, stream))
+                if launch:
+                    _wait_for(index, stream)
+            for index, t in vals.items():
+                self.slots[("sink", index)] = _TakenSlots(t)
+            if failed and not self._unchecked:
+                raise TraceError(self._written_early(self._sink_row(min(failed))))
+            if values:
+                self._sink_blocks = []
+
+    def _sink_path(self, code: int) -> str:
+        paths = getattr(self, "_sink_paths", None)
+        if paths is None or len(paths) != len(self._sink_names):
+            paths = self._sink_paths = {v: k for k, v in self._sink_names.items()}
+        return paths[code]
+
+    def _sink_row(self, seq: int) -> int:
+        """The row here of the sink's row ``seq``."""
+        first, row = max((b for b in self._sink_blocks if b[0] <= seq), default=(seq, 0))
+        return row + seq - first
+
+    def _sink_pass_ended(self, task: int) -> None:
+        self._take_sink(launch=True)
 
     def _owner(self, args: tuple, node) -> str:
         """ops="routed" with a model: the module of a parameter that an op takes, or whose gradient its
@@ -1024,6 +1173,7 @@ class Recorder(TorchDispatchMode):
         had when yielded (``named_parameters()`` yields distinct tensors). Walking a model's modules costs
         more than recording its parameters: pass ``list(model.named_parameters())`` made once."""
         with self._lock:
+            self._take_sink()
             if isinstance(named, list) and self._snapshot_planned(named, op):
                 return
             self._quiet = True  # the ops computing the fingerprints are not records themselves
@@ -1255,6 +1405,7 @@ class Recorder(TorchDispatchMode):
             self._quiet = True
             try:
                 self._launch_deferred()
+                self._take_sink(launch=True, values=True)
                 self._join_streams()
                 if not self.pending:
                     return
@@ -1266,6 +1417,8 @@ class Recorder(TorchDispatchMode):
                     vals = self._gather(pending)
             finally:
                 self._quiet = False
+                for key in [k for k in self.slots if isinstance(k, tuple)]:   # the sink's rows, taken
+                    del self.slots[key]
             self.values.append((vals[:, 0].view(np.int64).copy(), vals[:, 1].copy(), vals[:, 2].copy()))
 
     def _gather(self, pending: list) -> np.ndarray:

@@ -126,9 +126,11 @@ def nan_filled_memory():
         torch.use_deterministic_algorithms(det)
 
 
-def routed_recording(defer: bool = True, hook=None, steps: int = 2, device: str = "cpu") -> dict:
+def routed_recording(defer: bool = True, hook=None, steps: int = 2, device: str = "cpu",
+                     recorders: list | None = None) -> dict:
     """ops="routed" over a few tree-routed training steps of a small conv net (a max-pool, BatchNorm and a
-    residual sum); ``hook``: a gradient hook on the input of the first block's second conv (its only use)."""
+    residual sum); ``hook``: a gradient hook on the input of the first block's second conv (its only use);
+    ``recorders``: the recorder is appended to it."""
     from nnrand import models, routing, trace
 
     torch.manual_seed(0)
@@ -148,6 +150,8 @@ def routed_recording(defer: bool = True, hook=None, steps: int = 2, device: str 
             loss.backward()
             opt.step()
             rec.snapshot(model.named_parameters())
+    if recorders is not None:
+        recorders.append(rec)
     for h in handles:
         h.remove()
     return rec.arrays()

@@ -90,25 +90,36 @@ def test_two_tree_runs_record_identical_traces(tmp_path, monkeypatch):
 
 
 def test_routed_recording_through_the_replay_layer_equals_python_kernels(tmp_path, monkeypatch):
-    """ops="routed" with the C++ replay layer on: replayed calls reach the recorder from C++ (counted here),
-    and the trace equals the one recorded with every routed call in Python (NNRAND_REPLAY=0), record for
-    record: the same ops, modules and fingerprints."""
+    """ops="routed" with the C++ replay layer on: replayed calls are recorded in C++ (the layer's trace sink,
+    counted here) or reach the recorder from C++, and the trace equals the one recorded with every routed
+    call in Python (NNRAND_REPLAY=0), record for record: the same ops, modules and fingerprints."""
+    import contextlib
+
     from nnrand import replay, routing
 
     if replay.load(quiet=True) is None:
         pytest.skip(f"the replay extension does not build here: {replay.failure()}")
     cfg = train.resolve(train.Config(device="cuda", model="resnet18", n_train=512, n_test=64, batch_size=64,
                                      epochs=1, progress=False, report=False, kernel="tree"))
-    notified = []
+    notified, recs = [], []
     notify = routing._notify
     monkeypatch.setattr(routing, "_notify", lambda s, op, out, args: (notified.append(op), notify(s, op, out, args)))
+    record = trace.record
+
+    @contextlib.contextmanager
+    def kept(*args, **kwargs):
+        with record(*args, **kwargs) as rec:
+            recs.append(rec)
+            yield rec
+
+    monkeypatch.setattr(trace, "record", kept)
     monkeypatch.setenv(replay.ENV, "1")
     on = trace.load(trace.record_training(cfg, 3, tmp_path / "on.trace", ops="routed"))
-    assert "convolution_backward" in notified, set(notified)
+    assert recs[0].sink_stats["recorded"] > 0, recs[0].sink_stats
     monkeypatch.setenv(replay.ENV, "0")
     count = len(notified)
     off = trace.load(trace.record_training(cfg, 3, tmp_path / "off.trace", ops="routed"))
-    assert len(notified) == count
+    assert len(notified) == count and recs[1].sink_stats == {}
     d = trace.diff(on, off)
     assert d == {"status": "identical", "records": len(on)}, trace.format_diff(d)
 
@@ -392,3 +403,51 @@ def test_a_snapshot_list_recorded_step_after_step_gives_the_formula_records(monk
         assert np.array_equal(got[key], want[key]), key
     snaps = got["fp"][got["phase"] == trace._PHASE["other"]].reshape(5, len(sizes))
     assert (snaps[1:] != snaps[:-1]).all()
+
+
+def _sink_or_skip():
+    from nnrand import replay
+
+    if replay.load(quiet=True) is None:
+        pytest.skip(f"the replay extension does not build here: {replay.failure()}")
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_the_trace_sink_records_what_the_python_observer_records(monkeypatch, defer):
+    """ops="routed" with a model: the calls the replay layer replays (from a signature's third call on) are
+    recorded in C++ by its trace sink. Every column and every string table, in the same order, equals the
+    recording where each call reaches the recorder's Python observer (the sink turned off); with
+    ``defer=False`` the backward outputs launch at once, as in Python."""
+    from nnrand import routing
+
+    _sink_or_skip()
+    recs: list = []
+    on = routed_recording(device="cuda", steps=4, defer=defer, recorders=recs)
+    stats = recs[0].sink_stats
+    assert stats["recorded"] > 0 and stats["rows"] > stats["recorded"], stats
+    monkeypatch.setattr(routing, "sink", lambda: None)
+    off = routed_recording(device="cuda", steps=4, defer=defer, recorders=recs)
+    assert recs[1].sink_stats == {}
+    assert on.keys() == off.keys()
+    for k in on:
+        assert np.array_equal(on[k], off[k]), k
+
+
+def test_the_trace_sink_fails_a_recording_whose_deferred_output_is_written_early():
+    """A gradient hook that writes a conv backward's output in place in the fourth step (its calls replayed
+    and recorded by the sink by then) fails the recording, naming the op; the same hook run before it
+    writes nothing (negative control: the recording passes)."""
+    _sink_or_skip()
+    passes = [0]
+
+    def double_late(grad):
+        passes[0] += 1
+        if passes[0] > 3:
+            grad.mul_(2)
+
+    recs: list = []
+    routed_recording(device="cuda", steps=3, hook=double_late, recorders=recs)
+    assert recs[0].sink_stats["recorded"] > 0
+    passes[0] = 0
+    with pytest.raises(trace.TraceError, match="aten::convolution_backward"):
+        routed_recording(device="cuda", steps=4, hook=double_late)
