@@ -392,6 +392,13 @@ int fp_kind(c10::ScalarType t) {
   }
 }
 
+int64_t fp_blocks(int64_t n) {   // trace.fp_blocks
+  const int64_t b = (n + kFpWordsPerBlock - 1) / kFpWordsPerBlock;
+  return b < 1 ? 1 : b < kFpMaxBlocks ? b : kFpMaxBlocks;
+}
+
+int64_t fp_chunk(int64_t n, int64_t blocks) { return ((n + blocks - 1) / blocks + 3) & ~int64_t(3); }   // trace.fp_chunk
+
 struct FpStream {                                // trace._FpState of one (device, stream)
   void* fn = nullptr;                            // fingerprint_batch (CUfunction)
   int64_t parts[5] = {0, 0, 0, 0, 0};            // its pointer arguments after the batch
@@ -405,9 +412,10 @@ struct Waiting {                                 // trace._Deferred: one stream'
   int64_t nbytes = 0;
 };
 
-// a record: the call (its number among the sink's calls), the op (index in the layer's ops), the module
-// (index into the recorder's names), the phase (0: the recorder's current one, 1: backward), the output
-// number, the shape (index into the sink's shapes), the dtype (ScalarType), the device and its slot row
+// a record: the call (its number among the sink's calls), the op (index in the layer's ops; a snapshot's:
+// -1 - the recorder's number of its op), the module (index into the recorder's names), the phase (0: the
+// recorder's current one, 1: backward, 2: other), the output number, the shape (index into the sink's
+// shapes), the dtype (ScalarType), the device and its slot row
 constexpr int kRowFields = 9;
 
 struct Sink {
@@ -462,6 +470,20 @@ void launch_waiting(Sink& s, const std::pair<int, void*>& where, Waiting& w, boo
   }
   w = Waiting();
 }
+
+// Outputs fingerprinted at once on one stream: up to FP_BATCH tensors and FP_SCRATCH_BLOCKS blocks a launch.
+struct Now {
+  Sink& s;
+  std::pair<int, void*> where;
+  Waiting w;
+  void add(int64_t ptr, int64_t n, int64_t chunk, int64_t out, int64_t blocks, int64_t kind) {
+    if (w.desc.size() == 5 * kFpBatch || w.blocks + blocks > kFpScratchBlocks) launch();
+    w.desc.insert(w.desc.end(), {ptr, n, chunk, out, w.blocks | blocks << 32 | kind << 48});
+    w.blocks += blocks;
+    w.held.emplace_back();   // (a launch needs one; the caller holds the tensors until it returns)
+  }
+  void launch() { launch_waiting(s, where, w, false); }
+};
 
 int64_t shape_id(Sink& s, c10::IntArrayRef sizes) {
   std::vector<int64_t> v(sizes.begin(), sizes.end());
@@ -599,8 +621,7 @@ bool sink_record(const std::shared_ptr<Sink>& sink, int64_t op, const std::strin
   }
   const int64_t call = s.calls++;
   ++s.recorded_calls;
-  std::vector<int64_t> now;   // FpDesc words of the outputs fingerprinted at once
-  int64_t now_blocks = 0;
+  Now now{s, where};
   for (size_t k = 0; k < returns; ++k) {
     const c10::IValue& v = stack[first + k];
     if (!v.isTensor()) continue;
@@ -612,9 +633,8 @@ bool sink_record(const std::shared_ptr<Sink>& sink, int64_t op, const std::strin
     int64_t row = 0;
     const int64_t out = slot_ptr(s, device, row);
     const int64_t n = t.numel();
-    int64_t blocks = (n + kFpWordsPerBlock - 1) / kFpWordsPerBlock;
-    blocks = blocks < 1 ? 1 : blocks < kFpMaxBlocks ? blocks : kFpMaxBlocks;
-    const int64_t chunk = ((n + blocks - 1) / blocks + 3) & ~int64_t(3);
+    const int64_t blocks = fp_blocks(n);
+    const int64_t chunk = fp_chunk(n, blocks);
     const int64_t kind = fp_kind(t.scalar_type());
     const int64_t seq = s.row_count++;
     if (task >= 0) {
@@ -631,30 +651,13 @@ bool sink_record(const std::shared_ptr<Sink>& sink, int64_t op, const std::strin
       w.nbytes += static_cast<int64_t>(t.storage().nbytes());
       if (s.tasks.insert(task).second) queue_pass_end(sink, task);
     } else {
-      if (now.size() == 5 * kFpBatch || now_blocks + blocks > kFpScratchBlocks) {
-        Waiting w;
-        w.desc = std::move(now);
-        w.blocks = now_blocks;
-        w.held.emplace_back();   // (not empty: launched)
-        launch_waiting(s, where, w, false);
-        now.clear();
-        now_blocks = 0;
-      }
-      now.insert(now.end(), {reinterpret_cast<int64_t>(t.data_ptr()), n, chunk, out,
-                             now_blocks | blocks << 32 | kind << 48});
-      now_blocks += blocks;
+      now.add(reinterpret_cast<int64_t>(t.data_ptr()), n, chunk, out, blocks, kind);
     }
     s.rows.insert(s.rows.end(), {call, op, module, node ? 1 : 0, static_cast<int64_t>(k),
                                  shape_id(s, t.sizes()), static_cast<int64_t>(t.scalar_type()),
                                  static_cast<int64_t>(device.index()), row});
   }
-  if (!now.empty()) {
-    Waiting w;
-    w.desc = std::move(now);
-    w.blocks = now_blocks;
-    w.held.emplace_back();
-    launch_waiting(s, where, w, false);
-  }
+  now.launch();
   return true;
 }
 
@@ -1161,6 +1164,44 @@ py::tuple sink_take(bool launch, bool values_too, bool checked) {
                         shapes, launched, failed, values);
 }
 
+// A snapshot (trace.Recorder.snapshot): a record of each of ``ts`` (phase other, op -1 - ``op``, module
+// ``modules[i]``), each its own call, fingerprinted now on the current stream. False, and nothing recorded,
+// where the sink is off or one is no contiguous CUDA tensor of the first one's device that the kernel takes,
+// or the stream has no fingerprint buffers.
+bool sink_snapshot(const std::vector<at::Tensor>& ts, int64_t op, const std::vector<int64_t>& modules) {
+  TORCH_CHECK(ts.size() == modules.size(), "nnrand replay: a snapshot of ", ts.size(), " tensors with ",
+              modules.size(), " modules");
+  auto sink = current_sink();
+  if (!sink || ts.empty() || !sink->active.load()) return false;
+  Sink& s = *sink;
+  const c10::Device device = ts[0].device();
+  if (!device.is_cuda()) return false;
+  for (const at::Tensor& t : ts) {
+    if (!t.defined() || t.device() != device || t.layout() != c10::kStrided || t.is_nested() || t.is_quantized() ||
+        fp_kind(t.scalar_type()) < 0 || !t.is_contiguous() || t.numel() == 0) {
+      return false;
+    }
+  }
+  const auto where = std::make_pair(static_cast<int>(device.index()), current_stream(device));
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.fp.count(where)) return false;
+  c10::DeviceGuard guard(device);
+  Now now{s, where};
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i];
+    int64_t row = 0;
+    const int64_t out = slot_ptr(s, device, row);
+    const int64_t n = t.numel();
+    const int64_t blocks = fp_blocks(n);
+    now.add(reinterpret_cast<int64_t>(t.data_ptr()), n, fp_chunk(n, blocks), out, blocks, fp_kind(t.scalar_type()));
+    s.rows.insert(s.rows.end(), {s.calls++, -1 - op, modules[i], 2, 0, shape_id(s, t.sizes()),
+                                 static_cast<int64_t>(t.scalar_type()), static_cast<int64_t>(device.index()), row});
+    ++s.row_count;
+  }
+  now.launch();
+  return true;
+}
+
 py::dict sink_stats() {
   py::dict out;
   auto s = current_sink();
@@ -1206,6 +1247,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sink_tag", &sink_tag);
   m.def("sink_take", &sink_take);
   m.def("sink_stats", &sink_stats);
+  m.def("sink_snapshot", &sink_snapshot);
   m.def("sink_kind", &sink_kind);
   m.def("sink_dtype", &sink_dtype);
 }

@@ -1045,9 +1045,11 @@ class Recorder(TorchDispatchMode):
         if module is None or self.model is None or self.keep or not _kernels_here():
             return
         self._sink_names: dict[str, int] = {}
+        self._sink_snap: dict[str, int] = {}   # a snapshot's op -> its number in the sink
         self._sink_shapes: list[int] = []   # the sink's shape numbers -> the shapes table's codes
         self._sink_dtypes = {module.sink_dtype(torch.empty(0, dtype=d)): d for d in FP_KINDS}
         self._sink_codes: dict[tuple[int, int], tuple[int, int]] = {}
+        self._sink_dtype_codes: dict[int, int] = {}
         self._sink_blocks: list[tuple[int, int]] = []   # (first sink row, its row here) per take this step
         self._sink_fps: set[tuple[int, int]] = set()
         owners = [(p, self._sink_name(name)) for p, name in self._owned_names.values()]
@@ -1057,6 +1059,14 @@ class Recorder(TorchDispatchMode):
             if p.is_cuda:
                 self._sink_fp(p.get_device())
                 break
+
+    def _sink_snapshot(self, named: list, op: str) -> bool:
+        """``snapshot`` in the sink (its records in order with the calls it records); False: not taken."""
+        num = self._sink_snap.get(op)
+        if num is None:
+            num = self._sink_snap[op] = len(self._sink_snap)
+        name = self._sink_name
+        return self._sink.sink_snapshot([t for _, t in named], num, [name(n) for n, _ in named])
 
     def _sink_name(self, path: str) -> int:
         code = self._sink_names.get(path)
@@ -1100,16 +1110,19 @@ class Recorder(TorchDispatchMode):
                 self._sink_shapes.append(self._code_shape(torch.Size(sh)))
             if raw:
                 step = self.step_no if self.step_no > 0 else 0
-                base, now, back = self.index - first_call, _PHASE[self._phase], _PHASE["backward"]
+                base, phases = self.index - first_call, (_PHASE[self._phase], _PHASE["backward"], _PHASE["other"])
                 self._sink_blocks.append((first_row, len(self.rows)))
-                codes, rows, pending = self._sink_codes, self.rows, self.pending
-                for call, op, mod, bwd, k, shape, dtype, dev, slot in np.frombuffer(raw, np.int64).reshape(-1, 9).tolist():
+                codes, rows, pending, shapes = self._sink_codes, self.rows, self.pending, self._sink_shapes
+                dtypes = self._sink_dtype_codes
+                for call, op, mod, ph, k, shape, dtype, dev, slot in np.frombuffer(raw, np.int64).reshape(-1, 9).tolist():
                     c = codes.get((op, mod))
                     if c is None:   # coded in the order the Python path codes them: op, then module
-                        opc = self._code("ops", self._sink_ops[op])
+                        opc = self._code("ops", self._sink_op(op))
                         c = codes[op, mod] = (opc, self._code("modules", self._sink_path(mod)))
-                    rows.append((step, back if bwd else now, base + call, c[0], c[1], k, self._sink_shapes[shape],
-                                 self._code_dtype(self._sink_dtypes[dtype])))
+                    dt = dtypes.get(dtype)
+                    if dt is None:
+                        dt = dtypes[dtype] = self._code_dtype(self._sink_dtypes[dtype])
+                    rows.append((step, phases[ph], base + call, c[0], c[1], k, shapes[shape], dt))
                     pending.append((("sink", dev), slot))
             self.index += calls
             for index, stream in launched:
@@ -1122,6 +1135,11 @@ class Recorder(TorchDispatchMode):
                 raise TraceError(self._written_early(self._sink_row(min(failed))))
             if values:
                 self._sink_blocks = []
+
+    def _sink_op(self, op: int) -> str:
+        if op >= 0:
+            return self._sink_ops[op]
+        return next(name for name, num in self._sink_snap.items() if num == -1 - op)
 
     def _sink_path(self, code: int) -> str:
         paths = getattr(self, "_sink_paths", None)
@@ -1173,7 +1191,12 @@ class Recorder(TorchDispatchMode):
         had when yielded (``named_parameters()`` yields distinct tensors). Walking a model's modules costs
         more than recording its parameters: pass ``list(model.named_parameters())`` made once."""
         with self._lock:
-            self._take_sink()
+            if self._sink is not None:   # the sink's records first; then the snapshot is the sink's if it can
+                self._take_sink()
+                items = named if isinstance(named, list) else list(named)
+                if self._sink_snapshot(items, op):
+                    return
+                named = items if isinstance(named, list) else iter(items)
             if isinstance(named, list) and self._snapshot_planned(named, op):
                 return
             self._quiet = True  # the ops computing the fingerprints are not records themselves

@@ -451,3 +451,39 @@ def test_the_trace_sink_fails_a_recording_whose_deferred_output_is_written_early
     passes[0] = 0
     with pytest.raises(trace.TraceError, match="aten::convolution_backward"):
         routed_recording(device="cuda", steps=4, hook=double_late)
+
+
+def test_the_trace_sink_takes_the_snapshots_it_can_and_passes_on_the_rest(monkeypatch):
+    """Snapshots under the sink: the parameters (a generator) are recorded in C++; a list holding a
+    non-contiguous tensor goes the Python way. Both give the records (every column, the tables in order)
+    of a recording without the sink."""
+    import torch.nn.functional as F
+
+    from nnrand import models, routing
+
+    _sink_or_skip()
+
+    def run():
+        torch.manual_seed(0)
+        model = models.small(4).cuda()
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(4, 3, 16, 16, generator=g).cuda(), torch.randint(0, 4, (4,), generator=g).cuda()
+        extra = [("cols", torch.arange(12.0, device="cuda").reshape(3, 4).t()),
+                 ("half", torch.linspace(-1, 1, 5, device="cuda").half())]
+        with routing.use_kernels("tree"), trace.record(None, ops="routed", model=model) as rec:
+            for _ in range(4):
+                rec.step()
+                F.cross_entropy(model(x), y).backward()
+                rec.snapshot(model.named_parameters())
+                rec.snapshot(extra, op="extra")
+        return rec.arrays(), rec.sink_stats
+
+    on, stats = run()
+    params = len(list(models.small(4).parameters()))
+    # the last two steps' parameters at least (their calls replayed and recorded by the sink by then)
+    assert stats["rows"] >= 2 * params, stats
+    monkeypatch.setattr(routing, "sink", lambda: None)
+    off, none = run()
+    assert none == {}
+    for k in on:
+        assert np.array_equal(on[k], off[k]), k

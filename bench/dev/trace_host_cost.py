@@ -326,7 +326,7 @@ def routed_split(cfg, steps: int, tmp: Path, mode: str = "routed") -> None:
     """Host time per step in each piece of an ops="routed" (or "all") recording (its methods timed from
     outside; a method called by another counts in both)."""
     pieces = ("_observe", "_owner", "_add_outputs", "_add", "_pass_ended", "_launch_deferred", "snapshot", "_flush",
-              "_pre", "_post") if mode == "routed" else \
+              "_pre", "_post", "_take_sink", "_sink_pass_ended", "_sink_snapshot") if mode == "routed" else \
         ("__torch_dispatch__", "_add_outputs", "_add", "_launch_deferred", "snapshot", "_flush", "_Named.__call__")
     owner = {name: trace._Named if name.startswith("_Named.") else trace.Recorder for name in pieces}
     spent = {name: [0, 0.0] for name in pieces}
