@@ -96,6 +96,7 @@ import contextlib
 import functools
 import gc
 import io
+import itertools
 import json
 import sys
 import threading
@@ -1044,14 +1045,7 @@ class Recorder(TorchDispatchMode):
         and where the fingerprint kernel runs."""
         if module is None or self.model is None or self.keep or not _kernels_here():
             return
-        self._sink_names: dict[str, int] = {}
-        self._sink_snap: dict[str, int] = {}   # a snapshot's op -> its number in the sink
-        self._sink_shapes: list[int] = []   # the sink's shape numbers -> the shapes table's codes
-        self._sink_dtypes = {module.sink_dtype(torch.empty(0, dtype=d)): d for d in FP_KINDS}
-        self._sink_codes: dict[tuple[int, int], tuple[int, int]] = {}
-        self._sink_dtype_codes: dict[int, int] = {}
-        self._sink_blocks: list[tuple[int, int]] = []   # (first sink row, its row here) per take this step
-        self._sink_fps: set[tuple[int, int]] = set()
+        self._sink_tables({module.sink_dtype(torch.empty(0, dtype=d)): d for d in FP_KINDS})
         owners = [(p, self._sink_name(name)) for p, name in self._owned_names.values()]
         self._sink_ops = module.sink_start(self._sink_pass_ended, self._sink_name(""), owners, self._defer_backward)
         self._sink = module
@@ -1059,6 +1053,19 @@ class Recorder(TorchDispatchMode):
             if p.is_cuda:
                 self._sink_fp(p.get_device())
                 break
+
+    def _sink_tables(self, dtypes: dict[int, torch.dtype], ops: list[str] | None = None) -> None:
+        """The sink's numbers of what its records name, against this recorder's codes: ``dtypes`` (its dtype
+        numbers), ``ops`` (the replay layer's ops, given by the sink when it starts)."""
+        self._sink_ops = list(ops or [])
+        self._sink_names: dict[str, int] = {}
+        self._sink_snap: dict[str, int] = {}   # a snapshot's op -> its number in the sink
+        self._sink_shapes: list[int] = []   # the sink's shape numbers -> the shapes table's codes
+        self._sink_dtypes = dtypes
+        self._sink_codes: dict[int, tuple[int, int]] = {}   # (op, module) packed -> their codes
+        self._sink_dtype_codes: dict[int, int] = {}
+        self._sink_blocks: list[tuple[int, int]] = []   # (first sink row, its row here) per take this step
+        self._sink_fps: set[tuple[int, int]] = set()
 
     def _sink_snapshot(self, named: list, op: str) -> bool:
         """``snapshot`` in the sink (its records in order with the calls it records); False: not taken."""
@@ -1109,21 +1116,7 @@ class Recorder(TorchDispatchMode):
             for sh in shapes:
                 self._sink_shapes.append(self._code_shape(torch.Size(sh)))
             if raw:
-                step = self.step_no if self.step_no > 0 else 0
-                base, phases = self.index - first_call, (_PHASE[self._phase], _PHASE["backward"], _PHASE["other"])
-                self._sink_blocks.append((first_row, len(self.rows)))
-                codes, rows, pending, shapes = self._sink_codes, self.rows, self.pending, self._sink_shapes
-                dtypes = self._sink_dtype_codes
-                for call, op, mod, ph, k, shape, dtype, dev, slot in np.frombuffer(raw, np.int64).reshape(-1, 9).tolist():
-                    c = codes.get((op, mod))
-                    if c is None:   # coded in the order the Python path codes them: op, then module
-                        opc = self._code("ops", self._sink_op(op))
-                        c = codes[op, mod] = (opc, self._code("modules", self._sink_path(mod)))
-                    dt = dtypes.get(dtype)
-                    if dt is None:
-                        dt = dtypes[dtype] = self._code_dtype(self._sink_dtypes[dtype])
-                    rows.append((step, phases[ph], base + call, c[0], c[1], k, shapes[shape], dt))
-                    pending.append((("sink", dev), slot))
+                self._sink_rows(np.frombuffer(raw, np.int64).reshape(-1, 9), self.index - first_call, first_row)
             self.index += calls
             for index, stream in launched:
                 self._streams.add((index, stream))
@@ -1135,6 +1128,41 @@ class Recorder(TorchDispatchMode):
                 raise TraceError(self._written_early(self._sink_row(min(failed))))
             if values:
                 self._sink_blocks = []
+
+    def _sink_rows(self, a: np.ndarray, base: int, first_row: int) -> None:
+        """Append the sink's records ``a`` (rows of call, op, module, phase, output, shape, dtype, device, slot;
+        a call's index ``base`` + its number) to the rows, column by column. New ops, modules, shapes and
+        dtypes are coded in the order of their first record, as the Python path codes them."""
+        step = self.step_no if self.step_no > 0 else 0
+        codes = self._sink_codes
+        pairs = a[:, 1] * (1 << 32) + a[:, 2]   # (op, module): op >= -2^31, module < 2^31
+        uniq, first, inv = np.unique(pairs, return_index=True, return_inverse=True)
+        for u in uniq[np.argsort(first)].tolist():
+            if u not in codes:   # op, then module: the Python path's order
+                op, mod = (u + (1 << 31)) >> 32, u - (((u + (1 << 31)) >> 32) << 32)
+                codes[u] = (self._code("ops", self._sink_op(op)), self._code("modules", self._sink_path(mod)))
+        pair_codes = np.array([codes[u] for u in uniq.tolist()], dtype=np.int64).reshape(-1, 2)[inv.reshape(-1)]
+        dtypes = self._sink_dtype_codes
+        for d in a[np.sort(np.unique(a[:, 6], return_index=True)[1]), 6].tolist():
+            if d not in dtypes:
+                dtypes[d] = self._code_dtype(self._sink_dtypes[d])
+        dt = np.array([dtypes.get(d, -1) for d in range(max(dtypes) + 1)], dtype=np.int64)[a[:, 6]]
+        phases = np.array([_PHASE[self._phase], _PHASE["backward"], _PHASE["other"]], dtype=np.int64)
+        out = np.empty((len(a), 8), dtype=np.int64)
+        out[:, 0] = step
+        out[:, 1] = phases[a[:, 3]]
+        out[:, 2] = base + a[:, 0]
+        out[:, 3:5] = pair_codes
+        out[:, 5] = a[:, 4]
+        out[:, 6] = np.array(self._sink_shapes, dtype=np.int64)[a[:, 5]]
+        out[:, 7] = dt
+        self._sink_blocks.append((first_row, len(self.rows)))
+        self.rows += out.tolist()
+        devs = a[:, 7]
+        if (devs == devs[0]).all():
+            self.pending += zip(itertools.repeat(("sink", int(devs[0]))), a[:, 8].tolist())
+        else:
+            self.pending += [(("sink", d), slot) for d, slot in zip(devs.tolist(), a[:, 8].tolist())]
 
     def _sink_op(self, op: int) -> str:
         if op >= 0:

@@ -1305,3 +1305,52 @@ def test_a_snapshot_of_the_same_list_into_the_same_rows_launches_its_last_struct
     want, _ = run(None)
     assert np.array_equal(got["fp"], want["fp"]) and np.array_equal(got["maxabs"], want["maxabs"])
     assert np.array_equal(got["op"], want["op"]) and (got["phase"] == trace._PHASE["other"]).sum() == 2 * (7 + 8)
+
+
+def test_the_sinks_records_are_coded_as_the_python_path_codes_them():
+    """``Recorder._sink_rows`` turns the trace sink's records (C++'s numbers for ops, modules, shapes, dtypes)
+    into rows column by column. Against a record-by-record reference (the Python path's order: a record's op,
+    then its module, then its shape and dtype, each coded at its first appearance), over seeded random
+    records of two takes: the same rows, pending slots and string tables in the same order."""
+    rng = np.random.default_rng(7)
+    dtypes = {6: torch.float32, 15: torch.bfloat16, 4: torch.int64}
+    ops = ["convolution_backward", "cudnn_batch_norm", "max_pool2d_with_indices_backward"]
+    shapes = [(4, 3, 8, 8), (16,), (2, 2), (64, 3, 3, 3)]
+
+    def recorder():
+        rec = trace.Recorder(ops="routed")
+        rec._sink_tables(dtypes, ops)
+        rec.tables["modules"][""] = 0   # a code taken before the sink's: codes continue after it
+        for name in ("", "stem.0", "layer1.0.bn1", "fc"):
+            rec._sink_name(name)
+        rec._sink_snap["parameter"] = 0
+        rec._sink_snap["buffers"] = 1
+        return rec
+
+    def records(n, first_call):
+        calls = first_call + np.sort(rng.integers(0, n // 2, n))
+        a = np.stack([calls, rng.integers(-2, 3, n), rng.integers(0, 4, n), rng.integers(0, 3, n),
+                      rng.integers(0, 4, n), rng.integers(0, 4, n), rng.choice(list(dtypes), n),
+                      rng.integers(0, 2, n), np.arange(n)], axis=1)
+        return a.astype(np.int64)
+
+    fast, ref = recorder(), recorder()
+    for rec in (fast, ref):
+        for sh in shapes:
+            rec._sink_shapes.append(rec._code_shape(torch.Size(sh)))
+    takes = [records(40, 0), records(25, 100)]
+    for step, a in enumerate(takes):
+        for rec in (fast, ref):
+            rec.step_no, rec.index, rec._phase = step, 10 * step, ("forward", "optimizer")[step]
+        fast._sink_rows(a, fast.index - int(a[0, 0]), 0)
+        base = ref.index - int(a[0, 0])
+        for call, op, mod, ph, k, shape, dtype, dev, slot in a.tolist():   # one record at a time
+            opc = ref._code("ops", ref._sink_op(op))
+            modc = ref._code("modules", ref._sink_path(mod))
+            phase = (trace._PHASE[ref._phase], trace._PHASE["backward"], trace._PHASE["other"])[ph]
+            ref.rows.append((step, phase, base + call, opc, modc, k, ref._sink_shapes[shape],
+                             ref._code_dtype(dtypes[dtype])))
+            ref.pending.append((("sink", dev), slot))
+    assert [tuple(r) for r in fast.rows] == ref.rows and fast.pending == ref.pending
+    assert {k: list(v) for k, v in fast.tables.items()} == {k: list(v) for k, v in ref.tables.items()}
+    assert len(fast.tables["ops"]) == 5 and len(fast.rows) == 65   # every op and record came through

@@ -13,6 +13,7 @@
     python3 bench/dev/trace_host_cost.py --routed-parts 8         # ops="routed"'s step cost taken apart
     python3 bench/dev/trace_host_cost.py --all-split              # ... of ops="all"
     python3 bench/dev/trace_host_cost.py --launches               # ops="all"'s deferred launches, call by call
+    python3 bench/dev/trace_host_cost.py --sink-parts             # the host time of the trace sink's pieces
 
 Per mode, the median step time (synchronised; CUDA on a GPU) over ``--steps`` steps after 3 warm-up steps,
 each step as ``trace.recording_cost`` times it (forward, backward, optimizer step, parameter snapshot):
@@ -363,6 +364,55 @@ def routed_split(cfg, steps: int, tmp: Path, mode: str = "routed") -> None:
         print(f"  {name:15s} {calls / n:6.1f} calls  {sec / n * 1e3:7.3f} ms  {sec / max(calls, 1) * 1e6:7.1f} us/call")
 
 
+def sink_parts(cfg, tmp: Path, n: int = 200) -> None:
+    """Host time of the trace sink's pieces (ops="routed" with a model over the replay layer), after three
+    recorded steps: an empty take, a parameter snapshot in C++ (with and without the lists it is given),
+    and a take of its records."""
+    dev = torch.device(cfg.device)
+    seeds = noise.member_seeds({s: "fixed" for s in ("init", "order", "aug")} | {"kernel": 0}, cfg.seed, 0)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(cfg.batch_size, 3, 32, 32, device=dev, generator=g)
+    y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
+    model, opt = train.build(cfg, seeds, 10, torch.contiguous_format)
+    named = list(model.named_parameters())
+    with routing.use_kernels(cfg.kernel, cfg.kernel_ops, strict=cfg.strict), \
+            trace.record(tmp / "s.trace", ops="routed", model=model) as rec:
+        for _ in range(3):
+            rec.step()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            rec.snapshot(named)
+        if rec._sink is None:
+            print("no trace sink here (no replay layer, or no CUDA)")
+            return
+        sink = rec._sink
+        ts, mods = [t for _, t in named], [rec._sink_name(k) for k, _ in named]
+
+        def timed(label, fn, after=None):
+            sync(dev)
+            spent = 0.0
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                spent += time.perf_counter() - t0
+                if after is not None:
+                    after()
+            print(f"  {label:48s} {spent / n * 1e6:8.1f} us")
+
+        rec.step()
+        print(f"trace sink pieces ({len(named)} parameters), host us per call, mean of {n}:")
+        timed("sink_take, nothing waiting", lambda: sink.sink_take(False, False, True))
+        timed("the lists a snapshot hands over", lambda: ([t for _, t in named], [rec._sink_name(k) for k, _ in named]))
+        timed("sink_snapshot alone (then an untimed take)", lambda: sink.sink_snapshot(ts, 0, mods),
+              lambda: (rec._take_sink(), rec.step()))
+        timed("Recorder.snapshot (then an untimed take)", lambda: rec.snapshot(named),
+              lambda: (rec._take_sink(), rec.step()))
+        timed("Recorder._take_sink of a snapshot's records", rec._take_sink,
+              lambda: (rec.step(), sink.sink_snapshot(ts, 0, mods)))
+        sink.sink_snapshot(ts, 0, mods)
+        timed("Recorder._flush of a snapshot's records", rec._flush, lambda: sink.sink_snapshot(ts, 0, mods))
+
+
 def launches(cfg, steps: int, tmp: Path) -> None:
     """Host time of each deferred fingerprint launch under ops="all", per thread: the launch
     (``trace._launch_batch``), the wait of torch's stream for it (``trace._wait_for``) and the whole call
@@ -463,6 +513,7 @@ def main(argv=None) -> int:
                    help="only the host time of ops='all''s deferred fingerprint launches, call by call")
     p.add_argument("--routed-parts", type=int, default=0, metavar="ROUNDS",
                    help="only ops='routed' taken apart (observer alone, without the snapshot), paired rounds")
+    p.add_argument("--sink-parts", action="store_true", help="only the host time of the trace sink's pieces")
     p.add_argument("--cuda-graph", action="store_true", help="--cost with each mode's steps replayed from a graph")
     p.add_argument("--tmp", default="/tmp/nnrand-trace-cost")
     a = p.parse_args(argv)
@@ -482,6 +533,9 @@ def main(argv=None) -> int:
         return 0
     if a.launches:
         launches(cfg, a.steps, tmp)
+        return 0
+    if a.sink_parts:
+        sink_parts(cfg, tmp)
         return 0
     if a.routed_split or a.all_split:
         routed_split(cfg, a.steps, tmp, "routed" if a.routed_split else "all")
