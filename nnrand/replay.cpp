@@ -443,7 +443,14 @@ struct Sink {
   std::set<int64_t> tasks;                       // graph tasks whose end calls the recorder
   PyObject* pass_ended = nullptr;                // Python: called (task) at those ends; GIL held to touch
   int64_t recorded_calls = 0, declined_calls = 0;
+  // the recorder's codes, as it gives them (sink_code): a take whose records all have theirs comes coded
+  std::unordered_map<int64_t, std::pair<int64_t, int64_t>> pair_codes;   // (op, module) packed -> codes
+  std::vector<int64_t> shape_codes;              // per shape number (-1: none yet)
+  std::unordered_map<int64_t, int64_t> dtype_codes;
+  int64_t phase_codes[3] = {-1, -1, -1};         // the recorder's current phase, backward, other
 };
+
+int64_t pair_key(int64_t op, int64_t module) { return op * (int64_t(1) << 32) + module; }
 
 std::shared_ptr<Sink> g_sink;
 
@@ -1120,12 +1127,17 @@ void sink_tag(const at::Tensor& t, int64_t module) {
 
 // The records since the last take: (first call number, calls, first row number, rows as int64 bytes
 // (kRowFields each), the shapes new since the last take, the (device, stream) pairs that launched, the
-// rows found written before their launch). ``launch``: first launch every waiting batch (``checked``: with
-// the version check); ``values_too``: also each device's slot rows since the last such take (a tensor per
-// device index), the slots then starting again.
-py::tuple sink_take(bool launch, bool values_too, bool checked) {
+// rows found written before their launch, each device's slot rows since the last take with ``values_too``
+// (a tensor per device index; the slots then start again), the rows coded (step ``step``, the index of the
+// first call ``index_base``; None unless the recorder gave every code, see sink_code), the records' one
+// device (-1: several) and their slot rows as int64 bytes). ``launch``: first launch every waiting batch
+// (``checked``: with the version check).
+py::tuple sink_take(bool launch, bool values_too, bool checked, int64_t step, int64_t index_base) {
   Sink& s = sink_or_throw();
   std::vector<int64_t> rows;
+  std::vector<int64_t> coded;
+  std::vector<int64_t> slots_of;
+  int64_t device = -2;                           // the records' one device (-1: several)
   std::vector<std::vector<int64_t>> shapes;
   std::vector<std::pair<int, uintptr_t>> launched;
   std::vector<int64_t> failed;
@@ -1145,6 +1157,28 @@ py::tuple sink_take(bool launch, bool values_too, bool checked) {
     first_row = s.row_count - static_cast<int64_t>(rows.size() / kRowFields);
     shapes.assign(s.shapes.begin() + static_cast<int64_t>(s.shapes_taken), s.shapes.end());
     s.shapes_taken = s.shapes.size();
+    // the rows as the recorder keeps them (step, phase, index, op, module, output, shape, dtype), where it
+    // gave the codes of every record's op, module, shape and dtype; their slot rows
+    const size_t n = rows.size() / kRowFields;
+    coded.reserve(8 * n);
+    slots_of.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t* r = &rows[kRowFields * i];
+      const auto pc = s.pair_codes.find(pair_key(r[1], r[2]));
+      const auto dc = s.dtype_codes.find(r[6]);
+      const int64_t shape = r[5] < static_cast<int64_t>(s.shape_codes.size()) ? s.shape_codes[r[5]] : -1;
+      if (pc == s.pair_codes.end() || dc == s.dtype_codes.end() || shape < 0 || s.phase_codes[r[3]] < 0) {
+        coded.clear();
+        break;
+      }
+      coded.insert(coded.end(), {step, s.phase_codes[r[3]], index_base + r[0] - first_call, pc->second.first,
+                                 pc->second.second, r[4], shape, dc->second});
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t* r = &rows[kRowFields * i];
+      slots_of.push_back(r[8]);
+      device = device == -2 || device == r[7] ? r[7] : -1;
+    }
     for (const auto& [index, stream] : s.launched) launched.emplace_back(index, reinterpret_cast<uintptr_t>(stream));
     s.launched.clear();
     failed.swap(s.failed);
@@ -1159,9 +1193,34 @@ py::tuple sink_take(bool launch, bool values_too, bool checked) {
     }
   }
   for (const auto& [index, t] : slots) values[py::int_(index)] = t;
+  const bool all_coded = !rows.empty() && coded.size() == 8 * (rows.size() / kRowFields);
   return py::make_tuple(first_call, calls, first_row,
                         py::bytes(reinterpret_cast<const char*>(rows.data()), rows.size() * sizeof(int64_t)),
-                        shapes, launched, failed, values);
+                        shapes, launched, failed, values,
+                        all_coded ? py::object(py::bytes(reinterpret_cast<const char*>(coded.data()),
+                                                         coded.size() * sizeof(int64_t)))
+                                  : py::object(py::none()),
+                        device, py::bytes(reinterpret_cast<const char*>(slots_of.data()),
+                                          slots_of.size() * sizeof(int64_t)));
+}
+
+// The recorder's codes: ``kind`` 0: of op and module (``key`` = op * 2^32 + module) ``a`` and ``b``; 1: of
+// shape number ``key``, ``a``; 2: of dtype ``key``, ``a``; 3: of phase ``key`` (0: its current one), ``a``.
+void sink_code(int kind, int64_t key, int64_t a, int64_t b) {
+  Sink& s = sink_or_throw();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (kind == 0) {
+    s.pair_codes[key] = {a, b};
+  } else if (kind == 1) {
+    TORCH_CHECK(key >= 0, "nnrand replay: shape number ", key);
+    if (static_cast<int64_t>(s.shape_codes.size()) <= key) s.shape_codes.resize(key + 1, -1);
+    s.shape_codes[key] = a;
+  } else if (kind == 2) {
+    s.dtype_codes[key] = a;
+  } else {
+    TORCH_CHECK(kind == 3 && key >= 0 && key < 3, "nnrand replay: sink_code(", kind, ", ", key, ")");
+    s.phase_codes[key] = a;
+  }
 }
 
 // A snapshot (trace.Recorder.snapshot): a record of each of ``ts`` (phase other, op -1 - ``op``, module
@@ -1248,6 +1307,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sink_take", &sink_take);
   m.def("sink_stats", &sink_stats);
   m.def("sink_snapshot", &sink_snapshot);
+  m.def("sink_code", &sink_code);
   m.def("sink_kind", &sink_kind);
   m.def("sink_dtype", &sink_dtype);
 }

@@ -822,11 +822,15 @@ class Recorder(TorchDispatchMode):
             raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {name!r}")
         self._take_sink()   # the sink's records so far are of the phase before
         before, self._phase = self._phase, name
+        if self._sink is not None:
+            self._sink.sink_code(3, 0, _PHASE[name], 0)
         try:
             yield
         finally:
             self._take_sink()
             self._phase = before
+            if self._sink is not None:
+                self._sink.sink_code(3, 0, _PHASE[before], 0)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -1049,6 +1053,8 @@ class Recorder(TorchDispatchMode):
         owners = [(p, self._sink_name(name)) for p, name in self._owned_names.values()]
         self._sink_ops = module.sink_start(self._sink_pass_ended, self._sink_name(""), owners, self._defer_backward)
         self._sink = module
+        for i, phase in enumerate((self._phase, "backward", "other")):
+            module.sink_code(3, i, _PHASE[phase], 0)
         for p in self._owned:
             if p.is_cuda:
                 self._sink_fp(p.get_device())
@@ -1111,11 +1117,20 @@ class Recorder(TorchDispatchMode):
         if sink is None:
             return
         with self._lock:
-            first_call, calls, first_row, raw, shapes, launched, failed, vals = sink.sink_take(
-                launch, values, not self._unchecked)
+            first_call, calls, first_row, raw, shapes, launched, failed, vals, coded, dev, slots = sink.sink_take(
+                launch, values, not self._unchecked, self.step_no if self.step_no > 0 else 0, self.index)
             for sh in shapes:
+                sink.sink_code(1, len(self._sink_shapes), self._code_shape(torch.Size(sh)), 0)
                 self._sink_shapes.append(self._code_shape(torch.Size(sh)))
-            if raw:
+            if coded is not None:   # every code known: the rows as they are kept, made in C++
+                self._sink_blocks.append((first_row, len(self.rows)))
+                self.rows += map(tuple, np.frombuffer(coded, np.int64).reshape(-1, 8).tolist())
+                if dev >= 0:
+                    self.pending += zip(itertools.repeat(("sink", dev)), np.frombuffer(slots, np.int64).tolist())
+                else:
+                    a = np.frombuffer(raw, np.int64).reshape(-1, 9)
+                    self.pending += [(("sink", d), slot) for d, slot in a[:, 7:9].tolist()]
+            elif raw:
                 self._sink_rows(np.frombuffer(raw, np.int64).reshape(-1, 9), self.index - first_call, first_row)
             self.index += calls
             for index, stream in launched:
@@ -1131,38 +1146,29 @@ class Recorder(TorchDispatchMode):
 
     def _sink_rows(self, a: np.ndarray, base: int, first_row: int) -> None:
         """Append the sink's records ``a`` (rows of call, op, module, phase, output, shape, dtype, device, slot;
-        a call's index ``base`` + its number) to the rows, column by column. New ops, modules, shapes and
-        dtypes are coded in the order of their first record, as the Python path codes them."""
+        a call's index ``base`` + its number) to the rows one by one, coding new ops, modules and dtypes as
+        the Python path codes them (a record's op, then its module, then its dtype), and giving the sink
+        those codes (its later takes come coded)."""
         step = self.step_no if self.step_no > 0 else 0
-        codes = self._sink_codes
-        pairs = a[:, 1] * (1 << 32) + a[:, 2]   # (op, module): op >= -2^31, module < 2^31
-        uniq, first, inv = np.unique(pairs, return_index=True, return_inverse=True)
-        for u in uniq[np.argsort(first)].tolist():
-            if u not in codes:   # op, then module: the Python path's order
-                op, mod = (u + (1 << 31)) >> 32, u - (((u + (1 << 31)) >> 32) << 32)
-                codes[u] = (self._code("ops", self._sink_op(op)), self._code("modules", self._sink_path(mod)))
-        pair_codes = np.array([codes[u] for u in uniq.tolist()], dtype=np.int64).reshape(-1, 2)[inv.reshape(-1)]
-        dtypes = self._sink_dtype_codes
-        for d in a[np.sort(np.unique(a[:, 6], return_index=True)[1]), 6].tolist():
-            if d not in dtypes:
-                dtypes[d] = self._code_dtype(self._sink_dtypes[d])
-        dt = np.array([dtypes.get(d, -1) for d in range(max(dtypes) + 1)], dtype=np.int64)[a[:, 6]]
-        phases = np.array([_PHASE[self._phase], _PHASE["backward"], _PHASE["other"]], dtype=np.int64)
-        out = np.empty((len(a), 8), dtype=np.int64)
-        out[:, 0] = step
-        out[:, 1] = phases[a[:, 3]]
-        out[:, 2] = base + a[:, 0]
-        out[:, 3:5] = pair_codes
-        out[:, 5] = a[:, 4]
-        out[:, 6] = np.array(self._sink_shapes, dtype=np.int64)[a[:, 5]]
-        out[:, 7] = dt
+        phases = (_PHASE[self._phase], _PHASE["backward"], _PHASE["other"])
+        codes, shapes, dtypes, sink = self._sink_codes, self._sink_shapes, self._sink_dtype_codes, self._sink
+        rows = []
+        for call, op, mod, ph, k, shape, dtype, dev, slot in a.tolist():
+            key = op * (1 << 32) + mod
+            c = codes.get(key)
+            if c is None:
+                c = codes[key] = (self._code("ops", self._sink_op(op)), self._code("modules", self._sink_path(mod)))
+                if sink is not None:
+                    sink.sink_code(0, key, *c)
+            dt = dtypes.get(dtype)
+            if dt is None:
+                dt = dtypes[dtype] = self._code_dtype(self._sink_dtypes[dtype])
+                if sink is not None:
+                    sink.sink_code(2, dtype, dt, 0)
+            rows.append((step, phases[ph], base + call, c[0], c[1], k, shapes[shape], dt))
         self._sink_blocks.append((first_row, len(self.rows)))
-        self.rows += out.tolist()
-        devs = a[:, 7]
-        if (devs == devs[0]).all():
-            self.pending += zip(itertools.repeat(("sink", int(devs[0]))), a[:, 8].tolist())
-        else:
-            self.pending += [(("sink", d), slot) for d, slot in zip(devs.tolist(), a[:, 8].tolist())]
+        self.rows += rows
+        self.pending += [(("sink", d), slot) for d, slot in a[:, 7:9].tolist()]
 
     def _sink_op(self, op: int) -> str:
         if op >= 0:
