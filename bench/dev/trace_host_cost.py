@@ -401,7 +401,7 @@ def sink_parts(cfg, tmp: Path, n: int = 200) -> None:
 
         rec.step()
         print(f"trace sink pieces ({len(named)} parameters), host us per call, mean of {n}:")
-        timed("sink_take, nothing waiting", lambda: sink.sink_take(False, False, True))
+        timed("sink_take, nothing waiting", lambda: sink.sink_take(False, False, True, 0, 0))
         timed("the lists a snapshot hands over", lambda: ([t for _, t in named], [rec._sink_name(k) for k, _ in named]))
         timed("sink_snapshot alone (then an untimed take)", lambda: sink.sink_snapshot(ts, 0, mods),
               lambda: (rec._take_sink(), rec.step()))
