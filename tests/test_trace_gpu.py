@@ -2,6 +2,8 @@
 tree runs bitwise equal."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -470,18 +472,24 @@ def test_the_trace_sink_takes_the_snapshots_it_can_and_passes_on_the_rest(monkey
         x, y = torch.randn(4, 3, 16, 16, generator=g).cuda(), torch.randint(0, 4, (4,), generator=g).cuda()
         extra = [("cols", torch.arange(12.0, device="cuda").reshape(3, 4).t()),
                  ("half", torch.linspace(-1, 1, 5, device="cuda").half())]
+        # more records in one step than a chunk of the sink's slot rows holds (4096): read back across chunks
+        many = [(f"t{i}", torch.full((i % 7 + 1,), i * 0.5 - 900.0, device="cuda")) for i in range(4200)]
         with routing.use_kernels("tree"), trace.record(None, ops="routed", model=model) as rec:
-            for _ in range(4):
+            for step in range(4):
                 rec.step()
                 F.cross_entropy(model(x), y).backward()
                 rec.snapshot(model.named_parameters())
                 rec.snapshot(extra, op="extra")
+                if step == 2:
+                    rec.snapshot(many, op="many")
         return rec.arrays(), rec.sink_stats
 
     on, stats = run()
     params = len(list(models.small(4).parameters()))
-    # the last two steps' parameters at least (their calls replayed and recorded by the sink by then)
-    assert stats["rows"] >= 2 * params, stats
+    assert stats["rows"] >= 4 * params + 4200, stats   # every parameter snapshot and the long list: the sink's
+    ops = json.loads(bytes(on["header"]).decode())["ops"]
+    many = on["fp"][on["op"] == ops.index("many")]
+    assert len(many) == 4200 and len(np.unique(many)) > 4000   # read back across chunks, not one row repeated
     monkeypatch.setattr(routing, "sink", lambda: None)
     off, none = run()
     assert none == {}
