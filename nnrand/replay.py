@@ -35,7 +35,9 @@ change them outside a routing context.
 Never used during a CUDA-graph capture (the C++ kernel passes such calls to Python, whose ticket
 counters are graph-private) or for calls an original kernel makes. While a routed-op observer records
 (``routing.observe``), a replayed call hands its outputs and arguments to it (:meth:`Layer.observe`): the
-observer pays its own Python cost, the call's work stays in C++. ``NNRAND_REPLAY=0`` turns the layer off;
+observer pays its own Python cost, the call's work stays in C++; a trace recorder of routed ops with a model
+has the layer record the call in C++ instead (the trace sink, ``sink_*`` in ``replay.cpp``; see
+``nnrand.trace``). ``NNRAND_REPLAY=0`` turns the layer off;
 where the extension cannot be built (no compiler, no ninja) the routing warns once and runs in Python.
 """
 from __future__ import annotations

@@ -50,6 +50,17 @@ memory) are not seen: record such code with ``defer=False`` (one launch per op).
 not made through ``Recorder.capturing`` every record launches at once; step (``Recorder.step``) before
 capturing, so that no batch is waiting.
 
+The replay layer's trace sink (``ops="routed"`` with a ``model``, routed calls replayed by the C++ layer of
+``nnrand/replay.py``, no ``keep``): while the recorder is the routing's only observer, a replayed call is
+recorded in C++, with no trip into Python: its outputs fingerprinted as above (at once in a forward, at
+the pass's end in a backward, storages held and version counters watched), its module found the same way
+(the parameters it takes; the hooked parameterless leaves tell the sink their stack and autograd nodes),
+its row queued. So are ``snapshot``'s lists of contiguous CUDA tensors. The recorder takes the queue in
+call order before it records anything itself, when the phase changes, at a pass's end and at the step's
+end, so the trace is the one the Python observer would record, record for record and code for code. A
+call or snapshot the sink cannot take (a CPU or non-contiguous output, a dtype the kernel does not take)
+goes the Python way; a second observer (``routing.observe``) turns the sink off.
+
 Steps replayed from a CUDA graph (``record --cuda-graph``, or ``graph_step`` and ``replay`` around any
 model): the captured ops are recorded once, inside the capture (``Recorder.capturing``), their fingerprint
 launches (batched as above) captured with them; each replay then rewrites the capture's value rows, and
