@@ -356,12 +356,14 @@ struct WeakOf<std::shared_ptr<T>> {
   using type = std::weak_ptr<T>;
   static type make(const std::shared_ptr<T>& p) { return type(p); }
   static bool is(const type& w, const void* p) { return w.lock().get() == p; }
+  static bool expired(const type& w) { return w.expired(); }
 };
 template <typename T>
 struct WeakOf<c10::intrusive_ptr<T>> {
   using type = c10::weak_intrusive_ptr<T>;
   static type make(const c10::intrusive_ptr<T>& p) { return type(p); }
   static bool is(const type& w, const void* p) { return w.lock().get() == p; }
+  static bool expired(const type& w) { return w.expired(); }
 };
 using NodePtr = std::decay_t<decltype(torch::autograd::get_current_node())>;
 using NodeWeak = WeakOf<NodePtr>;
@@ -420,7 +422,9 @@ constexpr int kRowFields = 9;
 
 struct Sink {
   std::mutex mutex;
-  std::atomic<bool> active{false};
+  std::atomic<bool> active{false};                // the recorder takes calls now (not paused or capturing)
+  std::atomic<bool> shared{false};                // another observer came: every call to Python, for good
+  int64_t waiting_bytes = 0;                      // storage held by the waiting batches
   bool defer_backward = true;
   int64_t unnamed = 0;                           // the module index of "" (no module)
   std::unordered_map<const c10::TensorImpl*, int64_t> owners;   // a parameter -> its module
@@ -470,6 +474,7 @@ void launch_waiting(Sink& s, const std::pair<int, void*>& where, Waiting& w, boo
   TORCH_CHECK(rc == 0, "nnrand.trace: launching fingerprint_batch (", w.blocks, " blocks) failed: ",
               driver_error(rc));
   s.launched.insert(where);
+  s.waiting_bytes -= w.nbytes;
   if (checked) {
     for (const auto& [counter, version, row] : w.watched) {
       if (counter.current_version() != version) s.failed.push_back(row);
@@ -573,7 +578,7 @@ bool sink_record(const std::shared_ptr<Sink>& sink, int64_t op, const std::strin
   Sink& s = *sink;
   const auto where = std::make_pair(static_cast<int>(device.index()), stream);
   std::lock_guard<std::mutex> lock(s.mutex);
-  if (!s.active.load(std::memory_order_relaxed) || !s.fp.count(where)) {
+  if (!s.active.load(std::memory_order_relaxed) || s.shared.load(std::memory_order_relaxed) || !s.fp.count(where)) {
     ++s.declined_calls;
     return false;
   }
@@ -646,7 +651,9 @@ bool sink_record(const std::shared_ptr<Sink>& sink, int64_t op, const std::strin
     const int64_t seq = s.row_count++;
     if (task >= 0) {
       Waiting& w = s.waiting[where];
-      if (w.held.size() == kFpBatch || w.blocks + blocks > kFpScratchBlocks || w.nbytes > kHeldBytes) {
+      if (s.waiting_bytes > kHeldBytes) {   // HELD_BYTES over every stream's batch, as the Python path holds
+        for (auto& [other, ow] : s.waiting) launch_waiting(s, other, ow, true);
+      } else if (w.held.size() == kFpBatch || w.blocks + blocks > kFpScratchBlocks) {
         launch_waiting(s, where, w, true);
       }
       w.desc.insert(w.desc.end(), {reinterpret_cast<int64_t>(t.data_ptr()), n, chunk, out,
@@ -656,6 +663,7 @@ bool sink_record(const std::shared_ptr<Sink>& sink, int64_t op, const std::strin
       if (counter.enabled()) w.watched.emplace_back(counter, counter.current_version(), seq);
       w.blocks += blocks;
       w.nbytes += static_cast<int64_t>(t.storage().nbytes());
+      s.waiting_bytes += static_cast<int64_t>(t.storage().nbytes());
       if (s.tasks.insert(task).second) queue_pass_end(sink, task);
     } else {
       now.add(reinterpret_cast<int64_t>(t.data_ptr()), n, chunk, out, blocks, kind);
@@ -1073,15 +1081,22 @@ void sink_stop() {
   Py_XDECREF(cb);
 }
 
-Sink& sink_or_throw() {
-  TORCH_CHECK(g_sink, "nnrand replay: no trace recording takes replayed calls");
-  return *g_sink;
+std::shared_ptr<Sink> sink_or_throw() {
+  auto s = current_sink();
+  TORCH_CHECK(s, "nnrand replay: no trace recording takes replayed calls");
+  return s;
 }
 
 // Whether replayed calls are recorded here (true) or handed to the Python observer (false).
 void sink_active(bool on) {
   auto s = current_sink();
   if (s) s->active.store(on);
+}
+
+// Another observer came (routing.observe): replayed calls go to Python's observers from now on.
+void sink_share() {
+  auto s = current_sink();
+  if (s) s->shared.store(true);
 }
 
 // The fingerprint kernel and its buffers for launches on ``stream`` of device ``index`` (trace._fp_state).
@@ -1093,13 +1108,6 @@ void sink_fp(int index, uintptr_t stream, uintptr_t fn, const std::vector<int64_
   FpStream& f = s->fp[{index, reinterpret_cast<void*>(stream)}];
   f.fn = reinterpret_cast<void*>(fn);
   std::copy(parts.begin(), parts.end(), f.parts);
-}
-
-bool sink_has_fp(int index, uintptr_t stream) {
-  auto s = current_sink();
-  if (!s) return false;
-  std::lock_guard<std::mutex> lock(s->mutex);
-  return s->fp.count({index, reinterpret_cast<void*>(stream)}) > 0;
 }
 
 // The module index of the recorder's module stack's top (-1: the stack is empty).
@@ -1133,7 +1141,8 @@ void sink_tag(const at::Tensor& t, int64_t module) {
 // device (-1: several) and their slot rows as int64 bytes). ``launch``: first launch every waiting batch
 // (``checked``: with the version check).
 py::tuple sink_take(bool launch, bool values_too, bool checked, int64_t step, int64_t index_base) {
-  Sink& s = sink_or_throw();
+  const auto sink = sink_or_throw();
+  Sink& s = *sink;
   std::vector<int64_t> rows;
   std::vector<int64_t> coded;
   std::vector<int64_t> slots_of;
@@ -1143,8 +1152,11 @@ py::tuple sink_take(bool launch, bool values_too, bool checked, int64_t step, in
   std::vector<int64_t> failed;
   py::dict values;
   int64_t first_call, calls, first_row;
-  std::vector<std::pair<int, at::Tensor>> slots;
+  std::vector<std::pair<int, std::vector<at::Tensor>>> slots;
   {
+    // the GIL let go while the mutex is held: a record holding the mutex may need it (an allocation whose
+    // memory history takes Python stacks)
+    py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(s.mutex);
     if (launch) {
       for (auto& [where, w] : s.waiting) launch_waiting(s, where, w, checked);
@@ -1182,17 +1194,24 @@ py::tuple sink_take(bool launch, bool values_too, bool checked, int64_t step, in
     for (const auto& [index, stream] : s.launched) launched.emplace_back(index, reinterpret_cast<uintptr_t>(stream));
     s.launched.clear();
     failed.swap(s.failed);
-    if (values_too) {
+    if (values_too) {   // the chunks written, the last cut to its rows (joined in Python after the streams)
       for (auto& [index, used] : s.slot_used) {
         if (used == 0) continue;
         const auto& chunks = s.slot_chunks[index];
-        const at::Tensor all = chunks.size() > 1 ? at::cat(chunks) : chunks[0];
-        slots.emplace_back(index, all.narrow(0, 0, used));
+        std::vector<at::Tensor> parts;
+        for (int64_t at = 0; at < used; at += kSlotRows) {
+          const at::Tensor& c = chunks[static_cast<size_t>(at / kSlotRows)];
+          parts.push_back(used - at >= kSlotRows ? c : c.narrow(0, 0, used - at));
+        }
+        slots.emplace_back(index, std::move(parts));
         used = 0;
+      }
+      for (auto it = s.tags.begin(); it != s.tags.end();) {   // the tags of nodes gone since
+        it = NodeWeak::expired(it->second.first) ? s.tags.erase(it) : std::next(it);
       }
     }
   }
-  for (const auto& [index, t] : slots) values[py::int_(index)] = t;
+  for (const auto& [index, parts] : slots) values[py::int_(index)] = parts;
   const bool all_coded = !rows.empty() && coded.size() == 8 * (rows.size() / kRowFields);
   return py::make_tuple(first_call, calls, first_row,
                         py::bytes(reinterpret_cast<const char*>(rows.data()), rows.size() * sizeof(int64_t)),
@@ -1207,7 +1226,8 @@ py::tuple sink_take(bool launch, bool values_too, bool checked, int64_t step, in
 // The recorder's codes: ``kind`` 0: of op and module (``key`` = op * 2^32 + module) ``a`` and ``b``; 1: of
 // shape number ``key``, ``a``; 2: of dtype ``key``, ``a``; 3: of phase ``key`` (0: its current one), ``a``.
 void sink_code(int kind, int64_t key, int64_t a, int64_t b) {
-  Sink& s = sink_or_throw();
+  const auto sink = sink_or_throw();
+  Sink& s = *sink;
   std::lock_guard<std::mutex> lock(s.mutex);
   if (kind == 0) {
     s.pair_codes[key] = {a, b};
@@ -1231,7 +1251,7 @@ bool sink_snapshot(const std::vector<at::Tensor>& ts, int64_t op, const std::vec
   TORCH_CHECK(ts.size() == modules.size(), "nnrand replay: a snapshot of ", ts.size(), " tensors with ",
               modules.size(), " modules");
   auto sink = current_sink();
-  if (!sink || ts.empty() || !sink->active.load()) return false;
+  if (!sink || ts.empty() || !sink->active.load() || sink->shared.load()) return false;
   Sink& s = *sink;
   const c10::Device device = ts[0].device();
   if (!device.is_cuda()) return false;
@@ -1265,15 +1285,19 @@ py::dict sink_stats() {
   py::dict out;
   auto s = current_sink();
   if (!s) return out;
-  std::lock_guard<std::mutex> lock(s->mutex);
-  out["recorded"] = s->recorded_calls;
-  out["declined"] = s->declined_calls;
-  out["rows"] = s->row_count;
+  int64_t counts[3];
+  {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(s->mutex);
+    counts[0] = s->recorded_calls;
+    counts[1] = s->declined_calls;
+    counts[2] = s->row_count;
+  }
+  out["recorded"] = counts[0];
+  out["declined"] = counts[1];
+  out["rows"] = counts[2];
   return out;
 }
-
-// The fingerprint kernel's kind code of ``t``'s dtype, -1 where it takes none (trace.FP_KINDS).
-int sink_kind(const at::Tensor& t) { return fp_kind(t.scalar_type()); }
 
 // ``t``'s dtype as the sink's records give it (its ScalarType's number).
 int sink_dtype(const at::Tensor& t) { return static_cast<int>(t.scalar_type()); }
@@ -1299,15 +1323,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", &stats);
   m.def("sink_start", &sink_start);
   m.def("sink_stop", &sink_stop);
-  m.def("sink_active", &sink_active);
-  m.def("sink_fp", &sink_fp);
-  m.def("sink_has_fp", &sink_has_fp);
-  m.def("sink_stack", &sink_stack);
-  m.def("sink_tag", &sink_tag);
+  // (the GIL let go inside: see sink_take)
+  m.def("sink_active", &sink_active, py::call_guard<py::gil_scoped_release>());
+  m.def("sink_share", &sink_share, py::call_guard<py::gil_scoped_release>());
+  m.def("sink_fp", &sink_fp, py::call_guard<py::gil_scoped_release>());
+  m.def("sink_stack", &sink_stack, py::call_guard<py::gil_scoped_release>());
+  m.def("sink_tag", &sink_tag, py::call_guard<py::gil_scoped_release>());
   m.def("sink_take", &sink_take);
   m.def("sink_stats", &sink_stats);
-  m.def("sink_snapshot", &sink_snapshot);
-  m.def("sink_code", &sink_code);
-  m.def("sink_kind", &sink_kind);
+  m.def("sink_snapshot", &sink_snapshot, py::call_guard<py::gil_scoped_release>());
+  m.def("sink_code", &sink_code, py::call_guard<py::gil_scoped_release>());
   m.def("sink_dtype", &sink_dtype);
 }

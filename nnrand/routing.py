@@ -1324,7 +1324,7 @@ def observe(fn: Callable[[str, object, tuple], None]) -> Iterator[None]:
     if s.replay is not None:   # calls replayed in C++ are reported to the observers from there
         s.replay.observe(functools.partial(_notify, s))
         if len(s.observers) > 1:
-            s.replay.module.sink_active(False)
+            s.replay.module.sink_share()
     try:
         yield
     finally:

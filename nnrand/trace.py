@@ -465,13 +465,15 @@ class _Slots:
 
 
 class _TakenSlots:
-    """The trace sink's slot rows of one device for a step (``Recorder._take_sink``), read as ``_Slots``."""
+    """The trace sink's slot rows of one device for a step (``Recorder._take_sink``: its chunks, the last cut
+    to the rows used), read as ``_Slots``: joined when taken, after the streams that wrote them are waited
+    for."""
 
-    def __init__(self, rows: torch.Tensor):
-        self.rows, self.used = rows, rows.shape[0]
+    def __init__(self, chunks: list[torch.Tensor]):
+        self.chunks, self.used = chunks, sum(c.shape[0] for c in chunks)
 
     def take(self) -> np.ndarray:
-        return self.rows.cpu().numpy()
+        return (torch.cat(self.chunks) if len(self.chunks) > 1 else self.chunks[0]).cpu().numpy()
 
 
 @dataclass(eq=False)
@@ -826,6 +828,8 @@ class Recorder(TorchDispatchMode):
         if self.step_no > 0:
             self.index = 0
         self._phase = "forward"
+        if self._sink is not None:
+            self._sink.sink_code(3, 0, _PHASE["forward"], 0)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -838,23 +842,26 @@ class Recorder(TorchDispatchMode):
         try:
             yield
         finally:
-            self._take_sink()
-            self._phase = before
-            if self._sink is not None:
-                self._sink.sink_code(3, 0, _PHASE[before], 0)
+            try:
+                self._take_sink()
+            finally:
+                self._phase = before
+                if self._sink is not None:
+                    self._sink.sink_code(3, 0, _PHASE[before], 0)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Ops run inside are not recorded, on any thread (autograd runs a CUDA backward pass on a thread of
         its own): a CUDA-graph step's warm-up and input copies. ``snapshot`` and ``replayed`` still record."""
         self._take_sink()
-        before, self._paused = self._paused, True
-        self._sink_active(False)
+        before = self._paused
+        self._sink_active(False)   # (before the flag: another thread's call meanwhile goes to _observe)
+        self._paused = True
         try:
             yield
         finally:
             self._paused = before
-            self._sink_active(not before)
+            self._sink_refresh()
 
     def capturing(self, stream: torch.cuda.Stream | None):
         """For a CUDA-graph capture on ``stream`` (``nnrand.train.GraphStep(capture=rec.capturing)``), called
@@ -872,6 +879,7 @@ class Recorder(TorchDispatchMode):
             quiet, self._quiet = self._quiet, True   # (the scratch made below is no record)
             try:
                 self._launch_deferred()   # nothing waits into the capture, and nothing launches late out of it
+                self._take_sink(launch=True)
                 if stream is not None and _kernels_here():   # the capture stream's scratch and counters, made now
                     _fp_state(stream.device.index, stream.cuda_stream)
             finally:
@@ -884,9 +892,9 @@ class Recorder(TorchDispatchMode):
             if self._capture is not None:
                 raise TraceError("nnrand.trace: a capture is already being recorded; captures are recorded one "
                                  "at a time")
-            cap = _Captured(stream=stream)
             self._take_sink()   # (the records before the capture are the step's, and none go to the sink in it)
             self._sink_active(False)
+            cap = _Captured(stream=stream)
             saved = (self.rows, self.pending, self.index, self.slots, self._streams, self._paused)
             self.rows, self.pending, self.index, self.slots, self._streams = cap.rows, cap.pending, 0, cap.slots, set()
             self._capture, self._paused = cap, False
@@ -899,7 +907,7 @@ class Recorder(TorchDispatchMode):
                 cap.ops = self.index
                 self.rows, self.pending, self.index, self.slots, self._streams, self._paused = saved
                 self._capture = None
-                self._sink_active(not self._paused)
+                self._sink_refresh()
 
     def replayed(self, cap: _Captured) -> None:
         """Add a captured graph's records to the current step, after its replay was enqueued: their rows, and
@@ -958,6 +966,9 @@ class Recorder(TorchDispatchMode):
                 try:
                     self._start_sink(routing.sink())
                 except BaseException:
+                    if self._sink is not None:
+                        sink, self._sink = self._sink, None
+                        sink.sink_stop()
                     self._observing.__exit__(*sys.exc_info())
                     raise
                 return self
@@ -1110,6 +1121,11 @@ class Recorder(TorchDispatchMode):
         if self._sink is not None:
             self._sink.sink_active(on)
 
+    def _sink_refresh(self) -> None:
+        """The sink takes calls unless the recorder is paused or recording a capture (a second observer turns
+        it off for good: ``routing.observe``)."""
+        self._sink_active(not self._paused and self._capture is None)
+
     def _observed_by_python(self, out) -> None:
         """A routed call reached ``_observe``: the sink's records go first; a CUDA output on a stream the sink
         has no buffers for gets them (the sink takes the next such call)."""
@@ -1119,14 +1135,14 @@ class Recorder(TorchDispatchMode):
                 self._sink_fp(t.get_device())
                 break
 
-    def _take_sink(self, launch: bool = False, values: bool = False) -> None:
+    def _take_sink(self, launch: bool = False, values: bool = False, raises: bool = True) -> str | None:
         """Add the sink's records since the last take (each of its calls an op index, in call order; a call
         outside a backward pass in the current phase). ``launch``: its waiting fingerprints go out first;
         ``values``: its slot rows come too (the step's end). A record written before its launch fails the
-        recording."""
+        recording (``raises=False``: its message is returned, the state kept whole for a read-back first)."""
         sink = self._sink
         if sink is None:
-            return
+            return None
         with self._lock:
             first_call, calls, first_row, raw, shapes, launched, failed, vals, coded, dev, slots = sink.sink_take(
                 launch, values, not self._unchecked, self.step_no if self.step_no > 0 else 0, self.index)
@@ -1148,12 +1164,16 @@ class Recorder(TorchDispatchMode):
                 self._streams.add((index, stream))
                 if launch:
                     _wait_for(index, stream)
-            for index, t in vals.items():
-                self.slots[("sink", index)] = _TakenSlots(t)
+            for index, chunks in vals.items():
+                self.slots[("sink", index)] = _TakenSlots(chunks)
+            message = None
             if failed and not self._unchecked:
-                raise TraceError(self._written_early(self._sink_row(min(failed))))
+                message = self._written_early(self._sink_row(min(failed)))
             if values:
                 self._sink_blocks = []
+            if message is not None and raises:
+                raise TraceError(message)
+            return message
 
     def _sink_rows(self, a: np.ndarray, base: int, first_row: int) -> None:
         """Append the sink's records ``a`` (rows of call, op, module, phase, output, shape, dtype, device, slot;
@@ -1473,7 +1493,9 @@ class Recorder(TorchDispatchMode):
             self._quiet = True
             try:
                 self._launch_deferred()
-                self._take_sink(launch=True, values=True)
+                # a record the sink found written early fails the recording once the step's values are read
+                # back (rows and values stay aligned)
+                failed = self._take_sink(launch=True, values=True, raises=False)
                 self._join_streams()
                 if not self.pending:
                     return
@@ -1483,11 +1505,13 @@ class Recorder(TorchDispatchMode):
                     vals = busy[0].take()   # every record of the step a row of one device's slots, in order
                 else:
                     vals = self._gather(pending)
+                for key in [k for k in self.slots if isinstance(k, tuple)]:   # the sink's rows, read back
+                    del self.slots[key]
             finally:
                 self._quiet = False
-                for key in [k for k in self.slots if isinstance(k, tuple)]:   # the sink's rows, taken
-                    del self.slots[key]
             self.values.append((vals[:, 0].view(np.int64).copy(), vals[:, 1].copy(), vals[:, 2].copy()))
+            if failed is not None:
+                raise TraceError(failed)
 
     def _gather(self, pending: list) -> np.ndarray:
         """The values of records of several devices, or some of them tensors (see ``pending``)."""
@@ -1776,6 +1800,7 @@ def replay(rec: Recorder | None, graph, x: torch.Tensor, y: torch.Tensor) -> tup
         raise TraceError("nnrand.trace.replay: this graph was captured without a recorder (graph_step(None, ...)); "
                          "pass the recorder to graph_step")
     rec._launch_deferred()
+    rec._take_sink(launch=True)
     with rec.paused():
         out = graph(x, y)
     rec.replayed(graph.captured)

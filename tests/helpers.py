@@ -143,6 +143,8 @@ def routed_recording(defer: bool = True, hook=None, steps: int = 2, device: str 
         relu1 = model.stages[0][0].relu1
         handles.append(relu1.register_forward_hook(lambda m, a, out: [out.register_hook(hook), None][1]))
     with routing.use_kernels("tree"), trace.record(None, ops="routed", model=model, defer=defer) as rec:
+        if recorders is not None:   # (before the steps: a test may look at a recording that failed)
+            recorders.append(rec)
         for _ in range(steps):
             rec.step()
             loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -150,8 +152,6 @@ def routed_recording(defer: bool = True, hook=None, steps: int = 2, device: str 
             loss.backward()
             opt.step()
             rec.snapshot(model.named_parameters())
-    if recorders is not None:
-        recorders.append(rec)
     for h in handles:
         h.remove()
     return rec.arrays()

@@ -426,7 +426,8 @@ def test_the_trace_sink_records_what_the_python_observer_records(monkeypatch, de
     recs: list = []
     on = routed_recording(device="cuda", steps=4, defer=defer, recorders=recs)
     stats = recs[0].sink_stats
-    assert stats["recorded"] > 0 and stats["rows"] > stats["recorded"], stats
+    # every replayed call taken (none passed to Python), with more records than calls (multi-output ops)
+    assert stats["recorded"] > 0 and stats["declined"] == 0 and stats["rows"] > stats["recorded"], stats
     monkeypatch.setattr(routing, "sink", lambda: None)
     off = routed_recording(device="cuda", steps=4, defer=defer, recorders=recs)
     assert recs[1].sink_stats == {}
@@ -435,24 +436,35 @@ def test_the_trace_sink_records_what_the_python_observer_records(monkeypatch, de
         assert np.array_equal(on[k], off[k]), k
 
 
-def test_the_trace_sink_fails_a_recording_whose_deferred_output_is_written_early():
+def test_the_trace_sink_fails_a_recording_whose_deferred_output_is_written_early(monkeypatch):
     """A gradient hook that writes a conv backward's output in place in the fourth step (its calls replayed
-    and recorded by the sink by then) fails the recording, naming the op; the same hook run before it
-    writes nothing (negative control: the recording passes)."""
+    and recorded by the sink by then) fails the recording at the pass's end, in the sink's callback, naming
+    the op; the same hook run before it writes nothing (negative control: the recording passes)."""
     _sink_or_skip()
-    passes = [0]
+    passes, raised = [0], []
 
     def double_late(grad):
         passes[0] += 1
         if passes[0] > 3:
             grad.mul_(2)
 
+    pass_ended = trace.Recorder._sink_pass_ended
+
+    def watched(self, task):
+        try:
+            return pass_ended(self, task)
+        except trace.TraceError:
+            raised.append(task)
+            raise
+
+    monkeypatch.setattr(trace.Recorder, "_sink_pass_ended", watched)
     recs: list = []
     routed_recording(device="cuda", steps=3, hook=double_late, recorders=recs)
-    assert recs[0].sink_stats["recorded"] > 0
+    assert recs[0].sink_stats["recorded"] > 0 and not raised
     passes[0] = 0
     with pytest.raises(trace.TraceError, match="aten::convolution_backward"):
         routed_recording(device="cuda", steps=4, hook=double_late)
+    assert len(raised) == 1   # the sink's check, not the Python path's
 
 
 def test_the_trace_sink_takes_the_snapshots_it_can_and_passes_on_the_rest(monkeypatch):
@@ -493,5 +505,52 @@ def test_the_trace_sink_takes_the_snapshots_it_can_and_passes_on_the_rest(monkey
     monkeypatch.setattr(routing, "sink", lambda: None)
     off, none = run()
     assert none == {}
+    for k in on:
+        assert np.array_equal(on[k], off[k]), k
+
+
+def test_the_trace_sink_follows_phases_pauses_and_a_second_observer(monkeypatch):
+    """Under the sink: forward ops inside ``rec.phase("other")``, a ``step`` inside a phase, paused passes,
+    and a second ``routing.observe`` observer added late (with a pause inside it) give the records of the
+    recording without the sink, and the second observer sees the same calls in both (the sink, off for good
+    once it came, does not take them back after the pause)."""
+    import torch.nn.functional as F
+
+    from nnrand import models, routing
+
+    _sink_or_skip()
+
+    def run():
+        torch.manual_seed(0)
+        model = models.small(4).cuda()
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(4, 3, 16, 16, generator=g).cuda(), torch.randint(0, 4, (4,), generator=g).cuda()
+        seen: list = []
+        with routing.use_kernels("tree"), trace.record(None, ops="routed", model=model) as rec:
+            for step in range(5):
+                rec.step()
+                F.cross_entropy(model(x), y).backward()
+                with rec.phase("other"):
+                    model(x)
+                    if step == 3:
+                        rec.step()   # its forward ops are the step's "forward" ones
+                        model(x)
+                with rec.paused():
+                    F.cross_entropy(model(x), y).backward()
+            with routing.observe(lambda op, out, args: seen.append(op)):
+                with rec.paused():
+                    F.cross_entropy(model(x), y).backward()
+                rec.step()
+                F.cross_entropy(model(x), y).backward()
+        return rec.arrays(), rec.sink_stats, seen
+
+    on, stats, seen_on = run()
+    assert stats["recorded"] > 0 and stats["declined"] > 0, stats   # the sink took calls, then passed them on
+    ops = json.loads(bytes(on["header"]).decode())["ops"]
+    bn = on["op"] == ops.index("cudnn_batch_norm")
+    assert (on["phase"][bn] == trace._PHASE["other"]).sum() > 0 and (on["phase"][bn] == 0).sum() > 0
+    monkeypatch.setattr(routing, "sink", lambda: None)
+    off, none, seen_off = run()
+    assert none == {} and seen_on == seen_off and seen_on.count("convolution_backward") > 0
     for k in on:
         assert np.array_equal(on[k], off[k]), k
