@@ -407,6 +407,16 @@ def test_a_snapshot_list_recorded_step_after_step_gives_the_formula_records(monk
     assert (snaps[1:] != snaps[:-1]).all()
 
 
+def _small_cuda_net():
+    """The small conv net of ``routed_recording`` (seeded) on the GPU, with a seeded batch of 4: (model, x, y)."""
+    from nnrand import models
+
+    torch.manual_seed(0)
+    model = models.small(4).cuda()
+    g = torch.Generator().manual_seed(1)
+    return model, torch.randn(4, 3, 16, 16, generator=g).cuda(), torch.randint(0, 4, (4,), generator=g).cuda()
+
+
 def _sink_or_skip():
     from nnrand import replay
 
@@ -478,10 +488,7 @@ def test_the_trace_sink_takes_the_snapshots_it_can_and_passes_on_the_rest(monkey
     _sink_or_skip()
 
     def run():
-        torch.manual_seed(0)
-        model = models.small(4).cuda()
-        g = torch.Generator().manual_seed(1)
-        x, y = torch.randn(4, 3, 16, 16, generator=g).cuda(), torch.randint(0, 4, (4,), generator=g).cuda()
+        model, x, y = _small_cuda_net()
         extra = [("cols", torch.arange(12.0, device="cuda").reshape(3, 4).t()),
                  ("half", torch.linspace(-1, 1, 5, device="cuda").half())]
         # more records in one step than a chunk of the sink's slot rows holds (4096): read back across chunks
@@ -516,15 +523,12 @@ def test_the_trace_sink_follows_phases_pauses_and_a_second_observer(monkeypatch)
     once it came, does not take them back after the pause)."""
     import torch.nn.functional as F
 
-    from nnrand import models, routing
+    from nnrand import routing
 
     _sink_or_skip()
 
     def run():
-        torch.manual_seed(0)
-        model = models.small(4).cuda()
-        g = torch.Generator().manual_seed(1)
-        x, y = torch.randn(4, 3, 16, 16, generator=g).cuda(), torch.randint(0, 4, (4,), generator=g).cuda()
+        model, x, y = _small_cuda_net()
         seen: list = []
         with routing.use_kernels("tree"), trace.record(None, ops="routed", model=model) as rec:
             for step in range(5):

@@ -179,17 +179,23 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: int = 0,
-             null: TorchDispatchMode | None = None, warmed=None) -> float:
-    """Median ms per step in ``mode``; ``null``: the dispatch mode the "null" mode runs (NullMode());
-    ``warmed()``: called once the warm-up steps are done (before the first timed step)."""
+def model_and_batch(cfg):
+    """(device, x, y, model, optimizer, named parameters): ``cfg``'s model and a seeded batch of 32 x 32
+    images, as every mode's steps take them."""
     dev = torch.device(cfg.device)
     seeds = noise.member_seeds({s: "fixed" for s in ("init", "order", "aug")} | {"kernel": 0}, cfg.seed, 0)
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(cfg.batch_size, 3, 32, 32, device=dev, generator=g)
     y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
     model, opt = train.build(cfg, seeds, 10, torch.contiguous_format)
-    named = list(model.named_parameters())
+    return dev, x, y, model, opt, list(model.named_parameters())
+
+
+def steps_ms(cfg, mode: str, steps: int, tmp: Path, profile: int = 0, kineto: int = 0,
+             null: TorchDispatchMode | None = None, warmed=None) -> float:
+    """Median ms per step in ``mode``; ``null``: the dispatch mode the "null" mode runs (NullMode());
+    ``warmed()``: called once the warm-up steps are done (before the first timed step)."""
+    dev, x, y, model, opt, named = model_and_batch(cfg)
     ctx = {"none": contextlib.nullcontext(), "null": null or NullMode(), "lean": LeanNullMode(),
            "hooks": hooks_only(model), "ghooks": hooks_only(None),
            "observe": contextlib.nullcontext(),
@@ -368,13 +374,7 @@ def sink_parts(cfg, tmp: Path, n: int = 200) -> None:
     """Host time of the trace sink's pieces (ops="routed" with a model over the replay layer), after three
     recorded steps: an empty take, a parameter snapshot in C++ (with and without the lists it is given),
     and a take of its records."""
-    dev = torch.device(cfg.device)
-    seeds = noise.member_seeds({s: "fixed" for s in ("init", "order", "aug")} | {"kernel": 0}, cfg.seed, 0)
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(cfg.batch_size, 3, 32, 32, device=dev, generator=g)
-    y = torch.randint(0, 10, (cfg.batch_size,), device=dev, generator=g)
-    model, opt = train.build(cfg, seeds, 10, torch.contiguous_format)
-    named = list(model.named_parameters())
+    dev, x, y, model, opt, named = model_and_batch(cfg)
     with routing.use_kernels(cfg.kernel, cfg.kernel_ops, strict=cfg.strict), \
             trace.record(tmp / "s.trace", ops="routed", model=model) as rec:
         for _ in range(3):
