@@ -897,3 +897,37 @@ def test_prepared_launchers_take_the_tensors_alone_and_refusals_stay_with_the_ca
     del launcher.prepare
     assert routing._prepared(launcher, (1, 2), {"size": 3}) == (launcher, {"size": 3})
     assert routing._prepared(None, (), {"size": 3}) == (None, {"size": 3})
+
+
+def test_the_trace_sink_is_offered_to_a_lone_observer_and_shared_off_by_a_second():
+    """routing.sink(): the replay extension while its C++ layer replays CUDA calls and one observer watches;
+    a second observer turns the sink off for good (sink_share), and the sink is offered to no one after."""
+    calls = []
+
+    class Module:
+        def sink_share(self):
+            calls.append("share")
+
+    class Layer:
+        key, module = "CUDA", Module()
+
+        def observe(self, fn):
+            calls.append("observe" if fn is not None else "unobserve")
+
+    with routing.use_kernels("tree"):
+        session = routing._ACTIVE
+        assert routing.sink() is None   # no replay layer on this machine's session
+        session.replay = layer = Layer()
+        try:
+            assert routing.sink() is None   # nobody observes
+            with routing.observe(lambda op, out, args: None):
+                assert routing.sink() is layer.module and "share" not in calls
+                with routing.observe(lambda op, out, args: None):
+                    assert routing.sink() is None and calls.count("share") == 1
+                assert routing.sink() is layer.module   # offered again to a lone observer (a new recorder);
+            layer.key = "CPU"                             # the sink already started stays shared off in C++
+            with routing.observe(lambda op, out, args: None):
+                assert routing.sink() is None   # a layer over CPU kernels: no sink
+        finally:
+            session.replay = None
+    assert calls[-1] == "unobserve"
