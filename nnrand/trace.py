@@ -758,7 +758,6 @@ class Recorder(TorchDispatchMode):
         self.names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
         self._owners: dict[int, str] = {}   # ops="routed" with a model: id(parameter) -> its module's path
         self._owned: list[torch.Tensor] = []   # those parameters, alive while recording (no id reused)
-        self._owned_names: dict[int, tuple[torch.Tensor, str]] = {}   # id(parameter) -> (it, its module's path)
         self._unchecked = False   # set on an exit by exception: waiting batches launch unchecked
         self.stack: list[str] = []
         self._phase = "forward"
@@ -981,7 +980,7 @@ class Recorder(TorchDispatchMode):
     def __exit__(self, *exc):
         try:
             self._remove_hooks()
-            self._owners, self._owned, self._owned_names = {}, [], {}
+            self._owners, self._owned = {}, []
             if exc[0] is not None:   # the error on its way out stays the error: no version check now
                 self._unchecked = True
             self._flush()
@@ -1009,7 +1008,6 @@ class Recorder(TorchDispatchMode):
             # the model's parameterless leaf modules (a pool, say) are hooked, for the rest
             owners = {id(p): name for name, m in named for p in m.parameters(recurse=False)}
             self._owners, self._owned = owners, list(self.model.parameters())   # (ids of live objects only)
-            self._owned_names = {id(p): (p, name) for name, m in named for p in m.parameters(recurse=False)}
             for name, m in named:
                 if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is None and \
                         type(m) not in _UNROUTED_MODULES:
@@ -1071,8 +1069,17 @@ class Recorder(TorchDispatchMode):
         and where the fingerprint kernel runs."""
         if module is None or self.model is None or self.keep or not _kernels_here():
             return
-        self._sink_tables({module.sink_dtype(torch.empty(0, dtype=d)): d for d in FP_KINDS})
-        owners = [(p, self._sink_name(name)) for p, name in self._owned_names.values()]
+        self._sink_names: dict[str, int] = {}   # module paths -> the sink's numbers of them
+        self._sink_paths: list[str] = []         # ... and back
+        self._sink_snap: dict[str, int] = {}     # a snapshot's op -> its number in the sink
+        self._sink_snap_ops: list[str] = []      # ... and back
+        self._sink_shapes: list[int] = []   # the sink's shape numbers -> the shapes table's codes
+        self._sink_dtypes = {module.sink_dtype(torch.empty(0, dtype=d)): d for d in FP_KINDS}
+        self._sink_codes: dict[int, tuple[int, int]] = {}   # (op, module) packed -> their codes
+        self._sink_dtype_codes: dict[int, int] = {}
+        self._sink_blocks: list[tuple[int, int]] = []   # (first sink row, its row here) per take this step
+        self._sink_fps: set[tuple[int, int]] = set()
+        owners = [(p, self._sink_name(self._owners[id(p)])) for p in self._owned if id(p) in self._owners]
         self._sink_ops = module.sink_start(self._sink_pass_ended, self._sink_name(""), owners, self._defer_backward)
         self._sink = module
         for i, phase in enumerate((self._phase, "backward", "other")):
@@ -1082,31 +1089,20 @@ class Recorder(TorchDispatchMode):
                 self._sink_fp(p.get_device())
                 break
 
-    def _sink_tables(self, dtypes: dict[int, torch.dtype], ops: list[str] | None = None) -> None:
-        """The sink's numbers of what its records name, against this recorder's codes: ``dtypes`` (its dtype
-        numbers), ``ops`` (the replay layer's ops, given by the sink when it starts)."""
-        self._sink_ops = list(ops or [])
-        self._sink_names: dict[str, int] = {}
-        self._sink_snap: dict[str, int] = {}   # a snapshot's op -> its number in the sink
-        self._sink_shapes: list[int] = []   # the sink's shape numbers -> the shapes table's codes
-        self._sink_dtypes = dtypes
-        self._sink_codes: dict[int, tuple[int, int]] = {}   # (op, module) packed -> their codes
-        self._sink_dtype_codes: dict[int, int] = {}
-        self._sink_blocks: list[tuple[int, int]] = []   # (first sink row, its row here) per take this step
-        self._sink_fps: set[tuple[int, int]] = set()
-
     def _sink_snapshot(self, named: list, op: str) -> bool:
         """``snapshot`` in the sink (its records in order with the calls it records); False: not taken."""
         num = self._sink_snap.get(op)
         if num is None:
-            num = self._sink_snap[op] = len(self._sink_snap)
+            num = self._sink_snap[op] = len(self._sink_snap_ops)
+            self._sink_snap_ops.append(op)
         name = self._sink_name
         return self._sink.sink_snapshot([t for _, t in named], num, [name(n) for n, _ in named])
 
     def _sink_name(self, path: str) -> int:
         code = self._sink_names.get(path)
         if code is None:
-            code = self._sink_names[path] = len(self._sink_names)
+            code = self._sink_names[path] = len(self._sink_paths)
+            self._sink_paths.append(path)
         return code
 
     def _sink_fp(self, index: int) -> None:
@@ -1147,16 +1143,16 @@ class Recorder(TorchDispatchMode):
             first_call, calls, first_row, raw, shapes, launched, failed, vals, coded, dev, slots = sink.sink_take(
                 launch, values, not self._unchecked, self.step_no if self.step_no > 0 else 0, self.index)
             for sh in shapes:
-                sink.sink_code(1, len(self._sink_shapes), self._code_shape(torch.Size(sh)), 0)
-                self._sink_shapes.append(self._code_shape(torch.Size(sh)))
+                code = self._code_shape(torch.Size(sh))
+                sink.sink_code(1, len(self._sink_shapes), code, 0)
+                self._sink_shapes.append(code)
             if coded is not None:   # every code known: the rows as they are kept, made in C++
                 self._sink_blocks.append((first_row, len(self.rows)))
                 self.rows += map(tuple, np.frombuffer(coded, np.int64).reshape(-1, 8).tolist())
                 if dev >= 0:
                     self.pending += zip(itertools.repeat(("sink", dev)), np.frombuffer(slots, np.int64).tolist())
                 else:
-                    a = np.frombuffer(raw, np.int64).reshape(-1, 9)
-                    self.pending += [(("sink", d), slot) for d, slot in a[:, 7:9].tolist()]
+                    self._sink_pending(np.frombuffer(raw, np.int64).reshape(-1, 9))
             elif raw:
                 self._sink_rows(np.frombuffer(raw, np.int64).reshape(-1, 9), self.index - first_call, first_row)
             self.index += calls
@@ -1188,7 +1184,7 @@ class Recorder(TorchDispatchMode):
             key = op * (1 << 32) + mod
             c = codes.get(key)
             if c is None:
-                c = codes[key] = (self._code("ops", self._sink_op(op)), self._code("modules", self._sink_path(mod)))
+                c = codes[key] = (self._code("ops", self._sink_op(op)), self._code("modules", self._sink_paths[mod]))
                 if sink is not None:
                     sink.sink_code(0, key, *c)
             dt = dtypes.get(dtype)
@@ -1199,18 +1195,15 @@ class Recorder(TorchDispatchMode):
             rows.append((step, phases[ph], base + call, c[0], c[1], k, shapes[shape], dt))
         self._sink_blocks.append((first_row, len(self.rows)))
         self.rows += rows
+        self._sink_pending(a)
+
+    def _sink_pending(self, a: np.ndarray) -> None:
+        """The pending values of the sink's records ``a``: (device, slot row) of each."""
         self.pending += [(("sink", d), slot) for d, slot in a[:, 7:9].tolist()]
 
     def _sink_op(self, op: int) -> str:
-        if op >= 0:
-            return self._sink_ops[op]
-        return next(name for name, num in self._sink_snap.items() if num == -1 - op)
-
-    def _sink_path(self, code: int) -> str:
-        paths = getattr(self, "_sink_paths", None)
-        if paths is None or len(paths) != len(self._sink_names):
-            paths = self._sink_paths = {v: k for k, v in self._sink_names.items()}
-        return paths[code]
+        """The op a sink record names: the layer's op ``op``, or a snapshot's (-1 - its number)."""
+        return self._sink_ops[op] if op >= 0 else self._sink_snap_ops[-1 - op]
 
     def _sink_row(self, seq: int) -> int:
         """The row here of the sink's row ``seq``."""

@@ -1306,3 +1306,68 @@ def test_a_snapshot_of_the_same_list_into_the_same_rows_launches_its_last_struct
     assert np.array_equal(got["fp"], want["fp"]) and np.array_equal(got["maxabs"], want["maxabs"])
     assert np.array_equal(got["op"], want["op"]) and (got["phase"] == trace._PHASE["other"]).sum() == 2 * (7 + 8)
 
+
+
+def test_the_recorder_takes_the_trace_sinks_records_in_order_and_codes_them(monkeypatch):
+    """The Python side of the trace sink (nnrand/replay.cpp), against a stand-in that hands over records as the
+    sink does: a first take row by row (new ops, modules and dtypes coded in the order of their records, and
+    each code handed back to the sink), a later take already coded, the op indices continued by the calls, the
+    pending values (device, slot row) of each record, and a record written early failing the recording with
+    its op and module named."""
+    model = torch.nn.Linear(2, 2)
+
+    class Sink:
+        def __init__(self):
+            self.codes, self.takes = [], []
+
+        def sink_dtype(self, t):
+            return {torch.float32: 6, torch.int64: 4}.get(t.dtype, 99)
+
+        def sink_start(self, pass_ended, unnamed, owners, defer):
+            self.owners = {id(p): m for p, m in owners}
+            return ["convolution_backward", "cudnn_batch_norm"]
+
+        def sink_code(self, kind, key, a, b):
+            self.codes.append((kind, key, a, b))
+
+        def sink_take(self, launch, values, checked, step, index):
+            return self.takes.pop(0)
+
+    def rows(*records):   # (call, op, module, phase, output, shape, dtype, device, slot)
+        return np.array(records, dtype=np.int64).tobytes()
+
+    sink = Sink()
+    monkeypatch.setattr(trace, "_kernels_here", lambda: True)
+    rec = trace.Recorder(ops="routed", model=model)
+    rec._owners, rec._owned = {id(model.weight): "lin", id(model.bias): "lin"}, [model.weight, model.bias]
+    rec._start_sink(sink)
+    assert set(sink.owners.values()) == {rec._sink_names["lin"]}   # both parameters, of one module
+    assert (3, 2, trace._PHASE["other"], 0) in sink.codes   # the phases' codes given at the start
+    lin, none = rec._sink_names["lin"], rec._sink_names[""]
+    rec.index, rec._phase = 5, "optimizer"
+    # first take: two calls (the second with two outputs), then a snapshot record; shapes new
+    sink.takes.append((0, 3, 0, rows((0, 1, lin, 0, 0, 0, 6, 0, 0), (1, 0, none, 1, 0, 1, 6, 0, 1),
+                                     (1, 0, none, 1, 1, 0, 4, 0, 2), (2, -1, lin, 2, 0, 1, 6, 0, 3)),
+                       [[3, 4], [7]], [], [], {}, None, 0, b""))
+    rec._sink_snap_ops.append("parameter")
+    rec._sink_snap["parameter"] = 0
+    rec._take_sink()
+    opt, back, other = (trace._PHASE[p] for p in ("optimizer", "backward", "other"))
+    assert rec.rows == [(0, opt, 5, 0, 0, 0, 0, 0), (0, back, 6, 1, 1, 0, 1, 0), (0, back, 6, 1, 1, 1, 0, 1),
+                        (0, other, 7, 2, 0, 0, 1, 0)]
+    assert rec.index == 8 and rec.pending == [(("sink", 0), i) for i in range(4)]
+    assert list(rec.tables["ops"]) == ["cudnn_batch_norm", "convolution_backward", "parameter"]
+    assert list(rec.tables["modules"]) == ["lin", ""] and list(rec.tables["dtypes"]) == ["float32", "int64"]
+    assert list(rec.tables["shapes"]) == ["3x4", "7"]
+
+    def key(op, mod):   # (op, module) packed as the sink keys their codes
+        return op * (1 << 32) + mod
+
+    assert [c for c in sink.codes if c[0] != 3] == [(1, 0, 0, 0), (1, 1, 1, 0), (0, key(1, lin), 0, 0), (2, 6, 0, 0),
+                                                   (0, key(0, none), 1, 1), (2, 4, 1, 0), (0, key(-1, lin), 2, 0)]
+    # a later take comes coded; its second record (row 5 of the sink) was written before its launch
+    coded = np.array([(0, 1, 8, 1, 1, 0, 1, 0), (0, 1, 8, 1, 1, 1, 0, 1)], dtype=np.int64).tobytes()
+    sink.takes.append((3, 1, 4, b"", [], [], [5], {}, coded, 0, np.array([4, 5], dtype=np.int64).tobytes()))
+    with pytest.raises(trace.TraceError, match=r"output 1 of aten::convolution_backward \(step 0, backward index 8"):
+        rec._take_sink()
+    assert rec.index == 9 and rec.rows[-1] == (0, 1, 8, 1, 1, 1, 0, 1) and rec.pending[-1] == (("sink", 0), 5)
