@@ -24,6 +24,7 @@ Both start every row at +0.0, so a row of -0.0 contributions ends at +0.0 (as to
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -349,10 +350,12 @@ MAX_GRID_Y = 65535
 SORT_MAX = 16384          # SEG_SORT_MAX: up to this many keys (int16 ones), one block sorts them
 SORT_THREADS = 1024
 SORT_SMEM = (2 * SORT_MAX + 257 * 32 + 32) * 4   # SEG_SORT_SMEM
-SPLITS = ("rows", "tiles", "fill", "gaps")   # tiles, gaps: no default takes them (default_split); for the sweeps
+SPLITS = ("rows", "tiles", "fill", "gaps", "once")   # tiles, gaps: no default takes them (default_split)
 ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 GAP_BLOCKS_PER_SM = 8   # segsum_zero_gaps' grid beside the sums (see default_split)
 GAP_MAX_WIDTH = (2**31 - 1) // 32   # segsum_zero_gaps indexes a tile of 32 destinations' floats in int
+ONCE_BLOCKS_PER_SM = 4  # SEG_ONCE_BLOCKS: segsum_once's grid (a block per 32 destinations, at most this an SM)
+LONG_GROUP = 2          # the once split's long-rows kernel: warps per tile of 32 sorted positions
 
 
 FILL_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take the fill split
@@ -572,6 +575,11 @@ def _merge_sort(source, prefix, kname, key, skey, perm, start, width, rows, offs
     return fused
 
 
+def once_blocks(space: int, dev: torch.device) -> int:
+    """segsum_once's grid over ``space`` destinations: a block per 32, at most ONCE_BLOCKS_PER_SM an SM."""
+    return max(1, min(cdiv(space, 32), ONCE_BLOCKS_PER_SM * sm_count(dev)))
+
+
 def gap_blocks(space: int, dev: torch.device) -> int:
     """segsum_zero_gaps' grid over ``space`` destinations: a block per 32, at most GAP_BLOCKS_PER_SM an SM."""
     return max(1, min(cdiv(space, 32), GAP_BLOCKS_PER_SM * sm_count(dev)))
@@ -613,9 +621,9 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
         split = default_split(n, space, scalar)
     elif split not in SPLITS:
         raise KernelArgumentError(prefix, "split", f"expected one of {SPLITS}, got {split!r}")
-    if scalar and split == "tiles":
+    if scalar and split in ("tiles", "once"):
         split = "fill"
-    if split == "gaps" and width > GAP_MAX_WIDTH:
+    if split in ("gaps", "once") and width > GAP_MAX_WIDTH:
         split = "fill"
     out, join = torch.empty((rows, d), device=dev, dtype=torch.float32), None
     if split == "fill":  # zeros beside the keys' sort (segsum_zero: a grid that leaves room for it)
@@ -646,13 +654,16 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     skey, perm, start, kname, offset = sort_keys(source, prefix, key, rows, width=d if elementwise else 0,
                                                  check=check)
     vec = 1 if scalar else _vec(src, width)
-    slices = 1 if scalar else cdiv(width, 32 * vec)
+    once = split == "once"   # segsum_once at `vec`; the long rows in the warp kernel at VEC 1
+    slices = 1 if scalar else cdiv(width, 32 * (1 if once else vec))
     slots = max(1, 2 * (n // CHUNK_MIN))
     part = torch.empty((2, slots, width), device=dev, dtype=torch.float32)
-    counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
-    fill = split in ("fill", "gaps")   # the sums take position tiles only: other zeros fill the output
+    side, rejoin = fork(dev) if split in ("gaps", "once") else (None, None)
+    with torch.cuda.stream(side) if once else contextlib.nullcontext():   # the long rows' stream's tickets
+        counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
+    fill = split in ("fill", "gaps", "once")   # the sums take position tiles only: other kernels write the rest
     if fill and not scalar:   # the kernel's `fill`: the warps per tile of sorted positions
-        fill = int(group) if group is not None else fill_group(cdiv(n, 32) * slices, dev)
+        fill = int(group) if group is not None else LONG_GROUP if once else fill_group(cdiv(n, 32) * slices, dev)
     args = (ptr(src), ptr(skey), ptr(perm), ptr(start), ptr(out), ptr(part[0]), ptr(part[1]), ptr(counters),
             np.uint64(int(ptr(counters)) + 4 * slots * slices), np.int64(n), np.int32(width), np.int64(skip),
             np.int32(scaled), np.int64(space), np.int64(offset), np.int32(fill))
@@ -668,16 +679,26 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
         # warps per 32); grid rows: slices
         warps = {"rows": space, "tiles": cdiv(space, 32)}.get(split, 0) + cdiv(n, 32) * max(1, int(fill))
         kernel = f"{prefix}_rows{vec}{ {'rows': '', 'tiles': '_tiles'}.get(split, '_fill')}_{kname}"
+        if once:
+            kernel = f"{prefix}_rows1_long_{kname}"
         launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
                                                min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)
 
     if split == "gaps":  # zeros where no key goes, queued first (then the sums fill the GPU around them)
-        side, rejoin = fork(dev)
         try:
             with torch.cuda.stream(side):
                 launch(function(source, "segsum_zero_gaps", dev), (gap_blocks(space, dev),), (THREADS,),
                        (ptr(start), ptr(out), np.int64(space), np.int32(width), np.int64(skip)), device=dev)
             sums()
+        finally:
+            rejoin()
+    elif once:  # the long rows first, on the side stream (few blocks), then every other row in one pass
+        try:
+            with torch.cuda.stream(side):
+                sums()
+            launch(function(source, f"segsum_once{vec}", dev), (once_blocks(space, dev),), (THREADS,),
+                   (ptr(src), ptr(perm), ptr(start), ptr(out), np.int32(width), np.int64(skip), np.int32(scaled),
+                    np.int64(space)), device=dev)
         finally:
             rejoin()
     else:

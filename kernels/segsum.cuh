@@ -153,26 +153,33 @@ __device__ __forceinline__ void seg_gap_store(float4* p) {
     else *p = z;
 }
 
+// +0.0 in the floats of the destinations of `gaps` (bits over the 32 destinations of the tile at base, each
+// `width` floats), by the block's threads: each run of consecutive ones is one span of 16-byte stores (base
+// is 16-byte aligned) between at most 3 single floats at either end. Block-uniform gaps.
+__device__ __forceinline__ void seg_zero_runs(unsigned gaps, float* base, int width) {
+    const int tid = threadIdx.x, threads = blockDim.x;
+    while (gaps) {  // a run [a, b) of empty destinations
+        const int a = __ffs(gaps) - 1;
+        const unsigned rest = ~(gaps >> a);
+        const int b = rest ? a + __ffs(rest) - 1 : 32;
+        gaps &= b == 32 ? 0u : ~0u << b;
+        const int lo = a * width, hi = b * width;   // the run's floats
+        const int lo4 = (lo + 3) & ~3, hi4 = max(lo4, hi & ~3);
+        for (int i = (lo4 >> 2) + tid; i < (hi4 >> 2); i += threads)
+            seg_gap_store(reinterpret_cast<float4*>(base) + i);
+        if (tid < min(lo4, hi) - lo) base[lo + tid] = 0.0f;   // at most 3 before (or the whole run)
+        if (tid < hi - hi4) base[hi4 + tid] = 0.0f;           // at most 3 after
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 segsum_zero_gaps(const long long* __restrict__ start, float* __restrict__ out, long long space, int width,
                  long long skip) {
-    const int lane = threadIdx.x & 31, tid = threadIdx.x, threads = blockDim.x;
+    const int lane = threadIdx.x & 31;
     for (long long t = blockIdx.x; t < (space + 31) >> 5; t += gridDim.x) {
         const long long m = t * 32 + lane;
-        unsigned gaps = __ballot_sync(SEG_FULL, m < space && (m == skip || start[m + 1] == start[m]));
-        float* base = out + t * 32 * width;   // 16-byte aligned: 128 * width bytes a tile
-        while (gaps) {  // block-uniform: a run [a, b) of empty destinations
-            const int a = __ffs(gaps) - 1;
-            const unsigned rest = ~(gaps >> a);
-            const int b = rest ? a + __ffs(rest) - 1 : 32;
-            gaps &= b == 32 ? 0u : ~0u << b;
-            const int lo = a * width, hi = b * width;   // the run's floats
-            const int lo4 = (lo + 3) & ~3, hi4 = max(lo4, hi & ~3);
-            for (int i = (lo4 >> 2) + tid; i < (hi4 >> 2); i += threads)
-                seg_gap_store(reinterpret_cast<float4*>(base) + i);
-            if (tid < min(lo4, hi) - lo) base[lo + tid] = 0.0f;   // at most 3 before (or the whole run)
-            if (tid < hi - hi4) base[hi4 + tid] = 0.0f;           // at most 3 after
-        }
+        const unsigned gaps = __ballot_sync(SEG_FULL, m < space && (m == skip || start[m + 1] == start[m]));
+        seg_zero_runs(gaps, out + t * 32 * width, width);   // 16-byte aligned: 128 * width bytes a tile
     }
 }
 
@@ -1085,11 +1092,11 @@ __device__ constexpr int seg_lane_rows() {
 // col .. col + VEC - 1. perm is read 32 positions at a time (one per lane) and broadcast; U source rows
 // are loaded at once (seg_lane_rows; by default 16 floats per lane in flight, 80 registers: 3 blocks per
 // SM; predicated, so a short chunk costs one round trip), then added one at a time in order.
-template <int VEC>
+template <int VEC, int U = seg_lane_rows<VEC>()>
 __device__ __forceinline__ void seg_warp_chunk(const float* __restrict__ src, const long long* __restrict__ perm,
                                                long long q0, int len, int D, int col, bool active, bool scaled,
                                                float count, float* acc) {
-    constexpr int U = seg_lane_rows<VEC>();
+    static_assert(U >= 1 && 32 % U == 0, "U divides 32");
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
@@ -1151,8 +1158,8 @@ __device__ __forceinline__ void seg_warp_singles(const float* __restrict__ src, 
 }
 
 // A row's chunk 0 (k >= 1 contributions from sorted position s): to the row when it is the only chunk,
-// else to its partial slot and into the tree.
-template <int VEC>
+// else to its partial slot and into the tree. U: source rows a lane loads at once.
+template <int VEC, int U = seg_lane_rows<VEC>()>
 __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ src, const long long* __restrict__ perm,
                                                      float* __restrict__ out, float* part1, float* part2,
                                                      unsigned* cnt1, unsigned* cnt2, long long m, long long s,
@@ -1160,7 +1167,7 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
                                                      bool scaled, long long slice, long long slices) {
     float acc[VEC];
     const long long L = seg_chunk_len(k), nc = (k + L - 1) / L;
-    seg_warp_chunk<VEC>(src, perm, s, (int)min(L, k), D, col, active, scaled, (float)k, acc);
+    seg_warp_chunk<VEC, U>(src, perm, s, (int)min(L, k), D, col, active, scaled, (float)k, acc);
     if (nc == 1) {
         if (active) SegVec<VEC>::store(out + m * D + col, acc);
     } else {
@@ -1182,11 +1189,21 @@ __device__ __forceinline__ void seg_warp_first_chunk(const float* __restrict__ s
 // tile also takes the rows that start in it: those of one contribution through seg_warp_singles, then
 // chunk 0 of each longer row; `fill` warps share a tile (its lanes h with h % fill == the warp's
 // number among them: more warps, each with a shorter chain of dependent loads, where the tiles are few).
+// SEG_SPLIT_LONG (the once split's long rows): position tasks as in the fill split, taking only the rows of
+// more than one chunk (k > SEG_CHUNK_MIN: chunk 0 of those starting in the tile, and the chunks c >= 1),
+// with SEG_LONG_ROWS source rows a lane in flight; segsum_once writes every other destination.
 // Grid row y: column slices y, y + gridDim.y, ... of 32 * VEC columns each.
 // Every split sums the same chunks in the same order: the same bits.
 #define SEG_SPLIT_ROWS 0
 #define SEG_SPLIT_TILES 1
 #define SEG_SPLIT_FILL 2
+#define SEG_SPLIT_LONG 3
+#ifndef SEG_LONG_ROWS
+#define SEG_LONG_ROWS 32   // a chunk of 32 in one round trip (VEC 1: 32 floats a lane)
+#endif
+#ifndef SEG_LONG_BLOCKS
+#define SEG_LONG_BLOCKS 2  // blocks per SM of the long-rows kernel: 128 registers, no spills
+#endif
 
 template <typename K, int VEC, int SPLIT>
 __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, const K* __restrict__ skey,
@@ -1198,7 +1215,8 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
     const int lane = threadIdx.x & 31;
     const long long slices = (D + 32 * VEC - 1) / (32 * VEC);
     const long long dtasks = SPLIT == SEG_SPLIT_ROWS ? space : SPLIT == SEG_SPLIT_TILES ? (space + 31) >> 5 : 0;
-    const int group = SPLIT == SEG_SPLIT_FILL ? fill : 1;   // warps per position tile: a power of two, 1 to 32
+    const int group = SPLIT >= SEG_SPLIT_FILL ? fill : 1;   // warps per position tile: a power of two, 1 to 32
+    constexpr int U = SPLIT == SEG_SPLIT_LONG ? SEG_LONG_ROWS : seg_lane_rows<VEC>();
     const long long tasks = dtasks + ((n + 31) >> 5) * group;
     const long long warps = (long long)gridDim.x * SEG_WARPS;
     for (long long slice = blockIdx.y; slice < slices; slice += gridDim.y) {
@@ -1215,8 +1233,8 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                         for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
                         if (active) SegVec<VEC>::store(out + m * D + col, acc);
                     } else {
-                        seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2, m, s, k, D, col, active,
-                                                  cb, ce, scaled, slice, slices);
+                        seg_warp_first_chunk<VEC, U>(src, perm, out, part1, part2, cnt1, cnt2, m, s, k, D, col,
+                                                     active, cb, ce, scaled, slice, slices);
                     }
                     continue;
                 }
@@ -1238,9 +1256,9 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 while (longer) {
                     const int h = __ffs(longer) - 1;
                     longer &= longer - 1;
-                    seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2, w * 32 + h,
-                                              __shfl_sync(SEG_FULL, s, h), __shfl_sync(SEG_FULL, k, h), D, col,
-                                              active, cb, ce, scaled, slice, slices);
+                    seg_warp_first_chunk<VEC, U>(src, perm, out, part1, part2, cnt1, cnt2, w * 32 + h,
+                                                 __shfl_sync(SEG_FULL, s, h), __shfl_sync(SEG_FULL, k, h), D, col,
+                                                 active, cb, ce, scaled, slice, slices);
                 }
                 continue;
             }
@@ -1259,16 +1277,20 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                     head = !first && ((p - s) & (L - 1)) == 0;  // a chunk c >= 1
                 }
             }
-            if (SPLIT == SEG_SPLIT_FILL) {  // the rows starting in this tile
-                const bool single = first && k == 1;
-                const long long r = single ? perm[p] : 0;
-                seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single), r, m, D, col, active,
-                                      scaled);
-                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > 1); longer; longer &= longer - 1) {
+            if (SPLIT >= SEG_SPLIT_FILL) {  // the rows starting in this tile (long: of two chunks or more)
+                if (SPLIT == SEG_SPLIT_FILL) {
+                    const bool single = first && k == 1;
+                    const long long r = single ? perm[p] : 0;
+                    seg_warp_singles<VEC>(src, out, __ballot_sync(SEG_FULL, single), r, m, D, col, active,
+                                          scaled);
+                }
+                const long long shortest = SPLIT == SEG_SPLIT_LONG ? SEG_CHUNK_MIN : 1;
+                for (unsigned longer = __ballot_sync(SEG_FULL, first && k > shortest); longer; longer &= longer - 1) {
                     const int h = __ffs(longer) - 1;
-                    seg_warp_first_chunk<VEC>(src, perm, out, part1, part2, cnt1, cnt2, __shfl_sync(SEG_FULL, m, h),
-                                              tile * 32 + h, __shfl_sync(SEG_FULL, k, h), D, col, active, cb, ce,
-                                              scaled, slice, slices);
+                    seg_warp_first_chunk<VEC, U>(src, perm, out, part1, part2, cnt1, cnt2,
+                                                 __shfl_sync(SEG_FULL, m, h), tile * 32 + h,
+                                                 __shfl_sync(SEG_FULL, k, h), D, col, active, cb, ce, scaled, slice,
+                                                 slices);
                 }
             }
             unsigned heads = __ballot_sync(SEG_FULL, head);
@@ -1279,8 +1301,8 @@ __device__ __forceinline__ void seg_rows_body(const float* __restrict__ src, con
                 const long long hk = __shfl_sync(SEG_FULL, k, h), hL = __shfl_sync(SEG_FULL, L, h);
                 const long long hp = tile * 32 + h;
                 const long long c = (hp - hs) / hL, nc = (hk + hL - 1) / hL, base = seg_slot(hs);
-                seg_warp_chunk<VEC>(src, perm, hp, (int)min(hL, hk - (hp - hs)), D, col, active, scaled,
-                                    (float)hk, acc);
+                seg_warp_chunk<VEC, U>(src, perm, hp, (int)min(hL, hk - (hp - hs)), D, col, active, scaled,
+                                       (float)hk, acc);
                 if (active) SegVec<VEC>::store(part1 + (base + c) * D + col, acc);
                 seg_combine<32>(out, part1, part2, cnt1, cnt2, hm, base, c, nc, D, cb, ce, slice, slices);
             }
@@ -1378,6 +1400,117 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
         seg_rows_body<KT, VEC, SEG_SPLIT_FILL>(SEG_ROWS_PASS);                                           \
     }
 
+// ------------------------------------------------------------------------------------------------
+// sorted, the once split: every destination written once, no zero fill (row form, warp kernels)
+//
+// segsum_once<VEC> takes tiles of 32 destinations, a block each (a grid-stride loop): one read of their
+// starts; the empty and skipped ones get +0.0 (seg_zero_runs, streaming stores, as the gaps split); the
+// rows of 1 to SEG_CHUNK_MIN contributions (one chunk) are summed here, their source rows (perm) gathered
+// into shared memory while the zeros are stored, then a thread per (row, VEC columns), U source rows in
+// flight, added in source order from +0.0: seg_warp_chunk's order and bits. Rows of more (two chunks or
+// more) are left to the long-rows kernel (SEG_SPLIT_LONG), queued before it on a second stream. A tile's
+// work is its stores plus a few dependent loads, so the kernel runs at about a plain fill's speed: the
+// fill and the short sums in one pass, where the fill split runs them one after the other.
+#ifndef SEG_ONCE_BLOCKS
+#define SEG_ONCE_BLOCKS 4   // blocks per SM (its registers; kernels/index_add.py ONCE_BLOCKS_PER_SM)
+#endif
+#define SEG_ONCE_U 8        // source rows in flight per thread
+
+template <int VEC>
+__device__ __forceinline__ void seg_once_body(const float* __restrict__ src, const long long* __restrict__ perm,
+                                              const long long* __restrict__ start, float* __restrict__ out,
+                                              int D, long long skip, int scaled, long long space) {
+    constexpr int GATHER = 32 * SEG_CHUNK_MIN / 256;   // source rows a thread gathers, at most
+    __shared__ long long tile_src[32 * SEG_CHUNK_MIN];  // the short rows' source rows, row after row
+    __shared__ long long tile_start[32];
+    __shared__ int tile_off[33];                         // the short rows' first entry in tile_src
+    __shared__ int tile_rows[32];                        // the short rows (0 .. 31), in order
+    __shared__ unsigned tile_gaps, tile_short;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int vecs = D / VEC;   // VEC divides D
+    for (long long t = blockIdx.x; t < (space + 31) >> 5; t += gridDim.x) {
+        if (tid < 32) {
+            const long long m = t * 32 + lane;
+            long long s = 0, k = 0;
+            if (m < space) {
+                s = start[m];
+                k = m == skip ? 0 : start[m + 1] - s;
+            }
+            const bool is_short = k >= 1 && k <= SEG_CHUNK_MIN;
+            const unsigned shorts = __ballot_sync(SEG_FULL, is_short);
+            int incl = is_short ? (int)k : 0;   // inclusive prefix of the short rows' counts
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(SEG_FULL, incl, o);
+                if (lane >= o) incl += y;
+            }
+            tile_start[lane] = s;
+            tile_off[lane + 1] = incl;
+            if (lane == 0) tile_off[0] = 0;
+            if (is_short) tile_rows[__popc(shorts & ((1u << lane) - 1u))] = lane;
+            const unsigned gaps = __ballot_sync(SEG_FULL, m < space && k == 0);
+            if (lane == 0) {
+                tile_gaps = gaps;
+                tile_short = shorts;
+            }
+        }
+        __syncthreads();
+        const int total = tile_off[32];
+        long long got[GATHER];   // loads in flight while the zeros are stored
+#pragma unroll
+        for (int u = 0; u < GATHER; ++u) {
+            const int j = tid + u * 256;
+            got[u] = 0;
+            if (j < total) {
+                int a = 0, b = 32;   // the row h with tile_off[h] <= j < tile_off[h + 1]
+                while (b - a > 1) {
+                    const int mid = (a + b) >> 1;
+                    if (tile_off[mid] <= j) a = mid;
+                    else b = mid;
+                }
+                got[u] = perm[tile_start[a] + (j - tile_off[a])];
+            }
+        }
+        seg_zero_runs(tile_gaps, out + t * 32 * D, D);
+#pragma unroll
+        for (int u = 0; u < GATHER; ++u)
+            if (tid + u * 256 < total) tile_src[tid + u * 256] = got[u];
+        __syncthreads();
+        const int items = __popc(tile_short) * vecs;
+        for (int it = tid; it < items; it += blockDim.x) {
+            const int r = it / vecs, col = (it - r * vecs) * VEC, h = tile_rows[r];
+            const int j0 = tile_off[h], k = tile_off[h + 1] - j0;
+            float acc[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+            for (int q = 0; q < k; q += SEG_ONCE_U) {
+                float v[SEG_ONCE_U][VEC];
+#pragma unroll
+                for (int u = 0; u < SEG_ONCE_U; ++u)
+                    if (q + u < k) SegVec<VEC>::load(src + tile_src[j0 + q + u] * D + col, v[u]);
+#pragma unroll
+                for (int u = 0; u < SEG_ONCE_U; ++u)
+                    if (q + u < k)
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) acc[j] += seg_value(v[u][j], scaled, (float)k);
+            }
+            SegVec<VEC>::store(out + (t * 32 + h) * D + col, acc);
+        }
+        __syncthreads();   // the tile's shared state is rewritten by the next
+    }
+}
+
+#define SEG_ONCE_KERNEL(VEC)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, SEG_ONCE_BLOCKS)                                   \
+    segsum_once##VEC(const float* __restrict__ src, const long long* __restrict__ perm,                  \
+                     const long long* __restrict__ start, float* __restrict__ out, int D, long long skip,  \
+                     int scaled, long long space) {                                                      \
+        seg_once_body<VEC>(src, perm, start, out, D, skip, scaled, space);                               \
+    }
+SEG_ONCE_KERNEL(1)
+SEG_ONCE_KERNEL(2)
+SEG_ONCE_KERNEL(4)
+
 // PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>[_tiles|_fill]_<key>, PREFIX_scalar_<key> for key
 // types i16, i32, i64.
 #define SEG_SORTED_FOR(PREFIX, KEYNAME, KT)                                                              \
@@ -1394,6 +1527,10 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
     SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, 1)                                                              \
     SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, 2)                                                              \
     SEG_ROWS_KERNEL(PREFIX, KEYNAME, KT, 4)                                                              \
+    extern "C" __global__ void __launch_bounds__(256, SEG_LONG_BLOCKS)                                   \
+    PREFIX##_rows1_long_##KEYNAME(SEG_SORTED_ARGS_T(KT)) {                                               \
+        seg_rows_body<KT, 1, SEG_SPLIT_LONG>(SEG_ROWS_PASS);                                             \
+    }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) PREFIX##_scalar_##KEYNAME(SEG_SORTED_ARGS_T(KT)) { \
         seg_scalar_body<KT>(SEG_SORTED_PASS);                                                            \
     }

@@ -39,14 +39,14 @@ def _node(children: list[np.ndarray], width: int) -> np.ndarray:
 
 def split_runs(warp: bool) -> list[tuple[str, int | None]]:
     """(split, group) for segsum_sorted_cuda: every task split at its default group, then, in the warp
-    kernel (``warp``), the fill and gaps splits at every group (the thread kernel takes no group)."""
-    groups = [(s, g) for s in ("fill", "gaps") for g in ia.FILL_GROUPS] if warp else []
+    kernel (``warp``), the fill, gaps and once splits at every group (the thread kernel takes no group)."""
+    groups = [(s, g) for s in ("fill", "gaps", "once") for g in ia.FILL_GROUPS] if warp else []
     return [(s, None) for s in ia.SPLITS] + groups
 
 
 def poison_allocator(shape) -> None:
-    """Leave NaN in the CUDA caching allocator's next block of this size: the sorted kernels' rows, tiles
-    and gaps splits write every output row themselves, so a row they missed would show as NaN (the fill split
+    """Leave NaN in the CUDA caching allocator's next block of this size: the sorted kernels' rows, tiles,
+    gaps and once splits write every output row themselves, so a row they missed would show as NaN (the fill split
     zero-fills the output first: a row its sums missed is +0.0, which only the bitwise checks catch)."""
     junk = torch.full(shape, float("nan"), device="cuda")
     del junk

@@ -132,7 +132,7 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     first, _, args, kw = check_sorted_repeatable(SPEC, SORTED, case, REPEATS)
     key, g, rows, skip = eb._prologue(*args, kw["num_weights"], kw["padding_idx"], kw["scale_grad_by_freq"])
     for split, group in split_runs(g.shape[1] >= ia.SCALAR_BELOW_D):  # the same chunks and tree
-        poison_allocator((rows, g.shape[1]))  # rows, tiles, gaps: a row they missed is NaN
+        poison_allocator((rows, g.shape[1]))  # rows, tiles, gaps, once: a row they missed is NaN
         out = ia.segsum_sorted_cuda(eb.SOURCE, OP, key, g, rows, skip=skip, scaled=kw["scale_grad_by_freq"],
                                     split=split, group=group)
         assert differing_bits(out, first).size == 0, (split, group)

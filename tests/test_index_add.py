@@ -206,6 +206,38 @@ def test_fill_split_groups_take_every_chunk_once():
             assert sorted(got) == sorted(want), group
 
 
+def test_once_split_writes_every_row_once():
+    """The once split, replayed on the host: segsum_once writes the empty and skipped rows (+0.0) and sums
+    the rows of 1 to CHUNK_MIN contributions (their one chunk); the long-rows kernel, at every group, takes
+    chunk 0 of the longer rows that start at its positions and the chunks c >= 1. Every chunk of every row
+    but the skipped one is summed exactly once, every row is written by one kernel only, and a tile's short
+    rows never hold more source rows than segsum_once gathers (32 x CHUNK_MIN)."""
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        counts, skip, keys, start, want = _random_rows(rng, [0, 0, 1, 2, 31, 32, 33, 64, 65, 700, 1025], 70)
+        n, space = len(keys), len(counts)
+        short = [m for m in range(space) if 1 <= counts[m] <= ia.CHUNK_MIN and m != skip]
+        zeros = [m for m in range(space) if counts[m] == 0 or m == skip]
+        for t in range(-(-space // 32)):
+            assert sum(int(counts[m]) for m in short if m // 32 == t) <= 32 * ia.CHUNK_MIN
+        for group in ia.FILL_GROUPS:
+            got = [(m, 0) for m in short]
+            for w in range(-(-n // 32) * group):
+                tile, sub = w // group, w % group
+                for h in range(sub, 32, group):
+                    p = tile * 32 + h
+                    if p >= n or keys[p] == skip:
+                        continue
+                    m = int(keys[p])
+                    s, k = int(start[m]), int(counts[m])
+                    L = ia.chunk_len(k)
+                    if (p == s and k > ia.CHUNK_MIN) or (p != s and (p - s) % L == 0):
+                        got.append((m, (p - s) // L))
+            assert len(got) == len(set(got)) and set(got) == want, group
+        long_rows = {m for m, c in got if m not in short}
+        assert sorted([*short, *zeros, *long_rows]) == list(range(space))
+
+
 def test_task_split_sums_every_chunk_once():
     """The sorted kernels' work split, replayed on the host: destination tasks take chunk 0 of each
     non-empty row (and write the empty and skipped rows), tile tasks of 32 positions take the chunks
@@ -284,14 +316,16 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync, monkeyp
     index, src = args[0], args[1].contiguous()
     for force_scalar in (False, True):  # every task split of both kernels: the same chunks and tree
         for split, group in split_runs(not force_scalar and src.shape[1] >= ia.SCALAR_BELOW_D):
-            poison_allocator((kw["num_rows"], src.shape[1]))  # rows, tiles, gaps: a row they missed is NaN
+            poison_allocator((kw["num_rows"], src.shape[1]))  # rows, tiles, gaps, once: a row they missed is NaN
             out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"],
                                         force_scalar=force_scalar, split=split, group=group)
             assert differing_bits(out, model).size == 0, (force_scalar, split, group)
     monkeypatch.setattr(ia, "gap_blocks", lambda space, dev: 1)   # one block takes every tile in turn
-    poison_allocator((kw["num_rows"], src.shape[1]))
-    out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"], split="gaps")
-    assert differing_bits(out, model).size == 0
+    monkeypatch.setattr(ia, "once_blocks", lambda space, dev: 1)
+    for split in ("gaps", "once"):
+        poison_allocator((kw["num_rows"], src.shape[1]))
+        out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"], split=split)
+        assert differing_bits(out, model).size == 0, split
 
 
 @pytest.mark.gpu

@@ -125,7 +125,7 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
     first, _, args, kw = check_sorted_repeatable(SPEC, SORTED, case, REPEATS)
     key, src, rows, elementwise = sa._prologue(*args, kw["num_rows"])
     for split, group in split_runs(not elementwise and src.shape[1] >= ia.SCALAR_BELOW_D):
-        poison_allocator((rows, src.shape[1]))  # rows, tiles, gaps: a row they missed is NaN
+        poison_allocator((rows, src.shape[1]))  # rows, tiles, gaps, once: a row they missed is NaN
         out = ia.segsum_sorted_cuda(sa.SOURCE, OP, key, src, rows, elementwise=elementwise, split=split,
                                     group=group)
         assert differing_bits(out, first).size == 0, (split, group)

@@ -14,6 +14,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
     PYTHONPATH=. python bench/dev/segsum_phases.py --groups [--depths]   # the fill split's sums per warps per tile
     PYTHONPATH=. python bench/dev/segsum_phases.py --gaps   # zeros of the empty rows beside the sums
     PYTHONPATH=. python bench/dev/segsum_phases.py --gap-builds   # ... per zero store and sums depth
+    PYTHONPATH=. python bench/dev/segsum_phases.py --once   # every row written once: zeros and short rows in one pass
 
 ``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, rank, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
@@ -513,6 +514,42 @@ def gap_sweep(dev: torch.device, flush) -> None:
                       "\n    ".join(timeline(gaps(b))), flush=True)
 
 
+ONCE_BLOCKS = (2, 4, 8)
+
+
+def once_sweep(dev: torch.device, flush) -> None:
+    """The once split (segsum_once: zeros and rows of one chunk in one pass over the destinations, the longer
+    rows beside it on a second stream) per grid (ia.ONCE_BLOCKS_PER_SM) and warps per position tile of the
+    long rows (ia.LONG_GROUP), bits checked equal to the fill split's, beside the fill and gaps splits, the
+    default, the atomic variant and PyTorch's op in both modes, on GAP_SHAPES; each kernel's time
+    (torch.profiler) of the once call at the defaults and of the fill split, and, on the audit's small
+    batch, the once call's kernel timeline."""
+    for op, n, d, m, law in GAP_SHAPES:
+        idx, src, args, kw = scatter_inputs(op, n, d, m, law, dev)
+        splits = {split: sorted_split(op, split) for split in ("fill", "gaps", "once")}   # (made once)
+
+        def once(blocks, group):
+            def run():
+                with mock.patch.object(ia, "ONCE_BLOCKS_PER_SM", blocks), mock.patch.object(ia, "LONG_GROUP", group):
+                    return splits["once"](*args, **kw)
+            return run
+        fns = {"fill": lambda: splits["fill"](*args, **kw), "gaps": lambda: splits["gaps"](*args, **kw),
+               **{f"once {b}/SM": once(b, ia.LONG_GROUP) for b in ONCE_BLOCKS},
+               **{f"once {g} warps": once(ia.ONCE_BLOCKS_PER_SM, g) for g in (1, 4)},
+               "default": lambda: kernels.get(op, "sorted")(*args, **kw)}
+        row = timed_alike(fns, dev, flush)
+        atomic, t_default, t_det = peer_times(op, args, kw, dev, flush)
+        print(f"{op} {law} n {n} D {d} rows {m} (default: {ia.default_split(n, m, d < ia.SCALAR_BELOW_D)}): "
+              + "  ".join(row) + f"  atomic {atomic:6.1f}  torch {t_default:6.1f}  deterministic {t_det:6.1f} us"
+              f"  (targets: deterministic / 3 = {t_det / 3:.1f}, 1.1 x atomic = {1.1 * atomic:.1f})", flush=True)
+        for name in ("once 4/SM", "fill"):
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(fns[name], 20).items())
+            print(f"  {name} kernels (us): {parts}", flush=True)
+        if (op, n, d) == ("embedding_bwd", 2048, 768):
+            print("  once 4/SM timeline (start, duration us):\n    " + "\n    ".join(timeline(fns["once 4/SM"])),
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
@@ -534,9 +571,14 @@ def main() -> None:
                     help="the gaps split per grid of its zero kernel, then stop")
     ap.add_argument("--gap-builds", action="store_true",
                     help="the gaps split per grid, zero stores and depth of the sums, then stop")
+    ap.add_argument("--once", action="store_true",
+                    help="the once split per grid and warps per tile of its long rows, then stop")
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
+    if a.once:
+        once_sweep(dev, flush)
+        return
     if a.gaps or a.gap_builds:
         (gap_builds if a.gap_builds else gap_sweep)(dev, flush)
         return
