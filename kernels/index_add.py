@@ -24,7 +24,6 @@ Both start every row at +0.0, so a row of -0.0 contributions ends at +0.0 (as to
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -354,7 +353,8 @@ SPLITS = ("rows", "tiles", "fill", "gaps", "once")   # tiles, gaps: no default t
 ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 GAP_BLOCKS_PER_SM = 8   # segsum_zero_gaps' grid beside the sums (see default_split)
 GAP_MAX_WIDTH = (2**31 - 1) // 32   # segsum_zero_gaps indexes a tile of 32 destinations' floats in int
-ONCE_BLOCKS_PER_SM = 4  # SEG_ONCE_BLOCKS: segsum_once's grid (a block per 32 destinations, at most this an SM)
+ONCE_BLOCKS_PER_SM = 4  # SEG_ONCE_BLOCKS: segsum_once's resident blocks an SM (see once_grid)
+ONCE_PER_MAX = 8        # SEG_WARPS: tiles of 32 destinations a segsum_once block takes at once, at most
 LONG_GROUP = 2          # the once split's long-rows kernel: warps per tile of 32 sorted positions
 
 
@@ -575,9 +575,13 @@ def _merge_sort(source, prefix, kname, key, skey, perm, start, width, rows, offs
     return fused
 
 
-def once_blocks(space: int, dev: torch.device) -> int:
-    """segsum_once's grid over ``space`` destinations: a block per 32, at most ONCE_BLOCKS_PER_SM an SM."""
-    return max(1, min(cdiv(space, 32), ONCE_BLOCKS_PER_SM * sm_count(dev)))
+def once_grid(space: int, dev: torch.device) -> tuple[int, int]:
+    """(blocks, per): segsum_once's grid over ``space`` destinations and the tiles of 32 a block takes at
+    once: the fewest per (at most ONCE_PER_MAX) that let ONCE_BLOCKS_PER_SM blocks an SM hold every tile
+    in one wave, and a grid of at most that many blocks (a grid-stride loop beyond)."""
+    tiles, resident = cdiv(space, 32), ONCE_BLOCKS_PER_SM * sm_count(dev)
+    per = max(1, min(ONCE_PER_MAX, cdiv(tiles, resident)))
+    return max(1, min(cdiv(tiles, per), resident)), per
 
 
 def gap_blocks(space: int, dev: torch.device) -> int:
@@ -601,8 +605,12 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     lane-parallel); ``fill``: the output is zero-filled on a second stream while the keys are sorted, and
     the sums, after the fill, take only the tiles of 32 sorted positions; ``gaps``: the sums as in
     ``fill`` over an unfilled output, beside them on a second stream (after the sort) segsum_zero_gaps
-    zeroes the destinations no key reaches (gap_blocks: at most GAP_BLOCKS_PER_SM blocks an SM). The thread kernel
-    knows ``rows``, ``fill`` and ``gaps`` (``tiles`` runs as ``fill``).
+    zeroes the destinations no key reaches (gap_blocks: at most GAP_BLOCKS_PER_SM blocks an SM); ``once`` (warp
+    kernels): every destination written once, no zero fill: the rows of more than CHUNK_MIN contributions by
+    the warp kernel's position tiles (at VEC 1, LONG_GROUP warps a tile), and beside them on a second
+    stream segsum_once, which sums the rows of 1 to CHUNK_MIN and zeroes the empty ones in one pass
+    (once_grid). The thread kernel knows ``rows``, ``fill`` and ``gaps`` (``tiles`` and ``once`` run as
+    ``fill``).
     Keys outside [0, rows) add nothing, or fail the keys kernel (``check`` device), or raise
     KernelArgumentError after the kernels are queued (``check`` sync: start[space], the count of valid
     keys, read back). ``force_scalar`` runs the one-thread-per-chunk kernel in the row form (same bits;
@@ -645,7 +653,7 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     """segsum_sorted_cuda after its checks and zero fill: sort, row starts, sums into ``out`` (``join``:
     the current stream waits for the fill on the side stream before the sums, None without one;
     ``group``: segsum_sorted_cuda's); in the gaps split, segsum_zero_gaps on the side stream beside the
-    sums, which the current stream waits for before returning."""
+    sums, in the once split segsum_once; the current stream waits for it before returning."""
     d = src.shape[1]
     dev = src.device
     n = key.numel()
@@ -658,9 +666,7 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     slices = 1 if scalar else cdiv(width, 32 * (1 if once else vec))
     slots = max(1, 2 * (n // CHUNK_MIN))
     part = torch.empty((2, slots, width), device=dev, dtype=torch.float32)
-    side, rejoin = fork(dev) if split in ("gaps", "once") else (None, None)
-    with torch.cuda.stream(side) if once else contextlib.nullcontext():   # the long rows' stream's tickets
-        counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
+    counters = ticket_counters(dev, 2 * slots * slices)  # left at zero by the kernel's last arrivals
     fill = split in ("fill", "gaps", "once")   # the sums take position tiles only: other kernels write the rest
     if fill and not scalar:   # the kernel's `fill`: the warps per tile of sorted positions
         fill = int(group) if group is not None else LONG_GROUP if once else fill_group(cdiv(n, 32) * slices, dev)
@@ -684,6 +690,8 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
         launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
                                                min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)
 
+    if split in ("gaps", "once"):
+        side, rejoin = fork(dev)
     if split == "gaps":  # zeros where no key goes, queued first (then the sums fill the GPU around them)
         try:
             with torch.cuda.stream(side):
@@ -692,13 +700,14 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
             sums()
         finally:
             rejoin()
-    elif once:  # the long rows first, on the side stream (few blocks), then every other row in one pass
+    elif once:  # the long rows first, here (right after the starts), every other row beside them in one pass
         try:
+            sums()
+            blocks, per = once_grid(space, dev)
             with torch.cuda.stream(side):
-                sums()
-            launch(function(source, f"segsum_once{vec}", dev), (once_blocks(space, dev),), (THREADS,),
-                   (ptr(src), ptr(perm), ptr(start), ptr(out), np.int32(width), np.int64(skip), np.int32(scaled),
-                    np.int64(space)), device=dev)
+                launch(function(source, f"segsum_once{vec}", dev), (blocks,), (THREADS,),
+                       (ptr(src), ptr(perm), ptr(start), ptr(out), np.int32(width), np.int64(skip), np.int32(scaled),
+                        np.int64(space), np.int32(per)), device=dev)
         finally:
             rejoin()
     else:

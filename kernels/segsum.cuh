@@ -1403,34 +1403,36 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
 // ------------------------------------------------------------------------------------------------
 // sorted, the once split: every destination written once, no zero fill (row form, warp kernels)
 //
-// segsum_once<VEC> takes tiles of 32 destinations, a block each (a grid-stride loop): one read of their
-// starts; the empty and skipped ones get +0.0 (seg_zero_runs, streaming stores, as the gaps split); the
-// rows of 1 to SEG_CHUNK_MIN contributions (one chunk) are summed here, their source rows (perm) gathered
-// into shared memory while the zeros are stored, then a thread per (row, VEC columns), U source rows in
-// flight, added in source order from +0.0: seg_warp_chunk's order and bits. Rows of more (two chunks or
-// more) are left to the long-rows kernel (SEG_SPLIT_LONG), queued before it on a second stream. A tile's
-// work is its stores plus a few dependent loads, so the kernel runs at about a plain fill's speed: the
-// fill and the short sums in one pass, where the fill split runs them one after the other.
+// segsum_once<VEC> takes `per` (at most SEG_WARPS) tiles of 32 destinations a block, warp w reading tile
+// w's starts (one round trip for all of them), then: the rows of 1 to SEG_CHUNK_MIN contributions (one
+// chunk) are summed, a thread per (row, VEC columns), U source rows at a time (their perm entries, then the
+// rows), added in source order from +0.0: seg_warp_chunk's order and bits; then the empty and skipped
+// destinations get +0.0 (seg_zero_runs, streaming stores, as the gaps split). Rows of more contributions
+// (two chunks or more) are left to the long-rows kernel (SEG_SPLIT_LONG), queued before it. The launcher
+// picks `per` so that the whole grid is resident at once (a single wave): every block's few dependent
+// loads then overlap the other blocks' stores, and the kernel runs near a plain fill's speed: the fill
+// and the short sums in one pass, where the fill split runs them one after the other.
 #ifndef SEG_ONCE_BLOCKS
 #define SEG_ONCE_BLOCKS 4   // blocks per SM (its registers; kernels/index_add.py ONCE_BLOCKS_PER_SM)
 #endif
-#define SEG_ONCE_U 8        // source rows in flight per thread
 
 template <int VEC>
 __device__ __forceinline__ void seg_once_body(const float* __restrict__ src, const long long* __restrict__ perm,
                                               const long long* __restrict__ start, float* __restrict__ out,
-                                              int D, long long skip, int scaled, long long space) {
-    constexpr int GATHER = 32 * SEG_CHUNK_MIN / 256;   // source rows a thread gathers, at most
-    __shared__ long long tile_src[32 * SEG_CHUNK_MIN];  // the short rows' source rows, row after row
-    __shared__ long long tile_start[32];
-    __shared__ int tile_off[33];                         // the short rows' first entry in tile_src
-    __shared__ int tile_rows[32];                        // the short rows (0 .. 31), in order
-    __shared__ unsigned tile_gaps, tile_short;
-    const int tid = threadIdx.x, lane = tid & 31;
+                                              int D, long long skip, int scaled, long long space, int per) {
+    constexpr int U = VEC == 4 ? 4 : 8;   // source rows in flight per thread
+    __shared__ long long row_start[SEG_WARPS][32];   // per tile, its short rows in order: first sorted position,
+    __shared__ unsigned char row_lane[SEG_WARPS][32];   // destination within the tile,
+    __shared__ unsigned char row_count[SEG_WARPS][32];  // contributions (1 .. 32)
+    __shared__ unsigned tile_gaps[SEG_WARPS];
+    __shared__ int tile_first[SEG_WARPS + 1];   // the tiles' short rows: exclusive prefix
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int vecs = D / VEC;   // VEC divides D
-    for (long long t = blockIdx.x; t < (space + 31) >> 5; t += gridDim.x) {
-        if (tid < 32) {
-            const long long m = t * 32 + lane;
+    const long long tiles = (space + 31) >> 5;
+    for (long long t0 = (long long)blockIdx.x * per; t0 < tiles; t0 += (long long)gridDim.x * per) {
+        const int here = (int)min((long long)per, tiles - t0);
+        if (warp < here) {
+            const long long m = (t0 + warp) * 32 + lane;
             long long s = 0, k = 0;
             if (m < space) {
                 s = start[m];
@@ -1438,65 +1440,52 @@ __device__ __forceinline__ void seg_once_body(const float* __restrict__ src, con
             }
             const bool is_short = k >= 1 && k <= SEG_CHUNK_MIN;
             const unsigned shorts = __ballot_sync(SEG_FULL, is_short);
-            int incl = is_short ? (int)k : 0;   // inclusive prefix of the short rows' counts
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(SEG_FULL, incl, o);
-                if (lane >= o) incl += y;
-            }
-            tile_start[lane] = s;
-            tile_off[lane + 1] = incl;
-            if (lane == 0) tile_off[0] = 0;
-            if (is_short) tile_rows[__popc(shorts & ((1u << lane) - 1u))] = lane;
             const unsigned gaps = __ballot_sync(SEG_FULL, m < space && k == 0);
+            if (is_short) {
+                const int i = __popc(shorts & ((1u << lane) - 1u));
+                row_start[warp][i] = s;
+                row_lane[warp][i] = (unsigned char)lane;
+                row_count[warp][i] = (unsigned char)k;
+            }
             if (lane == 0) {
-                tile_gaps = gaps;
-                tile_short = shorts;
+                tile_gaps[warp] = gaps;
+                tile_first[warp + 1] = __popc(shorts);
             }
         }
         __syncthreads();
-        const int total = tile_off[32];
-        long long got[GATHER];   // loads in flight while the zeros are stored
-#pragma unroll
-        for (int u = 0; u < GATHER; ++u) {
-            const int j = tid + u * 256;
-            got[u] = 0;
-            if (j < total) {
-                int a = 0, b = 32;   // the row h with tile_off[h] <= j < tile_off[h + 1]
-                while (b - a > 1) {
-                    const int mid = (a + b) >> 1;
-                    if (tile_off[mid] <= j) a = mid;
-                    else b = mid;
-                }
-                got[u] = perm[tile_start[a] + (j - tile_off[a])];
-            }
+        if (tid == 0) {
+            tile_first[0] = 0;
+            for (int w = 0; w < here; ++w) tile_first[w + 1] += tile_first[w];
         }
-        seg_zero_runs(tile_gaps, out + t * 32 * D, D);
-#pragma unroll
-        for (int u = 0; u < GATHER; ++u)
-            if (tid + u * 256 < total) tile_src[tid + u * 256] = got[u];
         __syncthreads();
-        const int items = __popc(tile_short) * vecs;
-        for (int it = tid; it < items; it += blockDim.x) {
-            const int r = it / vecs, col = (it - r * vecs) * VEC, h = tile_rows[r];
-            const int j0 = tile_off[h], k = tile_off[h + 1] - j0;
+        const long long items = (long long)tile_first[here] * vecs;   // up to 256 rows of D floats
+        for (long long it = tid; it < items; it += blockDim.x) {
+            const int r = (int)(it / vecs), col = (int)(it - (long long)r * vecs) * VEC;
+            int w = 0;
+            while (tile_first[w + 1] <= r) ++w;   // the row's tile
+            const int i = r - tile_first[w], k = row_count[w][i];
+            const long long s = row_start[w][i];
             float acc[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
-            for (int q = 0; q < k; q += SEG_ONCE_U) {
-                float v[SEG_ONCE_U][VEC];
+            for (int q = 0; q < k; q += U) {
+                long long from[U];
+                float v[U][VEC];
 #pragma unroll
-                for (int u = 0; u < SEG_ONCE_U; ++u)
-                    if (q + u < k) SegVec<VEC>::load(src + tile_src[j0 + q + u] * D + col, v[u]);
+                for (int u = 0; u < U; ++u) from[u] = q + u < k ? perm[s + q + u] : 0;
 #pragma unroll
-                for (int u = 0; u < SEG_ONCE_U; ++u)
+                for (int u = 0; u < U; ++u)
+                    if (q + u < k) SegVec<VEC>::load(src + from[u] * D + col, v[u]);
+#pragma unroll
+                for (int u = 0; u < U; ++u)
                     if (q + u < k)
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) acc[j] += seg_value(v[u][j], scaled, (float)k);
             }
-            SegVec<VEC>::store(out + (t * 32 + h) * D + col, acc);
+            SegVec<VEC>::store(out + ((t0 + w) * 32 + row_lane[w][i]) * D + col, acc);
         }
-        __syncthreads();   // the tile's shared state is rewritten by the next
+        for (int w = 0; w < here; ++w) seg_zero_runs(tile_gaps[w], out + (t0 + w) * 32 * D, D);
+        __syncthreads();   // the shared state is rewritten by the next tiles
     }
 }
 
@@ -1504,8 +1493,8 @@ __device__ __forceinline__ void seg_once_body(const float* __restrict__ src, con
     extern "C" __global__ void __launch_bounds__(256, SEG_ONCE_BLOCKS)                                   \
     segsum_once##VEC(const float* __restrict__ src, const long long* __restrict__ perm,                  \
                      const long long* __restrict__ start, float* __restrict__ out, int D, long long skip,  \
-                     int scaled, long long space) {                                                      \
-        seg_once_body<VEC>(src, perm, start, out, D, skip, scaled, space);                               \
+                     int scaled, long long space, int per) {                                             \
+        seg_once_body<VEC>(src, perm, start, out, D, skip, scaled, space, per);                          \
     }
 SEG_ONCE_KERNEL(1)
 SEG_ONCE_KERNEL(2)

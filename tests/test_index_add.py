@@ -321,7 +321,7 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync, monkeyp
                                         force_scalar=force_scalar, split=split, group=group)
             assert differing_bits(out, model).size == 0, (force_scalar, split, group)
     monkeypatch.setattr(ia, "gap_blocks", lambda space, dev: 1)   # one block takes every tile in turn
-    monkeypatch.setattr(ia, "once_blocks", lambda space, dev: 1)
+    monkeypatch.setattr(ia, "once_grid", lambda space, dev: (1, 3))   # 3 tiles at a time, the last ones fewer
     for split in ("gaps", "once"):
         poison_allocator((kw["num_rows"], src.shape[1]))
         out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"], split=split)
