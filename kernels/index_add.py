@@ -356,6 +356,8 @@ GAP_MAX_WIDTH = (2**31 - 1) // 32   # segsum_zero_gaps indexes a tile of 32 dest
 ONCE_BLOCKS_PER_SM = 4  # SEG_ONCE_BLOCKS: segsum_once's resident blocks an SM (see once_grid)
 ONCE_PER_MAX = 8        # SEG_WARPS: tiles of 32 destinations a segsum_once block takes at once, at most
 LONG_GROUP = 2          # the once split's long-rows kernel: warps per tile of 32 sorted positions
+ONCE_ORDERS = ("beside", "after", "first")   # segsum_once beside the long rows, after them, or before them
+ONCE_ORDER = "beside"
 
 
 FILL_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take the fill split
@@ -701,13 +703,21 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
         finally:
             rejoin()
     elif once:  # the long rows first, here (right after the starts), every other row beside them in one pass
+        blocks, per = once_grid(space, dev)
+
+        def rest():
+            launch(function(source, f"segsum_once{vec}", dev), (blocks,), (THREADS,),
+                   (ptr(src), ptr(perm), ptr(start), ptr(out), np.int32(width), np.int64(skip), np.int32(scaled),
+                    np.int64(space), np.int32(per)), device=dev)
         try:
+            if ONCE_ORDER == "first":
+                rest()
             sums()
-            blocks, per = once_grid(space, dev)
-            with torch.cuda.stream(side):
-                launch(function(source, f"segsum_once{vec}", dev), (blocks,), (THREADS,),
-                       (ptr(src), ptr(perm), ptr(start), ptr(out), np.int32(width), np.int64(skip), np.int32(scaled),
-                        np.int64(space), np.int32(per)), device=dev)
+            if ONCE_ORDER == "after":
+                rest()
+            if ONCE_ORDER == "beside":
+                with torch.cuda.stream(side):
+                    rest()
         finally:
             rejoin()
     else:

@@ -1415,12 +1415,15 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
 #ifndef SEG_ONCE_BLOCKS
 #define SEG_ONCE_BLOCKS 4   // blocks per SM (its registers; kernels/index_add.py ONCE_BLOCKS_PER_SM)
 #endif
+#ifndef SEG_ONCE_U
+#define SEG_ONCE_U 0        // source rows in flight per thread (0: 4 at VEC 4, else 8)
+#endif
 
 template <int VEC>
 __device__ __forceinline__ void seg_once_body(const float* __restrict__ src, const long long* __restrict__ perm,
                                               const long long* __restrict__ start, float* __restrict__ out,
                                               int D, long long skip, int scaled, long long space, int per) {
-    constexpr int U = VEC == 4 ? 4 : 8;   // source rows in flight per thread
+    constexpr int U = SEG_ONCE_U ? SEG_ONCE_U : VEC == 4 ? 4 : 8;   // source rows in flight per thread
     __shared__ long long row_start[SEG_WARPS][32];   // per tile, its short rows in order: first sorted position,
     __shared__ unsigned char row_lane[SEG_WARPS][32];   // destination within the tile,
     __shared__ unsigned char row_count[SEG_WARPS][32];  // contributions (1 .. 32)

@@ -15,6 +15,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
     PYTHONPATH=. python bench/dev/segsum_phases.py --gaps   # zeros of the empty rows beside the sums
     PYTHONPATH=. python bench/dev/segsum_phases.py --gap-builds   # ... per zero store and sums depth
     PYTHONPATH=. python bench/dev/segsum_phases.py --once   # every row written once: zeros and short rows in one pass
+    PYTHONPATH=. python bench/dev/segsum_phases.py --once-builds   # ... per build of its kernels and order
 
 ``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, rank, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
@@ -550,6 +551,52 @@ def once_sweep(dev: torch.device, flush) -> None:
                   flush=True)
 
 
+# (op, n, D, rows, law): where the once split's builds and orders are compared
+ONCE_BUILD_SHAPES = (("embedding_bwd", 2048, 768, 32_000, "zipf"), ("embedding_bwd", 512, 768, 32_000, "zipf"),
+                     ("embedding_bwd", 4096, 512, 50_000, "zipf"), ("index_add", 100_000, 16, 1_000_000, "uniform"))
+
+
+def once_builds(dev: torch.device, flush) -> None:
+    """The once split per build of segsum_once (4 blocks an SM, or 8 with 2 source rows in flight), of the
+    long-rows kernel (32 source rows in flight at 2 blocks an SM, or 8 at 4), tiles per block (ONCE_PER_MAX 1
+    or 8) and order (ia.ONCE_ORDERS: beside the long rows, or after or before them on one stream, where the
+    profiler's kernel times are each kernel's alone), bits checked equal to the fill split's; the kernels of
+    a few of them on the audit's small batch."""
+    once_defs = {"4/SM": ({}, 4), "8/SM": ({"segsum_once": ("-DSEG_ONCE_BLOCKS=8", "-DSEG_ONCE_U=2")}, 8)}
+    long_defs = {"L32": {}, "L8": {"_long_": ("-DSEG_LONG_ROWS=8", "-DSEG_LONG_BLOCKS=4")}}
+    for op, n, d, m, law in ONCE_BUILD_SHAPES:
+        idx, src, args, kw = scatter_inputs(op, n, d, m, law, dev)
+        fill, once = sorted_split(op, "fill"), sorted_split(op, "once")
+
+        def build(once_name, long_name, per, order):
+            defines, blocks = once_defs[once_name]
+
+            def run():
+                with mock.patch.object(ia, "ONCE_BLOCKS_PER_SM", blocks), \
+                        mock.patch.object(ia, "ONCE_PER_MAX", per), mock.patch.object(ia, "ONCE_ORDER", order):
+                    return once(*args, **kw)
+            return with_defines(run, {**defines, **long_defs[long_name]})
+        fns = {"fill": lambda: fill(*args, **kw)}
+        for once_name in once_defs:
+            for long_name in long_defs:
+                for per in (1, 8):
+                    for order in ia.ONCE_ORDERS:
+                        fns[f"{once_name} {long_name} p{per} {order}"] = build(once_name, long_name, per, order)
+        row = timed_alike(fns, dev, flush)
+        atomic, t_default, t_det = peer_times(op, args, kw, dev, flush)
+        print(f"{op} {law} n {n} D {d} rows {m}:\n  " + "\n  ".join(row) +
+              f"\n  atomic {atomic:6.1f}  torch {t_default:6.1f}  deterministic {t_det:6.1f} us"
+              f"  (targets: deterministic / 3 = {t_det / 3:.1f}, 1.1 x atomic = {1.1 * atomic:.1f})", flush=True)
+        if (op, n, d) == ("embedding_bwd", 2048, 768):
+            for name in ("4/SM L32 p1 after", "8/SM L32 p1 after", "8/SM L8 p1 after", "8/SM L8 p1 beside",
+                         "4/SM L8 p1 beside"):
+                parts = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(fns[name], 20).items())
+                print(f"  {name} kernels (us): {parts}", flush=True)
+            for name in ("8/SM L8 p1 beside", "8/SM L8 p1 first"):
+                print(f"  {name} timeline (start, duration us):\n    " + "\n    ".join(timeline(fns[name])),
+                      flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
@@ -573,11 +620,13 @@ def main() -> None:
                     help="the gaps split per grid, zero stores and depth of the sums, then stop")
     ap.add_argument("--once", action="store_true",
                     help="the once split per grid and warps per tile of its long rows, then stop")
+    ap.add_argument("--once-builds", action="store_true",
+                    help="the once split per build of its two kernels, tiles per block and order, then stop")
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
-    if a.once:
-        once_sweep(dev, flush)
+    if a.once or a.once_builds:
+        (once_builds if a.once_builds else once_sweep)(dev, flush)
         return
     if a.gaps or a.gap_builds:
         (gap_builds if a.gap_builds else gap_sweep)(dev, flush)
