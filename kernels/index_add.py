@@ -349,13 +349,13 @@ MAX_GRID_Y = 65535
 SORT_MAX = 16384          # SEG_SORT_MAX: up to this many keys (int16 ones), one block sorts them
 SORT_THREADS = 1024
 SORT_SMEM = (2 * SORT_MAX + 257 * 32 + 32) * 4   # SEG_SORT_SMEM
-SPLITS = ("rows", "tiles", "fill", "gaps", "once")   # tiles, gaps: no default takes them (default_split)
+SPLITS = ("rows", "tiles", "fill", "gaps", "once")   # tiles, gaps, once: no default takes them (default_split)
 ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
 GAP_BLOCKS_PER_SM = 8   # segsum_zero_gaps' grid beside the sums (see default_split)
 GAP_MAX_WIDTH = (2**31 - 1) // 32   # segsum_zero_gaps indexes a tile of 32 destinations' floats in int
 ONCE_BLOCKS_PER_SM = 4  # SEG_ONCE_BLOCKS: segsum_once's resident blocks an SM (see once_grid)
 ONCE_PER_MAX = 8        # SEG_WARPS: tiles of 32 destinations a segsum_once block takes at once, at most
-LONG_GROUP = 2          # the once split's long-rows kernel: warps per tile of 32 sorted positions
+LONG_GROUP = 1          # the once split's long-rows kernel: warps per tile of 32 sorted positions (see --once)
 ONCE_ORDERS = ("beside", "after", "first")   # segsum_once beside the long rows, after them, or before them
 ONCE_ORDER = "beside"
 
@@ -380,7 +380,14 @@ def default_split(n: int, space: int, scalar: bool) -> str:
     us: 2048 Zipf tokens into a 32000 x 768 gradient, gaps 53.5, fill 52.8, the sums kernel 39.4 beside the
     zeros; 16384 tokens 84.1, fill 77.6; index_add 1e5 x 16 into 1e6 rows 148.2, fill 100.7; 1e6 x 64 into
     1e5 208.9, fill 217.0; --gap-builds at 06c83cf, streaming stores as now: 2048 tokens 54.7, fill 53.2;
-    512 tokens 50.6, fill 54.0; 16384 tokens 84.1, fill 78.0; 4096 into 50000 x 512 67.6, fill 66.8)."""
+    512 tokens 50.6, fill 54.0; 16384 tokens 84.1, fill 78.0; 4096 into 50000 x 512 67.6, fill 66.8). Nor
+    ``once`` (segsum_once: the zeros and the rows of one chunk in one pass): its kernel alone takes twice a
+    plain fill where it zeroes most of the output (H200, --once-builds at ff35d5c, 2048 Zipf tokens into a
+    32000 x 768 gradient: segsum_once 50.3 us alone, the fill 23.2), so the call is slower on every
+    embedding shape (--once at 31fc4ea and e0928e6: 2048 tokens 71.0 and 84.0 against fill 52.4 and 53.3;
+    16384 tokens 116.2 against 77.7; 4096 into 50000 x 512 67.2 against 66.4); it was faster only where
+    every destination has a few contributions and nothing is zeroed (1e6 x 64 into 1e5 uniform, long rows
+    at one warp a tile: 183.8 and 183.7 against fill 215.9 and 219.9)."""
     return "fill" if (n < space if scalar else n <= FILL_UP_TO * space) else "rows"
 
 

@@ -41,7 +41,9 @@
 //           stream while the keys are sorted, sorted positions only (a tile of 32 also takes chunk 0 of
 //           the rows that start in it; in the warp kernel `fill` warps share a tile, its lanes dealt
 //           out among them); the thread kernel too (`fill`). Or (`gaps`) the same sums over an unfilled
-//           output, with segsum_zero_gaps writing +0.0 beside them to the destinations no key reaches.
+//           output, with segsum_zero_gaps writing +0.0 beside them to the destinations no key reaches. Or (`once`)
+//           the rows of two chunks or more only, with segsum_once writing every other destination (zeros and
+//           the rows of one chunk) beside them.
 //   fixed   order-independent fixed point, three launches and no sort (the direct schedule; the element
 //           form's binned one, below, adds the same integers): segsum_fixed_max finds the
 //           largest finite |src| (one atomicMax per block on the float's bits: an integer max, exact in any
@@ -1410,8 +1412,9 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
 // destinations get +0.0 (seg_zero_runs, streaming stores, as the gaps split). Rows of more contributions
 // (two chunks or more) are left to the long-rows kernel (SEG_SPLIT_LONG), queued before it. The launcher
 // picks `per` so that the whole grid is resident at once (a single wave): every block's few dependent
-// loads then overlap the other blocks' stores, and the kernel runs near a plain fill's speed: the fill
-// and the short sums in one pass, where the fill split runs them one after the other.
+// loads then overlap the other blocks' stores. Measured, it does not run near a plain fill's speed where
+// most of the output is zeroed (twice the fill's time at 2048 tokens into 32000 x 768, H200): no default
+// takes the split (kernels/index_add.py default_split has the figures).
 #ifndef SEG_ONCE_BLOCKS
 #define SEG_ONCE_BLOCKS 4   // blocks per SM (its registers; kernels/index_add.py ONCE_BLOCKS_PER_SM)
 #endif

@@ -543,7 +543,7 @@ def test_default_split():
     assert ia.default_split(ia.FILL_UP_TO * 2000, 2000, False) == "fill"
     assert ia.default_split(ia.FILL_UP_TO * 2000 + 1, 2000, False) == "rows"
     assert ia.default_split(2000, 2000, True) == "rows"
-    assert all(ia.default_split(n, m, sc) in ia.SPLITS and ia.default_split(n, m, sc) not in ("tiles", "gaps")
+    assert all(ia.default_split(n, m, sc) in ia.SPLITS and ia.default_split(n, m, sc) not in ("tiles", "gaps", "once")
                for n in (1, 10, 1000, 10**6) for m in (1, 100, 10**5) for sc in (False, True))
 
 
