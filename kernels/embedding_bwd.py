@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .index_add import (
+    BOUNDARY_COUNTS,
     check_index,
     check_index_range,
     check_rows,
@@ -161,7 +162,7 @@ def _make_inputs(case: Case, device: torch.device) -> tuple[tuple, dict]:
     p = case.params
     g = torch.Generator().manual_seed(case.seed)
     shape = (p["batch"], p["seq"])
-    indices = draw_index(g, shape, max(p["m"], 1), p.get("dup", 0.0))
+    indices = draw_index(g, shape, max(p["m"], 1), p.get("dup", 0.0), p.get("counts"))
     grad = draw_values(g, (*shape, p["d"]), p.get("special", ""))
     kw = {"num_weights": p["m"], "padding_idx": p.get("padding_idx", -1),
           "scale_grad_by_freq": p.get("scale", False)}
@@ -204,6 +205,11 @@ TEST_TABLE = (
     # sparse, five column slices (the last one partly idle), rows of one token among a hot one and the pad
     ("sparse_d520_pad", dict(batch=3, seq=50, d=520, m=400, dup=0.1, padding_idx=200)),
     ("sparse_d520_scale", dict(batch=3, seq=50, d=520, m=400, dup=0.1, scale=True)),
+    # rows of 32 and 33 tokens (one chunk, two), the pad on one of each, divided by the counts
+    ("counts_d128_scale_pad33", dict(batch=6, seq=49, d=128, m=len(BOUNDARY_COUNTS), counts=BOUNDARY_COUNTS,
+                                     scale=True, padding_idx=4)),
+    ("counts_d64_pad32", dict(batch=6, seq=49, d=64, m=len(BOUNDARY_COUNTS), counts=BOUNDARY_COUNTS,
+                              padding_idx=3)),
 )
 
 

@@ -382,12 +382,13 @@ def default_split(n: int, space: int, scalar: bool) -> str:
     1e5 208.9, fill 217.0; --gap-builds at 06c83cf, streaming stores as now: 2048 tokens 54.7, fill 53.2;
     512 tokens 50.6, fill 54.0; 16384 tokens 84.1, fill 78.0; 4096 into 50000 x 512 67.6, fill 66.8). Nor
     ``once`` (segsum_once: the zeros and the rows of one chunk in one pass): its kernel alone takes twice a
-    plain fill where it zeroes most of the output (H200, --once-builds at ff35d5c, 2048 Zipf tokens into a
-    32000 x 768 gradient: segsum_once 50.3 us alone, the fill 23.2), so the call is slower on every
-    embedding shape (--once at 31fc4ea and e0928e6: 2048 tokens 71.0 and 84.0 against fill 52.4 and 53.3;
-    16384 tokens 116.2 against 77.7; 4096 into 50000 x 512 67.2 against 66.4); it was faster only where
-    every destination has a few contributions and nothing is zeroed (1e6 x 64 into 1e5 uniform, long rows
-    at one warp a tile: 183.8 and 183.7 against fill 215.9 and 219.9)."""
+    plain fill where it zeroes most of the output (H200, 2048 Zipf tokens into a 32000 x 768 gradient:
+    segsum_once 50.3 us alone, --once-builds at ff35d5c; segsum_zero 23.2, --once at e0928e6), so the call
+    is slower on every embedding shape (2048 tokens: 71.0 against fill 52.4, --once at 31fc4ea; 84.0
+    against 52.9, --once-builds at ff35d5c; 16384 tokens 116.2 against 77.7, 4096 into 50000 x 512 67.2
+    against 66.4, both 31fc4ea); it was faster only where every destination has a few contributions and
+    nothing is zeroed (1e6 x 64 into 1e5 uniform, long rows at one warp a tile: 183.8 and 183.7 against
+    fill 215.9 and 219.9, 31fc4ea and e0928e6)."""
     return "fill" if (n < space if scalar else n <= FILL_UP_TO * space) else "rows"
 
 
@@ -606,10 +607,10 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     module docstring). No host synchronisation: keys (narrowed, bad ones to a sentinel) and their stable
     sort (sort_keys: a rank sort, or a tile sort and a merge by rank, or a radix sort; torch.sort for int64
     keys), row starts, sums. Task splits (``split``, default: default_split; ``group``: the warps that
-    share a tile of sorted positions in the fill and gaps splits' warp kernel, default fill_group; no other
-    split nor the thread kernel takes it; all sum the same chunks in the same order, so give the same
-    bits): ``rows``: a task per destination (it
-    writes the row, zeros where empty: no zero fill) and per 32 sorted positions; ``tiles`` (warp
+    share a tile of sorted positions in the fill, gaps and once splits' warp kernel, default fill_group, in
+    once LONG_GROUP; no other split nor the thread kernel takes it; all sum the same chunks in the same
+    order, so give the same bits): ``rows``: a task per destination (it writes the row, zeros where empty:
+    no zero fill) and per 32 sorted positions; ``tiles`` (warp
     kernels): a task per 32 destinations instead (zeros for the empty ones, rows of one contribution read
     lane-parallel); ``fill``: the output is zero-filled on a second stream while the keys are sorted, and
     the sums, after the fill, take only the tiles of 32 sorted positions; ``gaps``: the sums as in
@@ -638,6 +639,9 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
         split = default_split(n, space, scalar)
     elif split not in SPLITS:
         raise KernelArgumentError(prefix, "split", f"expected one of {SPLITS}, got {split!r}")
+    if split == "once" and ONCE_ORDER not in ONCE_ORDERS:
+        raise KernelArgumentError(prefix, "split", f"index_add.ONCE_ORDER: expected one of {ONCE_ORDERS}, got "
+                                                   f"{ONCE_ORDER!r}")
     if scalar and split in ("tiles", "once"):
         split = "fill"
     if split in ("gaps", "once") and width > GAP_MAX_WIDTH:
@@ -699,7 +703,7 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
         launch(function(source, kernel, dev), (max(1, min(cdiv(warps, THREADS // 32), MAX_BLOCKS)),
                                                min(slices, MAX_GRID_Y)), (THREADS,), args, device=dev)
 
-    if split in ("gaps", "once"):
+    if split == "gaps" or (once and ONCE_ORDER == "beside"):
         side, rejoin = fork(dev)
     if split == "gaps":  # zeros where no key goes, queued first (then the sums fill the GPU around them)
         try:
@@ -716,17 +720,16 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
             launch(function(source, f"segsum_once{vec}", dev), (blocks,), (THREADS,),
                    (ptr(src), ptr(perm), ptr(start), ptr(out), np.int32(width), np.int64(skip), np.int32(scaled),
                     np.int64(space), np.int32(per)), device=dev)
-        try:
-            if ONCE_ORDER == "first":
-                rest()
-            sums()
-            if ONCE_ORDER == "after":
-                rest()
-            if ONCE_ORDER == "beside":
+        if ONCE_ORDER == "beside":
+            try:
+                sums()
                 with torch.cuda.stream(side):
                     rest()
-        finally:
-            rejoin()
+            finally:
+                rejoin()
+        else:   # one stream: segsum_once before or after the long rows
+            for f in (rest, sums) if ONCE_ORDER == "first" else (sums, rest):
+                f()
     else:
         sums()
     if check.sync and int(start[space]) != n:  # the one host synchronisation, after the work is queued
@@ -1010,10 +1013,16 @@ def index_add_fixed_cpu(index, src, *, num_rows, check_range: bool | str = True,
 # Inputs shared by the three ops' case tables
 
 
-def draw_index(g: torch.Generator, shape, rows: int, dup: float) -> torch.Tensor:
+def draw_index(g: torch.Generator, shape, rows: int, dup: float, counts=None) -> torch.Tensor:
     """Indices of ``shape`` in [0, rows): a fraction ``dup`` of them (exactly round(dup * count)) equal
-    to one hot row (rows // 2), placed at random; the rest uniform."""
+    to one hot row (rows // 2), placed at random; the rest uniform. ``counts`` (one per row, summing to the
+    indices' count) instead: exactly counts[r] indices equal to r, in random order."""
     count = int(np.prod(shape)) if len(shape) else 1
+    if counts is not None:
+        if len(counts) != rows or sum(counts) != count:
+            raise ValueError(f"counts: expected {rows} counts summing to {count}, got {counts}")
+        idx = torch.repeat_interleave(torch.arange(rows), torch.tensor(counts, dtype=torch.int64))
+        return idx[torch.randperm(count, generator=g)].view(shape)
     idx = torch.randint(0, rows, (count,), generator=g)
     hot = int(round(dup * count))
     if hot:
@@ -1047,7 +1056,7 @@ def noncontiguous(x: torch.Tensor) -> torch.Tensor:
 def _make_inputs(case: Case, device: torch.device) -> tuple[tuple, dict]:
     p = case.params
     g = torch.Generator().manual_seed(case.seed)
-    index = draw_index(g, (p["n"],), max(p["m"], 1), p.get("dup", 0.0))
+    index = draw_index(g, (p["n"],), max(p["m"], 1), p.get("dup", 0.0), p.get("counts"))
     src = draw_values(g, (p["n"], p["d"]), p.get("special", ""))
     if p.get("noncontig"):
         src = noncontiguous(src)
@@ -1064,6 +1073,9 @@ def _case(name: str, seed: int, **params) -> Case:
     n, m, dup = params["n"], max(params["m"], 1), params.get("dup", 0.0)
     return Case(OP, name, params, seed=seed, contention=dup * n + (1 - dup) * n / m)
 
+
+# Contributions per row around the chunk boundary (a row of up to CHUNK_MIN is one chunk), empty rows
+BOUNDARY_COUNTS = (0, 1, 31, 32, 33, 64, 65, 0, 2, 32, 33, 1)
 
 # Hostile shapes: odd D (each kernel width: scalar below 4, float / float2 / float4 lanes), a row hot
 # enough for one tree level (k > 32), two levels (k > 1024), longer chunks (k > 32768), empty, D = 1.
@@ -1089,6 +1101,9 @@ TEST_TABLE = (
     ("sparse_d17_dup5", dict(n=500, d=17, m=3000, dup=0.05)),   # float lanes, rows of one term batched
     ("sparse_d64_negzero", dict(n=300, d=64, m=1000, special="negzero")),  # a single -0.0 row becomes +0.0
     ("sparse_d2", dict(n=300, d=2, m=2000)),   # thread kernel; the gaps split's runs at every float alignment
+    # rows of one chunk and of two at the boundary (32, 33 contributions), at each lane width
+    *((f"counts_d{d}", dict(n=sum(BOUNDARY_COUNTS), d=d, m=len(BOUNDARY_COUNTS), counts=BOUNDARY_COUNTS))
+      for d in (17, 64, 128)),
 )
 
 

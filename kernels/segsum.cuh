@@ -1410,9 +1410,11 @@ __device__ __forceinline__ void seg_scalar_body(const float* __restrict__ src, c
 // chunk) are summed, a thread per (row, VEC columns), U source rows at a time (their perm entries, then the
 // rows), added in source order from +0.0: seg_warp_chunk's order and bits; then the empty and skipped
 // destinations get +0.0 (seg_zero_runs, streaming stores, as the gaps split). Rows of more contributions
-// (two chunks or more) are left to the long-rows kernel (SEG_SPLIT_LONG), queued before it. The launcher
-// picks `per` so that the whole grid is resident at once (a single wave): every block's few dependent
-// loads then overlap the other blocks' stores. Measured, it does not run near a plain fill's speed where
+// (two chunks or more) are left to the long-rows kernel (SEG_SPLIT_LONG), by default queued before it on
+// the caller's stream, segsum_once beside it on a second one (kernels/index_add.py ONCE_ORDER). The
+// launcher picks `per` so that the grid fits in one wave of SEG_ONCE_BLOCKS blocks an SM (where the long
+// kernel's blocks leave the room): every block's few dependent loads are meant to overlap the other
+// blocks' stores. Measured, it does not run near a plain fill's speed where
 // most of the output is zeroed (twice the fill's time at 2048 tokens into 32000 x 768, H200): no default
 // takes the split (kernels/index_add.py default_split has the figures).
 #ifndef SEG_ONCE_BLOCKS
@@ -1435,6 +1437,7 @@ __device__ __forceinline__ void seg_once_body(const float* __restrict__ src, con
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int vecs = D / VEC;   // VEC divides D
     const long long tiles = (space + 31) >> 5;
+    per = max(1, min(per, SEG_WARPS));   // a warp per tile (blocks of 256 threads)
     for (long long t0 = (long long)blockIdx.x * per; t0 < tiles; t0 += (long long)gridDim.x * per) {
         const int here = (int)min((long long)per, tiles - t0);
         if (warp < here) {
@@ -1506,8 +1509,8 @@ SEG_ONCE_KERNEL(1)
 SEG_ONCE_KERNEL(2)
 SEG_ONCE_KERNEL(4)
 
-// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>[_tiles|_fill]_<key>, PREFIX_scalar_<key> for key
-// types i16, i32, i64.
+// PREFIX_keys_<key>, PREFIX_starts_<key>, PREFIX_rows<VEC>[_tiles|_fill]_<key>, PREFIX_rows1_long_<key>,
+// PREFIX_scalar_<key> for key types i16, i32, i64 (segsum_once<VEC> above is one per module).
 #define SEG_SORTED_FOR(PREFIX, KEYNAME, KT)                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                    \
     PREFIX##_keys_##KEYNAME(const long long* __restrict__ key, KT* __restrict__ out, long long total,    \

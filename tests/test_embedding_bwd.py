@@ -124,18 +124,24 @@ def test_spec_tables():
 
 CUDA = torch.device("cuda")
 REPEATS = 50
+ONCE_GRIDS = ((1, 3), (1, 8), (2, 8))   # (blocks, tiles per block) forced on segsum_once
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TEST_CASES, ids=CASE_IDS)
-def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync):
+def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync, monkeypatch):
     first, _, args, kw = check_sorted_repeatable(SPEC, SORTED, case, REPEATS)
     key, g, rows, skip = eb._prologue(*args, kw["num_weights"], kw["padding_idx"], kw["scale_grad_by_freq"])
-    for split, group in split_runs(g.shape[1] >= ia.SCALAR_BELOW_D):  # the same chunks and tree
+    def sorted_split(split, group=None):
         poison_allocator((rows, g.shape[1]))  # rows, tiles, gaps, once: a row they missed is NaN
-        out = ia.segsum_sorted_cuda(eb.SOURCE, OP, key, g, rows, skip=skip, scaled=kw["scale_grad_by_freq"],
-                                    split=split, group=group)
-        assert differing_bits(out, first).size == 0, (split, group)
+        return ia.segsum_sorted_cuda(eb.SOURCE, OP, key, g, rows, skip=skip, scaled=kw["scale_grad_by_freq"],
+                                     split=split, group=group)
+
+    for split, group in split_runs(g.shape[1] >= ia.SCALAR_BELOW_D):  # the same chunks and tree
+        assert differing_bits(sorted_split(split, group), first).size == 0, (split, group)
+    for grid in ONCE_GRIDS:   # segsum_once's tiles per block: a grid-stride loop, partial last groups
+        monkeypatch.setattr(ia, "once_grid", lambda space, dev, grid=grid: grid)
+        assert differing_bits(sorted_split("once"), first).size == 0, grid
 
 
 @pytest.mark.gpu

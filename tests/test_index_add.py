@@ -206,22 +206,46 @@ def test_fill_split_groups_take_every_chunk_once():
             assert sorted(got) == sorted(want), group
 
 
-def test_once_split_writes_every_row_once():
-    """The once split, replayed on the host: segsum_once writes the empty and skipped rows (+0.0) and sums
-    the rows of 1 to CHUNK_MIN contributions (their one chunk); the long-rows kernel, at every group, takes
-    chunk 0 of the longer rows that start at its positions and the chunks c >= 1. Every chunk of every row
-    but the skipped one is summed exactly once, every row is written by one kernel only, and a tile's short
-    rows never hold more source rows than segsum_once gathers (32 x CHUNK_MIN)."""
+def _once_kernel_writes(counts, skip: int, blocks: int, per: int) -> tuple[list[int], list[int]]:
+    """segsum_once's loop replayed on the host (segsum.cuh seg_once_body): block b takes tiles b * per,
+    then every blocks * per further; warp w < here reads tile t0 + w's 32 destinations; a destination is
+    summed when it has 1 to CHUNK_MIN contributions (and is not the skip row), zeroed when it has none (or
+    is the skip row), left alone otherwise. Returns (summed, zeroed), a destination once per write."""
+    space = len(counts)
+    tiles = -(-space // 32)
+    per = max(1, min(per, ia.ONCE_PER_MAX))   # as the kernel clamps it
+    summed, zeroed = [], []
+    for b in range(blocks):
+        for t0 in range(b * per, tiles, blocks * per):
+            for w in range(min(per, tiles - t0)):
+                for lane in range(32):
+                    m = (t0 + w) * 32 + lane
+                    if m >= space:
+                        continue
+                    k = 0 if m == skip else int(counts[m])
+                    if k == 0:
+                        zeroed.append(m)
+                    elif k <= ia.CHUNK_MIN:
+                        summed.append(m)
+    return summed, zeroed
+
+
+def test_once_split_writes_every_row_once(monkeypatch):
+    """The once split, replayed on the host: segsum_once's grid (once_grid at 132 and at 2 SMs, and forced
+    ones as the GPU tests force them) zeroes the empty and skipped rows and sums the rows of one chunk; the
+    long-rows kernel, at every group, takes chunk 0 of the rows of more than CHUNK_MIN contributions that
+    start at its positions and the chunks c >= 1. Every row is written by exactly one write, and every chunk
+    of every row but the skipped one is summed exactly once."""
     rng = np.random.default_rng(3)
-    for _ in range(40):
-        counts, skip, keys, start, want = _random_rows(rng, [0, 0, 1, 2, 31, 32, 33, 64, 65, 700, 1025], 70)
+    for trial in range(40):
+        counts, skip, keys, start, want = _random_rows(rng, [0, 0, 1, 2, 31, 32, 33, 64, 65, 700, 1025], 400)
         n, space = len(keys), len(counts)
-        short = [m for m in range(space) if 1 <= counts[m] <= ia.CHUNK_MIN and m != skip]
-        zeros = [m for m in range(space) if counts[m] == 0 or m == skip]
-        for t in range(-(-space // 32)):
-            assert sum(int(counts[m]) for m in short if m // 32 == t) <= 32 * ia.CHUNK_MIN
-        for group in ia.FILL_GROUPS:
-            got = [(m, 0) for m in short]
+        grids = [(1, 3), (1, 8), (2, 8), (3, 20)]
+        for sms in (132, 2):
+            monkeypatch.setattr(ia, "sm_count", lambda dev, sms=sms: sms)
+            grids.append(ia.once_grid(space, torch.device("cpu")))
+        for group in ia.FILL_GROUPS[trial % 2::2]:
+            roots, got = [], []
             for w in range(-(-n // 32) * group):
                 tile, sub = w // group, w % group
                 for h in range(sub, 32, group):
@@ -233,9 +257,13 @@ def test_once_split_writes_every_row_once():
                     L = ia.chunk_len(k)
                     if (p == s and k > ia.CHUNK_MIN) or (p != s and (p - s) % L == 0):
                         got.append((m, (p - s) // L))
-            assert len(got) == len(set(got)) and set(got) == want, group
-        long_rows = {m for m, c in got if m not in short}
-        assert sorted([*short, *zeros, *long_rows]) == list(range(space))
+                        if p == s:
+                            roots.append(m)   # the tree's root of this row: written once, by its last node
+            for blocks, per in grids:
+                summed, zeroed = _once_kernel_writes(counts, skip, blocks, per)
+                assert sorted(summed + zeroed + roots) == list(range(space)), (blocks, per, group)
+                chunks = got + [(m, 0) for m in summed]
+                assert len(chunks) == len(set(chunks)) and set(chunks) == want, (blocks, per, group)
 
 
 def test_task_split_sums_every_chunk_once():
@@ -304,6 +332,7 @@ def test_spec_tables():
 
 CUDA = torch.device("cuda")
 REPEATS = 50
+ONCE_GRIDS = ((1, 3), (1, 8), (2, 8))   # (blocks, tiles per block) forced on segsum_once
 
 
 @pytest.mark.gpu
@@ -321,11 +350,14 @@ def test_gpu_sorted_bitwise_repeatable_and_equals_model(case, cuda_sync, monkeyp
                                         force_scalar=force_scalar, split=split, group=group)
             assert differing_bits(out, model).size == 0, (force_scalar, split, group)
     monkeypatch.setattr(ia, "gap_blocks", lambda space, dev: 1)   # one block takes every tile in turn
-    monkeypatch.setattr(ia, "once_grid", lambda space, dev: (1, 3))   # 3 tiles at a time, the last ones fewer
-    for split in ("gaps", "once"):
+    poison_allocator((kw["num_rows"], src.shape[1]))
+    out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"], split="gaps")
+    assert differing_bits(out, model).size == 0
+    for grid in ONCE_GRIDS:   # segsum_once's tiles per block: a grid-stride loop, partial last groups
+        monkeypatch.setattr(ia, "once_grid", lambda space, dev, grid=grid: grid)
         poison_allocator((kw["num_rows"], src.shape[1]))
-        out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"], split=split)
-        assert differing_bits(out, model).size == 0, split
+        out = ia.segsum_sorted_cuda(ia.SOURCE, OP, index, src, kw["num_rows"], split="once")
+        assert differing_bits(out, model).size == 0, grid
 
 
 @pytest.mark.gpu
