@@ -182,6 +182,19 @@ def _random_rows(rng, sizes: list[int], most: int):
     return counts, skip, keys, start, want
 
 
+def _group_positions(keys, skip: int, group: int):
+    """(p, m): the sorted positions the fill split's warp tasks take at ``group`` warps a tile, in task
+    order (task w takes tile w // group and its lanes h with h % group == w % group), with their
+    destinations; the skipped destination's positions left out."""
+    n = len(keys)
+    for w in range(-(-n // 32) * group):
+        tile, sub = w // group, w % group
+        for h in range(sub, 32, group):
+            p = tile * 32 + h
+            if p < n and keys[p] != skip:
+                yield p, int(keys[p])
+
+
 def test_fill_split_groups_take_every_chunk_once():
     """The fill split's warp kernel, replayed on the host for every group: task w takes tile w // group
     and, of its 32 positions, those at lanes h with h % group == w % group; a position takes chunk 0 of a
@@ -190,19 +203,12 @@ def test_fill_split_groups_take_every_chunk_once():
     rng = np.random.default_rng(2)
     for _ in range(40):
         counts, skip, keys, start, want = _random_rows(rng, [0, 1, 2, 5, 31, 32, 33, 64, 65, 700, 1025], 12)
-        n = len(keys)
         for group in ia.FILL_GROUPS:
             got = []
-            for w in range(-(-n // 32) * group):
-                tile, sub = w // group, w % group
-                for h in range(sub, 32, group):
-                    p = tile * 32 + h
-                    if p >= n or keys[p] == skip:
-                        continue
-                    m = int(keys[p])
-                    s, L = int(start[m]), ia.chunk_len(int(counts[m]))
-                    if (p - s) % L == 0:
-                        got.append((m, (p - s) // L))
+            for p, m in _group_positions(keys, skip, group):
+                s, L = int(start[m]), ia.chunk_len(int(counts[m]))
+                if (p - s) % L == 0:
+                    got.append((m, (p - s) // L))
             assert sorted(got) == sorted(want), group
 
 
@@ -239,26 +245,20 @@ def test_once_split_writes_every_row_once(monkeypatch):
     rng = np.random.default_rng(3)
     for trial in range(40):
         counts, skip, keys, start, want = _random_rows(rng, [0, 0, 1, 2, 31, 32, 33, 64, 65, 700, 1025], 400)
-        n, space = len(keys), len(counts)
+        space = len(counts)
         grids = [(1, 3), (1, 8), (2, 8), (3, 20)]
         for sms in (132, 2):
             monkeypatch.setattr(ia, "sm_count", lambda dev, sms=sms: sms)
             grids.append(ia.once_grid(space, torch.device("cpu")))
         for group in ia.FILL_GROUPS[trial % 2::2]:
             roots, got = [], []
-            for w in range(-(-n // 32) * group):
-                tile, sub = w // group, w % group
-                for h in range(sub, 32, group):
-                    p = tile * 32 + h
-                    if p >= n or keys[p] == skip:
-                        continue
-                    m = int(keys[p])
-                    s, k = int(start[m]), int(counts[m])
-                    L = ia.chunk_len(k)
-                    if (p == s and k > ia.CHUNK_MIN) or (p != s and (p - s) % L == 0):
-                        got.append((m, (p - s) // L))
-                        if p == s:
-                            roots.append(m)   # the tree's root of this row: written once, by its last node
+            for p, m in _group_positions(keys, skip, group):
+                s, k = int(start[m]), int(counts[m])
+                L = ia.chunk_len(k)
+                if (p == s and k > ia.CHUNK_MIN) or (p != s and (p - s) % L == 0):
+                    got.append((m, (p - s) // L))
+                    if p == s:
+                        roots.append(m)   # the tree's root of this row: written once, by its last node
             for blocks, per in grids:
                 summed, zeroed = _once_kernel_writes(counts, skip, blocks, per)
                 assert sorted(summed + zeroed + roots) == list(range(space)), (blocks, per, group)

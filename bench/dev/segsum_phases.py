@@ -387,6 +387,21 @@ def peer_times(op: str, args: tuple, kw: dict, dev: torch.device, flush) -> tupl
     return atomic, t_default, t_det
 
 
+def peers_line(op: str, args: tuple, kw: dict, dev: torch.device, flush) -> str:
+    """The atomic variant's and PyTorch's times (peer_times) and #17's targets from them, one line."""
+    atomic, t_default, t_det = peer_times(op, args, kw, dev, flush)
+    return (f"atomic {atomic:6.1f}  torch {t_default:6.1f}  deterministic {t_det:6.1f} us  (targets: "
+            f"deterministic / 3 = {t_det / 3:.1f}, 1.1 x atomic = {1.1 * atomic:.1f})")
+
+
+def print_splits(op: str, law: str, n: int, d: int, m: int, fns: dict, args: tuple, kw: dict, dev: torch.device,
+                 flush) -> None:
+    """One line: the shape, its default split, each of ``fns`` timed (bits checked alike), then peers_line."""
+    row = timed_alike(fns, dev, flush)
+    print(f"{op} {law} n {n} D {d} rows {m} (default: {ia.default_split(n, m, d < ia.SCALAR_BELOW_D)}): "
+          + "  ".join(row) + "  " + peers_line(op, args, kw, dev, flush), flush=True)
+
+
 def group_sweep(dev: torch.device, flush, depths: bool = False) -> None:
     """The fill split's warps per tile of sorted positions (kernels/index_add.py fill_group) on GROUP_SHAPES:
     the call and its sums kernel (torch.profiler) per group, bits checked equal, beside the rows split,
@@ -502,11 +517,7 @@ def gap_sweep(dev: torch.device, flush) -> None:
                **{f"gaps {b}/SM": gaps(b) for b in GAP_BLOCKS},
                **{f"gaps 8/SM {group} warps": gaps(8, group) for group in (1, 4)},
                "default": lambda: kernels.get(op, "sorted")(*args, **kw)}
-        row = timed_alike(fns, dev, flush)
-        atomic, t_default, t_det = peer_times(op, args, kw, dev, flush)
-        print(f"{op} {law} n {n} D {d} rows {m} (default: {ia.default_split(n, m, d < ia.SCALAR_BELOW_D)}): "
-              + "  ".join(row) + f"  atomic {atomic:6.1f}  torch {t_default:6.1f}  deterministic {t_det:6.1f} us"
-              f"  (targets: deterministic / 3 = {t_det / 3:.1f}, 1.1 x atomic = {1.1 * atomic:.1f})", flush=True)
+        print_splits(op, law, n, d, m, fns, args, kw, dev, flush)
         print("  zeros alone: " + "  ".join(zeros_alone(op, idx, m, d, b, dev, flush) for b in GAP_BLOCKS) + " us",
               flush=True)
         if (op, n, d) == ("embedding_bwd", 2048, 768):
@@ -538,11 +549,7 @@ def once_sweep(dev: torch.device, flush) -> None:
                **{f"once {b}/SM": once(b, ia.LONG_GROUP) for b in ONCE_BLOCKS},
                **{f"once {g} warps": once(ia.ONCE_BLOCKS_PER_SM, g) for g in (1, 4)},
                "default": lambda: kernels.get(op, "sorted")(*args, **kw)}
-        row = timed_alike(fns, dev, flush)
-        atomic, t_default, t_det = peer_times(op, args, kw, dev, flush)
-        print(f"{op} {law} n {n} D {d} rows {m} (default: {ia.default_split(n, m, d < ia.SCALAR_BELOW_D)}): "
-              + "  ".join(row) + f"  atomic {atomic:6.1f}  torch {t_default:6.1f}  deterministic {t_det:6.1f} us"
-              f"  (targets: deterministic / 3 = {t_det / 3:.1f}, 1.1 x atomic = {1.1 * atomic:.1f})", flush=True)
+        print_splits(op, law, n, d, m, fns, args, kw, dev, flush)
         for name in ("once 4/SM", "fill"):
             parts = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(fns[name], 20).items())
             print(f"  {name} kernels (us): {parts}", flush=True)
@@ -583,10 +590,8 @@ def once_builds(dev: torch.device, flush) -> None:
                     for order in ia.ONCE_ORDERS:
                         fns[f"{once_name} {long_name} p{per} {order}"] = build(once_name, long_name, per, order)
         row = timed_alike(fns, dev, flush)
-        atomic, t_default, t_det = peer_times(op, args, kw, dev, flush)
-        print(f"{op} {law} n {n} D {d} rows {m}:\n  " + "\n  ".join(row) +
-              f"\n  atomic {atomic:6.1f}  torch {t_default:6.1f}  deterministic {t_det:6.1f} us"
-              f"  (targets: deterministic / 3 = {t_det / 3:.1f}, 1.1 x atomic = {1.1 * atomic:.1f})", flush=True)
+        print(f"{op} {law} n {n} D {d} rows {m}:\n  " + "\n  ".join(row) + "\n  " +
+              peers_line(op, args, kw, dev, flush), flush=True)
         if (op, n, d) == ("embedding_bwd", 2048, 768):
             for name in ("4/SM L32 p1 after", "8/SM L32 p1 after", "8/SM L8 p1 after", "8/SM L8 p1 beside",
                          "4/SM L8 p1 beside"):
