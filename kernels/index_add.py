@@ -716,7 +716,7 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
     elif once:  # the long rows first, here (right after the starts), every other row beside them in one pass
         blocks, per = once_grid(space, dev)
 
-        def rest():
+        def short_rows():   # segsum_once: the empty rows and those of one chunk
             launch(function(source, f"segsum_once{vec}", dev), (blocks,), (THREADS,),
                    (ptr(src), ptr(perm), ptr(start), ptr(out), np.int32(width), np.int64(skip), np.int32(scaled),
                     np.int64(space), np.int32(per)), device=dev)
@@ -724,11 +724,11 @@ def _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip
             try:
                 sums()
                 with torch.cuda.stream(side):
-                    rest()
+                    short_rows()
             finally:
                 rejoin()
         else:   # one stream: segsum_once before or after the long rows
-            for f in (rest, sums) if ONCE_ORDER == "first" else (sums, rest):
+            for f in (short_rows, sums) if ONCE_ORDER == "first" else (sums, short_rows):
                 f()
     else:
         sums()
