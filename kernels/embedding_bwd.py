@@ -32,6 +32,7 @@ from .index_add import (
     draw_values,
     BENCH_KWARGS,
     FIXED_NOTE,
+    check_schedule,
     NO_CHECK,
     range_check,
     segsum_atomic_cuda,
@@ -94,12 +95,13 @@ def _counts(key, rows, scale_grad_by_freq, check_range):
     return segsum_counts_cuda(SOURCE, key, rows), check
 
 
-def _with_counts(segsum, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq, check_range):
-    """A launcher that divides each term by its index's count itself (atomic, fixed)."""
+def _with_counts(segsum, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq, check_range, **kw):
+    """A launcher that divides each term by its index's count itself (atomic, fixed; ``kw``: the launcher's
+    own arguments)."""
     key, g, rows, skip = _prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
     check_cuda(OP, "grad_output", g)
     counts, check = _counts(key, rows, scale_grad_by_freq, check_range)
-    return segsum(SOURCE, OP, key, g, rows, skip=skip, counts=counts, check=check)
+    return segsum(SOURCE, OP, key, g, rows, skip=skip, counts=counts, check=check, **kw)
 
 
 def embedding_bwd_atomic_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
@@ -109,9 +111,12 @@ def embedding_bwd_atomic_cuda(grad_output, indices, *, num_weights, padding_idx=
 
 
 def embedding_bwd_fixed_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
-                             check_range: bool | str = True) -> torch.Tensor:
+                             check_range: bool | str = True, schedule: str | None = None) -> torch.Tensor:
+    """``schedule``: ``direct`` or ``compact``, None to let index_add.fixed_schedule choose; the bits are
+    the same either way."""
+    check_schedule(OP, schedule)
     return _with_counts(segsum_fixed_cuda, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq,
-                        check_range)
+                        check_range, schedule=schedule)
 
 
 def embedding_bwd_sorted_cuda(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
@@ -146,7 +151,9 @@ def embedding_bwd_atomic_cpu(grad_output, indices, *, num_weights, padding_idx=-
 
 
 def embedding_bwd_fixed_cpu(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
-                            check_range: bool | str = True, rng=None) -> torch.Tensor:
+                            check_range: bool | str = True, rng=None, schedule: str | None = None) -> torch.Tensor:
+    """The fixed sums' bits, whichever CUDA ``schedule`` is named (checked as the CUDA launcher does)."""
+    check_schedule(OP, schedule)
     key, g, rows, skip = _cpu_prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq,
                                      check_range=check_range)
     return segsum_cpu("fixed", key, g, rows, skip=skip, scaled=scale_grad_by_freq)

@@ -225,7 +225,8 @@ FBIN_TILE = 2048              # SEG_FBIN_TILE: terms per place block
 FBIN_PAGE = 16384             # SEG_FBIN_PAGE: entries per page of a bin (one reduce block each)
 FBIN_MIN_TERMS_PER_DST = 4    # binned where the terms are at least this many times the destinations
 FBIN_MAX_TERMS = 2**31 - 2**12  # int element numbers in the kernels (a tile past the last one included)
-SCHEDULES = ("direct", "binned")
+SCHEDULES = ("direct", "binned", "compact")
+COMPACT_MAX_ROWS = 2**31 - 2  # the compact schedule's representatives hold a source row + 1 in 32 bits
 
 
 def fbin_layout(space: int) -> tuple[int, int, int]:
@@ -247,17 +248,26 @@ def binned_takes(total: int, space: int, *, elementwise: bool, plain: bool = Tru
     return elementwise and plain and total <= FBIN_MAX_TERMS and space <= (FBIN_WIDTH_MAX << FBIN_BITS)
 
 
+def compact_takes(src_rows: int, *, elementwise: bool) -> bool:
+    """Whether the compact schedule can sum ``src_rows`` source rows: the row form, at most
+    COMPACT_MAX_ROWS of them."""
+    return not elementwise and src_rows <= COMPACT_MAX_ROWS
+
+
 def check_schedule(op: str, schedule: str | None) -> None:
     """A ``schedule`` argument of the fixed variant: None (the launcher chooses) or one of SCHEDULES."""
     if schedule not in (None, *SCHEDULES):
         raise KernelArgumentError(op, "schedule", f"expected one of {SCHEDULES}, got {schedule!r}")
 
 
-def fixed_schedule(total: int, space: int, *, elementwise: bool, plain: bool = True) -> str:
-    """The fixed variant's schedule for ``total`` terms into ``space`` destinations (segsum.cuh; both give
-    the same bits): ``binned`` for the element form (``plain``: no skipped row, no count scaling) where
-    the terms are at least FBIN_MIN_TERMS_PER_DST per destination and the destinations fit 2^FBIN_BITS
-    bins of FBIN_WIDTH_MAX; else ``direct``, one global atomic per term. The binned one writes every term
+def fixed_schedule(total: int, space: int, *, elementwise: bool, plain: bool = True, src_rows: int = 0) -> str:
+    """The fixed variant's schedule for ``total`` terms into ``space`` destinations (segsum.cuh; all give
+    the same bits): in the row form, ``compact`` where there are fewer terms than destinations (fewer
+    source rows, ``src_rows``, than output rows: one accumulator row per source row, the output
+    zero-filled beside; see compact_takes); ``binned`` for the element form (``plain``: no skipped row, no
+    count scaling) where the terms are at least FBIN_MIN_TERMS_PER_DST per destination and the
+    destinations fit 2^FBIN_BITS bins of FBIN_WIDTH_MAX; else ``direct``, one global atomic per term into
+    an accumulator per destination. The binned one writes every term
     to memory and reads it back, and zeroes and flushes a bin's accumulators per page: it wins where the
     direct atomics keep meeting the same destinations, loses a little where they do not. On the H200
     (``bench/dev/segsum_phases.py``, eager, per call), 262144 x 32 terms into 10000 x 32 with 1% of each
@@ -265,6 +275,8 @@ def fixed_schedule(total: int, space: int, *, elementwise: bool, plain: bool = T
     (atomic 804); all on the hot row: 123 against 93 (a direct thread holds its one destination and adds
     it once). Uniform indices, 4 to 32 terms per destination (``--fixed-schedules``): binned 1.11x to
     1.21x the direct time; direct 1.20x to 1.40x the atomic variant's, binned 1.33x to 1.69x."""
+    if total < space and src_rows and compact_takes(src_rows, elementwise=elementwise):
+        return "compact"
     binned = binned_takes(total, space, elementwise=elementwise, plain=plain)
     return "binned" if binned and total >= FBIN_MIN_TERMS_PER_DST * space else "direct"
 
@@ -273,24 +285,41 @@ def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Te
                       elementwise: bool = False, skip: int = -1, counts: torch.Tensor | None = None,
                       check: RangeCheck = NO_CHECK, schedule: str | None = None) -> torch.Tensor:
     """out (rows, D): order-independent fixed-point sums (segsum.cuh, ``fixed``). One zero fill, then
-    max, add and out (``direct``) or place, reduce and out (``binned``, element form only;
-    ``schedule`` None: fixed_schedule's choice); no host synchronisation but a sync ``check``'s (as
-    segsum_atomic_cuda). The shift comes from max |src| over every finite element of src and from its
-    row count N; both schedules give the same bits."""
+    max, add and out (``direct``), or place, reduce and out (``binned``, element form only), or, with the
+    output zero-filled on a second stream beside them, prep (max and each destination's representative
+    row), add and the representatives' rows out (``compact``, row form only; ``schedule`` None:
+    fixed_schedule's choice); no host synchronisation but a sync ``check``'s (as segsum_atomic_cuda). The
+    shift comes from max |src| over every finite element of src and from its row count N; every schedule
+    gives the same bits."""
     n_rows, d = src.shape
     dev = src.device
     total = src.numel()
+    check_schedule(prefix, schedule)
     if total == 0:
         return torch.zeros((rows, d), device=dev, dtype=torch.float32)
     space = rows * d
     plain = skip < 0 and counts is None
-    check_schedule(prefix, schedule)
     if schedule is None:
-        schedule = fixed_schedule(total, space, elementwise=elementwise, plain=plain)
+        schedule = fixed_schedule(total, space, elementwise=elementwise, plain=plain, src_rows=n_rows)
     elif schedule == "binned" and not binned_takes(total, space, elementwise=elementwise, plain=plain):
         raise KernelArgumentError(prefix, "schedule", "'binned' takes the element form only, with at most "
                                   f"{FBIN_MAX_TERMS} terms into {FBIN_WIDTH_MAX << FBIN_BITS} destinations "
                                   f"(got {total} into {space})")
+    elif schedule == "compact" and not compact_takes(n_rows, elementwise=elementwise):
+        raise KernelArgumentError(prefix, "schedule", "'compact' takes the row form only, with at most "
+                                  f"{COMPACT_MAX_ROWS} source rows (got {n_rows}"
+                                  f"{', the element form' if elementwise else ''})")
+    if schedule == "compact":
+        out = torch.empty((rows, d), device=dev, dtype=torch.float32)
+        join = zero_beside(source, out, dev)
+        try:
+            _fixed_compact(source, prefix, key, src, out, skip, counts, check, join)
+        except BaseException:
+            join()   # an error before the join (out of memory, say): out must not be freed while the side
+            raise    # stream may still be filling it
+        if check.sync:
+            check_index_range(check.op, check.arg, key, rows)
+        return out
     binned = schedule == "binned"
     bb, nb, nbits = fbin_layout(space) if binned else (0, 0, 0)
     words = cdiv(space, 8)  # 4 flag bits per output element
@@ -319,20 +348,56 @@ def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Te
                (ptr(entries), np.uint64(pool), np.uint64(page_bin), np.uint64(page_idx), np.uint64(cursor),
                 np.int32(bb), acc, flags, maxbits, log2n), device=dev, shared_mem=limbs)
     else:
-        launch(function(source, "segsum_fixed_max", dev), (max(1, min(cdiv(total, 4 * THREADS), FIXED_MAX_BLOCKS)),),
-               (THREADS,), (ptr(src), np.int64(total), maxbits), device=dev)
-        # a wave of 8 blocks per SM: each thread then adds several elements of one column (see the kernel)
-        blocks = max(1, min(cdiv(total, THREADS), 8 * sm_count(dev)))
-        launch(function(source, f"{prefix}_fixed_add", dev), (blocks,), (THREADS,),
-               (ptr(src), ptr(key), acc, flags, np.int64(total), np.int32(d), np.int32(elementwise), np.int64(skip),
-                np.uint64(0) if counts is None else ptr(counts), np.int64(rows), maxbits, log2n, check.trap),
-               device=dev)
+        launch(function(source, "segsum_fixed_max", dev), (_max_blocks(total),), (THREADS,),
+               (ptr(src), np.int64(total), maxbits), device=dev)
+        _fixed_add(source, prefix, key, src, acc, flags, maxbits, log2n, elementwise, skip, counts, rows, check,
+                   np.uint64(0))
     out = torch.empty((rows, d), device=dev, dtype=torch.float32)
     launch(function(source, "segsum_fixed_out", dev), (_blocks(words),), (THREADS,),
            (acc, flags, ptr(out), np.int64(space), maxbits, log2n), device=dev)
     if check.sync:
         check_index_range(check.op, check.arg, key, rows)
     return out
+
+
+def _max_blocks(total: int) -> int:
+    """The grid of segsum_fixed_max (and segsum_fixed_prep) over ``total`` words: at most FIXED_MAX_BLOCKS."""
+    return max(1, min(cdiv(total, 4 * THREADS), FIXED_MAX_BLOCKS))
+
+
+def _fixed_add(source, prefix, key, src, acc, flags, maxbits, log2n, elementwise, skip, counts, rows, check, rep):
+    """segsum_fixed_add over every element of src (``rep``: the compact schedule's representatives, or 0)."""
+    total, d = src.numel(), src.shape[1]
+    # a wave of 8 blocks per SM: each thread then adds several elements of one column (see the kernel)
+    blocks = max(1, min(cdiv(total, THREADS), 8 * sm_count(src.device)))
+    launch(function(source, f"{prefix}_fixed_add", src.device), (blocks,), (THREADS,),
+           (ptr(src), ptr(key), acc, flags, np.int64(total), np.int32(d), np.int32(elementwise), np.int64(skip),
+            np.uint64(0) if counts is None else ptr(counts), np.int64(rows), maxbits, log2n, rep, check.trap),
+           device=src.device)
+
+
+def _fixed_compact(source, prefix, key, src, out, skip, counts, check, join) -> None:
+    """The compact schedule into ``out`` (rows, D), whose zero fill ``join`` waits for: one zero fill of
+    the N x D accumulators, their flags, max |src| and the representatives (rows words); prep, add (before
+    the join, beside the fill), the representatives' rows out (after it)."""
+    n_rows, d = src.shape
+    dev, total, rows = src.device, src.numel(), out.shape[0]
+    words = cdiv(total, 8)   # 4 flag bits per accumulator element
+    buf = torch.zeros(total + cdiv(words + 1 + rows, 2), device=dev, dtype=torch.int64)
+    acc = ptr(buf)
+    flags = np.uint64(int(acc) + 8 * total)
+    maxbits = np.uint64(int(flags) + 4 * words)
+    rep = np.uint64(int(maxbits) + 4)
+    log2n = np.int32(fixed_log2n(n_rows))
+    launch(function(source, "segsum_fixed_prep", dev), (_max_blocks(total),), (THREADS,),
+           (ptr(src), np.int64(total), ptr(key), np.int64(n_rows), np.int64(rows), np.int64(skip), rep, maxbits),
+           device=dev)
+    _fixed_add(source, prefix, key, src, acc, flags, maxbits, log2n, False, skip, counts, rows, check, rep)
+    join()
+    vec = 4 if d % 4 == 0 else 1
+    launch(function(source, f"segsum_fixed_rows_out{vec}", dev), (_blocks(total // vec),), (THREADS,),
+           (acc, flags, ptr(key), rep, ptr(out), np.int64(n_rows), np.int32(d), np.int64(rows), maxbits, log2n),
+           device=dev)
 
 
 def _vec(src: torch.Tensor, d: int) -> int:
@@ -594,6 +659,18 @@ def once_grid(space: int, dev: torch.device) -> tuple[int, int]:
     return max(1, min(cdiv(tiles, per), resident)), per
 
 
+def zero_beside(source: str, out: torch.Tensor, dev: torch.device):
+    """+0.0 into ``out`` on a second stream (segsum_zero, a grid of at most ZERO_BLOCKS_PER_SM blocks an SM:
+    room for the kernels queued beside it); returns ``join``, which the caller's stream must run before
+    anything there touches ``out`` (see fork)."""
+    side, join = fork(dev)
+    with torch.cuda.stream(side):
+        launch(function(source, "segsum_zero", dev), (max(1, min(cdiv(out.numel(), 4 * THREADS),
+                                                                ZERO_BLOCKS_PER_SM * sm_count(dev))),),
+               (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
+    return join
+
+
 def gap_blocks(space: int, dev: torch.device) -> int:
     """segsum_zero_gaps' grid over ``space`` destinations: a block per 32, at most GAP_BLOCKS_PER_SM an SM."""
     return max(1, min(cdiv(space, 32), GAP_BLOCKS_PER_SM * sm_count(dev)))
@@ -646,13 +723,8 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
         split = "fill"
     if split in ("gaps", "once") and width > GAP_MAX_WIDTH:
         split = "fill"
-    out, join = torch.empty((rows, d), device=dev, dtype=torch.float32), None
-    if split == "fill":  # zeros beside the keys' sort (segsum_zero: a grid that leaves room for it)
-        side, join = fork(dev)
-        with torch.cuda.stream(side):
-            launch(function(source, "segsum_zero", dev), (max(1, min(cdiv(out.numel(), 4 * THREADS),
-                                                                    ZERO_BLOCKS_PER_SM * sm_count(dev))),),
-                   (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
+    out = torch.empty((rows, d), device=dev, dtype=torch.float32)
+    join = zero_beside(source, out, dev) if split == "fill" else None  # zeros beside the keys' sort
     try:
         return _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join,
                             group)
@@ -972,10 +1044,13 @@ def index_add_sorted_cuda(index, src, *, num_rows, check_range: bool | str = Tru
     return segsum_sorted_cuda(SOURCE, OP, index, src, rows, check=_check_arg(check_range))
 
 
-def index_add_fixed_cuda(index, src, *, num_rows, check_range: bool | str = True) -> torch.Tensor:
+def index_add_fixed_cuda(index, src, *, num_rows, check_range: bool | str = True,
+                         schedule: str | None = None) -> torch.Tensor:
+    """``schedule``: ``direct`` or ``compact``, None to let fixed_schedule choose; the bits are the same
+    either way (segsum_fixed_cuda)."""
     index, src, rows = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
-    return segsum_fixed_cuda(SOURCE, OP, index, src, rows, check=_check_arg(check_range))
+    return segsum_fixed_cuda(SOURCE, OP, index, src, rows, check=_check_arg(check_range), schedule=schedule)
 
 
 def index_add_sorted_scalar_cuda(index, src, *, num_rows, check_range: bool | str = True) -> torch.Tensor:
@@ -1004,7 +1079,10 @@ def index_add_atomic_cpu(index, src, *, num_rows, check_range: bool | str = True
     return segsum_cpu("atomic", index, src, rows, rng=rng)
 
 
-def index_add_fixed_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None) -> torch.Tensor:
+def index_add_fixed_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None,
+                        schedule: str | None = None) -> torch.Tensor:
+    """The fixed sums' bits, whichever CUDA ``schedule`` is named (checked as the CUDA launcher does)."""
+    check_schedule(OP, schedule)
     index, src, rows = _cpu_prologue(index, src, num_rows, check_range)
     return segsum_cpu("fixed", index, src, rows)
 

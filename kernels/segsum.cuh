@@ -45,7 +45,7 @@
 //           the rows of two chunks or more only, with segsum_once writing every other destination (zeros and
 //           the rows of one chunk) beside them.
 //   fixed   order-independent fixed point, three launches and no sort (the direct schedule; the element
-//           form's binned one, below, adds the same integers): segsum_fixed_max finds the
+//           form's binned one and the row form's compact one, below, add the same integers): segsum_fixed_max finds the
 //           largest finite |src| (one atomicMax per block on the float's bits: an integer max, exact in any
 //           order), which with c = ceil(log2 N), N the source rows, fixes the shift s = 62 - c - E (E the
 //           smallest integer with max |src| < 2^E). segsum_fixed_add rounds every finite term to the
@@ -1579,10 +1579,8 @@ __device__ __forceinline__ void seg_fixed_flag(unsigned* flags, unsigned long lo
     atomicOr(flags + (dst >> 3), f << (4 * (int)(dst & 7)));
 }
 
-// The largest finite |x| over n words as float bits.
-extern "C" __global__ void __launch_bounds__(256)
-segsum_fixed_max(const unsigned* __restrict__ x, long long n, unsigned* __restrict__ maxbits) {
-    __shared__ unsigned warp_max[SEG_WARPS];
+// The largest finite |x| over n words as float bits, of this thread's share of a grid-stride pass.
+__device__ __forceinline__ unsigned seg_finite_max(const unsigned* __restrict__ x, long long n) {
     unsigned m = 0u;
     const long long step = (long long)gridDim.x * blockDim.x;
     const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1599,7 +1597,14 @@ segsum_fixed_max(const unsigned* __restrict__ x, long long n, unsigned* __restri
         const unsigned a = x[i] & 0x7fffffffu;
         if (a < SEG_ABS_INF) m = max(m, a);
     }
-    seg_block_max_into(m, warp_max, maxbits);
+    return m;
+}
+
+// The largest finite |x| over n words as float bits.
+extern "C" __global__ void __launch_bounds__(256)
+segsum_fixed_max(const unsigned* __restrict__ x, long long n, unsigned* __restrict__ maxbits) {
+    __shared__ unsigned warp_max[SEG_WARPS];
+    seg_block_max_into(seg_finite_max(x, n), warp_max, maxbits);
 }
 
 // Contributions as seg_atomic_body's (seg_contribution); each finite term rounded to an integer multiple of 2^-s and
@@ -1610,7 +1615,7 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
                                                    I total, int D, int elementwise, long long skip,
                                                    const long long* __restrict__ counts, long long rows,
                                                    const unsigned* __restrict__ maxbits, int log2n,
-                                                   const char* trap) {
+                                                   const unsigned* __restrict__ rep, const char* trap) {
     const double scale = seg_pow2(seg_fixed_shift(*maxbits, log2n));
     const I step = (I)gridDim.x * blockDim.x;
     // A thread's elements e, e + step, ... share their column whenever step is a multiple of D, so a hot
@@ -1633,8 +1638,9 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
             const I e = e0 + b * step;
             if (e >= total) break;
             float v = vb[b];
-            const long long dst = seg_resolve(e, D, mb[b], skip, counts, rows, trap, v);
+            long long dst = seg_resolve(e, D, mb[b], skip, counts, rows, trap, v);
             if (dst < 0) continue;
+            if (rep != nullptr) dst += ((long long)rep[mb[b]] - 1 - mb[b]) * D;  // compact: the representative's row
             if ((__float_as_uint(v) & 0x7fffffffu) < SEG_ABS_INF) {
                 const unsigned long long q = seg_fixed_q(v, scale);
                 if (dst == held) {
@@ -1661,14 +1667,14 @@ __device__ __forceinline__ void seg_fixed_add_body(const float* __restrict__ src
     NAME(const float* __restrict__ src, const long long* __restrict__ key, unsigned long long* __restrict__ acc, \
          unsigned* __restrict__ flags, long long total, int D, int elementwise, long long skip,           \
          const long long* __restrict__ counts, long long rows, const unsigned* __restrict__ maxbits,      \
-         int log2n, int trap) {                                                                          \
+         int log2n, const unsigned* __restrict__ rep, int trap) {                                        \
         const char* op = trap ? OPNAME : nullptr;                                                        \
         if (total + (long long)SEG_FIXED_BATCH * gridDim.x * blockDim.x <= 2147483647LL)                 \
             seg_fixed_add_body<int>(src, key, acc, flags, (int)total, D, elementwise, skip, counts, rows, \
-                                    maxbits, log2n, op);                                                 \
+                                    maxbits, log2n, rep, op);                                            \
         else                                                                                             \
             seg_fixed_add_body<long long>(src, key, acc, flags, total, D, elementwise, skip, counts, rows, \
-                                          maxbits, log2n, op);                                           \
+                                          maxbits, log2n, rep, op);                                      \
     }
 
 __device__ __forceinline__ float seg_fixed_value(long long a, unsigned f, double unscale) {
@@ -1705,6 +1711,75 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
         }
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// fixed, compact schedule (row form): the same integers, summed into one accumulator row per source row
+// instead of one per destination, for fewer source rows N than destinations
+//
+// Each destination m that a source row names gets a representative, the last such row: rep[m] = i + 1,
+// an integer max, so the same whatever the order of arrival (0: none). segsum_fixed_add, given rep, adds
+// the terms of row i into accumulator row rep[key[i]] - 1 (the integers of the direct schedule: their
+// sum does not depend on which row holds it). segsum_fixed_rows_out rounds each representative's row
+// into its destination's floats as segsum_fixed_out does; every other destination keeps the +0.0 of
+// a zero fill queued on a second stream beside these kernels (kernels/index_add.py). Same shift,
+// integers and rounding as the direct schedule: the same bits. The accumulators take 8 N D bytes
+// (the direct schedule's 8 x the output's rows x D) and the last pass reads only the representatives'.
+
+// segsum_fixed_max's pass over the total words of src and, over the n keys (grid-stride), the rows'
+// representatives; keys outside [0, rows) and the skip row get none (they add nothing;
+// segsum_fixed_add fails the kernel on a bad key where the caller asks it to).
+extern "C" __global__ void __launch_bounds__(256)
+segsum_fixed_prep(const unsigned* __restrict__ x, long long total, const long long* __restrict__ key, long long n,
+                  long long rows, long long skip, unsigned* __restrict__ rep, unsigned* __restrict__ maxbits) {
+    __shared__ unsigned warp_max[SEG_WARPS];
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+        const long long m = key[i];
+        if (m >= 0 && m < rows && m != skip) atomicMax(rep + m, (unsigned)(i + 1));
+    }
+    seg_block_max_into(seg_finite_max(x, total), warp_max, maxbits);
+}
+
+// out[key[i], :] from accumulator row i (N x D elements, flags alike) where i is its destination's
+// representative, VEC elements a thread (4 where D is a multiple of 4: 16-byte stores, two 16-byte loads;
+// a group of 4 starts at a multiple of 4, so its flags are 16 bits of one word). Other rows write nothing.
+template <int VEC>
+__device__ __forceinline__ void seg_fixed_rows_out_body(const long long* __restrict__ acc,
+                                                        const unsigned* __restrict__ flags,
+                                                        const long long* __restrict__ key,
+                                                        const unsigned* __restrict__ rep, float* __restrict__ out,
+                                                        long long n, int D, long long rows, double unscale) {
+    const long long step = (long long)gridDim.x * blockDim.x;
+    const long long groups = n * D / VEC;
+    for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += step) {
+        const long long e = g * VEC, i = e / D, c = e - i * D;
+        const long long m = key[i];
+        if (m < 0 || m >= rows || rep[m] != (unsigned)(i + 1)) continue;   // the skip row has no representative
+        const unsigned f = flags[e >> 3] >> (4 * (int)(e & 7));
+        float* o = out + m * D + c;
+        if (VEC == 4) {
+            const longlong2 a = reinterpret_cast<const longlong2*>(acc + e)[0];
+            const longlong2 b = reinterpret_cast<const longlong2*>(acc + e)[1];
+            *reinterpret_cast<float4*>(o) = make_float4(
+                seg_fixed_value(a.x, f & 7u, unscale), seg_fixed_value(a.y, (f >> 4) & 7u, unscale),
+                seg_fixed_value(b.x, (f >> 8) & 7u, unscale), seg_fixed_value(b.y, (f >> 12) & 7u, unscale));
+        } else {
+            *o = seg_fixed_value(acc[e], f & 7u, unscale);
+        }
+    }
+}
+
+#define SEG_FIXED_ROWS_OUT(VEC)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256)                                                            \
+    segsum_fixed_rows_out##VEC(const long long* __restrict__ acc, const unsigned* __restrict__ flags,            \
+                               const long long* __restrict__ key, const unsigned* __restrict__ rep,              \
+                               float* __restrict__ out, long long n, int D, long long rows,                       \
+                               const unsigned* __restrict__ maxbits, int log2n) {                                \
+        seg_fixed_rows_out_body<VEC>(acc, flags, key, rep, out, n, D, rows,                                      \
+                                     seg_pow2(-seg_fixed_shift(*maxbits, log2n)));                               \
+    }
+SEG_FIXED_ROWS_OUT(1)
+SEG_FIXED_ROWS_OUT(4)
 
 // ------------------------------------------------------------------------------------------------
 // fixed, binned schedule (element form): the same integers, summed in shared memory

@@ -17,7 +17,7 @@ import torch
 
 import kernels
 from kernels import index_add as ia
-from tests.segsum_checks import bad_index_case
+from tests.segsum_checks import bad_index_case, poison_allocator
 from tests.helpers import differing_bits, float32_bits
 
 OPS = ("index_add", "scatter_add", "embedding_bwd")
@@ -254,17 +254,39 @@ def test_fixed_schedule_bins_only_the_dense_element_form():
     assert ia.fixed_schedule(4000, 1000, elementwise=True, plain=False) == "direct"
 
 
+def test_fixed_schedule_compacts_the_row_form_with_fewer_source_rows_than_output_rows():
+    row = dict(elementwise=False)
+    assert ia.fixed_schedule(2048 * 768, 32000 * 768, **row, src_rows=2048) == "compact"   # the audit's small batch
+    assert ia.fixed_schedule(16384 * 512, 50000 * 512, **row, plain=False, src_rows=16384) == "compact"
+    assert ia.fixed_schedule(50000 * 128, 50000 * 128, **row, src_rows=50000) == "direct"  # as many rows
+    assert ia.fixed_schedule(2048 * 768, 32000 * 768, **row) == "direct"                   # source rows not given
+    assert ia.fixed_schedule(2**31 * 2, 2**33 * 2, **row, src_rows=2**31) == "direct"       # past COMPACT_MAX_ROWS
+    assert ia.fixed_schedule(4000, 100000, elementwise=True, src_rows=40) == "direct"       # element form
+    assert ia.compact_takes(ia.COMPACT_MAX_ROWS, elementwise=False)
+    assert not ia.compact_takes(ia.COMPACT_MAX_ROWS + 1, elementwise=False)
+    assert not ia.compact_takes(10, elementwise=True)
+
+
 def test_schedule_argument_is_checked_before_any_launch():
     index, src = torch.zeros(4, 3, dtype=torch.int64), torch.ones(4, 3)
     with pytest.raises(kernels.KernelArgumentError, match="argument 'schedule': expected one of"):
         ia.segsum_fixed_cuda("scatter_add.cu", "scatter_add", index, src, 2, elementwise=True, schedule="tree")
     with pytest.raises(kernels.KernelArgumentError, match="'binned' takes the element form only"):
         ia.segsum_fixed_cuda("index_add.cu", "index_add", index[:, 0], src, 2, schedule="binned")
+    with pytest.raises(kernels.KernelArgumentError, match="'compact' takes the row form only.*the element form"):
+        ia.segsum_fixed_cuda("scatter_add.cu", "scatter_add", index, src, 2, elementwise=True, schedule="compact")
     fixed_cpu = kernels.scatter_add.scatter_add_fixed_cpu
     with pytest.raises(kernels.KernelArgumentError, match="scatter_add: argument 'schedule'"):
         fixed_cpu(index, src, num_rows=2, schedule="fast")
-    want = fixed_cpu(index, src, num_rows=2)  # both names accepted; the model's bits are both schedules'
+    want = fixed_cpu(index, src, num_rows=2)  # every name accepted; the model's bits are every schedule's
     assert all(differing_bits(fixed_cpu(index, src, num_rows=2, schedule=s), want).size == 0 for s in ia.SCHEDULES)
+    for op, args, kw in (("index_add", (index[:, 0], src), {"num_rows": 2}),
+                         ("embedding_bwd", (src, index[:, 0]), {"num_weights": 2})):
+        cpu = kernels.get(op, "fixed").cpu
+        with pytest.raises(kernels.KernelArgumentError, match=f"{op}: argument 'schedule': expected one of"):
+            cpu(*args, **kw, schedule="fast")
+        want = cpu(*args, **kw)
+        assert all(differing_bits(cpu(*args, **kw, schedule=s), want).size == 0 for s in ia.SCHEDULES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,16 +338,44 @@ def test_gpu_bench_size_repeatable_order_free_and_equals_model(op, cuda_sync):
 
 
 @pytest.mark.gpu
-def test_gpu_unchecked_bad_indices_add_nothing(cuda_sync):
+@pytest.mark.parametrize("schedule", ["direct", "compact"])
+def test_gpu_unchecked_bad_indices_add_nothing(schedule, cuda_sync):
     index, src, keep = bad_index_case(40)
-    fixed = kernels.get("index_add", "fixed")
+    src[int(torch.nonzero(~keep)[0, 0]), 0] = 1e30   # the largest |src| on a bad index: it sets the shift alone
+    fixed = kernels.index_add.index_add_fixed_cuda
     # the shift depends on N and max |src| over all rows: the model gets the same rows, bad ones zeroed
     # out of the sum by a padding row it then drops
-    out = fixed(index.to(CUDA), src.to(CUDA), num_rows=40, check_range=False)
+    out = fixed(index.to(CUDA), src.to(CUDA), num_rows=40, check_range=False, schedule=schedule)
     want = ia.segsum_cpu("fixed", torch.where(keep, index, 40), src, 41, skip=40)[:40]
     assert differing_bits(out, want).size == 0
     with pytest.raises(kernels.KernelArgumentError, match="index -5 is out of range for 40 rows"):
-        fixed(index.to(CUDA), src.to(CUDA), num_rows=40)
+        fixed(index.to(CUDA), src.to(CUDA), num_rows=40, schedule=schedule)
+
+
+# The row form's schedules (index_add, embedding_bwd, scatter_add with an expanded index) on every test
+# case: direct and compact give the model's bits, repeatably (compact: its zero fill on a second stream
+# beside the sums, on a NaN-poisoned allocation: a destination it missed would show).
+ROW_FORM = [(op, c) for op, c in CASES if op != "scatter_add" or c.params.get("broadcast")]
+
+
+def _fixed_launcher(op: str):
+    return getattr(getattr(kernels, op), f"{op}_fixed_cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["direct", "compact"])
+@pytest.mark.parametrize("op,case", ROW_FORM, ids=[f"{op}-{c.name}" for op, c in ROW_FORM])
+def test_gpu_row_form_schedules_give_the_model_bits(op, case, schedule, cuda_sync):
+    spec = kernels.spec(op)
+    args, kw = spec.make_inputs(case, CUDA)
+    cpu_args, _ = spec.make_inputs(case, CPU)
+    want = float32_bits(kernels.get(op, "fixed")(*cpu_args, **kw)).tobytes()
+    fixed = _fixed_launcher(op)
+    seen = set()
+    for _ in range(10):
+        poison_allocator(out_shape(op, args, kw))
+        seen.add(float32_bits(fixed(*args, **kw, schedule=schedule)).tobytes())
+    assert seen == {want}
 
 
 # The element form's binned schedule (segsum.cuh) against the direct one: the same integers summed, so

@@ -56,10 +56,13 @@ def contributions(op: str, args: tuple, kw: dict):
 # CPU
 
 
-def test_gpu_cases_take_the_binned_fixed_schedule():
+def test_gpu_cases_take_the_binned_and_compact_fixed_schedules():
     """The GPU tests below reach scatter_add's binned fixed schedule (device assertion, no host
-    synchronisation, CUDA-graph capture) through inputs()'s dense element form: keep it dense enough."""
+    synchronisation, CUDA-graph capture) through inputs()'s dense element form: keep it dense enough; and
+    the row form's compact one at 8000 rows and more, direct at 50."""
     assert ia.fixed_schedule(3000 * 24, 50 * 24, elementwise=True) == "binned"
+    assert ia.fixed_schedule(3000 * 24, 8000 * 24, elementwise=False, src_rows=3000) == "compact"
+    assert ia.fixed_schedule(3000 * 24, 50 * 24, elementwise=False, src_rows=3000) == "direct"
 
 
 def test_range_check_modes():
@@ -90,9 +93,13 @@ def test_models_validate_check_range_and_always_check(op, variant):
 # --------------------------------------------------------------------------------------------------
 # GPU
 
+# rows 8000 (more than the 3000 source rows): the fixed variant's compact schedule in the row form, whose
+# zero fill runs on a second stream
 GPU_CASES = [(op, v, extra) for op in OPS for v in ("sorted", "fixed", "atomic")
-             for extra in ([{}, {"padding_idx": 7, "scale_grad_by_freq": True}] if op == "embedding_bwd" else [{}])]
-GPU_IDS = [f"{op}-{v}" + ("-pad-scale" if extra else "") for op, v, extra in GPU_CASES]
+             for extra in ([{}, {"padding_idx": 7, "scale_grad_by_freq": True}] if op == "embedding_bwd" else [{}])] + [
+    ("index_add", "fixed", {"rows": 8000}),
+    ("embedding_bwd", "fixed", {"rows": 8000, "padding_idx": 7, "scale_grad_by_freq": True})]
+GPU_IDS = [f"{op}-{v}" + "".join(f"-{k}-{x}" for k, x in extra.items()) for op, v, extra in GPU_CASES]
 
 
 @pytest.fixture
@@ -128,11 +135,13 @@ def test_gpu_device_check_never_synchronises_and_keeps_the_bits(op, variant, ext
 @pytest.mark.gpu
 @pytest.mark.parametrize("op,variant,rows", [("index_add", "sorted", 50), ("index_add", "fixed", 50),
                                              ("scatter_add", "fixed", 50), ("embedding_bwd", "sorted", 50),
-                                             ("embedding_bwd", "sorted", 20000), ("index_add", "sorted", 8000)])
+                                             ("embedding_bwd", "sorted", 20000), ("index_add", "sorted", 8000),
+                                             ("index_add", "fixed", 8000), ("embedding_bwd", "fixed", 20000)])
 def test_gpu_device_check_is_captured_by_a_cuda_graph(op, variant, rows, cuda_sync):
     """Captured once, replayed on new source values written into the captured input: eager's bits.
-    20000 and 8000 rows (more than the 3000 source rows): the sorted sums' ``fill`` split, whose zero fill
-    runs on a second stream (forked and joined inside the capture)."""
+    20000 and 8000 rows (more than the 3000 source rows): the sorted sums' ``fill`` split and the fixed
+    sums' ``compact`` schedule, whose zero fill runs on a second stream (forked and joined inside the
+    capture)."""
     fn = kernels.get(op, variant)
     args, kw = inputs(op, CUDA, rows=rows)
     src_pos = 0 if op == "embedding_bwd" else 1
@@ -155,8 +164,8 @@ def test_gpu_device_check_is_captured_by_a_cuda_graph(op, variant, rows, cuda_sy
 CHILD = textwrap.dedent("""
     import sys, torch, kernels
     from tests.test_segsum_range_check import inputs
-    op, variant, bad = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    args, kw = inputs(op, torch.device("cuda"), bad=bad)
+    op, variant, bad, rows = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    args, kw = inputs(op, torch.device("cuda"), bad=bad, rows=rows)
     kernels.get(op, variant)(*args, **kw, check_range="device")
     torch.cuda.synchronize()
     print("no error")
@@ -164,17 +173,19 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op,variant,bad", [("index_add", "atomic", 50), ("index_add", "sorted", -3),
-                                            ("index_add", "fixed", 77), ("scatter_add", "sorted", 50),
-                                            ("scatter_add", "fixed", 51), ("embedding_bwd", "fixed", -1)])
-def test_gpu_device_check_fails_the_kernel_naming_op_and_index(op, variant, bad):
-    """-1 in embedding_bwd is also the "no padding row" value: it must fail, not be skipped."""
+@pytest.mark.parametrize("op,variant,bad,rows", [("index_add", "atomic", 50, 50), ("index_add", "sorted", -3, 50),
+                                                 ("index_add", "fixed", 77, 50), ("scatter_add", "sorted", 50, 50),
+                                                 ("scatter_add", "fixed", 51, 50), ("embedding_bwd", "fixed", -1, 50),
+                                                 ("embedding_bwd", "fixed", 8000, 8000)])
+def test_gpu_device_check_fails_the_kernel_naming_op_and_index(op, variant, bad, rows):
+    """-1 in embedding_bwd is also the "no padding row" value: it must fail, not be skipped. 8000 rows: the
+    fixed variant's compact schedule."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", CHILD, op, variant, str(bad)], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-c", CHILD, op, variant, str(bad), str(rows)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     said = run.stdout + run.stderr
     assert run.returncode != 0 and "no error" not in said, said[-2000:]
-    assert f"nnrand {op}: index {bad} is out of range for 50 rows" in said, said[-2000:]
+    assert f"nnrand {op}: index {bad} is out of range for {rows} rows" in said, said[-2000:]
     assert "device-side assert" in said, said[-2000:]
 
 

@@ -16,6 +16,7 @@ CUDA-graph replay (no host work: what the GPU alone takes), and each kernel's sh
     PYTHONPATH=. python bench/dev/segsum_phases.py --gap-builds   # ... per zero store and sums depth
     PYTHONPATH=. python bench/dev/segsum_phases.py --once   # every row written once: zeros and short rows in one pass
     PYTHONPATH=. python bench/dev/segsum_phases.py --once-builds   # ... per build of its kernels and order
+    PYTHONPATH=. python bench/dev/segsum_phases.py --compact   # fixed, compact schedule: zeros beside the sums
 
 ``--splits`` times the key sorts (kernels/index_add.py's sort_keys: merge, one block, radix, rank, torch.sort),
 checking they agree, then index_add's sorted variant in each task split (and atomic) over shapes beyond the
@@ -558,6 +559,40 @@ def once_sweep(dev: torch.device, flush) -> None:
                   flush=True)
 
 
+COMPACT_ZERO_BLOCKS = (2, 4, 8, 16)
+
+
+def compact_sweep(dev: torch.device, flush) -> None:
+    """The fixed variant's compact schedule (row form: an accumulator row per source row, the output
+    zero-filled on a second stream beside them) per grid of that fill (ia.ZERO_BLOCKS_PER_SM), bits checked
+    equal to the direct schedule's, beside the sorted variant's default, the atomic variant and PyTorch's op
+    in both modes, on GAP_SHAPES; each kernel's time (torch.profiler) of the compact call, and on the
+    audit's small batch its kernel timeline."""
+    for op, n, d, m, law in GAP_SHAPES:
+        idx, src, args, kw = scatter_inputs(op, n, d, m, law, dev)
+        fixed = getattr(getattr(kernels, op), f"{op}_fixed_cuda")
+
+        def compact(blocks):
+            def run():
+                with mock.patch.object(ia, "ZERO_BLOCKS_PER_SM", blocks):
+                    return fixed(*args, **kw, schedule="compact")
+            return run
+        fns = {"direct": lambda: fixed(*args, **kw, schedule="direct"),
+               **{f"compact {b}/SM": compact(b) for b in COMPACT_ZERO_BLOCKS}}
+        row = timed_alike(fns, dev, flush)
+        t_sorted = us(lambda: kernels.get(op, "sorted")(*args, **kw), dev, flush)
+        chosen = ia.fixed_schedule(n * d, m * d, elementwise=False, src_rows=n)
+        print(f"{op} {law} n {n} D {d} rows {m} (fixed default: {chosen}): " + "  ".join(row) +
+              f"  sorted {t_sorted:7.1f}  " + peers_line(op, args, kw, dev, flush), flush=True)
+        name = f"compact {ia.ZERO_BLOCKS_PER_SM}/SM"
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(fns[name], 20).items())
+        print(f"  {name} kernels (us): {parts}", flush=True)
+        if (op, n, d) == ("embedding_bwd", 2048, 768):
+            for b in COMPACT_ZERO_BLOCKS:
+                print(f"  compact {b}/SM timeline (start, duration us):\n    " +
+                      "\n    ".join(timeline(compact(b))), flush=True)
+
+
 # (op, n, D, rows, law): where the once split's builds and orders are compared
 ONCE_BUILD_SHAPES = (("embedding_bwd", 2048, 768, 32_000, "zipf"), ("embedding_bwd", 512, 768, 32_000, "zipf"),
                      ("embedding_bwd", 4096, 512, 50_000, "zipf"), ("index_add", 100_000, 16, 1_000_000, "uniform"))
@@ -623,6 +658,9 @@ def main() -> None:
                     help="the gaps split per grid of its zero kernel, then stop")
     ap.add_argument("--gap-builds", action="store_true",
                     help="the gaps split per grid, zero stores and depth of the sums, then stop")
+    ap.add_argument("--compact", action="store_true",
+                    help="the fixed variant's compact schedule per grid of its zero fill, beside direct and sorted, "
+                         "then stop")
     ap.add_argument("--once", action="store_true",
                     help="the once split per grid and warps per tile of its long rows, then stop")
     ap.add_argument("--once-builds", action="store_true",
@@ -630,6 +668,9 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
+    if a.compact:
+        compact_sweep(dev, flush)
+        return
     if a.once or a.once_builds:
         (once_builds if a.once_builds else once_sweep)(dev, flush)
         return
