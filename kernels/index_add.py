@@ -311,12 +311,7 @@ def segsum_fixed_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.Te
                                   f"{', the element form' if elementwise else ''})")
     if schedule == "compact":
         out = torch.empty((rows, d), device=dev, dtype=torch.float32)
-        join = zero_beside(source, out, dev)
-        try:
-            _fixed_compact(source, prefix, key, src, out, skip, counts, check, join)
-        except BaseException:
-            join()   # an error before the join (out of memory, say): out must not be freed while the side
-            raise    # stream may still be filling it
+        _fixed_compact(source, prefix, key, src, out, skip, counts, check)
         if check.sync:
             check_index_range(check.op, check.arg, key, rows)
         return out
@@ -376,24 +371,38 @@ def _fixed_add(source, prefix, key, src, acc, flags, maxbits, log2n, elementwise
            device=src.device)
 
 
-def _fixed_compact(source, prefix, key, src, out, skip, counts, check, join) -> None:
-    """The compact schedule into ``out`` (rows, D), whose zero fill ``join`` waits for: one zero fill of
-    the N x D accumulators, their flags, max |src| and the representatives (rows words); prep, add (before
-    the join, beside the fill), the representatives' rows out (after it)."""
+COMPACT_FILLS = ("first", "after_prep")   # the compact schedule's zero fill: queued first, or after prep
+COMPACT_FILL = "first"
+COMPACT_ZERO = "segsum_zero_cs"            # its kernel: streaming stores (segsum_zero: plain ones)
+
+
+def _fixed_compact(source, prefix, key, src, out, skip, counts, check) -> None:
+    """The compact schedule into ``out`` (rows, D), zero-filled on a second stream (COMPACT_FILL: queued
+    before prep, or after it). One buffer: the N x D accumulators and their flags (zeroed by prep), max
+    |src| and the representatives (rows words; one zero fill); prep, add (beside the fill), the
+    representatives' rows out (after it)."""
     n_rows, d = src.shape
     dev, total, rows = src.device, src.numel(), out.shape[0]
     words = cdiv(total, 8)   # 4 flag bits per accumulator element
-    buf = torch.zeros(total + cdiv(words + 1 + rows, 2), device=dev, dtype=torch.int64)
+    zero16 = cdiv(8 * total + 4 * words, 16)   # what prep zeroes, in 16-byte words
+    buf = torch.empty(2 * zero16 + cdiv(1 + rows, 2), device=dev, dtype=torch.int64)
+    buf[2 * zero16:].zero_()
     acc = ptr(buf)
     flags = np.uint64(int(acc) + 8 * total)
-    maxbits = np.uint64(int(flags) + 4 * words)
+    maxbits = np.uint64(int(acc) + 16 * zero16)
     rep = np.uint64(int(maxbits) + 4)
     log2n = np.int32(fixed_log2n(n_rows))
-    launch(function(source, "segsum_fixed_prep", dev), (_max_blocks(total),), (THREADS,),
-           (ptr(src), np.int64(total), ptr(key), np.int64(n_rows), np.int64(rows), np.int64(skip), rep, maxbits),
-           device=dev)
-    _fixed_add(source, prefix, key, src, acc, flags, maxbits, log2n, False, skip, counts, rows, check, rep)
-    join()
+    join = zero_beside(source, out, dev, COMPACT_ZERO) if COMPACT_FILL == "first" else None
+    try:
+        launch(function(source, "segsum_fixed_prep", dev), (_max_blocks(max(total, 2 * zero16)),), (THREADS,),
+               (ptr(src), np.int64(total), ptr(key), np.int64(n_rows), np.int64(rows), np.int64(skip), rep, maxbits,
+                acc, np.int64(zero16)), device=dev)
+        if join is None:
+            join = zero_beside(source, out, dev, COMPACT_ZERO)
+        _fixed_add(source, prefix, key, src, acc, flags, maxbits, log2n, False, skip, counts, rows, check, rep)
+    finally:   # also on an error (out of memory, say): out must not be freed while the side stream fills it
+        if join is not None:
+            join()
     vec = 4 if d % 4 == 0 else 1
     launch(function(source, f"segsum_fixed_rows_out{vec}", dev), (_blocks(total // vec),), (THREADS,),
            (acc, flags, ptr(key), rep, ptr(out), np.int64(n_rows), np.int32(d), np.int64(rows), maxbits, log2n),
@@ -659,13 +668,13 @@ def once_grid(space: int, dev: torch.device) -> tuple[int, int]:
     return max(1, min(cdiv(tiles, per), resident)), per
 
 
-def zero_beside(source: str, out: torch.Tensor, dev: torch.device):
-    """+0.0 into ``out`` on a second stream (segsum_zero, a grid of at most ZERO_BLOCKS_PER_SM blocks an SM:
-    room for the kernels queued beside it); returns ``join``, which the caller's stream must run before
-    anything there touches ``out`` (see fork)."""
+def zero_beside(source: str, out: torch.Tensor, dev: torch.device, kernel: str = "segsum_zero"):
+    """+0.0 into ``out`` on a second stream (``kernel``: segsum_zero or segsum_zero_cs, a grid of at most
+    ZERO_BLOCKS_PER_SM blocks an SM: room for the kernels queued beside it); returns ``join``, which the
+    caller's stream must run before anything there touches ``out`` (see fork)."""
     side, join = fork(dev)
     with torch.cuda.stream(side):
-        launch(function(source, "segsum_zero", dev), (max(1, min(cdiv(out.numel(), 4 * THREADS),
+        launch(function(source, kernel, dev), (max(1, min(cdiv(out.numel(), 4 * THREADS),
                                                                 ZERO_BLOCKS_PER_SM * sm_count(dev))),),
                (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
     return join

@@ -129,13 +129,26 @@ segsum_count(const long long* __restrict__ key, long long n, long long rows, uns
 // gradient): the call (fill, sort, sums) took 63 us against 26 us for the fill and 16 for the key sort,
 // each timed alone; a fill held to 16 registers, or with the most shared memory carved out, did not
 // change the total.
-extern "C" __global__ void __launch_bounds__(256)
-segsum_zero(float* __restrict__ out, long long n) {
+// segsum_zero_cs: the same with streaming stores (st.global.cs, evict first), so that the fill does not push
+// out of L2 what the kernels beside it keep there (the fixed variant's compact accumulators).
+template <bool STREAMING>
+__device__ __forceinline__ void seg_zero_body(float* __restrict__ out, long long n) {
     const long long step = (long long)gridDim.x * blockDim.x;
     const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (long long i = i0; i < (n >> 2); i += step) reinterpret_cast<float4*>(out)[i] = z;
+    for (long long i = i0; i < (n >> 2); i += step) {
+        if (STREAMING) __stcs(reinterpret_cast<float4*>(out) + i, z);
+        else reinterpret_cast<float4*>(out)[i] = z;
+    }
     for (long long i = ((n >> 2) << 2) + i0; i < n; i += step) out[i] = 0.0f;
+}
+
+extern "C" __global__ void __launch_bounds__(256) segsum_zero(float* __restrict__ out, long long n) {
+    seg_zero_body<false>(out, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256) segsum_zero_cs(float* __restrict__ out, long long n) {
+    seg_zero_body<true>(out, n);
 }
 
 // The `gaps` split's zeros: destinations no valid key reaches (start[m + 1] == start[m]) and the `skip`
@@ -1725,14 +1738,18 @@ segsum_fixed_out(const long long* __restrict__ acc, const unsigned* __restrict__
 // integers and rounding as the direct schedule: the same bits. The accumulators take 8 N D bytes
 // (the direct schedule's 8 x the output's rows x D) and the last pass reads only the representatives'.
 
-// segsum_fixed_max's pass over the total words of src and, over the n keys (grid-stride), the rows'
-// representatives; keys outside [0, rows) and the skip row get none (they add nothing;
-// segsum_fixed_add fails the kernel on a bad key where the caller asks it to).
+// +0 in the `zero16` 16-byte words at acc (the accumulators and their flags: plain stores, which keep them
+// in L2 for segsum_fixed_add), segsum_fixed_max's pass over the total words of src and, over the n keys
+// (grid-stride), the rows' representatives; keys outside [0, rows) and the skip row get none (they add
+// nothing; segsum_fixed_add fails the kernel on a bad key where the caller asks it to).
 extern "C" __global__ void __launch_bounds__(256)
 segsum_fixed_prep(const unsigned* __restrict__ x, long long total, const long long* __restrict__ key, long long n,
-                  long long rows, long long skip, unsigned* __restrict__ rep, unsigned* __restrict__ maxbits) {
+                  long long rows, long long skip, unsigned* __restrict__ rep, unsigned* __restrict__ maxbits,
+                  uint4* __restrict__ acc, long long zero16) {
     __shared__ unsigned warp_max[SEG_WARPS];
     const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < zero16; i += step)
+        acc[i] = make_uint4(0u, 0u, 0u, 0u);
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
         const long long m = key[i];
         if (m >= 0 && m < rows && m != skip) atomicMax(rep + m, (unsigned)(i + 1));

@@ -559,38 +559,43 @@ def once_sweep(dev: torch.device, flush) -> None:
                   flush=True)
 
 
-COMPACT_ZERO_BLOCKS = (2, 4, 8, 16)
+COMPACT_ZERO_BLOCKS = (2, 8)
+COMPACT_ZEROS = ("segsum_zero_cs", "segsum_zero")
 
 
 def compact_sweep(dev: torch.device, flush) -> None:
     """The fixed variant's compact schedule (row form: an accumulator row per source row, the output
-    zero-filled on a second stream beside them) per grid of that fill (ia.ZERO_BLOCKS_PER_SM), bits checked
-    equal to the direct schedule's, beside the sorted variant's default, the atomic variant and PyTorch's op
-    in both modes, on GAP_SHAPES; each kernel's time (torch.profiler) of the compact call, and on the
-    audit's small batch its kernel timeline."""
+    zero-filled on a second stream beside them) per place of that fill in the queue (ia.COMPACT_FILL), its
+    kernel (ia.COMPACT_ZERO: streaming or plain stores) and grid (ia.ZERO_BLOCKS_PER_SM), bits checked equal
+    to the direct schedule's, beside the sorted variant's default, the atomic variant and PyTorch's op in
+    both modes, on GAP_SHAPES; each kernel's time (torch.profiler) of the compact call at the defaults, and
+    on the audit's small batch the kernel timeline per place and kernel of the fill."""
     for op, n, d, m, law in GAP_SHAPES:
         idx, src, args, kw = scatter_inputs(op, n, d, m, law, dev)
         fixed = getattr(getattr(kernels, op), f"{op}_fixed_cuda")
 
-        def compact(blocks):
+        def compact(order, zero, blocks):
             def run():
-                with mock.patch.object(ia, "ZERO_BLOCKS_PER_SM", blocks):
+                with mock.patch.object(ia, "ZERO_BLOCKS_PER_SM", blocks), \
+                        mock.patch.object(ia, "COMPACT_FILL", order), mock.patch.object(ia, "COMPACT_ZERO", zero):
                     return fixed(*args, **kw, schedule="compact")
             return run
         fns = {"direct": lambda: fixed(*args, **kw, schedule="direct"),
-               **{f"compact {b}/SM": compact(b) for b in COMPACT_ZERO_BLOCKS}}
+               **{f"compact {o} {z[-2:]} {b}/SM": compact(o, z, b)
+                  for o in ia.COMPACT_FILLS for z in COMPACT_ZEROS for b in COMPACT_ZERO_BLOCKS}}
         row = timed_alike(fns, dev, flush)
         t_sorted = us(lambda: kernels.get(op, "sorted")(*args, **kw), dev, flush)
         chosen = ia.fixed_schedule(n * d, m * d, elementwise=False, src_rows=n)
         print(f"{op} {law} n {n} D {d} rows {m} (fixed default: {chosen}): " + "  ".join(row) +
               f"  sorted {t_sorted:7.1f}  " + peers_line(op, args, kw, dev, flush), flush=True)
-        name = f"compact {ia.ZERO_BLOCKS_PER_SM}/SM"
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(fns[name], 20).items())
-        print(f"  {name} kernels (us): {parts}", flush=True)
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(lambda: fixed(*args, **kw, schedule="compact"),
+                                                                   20).items())
+        print(f"  compact kernels (us): {parts}", flush=True)
         if (op, n, d) == ("embedding_bwd", 2048, 768):
-            for b in COMPACT_ZERO_BLOCKS:
-                print(f"  compact {b}/SM timeline (start, duration us):\n    " +
-                      "\n    ".join(timeline(compact(b))), flush=True)
+            for o in ia.COMPACT_FILLS:
+                for z in COMPACT_ZEROS:
+                    print(f"  compact {o} {z} {ia.ZERO_BLOCKS_PER_SM}/SM timeline (start, duration us):\n    " +
+                          "\n    ".join(timeline(compact(o, z, ia.ZERO_BLOCKS_PER_SM))), flush=True)
 
 
 # (op, n, D, rows, law): where the once split's builds and orders are compared
