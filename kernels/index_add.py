@@ -371,7 +371,8 @@ def _fixed_add(source, prefix, key, src, acc, flags, maxbits, log2n, elementwise
            device=src.device)
 
 
-COMPACT_FILLS = ("first", "after_prep")   # the compact schedule's zero fill: queued first, or after prep
+COMPACT_FILLS = ("first", "after_prep", "fused")   # the compact schedule's zero fill: queued first, after
+                                                  # prep, or none (segsum_fixed_out_all writes the zeros)
 COMPACT_FILL = "first"
 COMPACT_ZERO = "segsum_zero_cs"            # its kernel: streaming stores (segsum_zero: plain ones)
 
@@ -392,18 +393,23 @@ def _fixed_compact(source, prefix, key, src, out, skip, counts, check) -> None:
     maxbits = np.uint64(int(acc) + 16 * zero16)
     rep = np.uint64(int(maxbits) + 4)
     log2n = np.int32(fixed_log2n(n_rows))
+    fused = COMPACT_FILL == "fused"
     join = zero_beside(source, out, dev, COMPACT_ZERO) if COMPACT_FILL == "first" else None
     try:
         launch(function(source, "segsum_fixed_prep", dev), (_max_blocks(max(total, 2 * zero16)),), (THREADS,),
                (ptr(src), np.int64(total), ptr(key), np.int64(n_rows), np.int64(rows), np.int64(skip), rep, maxbits,
                 acc, np.int64(zero16)), device=dev)
-        if join is None:
+        if join is None and not fused:
             join = zero_beside(source, out, dev, COMPACT_ZERO)
         _fixed_add(source, prefix, key, src, acc, flags, maxbits, log2n, False, skip, counts, rows, check, rep)
     finally:   # also on an error (out of memory, say): out must not be freed while the side stream fills it
         if join is not None:
             join()
     vec = 4 if d % 4 == 0 else 1
+    if fused:
+        launch(function(source, f"segsum_fixed_out_all{vec}", dev), (_blocks(rows * d // vec),), (THREADS,),
+               (acc, flags, rep, ptr(out), np.int64(rows), np.int32(d), maxbits, log2n), device=dev)
+        return
     launch(function(source, f"segsum_fixed_rows_out{vec}", dev), (_blocks(total // vec),), (THREADS,),
            (acc, flags, ptr(key), rep, ptr(out), np.int64(n_rows), np.int32(d), np.int64(rows), maxbits, log2n),
            device=dev)
@@ -434,6 +440,7 @@ ONCE_ORDERS = ("beside", "after", "first")   # segsum_once beside the long rows,
 ONCE_ORDER = "beside"
 
 
+FILL_ZERO = "segsum_zero"   # the fill split's zero fill: plain stores (segsum_zero_cs: streaming ones)
 FILL_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take the fill split
 
 
@@ -733,7 +740,7 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     if split in ("gaps", "once") and width > GAP_MAX_WIDTH:
         split = "fill"
     out = torch.empty((rows, d), device=dev, dtype=torch.float32)
-    join = zero_beside(source, out, dev) if split == "fill" else None  # zeros beside the keys' sort
+    join = zero_beside(source, out, dev, FILL_ZERO) if split == "fill" else None  # zeros beside the keys' sort
     try:
         return _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join,
                             group)

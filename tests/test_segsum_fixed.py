@@ -10,6 +10,7 @@ the result is subnormal). So |out - exact| <= k 2^-(s+1) + 2^-24 (|exact| + k 2^
 from __future__ import annotations
 
 from fractions import Fraction
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -363,18 +364,21 @@ def _fixed_launcher(op: str):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["direct", "compact"])
+@pytest.mark.parametrize("schedule,fill", [("direct", None)] + [("compact", f) for f in ia.COMPACT_FILLS])
 @pytest.mark.parametrize("op,case", ROW_FORM, ids=[f"{op}-{c.name}" for op, c in ROW_FORM])
-def test_gpu_row_form_schedules_give_the_model_bits(op, case, schedule, cuda_sync):
+def test_gpu_row_form_schedules_give_the_model_bits(op, case, schedule, fill, cuda_sync):
+    """``fill``: where the compact schedule queues its zero fill (first, after prep, or none: its last
+    kernel writes the zeros)."""
     spec = kernels.spec(op)
     args, kw = spec.make_inputs(case, CUDA)
     cpu_args, _ = spec.make_inputs(case, CPU)
     want = float32_bits(kernels.get(op, "fixed")(*cpu_args, **kw)).tobytes()
     fixed = _fixed_launcher(op)
     seen = set()
-    for _ in range(10):
-        poison_allocator(out_shape(op, args, kw))
-        seen.add(float32_bits(fixed(*args, **kw, schedule=schedule)).tobytes())
+    with mock.patch.object(ia, "COMPACT_FILL", fill or ia.COMPACT_FILL):
+        for _ in range(10):
+            poison_allocator(out_shape(op, args, kw))
+            seen.add(float32_bits(fixed(*args, **kw, schedule=schedule)).tobytes())
     assert seen == {want}
 
 

@@ -582,20 +582,28 @@ def compact_sweep(dev: torch.device, flush) -> None:
             return run
         fns = {"direct": lambda: fixed(*args, **kw, schedule="direct"),
                **{f"compact {o} {z[-2:]} {b}/SM": compact(o, z, b)
-                  for o in ia.COMPACT_FILLS for z in COMPACT_ZEROS for b in COMPACT_ZERO_BLOCKS}}
+                  for o in ia.COMPACT_FILLS if o != "fused" for z in COMPACT_ZEROS for b in COMPACT_ZERO_BLOCKS},
+               "compact fused": compact("fused", ia.COMPACT_ZERO, ia.ZERO_BLOCKS_PER_SM)}
         row = timed_alike(fns, dev, flush)
-        t_sorted = us(lambda: kernels.get(op, "sorted")(*args, **kw), dev, flush)
+
+        def sorted_fill(zero):
+            def run():
+                with mock.patch.object(ia, "FILL_ZERO", zero):
+                    return kernels.get(op, "sorted")(*args, **kw)
+            return run
+        row += timed_alike({f"sorted {z}": sorted_fill(z) for z in COMPACT_ZEROS}, dev, flush)
         chosen = ia.fixed_schedule(n * d, m * d, elementwise=False, src_rows=n)
-        print(f"{op} {law} n {n} D {d} rows {m} (fixed default: {chosen}): " + "  ".join(row) +
-              f"  sorted {t_sorted:7.1f}  " + peers_line(op, args, kw, dev, flush), flush=True)
+        print(f"{op} {law} n {n} D {d} rows {m} (fixed default: {chosen}, sorted: "
+              f"{ia.default_split(n, m, d < ia.SCALAR_BELOW_D)}): " + "  ".join(row) + "  " +
+              peers_line(op, args, kw, dev, flush), flush=True)
         parts = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(lambda: fixed(*args, **kw, schedule="compact"),
                                                                    20).items())
         print(f"  compact kernels (us): {parts}", flush=True)
         if (op, n, d) == ("embedding_bwd", 2048, 768):
-            for o in ia.COMPACT_FILLS:
-                for z in COMPACT_ZEROS:
-                    print(f"  compact {o} {z} {ia.ZERO_BLOCKS_PER_SM}/SM timeline (start, duration us):\n    " +
-                          "\n    ".join(timeline(compact(o, z, ia.ZERO_BLOCKS_PER_SM))), flush=True)
+            for name, fn in (("compact first cs 8/SM", compact("first", "segsum_zero_cs", 8)),
+                             ("compact fused", fns["compact fused"]),
+                             *((f"sorted {z}", sorted_fill(z)) for z in COMPACT_ZEROS)):
+                print(f"  {name} timeline (start, duration us):\n    " + "\n    ".join(timeline(fn)), flush=True)
 
 
 # (op, n, D, rows, law): where the once split's builds and orders are compared
