@@ -371,45 +371,39 @@ def _fixed_add(source, prefix, key, src, acc, flags, maxbits, log2n, elementwise
            device=src.device)
 
 
-COMPACT_FILLS = ("first", "after_prep", "fused")   # the compact schedule's zero fill: queued first, after
-                                                  # prep, or none (segsum_fixed_out_all writes the zeros)
-COMPACT_FILL = "first"
-COMPACT_ZERO = "segsum_zero_cs"            # its kernel: streaming stores (segsum_zero: plain ones)
+COMPACT_ZERO_BLOCKS_PER_SM = 8   # the compact schedule's zero fill (segsum_zero_cs) beside prep and add
 
 
 def _fixed_compact(source, prefix, key, src, out, skip, counts, check) -> None:
-    """The compact schedule into ``out`` (rows, D), zero-filled on a second stream (COMPACT_FILL: queued
-    before prep, or after it). One buffer: the N x D accumulators and their flags (zeroed by prep), max
-    |src| and the representatives (rows words; one zero fill); prep, add (beside the fill), the
-    representatives' rows out (after it)."""
+    """The compact schedule into ``out`` (rows, D): its zero fill queued first on a second stream
+    (segsum_zero_cs: streaming stores, which leave L2 to the accumulators; COMPACT_ZERO_BLOCKS_PER_SM),
+    then on the caller's stream one small zero fill (max |src| and the representatives, rows words),
+    prep (which zeroes the N x D accumulators and their flags), add, and after the join the
+    representatives' rows out. H200, ``bench/dev/segsum_phases.py --compact`` at 9b0715f, us a call, 2048
+    Zipf tokens into a 32000 x 768 gradient: 51.1 (8 blocks an SM; 2: 62.2); the fill in plain stores
+    53.9 (2: 63.8); the fill queued after prep 55.9 (the add, 8 blocks an SM, holds the SMs until it ends);
+    no fill, a last kernel writing every destination (zeros included) 53.9: prep 6.3, add 11.9 and that
+    kernel 25.4 one after another. Index_add of 10^5 x 16 into 10^6 rows: 49.0, 53.9 with no fill."""
     n_rows, d = src.shape
     dev, total, rows = src.device, src.numel(), out.shape[0]
     words = cdiv(total, 8)   # 4 flag bits per accumulator element
     zero16 = cdiv(8 * total + 4 * words, 16)   # what prep zeroes, in 16-byte words
     buf = torch.empty(2 * zero16 + cdiv(1 + rows, 2), device=dev, dtype=torch.int64)
-    buf[2 * zero16:].zero_()
     acc = ptr(buf)
     flags = np.uint64(int(acc) + 8 * total)
     maxbits = np.uint64(int(acc) + 16 * zero16)
     rep = np.uint64(int(maxbits) + 4)
     log2n = np.int32(fixed_log2n(n_rows))
-    fused = COMPACT_FILL == "fused"
-    join = zero_beside(source, out, dev, COMPACT_ZERO) if COMPACT_FILL == "first" else None
+    join = zero_beside(source, out, dev, "segsum_zero_cs", COMPACT_ZERO_BLOCKS_PER_SM)
     try:
+        buf[2 * zero16:].zero_()
         launch(function(source, "segsum_fixed_prep", dev), (_max_blocks(max(total, 2 * zero16)),), (THREADS,),
                (ptr(src), np.int64(total), ptr(key), np.int64(n_rows), np.int64(rows), np.int64(skip), rep, maxbits,
                 acc, np.int64(zero16)), device=dev)
-        if join is None and not fused:
-            join = zero_beside(source, out, dev, COMPACT_ZERO)
         _fixed_add(source, prefix, key, src, acc, flags, maxbits, log2n, False, skip, counts, rows, check, rep)
     finally:   # also on an error (out of memory, say): out must not be freed while the side stream fills it
-        if join is not None:
-            join()
+        join()
     vec = 4 if d % 4 == 0 else 1
-    if fused:
-        launch(function(source, f"segsum_fixed_out_all{vec}", dev), (_blocks(rows * d // vec),), (THREADS,),
-               (acc, flags, rep, ptr(out), np.int64(rows), np.int32(d), maxbits, log2n), device=dev)
-        return
     launch(function(source, f"segsum_fixed_rows_out{vec}", dev), (_blocks(total // vec),), (THREADS,),
            (acc, flags, ptr(key), rep, ptr(out), np.int64(n_rows), np.int32(d), np.int64(rows), maxbits, log2n),
            device=dev)
@@ -440,7 +434,12 @@ ONCE_ORDERS = ("beside", "after", "first")   # segsum_once beside the long rows,
 ONCE_ORDER = "beside"
 
 
-FILL_ZERO = "segsum_zero"   # the fill split's zero fill: plain stores (segsum_zero_cs: streaming ones)
+# The fill split's zero fill: streaming stores (segsum_zero_cs; segsum_zero: plain ones). H200,
+# bench/dev/segsum_phases.py --compact at 9b0715f, us a call, streaming against plain: 2048 Zipf tokens
+# into a 32000 x 768 gradient 52.2 / 53.8 (the sums after the fill 14.7 / 18.6 us in the timeline); 16384
+# tokens 76.4 / 78.7; index_add 10^5 x 16 into 10^6 rows 98.9 / 105.6; 16384 x 512 into 50000 64.6 / 67.5;
+# 2048 x 4096 into 32000 178.2 / 173.9 (the one shape of ten where plain stores were faster).
+FILL_ZERO = "segsum_zero_cs"
 FILL_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take the fill split
 
 
@@ -675,14 +674,13 @@ def once_grid(space: int, dev: torch.device) -> tuple[int, int]:
     return max(1, min(cdiv(tiles, per), resident)), per
 
 
-def zero_beside(source: str, out: torch.Tensor, dev: torch.device, kernel: str = "segsum_zero"):
+def zero_beside(source: str, out: torch.Tensor, dev: torch.device, kernel: str, per_sm: int):
     """+0.0 into ``out`` on a second stream (``kernel``: segsum_zero or segsum_zero_cs, a grid of at most
-    ZERO_BLOCKS_PER_SM blocks an SM: room for the kernels queued beside it); returns ``join``, which the
-    caller's stream must run before anything there touches ``out`` (see fork)."""
+    ``per_sm`` blocks an SM: room for the kernels queued beside it); returns ``join``, which the caller's
+    stream must run before anything there touches ``out`` (see fork)."""
     side, join = fork(dev)
     with torch.cuda.stream(side):
-        launch(function(source, kernel, dev), (max(1, min(cdiv(out.numel(), 4 * THREADS),
-                                                                ZERO_BLOCKS_PER_SM * sm_count(dev))),),
+        launch(function(source, kernel, dev), (max(1, min(cdiv(out.numel(), 4 * THREADS), per_sm * sm_count(dev))),),
                (THREADS,), (ptr(out), np.int64(out.numel())), device=dev)
     return join
 
@@ -740,7 +738,7 @@ def segsum_sorted_cuda(source: str, prefix: str, key: torch.Tensor, src: torch.T
     if split in ("gaps", "once") and width > GAP_MAX_WIDTH:
         split = "fill"
     out = torch.empty((rows, d), device=dev, dtype=torch.float32)
-    join = zero_beside(source, out, dev, FILL_ZERO) if split == "fill" else None  # zeros beside the keys' sort
+    join = zero_beside(source, out, dev, FILL_ZERO, ZERO_BLOCKS_PER_SM) if split == "fill" else None  # beside the sort
     try:
         return _sorted_sums(source, prefix, key, src, out, split, scalar, elementwise, skip, scaled, check, join,
                             group)

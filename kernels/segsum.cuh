@@ -130,7 +130,8 @@ segsum_count(const long long* __restrict__ key, long long n, long long rows, uns
 // each timed alone; a fill held to 16 registers, or with the most shared memory carved out, did not
 // change the total.
 // segsum_zero_cs: the same with streaming stores (st.global.cs, evict first), so that the fill does not push
-// out of L2 what the kernels beside it keep there (the fixed variant's compact accumulators).
+// out of L2 what the kernels beside it keep there (the fixed variant's compact accumulators), nor leave it
+// full of zeros still to write back when the sums that follow it read (the sorted fill split).
 template <bool STREAMING>
 __device__ __forceinline__ void seg_zero_body(float* __restrict__ out, long long n) {
     const long long step = (long long)gridDim.x * blockDim.x;
@@ -1797,48 +1798,6 @@ __device__ __forceinline__ void seg_fixed_rows_out_body(const long long* __restr
     }
 SEG_FIXED_ROWS_OUT(1)
 SEG_FIXED_ROWS_OUT(4)
-
-// Every destination's floats (rows x D, VEC a thread as above): from its representative's accumulator
-// row, or +0.0 where it has none (the skip row, rows no key names); streaming stores. The compact
-// schedule without a zero fill (COMPACT_FILL "fused", kernels/index_add.py).
-template <typename I, int VEC>
-__device__ __forceinline__ void seg_fixed_out_all_body(const long long* __restrict__ acc,
-                                                       const unsigned* __restrict__ flags,
-                                                       const unsigned* __restrict__ rep, float* __restrict__ out,
-                                                       I rows, int D, double unscale) {
-    const I step = (I)gridDim.x * blockDim.x;
-    const I groups = rows * (I)(D / VEC);
-    for (I g = (I)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += step) {
-        const I e = g * VEC, m = e / (I)D, c = e - m * (I)D;
-        const unsigned r = rep[m];
-        float v[VEC];
-        if (r == 0u) {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) v[j] = 0.0f;
-        } else {
-            const long long a = (long long)(r - 1u) * D + (long long)c;
-            const unsigned f = flags[a >> 3] >> (4 * (int)(a & 7));
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) v[j] = seg_fixed_value(acc[a + j], (f >> (4 * j)) & 7u, unscale);
-        }
-        if constexpr (VEC == 4) __stcs(reinterpret_cast<float4*>(out + e), make_float4(v[0], v[1], v[2], v[3]));
-        else __stcs(out + e, v[0]);
-    }
-}
-
-#define SEG_FIXED_OUT_ALL(VEC)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256)                                                            \
-    segsum_fixed_out_all##VEC(const long long* __restrict__ acc, const unsigned* __restrict__ flags,             \
-                              const unsigned* __restrict__ rep, float* __restrict__ out, long long rows, int D,   \
-                              const unsigned* __restrict__ maxbits, int log2n) {                                 \
-        const double unscale = seg_pow2(-seg_fixed_shift(*maxbits, log2n));                                      \
-        if (rows * D + (long long)VEC * gridDim.x * blockDim.x <= 4294967295LL)                                  \
-            seg_fixed_out_all_body<unsigned, VEC>(acc, flags, rep, out, (unsigned)rows, D, unscale);              \
-        else                                                                                                     \
-            seg_fixed_out_all_body<long long, VEC>(acc, flags, rep, out, rows, D, unscale);                      \
-    }
-SEG_FIXED_OUT_ALL(1)
-SEG_FIXED_OUT_ALL(4)
 
 // ------------------------------------------------------------------------------------------------
 // fixed, binned schedule (element form): the same integers, summed in shared memory

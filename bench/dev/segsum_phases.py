@@ -559,50 +559,44 @@ def once_sweep(dev: torch.device, flush) -> None:
                   flush=True)
 
 
-COMPACT_ZERO_BLOCKS = (2, 8)
-COMPACT_ZEROS = ("segsum_zero_cs", "segsum_zero")
+COMPACT_ZERO_BLOCKS = (2, 4, 8, 16)
+FILL_ZEROS = ("segsum_zero_cs", "segsum_zero")
 
 
 def compact_sweep(dev: torch.device, flush) -> None:
     """The fixed variant's compact schedule (row form: an accumulator row per source row, the output
-    zero-filled on a second stream beside them) per place of that fill in the queue (ia.COMPACT_FILL), its
-    kernel (ia.COMPACT_ZERO: streaming or plain stores) and grid (ia.ZERO_BLOCKS_PER_SM), bits checked equal
-    to the direct schedule's, beside the sorted variant's default, the atomic variant and PyTorch's op in
-    both modes, on GAP_SHAPES; each kernel's time (torch.profiler) of the compact call at the defaults, and
-    on the audit's small batch the kernel timeline per place and kernel of the fill."""
+    zero-filled on a second stream beside them) per grid of that fill (ia.COMPACT_ZERO_BLOCKS_PER_SM), bits
+    checked equal to the direct schedule's, beside the sorted variant's default per kernel of its fill split's
+    zero fill (ia.FILL_ZERO: streaming or plain stores), the atomic variant and PyTorch's op in both modes, on
+    GAP_SHAPES; each kernel's time (torch.profiler) of the compact call, and on the audit's small batch the
+    kernel timelines of the compact call and of the sorted one."""
     for op, n, d, m, law in GAP_SHAPES:
         idx, src, args, kw = scatter_inputs(op, n, d, m, law, dev)
         fixed = getattr(getattr(kernels, op), f"{op}_fixed_cuda")
 
-        def compact(order, zero, blocks):
+        def compact(blocks):
             def run():
-                with mock.patch.object(ia, "ZERO_BLOCKS_PER_SM", blocks), \
-                        mock.patch.object(ia, "COMPACT_FILL", order), mock.patch.object(ia, "COMPACT_ZERO", zero):
+                with mock.patch.object(ia, "COMPACT_ZERO_BLOCKS_PER_SM", blocks):
                     return fixed(*args, **kw, schedule="compact")
             return run
-        fns = {"direct": lambda: fixed(*args, **kw, schedule="direct"),
-               **{f"compact {o} {z[-2:]} {b}/SM": compact(o, z, b)
-                  for o in ia.COMPACT_FILLS if o != "fused" for z in COMPACT_ZEROS for b in COMPACT_ZERO_BLOCKS},
-               "compact fused": compact("fused", ia.COMPACT_ZERO, ia.ZERO_BLOCKS_PER_SM)}
-        row = timed_alike(fns, dev, flush)
 
         def sorted_fill(zero):
             def run():
                 with mock.patch.object(ia, "FILL_ZERO", zero):
                     return kernels.get(op, "sorted")(*args, **kw)
             return run
-        row += timed_alike({f"sorted {z}": sorted_fill(z) for z in COMPACT_ZEROS}, dev, flush)
+        row = timed_alike({"direct": lambda: fixed(*args, **kw, schedule="direct"),
+                           **{f"compact {b}/SM": compact(b) for b in COMPACT_ZERO_BLOCKS}}, dev, flush)
+        row += timed_alike({f"sorted {z}": sorted_fill(z) for z in FILL_ZEROS}, dev, flush)
         chosen = ia.fixed_schedule(n * d, m * d, elementwise=False, src_rows=n)
         print(f"{op} {law} n {n} D {d} rows {m} (fixed default: {chosen}, sorted: "
               f"{ia.default_split(n, m, d < ia.SCALAR_BELOW_D)}): " + "  ".join(row) + "  " +
               peers_line(op, args, kw, dev, flush), flush=True)
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(lambda: fixed(*args, **kw, schedule="compact"),
-                                                                   20).items())
+        times = kernel_times(compact(ia.COMPACT_ZERO_BLOCKS_PER_SM), 20)
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
         print(f"  compact kernels (us): {parts}", flush=True)
         if (op, n, d) == ("embedding_bwd", 2048, 768):
-            for name, fn in (("compact first cs 8/SM", compact("first", "segsum_zero_cs", 8)),
-                             ("compact fused", fns["compact fused"]),
-                             *((f"sorted {z}", sorted_fill(z)) for z in COMPACT_ZEROS)):
+            for name, fn in (("compact", compact(ia.COMPACT_ZERO_BLOCKS_PER_SM)), ("sorted", sorted_fill(ia.FILL_ZERO))):
                 print(f"  {name} timeline (start, duration us):\n    " + "\n    ".join(timeline(fn)), flush=True)
 
 
