@@ -274,7 +274,13 @@ def fixed_schedule(total: int, space: int, *, elementwise: bool, plain: bool = T
     column on one hot row: binned 130 us, direct 184, the atomic variant 153; with 50%: 131 against 286
     (atomic 804); all on the hot row: 123 against 93 (a direct thread holds its one destination and adds
     it once). Uniform indices, 4 to 32 terms per destination (``--fixed-schedules``): binned 1.11x to
-    1.21x the direct time; direct 1.20x to 1.40x the atomic variant's, binned 1.33x to 1.69x."""
+    1.21x the direct time; direct 1.20x to 1.40x the atomic variant's, binned 1.33x to 1.69x. Compact
+    against direct (``--compact`` at 6048145, us a call), every row-form shape with fewer source rows than
+    output rows: 2048 x 768 into 32000 rows 52.1 against 146.9; 16384 x 768 into 32000 178.7 against 220.6;
+    10^5 x 16 into 10^6 53.0 against 109.2; 512 x 768 into 32000 36.1 against 140.6; 2048 x 4096 into 32000
+    231.7 against 734.0; with as many (50000 x 128 into 50000) 100.7 against 93.8, and more source rows
+    (10^6 x 64 into 10^5) 734.5 against 469.7: there an accumulator row per source row outweighs one per
+    destination."""
     if total < space and src_rows and compact_takes(src_rows, elementwise=elementwise):
         return "compact"
     binned = binned_takes(total, space, elementwise=elementwise, plain=plain)
@@ -371,19 +377,25 @@ def _fixed_add(source, prefix, key, src, acc, flags, maxbits, log2n, elementwise
            device=src.device)
 
 
-COMPACT_ZERO_BLOCKS_PER_SM = 8   # the compact schedule's zero fill (segsum_zero_cs) beside prep and add
+COMPACT_ZERO_BLOCKS_PER_SM = 2   # the compact schedule's zero fill (segsum_zero_cs) beside prep and add
 
 
 def _fixed_compact(source, prefix, key, src, out, skip, counts, check) -> None:
     """The compact schedule into ``out`` (rows, D): its zero fill queued first on a second stream
-    (segsum_zero_cs: streaming stores, which leave L2 to the accumulators; COMPACT_ZERO_BLOCKS_PER_SM),
-    then on the caller's stream one small zero fill (max |src| and the representatives, rows words),
-    prep (which zeroes the N x D accumulators and their flags), add, and after the join the
-    representatives' rows out. H200, ``bench/dev/segsum_phases.py --compact`` at 9b0715f, us a call, 2048
-    Zipf tokens into a 32000 x 768 gradient: 51.1 (8 blocks an SM; 2: 62.2); the fill in plain stores
-    53.9 (2: 63.8); the fill queued after prep 55.9 (the add, 8 blocks an SM, holds the SMs until it ends);
-    no fill, a last kernel writing every destination (zeros included) 53.9: prep 6.3, add 11.9 and that
-    kernel 25.4 one after another. Index_add of 10^5 x 16 into 10^6 rows: 49.0, 53.9 with no fill."""
+    (segsum_zero_cs: streaming stores, which leave L2 to the accumulators; at most
+    COMPACT_ZERO_BLOCKS_PER_SM blocks an SM, so that prep and add find room beside it), then on the caller's
+    stream one small zero fill (max |src| and the representatives, rows words), prep (which zeroes the
+    N x D accumulators and their flags), add, and after the join the representatives' rows out.
+
+    H200, ``bench/dev/segsum_phases.py --compact``, us a call. At 6048145, fill blocks an SM 2 / 4 / 8 / 16:
+    2048 Zipf tokens into a 32000 x 768 gradient 52.1 / 57.8 / 56.4 / 55.3 (the sorted variant 52.1, the
+    atomic one 37.3); 512 tokens 36.1 / 36.6 / 42.9 / 42.6; 4096 into 50000 x 512 60.4 / 65.3 / 63.8 / 62.3;
+    index_add of 1024 x 256 into 10^5 rows 36.8 / 37.0 / 42.6 / 42.5; 10^5 x 16 into 10^6 53.0 / 53.6 / 53.9
+    / 52.8. Tried at 9b0715f on the first shape and dropped: the fill in plain stores (53.9 against 51.1
+    streaming, 8 an SM, the small zero fill then queued before the fork, so the fill waited for it); the
+    fill queued after prep (55.9: the add, 8 blocks an SM, kept the SMs until it ended); no fill, a last
+    kernel writing every destination, zeros included (53.9: prep 6.3, add 11.9 and that kernel 25.4, one
+    after another)."""
     n_rows, d = src.shape
     dev, total, rows = src.device, src.numel(), out.shape[0]
     words = cdiv(total, 8)   # 4 flag bits per accumulator element

@@ -18,8 +18,10 @@ Order of the additions into one output element, in both forms (index_add.py has 
 - ``fixed``: no order at all (integer sums of the terms rounded to multiples of 2^-s). The element form
   with at least index_add.FBIN_MIN_TERMS_PER_DST terms per destination (and at most 2^21 destinations,
   2^31 - 2^12 terms) takes the binned schedule: terms
-  placed by bin of destinations, summed in shared memory, no global atomic per term (``schedule``:
-  index_add.fixed_schedule; both schedules give the same bits).
+  placed by bin of destinations, summed in shared memory, no global atomic per term; the row form (an
+  expanded index) with fewer source rows than output rows the compact one: an accumulator row per source
+  row, the output zero-filled beside (``schedule``: index_add.fixed_schedule; every schedule gives the
+  same bits).
 
 Out-of-range indices raise KernelArgumentError (on the GPU after the kernels are queued; see
 index_add.py; ``check_range=False``: no check, no host synchronisation, bad indices add nothing).
@@ -91,8 +93,8 @@ def scatter_add_sorted_cuda(index, src, *, num_rows, check_range: bool | str = T
 
 def scatter_add_fixed_cuda(index, src, *, num_rows, check_range: bool | str = True,
                            schedule: str | None = None) -> torch.Tensor:
-    """``schedule``: ``direct`` or ``binned`` (element form only), None to let fixed_schedule choose; the
-    bits are the same either way (kernels/index_add.py: segsum_fixed_cuda)."""
+    """``schedule``: ``direct``, ``binned`` (element form only) or ``compact`` (row form only), None to let
+    fixed_schedule choose; the bits are the same either way (kernels/index_add.py: segsum_fixed_cuda)."""
     key, src, rows, elementwise = _prologue(index, src, num_rows)
     check_cuda(OP, "src", src)
     return segsum_fixed_cuda(SOURCE, OP, key, src, rows, elementwise=elementwise,
