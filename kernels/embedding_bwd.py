@@ -152,7 +152,8 @@ def embedding_bwd_atomic_cpu(grad_output, indices, *, num_weights, padding_idx=-
 
 def embedding_bwd_fixed_cpu(grad_output, indices, *, num_weights, padding_idx=-1, scale_grad_by_freq=False,
                             check_range: bool | str = True, rng=None, schedule: str | None = None) -> torch.Tensor:
-    """The fixed sums' bits, whichever CUDA ``schedule`` is named (checked as the CUDA launcher does)."""
+    """The fixed sums' bits, whichever CUDA ``schedule`` is named (a name the CUDA launcher knows; whether it
+    takes this form is the launcher's check: every schedule gives these bits)."""
     check_schedule(OP, schedule)
     key, g, rows, skip = _cpu_prologue(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq,
                                      check_range=check_range)

@@ -260,12 +260,13 @@ def check_schedule(op: str, schedule: str | None) -> None:
         raise KernelArgumentError(op, "schedule", f"expected one of {SCHEDULES}, got {schedule!r}")
 
 
-def fixed_schedule(total: int, space: int, *, elementwise: bool, plain: bool = True, src_rows: int = 0) -> str:
+def fixed_schedule(total: int, space: int, *, elementwise: bool, plain: bool = True,
+                   src_rows: int | None = None) -> str:
     """The fixed variant's schedule for ``total`` terms into ``space`` destinations (segsum.cuh; all give
-    the same bits): in the row form, ``compact`` where there are fewer terms than destinations (fewer
-    source rows, ``src_rows``, than output rows: one accumulator row per source row, the output
-    zero-filled beside; see compact_takes); ``binned`` for the element form (``plain``: no skipped row, no
-    count scaling) where the terms are at least FBIN_MIN_TERMS_PER_DST per destination and the
+    the same bits): in the row form (``src_rows``, the source rows, required there), ``compact`` where
+    there are fewer terms than destinations (fewer source rows than output rows: one accumulator row per
+    source row, the output zero-filled beside; see compact_takes); ``binned`` for the element form
+    (``plain``: no skipped row, no count scaling) where the terms are at least FBIN_MIN_TERMS_PER_DST per destination and the
     destinations fit 2^FBIN_BITS bins of FBIN_WIDTH_MAX; else ``direct``, one global atomic per term into
     an accumulator per destination. The binned one writes every term
     to memory and reads it back, and zeroes and flushes a bin's accumulators per page: it wins where the
@@ -275,14 +276,19 @@ def fixed_schedule(total: int, space: int, *, elementwise: bool, plain: bool = T
     (atomic 804); all on the hot row: 123 against 93 (a direct thread holds its one destination and adds
     it once). Uniform indices, 4 to 32 terms per destination (``--fixed-schedules``): binned 1.11x to
     1.21x the direct time; direct 1.20x to 1.40x the atomic variant's, binned 1.33x to 1.69x. Compact
-    against direct (``--compact`` at 6048145, us a call), every row-form shape with fewer source rows than
-    output rows: 2048 x 768 into 32000 rows 52.1 against 146.9; 16384 x 768 into 32000 178.7 against 220.6;
-    10^5 x 16 into 10^6 53.0 against 109.2; 512 x 768 into 32000 36.1 against 140.6; 2048 x 4096 into 32000
-    231.7 against 734.0; with as many (50000 x 128 into 50000) 100.7 against 93.8, and more source rows
-    (10^6 x 64 into 10^5) 734.5 against 469.7: there an accumulator row per source row outweighs one per
-    destination."""
-    if total < space and src_rows and compact_takes(src_rows, elementwise=elementwise):
-        return "compact"
+    against direct (``--compact`` at 88a3b73, us a call), on every shape it swept with fewer source rows
+    than output rows: embedding_bwd of 2048 Zipf tokens into 32000 x 768, 51.6 against 146.0; 16384 tokens
+    177.9 against 219.9; 512 tokens 35.5 against 139.0; 2048 x 4096 into 32000 227.7 against 746.5; 4096 x
+    512 into 50000 59.3 against 156.7; 10^5 x 16 into 10^6 87.4 against 151.0; index_add (uniform) of 10^5
+    x 16 into 10^6 52.4 against 109.1; 16384 x 512 into 50000 153.7 against 204.2; 1024 x 256 into 10^5
+    36.8 against 144.5. With as many source rows (index_add 50000 x 128 into 50000) 99.8 against 93.1, and
+    more (10^6 x 64 into 10^5) 729.5 against 467.9: there an accumulator row per source row outweighs one
+    per destination."""
+    if not elementwise:
+        if src_rows is None:
+            raise ValueError("fixed_schedule: the row form needs src_rows")
+        if total < space and compact_takes(src_rows, elementwise=False):
+            return "compact"
     binned = binned_takes(total, space, elementwise=elementwise, plain=plain)
     return "binned" if binned and total >= FBIN_MIN_TERMS_PER_DST * space else "direct"
 
@@ -387,15 +393,17 @@ def _fixed_compact(source, prefix, key, src, out, skip, counts, check) -> None:
     stream one small zero fill (max |src| and the representatives, rows words), prep (which zeroes the
     N x D accumulators and their flags), add, and after the join the representatives' rows out.
 
-    H200, ``bench/dev/segsum_phases.py --compact``, us a call. At 6048145, fill blocks an SM 2 / 4 / 8 / 16:
-    2048 Zipf tokens into a 32000 x 768 gradient 52.1 / 57.8 / 56.4 / 55.3 (the sorted variant 52.1, the
-    atomic one 37.3); 512 tokens 36.1 / 36.6 / 42.9 / 42.6; 4096 into 50000 x 512 60.4 / 65.3 / 63.8 / 62.3;
-    index_add of 1024 x 256 into 10^5 rows 36.8 / 37.0 / 42.6 / 42.5; 10^5 x 16 into 10^6 53.0 / 53.6 / 53.9
-    / 52.8. Tried at 9b0715f on the first shape and dropped: the fill in plain stores (53.9 against 51.1
-    streaming, 8 an SM, the small zero fill then queued before the fork, so the fill waited for it); the
-    fill queued after prep (55.9: the add, 8 blocks an SM, kept the SMs until it ended); no fill, a last
-    kernel writing every destination, zeros included (53.9: prep 6.3, add 11.9 and that kernel 25.4, one
-    after another)."""
+    H200, ``bench/dev/segsum_phases.py --compact``, us a call, each after an L2 flush. At 88a3b73, fill
+    blocks an SM 2 / 4 / 8 / 16: embedding_bwd of 2048 Zipf tokens into a 32000 x 768 gradient 51.6 / 57.3 /
+    56.2 / 55.3 (the sorted variant 51.8, the atomic one 37.7; 52.1 / 57.8 / 56.4 / 55.3 at 6048145); 512
+    tokens 35.5 / 37.0 / 42.5 / 42.5; 4096 into 50000 x 512 59.3 / 64.0 / 63.2 / 61.6; 10^5 x 16 into 10^6
+    87.4 / 86.3 / 87.3 / 88.8; index_add of 1024 x 256 into 10^5 rows 36.8 / 36.8 / 42.7 / 43.0; 10^5 x 16
+    into 10^6 52.4 / 53.2 / 52.9 / 51.8. Tried at 9b0715f on the first shape, with the small zero fill queued
+    before the fork (the fill waited for it), and dropped: the fill in plain stores (53.9 against 51.1
+    streaming, 8 an SM); the fill queued after prep (55.9: the add, 8 blocks an SM, kept the SMs until it
+    ended); no fill, a last kernel writing every destination, zeros included (53.9; in the timeline, calls
+    queued back to back, prep 6.3, add 11.9 and that kernel 25.4, one after another, the call's kernels
+    ending 48.2 us after its first began)."""
     n_rows, d = src.shape
     dev, total, rows = src.device, src.numel(), out.shape[0]
     words = cdiv(total, 8)   # 4 flag bits per accumulator element
@@ -436,7 +444,7 @@ SORT_MAX = 16384          # SEG_SORT_MAX: up to this many keys (int16 ones), one
 SORT_THREADS = 1024
 SORT_SMEM = (2 * SORT_MAX + 257 * 32 + 32) * 4   # SEG_SORT_SMEM
 SPLITS = ("rows", "tiles", "fill", "gaps", "once")   # tiles, gaps, once: no default takes them (default_split)
-ZERO_BLOCKS_PER_SM = 2  # segsum_zero's grid beside the sort
+ZERO_BLOCKS_PER_SM = 2  # the fill split's zero fill (FILL_ZERO): its grid beside the sort
 GAP_BLOCKS_PER_SM = 8   # segsum_zero_gaps' grid beside the sums (see default_split)
 GAP_MAX_WIDTH = (2**31 - 1) // 32   # segsum_zero_gaps indexes a tile of 32 destinations' floats in int
 ONCE_BLOCKS_PER_SM = 4  # SEG_ONCE_BLOCKS: segsum_once's resident blocks an SM (see once_grid)
@@ -447,10 +455,11 @@ ONCE_ORDER = "beside"
 
 
 # The fill split's zero fill: streaming stores (segsum_zero_cs; segsum_zero: plain ones). H200,
-# bench/dev/segsum_phases.py --compact at 9b0715f, us a call, streaming against plain: 2048 Zipf tokens
-# into a 32000 x 768 gradient 52.2 / 53.8 (the sums after the fill 14.7 / 18.6 us in the timeline); 16384
-# tokens 76.4 / 78.7; index_add 10^5 x 16 into 10^6 rows 98.9 / 105.6; 16384 x 512 into 50000 64.6 / 67.5;
-# 2048 x 4096 into 32000 178.2 / 173.9 (the one shape of ten where plain stores were faster).
+# bench/dev/segsum_phases.py --compact at 88a3b73, us a call, streaming against plain: 2048 Zipf tokens
+# into a 32000 x 768 gradient 51.8 / 52.8 (the sums after the fill 15.2 us in the timeline; 18.6 with plain
+# stores at 9b0715f); 16384 tokens 75.9 / 77.0; 4096 into 50000 x 512 64.8 / 67.1; index_add 10^5 x 16
+# into 10^6 rows 98.2 / 102.6; 16384 x 512 into 50000 65.0 / 67.0; faster or level on 10 of the 12 shapes,
+# slower on 2048 x 4096 into 32000 (176.4 / 174.1) and 1024 x 256 into 10^5 (41.9 / 41.8).
 FILL_ZERO = "segsum_zero_cs"
 FILL_UP_TO = 16  # contributions per destination, on average, up to which the warp kernels take the fill split
 
@@ -1107,7 +1116,8 @@ def index_add_atomic_cpu(index, src, *, num_rows, check_range: bool | str = True
 
 def index_add_fixed_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None,
                         schedule: str | None = None) -> torch.Tensor:
-    """The fixed sums' bits, whichever CUDA ``schedule`` is named (checked as the CUDA launcher does)."""
+    """The fixed sums' bits, whichever CUDA ``schedule`` is named (a name the CUDA launcher knows; whether it
+    takes this form is the launcher's check: every schedule gives these bits)."""
     check_schedule(OP, schedule)
     index, src, rows = _cpu_prologue(index, src, num_rows, check_range)
     return segsum_cpu("fixed", index, src, rows)
@@ -1208,6 +1218,10 @@ TEST_TABLE = (
     # rows of one chunk and of two at the boundary (32, 33 contributions), at each lane width
     *((f"counts_d{d}", dict(n=sum(BOUNDARY_COUNTS), d=d, m=len(BOUNDARY_COUNTS), counts=BOUNDARY_COUNTS))
       for d in (17, 64, 128)),
+    # fewer rows than destinations with +-Inf and NaN: the fixed variant's compact schedule at 1 and 4 floats a
+    # thread (its flags per accumulator element)
+    ("sparse_infnan_d5", dict(n=300, d=5, m=900, dup=0.3, special="infnan")),
+    ("sparse_infnan_d12", dict(n=300, d=12, m=900, dup=0.3, special="infnan")),
 )
 
 

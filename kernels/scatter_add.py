@@ -122,7 +122,8 @@ def scatter_add_atomic_cpu(index, src, *, num_rows, check_range: bool | str = Tr
 
 def scatter_add_fixed_cpu(index, src, *, num_rows, check_range: bool | str = True, rng=None,
                           schedule: str | None = None) -> torch.Tensor:
-    """The fixed sums' bits, whichever CUDA ``schedule`` is named (checked as the CUDA launcher does)."""
+    """The fixed sums' bits, whichever CUDA ``schedule`` is named (a name the CUDA launcher knows; whether it
+    takes this form is the launcher's check: every schedule gives these bits)."""
     check_schedule(OP, schedule)
     key, src, rows, elementwise = _cpu_prologue(index, src, num_rows, check_range)
     return segsum_cpu("fixed", key, src, rows, elementwise=elementwise)

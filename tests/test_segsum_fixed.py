@@ -246,8 +246,7 @@ def test_binned_layout_covers_the_destinations_in_at_most_512_bins():
 def test_fixed_schedule_bins_only_the_dense_element_form():
     ok = dict(elementwise=True)
     assert ia.fixed_schedule(262144 * 32, 10000 * 32, **ok) == "binned"        # the element bench cases
-    assert ia.fixed_schedule(1_000_000 * 64, 100_000 * 64, elementwise=False) == "direct"  # row form
-    assert ia.fixed_schedule(16384 * 512, 50000 * 512, elementwise=False, plain=False) == "direct"
+    assert ia.fixed_schedule(1_000_000 * 64, 100_000 * 64, elementwise=False, src_rows=10**6) == "direct"  # row form
     assert ia.fixed_schedule(4 * 1000, 1000, **ok) == "binned"
     assert ia.fixed_schedule(4 * 1000 - 1, 1000, **ok) == "direct"             # too few terms per destination
     assert ia.fixed_schedule(2**31, 1000, **ok) == "direct"                    # element numbers beyond int
@@ -260,7 +259,8 @@ def test_fixed_schedule_compacts_the_row_form_with_fewer_source_rows_than_output
     assert ia.fixed_schedule(2048 * 768, 32000 * 768, **row, src_rows=2048) == "compact"   # the audit's small batch
     assert ia.fixed_schedule(16384 * 512, 50000 * 512, **row, plain=False, src_rows=16384) == "compact"
     assert ia.fixed_schedule(50000 * 128, 50000 * 128, **row, src_rows=50000) == "direct"  # as many rows
-    assert ia.fixed_schedule(2048 * 768, 32000 * 768, **row) == "direct"                   # source rows not given
+    with pytest.raises(ValueError, match="the row form needs src_rows"):
+        ia.fixed_schedule(2048 * 768, 32000 * 768, **row)
     assert ia.fixed_schedule(2**31 * 2, 2**33 * 2, **row, src_rows=2**31) == "direct"       # past COMPACT_MAX_ROWS
     assert ia.fixed_schedule(4000, 100000, elementwise=True, src_rows=40) == "direct"       # element form
     assert ia.compact_takes(ia.COMPACT_MAX_ROWS, elementwise=False)
@@ -340,22 +340,27 @@ def test_gpu_bench_size_repeatable_order_free_and_equals_model(op, cuda_sync):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", ["direct", "compact"])
-def test_gpu_unchecked_bad_indices_add_nothing(schedule, cuda_sync):
+@pytest.mark.parametrize("largest", [64.0, 1e30])
+def test_gpu_unchecked_bad_indices_add_nothing(schedule, largest, cuda_sync):
+    """The largest |src| sits on a bad index: 64 sets the shift (the terms keep nonzero integers), 1e30 sets
+    it so coarse that every other term rounds to 0 (only a max that counts the bad rows gives all zeros)."""
     index, src, keep = bad_index_case(40)
-    src[int(torch.nonzero(~keep)[0, 0]), 0] = 1e30   # the largest |src| on a bad index: it sets the shift alone
+    src[int(torch.nonzero(~keep)[0, 0]), 0] = largest
     fixed = kernels.index_add.index_add_fixed_cuda
     # the shift depends on N and max |src| over all rows: the model gets the same rows, bad ones zeroed
     # out of the sum by a padding row it then drops
     out = fixed(index.to(CUDA), src.to(CUDA), num_rows=40, check_range=False, schedule=schedule)
     want = ia.segsum_cpu("fixed", torch.where(keep, index, 40), src, 41, skip=40)[:40]
     assert differing_bits(out, want).size == 0
+    assert (torch.count_nonzero(want) > 0) == (largest == 64.0)   # what the case exercises
     with pytest.raises(kernels.KernelArgumentError, match="index -5 is out of range for 40 rows"):
         fixed(index.to(CUDA), src.to(CUDA), num_rows=40, schedule=schedule)
 
 
 # The row form's schedules (index_add, embedding_bwd, scatter_add with an expanded index) on every test
-# case: direct and compact give the model's bits, repeatably (compact: its zero fill on a second stream
-# beside the sums, on a NaN-poisoned allocation: a destination it missed would show).
+# case: direct and compact give the model's bits, repeatably. Compact's zero fill runs on a second stream
+# beside the sums: the bitwise comparison catches a destination written out of order with it (its zeros
+# over a sum); the NaN-poisoned allocation, where the caching allocator hands it back, one it missed.
 ROW_FORM = [(op, c) for op, c in CASES if op != "scatter_add" or c.params.get("broadcast")]
 
 
