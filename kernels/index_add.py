@@ -1033,7 +1033,8 @@ def error_bound(count: np.ndarray, abs_sum: np.ndarray, *, scaled: bool = False)
     each term is first rounded once more (the division): <= gamma(count) * sum |exact term|."""
     m = np.maximum(count.astype(np.float64) - (0.0 if scaled else 1.0), 0.0)
     u = 2.0**-24
-    return m * u / (1.0 - m * u) * abs_sum
+    with np.errstate(invalid="ignore"):   # one infinite term (m = 0): NaN, an element no bound covers
+        return m * u / (1.0 - m * u) * abs_sum
 
 
 # --------------------------------------------------------------------------------------------------
