@@ -568,8 +568,8 @@ def compact_sweep(dev: torch.device, flush) -> None:
     zero-filled on a second stream beside them) per grid of that fill (ia.COMPACT_ZERO_BLOCKS_PER_SM), bits
     checked equal to the direct schedule's, beside the sorted variant's default per kernel of its fill split's
     zero fill (ia.FILL_ZERO: streaming or plain stores), the atomic variant and PyTorch's op in both modes, on
-    GAP_SHAPES; each kernel's time (torch.profiler) of the compact call, and on the audit's small batch the
-    kernel timelines of the compact call and of the sorted one."""
+    GAP_SHAPES; each kernel's time (torch.profiler) of the compact call and of the atomic one, and on the
+    audit's small batch the kernel timelines of the compact call and of the sorted one."""
     for op, n, d, m, law in GAP_SHAPES:
         idx, src, args, kw = scatter_inputs(op, n, d, m, law, dev)
         fixed = getattr(getattr(kernels, op), f"{op}_fixed_cuda")
@@ -592,9 +592,10 @@ def compact_sweep(dev: torch.device, flush) -> None:
         print(f"{op} {law} n {n} D {d} rows {m} (fixed default: {chosen}, sorted: "
               f"{ia.default_split(n, m, d < ia.SCALAR_BELOW_D)}): " + "  ".join(row) + "  " +
               peers_line(op, args, kw, dev, flush), flush=True)
-        times = kernel_times(compact(ia.COMPACT_ZERO_BLOCKS_PER_SM), 20)
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
-        print(f"  compact kernels (us): {parts}", flush=True)
+        for name, fn in (("compact", compact(ia.COMPACT_ZERO_BLOCKS_PER_SM)),
+                         ("atomic", lambda: kernels.get(op, "atomic")(*args, **kw))):
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(fn, 20).items())
+            print(f"  {name} kernels (us): {parts}", flush=True)
         if (op, n, d) == ("embedding_bwd", 2048, 768):
             for name, fn in (("compact", compact(ia.COMPACT_ZERO_BLOCKS_PER_SM)), ("sorted", sorted_fill(ia.FILL_ZERO))):
                 print(f"  {name} timeline (start, duration us):\n    " + "\n    ".join(timeline(fn)), flush=True)
