@@ -364,9 +364,6 @@ def test_gpu_unchecked_bad_indices_add_nothing(schedule, largest, cuda_sync):
 ROW_FORM = [(op, c) for op, c in CASES if op != "scatter_add" or c.params.get("broadcast")]
 
 
-def _fixed_launcher(op: str):
-    return getattr(getattr(kernels, op), f"{op}_fixed_cuda")
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule,fill_blocks", [("direct", None), ("compact", None), ("compact", 1)])
@@ -378,7 +375,7 @@ def test_gpu_row_form_schedules_give_the_model_bits(op, case, schedule, fill_blo
     args, kw = spec.make_inputs(case, CUDA)
     cpu_args, _ = spec.make_inputs(case, CPU)
     want = float32_bits(kernels.get(op, "fixed")(*cpu_args, **kw)).tobytes()
-    fixed = _fixed_launcher(op)
+    fixed = kernels.get(op, "fixed").cuda   # the launcher itself: it takes schedule=
     seen = set()
     with mock.patch.object(ia, "COMPACT_ZERO_BLOCKS_PER_SM", fill_blocks or ia.COMPACT_ZERO_BLOCKS_PER_SM):
         for _ in range(10):

@@ -318,6 +318,14 @@ def with_defines(fn, defines: dict):
     return run
 
 
+def with_constants(fn, **values):
+    """fn with kernels/index_add.py's module names in ``values`` set to them for the call."""
+    def run():
+        with mock.patch.multiple(ia, **values):
+            return fn()
+    return run
+
+
 def with_depth(fn, floats: int, blocks: int):
     """fn with the sorted sums kernels compiled for ``floats`` per lane in flight and ``blocks`` per SM."""
     return with_defines(fn, {"_rows": (f"-DSEG_LANE_FLOATS={floats}", f"-DSEG_SUMS_BLOCKS={blocks}")})
@@ -480,10 +488,8 @@ def gap_builds(dev: torch.device, flush) -> None:
         fill, gaps = sorted_split(op, "fill"), sorted_split(op, "gaps")
 
         def call(split, blocks=None):
-            def run():
-                with mock.patch.object(ia, "GAP_BLOCKS_PER_SM", blocks or ia.GAP_BLOCKS_PER_SM):
-                    return split(src, idx, num_weights=m, check_range=False)
-            return run
+            return with_constants(lambda: split(src, idx, num_weights=m, check_range=False),
+                                  GAP_BLOCKS_PER_SM=blocks or ia.GAP_BLOCKS_PER_SM)
         fns = {}
         for floats, sums_blocks in DEPTHS[:2]:
             depth = (f"-DSEG_LANE_FLOATS={floats}", f"-DSEG_SUMS_BLOCKS={sums_blocks}")
@@ -509,11 +515,8 @@ def gap_sweep(dev: torch.device, flush) -> None:
         splits = {split: sorted_split(op, split) for split in ("fill", "rows", "gaps")}   # (made once)
 
         def gaps(blocks, group=None):
-            def run():
-                with mock.patch.object(ia, "GAP_BLOCKS_PER_SM", blocks), \
-                        mock.patch.object(ia, "fill_group", (lambda t, dev: group) if group else ia.fill_group):
-                    return splits["gaps"](*args, **kw)
-            return run
+            return with_constants(lambda: splits["gaps"](*args, **kw), GAP_BLOCKS_PER_SM=blocks,
+                                  fill_group=(lambda t, dev: group) if group else ia.fill_group)
         fns = {"fill": lambda: splits["fill"](*args, **kw), "rows": lambda: splits["rows"](*args, **kw),
                **{f"gaps {b}/SM": gaps(b) for b in GAP_BLOCKS},
                **{f"gaps 8/SM {group} warps": gaps(8, group) for group in (1, 4)},
@@ -542,10 +545,7 @@ def once_sweep(dev: torch.device, flush) -> None:
         splits = {split: sorted_split(op, split) for split in ("fill", "gaps", "once")}   # (made once)
 
         def once(blocks, group):
-            def run():
-                with mock.patch.object(ia, "ONCE_BLOCKS_PER_SM", blocks), mock.patch.object(ia, "LONG_GROUP", group):
-                    return splits["once"](*args, **kw)
-            return run
+            return with_constants(lambda: splits["once"](*args, **kw), ONCE_BLOCKS_PER_SM=blocks, LONG_GROUP=group)
         fns = {"fill": lambda: splits["fill"](*args, **kw), "gaps": lambda: splits["gaps"](*args, **kw),
                **{f"once {b}/SM": once(b, ia.LONG_GROUP) for b in ONCE_BLOCKS},
                **{f"once {g} warps": once(ia.ONCE_BLOCKS_PER_SM, g) for g in (1, 4)},
@@ -572,19 +572,13 @@ def compact_sweep(dev: torch.device, flush) -> None:
     audit's small batch the kernel timelines of the compact call and of the sorted one."""
     for op, n, d, m, law in GAP_SHAPES:
         idx, src, args, kw = scatter_inputs(op, n, d, m, law, dev)
-        fixed = getattr(getattr(kernels, op), f"{op}_fixed_cuda")
+        fixed = kernels.get(op, "fixed").cuda   # the launcher itself: it takes schedule=
 
         def compact(blocks):
-            def run():
-                with mock.patch.object(ia, "COMPACT_ZERO_BLOCKS_PER_SM", blocks):
-                    return fixed(*args, **kw, schedule="compact")
-            return run
+            return with_constants(lambda: fixed(*args, **kw, schedule="compact"), COMPACT_ZERO_BLOCKS_PER_SM=blocks)
 
         def sorted_fill(zero):
-            def run():
-                with mock.patch.object(ia, "FILL_ZERO", zero):
-                    return kernels.get(op, "sorted")(*args, **kw)
-            return run
+            return with_constants(lambda: kernels.get(op, "sorted")(*args, **kw), FILL_ZERO=zero)
         row = timed_alike({"direct": lambda: fixed(*args, **kw, schedule="direct"),
                            **{f"compact {b}/SM": compact(b) for b in COMPACT_ZERO_BLOCKS}}, dev, flush)
         row += timed_alike({f"sorted {z}": sorted_fill(z) for z in FILL_ZEROS}, dev, flush)
@@ -597,7 +591,8 @@ def compact_sweep(dev: torch.device, flush) -> None:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(fn, 20).items())
             print(f"  {name} kernels (us): {parts}", flush=True)
         if (op, n, d) == ("embedding_bwd", 2048, 768):
-            for name, fn in (("compact", compact(ia.COMPACT_ZERO_BLOCKS_PER_SM)), ("sorted", sorted_fill(ia.FILL_ZERO))):
+            for name, fn in (("compact", compact(ia.COMPACT_ZERO_BLOCKS_PER_SM)),
+                             ("sorted", sorted_fill(ia.FILL_ZERO))):
                 print(f"  {name} timeline (start, duration us):\n    " + "\n    ".join(timeline(fn)), flush=True)
 
 
@@ -620,11 +615,8 @@ def once_builds(dev: torch.device, flush) -> None:
 
         def build(once_name, long_name, per, order):
             defines, blocks = once_defs[once_name]
-
-            def run():
-                with mock.patch.object(ia, "ONCE_BLOCKS_PER_SM", blocks), \
-                        mock.patch.object(ia, "ONCE_PER_MAX", per), mock.patch.object(ia, "ONCE_ORDER", order):
-                    return once(*args, **kw)
+            run = with_constants(lambda: once(*args, **kw), ONCE_BLOCKS_PER_SM=blocks, ONCE_PER_MAX=per,
+                                 ONCE_ORDER=order)
             return with_defines(run, {**defines, **long_defs[long_name]})
         fns = {"fill": lambda: fill(*args, **kw)}
         for once_name in once_defs:
@@ -676,29 +668,14 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda")
     flush = L2Flush(dev)
-    if a.compact:
-        compact_sweep(dev, flush)
-        return
-    if a.once or a.once_builds:
-        (once_builds if a.once_builds else once_sweep)(dev, flush)
-        return
-    if a.gaps or a.gap_builds:
-        (gap_builds if a.gap_builds else gap_sweep)(dev, flush)
-        return
-    if a.groups:
-        group_sweep(dev, flush, a.depths)
-        return
-    if a.fill or a.fill_grid:
-        (fill_sweep if a.fill else fill_grid)(dev, flush)
-        return
-    if a.skew:
-        skew_sweep(dev, flush)
-        return
-    if a.sorts or a.splits:
-        (split_sweep if a.splits else sort_sweep)(dev, flush)
-        return
-    if a.fixed_schedules:
-        fixed_sweep(dev, flush)
+    # one sweep, the first flag set in this order, then stop
+    sweeps = ((a.compact, compact_sweep), (a.once_builds, once_builds), (a.once, once_sweep),
+              (a.gap_builds, gap_builds), (a.gaps, gap_sweep), (a.groups, lambda d, f: group_sweep(d, f, a.depths)),
+              (a.fill, fill_sweep), (a.fill_grid, fill_grid), (a.skew, skew_sweep), (a.splits, split_sweep),
+              (a.sorts, sort_sweep), (a.fixed_schedules, fixed_sweep))
+    sweep = next((fn for on, fn in sweeps if on), None)
+    if sweep is not None:
+        sweep(dev, flush)
         return
     for op in a.ops:
         spec = kernels.spec(op)
